@@ -1,0 +1,76 @@
+"""The ``kvshm`` command: ``demo``, ``stats``, ``sweep``.
+
+Each subcommand imports what it needs only when it runs, so ``kvshm --help`` is fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    try:
+        from kvshm.demo.driver import run_demo
+    except ImportError:
+        print("kvshm demo is not available yet in this version (the toy model and the "
+              "engine are still being built).", file=sys.stderr)
+        return 2
+    return run_demo(json_out=args.json, quick=args.quick)
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    try:
+        from kvshm.rendezvous import query_stats
+    except ImportError:
+        print("kvshm stats is not available yet in this version.", file=sys.stderr)
+        return 2
+    import json
+
+    print(json.dumps(query_stats(args.name, timeout=args.timeout), indent=2, sort_keys=True))
+    return 0
+
+
+def _cmd_sweep(args: argparse.Namespace) -> int:
+    try:
+        from kvshm.shm import sweep
+    except ImportError:
+        print("kvshm sweep is not available yet in this version.", file=sys.stderr)
+        return 2
+    found = sweep(remove=not args.dry_run)
+    verb = "would remove" if args.dry_run else "removed"
+    for name in found:
+        print(f"{verb} /dev/shm/{name}")
+    if not found:
+        print("no kvshm segments in /dev/shm")
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of the ``kvshm`` command."""
+    parser = argparse.ArgumentParser(prog="kvshm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    demo = sub.add_parser("demo", help="replay a chat trace on a toy model, offload off and on")
+    demo.add_argument("--json", action="store_true", help="print a JSON summary as last line")
+    demo.add_argument("--quick", action="store_true", help="a shorter trace (for tests)")
+    demo.set_defaults(func=_cmd_demo)
+    stats = sub.add_parser("stats", help="ask a running engine for its statistics")
+    stats.add_argument("--name", required=True, help="the engine's name")
+    stats.add_argument("--timeout", type=float, default=2.0, help="seconds to wait")
+    stats.set_defaults(func=_cmd_stats)
+    sweep = sub.add_parser("sweep", help="list and remove leftover kvshm segments")
+    sweep.add_argument("--dry-run", action="store_true", help="list only")
+    sweep.set_defaults(func=_cmd_sweep)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``kvshm`` console script."""
+    args = build_parser().parse_args(argv)
+    rc: int = args.func(args)
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(main())

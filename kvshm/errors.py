@@ -1,0 +1,102 @@
+"""kvshm's exception tree.
+
+Every error kvshm raises on purpose is a :class:`KvshmError`; callers that only want to
+know "did kvshm refuse this" catch that one class::
+
+    KvshmError
+    +-- ConfigError (also ValueError)      bad configuration or input; nothing was started
+    |   +-- NameInUse                      another scheduler already listens on that name
+    |   +-- UnsupportedPlatform            e.g. a CPU without the fences the rings rely on
+    +-- StateError (also RuntimeError)     call not allowed in the object's lifecycle state
+    +-- TransportError                     the scheduler <-> worker channel
+    |   +-- WouldBlock                     a *_nowait call found nothing to do / no room
+    |   +-- ClosedError                    the channel (or engine) was closed by this side
+    |   +-- ProtocolError                  undecodable record (names ring and offset)
+    |   |   +-- VersionMismatch            PROTOCOL_VERSION differs between the two sides
+    |   +-- PeerDied                       the other side is gone (lifeline EOF, pidfd)
+    |       +-- WorkerDied                 ... and it was a worker: rank and exit code
+    +-- CopyError                          a worker copy failed (becomes Done(ok=False))
+
+Invariant: a scheduler never dies of a worker's error. A worker's failure reaches the
+engine as ``Done(ok=False)`` or as a :class:`PeerDied`, which moves it to ``FAILED``;
+serving goes on without offload.
+"""
+
+from __future__ import annotations
+
+
+class KvshmError(Exception):
+    """Base class of every error kvshm raises on purpose."""
+
+
+class ConfigError(KvshmError, ValueError):
+    """Bad configuration or argument; raised before anything is started or changed."""
+
+
+class NameInUse(ConfigError):
+    """Another scheduler already listens on ``\\0kvshm.<name>``."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"kvshm name {name!r} is already in use by another scheduler")
+        self.name = name
+
+
+class UnsupportedPlatform(ConfigError):
+    """The machine lacks something kvshm relies on (e.g. x86-64 store ordering)."""
+
+
+class StateError(KvshmError, RuntimeError):
+    """A call that the object's current lifecycle state does not allow."""
+
+
+class TransportError(KvshmError):
+    """Something went wrong on the scheduler <-> worker channel."""
+
+
+class WouldBlock(TransportError):
+    """A ``*_nowait`` call could not complete without waiting (empty or full ring)."""
+
+
+class ClosedError(TransportError):
+    """This side closed the channel (or engine) before or during the call."""
+
+
+class ProtocolError(TransportError):
+    """A record that cannot be decoded; names the ring and the byte offset."""
+
+    def __init__(self, message: str, *, ring: str = "", offset: int = -1) -> None:
+        where = f" (ring {ring!r}, offset {offset})" if ring else ""
+        super().__init__(message + where)
+        self.ring = ring
+        self.offset = offset
+
+
+class VersionMismatch(ProtocolError):
+    """The peer speaks another ``PROTOCOL_VERSION``."""
+
+    def __init__(self, ours: int, theirs: int) -> None:
+        super().__init__(f"protocol version mismatch: this side speaks {ours}, peer speaks {theirs}")
+        self.ours = ours
+        self.theirs = theirs
+
+
+class PeerDied(TransportError):
+    """The other side of a channel is gone (lifeline EOF, pidfd readable)."""
+
+
+class WorkerDied(PeerDied):
+    """A worker rank died; ``exitcode`` is None when it is not known (not our child)."""
+
+    def __init__(self, rank: int, exitcode: int | None = None, detail: str = "") -> None:
+        msg = f"worker rank {rank} died"
+        if exitcode is not None:
+            msg += f" (exit code {exitcode})"
+        if detail:
+            msg += f": {detail}"
+        super().__init__(msg)
+        self.rank = rank
+        self.exitcode = exitcode
+
+
+class CopyError(KvshmError):
+    """A copy on a worker failed; reported to the scheduler as ``Done(ok=False)``."""
