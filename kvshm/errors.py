@@ -16,6 +16,7 @@ know "did kvshm refuse this" catch that one class::
     |   +-- PeerDied                       the other side is gone (lifeline EOF, pidfd)
     |       +-- WorkerDied                 ... and it was a worker: rank and exit code
     +-- CopyError                          a worker copy failed (becomes Done(ok=False))
+    +-- PoolExhausted                      BlockPool.allocate(n) with fewer than n free
 
 Invariant: a scheduler never dies of a worker's error. A worker's failure reaches the
 engine as ``Done(ok=False)`` or as a :class:`PeerDied`, which moves it to ``FAILED``;
@@ -100,3 +101,12 @@ class WorkerDied(PeerDied):
 
 class CopyError(KvshmError):
     """A copy on a worker failed; reported to the scheduler as ``Done(ok=False)``."""
+
+
+class PoolExhausted(KvshmError):
+    """``BlockPool.allocate(n)`` found fewer than ``n`` free or evictable blocks."""
+
+    def __init__(self, wanted: int, available: int) -> None:
+        super().__init__(f"block pool exhausted: wanted {wanted} blocks, {available} available")
+        self.wanted = wanted
+        self.available = available
