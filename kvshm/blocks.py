@@ -1,0 +1,132 @@
+"""Per-block records and the intrusive doubly linked free queue of a :class:`BlockPool`.
+
+The queue orders every block whose ``ref_cnt`` is 0. Its *LRU end* (the head) is where
+:meth:`FreeBlockQueue.popleft` takes the next block to reuse or evict; its *MRU end*
+(the tail) is where a freed cached block goes, to be evicted last. The links live in the
+blocks themselves (``prev`` / ``next``), so append, appendleft, remove and popleft are
+O(1) and allocate nothing.
+
+Invariant: a block is in the queue iff its ``prev`` and ``next`` are both set; two
+sentinel records (block_id -1 and -2) bound the list so no operation special-cases an
+empty queue or the ends.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+from kvshm.errors import StateError
+from kvshm.hashing import BlockHash
+
+
+class Block:
+    """One block: id, reference count, the hashes it is indexed under, queue links."""
+
+    __slots__ = ("block_id", "hashes", "next", "prev", "ref_cnt")
+
+    def __init__(self, block_id: int) -> None:
+        self.block_id = block_id
+        self.ref_cnt = 0
+        self.hashes: tuple[BlockHash, ...] = ()
+        self.prev: Block | None = None
+        self.next: Block | None = None
+
+    @property
+    def queued(self) -> bool:
+        """True iff the block is linked into a free queue."""
+        return self.prev is not None
+
+    def __repr__(self) -> str:
+        return f"Block(id={self.block_id}, ref={self.ref_cnt}, hashes={len(self.hashes)})"
+
+
+class FreeBlockQueue:
+    """Doubly linked queue of blocks, LRU end first; every operation is O(1)."""
+
+    __slots__ = ("_head", "_len", "_tail")
+
+    def __init__(self, blocks: Iterable[Block] = ()) -> None:
+        self._head = Block(-1)
+        self._tail = Block(-2)
+        self._head.next = self._tail
+        self._tail.prev = self._head
+        self._len = 0
+        for b in blocks:
+            self.append(b)
+
+    def __len__(self) -> int:
+        return self._len
+
+    def _link_after(self, left: Block, b: Block) -> None:
+        if b.prev is not None or b.next is not None:
+            raise StateError(f"{b!r} is already in the free queue")
+        right = left.next
+        assert right is not None, "queue link broken"
+        b.prev = left
+        b.next = right
+        left.next = b
+        right.prev = b
+        self._len += 1
+
+    def append(self, b: Block) -> None:
+        """Add ``b`` at the MRU end (taken last)."""
+        prev = self._tail.prev
+        assert prev is not None, "queue link broken"
+        self._link_after(prev, b)
+
+    def appendleft(self, b: Block) -> None:
+        """Add ``b`` at the LRU end (taken next)."""
+        self._link_after(self._head, b)
+
+    def remove(self, b: Block) -> None:
+        """Unlink ``b`` from wherever it is in the queue."""
+        prev, nxt = b.prev, b.next
+        if prev is None or nxt is None:
+            raise StateError(f"{b!r} is not in the free queue")
+        prev.next = nxt
+        nxt.prev = prev
+        b.prev = b.next = None
+        self._len -= 1
+
+    def popleft(self) -> Block:
+        """Remove and return the block at the LRU end; StateError when empty."""
+        first = self._head.next
+        if first is None or first is self._tail:
+            raise StateError("pop from an empty free queue")
+        self.remove(first)
+        return first
+
+    def __iter__(self) -> Iterator[Block]:
+        """Blocks from the LRU end. The caller may unlink the block just yielded (e.g.
+        touch it); any other change to the queue during iteration raises StateError."""
+        node = self._head.next
+        while node is not None and node is not self._tail:
+            nxt = node.next
+            yield node
+            if node.next is not None:
+                node = node.next
+            elif nxt is not None and nxt.prev is not None:
+                node = nxt
+            else:
+                raise StateError("free queue changed during iteration")
+
+    def check_links(self, limit: int) -> list[Block]:
+        """Walk the queue (at most ``limit`` blocks) verifying every link both ways;
+        returns the blocks in LRU order. Raises AssertionError on any inconsistency."""
+        out: list[Block] = []
+        prev = self._head
+        node = self._head.next
+        while node is not self._tail:
+            if node is None:
+                raise AssertionError(f"free queue: next of {prev!r} is None")
+            if node.prev is not prev:
+                raise AssertionError(f"free queue: {node!r}.prev is not {prev!r}")
+            if len(out) >= limit:
+                raise AssertionError(f"free queue: more than {limit} blocks (cycle?)")
+            out.append(node)
+            prev, node = node, node.next
+        if self._tail.prev is not prev:
+            raise AssertionError("free queue: tail sentinel's prev is not the last block")
+        if len(out) != self._len:
+            raise AssertionError(f"free queue: walked {len(out)} blocks, length says {self._len}")
+        return out

@@ -1,0 +1,73 @@
+"""Chained prefix hashes of KV blocks, identical across processes, runs and machines.
+
+A block's hash covers its parent's hash, its token ids and optional ``extra`` bytes
+(model / adapter identity, multimodal keys), so equal hashes mean equal prefixes up to
+and including that block. Python's ``hash()`` is never used: it is salted per process
+(``PYTHONHASHSEED``), and kvshm's scheduler and workers must agree on every hash.
+
+Encoding (version 1), fed to SHA-256, truncated to :data:`HASH_BYTES` bytes::
+
+    b"kvshm.block.v1"
+    u8 len(parent) || parent            (len 0 for the first block of a chain)
+    u32 LE len(token_ids) || token_ids as u32 LE each
+    extra                                (last, so no length prefix is needed)
+
+Every variable-length field before ``extra`` is length-prefixed, so no two distinct
+inputs share an encoding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+from kvshm.errors import ConfigError
+
+BlockHash = bytes
+"""A block's chained hash: :data:`HASH_BYTES` bytes of SHA-256."""
+
+HASH_BYTES = 16
+_DOMAIN = b"kvshm.block.v1"
+_MAX_TOKEN = 0xFFFF_FFFF
+
+
+def _pack_tokens(token_ids: Sequence[int]) -> bytes:
+    try:
+        return struct.pack(f"<I{len(token_ids)}I", len(token_ids), *token_ids)
+    except struct.error as exc:
+        bad = next((t for t in token_ids if not 0 <= int(t) <= _MAX_TOKEN), None)
+        raise ConfigError(f"token id {bad!r} does not fit in u32: {exc}") from exc
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
+    """Hash of one block whose prefix hashes to ``parent`` (None for the first block)."""
+    if parent is not None and not 0 < len(parent) <= 255:
+        raise ConfigError(f"parent hash must be 1..255 bytes, got {len(parent)}")
+    h = hashlib.sha256(_DOMAIN)
+    p = parent or b""
+    h.update(bytes((len(p),)))
+    h.update(p)
+    h.update(_pack_tokens(token_ids))
+    h.update(extra)
+    return h.digest()[:HASH_BYTES]
+
+
+def chain_hashes(
+    token_ids: Sequence[int],
+    block_size: int,
+    *,
+    extra: bytes = b"",
+    parent: BlockHash | None = None,
+) -> list[BlockHash]:
+    """Chained hashes of every *full* block of ``token_ids`` (a trailing partial block is
+    not hashed). ``parent`` continues an existing chain; ``extra`` goes into every block.
+    """
+    if block_size < 1:
+        raise ConfigError(f"block_size must be >= 1, got {block_size}")
+    out: list[BlockHash] = []
+    prev = parent
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        prev = hash_block(prev, token_ids[start : start + block_size], extra)
+        out.append(prev)
+    return out
