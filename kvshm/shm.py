@@ -1,0 +1,378 @@
+"""Shared-memory segments: created, size-checked, reserved, **unlinked at once**, mapped by fd.
+
+A segment is a POSIX shared-memory object (``posix_ipc``) that exists under a name only for
+the few microseconds between ``shm_open`` and ``shm_unlink``; from then on it is reachable
+only through file descriptors (passed to peers with SCM_RIGHTS) and mappings, and the
+kernel frees it when the last fd and the last mapping are gone, however the processes end.
+Nothing named outlives a crash; :func:`sweep` exists only to clean up after a bug.
+
+Order inside :func:`create_segment` (each step undone on any error path):
+
+1. size check against :func:`available_shm_bytes` (nothing created on failure);
+2. ``shm_open(O_CREAT | O_EXCL, 0600)`` under a random ``/kvshm-...`` name;
+3. ``shm_unlink`` at once -- before any step that can fail or take long;
+4. ``posix_fallocate`` reserves every page (ENOSPC becomes a :class:`ConfigError` naming the
+   /dev/shm size, never a SIGBUS on first touch later), then ``ftruncate``;
+5. ``mmap(MAP_SHARED)``.
+
+Segments are never registered with ``multiprocessing.resource_tracker``.
+
+Torch is imported lazily (only the tensor helpers need it), so the rings and the
+rendezvous can use this module without paying for ``import torch``.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import re
+import secrets
+import weakref
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Final
+
+import posix_ipc
+
+from kvshm.errors import ConfigError
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import torch
+
+__all__ = [
+    "SHM_DIR",
+    "SHM_PREFIX",
+    "Segment",
+    "available_shm_bytes",
+    "create_segment",
+    "dtype_from_name",
+    "dtype_name",
+    "map_segment",
+    "segment_of",
+    "shared_tensor",
+    "sweep",
+    "tensor_from_fd",
+]
+
+#: Where POSIX shared memory lives on Linux.
+SHM_DIR: Final = "/dev/shm"
+#: Every name kvshm creates starts with this (after the leading slash).
+SHM_PREFIX: Final = "kvshm"
+#: Upper bound of the safety margin kept free (see :func:`available_shm_bytes`).
+_MARGIN_MAX: Final = 256 << 20
+#: The margin is at most this fraction of the limiting resource (small /dev/shm mounts).
+_MARGIN_DIVISOR: Final = 8
+#: cgroup limits at or above this are "no limit" (cgroup v1 reports ~2**63 rounded down).
+_CGROUP_UNLIMITED: Final = 1 << 60
+
+
+class _Map(mmap.mmap):
+    """An mmap that can carry the owning :class:`Segment` of a shared tensor."""
+
+    segment: Segment
+
+
+class Segment:
+    """An unlinked shared-memory segment: its fd, its size and a writable mapping.
+
+    Owns ``fd`` and ``buf``. :meth:`close` is idempotent: it unmaps (unless memoryviews
+    or tensors still export the mapping, which then lives until the last one is gone) and
+    closes the fd; the memory itself is freed by the kernel when no process maps it or
+    holds an fd to it. A segment that is garbage-collected unclosed still closes its fd.
+    """
+
+    __slots__ = ("fd", "size", "buf", "name", "_close_fd", "__weakref__")
+
+    def __init__(self, fd: int, size: int, buf: mmap.mmap, name: str = "") -> None:
+        self.fd = fd
+        self.size = size
+        self.buf = buf
+        #: The (already unlinked) name it was created under; "" when mapped from an fd.
+        self.name = name
+        self._close_fd = weakref.finalize(self, os.close, fd)
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` has run."""
+        return not self._close_fd.alive
+
+    def close(self) -> None:
+        """Unmap and close the fd (idempotent)."""
+        if not self._close_fd.alive:
+            return
+        try:
+            self.buf.close()
+        except BufferError:  # still exported (tensor, memoryview): unmapped when they go
+            pass
+        self._close_fd()
+
+    def __enter__(self) -> Segment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        state = "closed" if self.closed else f"fd={self.fd}"
+        return f"Segment({state}, size={self.size}, name={self.name!r})"
+
+
+# ----------------------------------------------------------------------------- sizing
+
+
+def _statvfs_free(path: str) -> int:
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _meminfo_available() -> int:
+    with open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise ConfigError("/proc/meminfo has no MemAvailable line; cannot size shared memory")
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _cgroup_headroom() -> int | None:
+    """Bytes the memory cgroup still allows (tmpfs pages are charged to it), None if unlimited."""
+    try:
+        with open("/proc/self/cgroup", encoding="ascii") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            limit = _read_int(f"/sys/fs/cgroup{path}/memory.max")
+            usage = _read_int(f"/sys/fs/cgroup{path}/memory.current")
+        elif "memory" in controllers.split(","):
+            base = f"/sys/fs/cgroup/memory{path}"
+            limit = _read_int(f"{base}/memory.limit_in_bytes")
+            usage = _read_int(f"{base}/memory.usage_in_bytes")
+        else:
+            continue
+        if limit is not None and usage is not None and limit < _CGROUP_UNLIMITED:
+            return max(0, limit - usage)
+    return None
+
+
+def available_shm_bytes() -> int:
+    """Bytes a new segment may take: min(free /dev/shm, MemAvailable, cgroup headroom) - margin.
+
+    The margin is ``min(256 MiB, limit // 8)`` so a small /dev/shm (Docker's 64 MiB
+    default) is still usable while a large machine keeps room for everything else.
+    """
+    limit = min(_statvfs_free(SHM_DIR), _meminfo_available())
+    headroom = _cgroup_headroom()
+    if headroom is not None:
+        limit = min(limit, headroom)
+    margin = min(_MARGIN_MAX, limit // _MARGIN_DIVISOR)
+    return max(0, limit - margin)
+
+
+def _shm_size_text() -> str:
+    st = os.statvfs(SHM_DIR)
+    return (f"{SHM_DIR} has {st.f_blocks * st.f_frsize / 2**20:.0f} MiB in all, "
+            f"{st.f_bavail * st.f_frsize / 2**20:.0f} MiB free")
+
+
+# ----------------------------------------------------------------------------- segments
+
+
+def _segment_name(purpose: str) -> str:
+    tag = re.sub(r"[^A-Za-z0-9_.]", "_", purpose)[:40]
+    return f"/{SHM_PREFIX}-{tag}-{os.getpid()}-{secrets.token_hex(8)}"
+
+
+def _unlink_quietly(name: str) -> None:
+    try:
+        posix_ipc.unlink_shared_memory(name)
+    except posix_ipc.ExistentialError:  # already gone (e.g. removed by a sweep)
+        pass
+
+
+def create_segment(size: int, *, purpose: str) -> Segment:
+    """A fresh, zero-filled, fully reserved segment of ``size`` bytes, already unlinked.
+
+    ``purpose`` names the segment in error messages and in its short-lived name.
+    Raises :class:`ConfigError` for a size <= 0, a size above :func:`available_shm_bytes`,
+    or ENOSPC while reserving (the message names the sizes and the /dev/shm size).
+    """
+    if size <= 0:
+        raise ConfigError(f"shared-memory segment for {purpose}: size must be > 0, got {size}")
+    available = available_shm_bytes()
+    if size > available:
+        raise ConfigError(
+            f"shared-memory segment for {purpose} needs {size} bytes ({size / 2**20:.1f} MiB) "
+            f"but only {available} bytes ({available / 2**20:.1f} MiB) may be used "
+            f"({_shm_size_text()}; MemAvailable and a safety margin also count)")
+    name = _segment_name(purpose)
+    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
+    fd: int = shm.fd
+    _unlink_quietly(name)
+    try:
+        _reserve(fd, size, purpose)
+        buf = _Map(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return Segment(fd, size, buf, name)
+
+
+def _reserve(fd: int, size: int, purpose: str) -> None:
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except OSError as e:
+        if e.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
+            raise ConfigError(
+                f"cannot reserve {size} bytes ({size / 2**20:.1f} MiB) of shared memory for "
+                f"{purpose}: {os.strerror(e.errno)} ({_shm_size_text()}); enlarge {SHM_DIR} "
+                f"(e.g. docker --shm-size) or use fewer CPU blocks") from e
+        raise
+    os.ftruncate(fd, size)
+
+
+def map_segment(fd: int, size: int) -> Segment:
+    """Map a peer's segment from ``fd`` (takes ownership of ``fd``: closed on error too).
+
+    Raises :class:`ConfigError` if ``size`` <= 0 or the segment is smaller than ``size``.
+    """
+    try:
+        if size <= 0:
+            raise ConfigError(f"cannot map a segment of {size} bytes")
+        actual = os.fstat(fd).st_size
+        if actual < size:
+            raise ConfigError(f"segment behind fd {fd} has {actual} bytes, expected at least {size}")
+        buf = _Map(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+    except BaseException:
+        os.close(fd)
+        raise
+    return Segment(fd, size, buf)
+
+
+def sweep(remove: bool = True) -> list[str]:
+    """Names of /dev/shm entries starting with ``kvshm`` (removed unless ``remove=False``).
+
+    There should never be any: segments are unlinked right after creation. Returns the
+    sorted names (without the directory); an entry that vanishes meanwhile is skipped.
+    """
+    try:
+        names = sorted(n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIX))
+    except FileNotFoundError:
+        return []
+    found = []
+    for n in names:
+        if remove:
+            try:
+                os.unlink(os.path.join(SHM_DIR, n))
+            except FileNotFoundError:
+                continue
+        found.append(n)
+    return found
+
+
+# ----------------------------------------------------------------------------- tensors
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    """The wire name of a torch dtype (``torch.float16`` -> ``"float16"``); validates strings."""
+    import torch
+
+    if isinstance(dtype, str):
+        return dtype_name(dtype_from_name(dtype))
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"not a torch dtype: {dtype!r}")
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of :func:`dtype_name` (also accepts ``"torch.float16"``); ConfigError if unknown."""
+    import torch
+
+    value = getattr(torch, name.removeprefix("torch."), None) if name else None
+    if not isinstance(value, torch.dtype):
+        raise ConfigError(f"unknown torch dtype name {name!r}")
+    return value
+
+
+def _nbytes(shape: Sequence[int], dtype: torch.dtype) -> tuple[int, int]:
+    numel = 1
+    for dim in shape:
+        if int(dim) < 0:
+            raise ConfigError(f"negative dimension in shape {tuple(shape)}")
+        numel *= int(dim)
+    if numel == 0:
+        raise ConfigError(f"a shared tensor needs at least one element, shape {tuple(shape)}")
+    return numel, numel * dtype.itemsize
+
+
+def _as_tensor(buf: _Map, numel: int, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    import torch
+
+    # frombuffer keeps a reference to the object it is given but does NOT hold a buffer
+    # export, so given the mmap itself a later ``mmap.close()`` would unmap under the
+    # tensor (segfault). A memoryview holds the export: close() then raises BufferError
+    # and the mapping lives until the storage releases the view.
+    view = memoryview(buf)
+    return torch.frombuffer(view, dtype=dtype, count=numel).view(*[int(d) for d in shape])
+
+
+#: data_ptr of a shared tensor's storage -> its Segment. Weak: the tensor's storage keeps
+#: the mapping alive, and the mapping keeps the Segment alive (``_Map.segment``).
+_TENSOR_SEGMENTS: weakref.WeakValueDictionary[int, Segment] = weakref.WeakValueDictionary()
+
+
+def shared_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled CPU tensor backed by a fresh (created-and-unlinked) segment.
+
+    The tensor (and any view of it) keeps its mapping and its :class:`Segment` alive;
+    :func:`segment_of` finds the segment to pass its fd to a worker.
+    """
+    numel, nbytes = _nbytes(shape, dtype)
+    seg = create_segment(nbytes, purpose="tensor")
+    assert isinstance(seg.buf, _Map)
+    seg.buf.segment = seg  # storage -> map -> segment keeps the fd open
+    tensor = _as_tensor(seg.buf, numel, shape, dtype)
+    _TENSOR_SEGMENTS[tensor.untyped_storage().data_ptr()] = seg
+    return tensor
+
+
+def segment_of(t: torch.Tensor) -> Segment:
+    """The segment behind a tensor made by :func:`shared_tensor` (or a view of one).
+
+    Do not close it while the tensor lives. Raises :class:`ConfigError` otherwise.
+    """
+    seg = _TENSOR_SEGMENTS.get(t.untyped_storage().data_ptr())
+    if seg is None or seg.closed:
+        raise ConfigError("tensor is not backed by kvshm.shm.shared_tensor() memory "
+                          "(allocate device caches for standalone workers with shared_tensor)")
+    return seg
+
+
+def tensor_from_fd(fd: int, shape: Sequence[int], dtype: str | torch.dtype) -> torch.Tensor:
+    """Map a peer's segment as a tensor (worker side). Takes ownership of ``fd``.
+
+    The fd is closed before returning (also on error); the mapping lives as long as the
+    tensor or any view of it. Raises :class:`ConfigError` for a bad dtype name or shape,
+    or a segment smaller than ``shape`` x itemsize.
+    """
+    try:
+        torch_dtype = dtype_from_name(dtype) if isinstance(dtype, str) else dtype
+        numel, nbytes = _nbytes(shape, torch_dtype)
+    except BaseException:
+        os.close(fd)
+        raise
+    seg = map_segment(fd, nbytes)
+    assert isinstance(seg.buf, _Map)
+    tensor = _as_tensor(seg.buf, numel, shape, torch_dtype)
+    seg.close()  # closes the fd; the mapping stays exported by the tensor
+    return tensor

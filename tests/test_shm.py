@@ -1,0 +1,249 @@
+"""kvshm.shm: unlinked segments, sizing, fd mapping across real processes, tensors, sweep."""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import stat
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from kvshm import shm
+from kvshm.errors import ConfigError
+
+
+def _kvshm_entries() -> list[str]:
+    return sorted(n for n in os.listdir(shm.SHM_DIR) if "kvshm" in n.lower())
+
+
+def _open_fds() -> set[int]:
+    return {int(n) for n in os.listdir("/proc/self/fd")}
+
+
+def _fd_is_open(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def _run_child(code: str, pass_fds: tuple[int, ...] = (), timeout: float = 60) -> str:
+    proc = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], pass_fds=pass_fds,
+                          capture_output=True, text=True, timeout=timeout)
+    assert proc.returncode == 0, proc.stderr
+    return proc.stdout
+
+
+def test_create_segment_is_unlinked_private_and_reserved() -> None:
+    seg = shm.create_segment(1 << 20, purpose="unit")
+    try:
+        st = os.fstat(seg.fd)
+        assert st.st_nlink == 0  # unlinked before create_segment returned
+        assert stat.S_IMODE(st.st_mode) == 0o600
+        assert st.st_size == 1 << 20
+        assert st.st_blocks * 512 >= 1 << 20  # fallocate reserved every page
+        assert seg.name.startswith("/kvshm-unit-")
+        assert not os.path.exists(shm.SHM_DIR + seg.name)
+        assert _kvshm_entries() == []
+        assert bytes(seg.buf[:16]) == bytes(16)
+        seg.buf[:5] = b"hello"
+        assert seg.size == 1 << 20
+    finally:
+        fd = seg.fd
+        seg.close()
+    seg.close()  # idempotent
+    assert seg.closed
+    assert not _fd_is_open(fd)
+
+
+def test_segment_context_manager_closes() -> None:
+    with shm.create_segment(4096, purpose="ctx") as seg:
+        fd = seg.fd
+        seg.buf[0] = 1
+    assert seg.closed and not _fd_is_open(fd)
+
+
+def test_segment_contents_shared_with_child_process() -> None:
+    with shm.create_segment(64 << 10, purpose="share") as seg:
+        seg.buf[:11] = b"from parent"
+        out = _run_child(f"""
+            import os
+            from kvshm.shm import map_segment
+            seg = map_segment({seg.fd}, {seg.size})
+            assert bytes(seg.buf[:11]) == b"from parent", bytes(seg.buf[:11])
+            seg.buf[100:110] = b"from child"
+            print(sorted(n for n in os.listdir("/dev/shm") if "kvshm" in n))
+            seg.close()
+        """, pass_fds=(seg.fd,))
+        assert out.strip() == "[]"
+        assert bytes(seg.buf[100:110]) == b"from child"
+    assert _kvshm_entries() == []
+
+
+def test_oversize_request_is_config_error_naming_sizes() -> None:
+    before = _open_fds()
+    too_big = shm.available_shm_bytes() + (1 << 20)
+    with pytest.raises(ConfigError, match=r"needs \d+ bytes .* only \d+ bytes .*/dev/shm"):
+        shm.create_segment(too_big, purpose="oversize")
+    assert _open_fds() == before
+    assert _kvshm_entries() == []
+
+
+def test_enospc_while_reserving_is_config_error_naming_dev_shm(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Let the request past the size check so posix_fallocate itself hits ENOSPC.
+    monkeypatch.setattr(shm, "available_shm_bytes", lambda: 1 << 62)
+    before = _open_fds()
+    with pytest.raises(ConfigError, match=r"cannot reserve .*/dev/shm has \d+ MiB in all"):
+        shm.create_segment(1 << 50, purpose="enospc")
+    assert _open_fds() == before
+    assert _kvshm_entries() == []
+
+
+@pytest.mark.parametrize("size", [0, -1])
+def test_nonpositive_size_is_config_error(size: int) -> None:
+    with pytest.raises(ConfigError, match="size must be > 0"):
+        shm.create_segment(size, purpose="zero")
+
+
+def test_available_shm_bytes_is_bounded_by_dev_shm() -> None:
+    st = os.statvfs(shm.SHM_DIR)
+    avail = shm.available_shm_bytes()
+    assert 0 < avail <= st.f_bavail * st.f_frsize
+
+
+def test_map_segment_smaller_than_asked_is_config_error_and_closes_fd() -> None:
+    with shm.create_segment(4096, purpose="small") as seg:
+        fd = os.dup(seg.fd)
+        with pytest.raises(ConfigError, match="has 4096 bytes, expected at least 8192"):
+            shm.map_segment(fd, 8192)
+        assert not _fd_is_open(fd)
+
+
+def test_shared_tensor_round_trip_with_child_process() -> None:
+    t = shm.shared_tensor((16, 32), torch.float32)
+    assert t.shape == (16, 32) and t.dtype == torch.float32 and not t.any()
+    t.copy_(torch.arange(16 * 32, dtype=torch.float32).view(16, 32))
+    seg = shm.segment_of(t[3:, 5])  # a view finds the same segment
+    assert seg is shm.segment_of(t)
+    out = _run_child(f"""
+        import torch
+        from kvshm.shm import tensor_from_fd
+        t = tensor_from_fd({seg.fd}, (16, 32), "float32")
+        print(float(t.sum()))
+        t.mul_(2)
+    """, pass_fds=(seg.fd,))
+    assert float(out.strip()) == float(sum(range(16 * 32)))
+    assert torch.equal(t, 2 * torch.arange(16 * 32, dtype=torch.float32).view(16, 32))
+
+
+def test_shared_tensor_keeps_segment_alive_and_releases_it_with_the_tensor() -> None:
+    t = shm.shared_tensor((8,), torch.int64)
+    view = t[2:]
+    fd = shm.segment_of(t).fd
+    del t
+    gc.collect()
+    view.fill_(5)  # mapping still there through the view
+    assert shm.segment_of(view).fd == fd and _fd_is_open(fd)
+    del view
+    gc.collect()
+    assert not _fd_is_open(fd)
+
+
+def test_closing_a_tensors_segment_never_unmaps_under_the_tensor() -> None:
+    t = shm.shared_tensor((1024,), torch.uint8)
+    shm.segment_of(t).close()
+    t.fill_(7)  # would segfault if close() had unmapped the memory
+    assert int(t.sum()) == 7 * 1024
+    with pytest.raises(ConfigError):
+        shm.segment_of(t)
+
+
+def test_segment_of_an_ordinary_tensor_is_config_error() -> None:
+    with pytest.raises(ConfigError, match="shared_tensor"):
+        shm.segment_of(torch.zeros(4))
+
+
+def test_tensor_from_fd_takes_the_fd_and_keeps_the_mapping() -> None:
+    t = shm.shared_tensor((4, 4), torch.float16)
+    fd = os.dup(shm.segment_of(t).fd)
+    peer = shm.tensor_from_fd(fd, (4, 4), torch.float16)
+    assert not _fd_is_open(fd)
+    t[1, 2] = 3.5
+    assert float(peer[1, 2]) == 3.5
+
+
+def test_tensor_from_fd_rejects_bad_dtype_and_short_segment() -> None:
+    t = shm.shared_tensor((4,), torch.float32)
+    fd = os.dup(shm.segment_of(t).fd)
+    with pytest.raises(ConfigError, match="unknown torch dtype"):
+        shm.tensor_from_fd(fd, (4,), "float99")
+    assert not _fd_is_open(fd)
+    fd = os.dup(shm.segment_of(t).fd)
+    with pytest.raises(ConfigError, match="expected at least 32"):
+        shm.tensor_from_fd(fd, (8,), "float32")
+    assert not _fd_is_open(fd)
+
+
+@pytest.mark.parametrize("shape", [(0, 4), (-1,)])
+def test_shared_tensor_rejects_empty_or_negative_shapes(shape: tuple[int, ...]) -> None:
+    with pytest.raises(ConfigError):
+        shm.shared_tensor(shape, torch.float32)
+
+
+def test_dtype_names_round_trip() -> None:
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.uint8,
+                  torch.int8, torch.float8_e4m3fn):
+        name = shm.dtype_name(dtype)
+        assert "torch" not in name
+        assert shm.dtype_from_name(name) is dtype
+    assert shm.dtype_from_name("torch.bfloat16") is torch.bfloat16
+    assert shm.dtype_name("float16") == "float16"
+    for bad in ("float99", "", "Tensor", "zeros"):
+        with pytest.raises(ConfigError, match="unknown torch dtype"):
+            shm.dtype_from_name(bad)
+
+
+def test_sweep_lists_and_removes_a_planted_leftover() -> None:
+    path = os.path.join(shm.SHM_DIR, "kvshm-test-leftover")
+    with open(path, "wb") as f:
+        f.write(b"x")
+    try:
+        assert "kvshm-test-leftover" in shm.sweep(remove=False)
+        assert os.path.exists(path)
+        assert "kvshm-test-leftover" in shm.sweep()
+        assert not os.path.exists(path)
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    assert "kvshm-test-leftover" not in shm.sweep()
+
+
+def test_sigkilled_creator_leaves_nothing_in_dev_shm() -> None:
+    code = """
+        import sys, time, torch
+        from kvshm import shm
+        segs = [shm.create_segment(1 << 16, purpose="kill") for _ in range(4)]
+        t = shm.shared_tensor((64, 64), torch.float32)
+        print("ready", flush=True)
+        time.sleep(60)
+    """
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)],
+                            stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        assert proc.stdout.readline().strip() == "ready"
+        assert _kvshm_entries() == []
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(timeout=10)
+        assert proc.stdout is not None
+        proc.stdout.close()
+    assert proc.returncode == -signal.SIGKILL
+    assert _kvshm_entries() == []
