@@ -274,6 +274,10 @@ class CompletionTracker:
         with self._lock:
             self.stats.rejected_closed += 1
 
+    def count_wait_timeout(self) -> None:
+        with self._lock:
+            self.stats.wait_timeouts += 1
+
     def count_fence_timeout(self) -> None:
         with self._lock:
             self.stats.fence_timeouts += 1

@@ -1,0 +1,131 @@
+"""CUDA copy engine. GPU tests are marked ``gpu`` (skipped without CUDA); the module itself
+must import and refuse cleanly everywhere."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+
+from kvshm.errors import ConfigError
+from kvshm.layout import KVLayout
+from kvshm.protocol import Direction
+from workers.copy_engine import CopyEngine, CopyJob, CpuFence
+from workers.cuda_copy import CudaCopyEngine, CudaFence
+from workers.host_pool import HostPool
+
+NUM_GPU = 96
+NUM_CPU = 128
+WAIT_S = 30.0
+cuda: Any = torch.cuda  # Stream() and _sleep() are untyped in torch's stubs
+
+
+def rank_tensors(seed: int, device: str) -> list[torch.Tensor]:
+    """A K/V-outer bf16 tensor, a padded uint8 one (rows 40 B apart, 33 B used), a float32 one."""
+    g = torch.Generator().manual_seed(seed)
+    kv = torch.randn(2, NUM_GPU, 4, 16, generator=g).to(torch.bfloat16)
+    padded = torch.randint(0, 256, (NUM_GPU, 40), generator=g, dtype=torch.uint8)
+    plain = torch.randn(NUM_GPU, 3, 5, generator=g)
+    return [kv.to(device), padded.to(device)[:, :33], plain.to(device)]
+
+
+def test_refuses_without_cuda_or_with_a_cpu_layout() -> None:
+    layout = KVLayout.from_tensors(rank_tensors(0, "cpu"), kv_outer=[True, False, False])
+    with HostPool.for_tests(layout, 4, pin=False) as host:
+        with pytest.raises(ConfigError, match="CUDA"):
+            CudaCopyEngine(0, layout, host)
+
+
+@pytest.fixture
+def rig() -> Iterator[tuple[KVLayout, HostPool, CudaCopyEngine]]:
+    layout = KVLayout.from_tensors(rank_tensors(0, "cuda"), kv_outer=[True, False, False])
+    host = HostPool.for_tests(layout, NUM_CPU)
+    assert host.pinned
+    eng = CudaCopyEngine(0, layout, host)
+    yield layout, host, eng
+    eng.close()
+    host.close()
+
+
+@pytest.mark.gpu
+def test_round_trip_byte_exact(rig: tuple[KVLayout, HostPool, CudaCopyEngine]) -> None:
+    layout, host, eng = rig
+    assert isinstance(eng, CopyEngine)
+    g = torch.Generator().manual_seed(1)
+    src = torch.randperm(NUM_GPU, generator=g)[:80].tolist()
+    dst = torch.randperm(NUM_CPU, generator=g)[:80].tolist()
+    runs_src, runs_dst = list(range(10, 20)), list(range(100, 110))  # a coalesced run too
+    before = [r.clone() for r in layout.regions]
+    eng.submit(CopyJob.from_ids(1, Direction.STORE, src, dst))
+    eng.submit(CopyJob.from_ids(2, Direction.STORE, runs_src, runs_dst))
+    dones = eng.wait([1, 2], timeout=WAIT_S)
+    assert [(d.job_id, d.ok) for d in dones] == [(1, True), (2, True)], dones
+    for s, d in zip(src + runs_src, dst + runs_dst):
+        for h, dev in zip(host.regions, layout.regions):
+            assert torch.equal(h[d], dev[s].cpu())
+    for r in layout.regions:
+        r.zero_()
+    eng.submit(CopyJob.from_ids(3, Direction.LOAD, dst + runs_dst, src + runs_src))
+    (done,) = eng.wait([3], timeout=WAIT_S)
+    assert done.ok, done.error
+    for s in src + runs_src:
+        for r, old in zip(layout.regions, before):
+            assert torch.equal(r[s], old[s])
+    assert eng.stats()["jobs_ok"] == 3
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fenced", [True, False])
+def test_store_waits_for_the_compute_fence(fenced: bool) -> None:
+    block = torch.zeros(4, 1 << 20, dtype=torch.uint8, device="cuda")
+    layout = KVLayout.from_tensors([block])
+    with HostPool.for_tests(layout, 4) as host, CudaCopyEngine(0, layout, host) as eng:
+        compute = cuda.Stream()
+        with torch.cuda.stream(compute):
+            cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the write
+            layout.regions[0][2].fill_(0xAB)
+            fence = CudaFence.record(compute)
+        eng.submit(CopyJob.from_ids(1, Direction.STORE, [2], [3]), after=fence if fenced else None)
+        (done,) = eng.wait([1], timeout=WAIT_S)
+        assert done.ok
+        compute.synchronize()
+        stored = host.regions[0][3]
+        if fenced:
+            assert bool((stored == 0xAB).all())
+        else:  # the copy ran while the compute stream slept: the old bytes
+            assert not bool((stored == 0xAB).all())
+
+
+@pytest.mark.gpu
+def test_failures_are_reported_and_later_jobs_run(
+        rig: tuple[KVLayout, HostPool, CudaCopyEngine]) -> None:
+    _, _, eng = rig
+    eng.submit(CopyJob.from_ids(1, Direction.STORE, [NUM_GPU], [0]))
+    eng.submit(CopyJob.from_ids(2, Direction.STORE, [0], [0]), after=CpuFence())
+    eng.submit(CopyJob.from_ids(3, Direction.LOAD, [0], [0]))
+    dones = {d.job_id: d for d in eng.wait([1, 2, 3], timeout=WAIT_S)}
+    assert not dones[1].ok and f"src block id {NUM_GPU} out of range" in dones[1].error
+    assert not dones[2].ok and "CudaFence" in dones[2].error
+    assert dones[3].ok
+    assert eng.stats()["jobs_failed"] == 2
+
+
+@pytest.mark.gpu
+def test_wait_for_exactly_the_named_jobs_and_fifo_poll(
+        rig: tuple[KVLayout, HostPool, CudaCopyEngine]) -> None:
+    _, _, eng = rig
+    gate_stream = cuda.Stream()
+    with torch.cuda.stream(gate_stream):
+        cuda._sleep(200_000_000)
+        gate = CudaFence.record(gate_stream)
+    eng.submit(CopyJob.from_ids(1, Direction.STORE, [1], [1]), after=gate)
+    eng.submit(CopyJob.from_ids(2, Direction.LOAD, [2], [2]))
+    assert [d.job_id for d in eng.wait([2], timeout=WAIT_S)] == [2]
+    assert eng.wait([1], timeout=0.001) == []
+    assert [d.job_id for d in eng.wait([1], timeout=WAIT_S)] == [1]
+    for j in range(10, 20):
+        eng.submit(CopyJob.from_ids(j, Direction.STORE, [j], [j]))
+    eng.close()
+    assert [d.job_id for d in eng.poll()] == list(range(10, 20))
