@@ -31,6 +31,7 @@ Worker side: :class:`~kvshm.rendezvous_client.RendezvousClient` and
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import select
 import socket
@@ -180,8 +181,9 @@ class RendezvousServer:
         return frozenset(self._lost)
 
     def counters(self) -> dict[str, int]:
-        """accepted, refused_uid, refused_version, refused_hello, refused_protocol,
-        ranks_lost, stats_served, stats_errors, stats_dropped, ready_sent, ready_failed."""
+        """accepted, accept_errors, refused_uid, refused_version, refused_hello,
+        refused_protocol, ranks_lost, stats_served, stats_errors, stats_dropped, ready_sent,
+        ready_failed (only those that happened appear)."""
         return dict(self._counts)
 
     # ------------------------------------------------------------------ service
@@ -208,6 +210,11 @@ class RendezvousServer:
                 return
             except ConnectionAbortedError:
                 continue
+            except OSError as e:  # EMFILE/ENFILE/ENOBUFS: retried on the next service()
+                self._counts["accept_errors"] += 1
+                events.append(RendezvousEvent(EventKind.REFUSED,
+                                              reason=f"accept() failed: {e}", error=e))
+                return
             sock.setblocking(False)
             cred = peer_cred(sock)
             if cred.uid != os.getuid():
@@ -299,7 +306,14 @@ class RendezvousServer:
             self._counts["stats_errors"] += 1
             data = encode_control(Stats(data={"error": f"{type(e).__name__}: {e}"}))
         try:
-            send_datagram(conn.sock, data)
+            try:
+                send_datagram(conn.sock, data)
+            except OSError as e:
+                if e.errno != errno.EMSGSIZE:
+                    raise
+                self._counts["stats_errors"] += 1
+                send_datagram(conn.sock, encode_control(Stats(data={
+                    "error": f"stats snapshot of {len(data)} bytes is too large to send"})))
         except BlockingIOError:
             self._counts["stats_dropped"] += 1  # asker does not read its answers
             if conn.rank is None:
