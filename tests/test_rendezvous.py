@@ -79,10 +79,29 @@ def _kvshm_entries() -> list[str]:
     return sorted(n for n in os.listdir(shm.SHM_DIR) if "kvshm" in n.lower())
 
 
+_CHILDREN: list[subprocess.Popen[str]] = []
+
+
+@pytest.fixture(autouse=True)
+def _reap_children() -> Iterator[None]:
+    """Whatever a test did, no child process outlives it."""
+    yield
+    while _CHILDREN:
+        proc = _CHILDREN.pop()
+        if proc.poll() is None:
+            proc.kill()
+        proc.communicate(timeout=10)
+
+
+def _popen(args: list[str]) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, text=True)
+    _CHILDREN.append(proc)
+    return proc
+
+
 def _spawn_worker(name: str, rank: int, world: int, *, version: int = PROTOCOL_VERSION,
                   mode: str = "hold") -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, "-c", WORKER, name, str(rank), str(world),
-                             str(version), mode], stdout=subprocess.PIPE, text=True)
+    return _popen(["-c", WORKER, name, str(rank), str(world), str(version), mode])
 
 
 def _service_until(server: RendezvousServer, done: Callable[[list[RendezvousEvent]], bool],
@@ -310,8 +329,7 @@ def test_foreign_uid_is_refused_and_counted(plan: SegmentPlan) -> None:
 def test_stats_query_through_the_cli(plan: SegmentPlan) -> None:
     name = _name()
     with _server(name, 1, plan, stats=lambda: {"engine": "test", "jobs": 3}) as server:
-        proc = subprocess.Popen([sys.executable, "-m", "kvshm.cli", "stats", "--name", name],
-                                stdout=subprocess.PIPE, text=True)
+        proc = _popen(["-m", "kvshm.cli", "stats", "--name", name])
         deadline = time.monotonic() + 30
         while proc.poll() is None and time.monotonic() < deadline:
             select.select(server.all_fds(), [], [], 0.05)
@@ -498,8 +516,7 @@ SCHEDULER = textwrap.dedent("""
 
 def test_scheduler_sigkill_reaches_the_worker_lifeline() -> None:
     name = _name()
-    proc = subprocess.Popen([sys.executable, "-c", SCHEDULER, name], stdout=subprocess.PIPE,
-                            text=True)
+    proc = _popen(["-c", SCHEDULER, name])
     try:
         assert proc.stdout is not None and proc.stdout.readline().strip() == "listening"
         with RendezvousClient(name) as client:
