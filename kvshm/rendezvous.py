@@ -30,7 +30,6 @@ Worker side: :class:`~kvshm.rendezvous_client.RendezvousClient` and
 
 from __future__ import annotations
 
-import asyncio
 import errno
 import os
 import select
@@ -40,7 +39,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from types import MappingProxyType
-from typing import Any, Final, TypeAlias
+from typing import TYPE_CHECKING, Any, Final, TypeAlias
 
 from kvshm.errors import (
     ClosedError,
@@ -62,6 +61,9 @@ from kvshm.fdpass import (
 )
 from kvshm.protocol import Hello, Ready, Stats, StatsRequest, check_version
 from kvshm.rendezvous_client import RendezvousClient, query_stats
+
+if TYPE_CHECKING:  # pragma: no cover - typing only
+    import asyncio
 
 __all__ = [
     "AllReadyPlan",
