@@ -7,6 +7,7 @@ test_transport_stress.py; here both ends of a ring live in one process over a re
 
 from __future__ import annotations
 
+import platform
 import random
 from collections.abc import Iterator
 
@@ -124,7 +125,7 @@ def test_attach_rejects_bad_magic_version_geometry(seg: Segment) -> None:
 def test_refuses_unfenced_platforms(
     monkeypatch: pytest.MonkeyPatch, seg: Segment, machine: str
 ) -> None:
-    monkeypatch.setattr(ring_mod.platform, "machine", lambda: machine)
+    monkeypatch.setattr(platform, "machine", lambda: machine)
     with pytest.raises(UnsupportedPlatform, match=machine):
         RingPair.init(seg.buf, CAP, CAP)
     with pytest.raises(UnsupportedPlatform):
@@ -269,7 +270,7 @@ def test_impossible_head_is_protocol_error(pair: tuple[RingPair, RingPair]) -> N
 
 def test_heartbeat_state_progress_and_park_tokens(pair: tuple[RingPair, RingPair]) -> None:
     s, w = pair
-    assert s.heartbeat == 0 and s.worker_state is WorkerState.UNSET
+    assert s.heartbeat == 0 and s.worker_state.name == "UNSET"
     assert [w.beat() for _ in range(3)] == [1, 2, 3]
     assert s.heartbeat == 3
     w.worker_state = WorkerState.PARKED

@@ -1,0 +1,477 @@
+"""kvshm.channel + kvshm.doorbell: round trips across real processes, overflow, errors,
+close, the lost-wake-up timer, and SIGKILL of either side (noticed via the lifeline).
+
+Workers are forked processes that map the segment from the inherited fd (as a spawned
+worker maps the one it received over the rendezvous socket); a socketpair end is the
+lifeline. Nothing here asserts a timing tighter than a few hundred milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import multiprocessing as mp
+import os
+import socket
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import uvloop
+
+from kvshm import protocol as p
+from kvshm.channel import SchedulerChannel, WorkerChannel
+from kvshm.doorbell import create_eventfd
+from kvshm.errors import ClosedError, ConfigError, PeerDied, ProtocolError, StateError
+from kvshm.errors import TransportError, WouldBlock
+from kvshm.ring import CONTROL_SIZE, RingPair, segment_size
+from kvshm.shm import Segment, create_segment, map_segment
+
+CTX = mp.get_context("fork")
+IDS = p.pack_ids(range(64))
+
+
+def transfer(job: int, step: int = 1) -> p.Transfer:
+    return p.Transfer(step, job, p.Direction.STORE, IDS, IDS)
+
+
+@dataclass
+class Link:
+    """The scheduler's half of one rank plus what a worker needs (fds)."""
+
+    seg: Segment
+    ch: SchedulerChannel
+    cmd: int
+    done: int
+    life: socket.socket
+    child_life: socket.socket
+
+    def worker_args(self) -> tuple[int, int, int, int, int, int]:
+        return (self.seg.fd, self.seg.size, self.cmd, self.done, self.child_life.fileno(),
+                self.life.fileno())  # fmt: skip
+
+    def close(self) -> None:
+        self.ch.close()
+        self.seg.close()
+        self.life.close()
+        self.child_life.close()
+
+
+def make_link(cmd_cap: int = 1 << 16, done_cap: int = 1 << 14, **kw: Any) -> Link:
+    seg = create_segment(segment_size(cmd_cap, done_cap), purpose="test channel")
+    rings = RingPair.init(seg.buf, cmd_cap, done_cap)
+    cmd, done = create_eventfd(), create_eventfd()
+    life, child_life = socket.socketpair()
+    return Link(seg, SchedulerChannel(0, rings, cmd, done, **kw), cmd, done, life, child_life)
+
+
+def worker_channel(fd: int, size: int, cmd: int, done: int, life: int, other: int,
+                   **kw: Any) -> WorkerChannel:  # fmt: skip
+    """In the forked child: drop the scheduler's lifeline end, map, attach."""
+    os.close(other)
+    seg = map_segment(fd, size)
+    return WorkerChannel(0, RingPair.attach(seg.buf), cmd, done, life, **kw)
+
+
+def echo_worker(*args: Any) -> None:
+    """Answer every Transfer with Done(job_id); stop at Shutdown."""
+    ch = worker_channel(*args)
+    while True:
+        replies: list[p.Done] = []
+        for msg in ch.receive(None):
+            if isinstance(msg, p.Shutdown):
+                ch.send_many(replies)
+                return
+            if isinstance(msg, p.Transfer):
+                ok = p.unpack_ids(msg.src_ids) == list(range(64))
+                replies.append(p.Done(msg.job_id, 0, ok, "" if ok else "bad ids"))
+        ch.send_many(replies)
+
+
+def start(link: Link, target: Callable[..., None], *extra: Any) -> Any:
+    proc = CTX.Process(target=target, args=(*link.worker_args(), *extra), daemon=True)
+    proc.start()
+    return proc
+
+
+def reap(proc: Any) -> None:
+    """Expect the worker to exit by itself (after a Shutdown)."""
+    proc.join(10)
+    assert not proc.is_alive(), "worker process did not exit"
+    assert proc.exitcode == 0
+
+
+def kill(proc: Any) -> None:
+    """Cleanup after any outcome: no process outlives its test."""
+    if proc.is_alive():
+        proc.kill()
+    proc.join(10)
+
+
+@pytest.fixture
+def link() -> Iterator[Link]:
+    lk = make_link()
+    yield lk
+    lk.close()
+
+
+async def collect(ch: SchedulerChannel, n: int, timeout: float = 10.0) -> list[p.Done]:
+    out: list[p.Done] = []
+    while len(out) < n:
+        out += await asyncio.wait_for(ch.receive(), timeout)
+    return out
+
+
+# ------------------------------------------------------------------- round trips
+
+
+async def test_round_trip_across_processes(link: Link) -> None:
+    proc = start(link, echo_worker)
+    try:
+        link.ch.send_nowait(transfer(0))  # room for a few: these never raise
+        link.ch.send_nowait(p.Flush(0, p.pack_ids([0])))
+        for job in range(1, 200):
+            link.ch.post(transfer(job))
+            if job % 7 == 0:
+                link.ch.post(p.Flush(job, p.pack_ids([job])))
+        got = await collect(link.ch, 200)
+        assert [d.job_id for d in got] == list(range(200))
+        assert all(d.ok for d in got)
+        link.ch.post(p.Shutdown())
+        reap(proc)
+    finally:
+        kill(proc)
+    st = link.ch.statistics()
+    assert st.cmd_messages == 200 + 29 + 1 and st.done_messages == 200
+    assert st.cmd_bytes > 200 * 128 and st.done_bytes > 0
+    assert st.protocol_errors == 0 and st.rescues == 0  # every wake-up by doorbell
+    assert link.ch.outstanding == 0
+
+
+def test_round_trip_on_uvloop_with_callback(link: Link) -> None:
+    """attach(loop, on_done) on uvloop; the on_done callback keeps 16 jobs in flight."""
+    proc = start(link, echo_worker)
+    total = 2000
+
+    async def main() -> list[int]:
+        loop = asyncio.get_running_loop()
+        finished: asyncio.Future[None] = loop.create_future()
+        seen: list[int] = []
+        nxt = 16
+
+        def on_done(msgs: list[p.Done]) -> None:
+            nonlocal nxt
+            seen.extend(d.job_id for d in msgs)
+            more = [transfer(j) for j in range(nxt, min(total, nxt + len(msgs)))]
+            nxt += len(more)
+            link.ch.post_many(more)
+            if len(seen) == total and not finished.done():
+                finished.set_result(None)
+
+        link.ch.attach(loop, on_done)
+        link.ch.post_many([transfer(j) for j in range(16)])
+        await asyncio.wait_for(finished, 20)
+        link.ch.post(p.Shutdown())
+        return seen
+
+    try:
+        seen = uvloop.run(main())
+        reap(proc)
+    finally:
+        kill(proc)
+    assert seen == list(range(total))
+    st = link.ch.statistics()
+    assert st.wakeups > 0 and st.receives_per_wakeup >= 1.0
+
+
+# ------------------------------------------------------------------ back-pressure
+
+
+def gated_worker(*args: Any) -> None:
+    """Wait for one byte on the lifeline, then echo."""
+    life = socket.socket(fileno=args[4])
+    life.recv(1)
+    life.detach()
+    echo_worker(*args)
+
+
+async def test_full_cmd_ring_overflows_and_drains_in_order() -> None:
+    lk = make_link(cmd_cap=4096)  # ~7 Transfers fit
+    proc = start(lk, gated_worker)
+    try:
+        results = [lk.ch.post(transfer(j)) for j in range(300)]
+        assert results[0] and not results[-1]
+        assert lk.ch.overflow_depth > 250
+        with pytest.raises(WouldBlock):  # must not overtake the queued records
+            lk.ch.send_nowait(transfer(999))
+        lk.life.send(b"g")
+        got = await collect(lk.ch, 300)
+        assert [d.job_id for d in got] == list(range(300))  # nothing lost, in order
+        assert lk.ch.overflow_depth == 0
+        st = lk.ch.statistics()
+        assert st.overflow_peak > 250 and st.full_ring_events >= 2
+        assert st.peak_depth_bytes <= 4096
+        lk.ch.post(p.Shutdown())
+        reap(proc)
+    finally:
+        kill(proc)
+        lk.close()
+
+
+def test_oversize_refused_at_sender_and_nothing_queued() -> None:
+    lk = make_link(cmd_cap=4096)
+    try:
+        huge = p.Transfer(1, 1, p.Direction.LOAD, p.pack_ids(range(400)), p.pack_ids(range(400)))
+        with pytest.raises(ConfigError, match="exceeds"):
+            lk.ch.post(huge)
+        with pytest.raises(ConfigError):
+            lk.ch.send_nowait(huge)
+        assert lk.ch.overflow_depth == 0 and lk.ch.statistics().cmd_messages == 0
+    finally:
+        lk.close()
+
+
+def test_worker_full_done_ring_waits_then_raises() -> None:
+    lk = make_link(done_cap=4096)
+    w = in_process_worker(lk, full_wait_s=0.05)
+    try:
+        with pytest.raises(WouldBlock, match="not draining"):
+            for j in range(10_000):
+                w.send_nowait(p.Done(j, 0, True))
+        got = lk.ch.receive_nowait()
+        assert [d.job_id for d in got] == list(range(len(got))) and len(got) > 100
+        lk.life.close()  # scheduler gone: a waiting worker learns it at once
+        with pytest.raises(PeerDied):
+            for j in range(10_000):
+                w.send_nowait(p.Done(j, 0, True))
+    finally:
+        w.close()
+        lk.close()
+
+
+# ----------------------------------------------------------------- bad records
+
+
+def in_process_worker(lk: Link, **kw: Any) -> WorkerChannel:
+    """A worker side in this process (same fds and mapping; it closes none of them)."""
+    rings = RingPair.attach(lk.seg.buf)
+    return WorkerChannel(0, rings, lk.cmd, lk.done, lk.child_life.fileno(), close_fds=False,
+                         **kw)  # fmt: skip
+
+
+def in_process_pair(**kw: Any) -> tuple[Link, WorkerChannel]:
+    lk = make_link(**kw)
+    return lk, in_process_worker(lk)
+
+
+def corrupt_done_payload(lk: Link, pos: int) -> None:
+    base = CONTROL_SIZE + (1 << 16)  # the done ring's data (cmd capacity 64 KiB)
+    mv = memoryview(lk.seg.buf)
+    mv[base + pos + 8] = 0xC1  # a msgpack byte that is never valid
+    mv.release()
+
+
+def test_undecodable_record_is_protocol_error_and_reader_keeps_going() -> None:
+    lk, w = in_process_pair()
+    try:
+        w.send_nowait(p.Done(1, 0, True))
+        pos = w.rings.done.head
+        w.send_many([p.Done(2, 0, True), p.Done(3, 0, True)])
+        corrupt_done_payload(lk, pos)
+        with pytest.raises(ProtocolError) as e:
+            lk.ch.receive_nowait()
+        assert e.value.ring == "done" and e.value.offset == pos
+        assert [d.job_id for d in lk.ch.receive_nowait()] == [1, 3]  # nothing else lost
+        w.send_nowait(p.Done(4, 0, True))
+        assert [d.job_id for d in lk.ch.receive_nowait()] == [4]
+        assert lk.ch.statistics().protocol_errors == 1
+    finally:
+        w.close()
+        lk.close()
+
+
+async def test_attached_channel_reports_errors_and_survives_a_broken_ring() -> None:
+    lk, w = in_process_pair()
+    errors: list[TransportError] = []
+    dones: list[int] = []
+    lk.ch.attach(asyncio.get_running_loop(), lambda ms: dones.extend(d.job_id for d in ms),
+                 errors.append)  # fmt: skip
+    try:
+        w.send_nowait(p.Done(1, 0, True))
+        pos = w.rings.done.head
+        w.send_nowait(p.Done(2, 0, True))
+        corrupt_done_payload(lk, pos)
+        w.send_nowait(p.Done(3, 0, True))
+        await asyncio.sleep(0.05)
+        assert dones == [1, 3] and len(errors) == 1
+        # now break the framing: the channel reports once and stops calling back
+        pos = w.rings.done.head
+        w.send_nowait(p.Done(4, 0, True))
+        mv = memoryview(lk.seg.buf)[CONTROL_SIZE + (1 << 16) :].cast("Q")
+        mv[pos % (1 << 14) // 8] = 0xFFFF_FFFF_FFFF
+        mv.release()
+        w.send_nowait(p.Done(5, 0, True))
+        await asyncio.sleep(0.05)
+        assert len(errors) == 2 and isinstance(errors[1], ProtocolError)
+        assert errors[1].offset == pos and dones == [1, 3]
+        with pytest.raises(ProtocolError):
+            lk.ch.receive_nowait()
+    finally:
+        w.close()
+        lk.close()
+
+
+# ------------------------------------------------------------------- lifecycle
+
+
+async def test_close_is_idempotent_and_later_calls_raise() -> None:
+    lk = make_link()
+    waiter = asyncio.ensure_future(lk.ch.receive())
+    await asyncio.sleep(0.01)
+    await lk.ch.aclose()
+    with pytest.raises(ClosedError):
+        await waiter
+    lk.ch.close()
+    await lk.ch.aclose()
+    for call in (lambda: lk.ch.send_nowait(transfer(1)), lambda: lk.ch.post(transfer(1)),
+                 lk.ch.receive_nowait, lk.ch.flush_overflow):  # fmt: skip
+        with pytest.raises(ClosedError):
+            call()
+    with pytest.raises(ClosedError):
+        await lk.ch.receive()
+    assert lk.ch.statistics().side == "scheduler"
+    lk.close()
+    with pytest.raises(OSError):
+        os.fstat(lk.cmd)  # the channel closed its eventfds
+
+
+async def test_receive_not_allowed_with_on_done(link: Link) -> None:
+    link.ch.attach(asyncio.get_running_loop(), lambda ms: None)
+    with pytest.raises(StateError):
+        await link.ch.receive()
+    with pytest.raises(StateError):
+        link.ch.attach(asyncio.get_running_loop())
+
+
+async def test_recheck_timer_rescues_a_lost_wake_up() -> None:
+    lk, w = in_process_pair(recheck_interval=0.005)
+    got: list[int] = []
+    lk.ch.attach(asyncio.get_running_loop(), lambda ms: got.extend(d.job_id for d in ms))
+    try:
+        lk.ch.post(transfer(7))  # a Transfer is outstanding: the timer runs
+        w.rings.done.try_write(p.done_encoder().encode(p.Done(7, 0, True)))  # no doorbell
+        for _ in range(100):
+            await asyncio.sleep(0.005)
+            if got:
+                break
+        assert got == [7]
+        st = lk.ch.statistics()
+        assert st.rescues >= 1 and st.done_doorbells == 0
+        rechecks = st.rechecks
+        await asyncio.sleep(0.05)  # nothing outstanding: the timer stops
+        assert lk.ch.statistics().rechecks <= rechecks + 1
+    finally:
+        w.close()
+        lk.close()
+
+
+def test_worker_receive_timeout_and_stats(link: Link) -> None:
+    w = in_process_worker(link, spin_us=10)
+    try:
+        t0 = time.monotonic()
+        assert w.receive(0.05) == []
+        assert 0.04 < time.monotonic() - t0 < 2.0
+        link.ch.post(transfer(3))
+        assert w.receive(1.0) == [transfer(3)]
+        assert w.beat() == 1 and link.ch.rings.heartbeat == 1
+        st = w.statistics()
+        assert st.side == "worker" and st.cmd_messages == 1 and st.parks >= 1
+    finally:
+        w.close()
+        w.close()
+
+
+# -------------------------------------------------------------------- SIGKILL
+
+
+def flood_worker(*args: Any) -> None:
+    """Write Dones as fast as possible (the ring fills; it keeps retrying)."""
+    ch = worker_channel(*args, full_wait_s=3600)
+    job = 0
+    while True:
+        ch.send_many([p.Done(job + i, 0, True, "x" * (i % 50)) for i in range(8)])
+        job += 8
+
+
+def idle_worker(*args: Any) -> None:
+    ch = worker_channel(*args)
+    while True:
+        ch.receive(None)
+
+
+async def wait_readable(fd: int, timeout: float) -> float:
+    loop = asyncio.get_running_loop()
+    fut: asyncio.Future[float] = loop.create_future()
+
+    def readable() -> None:
+        if not fut.done():
+            fut.set_result(time.monotonic())
+
+    loop.add_reader(fd, readable)
+    try:
+        return await asyncio.wait_for(fut, timeout)
+    finally:
+        loop.remove_reader(fd)
+
+
+@pytest.mark.parametrize("target", [flood_worker, idle_worker])
+async def test_sigkill_worker_is_noticed_via_lifeline(target: Callable[..., None]) -> None:
+    lk = make_link(done_cap=4096)
+    proc = start(lk, target)
+    try:
+        lk.child_life.close()  # only the worker holds its end now
+        await asyncio.sleep(0.2)
+        t0 = time.monotonic()
+        proc.kill()  # SIGKILL
+        t1 = await wait_readable(lk.life.fileno(), 5.0)
+        print(f"SIGKILL -> lifeline readable: {(t1 - t0) * 1e3:.2f} ms")
+        assert lk.life.recv(1) == b""  # EOF
+        assert t1 - t0 < 1.0
+        # whatever the worker published is whole; nothing blocks afterwards
+        got = lk.ch.receive_nowait() + lk.ch.receive_nowait()
+        assert all(d.ok and d.error == "x" * (d.job_id % 8 % 50) for d in got)
+        assert [d.job_id for d in got] == list(range(len(got)))
+        for j in range(300):
+            lk.ch.post(transfer(j))  # into a ring nobody drains: queues, never blocks
+        assert lk.ch.overflow_depth > 0
+    finally:
+        kill(proc)
+        lk.close()
+
+
+def scheduler_stub(*args: Any) -> None:
+    """A scheduler-side process that just holds the lifeline until killed."""
+    time.sleep(60)
+
+
+def test_sigkill_scheduler_is_noticed_by_a_parked_worker() -> None:
+    lk = make_link()
+    # here the *child* plays the scheduler: it holds lk.life, the test is the worker
+    proc = CTX.Process(target=scheduler_stub, args=(), daemon=True)
+    proc.start()
+    w = WorkerChannel(0, RingPair.attach(lk.seg.buf), lk.cmd, lk.done,
+                      lk.child_life.fileno(), close_fds=False)  # fmt: skip
+    lk.life.close()  # only the child holds the scheduler's end now
+    try:
+        assert w.receive(0.05) == []
+        t0 = time.monotonic()
+        proc.kill()
+        with pytest.raises(PeerDied):
+            w.receive(10.0)
+        print(f"scheduler SIGKILL -> PeerDied: {(time.monotonic() - t0) * 1e3:.2f} ms")
+        assert time.monotonic() - t0 < 1.0  # the lifeline, not the 1 s poll timeout
+    finally:
+        kill(proc)
+        w.close()
+        lk.close()
