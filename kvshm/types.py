@@ -1,0 +1,241 @@
+"""Plain data exchanged between a serving engine and kvshm's scheduler side.
+
+A leaf module: it imports only :mod:`kvshm.protocol` (for ``Transfer``) and
+:mod:`kvshm.errors`, both leaves.
+Nothing here has behaviour beyond small constructors and validation of its own fields.
+
+Block hashes are the *plain* chained hashes of :mod:`kvshm.hashing` (``bytes``), the same
+for every KV group; the manager qualifies them per group for its CPU index. A
+``GpuBlocks.block_hashes`` implementation must therefore return plain hashes too (the
+vLLM adapter strips vLLM's group id suffix).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, fields
+from enum import Enum
+from typing import Any, Protocol, TypeAlias
+
+from kvshm.errors import ConfigError
+from kvshm.protocol import Transfer
+
+BlockHash: TypeAlias = bytes
+"""Same alias as ``kvshm.hashing.BlockHash`` (kept here so this module stays a leaf)."""
+
+__all__ = [
+    "BlockHash", "DeclineReason", "GpuBlocks", "GroupKind", "KVGroup", "LoadFailure",
+    "LoadResult", "ManagerCounters", "RequestView", "ScheduledRequest", "StepInput",
+    "StepPlan", "StoreMode",
+]
+
+
+class StoreMode(Enum):
+    """When blocks are stored. EAGER: once their tokens are confirmed (per-request
+    cursors). LAZY: when they near the LRU end of the GPU free queue (only one KV group;
+    ``do_remote_decode`` requests are still stored eagerly)."""
+
+    EAGER = "eager"
+    LAZY = "lazy"
+
+
+class GroupKind(Enum):
+    """Attention kind of a KV cache group."""
+
+    FULL = "full"
+    SLIDING_WINDOW = "sliding_window"
+
+
+@dataclass(frozen=True, slots=True)
+class KVGroup:
+    """One KV cache group; every group shares the manager's block size in tokens."""
+
+    kind: GroupKind
+    window_tokens: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.kind is GroupKind.SLIDING_WINDOW:
+            if self.window_tokens is None or self.window_tokens < 1:
+                raise ConfigError(f"sliding window needs window_tokens >= 1, got {self.window_tokens}")
+        elif self.window_tokens is not None:
+            raise ConfigError("a full-attention group has no window_tokens")
+
+    @classmethod
+    def full(cls) -> KVGroup:
+        return cls(GroupKind.FULL)
+
+    @classmethod
+    def sliding_window(cls, window_tokens: int) -> KVGroup:
+        return cls(GroupKind.SLIDING_WINDOW, window_tokens)
+
+
+class GpuBlocks(Protocol):
+    """The engine's GPU block pool as kvshm sees it (``kvshm.pool.BlockPool`` fits).
+
+    ``touch`` pins (ref +1: the block is neither reused nor evicted, its hashes do not
+    change); ``free`` unpins (``evict_first``: evicted soonest; earlier ids are evicted
+    before later ones); ``block_hashes`` are the block's current plain hashes;
+    ``iter_free_from_lru`` yields ref-0 ids, next-evicted first (the caller touches only
+    after iterating).
+    """
+
+    def touch(self, ids: Iterable[int]) -> None: ...
+
+    def free(self, ids: Iterable[int], *, evict_first: bool = False) -> None: ...
+
+    def block_hashes(self, block_id: int) -> tuple[BlockHash, ...]: ...
+
+    def iter_free_from_lru(self) -> Iterator[int]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """A waiting request as phase A (``lookup``) sees it."""
+
+    req_id: str
+    block_hashes: Sequence[BlockHash]
+    """Chained hashes of the request's full blocks (prompt, and output so far)."""
+    num_tokens: int
+    kv_transfer_params: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledRequest:
+    """One request of a step. In a decode step every running request is listed; an
+    unchanged one costs the manager a dict lookup and a few compares.
+
+    ``new_block_ids[g]``: GPU ids appended to group ``g``'s table this step, or the whole
+    table when ``new_or_resumed``. ``num_confirmed_tokens``: tokens whose KV earlier
+    steps have written (vLLM: ``num_computed_tokens - num_output_placeholders``).
+    ``preempted``: its blocks were taken back since it was last listed; the manager
+    forgets its table and restarts its store cursors (it comes back ``new_or_resumed``).
+    ``block_hashes`` may be the engine's live, growing sequence.
+    """
+
+    req_id: str
+    block_hashes: Sequence[BlockHash]
+    num_tokens: int
+    new_block_ids: tuple[tuple[int, ...], ...]
+    new_or_resumed: bool = False
+    num_confirmed_tokens: int = 0
+    preempted: bool = False
+    kv_transfer_params: Mapping[str, Any] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class StepInput:
+    """What an engine hands the manager once per step (see ``OffloadManager.build_step``)."""
+
+    step: int
+    requests: Sequence[ScheduledRequest]
+    finished: Sequence[str] = ()
+    """Requests finished since the last step whose ``finished()`` was not called."""
+    allocated_block_ids: Collection[int] = ()
+    """Every GPU block id allocated this step (a reused sliding-window id is stale)."""
+
+
+class LoadFailure(Enum):
+    """Why a load did not deliver its blocks; the engine recomputes them."""
+
+    WORKER_FAILED = "worker_failed"
+    RANK_DIED = "rank_died"
+    NO_PIN = "no_pin"
+    RESET = "reset"
+    ENGINE_FAILED = "engine_failed"
+    ENGINE_CLOSED = "engine_closed"
+    WINDOW_MISSING = "window_missing"
+    """Partial acceptance needed sliding-window blocks the CPU tier no longer holds."""
+
+
+@dataclass(frozen=True, slots=True)
+class LoadResult:
+    """Outcome of one request's load. ``failed_block_ids``: GPU destinations whose KV
+    must be recomputed (empty when ``ok``); ``num_tokens``: tokens loaded (0 when not
+    ok). A result may arrive for a request that has already finished: ignore it."""
+
+    req_id: str
+    ok: bool
+    failed_block_ids: tuple[int, ...] = ()
+    cause: LoadFailure | None = None
+    num_tokens: int = 0
+
+
+_NO_JOBS: Mapping[int, tuple[str, ...]] = {}
+_NO_FAILED: Mapping[str, tuple[int, ...]] = {}
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """The manager's answer to one ``StepInput``.
+
+    ``store``/``load``: at most one transfer each (store src = GPU ids, dst = CPU ids;
+    load the reverse). ``flush``: job ids a worker must finish before this step's compute
+    (always empty: every block under transfer is pinned with ``touch``).
+    ``load_results``: since the last step. ``load_jobs``: every load job not yet acked by
+    every rank -> its request ids. ``failed_loads``: loads that failed on the scheduler
+    side and never reached a worker -> destination GPU ids (also in ``load_results``).
+    """
+
+    step: int
+    store: Transfer | None = None
+    load: Transfer | None = None
+    flush: tuple[int, ...] = ()
+    load_results: tuple[LoadResult, ...] = ()
+    load_jobs: Mapping[int, tuple[str, ...]] = field(default_factory=lambda: _NO_JOBS)
+    failed_loads: Mapping[str, tuple[int, ...]] = field(default_factory=lambda: _NO_FAILED)
+
+
+class DeclineReason(Enum):
+    """Why a candidate block was not stored (one counter each)."""
+
+    CPU_FULL = "cpu_full"
+    """The CPU pool could not supply a block (eager: retried next step)."""
+    IN_FLIGHT = "in_flight"
+    """The GPU block, or another block with its hash, is being stored."""
+    ALREADY_CACHED = "already_cached"
+    UNHASHED = "unhashed"
+    """Neither the request nor the GPU pool knows the block's hash."""
+    STALE_WINDOW = "stale_window"
+    """A sliding-window id no longer valid for its position (freed, reused)."""
+    HASH_MISMATCH = "hash_mismatch"
+    """A full-attention GPU block carries hashes other than the position's."""
+    ENGINE_FAILED = "engine_failed"
+    """A finish-time store dropped because a rank failed."""
+    RESET = "reset"
+    """A finish-time store dropped by ``reset()`` before it was sent."""
+
+
+def _zero_declines() -> dict[DeclineReason, int]:
+    return {r: 0 for r in DeclineReason}
+
+
+@dataclass(slots=True)
+class ManagerCounters:
+    """Monotonic counters of the manager (never reset, not even by ``reset()``)."""
+
+    lookups: int = 0
+    lookup_hit_tokens: int = 0
+    lookups_asked_again: int = 0
+    lookups_unaligned: int = 0
+    loads_planned: int = 0
+    loaded_blocks: int = 0
+    loads_failed: int = 0
+    stores_planned_blocks: int = 0
+    stored_blocks: int = 0
+    declined: dict[DeclineReason, int] = field(default_factory=_zero_declines)
+    jobs_failed: int = 0
+    jobs_abandoned: int = 0
+    acks_unknown: int = 0
+    acks_duplicate: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        """Flat ``name -> value`` (declines as ``declined_<reason>``), for stats."""
+        out: dict[str, int] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, dict):
+                for reason, n in value.items():
+                    out[f"declined_{reason.value}"] = n
+            else:
+                out[f.name] = value
+        return out
