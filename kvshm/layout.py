@@ -68,9 +68,10 @@ class KVLayout:
     ``num_blocks``; no two regions share ``(device, data_ptr)``.
     """
 
-    __slots__ = ("regions", "dtypes", "device")
+    __slots__ = ("device", "dtypes", "regions")
 
-    def __init__(self, regions: Sequence[torch.Tensor], dtypes: Sequence[str] | None = None) -> None:
+    def __init__(self, regions: Sequence[torch.Tensor],
+                 dtypes: Sequence[str] | None = None) -> None:
         if not regions:
             raise ConfigError("a KV layout needs at least one region")
         for i, r in enumerate(regions):
@@ -88,7 +89,8 @@ class KVLayout:
         #: uint8 ``[num_blocks, bytes_per_block_r]`` views, in first-seen order.
         self.regions: tuple[torch.Tensor, ...] = tuple(regions)
         #: The source tensors' dtype names (informational; blocks are opaque bytes).
-        self.dtypes: tuple[str, ...] = tuple(dtypes) if dtypes is not None else ("uint8",) * len(regions)
+        self.dtypes: tuple[str, ...] = (tuple(dtypes) if dtypes is not None
+                                        else ("uint8",) * len(regions))
         if len(self.dtypes) != len(self.regions):
             raise ConfigError(f"{len(self.dtypes)} dtype names for {len(self.regions)} regions")
         #: The device every region lives on.

@@ -285,9 +285,8 @@ def test_pair_runs() -> None:
 def test_engine_refuses_mismatched_host_pool() -> None:
     layout = make_layout(rank_tensors(0))
     other = KVLayout.from_tensors([torch.zeros(NUM_GPU, 8)])
-    with HostPool.for_tests(other, 4) as host:
-        with pytest.raises(ConfigError, match="regions"):
-            CpuCopyEngine(0, layout, host)
+    with HostPool.for_tests(other, 4) as host, pytest.raises(ConfigError, match="regions"):
+        CpuCopyEngine(0, layout, host)
 
 
 def test_host_pool_from_fd_checks_plan_and_size() -> None:
@@ -306,6 +305,7 @@ def test_host_pool_from_fd_checks_plan_and_size() -> None:
     with pytest.raises(ConfigError, match="out of bounds"):
         HostPool.from_fd(fd, bad)
     with HostPool.for_tests(layout, 8) as pool:
-        assert [tuple(r.shape) for r in pool.regions] == [(8, r.bytes_per_block) for r in spec.regions]
+        shapes = [tuple(r.shape) for r in pool.regions]
+        assert shapes == [(8, r.bytes_per_block) for r in spec.regions]
         assert not pool.pinned and pool.bytes_per_block == layout.bytes_per_block
     assert pool.closed and pool.regions == ()

@@ -33,9 +33,9 @@ def rank_tensors(seed: int, device: str) -> list[torch.Tensor]:
 
 def test_refuses_without_cuda_or_with_a_cpu_layout() -> None:
     layout = KVLayout.from_tensors(rank_tensors(0, "cpu"), kv_outer=[True, False, False])
-    with HostPool.for_tests(layout, 4, pin=False) as host:
-        with pytest.raises(ConfigError, match="CUDA"):
-            CudaCopyEngine(0, layout, host)
+    with HostPool.for_tests(layout, 4, pin=False) as host, \
+            pytest.raises(ConfigError, match="CUDA"):
+        CudaCopyEngine(0, layout, host)
 
 
 @pytest.fixture

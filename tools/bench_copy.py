@@ -25,6 +25,7 @@ import statistics
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -122,7 +123,7 @@ def cpu_rows(reps: int, method: CpuCopyMethod, cases: tuple[str, ...]) -> list[R
         src = torch.randint(0, 256, (total,), dtype=torch.uint8)
         dst = torch.ones(total, dtype=torch.uint8)
         with _filled_pool(layout) as host, CpuCopyEngine(0, layout, host, method=method) as eng:
-            rows += _run_case(f"cpu {method.value} {case}", eng, lambda: dst.copy_(src), total,
+            rows += _run_case(f"cpu {method.value} {case}", eng, partial(dst.copy_, src), total,
                               reps, (Direction.STORE, Direction.LOAD), _nosync)
     return rows
 
@@ -138,10 +139,10 @@ def cuda_rows(reps: int) -> list[Row]:
         pinned = torch.ones(total, dtype=torch.uint8, pin_memory=True)
         dev = torch.ones(total, dtype=torch.uint8, device="cuda")
         with _filled_pool(layout) as host, CudaCopyEngine(0, layout, host) as eng:
-            (h2d,) = _run_case(f"cuda {case}", eng, lambda: dev.copy_(pinned, non_blocking=True),
-                               total, reps, (Direction.LOAD,), sync)
-            (d2h,) = _run_case(f"cuda {case}", eng, lambda: pinned.copy_(dev, non_blocking=True),
-                               total, reps, (Direction.STORE,), sync)
+            h2d_ref = partial(dev.copy_, pinned, non_blocking=True)
+            d2h_ref = partial(pinned.copy_, dev, non_blocking=True)
+            (h2d,) = _run_case(f"cuda {case}", eng, h2d_ref, total, reps, (Direction.LOAD,), sync)
+            (d2h,) = _run_case(f"cuda {case}", eng, d2h_ref, total, reps, (Direction.STORE,), sync)
         rows += [Row(h2d.case + " (h2d)", h2d.engine_gbps, h2d.ref_gbps),
                  Row(d2h.case + " (d2h)", d2h.engine_gbps, d2h.ref_gbps)]
     return rows

@@ -41,11 +41,12 @@ __all__ = [
     "CopyEngine",
     "CopyJob",
     "CopyStats",
-    "Fence",
     "CpuFence",
-    "describe_error",
+    "Fence",
     "check_ids",
+    "describe_error",
     "pair_runs",
+    "pieces",
 ]
 
 
@@ -293,13 +294,25 @@ class CompletionTracker:
             return len(self._by_seq)
 
 
-def pair_runs(src_ids: list[int], dst_ids: list[int]) -> list[tuple[int, int, int]]:
+Run = tuple[int, int, int]
+
+
+def pieces(src_ids: list[int], dst_ids: list[int]) -> tuple[list[Run], list[Run]]:
+    """``(runs, singles)``: :func:`pair_runs`, and every pair as a run of one (for regions
+    whose rows are padded). The same list when no pairs coalesce."""
+    runs = pair_runs(src_ids, dst_ids)
+    if len(runs) == len(src_ids):
+        return runs, runs
+    return runs, [(s, d, 1) for s, d in zip(src_ids, dst_ids)]
+
+
+def pair_runs(src_ids: list[int], dst_ids: list[int]) -> list[Run]:
     """Group pairs into runs ``(src_start, dst_start, length)`` where both sides are consecutive.
 
     Keeps the pairs' order; ``sum(length) == len(src_ids)``. A run may only be copied as
     one piece where both sides' rows are dense (row stride == bytes per block).
     """
-    runs: list[tuple[int, int, int]] = []
+    runs: list[Run] = []
     if not src_ids:
         return runs
     s0, d0, n = src_ids[0], dst_ids[0], 1
@@ -320,7 +333,8 @@ def check_ids(job: CopyJob, src_rows: int, dst_rows: int) -> tuple[list[int], li
         raise CopyError(f"job {job.job_id}: src/dst ids must be 1-D and of equal length, got "
                         f"{tuple(src.shape)} and {tuple(dst.shape)}")
     if src.dtype.is_floating_point or dst.dtype.is_floating_point:
-        raise CopyError(f"job {job.job_id}: block ids must be integers, got {src.dtype}/{dst.dtype}")
+        raise CopyError(f"job {job.job_id}: block ids must be integers, got "
+                        f"{src.dtype}/{dst.dtype}")
     src_l: list[int] = src.tolist()
     dst_l: list[int] = dst.tolist()
     for name, ids, rows in (("src", src_l, src_rows), ("dst", dst_l, dst_rows)):

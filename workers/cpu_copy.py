@@ -30,7 +30,7 @@ import threading
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Final, NamedTuple
+from typing import Final, NamedTuple, Self
 
 import torch
 
@@ -43,7 +43,7 @@ from workers.copy_engine import (
     Fence,
     check_ids,
     describe_error,
-    pair_runs,
+    pieces,
 )
 from workers.host_pool import HostPool
 
@@ -99,7 +99,8 @@ class CpuCopyEngine:
                  method: CpuCopyMethod = CpuCopyMethod.MEMMOVE,
                  fence_timeout_s: float = 60.0) -> None:
         if device_layout.device.type != "cpu":
-            raise ConfigError(f"CpuCopyEngine needs a CPU device layout, got {device_layout.device}")
+            raise ConfigError(f"CpuCopyEngine needs a CPU device layout, got "
+                              f"{device_layout.device}")
         if len(host.regions) != len(device_layout.regions):
             raise ConfigError(f"host pool has {len(host.regions)} regions, the device layout "
                               f"{len(device_layout.regions)}")
@@ -196,7 +197,7 @@ class CpuCopyEngine:
         self._closed = True
         os.close(self._efd)
 
-    def __enter__(self) -> CpuCopyEngine:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -253,12 +254,12 @@ class CpuCopyEngine:
         return len(src_ids) * sum(r.nbytes for r in self._regions)
 
     def _copy_memmove(self, store: bool, src_ids: list[int], dst_ids: list[int]) -> None:
-        runs = pair_runs(src_ids, dst_ids)
-        singles = runs if len(runs) == len(src_ids) else [(s, d, 1) for s, d in zip(src_ids, dst_ids)]
+        runs, singles = pieces(src_ids, dst_ids)
         move = ctypes.memmove
         for r in self._regions:
             src, dst = (r.dev, r.host) if store else (r.host, r.dev)
-            sb, ss, db, ds, n = src.data_ptr(), src.stride(0), dst.data_ptr(), dst.stride(0), r.nbytes
+            sb, ss, n = src.data_ptr(), src.stride(0), r.nbytes
+            db, ds = dst.data_ptr(), dst.stride(0)
             for s, d, k in (runs if r.dense else singles):
                 move(db + d * ds, sb + s * ss, k * n)
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Collection
-from typing import Any, Final, NamedTuple, Protocol
+from typing import Any, Final, NamedTuple, Protocol, Self
 
 import torch
 
@@ -45,11 +45,11 @@ from workers.copy_engine import (
     Fence,
     check_ids,
     describe_error,
-    pair_runs,
+    pieces,
 )
 from workers.host_pool import HostPool
 
-__all__ = ["CudaCopyEngine", "CudaEvent", "CudaFence", "STREAM_PRIORITY"]
+__all__ = ["STREAM_PRIORITY", "CudaCopyEngine", "CudaEvent", "CudaFence"]
 
 #: CUDA's least (lowest) stream priority; greater priorities are negative numbers.
 STREAM_PRIORITY: Final = 0
@@ -141,7 +141,8 @@ class CudaCopyEngine:
         if not torch.cuda.is_available():
             raise ConfigError("CudaCopyEngine needs CUDA (torch.cuda.is_available() is False)")
         if device_layout.device.type != "cuda":
-            raise ConfigError(f"CudaCopyEngine needs a CUDA device layout, got {device_layout.device}")
+            raise ConfigError(f"CudaCopyEngine needs a CUDA device layout, got "
+                              f"{device_layout.device}")
         if not host.pinned:
             raise ConfigError("CudaCopyEngine needs a pinned host pool (HostPool(..., pin=True))")
         if len(host.regions) != len(device_layout.regions):
@@ -171,7 +172,8 @@ class CudaCopyEngine:
         seq = self._tracker.add(job.job_id, job.direction)
         if self._closed:
             self._tracker.count_rejected_closed()
-            self._tracker.finish(seq, Done(job.job_id, self.rank, False, "CopyError: engine closed"))
+            closed = Done(job.job_id, self.rank, False, "CopyError: engine closed")
+            self._tracker.finish(seq, closed)
             return
         try:
             if after is not None and not isinstance(after, CudaFence):
@@ -201,8 +203,7 @@ class CudaCopyEngine:
             _Pending(seq, job.job_id, event, len(src_ids) * self._block_bytes, len(src_ids), error))
 
     def _enqueue(self, store: bool, src_ids: list[int], dst_ids: list[int]) -> None:
-        runs = pair_runs(src_ids, dst_ids)
-        singles = runs if len(runs) == len(src_ids) else [(s, d, 1) for s, d in zip(src_ids, dst_ids)]
+        runs, singles = pieces(src_ids, dst_ids)
         for r in self._regions:
             src, dst = (r.dev, r.host) if store else (r.host, r.dev)
             for s, d, k in (runs if r.dense else singles):
@@ -249,7 +250,7 @@ class CudaCopyEngine:
                 if not _wait_event(targets[-1], left):
                     self._tracker.count_wait_timeout()
                     break
-            except Exception:  # noqa: BLE001 - _reap turns it into a failed Done
+            except Exception:  # noqa: BLE001, S112 - _reap turns it into a failed Done
                 continue
         return self._tracker.take(ids)
 
@@ -272,7 +273,7 @@ class CudaCopyEngine:
                 pass
         self._reap()
 
-    def __enter__(self) -> CudaCopyEngine:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

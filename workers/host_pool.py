@@ -18,7 +18,7 @@ CUDA copy is undefined.
 from __future__ import annotations
 
 import os
-from typing import Any, Final
+from typing import Any, Final, Self
 
 import torch
 
@@ -33,15 +33,20 @@ __all__ = ["HostPool"]
 _CUDA_HOST_REGISTER_DEFAULT: Final = 0
 
 
+#: ``torch.cuda`` as Any: ``cudart()`` is untyped in torch's stubs.
+_cuda: Any = torch.cuda
+
+
 def _cudart() -> Any:
-    """torch's CUDA runtime bindings (untyped in torch's stubs, hence Any)."""
-    return getattr(torch.cuda, "cudart")()
+    """torch's CUDA runtime bindings."""
+    return _cuda.cudart()
 
 
 def _cuda_pin(ptr: int, size: int) -> None:
     rc = _cudart().cudaHostRegister(ptr, size, _CUDA_HOST_REGISTER_DEFAULT)
     if int(rc) != 0:
-        raise ConfigError(f"cudaHostRegister of the {size}-byte host pool failed (cudaError {int(rc)})")
+        raise ConfigError(f"cudaHostRegister of the {size}-byte host pool failed "
+                          f"(cudaError {int(rc)})")
 
 
 def _cuda_unpin(ptr: int) -> None:
@@ -74,7 +79,7 @@ class HostPool:
     registered with CUDA (until :meth:`close`).
     """
 
-    __slots__ = ("regions", "num_cpu_blocks", "spec", "pinned", "_flat", "_closed")
+    __slots__ = ("_closed", "_flat", "num_cpu_blocks", "pinned", "regions", "spec")
 
     def __init__(self, flat: torch.Tensor, ready: Ready, *, pin: bool) -> None:
         self._flat = flat
@@ -150,7 +155,7 @@ class HostPool:
         self.regions = ()
         self._flat = torch.empty(0, dtype=torch.uint8)
 
-    def __enter__(self) -> HostPool:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:
