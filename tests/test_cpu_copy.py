@@ -106,7 +106,16 @@ def test_round_trip_two_ranks_byte_exact(method: CpuCopyMethod) -> None:
             host.close()
 
 
-def test_random_completion_order_reports_each_job_once_fifo() -> None:
+def test_random_completion_order_reports_each_job_once_fifo(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    finish_order: list[int] = []
+    real_finish = CompletionTracker.finish
+
+    def spy(self: CompletionTracker, seq: int, done: Done, **kw: int) -> None:
+        finish_order.append(done.job_id)
+        real_finish(self, seq, done, **kw)
+
+    monkeypatch.setattr(CompletionTracker, "finish", spy)
     layout = make_layout(rank_tensors(1))
     host = HostPool.for_tests(layout, NUM_CPU)
     fault = FaultInjection(seed=3, max_delay_s=0.02)
@@ -120,6 +129,7 @@ def test_random_completion_order_reports_each_job_once_fifo() -> None:
         dones = collect(eng, 40)
         ids = [d.job_id for d in dones]
         assert sorted(ids) == list(range(40)) and all(d.ok for d in dones)
+        assert finish_order != sorted(finish_order)  # the copies really finished out of order
         for direction in Direction:
             lane = [j for j in ids if directions[j] == direction]
             assert lane == sorted(lane)
