@@ -36,7 +36,8 @@ from typing import Final
 from kvshm.errors import PeerDied
 from kvshm.ring import Ring
 
-_FENCE: Final = threading.Lock()
+#: ``with FENCE_LOCK: pass`` is :func:`full_fence` inlined (hot paths).
+FENCE_LOCK: Final = threading.Lock()
 _HUP: Final = select.POLLHUP | select.POLLERR | select.POLLNVAL
 #: The park timeout: the longest a lost wake-up could delay a reader (never expected).
 PARK_TIMEOUT_S: Final = 1.0
@@ -44,7 +45,7 @@ PARK_TIMEOUT_S: Final = 1.0
 
 def full_fence() -> None:
     """A full memory barrier: acquiring a lock is a locked read-modify-write."""
-    with _FENCE:
+    with FENCE_LOCK:
         pass
 
 
@@ -92,7 +93,7 @@ class Doorbell:
 
 def notify(ring: Ring, bell: Doorbell) -> bool:
     """Writer side, after :meth:`Ring.publish`: fence, then ring a parked reader once."""
-    with _FENCE:
+    with FENCE_LOCK:
         pass
     token = ring.park_token
     if token and token != bell.last_token:

@@ -126,7 +126,10 @@ async def collect(ch: SchedulerChannel, n: int, timeout: float = 10.0) -> list[p
 # ------------------------------------------------------------------- round trips
 
 
-async def test_round_trip_across_processes(link: Link) -> None:
+async def test_round_trip_across_processes() -> None:
+    # a long re-check interval: a Done found by the timer would be a lost wake-up, not
+    # a worker merely preempted between its publish and its doorbell
+    link = make_link(recheck_interval=0.5)
     proc = start(link, echo_worker)
     try:
         link.ch.send_nowait(transfer(0))  # room for a few: these never raise
@@ -142,6 +145,7 @@ async def test_round_trip_across_processes(link: Link) -> None:
         reap(proc)
     finally:
         kill(proc)
+        link.close()
     st = link.ch.statistics()
     assert st.cmd_messages == 200 + 29 + 1 and st.done_messages == 200
     assert st.cmd_bytes > 200 * 128 and st.done_bytes > 0
@@ -228,6 +232,14 @@ def test_oversize_refused_at_sender_and_nothing_queued() -> None:
         with pytest.raises(ConfigError):
             lk.ch.send_nowait(huge)
         assert lk.ch.overflow_depth == 0 and lk.ch.statistics().cmd_messages == 0
+        with pytest.raises(ConfigError):  # the ones before it still go out, in order
+            lk.ch.post_many([transfer(1), huge, transfer(2)])
+        w = in_process_worker(lk)
+        assert w.receive_nowait() == [transfer(1)]
+        w.send_nowait(p.Done(1, 0, False, "é" * 100_000))  # a long error is cut, not refused
+        (done,) = lk.ch.receive_nowait()
+        assert not done.ok and 100 < len(done.error) <= 2048 and set(done.error) == {"é"}
+        w.close()
     finally:
         lk.close()
 
