@@ -332,6 +332,16 @@ class SchedulerChannel(_Endpoint[protocol.CmdMsg, protocol.Done]):
         self._arm_timer()
         return staged
 
+    async def send(self, msg: protocol.CmdMsg) -> None:
+        """:meth:`post`, then wait (re-checking every ``recheck_interval``) until nothing
+        is left in the overflow, i.e. ``msg`` is in the ring. Cancelling the wait does
+        not withdraw the message."""
+        if self.post(msg):
+            return
+        while self._overflow:
+            await asyncio.sleep(self._interval)
+            self.flush_overflow()
+
     def flush_overflow(self) -> int:
         """Move queued records into the ring, in order, as far as they fit; returns how many."""
         self._check_open()

@@ -209,9 +209,13 @@ async def test_full_cmd_ring_overflows_and_drains_in_order() -> None:
         assert lk.ch.overflow_depth > 250
         with pytest.raises(WouldBlock):  # must not overtake the queued records
             lk.ch.send_nowait(transfer(999))
+        sending = asyncio.ensure_future(lk.ch.send(transfer(300)))
+        await asyncio.sleep(0.02)
+        assert not sending.done()  # waits while the worker is stalled
         lk.life.send(b"g")
-        got = await collect(lk.ch, 300)
-        assert [d.job_id for d in got] == list(range(300))  # nothing lost, in order
+        got = await collect(lk.ch, 301)
+        await asyncio.wait_for(sending, 5)
+        assert [d.job_id for d in got] == list(range(301))  # nothing lost, in order
         assert lk.ch.overflow_depth == 0
         st = lk.ch.statistics()
         assert st.overflow_peak > 250 and st.full_ring_events >= 2

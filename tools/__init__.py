@@ -1,0 +1,1 @@
+"""Benchmarks and operator tools (run as ``python -m tools.<name>``)."""
