@@ -409,6 +409,8 @@ class SchedulerChannel(_Endpoint[protocol.CmdMsg, protocol.Done]):
         self._arm_timer()
 
     def _on_doorbell(self) -> None:
+        if self._closed:
+            return
         self._rx_bell.drain()
         self._wakeups += 1
         self._pump()
@@ -436,15 +438,16 @@ class SchedulerChannel(_Endpoint[protocol.CmdMsg, protocol.Done]):
     def _deliver(self) -> bool:
         """One drain to on_done; False when the ring broke or the channel closed."""
         assert self._on_done is not None
-        try:
-            msgs = self.receive_nowait()
-        except ProtocolError as exc:
-            self._report(exc)
-            if self._rx.broken is not None:
+        while True:  # each failed try consumed records, so this ends
+            try:
+                msgs = self.receive_nowait()
+                break
+            except ProtocolError as exc:
+                self._report(exc)
+                if self._closed or self._rx.broken is not None:
+                    return False
+            except ClosedError:
                 return False
-            msgs = self.receive_nowait()  # the records around the bad one
-        except ClosedError:
-            return False
         if msgs:
             self._on_done(msgs)
         return not self._closed

@@ -208,7 +208,7 @@ class Ring:
     @property
     def park_token(self) -> int:
         """The reader's current park token (0 = awake: do not ring)."""
-        return int(self._ctl[self._wp])
+        return self._ctl[self._wp]
 
     def park(self) -> int:
         """Reader: store a fresh park token (the caller fences next); returns it."""

@@ -491,3 +491,36 @@ def test_sigkill_scheduler_is_noticed_by_a_parked_worker() -> None:
         kill(proc)
         w.close()
         lk.close()
+
+
+async def test_closing_from_inside_the_callbacks_is_safe() -> None:
+    """The engine fails a peer from on_done/on_error: no later callback, no stray error."""
+    loop = asyncio.get_running_loop()
+    stray: list[dict[str, Any]] = []
+    loop.set_exception_handler(lambda _loop, ctx: stray.append(ctx))
+    for closer in ("on_done", "on_error"):
+        lk, w = in_process_pair()
+        calls: list[str] = []
+
+        def on_done(msgs: list[p.Done], lk: Link = lk, closer: str = closer) -> None:
+            calls.append("done")
+            if closer == "on_done":
+                lk.ch.close()
+
+        def on_error(exc: TransportError, lk: Link = lk, closer: str = closer) -> None:
+            calls.append("error")
+            if closer == "on_error":
+                lk.ch.close()
+
+        lk.ch.attach(loop, on_done, on_error)
+        pos = w.rings.done.head
+        w.send_many([p.Done(1, 0, True), p.Done(2, 0, True)])
+        corrupt_done_payload(lk, pos)
+        await asyncio.sleep(0.02)
+        w.send_nowait(p.Done(3, 0, True))
+        await asyncio.sleep(0.02)
+        assert calls == (["error", "done"] if closer == "on_done" else ["error"])
+        assert lk.ch.closed
+        w.close()
+        lk.close()
+    assert stray == []
