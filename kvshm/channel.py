@@ -38,7 +38,7 @@ from typing import Final, Generic, TypeVar
 import msgspec
 
 from kvshm import protocol
-from kvshm.doorbell import FENCE_LOCK, PARK_TIMEOUT_S, Doorbell, Parker, WakeReason, full_fence
+from kvshm.doorbell import FENCE_LOCK, PARK_TIMEOUT_S, Doorbell, Parker, full_fence
 from kvshm.errors import ClosedError, ConfigError, ProtocolError, StateError, TransportError
 from kvshm.errors import WouldBlock
 from kvshm.ring import Ring, RingPair, WorkerState
@@ -546,11 +546,10 @@ class WorkerChannel(_Endpoint[protocol.Done, protocol.CmdMsg]):
         if spin_us < 0 or park_timeout <= 0 or full_wait_s < 0:
             raise ConfigError("spin_us and full_wait_s must be >= 0, park_timeout > 0")
         self._spin_ns = int(spin_us * 1000)
-        self._park_timeout = park_timeout
         self._full_wait = full_wait_s
         # error texts are cut so a Done always fits (4 UTF-8 bytes per char at worst)
         self._max_error = min(MAX_ERROR_CHARS, (rings.done.max_payload() - 64) // 4)
-        self._parker = Parker(rings.cmd, self._rx_bell, lifeline_fd)
+        self._parker = Parker(rings.cmd, self._rx_bell, lifeline_fd, park_timeout)
         rings.cmd.unpark()
         rings.worker_state = WorkerState.RUNNING
 
@@ -613,28 +612,14 @@ class WorkerChannel(_Endpoint[protocol.Done, protocol.CmdMsg]):
         msgs = self._drain()
         if msgs:
             return msgs
-        rx = self._rx
-        now = time.perf_counter_ns()
-        if self._spin_ns:
-            end = now + self._spin_ns
-            while time.perf_counter_ns() < end:
-                if not rx.is_empty():
-                    return self._drain()
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            wait = self._park_timeout
-            if deadline is not None:
-                wait = min(wait, max(0.0, deadline - time.monotonic()))
-            self.rings.worker_state = WorkerState.PARKED
-            reason = self._parker.park(wait)
+        self.rings.worker_state = WorkerState.PARKED
+        parks = self._parker.parks
+        try:
+            self._parker.wait(timeout, self._spin_ns)
+        finally:
             self.rings.worker_state = WorkerState.RUNNING
-            if reason is not WakeReason.TIMEOUT:
-                self._wakeups += 1
-            msgs = self._drain()
-            if msgs or reason is WakeReason.LIFELINE:
-                return msgs
-            if deadline is not None and time.monotonic() >= deadline:
-                return []
+        self._wakeups += self._parker.parks - parks
+        return self._drain()
 
     def beat(self) -> int:
         """Bump the heartbeat in the control block; returns the new count."""

@@ -30,6 +30,7 @@ import os
 import select
 import socket
 import threading
+import time
 from enum import Enum
 from typing import Final
 
@@ -139,10 +140,17 @@ class Parker:
     owner reads it; the parker never consumes it).
     """
 
-    def __init__(self, ring: Ring, bell: Doorbell, lifeline_fd: int | None = None) -> None:
+    def __init__(
+        self,
+        ring: Ring,
+        bell: Doorbell,
+        lifeline_fd: int | None = None,
+        park_timeout: float = PARK_TIMEOUT_S,
+    ) -> None:
         self._ring = ring
         self._bell = bell
         self._lifeline = lifeline_fd
+        self._park_timeout = park_timeout
         self._poll = select.poll()
         self._poll.register(bell.fd, select.POLLIN)
         if lifeline_fd is not None:
@@ -168,6 +176,30 @@ class Parker:
         finally:
             ring.unpark()
         return self._classify(events)
+
+    def wait(self, timeout: float | None, spin_ns: int = 0) -> WakeReason:
+        """Until the ring has records (DATA or DOORBELL), the lifeline has data
+        (LIFELINE) or ``timeout`` seconds passed (TIMEOUT; None waits forever).
+
+        Spins up to ``spin_ns`` first, then parks for at most ``park_timeout`` at a time
+        (a spurious or timed-out wake re-parks). PeerDied when the lifeline closes.
+        """
+        ring = self._ring
+        if spin_ns:
+            end = time.perf_counter_ns() + spin_ns
+            while time.perf_counter_ns() < end:
+                if not ring.is_empty():
+                    return WakeReason.DATA
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            wait = self._park_timeout
+            if deadline is not None:
+                wait = min(wait, max(0.0, deadline - time.monotonic()))
+            reason = self.park(wait)
+            if reason is WakeReason.LIFELINE or not ring.is_empty():
+                return reason
+            if deadline is not None and time.monotonic() >= deadline:
+                return WakeReason.TIMEOUT
 
     def _classify(self, events: list[tuple[int, int]]) -> WakeReason:
         reason = WakeReason.TIMEOUT

@@ -8,7 +8,10 @@ worker and its ``Done`` sent back, both msgspec-encoded with the project's codec
 
 * RTT, one event in flight, p50 over ``--n`` events: *cold* = the worker blocks as soon
   as it is idle; *hot* = each worker spins 50 us before blocking.
-* Throughput: 16 events in flight (hot workers), ``--m`` events, events/s.
+* Throughput: 16 events in flight (hot workers), ``--m`` events, events/s (median of
+  the rounds).
+* ``--rounds`` interleaves the contenders so that load from other processes on a shared
+  machine hits all of them alike; RTT samples are pooled over the rounds.
 * kvshm cmd-ring doorbells per 100 events during the throughput run.
 
 Contenders: kvshm (SchedulerChannel/WorkerChannel over an unlinked shm segment and
@@ -70,8 +73,14 @@ class Result:
 
     rtt_cold: list[float] = field(default_factory=list)
     rtt_hot: list[float] = field(default_factory=list)
-    events_per_s: float = 0.0
-    cmd_doorbells: int = -1
+    rates: list[float] = field(default_factory=list)  # events/s, one per round
+    events: int = 0
+    cmd_doorbells: int = 0
+
+    @property
+    def events_per_s(self) -> float:
+        """Median over rounds (robust to one round disturbed by other load)."""
+        return statistics.median(self.rates) if self.rates else float("nan")
 
     @staticmethod
     def pct(xs: list[float], q: float) -> float:
@@ -289,27 +298,27 @@ async def _throughput(side: _Side, m: int) -> float:
 Factory = Callable[[float], _Side]
 
 
-async def _run_one(make: Factory, n: int, m: int, warmup: int) -> Result:
-    res = Result()
-    for spin, attr in ((0.0, "rtt_cold"), (SPIN_US, "rtt_hot")):
+async def _run_round(make: Factory, res: Result, n: int, m: int, warmup: int) -> None:
+    """One round for one contender: cold RTT, hot RTT, throughput (fresh worker each)."""
+    for spin, samples in ((0.0, res.rtt_cold), (SPIN_US, res.rtt_hot)):
         side = make(spin)
         try:
-            setattr(res, attr, await _rtt(side, n, warmup))
+            samples += await _rtt(side, n, warmup)
         finally:
             await side.stop()
     side = make(SPIN_US)
     try:
         await _rtt(side, 0, warmup)
         before = side.ch.statistics().cmd_doorbells if isinstance(side, _KvshmSide) else 0
-        res.events_per_s = await _throughput(side, m)
+        res.rates.append(await _throughput(side, m))
+        res.events += m
         if isinstance(side, _KvshmSide):
-            res.cmd_doorbells = side.ch.statistics().cmd_doorbells - before
+            res.cmd_doorbells += side.ch.statistics().cmd_doorbells - before
     finally:
         await side.stop()
-    return res
 
 
-def _summary(res: dict[str, Result], m: int) -> dict[str, Any]:
+def _summary(res: dict[str, Result]) -> dict[str, Any]:
     rtt = {}
     for name, r in res.items():
         rtt[f"{name}_cold"] = round(Result.pct(r.rtt_cold, 0.5), 1)
@@ -317,7 +326,7 @@ def _summary(res: dict[str, Result], m: int) -> dict[str, Any]:
     return {
         "rtt_us": rtt,
         "events_per_s": {name: round(r.events_per_s) for name, r in res.items()},
-        "cmd_doorbells_per_100": round(100 * res["kvshm"].cmd_doorbells / m, 3),
+        "cmd_doorbells_per_100": round(100 * res["kvshm"].cmd_doorbells / res["kvshm"].events, 3),
     }
 
 
@@ -352,10 +361,12 @@ def _table(res: dict[str, Result], summ: dict[str, Any]) -> str:
 
 async def _main(args: argparse.Namespace) -> dict[str, Result]:
     contenders: dict[str, Factory] = {"kvshm": _KvshmSide, "zmq": _ZmqSide, "mp": _MpSide}
-    out: dict[str, Result] = {}
-    for name, make in contenders.items():
-        out[name] = await _run_one(make, args.n, args.m, args.warmup)
-        print(f"# {name} done", file=sys.stderr, flush=True)
+    out = {name: Result() for name in contenders}
+    n, m = max(1, args.n // args.rounds), max(WINDOW, args.m // args.rounds)
+    for rnd in range(args.rounds):  # interleaved, so load from elsewhere hits all alike
+        for name, make in contenders.items():
+            await _run_round(make, out[name], n, m, args.warmup)
+        print(f"# round {rnd + 1}/{args.rounds} done", file=sys.stderr, flush=True)
     return out
 
 
@@ -366,9 +377,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n", type=int, default=3000, help="events per RTT measurement")
     ap.add_argument("--m", type=int, default=100_000, help="events in the throughput run")
     ap.add_argument("--warmup", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (n, m split)")
     args = ap.parse_args(argv)
     res = uvloop.run(_main(args))
-    summ = _summary(res, args.m)
+    summ = _summary(res)
     print(_table(res, summ))
     if args.json:
         print(json.dumps(summ))
