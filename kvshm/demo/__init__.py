@@ -1,0 +1,5 @@
+"""The toy paged-attention model and chat trace behind ``kvshm demo``.
+
+``kvshm.demo.model`` needs torch; ``kvshm.demo.trace`` does not. Nothing is imported
+here, so importing ``kvshm.demo`` is free.
+"""
