@@ -23,7 +23,15 @@ Invariants:
   count and the same chunk boundaries (``start_pos`` and lengths of every chunk), logits
   are bitwise identical, whatever block ids hold the context. Different chunk boundaries
   agree only to float tolerance (BLAS kernels round differently for different row
-  counts), so a bit-exact reference must replay the same boundaries.
+  counts), so a bit-exact reference must replay the same boundaries (every
+  ``forward_chunk``'s ``start_pos`` and length, decode steps included).
+
+Speed (2-core EPYC, float32, 1 torch thread, CPU time): a 1,024-token prefill from
+position 0 in two 512-token chunks ~0.42 s; one decode step with 1,500 tokens of context
+~10-12 ms, bound by memory traffic (42 MB of weights plus ~24 MB of context K/V per
+step). Two torch threads help only on an idle machine: when other processes hold a core,
+OpenMP's barriers make two threads several times slower than one, so a driver sharing the
+cores with kvshm workers should call ``torch.set_num_threads(1)``.
 """
 
 from __future__ import annotations
