@@ -114,9 +114,10 @@ def declined(m: OffloadManager, reason: DeclineReason) -> int:
 def test_in_flight_store_dedup_across_steps() -> None:
     """Step 1 stores A's two blocks; the job is still in flight in step 2, when B lists
     the same GPU blocks (a GPU prefix hit, B never looked up) and C holds the same
-    content in other GPU blocks (recomputed). Nothing may be stored twice: B's blocks
-    are skipped by GPU id, C's by hash. After the ack the CPU index holds each hash
-    once and a later duplicate is ALREADY_CACHED."""
+    content in other GPU blocks (recomputed). Nothing may be stored twice: C's blocks
+    are skipped by hash, a block reached under another of its hashes by GPU id. After
+    the ack the CPU index holds each hash once and a later duplicate is
+    ALREADY_CACHED."""
     rig = Rig()
     a, b, c = Req("a", 9), Req("b", 9), Req("c", 9)
     ga = rig.alloc(3, a.h)                                  # [0, 1, 2]
@@ -129,15 +130,22 @@ def test_in_flight_store_dedup_across_steps() -> None:
     rig.gpu.touch(ga[:2])                                   # B's GPU prefix hit
     gb = ga[:2] + rig.alloc(1)                              # [0, 1, 3]
     gc = rig.alloc(3, c.h)                                  # [4, 5, 6], same hashes as A
+    # E reaches GPU block 0 under a secondary hash the block also carries: only the
+    # GPU-id mark can tell it is the block already being stored.
+    secondary = b"secondary hash of block 0"
+    rig.gpu.add_hashes(0, [secondary])
+    rig.gpu.touch([0])
+    e = ScheduledRequest("e", [secondary], 5, ((0,),), True, 4)
     p2 = rig.step(a.sched((), confirmed=9), b.sched(gb, confirmed=8, new=True),
-                  c.sched(gc, confirmed=8, new=True))
+                  c.sched(gc, confirmed=8, new=True), e)
     assert p2.store is None
-    assert declined(rig.m, DeclineReason.IN_FLIGHT) == 4
+    assert declined(rig.m, DeclineReason.IN_FLIGHT) == 5
     assert rig.m.num_jobs_in_flight == 1
 
     rig.ack(p1.store)
     assert rig.cpu.get_cached(a.h[0]) == 0 and rig.cpu.get_cached(a.h[1]) == 1
-    assert refs(rig.gpu, [0, 1]) == [2, 2] and refs(rig.cpu, [0, 1]) == [0, 0]
+    assert rig.cpu.get_cached(secondary) == 0                 # the GPU block's hashes at completion
+    assert refs(rig.gpu, [0, 1]) == [3, 2] and refs(rig.cpu, [0, 1]) == [0, 0]
     d = Req("d", 9)
     gd = rig.alloc(3, d.h)
     p3 = rig.step(d.sched(gd, confirmed=8, new=True))
@@ -404,6 +412,27 @@ def test_rank_failure_fails_job_but_keeps_pins_until_all_ranks_done() -> None:
     assert refs(rig.cpu, [0, 1]) == [0, 0] and refs(rig.gpu, gr) == [1, 1, 1]
     rig.m.on_done(2, 2, True)                                   # late ack from the dead rank
     assert rig.m.counters.acks_unknown == 1 and rig.m.pins_held() == 0
+
+
+def test_load_result_waits_for_every_rank() -> None:
+    """Two ranks: rank 0's successful ack alone completes nothing -- rank 1 may still be
+    writing the destination blocks. The result and the unpinning come with rank 1."""
+    rig = Rig(world_size=2)
+    r = Req("r", 9)
+    rig.seed_cpu(*r.h)
+    assert rig.m.lookup(r.view(), 0) == 8
+    gr = rig.alloc(3)
+    rig.m.allocated("r", [gr], 8)
+    p1 = rig.step()
+    rig.ack(p1.load, ranks=[1])
+    p2 = rig.step()
+    assert p2.load_results == () and p1.load is not None
+    assert p2.load_jobs == {p1.load.job_id: ("r",)}
+    assert refs(rig.cpu, [0, 1]) == [1, 1] and refs(rig.gpu, gr) == [2, 2, 1]
+    rig.ack(p1.load, ranks=[0])
+    p3 = rig.step()
+    assert p3.load_results == (LoadResult("r", True, (), None, 8),) and p3.load_jobs == {}
+    assert rig.m.pins_held() == 0
 
 
 # ---- LRU order ---------------------------------------------------------------------------
