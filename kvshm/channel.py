@@ -293,7 +293,26 @@ class SchedulerChannel(_Endpoint[protocol.CmdMsg, protocol.Done]):
         Never blocks and never raises for a full ring (ConfigError for a record larger
         than the ring could ever hold, ClosedError after close).
         """
-        return self.post_many((msg,)) == 1
+        if self._overflow or self._closed:
+            return self.post_many((msg,)) == 1
+        payload = self._encode(msg)  # fast path: nothing queued, one record
+        self._outstanding += isinstance(msg, protocol.Transfer)
+        try:
+            staged = self._tx.stage(payload)
+        except ConfigError:
+            self._outstanding -= isinstance(msg, protocol.Transfer)
+            raise
+        if not staged:
+            self._full_events += 1
+            self._overflow.append(bytes(payload))
+            self._overflow_peak = max(self._overflow_peak, 1)
+            self._arm_timer()
+            return False
+        self._tx.publish()
+        self._published(1, len(payload))
+        if self._timer is None:
+            self._arm_timer()
+        return True
 
     def post_many(self, msgs: Sequence[protocol.CmdMsg]) -> int:
         """:meth:`post` for several messages, in order, with one head store and at most

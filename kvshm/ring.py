@@ -109,7 +109,7 @@ class WorkerState(IntEnum):
 
     UNSET = 0
     RUNNING = 1
-    PARKED = 2
+    PARKED = 2  # idle: spinning or parked, waiting for commands
     STOPPING = 3
     STOPPED = 4
 

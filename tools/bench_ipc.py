@@ -278,12 +278,13 @@ async def _throughput(side: _Side, m: int) -> float:
     state = {"sent": 0, "got": 0}
 
     def on_done(jobs: list[int]) -> None:
+        # one new Transfer per completed one, sent at once, as a client keeping W in
+        # flight would: the worker starts on it while this side handles the rest
+        for _ in jobs:
+            if state["sent"] < m:
+                side.send([_transfer(state["sent"])])
+                state["sent"] += 1
         state["got"] += len(jobs)
-        sent = state["sent"]
-        k = min(len(jobs), m - sent)
-        if k > 0:
-            side.send([_transfer(i) for i in range(sent, sent + k)])
-            state["sent"] = sent + k
         if state["got"] >= m and not finished.done():
             finished.set_result(None)
 
