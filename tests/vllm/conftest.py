@@ -1,0 +1,334 @@
+"""Fixtures for tests against a real vLLM on the CPU (skipped where vLLM is not installed).
+
+This folder deliberately has no ``__init__.py``: with one, pytest's default ("prepend")
+import mode would put ``tests/`` on ``sys.path`` and import this folder as the package
+``vllm``, shadowing the real vLLM. The connector modules here are loaded by vLLM as
+``tests.vllm.<module>`` (namespace packages) with the repository root on the path.
+
+Every test in this directory is marked ``vllm``, and every test module starts with
+``pytest.importorskip`` of a vLLM submodule, so the whole folder is reported skipped where
+vLLM is not installed (this file imports neither vLLM nor transformers at import time, so
+it loads everywhere). Where vLLM is installed, the environment variables below are set at
+import time, before torch or vLLM starts any thread pool or child process
+(``setdefault``: an explicit value from CI wins):
+
+* ``OMP_NUM_THREADS=1``: on a 2-core machine two OpenMP threads per process turn a 1.5 ms
+  decode step into ~100 ms as soon as another process is busy.
+* ``VLLM_CPU_OMP_THREADS_BIND=nobind``: otherwise vLLM's multi-process launcher sets the
+  Worker's ``OMP_NUM_THREADS`` to the number of cores it binds (all of them).
+* ``TORCH_COMPILE_DISABLE=1``: the logprobs path is ``torch.compile``d; the first compile
+  takes 10-18 s.
+* ``VLLM_ENABLE_V1_MULTIPROCESSING`` is *not* set here: each test chooses its mode, and
+  vLLM reads it when an engine is built.
+
+The tiny model is a random Llama built offline (no hub, no network) with a fixed seed: 2
+layers, hidden 128, 4 attention heads, 2 KV heads (head_dim 32, one of the CPU attention
+backend's sizes), vocab 512, with a word-level tokenizer whose words ``w0 .. w507`` are one
+token each, so prompt lengths in tokens are exact.
+"""
+
+from __future__ import annotations
+
+import enum
+import gc
+import importlib.util
+import os
+import time
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+
+def _vllm_installed() -> bool:
+    """True if the real vLLM is importable (a namespace package, e.g. this folder, is not)."""
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
+
+
+VLLM_INSTALLED = _vllm_installed()
+
+if VLLM_INSTALLED:
+    # Only where vLLM runs: these change the whole pytest process and its children.
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+    # Multi-process mode: with the default "auto" vLLM binds the Worker to every core
+    # and overrides OMP_NUM_THREADS with their count (2 here); "nobind" keeps it at 1.
+    os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
+    os.environ.setdefault("TORCH_COMPILE_DISABLE", "1")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    import torch
+
+    # In case torch was imported (by another test module) before the variable was set.
+    torch.set_num_threads(1)
+
+SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
+VOCAB_SIZE = 512
+NUM_WORDS = VOCAB_SIZE - len(SPECIAL_TOKENS)
+SEED = 0
+SHUTDOWN_TIMEOUT_S = 30.0
+
+
+@dataclass(frozen=True)
+class TinyModel:
+    """A tiny random Llama checkpoint and tokenizer in ``path`` (a folder vLLM can load)."""
+
+    path: Path
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+
+    @staticmethod
+    def prompt(num_tokens: int, start: int = 0) -> str:
+        """A prompt of exactly ``num_tokens`` tokens: words ``w{start} ..`` (wrapping)."""
+        return " ".join(f"w{(start + i) % NUM_WORDS}" for i in range(num_tokens))
+
+
+def _build_tokenizer(folder: Path) -> None:
+    # importlib: these exist only beside vLLM, and mypy runs where they may not.
+    tokenizers = importlib.import_module("tokenizers")
+    transformers = importlib.import_module("transformers")
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
+    vocab.update({f"w{i}": len(SPECIAL_TOKENS) + i for i in range(NUM_WORDS)})
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
+    fast = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
+    )
+    fast.save_pretrained(str(folder))
+
+
+def _build_model(folder: Path) -> TinyModel:
+    import torch
+
+    transformers = importlib.import_module("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB_SIZE,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=2048,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=3,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(SEED)
+    model = transformers.LlamaForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        # A random init gives near-flat logits; scale them so greedy outputs and
+        # logprobs are distinct and any KV corruption shows.
+        model.lm_head.weight.mul_(20.0)
+    model.save_pretrained(str(folder), safe_serialization=True)
+    return TinyModel(
+        path=folder,
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=config.num_key_value_heads,
+        head_dim=config.hidden_size // config.num_attention_heads,
+        vocab_size=VOCAB_SIZE,
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """The tiny random Llama (float32 weights; pass ``dtype="bfloat16"`` to vLLM for bf16)."""
+    folder = tmp_path_factory.mktemp("tiny_llama")
+    _build_tokenizer(folder)
+    return _build_model(folder)
+
+
+@pytest.fixture
+def repo_on_pythonpath() -> Iterator[str]:
+    """Put the repository root on ``PYTHONPATH`` in the environment for the test.
+
+    Spawned vLLM processes (EngineCore, Worker) import the connector module by its
+    dotted path themselves; the CPU platform forces ``spawn``, so ``sys.path`` is not
+    inherited, only the environment.
+    """
+    root = str(Path(__file__).resolve().parents[2])
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = root if not old else f"{root}{os.pathsep}{old}"
+    try:
+        yield root
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
+class EngineMode(enum.Enum):
+    """How vLLM runs its engine (the value of ``VLLM_ENABLE_V1_MULTIPROCESSING``)."""
+
+    IN_PROCESS = "0"  # scheduler and worker in the test process
+    MULTI_PROCESS = "1"  # EngineCore process (scheduler) + Worker process, both spawned
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    """What to build: the tiny model with a connector loaded by module path."""
+
+    mode: EngineMode
+    connector: str  # class name in ``module``
+    module: str = "tests.vllm.null_connector"
+    dtype: str = "float32"
+    extra_config: tuple[tuple[str, Any], ...] = ()
+    kv_cache_bytes: int = 16 << 20
+    max_num_seqs: int = 8
+
+
+# llm_factory(connector, *, multiprocess=False, dtype="float32", module=..., **extra_config)
+LLMFactory = Callable[..., AbstractContextManager[Any]]
+
+
+def _children_alive() -> list[int]:
+    """Child processes still running: not zombies, not multiprocessing's resource tracker
+    (started on the first spawn, it lives as long as this process by design)."""
+    psutil = importlib.import_module("psutil")
+
+    alive = []
+    for proc in psutil.Process().children(recursive=True):
+        try:
+            if proc.status() == psutil.STATUS_ZOMBIE:
+                continue
+            if "multiprocessing.resource_tracker" in " ".join(proc.cmdline()):
+                continue
+        except psutil.NoSuchProcess:
+            continue
+        alive.append(proc.pid)
+    return alive
+
+
+def drain_in_process(llm: Any, max_steps: int = 64) -> int:
+    """Step an in-process engine while its scheduler has work; return the steps taken.
+
+    ``LLM.generate`` stops stepping once its own requests are done, so in in-process
+    mode the step that tells the workers which requests finished, and any steps a
+    connector asks for with ``has_pending_push_work``, run only at the next
+    ``generate``, after that call's lookups. This runs them now (in multi-process mode
+    the EngineCore's busy loop does it by itself).
+    """
+    core = llm.llm_engine.engine_core.engine_core
+    steps = 0
+    while core.scheduler.has_requests():
+        assert steps < max_steps, "engine still has work after max_steps steps"
+        _, executed = core.step_fn()
+        core.post_step(model_executed=executed)
+        steps += 1
+    return steps
+
+
+@contextmanager
+def _run_llm(model: TinyModel, spec: EngineSpec) -> Iterator[Any]:
+    """Build an ``LLM`` for ``spec``; shut it down and check no child process is left."""
+    import torch
+    import vllm.envs
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    # vLLM's CPU worker replaces torch.set_num_threads with a no-op (in-process mode:
+    # in this process, for the rest of the session); put it back afterwards.
+    set_num_threads = torch.set_num_threads
+
+    old_mode = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING")
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = spec.mode.value
+    # An in-process EngineCore freezes vLLM's env lookups (enable_envs_cache), so a later
+    # engine in this process would not see the mode chosen above without this.
+    vllm.envs.disable_envs_cache()
+    kv_config = KVTransferConfig(
+        kv_connector=spec.connector,
+        kv_connector_module_path=spec.module,
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config=dict(spec.extra_config),
+    )
+    llm = None
+    try:
+        llm = LLM(
+            model=str(model.path),
+            enforce_eager=True,
+            dtype=spec.dtype,
+            max_model_len=2048,
+            enable_prefix_caching=True,
+            block_size=32,
+            max_num_seqs=spec.max_num_seqs,
+            seed=SEED,
+            kv_cache_memory_bytes=spec.kv_cache_bytes,
+            kv_transfer_config=kv_config,
+        )
+        yield llm
+    finally:
+        if llm is not None:
+            # The default 5 s is too short in multi-process mode: the Worker spends ~5 s
+            # exiting, the EngineCore is then SIGKILLed and left a zombie. Graceful: ~8 s.
+            llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
+            del llm
+        if old_mode is None:
+            os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
+        else:
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = old_mode
+        vllm.envs.disable_envs_cache()
+        torch.set_num_threads = set_num_threads
+        # The in-process EngineCore gc.freeze()s the heap after start-up.
+        gc.unfreeze()
+        gc.collect()
+        deadline = time.monotonic() + 15.0
+        while _children_alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = _children_alive()
+        assert not left, f"vLLM left child processes running: {left}"
+
+
+@pytest.fixture
+def llm_factory(tiny_llama: TinyModel, repo_on_pythonpath: str) -> LLMFactory:
+    """``with llm_factory("NullConnector", multiprocess=True, log_path=...) as llm:``.
+
+    Builds one engine with the tiny model and the named connector class (from ``module``,
+    default ``tests.vllm.null_connector``); keyword arguments other than ``multiprocess``,
+    ``dtype`` and ``module`` go to ``kv_connector_extra_config``. On exit the engine is
+    shut down and the test fails if a child process is left.
+    """
+
+    def factory(
+        connector: str,
+        *,
+        multiprocess: bool = False,
+        dtype: str = "float32",
+        module: str = "tests.vllm.null_connector",
+        **extra_config: Any,
+    ) -> AbstractContextManager[Any]:
+        spec = EngineSpec(
+            mode=EngineMode.MULTI_PROCESS if multiprocess else EngineMode.IN_PROCESS,
+            connector=connector,
+            module=module,
+            dtype=dtype,
+            extra_config=tuple(sorted(extra_config.items())),
+        )
+        return _run_llm(tiny_llama, spec)
+
+    return factory
+
+
+@pytest.fixture
+def drain() -> Callable[[Any], int]:
+    """``drain_in_process``: run the steps an in-process engine still owes (see there)."""
+    return drain_in_process
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark every test under this directory ``vllm``."""
+    here = Path(__file__).parent
+    for item in items:
+        if here in Path(str(item.fspath)).parents:
+            item.add_marker(pytest.mark.vllm)
