@@ -295,7 +295,8 @@ class SchedulerChannel(_Endpoint[protocol.CmdMsg, protocol.Done]):
         """
         if self._overflow or self._closed:
             return self.post_many((msg,)) == 1
-        payload = self._encode(msg)  # fast path: nothing queued, one record
+        payload = self._scratch  # fast path: nothing queued, one record
+        self._encoder.encode_into(msg, payload)
         self._outstanding += isinstance(msg, protocol.Transfer)
         try:
             staged = self._tx.stage(payload)

@@ -155,6 +155,7 @@ class Parker:
         self._poll.register(bell.fd, select.POLLIN)
         if lifeline_fd is not None:
             self._poll.register(lifeline_fd, select.POLLIN)
+        self._undrained = True  # the eventfd may hold rings from before we existed
         self.parks = 0  # times it actually slept in poll()
         self.rechecks = 0  # parks avoided by the re-check (records arrived meanwhile)
         self.timeouts = 0  # polls that timed out
@@ -162,8 +163,16 @@ class Parker:
         self.spurious = 0  # doorbell wake-ups that found the ring empty
 
     def park(self, timeout: float = PARK_TIMEOUT_S) -> WakeReason:
-        """Park, re-check, sleep at most ``timeout`` seconds, unpark. See module doc."""
+        """Park, re-check, sleep at most ``timeout`` seconds, unpark. See module doc.
+
+        The eventfd is drained here, *before* the new token is stored, not on waking:
+        that keeps the read() syscall off the wake-up path, and a ring for the new token
+        can never be eaten by it.
+        """
         ring = self._ring
+        if self._undrained:
+            self._undrained = False
+            self._bell.drain()
         ring.park()
         full_fence()
         if not ring.is_empty():
@@ -205,7 +214,7 @@ class Parker:
         reason = WakeReason.TIMEOUT
         for fd, mask in events:
             if fd == self._bell.fd:
-                self._bell.drain()
+                self._undrained = True  # drained at the next park
                 reason = WakeReason.DOORBELL
             elif mask & _HUP or not lifeline_alive(fd):
                 raise PeerDied(f"lifeline fd {fd} closed: the peer is gone")
