@@ -191,31 +191,17 @@ class _Endpoint(Generic[SendT, RecvT]):
         )
 
     def _stats(self, side: str, tx_is_cmd: bool, **extra: int) -> ChannelStats:
-        tx, rx = self._tx_bell, self._rx_bell
-        sent = (self._sent_msgs, self._sent_bytes, tx.rung)
-        recv = (self._recv_msgs, self._recv_bytes, rx.received)
+        sent = (self._sent_msgs, self._sent_bytes, self._tx_bell.rung)
+        recv = (self._recv_msgs, self._recv_bytes, self._rx_bell.received)
         cmd, done = (sent, recv) if tx_is_cmd else (recv, sent)
+        wakeups = self._wakeups
         return ChannelStats(
-            side=side,
-            rank=self.rank,
-            cmd_messages=cmd[0],
-            cmd_bytes=cmd[1],
-            done_messages=done[0],
-            done_bytes=done[1],
-            cmd_doorbells=cmd[2],
-            done_doorbells=done[2],
-            wakeups=self._wakeups,
-            receives_per_wakeup=self._recv_msgs / self._wakeups if self._wakeups else 0.0,
-            full_ring_events=self._full_events,
-            peak_depth_bytes=self._peak_depth,
-            protocol_errors=self._protocol_errors,
-            overflow_depth=extra.get("overflow_depth", 0),
-            overflow_peak=extra.get("overflow_peak", 0),
-            overflow_dropped_at_close=extra.get("dropped", 0),
-            parks=extra.get("parks", 0),
-            rechecks=extra.get("rechecks", 0),
-            rescues=extra.get("rescues", 0),
-        )
+            side, self.rank, cmd[0], cmd[1], done[0], done[1], cmd[2], done[2], wakeups,
+            self._recv_msgs / wakeups if wakeups else 0.0, self._full_events,
+            extra.get("overflow_depth", 0), extra.get("overflow_peak", 0),
+            extra.get("dropped", 0), self._peak_depth, self._protocol_errors,
+            extra.get("parks", 0), extra.get("rechecks", 0), extra.get("rescues", 0),
+        )  # fmt: skip
 
     def _close_common(self) -> None:
         self._closed = True
@@ -438,8 +424,8 @@ class SchedulerChannel(_Endpoint[protocol.CmdMsg, protocol.Done]):
     def _pump(self) -> None:
         if self._closed or self._rx.broken is not None:
             return
-        if self._on_done is None:
-            if self._waiter is not None and not self._waiter.done() and not self._rx.is_empty():
+        if self._on_done is None:  # receive() drains, then re-parks with a new token
+            if self._waiter is not None and not self._waiter.done():
                 self._waiter.set_result(None)
             return
         rx = self._rx
