@@ -375,14 +375,17 @@ def main(argv: list[str] | None = None) -> int:
     """Entry point; see module doc."""
     ap = argparse.ArgumentParser(prog="python -m tools.bench_ipc", description=__doc__)
     ap.add_argument("--json", action="store_true", help="print the JSON summary last")
-    ap.add_argument("--n", type=int, default=3000, help="events per RTT measurement")
-    ap.add_argument("--m", type=int, default=100_000, help="events in the throughput run")
+    ap.add_argument("--n", type=int, default=5000, help="events per RTT measurement")
+    ap.add_argument("--m", type=int, default=200_000, help="events in the throughput run")
     ap.add_argument("--warmup", type=int, default=200)
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds (n, m split)")
+    ap.add_argument("--rounds", type=int, default=5, help="interleaved rounds (n, m split)")
     args = ap.parse_args(argv)
+    load0 = os.getloadavg()[0]
     res = uvloop.run(_main(args))
     summ = _summary(res)
     print(_table(res, summ))
+    print(f"# 1-min load average {load0:.2f} at start, {os.getloadavg()[0]:.2f} at end, "
+          f"{os.cpu_count()} CPUs (other processes' load distorts every number above)")
     if args.json:
         print(json.dumps(summ))
     return 0
