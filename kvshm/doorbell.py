@@ -5,18 +5,19 @@ the reader is parked (doorbell suppression: a busy reader costs its writer no sy
 The handshake is a Dekker pattern: each side stores one field, then loads the other's::
 
     reader (park)                          writer (publish + notify)
-    1. ring.parked = new token (!= 0)      1. payload, then ring.head      (ring.py)
-    2. full_fence()                        2. full_fence()
-    3. load head: records? -> unpark, go   3. load ring.parked: a token not rung yet?
-    4. poll([eventfd, lifeline], 1 s)         -> eventfd_write, remember the token
-    5. ring.parked = 0, drain the eventfd
+    0. drain the eventfd (old rings)       1. payload, then ring.head      (ring.py)
+    1. ring.parked = new token (!= 0)      2. full_fence()
+    2. full_fence()                        3. load ring.parked: a token not rung yet?
+    3. load head: records? -> unpark, go      -> eventfd_write, remember the token
+    4. poll([eventfd, lifeline], 1 s)
+    5. ring.parked = 0
 
 x86 may move a load before an older store to another address, so without both fences
 each side could read the other's *old* value and the wake-up would be lost. With them,
 at least one side sees the other: the reader finds the record in step 3, or the writer
 finds the token and rings. Ringing once per token is enough: the eventfd stays readable
-until the reader drains it after waking, and a reader never sleeps again without a new
-token and a new re-check. The 1 s poll timeout is only the safety net; a wake-up
+until the reader drains it, which it does only *before* storing its next token (step 0),
+and a reader never sleeps again without a new token and a new re-check. The 1 s poll timeout is only the safety net; a wake-up
 it rescues is counted (:attr:`Parker.rescues`) and tests require zero.
 
 A full fence here is an uncontended lock acquire/release (a locked instruction, ~0.2 us),

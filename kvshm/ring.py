@@ -64,6 +64,7 @@ from __future__ import annotations
 
 import platform
 import time
+from collections.abc import Sequence
 from enum import IntEnum
 from typing import Final
 
@@ -282,7 +283,7 @@ class Ring:
         self.publish()
         return True
 
-    def write_many(self, payloads: list[bytes]) -> int:
+    def write_many(self, payloads: Sequence[bytes | bytearray | memoryview]) -> int:
         """Stage as many leading payloads as fit, publish once; returns how many."""
         done = 0
         for payload in payloads:
