@@ -27,28 +27,32 @@ O(blocks that changed); no scan over every request's blocks.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 from kvshm.errors import ConfigError
 from kvshm.jobs import AckOutcome, Job, JobKind, JobTable, LoadPart
 from kvshm.lookup import GroupSet, Hit, assign, cdiv, find_hit
 from kvshm.pool import BlockPool
 from kvshm.protocol import Direction, Transfer, pack_ids
-from kvshm.store_plan import INF, ReqState, Selection, StorePlanner
+from kvshm.store_plan import ReqState, Selection, StorePlanner
+from kvshm.tracker import RequestTracker, is_remote
 from kvshm.types import (
-    DeclineReason, GpuBlocks, KVGroup, LoadFailure, LoadResult, ManagerCounters,
-    RequestView, ScheduledRequest, StepInput, StepPlan, StoreMode,
+    DeclineReason,
+    GpuBlocks,
+    KVGroup,
+    LoadFailure,
+    LoadResult,
+    ManagerCounters,
+    RequestView,
+    ScheduledRequest,
+    StepInput,
+    StepPlan,
+    StoreMode,
 )
 
 __all__ = ["OffloadManager"]
 
-_Dirty = list[tuple[ReqState, ScheduledRequest]]
 _EMPTY: frozenset[int] = frozenset()
-
-
-def _is_remote(params: Mapping[str, Any] | None) -> bool:
-    return bool(params) and bool(params.get("do_remote_decode"))  # type: ignore[union-attr]
 
 
 class OffloadManager:
@@ -71,7 +75,7 @@ class OffloadManager:
         self._eager = mode is StoreMode.EAGER
         self._jobs = JobTable(world_size, self.counters)
         self._plan = StorePlanner(cpu, gpu, self._gs, block_size, self.counters, lazy_window)
-        self._reqs: dict[str, ReqState] = {}
+        self._track = RequestTracker(self._gs, block_size, self._eager, self._plan)
         self._hits: dict[str, Hit] = {}
         self._load_queue: dict[str, LoadPart] = {}
         self._loading_cpu: dict[int, int] = {}
@@ -80,7 +84,6 @@ class OffloadManager:
         self._failed_loads: dict[str, tuple[int, ...]] = {}
         self._failed = False
         self._abandoned = 0
-        self._no_new: tuple[tuple[int, ...], ...] = ((),) * self._gs.n
 
     # ---- small queries -------------------------------------------------------------
 
@@ -108,12 +111,6 @@ class OffloadManager:
         cpu, gpu = self._recorded_pins()
         return sum(cpu.values()) + sum(gpu.values())
 
-    def _state(self, req_id: str) -> ReqState:
-        st = self._reqs.get(req_id)
-        if st is None:
-            st = self._reqs[req_id] = ReqState(req_id, self._gs.n)
-        return st
-
     # ---- phase A / B ---------------------------------------------------------------
 
     def lookup(self, req: RequestView, num_local_tokens: int) -> int | None:
@@ -122,8 +119,8 @@ class OffloadManager:
         self.counters.lookups += 1
         rid = req.req_id
         self._drop_hit(rid)
-        st = self._state(rid)
-        st.remote = st.remote or _is_remote(req.kv_transfer_params)
+        st = self._track.state(rid)
+        st.remote = st.remote or is_remote(req.kv_transfer_params)
         bs = self.block_size
         if num_local_tokens < 0 or num_local_tokens % bs:
             self.counters.lookups_unaligned += 1
@@ -156,7 +153,7 @@ class OffloadManager:
         if len(gpu_block_ids) != self._gs.n:
             raise ConfigError(f"expected {self._gs.n} block tables, got {len(gpu_block_ids)}")
         hit = self._hits.get(req_id)
-        st = self._reqs.get(req_id)
+        st = self._track.reqs.get(req_id)
         if num_external_tokens <= 0:
             self._drop_hit(req_id)
             return
@@ -233,7 +230,7 @@ class OffloadManager:
             self._forget(rid)
         store = load = None
         if not self._failed:
-            dirty = self._scan(inp.requests)
+            dirty = self._track.scan(inp.requests)
             if not self._abandoned:
                 store = self._plan_stores(inp, dirty)
                 load = self._plan_loads(inp.step)
@@ -245,52 +242,7 @@ class OffloadManager:
         jobs = dict(self._load_job_reqs) if self._load_job_reqs else {}
         return StepPlan(inp.step, store, load, (), results, jobs, failed_loads)
 
-    def _scan(self, requests: Sequence[ScheduledRequest]) -> _Dirty:
-        """The per-request hot path: an unchanged request costs a dict lookup and a few
-        attribute compares."""
-        dirty: _Dirty = []
-        get = self._reqs.get
-        no_new = self._no_new
-        for r in requests:
-            st = get(r.req_id)
-            if st is None or r.new_or_resumed or r.preempted:
-                self._admit(r, st, dirty)
-                continue
-            if r.new_block_ids != no_new and st.tracked:
-                self._extend(st, r)
-            if r.num_confirmed_tokens >= st.threshold:
-                dirty.append((st, r))
-        return dirty
-
-    def _extend(self, st: ReqState, r: ScheduledRequest) -> None:
-        nb = r.new_block_ids
-        if len(nb) != self._gs.n:
-            raise ConfigError(f"{r.req_id}: {len(nb)} block id groups, expected {self._gs.n}")
-        for table, ids in zip(st.tables, nb):
-            table.extend(ids)
-        st.hashes = r.block_hashes
-
-    def _admit(self, r: ScheduledRequest, st: ReqState | None, dirty: _Dirty) -> None:
-        """First listing, resumption (full table) or preemption (table forgotten)."""
-        if len(r.new_block_ids) != self._gs.n:
-            raise ConfigError(
-                f"{r.req_id}: {len(r.new_block_ids)} block id groups, expected {self._gs.n}")
-        if st is None:
-            st = self._state(r.req_id)
-        st.remote = st.remote or _is_remote(r.kv_transfer_params)
-        st.tracked = self._eager or st.remote
-        st.cursor = 0 if st.remote else st.start
-        if r.preempted and not r.new_or_resumed:
-            st.tables = [[] for _ in range(self._gs.n)]
-            st.threshold = INF
-            return
-        st.tables = [list(ids) for ids in r.new_block_ids] if st.tracked else st.tables
-        st.hashes = r.block_hashes
-        st.threshold = (st.cursor + 1) * self.block_size if st.tracked else INF
-        if r.num_confirmed_tokens >= st.threshold:
-            dirty.append((st, r))
-
-    def _plan_stores(self, inp: StepInput, dirty: _Dirty) -> Transfer | None:
+    def _plan_stores(self, inp: StepInput, dirty: list[ScheduledRequest]) -> Transfer | None:
         sel = Selection()
         plan = self._plan
         avail = plan.take_finished(self.cpu.num_free, bool(self._jobs.jobs), sel)
@@ -298,12 +250,7 @@ class OffloadManager:
             alloc = inp.allocated_block_ids if self._gs.sw else _EMPTY
             if not isinstance(alloc, (set, frozenset)):
                 alloc = set(alloc)
-            bs = self.block_size
-            for st, r in dirty:
-                st.hashes = r.block_hashes
-                ready = min(r.num_confirmed_tokens // bs, min(len(t) for t in st.tables))
-                avail = plan.walk(st, ready, avail, alloc, sel)
-                st.threshold = (st.cursor + 1) * bs
+            avail = self._track.select(dirty, alloc, avail, sel)
         if not self._eager:
             plan.lazy_scan(avail, sel)
         n = len(sel.gpu_ids)
@@ -409,13 +356,8 @@ class OffloadManager:
         if len(gpu_block_ids) != self._gs.n:
             raise ConfigError(f"expected {self._gs.n} block tables, got {len(gpu_block_ids)}")
         st = self._forget(req_id)
-        if st is None or not st.tracked or self._failed:
-            return False
-        st.tables = [list(t) for t in gpu_block_ids]
-        if block_hashes is not None:
-            st.hashes = block_hashes
-        ready = min(num_confirmed_tokens // self.block_size, min(len(t) for t in st.tables))
-        self._plan.pin_finished(st, ready)
+        if st is not None and not self._failed:
+            self._track.finish(st, num_confirmed_tokens, gpu_block_ids, block_hashes)
         return False
 
     def _forget(self, req_id: str) -> ReqState | None:
@@ -424,7 +366,7 @@ class OffloadManager:
         part = self._load_queue.pop(req_id, None)
         if part is not None:
             self._cancel_part(part)
-        return self._reqs.pop(req_id, None)
+        return self._track.forget(req_id)
 
     def reset(self) -> bool:
         """Drop the CPU index; abandon every job in flight (its completion releases refs

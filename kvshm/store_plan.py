@@ -18,8 +18,8 @@ Rules (each is a DESIGN.md hazard):
 * A GPU block that is the destination of a pending load holds no valid KV yet: the
   cursor waits there.
 
-Cost: a step touches only requests whose confirmed tokens crossed their threshold
-(``(cursor + 1) * block_size``), plus the lazy scan window.
+Cost: a step touches only requests whose confirmed tokens crossed their cursor's block
+(see :mod:`kvshm.tracker`), plus the lazy scan window.
 """
 
 from __future__ import annotations
@@ -31,10 +31,7 @@ from kvshm.lookup import GroupSet
 from kvshm.pool import BlockPool
 from kvshm.types import BlockHash, DeclineReason, GpuBlocks, ManagerCounters
 
-__all__ = ["INF", "Cand", "ReqState", "Selection", "StorePlanner"]
-
-INF = 1 << 62
-"""Threshold of a request with nothing to store (never crossed)."""
+__all__ = ["Cand", "ReqState", "Selection", "StorePlanner"]
 
 Cand = tuple[int, int, bytes]
 """(GPU block id, group, group-qualified primary key)."""
@@ -44,18 +41,16 @@ _NO_IDS: frozenset[int] = frozenset()
 
 class ReqState:
     """Store tracking of one request. ``tables[g]``: its GPU ids per group as known;
-    ``cursor``: next position to consider; ``threshold``: confirmed-token count at which
-    the request needs a look; ``start``: where a restarted cursor begins (after the GPU
-    hit and loaded blocks; 0 for ``do_remote_decode``)."""
+    ``cursor``: next position to consider; ``start``: where a restarted cursor begins
+    (after the GPU hit and loaded blocks; ``do_remote_decode`` ignores it and starts at
+    0); ``tracked``: its blocks are stored eagerly."""
 
-    __slots__ = ("req_id", "tables", "cursor", "threshold", "hashes", "start", "remote",
-                 "tracked")
+    __slots__ = ("cursor", "hashes", "remote", "req_id", "start", "tables", "tracked")
 
     def __init__(self, req_id: str, ngroups: int) -> None:
         self.req_id = req_id
         self.tables: list[list[int]] = [[] for _ in range(ngroups)]
         self.cursor = 0
-        self.threshold = INF
         self.hashes: Sequence[BlockHash] = ()
         self.start = 0
         self.remote = False
@@ -66,7 +61,7 @@ class Selection:
     """One step's store pairs in job order: finish-time ones (already touched), then
     running requests' (``to_touch``), then lazy ones (``n_lazy``, also in ``to_touch``)."""
 
-    __slots__ = ("gpu_ids", "groups", "keys", "to_touch", "n_lazy")
+    __slots__ = ("gpu_ids", "groups", "keys", "n_lazy", "to_touch")
 
     def __init__(self) -> None:
         self.gpu_ids: list[int] = []

@@ -20,8 +20,14 @@ from kvshm.manager import OffloadManager
 from kvshm.pool import BlockPool
 from kvshm.protocol import Direction, Transfer, unpack_ids
 from kvshm.types import (
-    DeclineReason, KVGroup, LoadFailure, LoadResult, RequestView, ScheduledRequest,
-    StepInput, StepPlan,
+    DeclineReason,
+    KVGroup,
+    LoadFailure,
+    LoadResult,
+    RequestView,
+    ScheduledRequest,
+    StepInput,
+    StepPlan,
 )
 
 BS = 4
@@ -593,7 +599,7 @@ def test_phase_b_without_pin_reports_failed_load() -> None:
     reset dropped between phases (exactly the hit's destinations fail). Each gets a
     failed LoadResult and a failed_loads entry at once -- never a request left waiting."""
     rig = Rig()
-    a, b = Req("a", 9), Req("b", 9, base=40)
+    b = Req("b", 9, base=40)
     rig.m.allocated("a", [[3, 4, 5]], 8)
     rig.seed_cpu(*b.h)
     assert rig.m.lookup(b.view(), 0) == 8

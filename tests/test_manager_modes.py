@@ -15,8 +15,15 @@ from kvshm.manager import OffloadManager
 from kvshm.pool import BlockPool
 from kvshm.protocol import Transfer, unpack_ids
 from kvshm.types import (
-    DeclineReason, KVGroup, LoadFailure, LoadResult, RequestView, ScheduledRequest,
-    StepInput, StepPlan, StoreMode,
+    DeclineReason,
+    KVGroup,
+    LoadFailure,
+    LoadResult,
+    RequestView,
+    ScheduledRequest,
+    StepInput,
+    StepPlan,
+    StoreMode,
 )
 
 BS = 4
@@ -89,7 +96,7 @@ def test_lazy_offloads_blocks_nearing_eviction_and_returns_them_evict_first() ->
 def test_lazy_mode_stores_remote_decode_requests_eagerly() -> None:
     """In lazy mode ordinary running requests are not tracked, but a do_remote_decode
     request must still publish its KV, so it is stored as its blocks are confirmed."""
-    m, cpu, gpu = mk(gpu=8)
+    m, _, gpu = mk(gpu=8)
     h = hashes(9)
     ids = gpu.allocate(3)
     for b, hh in zip(ids, h):
@@ -199,6 +206,8 @@ def test_sliding_window_partial_acceptance_fills_the_window_or_fails_it() -> Non
     assert sum(cpu.ref_cnt(b) for b in range(16)) == 3       # full 0, 1 + window 1
     p = step(m, 1)
     src, dst = pairs(p.load)
+    assert src == [cpu.get_cached(key(h[0], 0)), cpu.get_cached(key(h[1], 0)),
+                   cpu.get_cached(key(h[1], 1))]
     assert dst == [full[0], full[1], win[1]]
     ack(m, p.load)
     assert step(m, 2).load_results == (

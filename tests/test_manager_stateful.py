@@ -15,7 +15,11 @@ from __future__ import annotations
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
-    RuleBasedStateMachine, initialize, invariant, precondition, rule,
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
 )
 
 from kvshm.hashing import chain_hashes, hash_block
