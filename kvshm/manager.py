@@ -26,12 +26,12 @@ O(blocks that changed); no scan over every request's blocks.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 
 from kvshm.errors import ConfigError
 from kvshm.jobs import AckOutcome, Job, JobKind, JobTable, LoadPart
 from kvshm.lookup import GroupSet, Hit, assign, cdiv, find_hit
+from kvshm.manager_check import check_manager, recorded_pins
 from kvshm.pool import BlockPool
 from kvshm.protocol import Direction, Transfer, pack_ids
 from kvshm.store_plan import ReqState, Selection, StorePlanner
@@ -108,7 +108,7 @@ class OffloadManager:
 
     def pins_held(self) -> int:
         """CPU plus GPU pins the manager holds (from its own records)."""
-        cpu, gpu = self._recorded_pins()
+        cpu, gpu = recorded_pins(self)
         return sum(cpu.values()) + sum(gpu.values())
 
     # ---- phase A / B ---------------------------------------------------------------
@@ -422,22 +422,6 @@ class OffloadManager:
 
     # ---- checks ----------------------------------------------------------------------
 
-    def _recorded_pins(self) -> tuple[Counter[int], Counter[int]]:
-        cpu: Counter[int] = Counter()
-        gpu: Counter[int] = Counter()
-        for hit in self._hits.values():
-            cpu.update(hit.pinned)
-        for part in self._load_queue.values():
-            cpu.update(part.cpu_ids)
-            gpu.update(part.gpu_ids)
-        for job in self._jobs.jobs.values():
-            cpu.update(job.cpu_ids)
-            gpu.update(job.gpu_ids)
-        gpu.update(c[0] for c in self._plan.finish_queue)
-        return cpu, gpu
-
     def check_invariants(self) -> None:
         """O(everything) consistency check for tests; AssertionError names the fault."""
-        from kvshm.manager_check import check_manager
-
         check_manager(self)

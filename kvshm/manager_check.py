@@ -27,7 +27,7 @@ from kvshm.jobs import JobKind
 if TYPE_CHECKING:
     from kvshm.manager import OffloadManager
 
-__all__ = ["check_manager"]
+__all__ = ["check_manager", "recorded_pins"]
 
 
 def _fail(msg: str) -> None:
@@ -44,8 +44,25 @@ def check_manager(m: OffloadManager) -> None:
     _check_jobs(m)
 
 
+def recorded_pins(m: OffloadManager) -> tuple[Counter[int], Counter[int]]:
+    """(CPU, GPU) pins per block id as the manager's records say: phase-A hits, queued
+    loads, jobs, queued finish-time stores."""
+    cpu: Counter[int] = Counter()
+    gpu: Counter[int] = Counter()
+    for hit in m._hits.values():
+        cpu.update(hit.pinned)
+    for part in m._load_queue.values():
+        cpu.update(part.cpu_ids)
+        gpu.update(part.gpu_ids)
+    for job in m._jobs.jobs.values():
+        cpu.update(job.cpu_ids)
+        gpu.update(job.gpu_ids)
+    gpu.update(c[0] for c in m._plan.finish_queue)
+    return cpu, gpu
+
+
 def _check_pins(m: OffloadManager) -> None:
-    cpu_rec, gpu_rec = m._recorded_pins()
+    cpu_rec, gpu_rec = recorded_pins(m)
     for b in range(m.cpu.num_blocks):
         if m.cpu.ref_cnt(b) != cpu_rec.get(b, 0):
             _fail(f"CPU block {b}: ref {m.cpu.ref_cnt(b)}, recorded pins {cpu_rec.get(b, 0)}")
