@@ -20,7 +20,7 @@ from typing import Any
 from kvshm.errors import ConfigError
 from kvshm.lookup import GroupSet
 from kvshm.store_plan import ReqState, Selection, StorePlanner
-from kvshm.types import BlockHash, ScheduledRequest
+from kvshm.types import BlockHash, ScheduledRequest, no_new_blocks
 
 __all__ = ["NEVER", "RequestTracker", "is_remote"]
 
@@ -43,7 +43,7 @@ class RequestTracker:
         self.plan = plan
         self.reqs: dict[str, ReqState] = {}
         self.watch: dict[str, int] = {}
-        self._no_new: tuple[tuple[int, ...], ...] = ((),) * gs.n
+        self._no_new = no_new_blocks(gs.n)
 
     def state(self, req_id: str) -> ReqState:
         st = self.reqs.get(req_id)
@@ -68,7 +68,8 @@ class RequestTracker:
             if w is None or r.new_or_resumed or r.preempted:
                 self._admit(r, dirty)
                 continue
-            if r.new_block_ids != no_new:
+            nb = r.new_block_ids
+            if nb is not no_new and nb != no_new:
                 self._extend(r)
             if r.num_confirmed_tokens // bs >= w:
                 dirty.append(r)

@@ -26,7 +26,7 @@ BlockHash: TypeAlias = bytes
 __all__ = [
     "BlockHash", "DeclineReason", "GpuBlocks", "GroupKind", "KVGroup", "LoadFailure",
     "LoadResult", "ManagerCounters", "RequestView", "ScheduledRequest", "StepInput",
-    "StepPlan", "StoreMode",
+    "StepPlan", "StoreMode", "no_new_blocks",
 ]
 
 
@@ -97,6 +97,19 @@ class RequestView:
     """Chained hashes of the request's full blocks (prompt, and output so far)."""
     num_tokens: int
     kv_transfer_params: Mapping[str, Any] | None = None
+
+
+_NO_NEW_BLOCKS: dict[int, tuple[tuple[int, ...], ...]] = {}
+
+
+def no_new_blocks(num_groups: int) -> tuple[tuple[int, ...], ...]:
+    """The shared ``new_block_ids`` value for "nothing appended this step" with
+    ``num_groups`` groups. Any equal tuple works; this very object lets the manager's
+    per-request check skip a tuple compare (an identity test instead)."""
+    value = _NO_NEW_BLOCKS.get(num_groups)
+    if value is None:
+        value = _NO_NEW_BLOCKS[num_groups] = ((),) * num_groups
+    return value
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 from kvshm.manager import OffloadManager
 from kvshm.pool import BlockPool
-from kvshm.types import RequestView, ScheduledRequest, StepInput
+from kvshm.types import RequestView, ScheduledRequest, StepInput, no_new_blocks
 
 BS = 16
 CHANGES = 64
@@ -49,6 +49,7 @@ PREFIX_BLOCKS = 3
 INITIAL_BLOCKS = 4
 CPU_BLOCKS = 8192
 SIZES = (1000, 4000, 16000)
+_NOTHING_NEW = no_new_blocks(1)
 
 
 def _h(*parts: int) -> bytes:
@@ -69,8 +70,11 @@ class Req:
 
     def listing(self) -> ScheduledRequest:
         """This step's ScheduledRequest, built fresh as an engine adapter would."""
-        ids = tuple(self.table) if self.new else tuple(self.new_ids)
-        sched = ScheduledRequest(self.rid, self.hashes, self.num_tokens, (ids,), self.new,
+        if self.new or self.new_ids:
+            blocks = (tuple(self.table) if self.new else tuple(self.new_ids),)
+        else:
+            blocks = _NOTHING_NEW
+        sched = ScheduledRequest(self.rid, self.hashes, self.num_tokens, blocks, self.new,
                                  self.confirmed)
         self.new = False
         self.new_ids = []
