@@ -70,6 +70,7 @@ class Req:
 
     def listing(self) -> ScheduledRequest:
         """This step's ScheduledRequest, built fresh as an engine adapter would."""
+        blocks: tuple[tuple[int, ...], ...]
         if self.new or self.new_ids:
             blocks = (tuple(self.table) if self.new else tuple(self.new_ids),)
         else:
