@@ -237,3 +237,24 @@ def test_finish_stores_dropped_when_cpu_cannot_ever_supply() -> None:
     assert gpu.ref_cnt(ids[0]) == 1
     m.finished("w", 0, [[]])
     assert m.pins_held() == 0
+
+
+def test_step_input_finished_releases_like_finished_without_final_stores() -> None:
+    """A request named in StepInput.finished (its finished() never called) loses its
+    phase-A pin, its queued load and its tracking; with no final count known, nothing
+    more is stored for it."""
+    m, cpu, gpu = mk(mode=StoreMode.EAGER)
+    h = hashes(9)
+    for hh in h:
+        [c] = cpu.allocate(1)
+        cpu.add_hashes(c, [hh])
+        cpu.free([c])
+    assert m.lookup(RequestView("a", h, 9), 0) == 8
+    assert m.lookup(RequestView("b", h[:1], 5), 0) == 4
+    gb = gpu.allocate(2)
+    m.allocated("b", [gb], 4)
+    assert m.pins_held() == 2 + 1 + 1
+    plan = m.build_step(StepInput(1, (), ("a", "b", "unknown")))
+    m.check_invariants()
+    assert plan.load is None and plan.store is None and m.pins_held() == 0
+    assert gpu.ref_cnt(gb[0]) == 1 and not m.has_pending_work()
