@@ -12,12 +12,13 @@ from collections.abc import Sequence
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     try:
-        from kvshm.demo.driver import run_demo
+        from kvshm.demo.driver import run_demo  # type: ignore[import-not-found,unused-ignore]
     except ImportError:
         print("kvshm demo is not available yet in this version (the toy model and the "
               "engine are still being built).", file=sys.stderr)
         return 2
-    return run_demo(json_out=args.json, quick=args.quick)
+    rc: int = run_demo(json_out=args.json, quick=args.quick)
+    return rc
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
@@ -28,7 +29,14 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         return 2
     import json
 
-    print(json.dumps(query_stats(args.name, timeout=args.timeout), indent=2, sort_keys=True))
+    from kvshm.errors import KvshmError
+
+    try:
+        data = query_stats(args.name, timeout=args.timeout)
+    except (KvshmError, TimeoutError) as exc:
+        print(f"kvshm stats: {exc or type(exc).__name__}", file=sys.stderr)
+        return 1
+    print(json.dumps(data, indent=2, sort_keys=True))
     return 0
 
 

@@ -87,7 +87,7 @@ class TensorSpec(msgspec.Struct, array_like=True, frozen=True, gc=False):
     dtype: str
 
 
-class Hello(_Msg, tag=1):
+class Hello(_Msg, tag=1, frozen=True, array_like=True, gc=False):
     """Worker -> scheduler, first message on the rendezvous socket."""
 
     version: int
@@ -97,7 +97,7 @@ class Hello(_Msg, tag=1):
     layout: LayoutSpec | None = None
 
 
-class Ready(_Msg, tag=2):
+class Ready(_Msg, tag=2, frozen=True, array_like=True, gc=False):
     """Scheduler -> worker once every rank has said hello; fds ride along (see module doc)."""
 
     version: int
@@ -111,17 +111,17 @@ class Ready(_Msg, tag=2):
     device_caches: tuple[TensorSpec, ...] = ()
 
 
-class StatsRequest(_Msg, tag=3):
+class StatsRequest(_Msg, tag=3, frozen=True, array_like=True, gc=False):
     """Anyone -> scheduler: answer with a ``Stats`` on this connection."""
 
 
-class Stats(_Msg, tag=4):
+class Stats(_Msg, tag=4, frozen=True, array_like=True, gc=False):
     """Scheduler -> asker: a statistics snapshot (plain JSON-like data)."""
 
     data: dict[str, Any]
 
 
-class Transfer(_Msg, tag=5):
+class Transfer(_Msg, tag=5, frozen=True, array_like=True, gc=False):
     """Copy row ``src_ids[i]`` to row ``dst_ids[i]`` in every region of the rank."""
 
     step: int
@@ -131,18 +131,18 @@ class Transfer(_Msg, tag=5):
     dst_ids: bytes
 
 
-class Flush(_Msg, tag=6):
+class Flush(_Msg, tag=6, frozen=True, array_like=True, gc=False):
     """The worker must finish ``job_ids`` before the compute of ``step``."""
 
     step: int
     job_ids: bytes
 
 
-class Shutdown(_Msg, tag=7):
+class Shutdown(_Msg, tag=7, frozen=True, array_like=True, gc=False):
     """Stop after finishing what is queued."""
 
 
-class Done(_Msg, tag=8):
+class Done(_Msg, tag=8, frozen=True, array_like=True, gc=False):
     """Worker -> scheduler: ``job_id`` has really finished on ``rank`` (or failed)."""
 
     job_id: int
@@ -177,7 +177,7 @@ def cmd_encoder() -> msgspec.msgpack.Encoder:
 
 def cmd_decoder() -> msgspec.msgpack.Decoder[CmdMsg]:
     """Typed decoder for the ``cmd`` ring (worker side)."""
-    return msgspec.msgpack.Decoder(CmdMsg)  # type: ignore[arg-type]
+    return msgspec.msgpack.Decoder(CmdMsg)
 
 
 def done_encoder() -> msgspec.msgpack.Encoder:
@@ -197,7 +197,7 @@ def control_encoder() -> msgspec.msgpack.Encoder:
 
 def control_decoder() -> msgspec.msgpack.Decoder[ControlMsg]:
     """Typed decoder for rendezvous-socket messages."""
-    return msgspec.msgpack.Decoder(ControlMsg)  # type: ignore[arg-type]
+    return msgspec.msgpack.Decoder(ControlMsg)
 
 
 def check_version(theirs: int) -> None:

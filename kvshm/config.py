@@ -1,0 +1,83 @@
+"""EngineConfig: every knob of a kvshm engine, frozen and validated at construction.
+
+Validation happens here, before anything is started: a bad value is a ConfigError that
+names the field and the value, never a failure later inside a worker.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import secrets
+from dataclasses import dataclass, field
+
+from kvshm.errors import ConfigError
+from kvshm.types import KVGroup, StoreMode
+
+_NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,80}$")
+
+
+def default_name() -> str:
+    """A name unique to this engine instance (pid + random), safe for a socket name."""
+    return f"e{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def _positive_int(field_name: str, value: object, *, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(f"{field_name} must be an integer, got {value!r}")
+    if value <= 0:
+        raise ConfigError(f"{field_name} must be > 0, got {value}")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Configuration of one kvshm engine (scheduler side and the workers it talks to).
+
+    * ``name``: the rendezvous name (``\\0kvshm.<name>``); every process of one engine
+      must use the same one; default: unique per engine instance.
+    * ``tp`` x ``pp`` = ``world_size`` worker ranks; CPU block ``b`` is row ``b`` of every
+      rank's host pool.
+    * CPU tier size: ``num_cpu_blocks`` (exact) or ``cpu_bytes_per_rank`` (the largest
+      count that fits); neither: as much as /dev/shm and MemAvailable allow, less a margin.
+    * ``hang_timeout_s``: a rank with jobs pending that completes none for this long is
+      declared hung and the engine goes to FAILED.
+    """
+
+    block_size: int
+    name: str = field(default_factory=default_name)
+    tp: int = 1
+    pp: int = 1
+    groups: tuple[KVGroup, ...] = (KVGroup.full(),)
+    mode: StoreMode = StoreMode.EAGER
+    num_cpu_blocks: int | None = None
+    cpu_bytes_per_rank: int | None = None
+    hang_timeout_s: float = 30.0
+    connect_timeout_s: float = 60.0
+    shutdown_grace_s: float = 2.0
+    ring_capacity: int | None = None
+
+    def __post_init__(self) -> None:
+        _positive_int("block_size", self.block_size)
+        _positive_int("tp", self.tp)
+        _positive_int("pp", self.pp)
+        _positive_int("num_cpu_blocks", self.num_cpu_blocks, allow_none=True)
+        _positive_int("cpu_bytes_per_rank", self.cpu_bytes_per_rank, allow_none=True)
+        _positive_int("ring_capacity", self.ring_capacity, allow_none=True)
+        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+            raise ConfigError(
+                f"name must be 1-80 characters of [A-Za-z0-9._-], got {self.name!r}")
+        if not self.groups:
+            raise ConfigError("groups must name at least one KV group")
+        if not isinstance(self.mode, StoreMode):
+            raise ConfigError(f"mode must be a StoreMode, got {self.mode!r}")
+        for label in ("hang_timeout_s", "connect_timeout_s", "shutdown_grace_s"):
+            value = getattr(self, label)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ConfigError(f"{label} must be a positive number, got {value!r}")
+
+    @property
+    def world_size(self) -> int:
+        """Number of worker ranks (tp x pp)."""
+        return self.tp * self.pp
