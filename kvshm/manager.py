@@ -106,6 +106,12 @@ class OffloadManager:
         return bool(self._jobs.jobs or self._load_queue or self._plan.finish_queue
                     or self._results or self._failed_loads)
 
+    def take_load_results(self) -> list[LoadResult]:
+        """Load outcomes decided since the last call (or ``build_step``); each is handed
+        out exactly once, here or in the next plan's ``load_results``."""
+        out, self._results = self._results, []
+        return out
+
     def pins_held(self) -> int:
         """CPU plus GPU pins the manager holds (from its own records)."""
         cpu, gpu = recorded_pins(self)

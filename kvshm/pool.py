@@ -88,6 +88,11 @@ class BlockPool:
     def num_pinned(self) -> int:
         return len(self._blocks) - len(self._queue)
 
+    @property
+    def num_hashes(self) -> int:
+        """Distinct hashes in the index (what a lookup can hit)."""
+        return len(self._index)
+
     def __repr__(self) -> str:
         return (f"BlockPool(num_blocks={self.num_blocks}, free={self.num_free}, "
                 f"hashes={len(self._index)})")

@@ -170,14 +170,19 @@ def ring_capacity(configured: int | None, num_gpu_blocks: int) -> int:
 def provision(hellos: Mapping[int, Hello], *, world_size: int,
               device_caches: Sequence[Sequence[torch.Tensor]] | None,
               num_cpu_blocks: int | None, cpu_bytes_per_rank: int | None,
-              capacity: int) -> Provisioned:
-    """Create every rank's resources (all or nothing: on error nothing is left open)."""
+              capacity: int | None = None) -> Provisioned:
+    """Create every rank's resources (all or nothing: on error nothing is left open).
+
+    ``capacity``: the configured ring capacity (checked against the largest rank's
+    block count), or None for the default.
+    """
     if sorted(hellos) != list(range(world_size)):
         raise ConfigError(f"expected ranks 0..{world_size - 1}, got {sorted(hellos)}")
     if device_caches is not None and len(device_caches) != world_size:
         raise ConfigError(f"device_caches has {len(device_caches)} entries for "
                           f"{world_size} ranks")
     layouts = _rank_layouts(hellos, device_caches)
+    capacity = ring_capacity(capacity, max(s.num_blocks for s in layouts.values()))
     seg_bytes = segment_size(capacity, capacity)
     budget = available_shm_bytes() - world_size * seg_bytes
     n = reconcile(list(layouts.values()), cpu_bytes_per_rank, num_cpu_blocks, budget)
