@@ -11,41 +11,34 @@ from collections.abc import Sequence
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    try:
-        from kvshm.demo.driver import run_demo  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        print("kvshm demo is not available yet in this version (the toy model and the "
-              "engine are still being built).", file=sys.stderr)
-        return 2
-    rc: int = run_demo(json_out=args.json, quick=args.quick)
-    return rc
+    from kvshm.demo.driver import run_demo
+
+    return run_demo(json_out=args.json, quick=args.quick)
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
-    try:
-        from kvshm.rendezvous import query_stats
-    except ImportError:
-        print("kvshm stats is not available yet in this version.", file=sys.stderr)
-        return 2
     import json
 
     from kvshm.errors import KvshmError
+    from kvshm.rendezvous import query_stats
 
     try:
         data = query_stats(args.name, timeout=args.timeout)
     except (KvshmError, TimeoutError) as exc:
         print(f"kvshm stats: {exc or type(exc).__name__}", file=sys.stderr)
         return 1
-    print(json.dumps(data, indent=2, sort_keys=True))
+    if args.prometheus:
+        from kvshm.stats import EngineStats, to_prometheus
+
+        sys.stdout.write(to_prometheus(EngineStats.from_dict(data)).decode())
+    else:
+        print(json.dumps(data, indent=2, sort_keys=True))
     return 0
 
 
 def _cmd_sweep(args: argparse.Namespace) -> int:
-    try:
-        from kvshm.shm import sweep
-    except ImportError:
-        print("kvshm sweep is not available yet in this version.", file=sys.stderr)
-        return 2
+    from kvshm.shm import sweep
+
     found = sweep(remove=not args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for name in found:
@@ -66,6 +59,8 @@ def build_parser() -> argparse.ArgumentParser:
     stats = sub.add_parser("stats", help="ask a running engine for its statistics")
     stats.add_argument("--name", required=True, help="the engine's name")
     stats.add_argument("--timeout", type=float, default=2.0, help="seconds to wait")
+    stats.add_argument("--prometheus", action="store_true",
+                       help="Prometheus text exposition instead of JSON (needs prometheus-client)")
     stats.set_defaults(func=_cmd_stats)
     sweep = sub.add_parser("sweep", help="list and remove leftover kvshm segments")
     sweep.add_argument("--dry-run", action="store_true", help="list only")

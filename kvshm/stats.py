@@ -78,6 +78,16 @@ class EngineStats:
         """Plain JSON-able data."""
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EngineStats:
+        """The inverse of :meth:`as_dict` (unknown keys, from a newer engine, are dropped)."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        rank_keys = {f.name for f in dataclasses.fields(RankStats)}
+        kw = {k: v for k, v in data.items() if k in known and k != "ranks"}
+        ranks = [RankStats(**{k: v for k, v in r.items() if k in rank_keys})
+                 for r in data.get("ranks", [])]
+        return cls(**kw, ranks=ranks)
+
 
 def to_prometheus(stats: EngineStats) -> bytes:
     """Prometheus text exposition of ``stats`` (needs the optional prometheus-client)."""
