@@ -320,6 +320,58 @@ def llm_factory(tiny_llama: TinyModel, repo_on_pythonpath: str) -> LLMFactory:
     return factory
 
 
+@contextmanager
+def _spawn_path() -> Iterator[str]:
+    """The repository root on ``PYTHONPATH`` while the block runs (see
+    ``repo_on_pythonpath``)."""
+    root = str(Path(__file__).resolve().parents[2])
+    old = os.environ.get("PYTHONPATH")
+    os.environ["PYTHONPATH"] = root if not old else f"{root}{os.pathsep}{old}"
+    try:
+        yield root
+    finally:
+        if old is None:
+            os.environ.pop("PYTHONPATH", None)
+        else:
+            os.environ["PYTHONPATH"] = old
+
+
+@contextmanager
+def _run_llm_on_path(model: TinyModel, spec: EngineSpec) -> Iterator[Any]:
+    with _spawn_path(), _run_llm(model, spec) as llm:
+        yield llm
+
+
+@pytest.fixture(scope="session")
+def make_llm(tiny_llama: TinyModel) -> LLMFactory:
+    """Session-scoped ``llm_factory`` for module-scoped engines (one engine shared by a
+    module's tests): ``make_llm(connector, *, module, multiprocess=False,
+    dtype="float32", kv_cache_bytes=16 << 20, max_num_seqs=8, **extra_config)``."""
+
+    def factory(
+        connector: str,
+        *,
+        module: str,
+        multiprocess: bool = False,
+        dtype: str = "float32",
+        kv_cache_bytes: int = 16 << 20,
+        max_num_seqs: int = 8,
+        **extra_config: Any,
+    ) -> AbstractContextManager[Any]:
+        spec = EngineSpec(
+            mode=EngineMode.MULTI_PROCESS if multiprocess else EngineMode.IN_PROCESS,
+            connector=connector,
+            module=module,
+            dtype=dtype,
+            extra_config=tuple(sorted(extra_config.items())),
+            kv_cache_bytes=kv_cache_bytes,
+            max_num_seqs=max_num_seqs,
+        )
+        return _run_llm_on_path(tiny_llama, spec)
+
+    return factory
+
+
 @pytest.fixture
 def drain() -> Callable[[Any], int]:
     """``drain_in_process``: run the steps an in-process engine still owes (see there)."""

@@ -1,0 +1,152 @@
+"""vLLM's GPU block pool as kvshm's ``GpuBlocks``, and a rank's KV regions from vLLM's
+KV cache tensors. Duck-typed (no vLLM import), so both are testable without vLLM.
+
+:class:`VllmGpuBlocks` wraps ``vllm.v1.core.block_pool.BlockPool`` (scheduler process,
+scheduler thread only: the pool is not thread-safe):
+
+* ``touch`` / ``free`` are the pool's own ref counting (``touch`` takes a block out of
+  the free queue; ``free_blocks`` appends hashed blocks at the LRU tail and prepends
+  unhashed ones). vLLM has no ``evict_first``: after ``free_blocks`` each block that
+  reached ref 0 is moved to the head of the free queue (``remove`` + ``prepend_n``), the
+  given order kept, so the first id is evicted first.
+* ``block_hashes`` are the block's primary ``block_hash`` plus its secondary hashes
+  (``cached_block_hashes_by_block``), each stripped of vLLM's 4-byte group id suffix:
+  kvshm qualifies plain hashes per group itself.
+* ``iter_free_from_lru`` walks the free queue from its head (next evicted first).
+
+:func:`kv_regions` turns ``register_kv_caches``' tensors into byte regions with blocks
+as dim 0, from ``kv_cache_config.kv_cache_tensors``: layer ``l``'s block ``b`` of a
+tensor starts at ``offset + l * layer_stride + b * block_stride`` bytes into its
+backing storage. Layer-outermost tensors give one region per layer (rows of
+``block_stride`` bytes); block-outermost tensors give one region whose rows hold every
+layer's page. Regions are deduplicated by address (groups may overlay one allocation).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from kvshm.errors import ConfigError
+from kvshm.types import BlockHash
+
+__all__ = ["VllmGpuBlocks", "kv_regions", "plain_hash"]
+
+_GROUP_SUFFIX = 4  # vLLM's BlockHashWithGroupId: hash bytes + 4-byte big-endian group id
+
+
+def plain_hash(key: bytes) -> BlockHash:
+    """vLLM's ``BlockHashWithGroupId`` without its group id (``get_block_hash``)."""
+    return bytes(key[:-_GROUP_SUFFIX])
+
+
+class VllmGpuBlocks:
+    """``kvshm.types.GpuBlocks`` over a vLLM ``BlockPool`` (see the module docstring)."""
+
+    def __init__(self, pool: Any) -> None:
+        self._pool = pool
+        self._blocks = pool.blocks
+        self._queue = pool.free_block_queue
+        self._secondary: Mapping[int, Iterable[bytes]] = getattr(
+            pool, "cached_block_hashes_by_block", {})
+
+    def touch(self, ids: Iterable[int]) -> None:
+        """Ref +1 for each id (out of the free queue at its first ref)."""
+        blocks = self._blocks
+        self._pool.touch([blocks[i] for i in ids])
+
+    def free(self, ids: Iterable[int], *, evict_first: bool = False) -> None:
+        """Ref -1 for each id; ``evict_first``: freed blocks go to the queue's head."""
+        blocks = [self._blocks[i] for i in ids]
+        self._pool.free_blocks(blocks)
+        if not evict_first:
+            return
+        freed = [b for b in blocks if b.ref_cnt == 0 and not b.is_null]
+        if freed:
+            for b in freed:
+                self._queue.remove(b)
+            self._queue.prepend_n(list(dict.fromkeys(freed)))
+
+    def block_hashes(self, block_id: int) -> tuple[BlockHash, ...]:
+        """The block's current plain hashes (primary first); empty if none."""
+        primary = self._blocks[block_id].block_hash
+        if primary is None:
+            return ()
+        extra = self._secondary.get(block_id)
+        if not extra:
+            return (plain_hash(primary),)
+        return (plain_hash(primary), *(plain_hash(k) for k in extra))
+
+    def iter_free_from_lru(self) -> Iterator[int]:
+        """Ref-0 block ids, the next to be evicted first."""
+        for b in self._queue.iter_blocks_after(None):
+            yield b.block_id
+
+
+def _byte_storage(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 tensor over ``t``'s whole untyped storage (no copy)."""
+    storage = t.untyped_storage()
+    flat = torch.empty(0, dtype=torch.uint8, device=t.device)
+    flat.set_(storage, 0, (storage.nbytes(),), (1,))
+    return flat
+
+
+def _rows(flat: torch.Tensor, start: int, num_blocks: int, row_bytes: int,
+          stride: int, what: str) -> torch.Tensor:
+    end = start + (num_blocks - 1) * stride + row_bytes
+    if start < 0 or end > flat.numel():
+        raise ConfigError(f"{what}: blocks [{start}, {end}) fall outside the KV storage of "
+                          f"{flat.numel()} bytes")
+    return flat.as_strided((num_blocks, row_bytes), (stride, 1), start)
+
+
+def kv_regions(kv_caches: Mapping[str, torch.Tensor], kv_cache_tensors: Sequence[Any],
+               num_blocks: int) -> list[torch.Tensor]:
+    """uint8 ``[num_blocks, bytes]`` regions covering every layer's KV (see module doc).
+
+    ``kv_cache_tensors``: vLLM's ``KVCacheTensor`` records (``layers``, ``layer_stride``,
+    ``block_stride``, ``offset``). ConfigError for a layer that is missing, a layer
+    tensor that does not sit where its record says, or a layout kvshm cannot copy as
+    whole blocks.
+    """
+    if num_blocks <= 0:
+        raise ConfigError(f"vLLM's KV cache has {num_blocks} blocks")
+    regions: list[torch.Tensor] = []
+    seen: set[tuple[str, int]] = set()
+    for i, rec in enumerate(kv_cache_tensors):
+        layers = list(rec.layers)
+        missing = [name for name in layers if name not in kv_caches]
+        if missing:
+            raise ConfigError(f"KV cache tensor {i}: layers {missing} were not registered")
+        if not layers:
+            continue
+        first = kv_caches[layers[0]]
+        flat = _byte_storage(first)
+        start0 = first.data_ptr() - flat.data_ptr()
+        lstride, bstride = int(rec.layer_stride), int(rec.block_stride)
+        for li, name in enumerate(layers):
+            t = kv_caches[name]
+            if t.data_ptr() != flat.data_ptr() + start0 + li * lstride:
+                raise ConfigError(f"KV cache tensor {i}: layer {name!r} does not start "
+                                  f"layer_stride={lstride} bytes after the previous one in "
+                                  "one allocation")
+        if lstride >= num_blocks * bstride or len(layers) == 1:
+            spans = [(start0 + li * lstride, bstride) for li in range(len(layers))]
+        elif lstride * len(layers) <= bstride:
+            spans = [(start0, bstride)]
+        else:
+            raise ConfigError(f"KV cache tensor {i}: layer_stride {lstride} and block_stride "
+                              f"{bstride} for {num_blocks} blocks interleave layers in a way "
+                              "kvshm cannot copy as whole blocks")
+        for li, (start, row) in enumerate(spans):
+            key = (str(flat.device), flat.data_ptr() + start)
+            if key in seen:
+                continue
+            seen.add(key)
+            regions.append(_rows(flat, start, num_blocks, row, bstride,
+                                 f"KV cache tensor {i} part {li}"))
+    if not regions:
+        raise ConfigError("no KV cache regions to offload")
+    return regions

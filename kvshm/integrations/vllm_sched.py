@@ -1,0 +1,305 @@
+"""Scheduler side of kvshm's vLLM connector (vLLM's engine-core process, its thread).
+
+Duck-typed over vLLM's ``Request``, ``KVCacheBlocks`` and ``SchedulerOutput`` (no vLLM
+import), around a kvshm :class:`~kvshm.engine.SyncClient`, which is created in
+:meth:`SchedulerSide.bind` (vLLM's ``bind_gpu_block_pool``) over vLLM's pool wrapped as
+``GpuBlocks``. Hook by hook:
+
+* ``get_num_new_matched_tokens`` -> :meth:`lookup`: ``(hit, True)`` for a hit (an
+  async load), ``(0, False)`` on a miss or when the request skips reading the prefix
+  cache (vLLM asserts a positive count for async loads), ``(None, False)`` to be asked
+  again (another request is loading part of this prefix right now).
+* ``update_state_after_alloc`` -> :meth:`allocated` (whole tables, local hit first).
+* ``build_connector_meta`` -> :meth:`build`: the step's ``StepInput`` from the
+  ``SchedulerOutput``, then ``SyncClient.step``; the metadata carries only the step,
+  the unacked load jobs' request ids, new load jobs' destinations, scheduler-side
+  load failures and flush ids. The transfers themselves travel over kvshm's rings.
+* ``request_finished[_all_groups]`` -> :meth:`finished` with ``num_computed_tokens -
+  num_output_placeholders``; always ``(False, None)`` (pins, not delayed frees).
+* ``has_pending_push_work`` -> ``has_pending_work`` (vLLM keeps stepping until the last
+  stores are acked); ``reset_cache`` -> ``reset``; ``update_connector_output`` drains
+  the client's load results (counted).
+
+Requests and readiness: until every worker rank has connected, ``lookup`` returns 0 and
+no request is listed in a ``StepInput``. The first step at which the client is READY
+lists every scheduled request not yet *announced* with its full current tables
+(``new_or_resumed``), from ``scheduler_output.kv_connector_block_state``, so requests
+that started before the workers connected are still stored.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvshm.config import EngineConfig
+from kvshm.core import EngineState
+from kvshm.engine import SyncClient
+from kvshm.errors import ConfigError, StateError
+from kvshm.integrations.vllm_blocks import VllmGpuBlocks
+from kvshm.integrations.vllm_config import ConnectorConfig
+from kvshm.protocol import unpack_ids
+from kvshm.types import GroupKind, RequestView, ScheduledRequest, StepInput, no_new_blocks
+
+__all__ = ["SchedulerCounters", "SchedulerSide", "StepMeta"]
+
+log = logging.getLogger("kvshm.vllm")
+
+Tables = tuple[tuple[int, ...], ...]
+
+
+@dataclass
+class StepMeta:
+    """What one step tells every worker rank (pickled to worker processes).
+
+    ``load_jobs``: every load job not yet acked by every rank -> its request ids (a rank
+    reports them finished when it sees the job's ``Done``, ok or not). ``load_dsts``:
+    load jobs planned this step -> their destination GPU block ids (a rank that sees
+    such a job fail reports these as load errors). ``failed_loads``: loads that failed
+    on the scheduler side and reach no worker -> destination ids (every rank reports
+    them in the step it receives them). ``flush``: job ids to finish before compute.
+    """
+
+    step: int
+    load_jobs: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    load_dsts: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    failed_loads: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    flush: tuple[int, ...] = ()
+
+
+@dataclass
+class SchedulerCounters:
+    """The connector's own counters (the engine keeps its own); monotonic."""
+
+    lookups: int = 0
+    lookups_skipped: int = 0  # skip_reading_prefix_cache (e.g. prompt logprobs)
+    lookups_asked_again: int = 0
+    lookup_hit_tokens: int = 0
+    loads_ok: int = 0
+    loads_failed: int = 0
+    requests_announced_late: int = 0
+    requests_unknown: int = 0
+    steps: int = 0
+
+
+def _tables(block_ids: Sequence[Sequence[int]]) -> Tables:
+    return tuple(tuple(g) for g in block_ids)
+
+
+class SchedulerSide:
+    """See the module docstring. ``meta_cls`` builds the step metadata (vLLM's
+    ``KVConnectorMetadata`` subclass of :class:`StepMeta`)."""
+
+    def __init__(self, cfg: ConnectorConfig,
+                 meta_cls: Callable[..., StepMeta] = StepMeta) -> None:
+        self.cfg = cfg
+        self._meta_cls = meta_cls
+        self._client: SyncClient | None = None
+        self._requests: dict[str, Any] = {}
+        self._announced: set[str] = set()
+        self._no_new = no_new_blocks(len(cfg.groups))
+        self._sw = any(g.kind is GroupKind.SLIDING_WINDOW for g in cfg.groups)
+        self._step = 0
+        self._closed = False
+        self.counters = SchedulerCounters()
+
+    # -- lifecycle -----------------------------------------------------------------------
+    @property
+    def client(self) -> SyncClient:
+        """The kvshm client (StateError before ``bind``)."""
+        if self._client is None:
+            raise StateError("kvshm's scheduler side has no GPU block pool bound yet")
+        return self._client
+
+    def bind(self, gpu_block_pool: Any) -> None:
+        """Create the client around vLLM's pool (once; vLLM's ``bind_gpu_block_pool``)."""
+        if self._client is not None:
+            raise StateError("bind_gpu_block_pool called twice")
+        c = self.cfg
+        hash_bs = getattr(gpu_block_pool, "hash_block_size", c.block_size)
+        if hash_bs != c.block_size:
+            raise ConfigError(f"vLLM's block pool hashes blocks of {hash_bs} tokens, kvshm "
+                              f"needs the block size ({c.block_size})")
+        if not getattr(gpu_block_pool, "enable_caching", True):
+            raise ConfigError("vLLM's block pool has prefix caching off; kvshm needs it")
+        econf = EngineConfig(block_size=c.block_size, name=c.name, tp=c.tp, pp=c.pp,
+                             groups=c.groups, mode=c.mode, num_cpu_blocks=c.num_cpu_blocks,
+                             cpu_bytes_per_rank=c.cpu_bytes_per_rank,
+                             hang_timeout_s=c.hang_timeout_s)
+        self._client = SyncClient(econf, gpu_blocks=VllmGpuBlocks(gpu_block_pool))
+        log.info("kvshm: scheduler side listening as %r for %d rank(s), %s mode",
+                 c.name, c.world_size, c.mode.value)
+
+    def shutdown(self) -> None:
+        """Let jobs in flight finish (up to ``shutdown_timeout_s``), write the final
+        statistics to ``stats_path``, close the client (idempotent)."""
+        if self._closed or self._client is None:
+            self._closed = True
+            return
+        self._closed = True
+        client = self._client
+        deadline = time.monotonic() + self.cfg.shutdown_timeout_s
+        while time.monotonic() < deadline and client.state is EngineState.READY:
+            client.poll()
+            if not client.has_pending_work():
+                break
+            time.sleep(0.002)
+        self._absorb(client.poll() if client.state in _LIVE else [])
+        client.close()
+        stats = self.statistics()
+        if self.cfg.stats_path:
+            _write_json(self.cfg.stats_path, stats)
+        log.info("kvshm: scheduler side closed (%s)", stats.get("state"))
+
+    def statistics(self) -> dict[str, Any]:
+        """The engine's statistics plus the connector's counters, JSON-able."""
+        out = self.client.statistics().as_dict()
+        out["connector"] = dict(vars(self.counters))
+        return out
+
+    # -- phase A / B ---------------------------------------------------------------------
+    def on_new_request(self, request: Any) -> None:
+        """Remember the live request (its hashes and counts grow in place)."""
+        self._requests[request.request_id] = request
+
+    def lookup(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        """``get_num_new_matched_tokens``: see the module docstring."""
+        self._requests[request.request_id] = request
+        self.counters.lookups += 1
+        if getattr(request, "skip_reading_prefix_cache", False):
+            self.counters.lookups_skipped += 1
+            return 0, False
+        view = RequestView(request.request_id, request.block_hashes, request.num_tokens,
+                           request.kv_transfer_params)
+        hit = self.client.lookup(view, num_computed_tokens)
+        if hit is None:
+            self.counters.lookups_asked_again += 1
+            return None, False
+        if hit > 0:
+            self.counters.lookup_hit_tokens += hit
+            return hit, True
+        return 0, False
+
+    def allocated(self, request: Any, block_ids: Sequence[Sequence[int]],
+                  num_external_tokens: int) -> None:
+        """``update_state_after_alloc``: the request's whole per-group tables."""
+        self.client.allocated(request.request_id, block_ids, num_external_tokens)
+
+    # -- the step ------------------------------------------------------------------------
+    def build(self, so: Any) -> StepMeta:
+        """``build_connector_meta``: plan this step; never blocks."""
+        client = self.client
+        self._absorb(client.poll())
+        self._step += 1
+        self.counters.steps += 1
+        for rid in getattr(so, "finished_req_ids", ()) or ():
+            self._forget(rid)
+        ready = client.state is EngineState.READY
+        reqs, alloc = self._listing(so) if ready else ([], set())
+        plan = client.step(StepInput(self._step, reqs, (), alloc))
+        load_dsts: dict[int, tuple[int, ...]] = {}
+        if plan.load is not None:
+            load_dsts[plan.load.job_id] = tuple(unpack_ids(plan.load.dst_ids))
+        return self._meta_cls(self._step, dict(plan.load_jobs), load_dsts,
+                              dict(plan.failed_loads), tuple(plan.flush))
+
+    def _listing(self, so: Any) -> tuple[list[ScheduledRequest], set[int]]:
+        """Every scheduled request (decode steps list every running one) and, with
+        sliding-window groups, the GPU ids allocated this step."""
+        out: list[ScheduledRequest] = []
+        alloc: set[int] = set()
+        listed: set[str] = set()
+        for nr in so.scheduled_new_reqs:
+            self._add(out, nr.req_id, _tables(nr.block_ids), True, nr.num_computed_tokens,
+                      alloc)
+            listed.add(nr.req_id)
+        cached = so.scheduled_cached_reqs
+        resumed = cached.resumed_req_ids
+        state = getattr(so, "kv_connector_block_state", None)
+        for i, rid in enumerate(cached.req_ids):
+            listed.add(rid)
+            nb = cached.new_block_ids[i]
+            if rid in resumed and nb is not None:
+                self._add(out, rid, _tables(nb), True, cached.num_computed_tokens[i], alloc)
+            elif rid not in self._announced:
+                full = state.get_block_ids(rid) if state is not None else None
+                if full is None:
+                    continue
+                self.counters.requests_announced_late += 1
+                self._add(out, rid, _tables(full), True, cached.num_computed_tokens[i], alloc)
+            else:
+                table = self._no_new if nb is None else _tables(nb)
+                if self._sw and nb is not None:
+                    alloc.update(b for g in nb for b in g)
+                self._add(out, rid, table, False, 0, alloc)
+        for rid in getattr(so, "preempted_req_ids", None) or ():
+            if rid in self._announced and rid not in listed:
+                self._add(out, rid, self._no_new, False, 0, alloc, preempted=True)
+        return out, alloc
+
+    def _add(self, out: list[ScheduledRequest], rid: str, table: Tables, full: bool,
+             num_computed: int, alloc: set[int], *, preempted: bool = False) -> None:
+        r = self._requests.get(rid)
+        if r is None:
+            self.counters.requests_unknown += 1
+            return
+        self._announced.add(rid)
+        if full and self._sw:
+            first = num_computed // self.cfg.block_size
+            alloc.update(b for g in table for b in g[first:])
+        confirmed = r.num_computed_tokens - r.num_output_placeholders
+        out.append(ScheduledRequest(rid, r.block_hashes, r.num_tokens, table, full,
+                                    confirmed, preempted, r.kv_transfer_params))
+
+    # -- completions, finish, reset ------------------------------------------------------
+    def update_output(self) -> None:
+        """``update_connector_output``: collect the client's load results."""
+        self._absorb(self.client.poll())
+
+    def _absorb(self, results: Sequence[Any]) -> None:
+        for res in results:
+            if res.ok:
+                self.counters.loads_ok += 1
+            else:
+                self.counters.loads_failed += 1
+                log.warning("kvshm: load for %s failed (%s); vLLM recomputes %d block(s)",
+                            res.req_id, res.cause.value if res.cause else "?",
+                            len(res.failed_block_ids))
+
+    def finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, None]:
+        """``request_finished_all_groups``: final confirmed count and tables."""
+        rid = request.request_id
+        confirmed = request.num_computed_tokens - request.num_output_placeholders
+        self.client.finished(rid, confirmed, block_ids)
+        self._forget(rid)
+        return False, None
+
+    def _forget(self, rid: str) -> None:
+        self._requests.pop(rid, None)
+        self._announced.discard(rid)
+
+    def has_pending_work(self) -> bool:
+        """``has_pending_push_work``: jobs not yet acked by every rank."""
+        if self._client is None or self._closed:
+            return False
+        return self._client.has_pending_work()
+
+    def reset(self) -> bool:
+        """``reset_cache``: drop the CPU index; False while transfers are in flight."""
+        return self.client.reset()
+
+
+_LIVE = (EngineState.STARTING, EngineState.READY, EngineState.FAILED)
+
+
+def _write_json(path: str, data: dict[str, Any]) -> None:
+    """Write ``data`` to ``path`` atomically (a temporary file renamed over it)."""
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=1, sort_keys=True, default=str)
+    os.replace(tmp, path)
