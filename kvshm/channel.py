@@ -585,6 +585,24 @@ class WorkerChannel(_Endpoint[protocol.Done, protocol.CmdMsg]):
             nbytes += len(payload)
         self._flush(count, nbytes)
 
+    def send_available(self, dones: Sequence[protocol.Done]) -> int:
+        """Publish as many of ``dones`` as fit now, in order (one head store, at most one
+        doorbell); returns how many. Never waits: the caller keeps the rest for later."""
+        self._check_open()
+        tx = self._tx
+        count = nbytes = 0
+        for done in dones:
+            if len(done.error) > self._max_error:
+                done = msgspec.structs.replace(done, error=done.error[: self._max_error])
+            payload = self._encode(done)
+            if not tx.stage(payload):
+                self._full_events += 1
+                break
+            count += 1
+            nbytes += len(payload)
+        self._flush(count, nbytes)
+        return count
+
     def _flush(self, count: int, nbytes: int) -> None:
         if self._tx.publish():
             self._published(count, nbytes)
@@ -612,7 +630,8 @@ class WorkerChannel(_Endpoint[protocol.Done, protocol.CmdMsg]):
 
         Drains; if empty, spins ``spin_us``, then parks in poll() on the cmd eventfd and
         the lifeline (at most ``park_timeout`` per sleep). Returns [] early when the
-        lifeline has data for its owner to read. PeerDied on lifeline EOF/HUP.
+        lifeline has data for its owner to read, or a :meth:`watch`-ed fd is readable.
+        PeerDied on lifeline EOF/HUP.
         """
         self._check_open()
         msgs = self._drain()
@@ -626,6 +645,17 @@ class WorkerChannel(_Endpoint[protocol.Done, protocol.CmdMsg]):
             self.rings.worker_state = WorkerState.RUNNING
         self._wakeups += self._parker.parks - parks
         return self._drain()
+
+    def watch(self, fd: int) -> None:
+        """Make :meth:`receive` also return (early, maybe with []) when ``fd`` is
+        readable: a copy engine's completion eventfd, a signal wake-up pipe. The channel
+        never reads it; its owner drains it. Call :meth:`unwatch` before closing it."""
+        self._check_open()
+        self._parker.watch(fd)
+
+    def unwatch(self, fd: int) -> None:
+        """Undo :meth:`watch` (idempotent)."""
+        self._parker.unwatch(fd)
 
     def beat(self) -> int:
         """Bump the heartbeat in the control block; returns the new count."""

@@ -112,6 +112,7 @@ class WakeReason(Enum):
     DOORBELL = "doorbell"  # the writer rang
     TIMEOUT = "timeout"  # the poll timed out (the ring may still hold records: a rescue)
     LIFELINE = "lifeline"  # the lifeline has data for its owner to read
+    WATCHED = "watched"  # an fd added with Parker.watch is readable (never consumed here)
 
 
 def lifeline_alive(fd: int) -> bool:
@@ -156,12 +157,27 @@ class Parker:
         self._poll.register(bell.fd, select.POLLIN)
         if lifeline_fd is not None:
             self._poll.register(lifeline_fd, select.POLLIN)
+        self._watched: set[int] = set()
         self._undrained = True  # the eventfd may hold rings from before we existed
         self.parks = 0  # times it actually slept in poll()
         self.rechecks = 0  # parks avoided by the re-check (records arrived meanwhile)
         self.timeouts = 0  # polls that timed out
         self.rescues = 0  # timeouts after which the ring held records (lost wake-ups)
         self.spurious = 0  # doorbell wake-ups that found the ring empty
+
+    def watch(self, fd: int) -> None:
+        """Also wake (WATCHED) when ``fd`` is readable, e.g. a copy engine's completion
+        eventfd or a signal wake-up pipe. The parker never reads it: its owner must drain
+        it, or every later park returns at once. Idempotent."""
+        if fd not in self._watched:
+            self._poll.register(fd, select.POLLIN)
+            self._watched.add(fd)
+
+    def unwatch(self, fd: int) -> None:
+        """Stop watching ``fd`` (idempotent); call it before closing the fd."""
+        if fd in self._watched:
+            self._watched.discard(fd)
+            self._poll.unregister(fd)
 
     def park(self, timeout: float = PARK_TIMEOUT_S) -> WakeReason:
         """Park, re-check, sleep at most ``timeout`` seconds, unpark. See module doc.
@@ -189,7 +205,8 @@ class Parker:
 
     def wait(self, timeout: float | None, spin_ns: int = 0) -> WakeReason:
         """Until the ring has records (DATA or DOORBELL), the lifeline has data
-        (LIFELINE) or ``timeout`` seconds passed (TIMEOUT; None waits forever).
+        (LIFELINE), a watched fd is readable (WATCHED) or ``timeout`` seconds passed
+        (TIMEOUT; None waits forever).
 
         Spins up to ``spin_ns`` first, then parks for at most ``park_timeout`` at a time
         (a spurious or timed-out wake re-parks). PeerDied when the lifeline closes.
@@ -206,7 +223,7 @@ class Parker:
             if deadline is not None:
                 wait = min(wait, max(0.0, deadline - time.monotonic()))
             reason = self.park(wait)
-            if reason is WakeReason.LIFELINE or not ring.is_empty():
+            if reason in (WakeReason.LIFELINE, WakeReason.WATCHED) or not ring.is_empty():
                 return reason
             if deadline is not None and time.monotonic() >= deadline:
                 return WakeReason.TIMEOUT
@@ -217,6 +234,9 @@ class Parker:
             if fd == self._bell.fd:
                 self._undrained = True  # drained at the next park
                 reason = WakeReason.DOORBELL
+            elif fd in self._watched:
+                if reason is not WakeReason.DOORBELL:
+                    reason = WakeReason.WATCHED
             elif mask & _HUP or not lifeline_alive(fd):
                 raise PeerDied(f"lifeline fd {fd} closed: the peer is gone")
             elif reason is WakeReason.TIMEOUT:
