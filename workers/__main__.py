@@ -1,20 +1,17 @@
-"""``kvshm-workers``: standalone worker processes (one per TP x PP rank)."""
+"""``kvshm-workers`` / ``python -m workers``: standalone worker processes (one per TP x PP
+rank); see :mod:`workers.loop` for both command-line forms."""
 
 from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
 
+from workers.loop import cli_main
+
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point; replaced by the standalone launcher (workers/loop.py)."""
-    try:
-        from workers.loop import cli_main  # type: ignore[import-not-found,unused-ignore]
-    except ImportError:
-        print("kvshm-workers is not available yet in this version.", file=sys.stderr)
-        return 2
-    rc: int = cli_main(argv)
-    return rc
+    """Console-script entry point; returns the exit code."""
+    return cli_main(argv)
 
 
 if __name__ == "__main__":

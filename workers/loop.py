@@ -1,0 +1,303 @@
+"""``kvshm-workers``: standalone worker processes, one per TP x PP rank.
+
+Two forms of one command line:
+
+* parent: ``kvshm-workers --name NAME --tp 2 [--pp 1] [--device cpu]`` starts one child
+  per rank (the per-rank form below), forwards SIGTERM/SIGINT to them, and exits once
+  all have: 0 if every rank exited 0, else the first failing rank's code (128 + signal
+  for a rank killed by a signal). Children get ``PR_SET_PDEATHSIG`` = SIGTERM, so they
+  stop if the parent is killed.
+* per rank: ``python -m workers --name NAME --rank R --world-size W`` (what
+  :class:`kvshm.launcher.Launcher` spawns) runs one standalone
+  :class:`~workers.worker.Worker` (``regions=None``: the device caches arrive in Ready).
+
+A rank connects (retrying while nobody listens on the name) and waits for Ready up to
+``--connect-timeout`` seconds, then loops: drain commands, begin every step it has seen in
+ascending order and submit its loads and stores at once (no fences: the serving process
+plans stores only for blocks whose compute has finished), send Dones as copies finish.
+Idle, it spins ``--spin-us`` then parks in poll() on the cmd doorbell, the lifeline, the
+copy engine's completion eventfd and a signal wake-up pipe -- no busy waiting.
+
+Exit codes: 0 after Shutdown, lifeline EOF (the scheduler is gone) or SIGTERM/SIGINT;
+1 for a runtime error (refused, no Ready in time, bad resources, protocol error), with
+one clear line on stderr; 2 for bad usage (``--device cuda``: CPU only in this phase).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from types import FrameType
+from typing import TYPE_CHECKING, Final
+
+if TYPE_CHECKING:  # torch is imported only by a rank, never by the parent or --help
+    from workers.worker import Worker
+
+__all__ = ["cli_main", "run_parent", "run_rank"]
+
+PROG: Final = "kvshm-workers"
+#: Longest park between services (the copy thread, doorbells and signals wake it sooner).
+PARK_S: Final = 1.0
+DEFAULT_CONNECT_TIMEOUT_S: Final = 60.0
+_PR_SET_PDEATHSIG: Final = 1
+_STOP_SIGNALS: Final = (signal.SIGTERM, signal.SIGINT)
+
+
+class UsageError(Exception):
+    """Bad command line (exit code 2)."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog=PROG,
+        description="Run kvshm's standalone CPU worker processes (one per TP x PP rank) for "
+                    "the kvshm engine named NAME. Without --rank: start every rank as a child "
+                    "process and wait for them. With --rank: run that one rank.",
+        epilog="Exit codes: 0 after the engine's Shutdown, its exit, or SIGTERM/SIGINT; 1 on "
+               "a runtime error; 2 on bad usage. Device caches are the shared-memory "
+               "tensors the serving process hands to its kvshm engine (CPU only).")
+    p.add_argument("--name", required=True, help="the engine's name (abstract socket "
+                   "\\0kvshm.NAME)")
+    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size")
+    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
+    p.add_argument("--rank", type=int, default=None, help="run only this rank (per-rank form)")
+    p.add_argument("--world-size", type=int, default=None,
+                   help="number of ranks (default: tp x pp)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="device of the KV caches; only cpu in this version")
+    p.add_argument("--connect-timeout", type=float, default=DEFAULT_CONNECT_TIMEOUT_S,
+                   help="seconds to wait for the engine's Ready (default %(default)s)")
+    p.add_argument("--spin-us", type=float, default=50.0,
+                   help="busy-wait before parking when idle, in microseconds (default 50)")
+    return p
+
+
+def _world_size(args: argparse.Namespace) -> int:
+    if args.tp is not None and (args.tp < 1 or args.pp < 1):
+        raise UsageError("--tp and --pp must be >= 1")
+    from_tp = None if args.tp is None else args.tp * args.pp
+    world: int | None = args.world_size
+    if world is not None and from_tp is not None and world != from_tp:
+        raise UsageError(f"--world-size {world} contradicts --tp {args.tp} x --pp {args.pp}")
+    world = world if world is not None else from_tp
+    if world is None:
+        raise UsageError("give --tp [--pp] (or --world-size)")
+    if world < 1:
+        raise UsageError(f"--world-size must be >= 1, got {world}")
+    if args.rank is not None and not 0 <= args.rank < world:
+        raise UsageError(f"--rank {args.rank} out of range [0, {world})")
+    if args.connect_timeout <= 0 or args.spin_us < 0:
+        raise UsageError("--connect-timeout must be > 0 and --spin-us >= 0")
+    return world
+
+
+def cli_main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``kvshm-workers`` and ``python -m workers``; returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        if args.device != "cpu":
+            raise UsageError(f"--device {args.device} is not supported: this version runs "
+                             "CPU device caches only (use --device cpu)")
+        world = _world_size(args)
+    except UsageError as exc:
+        parser.print_usage(sys.stderr)
+        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        return 2
+    if args.rank is None:
+        return run_parent(args.name, world, connect_timeout=args.connect_timeout,
+                          spin_us=args.spin_us)
+    return run_rank(args.name, args.rank, world, connect_timeout=args.connect_timeout,
+                    spin_us=args.spin_us)
+
+
+# ---------------------------------------------------------------------------- parent
+
+
+def rank_command(name: str, rank: int, world: int, *, connect_timeout: float,
+                 spin_us: float) -> list[str]:
+    """The per-rank command line the parent form starts."""
+    return [sys.executable, "-m", "workers", "--name", name, "--rank", str(rank),
+            "--world-size", str(world), "--connect-timeout", repr(connect_timeout),
+            "--spin-us", repr(spin_us)]
+
+
+def _death_signal(parent: int) -> Callable[[], None]:
+    libc = ctypes.CDLL(None, use_errno=True)
+
+    def preexec() -> None:  # runs in the child between fork and exec
+        libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGTERM), 0, 0, 0)
+        if os.getppid() != parent:  # the parent died before prctl took effect
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    return preexec
+
+
+def run_parent(name: str, world: int, *, connect_timeout: float, spin_us: float) -> int:
+    """Start ``world`` ranks, forward SIGTERM/SIGINT, wait for all; see module doc."""
+    procs: list[subprocess.Popen[bytes]] = []
+    stop = 0
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        nonlocal stop
+        stop = signum
+        for p in procs:
+            if p.returncode is None:
+                try:
+                    p.send_signal(signum)
+                except ProcessLookupError:  # pragma: no cover - exited meanwhile
+                    pass
+
+    old = {sig: signal.signal(sig, forward) for sig in _STOP_SIGNALS}
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    preexec = _death_signal(os.getpid())
+    try:
+        for rank in range(world):
+            cmd = rank_command(name, rank, world, connect_timeout=connect_timeout,
+                               spin_us=spin_us)
+            procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,  # noqa: S603
+                                          preexec_fn=preexec))
+            if stop:
+                procs[-1].send_signal(stop)
+        codes = [p.wait() for p in procs]
+    finally:
+        for p in procs:  # only on an error above: never leave a rank behind
+            if p.returncode is None:
+                p.kill()
+                p.wait()
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    return _parent_exit_code(codes)
+
+
+def _parent_exit_code(codes: list[int]) -> int:
+    for rank, code in enumerate(codes):
+        if code != 0:
+            how = f"signal {-code}" if code < 0 else f"code {code}"
+            print(f"{PROG}: rank {rank} exited with {how}", file=sys.stderr)
+    bad = [c for c in codes if c != 0]
+    if not bad:
+        return 0
+    return 128 - bad[0] if bad[0] < 0 else bad[0]
+
+
+# ---------------------------------------------------------------------------- one rank
+
+
+class _Stopper:
+    """SIGTERM/SIGINT -> a flag plus a readable pipe (``fd``) that wakes any poll()."""
+
+    def __init__(self) -> None:
+        self.fd, self._w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self.signum = 0
+        self._old = {sig: signal.signal(sig, self._on_signal) for sig in _STOP_SIGNALS}
+        self._old_wakeup = signal.set_wakeup_fd(self._w, warn_on_full_buffer=False)
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        self.signum = signum
+
+    def drain(self) -> None:
+        try:
+            while os.read(self.fd, 512):
+                pass
+        except BlockingIOError:
+            pass
+
+    def close(self) -> None:
+        signal.set_wakeup_fd(self._old_wakeup)
+        for sig, handler in self._old.items():
+            signal.signal(sig, handler)
+        os.close(self.fd)
+        os.close(self._w)
+
+
+def run_rank(name: str, rank: int, world: int, *, connect_timeout: float,
+             spin_us: float) -> int:
+    """One standalone rank until Shutdown, lifeline EOF or a stop signal; the exit code."""
+    import warnings
+
+    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
+    import torch
+
+    from kvshm.errors import KvshmError
+    from workers.worker import Worker
+
+    torch.set_num_threads(1)
+    stopper = _Stopper()
+    worker: Worker | None = None
+    try:
+        worker = Worker.attach(name, rank, world, None, spin_us=spin_us)
+        return _serve(worker, stopper, connect_timeout)
+    except (KvshmError, TimeoutError) as exc:
+        print(f"{PROG}[rank {rank}]: error: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        if worker is not None:
+            worker.close()
+        stopper.close()
+
+
+def _serve(worker: Worker, stopper: _Stopper, connect_timeout: float) -> int:
+    from workers.worker import DetachReason, Phase
+
+    if not _await_ready(worker, stopper, connect_timeout):
+        return 0
+    linked = (Phase.READY, Phase.DRAINING)
+    if worker.phase in linked:
+        worker.watch(stopper.fd)
+    while worker.phase in linked and not stopper.signum:
+        for step in worker.queued_steps():
+            worker.begin_step(step)
+            worker.submit_loads(step)
+            worker.submit_stores(step)
+        worker.poll()
+        if worker.phase in linked:
+            worker.wait_for_work(PARK_S)
+            stopper.drain()
+    if worker.detach_reason in (None, DetachReason.SHUTDOWN, DetachReason.PEER_DIED):
+        return 0
+    why = {DetachReason.REFUSED: "the engine refused this rank or closed before Ready",
+           DetachReason.SETUP_FAILED: "could not use the engine's resources",
+           DetachReason.PROTOCOL_ERROR: "protocol error"}.get(worker.detach_reason, "detached")
+    print(f"{PROG}[rank {worker.rank}]: error: {why}: {worker.last_error}", file=sys.stderr)
+    return 1
+
+
+def _await_ready(worker: Worker, stopper: _Stopper, timeout: float) -> bool:
+    """Connect and wait for Ready; False if a stop signal came first. TimeoutError."""
+    from workers.worker import Phase
+
+    deadline = time.monotonic() + timeout
+    poller_fds = [stopper.fd]
+    while True:
+        worker.service()
+        if worker.phase not in (Phase.NEW, Phase.CONNECTING):
+            return True
+        if stopper.signum:
+            return False
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(_timeout_message(worker, timeout))
+        lifeline = worker.lifeline_fd()
+        fds = poller_fds if lifeline is None else [*poller_fds, lifeline]
+        nap = min(left, 0.05 if worker.phase is Phase.NEW else PARK_S)
+        select.select(fds, [], [], nap)
+        stopper.drain()
+
+
+def _timeout_message(worker: Worker, timeout: float) -> str:
+    from workers.worker import Phase
+
+    if worker.phase is Phase.NEW:
+        return (f"no kvshm engine named {worker.name!r} appeared within {timeout:g}s "
+                f"(nothing listens on \\0kvshm.{worker.name})")
+    return (f"kvshm engine {worker.name!r} sent no Ready within {timeout:g}s: it waits for "
+            f"all {worker.world_size} ranks (are the others running?)")

@@ -1,0 +1,176 @@
+"""One rank's attachment to a scheduler: everything a ``Ready`` (and its fds) turns into.
+
+:func:`open_session` maps, in this order, the rank's device caches (standalone workers
+only: ``Ready.device_caches``), checks the layout against ``Ready.layout``, maps the ring
+segment, the host pool, builds the :class:`~kvshm.channel.WorkerChannel` (lifeline = the
+rendezvous socket) and the copy engine (CUDA for a CUDA layout, else CPU).
+
+fd ownership: every fd of the ``Ready`` is owned by the session from the call on. Each is
+either consumed by exactly one object (segment, host pool, channel, device tensor) or
+closed before :func:`open_session` returns or raises; nothing leaks on any error path.
+
+Teardown is two-staged: :meth:`Session.close_link` drops the scheduler link (channel,
+eventfds, ring segment) while the copy engine and host pool stay, so copies already
+running still finish and report; :meth:`Session.close` then stops the engine (running
+copies finish, queued ones fail) and releases the host pool.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvshm.channel import ChannelStats, WorkerChannel
+from kvshm.errors import ConfigError, ProtocolError
+from kvshm.layout import KVLayout
+from kvshm.protocol import READY_FIXED_FDS, Ready
+from kvshm.ring import RingPair, segment_size
+from kvshm.shm import Segment, map_segment, tensor_from_fd
+from workers.copy_engine import CopyEngine
+from workers.cpu_copy import CpuCopyEngine, FaultInjection
+from workers.host_pool import HostPool
+
+__all__ = ["Session", "SessionOptions", "open_session"]
+
+
+@dataclass(frozen=True)
+class SessionOptions:
+    """Worker-side knobs that shape a session (see ``Worker.attach``)."""
+
+    spin_us: float = 50.0
+    copy_threads: int = 1
+    fault: FaultInjection | None = None
+
+
+@dataclass
+class Session:
+    """A live attachment. ``channel`` is None once :meth:`close_link` ran."""
+
+    ready: Ready
+    layout: KVLayout
+    host: HostPool
+    engine: CopyEngine
+    notify_fd: int | None
+    channel: WorkerChannel | None
+    ring_seg: Segment | None
+    last_channel_stats: ChannelStats | None = field(default=None)
+
+    def close_link(self) -> None:
+        """Close the channel (worker state STOPPED, eventfds) and the ring segment."""
+        if self.channel is not None:
+            self.last_channel_stats = self.channel.statistics()
+            self.channel.close()
+            self.channel = None
+        if self.ring_seg is not None:
+            self.ring_seg.close()
+            self.ring_seg = None
+
+    def close(self) -> None:
+        """Everything: link, copy engine (running copies finish), host pool. Idempotent."""
+        self.close_link()
+        self.engine.close()
+        self.notify_fd = None
+        self.host.close()
+
+    def channel_stats(self) -> ChannelStats | None:
+        """The channel's counters (the last snapshot once the link is closed)."""
+        return self.channel.statistics() if self.channel is not None else self.last_channel_stats
+
+
+class _Fds:
+    """The Ready's fds: each is taken once (ownership moves) or closed by :meth:`close_rest`."""
+
+    def __init__(self, fds: Sequence[int]) -> None:
+        self._fds: list[int | None] = list(fds)
+
+    def take(self, i: int) -> int:
+        fd = self._fds[i]
+        assert fd is not None, f"Ready fd {i} taken twice"
+        self._fds[i] = None
+        return fd
+
+    def close_rest(self) -> None:
+        for i, fd in enumerate(self._fds):
+            if fd is not None:
+                self._fds[i] = None
+                os.close(fd)
+
+
+def _device_layout(ready: Ready, fds: _Fds, layout: KVLayout | None) -> KVLayout:
+    """The embedded layout checked against Ready, or the standalone one mapped from fds."""
+    if layout is not None:
+        if ready.device_caches:
+            raise ConfigError(f"rank {ready.rank}: Ready carries device caches, but this "
+                              "worker owns its KV regions (embedded)")
+        layout.check_spec(ready.layout)
+        if layout.num_blocks != ready.layout.num_blocks:
+            raise ConfigError(f"rank {ready.rank}: {layout.num_blocks} device blocks here, "
+                              f"Ready says {ready.layout.num_blocks}")
+        return layout
+    if not ready.device_caches:
+        raise ConfigError(f"rank {ready.rank}: a standalone worker needs device caches in "
+                          "Ready (the serving process allocates them with shared_tensor)")
+    tensors: list[torch.Tensor] = []
+    for i, spec in enumerate(ready.device_caches):
+        tensors.append(tensor_from_fd(fds.take(READY_FIXED_FDS + i), spec.shape, spec.dtype))
+    mapped = KVLayout.from_tensors(tensors)
+    if mapped.to_spec() != ready.layout:
+        raise ConfigError(f"rank {ready.rank}: device caches map to {mapped.to_spec()}, "
+                          f"Ready says {ready.layout}")
+    return mapped
+
+
+def _make_engine(rank: int, layout: KVLayout, host: HostPool,
+                 opts: SessionOptions) -> tuple[CopyEngine, int | None]:
+    if layout.device.type == "cuda":
+        from workers.cuda_copy import CudaCopyEngine
+
+        return CudaCopyEngine(rank, layout, host), None
+    engine = CpuCopyEngine(rank, layout, host, num_threads=opts.copy_threads, fault=opts.fault)
+    return engine, engine.notify_fd()
+
+
+def open_session(ready: Ready, fds: Sequence[int], *, layout: KVLayout | None,
+                 lifeline_fd: int, opts: SessionOptions) -> Session:
+    """Build the session for ``ready`` (see the module docstring for order and ownership).
+
+    ``layout``: the embedded worker's own layout, or None (standalone: mapped from the
+    Ready's device-cache fds). Raises ProtocolError for a wrong fd count or a bad ring
+    segment, ConfigError for a layout or host-pool mismatch.
+    """
+    owned = _Fds(fds)
+    seg: Segment | None = None
+    host: HostPool | None = None
+    channel: WorkerChannel | None = None
+    try:
+        want = READY_FIXED_FDS + len(ready.device_caches)
+        if len(fds) != want:
+            raise ProtocolError(f"Ready for rank {ready.rank} carries {len(fds)} fds, "
+                                f"expected {want}", ring="rendezvous", offset=0)
+        dev = _device_layout(ready, owned, layout)
+        seg = map_segment(owned.take(0), segment_size(ready.cmd_capacity, ready.done_capacity))
+        rings = RingPair.attach(seg.buf)
+        host = HostPool.from_fd(owned.take(1), ready, pin=dev.device.type == "cuda")
+        cmd_efd, done_efd = owned.take(2), owned.take(3)
+        try:
+            channel = WorkerChannel(ready.rank, rings, cmd_efd, done_efd, lifeline_fd,
+                                    spin_us=opts.spin_us, full_wait_s=0.0)
+        except BaseException:
+            rings.close()
+            os.close(cmd_efd)
+            os.close(done_efd)
+            raise
+        engine, notify_fd = _make_engine(ready.rank, dev, host, opts)
+    except BaseException:
+        owned.close_rest()
+        if channel is not None:
+            channel.close()
+        if host is not None:
+            host.close()
+        if seg is not None:
+            seg.close()
+        raise
+    return Session(ready, dev, host, engine, notify_fd, channel, seg)
