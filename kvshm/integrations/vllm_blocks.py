@@ -63,11 +63,11 @@ class VllmGpuBlocks:
         self._pool.free_blocks(blocks)
         if not evict_first:
             return
-        freed = [b for b in blocks if b.ref_cnt == 0 and not b.is_null]
+        freed = list({id(b): b for b in blocks if b.ref_cnt == 0 and not b.is_null}.values())
         if freed:
             for b in freed:
                 self._queue.remove(b)
-            self._queue.prepend_n(list(dict.fromkeys(freed)))
+            self._queue.prepend_n(freed)
 
     def block_hashes(self, block_id: int) -> tuple[BlockHash, ...]:
         """The block's current plain hashes (primary first); empty if none."""

@@ -16,6 +16,9 @@ import), around a kvshm :class:`~kvshm.engine.SyncClient`, which is created in
   load failures and flush ids. The transfers themselves travel over kvshm's rings.
 * ``request_finished[_all_groups]`` -> :meth:`finished` with ``num_computed_tokens -
   num_output_placeholders``; always ``(False, None)`` (pins, not delayed frees).
+* A request whose load failed is never offered a CPU hit again: vLLM recomputes it
+  (after a failed load that leaves no valid token, vLLM frees the request's blocks and
+  looks it up again; answering with the same hit would retry a failing copy forever).
 * ``has_pending_push_work`` -> ``has_pending_work`` (vLLM keeps stepping until the last
   stores are acked); ``reset_cache`` -> ``reset``; ``update_connector_output`` drains
   the client's load results (counted).
@@ -84,6 +87,7 @@ class SchedulerCounters:
     loads_failed: int = 0
     requests_announced_late: int = 0
     requests_unknown: int = 0
+    lookups_after_failed_load: int = 0  # answered 0: that request recomputes instead
     steps: int = 0
 
 
@@ -102,6 +106,7 @@ class SchedulerSide:
         self._client: SyncClient | None = None
         self._requests: dict[str, Any] = {}
         self._announced: set[str] = set()
+        self._load_failed: set[str] = set()
         self._no_new = no_new_blocks(len(cfg.groups))
         self._sw = any(g.kind is GroupKind.SLIDING_WINDOW for g in cfg.groups)
         self._step = 0
@@ -173,6 +178,9 @@ class SchedulerSide:
         self.counters.lookups += 1
         if getattr(request, "skip_reading_prefix_cache", False):
             self.counters.lookups_skipped += 1
+            return 0, False
+        if request.request_id in self._load_failed:
+            self.counters.lookups_after_failed_load += 1
             return 0, False
         view = RequestView(request.request_id, request.block_hashes, request.num_tokens,
                            request.kv_transfer_params)
@@ -267,6 +275,8 @@ class SchedulerSide:
                 self.counters.loads_ok += 1
             else:
                 self.counters.loads_failed += 1
+                if res.req_id in self._requests:
+                    self._load_failed.add(res.req_id)
                 log.warning("kvshm: load for %s failed (%s); vLLM recomputes %d block(s)",
                             res.req_id, res.cause.value if res.cause else "?",
                             len(res.failed_block_ids))
@@ -282,6 +292,7 @@ class SchedulerSide:
     def _forget(self, rid: str) -> None:
         self._requests.pop(rid, None)
         self._announced.discard(rid)
+        self._load_failed.discard(rid)
 
     def has_pending_work(self) -> bool:
         """``has_pending_push_work``: jobs not yet acked by every rank."""

@@ -186,6 +186,9 @@ class EngineSpec:
     extra_config: tuple[tuple[str, Any], ...] = ()
     kv_cache_bytes: int = 16 << 20
     max_num_seqs: int = 8
+    # Overrides of KVTransferConfig fields and of LLM() arguments (bad-config tests, TP).
+    kv_overrides: tuple[tuple[str, Any], ...] = ()
+    llm_overrides: tuple[tuple[str, Any], ...] = ()
 
 
 # llm_factory(connector, *, multiprocess=False, dtype="float32", module=..., **extra_config)
@@ -246,27 +249,29 @@ def _run_llm(model: TinyModel, spec: EngineSpec) -> Iterator[Any]:
     # An in-process EngineCore freezes vLLM's env lookups (enable_envs_cache), so a later
     # engine in this process would not see the mode chosen above without this.
     vllm.envs.disable_envs_cache()
-    kv_config = KVTransferConfig(
-        kv_connector=spec.connector,
-        kv_connector_module_path=spec.module,
-        kv_role="kv_both",
-        kv_load_failure_policy="recompute",
-        kv_connector_extra_config=dict(spec.extra_config),
-    )
+    kv_args: dict[str, Any] = {
+        "kv_connector": spec.connector,
+        "kv_connector_module_path": spec.module,
+        "kv_role": "kv_both",
+        "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": dict(spec.extra_config),
+    }
+    kv_args.update(spec.kv_overrides)
+    llm_args: dict[str, Any] = {
+        "model": str(model.path),
+        "enforce_eager": True,
+        "dtype": spec.dtype,
+        "max_model_len": 2048,
+        "enable_prefix_caching": True,
+        "block_size": 32,
+        "max_num_seqs": spec.max_num_seqs,
+        "seed": SEED,
+        "kv_cache_memory_bytes": spec.kv_cache_bytes,
+    }
+    llm_args.update(spec.llm_overrides)
     llm = None
     try:
-        llm = LLM(
-            model=str(model.path),
-            enforce_eager=True,
-            dtype=spec.dtype,
-            max_model_len=2048,
-            enable_prefix_caching=True,
-            block_size=32,
-            max_num_seqs=spec.max_num_seqs,
-            seed=SEED,
-            kv_cache_memory_bytes=spec.kv_cache_bytes,
-            kv_transfer_config=kv_config,
-        )
+        llm = LLM(**llm_args, kv_transfer_config=KVTransferConfig(**kv_args))
         yield llm
     finally:
         if llm is not None:
@@ -274,6 +279,12 @@ def _run_llm(model: TinyModel, spec: EngineSpec) -> Iterator[Any]:
             # exiting, the EngineCore is then SIGKILLed and left a zombie. Graceful: ~8 s.
             llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
             del llm
+        elif spec.mode is EngineMode.IN_PROCESS:
+            # A start that failed after the worker-side connector was created leaves it
+            # in vLLM's process-global slot, where the next engine would pick it up.
+            from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
+
+            ensure_kv_transfer_shutdown()
         if old_mode is None:
             os.environ.pop("VLLM_ENABLE_V1_MULTIPROCESSING", None)
         else:
@@ -346,7 +357,9 @@ def _run_llm_on_path(model: TinyModel, spec: EngineSpec) -> Iterator[Any]:
 def make_llm(tiny_llama: TinyModel) -> LLMFactory:
     """Session-scoped ``llm_factory`` for module-scoped engines (one engine shared by a
     module's tests): ``make_llm(connector, *, module, multiprocess=False,
-    dtype="float32", kv_cache_bytes=16 << 20, max_num_seqs=8, **extra_config)``."""
+    dtype="float32", kv_cache_bytes=16 << 20, max_num_seqs=8, kv_overrides=None,
+    llm_overrides=None, **extra_config)``; ``kv_overrides`` replace KVTransferConfig
+    arguments, ``llm_overrides`` LLM() arguments."""
 
     def factory(
         connector: str,
@@ -356,6 +369,8 @@ def make_llm(tiny_llama: TinyModel) -> LLMFactory:
         dtype: str = "float32",
         kv_cache_bytes: int = 16 << 20,
         max_num_seqs: int = 8,
+        kv_overrides: dict[str, Any] | None = None,
+        llm_overrides: dict[str, Any] | None = None,
         **extra_config: Any,
     ) -> AbstractContextManager[Any]:
         spec = EngineSpec(
@@ -366,6 +381,8 @@ def make_llm(tiny_llama: TinyModel) -> LLMFactory:
             extra_config=tuple(sorted(extra_config.items())),
             kv_cache_bytes=kv_cache_bytes,
             max_num_seqs=max_num_seqs,
+            kv_overrides=tuple(sorted((kv_overrides or {}).items())),
+            llm_overrides=tuple(sorted((llm_overrides or {}).items())),
         )
         return _run_llm_on_path(tiny_llama, spec)
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -30,6 +31,7 @@ pytest.importorskip(
 )
 
 from vllm import SamplingParams  # noqa: E402
+from vllm.distributed.kv_transfer import get_kv_transfer_group  # noqa: E402
 
 from kvshm.integrations.vllm import engine_name  # noqa: E402
 
@@ -136,34 +138,118 @@ def _restore_round_trip(eng: Engine, start: int = 0) -> dict[str, Any]:
     return {"cold": cold, "hot": hot}
 
 
-# ----------------------------------------------------------------- fp32, 80-block pool
+# Engines are class-scoped: two in-process engines cannot coexist (vLLM keeps the
+# worker-side connector in a process-global), and a class's engine is shut down as soon
+# as its last test ends.
 
 
-@pytest.fixture(scope="module")
-def fp32(make_llm: LLMFactory, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-    yield from _engine(make_llm, tmp_path_factory.mktemp("fp32"),
-                       kv_cache_bytes=SMALL_POOL)
+class TestFp32SmallPool:
+    """float32, an 80-block device pool."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def eng(cls, make_llm: LLMFactory,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+        yield from _engine(make_llm, tmp_path_factory.mktemp("fp32"), kv_cache_bytes=SMALL_POOL)
+
+    def test_restore_is_bitwise_exact(self, eng: Engine) -> None:
+        _restore_round_trip(eng)
+        stats = eng.stats()
+        assert stats["state"] == "ready"
+        assert stats["counters"]["loaded_blocks"] == 3
+        assert stats["connector"]["loads_ok"] == 1
+
+    def test_concurrent_requests_rounds(self, eng: Engine) -> None:
+        """8 requests sharing a prefix, 80 device blocks (they need ~90 together), 4
+        rounds: every round bit-exact, later rounds hit kvshm's CPU tier."""
+        prefix = _prompt(160, 300)
+        prompts = [f"{prefix} {_prompt(256 + 16 * i, 37 * i)}" for i in range(8)]
+        before = eng.stats()["counters"]
+        reference = [_signature(o) for o in eng.generate(prompts)]
+        for _ in range(3):
+            outs = eng.generate(prompts)
+            assert [_signature(o) for o in outs] == reference
+        after = eng.stats()["counters"]
+        assert after["lookup_hit_tokens"] > before["lookup_hit_tokens"]
+        assert after["loaded_blocks"] > before["loaded_blocks"]
+        assert after["loads_failed"] == before["loads_failed"]
 
 
-def test_restore_is_bitwise_exact_fp32(fp32: Engine) -> None:
-    _restore_round_trip(fp32)
-    stats = fp32.stats()
-    assert stats["state"] == "ready"
-    assert stats["counters"]["loaded_blocks"] >= 3
-    assert stats["connector"]["loads_ok"] >= 1
+class TestBf16:
+    @pytest.fixture(scope="class")
+    @classmethod
+    def eng(cls, make_llm: LLMFactory,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+        yield from _engine(make_llm, tmp_path_factory.mktemp("bf16"), dtype="bfloat16")
+
+    def test_restore_is_bitwise_exact(self, eng: Engine) -> None:
+        _restore_round_trip(eng, start=7)
+        assert eng.stats()["counters"]["loaded_blocks"] == 3
 
 
-def test_concurrent_requests_small_pool_rounds(fp32: Engine) -> None:
-    """8 requests sharing a prefix, 80 device blocks (they need ~90 together), 4 rounds:
-    every round bit-exact, later rounds hit kvshm's CPU tier."""
-    prefix = _prompt(160, 300)
-    prompts = [f"{prefix} {_prompt(256 + 16 * i, 37 * i)}" for i in range(8)]
-    before = fp32.stats()["counters"]
-    reference = [_signature(o) for o in fp32.generate(prompts)]
-    for _ in range(3):
-        outs = fp32.generate(prompts)
-        assert [_signature(o) for o in outs] == reference
-    after = fp32.stats()["counters"]
-    assert after["lookup_hit_tokens"] > before["lookup_hit_tokens"]
-    assert after["loaded_blocks"] > before["loaded_blocks"]
-    assert after["loads_failed"] == before["loads_failed"]
+class TestLazy:
+    @pytest.fixture(scope="class")
+    @classmethod
+    def eng(cls, make_llm: LLMFactory,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+        yield from _engine(make_llm, tmp_path_factory.mktemp("lazy"), kv_cache_bytes=SMALL_POOL, mode="lazy")
+
+    def test_stores_freed_blocks_and_restores_exactly(self, eng: Engine) -> None:
+        """Lazy mode stores nothing while the request runs; its blocks go out once freed
+        near the eviction end of vLLM's free queue, and come back bit-exact."""
+        _restore_round_trip(eng, start=50)
+        counters = eng.stats()["counters"]
+        assert counters["stored_blocks"] >= 3
+        assert counters["loaded_blocks"] == 3
+
+
+class TestLoadFailure:
+    @pytest.fixture(scope="class")
+    @classmethod
+    def eng(cls, make_llm: LLMFactory,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+        yield from _engine(make_llm, tmp_path_factory.mktemp("faulty"), test_fail_loads=1)
+
+    def test_failed_load_is_recomputed_exactly(self, eng: Engine) -> None:
+        """The first load's copy fails on the worker: vLLM recomputes the request (nothing
+        counted as cached) and the output is exact; the next restore loads normally."""
+        prompt = _prompt(PROMPT_TOKENS, 90)
+        cold = eng.generate([prompt])[0]
+        eng.reset_device_cache()
+        failed = eng.generate([prompt])[0]
+        assert not failed.num_cached_tokens
+        assert _signature(failed) == _signature(cold)
+        stats = eng.stats()
+        assert stats["counters"]["loads_failed"] == 1
+        assert stats["counters"]["jobs_failed"] == 1
+        assert stats["connector"]["loads_failed"] == 1
+        assert stats["connector"]["lookups_after_failed_load"] >= 1
+        wstats = get_kv_transfer_group().worker_side.statistics()["connector"]
+        assert wstats["loads_failed"] == 1
+        assert wstats["error_blocks"] == 3
+        eng.reset_device_cache()
+        again = eng.generate([prompt])[0]
+        assert again.num_cached_tokens == 3 * BLOCK
+        assert _signature(again) == _signature(cold)
+
+
+class TestMultiProcess:
+    @pytest.fixture(scope="class")
+    @classmethod
+    def eng(cls, make_llm: LLMFactory,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+        yield from _engine(make_llm, tmp_path_factory.mktemp("mp"), multiprocess=True)
+
+    def test_restore_is_bitwise_exact(self, eng: Engine) -> None:
+        """Engine core and worker in their own processes: the metadata is pickled, the
+        EngineCore keeps stepping while kvshm has stores in flight (has_pending_push_work),
+        and the restore is exact."""
+        prompt = _prompt(PROMPT_TOKENS, 120)
+        cold = eng.generate([prompt])[0]
+        deadline = time.monotonic() + 30
+        while not eng.llm.reset_prefix_cache():  # False while kvshm pins finish-time stores
+            assert time.monotonic() < deadline, "reset_prefix_cache never succeeded"
+            time.sleep(0.05)
+        hot = eng.generate([prompt])[0]
+        assert hot.num_cached_tokens == 3 * BLOCK
+        assert _signature(hot) == _signature(cold)

@@ -1,0 +1,192 @@
+"""The connector's contract with the pinned vLLM, and its vLLM-free building blocks.
+
+* every vLLM hook ``KvshmConnector`` overrides exists in the installed vLLM with the same
+  parameters (a vLLM upgrade that renames one fails here, naming it);
+* ``kvshm.integrations.vllm`` imports without vLLM;
+* ``VllmGpuBlocks`` over vLLM's real ``BlockPool``: pins, ``evict_first`` order, plain
+  hashes, LRU iteration;
+* ``kv_regions``: byte regions exactly over each layer's blocks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from kvshm.errors import ConfigError
+from kvshm.integrations.vllm import CONNECTOR_HOOKS, VLLM_VERSION
+from kvshm.integrations.vllm_blocks import VllmGpuBlocks, kv_regions
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _has_vllm() -> bool:
+    spec = importlib.util.find_spec("vllm")
+    return spec is not None and spec.origin is not None
+
+
+needs_vllm = pytest.mark.skipif(not _has_vllm(), reason="vLLM is not installed")
+
+
+def test_module_imports_without_vllm() -> None:
+    code = ("import sys, kvshm.integrations.vllm as m; "
+            "assert 'vllm' not in sys.modules, 'vllm imported'; "
+            "assert 'KvshmConnector' in dir(m); print('ok')")
+    out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True,
+                         text=True, env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"},
+                         timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "ok"
+
+
+# ------------------------------------------------------------------------ vLLM hooks
+
+
+@needs_vllm
+def test_pinned_vllm_version() -> None:
+    import vllm
+
+    assert vllm.__version__.startswith(VLLM_VERSION + "."), vllm.__version__
+
+
+def _params(func: Any) -> list[tuple[str, Any]]:
+    return [(p.name, p.kind) for p in inspect.signature(func).parameters.values()]
+
+
+@needs_vllm
+@pytest.mark.parametrize("hook", CONNECTOR_HOOKS)
+def test_every_overridden_hook_exists_in_vllm(hook: str) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        SupportsHMA,
+    )
+
+    from kvshm.integrations.vllm import KvshmConnector
+
+    base = next((c for c in (KVConnectorBase_V1, SupportsHMA) if hook in vars(c)), None)
+    assert base is not None, f"vLLM {VLLM_VERSION} has no connector hook {hook!r}"
+    assert hook in vars(KvshmConnector), f"KvshmConnector does not override {hook!r}"
+    ours, theirs = vars(KvshmConnector)[hook], vars(base)[hook]
+    if isinstance(theirs, property):
+        assert isinstance(ours, property), hook
+        return
+    assert _params(ours) == _params(theirs), (
+        f"{hook}: ours {inspect.signature(ours)} vs vLLM's {inspect.signature(theirs)}")
+
+
+@needs_vllm
+def test_every_override_is_listed_and_the_class_is_concrete() -> None:
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+        KVConnectorBase_V1,
+        SupportsHMA,
+    )
+
+    from kvshm.integrations.vllm import KvshmConnector
+
+    vllm_names = set(vars(KVConnectorBase_V1)) | set(vars(SupportsHMA))
+    overridden = {n for n in vars(KvshmConnector) if n in vllm_names and not n.startswith("_")}
+    overridden |= {"__init__"}
+    assert overridden == set(CONNECTOR_HOOKS)
+    assert not KvshmConnector.__abstractmethods__
+    assert issubclass(KvshmConnector, SupportsHMA)
+
+
+# ------------------------------------------------------------------- GpuBlocks adapter
+
+
+@needs_vllm
+def test_gpu_blocks_over_vllm_block_pool() -> None:
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+
+    pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=32)
+    gpu = VllmGpuBlocks(pool)
+    assert list(gpu.iter_free_from_lru()) == list(range(1, 8))  # block 0 is the null block
+    blocks = pool.get_new_blocks(4)
+    ids = [b.block_id for b in blocks]
+    h = [bytes([i]) * 32 for i in range(4)]
+    for b, hb in zip(blocks, h):
+        pool._insert_block_hash(make_block_hash_with_group_id(hb, 0), b, 32)
+    pool._insert_block_hash(make_block_hash_with_group_id(b"s" * 32, 1), blocks[0], 32)
+    assert gpu.block_hashes(ids[0]) == (h[0], b"s" * 32)  # primary, then secondary
+    assert gpu.block_hashes(ids[1]) == (h[1],)
+    assert gpu.block_hashes(7) == ()
+    gpu.touch(ids[:2])  # pinned on top of the owner's ref
+    pool.free_blocks(blocks)  # the owner lets go: 2 and 3 go to the LRU tail
+    assert blocks[0].ref_cnt == 1 and blocks[2].ref_cnt == 0
+    free = list(gpu.iter_free_from_lru())
+    assert free[-2:] == ids[2:] and ids[0] not in free
+    gpu.free([ids[1], ids[0]], evict_first=True)  # ids[1] must be evicted first
+    assert list(gpu.iter_free_from_lru())[:2] == [ids[1], ids[0]]
+    assert pool.free_block_queue.num_free_blocks == 7
+    gpu.touch([ids[3]])
+    gpu.free([ids[3]])  # a plain free of a hashed block: LRU tail
+    assert list(gpu.iter_free_from_lru())[-1] == ids[3]
+
+
+# ------------------------------------------------------------------------- KV regions
+
+
+class _Rec:
+    def __init__(self, layers: list[str], layer_stride: int, block_stride: int,
+                 offset: int = 0) -> None:
+        self.layers, self.layer_stride, self.block_stride = layers, layer_stride, block_stride
+        self.offset = offset
+
+
+def _layer_outer(num_blocks: int, page: tuple[int, ...], nlayers: int,
+                 dtype: torch.dtype) -> tuple[dict[str, torch.Tensor], _Rec]:
+    """vLLM's CPU layout: one storage, layer-outermost, each layer [blocks, *page]."""
+    per_block = int(torch.tensor(page).prod()) * torch.tensor([], dtype=dtype).element_size()
+    raw = torch.zeros(nlayers * num_blocks * per_block, dtype=torch.uint8)
+    caches = {}
+    for li in range(nlayers):
+        part = raw[li * num_blocks * per_block:(li + 1) * num_blocks * per_block]
+        caches[f"layer.{li}"] = part.view(dtype).view(num_blocks, *page)
+    return caches, _Rec(list(caches), num_blocks * per_block, per_block)
+
+
+def test_kv_regions_layer_outer_cover_each_layers_blocks() -> None:
+    caches, rec = _layer_outer(5, (2, 32, 64), 3, torch.bfloat16)
+    for li, t in enumerate(caches.values()):
+        for b in range(5):
+            t[b].fill_(li * 10 + b)
+    regions = kv_regions(caches, [rec], 5)
+    assert len(regions) == 3
+    for r, t in zip(regions, caches.values()):
+        assert r.shape == (5, 2 * 32 * 64 * 2) and r.dtype == torch.uint8
+        for b in range(5):
+            assert torch.equal(r[b], t[b].reshape(-1).view(torch.uint8))
+    regions[1][2].zero_()  # a view, not a copy
+    assert not caches["layer.1"][2].any()
+
+
+def test_kv_regions_block_outer_is_one_region() -> None:
+    num_blocks, page, nl = 4, 256, 2
+    raw = torch.arange(num_blocks * page * nl, dtype=torch.int32).view(torch.uint8)
+    caches = {f"l{i}": raw[i * page:].as_strided((num_blocks, page), (page * nl, 1))
+              for i in range(nl)}
+    regions = kv_regions(caches, [_Rec(list(caches), page, page * nl)], num_blocks)
+    assert len(regions) == 1 and regions[0].shape == (num_blocks, page * nl)
+    assert torch.equal(regions[0][3], raw[3 * page * nl:4 * page * nl])
+
+
+def test_kv_regions_refuse_a_layer_where_the_record_does_not_put_it() -> None:
+    caches, rec = _layer_outer(4, (64,), 2, torch.float32)
+    rec.layer_stride += 64
+    with pytest.raises(ConfigError, match="does not start layer_stride"):
+        kv_regions(caches, [rec], 4)
+    caches, rec = _layer_outer(4, (64,), 2, torch.float32)
+    rec.layers.append("missing")
+    with pytest.raises(ConfigError, match=r"layers \['missing'\] were not registered"):
+        kv_regions(caches, [rec], 4)
+    caches, rec = _layer_outer(4, (64,), 1, torch.float32)
+    with pytest.raises(ConfigError, match="fall outside"):
+        kv_regions(caches, [rec], 5)
