@@ -42,16 +42,10 @@ __all__ = ["FailLoadIds", "WorkerCounters", "WorkerSide"]
 log = logging.getLogger("kvshm.vllm")
 
 
-def _worker_attach() -> Any:
-    try:
-        from workers.worker import Worker
-    except ImportError:  # TEMPORARY until workers/worker.py lands
-        import importlib
-        import os
-
-        mod = importlib.import_module(os.environ["KVSHM_INTERIM_WORKER"])
-        return mod.Worker.attach
-    return Worker.attach
+def _gone(worker: Any) -> bool:
+    """The Worker has detached or closed (``workers.worker.Phase``)."""
+    phase = getattr(worker, "phase", None)
+    return getattr(phase, "value", None) in ("detached", "closed")
 
 
 class FailLoadIds(frozenset[int]):
@@ -91,6 +85,7 @@ class WorkerCounters:
     scheduler_failed_loads: int = 0
     error_blocks: int = 0
     dones_unknown: int = 0
+    loads_orphaned: int = 0  # the Worker detached before their Done: reported failed
 
 
 class WorkerSide:
@@ -122,7 +117,9 @@ class WorkerSide:
         self._cuda = self._regions[0].device.type == "cuda"
         attach = self._attach
         if attach is None:
-            attach = _worker_attach()
+            from workers.worker import Worker
+
+            attach = Worker.attach
         fault = None
         if self._fail is not None:
             from workers.cpu_copy import FaultInjection
@@ -185,11 +182,21 @@ class WorkerSide:
         return CudaFence.record()
 
     def finished_loads(self) -> set[str] | None:
-        """``get_finished``'s receiving half: requests whose load this rank finished."""
+        """``get_finished``'s receiving half: requests whose load this rank finished.
+
+        Once the Worker has left its scheduler for good (detached or closed), no Done
+        will come for the load jobs it never received: they are reported failed here,
+        so vLLM never waits for them.
+        """
         done: set[str] = set()
-        if self._worker is not None:
-            for d in self._worker.poll():
+        worker = self._worker
+        if worker is not None:
+            for d in worker.poll():
                 self._on_done(d.job_id, d.ok, done)
+            if self._job_reqs and _gone(worker):
+                for job in list(self._job_reqs):
+                    self.counters.loads_orphaned += 1
+                    self._on_done(job, False, done)
         if self._sched_failed:
             for rid, dsts in self._sched_failed.items():
                 done.add(rid)
