@@ -253,3 +253,27 @@ class TestMultiProcess:
         hot = eng.generate([prompt])[0]
         assert hot.num_cached_tokens == 3 * BLOCK
         assert _signature(hot) == _signature(cold)
+
+
+@pytest.mark.slow
+class TestTensorParallel2:
+    """TP=2 on vLLM's CPU platform (gloo): two worker processes, one kvshm rank each
+    (each stores and loads its own KV head); a job completes when both ranks acked."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def eng(cls, make_llm: LLMFactory,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+        yield from _engine(make_llm, tmp_path_factory.mktemp("tp2"), multiprocess=True,
+                           llm_overrides={"tensor_parallel_size": 2})
+
+    def test_restore_is_bitwise_exact(self, eng: Engine) -> None:
+        prompt = _prompt(PROMPT_TOKENS, 200)
+        cold = eng.generate([prompt])[0]
+        deadline = time.monotonic() + 30
+        while not eng.llm.reset_prefix_cache():
+            assert time.monotonic() < deadline, "reset_prefix_cache never succeeded"
+            time.sleep(0.05)
+        hot = eng.generate([prompt])[0]
+        assert hot.num_cached_tokens == 3 * BLOCK
+        assert _signature(hot) == _signature(cold)
