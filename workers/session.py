@@ -1,4 +1,8 @@
-"""One rank's attachment to a scheduler: everything a ``Ready`` (and its fds) turns into.
+"""One rank's attachment to a scheduler: the handshake, and what ``Ready`` turns into.
+
+:class:`Connector` connects and says hello without waiting (retrying while nobody
+listens on the name), then polls for ``Ready``; the first poll that finds it returns the
+:class:`Session`.
 
 :func:`open_session` maps, in this order, the rank's device caches (standalone workers
 only: ``Ready.device_caches``), checks the layout against ``Ready.layout``, maps the ring
@@ -18,22 +22,27 @@ copies finish, queued ones fail) and releases the host pool.
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from kvshm.channel import ChannelStats, WorkerChannel
-from kvshm.errors import ConfigError, ProtocolError
+from kvshm.errors import ConfigError, PeerDied, ProtocolError, WouldBlock
 from kvshm.layout import KVLayout
-from kvshm.protocol import READY_FIXED_FDS, Ready
+from kvshm.protocol import PROTOCOL_VERSION, READY_FIXED_FDS, Hello, Ready
+from kvshm.rendezvous_client import RendezvousClient
 from kvshm.ring import RingPair, segment_size
 from kvshm.shm import Segment, map_segment, tensor_from_fd
 from workers.copy_engine import CopyEngine
 from workers.cpu_copy import CpuCopyEngine, FaultInjection
 from workers.host_pool import HostPool
 
-__all__ = ["Session", "SessionOptions", "open_session"]
+__all__ = ["CONNECT_RETRY_S", "Connector", "Session", "SessionOptions", "open_session"]
+
+#: Seconds between connection attempts while nobody listens on the name.
+CONNECT_RETRY_S = 0.05
 
 
 @dataclass(frozen=True)
@@ -174,3 +183,53 @@ def open_session(ready: Ready, fds: Sequence[int], *, layout: KVLayout | None,
             seg.close()
         raise
     return Session(ready, dev, host, engine, notify_fd, channel, seg)
+
+
+class Connector:
+    """The handshake of one rank, one non-blocking step per :meth:`poll`.
+
+    ``client`` is None until a connection took and Hello went out; it is the lifeline
+    from then on (the caller closes it). ``attempts`` counts failed connection tries.
+    """
+
+    def __init__(self, name: str, rank: int, world_size: int, layout: KVLayout | None,
+                 opts: SessionOptions) -> None:
+        self.name, self.rank, self.world_size = name, rank, world_size
+        self._layout, self._opts = layout, opts
+        self.client: RendezvousClient | None = None
+        self.attempts = 0
+        self._next_try = 0.0
+
+    def poll(self) -> Session | None:
+        """Connect + Hello (at most every CONNECT_RETRY_S), or look for Ready; never waits.
+
+        The session once Ready is in, else None. PeerDied: the scheduler closed the
+        connection before Ready (refused this rank, or failed); ConfigError /
+        ProtocolError / OSError: the Ready does not fit this worker (its fds are closed).
+        """
+        if self.client is None:
+            self._try_connect()
+            return None
+        got = self.client.poll_ready()
+        if got is None:
+            return None
+        ready, fds = got
+        return open_session(ready, fds, layout=self._layout, lifeline_fd=self.client.fileno(),
+                            opts=self._opts)
+
+    def _try_connect(self) -> None:
+        now = time.monotonic()
+        if now < self._next_try:
+            return
+        self._next_try = now + CONNECT_RETRY_S
+        client = RendezvousClient(self.name)
+        spec = None if self._layout is None else self._layout.to_spec()
+        try:
+            client.connect_nowait()
+            client.send_hello(Hello(PROTOCOL_VERSION, self.rank, self.world_size, os.getpid(),
+                                    spec))
+        except (PeerDied, WouldBlock):  # nobody listens yet, or its backlog is full
+            client.close()
+            self.attempts += 1
+            return
+        self.client = client

@@ -1,13 +1,11 @@
 """The kvshm worker of one rank: embedded in a serving engine's worker, or standalone.
 
-Lifecycle (:class:`Phase`)::
+Lifecycle (:class:`Phase`; :class:`DetachReason` says why it detached)::
 
-    NEW --first call: connect + Hello--> CONNECTING --Ready--> READY --Shutdown--> DRAINING
-     |  (nobody listening: retried)          |                   |                  |
-     |                                        +--refused/EOF------+--EOF/bad record--+
-     |                                        v                  v                  v
-     +------------------------------------> DETACHED <------- drained -------------+
-                                  close() from any phase --> CLOSED
+    NEW --connect + Hello--> CONNECTING --Ready--> READY --Shutdown--> DRAINING --drained--+
+    (retried while nobody      | refused,           | lifeline EOF,       |                |
+     listens on the name)      | bad Ready          | bad record          v                v
+                               +--------------------+-------------> DETACHED    close(): CLOSED
 
 **No call blocks** except :meth:`Worker.wait` and :meth:`Worker.wait_for_work` (and a
 ``Flush`` wait in :meth:`Worker.begin_step`, bounded by ``flush_timeout_s``, which only
@@ -42,8 +40,6 @@ Every declined or failed outcome is counted in :meth:`statistics`.
 
 from __future__ import annotations
 
-import os
-import time
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 from enum import Enum
@@ -52,20 +48,17 @@ from typing import Any, Final
 import torch
 
 from kvshm.errors import ConfigError, KvshmError, PeerDied, ProtocolError, TransportError
-from kvshm.errors import WouldBlock
 from kvshm.fdpass import socket_address
 from kvshm.layout import KVLayout
-from kvshm.protocol import PROTOCOL_VERSION, Direction, Done, Flush, Hello, Shutdown, Transfer
-from kvshm.protocol import unpack_ids
+from kvshm.protocol import Direction, Done, Flush, Shutdown, Transfer, unpack_ids
 from kvshm.rendezvous_client import RendezvousClient
 from workers.copy_engine import CopyJob, Fence, describe_error
 from workers.cpu_copy import FaultInjection
-from workers.session import Session, SessionOptions, open_session
+from workers.session import Connector, Session, SessionOptions
+from workers.step_queue import StepQueue
 
 __all__ = ["DetachReason", "Phase", "Worker"]
 
-#: Seconds between connection attempts while nobody listens on the name.
-CONNECT_RETRY_S: Final = 0.05
 #: Default bound of a Flush wait in begin_step.
 FLUSH_TIMEOUT_S: Final = 60.0
 
@@ -87,8 +80,8 @@ class DetachReason(Enum):
     SHUTDOWN = "shutdown"  # the scheduler asked; queued work finished first
     PEER_DIED = "peer_died"  # lifeline EOF after Ready: the scheduler is gone
     REFUSED = "refused"  # the scheduler closed the connection before Ready
-    SETUP_FAILED = "setup_failed"  # Ready did not fit this worker (layout, fds, segments)
-    PROTOCOL_ERROR = "protocol_error"  # an undecodable record or message
+    SETUP_FAILED = "setup_failed"  # a bad Ready: version, layout, fds, segments
+    PROTOCOL_ERROR = "protocol_error"  # an undecodable record or message after Ready
     CLOSED = "closed"  # close() was called first
 
 
@@ -102,18 +95,15 @@ class Worker:
     def __init__(self, name: str, rank: int, world_size: int, layout: KVLayout | None,
                  opts: SessionOptions, flush_timeout_s: float) -> None:
         self.name, self.rank, self.world_size = name, rank, world_size
-        self._layout = layout
-        self._opts = opts
         self._flush_timeout = flush_timeout_s
         self._phase = Phase.NEW
         self.detach_reason: DetachReason | None = None
         self.last_error: KvshmError | None = None
         self._client: RendezvousClient | None = None
         self._session: Session | None = None
-        self._next_connect = 0.0
+        self._connector = Connector(name, rank, world_size, layout, opts)
         self._step = -1
-        self._queued: dict[Direction, list[Transfer]] = {d: [] for d in Direction}
-        self._flushes: dict[int, set[int]] = {}
+        self._queue = StepQueue()
         self._inflight: set[int] = set()
         self._outbox: list[Done] = []
         self._local: list[Done] = []
@@ -159,7 +149,7 @@ class Worker:
 
     def queued_steps(self) -> list[int]:
         """Distinct steps of the Transfers waiting to be submitted, ascending."""
-        return sorted({t.step for q in self._queued.values() for t in q})
+        return self._queue.steps()
 
     def statistics(self) -> dict[str, Any]:
         """Plain-data snapshot: phase, counters, and the channel's and copy engine's."""
@@ -167,8 +157,9 @@ class Worker:
             "rank": self.rank, "phase": self._phase.value, "step": self._step,
             "detach_reason": self.detach_reason.value if self.detach_reason else None,
             "last_error": str(self.last_error) if self.last_error else None,
-            "queued": sum(map(len, self._queued.values())), "inflight": len(self._inflight),
-            "outbox": len(self._outbox), "counters": dict(self._counts)}
+            "queued": len(self._queue), "inflight": len(self._inflight),
+            "outbox": len(self._outbox),
+            "counters": dict(self._counts, connect_retries=self._connector.attempts)}
         if self._session is not None:
             chan = self._session.channel_stats()
             out["channel"] = chan.as_dict() if chan is not None else None
@@ -194,9 +185,7 @@ class Worker:
         else:
             self._step = step
         self._counts["steps"] += 1
-        ids = set(flush_ids)
-        for s in [s for s in self._flushes if s <= self._step]:
-            ids |= self._flushes.pop(s)
+        ids = self._queue.take_flush(self._step) | set(flush_ids)
         if ids and self._phase in _LINKED:
             self._flush_wait(ids)
 
@@ -217,8 +206,9 @@ class Worker:
         return out
 
     def wait(self, job_ids: Collection[int], timeout: float | None = None) -> list[Done]:
-        """Block until ``job_ids`` have finished (or ``timeout``); their Dones (each once:
-        :meth:`poll` will not return them again). Unknown ids are ignored."""
+        """Block until the named jobs already submitted have finished (or ``timeout``);
+        their Dones (each once: :meth:`poll` will not return them again). Ids of jobs not
+        submitted yet (queued for a later step) or unknown are ignored."""
         self.service()
         ids = set(job_ids)
         out = [d for d in self._local if d.job_id in ids]
@@ -258,10 +248,9 @@ class Worker:
             return
         if self.detach_reason is None:
             self.detach_reason = DetachReason.CLOSED
-        self._counts["dones_dropped_at_close"] += len(self._local) + sum(
-            map(len, self._queued.values()))
+        self._counts["dones_dropped_at_close"] += len(self._local) + len(self._queue)
         self._local, self._outbox = [], []
-        self._queued = {d: [] for d in Direction}
+        self._queue.take_all()
         if self._session is not None:
             self._session.close()
         if self._client is not None:
@@ -277,43 +266,19 @@ class Worker:
     # ------------------------------------------------------------------ connecting
 
     def _connect_step(self) -> None:
-        if self._phase is Phase.NEW:
-            now = time.monotonic()
-            if now < self._next_connect:
-                return
-            self._next_connect = now + CONNECT_RETRY_S
-            client = RendezvousClient(self.name)
-            try:
-                client.connect_nowait()
-                client.send_hello(Hello(PROTOCOL_VERSION, self.rank, self.world_size,
-                                        os.getpid(), None if self._layout is None
-                                        else self._layout.to_spec()))
-            except (PeerDied, WouldBlock):
-                client.close()
-                self._counts["connect_retries"] += 1
-                return
-            self._client, self._phase = client, Phase.CONNECTING
-            return
-        assert self._client is not None
         try:
-            got = self._client.poll_ready()
-        except PeerDied as exc:
-            self._detach(DetachReason.REFUSED, exc)
-            return
-        except KvshmError as exc:
-            self._detach(DetachReason.PROTOCOL_ERROR, exc)
-            return
-        if got is None:
-            return
-        ready, fds = got
-        try:
-            self._session = open_session(ready, fds, layout=self._layout,
-                                         lifeline_fd=self._client.fileno(), opts=self._opts)
+            self._session = self._connector.poll()
         except (KvshmError, OSError) as exc:
+            self._client = self._connector.client  # closed by _detach: the scheduler sees EOF
             err = exc if isinstance(exc, KvshmError) else ConfigError(f"{exc}")
-            self._detach(DetachReason.SETUP_FAILED, err)
+            self._detach(DetachReason.REFUSED if isinstance(exc, PeerDied)
+                         else DetachReason.SETUP_FAILED, err)
             return
-        self._phase = Phase.READY
+        self._client = self._connector.client
+        if self._session is not None:
+            self._phase = Phase.READY
+        elif self._client is not None:
+            self._phase = Phase.CONNECTING
 
     # ------------------------------------------------------------------ the link
 
@@ -337,10 +302,10 @@ class Worker:
         for msg in msgs:
             if isinstance(msg, Transfer):
                 self._counts["transfers"] += 1
-                self._queued[Direction(msg.direction)].append(msg)
+                self._queue.add(msg)
             elif isinstance(msg, Flush):
                 self._counts["flushes"] += 1
-                self._flushes.setdefault(msg.step, set()).update(unpack_ids(msg.job_ids))
+                self._queue.add_flush(msg.step, unpack_ids(msg.job_ids))
             elif isinstance(msg, Shutdown):
                 self._counts["shutdowns"] += 1
                 if self._phase is Phase.READY:
@@ -353,6 +318,12 @@ class Worker:
             self._detach(DetachReason.PEER_DIED, exc)
         else:
             self._counts["protocol_errors"] += 1
+            chan = self._session.channel if self._session is not None else None
+            if chan is not None:
+                try:  # the good records around an undecodable one: fail them locally too
+                    self._handle(chan.receive_nowait())
+                except TransportError:
+                    pass
             self._detach(DetachReason.PROTOCOL_ERROR, exc)
 
     def _collect(self) -> None:
@@ -397,14 +368,8 @@ class Worker:
             return
         if step > self._step:
             self._counts["submits_before_begin"] += 1
-        limit = min(step, self._step)
-        queue = self._queued[direction]
-        if not any(t.step <= limit for t in queue):
-            return
-        self._queued[direction] = [t for t in queue if t.step > limit]
-        for t in queue:
-            if t.step <= limit:
-                self._run(t, after)
+        for t in self._queue.take(direction, min(step, self._step)):
+            self._run(t, after)
 
     def _run(self, t: Transfer, after: Fence | None) -> None:
         assert self._session is not None
@@ -422,13 +387,10 @@ class Worker:
         """Finish ``ids`` now: queued ones of begun steps are submitted first (no fence)."""
         assert self._session is not None
         self._counts["flush_waits"] += 1
-        for direction, queue in self._queued.items():
-            forced = [t for t in queue if t.job_id in ids and t.step <= self._step]
-            if forced:
-                self._counts["flush_forced_submits"] += len(forced)
-                self._queued[direction] = [t for t in queue if t not in forced]
-                for t in forced:
-                    self._run(t, None)
+        forced = self._queue.take_ids(ids, self._step)
+        self._counts["flush_forced_submits"] += len(forced)
+        for t in forced:
+            self._run(t, None)
         pending = ids & self._inflight
         if pending:
             self._finished(self._session.engine.wait(pending, self._flush_timeout), local=True)
@@ -440,7 +402,7 @@ class Worker:
         """DRAINING -> DETACHED once nothing runs or waits for a begun step."""
         if self._inflight or self._outbox:
             return
-        if any(t.step <= self._step for q in self._queued.values() for t in q):
+        if self._queue.any_upto(self._step):
             return
         self._fail_queued("shut down before its step began")
         self._send()
@@ -448,9 +410,7 @@ class Worker:
 
     def _fail_queued(self, why: str) -> None:
         failed = [Done(t.job_id, self.rank, False, f"CopyError: rank {self.rank} {why}")
-                  for q in self._queued.values() for t in q]
-        self._queued = {d: [] for d in Direction}
-        self._flushes.clear()
+                  for t in self._queue.take_all()]
         if failed:
             self._counts["jobs_failed_unrun"] += len(failed)
             self._finished(failed, local=True)

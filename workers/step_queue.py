@@ -1,0 +1,71 @@
+"""Transfers waiting for their step to begin, and the Flush lists of coming steps.
+
+Invariants: a Transfer leaves the queue exactly once (``take``, ``take_ids`` or
+``take_all``), and within one direction in arrival order (the scheduler posts in job-id
+order); a Transfer is only handed out for a step bound the caller has begun.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+
+from kvshm.protocol import Direction, Transfer
+
+__all__ = ["StepQueue"]
+
+
+class StepQueue:
+    """Per-direction FIFO of Transfers, and job ids to flush per step."""
+
+    def __init__(self) -> None:
+        self._q: dict[Direction, list[Transfer]] = {d: [] for d in Direction}
+        self._flush: dict[int, set[int]] = {}
+
+    def __len__(self) -> int:
+        return sum(map(len, self._q.values()))
+
+    def add(self, t: Transfer) -> None:
+        self._q[Direction(t.direction)].append(t)
+
+    def add_flush(self, step: int, job_ids: Collection[int]) -> None:
+        self._flush.setdefault(step, set()).update(job_ids)
+
+    def steps(self) -> list[int]:
+        """Distinct steps of the queued Transfers, ascending."""
+        return sorted({t.step for q in self._q.values() for t in q})
+
+    def any_upto(self, limit: int) -> bool:
+        """True if some queued Transfer has ``step <= limit``."""
+        return any(t.step <= limit for q in self._q.values() for t in q)
+
+    def take(self, direction: Direction, limit: int) -> list[Transfer]:
+        """Remove and return ``direction``'s Transfers with ``step <= limit``, in order."""
+        queue = self._q[direction]
+        if not any(t.step <= limit for t in queue):
+            return []
+        self._q[direction] = [t for t in queue if t.step > limit]
+        return [t for t in queue if t.step <= limit]
+
+    def take_ids(self, job_ids: Collection[int], limit: int) -> list[Transfer]:
+        """Remove and return the Transfers of ``job_ids`` with ``step <= limit``."""
+        out: list[Transfer] = []
+        for direction, queue in self._q.items():
+            hit = [t for t in queue if t.job_id in job_ids and t.step <= limit]
+            if hit:
+                self._q[direction] = [t for t in queue if t not in hit]
+                out += hit
+        return out
+
+    def take_flush(self, limit: int) -> set[int]:
+        """Remove and return the job ids Flush'ed for every step ``<= limit``."""
+        ids: set[int] = set()
+        for step in [s for s in self._flush if s <= limit]:
+            ids |= self._flush.pop(step)
+        return ids
+
+    def take_all(self) -> list[Transfer]:
+        """Empty the queue (and the flush lists); every queued Transfer, by direction."""
+        out = [t for q in self._q.values() for t in q]
+        self._q = {d: [] for d in Direction}
+        self._flush.clear()
+        return out
