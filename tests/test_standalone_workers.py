@@ -1,0 +1,189 @@
+"""kvshm-workers (``python -m workers``): real worker processes against a test scheduler
+side whose device caches are shared-memory tensors allocated here."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+import torch
+from worker_rig import Sched, rank_lost_error, transfer, unique_name
+
+from kvshm.errors import WorkerDied
+from kvshm.protocol import Direction, Shutdown
+from kvshm.rendezvous import EventKind
+from kvshm.shm import shared_tensor
+from workers.loop import cli_main
+
+NB = 128  # device blocks per rank
+STORE, LOAD = Direction.STORE, Direction.LOAD
+
+
+def caches(world: int) -> list[list[torch.Tensor]]:
+    """Per rank: a [NB, 2, 128] fp32 cache and a [NB, 64] uint8 one, random contents."""
+    out = []
+    for r in range(world):
+        g = torch.Generator().manual_seed(r)
+        a = shared_tensor((NB, 2, 128), torch.float32)
+        a.copy_(torch.randn(NB, 2, 128, generator=g))
+        b = shared_tensor((NB, 64), torch.uint8)
+        b.copy_(torch.randint(0, 256, (NB, 64), dtype=torch.uint8, generator=g))
+        out.append([a, b])
+    return out
+
+
+def spawn(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "workers", *args], text=True,
+                            stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+def cpu_seconds(pid: int) -> float:
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def gone(pid: int) -> bool:
+    return not os.path.exists(f"/proc/{pid}")
+
+
+@pytest.fixture
+def sched_tp2() -> Iterator[tuple[Sched, list[list[torch.Tensor]]]]:
+    cs = caches(2)
+    sched = Sched(2, device_caches=cs, num_cpu_blocks=256)
+    try:
+        yield sched, cs
+    finally:
+        sched.close()
+
+
+def test_tp2_round_trip_byte_exact_idle_parks_and_shutdown_is_clean(
+        sched_tp2: tuple[Sched, list[list[torch.Tensor]]]) -> None:
+    """The parent form starts 2 ranks; stores then loads through them are byte-exact on
+    both ranks' shards; idle ranks park (no spinning); Shutdown ends every process with
+    code 0 and nothing left in /dev/shm (the conftest fixture checks that)."""
+    sched, cs = sched_tp2
+    parent = spawn("--name", sched.name, "--tp", "2", "--connect-timeout", "30")
+    try:
+        sched.wait_for(sched.ready, timeout=30, what="both ranks Ready")
+        pids = [sched.server.peer_pid(r) for r in range(2)]
+        time.sleep(0.3)  # let both loops settle into their park
+        before = [cpu_seconds(p) for p in pids]
+        time.sleep(1.0)
+        used = [cpu_seconds(p) - b for p, b in zip(pids, before)]
+        assert max(used) < 0.3, f"idle ranks burned {used} CPU-s in 1 s (spinning?)"
+
+        orig = [[t.clone() for t in c] for c in cs]
+        g = torch.Generator().manual_seed(9)
+        cpu_ids = torch.randperm(256, generator=g)[:NB].tolist()
+        perm = torch.randperm(NB, generator=g).tolist()
+        for j in range(4):
+            sl = slice(32 * j, 32 * (j + 1))
+            sched.post(transfer(1 + j // 2, j, STORE, range(NB)[sl], cpu_ids[sl]))
+        got = sched.collect(range(4))
+        assert all(d.ok for per_rank in got.values() for d in per_rank.values())
+        for c in cs:
+            for t in c:
+                t.zero_()
+        for j in range(4):
+            sl = slice(32 * j, 32 * (j + 1))
+            sched.post(transfer(3, 10 + j, LOAD, cpu_ids[sl], perm[sl]))
+        got = sched.collect(range(10, 14))
+        assert all(d.ok for per_rank in got.values() for d in per_rank.values())
+        for r in range(2):
+            for t, o in zip(cs[r], orig[r]):
+                assert torch.equal(t[perm], o)
+        assert not torch.equal(orig[0][1], orig[1][1])
+
+        sched.post(Shutdown())
+        assert parent.wait(timeout=20) == 0, parent.stderr.read() if parent.stderr else ""
+        sched.wait_for(lambda: len(sched.lost()) == 2, what="both lifelines closed")
+        assert all(gone(p) for p in pids)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+
+
+def test_sigkill_rank_is_lifeline_eof_and_sigterm_stops_the_rest(
+        sched_tp2: tuple[Sched, list[list[torch.Tensor]]]) -> None:
+    """SIGKILL of rank 1: the scheduler side sees its lifeline EOF (RANK_LOST ->
+    WorkerDied). SIGTERM to the parent is forwarded: rank 0 exits cleanly, the parent
+    reports rank 1's signal (exit 128 + 9), and no process is left."""
+    sched, _ = sched_tp2
+    parent = spawn("--name", sched.name, "--tp", "2")
+    try:
+        sched.wait_for(sched.ready, timeout=30, what="both ranks Ready")
+        pids = [sched.server.peer_pid(r) for r in range(2)]
+        os.kill(pids[1], signal.SIGKILL)
+        sched.wait_for(lambda: bool(sched.lost()), timeout=10, what="RANK_LOST")
+        err = rank_lost_error(sched.lost()[0])
+        assert isinstance(err, WorkerDied) and err.rank == 1
+        parent.send_signal(signal.SIGTERM)
+        assert parent.wait(timeout=20) == 128 + signal.SIGKILL
+        stderr = parent.stderr.read() if parent.stderr else ""
+        assert "rank 1 exited with signal 9" in stderr and "rank 0" not in stderr
+        sched.wait_for(lambda: len(sched.lost()) == 2, what="rank 0's lifeline closed")
+        assert all(gone(p) for p in pids)
+        assert not any(e.kind is EventKind.REFUSED for e in sched.events)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+
+
+def test_help_and_usage_errors() -> None:
+    out = subprocess.run([sys.executable, "-m", "workers", "--help"], capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 0
+    for flag in ("--name", "--tp", "--pp", "--rank", "--world-size", "--device"):
+        assert flag in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "workers", "--name", "x", "--tp", "2",
+                          "--device", "cuda"], capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and "--device cuda is not supported" in bad.stderr
+    assert cli_main(["--name", "x"]) == 2  # neither --tp nor --world-size
+    assert cli_main(["--name", "x", "--tp", "2", "--world-size", "3"]) == 2
+    assert cli_main(["--name", "x", "--tp", "2", "--rank", "2"]) == 2
+
+
+def test_rank_without_engine_times_out_with_clear_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The per-rank form in-process (torch is already imported here): nobody listens."""
+    name = unique_name()
+    t0 = time.monotonic()
+    assert cli_main(["--name", name, "--rank", "0", "--world-size", "1",
+                     "--connect-timeout", "0.3"]) == 1
+    assert time.monotonic() - t0 < 5
+    assert f"no kvshm engine named {name!r}" in capsys.readouterr().err
+
+
+def test_rank_refused_by_engine_exits_1(capsys: pytest.CaptureFixture[str]) -> None:
+    """A scheduler with no device caches for a standalone rank fails its Ready."""
+    sched = Sched(1)
+    try:
+        import threading
+
+        stop = threading.Event()
+
+        def serve() -> None:
+            while not stop.is_set():
+                sched.service()
+                time.sleep(0.005)
+
+        t = threading.Thread(target=serve)
+        t.start()
+        try:
+            rc = cli_main(["--name", sched.name, "--rank", "0", "--world-size", "1",
+                           "--connect-timeout", "10"])
+        finally:
+            stop.set()
+            t.join()
+        assert rc == 1
+        assert "refused" in capsys.readouterr().err
+    finally:
+        sched.close()

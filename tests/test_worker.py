@@ -1,0 +1,374 @@
+"""workers.worker.Worker (embedded API, and standalone in-process) against a real scheduler
+side: rendezvous socket, provisioned shared-memory rings and host pools, eventfds."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Sequence
+
+import pytest
+import torch
+from worker_rig import Sched, rank_lost_error, transfer, unique_name
+
+from kvshm.errors import ConfigError, PeerDied, ProtocolError
+from kvshm.protocol import Direction, Done, Flush, Shutdown, Transfer, pack_ids
+from kvshm.rendezvous import EventKind
+from kvshm.shm import shared_tensor
+from workers.copy_engine import CpuFence
+from workers.cpu_copy import FaultInjection
+from workers.worker import DetachReason, Phase, Worker
+
+NB = 256  # device blocks per rank
+STORE, LOAD = Direction.STORE, Direction.LOAD
+KV_OUTER = [True, False]  # the layout of shard()
+
+
+def shard(rank: int, nb: int = NB) -> list[torch.Tensor]:
+    """A K/V-outer fp16 tensor (2 regions) plus a plain uint8 one: 3 regions per rank."""
+    g = torch.Generator().manual_seed(100 + rank)
+    kv = torch.empty((2, nb, 4, 32), dtype=torch.float16)
+    kv.view(torch.uint8).copy_(torch.randint(0, 256, kv.view(torch.uint8).shape,
+                                             dtype=torch.uint8, generator=g))
+    extra = torch.randint(0, 256, (nb, 48), dtype=torch.uint8, generator=g)
+    return [kv, extra]
+
+
+@contextlib.contextmanager
+def linked(world: int, *, nb: int = NB, capacity: int | None = None,
+           **kw: object) -> Iterator[tuple[Sched, list[Worker], list[list[torch.Tensor]]]]:
+    """``world`` embedded workers in this process, READY against a fresh scheduler side."""
+    sched = Sched(world, capacity=capacity)
+    shards = [shard(r, nb) for r in range(world)]
+    workers: list[Worker] = []
+    try:
+        workers = [Worker.attach(sched.name, r, world, shards[r], kv_outer=KV_OUTER,
+                                 **kw) for r in range(world)]  # type: ignore[arg-type]
+
+        def tick() -> None:
+            for w in workers:
+                w.service()
+
+        sched.wait_for(lambda: all(w.phase is Phase.READY for w in workers), tick=tick,
+                       what="READY")
+        yield sched, workers, shards
+    finally:
+        for w in workers:
+            w.close()
+        sched.close()
+
+
+def run_step(workers: Sequence[Worker], step: int) -> None:
+    for w in workers:
+        w.begin_step(step)
+        w.submit_loads(step)
+        w.submit_stores(step)
+
+
+class Local:
+    """Collects each worker's poll() results (the connector's view)."""
+
+    def __init__(self, workers: Sequence[Worker]) -> None:
+        self.workers = workers
+        self.dones: list[list[Done]] = [[] for _ in workers]
+
+    def __call__(self) -> None:
+        for i, w in enumerate(self.workers):
+            self.dones[i] += w.poll()
+
+    def ids(self, i: int) -> list[int]:
+        return [d.job_id for d in self.dones[i]]
+
+
+def test_store_then_load_round_trip_two_ranks_byte_exact() -> None:
+    """256 blocks per rank go to random CPU rows (4 jobs), the device caches are wiped,
+    then come back into a random permutation of device blocks: every byte of both
+    ranks' different shards matches, and both sides saw every Done exactly once."""
+    g = torch.Generator().manual_seed(7)
+    cpu_ids = torch.randperm(512, generator=g)[:NB].tolist()
+    perm = torch.randperm(NB, generator=g).tolist()
+    with linked(2) as (sched, ws, shards):
+        orig = [[t.clone() for t in s] for s in shards]
+        assert not torch.equal(orig[0][1], orig[1][1])  # the ranks hold different shards
+        assert not torch.equal(orig[0][0].view(torch.uint8), orig[1][0].view(torch.uint8))
+        local = Local(ws)
+        for j in range(4):
+            sl = slice(64 * j, 64 * (j + 1))
+            sched.post(transfer(1, j, STORE, range(NB)[sl], cpu_ids[sl]))
+        run_step(ws, 1)
+        sched.collect(range(4), tick=local)
+        for s in shards:
+            for t in s:
+                t.zero_()
+        for j in range(4):
+            sl = slice(64 * j, 64 * (j + 1))
+            sched.post(transfer(2, 10 + j, LOAD, cpu_ids[sl], perm[sl]))
+        run_step(ws, 2)
+        got = sched.collect(range(10, 14), tick=local)
+        assert all(d.ok for per_rank in got.values() for d in per_rank.values())
+        for r in range(2):
+            kv, extra = shards[r]
+            assert torch.equal(kv[:, perm].view(torch.uint8), orig[r][0].view(torch.uint8))
+            assert torch.equal(extra[perm], orig[r][1])
+            assert sorted(local.ids(r)) == [0, 1, 2, 3, 10, 11, 12, 13]
+            assert sorted(d.job_id for d in sched.dones[r]) == sorted(local.ids(r))
+            st = ws[r].statistics()
+            assert st["counters"]["jobs_ok"] == 8 and st["counters"]["dones_sent"] == 8
+            assert st["copy"]["pairs_copied"] == 2 * NB
+            assert st["copy"]["bytes_copied"] == 2 * NB * (2 * 256 + 48)
+
+
+def test_job_of_next_step_is_not_run_during_this_step() -> None:
+    """A load of step 2 already in the ring stays queued through all of step 1 (even a
+    premature submit_loads(2)); it runs once step 2 begins."""
+    with linked(1, nb=64) as (sched, ws, shards):
+        w, extra = ws[0], shards[0][1]
+        before = extra[5].clone()
+        assert before.any()
+        sched.post(transfer(2, 1, LOAD, [0], [5]))  # the host pool starts zero-filled
+        run_step(ws, 1)
+        w.submit_loads(2)
+        time.sleep(0.05)
+        assert w.poll() == []
+        assert torch.equal(extra[5], before)
+        st = w.statistics()
+        assert st["queued"] == 1 and st["counters"]["submits_before_begin"] == 1
+        assert w.queued_steps() == [2]
+        run_step(ws, 2)
+        sched.collect([1], tick=w.poll)
+        assert not extra[5].any()
+
+
+def test_attach_and_begin_step_never_block() -> None:
+    """No scheduler at all, then one that never answers: every call returns at once."""
+    w = Worker.attach(unique_name(), 0, 1, shard(0, 16), kv_outer=KV_OUTER)
+    t0 = time.monotonic()
+    for step in range(50):
+        run_step([w], step)
+        assert w.poll() == []
+    assert time.monotonic() - t0 < 1.0  # ~1 ms expected; 1 s is very loose
+    assert w.phase is Phase.NEW
+    assert w.statistics()["counters"]["submits_not_ready"] == 100
+    w.close()
+
+    sched = Sched(1)
+    try:
+        w = Worker.attach(sched.name, 0, 1, shard(0, 16), kv_outer=KV_OUTER)
+        t0 = time.monotonic()
+        for step in range(50):
+            run_step([w], step)
+            w.poll()
+        assert time.monotonic() - t0 < 1.0
+        assert w.phase is Phase.CONNECTING  # Hello is out, Ready is not
+        sched.service()
+        w.begin_step(50)
+        assert w.phase is Phase.READY
+    finally:
+        w.close()
+        sched.close()
+
+
+def test_lifeline_eof_fails_queued_jobs_and_detaches() -> None:
+    """The scheduler vanishes: no exception reaches the host; jobs never run fail
+    locally; a copy already submitted reports normally once its fence is set."""
+    with linked(1, nb=64) as (sched, ws, _):
+        w = ws[0]
+        sched.post(transfer(1, 1, STORE, [0, 1], [0, 1]), transfer(5, 2, LOAD, [0], [3]),
+                   transfer(5, 3, STORE, [4], [4]))
+        fence = CpuFence()
+        w.begin_step(1)
+        w.submit_stores(1, after=fence)
+        sched.close()
+        w.begin_step(2)  # must not raise
+        assert w.phase is Phase.DETACHED and w.detach_reason is DetachReason.PEER_DIED
+        assert isinstance(w.last_error, PeerDied)
+        failed = w.poll()
+        assert sorted(d.job_id for d in failed) == [2, 3]
+        assert not any(d.ok for d in failed) and "detached" in failed[0].error
+        fence.set()
+        got: list[Done] = []
+        deadline = time.monotonic() + 10
+        while not got and time.monotonic() < deadline:
+            got = w.poll()
+            time.sleep(0.002)
+        assert got == [Done(1, 0, True)]
+        w.submit_loads(5)
+        assert w.poll() == []
+        c = w.statistics()["counters"]
+        assert c["jobs_failed_unrun"] == 2 and c["detached_peer_died"] == 1
+        assert c["submits_detached"] == 1
+
+
+def test_protocol_error_detaches_and_scheduler_sees_eof() -> None:
+    with linked(1, nb=64) as (sched, ws, _):
+        w = ws[0]
+        sched.post(transfer(3, 1, STORE, [0], [0]))
+        ring = sched.chans[0].rings.cmd
+        assert ring.stage(b"\xc1\xc1")  # 0xc1 is never valid msgpack
+        ring.publish()
+        w.begin_step(1)
+        assert w.detach_reason is DetachReason.PROTOCOL_ERROR
+        assert isinstance(w.last_error, ProtocolError)
+        assert [d.job_id for d in w.poll()] == [1]
+        sched.wait_for(lambda: bool(sched.lost()), what="RANK_LOST")
+        err = rank_lost_error(sched.lost()[0])
+        assert err.rank == 0 and isinstance(err, PeerDied)
+
+
+def test_shutdown_finishes_running_work_then_detaches() -> None:
+    """Shutdown while a store waits for its fence: DRAINING until it is done (its Done
+    is sent), jobs of never-begun steps fail, then the link closes (RANK_LOST)."""
+    with linked(1, nb=64) as (sched, ws, _):
+        w = ws[0]
+        sched.post(transfer(1, 1, STORE, [0], [0]), transfer(9, 2, STORE, [1], [1]), Shutdown())
+        fence = CpuFence()
+        w.begin_step(1)
+        w.submit_stores(1, after=fence)
+        assert w.poll() == []
+        assert w.phase is Phase.DRAINING
+        fence.set()
+        local = Local(ws)
+        got = sched.collect([1, 2], tick=local)[0]
+        assert got[1].ok and not got[2].ok and "before its step began" in got[2].error
+        assert sorted(local.ids(0)) == [1, 2]
+        assert w.phase is Phase.DETACHED and w.detach_reason is DetachReason.SHUTDOWN
+        sched.wait_for(lambda: bool(sched.lost()), what="RANK_LOST")
+
+
+def test_flush_finishes_jobs_before_the_step() -> None:
+    """Flush(2, [1, 3]) from the ring and flush_ids=[4]: begin_step returns only once those
+    jobs finished (their Dones are in the very next poll); a fence that never comes is
+    bounded by flush_timeout_s and counted."""
+    with linked(1, nb=64, flush_timeout_s=0.3) as (sched, ws, _):
+        w = ws[0]
+        sched.post(transfer(1, 1, STORE, [0], [0]), transfer(1, 2, STORE, [1], [1]),
+                   transfer(1, 3, STORE, [2], [2]), Flush(2, pack_ids([1, 3])))
+        fences = [CpuFence(), CpuFence(), CpuFence()]
+        w.begin_step(1)
+        for f in fences:
+            w.submit_stores(1, after=f)  # the first call submits all three, after fences[0]
+        threading.Timer(0.05, fences[0].set).start()
+        w.begin_step(2)
+        assert {1, 3} <= {d.job_id for d in w.poll()}  # job 2 was not flushed
+        assert w.statistics()["counters"]["flush_waits"] == 1
+        sched.post(transfer(3, 4, STORE, [3], [3]), transfer(3, 5, STORE, [4], [4]))
+        f4 = CpuFence()
+        w.begin_step(3)
+        w.submit_stores(3, after=f4)
+        threading.Timer(0.05, f4.set).start()
+        w.begin_step(4, flush_ids=[4])
+        assert 4 in {d.job_id for d in w.poll()}
+        sched.post(transfer(5, 6, STORE, [5], [5]))
+        never = CpuFence()
+        w.begin_step(5)
+        w.submit_stores(5, after=never)
+        w.begin_step(6, flush_ids=[6])  # returns after ~0.3 s, no exception
+        assert w.statistics()["counters"]["flush_timeouts"] == 1
+        never.set()
+        sched.collect([1, 2, 3, 4, 5, 6], tick=w.poll)
+
+
+def test_wait_returns_each_done_once() -> None:
+    with linked(1, nb=64) as (sched, ws, _):
+        w = ws[0]
+        sched.post(transfer(1, 1, STORE, [0], [0]), transfer(1, 2, STORE, [1], [1]))
+        run_step(ws, 1)
+        got = w.wait([1, 2], timeout=10)
+        assert sorted(d.job_id for d in got) == [1, 2] and all(d.ok for d in got)
+        assert w.poll() == []
+        sched.collect([1, 2])
+
+
+def test_full_done_ring_keeps_dones_until_there_is_room() -> None:
+    """400 Dones into a 4 KiB done ring the scheduler does not drain: the surplus waits
+    in the worker's outbox (counted), nothing blocks, and all arrive once, in order."""
+    with linked(1, nb=64, capacity=4096) as (sched, ws, _):
+        w, chan = ws[0], sched.chans[0]
+        sched.post(*[transfer(1, j, STORE, [j % 64], [j]) for j in range(400)])
+        local: list[Done] = []
+        deadline = time.monotonic() + 20
+        while len(local) < 400:
+            assert time.monotonic() < deadline
+            run_step(ws, 1)
+            local += w.poll()
+            chan.flush_overflow()
+            time.sleep(0.001)
+        st = w.statistics()
+        assert st["outbox"] > 0 and st["counters"]["done_ring_full"] >= 1
+        sched.collect(range(400), tick=w.poll)
+        assert [d.job_id for d in sched.dones[0]] == list(range(400))
+        assert [d.job_id for d in local] == list(range(400))
+
+
+def test_failures_are_dones_and_counted() -> None:
+    """Injected copy failure, ragged ids, an out-of-range id: each a Done(ok=False) on
+    both sides; later jobs still run; the heartbeat moves on every host call."""
+    with linked(1, nb=64, fault=FaultInjection(fail_job_ids=frozenset({7}))) as (sched, ws, _):
+        w = ws[0]
+        beats = sched.chans[0].rings.heartbeat
+        sched.post(transfer(1, 7, STORE, [0], [0]),
+                   Transfer(1, 8, STORE, b"\x01\x02\x03", pack_ids([0])),
+                   transfer(1, 9, STORE, [0], [999_999]), transfer(1, 10, STORE, [1], [1]))
+        run_step(ws, 1)
+        got = sched.collect([7, 8, 9, 10], tick=w.poll)[0]
+        assert [got[j].ok for j in (7, 8, 9, 10)] == [False, False, False, True]
+        assert "injected" in got[7].error and "ProtocolError" in got[8].error
+        assert "out of range" in got[9].error
+        assert sched.chans[0].rings.heartbeat > beats + 3
+        w.begin_step(0)
+        c = w.statistics()["counters"]
+        assert c["bad_transfers"] == 1 and c["jobs_failed"] == 3 and c["steps_regressed"] == 1
+
+
+def test_standalone_in_process_maps_device_caches_from_ready() -> None:
+    """regions=None: the layout comes from Ready.device_caches (shared_tensor memory the
+    scheduler holds); a store then load round trip is byte-exact through that memory."""
+    cache = shared_tensor((32, 2, 64), torch.float32)
+    cache.copy_(torch.randn(32, 2, 64, generator=torch.Generator().manual_seed(3)))
+    orig = cache.clone()
+    sched = Sched(1, device_caches=[[cache]], num_cpu_blocks=64)
+    w = Worker.attach(sched.name, 0, 1, None)
+    try:
+        sched.wait_for(lambda: w.phase is Phase.READY, tick=w.service, what="READY")
+        sched.post(transfer(1, 1, STORE, range(32), range(32, 64)))
+        run_step([w], 1)
+        sched.collect([1], tick=w.poll)
+        cache.zero_()
+        sched.post(transfer(2, 2, LOAD, range(32, 64), list(reversed(range(32)))))
+        run_step([w], 2)
+        sched.collect([2], tick=w.poll)
+        assert torch.equal(cache, orig.flip(0))
+    finally:
+        w.close()
+        sched.close()
+
+
+def test_standalone_without_device_caches_is_refused() -> None:
+    sched = Sched(1)
+    w = Worker.attach(sched.name, 0, 1, None)
+    try:
+        sched.wait_for(lambda: w.phase is Phase.DETACHED, tick=w.service, what="refusal")
+        assert w.detach_reason is DetachReason.REFUSED
+        assert any(e.kind is EventKind.READY_FAILED for e in sched.events)
+        assert w.poll() == []
+    finally:
+        w.close()
+        sched.close()
+
+
+def test_attach_rejects_bad_arguments() -> None:
+    with pytest.raises(ConfigError):
+        Worker.attach("x", 2, 2, shard(0, 4), kv_outer=KV_OUTER)
+    with pytest.raises(ConfigError):
+        Worker.attach("x", 0, 0, shard(0, 4), kv_outer=KV_OUTER)
+    with pytest.raises(ConfigError):
+        Worker.attach("x" * 200, 0, 1, shard(0, 4), kv_outer=KV_OUTER)
+    with pytest.raises(ConfigError):
+        Worker.attach("x", 0, 1, shard(0, 4))  # K/V-outer tensor read as blocks-first
+    with pytest.raises(ConfigError):
+        Worker.attach("x", 0, 1, [torch.empty(0)])
+    w = Worker.attach("x", 0, 1, shard(0, 4), kv_outer=KV_OUTER)
+    w.close()
+    w.close()
+    assert w.phase is Phase.CLOSED and w.poll() == []
