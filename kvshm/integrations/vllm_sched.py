@@ -84,8 +84,11 @@ class SchedulerCounters:
     lookups_asked_again: int = 0
     lookup_hit_tokens: int = 0
     loads_ok: int = 0
+    loaded_tokens: int = 0  # tokens of successful loads (a hit offered again is not counted)
     loads_failed: int = 0
     requests_announced_late: int = 0
+    requests_preempted: int = 0
+    requests_resumed: int = 0
     requests_unknown: int = 0
     lookups_after_failed_load: int = 0  # answered 0: that request recomputes instead
     steps: int = 0
@@ -233,6 +236,7 @@ class SchedulerSide:
             listed.add(rid)
             nb = cached.new_block_ids[i]
             if rid in resumed and nb is not None:
+                self.counters.requests_resumed += 1
                 self._add(out, rid, _tables(nb), True, cached.num_computed_tokens[i], alloc)
             elif rid not in self._announced:
                 full = state.get_block_ids(rid) if state is not None else None
@@ -247,6 +251,7 @@ class SchedulerSide:
                 self._add(out, rid, table, False, 0, alloc)
         for rid in getattr(so, "preempted_req_ids", None) or ():
             if rid in self._announced and rid not in listed:
+                self.counters.requests_preempted += 1
                 self._add(out, rid, self._no_new, False, 0, alloc, preempted=True)
         return out, alloc
 
@@ -273,6 +278,7 @@ class SchedulerSide:
         for res in results:
             if res.ok:
                 self.counters.loads_ok += 1
+                self.counters.loaded_tokens += res.num_tokens
             else:
                 self.counters.loads_failed += 1
                 if res.req_id in self._requests:

@@ -160,19 +160,37 @@ class TestFp32SmallPool:
         assert stats["connector"]["loads_ok"] == 1
 
     def test_concurrent_requests_rounds(self, eng: Engine) -> None:
-        """8 requests sharing a prefix, 80 device blocks (they need ~90 together), 4
-        rounds: every round bit-exact, later rounds hit kvshm's CPU tier."""
+        """8 requests sharing a prefix, 80 device blocks (they need ~100 together), 4
+        rounds of 40 tokens each: vLLM preempts and resumes requests, every round is
+        bit-exact, later rounds hit kvshm's CPU tier."""
         prefix = _prompt(160, 300)
         prompts = [f"{prefix} {_prompt(256 + 16 * i, 37 * i)}" for i in range(8)]
         before = eng.stats()["counters"]
-        reference = [_signature(o) for o in eng.generate(prompts)]
+        reference = [_signature(o) for o in eng.generate(prompts, 40)]
         for _ in range(3):
-            outs = eng.generate(prompts)
+            outs = eng.generate(prompts, 40)
             assert [_signature(o) for o in outs] == reference
-        after = eng.stats()["counters"]
-        assert after["lookup_hit_tokens"] > before["lookup_hit_tokens"]
-        assert after["loaded_blocks"] > before["loaded_blocks"]
-        assert after["loads_failed"] == before["loads_failed"]
+        stats = eng.stats()
+        conn = stats["connector"]
+        assert conn["requests_preempted"] > 0 and conn["requests_resumed"] > 0, conn
+        assert conn["loaded_tokens"] > 0
+        after = stats["counters"]
+        assert after["lookup_hit_tokens"] > before.get("lookup_hit_tokens", 0)
+        assert after["loaded_blocks"] > before.get("loaded_blocks", 0)
+        assert after["loads_failed"] == before.get("loads_failed", 0)
+
+
+    def test_reset_connector_drops_the_cpu_tier(self, eng: Engine) -> None:
+        """``reset_prefix_cache(reset_connector=True)`` empties kvshm's index too: the
+        same prompt is then computed from scratch (and stored again)."""
+        prompt = _prompt(PROMPT_TOKENS, 400)
+        cold = eng.generate([prompt])[0]
+        assert eng.llm.reset_prefix_cache(reset_connector=True)
+        assert eng.stats()["cpu_blocks_cached"] == 0
+        again = eng.generate([prompt])[0]
+        assert not again.num_cached_tokens
+        assert _signature(again) == _signature(cold)
+        assert eng.stats()["cpu_blocks_cached"] >= 3
 
 
 class TestBf16:
