@@ -136,13 +136,17 @@ class WorkerSide:
         """Close the Worker (idempotent)."""
         worker, self._worker = self._worker, None
         if worker is not None:
+            log.info("kvshm: worker rank %d closing: %s", self.rank, self.statistics_of(worker))
             worker.close()
 
     def statistics(self) -> dict[str, Any]:
         """This rank's counters and the Worker's statistics."""
+        return self.statistics_of(self._worker)
+
+    def statistics_of(self, worker: Any) -> dict[str, Any]:
         out: dict[str, Any] = {"rank": self.rank, "connector": dict(vars(self.counters))}
-        if self._worker is not None:
-            out["worker"] = self._worker.statistics()
+        if worker is not None:
+            out["worker"] = worker.statistics()
         return out
 
     # -- per step --------------------------------------------------------------------------
