@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -37,15 +37,19 @@ from kvshm.integrations.vllm_blocks import kv_regions
 from kvshm.integrations.vllm_config import ConnectorConfig
 from kvshm.integrations.vllm_sched import StepMeta
 
+if TYPE_CHECKING:
+    from workers.worker import Worker
+
 __all__ = ["FailLoadIds", "WorkerCounters", "WorkerSide"]
 
 log = logging.getLogger("kvshm.vllm")
 
 
-def _gone(worker: Any) -> bool:
-    """The Worker has detached or closed (``workers.worker.Phase``)."""
-    phase = getattr(worker, "phase", None)
-    return getattr(phase, "value", None) in ("detached", "closed")
+def _gone(worker: Worker) -> bool:
+    """The Worker has left its scheduler for good (detached or closed)."""
+    from workers.worker import Phase
+
+    return worker.phase in (Phase.DETACHED, Phase.CLOSED)
 
 
 class FailLoadIds(frozenset[int]):
@@ -89,12 +93,11 @@ class WorkerCounters:
 
 
 class WorkerSide:
-    """See the module docstring. ``attach``: the ``Worker.attach`` to call (tests)."""
+    """See the module docstring."""
 
-    def __init__(self, cfg: ConnectorConfig, attach: Any = None) -> None:
+    def __init__(self, cfg: ConnectorConfig) -> None:
         self.cfg = cfg
-        self._attach = attach
-        self._worker: Any = None
+        self._worker: Worker | None = None
         self._regions: list[torch.Tensor] = []
         self._meta: StepMeta | None = None
         self._job_reqs: dict[int, tuple[str, ...]] = {}
@@ -115,19 +118,16 @@ class WorkerSide:
         self._regions = kv_regions(kv_caches, kv_cache_config.kv_cache_tensors,
                                    int(kv_cache_config.num_blocks))
         self._cuda = self._regions[0].device.type == "cuda"
-        attach = self._attach
-        if attach is None:
-            from workers.worker import Worker
+        from workers.worker import Worker as _Worker
 
-            attach = Worker.attach
         fault = None
         if self._fail is not None:
             from workers.cpu_copy import FaultInjection
 
             fault = FaultInjection(fail_job_ids=self._fail)
         self.rank = rank
-        self._worker = attach(self.cfg.name, rank, self.cfg.world_size, self._regions,
-                              kv_outer=False, fault=fault)
+        self._worker = _Worker.attach(self.cfg.name, rank, self.cfg.world_size, self._regions,
+                                     kv_outer=False, fault=fault)
         nbytes = sum(int(r.shape[1]) for r in self._regions)
         log.info("kvshm: worker rank %d/%d attached to %r: %d region(s), %d bytes per block",
                  rank, self.cfg.world_size, self.cfg.name, len(self._regions), nbytes)
@@ -143,7 +143,7 @@ class WorkerSide:
         """This rank's counters and the Worker's statistics."""
         return self.statistics_of(self._worker)
 
-    def statistics_of(self, worker: Any) -> dict[str, Any]:
+    def statistics_of(self, worker: Worker | None) -> dict[str, Any]:
         out: dict[str, Any] = {"rank": self.rank, "connector": dict(vars(self.counters))}
         if worker is not None:
             out["worker"] = worker.statistics()
