@@ -290,6 +290,45 @@ class TestWorkerGone:
         assert _signature(again) == _signature(cold)
 
 
+class TestSchedulerSideLoadFailure:
+    """The worker is lost between a request's lookup (a CPU hit, pinned) and its block
+    allocation: the load fails on the scheduler side and never reaches a worker. It
+    travels in the metadata's ``failed_loads``; the worker side reports the request
+    finished with its destination blocks invalid; vLLM recomputes, exactly."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def eng(cls, make_llm: LLMFactory,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+        yield from _engine(make_llm, tmp_path_factory.mktemp("schedfail"),
+                           failed_jobs_ok=True)
+
+    def test_failed_before_any_worker_is_recomputed(self, eng: Engine,
+                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+        prompt = _prompt(PROMPT_TOKENS, 330)
+        cold = eng.generate([prompt])[0]
+        eng.reset_device_cache()
+        sched = eng.connector().scheduler_side
+        worker_side = get_kv_transfer_group().worker_side
+        allocated = sched.allocated
+
+        def lose_worker_then_allocate(request: Any, block_ids: Any, n_ext: int) -> None:
+            if n_ext:
+                worker_side._worker.close()  # the scheduler sees the lifeline close ...
+                sched.client.poll()  # ... at its next call: FAILED, the pin is void
+            allocated(request, block_ids, n_ext)
+
+        monkeypatch.setattr(sched, "allocated", lose_worker_then_allocate)
+        hot = eng.generate([prompt])[0]
+        assert not hot.num_cached_tokens
+        assert _signature(hot) == _signature(cold)
+        wstats = worker_side.statistics()["connector"]
+        assert wstats["scheduler_failed_loads"] == 1 and wstats["error_blocks"] == 3
+        stats = eng.stats()
+        assert stats["state"] == "failed" and stats["connector"]["loads_failed"] == 1
+        assert stats["pins_held"] == 0
+
+
 class TestMultiProcess:
     @pytest.fixture(scope="class")
     @classmethod
