@@ -65,7 +65,7 @@ def sched_tp2() -> Iterator[tuple[Sched, list[list[torch.Tensor]]]]:
 def test_tp2_round_trip_byte_exact_idle_parks_and_shutdown_is_clean(
         sched_tp2: tuple[Sched, list[list[torch.Tensor]]]) -> None:
     """The parent form starts 2 ranks; stores then loads through them are byte-exact on
-    both ranks' shards; idle ranks park (no spinning); Shutdown ends every process with
+    both ranks' shards; idle ranks park (no spinning) yet wake at once; Shutdown ends every process with
     code 0 and nothing left in /dev/shm (the conftest fixture checks that)."""
     sched, cs = sched_tp2
     parent = spawn("--name", sched.name, "--tp", "2", "--connect-timeout", "30")
@@ -77,6 +77,13 @@ def test_tp2_round_trip_byte_exact_idle_parks_and_shutdown_is_clean(
         time.sleep(1.0)
         used = [cpu_seconds(p) - b for p, b in zip(pids, before)]
         assert max(used) < 0.3, f"idle ranks burned {used} CPU-s in 1 s (spinning?)"
+        lat = []
+        for j in range(5):  # parked ranks wake for the command, and again for the copy
+            t0 = time.monotonic()
+            sched.post(transfer(0, 100 + j, STORE, [j], [j]))
+            sched.collect([100 + j])
+            lat.append(time.monotonic() - t0)
+        assert sorted(lat)[2] < 0.3, f"round trips of {lat} s: a lost wake-up (1 s park)?"
 
         orig = [[t.clone() for t in c] for c in cs]
         g = torch.Generator().manual_seed(9)

@@ -7,7 +7,8 @@ listens on the name), then polls for ``Ready``; the first poll that finds it ret
 :func:`open_session` maps, in this order, the rank's device caches (standalone workers
 only: ``Ready.device_caches``), checks the layout against ``Ready.layout``, maps the ring
 segment, the host pool, builds the :class:`~kvshm.channel.WorkerChannel` (lifeline = the
-rendezvous socket) and the copy engine (CUDA for a CUDA layout, else CPU).
+rendezvous socket) and the copy engine (CUDA for a CUDA layout, else CPU), whose
+completion eventfd the channel watches, so a finished copy wakes a parked receive.
 
 fd ownership: every fd of the ``Ready`` is owned by the session from the call on. Each is
 either consumed by exactly one object (segment, host pool, channel, device tensor) or
@@ -173,6 +174,8 @@ def open_session(ready: Ready, fds: Sequence[int], *, layout: KVLayout | None,
             os.close(done_efd)
             raise
         engine, notify_fd = _make_engine(ready.rank, dev, host, opts)
+        if notify_fd is not None:  # a finished copy wakes a parked wait_for_work
+            channel.watch(notify_fd)
     except BaseException:
         owned.close_rest()
         if channel is not None:
