@@ -259,7 +259,9 @@ def _serve(worker: Worker, stopper: _Stopper, connect_timeout: float) -> int:
             worker.submit_loads(step)
             worker.submit_stores(step)
         worker.poll()
-        if worker.phase in linked:
+        # Any call above may have drained new Transfers from the ring: park only with
+        # none queued, or they would wait for the next wake-up.
+        if worker.phase in linked and not worker.queued_steps():
             worker.wait_for_work(PARK_S)
             stopper.drain()
     if worker.detach_reason in (None, DetachReason.SHUTDOWN, DetachReason.PEER_DIED):

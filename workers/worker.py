@@ -223,7 +223,8 @@ class Worker:
     def wait_for_work(self, timeout: float) -> None:
         """Standalone loops: block until a command, a finished copy, a lifeline message or
         a watched fd (:meth:`watch`), or ``timeout`` s; then service. Spins ``spin_us``
-        first; never busy-waits longer."""
+        first; never busy-waits longer. Submit :meth:`queued_steps` first: Transfers
+        already drained into the queue do not wake it."""
         chan = self._session.channel if self._session is not None else None
         if self._phase not in _LINKED or chan is None:
             return
