@@ -1,0 +1,93 @@
+"""Shared helpers for the engine tests: tiny shared-memory KV shards and request plumbing."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Sequence
+
+import torch
+
+from kvshm.config import EngineConfig
+from kvshm.engine import Engine
+from kvshm.hashing import chain_hashes
+from kvshm.pool import BlockPool
+from kvshm.shm import shared_tensor
+from kvshm.types import (
+    LoadResult,
+    RequestView,
+    ScheduledRequest,
+    StepInput,
+    StepPlan,
+)
+
+BS = 4  # tokens per block
+ROW = 1024  # bytes of one block in one shard
+GPU_BLOCKS = 32
+
+
+def shards(world: int = 2, blocks: int = GPU_BLOCKS) -> list[torch.Tensor]:
+    """One shared-memory KV shard per rank: [blocks, ROW] uint8, random contents."""
+    out = []
+    for r in range(world):
+        t = shared_tensor((blocks, ROW), torch.uint8)
+        t.copy_(torch.randint(0, 256, (blocks, ROW), dtype=torch.uint8,
+                              generator=torch.Generator().manual_seed(r)))
+        out.append(t)
+    return out
+
+
+def config(**kw: object) -> EngineConfig:
+    base: dict[str, object] = dict(block_size=BS, tp=2, num_cpu_blocks=64,
+                                   hang_timeout_s=30.0, connect_timeout_s=30.0)
+    base.update(kw)
+    return EngineConfig(**base)  # type: ignore[arg-type]
+
+
+def tokens(n: int, seed: int) -> list[int]:
+    return torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+class Client:
+    """A minimal serving engine around ``eng``: prefix hashing, block tables, steps."""
+
+    def __init__(self, eng: Engine, gpu: BlockPool) -> None:
+        self.eng, self.gpu, self.step_no = eng, gpu, 0
+
+    def step(self, *reqs: ScheduledRequest) -> StepPlan:
+        self.step_no += 1
+        return self.eng.step(StepInput(self.step_no, list(reqs)))
+
+    def compute(self, req_id: str, toks: list[int]) -> tuple[list[int], StepPlan]:
+        """A request whose blocks were all computed: listed once, its stores planned."""
+        hashes = chain_hashes(toks, BS)
+        table = self.gpu.allocate(len(toks) // BS)
+        self.eng.allocated(req_id, [table], 0)
+        plan = self.step(ScheduledRequest(req_id, hashes, len(toks), (tuple(table),),
+                                          new_or_resumed=True, num_confirmed_tokens=len(toks)))
+        return table, plan
+
+    def load(self, req_id: str, toks: list[int]) -> tuple[int | None, list[int], StepPlan]:
+        """Look up ``toks`` in the CPU tier, allocate fresh blocks, plan the load."""
+        hashes = chain_hashes(toks, BS)
+        hit = self.eng.lookup(RequestView(req_id, hashes, len(toks)), 0)
+        table = self.gpu.allocate(len(toks) // BS)
+        self.eng.allocated(req_id, [table], hit or 0)
+        plan = self.step(ScheduledRequest(req_id, hashes, len(toks), (tuple(table),),
+                                          new_or_resumed=True, num_confirmed_tokens=0))
+        return hit, table, plan
+
+    def finish(self, req_id: str, table: Sequence[int], confirmed: int) -> None:
+        self.eng.finished(req_id, confirmed, [list(table)])
+        self.gpu.free(reversed(table))
+
+    async def settle(self, timeout: float = 20.0) -> None:
+        """Step with nothing listed until every job is acked."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while self.eng.has_pending_work():
+            assert loop.time() < deadline, "engine did not settle"
+            self.step()
+            await asyncio.sleep(0.005)
+
+    async def loaded(self, req_id: str) -> LoadResult:
+        return await asyncio.wait_for(self.eng.wait_loaded(req_id), 20.0)
