@@ -148,7 +148,9 @@ class KvshmConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
         self.scheduler_side.allocated(request, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self.scheduler_side.build(scheduler_output)
+        meta = self.scheduler_side.build(scheduler_output)
+        assert isinstance(meta, KvshmMetadata)  # the scheduler side builds this class
+        return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         self.scheduler_side.update_output()
