@@ -152,8 +152,10 @@ def test_tracker_holds_later_jobs_behind_an_unfinished_head() -> None:
     assert len(t) == 0
 
 
-def test_injected_failures_then_later_jobs_succeed(
+def test_copy_thread_error_fails_the_job_and_later_jobs_still_run(
         rig: tuple[KVLayout, HostPool, CpuCopyEngine]) -> None:
+    """Hazard "copy thread error": jobs 3 and 5 raise on the copy thread; each becomes a
+    ``Done(ok=False)`` naming the error, and jobs 0-2, 4, 6, 7 are copied and reported."""
     layout, host, _ = rig
     fault = FaultInjection(fail_job_ids=frozenset({3}), fail_nth=5)
     with CpuCopyEngine(0, layout, host, fault=fault) as eng:
@@ -216,6 +218,49 @@ def test_store_after_fence_sees_final_bytes_and_unfenced_is_torn(fenced: bool) -
         else:  # copied while half written: neither the old nor the new bytes
             assert not torch.equal(stored, final)
             assert bool((stored == 0xAB).any()) and bool((stored == 0).any())
+
+
+def slow_reader(row: torch.Tensor, seen: list[torch.Tensor], fence: CpuFence | None,
+                started: threading.Event) -> None:
+    """The previous reader of a block (attention of the step before): reads it in 16
+    slices, 2 ms apart, then signals that the block may be overwritten."""
+    step = row.numel() // 16
+    for i in range(16):
+        seen.append(row[i * step:(i + 1) * step].clone())
+        if i == 0:
+            started.set()
+        time.sleep(0.002)
+    if fence is not None:
+        fence.set()
+
+
+@pytest.mark.parametrize("fenced", [True, False])
+def test_load_after_fence_waits_for_reader_and_unfenced_overwrites_it(fenced: bool) -> None:
+    """Hazard "load overwrites a block still read": device block 2 (all zeros) is still
+    being read when a load of host row 3 (all 0xCD) into it is submitted. With the
+    reader's fence as ``after`` the reader sees only the old bytes and the block ends as
+    row 3; without it the load lands mid-read and the reader sees both."""
+    block = torch.zeros(4, 64 << 10, dtype=torch.uint8)
+    layout = KVLayout.from_tensors([block])
+    with HostPool.for_tests(layout, 4) as host, CpuCopyEngine(0, layout, host) as eng:
+        host.regions[0][3].fill_(0xCD)
+        fence = CpuFence()
+        started = threading.Event()
+        seen: list[torch.Tensor] = []
+        reader = threading.Thread(target=slow_reader,
+                                  args=(layout.regions[0][2], seen, fence, started))
+        reader.start()
+        assert started.wait(WAIT_S)
+        eng.submit(CopyJob.from_ids(1, Direction.LOAD, [3], [2]), after=fence if fenced else None)
+        (done,) = eng.wait([1], timeout=WAIT_S)
+        reader.join()
+        assert done.ok
+        assert torch.equal(layout.regions[0][2], host.regions[0][3])
+        read = torch.cat(seen)
+        if fenced:
+            assert bool((read == 0).all())
+        else:  # the reader's later slices already hold the loaded bytes
+            assert bool((read == 0xCD).any()) and bool((read == 0).any())
 
 
 def test_wait_waits_for_exactly_the_named_jobs(
