@@ -112,10 +112,16 @@ def no_new_blocks(num_groups: int) -> tuple[tuple[int, ...], ...]:
     return value
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class ScheduledRequest:
     """One request of a step. In a decode step every running request is listed; an
     unchanged one costs the manager a dict lookup and a few compares.
+
+    Read-only by contract, but deliberately not ``frozen``: an engine adapter builds one
+    per running request per step, and a frozen dataclass's ``__init__`` (one
+    ``object.__setattr__`` per field) measured ~1.8 us here against ~0.33 us for this
+    one - at 16k running requests, 29 ms against 5 ms of every step. The manager never
+    mutates it and keeps no reference past the step.
 
     ``new_block_ids[g]``: GPU ids appended to group ``g``'s table this step, or the whole
     table when ``new_or_resumed``. ``num_confirmed_tokens``: tokens whose KV earlier
