@@ -322,8 +322,11 @@ class EngineCore:
 
     # -- scheduler calls ---------------------------------------------------------------
     def lookup(self, req: RequestView, num_local_tokens: int) -> int | None:
-        """Phase A; 0 until READY and once FAILED."""
-        if self.manager is None or self._state is not EngineState.READY:
+        """Phase A; 0 until READY, once FAILED, and for a request listed in a step
+        before READY (the manager does not track it, so ``allocated`` ignores it: a hit
+        here would be a pin nobody releases and a load nobody reports)."""
+        if (self.manager is None or self._state is not EngineState.READY
+                or req.req_id in self._pre_ready):
             self.counters.lookups_not_ready += 1
             return 0
         return self.manager.lookup(req, num_local_tokens)

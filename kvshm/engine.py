@@ -77,20 +77,23 @@ class Engine:
         return _Launch(cls, config, workers, gpu_blocks, device_caches)
 
     async def _start(self, mode: WorkerMode) -> None:
+        """Start workers (SPAWN) and wait for READY. Any failure on the way - a rank
+        that dies or is refused, a timeout, a cancellation - closes everything started
+        (listener, timer, pidfds, spawned ranks) before the error propagates."""
         loop = asyncio.get_running_loop()
         self._core.attach_loop(loop, self._on_change)
-        if mode is SPAWN:
-            assert self._launcher is not None
-            for w in self._launcher.start():
-                loop.add_reader(w.pidfd, self._on_worker_exit, w.rank, w.pidfd)
-        self._ticker = loop.call_later(_TICK_S, self._tick)
         try:
+            if mode is SPAWN:
+                assert self._launcher is not None
+                for w in self._launcher.start():
+                    loop.add_reader(w.pidfd, self._on_worker_exit, w.rank, w.pidfd)
+            self._ticker = loop.call_later(_TICK_S, self._tick)
             await asyncio.wait_for(self._core.wait_started(),
                                    self._core.config.connect_timeout_s)
+            self._core.raise_if_start_failed()
         except BaseException:
             await self.aclose()
             raise
-        self._core.raise_if_start_failed()
 
     async def __aenter__(self) -> Engine:
         return self
@@ -117,19 +120,23 @@ class Engine:
         loop = asyncio.get_running_loop()
         await self._drain(loop.time() + self._core.config.shutdown_grace_s)
         self._core.begin_close()
-        if self._ticker is not None:
-            self._ticker.cancel()
-        if self._launcher is not None:
-            for w in self._launcher.workers:
-                with contextlib.suppress(ValueError, OSError):
-                    loop.remove_reader(w.pidfd)
-        self._core.detach_loop()
-        self._core.close()
-        if self._launcher is not None:
-            await loop.run_in_executor(None, self._launcher.stop,
-                                       self._core.config.shutdown_grace_s)
-        self._fail_waiters(LoadFailure.ENGINE_CLOSED)
-        self._closed.set()
+        try:
+            if self._ticker is not None:
+                self._ticker.cancel()
+            if self._launcher is not None:
+                for w in self._launcher.workers:
+                    with contextlib.suppress(ValueError, OSError):
+                        loop.remove_reader(w.pidfd)
+            self._core.detach_loop()
+            self._core.close()
+            if self._launcher is not None:
+                # shielded: a cancelled aclose still stops and reaps every spawned rank
+                # (the thread escalates to SIGKILL, so this ends)
+                await asyncio.shield(loop.run_in_executor(
+                    None, self._launcher.stop, self._core.config.shutdown_grace_s))
+        finally:  # even when cancelled: no waiter is left hanging, later aclose()s return
+            self._fail_waiters(LoadFailure.ENGINE_CLOSED)
+            self._closed.set()
 
     async def _drain(self, deadline: float) -> None:
         """Graceful part of aclose: let jobs in flight finish (so their pins are released)
@@ -149,9 +156,9 @@ class Engine:
                   num_external_tokens: int) -> None:
         """Phase B: where the hit goes; ``await wait_loaded(req_id)`` after ``step``."""
         self._check_open()
-        if num_external_tokens > 0:
-            self._pending_loads.add(req_id)
         self._core.allocated(req_id, gpu_block_ids, num_external_tokens)
+        if num_external_tokens > 0:  # only once accepted: a refusal leaves nothing to wait
+            self._pending_loads.add(req_id)
         self._publish()
 
     def step(self, step_input: StepInput) -> StepPlan:
@@ -181,6 +188,12 @@ class Engine:
         self._waiters.setdefault(req_id, []).append(fut)
         try:
             result = await fut
+        except asyncio.CancelledError:
+            # Cancelled after the result was handed to this waiter but before it ran:
+            # keep the result for a later wait_loaded (only the wait is cancelled).
+            if fut.done() and not fut.cancelled():
+                self._results[req_id] = fut.result()
+            raise
         finally:
             waiters = self._waiters.get(req_id)
             if waiters is not None and fut in waiters:
@@ -198,6 +211,12 @@ class Engine:
         self._results.pop(req_id, None)
         out = self._core.finished(req_id, num_confirmed_tokens, gpu_block_ids)
         self._publish()
+        # A load still queued is dropped with the request and a planned one's result is
+        # moot: nobody may wait for it any longer.
+        self._pending_loads.discard(req_id)
+        for fut in self._waiters.pop(req_id, ()):
+            if not fut.done():
+                fut.set_result(LoadResult(req_id, False, (), LoadFailure.REQUEST_FINISHED, 0))
         return out
 
     async def reset(self, timeout: float | None = None) -> bool:

@@ -61,10 +61,21 @@ class Launcher:
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
         for rank in range(self._world_size):
-            proc = subprocess.Popen(  # noqa: S603 - our own interpreter and module
-                worker_command(self._name, rank, self._world_size),
-                env=env, stdin=subprocess.DEVNULL, close_fds=True)
-            self.workers.append(SpawnedWorker(rank, proc, os.pidfd_open(proc.pid)))
+            try:
+                proc = subprocess.Popen(  # noqa: S603 - our own interpreter and module
+                    worker_command(self._name, rank, self._world_size),
+                    env=env, stdin=subprocess.DEVNULL, close_fds=True)
+            except BaseException:
+                self.stop(0.0)  # the ranks already started: nothing may outlive us
+                raise
+            try:
+                pidfd = os.pidfd_open(proc.pid)
+            except BaseException:
+                proc.kill()
+                proc.wait()
+                self.stop(0.0)
+                raise
+            self.workers.append(SpawnedWorker(rank, proc, pidfd))
         return self.workers
 
     def dead(self) -> list[SpawnedWorker]:

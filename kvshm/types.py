@@ -164,6 +164,8 @@ class LoadFailure(Enum):
     ENGINE_CLOSED = "engine_closed"
     WINDOW_MISSING = "window_missing"
     """Partial acceptance needed sliding-window blocks the CPU tier no longer holds."""
+    REQUEST_FINISHED = "request_finished"
+    """The request finished while its load was queued or running (Engine waiters)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,195 @@
+"""Engine lifecycle edges found in review, each a regression test with real workers:
+a failed start, a cancelled aclose, finishing a request whose load is queued, a
+wait_loaded cancelled as its result arrives, and a request first listed before READY."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+import time
+from collections.abc import Iterator
+
+import pytest
+
+import kvshm.launcher as launcher_mod
+from engine_rig import BS, GPU_BLOCKS, Client, config, shards, tokens
+from kvshm.core import EngineCore, EngineState
+from kvshm.engine import SPAWN, Engine, SyncClient
+from kvshm.errors import StateError, WorkerDied
+from kvshm.hashing import chain_hashes
+from kvshm.launcher import Launcher
+from kvshm.pool import BlockPool
+from kvshm.types import LoadFailure, LoadResult, RequestView, ScheduledRequest, StepInput
+
+
+def _children() -> list[int]:
+    """Live (not yet reaped) child processes of this test process."""
+    me, out = str(os.getpid()), []
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == me and fields[0] != "Z":
+            out.append(int(pid))
+    return out
+
+
+@pytest.fixture
+def rank0_exits_at_once(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    real = launcher_mod.worker_command
+
+    def command(name: str, rank: int, world: int) -> list[str]:
+        if rank == 0:
+            return [sys.executable, "-c", "raise SystemExit(3)"]
+        return real(name, rank, world)
+
+    monkeypatch.setattr(launcher_mod, "worker_command", command)
+    yield
+
+
+async def test_rank_dying_during_start_closes_everything(rank0_exits_at_once: None) -> None:
+    """SPAWN TP=2, rank 0 exits with 3 before it connects: launch raises WorkerDied(0, 3),
+    rank 1 is stopped and reaped, and the name is free again for the next engine."""
+    ks = shards()
+    cfg = config(shutdown_grace_s=0.5)
+    with pytest.raises(WorkerDied) as err:
+        await Engine.launch(cfg, workers=SPAWN, gpu_blocks=BlockPool(GPU_BLOCKS),
+                            device_caches=[[k] for k in ks])
+    assert err.value.rank == 0 and err.value.exitcode == 3
+    assert _children() == []
+    core = EngineCore(cfg, gpu_blocks=BlockPool(GPU_BLOCKS), device_caches=None, spawned=False)
+    core.open()  # NameInUse if the failed engine had left its listener bound
+    core.close()
+
+
+async def _stored_then_looked_up(eng: Engine, gpu: BlockPool) -> tuple[Client, list[int], int]:
+    """a's 6 blocks stored; b (same tokens) looked up and allocated: its load is queued."""
+    c = Client(eng, gpu)
+    toks = tokens(6 * BS + 1, seed=11)
+    table, _ = c.compute("a", toks)
+    c.finish("a", table, len(toks))
+    await c.settle()
+    gpu.drop_all_hashes()
+    hit = eng.lookup(RequestView("b", chain_hashes(toks, BS), len(toks)), 0)
+    assert hit == 6 * BS
+    table_b = gpu.allocate(len(toks) // BS)
+    eng.allocated("b", [table_b], hit)
+    return c, table_b, hit
+
+
+async def test_finishing_a_request_with_a_queued_load_resolves_its_waiter() -> None:
+    """b finishes after allocated() but before any step planned its load: the manager
+    drops the queued load (no LoadResult); the waiter gets REQUEST_FINISHED, a new
+    wait_loaded is a StateError, and b's CPU pins are gone."""
+    ks, gpu = shards(), BlockPool(GPU_BLOCKS)
+    async with Engine.launch(config(), workers=SPAWN, gpu_blocks=gpu,
+                             device_caches=[[k] for k in ks]) as eng:
+        c, table_b, _ = await _stored_then_looked_up(eng, gpu)
+        waiter = asyncio.ensure_future(eng.wait_loaded("b"))
+        await asyncio.sleep(0)
+        c.finish("b", table_b, 0)
+        res = await asyncio.wait_for(waiter, 5)
+        assert not res.ok and res.cause is LoadFailure.REQUEST_FINISHED
+        with pytest.raises(StateError):
+            await eng.wait_loaded("b")
+        await c.settle()
+        assert eng.statistics().pins_held == 0
+
+
+async def test_cancelled_aclose_still_closes_and_resolves_waiters() -> None:
+    """aclose() cancelled while it stops the workers: the ranks are still reaped, a
+    pending wait_loaded resolves (ENGINE_CLOSED) and a second aclose() returns."""
+    ks, gpu = shards(), BlockPool(GPU_BLOCKS)
+    eng = await Engine.launch(config(shutdown_grace_s=0.5), workers=SPAWN, gpu_blocks=gpu,
+                              device_caches=[[k] for k in ks])
+    c, table_b, _ = await _stored_then_looked_up(eng, gpu)
+    waiter = asyncio.ensure_future(eng.wait_loaded("b"))
+    closing = asyncio.ensure_future(eng.aclose())
+    await asyncio.sleep(0.05)
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    res = await asyncio.wait_for(waiter, 5)
+    assert not res.ok and res.cause in (LoadFailure.ENGINE_CLOSED, LoadFailure.WORKER_FAILED,
+                                        LoadFailure.RANK_DIED, LoadFailure.ENGINE_FAILED)
+    await asyncio.wait_for(eng.aclose(), 5)
+    assert eng.state is EngineState.CLOSED
+    deadline = time.monotonic() + 10
+    while _children() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert _children() == []
+
+
+class _Core:
+    """Just enough of an EngineCore for Engine's waiter bookkeeping (a seam for timing)."""
+
+    state = EngineState.READY
+
+    def __init__(self) -> None:
+        self.results: list[LoadResult] = []
+
+    def take_load_results(self) -> list[LoadResult]:
+        out, self.results = self.results, []
+        return out
+
+
+async def test_wait_loaded_cancelled_as_its_result_arrives_keeps_the_result() -> None:
+    """The result is handed to the waiter and the waiting task is cancelled in the same
+    loop turn: only the wait is cancelled; the next wait_loaded gets the result."""
+    core = _Core()
+    eng = Engine(core, None)  # type: ignore[arg-type]
+    eng._pending_loads.add("r")
+    first = asyncio.ensure_future(eng.wait_loaded("r"))
+    await asyncio.sleep(0)
+    core.results.append(LoadResult("r", True, (), None, 8))
+    eng._publish()
+    first.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    res = await asyncio.wait_for(eng.wait_loaded("r"), 1)
+    assert res.ok and res.num_tokens == 8
+
+
+def test_request_listed_before_ready_gets_no_hit_and_no_pin() -> None:
+    """SyncClient: b is listed in step 1, before any worker connected. Once READY and
+    once a's blocks (the same tokens) are cached, lookup(b) answers 0 - the manager
+    never tracked b, so a pin would never be released - and no pin is left."""
+    ks, gpu = shards(), BlockPool(GPU_BLOCKS)
+    cfg = config()
+    client = SyncClient(cfg, gpu_blocks=gpu, device_caches=[[k] for k in ks])
+    workers = Launcher(cfg.name, 2)
+    try:
+        toks = tokens(6 * BS + 1, seed=12)
+        hashes = chain_hashes(toks, BS)
+        client.step(StepInput(1, [ScheduledRequest("b", hashes, len(toks), ((),),
+                                                   new_or_resumed=True)]))
+        workers.start()
+        deadline = time.monotonic() + 30
+        while client.state is not EngineState.READY:
+            assert time.monotonic() < deadline
+            client.poll()
+            time.sleep(0.01)
+        table = gpu.allocate(6)
+        client.allocated("a", [table], 0)
+        client.step(StepInput(2, [ScheduledRequest("a", hashes, len(toks), (tuple(table),),
+                                                   new_or_resumed=True,
+                                                   num_confirmed_tokens=len(toks))]))
+        client.finished("a", len(toks), [table])
+        gpu.free(reversed(table))
+        step = 3
+        while client.has_pending_work():
+            assert time.monotonic() < deadline
+            client.step(StepInput(step, []))
+            step += 1
+            time.sleep(0.005)
+        assert client.statistics().counters["stored_blocks"] == 6
+        assert client.lookup(RequestView("b", hashes, len(toks)), 0) == 0
+        assert client.statistics().pins_held == 0
+    finally:
+        client.close()
+        workers.stop(2.0)
