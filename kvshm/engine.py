@@ -208,12 +208,12 @@ class Engine:
                  gpu_block_ids: Sequence[Sequence[int]]) -> bool:
         """The request is done; its unsaved full blocks go out in the next step."""
         self._check_open()
-        self._results.pop(req_id, None)
         out = self._core.finished(req_id, num_confirmed_tokens, gpu_block_ids)
-        self._publish()
         # A load still queued is dropped with the request and a planned one's result is
-        # moot: nobody may wait for it any longer.
+        # moot: nobody may wait for it any longer, and nothing is kept for it.
         self._pending_loads.discard(req_id)
+        self._publish()
+        self._results.pop(req_id, None)
         for fut in self._waiters.pop(req_id, ()):
             if not fut.done():
                 fut.set_result(LoadResult(req_id, False, (), LoadFailure.REQUEST_FINISHED, 0))
