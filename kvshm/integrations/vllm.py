@@ -65,6 +65,7 @@ CONNECTOR_HOOKS: Final = (
     "save_kv_layer",
     "wait_for_save",
     "get_finished",
+    "get_transfer_results",
     "get_block_ids_with_load_errors",
     "clear_connector_metadata",
     "shutdown",

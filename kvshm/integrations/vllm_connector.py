@@ -21,6 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 from vllm.v1.kv_cache_interface import (
@@ -198,6 +199,14 @@ class KvshmConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
                                                                 set[str] | None]:
         return None, self.worker_side.finished_loads()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # Ordering: get_finished first, so a failure found in this poll is reported in
+        # the same snapshot as its request id (vLLM intersects the two).
+        _, recving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_recving=set(recving or ()),
+            failed_recving=self.worker_side.take_failed_requests())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self.worker_side.load_errors()

@@ -16,6 +16,12 @@ pool; the connector only tells it when. Hook by hook:
   scheduler-side failures. vLLM counts a request as loaded once every rank reported it.
 * ``get_block_ids_with_load_errors`` -> :meth:`load_errors`: destinations of failed
   jobs and scheduler-side failures, reported no later than the request's id.
+* ``get_transfer_results`` -> :meth:`take_failed_requests` as ``failed_recving`` with
+  several KV groups (full + sliding window): block ids are only unique within a group
+  there, and vLLM 0.32 raises on ``invalid_block_ids`` for such models
+  (``Scheduler._handle_invalid_blocks``), so failures go per request and vLLM
+  recomputes the whole request; :meth:`load_errors` then reports nothing. With one
+  group, block ids keep the valid prefix of a failed load.
 
 A job's request ids come from the metadata's ``load_jobs`` map, which lists a job until
 every rank has acked it; this side keeps its own copy from the first step that lists a
@@ -90,6 +96,7 @@ class WorkerCounters:
     error_blocks: int = 0
     dones_unknown: int = 0
     loads_orphaned: int = 0  # the Worker detached before their Done: reported failed
+    failed_requests: int = 0  # reported as failed_recving (several KV groups)
 
 
 class WorkerSide:
@@ -104,6 +111,8 @@ class WorkerSide:
         self._job_dsts: dict[int, tuple[int, ...]] = {}
         self._sched_failed: dict[str, tuple[int, ...]] = {}
         self._errors: set[int] = set()
+        self._failed_reqs: set[str] = set()
+        self.per_request_failures = False  # several KV groups: see the module docstring
         self._fail = FailLoadIds(cfg.test_fail_loads) if cfg.test_fail_loads else None
         self._cuda = False
         self.rank = -1
@@ -117,6 +126,7 @@ class WorkerSide:
             raise StateError("register_kv_caches called twice")
         self._regions = kv_regions(kv_caches, kv_cache_config.kv_cache_tensors,
                                    int(kv_cache_config.num_blocks))
+        self.per_request_failures = len(kv_cache_config.kv_cache_groups) > 1
         self._cuda = self._regions[0].device.type == "cuda"
         from workers.worker import Worker as _Worker
 
@@ -204,6 +214,7 @@ class WorkerSide:
         if self._sched_failed:
             for rid, dsts in self._sched_failed.items():
                 done.add(rid)
+                self._failed_reqs.add(rid)
                 self._errors.update(dsts)
                 self.counters.scheduler_failed_loads += 1
             self._sched_failed.clear()
@@ -221,14 +232,28 @@ class WorkerSide:
             self.counters.loads_done += 1
             return
         self.counters.loads_failed += 1
+        self._failed_reqs.update(reqs)
         self._errors.update(dsts)
         log.warning("kvshm: rank %d: load job %d failed; %d block(s) of %s recomputed",
                     self.rank, job_id, len(dsts), sorted(reqs))
 
     def load_errors(self) -> set[int]:
-        """``get_block_ids_with_load_errors``: failed destinations since the last call."""
+        """``get_block_ids_with_load_errors``: failed destinations since the last call
+        (none with several KV groups: those fail per request)."""
         out, self._errors = self._errors, set()
+        if self.per_request_failures:
+            return set()
         self.counters.error_blocks += len(out)
+        return out
+
+    def take_failed_requests(self) -> set[str]:
+        """``failed_recving`` of ``get_transfer_results``: requests whose load failed
+        since the last call, reported together with (or after) their finished id; empty
+        with one KV group (block ids carry the failure there)."""
+        out, self._failed_reqs = self._failed_reqs, set()
+        if not self.per_request_failures:
+            return set()
+        self.counters.failed_requests += len(out)
         return out
 
     def clear(self) -> None:

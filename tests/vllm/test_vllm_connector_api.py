@@ -190,3 +190,39 @@ def test_kv_regions_refuse_a_layer_where_the_record_does_not_put_it() -> None:
     caches, rec = _layer_outer(4, (64,), 1, torch.float32)
     with pytest.raises(ConfigError, match="fall outside"):
         kv_regions(caches, [rec], 5)
+
+
+# ----------------------------------------------- load failures with several KV groups
+
+
+def _worker_side(per_request: bool) -> Any:
+    from kvshm.integrations.vllm_config import ConnectorConfig
+    from kvshm.integrations.vllm_worker import WorkerSide
+    from kvshm.types import KVGroup, StoreMode
+
+    groups = (KVGroup.full(), KVGroup.sliding_window(64)) if per_request else (KVGroup.full(),)
+    cfg = ConnectorConfig("unit", 1, 1, 16, groups, StoreMode.EAGER, None, 64, None,
+                          30.0, 5.0, 0)
+    ws = WorkerSide(cfg)
+    ws.per_request_failures = per_request  # register() sets it from kv_cache_groups
+    return ws
+
+
+@pytest.mark.parametrize("per_request", [False, True])
+def test_failed_load_is_reported_per_request_with_several_kv_groups(per_request: bool) -> None:
+    """vLLM 0.32 raises on invalid_block_ids for a model with several KV cache groups
+    (block ids are per group there), so with full + sliding-window groups a failed load
+    travels as the request id in failed_recving and no block id is reported; with one
+    group the destination blocks are reported (vLLM keeps the valid prefix)."""
+    from kvshm.integrations.vllm_sched import StepMeta
+
+    ws = _worker_side(per_request)
+    ws.bind(StepMeta(7, failed_loads={"r1": (4, 5, 6)}))
+    assert ws.finished_loads() == {"r1"}  # every rank reports it as finished...
+    if per_request:
+        assert ws.take_failed_requests() == {"r1"}  # ...and as failed, in one snapshot
+        assert ws.load_errors() == set()
+    else:
+        assert ws.take_failed_requests() == set()
+        assert ws.load_errors() == {4, 5, 6}
+    assert ws.take_failed_requests() == set() and ws.load_errors() == set()
