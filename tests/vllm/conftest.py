@@ -107,7 +107,10 @@ def _build_tokenizer(folder: Path) -> None:
     fast.save_pretrained(str(folder))
 
 
-def _build_model(folder: Path) -> TinyModel:
+def _build_model(folder: Path, sliding_window: int | None = None) -> TinyModel:
+    """The tiny Llama; with ``sliding_window``, layer 0 attends over that many tokens
+    only (vLLM's Llama reads ``layer_types``), so vLLM's hybrid allocator gives the
+    model two KV cache groups: sliding-window and full attention."""
     import torch
 
     transformers = importlib.import_module("transformers")
@@ -124,6 +127,9 @@ def _build_model(folder: Path) -> TinyModel:
         pad_token_id=3,
         tie_word_embeddings=False,
     )
+    if sliding_window is not None:
+        config.layer_types = ["sliding_attention", "full_attention"]
+        config.sliding_window = sliding_window
     torch.manual_seed(SEED)
     model = transformers.LlamaForCausalLM(config).to(torch.float32)
     with torch.no_grad():
@@ -146,6 +152,14 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
     folder = tmp_path_factory.mktemp("tiny_llama")
     _build_tokenizer(folder)
     return _build_model(folder)
+
+
+@pytest.fixture(scope="session")
+def tiny_hybrid_llama(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
+    """The tiny Llama with a 64-token sliding-window layer 0 (two KV cache groups)."""
+    folder = tmp_path_factory.mktemp("tiny_hybrid_llama")
+    _build_tokenizer(folder)
+    return _build_model(folder, sliding_window=64)
 
 
 @pytest.fixture
@@ -360,7 +374,16 @@ def make_llm(tiny_llama: TinyModel) -> LLMFactory:
     dtype="float32", kv_cache_bytes=16 << 20, max_num_seqs=8, kv_overrides=None,
     llm_overrides=None, **extra_config)``; ``kv_overrides`` replace KVTransferConfig
     arguments, ``llm_overrides`` LLM() arguments."""
+    return _session_factory(tiny_llama)
 
+
+@pytest.fixture(scope="session")
+def make_hybrid_llm(tiny_hybrid_llama: TinyModel) -> LLMFactory:
+    """``make_llm`` for the tiny hybrid (sliding-window + full attention) Llama."""
+    return _session_factory(tiny_hybrid_llama)
+
+
+def _session_factory(tiny_llama: TinyModel) -> LLMFactory:
     def factory(
         connector: str,
         *,

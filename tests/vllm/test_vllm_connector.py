@@ -193,6 +193,41 @@ class TestFp32SmallPool:
         assert eng.stats()["cpu_blocks_cached"] >= 3
 
 
+class TestHybridSlidingWindow:
+    """Layer 0 attends over a 64-token window, layer 1 over everything: vLLM's hybrid
+    allocator gives two KV cache groups, and kvshm (SupportsHMA) stores and loads both.
+    The first load job fails (``test_fail_loads=1``): with several groups the failure
+    must reach vLLM per request (``failed_recving``), never as block ids, on which vLLM
+    0.32 raises and kills the engine core; the request is recomputed exactly."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def eng(cls, make_hybrid_llm: LLMFactory,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+        yield from _engine(make_hybrid_llm, tmp_path_factory.mktemp("hybrid"),
+                           failed_jobs_ok=True, test_fail_loads=1)
+
+    def test_failed_load_is_recomputed_exactly(self, eng: Engine) -> None:
+        groups = eng.llm.llm_engine.engine_core.engine_core.scheduler.kv_cache_config
+        assert [type(g.kv_cache_spec).__name__ for g in groups.kv_cache_groups] == [
+            "SlidingWindowSpec", "FullAttentionSpec"]
+        prompt = _prompt(PROMPT_TOKENS, 50)
+        cold = eng.generate([prompt])[0]
+        eng.reset_device_cache()
+        hot = eng.generate([prompt])[0]
+        assert hot.num_cached_tokens == 0  # the whole request recomputed
+        assert _signature(hot) == _signature(cold)
+        stats = eng.stats()
+        assert stats["connector"]["loads_failed"] == 1 and stats["counters"]["jobs_failed"] == 1
+
+    def test_restore_of_both_groups_is_bitwise_exact(self, eng: Engine) -> None:
+        """3 full-attention blocks and the 2 sliding-window blocks covering the window
+        before the hit point are loaded (5 blocks), and the logprobs are exact."""
+        before = eng.stats()["counters"]["loaded_blocks"]
+        _restore_round_trip(eng, start=200)
+        assert eng.stats()["counters"]["loaded_blocks"] - before == 5
+
+
 class TestBf16:
     @pytest.fixture(scope="class")
     @classmethod
