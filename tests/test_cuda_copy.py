@@ -9,11 +9,11 @@ from typing import Any
 import pytest
 import torch
 
-from kvshm.errors import ConfigError
+from kvshm.errors import ConfigError, CopyError
 from kvshm.layout import KVLayout
 from kvshm.protocol import Direction
 from workers.copy_engine import CopyEngine, CopyJob, CpuFence
-from workers.cuda_copy import CudaCopyEngine, CudaFence
+from workers.cuda_copy import CudaCopyEngine, CudaCopyMethod, CudaFence
 from workers.host_pool import HostPool
 
 NUM_GPU = 96
@@ -38,12 +38,14 @@ def test_refuses_without_cuda_or_with_a_cpu_layout() -> None:
         CudaCopyEngine(0, layout, host)
 
 
-@pytest.fixture
-def rig() -> Iterator[tuple[KVLayout, HostPool, CudaCopyEngine]]:
+@pytest.fixture(params=list(CudaCopyMethod), ids=lambda m: m.value)
+def rig(request: pytest.FixtureRequest) -> Iterator[tuple[KVLayout, HostPool, CudaCopyEngine]]:
+    """Dense and padded regions, with each copy method."""
     layout = KVLayout.from_tensors(rank_tensors(0, "cuda"), kv_outer=[True, False, False])
     host = HostPool.for_tests(layout, NUM_CPU)
     assert host.pinned
-    eng = CudaCopyEngine(0, layout, host)
+    eng = CudaCopyEngine(0, layout, host, method=request.param)
+    assert eng.method is request.param
     yield layout, host, eng
     eng.close()
     host.close()
@@ -54,9 +56,9 @@ def test_round_trip_byte_exact(rig: tuple[KVLayout, HostPool, CudaCopyEngine]) -
     layout, host, eng = rig
     assert isinstance(eng, CopyEngine)
     g = torch.Generator().manual_seed(1)
-    src = torch.randperm(NUM_GPU, generator=g)[:80].tolist()
-    dst = torch.randperm(NUM_CPU, generator=g)[:80].tolist()
     runs_src, runs_dst = list(range(10, 20)), list(range(100, 110))  # a coalesced run too
+    src = [b for b in torch.randperm(NUM_GPU, generator=g).tolist() if b not in runs_src][:80]
+    dst = [b for b in torch.randperm(NUM_CPU, generator=g).tolist() if b not in runs_dst][:80]
     before = [r.clone() for r in layout.regions]
     eng.submit(CopyJob.from_ids(1, Direction.STORE, src, dst))
     eng.submit(CopyJob.from_ids(2, Direction.STORE, runs_src, runs_dst))
@@ -74,14 +76,40 @@ def test_round_trip_byte_exact(rig: tuple[KVLayout, HostPool, CudaCopyEngine]) -
         for r, old in zip(layout.regions, before):
             assert torch.equal(r[s], old[s])
     assert eng.stats()["jobs_ok"] == 3
+    assert eng.stats()["batch_fallbacks"] == 0
 
 
 @pytest.mark.gpu
+def test_refused_batch_falls_back_to_indexed_copies(
+        rig: tuple[KVLayout, HostPool, CudaCopyEngine]) -> None:
+    """A driver that refuses the batch (seen in the wild as CUDA_ERROR_INVALID_VALUE):
+    the job is enqueued again with indexed copies and succeeds; the engine stays on
+    INDEXED and counts the fallback."""
+    layout, host, eng = rig
+    method = eng.method
+    if method is not CudaCopyMethod.BATCH:
+        pytest.skip("the INDEXED engine never batches")
+
+    def refuse(*_: object) -> None:
+        raise CopyError("cuMemcpyBatchAsync failed: CUDA_ERROR_INVALID_VALUE (copy 0 of 2)")
+
+    eng._batch = refuse  # type: ignore[assignment]  # the seam: the driver call itself
+    eng.submit(CopyJob.from_ids(1, Direction.STORE, [4, 7], [9, 2]))
+    (done,) = eng.wait([1], timeout=WAIT_S)
+    assert done.ok, done.error
+    for h, dev in zip(host.regions, layout.regions):
+        assert torch.equal(h[9], dev[4].cpu()) and torch.equal(h[2], dev[7].cpu())
+    assert eng.method is CudaCopyMethod.INDEXED and eng.stats()["batch_fallbacks"] == 1
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("method", list(CudaCopyMethod), ids=lambda m: m.value)
 @pytest.mark.parametrize("fenced", [True, False])
-def test_store_waits_for_the_compute_fence(fenced: bool) -> None:
+def test_store_waits_for_the_compute_fence(fenced: bool, method: CudaCopyMethod) -> None:
     block = torch.zeros(4, 1 << 20, dtype=torch.uint8, device="cuda")
     layout = KVLayout.from_tensors([block])
-    with HostPool.for_tests(layout, 4) as host, CudaCopyEngine(0, layout, host) as eng:
+    with HostPool.for_tests(layout, 4) as host, \
+            CudaCopyEngine(0, layout, host, method=method) as eng:
         compute = cuda.Stream()
         with torch.cuda.stream(compute):
             cuda._sleep(200_000_000)  # ~0.1 s of GPU time before the write

@@ -36,11 +36,12 @@ def shard(rank: int, nb: int = NB) -> list[torch.Tensor]:
 
 
 @contextlib.contextmanager
-def linked(world: int, *, nb: int = NB, capacity: int | None = None,
+def linked(world: int, *, nb: int = NB, capacity: int | None = None, device: str = "cpu",
            **kw: object) -> Iterator[tuple[Sched, list[Worker], list[list[torch.Tensor]]]]:
-    """``world`` embedded workers in this process, READY against a fresh scheduler side."""
+    """``world`` embedded workers in this process, READY against a fresh scheduler side;
+    with ``device="cuda"`` the shards live on the GPU (CUDA copy engine, pinned pool)."""
     sched = Sched(world, capacity=capacity)
-    shards = [shard(r, nb) for r in range(world)]
+    shards = [[t.to(device) for t in shard(r, nb)] for r in range(world)]
     workers: list[Worker] = []
     try:
         workers = [Worker.attach(sched.name, r, world, shards[r], kv_outer=KV_OUTER,
@@ -81,14 +82,16 @@ class Local:
         return [d.job_id for d in self.dones[i]]
 
 
-def test_store_then_load_round_trip_two_ranks_byte_exact() -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_store_then_load_round_trip_two_ranks_byte_exact(device: str) -> None:
     """256 blocks per rank go to random CPU rows (4 jobs), the device caches are wiped,
     then come back into a random permutation of device blocks: every byte of both
-    ranks' different shards matches, and both sides saw every Done exactly once."""
+    ranks' different shards matches, and both sides saw every Done exactly once. On
+    CUDA the same path runs the CUDA copy engine against the cudaHostRegister'ed pool."""
     g = torch.Generator().manual_seed(7)
     cpu_ids = torch.randperm(512, generator=g)[:NB].tolist()
     perm = torch.randperm(NB, generator=g).tolist()
-    with linked(2) as (sched, ws, shards):
+    with linked(2, device=device) as (sched, ws, shards):
         orig = [[t.clone() for t in s] for s in shards]
         assert not torch.equal(orig[0][1], orig[1][1])  # the ranks hold different shards
         assert not torch.equal(orig[0][0].view(torch.uint8), orig[1][0].view(torch.uint8))

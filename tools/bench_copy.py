@@ -7,13 +7,15 @@ so machine noise hits both alike; medians over ``--reps`` repetitions.
 
 * CPU: whole 2 MiB blocks (1 region) and 64 regions x 32 KiB fragments; the reference is
   ``dst.copy_(src)`` of one contiguous tensor. The ``index`` method is shown for context.
-* CUDA (when available): H2D (loads) and D2H (stores) of 2 MiB blocks into/from a pinned
-  host pool; the reference is one large copy between a pinned tensor and the device.
-  Fragments are reported in the table only.
+* CUDA (when available): H2D (loads) and D2H (stores) of 2 MiB blocks, 64 x 32 KiB and
+  64 x 8 KiB fragments into/from a pinned host pool, with each copy method (``batch``:
+  one ``cuMemcpyBatchAsync`` per job, where the driver has it; ``indexed``: one
+  ``cudaMemcpyAsync`` per piece); the reference is one large copy between a pinned
+  tensor and the device. The JSON reports the engine's default method.
 
 Last line with ``--json``:
-``{"cpu_ratio_block": r, "cpu_ratio_frag": r, "cuda": null | {"h2d_ratio": r,
-"d2h_ratio": r, "h2d_gbps": g, "d2h_gbps": g}}`` (ratio = engine GB/s / reference GB/s).
+``{"cpu_ratio_block": r, "cpu_ratio_frag": r, "cuda": null | {"method": m, "h2d_ratio": r,
+"d2h_ratio": r, "h2d_gbps": g, "d2h_gbps": g, "frag_h2d_gbps": g, "frag_d2h_gbps": g}}`` (ratio = engine GB/s / reference GB/s).
 Targets (DESIGN.md): CPU ratios >= 0.7, CUDA ratios >= 0.8.
 """
 
@@ -129,23 +131,49 @@ def cpu_rows(reps: int, method: CpuCopyMethod, cases: tuple[str, ...]) -> list[R
 
 
 def cuda_rows(reps: int) -> list[Row]:
-    from workers.cuda_copy import CudaCopyEngine
+    """Both copy methods (batch where the driver has it) on 2 MiB blocks, 64 x 32 KiB and
+    64 x 8 KiB fragments, loads (H2D) and stores (D2H)."""
+    from workers.cuda_batch import load_batch_memcpy
+    from workers.cuda_copy import CudaCopyEngine, CudaCopyMethod
 
+    methods = [CudaCopyMethod.INDEXED]
+    if load_batch_memcpy(torch.cuda.current_device()) is not None:
+        methods.insert(0, CudaCopyMethod.BATCH)
     rows: list[Row] = []
     sync = torch.cuda.synchronize  # timing only; the engine itself never does this
-    for case, (regions, nbytes) in {"block": (1, BLOCK), "frag": (FRAG_REGIONS, FRAG)}.items():
+    shapes = {"block": (1, BLOCK), "frag": (FRAG_REGIONS, FRAG),
+              "frag8k": (FRAG_REGIONS, FRAG // 4)}
+    for case, (regions, nbytes) in shapes.items():
         layout = _layout(regions, nbytes, "cuda")
         total = PAIRS * regions * nbytes
         pinned = torch.ones(total, dtype=torch.uint8, pin_memory=True)
         dev = torch.ones(total, dtype=torch.uint8, device="cuda")
-        with _filled_pool(layout) as host, CudaCopyEngine(0, layout, host) as eng:
-            h2d_ref = partial(dev.copy_, pinned, non_blocking=True)
-            d2h_ref = partial(pinned.copy_, dev, non_blocking=True)
-            (h2d,) = _run_case(f"cuda {case}", eng, h2d_ref, total, reps, (Direction.LOAD,), sync)
-            (d2h,) = _run_case(f"cuda {case}", eng, d2h_ref, total, reps, (Direction.STORE,), sync)
-        rows += [Row(h2d.case + " (h2d)", h2d.engine_gbps, h2d.ref_gbps),
-                 Row(d2h.case + " (d2h)", d2h.engine_gbps, d2h.ref_gbps)]
+        h2d_ref = partial(dev.copy_, pinned, non_blocking=True)
+        d2h_ref = partial(pinned.copy_, dev, non_blocking=True)
+        for method in methods:
+            with _filled_pool(layout) as host, \
+                    CudaCopyEngine(0, layout, host, method=method) as eng:
+                name = f"cuda {method.value} {case}"
+                (h2d,) = _run_case(name, eng, h2d_ref, total, reps, (Direction.LOAD,), sync)
+                (d2h,) = _run_case(name, eng, d2h_ref, total, reps, (Direction.STORE,), sync)
+                assert eng.stats()["batch_fallbacks"] == 0, "the driver refused a batch"
+            rows += [Row(h2d.case + " (h2d)", h2d.engine_gbps, h2d.ref_gbps),
+                     Row(d2h.case + " (d2h)", d2h.engine_gbps, d2h.ref_gbps)]
     return rows
+
+
+def cuda_summary(rows: list[Row]) -> dict[str, Any]:
+    """The JSON's ``cuda`` object, for the engine's default method (the first one run)."""
+    method = rows[0].case.split()[1]
+
+    def row(case: str, d: str) -> Row:
+        return next(r for r in rows if r.case == f"cuda {method} {case} {d}")
+
+    h2d, d2h = row("block load", "(h2d)"), row("block store", "(d2h)")
+    return {"method": method, "h2d_ratio": round(h2d.ratio, 3), "d2h_ratio": round(d2h.ratio, 3),
+            "h2d_gbps": round(h2d.engine_gbps, 2), "d2h_gbps": round(d2h.engine_gbps, 2),
+            "frag_h2d_gbps": round(row("frag load", "(h2d)").engine_gbps, 2),
+            "frag_d2h_gbps": round(row("frag store", "(d2h)").engine_gbps, 2)}
 
 
 def _median_ratio(rows: list[Row], prefix: str) -> float:
@@ -166,10 +194,7 @@ def main(argv: list[str] | None = None) -> int:
     if torch.cuda.is_available():
         crows = cuda_rows(args.reps)
         rows += crows
-        h2d = next(r for r in crows if r.case == "cuda block load (h2d)")
-        d2h = next(r for r in crows if r.case == "cuda block store (d2h)")
-        cuda = {"h2d_ratio": round(h2d.ratio, 3), "d2h_ratio": round(d2h.ratio, 3),
-                "h2d_gbps": round(h2d.engine_gbps, 2), "d2h_gbps": round(d2h.engine_gbps, 2)}
+        cuda = cuda_summary(crows)
     print(f"{'case':<32} {'engine GB/s':>11} {'1 copy GB/s':>11} {'ratio':>6}")
     for r in rows:
         print(f"{r.case:<32} {r.engine_gbps:>11.2f} {r.ref_gbps:>11.2f} {r.ratio:>6.2f}")

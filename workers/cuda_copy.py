@@ -14,14 +14,17 @@ engine's constructor raises :class:`~kvshm.errors.ConfigError` where CUDA is mis
   ``wait`` synchronizes only the named jobs' events. No device-wide synchronize, no
   Python callbacks from CUDA.
 
-Copy method: indexed copies -- per region, one ``copy_(non_blocking=True)`` (one
-``cudaMemcpyAsync``) per run of pairs consecutive on both sides (per pair where the
-device rows are padded). This is the simple, measurable baseline: near the PCIe limit for
-whole-block regions (e.g. 2 MiB blocks: 64 calls per 64-pair job), but host-bound for many
-small fragments (64 regions x 64 pairs = 4,096 calls). The driver's batched memcpy
-(``cuMemcpyBatchAsync``, CUDA >= 12.8) or a gather kernel would collapse those calls; it is
-not used yet because it could not be measured on this project's machines -- choose by
-``tools/bench_copy.py`` on a GPU before adding it.
+Copy method (:class:`CudaCopyMethod`, chosen by measurement on an H100 with
+``tools/bench_copy.py``, numbers in the README): ``BATCH`` (the default where the driver
+has it) enqueues a job's pieces -- per region, each run of pairs consecutive on both
+sides, or each pair where rows are padded -- with one ``cuMemcpyBatchAsync`` call
+(:mod:`workers.cuda_batch`); ``INDEXED`` issues one ``copy_(non_blocking=True)`` (one
+``cudaMemcpyAsync``) per piece. Both run on the DMA copy engines (no SMs taken from
+compute). Whole-block regions move near the PCIe limit either way; for many small
+per-layer fragments (64 regions x 64 pairs = 4,096 pieces a job) the per-call host cost
+of ``INDEXED`` dominates. If the driver refuses a batch, that job is enqueued again with
+indexed copies (re-copying a piece is harmless: same bytes to the same place), the
+engine stays on ``INDEXED`` and counts ``batch_fallbacks``.
 
 A job whose enqueueing fails part-way is reported failed only once what was enqueued has
 finished (its event completes), so the scheduler never reuses a block a copy still uses.
@@ -29,6 +32,7 @@ finished (its event completes), so the scheduler never reuses a block a copy sti
 
 from __future__ import annotations
 
+import enum
 import time
 from collections import deque
 from collections.abc import Collection
@@ -47,14 +51,22 @@ from workers.copy_engine import (
     describe_error,
     pieces,
 )
+from workers.cuda_batch import BatchMemcpy, RegionGroup, load_batch_memcpy
 from workers.host_pool import HostPool
 
-__all__ = ["STREAM_PRIORITY", "CudaCopyEngine", "CudaEvent", "CudaFence"]
+__all__ = ["STREAM_PRIORITY", "CudaCopyEngine", "CudaCopyMethod", "CudaEvent", "CudaFence"]
 
 #: CUDA's least (lowest) stream priority; greater priorities are negative numbers.
 STREAM_PRIORITY: Final = 0
 #: Longest sleep between event queries in a wait with a timeout.
 _MAX_NAP_S: Final = 0.001
+
+
+class CudaCopyMethod(enum.Enum):
+    """How a job's pieces are enqueued (see the module docstring)."""
+
+    BATCH = "batch"
+    INDEXED = "indexed"
 
 
 class CudaEvent(Protocol):
@@ -128,6 +140,7 @@ class _Pending(NamedTuple):
     nbytes: int
     pairs: int
     error: str  # "" unless enqueueing failed part-way (reported once the event completes)
+    keep: object  # the batch descriptors, alive until the copies are done
 
 
 class CudaCopyEngine:
@@ -137,7 +150,7 @@ class CudaCopyEngine:
     """
 
     def __init__(self, rank: int, device_layout: KVLayout, host: HostPool, *,
-                 priority: int = STREAM_PRIORITY) -> None:
+                 priority: int = STREAM_PRIORITY, method: CudaCopyMethod | None = None) -> None:
         if not torch.cuda.is_available():
             raise ConfigError("CudaCopyEngine needs CUDA (torch.cuda.is_available() is False)")
         if device_layout.device.type != "cuda":
@@ -166,6 +179,22 @@ class CudaCopyEngine:
         self._pending: dict[Direction, deque[_Pending]] = {d: deque() for d in Direction}
         self._tracker = CompletionTracker()
         self._closed = False
+        self._fallbacks = 0
+        self._batch, self.method = self._pick_method(method)
+        self._groups = (RegionGroup([(r.dev, r.host) for r in regions if r.dense]),
+                        RegionGroup([(r.dev, r.host) for r in regions if not r.dense]))
+
+    def _pick_method(self, method: CudaCopyMethod | None,
+                     ) -> tuple[BatchMemcpy | None, CudaCopyMethod]:
+        if method is CudaCopyMethod.INDEXED:
+            return None, method
+        batch = load_batch_memcpy(self.device.index or 0)
+        if batch is not None:
+            return batch, CudaCopyMethod.BATCH
+        if method is CudaCopyMethod.BATCH:
+            raise ConfigError("CudaCopyMethod.BATCH needs cuMemcpyBatchAsync (a CUDA >= 12.8 "
+                              "driver); use CudaCopyMethod.INDEXED")
+        return None, CudaCopyMethod.INDEXED
 
     def submit(self, job: CopyJob, after: Fence | None = None) -> None:
         """Enqueue the job's copies on its direction's stream after ``after``; never raises."""
@@ -186,12 +215,14 @@ class CudaCopyEngine:
             return
         stream = self._streams[job.direction]
         error = ""
+        keep: object = None
         try:
             with torch.cuda.device(self.device), torch.cuda.stream(stream):
                 if after is not None:
                     stream.wait_event(after.event)
                 try:
-                    self._enqueue(job.direction is Direction.STORE, src_ids, dst_ids)
+                    keep = self._enqueue(job.direction is Direction.STORE, src_ids, dst_ids,
+                                         stream)
                 except Exception as exc:  # noqa: BLE001 - report once enqueued work is done
                     error = describe_error(exc)
                 event = _new_event()
@@ -200,10 +231,37 @@ class CudaCopyEngine:
             self._tracker.finish(seq, Done(job.job_id, self.rank, False, describe_error(exc)))
             return
         self._pending[job.direction].append(
-            _Pending(seq, job.job_id, event, len(src_ids) * self._block_bytes, len(src_ids), error))
+            _Pending(seq, job.job_id, event, len(src_ids) * self._block_bytes, len(src_ids), error,
+                     keep))
 
-    def _enqueue(self, store: bool, src_ids: list[int], dst_ids: list[int]) -> None:
+    def _enqueue(self, store: bool, src_ids: list[int], dst_ids: list[int],
+                 stream: Any) -> object:
+        """Enqueue the job's pieces on ``stream`` (current); returns what must stay alive
+        until they are done."""
         runs, singles = pieces(src_ids, dst_ids)
+        if self._batch is not None:
+            try:
+                return self._enqueue_batch(self._batch, store, runs, singles, stream)
+            except CopyError:
+                self._batch, self.method = None, CudaCopyMethod.INDEXED
+                self._fallbacks += 1
+        self._enqueue_indexed(store, runs, singles)
+        return None
+
+    def _enqueue_batch(self, batch: BatchMemcpy, store: bool, runs: list[tuple[int, int, int]],
+                       singles: list[tuple[int, int, int]], stream: Any) -> object:
+        parts = [group.descriptors(store, torch.tensor(plist, dtype=torch.int64))
+                 for group, plist in zip(self._groups, (runs, singles))
+                 if group.row_bytes.numel() and plist]
+        if not parts:
+            return None
+        dsts, srcs, sizes = (torch.cat(col) if len(parts) > 1 else col[0]
+                             for col in zip(*parts))
+        batch(store, dsts, srcs, sizes, int(stream.cuda_stream))
+        return dsts, srcs, sizes
+
+    def _enqueue_indexed(self, store: bool, runs: list[tuple[int, int, int]],
+                         singles: list[tuple[int, int, int]]) -> None:
         for r in self._regions:
             src, dst = (r.dev, r.host) if store else (r.host, r.dev)
             for s, d, k in (runs if r.dense else singles):
@@ -255,8 +313,11 @@ class CudaCopyEngine:
         return self._tracker.take(ids)
 
     def stats(self) -> dict[str, int]:
-        """Counters (see :class:`~workers.copy_engine.CopyStats`) plus ``jobs_outstanding``."""
-        return self._tracker.snapshot()
+        """Counters (see :class:`~workers.copy_engine.CopyStats`) plus ``jobs_outstanding``
+        and ``batch_fallbacks`` (batches the driver refused; see the module docstring)."""
+        d = self._tracker.snapshot()
+        d["batch_fallbacks"] = self._fallbacks
+        return d
 
     def close(self) -> None:
         """Refuse new jobs, wait for this engine's two streams, reap (idempotent).
