@@ -362,5 +362,7 @@ def test_host_pool_from_fd_checks_plan_and_size() -> None:
     with HostPool.for_tests(layout, 8) as pool:
         shapes = [tuple(r.shape) for r in pool.regions]
         assert shapes == [(8, r.bytes_per_block) for r in spec.regions]
-        assert not pool.pinned and pool.bytes_per_block == layout.bytes_per_block
+        # pinned (cudaHostRegister) by default exactly where CUDA is available
+        assert pool.pinned == torch.cuda.is_available()
+        assert pool.bytes_per_block == layout.bytes_per_block
     assert pool.closed and pool.regions == ()
