@@ -1,7 +1,7 @@
 """EngineCore: the scheduler side shared by ``Engine`` (asyncio) and ``SyncClient``.
 
 It owns the rendezvous server, the provisioned per-rank resources, one
-:class:`~kvshm.channel.SchedulerChannel` per rank, the CPU :class:`~kvshm.pool.BlockPool`
+:class:`~kvshm.sched_channel.SchedulerChannel` per rank, the CPU :class:`~kvshm.pool.BlockPool`
 and the :class:`~kvshm.manager.OffloadManager`. It does no waiting of its own: events
 come in through :meth:`pump` (the sync client, at the start of every call) or through
 loop callbacks (:meth:`attach_loop`). Every method runs on one thread.
@@ -43,7 +43,6 @@ from typing import Any
 import torch
 
 from kvshm import protocol
-from kvshm.channel import SchedulerChannel
 from kvshm.config import EngineConfig
 from kvshm.core_stats import CoreCounters, RankWatch, build_stats
 from kvshm.errors import ConfigError, StateError, TransportError, WorkerDied
@@ -52,6 +51,7 @@ from kvshm.pool import BlockPool
 from kvshm.protocol import Direction, Hello
 from kvshm.provision import Provisioned, provision
 from kvshm.rendezvous import EventKind, RendezvousEvent, RendezvousServer
+from kvshm.sched_channel import SchedulerChannel
 from kvshm.stats import EngineStats
 from kvshm.types import GpuBlocks, LoadResult, RequestView, StepInput, StepPlan
 

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-from kvshm.channel import SchedulerChannel
 from kvshm.config import EngineConfig
 from kvshm.manager import OffloadManager
 from kvshm.pool import BlockPool
 from kvshm.protocol import Hello
+from kvshm.sched_channel import SchedulerChannel
 from kvshm.stats import EngineStats, LatencyWindow, RankStats
 
 __all__ = ["CoreCounters", "RankWatch", "build_stats"]

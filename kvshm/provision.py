@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvshm.channel import SchedulerChannel
 from kvshm.doorbell import create_eventfd
 from kvshm.errors import ConfigError
 from kvshm.layout import KVLayout, host_pool_plan, reconcile
 from kvshm.protocol import PROTOCOL_VERSION, Hello, LayoutSpec, Ready, TensorSpec
 from kvshm.ring import DEFAULT_CAPACITY, RingPair, min_capacity, segment_size
+from kvshm.sched_channel import SchedulerChannel
 from kvshm.shm import Segment, available_shm_bytes, create_segment, dtype_name, segment_of
 
 __all__ = ["Provisioned", "RankResources", "device_layout", "provision"]

@@ -22,11 +22,12 @@ import pytest
 import uvloop
 
 from kvshm import protocol as p
-from kvshm.channel import SchedulerChannel, WorkerChannel
+from kvshm.channel import WorkerChannel
 from kvshm.doorbell import create_eventfd
 from kvshm.errors import ClosedError, ConfigError, PeerDied, ProtocolError, StateError
 from kvshm.errors import TransportError, WouldBlock
 from kvshm.ring import CONTROL_SIZE, RingPair, segment_size
+from kvshm.sched_channel import SchedulerChannel
 from kvshm.shm import Segment, create_segment, map_segment
 
 CTX = mp.get_context("fork")

@@ -23,9 +23,10 @@ from typing import Any
 import pytest
 
 from kvshm import protocol as p
-from kvshm.channel import SchedulerChannel, WorkerChannel
+from kvshm.channel import WorkerChannel
 from kvshm.doorbell import Doorbell, Parker, create_eventfd, notify
 from kvshm.ring import RingPair, segment_size
+from kvshm.sched_channel import SchedulerChannel
 from kvshm.shm import Segment, create_segment, map_segment
 
 CTX = mp.get_context("fork")

@@ -15,11 +15,11 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
-from kvshm.channel import SchedulerChannel
 from kvshm.errors import WorkerDied
 from kvshm.protocol import CmdMsg, Direction, Done, Hello, Ready, Transfer, pack_ids
 from kvshm.provision import Provisioned, provision
 from kvshm.rendezvous import EventKind, RendezvousEvent, RendezvousServer
+from kvshm.sched_channel import SchedulerChannel
 
 
 def unique_name() -> str:

@@ -42,9 +42,10 @@ import zmq
 import zmq.asyncio
 
 from kvshm import protocol as p
-from kvshm.channel import SchedulerChannel, WorkerChannel
+from kvshm.channel import WorkerChannel
 from kvshm.doorbell import create_eventfd
 from kvshm.ring import DEFAULT_CAPACITY, RingPair, segment_size
+from kvshm.sched_channel import SchedulerChannel
 from kvshm.shm import create_segment, map_segment
 
 SPIN_US = 50.0
