@@ -17,6 +17,8 @@ from dataclasses import dataclass, field, fields
 from enum import Enum
 from typing import Any, Protocol, TypeAlias
 
+import msgspec
+
 from kvshm.errors import ConfigError
 from kvshm.protocol import Transfer
 
@@ -112,16 +114,16 @@ def no_new_blocks(num_groups: int) -> tuple[tuple[int, ...], ...]:
     return value
 
 
-@dataclass(slots=True)
-class ScheduledRequest:
+class ScheduledRequest(msgspec.Struct, gc=False):
     """One request of a step. In a decode step every running request is listed; an
     unchanged one costs the manager a dict lookup and a few compares.
 
-    Read-only by contract, but deliberately not ``frozen``: an engine adapter builds one
-    per running request per step, and a frozen dataclass's ``__init__`` (one
-    ``object.__setattr__`` per field) measured ~1.8 us here against ~0.33 us for this
-    one - at 16k running requests, 29 ms against 5 ms of every step. The manager never
-    mutates it and keeps no reference past the step.
+    Read-only by contract; the manager never mutates it and keeps no reference past the
+    step. An engine adapter builds one per running request per step, so construction
+    cost is paid 16k times a step at 16k running requests: a ``msgspec.Struct`` is built
+    by C code (~0.08 us here) where a slotted dataclass's ``__init__`` took ~0.2-0.33 us
+    and a frozen one ~1.8 us. ``gc=False``: never tracked by the cyclic collector (it
+    holds no reference back to itself).
 
     ``new_block_ids[g]``: GPU ids appended to group ``g``'s table this step, or the whole
     table when ``new_or_resumed``. ``num_confirmed_tokens``: tokens whose KV earlier

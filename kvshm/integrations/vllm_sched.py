@@ -221,39 +221,60 @@ class SchedulerSide:
 
     def _listing(self, so: Any) -> tuple[list[ScheduledRequest], set[int]]:
         """Every scheduled request (decode steps list every running one) and, with
-        sliding-window groups, the GPU ids allocated this step."""
+        sliding-window groups, the GPU ids allocated this step.
+
+        Runs once per step over every running request: an announced request that is not
+        resumed (nearly all of them in decode) takes the inlined path - one set probe,
+        one dict probe and one ScheduledRequest - and the set of listed ids is built
+        only when the step preempted someone."""
         out: list[ScheduledRequest] = []
         alloc: set[int] = set()
-        listed: set[str] = set()
         for nr in so.scheduled_new_reqs:
             self._add(out, nr.req_id, _tables(nr.block_ids), True, nr.num_computed_tokens,
                       alloc)
-            listed.add(nr.req_id)
         cached = so.scheduled_cached_reqs
+        self._list_cached(cached, out, alloc, getattr(so, "kv_connector_block_state", None))
+        preempted = getattr(so, "preempted_req_ids", None)
+        if preempted:
+            listed = {nr.req_id for nr in so.scheduled_new_reqs}
+            listed.update(cached.req_ids)
+            for rid in preempted:
+                if rid in self._announced and rid not in listed:
+                    self.counters.requests_preempted += 1
+                    self._add(out, rid, self._no_new, False, 0, alloc, preempted=True)
+        return out, alloc
+
+    def _list_cached(self, cached: Any, out: list[ScheduledRequest], alloc: set[int],
+                     state: Any) -> None:
         resumed = cached.resumed_req_ids
-        state = getattr(so, "kv_connector_block_state", None)
-        for i, rid in enumerate(cached.req_ids):
-            listed.add(rid)
-            nb = cached.new_block_ids[i]
-            if rid in resumed and nb is not None:
+        announced, get, no_new, sw = self._announced, self._requests.get, self._no_new, self._sw
+        append, unknown = out.append, 0
+        for rid, nb, computed in zip(cached.req_ids, cached.new_block_ids,
+                                     cached.num_computed_tokens):
+            if rid in announced and (nb is None or rid not in resumed):
+                r = get(rid)
+                if r is None:
+                    unknown += 1
+                    continue
+                if nb is None:
+                    table = no_new
+                else:
+                    table = _tables(nb)
+                    if sw:
+                        alloc.update(b for g in nb for b in g)
+                append(ScheduledRequest(rid, r.block_hashes, r.num_tokens, table, False,
+                                        r.num_computed_tokens - r.num_output_placeholders,
+                                        False, r.kv_transfer_params))
+            elif rid in resumed and nb is not None:
                 self.counters.requests_resumed += 1
-                self._add(out, rid, _tables(nb), True, cached.num_computed_tokens[i], alloc)
-            elif rid not in self._announced:
+                self._add(out, rid, _tables(nb), True, computed, alloc)
+            else:  # listed before: never announced (the workers were not ready yet)
                 full = state.get_block_ids(rid) if state is not None else None
                 if full is None:
                     continue
                 self.counters.requests_announced_late += 1
-                self._add(out, rid, _tables(full), True, cached.num_computed_tokens[i], alloc)
-            else:
-                table = self._no_new if nb is None else _tables(nb)
-                if self._sw and nb is not None:
-                    alloc.update(b for g in nb for b in g)
-                self._add(out, rid, table, False, 0, alloc)
-        for rid in getattr(so, "preempted_req_ids", None) or ():
-            if rid in self._announced and rid not in listed:
-                self.counters.requests_preempted += 1
-                self._add(out, rid, self._no_new, False, 0, alloc, preempted=True)
-        return out, alloc
+                self._add(out, rid, _tables(full), True, computed, alloc)
+        self.counters.requests_unknown += unknown
 
     def _add(self, out: list[ScheduledRequest], rid: str, table: Tables, full: bool,
              num_computed: int, alloc: set[int], *, preempted: bool = False) -> None:

@@ -226,3 +226,62 @@ def test_failed_load_is_reported_per_request_with_several_kv_groups(per_request:
         assert ws.take_failed_requests() == set()
         assert ws.load_errors() == {4, 5, 6}
     assert ws.take_failed_requests() == set() and ws.load_errors() == set()
+
+
+# ----------------------------------------------------------- the per-step listing
+
+
+def test_listing_covers_every_kind_of_scheduled_request() -> None:
+    """``SchedulerSide._listing`` over a SchedulerOutput-shaped object (vLLM's fields,
+    no vLLM): new, unchanged, grown, resumed, announced late (before READY), unknown to
+    the block state, preempted-and-not-listed, and a request the side never saw. Exact
+    ScheduledRequests, sliding-window allocations and counters, in listing order."""
+    from types import SimpleNamespace as NS
+
+    from kvshm.integrations.vllm_config import ConnectorConfig
+    from kvshm.integrations.vllm_sched import SchedulerSide
+    from kvshm.types import KVGroup, ScheduledRequest, StoreMode
+
+    cfg = ConnectorConfig("unit", 1, 1, 16, (KVGroup.full(), KVGroup.sliding_window(64)),
+                          StoreMode.EAGER, None, 64, None, 30.0, 5.0, 0)
+    side = SchedulerSide(cfg)
+
+    def req(rid: str, computed: int, placeholders: int = 0) -> Any:
+        r = NS(request_id=rid, block_hashes=[rid.encode()], num_tokens=computed + 1,
+               num_computed_tokens=computed, num_output_placeholders=placeholders,
+               kv_transfer_params=None)
+        side._requests[rid] = r  # what the lookup hook records
+        return r
+
+    for rid, computed in (("new", 16), ("steady", 40), ("grow", 48), ("back", 32),
+                          ("late", 0), ("nostate", 0), ("gone", 20)):
+        req(rid, computed, placeholders=1 if rid == "steady" else 0)
+    side._announced |= {"steady", "grow", "back", "gone", "ghost"}  # listed before READY
+    so = NS(
+        scheduled_new_reqs=[NS(req_id="new", block_ids=([1, 2], [3, 4]), num_computed_tokens=16)],
+        scheduled_cached_reqs=NS(
+            req_ids=["steady", "grow", "back", "late", "nostate", "ghost"],
+            resumed_req_ids={"back"},
+            new_block_ids=[None, ([5], [6]), ([7, 8], [9, 10]), None, None, None],
+            num_computed_tokens=[40, 48, 32, 0, 0, 0]),
+        preempted_req_ids={"gone", "steady"},
+        kv_connector_block_state=NS(
+            get_block_ids=lambda rid: ([11], [12]) if rid == "late" else None))
+    out, alloc = side._listing(so)
+    none = ((), ())
+    hashes = {rid: [rid.encode()] for rid in side._requests}
+    assert out == [
+        ScheduledRequest("new", hashes["new"], 17, ((1, 2), (3, 4)), True, 16),
+        ScheduledRequest("steady", hashes["steady"], 41, none, False, 39),
+        ScheduledRequest("grow", hashes["grow"], 49, ((5,), (6,)), False, 48),
+        ScheduledRequest("back", hashes["back"], 33, ((7, 8), (9, 10)), True, 32),
+        ScheduledRequest("late", hashes["late"], 1, ((11,), (12,)), True, 0),
+        ScheduledRequest("gone", hashes["gone"], 21, none, False, 20, True),
+    ]
+    # sliding window: ids allocated this step (a new table from its first uncomputed
+    # block on; appended ids as they are)
+    assert alloc == {2, 4, 5, 6, 11, 12}
+    c = side.counters
+    assert (c.requests_resumed, c.requests_announced_late, c.requests_preempted,
+            c.requests_unknown) == (1, 1, 1, 1)
+    assert side._announced >= {"new", "late"} and "nostate" not in side._announced
