@@ -1,0 +1,52 @@
+"""Every benchmark under tools/ (except bench_vllm, which needs vLLM and minutes) runs end
+to end with tiny parameters and ends with the JSON line the README and the issues name,
+so a benchmark cannot rot unnoticed. No timing is asserted: only shape and sanity."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+CASES: dict[str, tuple[list[str], set[str]]] = {
+    "bench_manager": (["--steps", "3", "--warmup", "1"],
+                      {"us_per_step", "us_per_unchanged_request"}),
+    "bench_copy": (["--reps", "1", "--no-index"], {"cpu_ratio_block", "cpu_ratio_frag", "cuda"}),
+    "bench_listing": (["--reps", "2"], {"us_per_request", "floor_us_per_request"}),
+    "bench_ipc": (["--n", "200", "--m", "2000", "--warmup", "20", "--rounds", "1"],
+                  {"rtt_us", "events_per_s", "cmd_doorbells_per_100"}),
+}
+
+
+def _run(tool: str, args: list[str]) -> dict[str, Any]:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", f"tools.{tool}", *args, "--json"], cwd=ROOT,
+                         env=env, capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return summary
+
+
+@pytest.mark.parametrize("tool", sorted(CASES))
+def test_benchmark_runs_and_ends_with_its_json_line(tool: str) -> None:
+    args, keys = CASES[tool]
+    summary = _run(tool, args)
+    assert set(summary) == keys
+    if tool == "bench_manager":
+        assert set(summary["us_per_step"]) == {"1000", "4000", "16000"}
+        assert all(v > 0 for v in summary["us_per_step"].values())
+    elif tool == "bench_copy":
+        assert summary["cpu_ratio_block"] > 0 and summary["cpu_ratio_frag"] > 0
+    elif tool == "bench_listing":
+        assert set(summary["us_per_request"]) == {"1000", "4000", "16000"}
+    else:
+        assert set(summary["rtt_us"]) == {f"{c}_{m}" for c in ("kvshm", "zmq", "mp")
+                                          for m in ("cold", "hot")}
+        assert all(v > 0 for v in summary["events_per_s"].values())
