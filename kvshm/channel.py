@@ -10,10 +10,11 @@ ring's memoryview, before the tail moves.
 Ordering and loss rules:
 
 * Messages arrive in the order they were sent. A full ``cmd`` ring is back-pressure,
-  never a drop: :meth:`SchedulerChannel.post` queues the encoded record in a per-rank
-  overflow deque, flushed in order on every receive and by the re-check timer;
-  :meth:`SchedulerChannel.send_nowait` raises WouldBlock instead (and also while older
-  records wait in the overflow, so it never overtakes them).
+  never a drop: :meth:`~kvshm.sched_channel.SchedulerChannel.post` queues the encoded
+  record in a per-rank overflow deque, flushed in order on every receive and by the
+  re-check timer; :meth:`~kvshm.sched_channel.SchedulerChannel.send_nowait` raises
+  WouldBlock instead (and also while older records wait in the overflow, so it never
+  overtakes them).
 * A record that does not decode raises ProtocolError(ring, offset) once; the records
   around it are kept and returned by the next receive. A record whose *framing* is bad
   breaks the ring: every later receive raises (the caller fails that peer).

@@ -45,7 +45,9 @@ def test_benchmark_runs_and_ends_with_its_json_line(tool: str) -> None:
     elif tool == "bench_copy":
         assert summary["cpu_ratio_block"] > 0 and summary["cpu_ratio_frag"] > 0
     elif tool == "bench_listing":
-        assert set(summary["us_per_request"]) == {"1000", "4000", "16000"}
+        for key in ("us_per_request", "floor_us_per_request"):
+            assert set(summary[key]) == {"1000", "4000", "16000"}
+            assert all(v > 0 for v in summary[key].values())
     else:
         assert set(summary["rtt_us"]) == {f"{c}_{m}" for c in ("kvshm", "zmq", "mp")
                                           for m in ("cold", "hot")}

@@ -13,6 +13,7 @@ from kvshm.errors import ConfigError, CopyError
 from kvshm.layout import KVLayout
 from kvshm.protocol import Direction
 from workers.copy_engine import CopyEngine, CopyJob, CpuFence
+from workers.cuda_batch import load_batch_memcpy
 from workers.cuda_copy import CudaCopyEngine, CudaCopyMethod, CudaFence
 from workers.host_pool import HostPool
 
@@ -38,12 +39,19 @@ def test_refuses_without_cuda_or_with_a_cpu_layout() -> None:
         CudaCopyEngine(0, layout, host)
 
 
+def _skip_without_batch(method: CudaCopyMethod) -> None:
+    """BATCH needs a CUDA >= 12.8 driver; on an older one the engine refuses it."""
+    if method is CudaCopyMethod.BATCH and load_batch_memcpy(torch.cuda.current_device()) is None:
+        pytest.skip("this driver has no cuMemcpyBatchAsync")
+
+
 @pytest.fixture(params=list(CudaCopyMethod), ids=lambda m: m.value)
 def rig(request: pytest.FixtureRequest) -> Iterator[tuple[KVLayout, HostPool, CudaCopyEngine]]:
     """Dense and padded regions, with each copy method."""
     layout = KVLayout.from_tensors(rank_tensors(0, "cuda"), kv_outer=[True, False, False])
     host = HostPool.for_tests(layout, NUM_CPU)
     assert host.pinned
+    _skip_without_batch(request.param)
     eng = CudaCopyEngine(0, layout, host, method=request.param)
     assert eng.method is request.param
     yield layout, host, eng
@@ -106,6 +114,7 @@ def test_refused_batch_falls_back_to_indexed_copies(
 @pytest.mark.parametrize("method", list(CudaCopyMethod), ids=lambda m: m.value)
 @pytest.mark.parametrize("fenced", [True, False])
 def test_store_waits_for_the_compute_fence(fenced: bool, method: CudaCopyMethod) -> None:
+    _skip_without_batch(method)
     block = torch.zeros(4, 1 << 20, dtype=torch.uint8, device="cuda")
     layout = KVLayout.from_tensors([block])
     with HostPool.for_tests(layout, 4) as host, \

@@ -40,7 +40,7 @@ def _side_and_output(n: int) -> tuple[SchedulerSide, Any]:
                                  kv_transfer_params=None)
     side._announced.update(rids)
     new_blocks: list[Any] = [None] * n
-    for i in range(0, n, n // CHANGED):
+    for i in range(0, n, n // CHANGED)[:CHANGED]:
         new_blocks[i] = ([i + 1],)
     cached = NS(req_ids=rids, resumed_req_ids=set(), new_block_ids=new_blocks,
                 num_computed_tokens=[99] * n)

@@ -86,8 +86,9 @@ class BatchMemcpy:
                           sizes.data_ptr() + 8 * lo, k, attr, self._idx, 1,
                           ctypes.byref(self._fail), stream)
             if rc:
-                raise CopyError(f"cuMemcpyBatchAsync failed: {self._error_name(rc)} "
-                                f"(copy {lo + self._fail.value} of {n})")
+                at = (f"copy {lo + self._fail.value} of {n}" if self._fail.value < k
+                      else f"{n} copies")  # failIdx is SIZE_MAX when no copy is to blame
+                raise CopyError(f"cuMemcpyBatchAsync failed: {self._error_name(rc)} ({at})")
 
     def _error_name(self, rc: int) -> str:
         name = ctypes.c_char_p()
