@@ -66,6 +66,14 @@ class Client:
                                           new_or_resumed=True, num_confirmed_tokens=len(toks)))
         return table, plan
 
+    async def store_only(self, req_id: str, toks: list[int]) -> None:
+        """Compute and finish ``req_id``, wait until its blocks are stored, then drop the
+        GPU copies' hashes: from here on only the CPU tier holds that prefix."""
+        table, _ = self.compute(req_id, toks)
+        self.finish(req_id, table, len(toks))
+        await self.settle()
+        self.gpu.drop_all_hashes()
+
     def load(self, req_id: str, toks: list[int]) -> tuple[int | None, list[int], StepPlan]:
         """Look up ``toks`` in the CPU tier, allocate fresh blocks, plan the load."""
         hashes = chain_hashes(toks, BS)

@@ -95,10 +95,7 @@ async def test_wait_loaded_cancel_cancels_only_the_wait() -> None:
                              device_caches=[[k] for k in ks]) as eng:
         c = Client(eng, gpu)
         toks = tokens(5 * BS + 1, seed=4)
-        table, _ = c.compute("a", toks)
-        c.finish("a", table, len(toks))
-        await c.settle()
-        gpu.drop_all_hashes()
+        await c.store_only("a", toks)
         hit, table_b, _ = c.load("b", toks)
         assert hit == 5 * BS
         waiter = asyncio.ensure_future(eng.wait_loaded("b"))
@@ -123,10 +120,7 @@ async def test_worker_sigkill_mid_load_fails_engine_without_hang() -> None:
     try:
         c = Client(eng, gpu)
         toks = tokens(6 * BS + 1, seed=5)
-        table, _ = c.compute("a", toks)
-        c.finish("a", table, len(toks))
-        await c.settle()
-        gpu.drop_all_hashes()
+        await c.store_only("a", toks)
         assert eng._launcher is not None
         victim = eng._launcher.workers[1].proc
         victim.send_signal(signal.SIGKILL)
@@ -218,10 +212,7 @@ async def test_soak_1000_requests_zero_pins_flat_rss() -> None:
         rss_100 = 0
         for i in range(0, 1000, 2):
             toks = tokens(3 * BS + 1, seed=1000 + i)
-            table, _ = c.compute(f"s{i}", toks)
-            c.finish(f"s{i}", table, len(toks))
-            await c.settle()
-            gpu.drop_all_hashes()
+            await c.store_only(f"s{i}", toks)
             hit, table_b, _ = c.load(f"l{i}", toks)
             assert hit == 3 * BS
             assert (await c.loaded(f"l{i}")).ok

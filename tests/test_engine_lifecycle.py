@@ -71,10 +71,7 @@ async def _stored_then_looked_up(eng: Engine, gpu: BlockPool) -> tuple[Client, l
     """a's 6 blocks stored; b (same tokens) looked up and allocated: its load is queued."""
     c = Client(eng, gpu)
     toks = tokens(6 * BS + 1, seed=11)
-    table, _ = c.compute("a", toks)
-    c.finish("a", table, len(toks))
-    await c.settle()
-    gpu.drop_all_hashes()
+    await c.store_only("a", toks)
     hit = eng.lookup(RequestView("b", chain_hashes(toks, BS), len(toks)), 0)
     assert hit == 6 * BS
     table_b = gpu.allocate(len(toks) // BS)
