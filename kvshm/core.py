@@ -28,11 +28,20 @@ Rules kept here:
   embedded rank only ticks in which its heartbeat advanced count (its host engine was
   calling it). Then ``manager.rank_failed`` runs and the engine is FAILED: serving goes
   on without offload; nothing waits on the dead rank.
+* **A block that a rank may still touch is never handed out again until that rank is
+  fenced.** Declared dead is not fenced: the verdict sets the rank's revocation word
+  (so a rank that resumes starts nothing and publishes nothing) and fails its jobs, but
+  their pins stay (quarantined, ``quarantined_*_blocks`` in the statistics) until a
+  proof that nothing of the rank runs any more: its process exited (spawned ranks are
+  SIGKILLed at the verdict and watched by pidfd) or a standalone rank's lifeline
+  closed. An embedded rank lives in its host's process, so its quarantine lasts for
+  the engine's life (:meth:`rank_died`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import replace
@@ -51,11 +60,14 @@ from kvshm.pool import BlockPool
 from kvshm.protocol import Direction, Hello
 from kvshm.provision import Provisioned, provision
 from kvshm.rendezvous import EventKind, RendezvousEvent, RendezvousServer
+from kvshm.ring import RevokeReason
 from kvshm.sched_channel import SchedulerChannel
 from kvshm.stats import EngineStats
 from kvshm.types import GpuBlocks, LoadResult, RequestView, StepInput, StepPlan
 
 __all__ = ["EngineCore", "EngineState"]
+
+_log = logging.getLogger("kvshm.core")
 
 
 class EngineState(Enum):
@@ -100,6 +112,8 @@ class EngineCore:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_change: Callable[[], None] | None = None
         self._posted: dict[int, tuple[float, int]] = {}
+        self._kill: Callable[[int], None] | None = None
+        self._logged: set[str] = set()
         self.counters = CoreCounters()
 
     # -- lifecycle ---------------------------------------------------------------------
@@ -184,6 +198,9 @@ class EngineCore:
             try:
                 dones = chan.receive_nowait()
             except TransportError as exc:
+                good = chan.take_salvaged()
+                if good:
+                    self._on_dones(rank, good, notify=False)
                 self._on_channel_error(rank, exc, notify=False)
                 continue
             if dones:
@@ -203,7 +220,9 @@ class EngineCore:
             elif ev.kind is EventKind.READY_FAILED:
                 self._start_failed(ev.error or ConfigError(ev.reason))
             elif ev.kind is EventKind.RANK_LOST:
-                self.rank_died(ev.rank, None, why="lifeline EOF", notify=False)
+                standalone = not self._watch[ev.rank].embedded
+                self.rank_died(ev.rank, None, why=f"lifeline EOF ({ev.reason})",
+                               fenced=standalone, notify=False)
             else:
                 self.counters.refused += 1
         if notify:
@@ -258,13 +277,20 @@ class EngineCore:
                     partial(self._on_channel_error, rank))
 
     def _on_dones(self, rank: int, dones: list[protocol.Done], notify: bool = True) -> None:
+        """Apply a batch of Dones from ``rank``. An exception while applying one fails
+        that job only (counted in ``done_errors``, logged once per kind); every other
+        Done of the batch is still applied and the load outcomes of the whole batch are
+        collected in the same pass."""
         now = time.monotonic()
         watch = self._watch[rank]
         manager = self.manager
         for d in dones:
-            watch.acked(now, d.ok, self._ack_latency(d.job_id, now))
-            if manager is not None:
-                manager.on_done(d.job_id, rank, d.ok)
+            try:
+                watch.acked(now, d.ok, self._ack_latency(d.job_id, now))
+                if manager is not None:
+                    manager.on_done(d.job_id, rank, d.ok)
+            except Exception as exc:  # noqa: BLE001 - one bad Done must not lose the rest
+                self._done_failed(rank, d, exc)
         if manager is not None:
             self._results.extend(manager.take_load_results())
         chan = self._channels.get(rank)
@@ -272,6 +298,22 @@ class EngineCore:
             chan.flush_overflow()
         if notify:
             self._notify()
+
+    def _done_failed(self, rank: int, done: protocol.Done, exc: Exception) -> None:
+        """Applying ``done`` raised: count and log it, and fail its job (best effort:
+        a second failure is only counted)."""
+        self.counters.done_errors += 1
+        key = type(exc).__name__
+        if key not in self._logged:
+            self._logged.add(key)
+            _log.error("kvshm %s: applying Done(job %d) from rank %d failed; that job is "
+                       "failed, the rest of the batch goes on", self.config.name,
+                       done.job_id, rank, exc_info=exc)
+        if self.manager is not None and done.ok:
+            try:
+                self.manager.on_done(done.job_id, rank, False)
+            except Exception:  # noqa: BLE001 - counted above; the job may be gone
+                self.counters.done_errors += 1
 
     def _ack_latency(self, job_id: int, now: float) -> float | None:
         entry = self._posted.get(job_id)
@@ -286,19 +328,50 @@ class EngineCore:
 
     def _on_channel_error(self, rank: int, exc: TransportError, notify: bool = True) -> None:
         self.counters.protocol_errors += 1
-        self.rank_died(rank, None, why=f"broken ring: {exc}", notify=notify)
+        self.rank_died(rank, None, why=f"broken ring: {exc}", revoke=RevokeReason.BROKEN_RING,
+                       notify=notify)
 
     # -- failure handling --------------------------------------------------------------
+    def set_killer(self, kill: Callable[[int], None]) -> None:
+        """``kill(rank)``: SIGKILL a rank this engine spawned (SPAWN mode); its pidfd then
+        reports the exit, which fences the rank (:meth:`rank_died` with ``fenced``)."""
+        self._kill = kill
+
     def rank_died(self, rank: int, exitcode: int | None, *, why: str = "process exited",
+                  fenced: bool = False, revoke: RevokeReason = RevokeReason.DIED,
                   notify: bool = True) -> None:
-        """``rank`` is gone (or must be treated so): fail its jobs; engine -> FAILED."""
-        watch = self._watch[rank]
-        if not watch.alive or self._state in (EngineState.CLOSING, EngineState.CLOSED):
+        """``rank`` is gone or must be treated so: the verdict, then maybe the fence.
+
+        Verdict (once): the revocation word is set and the channel closed, its jobs fail
+        (loads: recompute), the engine is FAILED. The blocks of its unacked jobs stay
+        pinned (quarantined) until it is *fenced* -- ``fenced=True``: its process exited
+        (pidfd), or a standalone rank's lifeline closed (its worker closes it only after
+        its last copy). A spawned rank is SIGKILLed at the verdict, so its fence follows
+        in milliseconds; an embedded rank is never fenced by EOF (its host process lives
+        on), so its quarantine lasts for the engine's life.
+        """
+        if self._state in (EngineState.CLOSING, EngineState.CLOSED):
             return
-        watch.died(exitcode, why)
+        watch = self._watch[rank]
+        if watch.alive:
+            self._verdict(rank, exitcode, why, revoke)
+            if not fenced and self._spawned and self._kill is not None:
+                self._kill(rank)
+        if fenced and not watch.fenced:
+            watch.fenced = True
+            if self.manager is not None:
+                self.manager.rank_fenced(rank)
+                self._results.extend(self.manager.take_load_results())
+        if notify:
+            self._notify()
+
+    def _verdict(self, rank: int, exitcode: int | None, why: str,
+                 revoke: RevokeReason) -> None:
+        self._watch[rank].died(exitcode, why)
         self.counters.ranks_failed += 1
         chan = self._channels.get(rank)
         if chan is not None:
+            chan.revoke(revoke)
             chan.close()
         if self._state is EngineState.STARTING:
             self._start_failed(WorkerDied(rank, exitcode))
@@ -307,8 +380,6 @@ class EngineCore:
             self._results.extend(self.manager.take_load_results())
             self._posted.clear()
             self._state = EngineState.FAILED
-        if notify:
-            self._notify()
 
     def tick(self, now: float) -> None:
         """Hang check; call a few times a second (the engine's timer, or every pump)."""
@@ -318,7 +389,8 @@ class EngineCore:
             if watch.alive and watch.stalled_for(now) >= self.config.hang_timeout_s:
                 self.counters.hangs += 1
                 self.rank_died(rank, None, why=f"hung: no job completed for "
-                               f"{self.config.hang_timeout_s}s with jobs pending", notify=False)
+                               f"{self.config.hang_timeout_s}s with jobs pending",
+                               revoke=RevokeReason.HUNG, notify=False)
 
     # -- scheduler calls ---------------------------------------------------------------
     def lookup(self, req: RequestView, num_local_tokens: int) -> int | None:

@@ -33,6 +33,7 @@ class CoreCounters:
     hangs: int = 0
     protocol_errors: int = 0
     refused: int = 0
+    done_errors: int = 0  # Dones whose handling raised (their jobs were failed)
 
 
 class RankWatch:
@@ -43,6 +44,7 @@ class RankWatch:
         self.pid = 0
         self.embedded = False
         self.alive = True
+        self.fenced = False  # proven unable to touch a block (process exited / EOF)
         self.exitcode: int | None = None
         self.why = ""
         self.acks = 0
@@ -103,7 +105,8 @@ class RankWatch:
         """The rank's statistics record."""
         chan = self._chan
         return RankStats(rank=self.rank, pid=self.pid, connected=chan is not None,
-                         alive=self.alive, embedded=self.embedded, acks=self.acks,
+                         alive=self.alive, fenced=self.fenced, embedded=self.embedded,
+                         acks=self.acks,
                          failed_acks=self.failed_acks,
                          ack_latency_us=self.latency.summary_us(),
                          channel=chan.statistics().as_dict() if chan is not None else {})
@@ -114,8 +117,9 @@ def build_stats(config: EngineConfig, state: str, manager: OffloadManager | None
                 counters: CoreCounters) -> EngineStats:
     """One :class:`EngineStats` snapshot; ``bytes_per_block`` sums every rank's shard."""
     merged: dict[str, int] = dict(asdict(counters))
-    stored = loaded = pins = jobs = 0
+    stored = loaded = pins = jobs = q_gpu = q_cpu = 0
     if manager is not None:
+        q_gpu, q_cpu = manager.quarantined_blocks()
         merged.update(manager.counters.as_dict())
         stored = manager.counters.stored_blocks * bytes_per_block
         loaded = manager.counters.loaded_blocks * bytes_per_block
@@ -125,4 +129,5 @@ def build_stats(config: EngineConfig, state: str, manager: OffloadManager | None
         num_cpu_blocks=cpu.num_blocks if cpu is not None else 0,
         cpu_blocks_cached=cpu.num_hashes if cpu is not None else 0,
         pins_held=pins, jobs_in_flight=jobs, stored_bytes=stored, loaded_bytes=loaded,
+        quarantined_gpu_blocks=q_gpu, quarantined_cpu_blocks=q_cpu,
         counters=merged, ranks=[w.snapshot() for w in watch.values()])

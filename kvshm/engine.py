@@ -85,6 +85,7 @@ class Engine:
         try:
             if mode is SPAWN:
                 assert self._launcher is not None
+                self._core.set_killer(self._launcher.kill)
                 for w in self._launcher.start():
                     loop.add_reader(w.pidfd, self._on_worker_exit, w.rank, w.pidfd)
             self._ticker = loop.call_later(_TICK_S, self._tick)
@@ -269,7 +270,7 @@ class Engine:
         exitcode = None
         if self._launcher is not None:
             exitcode = self._launcher.workers[rank].reap_nowait()
-        self._core.rank_died(rank, exitcode)
+        self._core.rank_died(rank, exitcode, fenced=True)
         self._publish()
 
     def _tick(self) -> None:

@@ -15,6 +15,7 @@ know "did kvshm refuse this" catch that one class::
     |   |   +-- VersionMismatch            PROTOCOL_VERSION differs between the two sides
     |   +-- PeerDied                       the other side is gone (lifeline EOF, pidfd)
     |       +-- WorkerDied                 ... and it was a worker: rank and exit code
+    |   +-- RankRevoked                    (worker side) the scheduler declared this rank dead
     +-- CopyError                          a worker copy failed (becomes Done(ok=False))
     +-- PoolExhausted                      BlockPool.allocate(n) with fewer than n free
 
@@ -83,6 +84,11 @@ class VersionMismatch(ProtocolError):
 
 class PeerDied(TransportError):
     """The other side of a channel is gone (lifeline EOF, pidfd readable)."""
+
+
+class RankRevoked(TransportError):
+    """Worker side: the scheduler declared this rank dead (a hang verdict, a broken ring)
+    and set the revocation word; the rank starts no job and sends no Done any more."""
 
 
 class WorkerDied(PeerDied):

@@ -1,10 +1,16 @@
 """Transfer jobs and their acknowledgements across ranks (scheduler side, sans-IO).
 
 A job is one ``Transfer`` sent to every rank. It *completes* when every rank has acked
-it or been declared dead; it *fails* at its first failed ack (or the death of a rank
-that had not acked). Failing and completing are separate moments: a failed job's
+it or been *fenced*; it *fails* at its first failed ack (or when a rank that had not
+acked is declared dead). Failing and completing are separate moments: a failed job's
 requests learn it at once, but its blocks stay pinned until completion, because
 another rank may still be copying into them.
+
+Declared dead is not fenced. A rank declared dead (hang verdict, broken ring) may still
+be running a queued copy: :meth:`JobTable.revoke_rank` fails its unacked jobs but keeps
+waiting for it, so their blocks stay pinned (*quarantined*). Only
+:meth:`JobTable.fence_rank` -- its process is known to have exited, or its lifeline
+closed after its last copy -- counts it as acked, and the pins go.
 
 Job ids come from one counter shared by stores and loads, starting at 1, strictly
 increasing and never reset (workers and adapters may compare them).
@@ -82,7 +88,8 @@ class JobTable:
             raise ConfigError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
         self.jobs: dict[int, Job] = {}
-        self.dead: set[int] = set()
+        self.revoked: set[int] = set()  # declared dead, not yet fenced
+        self.dead: set[int] = set()  # fenced: nothing of it can touch a block any more
         self._next_id = 1
         self._counters = counters
 
@@ -91,7 +98,7 @@ class JobTable:
 
     def new_job(self, kind: JobKind, step: int, gpu_ids: list[int], cpu_ids: list[int]) -> Job:
         """Register a job waiting for every live rank (there must be one)."""
-        waiting = set(range(self.world_size)) - self.dead
+        waiting = set(range(self.world_size)) - self.dead - self.revoked
         assert waiting, "a job planned with every rank dead"
         job = Job(self._next_id, kind, step, gpu_ids, cpu_ids, waiting)
         self._next_id += 1
@@ -121,12 +128,49 @@ class JobTable:
             del self.jobs[job_id]
         return AckOutcome(job, newly_failed, complete)
 
-    def kill_rank(self, rank: int) -> list[AckOutcome]:
-        """Declare ``rank`` dead: every job it has not acked gets a failed ack from it."""
+    def revoke_rank(self, rank: int) -> list[Job]:
+        """Declare ``rank`` dead: the jobs it has not acked, newly failed (RANK_DIED), are
+        returned; they keep waiting for it (quarantined) until :meth:`fence_rank`."""
+        self._check_rank(rank)
+        if rank in self.dead or rank in self.revoked:
+            return []
+        self.revoked.add(rank)
+        out: list[Job] = []
+        for job in self.jobs.values():
+            if rank in job.waiting:
+                if not job.failed:
+                    job.failed, job.cause = True, LoadFailure.RANK_DIED
+                    self._counters.jobs_failed += 1
+                out.append(job)
+        return out
+
+    def quarantined(self) -> tuple[set[int], set[int]]:
+        """(GPU ids, CPU ids) pinned by jobs that wait for a revoked, unfenced rank."""
+        gpu: set[int] = set()
+        cpu: set[int] = set()
+        if self.revoked:
+            for job in self.jobs.values():
+                if not self.revoked.isdisjoint(job.waiting):
+                    gpu.update(job.gpu_ids)
+                    cpu.update(job.cpu_ids)
+        return gpu, cpu
+
+    def only_quarantined(self) -> bool:
+        """True when every job left waits only for revoked ranks (nothing will move)."""
+        revoked = self.revoked
+        return all(job.waiting <= revoked for job in self.jobs.values())
+
+    def _check_rank(self, rank: int) -> None:
         if not 0 <= rank < self.world_size:
             raise ConfigError(f"rank {rank} out of range for world_size {self.world_size}")
+
+    def fence_rank(self, rank: int) -> list[AckOutcome]:
+        """``rank`` can touch no block any more (revoked or not before): every job it
+        has not acked gets a failed ack from it, so those jobs can complete."""
+        self._check_rank(rank)
         if rank in self.dead:
             return []
+        self.revoked.discard(rank)
         self.dead.add(rank)
         out: list[AckOutcome] = []
         for job in list(self.jobs.values()):

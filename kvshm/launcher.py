@@ -78,6 +78,13 @@ class Launcher:
             self.workers.append(SpawnedWorker(rank, proc, pidfd))
         return self.workers
 
+    def kill(self, rank: int) -> None:
+        """SIGKILL rank ``rank`` (a verdict: it must stop touching blocks now); its pidfd
+        turns readable once it has exited. No-op once it has exited or been stopped."""
+        w = self.workers[rank]
+        if not self._stopped and w.reap_nowait() is None:
+            self._signal(w, signal.SIGKILL)
+
     def dead(self) -> list[SpawnedWorker]:
         """Workers that have exited (reaped), in rank order."""
         return [w for w in self.workers if w.reap_nowait() is not None]

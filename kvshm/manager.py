@@ -102,8 +102,10 @@ class OffloadManager:
         return len(self._jobs)
 
     def has_pending_work(self) -> bool:
-        """Anything queued, in flight or not yet reported: keep stepping."""
-        return bool(self._jobs.jobs or self._load_queue or self._plan.finish_queue
+        """Anything queued, in flight or not yet reported: keep stepping. Jobs that wait
+        only for a revoked, unfenced rank do not count: nothing will move them."""
+        jobs = bool(self._jobs.jobs) and not self._jobs.only_quarantined()
+        return bool(jobs or self._load_queue or self._plan.finish_queue
                     or self._results or self._failed_loads)
 
     def take_load_results(self) -> list[LoadResult]:
@@ -390,18 +392,33 @@ class OffloadManager:
         return not self._jobs.jobs
 
     def rank_failed(self, rank: int) -> None:
-        """``rank`` is dead: its unacked jobs fail (failed results now, pins when the
-        other ranks are done); every job fails; the index is dropped; from now on
-        lookups get 0 and nothing is planned."""
+        """``rank`` was declared dead (it may still be running a copy): every job fails
+        (failed load results now); the index is dropped; from now on lookups get 0 and
+        nothing is planned. The jobs ``rank`` has not acked keep their pins -- those
+        blocks are *quarantined* -- until :meth:`rank_fenced`: a block a rank may still
+        touch is never handed out again."""
         first = not self._failed
         self._failed = True
-        for out in self._jobs.kill_rank(rank):
-            self._apply(out)
+        for job in self._jobs.revoke_rank(rank):
+            self._fail_job(job, LoadFailure.RANK_DIED, count=False)
         if first:
             for job in self._jobs.jobs.values():
                 self._fail_job(job, LoadFailure.RANK_DIED, count=True)
             self._drop_pending(LoadFailure.RANK_DIED, DeclineReason.ENGINE_FAILED)
             self.cpu.drop_all_hashes()
+
+    def rank_fenced(self, rank: int) -> None:
+        """``rank`` can touch no block any more (its process exited, or its lifeline
+        closed after its last copy): the jobs it had not acked count as acked by it, so
+        their pins go once the other ranks are done. Implies :meth:`rank_failed`."""
+        self.rank_failed(rank)
+        for out in self._jobs.fence_rank(rank):
+            self._apply(out)
+
+    def quarantined_blocks(self) -> tuple[int, int]:
+        """(GPU, CPU) blocks pinned only because a revoked rank is not fenced yet."""
+        gpu, cpu = self._jobs.quarantined()
+        return len(gpu), len(cpu)
 
     def _fail_job(self, job: Job, cause: LoadFailure, *, count: bool) -> None:
         """Mark ``job`` failed (``count``: as a failed job; an abandoned one is not)."""

@@ -117,10 +117,14 @@ def _check_marks(m: OffloadManager) -> None:
 
 def _check_jobs(m: OffloadManager) -> None:
     live = set(range(m.world_size)) - m._jobs.dead
+    if m._jobs.revoked & m._jobs.dead:
+        _fail(f"ranks {sorted(m._jobs.revoked & m._jobs.dead)} both revoked and fenced")
     abandoned = 0
     for jid, job in m._jobs.jobs.items():
         if not job.waiting or not job.waiting <= live:
             _fail(f"job {jid} waits for {sorted(job.waiting)}, live ranks {sorted(live)}")
+        if not job.failed and not m._jobs.revoked.isdisjoint(job.waiting):
+            _fail(f"job {jid} waits for a revoked rank but is not failed")
         if len(job.gpu_ids) != len(job.cpu_ids):
             _fail(f"job {jid} pairs {len(job.gpu_ids)} GPU ids with {len(job.cpu_ids)} CPU ids")
         abandoned += job.abandoned

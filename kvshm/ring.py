@@ -8,6 +8,8 @@ One segment holds a control block and two single-producer single-consumer rings:
             no two writers share a cache line or an adjacent-line prefetch pair)
     0       magic "KVSHMRNG" | layout_version | cmd_capacity | done_capacity |
             cmd_data_offset | done_data_offset | start_pos          (written once, by init)
+            | revoked   scheduler writes, at most once: non-zero = this rank was declared
+                        dead; the worker starts no job and publishes no Done after it
     128     cmd.head          scheduler writes    (bytes ever published into cmd)
     256     cmd.tail          worker writes       (bytes ever consumed from cmd)
     384     cmd.parked        worker writes       (park token: != 0 = ring my eventfd)
@@ -71,7 +73,7 @@ from typing import Final
 from kvshm.errors import ConfigError, ProtocolError, UnsupportedPlatform
 
 MAGIC: Final = int.from_bytes(b"KVSHMRNG", "little")
-LAYOUT_VERSION: Final = 1
+LAYOUT_VERSION: Final = 2  # 2: the revocation word (line 0, word 7)
 LINE: Final = 128
 CONTROL_SIZE: Final = 8 * LINE
 RECORD_HEADER: Final = 8
@@ -87,7 +89,8 @@ _U32: Final = 0xFFFFFFFF
 _SUPPORTED_MACHINES: Final = frozenset({"x86_64", "amd64", "x64"})
 
 # u64 word indexes inside the control block.
-_W_MAGIC, _W_VERSION, _W_CMD_CAP, _W_DONE_CAP, _W_CMD_OFF, _W_DONE_OFF, _W_START = range(7)
+(_W_MAGIC, _W_VERSION, _W_CMD_CAP, _W_DONE_CAP, _W_CMD_OFF, _W_DONE_OFF, _W_START,
+ _W_REVOKED) = range(8)
 _L = LINE // 8
 _W_HEARTBEAT, _W_STATE, _W_PROGRESS = 7 * _L, 7 * _L + 1, 7 * _L + 2
 
@@ -113,6 +116,15 @@ class WorkerState(IntEnum):
     PARKED = 2  # idle: spinning or parked, waiting for commands
     STOPPING = 3
     STOPPED = 4
+
+
+class RevokeReason(IntEnum):
+    """The revocation word (control block line 0, word 7); 0 = not revoked."""
+
+    UNKNOWN = 1  # a non-zero value this side does not know
+    HUNG = 2  # jobs outstanding and no completion for hang_timeout_s
+    BROKEN_RING = 3  # an undecodable record or impossible framing from this rank
+    DIED = 4  # its process exited or its lifeline closed (revoked for good measure)
 
 
 def check_platform() -> None:
@@ -468,6 +480,23 @@ class RingPair:
                 offset=32,
             )
         return cls(mv[:size])
+
+    # -- revocation (scheduler writes once, worker reads) ------------------------------
+    def revoke(self, reason: RevokeReason) -> None:
+        """Scheduler: this rank was declared dead. One u64 store, before the scheduler
+        drops its view of the segment; the worker, which keeps its own mapping, reads it
+        before starting each job and before publishing each Done (so a rank that resumes
+        after a hang verdict does no new work). Never cleared: a verdict is final."""
+        self._ctl[_W_REVOKED] = int(reason)
+
+    @property
+    def revoked(self) -> RevokeReason | None:
+        """Why the scheduler revoked this rank, or None (garbage reads as UNKNOWN)."""
+        raw = int(self._ctl[_W_REVOKED])
+        if not raw:
+            return None
+        return RevokeReason(raw) if raw in RevokeReason._value2member_map_ \
+            else RevokeReason.UNKNOWN
 
     # -- heartbeat and worker state (worker writes, scheduler reads) -----------------
     def beat(self) -> int:

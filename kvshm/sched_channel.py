@@ -24,7 +24,7 @@ from kvshm.errors import (
     TransportError,
     WouldBlock,
 )
-from kvshm.ring import RingPair
+from kvshm.ring import RevokeReason, RingPair
 
 __all__ = ["SchedulerChannel"]
 
@@ -189,6 +189,15 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
             self.flush_overflow()
         return msgs
 
+    def take_salvaged(self) -> list[protocol.Done]:
+        """The good Dones kept back when a receive raised ProtocolError (the records
+        around an undecodable one); a caller about to fail the rank applies them first,
+        so no message is dropped because its neighbour was bad."""
+        good, self._pending = self._pending, []
+        if good:
+            self._outstanding = max(0, self._outstanding - len(good))
+        return good
+
     async def receive(self) -> list[protocol.Done]:
         """Wait for at least one Done. Not allowed when attached with an ``on_done``."""
         self._check_open()
@@ -266,6 +275,13 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
                 msgs = self.receive_nowait()
                 break
             except ProtocolError as exc:
+                # the good records around the bad one go out first: a message is never
+                # dropped because its neighbour was bad (the report may close us)
+                good = self.take_salvaged()
+                if good:
+                    self._on_done(good)
+                    if self._closed:  # on_done failed the peer itself: no more callbacks
+                        return False
                 self._report(exc)
                 if self._closed or self._rx.broken is not None:
                     return False
@@ -307,6 +323,16 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
         self._arm_timer()
 
     # -- lifecycle -----------------------------------------------------------------
+    def revoke(self, reason: RevokeReason) -> None:
+        """Declare the rank dead in its control block, then ring its ``cmd`` doorbell so
+        a parked worker wakes and sees it. Call before :meth:`close` (which drops this
+        side's view of the segment); a no-op once closed."""
+        if self._closed:
+            return
+        self.rings.revoke(reason)
+        full_fence()
+        self._tx_bell.ring()
+
     def close(self) -> None:
         """Idempotent; see module doc. Later calls raise ClosedError."""
         if self._closed:

@@ -51,6 +51,7 @@ class RankStats:
     pid: int = 0
     connected: bool = False
     alive: bool = True
+    fenced: bool = False  # declared dead and proven unable to touch a block any more
     embedded: bool = False
     acks: int = 0
     failed_acks: int = 0
@@ -71,6 +72,9 @@ class EngineStats:
     jobs_in_flight: int = 0
     stored_bytes: int = 0
     loaded_bytes: int = 0
+    #: blocks pinned only because a rank declared dead is not fenced yet (see core.py)
+    quarantined_gpu_blocks: int = 0
+    quarantined_cpu_blocks: int = 0
     counters: dict[str, int] = field(default_factory=dict)
     ranks: list[RankStats] = field(default_factory=list)
 
@@ -99,6 +103,8 @@ def to_prometheus(stats: EngineStats) -> bytes:
         "num_cpu_blocks": stats.num_cpu_blocks, "cpu_blocks_cached": stats.cpu_blocks_cached,
         "pins_held": stats.pins_held, "jobs_in_flight": stats.jobs_in_flight,
         "stored_bytes": stats.stored_bytes, "loaded_bytes": stats.loaded_bytes,
+        "quarantined_gpu_blocks": stats.quarantined_gpu_blocks,
+        "quarantined_cpu_blocks": stats.quarantined_cpu_blocks,
     }
     for key, value in plain.items():
         Gauge(f"kvshm_{key}", key.replace("_", " "), labels, registry=reg).labels(

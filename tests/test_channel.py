@@ -500,7 +500,9 @@ def test_sigkill_scheduler_is_noticed_by_a_parked_worker() -> None:
 
 
 async def test_closing_from_inside_the_callbacks_is_safe() -> None:
-    """The engine fails a peer from on_done/on_error: no later callback, no stray error."""
+    """The engine fails a peer from on_done/on_error: no later callback, no stray error.
+    The good Done beside the corrupted one reaches on_done before the error is reported
+    (a message is never dropped because its neighbour was bad)."""
     loop = asyncio.get_running_loop()
     stray: list[dict[str, Any]] = []
     loop.set_exception_handler(lambda _loop, ctx: stray.append(ctx))
@@ -525,7 +527,7 @@ async def test_closing_from_inside_the_callbacks_is_safe() -> None:
         await asyncio.sleep(0.02)
         w.send_nowait(p.Done(3, 0, True))
         await asyncio.sleep(0.02)
-        assert calls == (["error", "done"] if closer == "on_done" else ["error"])
+        assert calls == (["done"] if closer == "on_done" else ["done", "error"])
         assert lk.ch.closed
         w.close()
         lk.close()

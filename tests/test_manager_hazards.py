@@ -385,8 +385,10 @@ def test_reset_with_transfers_in_flight() -> None:
 def test_rank_failure_fails_job_but_keeps_pins_until_all_ranks_done() -> None:
     """Three ranks. R's load fails on rank 0: R learns it at once, but ranks 1 and 2
     may still be copying into its GPU blocks, so the pins stay. Rank 2 is declared dead
-    (its missing ack counts as failed; the index is dropped, lookups get 0, nothing is
-    planned). The pins go only when rank 1 acks. A store in flight is never indexed."""
+    (the job fails; the index is dropped, lookups get 0, nothing is planned). When rank 1
+    acks, the pins still stay: rank 2 is declared dead but not fenced (a hung rank may
+    resume and finish the copy), so its blocks are quarantined. They go when rank 2 is
+    fenced (its process exited). A store in flight is never indexed."""
     rig = Rig(world_size=3)
     r = Req("r", 9)
     rig.seed_cpu(*r.h)                                          # CPU 0, 1
@@ -410,12 +412,19 @@ def test_rank_failure_fails_job_but_keeps_pins_until_all_ranks_done() -> None:
     rig.m.check_invariants()
     assert rig.m.failed and rig.m.counters.jobs_failed == 2
     assert refs(rig.gpu, gr) == [2, 2, 1]                       # rank 1 has not acked the load
-    assert rig.cpu.ref_cnt(2) == 0 and not rig.cpu.is_cached(a.h[0])   # store done, not indexed
+    assert rig.cpu.ref_cnt(2) == 1 and not rig.cpu.is_cached(a.h[0])   # quarantined, not indexed
     assert rig.m.lookup(r.view(), 0) == 0
     assert rig.step(a.sched((), confirmed=4)).store is None
 
     rig.ack(p1.load, ranks=[1])
-    assert refs(rig.cpu, [0, 1]) == [0, 0] and refs(rig.gpu, gr) == [1, 1, 1]
+    # rank 2 was declared dead, not fenced: it may still be writing gr -> quarantined
+    assert refs(rig.cpu, [0, 1]) == [1, 1] and refs(rig.gpu, gr) == [2, 2, 1]
+    assert rig.m.quarantined_blocks() == (3, 3) and not rig.m.has_pending_work()
+    rig.m.rank_fenced(2)                                        # its process is gone
+    rig.m.check_invariants()
+    assert refs(rig.cpu, [0, 1, 2]) == [0, 0, 0] and refs(rig.gpu, gr) == [1, 1, 1]
+    assert not rig.cpu.is_cached(a.h[0])                        # a failed store is not indexed
+    assert rig.m.quarantined_blocks() == (0, 0)
     rig.m.on_done(2, 2, True)                                   # late ack from the dead rank
     assert rig.m.counters.acks_unknown == 1 and rig.m.pins_held() == 0
 

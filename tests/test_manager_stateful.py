@@ -75,6 +75,7 @@ class ManagerMachine(RuleBasedStateMachine):
                                 world_size=ws, mode=StoreMode.LAZY if lazy else StoreMode.EAGER,
                                 lazy_window=4)
         self.ws = ws
+        self.revoked: set[int] = set()
         self.reqs: dict[str, SimReq] = {}
         self.n_req = 0
         self.n_step = 0
@@ -246,7 +247,7 @@ class ManagerMachine(RuleBasedStateMachine):
     # ---- steps and workers -------------------------------------------------------------
 
     @rule(acks=st.sampled_from(["none", "all", "lagging_rank", "one_fails"]),
-          fault=st.sampled_from(["none"] * 12 + ["reset", "kill_rank"]),
+          fault=st.sampled_from(["none"] * 12 + ["reset", "kill_rank", "fence"]),
           rank=st.integers(0, 3))
     def step(self, acks: str, fault: str, rank: int) -> None:
         """One engine step; then the workers ack nothing, everything, everything but the
@@ -258,6 +259,8 @@ class ManagerMachine(RuleBasedStateMachine):
             self._reset()
         elif fault == "kill_rank" and self.n_step >= 6:
             self._kill_rank(rank % self.ws)
+        elif fault == "fence":
+            self._fence_revoked()
         if acks != "none":
             self._ack_pending(lag=acks == "lagging_rank", fail_first=acks == "one_fails")
 
@@ -268,7 +271,7 @@ class ManagerMachine(RuleBasedStateMachine):
     def _ack_pending(self, *, lag: bool = False, fail_first: bool = False) -> None:
         ok = not fail_first
         for job, (_, ranks) in list(self.out.items()):
-            for rank in sorted(ranks)[: -1 if lag else None]:
+            for rank in sorted(ranks - self.revoked)[: -1 if lag else None]:
                 self.m.on_done(job, rank, ok)
                 self._acked(job, rank)
                 ok = True
@@ -331,14 +334,23 @@ class ManagerMachine(RuleBasedStateMachine):
         assert self.m.counters.acks_unknown + self.m.counters.acks_duplicate == before + 1
 
     def _kill_rank(self, rank: int) -> None:
-        if rank in self.m._jobs.dead:
+        """Declared dead, not fenced: its outstanding copies may still run, so the model
+        keeps them under copy (and it acks nothing more) until :meth:`_fence_revoked`."""
+        if rank in self.m._jobs.dead or rank in self.revoked:
             return
         self.m.rank_failed(rank)
-        for job in list(self.out):
-            if rank in self.out[job][1]:
-                self._acked(job, rank)
+        self.revoked.add(rank)
         assert self.m.lookup(RequestView("probe", chain_hashes(BASES[0], BS), 10), 0) == 0
         self.m.finished("probe", 0, [[] for _ in range(self.ng)])
+
+    def _fence_revoked(self) -> None:
+        """Every revoked rank's process is gone: its unacked jobs count as acked."""
+        for rank in sorted(self.revoked):
+            self.m.rank_fenced(rank)
+            for job in list(self.out):
+                if rank in self.out[job][1]:
+                    self._acked(job, rank)
+        self.revoked.clear()
 
     def _reset(self) -> None:
         done = self.m.reset()
@@ -360,6 +372,7 @@ class ManagerMachine(RuleBasedStateMachine):
     # ---- teardown ----------------------------------------------------------------------
 
     def _ack_all(self) -> None:
+        self._fence_revoked()
         for job, (_, ranks) in list(self.out.items()):
             for rank in sorted(ranks):
                 self.m.on_done(job, rank, True)

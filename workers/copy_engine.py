@@ -143,6 +143,11 @@ class CopyEngine(Protocol):
     def stats(self) -> dict[str, int]:
         """Counters: jobs submitted/ok/failed, bytes copied, and every declined outcome."""
 
+    def cancel_queued(self) -> None:
+        """Jobs submitted but not started yet fail ("cancelled"); running copies finish;
+        later submits still run. Never blocks. A revoked worker calls it so that nothing
+        it queued before the verdict starts afterwards."""
+
     def close(self) -> None:
         """Stop: jobs not yet started fail ("engine closed"); idempotent; poll still works."""
 
@@ -203,6 +208,11 @@ class CompletionTracker:
             self._by_seq[seq] = entry
             self.stats.jobs_submitted += 1
             return seq
+
+    def last_seq(self) -> int:
+        """The ticket of the latest ``add`` (-1 before the first)."""
+        with self._lock:
+            return self._next_seq - 1
 
     def finish(self, seq: int, done: Done, *, nbytes: int = 0, pairs: int = 0) -> None:
         """Mark ticket ``seq`` finished with ``done`` (counts it); wakes waiters."""

@@ -148,6 +148,7 @@ class CpuCopyEngine:
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._closing = threading.Event()
+        self._cancel_upto = -1  # items with seq <= this fail instead of starting
         self._closed = False
         self._threads = [threading.Thread(target=self._run, name=f"kvshm-copy-{rank}.{i}",
                                           daemon=True) for i in range(num_threads)]
@@ -170,6 +171,10 @@ class CpuCopyEngine:
             fail = job.job_id in f.fail_job_ids or self._nth == f.fail_nth
         self._nth += 1
         self._queue.put(_Item(seq, job, after, delay, fail))
+
+    def cancel_queued(self) -> None:
+        """Every job submitted so far and not started fails instead (see CopyEngine)."""
+        self._cancel_upto = self._tracker.last_seq()
 
     def poll(self) -> list[Done]:
         """Finished jobs not yet reported, FIFO per direction; never waits.
@@ -238,6 +243,8 @@ class CpuCopyEngine:
             try:
                 if self._closing.is_set():
                     raise CopyError("engine closed before the copy started")
+                if item.seq <= self._cancel_upto:
+                    raise CopyError("cancelled before the copy started (worker revoked)")
                 self._await_fence(item.fence)
                 if item.fail:
                     raise CopyError(f"injected failure of job {job.job_id}")

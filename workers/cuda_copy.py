@@ -319,6 +319,10 @@ class CudaCopyEngine:
         d["batch_fallbacks"] = self._fallbacks
         return d
 
+    def cancel_queued(self) -> None:
+        """Nothing to cancel: a job's copies are on its stream from ``submit`` on, and a
+        stream cannot be emptied; the scheduler's fence covers them (see CopyEngine)."""
+
     def close(self) -> None:
         """Refuse new jobs, wait for this engine's two streams, reap (idempotent).
 

@@ -268,7 +268,8 @@ def _serve(worker: Worker, stopper: _Stopper, connect_timeout: float) -> int:
         return 0
     why = {DetachReason.REFUSED: "the engine refused this rank or closed before Ready",
            DetachReason.SETUP_FAILED: "could not use the engine's resources",
-           DetachReason.PROTOCOL_ERROR: "protocol error"}.get(worker.detach_reason, "detached")
+           DetachReason.PROTOCOL_ERROR: "protocol error",
+           DetachReason.REVOKED: "the engine declared this rank dead"}.get(worker.detach_reason, "detached")
     print(f"{PROG}[rank {worker.rank}]: error: {why}: {worker.last_error}", file=sys.stderr)
     return 1
 

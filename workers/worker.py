@@ -29,6 +29,16 @@ Per engine step: ``begin_step(step, flush_ids)``, ``submit_loads(step, after)``,
   :meth:`poll` (or by :meth:`wait` for the jobs it names).
 * ``Shutdown``: DRAINING; a :meth:`poll` that finds nothing running and nothing queued
   for a begun step fails the jobs of steps never begun, then detaches (SHUTDOWN).
+* Revocation (:meth:`kvshm.ring.RingPair.revoke`): the scheduler declared this rank dead
+  (a hang verdict, a broken ring). The word is read before each job starts and before
+  each batch of Dones is published; once set, the worker starts nothing more (queued
+  jobs and those waiting in the copy engine fail locally), publishes no Done and
+  detaches (REVOKED).
+* The lifeline closes only once no copy this worker submitted is still running: the
+  scheduler takes a standalone rank's EOF as proof that nothing of it can still write,
+  and only then hands that rank's blocks out again. A detached worker with copies
+  running keeps the socket open until they finish (:meth:`poll` / :meth:`service` /
+  :meth:`close`).
 * Lifeline EOF or a ``ProtocolError``: every queued job fails locally
   (``Done(ok=False)`` returned by :meth:`poll`; the scheduler is gone or broken, so
   nothing more goes over the ring), the link is closed, copies already running still
@@ -47,7 +57,14 @@ from typing import Any, Final
 
 import torch
 
-from kvshm.errors import ConfigError, KvshmError, PeerDied, ProtocolError, TransportError
+from kvshm.errors import (
+    ConfigError,
+    KvshmError,
+    PeerDied,
+    ProtocolError,
+    RankRevoked,
+    TransportError,
+)
 from kvshm.fdpass import socket_address
 from kvshm.layout import KVLayout
 from kvshm.protocol import Direction, Done, Flush, Shutdown, Transfer, unpack_ids
@@ -82,6 +99,7 @@ class DetachReason(Enum):
     REFUSED = "refused"  # the scheduler closed the connection before Ready
     SETUP_FAILED = "setup_failed"  # a bad Ready: version, layout, fds, segments
     PROTOCOL_ERROR = "protocol_error"  # an undecodable record or message after Ready
+    REVOKED = "revoked"  # the scheduler declared this rank dead (hang, broken ring)
     CLOSED = "closed"  # close() was called first
 
 
@@ -176,6 +194,7 @@ class Worker:
             self._pump()
         elif self._phase is Phase.DETACHED and self._session is not None:
             self._collect()
+            self._close_lifeline_when_idle()
 
     def begin_step(self, step: int, flush_ids: Iterable[int] = ()) -> None:
         """Step ``step`` begins; its Flush'ed jobs (ring and ``flush_ids``) finish first."""
@@ -287,6 +306,8 @@ class Worker:
         session, client = self._session, self._client
         assert session is not None and session.channel is not None and client is not None
         chan = session.channel
+        if self._check_revoked():
+            return
         try:
             chan.beat()
             alive = client.check_alive()
@@ -347,7 +368,7 @@ class Worker:
 
     def _send(self) -> None:
         chan = self._session.channel if self._session is not None else None
-        if not self._outbox or chan is None:
+        if not self._outbox or chan is None or self._check_revoked():
             return
         try:
             sent = chan.send_available(self._outbox)
@@ -374,6 +395,11 @@ class Worker:
 
     def _run(self, t: Transfer, after: Fence | None) -> None:
         assert self._session is not None
+        if self._phase not in _LINKED or self._check_revoked():
+            self._counts["jobs_refused_revoked"] += 1
+            self._finished([Done(t.job_id, self.rank, False,
+                                 f"CopyError: rank {self.rank} revoked")], local=True)
+            return
         try:
             job = CopyJob.from_transfer(t)
         except ProtocolError as exc:
@@ -416,8 +442,29 @@ class Worker:
             self._counts["jobs_failed_unrun"] += len(failed)
             self._finished(failed, local=True)
 
+    def _check_revoked(self) -> bool:
+        """Read the revocation word; if set, detach (REVOKED) and return True."""
+        chan = self._session.channel if self._session is not None else None
+        why = chan.rings.revoked if chan is not None else None
+        if why is None:
+            return self._phase is Phase.DETACHED \
+                and self.detach_reason is DetachReason.REVOKED
+        self._counts["revocations_seen"] += 1
+        assert self._session is not None
+        self._session.engine.cancel_queued()
+        self._detach(DetachReason.REVOKED, RankRevoked(
+            f"kvshm scheduler {self.name!r} declared rank {self.rank} dead "
+            f"({why.name.lower()}); this rank does no more work for it"))
+        return True
+
+    def _close_lifeline_when_idle(self) -> None:
+        """Close the rendezvous socket once detached and no copy runs (see module doc)."""
+        if self._client is not None and not self._inflight:
+            self._client.close()
+
     def _detach(self, reason: DetachReason, error: KvshmError | None) -> None:
-        """Leave the link for good: fail what never ran, close the channel and socket."""
+        """Leave the link for good: fail what never ran, close the channel; the socket
+        closes now, or once the copies still running have finished."""
         if self._phase in (Phase.DETACHED, Phase.CLOSED):
             return
         self.detach_reason, self.last_error = reason, error
@@ -429,5 +476,5 @@ class Worker:
                           else f"detached ({reason.value})")
         if self._session is not None:
             self._session.close_link()
-        if self._client is not None:
-            self._client.close()
+            self._collect()
+        self._close_lifeline_when_idle()
