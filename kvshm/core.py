@@ -34,8 +34,8 @@ Rules kept here:
   their pins stay (quarantined, ``quarantined_*_blocks`` in the statistics) until a
   proof that nothing of the rank runs any more: its process exited (spawned ranks are
   SIGKILLed at the verdict and watched by pidfd) or a standalone rank's lifeline
-  closed. An embedded rank lives in its host's process, so its quarantine lasts for
-  the engine's life (:meth:`rank_died`).
+  closed. An embedded rank lives in its host's process, so its quarantine lasts until
+  that process exits -- for a live host, the engine's life (:meth:`rank_died`).
 """
 
 from __future__ import annotations
@@ -180,6 +180,8 @@ class EngineCore:
             self._prov.close()
         if self._server is not None:
             self._server.close()
+        for watch in self._watch.values():
+            watch.close()
         self._state = EngineState.CLOSED
         if self._started is not None:
             self._started.set()
@@ -220,9 +222,10 @@ class EngineCore:
             elif ev.kind is EventKind.READY_FAILED:
                 self._start_failed(ev.error or ConfigError(ev.reason))
             elif ev.kind is EventKind.RANK_LOST:
-                standalone = not self._watch[ev.rank].embedded
+                watch = self._watch[ev.rank]
+                proof = not watch.embedded or watch.process_exited()
                 self.rank_died(ev.rank, None, why=f"lifeline EOF ({ev.reason})",
-                               fenced=standalone, notify=False)
+                               fenced=proof, notify=False)
             else:
                 self.counters.refused += 1
         if notify:
@@ -347,8 +350,9 @@ class EngineCore:
         pinned (quarantined) until it is *fenced* -- ``fenced=True``: its process exited
         (pidfd), or a standalone rank's lifeline closed (its worker closes it only after
         its last copy). A spawned rank is SIGKILLed at the verdict, so its fence follows
-        in milliseconds; an embedded rank is never fenced by EOF (its host process lives
-        on), so its quarantine lasts for the engine's life.
+        in milliseconds. An embedded rank's EOF proves nothing (its host process may live
+        on): it is fenced only once that process is seen to exit (a pidfd opened at its
+        Hello, checked at EOF and by :meth:`tick`); until then its quarantine lasts.
         """
         if self._state in (EngineState.CLOSING, EngineState.CLOSED):
             return
@@ -382,7 +386,10 @@ class EngineCore:
             self._state = EngineState.FAILED
 
     def tick(self, now: float) -> None:
-        """Hang check; call a few times a second (the engine's timer, or every pump)."""
+        """Hang check, and the fence of quarantined ranks whose process has exited since;
+        call a few times a second (the engine's timer, or every pump)."""
+        if self._state is EngineState.FAILED:
+            self._fence_exited()
         if self._state is not EngineState.READY:
             return
         for rank, watch in self._watch.items():
@@ -391,6 +398,11 @@ class EngineCore:
                 self.rank_died(rank, None, why=f"hung: no job completed for "
                                f"{self.config.hang_timeout_s}s with jobs pending",
                                revoke=RevokeReason.HUNG, notify=False)
+
+    def _fence_exited(self) -> None:
+        for rank, watch in self._watch.items():
+            if not watch.alive and not watch.fenced and watch.process_exited():
+                self.rank_died(rank, None, fenced=True, notify=False)
 
     # -- scheduler calls ---------------------------------------------------------------
     def lookup(self, req: RequestView, num_local_tokens: int) -> int | None:

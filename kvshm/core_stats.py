@@ -10,6 +10,8 @@ that is not a hang.
 
 from __future__ import annotations
 
+import os
+import select
 from dataclasses import asdict, dataclass
 
 from kvshm.config import EngineConfig
@@ -54,11 +56,32 @@ class RankWatch:
         self._stall_s = 0.0
         self._last_look: float | None = None
         self._last_beat = -1
+        self._pidfd: int | None = None
 
     def hello(self, pid: int, hello: Hello | None) -> None:
-        """The rank said Hello (an embedded worker brings its layout)."""
+        """The rank said Hello (an embedded worker brings its layout). Its process is
+        watched through a pidfd from here on (opened while its connection is open, so
+        the pid cannot have been reused yet): the proof that fences it if it exits."""
         self.pid = pid
         self.embedded = hello is not None and hello.layout is not None
+        if pid > 0 and self._pidfd is None:
+            try:
+                self._pidfd = os.pidfd_open(pid)
+            except OSError:  # another pid namespace, or gone already: no proof from it
+                self._pidfd = None
+
+    def process_exited(self) -> bool:
+        """True once the rank's process is known to have exited (its pidfd is readable)."""
+        if self._pidfd is None:
+            return False
+        ready, _, _ = select.select([self._pidfd], [], [], 0)
+        return bool(ready)
+
+    def close(self) -> None:
+        """Release the pidfd (idempotent)."""
+        if self._pidfd is not None:
+            os.close(self._pidfd)
+            self._pidfd = None
 
     def ready(self, chan: SchedulerChannel) -> None:
         """The rank got Ready; ``chan`` is its channel."""

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import Sequence
 
 import torch
@@ -19,6 +20,8 @@ from kvshm.types import (
     StepInput,
     StepPlan,
 )
+from workers.copy_engine import CpuFence
+from workers.worker import Worker
 
 BS = 4  # tokens per block
 ROW = 1024  # bytes of one block in one shard
@@ -99,3 +102,40 @@ class Client:
 
     async def loaded(self, req_id: str) -> LoadResult:
         return await asyncio.wait_for(self.eng.wait_loaded(req_id), 20.0)
+
+
+class EmbeddedRanks:
+    """Two embedded Workers in this process, driven from the loop like a host engine
+    that calls them every 2 ms. ``stall``: rank 1's loads wait for a fence the test
+    sets (a copy stuck in the engine while the host keeps calling: a real hang)."""
+
+    def __init__(self, name: str, ks: list[torch.Tensor]) -> None:
+        self.workers = [Worker.attach(name, r, 2, [k]) for r, k in enumerate(ks)]
+        self.stall: CpuFence | None = None
+        self.paused = False
+        self._task: asyncio.Task[None] | None = None
+
+    async def _drive(self) -> None:
+        while True:
+            if self.paused:
+                await asyncio.sleep(0.002)
+                continue
+            for w in self.workers:
+                for step in w.queued_steps():
+                    w.begin_step(step)
+                    fence = self.stall if w.rank == 1 else None
+                    w.submit_loads(step, after=fence)
+                    w.submit_stores(step)
+                w.poll()
+            await asyncio.sleep(0.002)
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._drive())
+
+    async def stop(self) -> None:
+        assert self._task is not None
+        self._task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await self._task
+        for w in self.workers:
+            w.close()

@@ -246,6 +246,8 @@ class CpuCopyEngine:
                 if item.seq <= self._cancel_upto:
                     raise CopyError("cancelled before the copy started (worker revoked)")
                 self._await_fence(item.fence)
+                if item.seq <= self._cancel_upto:  # revoked while it waited for its fence
+                    raise CopyError("cancelled before the copy started (worker revoked)")
                 if item.fail:
                     raise CopyError(f"injected failure of job {job.job_id}")
                 nbytes = self._copy(job)

@@ -1,0 +1,306 @@
+"""Hazard: a rank declared dead (hang verdict, broken ring) resumes and finishes a queued
+copy. Rule: a block that any rank may still touch is never handed out again until that
+rank is fenced (process reaped, standalone lifeline EOF) or, for a rank that cannot be
+proven gone, stays quarantined for the engine's life; the worker checks a revocation
+word before each job and each Done.
+
+Every scenario is the same story, over real processes and real shared memory, tp=2,
+``hang_timeout_s=1``: request a's 6 blocks are stored; rank 1 is made to hang with b's
+load still to run on it; after the verdict b's load has failed and b finishes (its GPU
+blocks freed by the engine); request c then takes EVERY free GPU block and writes its
+own bytes; rank 1 resumes; c's bytes on every rank must be unchanged. Before the fix the
+resumed rank 1 finished b's load into blocks c now owned (15 of 16 in the original
+report).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+import torch
+from engine_rig import BS, GPU_BLOCKS, ROW, Client, EmbeddedRanks, config, shards, tokens
+
+from kvshm.engine import ATTACH, SPAWN, Engine, EngineState
+from kvshm.pool import BlockPool
+from kvshm.types import LoadFailure, StepInput
+from workers.copy_engine import CpuFence
+from workers.worker import DetachReason, Worker
+
+HANG_S = 1.0
+A_BLOCKS = 6
+
+
+async def _until(pred: Callable[[], bool], what: str, timeout: float = 15.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not pred():
+        assert loop.time() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+def _fill_c(gpu: BlockPool, ks: list[torch.Tensor]) -> tuple[list[int], list[torch.Tensor]]:
+    """Request c takes every free GPU block and writes 0xC7 into it on every rank."""
+    table_c = gpu.allocate(gpu.num_free)
+    for k in ks:
+        k[table_c] = 0xC7
+    return table_c, [k[table_c].clone() for k in ks]
+
+
+async def _hang_story(eng: Engine, gpu: BlockPool, ks: list[torch.Tensor],
+                      hang: Callable[[], None], *, fenced_first: bool = False,
+                      ) -> tuple[Client, list[int], list[int], list[torch.Tensor]]:
+    """Store a; hang rank 1; load b (fails at the verdict); finish b; (``fenced_first``:
+    wait for rank 1's fence); c takes every free block."""
+    c = Client(eng, gpu)
+    toks = tokens(A_BLOCKS * BS + 1, seed=11)
+    await c.store_only("a", toks)
+    hang()
+    hit, table_b, plan = c.load("b", toks)
+    assert hit == A_BLOCKS * BS and plan.load is not None
+    res = await asyncio.wait_for(eng.wait_loaded("b"), 10 * HANG_S)
+    assert not res.ok and res.cause is LoadFailure.RANK_DIED
+    assert eng.state is EngineState.FAILED
+    c.finish("b", table_b, 0)  # b recomputes elsewhere and leaves: the engine frees its ids
+    if fenced_first:
+        await _until(lambda: eng.statistics().ranks[1].fenced, "rank 1's fence")
+    table_c, want = _fill_c(gpu, ks)
+    return c, table_b, table_c, want
+
+
+async def test_rank_declared_dead_resumes_spawn_is_killed_before_its_blocks_go() -> None:
+    """SPAWN: rank 1 is SIGSTOPped; the verdict SIGKILLs it and its pidfd fences it, so
+    b's blocks may go back to the pool (c may take them): the process that could have
+    written them is gone. SIGCONT finds nothing to resume; c's bytes stay."""
+    ks, gpu = shards(), BlockPool(GPU_BLOCKS)
+    eng = await Engine.launch(config(hang_timeout_s=HANG_S), workers=SPAWN, gpu_blocks=gpu,
+                              device_caches=[[k] for k in ks])
+    try:
+        assert eng._launcher is not None
+        victim = eng._launcher.workers[1].proc
+        # the fence comes with the pidfd, right after the verdict: once it is in, b's
+        # pins are gone and c gets every block, b's included
+        c, table_b, table_c, want = await _hang_story(
+            eng, gpu, ks, lambda: os.kill(victim.pid, signal.SIGSTOP), fenced_first=True)
+        st = eng.statistics()
+        assert st.ranks[1].fenced and not st.ranks[1].alive
+        assert st.quarantined_gpu_blocks == 0 and st.quarantined_cpu_blocks == 0
+        assert set(table_b) <= set(table_c)
+        assert victim.wait(5) == -signal.SIGKILL  # killed, not resumed
+        await asyncio.sleep(0.3)
+        for k, w in zip(ks, want):
+            assert torch.equal(k[table_c], w)
+        c.finish("c", table_c, 0)
+        assert eng.statistics().pins_held == 0
+    finally:
+        await eng.aclose()
+
+
+async def test_rank_declared_dead_resumes_standalone_blocks_quarantined_until_eof() -> None:
+    """ATTACH with ``kvshm-workers``: kvshm may not signal a process it did not start, so
+    after the verdict b's 6 GPU blocks (and the 6 CPU rows) stay pinned -- quarantined --
+    and c cannot get them. SIGCONT: rank 1 reads the revocation word before starting b's
+    load, starts nothing, exits 1; its lifeline EOF fences it and the quarantine ends."""
+    ks, gpu = shards(), BlockPool(GPU_BLOCKS)
+    launch = Engine.launch(config(hang_timeout_s=HANG_S), workers=ATTACH, gpu_blocks=gpu,
+                           device_caches=[[k] for k in ks])
+    name = launch._args[1].name
+    proc = subprocess.Popen([sys.executable, "-m", "workers", "--name", name, "--tp", "2"],
+                            stderr=subprocess.PIPE, text=True)
+    eng = await launch
+    try:
+        rank1 = eng.statistics().ranks[1].pid
+        c, table_b, table_c, want = await _hang_story(
+            eng, gpu, ks, lambda: os.kill(rank1, signal.SIGSTOP))
+        st = eng.statistics()
+        assert not st.ranks[1].alive and not st.ranks[1].fenced
+        assert st.quarantined_gpu_blocks == A_BLOCKS and st.quarantined_cpu_blocks == A_BLOCKS
+        assert set(table_c).isdisjoint(table_b)
+        assert [gpu.ref_cnt(b) for b in table_b] == [1] * A_BLOCKS  # the load job's pins
+        b_rows = [k[table_b].clone() for k in ks]
+        os.kill(rank1, signal.SIGCONT)
+        await _until(lambda: eng.statistics().ranks[1].fenced, "rank 1's lifeline EOF")
+        assert eng.statistics().quarantined_gpu_blocks == 0
+        assert [gpu.ref_cnt(b) for b in table_b] == [0] * A_BLOCKS
+        for k, w in zip(ks, want):
+            assert torch.equal(k[table_c], w)
+        for k, rows in zip(ks, b_rows):  # revoked before it started: b untouched too
+            assert torch.equal(k[table_b], rows)
+        c.finish("c", table_c, 0)
+        assert eng.statistics().pins_held == 0
+    finally:
+        await eng.aclose()
+        _, err = proc.communicate(timeout=20)
+    assert proc.returncode == 1
+    assert "the engine declared this rank dead" in err
+
+
+@pytest.fixture
+async def embedded() -> AsyncIterator[tuple[Engine, BlockPool, list[torch.Tensor],
+                                            EmbeddedRanks]]:
+    ks = [torch.randint(0, 256, (GPU_BLOCKS, ROW), dtype=torch.uint8) for _ in range(2)]
+    gpu = BlockPool(GPU_BLOCKS)
+    launch = Engine.launch(config(hang_timeout_s=HANG_S), workers=ATTACH, gpu_blocks=gpu)
+    ranks = EmbeddedRanks(launch._args[1].name, ks)
+    ranks.start()
+    eng = await launch
+    try:
+        yield eng, gpu, ks, ranks
+    finally:
+        await eng.aclose()
+        await ranks.stop()
+
+
+async def test_rank_declared_dead_resumes_embedded_blocks_quarantined_for_life(
+        embedded: tuple[Engine, BlockPool, list[torch.Tensor], EmbeddedRanks]) -> None:
+    """Embedded: rank 1's copy of b's load is stuck while its host keeps calling it (the
+    heartbeat advances, nothing completes): verdict after 1 s. kvshm cannot prove an
+    embedded rank gone (its host process lives), so b's blocks stay quarantined for the
+    engine's life: c never gets them. The copy's fence is then released (the rank
+    "resumes"): the revoked worker cancels it instead of copying; c's bytes stay."""
+    eng, gpu, ks, ranks = embedded
+    fence = CpuFence()
+    c, table_b, table_c, want = await _hang_story(
+        eng, gpu, ks, lambda: setattr(ranks, "stall", fence))
+    st = eng.statistics()
+    assert not st.ranks[1].alive and not st.ranks[1].fenced
+    assert st.quarantined_gpu_blocks == A_BLOCKS
+    assert set(table_c).isdisjoint(table_b)
+    b_rows = ks[1][table_b].clone()
+    fence.set()
+    await _until(lambda: ranks.workers[1].detach_reason is DetachReason.REVOKED,
+                 "rank 1 to see the revocation")
+    await asyncio.sleep(0.3)
+    for k, w in zip(ks, want):
+        assert torch.equal(k[table_c], w)
+    assert torch.equal(ks[1][table_b], b_rows)
+    assert ranks.workers[1].statistics()["counters"]["revocations_seen"] == 1
+    c.finish("c", table_c, 0)
+    for _ in range(5):  # still quarantined: nothing proves the host will not copy again
+        eng.step(StepInput(99, []))
+        await asyncio.sleep(0.05)
+    st = eng.statistics()
+    assert st.quarantined_gpu_blocks == A_BLOCKS
+    assert [gpu.ref_cnt(b) for b in table_b] == [1] * A_BLOCKS
+    assert not eng.has_pending_work()  # quarantined jobs keep nobody stepping
+
+
+# ---- a rank killed with a job outstanding, in each mode -----------------------------------
+
+
+def _host_embedded_rank1(name: str, k: torch.Tensor, held: str) -> None:
+    """Child process (forked): an embedded rank 1 whose host engine never submits its
+    ``held`` jobs ("load" or "store": they stay queued) until it is SIGKILLed."""
+    import time
+
+    w = Worker.attach(name, 1, 2, [k])
+    while True:
+        for step in w.queued_steps():
+            w.begin_step(step)
+            if held != "load":
+                w.submit_loads(step)
+            if held != "store":
+                w.submit_stores(step)
+        w.poll()
+        time.sleep(0.002)
+
+
+async def _kill_story(eng: Engine, gpu: BlockPool, ks: list[torch.Tensor],
+                      direction: str, stop: Callable[[], None],
+                      kill: Callable[[], None]) -> None:
+    """A job of ``direction`` is outstanding on rank 1 when it is killed: the job fails
+    (a load: recompute), nothing hangs, the rank is fenced by its exit, and once every
+    request has finished no pin and no quarantined block is left."""
+    c = Client(eng, gpu)
+    toks = tokens(A_BLOCKS * BS + 1, seed=13)
+    if direction == "load":
+        await c.store_only("a", toks)
+        stop()
+        hit, table, plan = c.load("b", toks)
+        assert plan.load is not None
+    else:
+        stop()
+        table, plan = c.compute("b", toks)
+        assert plan.store is not None
+    kill()
+    await _until(lambda: eng.statistics().ranks[1].fenced, "rank 1's fence")
+    if direction == "load":
+        res = await asyncio.wait_for(eng.wait_loaded("b"), 5.0)
+        assert not res.ok and res.cause is LoadFailure.RANK_DIED
+    c.finish("b", table, 0)
+    st = eng.statistics()
+    assert st.state == "failed" and st.quarantined_gpu_blocks == 0 and st.pins_held == 0
+    assert gpu.num_pinned == 0
+
+
+@pytest.mark.parametrize("direction", ["load", "store"])
+async def test_rank_killed_mid_job_spawn(direction: str) -> None:
+    ks, gpu = shards(), BlockPool(GPU_BLOCKS)
+    eng = await Engine.launch(config(), workers=SPAWN, gpu_blocks=gpu,
+                              device_caches=[[k] for k in ks])
+    try:
+        assert eng._launcher is not None
+        pid = eng._launcher.workers[1].pid
+        await _kill_story(eng, gpu, ks, direction, lambda: os.kill(pid, signal.SIGSTOP),
+                          lambda: os.kill(pid, signal.SIGKILL))
+    finally:
+        await eng.aclose()
+
+
+@pytest.mark.parametrize("direction", ["load", "store"])
+async def test_rank_killed_mid_job_standalone(direction: str) -> None:
+    ks, gpu = shards(), BlockPool(GPU_BLOCKS)
+    launch = Engine.launch(config(), workers=ATTACH, gpu_blocks=gpu,
+                           device_caches=[[k] for k in ks])
+    proc = subprocess.Popen([sys.executable, "-m", "workers", "--name", launch._args[1].name,
+                             "--tp", "2"], stderr=subprocess.DEVNULL)
+    eng = await launch
+    try:
+        pid = eng.statistics().ranks[1].pid
+        await _kill_story(eng, gpu, ks, direction, lambda: os.kill(pid, signal.SIGSTOP),
+                          lambda: os.kill(pid, signal.SIGKILL))
+    finally:
+        await eng.aclose()
+        proc.wait(20)
+
+
+@pytest.mark.parametrize("direction", ["load", "store"])
+async def test_rank_killed_mid_job_embedded_host_process_exits(direction: str) -> None:
+    """Embedded rank 1 lives in a forked host process that never submits its jobs; the
+    host is SIGKILLed. Its EOF alone would prove nothing, but the pidfd kvshm opened at
+    its Hello shows the process exited: fenced, so nothing stays quarantined."""
+    import multiprocessing
+
+    ks = [shards(1)[0], shards(1)[0]]
+    gpu = BlockPool(GPU_BLOCKS)
+    launch = Engine.launch(config(), workers=ATTACH, gpu_blocks=gpu)
+    name = launch._args[1].name
+    child = multiprocessing.get_context("fork").Process(
+        target=_host_embedded_rank1, args=(name, ks[1], direction), daemon=True)
+    child.start()
+    rank0 = Worker.attach(name, 0, 2, [ks[0]])
+
+    async def drive0() -> None:
+        while True:
+            for step in rank0.queued_steps():
+                rank0.begin_step(step)
+                rank0.submit_loads(step)
+                rank0.submit_stores(step)
+            rank0.poll()
+            await asyncio.sleep(0.002)
+
+    task = asyncio.get_running_loop().create_task(drive0())
+    eng = await launch
+    try:
+        await _kill_story(eng, gpu, ks, direction, lambda: None,
+                          lambda: os.kill(child.pid or 0, signal.SIGKILL))
+    finally:
+        await eng.aclose()
+        task.cancel()
+        rank0.close()
+        child.join(10)
