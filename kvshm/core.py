@@ -58,7 +58,7 @@ from kvshm.errors import ConfigError, StateError, TransportError, WorkerDied
 from kvshm.manager import OffloadManager
 from kvshm.pool import BlockPool
 from kvshm.protocol import Direction, Hello
-from kvshm.provision import Provisioned, provision
+from kvshm.provision import Provisioned, check_block_counts, device_layout, provision
 from kvshm.rendezvous import EventKind, RendezvousEvent, RendezvousServer
 from kvshm.ring import RevokeReason
 from kvshm.sched_channel import SchedulerChannel
@@ -68,6 +68,35 @@ from kvshm.types import GpuBlocks, LoadResult, RequestView, StepInput, StepPlan
 __all__ = ["EngineCore", "EngineState"]
 
 _log = logging.getLogger("kvshm.core")
+
+
+def _ranges(ranks: Sequence[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
+    out: list[str] = []
+    i = 0
+    while i < len(ranks):
+        j = i
+        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
+            j += 1
+        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
+        i = j + 1
+    return ", ".join(out)
+
+
+def _pool_size(gpu: GpuBlocks) -> int | None:
+    """The GPU pool's block count where the pool tells it (kvshm's BlockPool does)."""
+    n = getattr(gpu, "num_blocks", None)
+    return n if isinstance(n, int) else None
+
+
+def _check_caches(caches: Sequence[Sequence[torch.Tensor]], world_size: int,
+                  num_gpu_blocks: int | None) -> None:
+    """Refuse bad ``device_caches`` before anything is spawned (ConfigError)."""
+    if len(caches) != world_size:
+        raise ConfigError(f"device_caches has {len(caches)} entries, "
+                          f"world_size is {world_size}")
+    layouts = {r: device_layout(ts) for r, ts in enumerate(caches) if ts}
+    check_block_counts(layouts, num_gpu_blocks)
 
 
 class EngineState(Enum):
@@ -90,9 +119,8 @@ class EngineCore:
     def __init__(self, config: EngineConfig, *, gpu_blocks: GpuBlocks,
                  device_caches: Sequence[Sequence[torch.Tensor]] | None = None,
                  spawned: bool = False) -> None:
-        if device_caches is not None and len(device_caches) != config.world_size:
-            raise ConfigError(f"device_caches has {len(device_caches)} entries, "
-                              f"world_size is {config.world_size}")
+        if device_caches is not None:
+            _check_caches(device_caches, config.world_size, _pool_size(gpu_blocks))
         self.config = config
         self._gpu = gpu_blocks
         self._caches = device_caches
@@ -153,6 +181,18 @@ class EngineCore:
         """Until READY or a start failure (attached mode)."""
         assert self._started is not None, "wait_started needs attach_loop"
         await self._started.wait()
+
+    def start_timeout_error(self, timeout_s: float) -> TimeoutError:
+        """What a start that ran out of time says: which ranks said Hello, which never
+        did (listed compactly), and what to run for them."""
+        said = set(self._server.hellos()) if self._server is not None else set()
+        ws = self.config.world_size
+        missing = [r for r in range(ws) if r not in said]
+        return TimeoutError(
+            f"kvshm engine {self.config.name!r}: {len(said)} of {ws} ranks said Hello "
+            f"within {timeout_s:g}s; never heard from rank(s) {_ranges(missing)}. "
+            f"Standalone workers: kvshm-workers --name {self.config.name} --world-size {ws}"
+            "; embedded ones attach from the serving engine's worker processes.")
 
     def raise_if_start_failed(self) -> None:
         """Re-raise what stopped the start (make_ready error, a rank lost while starting)."""
@@ -241,7 +281,8 @@ class EngineCore:
         self._prov = provision(hellos, world_size=cfg.world_size, device_caches=self._caches,
                                num_cpu_blocks=cfg.num_cpu_blocks,
                                cpu_bytes_per_rank=cfg.cpu_bytes_per_rank,
-                               capacity=cfg.ring_capacity)
+                               capacity=cfg.ring_capacity,
+                               num_gpu_blocks=_pool_size(self._gpu))
         return self._prov.ready_plan()
 
     def _all_ready(self) -> None:

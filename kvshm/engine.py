@@ -89,8 +89,11 @@ class Engine:
                 for w in self._launcher.start():
                     loop.add_reader(w.pidfd, self._on_worker_exit, w.rank, w.pidfd)
             self._ticker = loop.call_later(_TICK_S, self._tick)
-            await asyncio.wait_for(self._core.wait_started(),
-                                   self._core.config.connect_timeout_s)
+            timeout = self._core.config.connect_timeout_s
+            try:
+                await asyncio.wait_for(self._core.wait_started(), timeout)
+            except TimeoutError:
+                raise self._core.start_timeout_error(timeout) from None
             self._core.raise_if_start_failed()
         except BaseException:
             await self.aclose()

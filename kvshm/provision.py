@@ -144,6 +144,27 @@ def _rank_layouts(hellos: Mapping[int, Hello],
     return layouts
 
 
+def check_block_counts(layouts: Mapping[int, LayoutSpec], num_gpu_blocks: int | None) -> None:
+    """Every region of every rank must have at least the GPU pool's block count, and
+    every rank the same count: a job names one GPU block id for all ranks, so a row
+    missing on one rank would fail every job that touches it -- refuse at launch.
+    ConfigError naming the rank, the region and both counts."""
+    first: tuple[int, int] | None = None
+    for rank, spec in sorted(layouts.items()):
+        for i, region in enumerate(spec.regions):
+            if num_gpu_blocks is not None and region.num_blocks < num_gpu_blocks:
+                raise ConfigError(f"rank {rank} region {i}: device cache has "
+                                  f"{region.num_blocks} blocks, but the GPU pool has "
+                                  f"{num_gpu_blocks} (every block id must exist on "
+                                  "every rank)")
+            if first is None:
+                first = (rank, region.num_blocks)
+            elif region.num_blocks != first[1]:
+                raise ConfigError(f"rank {rank} region {i}: {region.num_blocks} device "
+                                  f"blocks, rank {first[0]} has {first[1]} (every rank "
+                                  "must have the same block count)")
+
+
 def _tensor_specs(tensors: Sequence[torch.Tensor]) -> tuple[tuple[TensorSpec, ...], list[int]]:
     specs, fds = [], []
     for t in tensors:
@@ -170,11 +191,12 @@ def ring_capacity(configured: int | None, num_gpu_blocks: int) -> int:
 def provision(hellos: Mapping[int, Hello], *, world_size: int,
               device_caches: Sequence[Sequence[torch.Tensor]] | None,
               num_cpu_blocks: int | None, cpu_bytes_per_rank: int | None,
-              capacity: int | None = None) -> Provisioned:
+              capacity: int | None = None, num_gpu_blocks: int | None = None) -> Provisioned:
     """Create every rank's resources (all or nothing: on error nothing is left open).
 
     ``capacity``: the configured ring capacity (checked against the largest rank's
-    block count), or None for the default.
+    block count), or None for the default. ``num_gpu_blocks``: the engine's GPU pool
+    size, checked against every rank's device blocks (:func:`check_block_counts`).
     """
     if sorted(hellos) != list(range(world_size)):
         raise ConfigError(f"expected ranks 0..{world_size - 1}, got {sorted(hellos)}")
@@ -182,6 +204,7 @@ def provision(hellos: Mapping[int, Hello], *, world_size: int,
         raise ConfigError(f"device_caches has {len(device_caches)} entries for "
                           f"{world_size} ranks")
     layouts = _rank_layouts(hellos, device_caches)
+    check_block_counts(layouts, num_gpu_blocks)
     capacity = ring_capacity(capacity, max(s.num_blocks for s in layouts.values()))
     seg_bytes = segment_size(capacity, capacity)
     budget = available_shm_bytes() - world_size * seg_bytes
