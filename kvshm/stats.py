@@ -15,7 +15,7 @@ from typing import Any
 class LatencyWindow:
     """The last ``size`` latencies of one rank, for p50 / p99 / max without unbounded growth."""
 
-    def __init__(self, size: int = 1024) -> None:
+    def __init__(self, size: int = 4096) -> None:
         self._size = size
         self._ring: list[float] = []
         self._next = 0
@@ -31,15 +31,15 @@ class LatencyWindow:
             self._next = (self._next + 1) % self._size
 
     def summary_us(self) -> dict[str, float]:
-        """p50, p99 and max of the window, in microseconds (zeros when empty)."""
+        """p50, p99, p99.9 and max of the window, in microseconds (zeros when empty)."""
         if not self._ring:
-            return {"p50": 0.0, "p99": 0.0, "max": 0.0, "count": 0.0}
+            return {"p50": 0.0, "p99": 0.0, "p999": 0.0, "max": 0.0, "count": 0.0}
         ordered = sorted(self._ring)
 
         def pick(q: float) -> float:
             return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
-        return {"p50": pick(0.5) * 1e6, "p99": pick(0.99) * 1e6,
+        return {"p50": pick(0.5) * 1e6, "p99": pick(0.99) * 1e6, "p999": pick(0.999) * 1e6,
                 "max": ordered[-1] * 1e6, "count": float(self.count)}
 
 
