@@ -28,6 +28,7 @@ from engine_rig import BS, GPU_BLOCKS, ROW, Client, EmbeddedRanks, config, shard
 
 from kvshm.engine import ATTACH, SPAWN, Engine, EngineState
 from kvshm.pool import BlockPool
+from kvshm.rendezvous_client import query_stats
 from kvshm.types import LoadFailure, StepInput
 from workers.copy_engine import CpuFence
 from workers.worker import DetachReason, Worker
@@ -122,6 +123,8 @@ async def test_rank_declared_dead_resumes_standalone_blocks_quarantined_until_eo
         assert st.quarantined_gpu_blocks == A_BLOCKS and st.quarantined_cpu_blocks == A_BLOCKS
         assert set(table_c).isdisjoint(table_b)
         assert [gpu.ref_cnt(b) for b in table_b] == [1] * A_BLOCKS  # the load job's pins
+        remote = await asyncio.get_running_loop().run_in_executor(None, query_stats, eng.name)
+        assert remote["quarantined_gpu_blocks"] == A_BLOCKS  # what `kvshm stats` prints
         b_rows = [k[table_b].clone() for k in ks]
         os.kill(rank1, signal.SIGCONT)
         await _until(lambda: eng.statistics().ranks[1].fenced, "rank 1's lifeline EOF")
