@@ -33,9 +33,12 @@ Rules kept here:
   (so a rank that resumes starts nothing and publishes nothing) and fails its jobs, but
   their pins stay (quarantined, ``quarantined_*_blocks`` in the statistics) until a
   proof that nothing of the rank runs any more: its process exited (spawned ranks are
-  SIGKILLed at the verdict and watched by pidfd) or a standalone rank's lifeline
-  closed. An embedded rank lives in its host's process, so its quarantine lasts until
-  that process exits -- for a live host, the engine's life (:meth:`rank_died`).
+  SIGKILLed at the verdict and watched by pidfd; every rank's process by a pidfd
+  opened at its Hello) or its lifeline closed -- kvshm's worker closes its socket only
+  once none of its copies runs (``Worker.close`` waits for them; a detached or revoked
+  worker keeps the socket until they finish). A rank that stays hung gives neither:
+  for an embedded rank inside a live host process its quarantine then lasts for the
+  engine's life (:meth:`rank_died`).
 """
 
 from __future__ import annotations
@@ -262,10 +265,9 @@ class EngineCore:
             elif ev.kind is EventKind.READY_FAILED:
                 self._start_failed(ev.error or ConfigError(ev.reason))
             elif ev.kind is EventKind.RANK_LOST:
-                watch = self._watch[ev.rank]
-                proof = not watch.embedded or watch.process_exited()
+                # EOF is a fence: a worker closes its socket only after its last copy
                 self.rank_died(ev.rank, None, why=f"lifeline EOF ({ev.reason})",
-                               fenced=proof, notify=False)
+                               fenced=True, notify=False)
             else:
                 self.counters.refused += 1
         if notify:
@@ -389,11 +391,11 @@ class EngineCore:
         Verdict (once): the revocation word is set and the channel closed, its jobs fail
         (loads: recompute), the engine is FAILED. The blocks of its unacked jobs stay
         pinned (quarantined) until it is *fenced* -- ``fenced=True``: its process exited
-        (pidfd), or a standalone rank's lifeline closed (its worker closes it only after
-        its last copy). A spawned rank is SIGKILLed at the verdict, so its fence follows
-        in milliseconds. An embedded rank's EOF proves nothing (its host process may live
-        on): it is fenced only once that process is seen to exit (a pidfd opened at its
-        Hello, checked at EOF and by :meth:`tick`); until then its quarantine lasts.
+        (pidfd; :meth:`tick` also checks the pidfd opened at every rank's Hello), or its
+        lifeline closed (kvshm's worker closes it only after its last copy finished). A
+        spawned rank is SIGKILLed at the verdict, so its fence follows in milliseconds;
+        a rank that stays hung in a live process (embedded, or standalone that kvshm may
+        not signal) stays quarantined.
         """
         if self._state in (EngineState.CLOSING, EngineState.CLOSED):
             return

@@ -159,13 +159,15 @@ async def embedded() -> AsyncIterator[tuple[Engine, BlockPool, list[torch.Tensor
         await ranks.stop()
 
 
-async def test_rank_declared_dead_resumes_embedded_blocks_quarantined_for_life(
+async def test_rank_declared_dead_resumes_embedded_blocks_quarantined_until_it_stops(
         embedded: tuple[Engine, BlockPool, list[torch.Tensor], EmbeddedRanks]) -> None:
     """Embedded: rank 1's copy of b's load is stuck while its host keeps calling it (the
-    heartbeat advances, nothing completes): verdict after 1 s. kvshm cannot prove an
-    embedded rank gone (its host process lives), so b's blocks stay quarantined for the
-    engine's life: c never gets them. The copy's fence is then released (the rank
-    "resumes"): the revoked worker cancels it instead of copying; c's bytes stay."""
+    heartbeat advances, nothing completes): verdict after 1 s. Nothing proves the rank
+    stopped (its host process lives, its socket is open), so b's blocks stay quarantined
+    for as long as that lasts: c never gets them, stepping on changes nothing. The copy's
+    fence is then released (the rank "resumes"): the revoked worker cancels the copy
+    instead of running it, and with nothing running closes its lifeline: that EOF fences
+    it and the quarantine ends. c's bytes and b's stale rows are untouched."""
     eng, gpu, ks, ranks = embedded
     fence = CpuFence()
     c, table_b, table_c, want = await _hang_story(
@@ -175,22 +177,25 @@ async def test_rank_declared_dead_resumes_embedded_blocks_quarantined_for_life(
     assert st.quarantined_gpu_blocks == A_BLOCKS
     assert set(table_c).isdisjoint(table_b)
     b_rows = ks[1][table_b].clone()
+    for _ in range(5):  # stuck: stepping on changes nothing, and nobody is kept stepping
+        eng.step(StepInput(99, []))
+        await asyncio.sleep(0.05)
+    assert eng.statistics().quarantined_gpu_blocks == A_BLOCKS
+    assert [gpu.ref_cnt(b) for b in table_b] == [1] * A_BLOCKS
+    assert not eng.has_pending_work()
     fence.set()
     await _until(lambda: ranks.workers[1].detach_reason is DetachReason.REVOKED,
                  "rank 1 to see the revocation")
-    await asyncio.sleep(0.3)
+    await _until(lambda: eng.statistics().ranks[1].fenced, "rank 1's EOF after its copy")
+    assert eng.statistics().quarantined_gpu_blocks == 0
+    assert [gpu.ref_cnt(b) for b in table_b] == [0] * A_BLOCKS
     for k, w in zip(ks, want):
         assert torch.equal(k[table_c], w)
     assert torch.equal(ks[1][table_b], b_rows)
-    assert ranks.workers[1].statistics()["counters"]["revocations_seen"] == 1
+    stats = ranks.workers[1].statistics()["counters"]
+    assert stats["revocations_seen"] == 1 and stats["jobs_failed"] == 1
     c.finish("c", table_c, 0)
-    for _ in range(5):  # still quarantined: nothing proves the host will not copy again
-        eng.step(StepInput(99, []))
-        await asyncio.sleep(0.05)
-    st = eng.statistics()
-    assert st.quarantined_gpu_blocks == A_BLOCKS
-    assert [gpu.ref_cnt(b) for b in table_b] == [1] * A_BLOCKS
-    assert not eng.has_pending_work()  # quarantined jobs keep nobody stepping
+    assert eng.statistics().pins_held == 0
 
 
 # ---- a rank killed with a job outstanding, in each mode -----------------------------------
@@ -275,8 +280,8 @@ async def test_rank_killed_mid_job_standalone(direction: str) -> None:
 @pytest.mark.parametrize("direction", ["load", "store"])
 async def test_rank_killed_mid_job_embedded_host_process_exits(direction: str) -> None:
     """Embedded rank 1 lives in a forked host process that never submits its jobs; the
-    host is SIGKILLed. Its EOF alone would prove nothing, but the pidfd kvshm opened at
-    its Hello shows the process exited: fenced, so nothing stays quarantined."""
+    host is SIGKILLed: its lifeline EOF (and the pidfd kvshm opened at its Hello) fence
+    it, so nothing stays quarantined."""
     import multiprocessing
 
     ks = [shards(1)[0], shards(1)[0]]
