@@ -74,8 +74,9 @@ class RankWatch:
         """True once the rank's process is known to have exited (its pidfd is readable)."""
         if self._pidfd is None:
             return False
-        ready, _, _ = select.select([self._pidfd], [], [], 0)
-        return bool(ready)
+        poller = select.poll()  # not select(): fds >= 1024 are common in a busy server
+        poller.register(self._pidfd, select.POLLIN)
+        return bool(poller.poll(0))
 
     def close(self) -> None:
         """Release the pidfd (idempotent)."""

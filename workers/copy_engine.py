@@ -27,7 +27,7 @@ import abc
 import threading
 import time
 from collections import deque
-from collections.abc import Collection, Iterable
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, fields
 from typing import Protocol, runtime_checkable
 
@@ -142,6 +142,12 @@ class CopyEngine(Protocol):
 
     def stats(self) -> dict[str, int]:
         """Counters: jobs submitted/ok/failed, bytes copied, and every declined outcome."""
+
+    def set_gate(self, gate: Callable[[], bool] | None) -> None:
+        """``gate()`` is asked right before a job starts copying (after its fence), from
+        whatever thread starts it; False fails the job instead ("gate closed"). A worker
+        gates on its revocation word, so a copy that waited while the rank was declared
+        dead never starts. Engines that enqueue at submit ask it there."""
 
     def cancel_queued(self) -> None:
         """Jobs submitted but not started yet fail ("cancelled"); running copies finish;

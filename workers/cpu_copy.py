@@ -149,6 +149,7 @@ class CpuCopyEngine:
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._closing = threading.Event()
         self._cancel_upto = -1  # items with seq <= this fail instead of starting
+        self._gate: Callable[[], bool] | None = None
         self._closed = False
         self._threads = [threading.Thread(target=self._run, name=f"kvshm-copy-{rank}.{i}",
                                           daemon=True) for i in range(num_threads)]
@@ -171,6 +172,10 @@ class CpuCopyEngine:
             fail = job.job_id in f.fail_job_ids or self._nth == f.fail_nth
         self._nth += 1
         self._queue.put(_Item(seq, job, after, delay, fail))
+
+    def set_gate(self, gate: Callable[[], bool] | None) -> None:
+        """See CopyEngine.set_gate (asked on the copy thread, after the job's fence)."""
+        self._gate = gate
 
     def cancel_queued(self) -> None:
         """Every job submitted so far and not started fails instead (see CopyEngine)."""
@@ -246,7 +251,8 @@ class CpuCopyEngine:
                 if item.seq <= self._cancel_upto:
                     raise CopyError("cancelled before the copy started (worker revoked)")
                 self._await_fence(item.fence)
-                if item.seq <= self._cancel_upto:  # revoked while it waited for its fence
+                gate = self._gate
+                if item.seq <= self._cancel_upto or (gate is not None and not gate()):
                     raise CopyError("cancelled before the copy started (worker revoked)")
                 if item.fail:
                     raise CopyError(f"injected failure of job {job.job_id}")

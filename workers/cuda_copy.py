@@ -35,7 +35,7 @@ from __future__ import annotations
 import enum
 import time
 from collections import deque
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from typing import Any, Final, NamedTuple, Protocol, Self
 
 import torch
@@ -179,6 +179,7 @@ class CudaCopyEngine:
         self._pending: dict[Direction, deque[_Pending]] = {d: deque() for d in Direction}
         self._tracker = CompletionTracker()
         self._closed = False
+        self._gate: Callable[[], bool] | None = None
         self._fallbacks = 0
         self._batch, self.method = self._pick_method(method)
         self._groups = (RegionGroup([(r.dev, r.host) for r in regions if r.dense]),
@@ -205,6 +206,8 @@ class CudaCopyEngine:
             self._tracker.finish(seq, closed)
             return
         try:
+            if self._gate is not None and not self._gate():
+                raise CopyError(f"job {job.job_id}: gate closed (worker revoked)")
             if after is not None and not isinstance(after, CudaFence):
                 raise CopyError(f"job {job.job_id}: the CUDA engine orders copies after a "
                                 f"CudaFence, got {type(after).__name__}")
@@ -318,6 +321,11 @@ class CudaCopyEngine:
         d = self._tracker.snapshot()
         d["batch_fallbacks"] = self._fallbacks
         return d
+
+    def set_gate(self, gate: Callable[[], bool] | None) -> None:
+        """See CopyEngine.set_gate: asked at submit, the last moment this engine can
+        decline a job (its copies go on the stream there)."""
+        self._gate = gate
 
     def cancel_queued(self) -> None:
         """Nothing to cancel: a job's copies are on its stream from ``submit`` on, and a

@@ -296,6 +296,7 @@ class Worker:
             return
         self._client = self._connector.client
         if self._session is not None:
+            self._session.engine.set_gate(self._may_copy)
             self._phase = Phase.READY
         elif self._client is not None:
             self._phase = Phase.CONNECTING
@@ -456,6 +457,22 @@ class Worker:
             f"kvshm scheduler {self.name!r} declared rank {self.rank} dead "
             f"({why.name.lower()}); this rank does no more work for it"))
         return True
+
+    def _may_copy(self) -> bool:
+        """The copy engine's gate (any thread): False once revoked. Reads the shared
+        revocation word itself, so a copy that waited on its fence while the rank was
+        declared dead never starts, even before the host's thread next looks. (A worker
+        detached for another reason still finishes what it submitted.)"""
+        if self.detach_reason is DetachReason.REVOKED:
+            return False
+        session = self._session
+        chan = session.channel if session is not None else None
+        if chan is None:
+            return True
+        try:
+            return chan.rings.revoked is None
+        except ValueError:  # the link closed meanwhile (views released): not revoked
+            return self.detach_reason is not DetachReason.REVOKED
 
     def _close_lifeline_when_idle(self) -> None:
         """Close the rendezvous socket once detached and no copy runs (see module doc)."""
