@@ -471,8 +471,8 @@ class Worker:
             return True
         try:
             return chan.rings.revoked is None
-        except ValueError:  # the link closed meanwhile (views released): not revoked
-            return self.detach_reason is not DetachReason.REVOKED
+        except ValueError:  # the link closed meanwhile (views released): see above
+            return True
 
     def _close_lifeline_when_idle(self) -> None:
         """Close the rendezvous socket once detached and no copy runs (see module doc)."""
