@@ -463,7 +463,7 @@ class Worker:
         revocation word itself, so a copy that waited on its fence while the rank was
         declared dead never starts, even before the host's thread next looks. (A worker
         detached for another reason still finishes what it submitted.)"""
-        if self.detach_reason is DetachReason.REVOKED:
+        if self._revoked_detach():
             return False
         session = self._session
         chan = session.channel if session is not None else None
@@ -471,8 +471,11 @@ class Worker:
             return True
         try:
             return chan.rings.revoked is None
-        except ValueError:  # the link closed meanwhile (views released): see above
-            return True
+        except ValueError:  # the link closed meanwhile (views released): ask again
+            return not self._revoked_detach()
+
+    def _revoked_detach(self) -> bool:
+        return self.detach_reason is DetachReason.REVOKED
 
     def _close_lifeline_when_idle(self) -> None:
         """Close the rendezvous socket once detached and no copy runs (see module doc)."""
