@@ -1,25 +1,39 @@
 """EngineConfig: every knob of a kvshm engine, frozen and validated at construction.
 
 Validation happens here, before anything is started: a bad value is a ConfigError that
-names the field and the value, never a failure later inside a worker.
+names the field and the value, never a failure later inside a worker. Every timeout
+(:data:`TIMEOUT_FIELDS`) is a finite number > 0 (not a bool): NaN would compare false
+everywhere (a hang never detected), infinity would wait forever (an ``aclose()`` that never
+returns), and both break the conversions to milliseconds further down.
+
+The default name carries :data:`NAME_RANDOM_BITS` random bits beside the pid, so two
+engines of one process collide with probability ~2**-64, not 2**-32.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import secrets
 from dataclasses import dataclass, field
+from typing import Final
 
 from kvshm.errors import ConfigError
 from kvshm.types import KVGroup, StoreMode
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,80}$")
 
+#: Random bits in a default engine name (hex digits: a quarter of that).
+NAME_RANDOM_BITS: Final = 64
+#: The EngineConfig fields that are durations in seconds (each finite and > 0).
+TIMEOUT_FIELDS: Final = ("hang_timeout_s", "connect_timeout_s", "shutdown_grace_s")
+
 
 def default_name() -> str:
-    """A name unique to this engine instance (pid + random), safe for a socket name."""
-    return f"e{os.getpid()}-{secrets.token_hex(4)}"
+    """A name unique to this engine instance (``e<pid>-<64 random bits in hex>``), safe
+    for a socket name."""
+    return f"e{os.getpid()}-{secrets.token_hex(NAME_RANDOM_BITS // 8)}"
 
 
 def _positive_int(field_name: str, value: object, *, allow_none: bool = False) -> None:
@@ -29,6 +43,14 @@ def _positive_int(field_name: str, value: object, *, allow_none: bool = False) -
         raise ConfigError(f"{field_name} must be an integer, got {value!r}")
     if value <= 0:
         raise ConfigError(f"{field_name} must be > 0, got {value}")
+
+
+def _timeout(field_name: str, value: object) -> None:
+    """ConfigError unless ``value`` is a finite int or float > 0 (a bool is no number)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ConfigError(f"{field_name} must be a number of seconds, got {value!r}")
+    if not math.isfinite(value) or value <= 0:
+        raise ConfigError(f"{field_name} must be finite and > 0 seconds, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -43,6 +65,8 @@ class EngineConfig:
       count that fits); neither: as much as /dev/shm and MemAvailable allow, less a margin.
     * ``hang_timeout_s``: a rank with jobs pending that completes none for this long is
       declared hung and the engine goes to FAILED.
+    * ``hang_timeout_s``, ``connect_timeout_s``, ``shutdown_grace_s``: seconds, each a
+      finite number > 0 (ConfigError otherwise, naming the field and the value).
     """
 
     block_size: int
@@ -72,10 +96,8 @@ class EngineConfig:
             raise ConfigError("groups must name at least one KV group")
         if not isinstance(self.mode, StoreMode):
             raise ConfigError(f"mode must be a StoreMode, got {self.mode!r}")
-        for label in ("hang_timeout_s", "connect_timeout_s", "shutdown_grace_s"):
-            value = getattr(self, label)
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-                raise ConfigError(f"{label} must be a positive number, got {value!r}")
+        for label in TIMEOUT_FIELDS:
+            _timeout(label, getattr(self, label))
 
     @property
     def world_size(self) -> int:
