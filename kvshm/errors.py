@@ -15,6 +15,8 @@ know "did kvshm refuse this" catch that one class::
     |   |   +-- VersionMismatch            PROTOCOL_VERSION differs between the two sides
     |   +-- PeerDied                       the other side is gone (lifeline EOF, pidfd)
     |       +-- WorkerDied                 ... and it was a worker: rank and exit code
+    |   +-- UntrustedPeer                  (worker side) the name is held by a process of
+    |                                      another uid; nothing was sent to it
     |   +-- RankRevoked                    (worker side) the scheduler declared this rank dead
     +-- CopyError                          a worker copy failed (becomes Done(ok=False))
     +-- PoolExhausted                      BlockPool.allocate(n) with fewer than n free
@@ -89,6 +91,24 @@ class PeerDied(TransportError):
 class RankRevoked(TransportError):
     """Worker side: the scheduler declared this rank dead (a hang verdict, a broken ring)
     and set the revocation word; the rank starts no job and sends no Done any more."""
+
+
+class UntrustedPeer(TransportError):
+    """Worker side: the process listening on ``\\0kvshm.<name>`` runs as another uid than
+    this one (SO_PEERCRED right after connect), so it is not our scheduler -- whoever binds
+    an abstract name first owns it. The connection was closed before anything (Hello, fds)
+    was sent. ``pid``/``uid``: the listener as the kernel reports it; ``expected_uid``:
+    ours."""
+
+    def __init__(self, name: str, pid: int, uid: int, expected_uid: int) -> None:
+        super().__init__(
+            f"kvshm name {name!r} is held by pid {pid} running as uid {uid}, but the "
+            f"scheduler must run as uid {expected_uid} (this process's uid): refusing to "
+            "connect, nothing was sent to it")
+        self.name = name
+        self.pid = pid
+        self.uid = uid
+        self.expected_uid = expected_uid
 
 
 class WorkerDied(PeerDied):

@@ -10,6 +10,14 @@ the ``Ready`` that :meth:`poll_ready` later returns. EOF is remembered, and repo
 after every message that arrived before it. The connection is the lifeline:
 :meth:`fileno` becomes readable, and :meth:`check_alive` False, once the scheduler is
 gone.
+
+Who is listening is checked before anything is said: an abstract name belongs to whoever
+binds it first, and no file permission guards it. :meth:`RendezvousClient.connect_nowait`
+reads the listener's credentials (SO_PEERCRED, fixed by the kernel at the listener's
+``listen()``) right after ``connect()`` and, unless its uid is this process's effective
+uid, closes the socket and raises :class:`~kvshm.errors.UntrustedPeer` -- before a Hello,
+a StatsRequest or any fd can go out. There is no knob for another uid: the scheduler
+refuses every peer of another uid itself, so such a pair could never rendezvous anyway.
 """
 
 from __future__ import annotations
@@ -21,19 +29,29 @@ import time
 from collections import deque
 from typing import Any, Final
 
-from kvshm.errors import ClosedError, ConfigError, PeerDied, ProtocolError, StateError, WouldBlock
+from kvshm.errors import (
+    ClosedError,
+    ConfigError,
+    PeerDied,
+    ProtocolError,
+    StateError,
+    UntrustedPeer,
+    WouldBlock,
+)
 from kvshm.fdpass import (
     MAX_FDS,
+    PeerCred,
     connect_nowait,
     decode_control,
     encode_control,
+    peer_cred,
     recv_datagram,
     send_datagram,
     socket_address,
 )
 from kvshm.protocol import ControlMsg, Hello, Ready, Stats, StatsRequest, check_version
 
-__all__ = ["RendezvousClient", "query_stats"]
+__all__ = ["RendezvousClient", "check_scheduler_cred", "query_stats"]
 
 #: Largest message the scheduler may send (a Ready with a big layout, a Stats snapshot).
 _MAX_INBOUND: Final = 1 << 20
@@ -62,13 +80,23 @@ class RendezvousClient:
         return self._sock is not None and not self._closed
 
     def connect_nowait(self) -> None:
-        """Connect without waiting. PeerDied if nobody listens (yet); WouldBlock if the
-        scheduler's backlog is full; StateError if already connected."""
+        """Connect without waiting, then check who listens (see the module docstring).
+
+        PeerDied if nobody listens (yet); WouldBlock if the scheduler's backlog is full;
+        UntrustedPeer if the listener runs as another uid (the socket is closed, nothing
+        was sent; a later call may try again); StateError if already connected.
+        """
         self._check_open()
         if self._sock is not None:
             raise StateError(f"already connected to {self.name!r}")
-        self._sock = connect_nowait(self.name)
-        self._readable.register(self._sock.fileno(), select.POLLIN)
+        sock = connect_nowait(self.name)
+        try:
+            check_scheduler_cred(self.name, peer_cred(sock))
+        except BaseException:
+            sock.close()
+            raise
+        self._sock = sock
+        self._readable.register(sock.fileno(), select.POLLIN)
 
     def send(self, msg: ControlMsg) -> None:
         """Send one control message without waiting (WouldBlock if the buffer is full)."""
@@ -209,6 +237,17 @@ class RendezvousClient:
         self.close()
 
 
+def check_scheduler_cred(name: str, cred: PeerCred) -> None:
+    """UntrustedPeer unless ``cred`` (the listener on ``name``) has this process's uid.
+
+    The effective uid on both sides: it is what SO_PEERCRED reports for the listener, and
+    what the scheduler's own check will see of this process.
+    """
+    expected = os.geteuid()
+    if cred.uid != expected:
+        raise UntrustedPeer(name, cred.pid, cred.uid, expected)
+
+
 def _close_all(fds: list[int]) -> None:
     for fd in fds:
         os.close(fd)
@@ -217,8 +256,9 @@ def _close_all(fds: list[int]) -> None:
 def query_stats(name: str, timeout: float = 2.0) -> dict[str, Any]:
     """Ask the engine named ``name`` for its statistics.
 
-    ConfigError if no engine listens on that name; TimeoutError if it does not answer
-    within ``timeout`` seconds; PeerDied if it closes the connection (e.g. another uid).
+    ConfigError if no engine listens on that name; UntrustedPeer if the listener runs as
+    another uid (nothing is sent to it); TimeoutError if it does not answer within
+    ``timeout`` seconds; PeerDied if it closes the connection (e.g. it refused this uid).
     """
     with RendezvousClient(name) as client:
         try:

@@ -2,7 +2,10 @@
 
 :class:`Connector` connects and says hello without waiting (retrying while nobody
 listens on the name), then polls for ``Ready``; the first poll that finds it returns the
-:class:`Session`.
+:class:`Session`. Between connect and Hello the listener's uid is checked
+(:meth:`~kvshm.rendezvous_client.RendezvousClient.connect_nowait`): a name held by a
+process of another uid raises :class:`~kvshm.errors.UntrustedPeer` (the worker detaches
+with it as its error), so neither the Hello nor, later, any of this rank's fds reach it.
 
 :func:`open_session` maps, in this order, the rank's device caches (standalone workers
 only: ``Ready.device_caches``), checks the layout against ``Ready.layout``, maps the ring
@@ -206,8 +209,9 @@ class Connector:
     def poll(self) -> Session | None:
         """Connect + Hello (at most every CONNECT_RETRY_S), or look for Ready; never waits.
 
-        The session once Ready is in, else None. PeerDied: the scheduler closed the
-        connection before Ready (refused this rank, or failed); ConfigError /
+        The session once Ready is in, else None. UntrustedPeer: the name is held by a
+        process of another uid (nothing was sent); PeerDied: the scheduler
+        closed the connection before Ready (refused this rank, or failed); ConfigError /
         ProtocolError / OSError: the Ready does not fit this worker (its fds are closed).
         """
         if self.client is None:
@@ -235,4 +239,7 @@ class Connector:
             client.close()
             self.attempts += 1
             return
+        except BaseException:  # UntrustedPeer (checked before Hello), or worse: give up
+            client.close()
+            raise
         self.client = client
