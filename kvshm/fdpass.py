@@ -5,7 +5,12 @@ SEQPACKET datagram (the kernel keeps message boundaries, so there is no framing)
 descriptors ride in the same datagram as SCM_RIGHTS ancillary data. A zero-length read
 is end-of-file (the protocol never sends an empty datagram); ECONNRESET is treated the
 same way. Abstract names (``\\0kvshm.<name>``) never touch the filesystem, so nothing is
-left behind when a process dies.
+left behind when a process dies -- and no file permission guards them: anyone may bind or
+connect, so each side checks the other's uid with :func:`peer_cred` (SO_PEERCRED).
+
+Decoding never lets a peer's bytes raise anything but our own errors: whatever a frame
+makes the decoder raise (msgspec's DecodeError, a RecursionError from a deeply nested
+frame, ...) becomes a :class:`~kvshm.errors.ProtocolError` (or VersionMismatch).
 """
 
 from __future__ import annotations
@@ -198,17 +203,20 @@ def encode_control(msg: ControlMsg) -> bytes:
 def decode_control(data: bytes) -> ControlMsg:
     """Decode one control message; VersionMismatch or ProtocolError if it cannot be used.
 
+    Any exception the decoder raises on a peer's bytes -- not only msgspec's DecodeError,
+    also e.g. the RecursionError of a frame nested thousands of levels deep -- is a
+    ProtocolError: a hostile frame can never raise anything the caller does not expect.
     A Hello or Ready from a peer with another PROTOCOL_VERSION may not decode against our
     schema; then the raw array is inspected so the error names both versions.
     """
     try:
         msg = _DECODER.decode(data)
-    except msgspec.DecodeError as e:
+    except Exception as e:  # noqa: BLE001 - a peer's bytes may make the decoder raise anything
         theirs = _raw_version(data)
         if theirs is not None and theirs != PROTOCOL_VERSION:
             raise VersionMismatch(PROTOCOL_VERSION, theirs) from None
-        raise ProtocolError(f"undecodable rendezvous message ({len(data)} bytes): {e}",
-                            ring="rendezvous", offset=0) from None
+        raise ProtocolError(f"undecodable rendezvous message ({len(data)} bytes): "
+                            f"{type(e).__name__}: {e}", ring="rendezvous", offset=0) from None
     return msg
 
 
@@ -216,7 +224,7 @@ def _raw_version(data: bytes) -> int | None:
     """The version field of a raw Hello/Ready array (``[tag, version, ...]``), if any."""
     try:
         raw = msgspec.msgpack.decode(data)
-    except msgspec.DecodeError:
+    except Exception:  # noqa: BLE001 - undecodable in any way: no version to report
         return None
     if isinstance(raw, list) and len(raw) > 1 and raw[0] in _VERSIONED_TAGS and type(raw[1]) is int:
         return raw[1]

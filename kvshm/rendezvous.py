@@ -7,10 +7,17 @@ Scheduler side, :class:`RendezvousServer` -- **never blocks**. Each :meth:`servi
 in this order:
 
 1. accepts every pending connection; a peer with another uid (SO_PEERCRED) is closed at
-   once and counted (``REFUSED``);
+   once and counted (``REFUSED``). Connections that have not said Hello (yet) are
+   *pending*; at most :attr:`~RendezvousServer.pending_cap` of them (4 x world_size, at
+   least 16) stay open: each accept beyond that first closes the **oldest** pending one
+   (``REFUSED``, ``refused_pending_cap``), so idle connections cannot pile up fds while a
+   rank's fresh connection, or a ``kvshm stats`` query (answered in the service() that
+   accepts it), gets through. A rank's connection (Hello accepted) is never evicted;
 2. reads every pending message of every connection (a fresh one included): a ``Hello``
    is validated (protocol version, world size, rank range, duplicate or lost rank) --
    accepted gives ``HELLO``, anything else closes that connection and gives ``REFUSED``;
+   a frame that cannot be decoded (for whatever reason the decoder gives: garbage, a
+   frame nested too deep to decode, ...) is ``REFUSED`` as ``refused_protocol``;
    a ``StatsRequest`` is answered on any connection; EOF or ECONNRESET on a rank's
    connection gives ``RANK_LOST`` (a lost rank's slot is never refilled: no restarts);
 3. once every rank has said hello, calls ``make_ready`` exactly once and sends each rank
@@ -19,6 +26,11 @@ in this order:
    workers see EOF). The server never closes the fds ``make_ready`` returned: the caller
    closes them after ``service`` returns ``ALL_READY`` / ``READY_FAILED`` (the kernel has
    duplicated them into the messages by then).
+
+Events already collected are never lost to a failure on one connection: an unexpected
+exception while handling a connection is counted (``service_errors``), that connection is
+refused (closed: ``REFUSED``, and ``RANK_LOST`` if it was a rank's), and the call goes on
+with the others; only a closed server raises.
 
 Each rank's connection stays open afterwards: it is the lifeline (EOF = the peer is gone,
 either way). :meth:`attach` drives ``service`` from an asyncio loop's ``add_reader`` on
@@ -78,6 +90,9 @@ __all__ = [
 
 #: Largest message a worker may send (a Hello with a big layout is a few KiB).
 _MAX_INBOUND: Final = 1 << 16
+#: Pending (not yet Hello'd) connections kept: this many per rank, and at least the floor.
+_PENDING_PER_RANK: Final = 4
+_PENDING_FLOOR: Final = 16
 _POLLIN: Final = select.POLLIN | select.POLLHUP | select.POLLERR
 
 AllReadyPlan: TypeAlias = Mapping[int, tuple[Ready, Sequence[int]]]
@@ -141,6 +156,8 @@ class RendezvousServer:
         self._poll = select.poll()
         self._poll.register(self._listener.fileno(), _POLLIN)
         self._conns: dict[int, _Conn] = {}
+        self._pending: dict[int, _Conn] = {}  # not Hello'd yet, by fd, oldest first
+        self._pending_cap = max(_PENDING_FLOOR, _PENDING_PER_RANK * world_size)
         self._by_rank: dict[int, _Conn] = {}
         self._hellos: dict[int, Hello] = {}
         self._pids: dict[int, int] = {}
@@ -155,6 +172,11 @@ class RendezvousServer:
     @property
     def state(self) -> ServerState:
         return self._state
+
+    @property
+    def pending_cap(self) -> int:
+        """Most connections without an accepted Hello kept open (the oldest goes first)."""
+        return self._pending_cap
 
     def fileno(self) -> int:
         """The listening socket (readable when a connection is pending)."""
@@ -183,9 +205,10 @@ class RendezvousServer:
         return frozenset(self._lost)
 
     def counters(self) -> dict[str, int]:
-        """accepted, accept_errors, refused_uid, refused_version, refused_hello,
-        refused_protocol, ranks_lost, stats_served, stats_errors, stats_dropped, ready_sent,
-        ready_failed (only those that happened appear)."""
+        """accepted, accept_errors, refused_uid, refused_pending_cap, refused_version,
+        refused_hello, refused_protocol, service_errors, ranks_lost, stats_served,
+        stats_errors, stats_dropped, ready_sent, ready_failed (only those that happened
+        appear)."""
         return dict(self._counts)
 
     # ------------------------------------------------------------------ service
@@ -197,12 +220,37 @@ class RendezvousServer:
         events: list[RendezvousEvent] = []
         for fd, _ in self._poll.poll(0):
             if fd == self._listener.fileno():
-                self._accept_all(events)
+                self._accept_guarded(events)
             elif (conn := self._conns.get(fd)) is not None:
-                self._read_all(conn, events)
+                self._read_guarded(conn, events)
         if self._state is ServerState.WAITING and len(self._hellos) == self.world_size:
             self._send_ready(events)
         return events
+
+    def _accept_guarded(self, events: list[RendezvousEvent]) -> None:
+        """:meth:`_accept_all`; an unexpected exception is counted and reported, and the
+        listener stays watched (what is left is accepted on the next call)."""
+        try:
+            self._accept_all(events)
+        except Exception as e:  # noqa: BLE001 - must not lose the events collected so far
+            self._counts["service_errors"] += 1
+            events.append(RendezvousEvent(
+                EventKind.REFUSED, reason=f"accepting on {self.name!r} failed: "
+                                          f"{type(e).__name__}: {e}", error=e))
+
+    def _read_guarded(self, conn: _Conn, events: list[RendezvousEvent]) -> None:
+        """:meth:`_read_all`; an unexpected exception refuses this connection only."""
+        try:
+            self._read_all(conn, events)
+        except Exception as e:  # noqa: BLE001 - must not lose the events collected so far
+            why = f"internal error on this connection: {type(e).__name__}: {e}"
+            if conn.sock.fileno() >= 0:
+                self._refuse(conn, events, "service_errors", why, e)
+                return
+            self._counts["service_errors"] += 1
+            events.append(RendezvousEvent(EventKind.REFUSED, rank=-1 if conn.rank is None
+                                          else conn.rank, pid=conn.cred.pid, reason=why,
+                                          error=e))
 
     def _accept_all(self, events: list[RendezvousEvent]) -> None:
         while True:
@@ -217,23 +265,54 @@ class RendezvousServer:
                 events.append(RendezvousEvent(EventKind.REFUSED,
                                               reason=f"accept() failed: {e}", error=e))
                 return
+            try:
+                conn = self._admit(sock, events)
+            except BaseException:
+                if sock.fileno() >= 0 and sock.fileno() not in self._conns:
+                    sock.close()  # not registered yet: nobody else would close it
+                raise
+            if conn is not None:
+                self._read_guarded(conn, events)  # its Hello is usually already queued
+
+    def _admit(self, sock: socket.socket, events: list[RendezvousEvent]) -> _Conn | None:
+        """Register a freshly accepted connection (evicting the oldest pending one when
+        the cap is reached); None if it was refused (another uid) and closed."""
+        try:
             sock.setblocking(False)
             cred = peer_cred(sock)
-            if cred.uid != os.getuid():
-                sock.close()
-                self._counts["refused_uid"] += 1
-                events.append(RendezvousEvent(
-                    EventKind.REFUSED, pid=cred.pid,
-                    reason=f"connection from uid {cred.uid} (pid {cred.pid}) refused: "
-                           f"only uid {os.getuid()} may use {self.name!r}"))
-                continue
-            self._counts["accepted"] += 1
-            conn = _Conn(sock, cred)
-            self._conns[sock.fileno()] = conn
-            self._poll.register(sock.fileno(), _POLLIN)
-            if self._loop is not None:
-                self._loop.add_reader(sock.fileno(), self._on_readable)
-            self._read_all(conn, events)  # its Hello is usually already queued
+        except OSError as e:
+            sock.close()
+            self._counts["accept_errors"] += 1
+            events.append(RendezvousEvent(EventKind.REFUSED,
+                                          reason=f"accepted connection unusable: {e}", error=e))
+            return None
+        if cred.uid != os.geteuid():
+            sock.close()
+            self._counts["refused_uid"] += 1
+            events.append(RendezvousEvent(
+                EventKind.REFUSED, pid=cred.pid,
+                reason=f"connection from uid {cred.uid} (pid {cred.pid}) refused: "
+                       f"only uid {os.geteuid()} may use {self.name!r}"))
+            return None
+        self._evict_pending(events)
+        self._counts["accepted"] += 1
+        conn = _Conn(sock, cred)
+        self._conns[sock.fileno()] = conn
+        self._pending[sock.fileno()] = conn
+        self._poll.register(sock.fileno(), _POLLIN)
+        if self._loop is not None:
+            self._loop.add_reader(sock.fileno(), self._on_readable)
+        return conn
+
+    def _evict_pending(self, events: list[RendezvousEvent]) -> None:
+        """Make room for one more pending connection: close the oldest ones over the cap."""
+        while len(self._pending) >= self._pending_cap:
+            fd = next(iter(self._pending))
+            oldest = self._pending.pop(fd)
+            self._refuse(oldest, events, "refused_pending_cap",
+                         f"{self._pending_cap} connections to {self.name!r} have not said "
+                         f"Hello: the oldest (pid {oldest.cred.pid}) is closed to admit a "
+                         "new one")
 
     def _read_all(self, conn: _Conn, events: list[RendezvousEvent]) -> None:
         while conn.sock.fileno() >= 0:
@@ -296,6 +375,7 @@ class RendezvousServer:
             self._refuse(conn, events, *problem)
             return
         conn.rank = hello.rank
+        self._pending.pop(conn.sock.fileno(), None)  # a rank: never evicted
         self._by_rank[hello.rank] = conn
         self._hellos[hello.rank] = hello
         self._pids[hello.rank] = conn.cred.pid
@@ -342,7 +422,7 @@ class RendezvousServer:
             try:
                 send_datagram(conn.sock, encode_control(ready), fds)
                 self._counts["ready_sent"] += 1
-            except (PeerDied, BlockingIOError) as e:
+            except (PeerDied, OSError) as e:  # BlockingIOError, EMSGSIZE, ETOOMANYREFS, ...
                 lost.append((conn, f"could not send Ready: {e or type(e).__name__}"))
         events.append(RendezvousEvent(EventKind.ALL_READY))
         for conn, why in lost:
@@ -386,6 +466,7 @@ class RendezvousServer:
             self._loop.remove_reader(fd)  # before close: the fd number may be reused
         self._poll.unregister(fd)
         del self._conns[fd]
+        self._pending.pop(fd, None)
         if conn.rank is not None and self._by_rank.get(conn.rank) is conn:
             del self._by_rank[conn.rank]
         conn.sock.close()
