@@ -27,6 +27,8 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,80}$")
 #: Random bits in a default engine name (hex digits: a quarter of that).
 NAME_RANDOM_BITS: Final = 64
 #: The EngineConfig fields that are durations in seconds (each finite and > 0).
+#: Default ``hang_timeout_s`` (see EngineConfig; chosen from tools.bench_acks).
+DEFAULT_HANG_TIMEOUT_S: Final = 10.0
 TIMEOUT_FIELDS: Final = ("hang_timeout_s", "connect_timeout_s", "shutdown_grace_s")
 
 
@@ -64,7 +66,10 @@ class EngineConfig:
     * CPU tier size: ``num_cpu_blocks`` (exact) or ``cpu_bytes_per_rank`` (the largest
       count that fits); neither: as much as /dev/shm and MemAvailable allow, less a margin.
     * ``hang_timeout_s``: a rank with jobs pending that completes none for this long is
-      declared hung and the engine goes to FAILED.
+      declared hung and the engine goes to FAILED. Default 10 s (was 30): the longest
+      per-rank stall with jobs pending measured under a saturating soak was 0.14 s
+      (``python -m tools.bench_acks``, README "Faults"), and 10 s still covers one job of
+      ~250 GB at 25 GB/s; a hang stalls the loads queued behind it for that long.
     * ``hang_timeout_s``, ``connect_timeout_s``, ``shutdown_grace_s``: seconds, each a
       finite number > 0 (ConfigError otherwise, naming the field and the value).
     """
@@ -77,7 +82,7 @@ class EngineConfig:
     mode: StoreMode = StoreMode.EAGER
     num_cpu_blocks: int | None = None
     cpu_bytes_per_rank: int | None = None
-    hang_timeout_s: float = 30.0
+    hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
     connect_timeout_s: float = 60.0
     shutdown_grace_s: float = 2.0
     ring_capacity: int | None = None

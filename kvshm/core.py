@@ -265,9 +265,10 @@ class EngineCore:
             elif ev.kind is EventKind.READY_FAILED:
                 self._start_failed(ev.error or ConfigError(ev.reason))
             elif ev.kind is EventKind.RANK_LOST:
-                # EOF is a fence: a worker closes its socket only after its last copy
-                self.rank_died(ev.rank, None, why=f"lifeline EOF ({ev.reason})",
-                               fenced=True, notify=False)
+                # the worker's own close is a fence (it closes only after its last
+                # copy); a close by the server is not: the rank may still be copying
+                self.rank_died(ev.rank, None, why=f"lifeline lost: {ev.reason}",
+                               fenced=ev.peer_closed, notify=False)
             else:
                 self.counters.refused += 1
         if notify:

@@ -112,13 +112,20 @@ class EventKind(Enum):
 
 @dataclass(frozen=True, slots=True)
 class RendezvousEvent:
-    """One event; ``rank``/``pid`` are -1 where they do not apply or are unknown."""
+    """One event; ``rank``/``pid`` are -1 where they do not apply or are unknown.
+
+    ``peer_closed`` (RANK_LOST only): the worker closed its end (EOF, reset) -- kvshm's
+    worker does that only once none of its copies runs, so the scheduler may take it as
+    a fence. False when this server closed the connection itself (a refused message, a
+    Ready it could not send): the rank may still be copying.
+    """
 
     kind: EventKind
     rank: int = -1
     pid: int = -1
     reason: str = ""
     error: BaseException | None = None
+    peer_closed: bool = False
 
 
 class ServerState(Enum):
@@ -320,7 +327,7 @@ class RendezvousServer:
             if dg is None:
                 return
             if dg.eof:
-                self._lose(conn, events, "connection closed (EOF)")
+                self._lose(conn, events, "connection closed (EOF)", peer_closed=True)
                 return
             if dg.truncated:
                 self._refuse(conn, events, "refused_protocol",
@@ -402,7 +409,8 @@ class RendezvousServer:
                 self._close_conn(conn)
             return
         except PeerDied:
-            self._lose(conn, events, "connection closed while answering stats")
+            self._lose(conn, events, "connection closed while answering stats",
+                       peer_closed=True)
             return
         self._counts["stats_served"] += 1
 
@@ -447,7 +455,8 @@ class RendezvousServer:
                                       error=error))
         self._lose(conn, events, reason)
 
-    def _lose(self, conn: _Conn, events: list[RendezvousEvent], why: str) -> None:
+    def _lose(self, conn: _Conn, events: list[RendezvousEvent], why: str, *,
+              peer_closed: bool = False) -> None:
         rank = conn.rank
         self._close_conn(conn)
         if rank is None or rank in self._lost:
@@ -456,7 +465,7 @@ class RendezvousServer:
         self._hellos.pop(rank, None)
         self._counts["ranks_lost"] += 1
         events.append(RendezvousEvent(EventKind.RANK_LOST, rank=rank, pid=conn.cred.pid,
-                                      reason=why))
+                                      reason=why, peer_closed=peer_closed))
 
     def _close_conn(self, conn: _Conn) -> None:
         fd = conn.sock.fileno()

@@ -312,3 +312,33 @@ async def test_rank_killed_mid_job_embedded_host_process_exits(direction: str) -
         task.cancel()
         rank0.close()
         child.join(10)
+
+
+async def test_rank_lost_by_the_servers_own_close_is_not_a_fence(
+        embedded: tuple[Engine, BlockPool, list[torch.Tensor], EmbeddedRanks]) -> None:
+    """Rank 1's load copy is stuck on its fence when rank 1 sends garbage on its
+    lifeline: the server refuses it and closes the connection itself. That is a verdict
+    (RANK_LOST) but no proof the rank stopped -- it never closed its end -- so b's blocks
+    stay quarantined and c cannot take them. (Taking it as a fence let the released copy
+    overwrite 6 of c's blocks in review.) The fence is then set: the revoked worker's
+    gate cancels the copy; c's bytes stay."""
+    eng, gpu, ks, ranks = embedded
+    fence = CpuFence()
+
+    def stall_then_garbage() -> None:
+        ranks.stall = fence
+        client = ranks.workers[1]._client
+        assert client is not None
+        sock = client._sock
+        assert sock is not None
+        sock.send(b"\xff\xff not a control message")
+
+    c, table_b, table_c, want = await _hang_story(eng, gpu, ks, stall_then_garbage)
+    st = eng.statistics()
+    assert not st.ranks[1].alive and not st.ranks[1].fenced
+    assert st.quarantined_gpu_blocks == A_BLOCKS and set(table_c).isdisjoint(table_b)
+    fence.set()
+    await _until(lambda: ranks.workers[1].detach_reason is not None, "rank 1 to detach")
+    await asyncio.sleep(0.3)
+    for k, w in zip(ks, want):
+        assert torch.equal(k[table_c], w)

@@ -17,7 +17,8 @@ through plain attributes, so it can be tested without vLLM. Every refusal is a
   safe and at most 80 characters by :func:`engine_name`.
 * ``stats_path``: the scheduler side writes its final statistics (JSON) there at
   shutdown.
-* ``hang_timeout_s``, ``shutdown_timeout_s``: positive numbers (defaults 30 and 5).
+* ``hang_timeout_s``, ``shutdown_timeout_s``: finite positive numbers (defaults 10 --
+  ``kvshm.config.DEFAULT_HANG_TIMEOUT_S`` -- and 5).
 * ``test_fail_loads``: a test hook: each worker rank fails the copy of the first N load
   jobs it is sent (the copy engine raises; nothing is copied). Default 0.
 
@@ -31,12 +32,14 @@ block size equal to the hash block size.
 from __future__ import annotations
 
 import hashlib
+import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Final
 
+from kvshm.config import DEFAULT_HANG_TIMEOUT_S
 from kvshm.errors import ConfigError
 from kvshm.types import KVGroup, StoreMode
 
@@ -132,9 +135,10 @@ def _int(key: str, value: object) -> int:
 def _seconds(key: str, value: object, default: float) -> float:
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not 0 < value < math.inf):
         raise ConfigError(f"kv_connector_extra_config[{key!r}] must be a positive number "
-                          f"of seconds, got {value!r}")
+                          f"of seconds (finite, > 0), got {value!r}")
     return float(value)
 
 
@@ -260,7 +264,8 @@ def parse_config(vllm_config: Any, infos: Sequence[GroupInfo],
     return ConnectorConfig(
         name=name, tp=tp, pp=pp, block_size=bs, groups=groups, mode=mode,
         cpu_bytes_per_rank=per_rank, num_cpu_blocks=blocks, stats_path=stats_path,
-        hang_timeout_s=_seconds("hang_timeout_s", extra.get("hang_timeout_s"), 30.0),
+        hang_timeout_s=_seconds("hang_timeout_s", extra.get("hang_timeout_s"),
+                                DEFAULT_HANG_TIMEOUT_S),
         shutdown_timeout_s=_seconds("shutdown_timeout_s", extra.get("shutdown_timeout_s"),
                                     5.0),
         test_fail_loads=fail_loads)

@@ -87,6 +87,8 @@ def test_extra_config_values() -> None:
     ({"cpu_bytes": GIB, "name": "x" * 81}, r"'name'\] must be 1-80"),
     ({"cpu_bytes": GIB, "stats_path": ""}, "'stats_path'"),
     ({"cpu_bytes": GIB, "hang_timeout_s": 0}, "'hang_timeout_s'"),
+    ({"cpu_bytes": GIB, "hang_timeout_s": float("inf")}, "'hang_timeout_s'"),
+    ({"cpu_bytes": GIB, "shutdown_timeout_s": float("nan")}, "'shutdown_timeout_s'"),
     ({"cpu_bytes": GIB, "test_fail_loads": -1}, "'test_fail_loads'"),
     ({"cpu_bytes": GIB, "cpu_byte": 1}, r"unknown kv_connector_extra_config keys \['cpu_byte'\]"),
 ])
