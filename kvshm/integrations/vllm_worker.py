@@ -24,9 +24,11 @@ pool; the connector only tells it when. Hook by hook:
   group, block ids keep the valid prefix of a failed load.
 
 A job's request ids come from the metadata's ``load_jobs`` map, which lists a job until
-every rank has acked it; this side keeps its own copy from the first step that lists a
-job until it sees the job's ``Done`` (its ack goes to the scheduler in the same
-``poll``), so a ``Done`` always finds its requests.
+every rank has acked it (or its outcome was reported); this side keeps its own copy from
+the first step that lists a job until it sees the job's ``Done`` (its ack goes to the
+scheduler in the same ``poll``), so a ``Done`` always finds its requests. A job it has
+reported is remembered while still listed, so a later listing never registers it again
+(it would be reported twice -- vLLM asserts on a request finished twice).
 """
 
 from __future__ import annotations
@@ -109,6 +111,9 @@ class WorkerSide:
         self._meta: StepMeta | None = None
         self._job_reqs: dict[int, tuple[str, ...]] = {}
         self._job_dsts: dict[int, tuple[int, ...]] = {}
+        # load jobs this rank already reported while the scheduler may still list them
+        # (until every rank acked): never registered, so never reported, twice
+        self._reported: set[int] = set()
         self._sched_failed: dict[str, tuple[int, ...]] = {}
         self._errors: set[int] = set()
         self._failed_reqs: set[str] = set()
@@ -164,9 +169,12 @@ class WorkerSide:
         """``bind_connector_metadata``: begin the step (connects on the first call)."""
         self._meta = meta
         self.counters.steps += 1
+        done = self._reported
         for job, reqs in meta.load_jobs.items():
-            if job not in self._job_reqs:
+            if job not in self._job_reqs and job not in done:
                 self._job_reqs[job] = tuple(reqs)
+        if done:  # forget reported jobs the scheduler no longer lists (bounded)
+            done.intersection_update(meta.load_jobs)
         for job, dsts in meta.load_dsts.items():
             self._job_dsts[job] = tuple(dsts)
             if self._fail is not None:
@@ -223,6 +231,8 @@ class WorkerSide:
     def _on_done(self, job_id: int, ok: bool, done: set[str]) -> None:
         reqs = self._job_reqs.pop(job_id, None)
         dsts = self._job_dsts.pop(job_id, ())
+        if reqs is not None:
+            self._reported.add(job_id)
         if reqs is None:
             if not ok and dsts:
                 self.counters.dones_unknown += 1
