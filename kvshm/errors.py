@@ -7,6 +7,8 @@ know "did kvshm refuse this" catch that one class::
     +-- ConfigError (also ValueError)      bad configuration or input; nothing was started
     |   +-- NameInUse                      another scheduler already listens on that name
     |   +-- UnsupportedPlatform            e.g. a CPU without the fences the rings rely on
+    |   +-- InvalidRequest                 a scheduler call's input breaks the contract; refused
+    |                                      before the manager changed anything
     +-- StateError (also RuntimeError)     call not allowed in the object's lifecycle state
     +-- TransportError                     the scheduler <-> worker channel
     |   +-- WouldBlock                     a *_nowait call found nothing to do / no room
@@ -47,6 +49,21 @@ class NameInUse(ConfigError):
 
 class UnsupportedPlatform(ConfigError):
     """The machine lacks something kvshm relies on (e.g. x86-64 store ordering)."""
+
+
+class InvalidRequest(ConfigError):
+    """A scheduler call (``lookup``, ``allocated``, ``build_step``, ``finished``) got input
+    that breaks the manager's contract: a wrong type, an id out of range or repeated, a
+    count that disagrees with another. Raised before the call changed anything (the
+    manager is exactly as before, but for its ``invalid_calls`` counter). ``call``, the
+    request id (None when the input names none) and ``field`` say where."""
+
+    def __init__(self, call: str, req_id: str | None, field: str, problem: str) -> None:
+        who = f"request {req_id!r}" if req_id is not None else "input"
+        super().__init__(f"{call}: {who}: {field}: {problem}")
+        self.call = call
+        self.req_id = req_id
+        self.field = field
 
 
 class StateError(KvshmError, RuntimeError):

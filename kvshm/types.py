@@ -74,12 +74,22 @@ class KVGroup:
 class GpuBlocks(Protocol):
     """The engine's GPU block pool as kvshm sees it (``kvshm.pool.BlockPool`` fits).
 
-    ``touch`` pins (ref +1: the block is neither reused nor evicted, its hashes do not
-    change); ``free`` unpins (``evict_first``: evicted soonest; earlier ids are evicted
-    before later ones); ``block_hashes`` are the block's current plain hashes;
-    ``iter_free_from_lru`` yields ref-0 ids, next-evicted first (the caller touches only
-    after iterating).
+    ``num_blocks``: the pool's size; every valid block id is in ``[0, num_blocks)`` (the
+    manager refuses any other before it changes anything). ``touch`` pins (ref +1: the
+    block is neither reused nor evicted, its hashes do not change); ``free`` unpins
+    (``evict_first``: evicted soonest; earlier ids are evicted before later ones);
+    ``block_hashes`` are the block's current plain hashes; ``iter_free_from_lru`` yields
+    ref-0 ids, next-evicted first (the caller touches only after iterating).
+
+    Two optional attributes, read once by the manager: ``hash_bytes`` (int), the exact
+    length of the engine's block hashes (without it any length in
+    ``kvshm.validate.HASH_LEN_RANGE`` is accepted), and ``null_block_id`` (int), a
+    placeholder id the engine may repeat within one table where a sliding-window group
+    holds no block (vLLM's null block); no other id may appear twice in one table.
     """
+
+    @property
+    def num_blocks(self) -> int: ...
 
     def touch(self, ids: Iterable[int]) -> None: ...
 
@@ -250,6 +260,8 @@ class ManagerCounters:
     jobs_abandoned: int = 0
     acks_unknown: int = 0
     acks_duplicate: int = 0
+    invalid_calls: int = 0
+    """Calls refused with ``InvalidRequest`` (nothing else changed)."""
 
     def as_dict(self) -> dict[str, int]:
         """Flat ``name -> value`` (declines as ``declined_<reason>``), for stats."""

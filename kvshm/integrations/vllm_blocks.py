@@ -13,6 +13,9 @@ scheduler thread only: the pool is not thread-safe):
   (``cached_block_hashes_by_block``), each stripped of vLLM's 4-byte group id suffix:
   kvshm qualifies plain hashes per group itself.
 * ``iter_free_from_lru`` walks the free queue from its head (next evicted first).
+* ``num_blocks`` is the pool's size (its null block, id 0, included) and
+  ``null_block_id`` that null block's id: vLLM puts it in a sliding-window group's table
+  wherever a position holds no block, so it may appear there more than once.
 
 :func:`kv_regions` turns ``register_kv_caches``' tensors into byte regions with blocks
 as dim 0, from ``kv_cache_config.kv_cache_tensors``: layer ``l``'s block ``b`` of a
@@ -51,6 +54,13 @@ class VllmGpuBlocks:
         self._queue = pool.free_block_queue
         self._secondary: Mapping[int, Iterable[bytes]] = getattr(
             pool, "cached_block_hashes_by_block", {})
+        null = getattr(getattr(pool, "null_block", None), "block_id", None)
+        self.null_block_id: int | None = null if isinstance(null, int) else None
+
+    @property
+    def num_blocks(self) -> int:
+        """Blocks in vLLM's pool; every id it hands out is below this."""
+        return len(self._blocks)
 
     def touch(self, ids: Iterable[int]) -> None:
         """Ref +1 for each id (out of the free queue at its first ref)."""
