@@ -253,21 +253,29 @@ class StorePlanner:
         """A store job is done on every rank: clear its marks; when ``register``, index
         each CPU block under its primary key and the GPU block's current hashes; free
         CPU blocks tail-first (a prefix's tail is evicted before its head); unpin GPU
-        blocks (tail-first; lazy ones ``evict_first``)."""
+        blocks (tail-first; lazy ones ``evict_first``). The job has left the job table
+        already, so its pins go even when indexing fails (a GPU pool that answers a
+        hash kvshm cannot index): no pin outlives its record."""
         for b, key in zip(gpu_ids, keys):
             self._unmark(b, key)
-        if register:
-            key_of = self.gs.key
-            for c, b, g, k in zip(cpu_ids, gpu_ids, groups, keys):
-                hs = [k]
-                for h in self.gpu.block_hashes(b):
-                    q = key_of(h, g)
-                    if q != k:
-                        hs.append(q)
-                self.cpu.add_hashes(c, hs)
-            self.counters.stored_blocks += len(cpu_ids)
-        self.cpu.free(reversed(cpu_ids))
-        if n_eager:
-            self.gpu.free(reversed(gpu_ids[:n_eager]))
-        if n_eager < len(gpu_ids):
-            self.gpu.free(gpu_ids[n_eager:], evict_first=True)
+        try:
+            if register:
+                self._register(gpu_ids, cpu_ids, groups, keys)
+        finally:
+            self.cpu.free(reversed(cpu_ids))
+            if n_eager:
+                self.gpu.free(reversed(gpu_ids[:n_eager]))
+            if n_eager < len(gpu_ids):
+                self.gpu.free(gpu_ids[n_eager:], evict_first=True)
+
+    def _register(self, gpu_ids: list[int], cpu_ids: list[int], groups: list[int],
+                  keys: list[bytes]) -> None:
+        key_of = self.gs.key
+        for c, b, g, k in zip(cpu_ids, gpu_ids, groups, keys):
+            hs = [k]
+            for h in self.gpu.block_hashes(b):
+                q = key_of(h, g)
+                if q != k:
+                    hs.append(q)
+            self.cpu.add_hashes(c, hs)
+        self.counters.stored_blocks += len(cpu_ids)
