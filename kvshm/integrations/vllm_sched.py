@@ -23,6 +23,15 @@ import), around a kvshm :class:`~kvshm.engine.SyncClient`, which is created in
   stores are acked); ``reset_cache`` -> ``reset``; ``update_connector_output`` drains
   the client's load results (counted).
 
+Refused input: kvshm refuses a call whose input breaks its contract
+(``InvalidRequest``, nothing changed). The side maps that to what vLLM can live with
+wherever there is a safe answer, and marks the request *refused* (logged once per kind,
+counted): no CPU hit is offered to it again and it is not listed again (a refused listing
+is retried without it), and its finish only forgets it. A refused lookup is a miss; a
+refused phase B with nothing to load releases the lookup's pin. A refused phase B *with*
+tokens to load has no safe answer (vLLM would wait for a load kvshm never planned), nor
+has a step refused as a whole: those raise.
+
 Requests and readiness: until every worker rank has connected, ``lookup`` returns 0 and
 no request is listed in a ``StepInput``. The first step at which the client is READY
 lists every scheduled request not yet *announced* with its full current tables
@@ -43,11 +52,18 @@ from typing import Any
 from kvshm.config import EngineConfig
 from kvshm.core import EngineState
 from kvshm.engine import SyncClient
-from kvshm.errors import ConfigError, StateError
+from kvshm.errors import ConfigError, InvalidRequest, StateError
 from kvshm.integrations.vllm_blocks import VllmGpuBlocks
 from kvshm.integrations.vllm_config import ConnectorConfig
 from kvshm.protocol import unpack_ids
-from kvshm.types import GroupKind, RequestView, ScheduledRequest, StepInput, no_new_blocks
+from kvshm.types import (
+    GroupKind,
+    RequestView,
+    ScheduledRequest,
+    StepInput,
+    StepPlan,
+    no_new_blocks,
+)
 
 __all__ = ["SchedulerCounters", "SchedulerSide", "StepMeta"]
 
@@ -91,6 +107,7 @@ class SchedulerCounters:
     requests_resumed: int = 0
     requests_unknown: int = 0
     lookups_after_failed_load: int = 0  # answered 0: that request recomputes instead
+    requests_refused: int = 0  # calls kvshm refused (InvalidRequest): that request goes without
     steps: int = 0
 
 
@@ -110,6 +127,8 @@ class SchedulerSide:
         self._requests: dict[str, Any] = {}
         self._announced: set[str] = set()
         self._load_failed: set[str] = set()
+        self._refused: set[str] = set()
+        self._logged: set[tuple[str, str]] = set()
         self._no_new = no_new_blocks(len(cfg.groups))
         self._sw = any(g.kind is GroupKind.SLIDING_WINDOW for g in cfg.groups)
         self._step = 0
@@ -185,9 +204,15 @@ class SchedulerSide:
         if request.request_id in self._load_failed:
             self.counters.lookups_after_failed_load += 1
             return 0, False
+        if request.request_id in self._refused:
+            return 0, False
         view = RequestView(request.request_id, request.block_hashes, request.num_tokens,
                            request.kv_transfer_params)
-        hit = self.client.lookup(view, num_computed_tokens)
+        try:
+            hit = self.client.lookup(view, num_computed_tokens)
+        except InvalidRequest as exc:
+            self._refuse(request.request_id, exc)
+            return 0, False
         if hit is None:
             self.counters.lookups_asked_again += 1
             return None, False
@@ -199,7 +224,26 @@ class SchedulerSide:
     def allocated(self, request: Any, block_ids: Sequence[Sequence[int]],
                   num_external_tokens: int) -> None:
         """``update_state_after_alloc``: the request's whole per-group tables."""
-        self.client.allocated(request.request_id, block_ids, num_external_tokens)
+        rid = request.request_id
+        try:
+            self.client.allocated(rid, block_ids, num_external_tokens)
+        except InvalidRequest as exc:
+            self._refuse(rid, exc)
+            if num_external_tokens:
+                raise
+            self.client.allocated(rid, self._no_new, 0)  # releases the lookup's pin
+
+    def _refuse(self, rid: str, exc: InvalidRequest) -> None:
+        """kvshm refused a call for ``rid``: count it, log it once per kind, and leave
+        the request out of offload from now on (see the module docstring)."""
+        self.counters.requests_refused += 1
+        self._refused.add(rid)
+        kind = (exc.call, exc.field.split("[", 1)[0])
+        if kind not in self._logged:
+            self._logged.add(kind)
+            log.error("kvshm refused %s for request %s (%s); that request goes without "
+                      "offload (further refusals of this kind are only counted)",
+                      exc.call, rid, exc)
 
     # -- the step ------------------------------------------------------------------------
     def build(self, so: Any) -> StepMeta:
@@ -212,12 +256,29 @@ class SchedulerSide:
             self._forget(rid)
         ready = client.state is EngineState.READY
         reqs, alloc = self._listing(so) if ready else ([], set())
-        plan = client.step(StepInput(self._step, reqs, (), alloc))
+        plan = self._plan(reqs, alloc)
         load_dsts: dict[int, tuple[int, ...]] = {}
         if plan.load is not None:
             load_dsts[plan.load.job_id] = tuple(unpack_ids(plan.load.dst_ids))
         return self._meta_cls(self._step, dict(plan.load_jobs), load_dsts,
                               dict(plan.failed_loads), tuple(plan.flush))
+
+    def _plan(self, reqs: list[ScheduledRequest], alloc: set[int]) -> StepPlan:
+        """``SyncClient.step`` over the listing without the refused requests; a listing
+        refused for one request is retried without it (a step refused as a whole
+        raises)."""
+        refused = self._refused
+        if refused:
+            reqs = [r for r in reqs if r.req_id not in refused]
+        while True:
+            try:
+                return self.client.step(StepInput(self._step, reqs, (), alloc))
+            except InvalidRequest as exc:
+                rid = exc.req_id
+                if rid is None or rid in refused:
+                    raise
+                self._refuse(rid, exc)
+                reqs = [r for r in reqs if r.req_id != rid]
 
     def _listing(self, so: Any) -> tuple[list[ScheduledRequest], set[int]]:
         """Every scheduled request (decode steps list every running one) and, with
@@ -312,7 +373,11 @@ class SchedulerSide:
         """``request_finished_all_groups``: final confirmed count and tables."""
         rid = request.request_id
         confirmed = request.num_computed_tokens - request.num_output_placeholders
-        self.client.finished(rid, confirmed, block_ids)
+        try:
+            self.client.finished(rid, confirmed, block_ids)
+        except InvalidRequest as exc:
+            self._refuse(rid, exc)
+            self.client.finished(rid, 0, self._no_new)  # forgets it, stores nothing
         self._forget(rid)
         return False, None
 
@@ -320,6 +385,7 @@ class SchedulerSide:
         self._requests.pop(rid, None)
         self._announced.discard(rid)
         self._load_failed.discard(rid)
+        self._refused.discard(rid)
 
     def has_pending_work(self) -> bool:
         """``has_pending_push_work``: jobs not yet acked by every rank."""
