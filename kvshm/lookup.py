@@ -58,8 +58,10 @@ class GroupSet:
 class Hit:
     """A phase-A result. ``cpu[g][i]``: CPU block of position ``start + i`` in group
     ``g`` (None where a sliding-window group needs nothing). ``pinned``: every CPU id
-    touched for it, position-major prefix order. A tombstone (``cause`` set) holds no
-    pins: they were dropped by ``reset`` or a rank's death before phase B."""
+    touched for it, position-major prefix order. ``hashes[i]``: the hash of position
+    ``start + i``, copied when the lookup checked it (phase B never reads the engine's
+    live sequence). A tombstone (``cause`` set) holds no pins: they were dropped by
+    ``reset`` or a rank's death before phase B."""
 
     start: int
     end: int
@@ -106,7 +108,7 @@ def find_hit(cpu: BlockPool, gs: GroupSet, hashes: Sequence[BlockHash], start: i
         window.extend(sw_ids[g][lo:k])
         per_group[g] = window
     pinned = [b for i in range(k) for g in range(gs.n) if (b := per_group[g][i]) is not None]
-    return Hit(start, end, per_group, pinned, hashes)
+    return Hit(start, end, per_group, pinned, tuple(hashes[p] for p in range(start, end)))
 
 
 def _shrink_for_windows(gs: GroupSet, sw_ids: dict[int, list[int | None]], start: int,
@@ -148,7 +150,8 @@ def assign(cpu: BlockPool, gs: GroupSet, hit: Hit, tables: Sequence[Sequence[int
 
     Full-attention groups take every position; a sliding-window group takes the window
     before the accepted end, looking a position up again when the phase-A window (for a
-    longer hit) did not cover it. Raises ConfigError when a table is too short.
+    longer hit) did not cover it. Raises ConfigError when a table is too short (the
+    manager checks that first, as InvalidRequest).
     """
     end = hit.start + k
     for g in range(gs.n):
@@ -165,7 +168,7 @@ def assign(cpu: BlockPool, gs: GroupSet, hit: Hit, tables: Sequence[Sequence[int
                     continue
                 src = hit.cpu[g][i]
                 if src is None:
-                    src = cpu.get_cached(gs.key(hit.hashes[p], g))
+                    src = cpu.get_cached(gs.key(hit.hashes[i], g))
             else:
                 src = hit.cpu[g][i]
             if src is None:

@@ -14,6 +14,11 @@ engine step makes them (DESIGN.md, "Scheduler-side contract"):
 5. ``finished``: pins the request's unstored full blocks for the next store.
 6. ``reset`` / ``rank_failed`` / ``has_pending_work`` / ``check_invariants``.
 
+Every call above checks its whole input before it changes anything
+(:mod:`kvshm.validate`): bad input -- a wrong type, an id out of range or repeated, a
+table per group missing, a count that disagrees -- raises ``InvalidRequest`` (a
+ConfigError) with the manager exactly as before but for ``counters.invalid_calls``.
+
 Pins (ref counts) are the only protection: every CPU block a lookup, queued load or job
 uses and every GPU block a job or queued transfer uses is pinned, and each pin is
 recorded by exactly one hit, queued load, finish-time store or job
@@ -49,6 +54,7 @@ from kvshm.types import (
     StepPlan,
     StoreMode,
 )
+from kvshm.validate import for_pool
 
 __all__ = ["OffloadManager"]
 
@@ -57,17 +63,22 @@ _EMPTY: frozenset[int] = frozenset()
 
 class OffloadManager:
     """See the module docstring. ``lazy_window``: GPU free-queue blocks a lazy step
-    looks at from the LRU end (LAZY mode needs a single KV group)."""
+    looks at from the LRU end (LAZY mode needs a single KV group). ``hash_bytes``: the
+    exact length of the engine's block hashes (default: ``gpu.hash_bytes`` where the pool
+    has one, else any length in ``kvshm.validate.HASH_LEN_RANGE``)."""
 
     def __init__(self, cpu: BlockPool, gpu: GpuBlocks, *, block_size: int,
                  groups: Sequence[KVGroup] = (KVGroup.full(),), world_size: int = 1,
-                 mode: StoreMode = StoreMode.EAGER, lazy_window: int = 256) -> None:
+                 mode: StoreMode = StoreMode.EAGER, lazy_window: int = 256,
+                 hash_bytes: int | None = None) -> None:
         self._gs = GroupSet(groups, block_size)
         if mode is StoreMode.LAZY and self._gs.n != 1:
             raise ConfigError("lazy store mode supports a single KV group only")
         if lazy_window < 1:
             raise ConfigError(f"lazy_window must be >= 1, got {lazy_window}")
         self.counters = ManagerCounters()
+        self._check = for_pool(gpu, n_groups=self._gs.n, block_size=block_size,
+                               hash_bytes=hash_bytes, counters=self.counters)
         self.cpu = cpu
         self.gpu = gpu
         self.block_size = block_size
@@ -124,13 +135,14 @@ class OffloadManager:
     def lookup(self, req: RequestView, num_local_tokens: int) -> int | None:
         """Tokens the CPU tier can supply after ``num_local_tokens`` (block-aligned; an
         unaligned value gets 0). Pins the hit; None: ask again next step (no pin)."""
+        view = self._check.view(req, num_local_tokens)
         self.counters.lookups += 1
-        rid = req.req_id
+        rid = view.req_id
         self._drop_hit(rid)
         st = self._track.state(rid)
-        st.remote = st.remote or is_remote(req.kv_transfer_params)
+        st.remote = st.remote or is_remote(view.params)
         bs = self.block_size
-        if num_local_tokens < 0 or num_local_tokens % bs:
+        if num_local_tokens % bs:
             self.counters.lookups_unaligned += 1
             st.start = 0
             return 0
@@ -138,8 +150,8 @@ class OffloadManager:
         st.start = s
         if self._failed or self._abandoned:
             return 0
-        hit = find_hit(self.cpu, self._gs, req.block_hashes, s,
-                       (req.num_tokens - 1 - num_local_tokens) // bs)
+        hit = find_hit(self.cpu, self._gs, view.hashes, s,
+                       (view.num_tokens - 1 - num_local_tokens) // bs)
         if hit is None:
             return 0
         loading = self._loading_cpu
@@ -156,28 +168,28 @@ class OffloadManager:
                   num_external_tokens: int) -> None:
         """Phase B: ``gpu_block_ids`` are the request's full per-group tables; the first
         ``cdiv(num_external_tokens, block_size)`` hit blocks are loaded (the rest of the
-        pin is released). ConfigError (nothing changed) for a bad table or more tokens
-        than offered."""
-        if len(gpu_block_ids) != self._gs.n:
-            raise ConfigError(f"expected {self._gs.n} block tables, got {len(gpu_block_ids)}")
+        pin is released). InvalidRequest (nothing changed) for a bad table, a table too
+        short for the accepted hit, or more tokens than offered."""
+        req_id, tables, num_external_tokens = self._check.allocated(
+            req_id, gpu_block_ids, num_external_tokens)
         hit = self._hits.get(req_id)
         st = self._track.reqs.get(req_id)
-        if num_external_tokens <= 0:
+        if num_external_tokens == 0:
             self._drop_hit(req_id)
             return
         if hit is None or hit.cause is not None:
             self._hits.pop(req_id, None)
             cause = hit.cause if hit is not None and hit.cause is not None else (
                 LoadFailure.ENGINE_FAILED if self._failed else LoadFailure.NO_PIN)
-            self._fail_now(req_id, self._guess_dests(hit, gpu_block_ids, num_external_tokens),
-                           cause)
+            self._fail_now(req_id, self._guess_dests(hit, tables, num_external_tokens), cause)
             return
         offered = (hit.end - hit.start) * self.block_size
         if num_external_tokens > offered:
-            raise ConfigError(f"{req_id}: {num_external_tokens} external tokens accepted, "
-                              f"{offered} offered")
+            raise self._check.refuse("allocated", req_id, "num_external_tokens",
+                                     f"{num_external_tokens} accepted, {offered} offered")
         k = cdiv(num_external_tokens, self.block_size)
-        a = assign(self.cpu, self._gs, hit, gpu_block_ids, k)
+        self._check.reach("allocated", req_id, tables, hit.start + k)
+        a = assign(self.cpu, self._gs, hit, tables, k)
         del self._hits[req_id]
         self.cpu.touch(a.cpu_ids)
         self.cpu.free(reversed(hit.pinned))
@@ -233,32 +245,33 @@ class OffloadManager:
     # ---- the step ------------------------------------------------------------------
 
     def build_step(self, inp: StepInput) -> StepPlan:
-        """Track the listed requests and plan this step's store and load."""
-        for rid in inp.finished:
+        """Track the listed requests and plan this step's store and load. The whole
+        input is checked first (InvalidRequest: nothing changed)."""
+        step, requests, gone, alloc = self._check.step_input(inp)
+        changes = self._track.prepare(requests, set(gone) if gone else (), self._check)
+        for rid in gone:
             self._forget(rid)
         store = load = None
         if not self._failed:
-            dirty = self._track.scan(inp.requests)
+            dirty = self._track.apply(changes)
             if not self._abandoned:
-                store = self._plan_stores(inp, dirty)
-                load = self._plan_loads(inp.step)
+                store = self._plan_stores(step, alloc, dirty)
+                load = self._plan_loads(step)
         results = tuple(self._results)
         self._results.clear()
         failed_loads = self._failed_loads
         if failed_loads:
             self._failed_loads = {}
         jobs = dict(self._load_job_reqs) if self._load_job_reqs else {}
-        return StepPlan(inp.step, store, load, (), results, jobs, failed_loads)
+        return StepPlan(step, store, load, (), results, jobs, failed_loads)
 
-    def _plan_stores(self, inp: StepInput, dirty: list[ScheduledRequest]) -> Transfer | None:
+    def _plan_stores(self, step: int, alloc: frozenset[int],
+                     dirty: list[ScheduledRequest]) -> Transfer | None:
         sel = Selection()
         plan = self._plan
         avail = plan.take_finished(self.cpu.num_free, bool(self._jobs.jobs), sel)
         if dirty:
-            alloc = inp.allocated_block_ids if self._gs.sw else _EMPTY
-            if not isinstance(alloc, (set, frozenset)):
-                alloc = set(alloc)
-            avail = self._track.select(dirty, alloc, avail, sel)
+            avail = self._track.select(dirty, alloc if self._gs.sw else _EMPTY, avail, sel)
         if not self._eager:
             plan.lazy_scan(avail, sel)
         n = len(sel.gpu_ids)
@@ -267,12 +280,12 @@ class OffloadManager:
         cpu_ids = self.cpu.allocate(n)
         if sel.to_touch:
             self.gpu.touch(sel.to_touch)
-        job = self._jobs.new_job(JobKind.STORE, inp.step, sel.gpu_ids, cpu_ids)
+        job = self._jobs.new_job(JobKind.STORE, step, sel.gpu_ids, cpu_ids)
         job.groups = sel.groups
         job.keys = sel.keys
         job.n_eager = n - sel.n_lazy
         self.counters.stores_planned_blocks += n
-        return Transfer(inp.step, job.job_id, Direction.STORE, pack_ids(sel.gpu_ids),
+        return Transfer(step, job.job_id, Direction.STORE, pack_ids(sel.gpu_ids),
                         pack_ids(cpu_ids))
 
     def _plan_loads(self, step: int) -> Transfer | None:
@@ -360,12 +373,15 @@ class OffloadManager:
         blocks are pinned here and stored by the next ``build_step``; its other pins are
         released. ``block_hashes``: its final hashes, when the engine's sequence seen
         so far may lack the last block. Always False (pins make delayed frees
-        unnecessary)."""
-        if len(gpu_block_ids) != self._gs.n:
-            raise ConfigError(f"expected {self._gs.n} block tables, got {len(gpu_block_ids)}")
+        unnecessary). InvalidRequest (nothing changed) for bad input."""
+        req_id, confirmed, tables, hashes = self._check.finished(
+            req_id, num_confirmed_tokens, gpu_block_ids, block_hashes)
+        st = self._track.reqs.get(req_id)
+        if st is not None and not self._failed:
+            self._track.check_finish(st, confirmed, tables, hashes, self._check)
         st = self._forget(req_id)
         if st is not None and not self._failed:
-            self._track.finish(st, num_confirmed_tokens, gpu_block_ids, block_hashes)
+            self._track.finish(st, confirmed, tables, hashes)
         return False
 
     def _forget(self, req_id: str) -> ReqState | None:
