@@ -262,8 +262,19 @@ class OffloadManager:
         failed_loads = self._failed_loads
         if failed_loads:
             self._failed_loads = {}
-        jobs = dict(self._load_job_reqs) if self._load_job_reqs else {}
+        jobs = self._listed_load_jobs() if self._load_job_reqs else {}
         return StepPlan(step, store, load, (), results, jobs, failed_loads)
+
+    def _listed_load_jobs(self) -> dict[int, tuple[str, ...]]:
+        """Load jobs not yet acked by every live rank. A job that waits only for revoked
+        ranks (quarantined until they are fenced, possibly for the engine's life) is no
+        longer listed: its outcome was reported at the verdict, and every rank saw it
+        listed in the step that planned it."""
+        if not self._jobs.revoked:
+            return dict(self._load_job_reqs)
+        table, revoked = self._jobs.jobs, self._jobs.revoked
+        return {j: r for j, r in self._load_job_reqs.items()
+                if not table[j].waiting <= revoked}
 
     def _plan_stores(self, step: int, alloc: frozenset[int],
                      dirty: list[ScheduledRequest]) -> Transfer | None:
@@ -395,7 +406,8 @@ class OffloadManager:
     def reset(self) -> bool:
         """Drop the CPU index; abandon every job in flight (its completion releases refs
         without indexing; no new job is planned until they are all done). True once
-        nothing is in flight."""
+        nothing is in flight (jobs that wait only for a revoked, unfenced rank do not
+        count: nothing will move them, and the engine is FAILED anyway)."""
         if not self._failed:
             self._drop_pending(LoadFailure.RESET, DeclineReason.RESET)
             for job in self._jobs.jobs.values():
@@ -405,7 +417,7 @@ class OffloadManager:
                     self.counters.jobs_abandoned += 1
                     self._fail_job(job, LoadFailure.RESET, count=False)
             self.cpu.drop_all_hashes()
-        return not self._jobs.jobs
+        return not self._jobs.jobs or self._jobs.only_quarantined()
 
     def rank_failed(self, rank: int) -> None:
         """``rank`` was declared dead (it may still be running a copy): every job fails

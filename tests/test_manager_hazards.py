@@ -420,6 +420,8 @@ def test_rank_failure_fails_job_but_keeps_pins_until_all_ranks_done() -> None:
     # rank 2 was declared dead, not fenced: it may still be writing gr -> quarantined
     assert refs(rig.cpu, [0, 1]) == [1, 1] and refs(rig.gpu, gr) == [2, 2, 1]
     assert rig.m.quarantined_blocks() == (3, 3) and not rig.m.has_pending_work()
+    assert rig.step().load_jobs == {}       # waits only for rank 2: no longer listed
+    assert rig.m.reset() is True            # nothing will move a quarantined job
     rig.m.rank_fenced(2)                                        # its process is gone
     rig.m.check_invariants()
     assert refs(rig.cpu, [0, 1, 2]) == [0, 0, 0] and refs(rig.gpu, gr) == [1, 1, 1]
