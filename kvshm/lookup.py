@@ -108,7 +108,9 @@ def find_hit(cpu: BlockPool, gs: GroupSet, hashes: Sequence[BlockHash], start: i
         window.extend(sw_ids[g][lo:k])
         per_group[g] = window
     pinned = [b for i in range(k) for g in range(gs.n) if (b := per_group[g][i]) is not None]
-    return Hit(start, end, per_group, pinned, tuple(hashes[p] for p in range(start, end)))
+    seen = (tuple(hashes[start:end]) if type(hashes) is list or type(hashes) is tuple
+            else tuple(hashes[p] for p in range(start, end)))
+    return Hit(start, end, per_group, pinned, seen)
 
 
 def _shrink_for_windows(gs: GroupSet, sw_ids: dict[int, list[int | None]], start: int,

@@ -224,9 +224,10 @@ class RequestTracker:
         if not st.tracked:
             return
         seq = hashes if hashes is not None else st.hashes
-        ready = min(num_confirmed_tokens // self.bs, min(len(t) for t in tables))
-        check.hashes("finished", st.req_id, "block_hashes", seq, st.cursor,
-                     min(ready, len(seq)))
+        shortest = len(tables[0]) if len(tables) == 1 else min(len(t) for t in tables)
+        hi = min(num_confirmed_tokens // self.bs, shortest, len(seq))
+        if hi > st.cursor:
+            check.hashes("finished", st.req_id, "block_hashes", seq, st.cursor, hi)
 
     def finish(self, st: ReqState, num_confirmed_tokens: int,
                tables: Sequence[Sequence[int]], hashes: Sequence[BlockHash] | None) -> None:
