@@ -197,7 +197,8 @@ class Rig:
     parent: subprocess.Popen[bytes] | None
     parent_err: IO[bytes] | None
     held: list[socket.socket] = field(default_factory=list)
-    stopped: list[int] = field(default_factory=list)
+    stopped: list[int] = field(default_factory=list)  # resumed in the canary phase
+    kept_stopped: list[int] = field(default_factory=list)  # resumed after the close
 
 
 async def bounded(out: Outcome, aw: Awaitable[T], seconds: float, what: str) -> T | None:
@@ -307,6 +308,21 @@ class Traffic:
         except Exception as exc:  # noqa: BLE001 - any exception of a valid call counts
             self.out.api_errors.append(f"{what}: {type(exc).__name__}: {exc}")
             return False, None
+
+    def quiet(self, what: str, fn: Callable[..., object], *args: Any) -> None:
+        """``fn(*args)`` after an invalid call the engine accepted: an exception is
+        noted (the late price of that acceptance), not counted as an API error."""
+        try:
+            fn(*args)
+        except Exception as exc:  # noqa: BLE001 - noted
+            self.out.notes.append(f"{what}: raised {type(exc).__name__}: {str(exc)[:160]}")
+
+    async def quiet_wait(self, rid: str) -> None:
+        """``wait_loaded(rid)`` after an accepted invalid call: an exception is noted."""
+        try:
+            await bounded(self.out, self.eng.wait_loaded(rid), LOAD_S, f"wait_loaded({rid})")
+        except Exception as exc:  # noqa: BLE001 - noted
+            self.out.notes.append(f"wait_loaded after it: raised {type(exc).__name__}")
 
     def next_step(self) -> int:
         """The next step number."""
@@ -506,17 +522,22 @@ async def fault_sigkill(t: Traffic) -> str:
 
 async def fault_sigstop(t: Traffic) -> str:
     """SIGSTOP a rank and queue a load on it; wait for the hang verdict and that load's
-    result. The rank is resumed later, in the canary phase."""
+    result. The rank is resumed later, in the canary phase -- or, for an ATTACH rank one
+    time in three, only after the engine is closed: nothing can fence it meanwhile, so
+    its blocks must stay quarantined (reported, not leaked) and the close must not hang."""
     r, pid = _victim(t)
     _signal(pid, signal.SIGSTOP)
-    t.rig.stopped.append(pid)
+    keep = t.rig.parent is not None and t.rng.random() < 1 / 3
+    (t.rig.kept_stopped if keep else t.rig.stopped).append(pid)
     t0 = time.monotonic()
     victim = asyncio.ensure_future(t.request(t.rng.randrange(PREFIXES), 1))
     await t.until(lambda: not t.rank(r).alive, HANG_S_STOP + VERDICT_S,
                   f"hang verdict on stopped rank {r}", hang=True)
     took = time.monotonic() - t0
     await bounded(t.out, victim, LOAD_S, "the request loading from the stopped rank")
-    return f"SIGSTOP rank {r} (pid {pid}) with a load queued; verdict after {took:.2f}s"
+    until = "the close" if keep else "the canary"
+    return (f"SIGSTOP rank {r} (pid {pid}) with a load queued, resumed after {until}; "
+            f"verdict after {took:.2f}s")
 
 
 def _ring_segment(eng: Engine, rank: int) -> memoryview | None:
@@ -703,15 +724,20 @@ async def bad_step_hash(t: Traffic) -> str:
 
 
 async def bad_allocated_id(t: Traffic) -> str:
-    """allocated() with a GPU id out of range (each kind of wrong id in turn), then the
-    valid call and the whole request."""
+    """allocated() with a GPU id out of range, each kind of wrong id in turn while they
+    are refused, then the valid call and the whole request. Once one is accepted, the
+    client goes on with that table as a client that made the mistake would."""
     got = await _hit_request(t)
     if got is None:
         return "allocated(bad id): skipped"
     rid, toks, hashes, hit, table = got
-    said = [expect_error(t, f"allocated(gpu id {wrong})", t.eng.allocated, rid,
-                         [[*table[:-1], wrong]], hit)
-            for wrong in (GPU_BLOCKS, GPU_BLOCKS + 1000, -1)]
+    said = []
+    for wrong in (GPU_BLOCKS, GPU_BLOCKS + 1000, -1):
+        said.append(expect_error(t, f"allocated(gpu id {wrong})", t.eng.allocated, rid,
+                                 [[wrong, *table[1:]]], hit))  # block 0: in the hit
+        if said[-1].endswith("accepted"):
+            await _go_on_tainted(t, rid, toks, hashes, table, hit)
+            return "; ".join(said)
     try:
         await t.run(rid, toks, hashes, table, hit, 0.0)
     finally:
@@ -719,17 +745,36 @@ async def bad_allocated_id(t: Traffic) -> str:
     return "; ".join(said)
 
 
+async def _go_on_tainted(t: Traffic, rid: str, toks: list[int], hashes: list[bytes],
+                         table: list[int], hit: int) -> None:
+    """The engine accepted an invalid ``allocated``: list the request, await its load,
+    finish it. What raises now is the late price of that acceptance: noted."""
+    req = ScheduledRequest(rid, hashes, len(toks), (tuple(table),), new_or_resumed=True)
+    try:
+        t.quiet("step after it", t.eng.step, StepInput(t.next_step(), [req]))
+        if hit:
+            await t.quiet_wait(rid)
+    finally:
+        t.quiet("finished after it", t.eng.finished, rid, 0, [table])
+        t.gpu.free(reversed(table))
+
+
 async def bad_finished_id(t: Traffic) -> str:
-    """finished() with a GPU id out of range, then the valid finished()."""
+    """finished() with a GPU id out of range, then (if it was refused) the valid one."""
     got = await _hit_request(t)
     if got is None:
         return "finished(bad id): skipped"
     rid, toks, hashes, hit, table = got
     try:
         await t.run(rid, toks, hashes, table, hit, 0.0)
-        res = expect_error(t, "finished(gpu id 10**6)", t.eng.finished, rid, len(toks),
-                           [[*table, 10**6]])
-    finally:
+    except BaseException:
+        t.finish(rid, len(toks), table)
+        raise
+    res = expect_error(t, "finished(gpu id 10**6)", t.eng.finished, rid, len(toks),
+                       [[*table, 10**6]])
+    if res.endswith("accepted"):  # the engine took it as the request's finish
+        t.gpu.free(reversed(table))
+    else:
         t.finish(rid, len(toks), table)
     return res
 
@@ -911,11 +956,20 @@ async def _reap_parent(out: Outcome, parent: subprocess.Popen[bytes] | None,
     code = await bounded(out, asyncio.to_thread(parent.wait), EXIT_S, "kvshm-workers exit")
     if code is None:
         parent.kill()
-        await asyncio.to_thread(parent.wait)
+        await bounded(out, asyncio.to_thread(parent.wait), EXIT_S, "SIGKILLed kvshm-workers")
     elif code not in (0, 1, 128 + signal.SIGKILL, -signal.SIGKILL):
-        out.notes.append(f"kvshm-workers exited {code}")
+        out.notes.append(f"kvshm-workers exited {code}: {_tail(err)}")
     if err is not None:
         err.close()
+
+
+def _tail(err: IO[bytes] | None, n: int = 400) -> str:
+    """The last ``n`` bytes of a captured stderr, on one line."""
+    if err is None:
+        return ""
+    err.seek(0, os.SEEK_END)
+    err.seek(max(0, err.tell() - n))
+    return err.read().decode(errors="replace").replace("\n", " | ").strip()
 
 
 async def resume_and_fence(t: Traffic) -> None:
@@ -925,8 +979,11 @@ async def resume_and_fence(t: Traffic) -> None:
     for pid in t.rig.stopped:
         _signal(pid, signal.SIGCONT)
 
+    kept = set(t.rig.kept_stopped)
+
     def fenced() -> bool:
-        return all(r.alive or getattr(r, "fenced", True) for r in t.eng.statistics().ranks)
+        return all(r.alive or r.pid in kept or getattr(r, "fenced", True)
+                   for r in t.eng.statistics().ranks)
 
     if not await t.until(fenced, FENCE_S, "fence of the dead ranks", hang=False):
         t.out.notes.append(f"a dead rank was not fenced within {FENCE_S:g}s")
@@ -946,8 +1003,9 @@ async def scenario(rig: Rig, out: Outcome) -> None:
     await t.canary(lambda: resume_and_fence(t))
     await check_usable(t)
     await t.settle()
-    await t.until(lambda: sum(quarantined(rig.eng.statistics())) == 0, FENCE_S,
-                  "quarantine to end", hang=False)
+    if not rig.kept_stopped:
+        await t.until(lambda: sum(quarantined(rig.eng.statistics())) == 0, FENCE_S,
+                      "quarantine to end", hang=False)
     read_stats(t)
 
 
@@ -964,8 +1022,27 @@ async def check_usable(t: Traffic) -> None:
             t.out.unusable.append("round trip after the fault did not load")
 
 
+def broken_invariants(t: Traffic) -> list[str]:
+    """The GPU pool's and (where it is reachable) the manager's consistency checks."""
+    checks: list[tuple[str, Callable[[], object] | None]] = [
+        ("GPU pool", t.gpu.check_invariants),
+        ("manager", getattr(getattr(getattr(t.eng, "_core", None), "manager", None),
+                            "check_invariants", None))]
+    broken = []
+    for what, check in checks:
+        if check is None:
+            continue
+        try:
+            check()
+        except Exception as exc:  # noqa: BLE001 - AssertionError names the fault
+            broken.append(f"{what} invariants broken: {type(exc).__name__}: "
+                          f"{str(exc)[:200]}")
+    return broken
+
+
 def read_stats(t: Traffic) -> None:
-    """Leaked pins (beyond the quarantine) with every request finished."""
+    """Leaked pins (beyond the quarantine) with every request finished; invariants."""
+    t.out.unusable.extend(broken_invariants(t))
     st = t.eng.statistics()
     q_gpu, q_cpu = quarantined(st)
     out = t.out
@@ -987,7 +1064,7 @@ async def close(rig: Rig, out: Outcome, shm_seen: set[str]) -> None:
         kill_all(rig)
     for s in rig.held:
         s.close()
-    for pid in rig.stopped:  # a stopped rank never resumed must not block its parent
+    for pid in rig.stopped + rig.kept_stopped:  # a stopped rank would block its parent
         _signal(pid, signal.SIGCONT)
     await _reap_parent(out, rig.parent, rig.parent_err)
     t0 = time.monotonic()
