@@ -57,7 +57,7 @@ import torch
 from kvshm import protocol
 from kvshm.config import EngineConfig
 from kvshm.core_stats import CoreCounters, RankWatch, build_stats
-from kvshm.errors import ConfigError, StateError, TransportError, WorkerDied
+from kvshm.errors import ConfigError, InvalidRequest, StateError, TransportError, WorkerDied
 from kvshm.manager import OffloadManager
 from kvshm.pool import BlockPool
 from kvshm.protocol import Direction, Hello
@@ -84,6 +84,12 @@ def _ranges(ranks: Sequence[int]) -> str:
         out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
         i = j + 1
     return ", ".join(out)
+
+
+def _check_id(call: str, req_id: object) -> None:
+    """A request id must be a str (InvalidRequest otherwise) before it meets a set."""
+    if not isinstance(req_id, str):
+        raise InvalidRequest(call, None, "req_id", f"must be a str, got {req_id!r}")
 
 
 def _pool_size(gpu: GpuBlocks) -> int | None:
@@ -453,6 +459,7 @@ class EngineCore:
         """Phase A; 0 until READY, once FAILED, and for a request listed in a step
         before READY (the manager does not track it, so ``allocated`` ignores it: a hit
         here would be a pin nobody releases and a load nobody reports)."""
+        _check_id("lookup", req.req_id)
         if (self.manager is None or self._state is not EngineState.READY
                 or req.req_id in self._pre_ready):
             self.counters.lookups_not_ready += 1
@@ -462,6 +469,7 @@ class EngineCore:
     def allocated(self, req_id: str, gpu_block_ids: Sequence[Sequence[int]],
                   num_external_tokens: int) -> None:
         """Phase B (ignored before READY: every lookup then returned 0)."""
+        _check_id("allocated", req_id)
         if self.manager is None or req_id in self._pre_ready:
             return
         self.manager.allocated(req_id, gpu_block_ids, num_external_tokens)
@@ -470,24 +478,26 @@ class EngineCore:
     def step(self, inp: StepInput) -> StepPlan:
         """Build this step's plan and post its transfers to every live rank."""
         manager = self.manager
+        pre = self._pre_ready
+        if manager is None or pre:  # the ids go into a set first: check them first
+            for rid in (*(r.req_id for r in inp.requests), *inp.finished):
+                _check_id("build_step", rid)
         if manager is None:
-            self._pre_ready.update(r.req_id for r in inp.requests)
-            self._pre_ready.difference_update(inp.finished)
+            pre.update(r.req_id for r in inp.requests)
+            pre.difference_update(inp.finished)
             return StepPlan(inp.step)
-        if self._pre_ready:
-            inp = self._filter_pre_ready(inp)
-        plan = manager.build_step(inp)
+        if pre:
+            plan = manager.build_step(replace(
+                inp, requests=[r for r in inp.requests if r.req_id not in pre],
+                finished=[f for f in inp.finished if f not in pre]))
+            pre.difference_update(inp.finished)  # only once the call went through
+        else:
+            plan = manager.build_step(inp)
         self._results.extend(plan.load_results)
         for t in (plan.store, plan.load):
             if t is not None:
                 self._post(t)
         return plan
-
-    def _filter_pre_ready(self, inp: StepInput) -> StepInput:
-        pre = self._pre_ready
-        pre.difference_update(inp.finished)
-        return replace(inp, requests=[r for r in inp.requests if r.req_id not in pre],
-                       finished=[f for f in inp.finished if f not in pre])
 
     def _post(self, t: protocol.Transfer) -> None:
         live = [r for r, c in self._channels.items() if not c.closed]
@@ -504,6 +514,7 @@ class EngineCore:
     def finished(self, req_id: str, num_confirmed_tokens: int,
                  gpu_block_ids: Sequence[Sequence[int]]) -> bool:
         """The request is done; always False (pins, not delayed frees)."""
+        _check_id("finished", req_id)
         if req_id in self._pre_ready:
             self._pre_ready.discard(req_id)
             return False

@@ -53,3 +53,28 @@ async def test_start_timeout_names_the_ranks_that_never_said_hello() -> None:
     assert "0 of 64 ranks said Hello within 0.3s" in msg
     assert "never heard from rank(s) 0-63" in msg
     assert "kvshm-workers --name " in msg and "--world-size 64" in msg
+
+
+def test_calls_before_ready_refuse_a_bad_request_id_and_change_nothing() -> None:
+    """Before READY the engine remembers listed request ids in a set (to keep them away
+    from the manager later): an unhashable id was a bare TypeError from that set, after
+    part of the listing had been recorded. Now InvalidRequest, before anything."""
+    from kvshm.engine import SyncClient
+    from kvshm.errors import InvalidRequest
+    from kvshm.types import RequestView, ScheduledRequest, StepInput
+
+    client = SyncClient(config(), gpu_blocks=BlockPool(GPU_BLOCKS))
+    try:
+        good = ScheduledRequest("ok", [], 0, ((),), new_or_resumed=True)
+        bad = ScheduledRequest(["not", "hashable"], [], 0, ((),))  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequest, match="build_step: input: req_id"):
+            client.step(StepInput(1, [good, bad]))
+        assert client._core._pre_ready == set()
+        with pytest.raises(InvalidRequest, match="lookup"):
+            client.lookup(RequestView(None, [], 0), 0)  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequest, match="finished"):
+            client.finished(["x"], 0, [[]])  # type: ignore[arg-type]
+        client.step(StepInput(2, [good]))
+        assert client._core._pre_ready == {"ok"}
+    finally:
+        client.close()
