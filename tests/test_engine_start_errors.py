@@ -8,8 +8,8 @@ import os
 
 import pytest
 import torch
-
 from engine_rig import GPU_BLOCKS, ROW, config, shards
+
 from kvshm.engine import ATTACH, SPAWN, Engine
 from kvshm.errors import ConfigError
 from kvshm.pool import BlockPool
