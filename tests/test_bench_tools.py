@@ -22,6 +22,9 @@ CASES: dict[str, tuple[list[str], set[str]]] = {
     "bench_listing": (["--reps", "2"], {"us_per_request", "floor_us_per_request"}),
     "bench_ipc": (["--n", "200", "--m", "2000", "--warmup", "20", "--rounds", "1"],
                   {"rtt_us", "events_per_s", "cmd_doorbells_per_100"}),
+    "bench_acks": (["--requests", "20", "--blocks", "2", "--row", "4096", "--inflight", "4"],
+                   {"ack_p50_ms", "ack_p99_ms", "ack_p999_ms", "ack_max_ms",
+                    "max_stall_gap_ms", "jobs", "wall_s"}),
 }
 
 
@@ -44,6 +47,10 @@ def test_benchmark_runs_and_ends_with_its_json_line(tool: str) -> None:
         assert all(v > 0 for v in summary["us_per_step"].values())
     elif tool == "bench_copy":
         assert summary["cpu_ratio_block"] > 0 and summary["cpu_ratio_frag"] > 0
+    elif tool == "bench_acks":
+        # a store and a load a request; requests stepping together may share a job
+        assert 20 <= summary["jobs"] <= 40
+        assert 0 < summary["ack_p50_ms"] <= summary["ack_max_ms"]
     elif tool == "bench_listing":
         for key in ("us_per_request", "floor_us_per_request"):
             assert set(summary[key]) == {"1000", "4000", "16000"}
