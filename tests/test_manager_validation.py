@@ -530,3 +530,35 @@ def test_vllm_adapter_maps_refusals_to_no_offload() -> None:
     gpu.free(reversed(gg))
     m.check_invariants()
     assert m.pins_held() == 0 and m._track.reqs == {} and m._hits == {}
+
+
+def test_vllm_adapter_refused_phase_b_with_tokens_becomes_a_failed_load() -> None:
+    """vLLM says 8 tokens of R come from kvshm but hands a table with a repeated id: the
+    manager refuses it (nothing changed). Raising would kill vLLM's scheduler, which
+    then waits for those tokens; instead the lookup's pin is released and R travels in
+    the next metadata's failed_loads with the blocks vLLM expected filled (recomputed)."""
+    from types import SimpleNamespace as NS
+
+    from kvshm.integrations.vllm_config import ConnectorConfig
+    from kvshm.integrations.vllm_sched import SchedulerSide
+    from kvshm.types import StoreMode
+
+    cpu, gpu = BlockPool(8), BlockPool(16)
+    m = OffloadManager(cpu, gpu, block_size=BS)
+    side = SchedulerSide(ConnectorConfig("unit", 1, 1, BS, (KVGroup.full(),), StoreMode.EAGER,
+                                         None, 8, None, 10.0, 5.0, 0))
+    side._client = ManagerClient(m)  # type: ignore[assignment]
+    hashes = chain_hashes(list(range(9)), BS)
+    r = NS(request_id="r", block_hashes=hashes, num_tokens=9, num_computed_tokens=0,
+           num_output_placeholders=0, kv_transfer_params=None)
+    side.on_new_request(r)
+    side.lookup(r, 0)
+    side.allocated(r, [[4, 4, 6]], 8)                          # repeated id 4: refused
+    assert side.counters.requests_refused == 1 and m.pins_held() == 0
+    so = NS(scheduled_new_reqs=[], preempted_req_ids=set(), finished_req_ids=set(),
+            scheduled_cached_reqs=NS(req_ids=[], resumed_req_ids=set(), new_block_ids=[],
+                                     num_computed_tokens=[]))
+    meta = side.build(so)
+    assert meta.failed_loads == {"r": (4,)}                    # blocks 0-1 of the table
+    assert side.build(so).failed_loads == {}                  # reported once
+    m.check_invariants()

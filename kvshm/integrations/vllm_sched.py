@@ -28,9 +28,10 @@ Refused input: kvshm refuses a call whose input breaks its contract
 wherever there is a safe answer, and marks the request *refused* (logged once per kind,
 counted): no CPU hit is offered to it again and it is not listed again (a refused listing
 is retried without it), and its finish only forgets it. A refused lookup is a miss; a
-refused phase B with nothing to load releases the lookup's pin. A refused phase B *with*
-tokens to load has no safe answer (vLLM would wait for a load kvshm never planned), nor
-has a step refused as a whole: those raise.
+refused phase B releases the lookup's pin; if vLLM expected tokens from it, the request
+goes out in the next metadata's ``failed_loads`` with the blocks vLLM expected filled, so
+vLLM recomputes them rather than waiting for a load kvshm never planned. Only a step
+refused as a whole raises.
 
 Requests and readiness: until every worker rank has connected, ``lookup`` returns 0 and
 no request is listed in a ``StepInput``. The first step at which the client is READY
@@ -130,6 +131,8 @@ class SchedulerSide:
         self._refused: set[str] = set()
         self._logged: set[tuple[str, str]] = set()
         self._no_new = no_new_blocks(len(cfg.groups))
+        # loads vLLM expects but kvshm refused in phase B -> destinations to recompute
+        self._refused_loads: dict[str, tuple[int, ...]] = {}
         self._sw = any(g.kind is GroupKind.SLIDING_WINDOW for g in cfg.groups)
         self._step = 0
         self._closed = False
@@ -229,9 +232,21 @@ class SchedulerSide:
             self.client.allocated(rid, block_ids, num_external_tokens)
         except InvalidRequest as exc:
             self._refuse(rid, exc)
-            if num_external_tokens:
-                raise
             self.client.allocated(rid, self._no_new, 0)  # releases the lookup's pin
+            if num_external_tokens:  # vLLM waits for those tokens: fail the load instead
+                self._refused_loads[rid] = self._expected_dsts(
+                    request, block_ids, num_external_tokens)
+
+    def _expected_dsts(self, request: Any, block_ids: Sequence[Sequence[int]],
+                       n_ext: int) -> tuple[int, ...]:
+        """The GPU blocks vLLM expects a refused load to fill (it recomputes them):
+        after the local hit, ``cdiv(n_ext, block_size)`` per group, ints only."""
+        bs = self.cfg.block_size
+        start = int(getattr(request, "num_computed_tokens", 0)) // bs
+        end = start + -(-n_ext // bs)
+        out = [b for t in block_ids for b in list(t)[start:end]
+               if isinstance(b, int) and not isinstance(b, bool) and b >= 0]
+        return tuple(dict.fromkeys(out))
 
     def _refuse(self, rid: str, exc: InvalidRequest) -> None:
         """kvshm refused a call for ``rid``: count it, log it once per kind, and leave
@@ -260,8 +275,12 @@ class SchedulerSide:
         load_dsts: dict[int, tuple[int, ...]] = {}
         if plan.load is not None:
             load_dsts[plan.load.job_id] = tuple(unpack_ids(plan.load.dst_ids))
-        return self._meta_cls(self._step, dict(plan.load_jobs), load_dsts,
-                              dict(plan.failed_loads), tuple(plan.flush))
+        failed = dict(plan.failed_loads)
+        if self._refused_loads:
+            failed.update(self._refused_loads)
+            self._refused_loads.clear()
+        return self._meta_cls(self._step, dict(plan.load_jobs), load_dsts, failed,
+                              tuple(plan.flush))
 
     def _plan(self, reqs: list[ScheduledRequest], alloc: set[int]) -> StepPlan:
         """``SyncClient.step`` over the listing without the refused requests; a listing
