@@ -312,7 +312,12 @@ class RendezvousServer:
         return conn
 
     def _evict_pending(self, events: list[RendezvousEvent]) -> None:
-        """Make room for one more pending connection: close the oldest ones over the cap."""
+        """Make room for one more pending connection: close the oldest ones over the cap.
+        Every pending connection is read first, so one whose Hello (or stats query) is
+        already queued becomes a rank (or is answered) rather than being evicted."""
+        if len(self._pending) >= self._pending_cap:
+            for conn in list(self._pending.values()):
+                self._read_guarded(conn, events)
         while len(self._pending) >= self._pending_cap:
             fd = next(iter(self._pending))
             oldest = self._pending.pop(fd)

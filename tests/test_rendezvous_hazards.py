@@ -347,6 +347,25 @@ def test_idle_connections_cannot_pile_up_server_fds(server: RendezvousServer) ->
     assert server.pending_cap == cap
 
 
+def test_a_hello_queued_at_the_cap_is_read_before_anyone_is_evicted(
+        server: RendezvousServer) -> None:
+    """Review: the cap evicted the oldest pending connection at accept time, before the
+    batch read the others -- a rank that connected, then said Hello while 16 idle
+    connections arrived behind it, was closed as the oldest. Now every pending
+    connection is read before eviction: the rank's queued Hello makes it a rank."""
+    with RendezvousClient(server.name) as rank:
+        rank.connect_nowait()
+        _service_until(server, lambda ev: server.counters().get("accepted") == 1)
+        rank.send_hello(_hello(0, 1))  # queued, not read yet
+        idle = [_raw_connect(server.name) for _ in range(20)]
+        events = _service_until(server, lambda ev: EventKind.ALL_READY in _kinds(ev))
+        assert EventKind.HELLO in _kinds(events)
+        assert rank.check_alive() and set(server.connection_fds()) == {0}
+        assert server.counters().get("refused_pending_cap", 0) <= len(idle) - 16 + 1
+        for sock in idle:
+            sock.close()
+
+
 def test_pending_cap_scales_with_world_size() -> None:
     srv = RendezvousServer(_name(), 8, make_ready=_no_fds, stats=dict)
     try:
