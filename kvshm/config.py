@@ -30,6 +30,9 @@ NAME_RANDOM_BITS: Final = 64
 #: Default ``hang_timeout_s`` (see EngineConfig; chosen from tools.bench_acks).
 DEFAULT_HANG_TIMEOUT_S: Final = 10.0
 TIMEOUT_FIELDS: Final = ("hang_timeout_s", "connect_timeout_s", "shutdown_grace_s")
+#: Longest timeout accepted: a day. Larger values behave like infinity (and overflow
+#: the millisecond conversions of poll()).
+MAX_TIMEOUT_S: Final = 86400.0
 
 
 def default_name() -> str:
@@ -51,8 +54,13 @@ def _timeout(field_name: str, value: object) -> None:
     """ConfigError unless ``value`` is a finite int or float > 0 (a bool is no number)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{field_name} must be a number of seconds, got {value!r}")
-    if not math.isfinite(value) or value <= 0:
-        raise ConfigError(f"{field_name} must be finite and > 0 seconds, got {value!r}")
+    try:
+        ok = math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S
+    except OverflowError:  # an int too large for a float
+        ok = False
+    if not ok:
+        raise ConfigError(f"{field_name} must be > 0 and at most {MAX_TIMEOUT_S:g} seconds "
+                          f"(a day), got {value!r}")
 
 
 @dataclass(frozen=True)

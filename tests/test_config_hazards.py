@@ -17,7 +17,8 @@ from kvshm.errors import ConfigError
 
 #: Every EngineConfig field that is a duration in seconds (checked against the class).
 TIMEOUTS = ("hang_timeout_s", "connect_timeout_s", "shutdown_grace_s")
-BAD_TIMEOUTS = [math.nan, math.inf, -math.inf, -1, -0.5, 0, 0.0, True, False, "5", None]
+BAD_TIMEOUTS = [math.nan, math.inf, -math.inf, -1, -0.5, 0, 0.0, True, False, "5", None,
+                1e300, 86_401, 10**400]  # past a day: as good as infinity, or overflows
 
 
 def test_the_timeout_list_names_every_seconds_field() -> None:
