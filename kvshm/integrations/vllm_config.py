@@ -32,14 +32,13 @@ block size equal to the hash block size.
 from __future__ import annotations
 
 import hashlib
-import math
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Final
 
-from kvshm.config import DEFAULT_HANG_TIMEOUT_S
+from kvshm.config import DEFAULT_HANG_TIMEOUT_S, MAX_TIMEOUT_S
 from kvshm.errors import ConfigError
 from kvshm.types import KVGroup, StoreMode
 
@@ -136,9 +135,9 @@ def _seconds(key: str, value: object, default: float) -> float:
     if value is None:
         return default
     if (isinstance(value, bool) or not isinstance(value, (int, float))
-            or not 0 < value < math.inf):
+            or not 0 < value <= MAX_TIMEOUT_S):
         raise ConfigError(f"kv_connector_extra_config[{key!r}] must be a positive number "
-                          f"of seconds (finite, > 0), got {value!r}")
+                          f"of seconds (> 0, at most a day), got {value!r}")
     return float(value)
 
 
