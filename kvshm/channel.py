@@ -23,7 +23,7 @@ Ordering and loss rules:
   draining inside its callback, and runs a re-check timer while Transfers are unanswered
   or the overflow is non-empty (safety net against a lost wake-up). It never spins: a
   ``Done`` always reaches it through the doorbell and one epoll wake-up of the loop.
-  DESIGN.md's hot round-trip target (1.8x below ``multiprocessing`` pipes) does not hold
+  The original hot round-trip target (1.8x below ``multiprocessing`` pipes) does not hold
   under that rule: mp pays the same doorbell-and-wake-up (~24 us of kvshm's hot RTT on
   the H100 machine, ~16-20 us on the dev VM), and the rings save only the command side's
   syscalls (~11 us), so the measured ratio is 1.4-1.5x (README, "Transport").

@@ -2,7 +2,7 @@
 
 It decides which blocks are stored and loaded, owns the CPU tier's index and pins, and
 hands out job ids; it never touches KV bytes, sockets or threads. Calls, in the order an
-engine step makes them (DESIGN.md, "Scheduler-side contract"):
+engine step makes them (docs/design.md, "The scheduler-side contract"):
 
 1. ``lookup`` (phase A): longest CPU hit beyond the engine's block-aligned GPU hit,
    capped at ``num_tokens - 1``; pins the hit; a repeated lookup drops the older pin;

@@ -1,6 +1,6 @@
 """Store selection for the manager: per-request cursors, in-flight dedup, lazy scans.
 
-Rules (each is a DESIGN.md hazard):
+Rules (each is a hazard of docs/design.md):
 
 * A GPU block is a candidate once its tokens are confirmed. One cursor per request
   walks positions in prefix order; all groups of a position are taken together, and

@@ -1,4 +1,4 @@
-"""One narrated regression test per scheduler-side hazard of DESIGN.md ("Hazards").
+"""One narrated regression test per scheduler-side hazard of docs/design.md ("Hazards").
 
 Every test drives the real ``OffloadManager`` over two real ``BlockPool``s (the CPU tier
 and a toy engine's GPU pool), with tiny pools so block ids, ref counts and jobs can be

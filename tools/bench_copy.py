@@ -17,7 +17,7 @@ Last line with ``--json``:
 ``{"cpu_ratio_block": r, "cpu_ratio_frag": r, "cuda": null | {"method": m, "h2d_ratio": r,
 "d2h_ratio": r, "h2d_gbps": g, "d2h_gbps": g, "frag_h2d_gbps": g, "frag_d2h_gbps": g}}``
 (ratio = engine GB/s / reference GB/s; ``frag`` = 64 x 32 KiB).
-Targets (DESIGN.md): CPU ratios >= 0.7, CUDA ratios >= 0.8.
+Targets (docs/design.md, README "Measured"): CPU ratios >= 0.7, CUDA ratios >= 0.8.
 """
 
 from __future__ import annotations
