@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import torch
 
 from kvshm.config import EngineConfig
-from kvshm.engine import Engine
+from kvshm.engine import ATTACH, Engine
 from kvshm.hashing import chain_hashes
 from kvshm.pool import BlockPool
 from kvshm.shm import shared_tensor
@@ -139,3 +139,21 @@ class EmbeddedRanks:
             await self._task
         for w in self.workers:
             w.close()
+
+
+@contextlib.asynccontextmanager
+async def embedded_engine(**cfg: object) -> AsyncIterator[
+        tuple[Engine, BlockPool, list[torch.Tensor], EmbeddedRanks]]:
+    """An ATTACH engine (``config(**cfg)``) with two embedded ranks driven from the
+    loop over random in-process shards; closes both on exit."""
+    ks = [torch.randint(0, 256, (GPU_BLOCKS, ROW), dtype=torch.uint8) for _ in range(2)]
+    gpu = BlockPool(GPU_BLOCKS)
+    launch = Engine.launch(config(**cfg), workers=ATTACH, gpu_blocks=gpu)
+    ranks = EmbeddedRanks(launch._args[1].name, ks)
+    ranks.start()
+    eng = await launch
+    try:
+        yield eng, gpu, ks, ranks
+    finally:
+        await eng.aclose()
+        await ranks.stop()

@@ -7,12 +7,9 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-import torch
+from engine_rig import BS, Client, embedded_engine, tokens
 
-from engine_rig import BS, GPU_BLOCKS, ROW, Client, EmbeddedRanks, config, tokens
-from kvshm.engine import ATTACH, Engine
 from kvshm.hashing import chain_hashes
-from kvshm.pool import BlockPool
 from kvshm.types import RequestView
 
 
@@ -21,13 +18,7 @@ async def test_one_bad_done_in_a_batch_fails_only_its_job() -> None:
     for prefixes p0, p1, p2); resumed, each rank runs all three and sends their Dones
     together. Applying job 2's first Done raises (injected): job 2 fails -- p1 is not
     cached -- while jobs 1 and 3 complete and are indexed; no pin is left."""
-    ks = [torch.randint(0, 256, (GPU_BLOCKS, ROW), dtype=torch.uint8) for _ in range(2)]
-    gpu = BlockPool(GPU_BLOCKS)
-    launch = Engine.launch(config(), workers=ATTACH, gpu_blocks=gpu)
-    ranks = EmbeddedRanks(launch._args[1].name, ks)
-    ranks.start()
-    eng = await launch
-    try:
+    async with embedded_engine() as (eng, gpu, _, ranks):
         manager = eng._core.manager
         assert manager is not None
         real: Callable[[int, int, bool], None] = manager.on_done
@@ -63,7 +54,4 @@ async def test_one_bad_done_in_a_batch_fails_only_its_job() -> None:
         st = eng.statistics()
         assert st.pins_held == 0 and st.jobs_in_flight == 0
         manager.check_invariants()
-    finally:
-        await eng.aclose()
-        await ranks.stop()
     await asyncio.sleep(0)

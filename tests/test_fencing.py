@@ -24,7 +24,16 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 import torch
-from engine_rig import BS, GPU_BLOCKS, ROW, Client, EmbeddedRanks, config, shards, tokens
+from engine_rig import (
+    BS,
+    GPU_BLOCKS,
+    Client,
+    EmbeddedRanks,
+    config,
+    embedded_engine,
+    shards,
+    tokens,
+)
 
 from kvshm.engine import ATTACH, SPAWN, Engine, EngineState
 from kvshm.pool import BlockPool
@@ -146,17 +155,8 @@ async def test_rank_declared_dead_resumes_standalone_blocks_quarantined_until_eo
 @pytest.fixture
 async def embedded() -> AsyncIterator[tuple[Engine, BlockPool, list[torch.Tensor],
                                             EmbeddedRanks]]:
-    ks = [torch.randint(0, 256, (GPU_BLOCKS, ROW), dtype=torch.uint8) for _ in range(2)]
-    gpu = BlockPool(GPU_BLOCKS)
-    launch = Engine.launch(config(hang_timeout_s=HANG_S), workers=ATTACH, gpu_blocks=gpu)
-    ranks = EmbeddedRanks(launch._args[1].name, ks)
-    ranks.start()
-    eng = await launch
-    try:
-        yield eng, gpu, ks, ranks
-    finally:
-        await eng.aclose()
-        await ranks.stop()
+    async with embedded_engine(hang_timeout_s=HANG_S) as rig:
+        yield rig
 
 
 async def test_rank_declared_dead_resumes_embedded_blocks_quarantined_until_it_stops(

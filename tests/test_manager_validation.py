@@ -19,12 +19,11 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
-import torch
 from engine_rig import BS as ENGINE_BS
-from engine_rig import GPU_BLOCKS, ROW, Client, EmbeddedRanks, config, tokens
+from engine_rig import Client, embedded_engine, tokens
 from test_manager_hazards import BS, Req, Rig, pairs, refs
 
-from kvshm.engine import ATTACH, Engine, EngineState
+from kvshm.engine import EngineState
 from kvshm.errors import ConfigError, InvalidRequest
 from kvshm.hashing import chain_hashes
 from kvshm.manager import OffloadManager
@@ -246,13 +245,7 @@ async def test_bad_call_engine_step_non_bytes_hashes_with_a_load_in_flight() -> 
     done callback, L's load never completed, GPU pins leaked while ``statistics()``
     said 0 and the engine stayed READY. Now ``step`` raises InvalidRequest, L's load
     completes, and the engine ends with no pin and consistent records."""
-    ks = [torch.randint(0, 256, (GPU_BLOCKS, ROW), dtype=torch.uint8) for _ in range(2)]
-    gpu = BlockPool(GPU_BLOCKS)
-    launch = Engine.launch(config(), workers=ATTACH, gpu_blocks=gpu)
-    ranks = EmbeddedRanks(launch._args[1].name, ks)
-    ranks.start()
-    eng = await launch
-    try:
+    async with embedded_engine() as (eng, gpu, _, _):
         c = Client(eng, gpu)
         toks = tokens(3 * ENGINE_BS + 1, seed=7)
         await c.store_only("p", toks)
@@ -274,9 +267,6 @@ async def test_bad_call_engine_step_non_bytes_hashes_with_a_load_in_flight() -> 
         assert st.counters["invalid_calls"] == 1 and st.counters["done_errors"] == 0
         assert eng._core.manager is not None
         eng._core.manager.check_invariants()
-    finally:
-        await eng.aclose()
-        await ranks.stop()
     await asyncio.sleep(0)
 
 
