@@ -13,7 +13,7 @@ import uvloop
 
 import kvshm
 from kvshm.hashing import chain_hashes
-from kvshm.pool import BlockPool
+from kvshm.offload.pool import BlockPool
 from kvshm.shm import shared_tensor
 from kvshm.types import RequestView, ScheduledRequest, StepInput
 

@@ -1,7 +1,7 @@
 """kvshm: a KV-cache offload engine for LLM serving (CPU-memory tier over shared memory).
 
 The public API is exported lazily (PEP 562) so that importing a leaf module such as
-``kvshm.protocol`` from a worker process loads no manager, pool or engine code.
+``kvshm.ipc.protocol`` from a worker process loads no manager, pool or engine code.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ _LAZY: dict[str, str] = {
     "ATTACH": "kvshm.engine",
     "EngineConfig": "kvshm.config",
     "StoreMode": "kvshm.config",
-    "OffloadManager": "kvshm.manager",
-    "BlockPool": "kvshm.pool",
+    "OffloadManager": "kvshm.offload.manager",
+    "BlockPool": "kvshm.offload.pool",
     "RequestView": "kvshm.types",
     "KVGroup": "kvshm.types",
     "StepInput": "kvshm.types",

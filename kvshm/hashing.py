@@ -21,10 +21,11 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from typing import TypeAlias
 
 from kvshm.errors import ConfigError
 
-BlockHash = bytes
+BlockHash: TypeAlias = bytes
 """A block's chained hash: :data:`HASH_BYTES` bytes of SHA-256."""
 
 HASH_BYTES = 16

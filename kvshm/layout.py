@@ -15,7 +15,7 @@ tensor to several layers.
 Scheduler side (specs only, no tensors): :func:`host_pool_plan` lays out one rank's host
 pool (each region's rows contiguous, every region starting 4096-aligned);
 :func:`max_cpu_blocks` and :func:`reconcile` size the CPU tier. This module is a leaf: it
-imports only torch, :mod:`kvshm.protocol` and :mod:`kvshm.errors`.
+imports only torch, :mod:`kvshm.ipc.protocol` and :mod:`kvshm.errors`.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Final
 import torch
 
 from kvshm.errors import ConfigError
-from kvshm.protocol import LayoutSpec, RegionSpec
+from kvshm.ipc.protocol import LayoutSpec, RegionSpec
 
 __all__ = [
     "HOST_ALIGN",

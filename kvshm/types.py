@@ -1,7 +1,7 @@
 """Plain data exchanged between a serving engine and kvshm's scheduler side.
 
-A leaf module: it imports only :mod:`kvshm.protocol` (for ``Transfer``) and
-:mod:`kvshm.errors`, both leaves.
+A leaf module: it imports only :mod:`kvshm.ipc.protocol` (for ``Transfer``),
+:mod:`kvshm.hashing` (for ``BlockHash``) and :mod:`kvshm.errors`, all leaves.
 Nothing here has behaviour beyond small constructors and validation of its own fields.
 
 Block hashes are the *plain* chained hashes of :mod:`kvshm.hashing` (``bytes``), the same
@@ -15,15 +15,13 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import Any, Protocol, TypeAlias
+from typing import Any, Protocol
 
 import msgspec
 
 from kvshm.errors import ConfigError
-from kvshm.protocol import Transfer
-
-BlockHash: TypeAlias = bytes
-"""Same alias as ``kvshm.hashing.BlockHash`` (kept here so this module stays a leaf)."""
+from kvshm.hashing import BlockHash
+from kvshm.ipc.protocol import Transfer
 
 __all__ = [
     "BlockHash", "DeclineReason", "GpuBlocks", "GroupKind", "KVGroup", "LoadFailure",
@@ -72,7 +70,7 @@ class KVGroup:
 
 
 class GpuBlocks(Protocol):
-    """The engine's GPU block pool as kvshm sees it (``kvshm.pool.BlockPool`` fits).
+    """The engine's GPU block pool as kvshm sees it (``kvshm.offload.pool.BlockPool`` fits).
 
     ``num_blocks``: the pool's size; every valid block id is in ``[0, num_blocks)`` (the
     manager refuses any other before it changes anything). ``touch`` pins (ref +1: the
@@ -83,7 +81,7 @@ class GpuBlocks(Protocol):
 
     Two optional attributes, read once by the manager: ``hash_bytes`` (int), the exact
     length of the engine's block hashes (without it any length in
-    ``kvshm.validate.HASH_LEN_RANGE`` is accepted), and ``null_block_id`` (int), a
+    ``kvshm.offload.validate.HASH_LEN_RANGE`` is accepted), and ``null_block_id`` (int), a
     placeholder id the engine may repeat within one table where a sliding-window group
     holds no block (vLLM's null block); no other id may appear twice in one table.
     """
@@ -204,16 +202,17 @@ class StepPlan:
     ``store``/``load``: at most one transfer each (store src = GPU ids, dst = CPU ids;
     load the reverse). ``flush``: job ids a worker must finish before this step's compute
     (always empty: every block under transfer is pinned with ``touch``).
-    ``load_results``: since the last step. ``load_jobs``: every load job not yet acked by
+    Load outcomes are not in the plan: ``take_load_results`` drains the manager's one
+    queue. ``load_jobs``: every load job not yet acked by
     every rank -> its request ids. ``failed_loads``: loads that failed on the scheduler
-    side and never reached a worker -> destination GPU ids (also in ``load_results``).
+    side and never reached a worker -> destination GPU ids (their ``LoadResult`` is queued
+    too).
     """
 
     step: int
     store: Transfer | None = None
     load: Transfer | None = None
     flush: tuple[int, ...] = ()
-    load_results: tuple[LoadResult, ...] = ()
     load_jobs: Mapping[int, tuple[str, ...]] = field(default_factory=lambda: _NO_JOBS)
     failed_loads: Mapping[str, tuple[int, ...]] = field(default_factory=lambda: _NO_FAILED)
 

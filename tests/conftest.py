@@ -1,11 +1,27 @@
-"""Shared test fixtures: GPU skipping and a /dev/shm leak check around every test."""
+"""Shared test fixtures: markers, the Hypothesis profiles, a /dev/shm leak check.
+
+Layout: ``tests/unit/<part>/`` holds the fast tests of one part (seconds, one process,
+no server); everything else is a process test (real processes, rendezvous, vLLM) and
+carries the ``process`` marker, added here, so ``-m 'not process'`` runs the unit tests.
+"""
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from hypothesis import settings
+
+_UNIT = Path(__file__).parent / "unit"
+
+# CI runs the state machines derandomized (the same examples on every run: a red CI is
+# reproducible, a green one is not luck); elsewhere they explore new examples each run.
+settings.register_profile("ci", derandomize=True, print_blob=True)
+settings.register_profile("dev", print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE")
+                      or ("ci" if os.environ.get("CI") else "dev"))
 
 
 def _kvshm_segments() -> set[str]:
@@ -26,6 +42,8 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords and not has_cuda:
             item.add_marker(skip_gpu)
+        if not item.path.is_relative_to(_UNIT):
+            item.add_marker(pytest.mark.process)
 
 
 @pytest.fixture(autouse=True)

@@ -11,7 +11,7 @@ import torch
 from kvshm.config import EngineConfig
 from kvshm.engine import ATTACH, Engine
 from kvshm.hashing import chain_hashes
-from kvshm.pool import BlockPool
+from kvshm.offload.pool import BlockPool
 from kvshm.shm import shared_tensor
 from kvshm.types import (
     LoadResult,

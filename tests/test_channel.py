@@ -1,4 +1,4 @@
-"""kvshm.channel + kvshm.doorbell: round trips across real processes, overflow, errors,
+"""kvshm.ipc.channel + kvshm.ipc.doorbell: round trips across real processes, overflow, errors,
 close, the lost-wake-up timer, and SIGKILL of either side (noticed via the lifeline).
 
 Workers are forked processes that map the segment from the inherited fd (as a spawned
@@ -21,13 +21,13 @@ from typing import Any
 import pytest
 import uvloop
 
-from kvshm import protocol as p
-from kvshm.channel import WorkerChannel
-from kvshm.doorbell import create_eventfd
+from kvshm.ipc import protocol as p
+from kvshm.ipc.channel import WorkerChannel
+from kvshm.ipc.doorbell import create_eventfd
 from kvshm.errors import ClosedError, ConfigError, PeerDied, ProtocolError, StateError
 from kvshm.errors import TransportError, WouldBlock
-from kvshm.ring import CONTROL_SIZE, RingPair, segment_size
-from kvshm.sched_channel import SchedulerChannel
+from kvshm.ipc.ring import CONTROL_SIZE, RingPair, segment_size
+from kvshm.ipc.sched_channel import SchedulerChannel
 from kvshm.shm import Segment, create_segment, map_segment
 
 CTX = mp.get_context("fork")

@@ -14,8 +14,8 @@ import torch
 from engine_rig import BS, GPU_BLOCKS, Client, config, shards, tokens
 from kvshm.engine import ATTACH, SPAWN, Engine, EngineState
 from kvshm.errors import NameInUse, StateError
-from kvshm.pool import BlockPool
-from kvshm.rendezvous_client import query_stats
+from kvshm.offload.pool import BlockPool
+from kvshm.ipc.rendezvous_client import query_stats
 from kvshm.types import LoadFailure
 
 

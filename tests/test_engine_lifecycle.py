@@ -12,14 +12,14 @@ from collections.abc import Iterator
 
 import pytest
 
-import kvshm.launcher as launcher_mod
+import kvshm.engine.launcher as launcher_mod
 from engine_rig import BS, GPU_BLOCKS, Client, config, shards, tokens
-from kvshm.core import EngineCore, EngineState
+from kvshm.engine.runtime import Runtime, EngineState
 from kvshm.engine import SPAWN, Engine, SyncClient
 from kvshm.errors import StateError, WorkerDied
 from kvshm.hashing import chain_hashes
-from kvshm.launcher import Launcher
-from kvshm.pool import BlockPool
+from kvshm.engine.launcher import Launcher
+from kvshm.offload.pool import BlockPool
 from kvshm.types import LoadFailure, LoadResult, RequestView, ScheduledRequest, StepInput
 
 
@@ -62,7 +62,7 @@ async def test_rank_dying_during_start_closes_everything(rank0_exits_at_once: No
                             device_caches=[[k] for k in ks])
     assert err.value.rank == 0 and err.value.exitcode == 3
     assert _children() == []
-    core = EngineCore(cfg, gpu_blocks=BlockPool(GPU_BLOCKS), device_caches=None, spawned=False)
+    core = Runtime(cfg, gpu_blocks=BlockPool(GPU_BLOCKS), device_caches=None, spawned=False)
     core.open()  # NameInUse if the failed engine had left its listener bound
     core.close()
 
@@ -123,7 +123,7 @@ async def test_cancelled_aclose_still_closes_and_resolves_waiters() -> None:
 
 
 class _Core:
-    """Just enough of an EngineCore for Engine's waiter bookkeeping (a seam for timing)."""
+    """Just enough of an Runtime for Engine's waiter bookkeeping (a seam for timing)."""
 
     state = EngineState.READY
 

@@ -12,7 +12,7 @@ from engine_rig import GPU_BLOCKS, ROW, config, shards
 
 from kvshm.engine import ATTACH, SPAWN, Engine
 from kvshm.errors import ConfigError
-from kvshm.pool import BlockPool
+from kvshm.offload.pool import BlockPool
 from kvshm.shm import shared_tensor
 
 

@@ -1,4 +1,4 @@
-"""kvshm.rendezvous: Hello/Ready with fds across real processes, refusals, stats, lifelines."""
+"""kvshm.ipc.rendezvous: Hello/Ready with fds across real processes, refusals, stats, lifelines."""
 
 from __future__ import annotations
 
@@ -28,9 +28,9 @@ from kvshm.errors import (
     StateError,
     VersionMismatch,
 )
-from kvshm.fdpass import encode_control, listen, send_datagram
-from kvshm.protocol import PROTOCOL_VERSION, Hello, LayoutSpec, Ready, Stats, StatsRequest
-from kvshm.rendezvous import (
+from kvshm.ipc.fdpass import encode_control, listen, send_datagram
+from kvshm.ipc.protocol import PROTOCOL_VERSION, Hello, LayoutSpec, Ready, Stats, StatsRequest
+from kvshm.ipc.rendezvous import (
     EventKind,
     RendezvousClient,
     RendezvousEvent,
@@ -46,8 +46,8 @@ SEG_BYTES = 4096
 # waits for the lifeline EOF.
 WORKER = textwrap.dedent("""
     import json, os, select, sys
-    from kvshm.protocol import Hello
-    from kvshm.rendezvous import RendezvousClient
+    from kvshm.ipc.protocol import Hello
+    from kvshm.ipc.rendezvous import RendezvousClient
     from kvshm.shm import map_segment
     name, rank, world, version, mode = sys.argv[1:6]
     client = RendezvousClient(name)
@@ -494,8 +494,8 @@ async def test_rank_lost_within_milliseconds_of_sigkill_via_asyncio(
 
 SCHEDULER = textwrap.dedent("""
     import os, select, sys
-    from kvshm.protocol import PROTOCOL_VERSION, LayoutSpec, Ready
-    from kvshm.rendezvous import RendezvousServer, EventKind
+    from kvshm.ipc.protocol import PROTOCOL_VERSION, LayoutSpec, Ready
+    from kvshm.ipc.rendezvous import RendezvousServer, EventKind
     from kvshm.shm import create_segment
     segs = []
     def make_ready(hellos):

@@ -15,8 +15,8 @@ import torch
 from worker_rig import Sched, rank_lost_error, transfer, unique_name
 
 from kvshm.errors import WorkerDied
-from kvshm.protocol import Direction, Shutdown
-from kvshm.rendezvous import EventKind
+from kvshm.ipc.protocol import Direction, Shutdown
+from kvshm.ipc.rendezvous import EventKind
 from kvshm.shm import shared_tensor
 from workers.loop import cli_main
 

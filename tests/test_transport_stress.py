@@ -22,11 +22,11 @@ from typing import Any
 
 import pytest
 
-from kvshm import protocol as p
-from kvshm.channel import WorkerChannel
-from kvshm.doorbell import Doorbell, Parker, create_eventfd, notify
-from kvshm.ring import RingPair, segment_size
-from kvshm.sched_channel import SchedulerChannel
+from kvshm.ipc import protocol as p
+from kvshm.ipc.channel import WorkerChannel
+from kvshm.ipc.doorbell import Doorbell, Parker, create_eventfd, notify
+from kvshm.ipc.ring import RingPair, segment_size
+from kvshm.ipc.sched_channel import SchedulerChannel
 from kvshm.shm import Segment, create_segment, map_segment
 
 CTX = mp.get_context("fork")

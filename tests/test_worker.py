@@ -13,8 +13,8 @@ import torch
 from worker_rig import Sched, rank_lost_error, transfer, unique_name
 
 from kvshm.errors import ConfigError, PeerDied, ProtocolError
-from kvshm.protocol import Direction, Done, Flush, Shutdown, Transfer, pack_ids
-from kvshm.rendezvous import EventKind
+from kvshm.ipc.protocol import Direction, Done, Flush, Shutdown, Transfer, pack_ids
+from kvshm.ipc.rendezvous import EventKind
 from kvshm.shm import shared_tensor
 from workers.copy_engine import CpuFence
 from workers.cpu_copy import FaultInjection

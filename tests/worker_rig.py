@@ -16,10 +16,10 @@ from collections.abc import Callable, Mapping, Sequence
 import torch
 
 from kvshm.errors import WorkerDied
-from kvshm.protocol import CmdMsg, Direction, Done, Hello, Ready, Transfer, pack_ids
-from kvshm.provision import Provisioned, provision
-from kvshm.rendezvous import EventKind, RendezvousEvent, RendezvousServer
-from kvshm.sched_channel import SchedulerChannel
+from kvshm.ipc.protocol import CmdMsg, Direction, Done, Hello, Ready, Transfer, pack_ids
+from kvshm.engine.provision import Provisioned, provision
+from kvshm.ipc.rendezvous import EventKind, RendezvousEvent, RendezvousServer
+from kvshm.ipc.sched_channel import SchedulerChannel
 
 
 def unique_name() -> str:

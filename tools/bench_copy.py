@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from kvshm.layout import KVLayout
-from kvshm.protocol import Direction
+from kvshm.ipc.protocol import Direction
 from workers.copy_engine import CopyEngine, CopyJob
 from workers.cpu_copy import CpuCopyEngine, CpuCopyMethod
 from workers.host_pool import HostPool

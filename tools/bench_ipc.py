@@ -41,11 +41,11 @@ import uvloop
 import zmq
 import zmq.asyncio
 
-from kvshm import protocol as p
-from kvshm.channel import WorkerChannel
-from kvshm.doorbell import create_eventfd
-from kvshm.ring import DEFAULT_CAPACITY, RingPair, segment_size
-from kvshm.sched_channel import SchedulerChannel
+from kvshm.ipc import protocol as p
+from kvshm.ipc.channel import WorkerChannel
+from kvshm.ipc.doorbell import create_eventfd
+from kvshm.ipc.ring import DEFAULT_CAPACITY, RingPair, segment_size
+from kvshm.ipc.sched_channel import SchedulerChannel
 from kvshm.shm import create_segment, map_segment
 
 SPIN_US = 50.0

@@ -21,8 +21,8 @@ import time
 from types import SimpleNamespace as NS
 from typing import Any
 
-from kvshm.integrations.vllm_config import ConnectorConfig
-from kvshm.integrations.vllm_sched import SchedulerSide
+from kvshm.integrations.vllm.config import ConnectorConfig
+from kvshm.integrations.vllm.scheduler import SchedulerSide
 from kvshm.types import KVGroup, ScheduledRequest, StoreMode, no_new_blocks
 
 SIZES = (1000, 4000, 16000)

@@ -38,8 +38,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
-from kvshm.manager import OffloadManager
-from kvshm.pool import BlockPool
+from kvshm.offload.manager import OffloadManager
+from kvshm.offload.pool import BlockPool
 from kvshm.types import RequestView, ScheduledRequest, StepInput, no_new_blocks
 
 BS = 16
@@ -156,11 +156,12 @@ class Trace:
             self.floor_s = _bare_read(listing)
         t = time.perf_counter()
         plan = m.build_step(inp)
+        results = m.take_load_results()
         spent += time.perf_counter() - t
         for tr in (plan.store, plan.load):
             if tr is not None:
                 self.acks.append(tr.job_id)
-        for res in plan.load_results:
+        for res in results:
             r = self.loading.pop(res.req_id)
             assert res.ok, res
             r.confirmed = PREFIX_BLOCKS * BS

@@ -79,14 +79,14 @@ from typing import IO, Any, Final, TypeVar
 
 import torch
 
-from kvshm import protocol
+from kvshm.ipc import protocol
 from kvshm.config import EngineConfig
 from kvshm.engine import ATTACH, SPAWN, Engine, WorkerMode
 from kvshm.errors import KvshmError, PoolExhausted
 from kvshm.hashing import chain_hashes
-from kvshm.pool import BlockPool
-from kvshm.rendezvous_client import query_stats
-from kvshm.ring import CONTROL_SIZE, LINE, RingPair
+from kvshm.offload.pool import BlockPool
+from kvshm.ipc.rendezvous_client import query_stats
+from kvshm.ipc.ring import CONTROL_SIZE, LINE, RingPair
 from kvshm.shm import SHM_DIR, SHM_PREFIX, shared_tensor
 from kvshm.stats import EngineStats, RankStats
 from kvshm.types import RequestView, ScheduledRequest, StepInput, StepPlan
@@ -119,7 +119,7 @@ GONE_S: Final = 10.0  # after close and the parent's exit: longer is a process l
 FENCE_S: Final = 5.0
 CORRUPT_VERDICT_S: Final = 3.0
 ALLOC_S: Final = 5.0
-# the ring segment's control block (documented in kvshm/ring.py): u64 words
+# the ring segment's control block (documented in kvshm/ipc/ring.py): u64 words
 _W_DONE_CAP: Final = 3
 _W_DONE_OFF: Final = 5
 _W_DONE_HEAD: Final = 4 * LINE // 8

@@ -6,7 +6,7 @@ rank (STORE: device layout -> host pool; LOAD: host pool -> device layout). An e
 * ``submit(job, after)`` returns at once; the copy starts only after ``after`` (a
   :class:`Fence`) is signalled: a store after the compute that writes its blocks, a load
   into a reused block after that block's previous reader.
-* ``poll()`` returns the :class:`~kvshm.protocol.Done` of finished jobs without waiting.
+* ``poll()`` returns the :class:`~kvshm.ipc.protocol.Done` of finished jobs without waiting.
   Order: within one direction, jobs are reported in submission order (a finished job
   waits behind an unfinished earlier one of its direction); loads never wait behind stores
   or the reverse (they run on separate CUDA streams).
@@ -34,7 +34,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from kvshm.errors import CopyError, ProtocolError
-from kvshm.protocol import Direction, Done, Transfer
+from kvshm.ipc.protocol import Direction, Done, Transfer
 
 __all__ = [
     "CompletionTracker",

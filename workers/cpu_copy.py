@@ -37,7 +37,7 @@ import torch
 
 from kvshm.errors import ConfigError, CopyError
 from kvshm.layout import KVLayout
-from kvshm.protocol import Direction, Done
+from kvshm.ipc.protocol import Direction, Done
 from workers.copy_engine import (
     CompletionTracker,
     CopyJob,

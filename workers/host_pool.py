@@ -24,7 +24,7 @@ import torch
 
 from kvshm.errors import ConfigError
 from kvshm.layout import KVLayout, host_pool_plan
-from kvshm.protocol import PROTOCOL_VERSION, LayoutSpec, Ready
+from kvshm.ipc.protocol import PROTOCOL_VERSION, LayoutSpec, Ready
 from kvshm.shm import map_segment
 
 __all__ = ["HostPool"]

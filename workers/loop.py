@@ -8,7 +8,7 @@ Two forms of one command line:
   for a rank killed by a signal). Children get ``PR_SET_PDEATHSIG`` = SIGTERM, so they
   stop if the parent is killed.
 * per rank: ``python -m workers --name NAME --rank R --world-size W`` (what
-  :class:`kvshm.launcher.Launcher` spawns) runs one standalone
+  :class:`kvshm.engine.launcher.Launcher` spawns) runs one standalone
   :class:`~workers.worker.Worker` (``regions=None``: the device caches arrive in Ready).
 
 A rank connects (retrying while nobody listens on the name) and waits for Ready up to

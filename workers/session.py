@@ -3,13 +3,13 @@
 :class:`Connector` connects and says hello without waiting (retrying while nobody
 listens on the name), then polls for ``Ready``; the first poll that finds it returns the
 :class:`Session`. Between connect and Hello the listener's uid is checked
-(:meth:`~kvshm.rendezvous_client.RendezvousClient.connect_nowait`): a name held by a
+(:meth:`~kvshm.ipc.rendezvous_client.RendezvousClient.connect_nowait`): a name held by a
 process of another uid raises :class:`~kvshm.errors.UntrustedPeer` (the worker detaches
 with it as its error), so neither the Hello nor, later, any of this rank's fds reach it.
 
 :func:`open_session` maps, in this order, the rank's device caches (standalone workers
 only: ``Ready.device_caches``), checks the layout against ``Ready.layout``, maps the ring
-segment, the host pool, builds the :class:`~kvshm.channel.WorkerChannel` (lifeline = the
+segment, the host pool, builds the :class:`~kvshm.ipc.channel.WorkerChannel` (lifeline = the
 rendezvous socket) and the copy engine (CUDA for a CUDA layout, else CPU), whose
 completion eventfd the channel watches, so a finished copy wakes a parked receive.
 
@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvshm.channel import ChannelStats, WorkerChannel
+from kvshm.ipc.channel import ChannelStats, WorkerChannel
 from kvshm.errors import ConfigError, PeerDied, ProtocolError, WouldBlock
 from kvshm.layout import KVLayout
-from kvshm.protocol import PROTOCOL_VERSION, READY_FIXED_FDS, Hello, Ready
-from kvshm.rendezvous_client import RendezvousClient
-from kvshm.ring import RingPair, segment_size
+from kvshm.ipc.protocol import PROTOCOL_VERSION, READY_FIXED_FDS, Hello, Ready
+from kvshm.ipc.rendezvous_client import RendezvousClient
+from kvshm.ipc.ring import RingPair, segment_size
 from kvshm.shm import Segment, map_segment, tensor_from_fd
 from workers.copy_engine import CopyEngine
 from workers.cpu_copy import CpuCopyEngine, FaultInjection

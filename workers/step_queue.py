@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 
-from kvshm.protocol import Direction, Transfer
+from kvshm.ipc.protocol import Direction, Transfer
 
 __all__ = ["StepQueue"]
 

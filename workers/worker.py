@@ -29,7 +29,7 @@ Per engine step: ``begin_step(step, flush_ids)``, ``submit_loads(step, after)``,
   :meth:`poll` (or by :meth:`wait` for the jobs it names).
 * ``Shutdown``: DRAINING; a :meth:`poll` that finds nothing running and nothing queued
   for a begun step fails the jobs of steps never begun, then detaches (SHUTDOWN).
-* Revocation (:meth:`kvshm.ring.RingPair.revoke`): the scheduler declared this rank dead
+* Revocation (:meth:`kvshm.ipc.ring.RingPair.revoke`): the scheduler declared this rank dead
   (a hang verdict, a broken ring). The word is read before each job starts and before
   each batch of Dones is published; once set, the worker starts nothing more (queued
   jobs and those waiting in the copy engine fail locally), publishes no Done and
@@ -65,10 +65,10 @@ from kvshm.errors import (
     RankRevoked,
     TransportError,
 )
-from kvshm.fdpass import socket_address
+from kvshm.ipc.fdpass import socket_address
 from kvshm.layout import KVLayout
-from kvshm.protocol import Direction, Done, Flush, Shutdown, Transfer, unpack_ids
-from kvshm.rendezvous_client import RendezvousClient
+from kvshm.ipc.protocol import Direction, Done, Flush, Shutdown, Transfer, unpack_ids
+from kvshm.ipc.rendezvous_client import RendezvousClient
 from workers.copy_engine import CopyJob, Fence, describe_error
 from workers.cpu_copy import FaultInjection
 from workers.session import Connector, Session, SessionOptions

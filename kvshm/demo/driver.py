@@ -1,7 +1,7 @@
 """``kvshm demo``: replay the chat trace twice on the toy model, offload off and on.
 
 Setup (both runs): the toy model (seed 0), its KV split by heads into 2 shards, a GPU
-block pool (kvshm's :class:`~kvshm.pool.BlockPool`) of about a quarter of the trace's
+block pool (kvshm's :class:`~kvshm.offload.pool.BlockPool`) of about a quarter of the trace's
 distinct blocks, one torch thread. The offload run allocates the shards in shared
 memory and launches an :class:`~kvshm.engine.Engine` with 2 SPAWN workers (TP=2), with a
 CPU tier large enough for the whole trace.
@@ -31,7 +31,7 @@ from kvshm.demo.model import ToyModel
 from kvshm.demo.server import ChunkCall, ToyServer, TurnResult
 from kvshm.demo.trace import ChatTrace, TurnRef, make_trace
 from kvshm.engine import SPAWN, Engine
-from kvshm.pool import BlockPool
+from kvshm.offload.pool import BlockPool
 from kvshm.shm import shared_tensor
 
 __all__ = ["RunReport", "run_demo"]

@@ -3,7 +3,7 @@
 It does what a serving engine's scheduler and worker do, in one asyncio task:
 
 1. GPU prefix cache: the longest run of the prompt's block hashes cached in its
-   :class:`~kvshm.pool.BlockPool` (touched), capped so at least one token is computed;
+   :class:`~kvshm.offload.pool.BlockPool` (touched), capped so at least one token is computed;
 2. ``engine.lookup`` for a CPU hit beyond it (phase A), then the block table is
    allocated (local hits + fresh blocks for the rest of the prompt and the reply) and
    ``engine.allocated`` (phase B);
@@ -39,8 +39,8 @@ import torch
 from kvshm.demo.model import ToyModel, greedy
 from kvshm.engine import Engine
 from kvshm.hashing import chain_hashes
-from kvshm.pool import BlockPool
-from kvshm.protocol import Transfer, unpack_ids
+from kvshm.offload.pool import BlockPool
+from kvshm.ipc.protocol import Transfer, unpack_ids
 from kvshm.types import RequestView, ScheduledRequest, StepInput, StepPlan, no_new_blocks
 
 __all__ = ["ChunkCall", "ToyServer", "TurnResult"]

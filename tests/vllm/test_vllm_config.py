@@ -18,7 +18,7 @@ import pytest
 
 from kvshm.config import EngineConfig
 from kvshm.errors import ConfigError
-from kvshm.integrations.vllm_config import (
+from kvshm.integrations.vllm.config import (
     ConnectorConfig,
     GroupInfo,
     GroupKindName,

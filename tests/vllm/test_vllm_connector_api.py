@@ -22,7 +22,7 @@ import torch
 
 from kvshm.errors import ConfigError
 from kvshm.integrations.vllm import CONNECTOR_HOOKS, VLLM_VERSION
-from kvshm.integrations.vllm_blocks import VllmGpuBlocks, kv_regions
+from kvshm.integrations.vllm.blocks import VllmGpuBlocks, kv_regions
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -196,8 +196,8 @@ def test_kv_regions_refuse_a_layer_where_the_record_does_not_put_it() -> None:
 
 
 def _worker_side(per_request: bool) -> Any:
-    from kvshm.integrations.vllm_config import ConnectorConfig
-    from kvshm.integrations.vllm_worker import WorkerSide
+    from kvshm.integrations.vllm.config import ConnectorConfig
+    from kvshm.integrations.vllm.worker import WorkerSide
     from kvshm.types import KVGroup, StoreMode
 
     groups = (KVGroup.full(), KVGroup.sliding_window(64)) if per_request else (KVGroup.full(),)
@@ -214,7 +214,7 @@ def test_failed_load_is_reported_per_request_with_several_kv_groups(per_request:
     (block ids are per group there), so with full + sliding-window groups a failed load
     travels as the request id in failed_recving and no block id is reported; with one
     group the destination blocks are reported (vLLM keeps the valid prefix)."""
-    from kvshm.integrations.vllm_sched import StepMeta
+    from kvshm.integrations.vllm.scheduler import StepMeta
 
     ws = _worker_side(per_request)
     ws.bind(StepMeta(7, failed_loads={"r1": (4, 5, 6)}))
@@ -238,8 +238,8 @@ def test_listing_covers_every_kind_of_scheduled_request() -> None:
     ScheduledRequests, sliding-window allocations and counters, in listing order."""
     from types import SimpleNamespace as NS
 
-    from kvshm.integrations.vllm_config import ConnectorConfig
-    from kvshm.integrations.vllm_sched import SchedulerSide
+    from kvshm.integrations.vllm.config import ConnectorConfig
+    from kvshm.integrations.vllm.scheduler import SchedulerSide
     from kvshm.types import KVGroup, ScheduledRequest, StoreMode
 
     cfg = ConnectorConfig("unit", 1, 1, 16, (KVGroup.full(), KVGroup.sliding_window(64)),

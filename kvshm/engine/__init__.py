@@ -1,0 +1,21 @@
+"""The runtime that joins the offload policy to worker ranks over the IPC transport.
+
+:class:`Engine` (asyncio) and :class:`SyncClient` (the caller's thread) are the public
+faces; both drive one :class:`~kvshm.engine.runtime.Runtime`, which owns the manager,
+the CPU pool, the rendezvous and one channel per rank, supervises the ranks
+(:mod:`~kvshm.engine.supervision`), provisions shared memory
+(:mod:`~kvshm.engine.provision`) and, in SPAWN mode, starts the worker processes
+(:mod:`~kvshm.engine.launcher`).
+
+May import: the shared leaves, ``kvshm.offload`` and ``kvshm.ipc``. Never: ``workers``
+(ranks are separate processes or the serving engine's own), integrations, vLLM
+(``tests/unit/test_imports.py``).
+
+The invariant every change keeps: every call that touches the manager or a pool runs on
+one thread (the event loop's for ``Engine``, the caller's for ``SyncClient``), and a rank
+that failed is fenced before its quarantined pins are released.
+"""
+
+from kvshm.engine.api import ATTACH, SPAWN, Engine, EngineState, SyncClient, WorkerMode
+
+__all__ = ["ATTACH", "SPAWN", "Engine", "EngineState", "SyncClient", "WorkerMode"]

@@ -1,0 +1,394 @@
+"""The public engines: ``Engine`` (asyncio, for custom servers) and ``SyncClient``.
+
+Both are thin shells around :class:`kvshm.engine.runtime.Runtime`, which owns the manager, the
+CPU pool, the rendezvous and the channels. The rule both keep: every call that touches
+the manager or a pool runs on one thread -- the event loop's for ``Engine``, the caller's
+for ``SyncClient``.
+
+``Engine`` lifecycle (``EngineState``)::
+
+    NEW --launch--> STARTING --all ranks ready--> READY --aclose--> CLOSING --> CLOSED
+                        |                           |
+                        +--- rank died / hung ----> FAILED --aclose--> CLOSING --> CLOSED
+
+In FAILED the engine keeps answering: ``lookup`` returns 0, ``step`` plans nothing, every
+pending ``wait_loaded`` resolves with a failed ``LoadResult`` (recompute). Calls after
+``aclose`` raise :class:`~kvshm.errors.StateError`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Generator, Sequence
+from enum import Enum
+from types import TracebackType
+from typing import Any
+
+import torch
+
+from kvshm.config import EngineConfig
+from kvshm.engine.runtime import Runtime, EngineState
+from kvshm.errors import StateError
+from kvshm.engine.launcher import Launcher
+from kvshm.stats import EngineStats
+from kvshm.types import GpuBlocks, LoadFailure, LoadResult, RequestView, StepInput, StepPlan
+
+__all__ = ["ATTACH", "SPAWN", "Engine", "EngineState", "SyncClient", "WorkerMode"]
+
+
+class WorkerMode(Enum):
+    """Who provides the worker processes."""
+
+    SPAWN = "spawn"  # kvshm starts world_size CPU workers and supervises them
+    ATTACH = "attach"  # embedded (in the serving engine) or `kvshm-workers` ones connect
+
+
+SPAWN = WorkerMode.SPAWN
+ATTACH = WorkerMode.ATTACH
+
+_TICK_S = 0.25
+
+
+class Engine:
+    """asyncio engine. Create with ``async with Engine.launch(config, ...) as eng``."""
+
+    def __init__(self, core: Runtime, launcher: Launcher | None) -> None:
+        self._core = core
+        self._launcher = launcher
+        self._waiters: dict[str, list[asyncio.Future[LoadResult]]] = {}
+        self._results: dict[str, LoadResult] = {}
+        self._pending_loads: set[str] = set()
+        self._ticker: asyncio.TimerHandle | None = None
+        self._closed = asyncio.Event()
+
+    # -- lifecycle -------------------------------------------------------------------
+    @classmethod
+    def launch(cls, config: EngineConfig, *, workers: WorkerMode = SPAWN,
+               gpu_blocks: GpuBlocks,
+               device_caches: Sequence[Sequence[torch.Tensor]] | None = None,
+               ) -> _Launch:
+        """Start an engine; use as ``async with`` (closes on exit) or ``await`` it.
+
+        SPAWN needs ``device_caches`` (one list of shared-memory tensors per rank, made
+        with :func:`kvshm.shm.shared_tensor`); ATTACH waits for embedded workers (which
+        bring their own layout) or ``kvshm-workers`` (which need ``device_caches``).
+        """
+        return _Launch(cls, config, workers, gpu_blocks, device_caches)
+
+    async def _start(self, mode: WorkerMode) -> None:
+        """Start workers (SPAWN) and wait for READY. Any failure on the way - a rank
+        that dies or is refused, a timeout, a cancellation - closes everything started
+        (listener, timer, pidfds, spawned ranks) before the error propagates."""
+        loop = asyncio.get_running_loop()
+        self._core.attach_loop(loop, self._on_change)
+        try:
+            if mode is SPAWN:
+                assert self._launcher is not None
+                self._core.set_killer(self._launcher.kill)
+                for w in self._launcher.start():
+                    loop.add_reader(w.pidfd, self._on_worker_exit, w.rank, w.pidfd)
+            self._ticker = loop.call_later(_TICK_S, self._tick)
+            timeout = self._core.config.connect_timeout_s
+            try:
+                await asyncio.wait_for(self._core.wait_started(), timeout)
+            except TimeoutError:
+                raise self._core.start_timeout_error(timeout) from None
+            self._core.raise_if_start_failed()
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def __aenter__(self) -> Engine:
+        return self
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self.aclose()
+
+    @property
+    def state(self) -> EngineState:
+        """The lifecycle state."""
+        return self._core.state
+
+    @property
+    def name(self) -> str:
+        """The rendezvous name (``kvshm stats --name`` takes it)."""
+        return self._core.config.name
+
+    async def aclose(self) -> None:
+        """Shut down: Shutdown to workers, close lifelines, then TERM/KILL (idempotent)."""
+        if self._core.state in (EngineState.CLOSING, EngineState.CLOSED):
+            await self._closed.wait()
+            return
+        loop = asyncio.get_running_loop()
+        await self._drain(loop.time() + self._core.config.shutdown_grace_s)
+        self._core.begin_close()
+        try:
+            if self._ticker is not None:
+                self._ticker.cancel()
+            if self._launcher is not None:
+                for w in self._launcher.workers:
+                    with contextlib.suppress(ValueError, OSError):
+                        loop.remove_reader(w.pidfd)
+            self._core.detach_loop()
+            self._core.close()
+            if self._launcher is not None:
+                # shielded: a cancelled aclose still stops and reaps every spawned rank
+                # (the thread escalates to SIGKILL, so this ends)
+                await asyncio.shield(loop.run_in_executor(
+                    None, self._launcher.stop, self._core.config.shutdown_grace_s))
+        finally:  # even when cancelled: no waiter is left hanging, later aclose()s return
+            self._fail_waiters(LoadFailure.ENGINE_CLOSED)
+            self._closed.set()
+
+    async def _drain(self, deadline: float) -> None:
+        """Graceful part of aclose: let jobs in flight finish (so their pins are released)
+        until ``deadline``; a FAILED or starting engine does not wait."""
+        loop = asyncio.get_running_loop()
+        while (self._core.state is EngineState.READY and self._core.jobs_in_flight()
+               and loop.time() < deadline):
+            await asyncio.sleep(0.002)
+
+    # -- scheduler calls ---------------------------------------------------------------
+    def lookup(self, req: RequestView, num_local_tokens: int) -> int | None:
+        """Phase A: CPU hit length in tokens beyond ``num_local_tokens`` (pins it)."""
+        self._check_open()
+        return self._core.lookup(req, num_local_tokens)
+
+    def allocated(self, req_id: str, gpu_block_ids: Sequence[Sequence[int]],
+                  num_external_tokens: int) -> None:
+        """Phase B: where the hit goes; ``await wait_loaded(req_id)`` after ``step``."""
+        self._check_open()
+        self._core.allocated(req_id, gpu_block_ids, num_external_tokens)
+        if num_external_tokens > 0:  # only once accepted: a refusal leaves nothing to wait
+            self._pending_loads.add(req_id)
+        self._publish()
+
+    def step(self, step_input: StepInput) -> StepPlan:
+        """Plan and post this step's transfers; never blocks, never raises on a full ring.
+
+        Contract (SPAWN / standalone workers): call it only after the compute of every
+        earlier step has finished writing the device caches.
+        """
+        self._check_open()
+        plan = self._core.step(step_input)
+        self._publish()
+        return plan
+
+    async def wait_loaded(self, req_id: str) -> LoadResult:
+        """The outcome of ``req_id``'s load; never raises on worker death.
+
+        Cancelling it cancels only this wait: the load itself goes on and its result is
+        kept for a later ``wait_loaded`` (until the request finishes).
+        """
+        self._check_open()
+        if req_id in self._results:
+            self._pending_loads.discard(req_id)
+            return self._results.pop(req_id)
+        if req_id not in self._pending_loads:
+            raise StateError(f"request {req_id!r} has no load pending")
+        fut: asyncio.Future[LoadResult] = asyncio.get_running_loop().create_future()
+        self._waiters.setdefault(req_id, []).append(fut)
+        try:
+            result = await fut
+        except asyncio.CancelledError:
+            # Cancelled after the result was handed to this waiter but before it ran:
+            # keep the result for a later wait_loaded (only the wait is cancelled).
+            if fut.done() and not fut.cancelled():
+                self._results[req_id] = fut.result()
+            raise
+        finally:
+            waiters = self._waiters.get(req_id)
+            if waiters is not None and fut in waiters:
+                waiters.remove(fut)
+                if not waiters:
+                    del self._waiters[req_id]
+        self._results.pop(req_id, None)
+        self._pending_loads.discard(req_id)
+        return result
+
+    def finished(self, req_id: str, num_confirmed_tokens: int,
+                 gpu_block_ids: Sequence[Sequence[int]]) -> bool:
+        """The request is done; its unsaved full blocks go out in the next step."""
+        self._check_open()
+        out = self._core.finished(req_id, num_confirmed_tokens, gpu_block_ids)
+        # A load still queued is dropped with the request and a planned one's result is
+        # moot: nobody may wait for it any longer, and nothing is kept for it.
+        self._pending_loads.discard(req_id)
+        self._publish()
+        self._results.pop(req_id, None)
+        for fut in self._waiters.pop(req_id, ()):
+            if not fut.done():
+                fut.set_result(LoadResult(req_id, False, (), LoadFailure.REQUEST_FINISHED, 0))
+        return out
+
+    async def reset(self, timeout: float | None = None) -> bool:
+        """Drop the CPU index; waits until no transfer is in flight. True when done."""
+        self._check_open()
+        deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
+        while not self._core.reset():
+            if deadline is not None and asyncio.get_running_loop().time() > deadline:
+                return False
+            await asyncio.sleep(0.001)
+        return True
+
+    def has_pending_work(self) -> bool:
+        """True while any job is planned, queued, in flight or not acked by every rank."""
+        return self._core.has_pending_work()
+
+    def statistics(self) -> EngineStats:
+        """A statistics snapshot."""
+        return self._core.statistics()
+
+    # -- internals --------------------------------------------------------------------
+    def _check_open(self) -> None:
+        if self._core.state in (EngineState.CLOSING, EngineState.CLOSED):
+            raise StateError(f"engine {self.name!r} is {self._core.state.name}")
+
+    def _on_change(self) -> None:
+        self._publish()
+
+    def _publish(self) -> None:
+        for res in self._core.take_load_results():
+            waiters = self._waiters.pop(res.req_id, None)
+            if waiters:
+                for fut in waiters:
+                    if not fut.done():
+                        fut.set_result(res)
+            elif res.req_id in self._pending_loads:
+                self._results[res.req_id] = res
+
+    def _fail_waiters(self, cause: LoadFailure) -> None:
+        for req_id, waiters in list(self._waiters.items()):
+            for fut in waiters:
+                if not fut.done():
+                    fut.set_result(LoadResult(req_id, False, (), cause, 0))
+        self._waiters.clear()
+
+    def _on_worker_exit(self, rank: int, pidfd: int) -> None:
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(ValueError, OSError):
+            loop.remove_reader(pidfd)
+        exitcode = None
+        if self._launcher is not None:
+            exitcode = self._launcher.workers[rank].reap_nowait()
+        self._core.rank_died(rank, exitcode, fenced=True)
+        self._publish()
+
+    def _tick(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._core.tick(loop.time())
+        self._publish()
+        if self._core.state not in (EngineState.CLOSING, EngineState.CLOSED):
+            self._ticker = loop.call_later(_TICK_S, self._tick)
+
+
+class _Launch:
+    """What ``Engine.launch`` returns: awaitable and an async context manager."""
+
+    def __init__(self, cls: type[Engine], config: EngineConfig, mode: WorkerMode,
+                 gpu_blocks: GpuBlocks,
+                 device_caches: Sequence[Sequence[torch.Tensor]] | None) -> None:
+        self._args = (cls, config, mode, gpu_blocks, device_caches)
+        self._engine: Engine | None = None
+
+    async def _go(self) -> Engine:
+        cls, config, mode, gpu_blocks, device_caches = self._args
+        core = Runtime(config, gpu_blocks=gpu_blocks, device_caches=device_caches,
+                          spawned=mode is SPAWN)
+        core.open()
+        launcher = Launcher(config.name, config.world_size) if mode is SPAWN else None
+        engine = cls(core, launcher)
+        await engine._start(mode)
+        return engine
+
+    def __await__(self) -> Generator[Any, None, Engine]:
+        return self._go().__await__()
+
+    async def __aenter__(self) -> Engine:
+        self._engine = await self._go()
+        return self._engine
+
+    async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        if self._engine is not None:
+            await self._engine.aclose()
+
+
+class SyncClient:
+    """Synchronous engine for a serving engine whose scheduler is synchronous (vLLM).
+
+    Workers ATTACH (embedded or standalone). Every call first services the rendezvous and
+    drains the done rings without waiting, applying completions on the caller's thread.
+    Until every rank has connected, ``lookup`` returns 0 and ``step`` plans nothing.
+    """
+
+    def __init__(self, config: EngineConfig, *, gpu_blocks: GpuBlocks,
+                 device_caches: Sequence[Sequence[torch.Tensor]] | None = None) -> None:
+        self._core = Runtime(config, gpu_blocks=gpu_blocks, device_caches=device_caches,
+                                spawned=False)
+        self._core.open()
+
+    @property
+    def state(self) -> EngineState:
+        """The lifecycle state."""
+        return self._core.state
+
+    @property
+    def name(self) -> str:
+        """The rendezvous name."""
+        return self._core.config.name
+
+    def _pump(self) -> None:
+        if self._core.state in (EngineState.CLOSING, EngineState.CLOSED):
+            raise StateError(f"client {self.name!r} is {self._core.state.name}")
+        self._core.pump()
+
+    def lookup(self, req: RequestView, num_local_tokens: int) -> int | None:
+        """Phase A (see ``OffloadManager.lookup``)."""
+        self._pump()
+        return self._core.lookup(req, num_local_tokens)
+
+    def allocated(self, req_id: str, gpu_block_ids: Sequence[Sequence[int]],
+                  num_external_tokens: int) -> None:
+        """Phase B (see ``OffloadManager.allocated``)."""
+        self._pump()
+        self._core.allocated(req_id, gpu_block_ids, num_external_tokens)
+
+    def step(self, step_input: StepInput) -> StepPlan:
+        """Plan and post this step's transfers (never blocks)."""
+        self._pump()
+        return self._core.step(step_input)
+
+    def finished(self, req_id: str, num_confirmed_tokens: int,
+                 gpu_block_ids: Sequence[Sequence[int]]) -> bool:
+        """The request is done (see ``OffloadManager.finished``)."""
+        self._pump()
+        return self._core.finished(req_id, num_confirmed_tokens, gpu_block_ids)
+
+    def poll(self) -> list[LoadResult]:
+        """Service, drain, and return the load results that arrived since the last call."""
+        self._pump()
+        return self._core.take_load_results()
+
+    def reset(self) -> bool:
+        """Drop the CPU index; False until nothing is in flight (call again later)."""
+        self._pump()
+        return self._core.reset()
+
+    def has_pending_work(self) -> bool:
+        """True while any job is not yet acked by every rank."""
+        self._pump()
+        return self._core.has_pending_work()
+
+    def statistics(self) -> EngineStats:
+        """A statistics snapshot."""
+        return self._core.statistics()
+
+    def close(self) -> None:
+        """Send Shutdown, close the channels and the rendezvous (idempotent)."""
+        if self._core.state in (EngineState.CLOSING, EngineState.CLOSED):
+            return
+        self._core.begin_close()
+        self._core.close()

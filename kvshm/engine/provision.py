@@ -1,0 +1,245 @@
+"""Scheduler-side provisioning: the shared resources each worker rank receives in ``Ready``.
+
+Once every rank has said ``Hello``, :func:`provision` decides the CPU tier's size for
+all ranks (:func:`kvshm.layout.reconcile`: the minimum over ranks) and creates, per
+rank:
+
+* a ring segment (control block + ``cmd`` ring + ``done`` ring), formatted here;
+* a host-pool segment laid out by :func:`kvshm.layout.host_pool_plan`;
+* two eventfds (``cmd`` doorbell, ``done`` doorbell);
+* for standalone workers, the fds of the device-cache tensors the serving process made
+  with :func:`kvshm.shm.shared_tensor` (shapes and dtypes travel as ``TensorSpec``).
+
+Where a rank's KV layout comes from: an embedded worker sends it in ``Hello.layout``
+(it owns the device caches); a standalone worker sends none and gets the caches the
+scheduler holds for it. Standalone device caches are always read with blocks as dim 0
+(one region per tensor, no K/V-outer split), on both sides.
+
+Ownership (the rendezvous server never closes fds): :meth:`Provisioned.ready_plan`
+returns *duplicates* for SCM_RIGHTS, which the caller closes once the rendezvous has
+sent them (:meth:`Provisioned.close_sent_fds`). The originals stay here until
+:meth:`RankResources.channel` hands the eventfds to a :class:`SchedulerChannel`. The
+host-pool segment is closed on the scheduler side after the send: the scheduler never
+touches CPU block bytes, and the memory goes with the last worker mapping.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from kvshm.ipc.doorbell import create_eventfd
+from kvshm.errors import ConfigError
+from kvshm.layout import KVLayout, host_pool_plan, reconcile
+from kvshm.ipc.protocol import PROTOCOL_VERSION, Hello, LayoutSpec, Ready, TensorSpec
+from kvshm.ipc.ring import DEFAULT_CAPACITY, RingPair, min_capacity, segment_size
+from kvshm.ipc.sched_channel import SchedulerChannel
+from kvshm.shm import Segment, available_shm_bytes, create_segment, dtype_name, segment_of
+
+__all__ = ["Provisioned", "RankResources", "device_layout", "provision"]
+
+
+def device_layout(tensors: Sequence[torch.Tensor]) -> LayoutSpec:
+    """The layout a standalone worker will build from ``tensors`` (blocks as dim 0)."""
+    return KVLayout.from_tensors(tensors).to_spec()
+
+
+@dataclass
+class RankResources:
+    """What one rank receives; the scheduler keeps the rings and its eventfd ends."""
+
+    rank: int
+    ready: Ready
+    ring_seg: Segment
+    host_seg: Segment | None
+    cmd_efd: int
+    done_efd: int
+    device_fds: list[int]
+    rings: RingPair | None = None
+    _sent: list[int] = field(default_factory=list)
+
+    def ready_fds(self) -> list[int]:
+        """Duplicated fds in READY_FIXED_FDS order; closed by :meth:`close_sent`."""
+        assert self.host_seg is not None, "ready_fds after the host segment was released"
+        originals = [self.ring_seg.fd, self.host_seg.fd, self.cmd_efd, self.done_efd,
+                     *self.device_fds]
+        self._sent = [os.dup(fd) for fd in originals]
+        return list(self._sent)
+
+    def close_sent(self) -> None:
+        """Close the duplicates sent in Ready, the host segment and the device-cache fds."""
+        for fd in self._sent:
+            os.close(fd)
+        self._sent = []
+        for fd in self.device_fds:
+            os.close(fd)
+        self.device_fds = []
+        if self.host_seg is not None:
+            self.host_seg.close()
+            self.host_seg = None
+
+    def make_channel(self) -> SchedulerChannel:
+        """The scheduler end of this rank's rings; it owns the rings and eventfds from now.
+
+        The ring segment stays here: close the channel first, then :meth:`close`.
+        """
+        assert self.rings is not None, "make_channel called twice"
+        chan = SchedulerChannel(self.rank, self.rings, self.cmd_efd, self.done_efd)
+        self.rings, self.cmd_efd, self.done_efd = None, -1, -1
+        return chan
+
+    def close(self) -> None:
+        """Release everything still held here (idempotent)."""
+        self.close_sent()
+        if self.rings is not None:
+            self.rings.close()
+            self.rings = None
+        for fd in (self.cmd_efd, self.done_efd):
+            if fd >= 0:
+                os.close(fd)
+        self.cmd_efd = self.done_efd = -1
+        self.ring_seg.close()
+
+
+@dataclass
+class Provisioned:
+    """Every rank's resources plus the reconciled CPU tier size."""
+
+    num_cpu_blocks: int
+    ranks: dict[int, RankResources]
+
+    def ready_plan(self) -> dict[int, tuple[Ready, list[int]]]:
+        """The value a rendezvous ``make_ready`` returns."""
+        return {r: (res.ready, res.ready_fds()) for r, res in self.ranks.items()}
+
+    def close_sent_fds(self) -> None:
+        """After ALL_READY / READY_FAILED: drop the fds only the workers need now."""
+        for res in self.ranks.values():
+            res.close_sent()
+
+    def close(self) -> None:
+        """Release every resource still held (idempotent)."""
+        for res in self.ranks.values():
+            res.close()
+
+
+def _rank_layouts(hellos: Mapping[int, Hello],
+                  device_caches: Sequence[Sequence[torch.Tensor]] | None) -> dict[int, LayoutSpec]:
+    layouts: dict[int, LayoutSpec] = {}
+    for rank, hello in sorted(hellos.items()):
+        caches = None if device_caches is None else device_caches[rank]
+        if hello.layout is not None:
+            if caches:
+                raise ConfigError(f"rank {rank} brought its own KV layout (embedded worker) "
+                                  "but device_caches were also given for it")
+            layouts[rank] = hello.layout
+        elif caches:
+            layouts[rank] = device_layout(caches)
+        else:
+            raise ConfigError(f"rank {rank} is a standalone worker (no layout in Hello) and "
+                              "no device_caches were given for it")
+    return layouts
+
+
+def check_block_counts(layouts: Mapping[int, LayoutSpec], num_gpu_blocks: int | None) -> None:
+    """Every region of every rank must have at least the GPU pool's block count, and
+    every rank the same count: a job names one GPU block id for all ranks, so a row
+    missing on one rank would fail every job that touches it -- refuse at launch.
+    ConfigError naming the rank, the region and both counts."""
+    first: tuple[int, int] | None = None
+    for rank, spec in sorted(layouts.items()):
+        for i, region in enumerate(spec.regions):
+            if num_gpu_blocks is not None and region.num_blocks < num_gpu_blocks:
+                raise ConfigError(f"rank {rank} region {i}: device cache has "
+                                  f"{region.num_blocks} blocks, but the GPU pool has "
+                                  f"{num_gpu_blocks} (every block id must exist on "
+                                  "every rank)")
+            if first is None:
+                first = (rank, region.num_blocks)
+            elif region.num_blocks != first[1]:
+                raise ConfigError(f"rank {rank} region {i}: {region.num_blocks} device "
+                                  f"blocks, rank {first[0]} has {first[1]} (every rank "
+                                  "must have the same block count)")
+
+
+def _tensor_specs(tensors: Sequence[torch.Tensor]) -> tuple[tuple[TensorSpec, ...], list[int]]:
+    specs, fds = [], []
+    for t in tensors:
+        seg = segment_of(t)
+        if t.storage_offset() != 0 or not t.is_contiguous():
+            raise ConfigError("device caches for standalone workers must be whole contiguous "
+                              "tensors made by kvshm.shm.shared_tensor, not views")
+        specs.append(TensorSpec(tuple(int(s) for s in t.shape), dtype_name(t.dtype)))
+        fds.append(os.dup(seg.fd))
+    return tuple(specs), fds
+
+
+def ring_capacity(configured: int | None, num_gpu_blocks: int) -> int:
+    """The ``cmd``/``done`` capacity: the configured one (checked) or the default."""
+    need = min_capacity(num_gpu_blocks)
+    if configured is None:
+        return max(DEFAULT_CAPACITY, need)
+    if configured < need:
+        raise ConfigError(f"ring_capacity={configured} is below the minimum {need} for "
+                          f"{num_gpu_blocks} GPU blocks (2 x the largest Transfer)")
+    return configured
+
+
+def provision(hellos: Mapping[int, Hello], *, world_size: int,
+              device_caches: Sequence[Sequence[torch.Tensor]] | None,
+              num_cpu_blocks: int | None, cpu_bytes_per_rank: int | None,
+              capacity: int | None = None, num_gpu_blocks: int | None = None) -> Provisioned:
+    """Create every rank's resources (all or nothing: on error nothing is left open).
+
+    ``capacity``: the configured ring capacity (checked against the largest rank's
+    block count), or None for the default. ``num_gpu_blocks``: the engine's GPU pool
+    size, checked against every rank's device blocks (:func:`check_block_counts`).
+    """
+    if sorted(hellos) != list(range(world_size)):
+        raise ConfigError(f"expected ranks 0..{world_size - 1}, got {sorted(hellos)}")
+    if device_caches is not None and len(device_caches) != world_size:
+        raise ConfigError(f"device_caches has {len(device_caches)} entries for "
+                          f"{world_size} ranks")
+    layouts = _rank_layouts(hellos, device_caches)
+    check_block_counts(layouts, num_gpu_blocks)
+    capacity = ring_capacity(capacity, max(s.num_blocks for s in layouts.values()))
+    seg_bytes = segment_size(capacity, capacity)
+    budget = available_shm_bytes() - world_size * seg_bytes
+    n = reconcile(list(layouts.values()), cpu_bytes_per_rank, num_cpu_blocks, budget)
+    done: dict[int, RankResources] = {}
+    try:
+        for rank, spec in layouts.items():
+            caches = () if hellos[rank].layout is not None or device_caches is None \
+                else device_caches[rank]
+            done[rank] = _one_rank(rank, spec, n, capacity, caches)
+    except BaseException:
+        Provisioned(n, done).close()
+        raise
+    return Provisioned(n, done)
+
+
+def _one_rank(rank: int, spec: LayoutSpec, n: int, capacity: int,
+              caches: Sequence[torch.Tensor]) -> RankResources:
+    offsets, host_bytes = host_pool_plan(spec, n)
+    ring_seg = create_segment(segment_size(capacity, capacity), purpose=f"rings-r{rank}")
+    opened: list[int] = []
+    try:
+        host_seg = create_segment(host_bytes, purpose=f"host-pool-r{rank}")
+        try:
+            opened = [create_eventfd(), create_eventfd()]
+            specs, dev_fds = _tensor_specs(caches)
+        except BaseException:
+            host_seg.close()
+            raise
+    except BaseException:
+        for fd in opened:
+            os.close(fd)
+        ring_seg.close()
+        raise
+    rings = RingPair.init(ring_seg.buf, capacity, capacity)
+    ready = Ready(PROTOCOL_VERSION, rank, spec, n, capacity, capacity, offsets, host_bytes,
+                  specs)
+    return RankResources(rank, ready, ring_seg, host_seg, opened[0], opened[1], dev_fds, rings)

@@ -1,0 +1,88 @@
+"""kvshm as a vLLM KV connector, loaded by module path (vLLM is optional).
+
+::
+
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    llm = LLM(model=..., enable_prefix_caching=True, kv_transfer_config=KVTransferConfig(
+        kv_connector="KvshmConnector",
+        kv_connector_module_path="kvshm.integrations.vllm",
+        kv_role="kv_both",
+        kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"cpu_bytes": 8 << 30},
+    ))
+
+Importing this module does not import vLLM: ``KvshmConnector`` and ``KvshmMetadata``
+are resolved on first attribute access (PEP 562), which imports
+:mod:`kvshm.integrations.vllm.connector` and vLLM with it. The configuration keys are
+documented in :mod:`kvshm.integrations.vllm.config`; the scheduler side in
+:mod:`~kvshm.integrations.vllm.scheduler`, the worker side in
+:mod:`~kvshm.integrations.vllm.worker`.
+
+Pinned vLLM version: 0.32 (``VLLM_VERSION``); every hook the connector overrides
+exists there (``CONNECTOR_HOOKS``; tests/vllm checks both).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, Final
+
+from kvshm.integrations.vllm.config import ConnectorConfig, engine_name, parse_config
+
+__all__ = [
+    "CONNECTOR_HOOKS",
+    "ConnectorConfig",
+    "KvshmConnector",
+    "KvshmMetadata",
+    "VLLM_VERSION",
+    "engine_name",
+    "parse_config",
+]
+
+#: The vLLM release the connector is built and tested against.
+VLLM_VERSION: Final = "0.32"
+
+#: Every ``KVConnectorBase_V1`` / ``SupportsHMA`` method ``KvshmConnector`` overrides.
+CONNECTOR_HOOKS: Final = (
+    "__init__",
+    "bind_gpu_block_pool",
+    "on_new_request",
+    "get_num_new_matched_tokens",
+    "update_state_after_alloc",
+    "build_connector_meta",
+    "update_connector_output",
+    "request_finished",
+    "request_finished_all_groups",
+    "take_events",
+    "has_pending_push_work",
+    "reset_cache",
+    "register_kv_caches",
+    "bind_connector_metadata",
+    "start_load_kv",
+    "wait_for_layer_load",
+    "save_kv_layer",
+    "wait_for_save",
+    "get_finished",
+    "get_transfer_results",
+    "get_block_ids_with_load_errors",
+    "clear_connector_metadata",
+    "shutdown",
+    "requires_kv_delivery",
+)
+
+_LAZY: Final = frozenset({"KvshmConnector", "KvshmMetadata"})
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        mod = importlib.import_module("kvshm.integrations.vllm.connector")
+        value = getattr(mod, name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _LAZY)

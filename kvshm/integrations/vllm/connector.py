@@ -1,0 +1,224 @@
+"""``KvshmConnector``: kvshm as a vLLM v1 KV connector (imports vLLM; load it through
+:mod:`kvshm.integrations.vllm`, which is importable without vLLM).
+
+vLLM builds the class twice: role SCHEDULER in the engine-core process (a
+:class:`~kvshm.integrations.vllm.scheduler.SchedulerSide`) and role WORKER in every worker
+process (a :class:`~kvshm.integrations.vllm.worker.WorkerSide`). Both validate the
+configuration in ``__init__`` (:func:`~kvshm.integrations.vllm.config.parse_config`), so
+a bad setting fails vLLM's start-up with a :class:`~kvshm.errors.ConfigError`.
+
+It declares ``SupportsHMA``: vLLM calls ``request_finished_all_groups`` with one table
+per KV group (full and sliding-window groups of one block size are supported).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    KVConnectorTransferResults,
+    SupportsHMA,
+)
+from vllm.v1.kv_cache_interface import (
+    FullAttentionSpec,
+    MambaSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvshm.integrations.vllm.config import (
+    ConnectorConfig,
+    GroupInfo,
+    GroupKindName,
+    check_budget,
+    parse_config,
+)
+from kvshm.integrations.vllm.scheduler import SchedulerSide, StepMeta
+from kvshm.integrations.vllm.worker import WorkerSide
+from kvshm.shm import available_shm_bytes
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.attention.backend import AttentionMetadata
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+__all__ = ["KvshmConnector", "KvshmMetadata", "connector_config"]
+
+# Spec classes that are full attention for kvshm: KV for every token, kept in place.
+_FULL_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
+_SLIDING_SPECS = ("SlidingWindowSpec",)
+
+
+class KvshmMetadata(StepMeta, KVConnectorMetadata):  # type: ignore[misc, unused-ignore]
+    """One step's metadata for every worker rank (fields: :class:`StepMeta`)."""
+
+
+def _group_info(spec: Any) -> GroupInfo:
+    name = type(spec).__name__
+    bs = int(spec.block_size)
+    if isinstance(spec, MambaSpec):
+        return GroupInfo(GroupKindName.RECURRENT, bs, None, name)
+    if isinstance(spec, SlidingWindowSpec) and name in _SLIDING_SPECS:
+        return GroupInfo(GroupKindName.SLIDING_WINDOW, bs, int(spec.sliding_window), name)
+    if isinstance(spec, FullAttentionSpec) and name in _FULL_SPECS:
+        return GroupInfo(GroupKindName.FULL, bs, None, name)
+    return GroupInfo(GroupKindName.OTHER, bs, None, name)
+
+
+def connector_config(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> ConnectorConfig:
+    """The validated configuration (ConfigError for anything kvshm cannot serve)."""
+    infos = [_group_info(g.kv_cache_spec) for g in kv_cache_config.kv_cache_groups]
+    hash_bs = getattr(kv_cache_config, "hash_block_size", None)
+    return parse_config(vllm_config, infos, hash_bs)
+
+
+def _bytes_per_block(kv_cache_config: KVCacheConfig) -> int:
+    n = int(kv_cache_config.num_blocks)
+    return sum(int(t.size) // n for t in kv_cache_config.kv_cache_tensors) if n > 0 else 0
+
+
+def _rank(vllm_config: VllmConfig) -> int:
+    """This worker's rank among the engine's TP x PP workers (pp-major)."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    tp = vllm_config.parallel_config.tensor_parallel_size
+    return int(get_pp_group().rank_in_group) * int(tp) + int(get_tp_group().rank_in_group)
+
+
+class KvshmConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unused-ignore]
+    """kvshm's vLLM connector (module docstring; hooks in vllm_sched / vllm_worker)."""
+
+    _cache_hit_source = CacheHitSource.HOST
+
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
+                 kv_cache_config: KVCacheConfig) -> None:
+        super().__init__(vllm_config, role, kv_cache_config)
+        self._cfg = connector_config(vllm_config, kv_cache_config)
+        self._sched: SchedulerSide | None = None
+        self._worker: WorkerSide | None = None
+        if role == KVConnectorRole.SCHEDULER:
+            check_budget(self._cfg, _bytes_per_block(kv_cache_config), available_shm_bytes())
+            self._sched = SchedulerSide(self._cfg, KvshmMetadata)
+        else:
+            self._worker = WorkerSide(self._cfg)
+
+    @property
+    def requires_kv_delivery(self) -> bool:
+        """A best-effort cache: a dropped store is only a later miss."""
+        return False
+
+    @property
+    def kvshm_config(self) -> ConnectorConfig:
+        """The validated configuration."""
+        return self._cfg
+
+    @property
+    def scheduler_side(self) -> SchedulerSide:
+        assert self._sched is not None, "not the scheduler-side connector"
+        return self._sched
+
+    @property
+    def worker_side(self) -> WorkerSide:
+        assert self._worker is not None, "not the worker-side connector"
+        return self._worker
+
+    # -- scheduler side ------------------------------------------------------------------
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        self.scheduler_side.bind(gpu_block_pool)
+
+    def on_new_request(self, request: Request) -> None:
+        self.scheduler_side.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Request,
+                                   num_computed_tokens: int) -> tuple[int | None, bool]:
+        return self.scheduler_side.lookup(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
+                                 num_external_tokens: int) -> None:
+        self.scheduler_side.allocated(request, blocks.get_block_ids(), num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        meta = self.scheduler_side.build(scheduler_output)
+        assert isinstance(meta, KvshmMetadata)  # the scheduler side builds this class
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self.scheduler_side.update_output()
+
+    def request_finished(self, request: Request,
+                         block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_side.finished(request, (block_ids,))
+
+    def request_finished_all_groups(
+            self, request: Request,
+            block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        return self.scheduler_side.finished(request, block_ids)
+
+    def take_events(self) -> Iterable[Any]:
+        return ()
+
+    def has_pending_push_work(self) -> bool:
+        return self._sched is not None and self._sched.has_pending_work()
+
+    def reset_cache(self) -> bool | None:
+        return self.scheduler_side.reset()
+
+    # -- worker side ---------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self.worker_side.register(kv_caches, self._kv_cache_config, _rank(self._vllm_config))
+
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        assert isinstance(connector_metadata, StepMeta), type(connector_metadata)
+        self.worker_side.bind(connector_metadata)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        self.worker_side.start_loads()
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor,
+                      attn_metadata: AttentionMetadata, **kwargs: Any) -> None:
+        return None
+
+    def wait_for_save(self) -> None:
+        self.worker_side.submit_stores()
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None,
+                                                                set[str] | None]:
+        return None, self.worker_side.finished_loads()
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # Ordering: get_finished first, so a failure found in this poll is reported in
+        # the same snapshot as its request id (vLLM intersects the two).
+        _, recving = self.get_finished(finished_req_ids)
+        return KVConnectorTransferResults(
+            finished_recving=set(recving or ()),
+            failed_recving=self.worker_side.take_failed_requests())
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self.worker_side.load_errors()
+
+    def clear_connector_metadata(self) -> None:
+        super().clear_connector_metadata()
+        if self._worker is not None:
+            self._worker.clear()
+
+    # -- both ------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        if self._sched is not None:
+            self._sched.shutdown()
+        if self._worker is not None:
+            self._worker.shutdown()

@@ -1,0 +1,18 @@
+"""Inter-process transport between the scheduler side and the worker ranks.
+
+The wire format (:mod:`~kvshm.ipc.protocol`, msgspec tagged unions), the shared-memory
+rings (:mod:`~kvshm.ipc.ring`), eventfd doorbells, fd passing over a Unix socket and the
+rendezvous that hands each rank its rings, and the two channel ends that put them
+together (worker side: :mod:`~kvshm.ipc.channel`; scheduler side:
+:mod:`~kvshm.ipc.sched_channel`).
+
+May import: the shared leaves (errors, layout, shm) and each other. Never:
+``kvshm.offload``, ``kvshm.engine``, ``workers`` or integrations: an embedded worker
+imports this package and must not load the scheduler's policy or torch-heavy code
+(``tests/unit/test_imports.py``).
+
+The invariant every change keeps: a record becomes visible to the peer only after its
+bytes are written (the publish store comes last), and a side that goes to sleep rechecks
+the ring after announcing it, so no record is lost between a producer's check and the
+consumer's park; see docs/design.md, "Ordering rules".
+"""

@@ -1,0 +1,181 @@
+"""CPU-tier hit search and phase-B assignment for the manager (pure functions).
+
+Groups and keys: the CPU index holds one entry per (hash, group). Group 0 uses the plain
+chained hash; group ``g > 0`` appends a fixed suffix naming ``g`` (:meth:`GroupSet.key`),
+so a hybrid model's full-attention and sliding-window copies of one position never
+collide and a single-group model pays nothing.
+
+Hybrid hit rule: a hit may end at position ``E`` (exclusive) when every full-attention
+group holds every position ``[s, E)`` and every sliding-window group holds the
+``cdiv(window - 1, block_size)`` positions before ``E`` (those at or after ``s``; the
+engine's own GPU hit covers the rest). The longest such ``E`` wins.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvshm.errors import ConfigError
+from kvshm.offload.pool import BlockPool
+from kvshm.types import BlockHash, GroupKind, KVGroup, LoadFailure
+
+__all__ = ["Assignment", "GroupSet", "Hit", "assign", "find_hit"]
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class GroupSet:
+    """The manager's KV groups: kinds, windows in blocks, CPU index keys."""
+
+    def __init__(self, groups: Sequence[KVGroup], block_size: int) -> None:
+        if block_size < 1:
+            raise ConfigError(f"block_size must be >= 1, got {block_size}")
+        if not groups:
+            raise ConfigError("at least one KV group is needed")
+        if len(groups) > 0xFFFF:
+            raise ConfigError(f"too many KV groups: {len(groups)}")
+        self.groups = tuple(groups)
+        self.n = len(self.groups)
+        self.full = [g for g, kv in enumerate(self.groups) if kv.kind is GroupKind.FULL]
+        self.sw: list[tuple[int, int]] = []
+        for g, kv in enumerate(self.groups):
+            if kv.kind is GroupKind.SLIDING_WINDOW:
+                assert kv.window_tokens is not None
+                self.sw.append((g, cdiv(kv.window_tokens - 1, block_size)))
+        self.is_sw = tuple(kv.kind is GroupKind.SLIDING_WINDOW for kv in self.groups)
+        self.window_blocks = {g: n for g, n in self.sw}
+        self._suffix = [b""] + [b"\x00kvshm.g" + g.to_bytes(2, "little") for g in range(1, self.n)]
+
+    def key(self, h: BlockHash, g: int) -> bytes:
+        """CPU index key of hash ``h`` in group ``g``."""
+        return h + self._suffix[g] if g else h
+
+
+@dataclass(slots=True, eq=False)
+class Hit:
+    """A phase-A result. ``cpu[g][i]``: CPU block of position ``start + i`` in group
+    ``g`` (None where a sliding-window group needs nothing). ``pinned``: every CPU id
+    touched for it, position-major prefix order. ``hashes[i]``: the hash of position
+    ``start + i``, copied when the lookup checked it (phase B never reads the engine's
+    live sequence). A tombstone (``cause`` set) holds no pins: they were dropped by
+    ``reset`` or a rank's death before phase B."""
+
+    start: int
+    end: int
+    cpu: list[list[int | None]]
+    pinned: list[int]
+    hashes: Sequence[BlockHash]
+    cause: LoadFailure | None = None
+
+
+def find_hit(cpu: BlockPool, gs: GroupSet, hashes: Sequence[BlockHash], start: int,
+             max_blocks: int) -> Hit | None:
+    """Longest hit from position ``start`` of at most ``max_blocks`` blocks (no pins)."""
+    n = min(len(hashes) - start, max_blocks)
+    if n <= 0:
+        return None
+    get = cpu.get_cached
+    key = gs.key
+    full_rows: list[list[int]] = []
+    end = start + n
+    if gs.full:
+        for i in range(n):
+            h = hashes[start + i]
+            row: list[int] = []
+            for g in gs.full:
+                b = get(key(h, g))
+                if b is None:
+                    break
+                row.append(b)
+            if len(row) < len(gs.full):
+                break
+            full_rows.append(row)
+        end = start + len(full_rows)
+    sw_ids = {g: [get(key(hashes[p], g)) for p in range(start, end)] for g, _ in gs.sw}
+    end = _shrink_for_windows(gs, sw_ids, start, end)
+    if end <= start:
+        return None
+    k = end - start
+    per_group: list[list[int | None]] = [[] for _ in range(gs.n)]
+    for j, g in enumerate(gs.full):
+        per_group[g] = [row[j] for row in full_rows[:k]]
+    for g, nsw in gs.sw:
+        lo = max(0, k - nsw)
+        window: list[int | None] = [None] * lo
+        window.extend(sw_ids[g][lo:k])
+        per_group[g] = window
+    pinned = [b for i in range(k) for g in range(gs.n) if (b := per_group[g][i]) is not None]
+    seen = (tuple(hashes[start:end]) if type(hashes) is list or type(hashes) is tuple
+            else tuple(hashes[p] for p in range(start, end)))
+    return Hit(start, end, per_group, pinned, seen)
+
+
+def _shrink_for_windows(gs: GroupSet, sw_ids: dict[int, list[int | None]], start: int,
+                        end: int) -> int:
+    """Largest ``E <= end`` whose sliding windows are all cached (``start`` if none)."""
+    if not gs.sw:
+        return end
+    runs: list[tuple[list[int], int]] = []
+    for g, nsw in gs.sw:
+        run: list[int] = []
+        r = 0
+        for b in sw_ids[g]:
+            r = r + 1 if b is not None else 0
+            run.append(r)
+        runs.append((run, nsw))
+    e = end
+    while e > start:
+        i = e - start
+        if all(run[i - 1] >= min(nsw, i) for run, nsw in runs):
+            return e
+        e -= 1
+    return start
+
+
+@dataclass(slots=True, eq=False)
+class Assignment:
+    """Phase B's pairing: ``cpu_ids[i] -> gpu_ids[i]`` (position-major), the CPU ids
+    found in the index beyond the phase-A pins (``extra``, not yet touched), and the
+    destinations nothing could source (``failed``)."""
+
+    cpu_ids: list[int]
+    gpu_ids: list[int]
+    failed: list[int]
+
+
+def assign(cpu: BlockPool, gs: GroupSet, hit: Hit, tables: Sequence[Sequence[int]],
+           k: int) -> Assignment:
+    """Pair the first ``k`` hit positions with their GPU destinations.
+
+    Full-attention groups take every position; a sliding-window group takes the window
+    before the accepted end, looking a position up again when the phase-A window (for a
+    longer hit) did not cover it. Raises ConfigError when a table is too short (the
+    manager checks that first, as InvalidRequest).
+    """
+    end = hit.start + k
+    for g in range(gs.n):
+        if len(tables[g]) < end:
+            raise ConfigError(
+                f"group {g} table has {len(tables[g])} blocks, phase B needs {end}")
+    out = Assignment([], [], [])
+    for i in range(k):
+        p = hit.start + i
+        for g in range(gs.n):
+            dst = tables[g][p]
+            if gs.is_sw[g]:
+                if p < end - gs.window_blocks[g]:
+                    continue
+                src = hit.cpu[g][i]
+                if src is None:
+                    src = cpu.get_cached(gs.key(hit.hashes[i], g))
+            else:
+                src = hit.cpu[g][i]
+            if src is None:
+                out.failed.append(dst)
+            else:
+                out.cpu_ids.append(src)
+                out.gpu_ids.append(dst)
+    return out

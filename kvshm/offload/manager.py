@@ -1,0 +1,477 @@
+"""`OffloadManager`: the scheduler side of kvshm, sans-IO and single-threaded.
+
+It decides which blocks are stored and loaded, owns the CPU tier's index and pins, and
+hands out job ids; it never touches KV bytes, sockets or threads. Calls, in the order an
+engine step makes them (docs/design.md, "The scheduler-side contract"):
+
+1. ``lookup`` (phase A): longest CPU hit beyond the engine's block-aligned GPU hit,
+   capped at ``num_tokens - 1``; pins the hit; a repeated lookup drops the older pin;
+   None (no pin) while another request is loading part of the hit.
+2. ``allocated`` (phase B): pairs the accepted hit blocks with GPU destinations, queues
+   the load, releases unused pins; with no pin but tokens expected: a failed result.
+3. ``build_step``: at most one store and one load ``Transfer`` per step.
+4. ``on_done``: acks; a job completes when every rank acked or is dead.
+5. ``finished``: pins the request's unstored full blocks for the next store.
+6. ``reset`` / ``rank_failed`` / ``has_pending_work`` / ``check_invariants``.
+
+Every call above checks its whole input before it changes anything
+(:mod:`kvshm.offload.validate`): bad input -- a wrong type, an id out of range or repeated, a
+table per group missing, a count that disagrees -- raises ``InvalidRequest`` (a
+ConfigError) with the manager exactly as before but for ``counters.invalid_calls``.
+
+Pins (ref counts) are the only protection: every CPU block a lookup, queued load or job
+uses and every GPU block a job or queued transfer uses is pinned, and each pin is
+recorded by exactly one hit, queued load, finish-time store or job
+(:meth:`check_invariants` compares). A block is never reused while any rank may still
+copy into it, so ``StepPlan.flush`` is always empty.
+
+Cost per step: O(listed requests) with a dict lookup and a few compares each, plus
+O(blocks that changed); no scan over every request's blocks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvshm.errors import ConfigError
+from kvshm.offload.jobs import AckOutcome, Job, JobKind, JobTable, LoadPart
+from kvshm.offload.hits import GroupSet, Hit, assign, cdiv, find_hit
+from kvshm.offload.invariants import check_manager, recorded_pins
+from kvshm.offload.pool import BlockPool
+from kvshm.ipc.protocol import Direction, Transfer, pack_ids
+from kvshm.offload.stores import ReqState, Selection, StorePlanner
+from kvshm.offload.requests import RequestTracker, is_remote
+from kvshm.types import (
+    DeclineReason,
+    GpuBlocks,
+    KVGroup,
+    LoadFailure,
+    LoadResult,
+    ManagerCounters,
+    RequestView,
+    ScheduledRequest,
+    StepInput,
+    StepPlan,
+    StoreMode,
+)
+from kvshm.offload.validate import for_pool
+
+__all__ = ["OffloadManager"]
+
+_EMPTY: frozenset[int] = frozenset()
+
+
+class OffloadManager:
+    """See the module docstring. ``lazy_window``: GPU free-queue blocks a lazy step
+    looks at from the LRU end (LAZY mode needs a single KV group). ``hash_bytes``: the
+    exact length of the engine's block hashes (default: ``gpu.hash_bytes`` where the pool
+    has one, else any length in ``kvshm.offload.validate.HASH_LEN_RANGE``)."""
+
+    def __init__(self, cpu: BlockPool, gpu: GpuBlocks, *, block_size: int,
+                 groups: Sequence[KVGroup] = (KVGroup.full(),), world_size: int = 1,
+                 mode: StoreMode = StoreMode.EAGER, lazy_window: int = 256,
+                 hash_bytes: int | None = None) -> None:
+        self._gs = GroupSet(groups, block_size)
+        if mode is StoreMode.LAZY and self._gs.n != 1:
+            raise ConfigError("lazy store mode supports a single KV group only")
+        if lazy_window < 1:
+            raise ConfigError(f"lazy_window must be >= 1, got {lazy_window}")
+        self.counters = ManagerCounters()
+        self._check = for_pool(gpu, n_groups=self._gs.n, block_size=block_size,
+                               hash_bytes=hash_bytes, counters=self.counters)
+        self.cpu = cpu
+        self.gpu = gpu
+        self.block_size = block_size
+        self.mode = mode
+        self._eager = mode is StoreMode.EAGER
+        self._jobs = JobTable(world_size, self.counters)
+        self._plan = StorePlanner(cpu, gpu, self._gs, block_size, self.counters, lazy_window)
+        self._track = RequestTracker(self._gs, block_size, self._eager, self._plan)
+        self._hits: dict[str, Hit] = {}
+        self._load_queue: dict[str, LoadPart] = {}
+        self._loading_cpu: dict[int, int] = {}
+        self._load_job_reqs: dict[int, tuple[str, ...]] = {}
+        self._results: list[LoadResult] = []
+        self._failed_loads: dict[str, tuple[int, ...]] = {}
+        self._failed = False
+        self._abandoned = 0
+
+    # ---- small queries -------------------------------------------------------------
+
+    @property
+    def world_size(self) -> int:
+        return self._jobs.world_size
+
+    @property
+    def failed(self) -> bool:
+        """True once a rank was declared dead: no lookups hit, nothing is planned."""
+        return self._failed
+
+    @property
+    def num_jobs_in_flight(self) -> int:
+        """Jobs not yet acked by every live rank (abandoned ones included)."""
+        return len(self._jobs)
+
+    def has_pending_work(self) -> bool:
+        """Anything queued, in flight or not yet reported: keep stepping. Jobs that wait
+        only for a revoked, unfenced rank do not count: nothing will move them."""
+        jobs = bool(self._jobs.jobs) and not self._jobs.only_quarantined()
+        return bool(jobs or self._load_queue or self._plan.finish_queue
+                    or self._results or self._failed_loads)
+
+    def take_load_results(self) -> list[LoadResult]:
+        """Load outcomes decided since the last call, each handed out exactly once. This
+        queue is the only one: the runtime and the engines drain it, never copy it."""
+        out, self._results = self._results, []
+        return out
+
+    def pins_held(self) -> int:
+        """CPU plus GPU pins the manager holds (from its own records)."""
+        cpu, gpu = recorded_pins(self)
+        return sum(cpu.values()) + sum(gpu.values())
+
+    # ---- phase A / B ---------------------------------------------------------------
+
+    def lookup(self, req: RequestView, num_local_tokens: int) -> int | None:
+        """Tokens the CPU tier can supply after ``num_local_tokens`` (block-aligned; an
+        unaligned value gets 0). Pins the hit; None: ask again next step (no pin)."""
+        view = self._check.view(req, num_local_tokens)
+        self.counters.lookups += 1
+        rid = view.req_id
+        self._drop_hit(rid)
+        st = self._track.state(rid)
+        st.remote = st.remote or is_remote(view.params)
+        bs = self.block_size
+        if num_local_tokens % bs:
+            self.counters.lookups_unaligned += 1
+            st.start = 0
+            return 0
+        s = num_local_tokens // bs
+        st.start = s
+        if self._failed or self._abandoned:
+            return 0
+        hit = find_hit(self.cpu, self._gs, view.hashes, s,
+                       (view.num_tokens - 1 - num_local_tokens) // bs)
+        if hit is None:
+            return 0
+        loading = self._loading_cpu
+        if any(b in loading for b in hit.pinned):
+            self.counters.lookups_asked_again += 1
+            return None
+        self.cpu.touch(hit.pinned)
+        self._hits[rid] = hit
+        tokens = (hit.end - s) * bs
+        self.counters.lookup_hit_tokens += tokens
+        return tokens
+
+    def allocated(self, req_id: str, gpu_block_ids: Sequence[Sequence[int]],
+                  num_external_tokens: int) -> None:
+        """Phase B: ``gpu_block_ids`` are the request's full per-group tables; the first
+        ``cdiv(num_external_tokens, block_size)`` hit blocks are loaded (the rest of the
+        pin is released). InvalidRequest (nothing changed) for a bad table, a table too
+        short for the accepted hit, or more tokens than offered."""
+        req_id, tables, num_external_tokens = self._check.allocated(
+            req_id, gpu_block_ids, num_external_tokens)
+        hit = self._hits.get(req_id)
+        st = self._track.reqs.get(req_id)
+        if num_external_tokens == 0:
+            self._drop_hit(req_id)
+            return
+        if hit is None or hit.cause is not None:
+            self._hits.pop(req_id, None)
+            cause = hit.cause if hit is not None and hit.cause is not None else (
+                LoadFailure.ENGINE_FAILED if self._failed else LoadFailure.NO_PIN)
+            self._fail_now(req_id, self._guess_dests(hit, tables, num_external_tokens), cause)
+            return
+        offered = (hit.end - hit.start) * self.block_size
+        if num_external_tokens > offered:
+            raise self._check.refuse("allocated", req_id, "num_external_tokens",
+                                     f"{num_external_tokens} accepted, {offered} offered")
+        k = cdiv(num_external_tokens, self.block_size)
+        self._check.reach("allocated", req_id, tables, hit.start + k)
+        a = assign(self.cpu, self._gs, hit, tables, k)
+        del self._hits[req_id]
+        self.cpu.touch(a.cpu_ids)
+        self.cpu.free(reversed(hit.pinned))
+        if st is not None:
+            st.start = hit.start + k
+        if not a.cpu_ids:
+            self._fail_now(req_id, a.failed, LoadFailure.WINDOW_MISSING)
+            return
+        self.gpu.touch(a.gpu_ids)
+        old = self._load_queue.pop(req_id, None)
+        if old is not None:
+            self._cancel_part(old)
+        part = LoadPart(req_id, a.cpu_ids, a.gpu_ids, tuple(a.failed), num_external_tokens)
+        self._load_queue[req_id] = part
+        self._count_loading(part, +1)
+        self.counters.loads_planned += 1
+
+    def _guess_dests(self, hit: Hit | None, tables: Sequence[Sequence[int]],
+                     n_ext: int) -> list[int]:
+        """Destinations of a load that cannot happen: the hit's range when known, else
+        every id of the tables (the engine then recomputes from the first)."""
+        if hit is not None:
+            end = hit.start + cdiv(n_ext, self.block_size)
+            return [t[p] for p in range(hit.start, end) for t in tables if p < len(t)]
+        return list(dict.fromkeys(b for t in tables for b in t))
+
+    def _fail_now(self, req_id: str, dests: Sequence[int], cause: LoadFailure) -> None:
+        ids = tuple(dests)
+        self._results.append(LoadResult(req_id, False, ids, cause, 0))
+        self._failed_loads[req_id] = ids
+        self.counters.loads_failed += 1
+
+    def _drop_hit(self, req_id: str) -> None:
+        hit = self._hits.pop(req_id, None)
+        if hit is not None and hit.cause is None:
+            self.cpu.free(reversed(hit.pinned))
+
+    def _count_loading(self, part: LoadPart, delta: int) -> None:
+        for counts, ids in ((self._loading_cpu, part.cpu_ids), (self._plan.load_dst, part.gpu_ids)):
+            for b in ids:
+                n = counts.get(b, 0) + delta
+                if n:
+                    counts[b] = n
+                else:
+                    del counts[b]
+
+    def _cancel_part(self, part: LoadPart) -> None:
+        """Release a queued (never sent) load: CPU and GPU pins, loading marks."""
+        self._count_loading(part, -1)
+        self.cpu.free(reversed(part.cpu_ids))
+        self.gpu.free(reversed(part.gpu_ids))
+
+    # ---- the step ------------------------------------------------------------------
+
+    def build_step(self, inp: StepInput) -> StepPlan:
+        """Track the listed requests and plan this step's store and load. The whole
+        input is checked first (InvalidRequest: nothing changed)."""
+        step, requests, gone, alloc = self._check.step_input(inp)
+        changes = self._track.prepare(requests, set(gone) if gone else (), self._check)
+        for rid in gone:
+            self._forget(rid)
+        store = load = None
+        if not self._failed:
+            dirty = self._track.apply(changes)
+            if not self._abandoned:
+                store = self._plan_stores(step, alloc, dirty)
+                load = self._plan_loads(step)
+        failed_loads = self._failed_loads
+        if failed_loads:
+            self._failed_loads = {}
+        jobs = self._listed_load_jobs() if self._load_job_reqs else {}
+        return StepPlan(step=step, store=store, load=load, load_jobs=jobs,
+                        failed_loads=failed_loads)
+
+    def _listed_load_jobs(self) -> dict[int, tuple[str, ...]]:
+        """Load jobs not yet acked by every live rank. A job that waits only for revoked
+        ranks (quarantined until they are fenced, possibly for the engine's life) is no
+        longer listed: its outcome was reported at the verdict, and every rank saw it
+        listed in the step that planned it."""
+        if not self._jobs.revoked:
+            return dict(self._load_job_reqs)
+        table, revoked = self._jobs.jobs, self._jobs.revoked
+        return {j: r for j, r in self._load_job_reqs.items()
+                if not table[j].waiting <= revoked}
+
+    def _plan_stores(self, step: int, alloc: frozenset[int],
+                     dirty: list[ScheduledRequest]) -> Transfer | None:
+        sel = Selection()
+        plan = self._plan
+        avail = plan.take_finished(self.cpu.num_free, bool(self._jobs.jobs), sel)
+        if dirty:
+            avail = self._track.select(dirty, alloc if self._gs.sw else _EMPTY, avail, sel)
+        if not self._eager:
+            plan.lazy_scan(avail, sel)
+        n = len(sel.gpu_ids)
+        if not n:
+            return None
+        cpu_ids = self.cpu.allocate(n)
+        if sel.to_touch:
+            self.gpu.touch(sel.to_touch)
+        job = self._jobs.new_job(JobKind.STORE, step, sel.gpu_ids, cpu_ids)
+        job.groups = sel.groups
+        job.keys = sel.keys
+        job.n_eager = n - sel.n_lazy
+        self.counters.stores_planned_blocks += n
+        return Transfer(step, job.job_id, Direction.STORE, pack_ids(sel.gpu_ids),
+                        pack_ids(cpu_ids))
+
+    def _plan_loads(self, step: int) -> Transfer | None:
+        if not self._load_queue:
+            return None
+        parts = list(self._load_queue.values())
+        self._load_queue.clear()
+        cpu_ids = [b for p in parts for b in p.cpu_ids]
+        gpu_ids = [b for p in parts for b in p.gpu_ids]
+        job = self._jobs.new_job(JobKind.LOAD, step, gpu_ids, cpu_ids)
+        job.parts = parts
+        self._load_job_reqs[job.job_id] = tuple(p.req_id for p in parts)
+        return Transfer(step, job.job_id, Direction.LOAD, pack_ids(cpu_ids), pack_ids(gpu_ids))
+
+    # ---- completions ---------------------------------------------------------------
+
+    def on_done(self, job_id: int, rank: int, ok: bool) -> None:
+        """One rank's ack. Unknown jobs and repeated or unexpected ranks are counted
+        (``acks_unknown`` / ``acks_duplicate``) and ignored."""
+        out = self._jobs.ack(job_id, rank, ok, LoadFailure.WORKER_FAILED)
+        if out is not None:
+            self._apply(out)
+
+    def _apply(self, out: AckOutcome) -> None:
+        job = out.job
+        if job.failed and job.kind is JobKind.LOAD:
+            self._report_load(job)
+        if out.complete:
+            self._complete(job)
+
+    def _report_load(self, job: Job) -> None:
+        """Tell a load job's requests its outcome, once (at the first failure, or at
+        completion); from then on their CPU blocks no longer count as being loaded."""
+        if job.reported:
+            return
+        job.reported = True
+        for part in job.parts:
+            for b in part.cpu_ids:
+                n = self._loading_cpu[b] - 1
+                if n:
+                    self._loading_cpu[b] = n
+                else:
+                    del self._loading_cpu[b]
+            if job.failed:
+                assert job.cause is not None
+                res = LoadResult(part.req_id, False, tuple(part.gpu_ids) + part.failed_ids,
+                                 job.cause, 0)
+                self.counters.loads_failed += 1
+            elif part.failed_ids:
+                res = LoadResult(part.req_id, False, part.failed_ids,
+                                 LoadFailure.WINDOW_MISSING, 0)
+                self.counters.loaded_blocks += len(part.cpu_ids)
+            else:
+                res = LoadResult(part.req_id, True, (), None, part.num_tokens)
+                self.counters.loaded_blocks += len(part.cpu_ids)
+            self._results.append(res)
+
+    def _complete(self, job: Job) -> None:
+        """Every rank acked or is dead: release the job's pins (and index a store)."""
+        if job.abandoned:
+            self._abandoned -= 1
+        if job.kind is JobKind.STORE:
+            register = not job.failed and not self._failed
+            self._plan.complete(job.gpu_ids, job.cpu_ids, job.groups, job.keys, job.n_eager,
+                                register)
+            return
+        self._report_load(job)
+        dst = self._plan.load_dst
+        for b in job.gpu_ids:
+            n = dst[b] - 1
+            if n:
+                dst[b] = n
+            else:
+                del dst[b]
+        del self._load_job_reqs[job.job_id]
+        self.cpu.free(reversed(job.cpu_ids))
+        self.gpu.free(reversed(job.gpu_ids))
+
+    # ---- request end, reset, rank death ----------------------------------------------
+
+    def finished(self, req_id: str, num_confirmed_tokens: int,
+                 gpu_block_ids: Sequence[Sequence[int]], *,
+                 block_hashes: Sequence[bytes] | None = None) -> bool:
+        """The request is gone (its final confirmed count and tables). Its unstored full
+        blocks are pinned here and stored by the next ``build_step``; its other pins are
+        released. ``block_hashes``: its final hashes, when the engine's sequence seen
+        so far may lack the last block. Always False (pins make delayed frees
+        unnecessary). InvalidRequest (nothing changed) for bad input."""
+        req_id, confirmed, tables, hashes = self._check.finished(
+            req_id, num_confirmed_tokens, gpu_block_ids, block_hashes)
+        st = self._track.reqs.get(req_id)
+        if st is not None and not self._failed:
+            self._track.check_finish(st, confirmed, tables, hashes, self._check)
+        st = self._forget(req_id)
+        if st is not None and not self._failed:
+            self._track.finish(st, confirmed, tables, hashes)
+        return False
+
+    def _forget(self, req_id: str) -> ReqState | None:
+        """Drop a request's pin, queued load and tracking (in-flight jobs keep theirs)."""
+        self._drop_hit(req_id)
+        part = self._load_queue.pop(req_id, None)
+        if part is not None:
+            self._cancel_part(part)
+        return self._track.forget(req_id)
+
+    def reset(self) -> bool:
+        """Drop the CPU index; abandon every job in flight (its completion releases refs
+        without indexing; no new job is planned until they are all done). True once
+        nothing is in flight (jobs that wait only for a revoked, unfenced rank do not
+        count: nothing will move them, and the engine is FAILED anyway)."""
+        if not self._failed:
+            self._drop_pending(LoadFailure.RESET, DeclineReason.RESET)
+            for job in self._jobs.jobs.values():
+                if not job.abandoned:
+                    job.abandoned = True
+                    self._abandoned += 1
+                    self.counters.jobs_abandoned += 1
+                    self._fail_job(job, LoadFailure.RESET, count=False)
+            self.cpu.drop_all_hashes()
+        return not self._jobs.jobs or self._jobs.only_quarantined()
+
+    def rank_failed(self, rank: int) -> None:
+        """``rank`` was declared dead (it may still be running a copy): every job fails
+        (failed load results now); the index is dropped; from now on lookups get 0 and
+        nothing is planned. The jobs ``rank`` has not acked keep their pins -- those
+        blocks are *quarantined* -- until :meth:`rank_fenced`: a block a rank may still
+        touch is never handed out again."""
+        first = not self._failed
+        self._failed = True
+        for job in self._jobs.revoke_rank(rank):
+            self._fail_job(job, LoadFailure.RANK_DIED, count=False)
+        if first:
+            for job in self._jobs.jobs.values():
+                self._fail_job(job, LoadFailure.RANK_DIED, count=True)
+            self._drop_pending(LoadFailure.RANK_DIED, DeclineReason.ENGINE_FAILED)
+            self.cpu.drop_all_hashes()
+
+    def rank_fenced(self, rank: int) -> None:
+        """``rank`` can touch no block any more (its process exited, or its lifeline
+        closed after its last copy): the jobs it had not acked count as acked by it, so
+        their pins go once the other ranks are done. Implies :meth:`rank_failed`."""
+        self.rank_failed(rank)
+        for out in self._jobs.fence_rank(rank):
+            self._apply(out)
+
+    def quarantined_blocks(self) -> tuple[int, int]:
+        """(GPU, CPU) blocks pinned only because a revoked rank is not fenced yet."""
+        gpu, cpu = self._jobs.quarantined()
+        return len(gpu), len(cpu)
+
+    def _fail_job(self, job: Job, cause: LoadFailure, *, count: bool) -> None:
+        """Mark ``job`` failed (``count``: as a failed job; an abandoned one is not)."""
+        if not job.failed:
+            job.failed = True
+            job.cause = cause
+            if count:
+                self.counters.jobs_failed += 1
+        if job.kind is JobKind.LOAD:
+            self._report_load(job)
+
+    def _drop_pending(self, cause: LoadFailure, decline: DeclineReason) -> None:
+        """Release every phase-A pin (tombstones), fail every queued load, drop queued
+        finish-time stores."""
+        for rid, hit in list(self._hits.items()):
+            if hit.cause is None:
+                self.cpu.free(reversed(hit.pinned))
+                self._hits[rid] = Hit(hit.start, hit.end, [], [], (), cause)
+        for rid, part in list(self._load_queue.items()):
+            self._cancel_part(part)
+            self._fail_now(rid, tuple(part.gpu_ids) + part.failed_ids, cause)
+        self._load_queue.clear()
+        self._plan.drop_finished(decline)
+
+    # ---- checks ----------------------------------------------------------------------
+
+    def check_invariants(self) -> None:
+        """O(everything) consistency check for tests; AssertionError names the fault."""
+        check_manager(self)

@@ -1,0 +1,300 @@
+"""`BlockPool`: a ref-counted pool of fixed-size blocks with a prefix-hash index.
+
+The same class is kvshm's CPU tier and a custom server's GPU pool; it structurally
+implements the ``GpuBlocks`` protocol (``touch``, ``free(..., evict_first)``,
+``block_hashes``, ``iter_free_from_lru``).
+
+States (exactly one per block, checked by :meth:`BlockPool.check_invariants`):
+
+* **free-uncached**: ``ref_cnt == 0``, no hashes, in the free queue;
+* **cached-evictable**: ``ref_cnt == 0``, one or more hashes, in the free queue;
+* **pinned**: ``ref_cnt > 0``, not in the free queue (never reused or evicted; its
+  hashes change only through explicit ``add_hashes`` / ``remove_hashes`` calls).
+
+Ordering: :meth:`allocate` takes blocks from the LRU end of the free queue. A block
+freed to ref 0 goes to the LRU end when it has no hashes (reused first) or when
+``evict_first`` is given, and to the MRU end (evicted last) when it is cached. Within
+one :meth:`free` call, ids listed earlier are taken before ids listed later among the
+blocks sent to the same end, so freeing a prefix tail-first evicts its tail first.
+
+Cost: every operation is O(1) per block named (plus O(hashes) per block); nothing scans
+the pool except :meth:`drop_all_hashes` (O(hashed blocks)) and :meth:`check_invariants`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+
+from kvshm.offload.blocks import Block, FreeBlockQueue
+from kvshm.errors import ConfigError, PoolExhausted
+from kvshm.hashing import BlockHash
+
+__all__ = ["BlockPool", "BlockRemoved", "BlockStored", "PoolEvent"]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """``block_id`` became indexed under ``hashes`` (only the newly added ones)."""
+
+    block_id: int
+    hashes: tuple[BlockHash, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """``block_id`` stopped being indexed under ``hashes`` (evicted, removed, reset)."""
+
+    block_id: int
+    hashes: tuple[BlockHash, ...]
+
+
+PoolEvent = BlockStored | BlockRemoved
+
+
+class BlockPool:
+    """Ref-counted blocks ``0 .. num_blocks-1``, a free queue and a hash index.
+
+    The index maps a hash to the ids carrying it, in registration order (a dict used as
+    an ordered set), so :meth:`get_cached` deterministically answers the earliest
+    registered block still carrying the hash.
+    """
+
+    def __init__(self, num_blocks: int, *, enable_events: bool = False) -> None:
+        if num_blocks < 1:
+            raise ConfigError(f"num_blocks must be >= 1, got {num_blocks}")
+        self._blocks = [Block(i) for i in range(num_blocks)]
+        self._queue = FreeBlockQueue(self._blocks)
+        self._index: dict[BlockHash, dict[int, None]] = {}
+        self._enable_events = enable_events
+        self._events: list[PoolEvent] = []
+        self.evictions = 0
+        """Cached blocks whose hashes ``allocate`` dropped to reuse them."""
+        self.exhausted = 0
+        """``allocate`` calls declined with PoolExhausted."""
+
+    # ---- sizes ---------------------------------------------------------------------
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self._blocks)
+
+    @property
+    def num_free(self) -> int:
+        """Blocks at ref 0: free-uncached plus cached-evictable."""
+        return len(self._queue)
+
+    @property
+    def num_pinned(self) -> int:
+        return len(self._blocks) - len(self._queue)
+
+    @property
+    def num_hashes(self) -> int:
+        """Distinct hashes in the index (what a lookup can hit)."""
+        return len(self._index)
+
+    def __repr__(self) -> str:
+        return (f"BlockPool(num_blocks={self.num_blocks}, free={self.num_free}, "
+                f"hashes={len(self._index)})")
+
+    # ---- reference counts ----------------------------------------------------------
+
+    def _resolve(self, ids: Iterable[int]) -> list[Block]:
+        blocks = self._blocks
+        n = len(blocks)
+        out: list[Block] = []
+        for i in ids:
+            if not 0 <= i < n:
+                raise ConfigError(f"unknown block id {i!r} (pool has {n} blocks)")
+            out.append(blocks[i])
+        return out
+
+    def _get(self, block_id: int) -> Block:
+        n = len(self._blocks)
+        if not 0 <= block_id < n:
+            raise ConfigError(f"unknown block id {block_id!r} (pool has {n} blocks)")
+        return self._blocks[block_id]
+
+    def allocate(self, n: int) -> list[int]:
+        """Take ``n`` blocks from the LRU end, all or nothing; each returned block has
+        ref 1 and no hashes (a cached block loses its hashes: BlockRemoved)."""
+        if n < 0:
+            raise ConfigError(f"cannot allocate {n} blocks")
+        if n > len(self._queue):
+            self.exhausted += 1
+            raise PoolExhausted(n, len(self._queue))
+        out: list[int] = []
+        for _ in range(n):
+            b = self._queue.popleft()
+            if b.hashes:
+                self.evictions += 1
+                self._unindex(b)
+            b.ref_cnt = 1
+            out.append(b.block_id)
+        return out
+
+    def touch(self, ids: Iterable[int]) -> None:
+        """ref += 1 for each id (repeats count); a block at ref 0 leaves the free queue
+        first and keeps its hashes. Unknown ids: ConfigError before any change."""
+        queue = self._queue
+        for b in self._resolve(ids):
+            if b.ref_cnt == 0:
+                queue.remove(b)
+            b.ref_cnt += 1
+
+    def free(self, ids: Iterable[int], *, evict_first: bool = False) -> None:
+        """ref -= 1 for each id (repeats count). A block reaching 0 joins the free
+        queue: LRU end when uncached or ``evict_first``, MRU end when cached; earlier ids
+        are taken before later ones at either end. Freeing below 0 or an unknown id:
+        ConfigError before any change."""
+        blocks = self._resolve(ids)
+        self._check_freeable(blocks)
+        to_lru: list[Block] = []
+        queue = self._queue
+        for b in blocks:
+            b.ref_cnt -= 1
+            if b.ref_cnt == 0:
+                if evict_first or not b.hashes:
+                    to_lru.append(b)
+                else:
+                    queue.append(b)
+        for b in reversed(to_lru):
+            queue.appendleft(b)
+
+    @staticmethod
+    def _check_freeable(blocks: list[Block]) -> None:
+        if len(blocks) == 1:
+            if blocks[0].ref_cnt < 1:
+                raise ConfigError(f"free of block {blocks[0].block_id} at ref 0")
+            return
+        wanted: dict[int, int] = {}
+        for b in blocks:
+            k = wanted.get(b.block_id, 0) + 1
+            if k > b.ref_cnt:
+                raise ConfigError(
+                    f"free of block {b.block_id} {k} time(s) in one call, ref is {b.ref_cnt}")
+            wanted[b.block_id] = k
+
+    def ref_cnt(self, block_id: int) -> int:
+        return self._get(block_id).ref_cnt
+
+    # ---- hash index ----------------------------------------------------------------
+
+    def block_hashes(self, block_id: int) -> tuple[BlockHash, ...]:
+        """The hashes ``block_id`` is indexed under, in the order added; () if none."""
+        return self._get(block_id).hashes
+
+    def add_hashes(self, block_id: int, hashes: Iterable[BlockHash]) -> None:
+        """Index ``block_id`` under each hash (ones it already carries are skipped).
+        The block's place in the free queue does not change."""
+        b = self._get(block_id)
+        new: list[BlockHash] = []
+        for h in hashes:
+            if not isinstance(h, bytes):
+                raise ConfigError(f"block hash must be bytes, got {type(h).__name__}")
+            if h not in b.hashes and h not in new:
+                new.append(h)
+        if not new:
+            return
+        index = self._index
+        for h in new:
+            ids = index.get(h)
+            if ids is None:
+                index[h] = {block_id: None}
+            else:
+                ids[block_id] = None
+        added = tuple(new)
+        b.hashes = b.hashes + added
+        if self._enable_events:
+            self._events.append(BlockStored(block_id, added))
+
+    def remove_hashes(self, block_id: int) -> None:
+        """Drop every hash of ``block_id`` (BlockRemoved); it stays where it is."""
+        b = self._get(block_id)
+        if b.hashes:
+            self._unindex(b)
+
+    def _unindex(self, b: Block) -> None:
+        index = self._index
+        for h in b.hashes:
+            ids = index[h]
+            del ids[b.block_id]
+            if not ids:
+                del index[h]
+        if self._enable_events:
+            self._events.append(BlockRemoved(b.block_id, b.hashes))
+        b.hashes = ()
+
+    def get_cached(self, h: BlockHash) -> int | None:
+        """The earliest registered block still carrying ``h``, or None."""
+        ids = self._index.get(h)
+        if not ids:
+            return None
+        return next(iter(ids))
+
+    def is_cached(self, h: BlockHash) -> bool:
+        return h in self._index
+
+    def drop_all_hashes(self) -> None:
+        """Make every block uncached (reset): BlockRemoved for each hashed block. Free
+        blocks keep their queue order; none is cached any more, so all of them are
+        plain reuse-first blocks. O(hashed blocks)."""
+        seen: dict[int, None] = {}
+        for ids in self._index.values():
+            seen.update(ids)
+        for block_id in seen:
+            self._unindex(self._blocks[block_id])
+        assert not self._index, "index not empty after dropping every block's hashes"
+
+    # ---- free queue ----------------------------------------------------------------
+
+    def iter_free_from_lru(self) -> Iterator[int]:
+        """Ids of ref-0 blocks, the next one ``allocate`` would take first. The caller
+        may touch the id just yielded; other changes during iteration: StateError."""
+        for b in self._queue:
+            yield b.block_id
+
+    # ---- events and checks ---------------------------------------------------------
+
+    def take_events(self) -> list[PoolEvent]:
+        """Events since the last call, oldest first (always empty without
+        ``enable_events``)."""
+        events, self._events = self._events, []
+        return events
+
+    def check_invariants(self) -> None:
+        """O(pool) consistency check for tests; AssertionError names what is wrong."""
+        queued = self._queue.check_links(limit=len(self._blocks))
+        queued_ids = {b.block_id for b in queued}
+        if len(queued_ids) != len(queued):
+            raise AssertionError("free queue holds a block twice")
+        n_entries = 0
+        for b in self._blocks:
+            self._check_block(b, b.block_id in queued_ids)
+            n_entries += len(b.hashes)
+        index_entries = sum(len(ids) for ids in self._index.values())
+        if index_entries != n_entries:
+            raise AssertionError(
+                f"index has {index_entries} (hash, block) entries, blocks carry {n_entries}")
+        for h, ids in self._index.items():
+            if not ids:
+                raise AssertionError(f"index keeps empty entry for hash {h.hex()}")
+        free = sum(1 for b in self._blocks if b.ref_cnt == 0)
+        if free != self.num_free:
+            raise AssertionError(f"{free} blocks at ref 0 but num_free is {self.num_free}")
+
+    def _check_block(self, b: Block, in_queue: bool) -> None:
+        if self._blocks[b.block_id] is not b:
+            raise AssertionError(f"{b!r} is not at its own index")
+        if b.ref_cnt < 0:
+            raise AssertionError(f"{b!r} has a negative ref count")
+        if (b.ref_cnt == 0) != in_queue:
+            where = "in" if in_queue else "not in"
+            raise AssertionError(f"{b!r} is {where} the free queue with ref {b.ref_cnt}")
+        if in_queue != b.queued:
+            raise AssertionError(f"{b!r} links disagree with the queue walk")
+        if len(set(b.hashes)) != len(b.hashes):
+            raise AssertionError(f"{b!r} carries a hash twice")
+        for h in b.hashes:
+            if b.block_id not in self._index.get(h, {}):
+                raise AssertionError(f"{b!r} carries {h.hex()} but the index lacks it")

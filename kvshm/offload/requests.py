@@ -1,0 +1,242 @@
+"""Per-request store tracking for the manager: tables, cursors and the per-step scan.
+
+Every step lists every running request; the scan must cost an unchanged request next to
+nothing. The only per-request state it reads is ``watch[req_id]``: the number of
+confirmed *blocks* at which the request next needs a look (its cursor + 1; a huge value
+when nothing is tracked). Keeping it in its own dict of (mostly small, interpreter-
+cached) ints means an unchanged request touches its own ``ScheduledRequest``, one dict
+probe and no other object. The full :class:`ReqState` is read only for requests that
+changed (new ids, a crossed block boundary, admission, preemption).
+
+A request gets a ``watch`` entry at its first listing; ``lookup`` may create its
+``ReqState`` earlier (to remember where a restarted cursor begins).
+
+A step's listing is taken in two passes so that a bad listing changes nothing:
+:meth:`RequestTracker.prepare` reads and checks it (:mod:`kvshm.offload.validate`) and changes
+no state; :meth:`RequestTracker.apply` then applies the changed requests only, from the
+values ``prepare`` checked. The hot loop over unchanged requests stays in ``prepare``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable, Mapping, Sequence
+from typing import Any
+
+from kvshm.offload.hits import GroupSet
+from kvshm.offload.stores import ReqState, Selection, StorePlanner
+from kvshm.types import BlockHash, ScheduledRequest, no_new_blocks
+from kvshm.offload.validate import InputCheck
+
+__all__ = ["ADMIT", "DIRTY", "EXTEND", "NEVER", "Change", "RequestTracker", "is_remote"]
+
+NEVER = 1 << 62
+"""Watch value of a request with nothing to store (never reached)."""
+
+ADMIT, EXTEND, DIRTY = 1, 2, 4
+"""What a step does to a changed request: (re)admit it (first listing, resumption,
+preemption), append ids to its tables, walk its newly confirmed blocks."""
+
+Change = tuple[ScheduledRequest, int]
+"""A changed listed request (as checked: the request itself, or its normalized copy) and
+what the step does to it."""
+
+
+def is_remote(params: Mapping[str, Any] | None) -> bool:
+    """True for a P/D prefill request whose whole KV must reach the CPU tier."""
+    return bool(params) and bool(params.get("do_remote_decode"))  # type: ignore[union-attr]
+
+
+class RequestTracker:
+    """Requests' GPU tables and store cursors (see the module docstring)."""
+
+    def __init__(self, gs: GroupSet, block_size: int, eager: bool, plan: StorePlanner) -> None:
+        self.gs = gs
+        self.bs = block_size
+        self.eager = eager
+        self.plan = plan
+        self.reqs: dict[str, ReqState] = {}
+        self.watch: dict[str, int] = {}
+        self._no_new = no_new_blocks(gs.n)
+
+    def state(self, req_id: str) -> ReqState:
+        st = self.reqs.get(req_id)
+        if st is None:
+            st = self.reqs[req_id] = ReqState(req_id, self.gs.n)
+        return st
+
+    def forget(self, req_id: str) -> ReqState | None:
+        self.watch.pop(req_id, None)
+        return self.reqs.pop(req_id, None)
+
+    # ---- the per-step scan: check (no change), then apply ----------------------------
+
+    def prepare(self, requests: Iterable[Any], gone: Collection[str],
+                check: InputCheck) -> list[Change]:
+        """Check this step's listing and say what the step does to each request that
+        carries a change (listing order); changes nothing (InvalidRequest if the
+        listing is bad). ``gone``: the step's finished ids, forgotten before the listing
+        is applied, so a listed one counts as new here too (their watch entries are set
+        aside for the pass and put back after it)."""
+        watch = self.watch
+        hidden = {rid: watch.pop(rid) for rid in gone if rid in watch}
+        try:
+            return self._classify(requests, gone, check)
+        finally:
+            watch.update(hidden)
+
+    def _classify(self, requests: Iterable[Any], gone: Collection[str],
+                  check: InputCheck) -> list[Change]:
+        """The hot loop: an unchanged request costs one dict probe, two identity tests
+        and a few compares (see :mod:`kvshm.offload.validate` for what that leaves unchecked)."""
+        out: list[Change] = []
+        seen: set[str] = set()
+        get = self.watch.get
+        no_new = self._no_new
+        bs = self.bs
+        r: Any = None
+        try:
+            for r in requests:
+                w = get(r.req_id)
+                if w is None or r.new_or_resumed is not False or r.preempted is not False:
+                    out.append(self._check_admit(check.listed(r), gone, check, seen))
+                    continue
+                nb = r.new_block_ids
+                q = r.num_confirmed_tokens // bs
+                if q >= w or q < 0 or nb is not no_new and nb != no_new:
+                    out.append(self._check_change(check.listed(r), w, check, seen))
+        except (TypeError, AttributeError) as exc:
+            raise check.malformed(requests, r, exc) from exc
+        return out
+
+    @staticmethod
+    def _once(rid: str, seen: set[str], check: InputCheck) -> None:
+        """A request may carry a change once per step (a second listing would be
+        applied against state the first one changed)."""
+        if rid in seen:
+            raise check.refuse("build_step", rid, "requests",
+                               "listed twice in one step with a change")
+        seen.add(rid)
+
+    def _check_admit(self, r: ScheduledRequest, gone: Collection[str], check: InputCheck,
+                     seen: set[str]) -> Change:
+        """A (re)admission: check the hashes its first walk may read."""
+        self._once(r.req_id, seen, check)
+        if r.preempted and not r.new_or_resumed:
+            return r, ADMIT
+        st = None if r.req_id in gone else self.reqs.get(r.req_id)
+        remote = (st is not None and st.remote) or is_remote(r.kv_transfer_params)
+        if self.eager or remote:
+            cursor = 0 if remote or st is None else st.start
+            ready = min(r.num_confirmed_tokens // self.bs, min(len(t) for t in r.new_block_ids))
+            check.hashes("build_step", r.req_id, "block_hashes", r.block_hashes, cursor,
+                         min(ready, len(r.block_hashes)))
+        return r, ADMIT
+
+    def _check_change(self, r: ScheduledRequest, w: int, check: InputCheck,
+                      seen: set[str]) -> Change:
+        """A known request with ids appended and/or a new block confirmed: check the
+        hashes this step's walk may read. (In a decode step about one listed request in
+        ``block_size`` comes here: kept to a few operations.)"""
+        rid = r.req_id
+        if rid in seen:
+            self._once(rid, seen, check)
+        seen.add(rid)
+        nb = r.new_block_ids
+        kind = EXTEND if nb is not self._no_new and any(nb) else 0
+        q = r.num_confirmed_tokens // self.bs
+        if q < w:
+            return r, kind
+        st = self.reqs[rid]
+        grow = kind and st.tracked
+        tables = st.tables
+        if len(tables) == 1:
+            ready = len(tables[0]) + (len(nb[0]) if grow else 0)
+        else:
+            ready = min(len(t) + (len(ids) if grow else 0) for t, ids in zip(tables, nb))
+        hashes = r.block_hashes
+        hi = min(q, ready, len(hashes))
+        lo = st.cursor
+        if hi - lo == 1:  # the usual case: one more block confirmed
+            h = hashes[lo]
+            if type(h) is bytes and check.hash_min <= len(h) <= check.hash_max:
+                return r, kind | DIRTY
+        check.hashes("build_step", rid, "block_hashes", hashes, lo, hi)
+        return r, kind | DIRTY
+
+    def apply(self, changes: list[Change]) -> list[ScheduledRequest]:
+        """Apply :meth:`prepare`'s changes; returns the requests with blocks to walk."""
+        dirty: list[ScheduledRequest] = []
+        for r, kind in changes:
+            if kind & ADMIT:
+                self._admit(r, dirty)
+                continue
+            if kind & EXTEND:
+                self._extend(r)
+            if kind & DIRTY:
+                dirty.append(r)
+        return dirty
+
+    def _extend(self, r: ScheduledRequest) -> None:
+        st = self.reqs[r.req_id]
+        if not st.tracked:
+            return
+        for table, ids in zip(st.tables, r.new_block_ids):
+            table.extend(ids)
+        st.hashes = r.block_hashes
+
+    def _admit(self, r: ScheduledRequest, dirty: list[ScheduledRequest]) -> None:
+        """First listing, resumption (full table) or preemption (table forgotten)."""
+        rid = r.req_id
+        st = self.state(rid)
+        st.remote = st.remote or is_remote(r.kv_transfer_params)
+        st.tracked = self.eager or st.remote
+        st.cursor = 0 if st.remote else st.start
+        if r.preempted and not r.new_or_resumed:
+            st.tables = [[] for _ in range(self.gs.n)]
+            self.watch[rid] = NEVER
+            return
+        if st.tracked:
+            st.tables = [list(ids) for ids in r.new_block_ids]
+        st.hashes = r.block_hashes
+        w = self.watch[rid] = st.cursor + 1 if st.tracked else NEVER
+        if r.num_confirmed_tokens // self.bs >= w:
+            dirty.append(r)
+
+    # ---- selection -------------------------------------------------------------------
+
+    def select(self, dirty: list[ScheduledRequest], alloc: Collection[int], avail: int,
+               sel: Selection) -> int:
+        """Walk each changed request's confirmed blocks into ``sel``; returns what is
+        left of ``avail`` CPU blocks."""
+        bs = self.bs
+        for r in dirty:
+            st = self.reqs[r.req_id]
+            st.hashes = r.block_hashes
+            ready = min(r.num_confirmed_tokens // bs, min(len(t) for t in st.tables))
+            avail = self.plan.walk(st, ready, avail, alloc, sel)
+            self.watch[r.req_id] = st.cursor + 1
+        return avail
+
+    def check_finish(self, st: ReqState, num_confirmed_tokens: int,
+                     tables: Sequence[Sequence[int]], hashes: Sequence[BlockHash] | None,
+                     check: InputCheck) -> None:
+        """Before :meth:`finish`: check the hashes its finish-time store may read."""
+        if not st.tracked:
+            return
+        seq = hashes if hashes is not None else st.hashes
+        shortest = len(tables[0]) if len(tables) == 1 else min(len(t) for t in tables)
+        hi = min(num_confirmed_tokens // self.bs, shortest, len(seq))
+        if hi > st.cursor:
+            check.hashes("finished", st.req_id, "block_hashes", seq, st.cursor, hi)
+
+    def finish(self, st: ReqState, num_confirmed_tokens: int,
+               tables: Sequence[Sequence[int]], hashes: Sequence[BlockHash] | None) -> None:
+        """Finish-time: pin the request's unstored full blocks for the next store."""
+        if not st.tracked:
+            return
+        st.tables = [list(t) for t in tables]
+        if hashes is not None:
+            st.hashes = hashes
+        ready = min(num_confirmed_tokens // self.bs, min(len(t) for t in st.tables))
+        self.plan.pin_finished(st, ready)
+

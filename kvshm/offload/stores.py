@@ -1,0 +1,281 @@
+"""Store selection for the manager: per-request cursors, in-flight dedup, lazy scans.
+
+Rules (each is a hazard of docs/design.md):
+
+* A GPU block is a candidate once its tokens are confirmed. One cursor per request
+  walks positions in prefix order; all groups of a position are taken together, and
+  when the CPU pool cannot supply them the cursor stops there (deferred, retried next
+  step, nothing half-recorded).
+* In-flight dedup across steps: a GPU id being stored, or any block whose
+  group-qualified hash is being stored, is skipped (``IN_FLIGHT``); marks are set when a
+  block is selected and cleared only when its job completes (or a not-yet-sent
+  finish-time store is dropped).
+* Validity for the position: the GPU block must carry the position's hash (a block the
+  engine re-hashed for other content is ``HASH_MISMATCH``; for a sliding-window group
+  ``STALE_WINDOW``). A full-attention block with no GPU hash is the request's own and
+  is stored under the position's hash; a sliding-window one is not (``STALE_WINDOW``),
+  nor is a sliding-window id the engine allocated this step.
+* A GPU block that is the destination of a pending load holds no valid KV yet: the
+  cursor waits there.
+
+Cost: a step touches only requests whose confirmed tokens crossed their cursor's block
+(see :mod:`kvshm.offload.requests`), plus the lazy scan window.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+from itertools import islice
+
+from kvshm.offload.hits import GroupSet
+from kvshm.offload.pool import BlockPool
+from kvshm.types import BlockHash, DeclineReason, GpuBlocks, ManagerCounters
+
+__all__ = ["Cand", "ReqState", "Selection", "StorePlanner"]
+
+Cand = tuple[int, int, bytes]
+"""(GPU block id, group, group-qualified primary key)."""
+
+_NO_IDS: frozenset[int] = frozenset()
+
+
+class ReqState:
+    """Store tracking of one request. ``tables[g]``: its GPU ids per group as known;
+    ``cursor``: next position to consider; ``start``: where a restarted cursor begins
+    (after the GPU hit and loaded blocks; ``do_remote_decode`` ignores it and starts at
+    0); ``tracked``: its blocks are stored eagerly."""
+
+    __slots__ = ("cursor", "hashes", "remote", "req_id", "start", "tables", "tracked")
+
+    def __init__(self, req_id: str, ngroups: int) -> None:
+        self.req_id = req_id
+        self.tables: list[list[int]] = [[] for _ in range(ngroups)]
+        self.cursor = 0
+        self.hashes: Sequence[BlockHash] = ()
+        self.start = 0
+        self.remote = False
+        self.tracked = False
+
+
+class Selection:
+    """One step's store pairs in job order: finish-time ones (already touched), then
+    running requests' (``to_touch``), then lazy ones (``n_lazy``, also in ``to_touch``)."""
+
+    __slots__ = ("gpu_ids", "groups", "keys", "n_lazy", "to_touch")
+
+    def __init__(self) -> None:
+        self.gpu_ids: list[int] = []
+        self.groups: list[int] = []
+        self.keys: list[bytes] = []
+        self.to_touch: list[int] = []
+        self.n_lazy = 0
+
+    def add(self, c: Cand) -> None:
+        self.gpu_ids.append(c[0])
+        self.groups.append(c[1])
+        self.keys.append(c[2])
+
+
+class StorePlanner:
+    """Owns the in-flight marks and the finish-time queue; see the module docstring."""
+
+    def __init__(self, cpu: BlockPool, gpu: GpuBlocks, gs: GroupSet, block_size: int,
+                 counters: ManagerCounters, lazy_window: int) -> None:
+        self.cpu = cpu
+        self.gpu = gpu
+        self.gs = gs
+        self.bs = block_size
+        self.counters = counters
+        self.lazy_window = lazy_window
+        self.inflight_gpu: set[int] = set()
+        self.inflight_keys: set[bytes] = set()
+        self.load_dst: dict[int, int] = {}
+        """GPU ids that pending loads write -> number of such loads."""
+        self.finish_queue: list[Cand] = []
+
+    # ---- classification ----------------------------------------------------------
+
+    def classify(self, b: int, h: BlockHash | None, g: int,
+                 alloc: Collection[int]) -> tuple[DeclineReason | None, bytes]:
+        """Why GPU block ``b`` at a position with hash ``h`` (None: unknown) must not be
+        stored now, or (None, its CPU key)."""
+        if b in self.inflight_gpu:
+            return DeclineReason.IN_FLIGHT, b""
+        sw = self.gs.is_sw[g]
+        if sw and b in alloc:
+            return DeclineReason.STALE_WINDOW, b""
+        gh = self.gpu.block_hashes(b)
+        if h is None:
+            if not gh:
+                return DeclineReason.UNHASHED, b""
+            h = gh[0]
+        elif gh:
+            if h not in gh:
+                return (DeclineReason.STALE_WINDOW if sw else DeclineReason.HASH_MISMATCH), b""
+        elif sw:
+            return DeclineReason.STALE_WINDOW, b""
+        key = self.gs.key(h, g)
+        if key in self.inflight_keys:
+            return DeclineReason.IN_FLIGHT, b""
+        if self.cpu.is_cached(key):
+            return DeclineReason.ALREADY_CACHED, b""
+        return None, key
+
+    def _mark(self, c: Cand) -> None:
+        self.inflight_gpu.add(c[0])
+        self.inflight_keys.add(c[2])
+
+    def _unmark(self, b: int, key: bytes) -> None:
+        self.inflight_gpu.remove(b)
+        self.inflight_keys.remove(key)
+
+    # ---- eager -------------------------------------------------------------------
+
+    def walk(self, st: ReqState, ready: int, avail: int, alloc: Collection[int],
+             sel: Selection) -> int:
+        """Select ``st``'s candidates ``[cursor, ready)`` into ``sel`` within ``avail``
+        CPU blocks; returns what is left of ``avail``. Moves the cursor past every
+        position decided (stored or declined), never past a deferred one."""
+        p = st.cursor
+        tables = st.tables
+        hashes = st.hashes
+        nh = len(hashes)
+        declined = self.counters.declined
+        while p < ready:
+            h = hashes[p] if p < nh else None
+            picks: list[Cand] = []
+            reasons: list[DeclineReason] = []
+            wait = False
+            for g in range(self.gs.n):
+                b = tables[g][p]
+                if b in self.load_dst:
+                    wait = True
+                    break
+                reason, key = self.classify(b, h, g, alloc)
+                if reason is None:
+                    picks.append((b, g, key))
+                else:
+                    reasons.append(reason)
+            if wait:
+                break
+            if len(picks) > avail:
+                declined[DeclineReason.CPU_FULL] += 1
+                break
+            for r in reasons:
+                declined[r] += 1
+            for c in picks:
+                self._mark(c)
+                sel.add(c)
+                sel.to_touch.append(c[0])
+            avail -= len(picks)
+            p += 1
+        st.cursor = p
+        return avail
+
+    def pin_finished(self, st: ReqState, ready: int) -> int:
+        """Finish-time: touch and queue ``st``'s unstored candidates ``[cursor, ready)``
+        (no CPU limit; the next steps send them). Returns how many were queued."""
+        picks: list[Cand] = []
+        declined = self.counters.declined
+        hashes = st.hashes
+        for p in range(st.cursor, ready):
+            h = hashes[p] if p < len(hashes) else None
+            for g in range(self.gs.n):
+                b = st.tables[g][p]
+                if b in self.load_dst:
+                    declined[DeclineReason.IN_FLIGHT] += 1
+                    continue
+                reason, key = self.classify(b, h, g, _NO_IDS)
+                if reason is not None:
+                    declined[reason] += 1
+                    continue
+                c = (b, g, key)
+                self._mark(c)
+                picks.append(c)
+        st.cursor = max(st.cursor, ready)
+        if picks:
+            self.gpu.touch([c[0] for c in picks])
+            self.finish_queue.extend(picks)
+        return len(picks)
+
+    def take_finished(self, avail: int, keep_rest: bool, sel: Selection) -> int:
+        """Move up to ``avail`` queued finish-time stores into ``sel``. The rest wait
+        while ``keep_rest`` (jobs in flight will free CPU blocks), else are dropped as
+        ``CPU_FULL``. Returns what is left of ``avail``."""
+        q = self.finish_queue
+        n = min(avail, len(q))
+        for c in q[:n]:
+            sel.add(c)
+        del q[:n]
+        if q and not keep_rest:
+            self.drop_finished(DeclineReason.CPU_FULL)
+        return avail - n
+
+    def drop_finished(self, reason: DeclineReason) -> None:
+        """Release every queued finish-time store (never sent): unpin, unmark, count."""
+        q, self.finish_queue = self.finish_queue, []
+        for b, _g, key in q:
+            self._unmark(b, key)
+        self.counters.declined[reason] += len(q)
+        if q:
+            self.gpu.free([c[0] for c in reversed(q)])
+
+    # ---- lazy --------------------------------------------------------------------
+
+    def lazy_scan(self, avail: int, sel: Selection) -> None:
+        """Offload hashed, uncached blocks among the next ``lazy_window`` GPU blocks to
+        be evicted (single group only). Touches after iterating."""
+        picks: list[Cand] = []
+        seen: set[bytes] = set()
+        cached = self.cpu.is_cached
+        for b in islice(self.gpu.iter_free_from_lru(), self.lazy_window):
+            gh = self.gpu.block_hashes(b)
+            if not gh:
+                continue
+            key = gh[0]
+            if key in self.inflight_keys or key in seen or cached(key):
+                continue
+            if len(picks) >= avail:
+                self.counters.declined[DeclineReason.CPU_FULL] += 1
+                break
+            picks.append((b, 0, key))
+            seen.add(key)
+        for c in picks:
+            self._mark(c)
+            sel.add(c)
+            sel.to_touch.append(c[0])
+        sel.n_lazy = len(picks)
+
+    # ---- completion --------------------------------------------------------------
+
+    def complete(self, gpu_ids: list[int], cpu_ids: list[int], groups: list[int],
+                 keys: list[bytes], n_eager: int, register: bool) -> None:
+        """A store job is done on every rank: clear its marks; when ``register``, index
+        each CPU block under its primary key and the GPU block's current hashes; free
+        CPU blocks tail-first (a prefix's tail is evicted before its head); unpin GPU
+        blocks (tail-first; lazy ones ``evict_first``). The job has left the job table
+        already, so its pins go even when indexing fails (a GPU pool that answers a
+        hash kvshm cannot index): no pin outlives its record."""
+        for b, key in zip(gpu_ids, keys):
+            self._unmark(b, key)
+        try:
+            if register:
+                self._register(gpu_ids, cpu_ids, groups, keys)
+        finally:
+            self.cpu.free(reversed(cpu_ids))
+            if n_eager:
+                self.gpu.free(reversed(gpu_ids[:n_eager]))
+            if n_eager < len(gpu_ids):
+                self.gpu.free(gpu_ids[n_eager:], evict_first=True)
+
+    def _register(self, gpu_ids: list[int], cpu_ids: list[int], groups: list[int],
+                  keys: list[bytes]) -> None:
+        key_of = self.gs.key
+        for c, b, g, k in zip(cpu_ids, gpu_ids, groups, keys):
+            hs = [k]
+            for h in self.gpu.block_hashes(b):
+                q = key_of(h, g)
+                if q != k:
+                    hs.append(q)
+            self.cpu.add_hashes(c, hs)
+        self.counters.stored_blocks += len(cpu_ids)

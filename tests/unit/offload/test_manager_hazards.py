@@ -1,0 +1,641 @@
+"""One narrated regression test per scheduler-side hazard of docs/design.md ("Hazards").
+
+Every test drives the real ``OffloadManager`` over two real ``BlockPool``s (the CPU tier
+and a toy engine's GPU pool), with tiny pools so block ids, ref counts and jobs can be
+asserted exactly. The test plays the engine: it allocates GPU blocks, hashes a block
+once its KV is computed, lists requests in ``StepInput``s and acks jobs.
+``check_invariants()`` runs after every manager call that changes state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from kvshm.errors import ConfigError
+from kvshm.hashing import chain_hashes
+from kvshm.offload.manager import OffloadManager
+from kvshm.offload.pool import BlockPool
+from kvshm.ipc.protocol import Direction, Transfer, unpack_ids
+from kvshm.types import (
+    DeclineReason,
+    KVGroup,
+    LoadFailure,
+    LoadResult,
+    RequestView,
+    ScheduledRequest,
+    StepInput,
+    StepPlan,
+)
+
+BS = 4
+REMOTE = {"do_remote_decode": True}
+
+
+class Rig:
+    """The manager, both pools and a step counter."""
+
+    def __init__(self, *, cpu: int = 8, gpu: int = 16, world_size: int = 1,
+                 groups: Sequence[KVGroup] = (KVGroup.full(),)) -> None:
+        self.cpu = BlockPool(cpu)
+        self.gpu = BlockPool(gpu)
+        self.m = OffloadManager(self.cpu, self.gpu, block_size=BS, groups=groups,
+                                world_size=world_size)
+        self.ngroups = len(groups)
+        self.n = 0
+
+    def step(self, *reqs: ScheduledRequest, allocated: Sequence[int] = ()) -> StepPlan:
+        self.n += 1
+        plan = self.m.build_step(StepInput(self.n, reqs, (), frozenset(allocated)))
+        self.m.check_invariants()
+        return plan
+
+    def ack(self, t: Transfer | None, *, ranks: Sequence[int] = (0,), ok: bool = True) -> None:
+        assert t is not None
+        for r in ranks:
+            self.m.on_done(t.job_id, r, ok)
+            self.m.check_invariants()
+
+    def alloc(self, n: int, hashes: Sequence[bytes] = ()) -> list[int]:
+        """Engine allocation; ``hashes`` marks the first blocks as computed."""
+        ids = self.gpu.allocate(n)
+        self.hash(ids, hashes)
+        return ids
+
+    def hash(self, ids: Sequence[int], hashes: Sequence[bytes]) -> None:
+        for b, h in zip(ids, hashes):
+            self.gpu.add_hashes(b, [h])
+
+    def seed_cpu(self, *hashes: bytes) -> list[int]:
+        """Put blocks into the CPU tier as if stored long ago (cached, ref 0)."""
+        ids = self.cpu.allocate(len(hashes))
+        for b, h in zip(ids, hashes):
+            self.cpu.add_hashes(b, [h])
+        self.cpu.free(reversed(ids))
+        return ids
+
+
+class Req:
+    """An engine-side request: tokens and their chained block hashes."""
+
+    def __init__(self, rid: str, n_tokens: int, *, base: int = 0,
+                 params: dict[str, Any] | None = None) -> None:
+        self.rid = rid
+        self.toks = list(range(base, base + n_tokens))
+        self.h = chain_hashes(self.toks, BS)
+        self.params = params
+
+    def view(self) -> RequestView:
+        return RequestView(self.rid, self.h, len(self.toks), self.params)
+
+    def sched(self, *new_ids: Sequence[int], confirmed: int, new: bool = False,
+              preempted: bool = False) -> ScheduledRequest:
+        return ScheduledRequest(self.rid, self.h, len(self.toks),
+                                tuple(tuple(ids) for ids in new_ids), new, confirmed,
+                                preempted, self.params)
+
+
+def ids(data: bytes) -> list[int]:
+    return unpack_ids(data)
+
+
+def pairs(t: Transfer | None) -> tuple[list[int], list[int]]:
+    assert t is not None
+    return ids(t.src_ids), ids(t.dst_ids)
+
+
+def refs(pool: BlockPool, block_ids: Sequence[int]) -> list[int]:
+    return [pool.ref_cnt(b) for b in block_ids]
+
+
+def declined(m: OffloadManager, reason: DeclineReason) -> int:
+    return m.counters.declined[reason]
+
+
+# ---- in-flight dedup -------------------------------------------------------------------
+
+
+def test_in_flight_store_dedup_across_steps() -> None:
+    """Step 1 stores A's two blocks; the job is still in flight in step 2, when B lists
+    the same GPU blocks (a GPU prefix hit, B never looked up) and C holds the same
+    content in other GPU blocks (recomputed). Nothing may be stored twice: C's blocks
+    are skipped by hash, a block reached under another of its hashes by GPU id. After
+    the ack the CPU index holds each hash once and a later duplicate is
+    ALREADY_CACHED."""
+    rig = Rig()
+    a, b, c = Req("a", 9), Req("b", 9), Req("c", 9)
+    ga = rig.alloc(3, a.h)                                  # [0, 1, 2]
+    p1 = rig.step(a.sched(ga, confirmed=9, new=True))
+    assert p1.store is not None and pairs(p1.store) == ([0, 1], [0, 1])
+    assert refs(rig.gpu, [0, 1, 2]) == [2, 2, 1] and refs(rig.cpu, [0, 1]) == [1, 1]
+    assert not rig.cpu.is_cached(a.h[0])                    # a block being written never hits
+    assert rig.m.lookup(b.view(), 0) == 0
+
+    rig.gpu.touch(ga[:2])                                   # B's GPU prefix hit
+    gb = ga[:2] + rig.alloc(1)                              # [0, 1, 3]
+    gc = rig.alloc(3, c.h)                                  # [4, 5, 6], same hashes as A
+    # E reaches GPU block 0 under a secondary hash the block also carries: only the
+    # GPU-id mark can tell it is the block already being stored.
+    secondary = b"secondary hash of block 0"
+    rig.gpu.add_hashes(0, [secondary])
+    rig.gpu.touch([0])
+    e = ScheduledRequest("e", [secondary], 5, ((0,),), True, 4)
+    p2 = rig.step(a.sched((), confirmed=9), b.sched(gb, confirmed=8, new=True),
+                  c.sched(gc, confirmed=8, new=True), e)
+    assert p2.store is None
+    assert declined(rig.m, DeclineReason.IN_FLIGHT) == 5
+    assert rig.m.num_jobs_in_flight == 1
+
+    rig.ack(p1.store)
+    assert rig.cpu.get_cached(a.h[0]) == 0 and rig.cpu.get_cached(a.h[1]) == 1
+    assert rig.cpu.get_cached(secondary) == 0                 # the GPU block's hashes at completion
+    assert refs(rig.gpu, [0, 1]) == [3, 2] and refs(rig.cpu, [0, 1]) == [0, 0]
+    d = Req("d", 9)
+    gd = rig.alloc(3, d.h)
+    p3 = rig.step(d.sched(gd, confirmed=8, new=True))
+    assert p3.store is None and declined(rig.m, DeclineReason.ALREADY_CACHED) == 2
+    assert rig.m.counters.stored_blocks == 2
+
+
+# ---- TOCTOU ----------------------------------------------------------------------------
+
+
+def test_toctou_pin_survives_eviction_between_phases() -> None:
+    """Phase A finds B's prefix in CPU blocks 0 and 1 and pins them. Before phase B,
+    request C's stores need every CPU block; 0 and 1 are the LRU-most evictable ones,
+    but pinned, so C gets 2 and 3 and defers the rest. Phase B then loads exactly the
+    pinned blocks (vLLM's old re-search here found 0 hit tokens and asserted)."""
+    rig = Rig(cpu=4)
+    b = Req("b", 9)
+    assert rig.seed_cpu(b.h[0], b.h[1]) == [0, 1]
+    assert rig.m.lookup(b.view(), 0) == 8
+    assert refs(rig.cpu, [0, 1]) == [1, 1]
+
+    c = Req("c", 16, base=100)
+    gc = rig.alloc(4, c.h)                                  # [0, 1, 2, 3]
+    p1 = rig.step(c.sched(gc, confirmed=16, new=True))
+    assert pairs(p1.store) == ([0, 1], [2, 3])              # not 0 and 1: pinned
+    assert declined(rig.m, DeclineReason.CPU_FULL) == 1
+    assert rig.cpu.get_cached(b.h[0]) == 0 and rig.cpu.get_cached(b.h[1]) == 1
+
+    gb = rig.alloc(3)                                        # [4, 5, 6]
+    rig.m.allocated("b", [gb], 8)
+    rig.m.check_invariants()
+    assert refs(rig.cpu, [0, 1]) == [1, 1] and refs(rig.gpu, gb) == [2, 2, 1]
+    p2 = rig.step(c.sched((), confirmed=16))
+    assert pairs(p2.load) == ([0, 1], [4, 5]) and p2.load is not None
+    assert p2.load.direction is Direction.LOAD and p2.load_jobs == {p2.load.job_id: ("b",)}
+    rig.ack(p2.load)
+    p3 = rig.step()
+    assert tuple(rig.m.take_load_results()) == (LoadResult("b", True, (), None, 8),)
+    assert refs(rig.cpu, [0, 1]) == [0, 0] and refs(rig.gpu, gb) == [1, 1, 1]
+
+
+# ---- sliding window --------------------------------------------------------------------
+
+
+def test_stale_sliding_window_block_not_stored() -> None:
+    """Hybrid model: full attention + a 4-token sliding window (1 block before the hit
+    point). A prefills 16 tokens in step 1 (full ids 0-3, window ids 4-7) and is not
+    scheduled in step 2. Its window blocks 4, 5, 6 fall out of the window and are freed;
+    B takes 8 and 4 in step 2 and rehashes 4 for its own content; in step 3 C takes 5
+    (listed in allocated_block_ids). When A's blocks are confirmed in step 3, window ids
+    4 (hash changed) and 5 (reallocated this step) are stale and not stored; 6 was freed
+    but not reused, still holds A's KV under A's hash, and is stored."""
+    groups = (KVGroup.full(), KVGroup.sliding_window(4))
+    rig = Rig(gpu=9, groups=groups)
+    a = Req("a", 17)
+    full, win = rig.alloc(4), rig.alloc(4)                   # [0..3], [4..7]
+    rig.step(a.sched(full, win, confirmed=0, new=True))
+    rig.hash(full, a.h)
+    rig.hash(win, a.h)
+    rig.gpu.free([4, 5, 6])                                  # out of the window
+    gb = rig.gpu.allocate(2)
+    assert gb == [8, 4]
+    rig.hash([4], [b"B's own block hash"])
+    rig.step(allocated=gb)                                   # A not scheduled
+    assert rig.gpu.allocate(1) == [5]
+    p3 = rig.step(a.sched((), (), confirmed=16), allocated=[5])
+    assert pairs(p3.store) == ([0, 1, 2, 6, 3, 7], [0, 1, 2, 3, 4, 5])
+    assert declined(rig.m, DeclineReason.STALE_WINDOW) == 2
+    rig.ack(p3.store)
+    key = rig.m._gs.key
+    assert rig.cpu.is_cached(key(a.h[2], 1)) and not rig.cpu.is_cached(key(a.h[0], 1))
+
+    # Hybrid hit rule: all full blocks plus the window block before the hit point.
+    d = Req("d", 17)
+    assert rig.m.lookup(d.view(), 0) == 16
+    e = Req("e", 9)                                          # hit point 2: window block 1 is missing
+    assert rig.m.lookup(e.view(), 0) == 0
+
+
+# ---- do_remote_decode -------------------------------------------------------------------
+
+
+def _remote_setup(params: dict[str, Any] | None) -> tuple[Rig, Req, list[int], StepPlan]:
+    """R: 17 tokens; blocks 0-1 a GPU prefix hit (never stored), block 2 in the CPU
+    tier (loaded), blocks 3 computed. Returns the plan of the step that lists R with
+    12 confirmed tokens (after the load)."""
+    rig = Rig()
+    r = Req("r", 17, params=params)
+    prefix = rig.alloc(2, r.h)                                # [0, 1] cached on the GPU
+    [cpu2] = rig.seed_cpu(r.h[2])
+    assert rig.m.lookup(r.view(), 8) == 4
+    table = prefix + rig.alloc(3)                             # [0, 1, 2, 3, 4]
+    rig.m.allocated("r", [table], 4)
+    p1 = rig.step()
+    assert pairs(p1.load) == ([cpu2], [2])
+    rig.ack(p1.load)
+    rig.hash([2], [r.h[2]])                                   # the engine caches the loaded block
+    p2 = rig.step(r.sched(table, confirmed=12, new=True))
+    assert tuple(rig.m.take_load_results()) == (LoadResult("r", True, (), None, 4),)
+    return rig, r, table, p2
+
+
+def test_do_remote_decode_stores_all_blocks() -> None:
+    """A P/D prefill must publish its whole KV: with do_remote_decode the GPU prefix
+    hits (blocks 0, 1) are stored too; the CPU-loaded block 2 is already in the tier.
+    Control: the same request without the flag stores none of its prefix hits."""
+    rig, r, table, p2 = _remote_setup(REMOTE)
+    assert pairs(p2.store) == ([0, 1], [1, 2])
+    rig.ack(p2.store)
+    rig.hash([3], [r.h[3]])
+    assert not rig.m.finished("r", 17, [table])
+    p3 = rig.step()
+    assert pairs(p3.store) == ([3], [3])
+    rig.ack(p3.store)
+    assert all(rig.cpu.is_cached(h) for h in r.h)
+
+    ctl, rc, ctable, c2 = _remote_setup(None)
+    assert c2.store is None                                   # cursor starts after the hits
+    ctl.hash([3], [rc.h[3]])
+    ctl.m.finished("r", 17, [ctable])
+    assert pairs(ctl.step().store) == ([3], [1])
+    assert not ctl.cpu.is_cached(rc.h[0])
+
+
+# ---- exact-multiple prompt ---------------------------------------------------------------
+
+
+def test_exact_multiple_prompt_recomputes_last_token() -> None:
+    """An 8-token prompt is exactly two blocks, both in the CPU tier. The hit is capped
+    at num_tokens - 1, i.e. one block: the last block is recomputed so the engine has a
+    token to compute. Only the first block is pinned."""
+    rig = Rig()
+    a = Req("a", 8)
+    assert rig.seed_cpu(*a.h) == [0, 1]
+    assert rig.m.lookup(a.view(), 0) == 4
+    assert refs(rig.cpu, [0, 1]) == [1, 0]
+    assert rig.m.lookup(a.view(), 4) == 0                      # repeat drops the older pin
+    assert refs(rig.cpu, [0, 1]) == [0, 0]
+    rig.m.check_invariants()
+
+
+# ---- preemption --------------------------------------------------------------------------
+
+
+def test_preempted_request_restarts_cursor() -> None:
+    """A (13 tokens, blocks 0-2 full) stores its three blocks in step 2; it is preempted
+    in step 3 while the store is in flight, so its GPU blocks stay pinned by the job
+    until the ack. The CPU tier then evicts h2 (the tail, first). A resumes with a new
+    table [4, 5, 6, 7]: its cursor restarts at 0, so blocks 0 and 1 are found cached and
+    block 2 is stored again from its new GPU id 6 -- never from the stale id 2."""
+    rig = Rig(cpu=3)
+    a = Req("a", 13)
+    ga = rig.alloc(4)
+    rig.step(a.sched(ga, confirmed=0, new=True))
+    rig.hash(ga, a.h)
+    p2 = rig.step(a.sched((), confirmed=13))
+    assert pairs(p2.store) == ([0, 1, 2], [0, 1, 2])
+    rig.step(a.sched((), confirmed=13, preempted=True))
+    rig.gpu.free(reversed(ga))                                 # the engine takes them back
+    assert refs(rig.gpu, ga) == [1, 1, 1, 0]                   # the job's pins
+    rig.ack(p2.store)
+    assert refs(rig.gpu, ga) == [0, 0, 0, 0]
+
+    x = Req("x", 4, base=500)
+    gx = rig.alloc(1, x.h)
+    px = rig.step(x.sched(gx, confirmed=4, new=True))
+    assert pairs(px.store) == ([gx[0]], [2])                  # h2's CPU block evicted first
+    rig.ack(px.store)
+    assert not rig.cpu.is_cached(a.h[2]) and rig.cpu.is_cached(a.h[0])
+
+    ga2 = rig.gpu.allocate(4)
+    assert ga2 == [4, 5, 6, 7]
+    rig.step(a.sched(ga2, confirmed=0, new=True))
+    rig.hash(ga2, a.h)
+    cached_before = declined(rig.m, DeclineReason.ALREADY_CACHED)
+    p = rig.step(a.sched((), confirmed=13))
+    assert pairs(p.store) == ([6], [1])                        # LRU: h1's block is next
+    assert declined(rig.m, DeclineReason.ALREADY_CACHED) - cached_before == 2
+
+
+# ---- reset -------------------------------------------------------------------------------
+
+
+def test_reset_with_transfers_in_flight() -> None:
+    """A store (A) and a load (B) are in flight, C's load is queued and D holds a
+    phase-A pin when reset() runs. B and C fail at once (RESET); D's later phase B fails
+    too. The jobs keep their pins until acked (a worker may still copy), the store's
+    CPU blocks are released uncached, nothing new is planned meanwhile, and reset()
+    reports False until both jobs are done."""
+    rig = Rig(cpu=8)
+    b, c, d = Req("b", 5, base=10), Req("c", 5, base=20), Req("d", 5, base=30)
+    rig.seed_cpu(b.h[0], c.h[0], d.h[0])                      # CPU 0, 1, 2
+    a = Req("a", 8)
+    ga = rig.alloc(2, a.h)                                     # [0, 1]
+    assert rig.m.lookup(b.view(), 0) == 4
+    gb = rig.alloc(2)                                          # [2, 3]
+    rig.m.allocated("b", [gb], 4)
+    p1 = rig.step(a.sched(ga, confirmed=8, new=True))
+    assert pairs(p1.store) == ([0, 1], [3, 4]) and pairs(p1.load) == ([0], [2])
+    assert rig.m.lookup(c.view(), 0) == 4
+    gc = rig.alloc(2)                                          # [4, 5]
+    rig.m.allocated("c", [gc], 4)
+    assert rig.m.lookup(d.view(), 0) == 4
+
+    assert rig.m.reset() is False
+    rig.m.check_invariants()
+    assert not any(rig.cpu.is_cached(h) for h in (b.h[0], c.h[0], d.h[0]))
+    assert refs(rig.cpu, [0, 1, 2, 3, 4]) == [1, 0, 0, 1, 1]   # only jobs pin now
+    gd = rig.alloc(2)
+    rig.m.allocated("d", [gd], 4)
+    p2 = rig.step(a.sched((), confirmed=8))
+    assert p2.store is None and p2.load is None
+    assert set(rig.m.take_load_results()) == {
+        LoadResult("b", False, (2,), LoadFailure.RESET, 0),
+        LoadResult("c", False, (4,), LoadFailure.RESET, 0),
+        LoadResult("d", False, (gd[0],), LoadFailure.RESET, 0)}
+    assert dict(p2.failed_loads) == {"c": (4,), "d": (gd[0],)}
+    assert rig.m.reset() is False
+    rig.ack(p1.store)
+    rig.ack(p1.load)
+    assert not rig.cpu.is_cached(a.h[0]) and refs(rig.cpu, [0, 3, 4]) == [0, 0, 0]
+    assert rig.m.reset() is True
+    assert rig.m.counters.jobs_abandoned == 2 and rig.m.pins_held() == 0
+    p3 = rig.step(a.sched((), confirmed=8))                     # planning resumes
+    assert rig.m.take_load_results() == [] and not rig.m.has_pending_work()
+
+
+# ---- rank failure ------------------------------------------------------------------------
+
+
+def test_rank_failure_fails_job_but_keeps_pins_until_all_ranks_done() -> None:
+    """Three ranks. R's load fails on rank 0: R learns it at once, but ranks 1 and 2
+    may still be copying into its GPU blocks, so the pins stay. Rank 2 is declared dead
+    (the job fails; the index is dropped, lookups get 0, nothing is planned). When rank 1
+    acks, the pins still stay: rank 2 is declared dead but not fenced (a hung rank may
+    resume and finish the copy), so its blocks are quarantined. They go when rank 2 is
+    fenced (its process exited). A store in flight is never indexed."""
+    rig = Rig(world_size=3)
+    r = Req("r", 9)
+    rig.seed_cpu(*r.h)                                          # CPU 0, 1
+    assert rig.m.lookup(r.view(), 0) == 8
+    gr = rig.alloc(3)
+    rig.m.allocated("r", [gr], 8)
+    a = Req("a", 4, base=50)
+    ga = rig.alloc(1, a.h)
+    p1 = rig.step(a.sched(ga, confirmed=4, new=True))
+    assert p1.load is not None and p1.store is not None
+    assert (p1.store.job_id, p1.load.job_id) == (1, 2)
+
+    rig.ack(p1.load, ranks=[0], ok=False)
+    p2 = rig.step(a.sched((), confirmed=4))
+    assert tuple(rig.m.take_load_results()) == (LoadResult("r", False, (0, 1), LoadFailure.WORKER_FAILED, 0),)
+    assert p2.load_jobs == {2: ("r",)}
+    assert refs(rig.cpu, [0, 1]) == [1, 1] and refs(rig.gpu, gr) == [2, 2, 1]
+
+    rig.ack(p1.store, ranks=[0, 1])
+    rig.m.rank_failed(2)
+    rig.m.check_invariants()
+    assert rig.m.failed and rig.m.counters.jobs_failed == 2
+    assert refs(rig.gpu, gr) == [2, 2, 1]                       # rank 1 has not acked the load
+    assert rig.cpu.ref_cnt(2) == 1 and not rig.cpu.is_cached(a.h[0])   # quarantined, not indexed
+    assert rig.m.lookup(r.view(), 0) == 0
+    assert rig.step(a.sched((), confirmed=4)).store is None
+
+    rig.ack(p1.load, ranks=[1])
+    # rank 2 was declared dead, not fenced: it may still be writing gr -> quarantined
+    assert refs(rig.cpu, [0, 1]) == [1, 1] and refs(rig.gpu, gr) == [2, 2, 1]
+    assert rig.m.quarantined_blocks() == (3, 3) and not rig.m.has_pending_work()
+    assert rig.step().load_jobs == {}       # waits only for rank 2: no longer listed
+    assert rig.m.reset() is True            # nothing will move a quarantined job
+    rig.m.rank_fenced(2)                                        # its process is gone
+    rig.m.check_invariants()
+    assert refs(rig.cpu, [0, 1, 2]) == [0, 0, 0] and refs(rig.gpu, gr) == [1, 1, 1]
+    assert not rig.cpu.is_cached(a.h[0])                        # a failed store is not indexed
+    assert rig.m.quarantined_blocks() == (0, 0)
+    rig.m.on_done(2, 2, True)                                   # late ack from the dead rank
+    assert rig.m.counters.acks_unknown == 1 and rig.m.pins_held() == 0
+
+
+def test_load_result_waits_for_every_rank() -> None:
+    """Two ranks: rank 0's successful ack alone completes nothing -- rank 1 may still be
+    writing the destination blocks. The result and the unpinning come with rank 1."""
+    rig = Rig(world_size=2)
+    r = Req("r", 9)
+    rig.seed_cpu(*r.h)
+    assert rig.m.lookup(r.view(), 0) == 8
+    gr = rig.alloc(3)
+    rig.m.allocated("r", [gr], 8)
+    p1 = rig.step()
+    rig.ack(p1.load, ranks=[1])
+    p2 = rig.step()
+    assert rig.m.take_load_results() == [] and p1.load is not None
+    assert p2.load_jobs == {p1.load.job_id: ("r",)}
+    assert refs(rig.cpu, [0, 1]) == [1, 1] and refs(rig.gpu, gr) == [2, 2, 1]
+    rig.ack(p1.load, ranks=[0])
+    p3 = rig.step()
+    assert tuple(rig.m.take_load_results()) == (LoadResult("r", True, (), None, 8),) and p3.load_jobs == {}
+    assert rig.m.pins_held() == 0
+
+
+# ---- LRU order ---------------------------------------------------------------------------
+
+
+def test_prefix_tail_evicted_before_head() -> None:
+    """A's four blocks are stored; completion frees their CPU blocks tail first, so the
+    LRU order is h3, h2, h1, h0. When B needs one CPU block, h3's goes: A's prefix still
+    hits three blocks. (Forward-order frees would evict h0 and make the rest useless.)
+    A load's completion frees its sources tail first too."""
+    rig = Rig(cpu=4)
+    a = Req("a", 17)
+    ga = rig.alloc(4, a.h)
+    p1 = rig.step(a.sched(ga, confirmed=16, new=True))
+    rig.ack(p1.store)
+    assert list(rig.cpu.iter_free_from_lru()) == [3, 2, 1, 0]
+    b = Req("b", 4, base=99)
+    gb = rig.alloc(1, b.h)
+    p2 = rig.step(b.sched(gb, confirmed=4, new=True))
+    assert pairs(p2.store) == (gb, [3])
+    rig.ack(p2.store)
+    assert [rig.cpu.is_cached(h) for h in a.h] == [True, True, True, False]
+
+    r = Req("r", 17)
+    assert rig.m.lookup(r.view(), 0) == 12
+    rig.m.allocated("r", [rig.alloc(5)], 12)
+    p3 = rig.step()
+    rig.ack(p3.load)
+    assert list(rig.cpu.iter_free_from_lru()) == [3, 2, 1, 0]   # B's block, then A's tail first
+
+
+# ---- concurrent loads --------------------------------------------------------------------
+
+
+def test_concurrent_load_same_prefix_asks_again() -> None:
+    """A and B share a prefix in the CPU tier. A's load is queued (phase B done), so B's
+    lookup gets None and pins nothing: once A's blocks land, B will find them as a GPU
+    hit instead of loading them a second time. A mere phase-A pin does not block B."""
+    rig = Rig()
+    a, b, c = Req("a", 9), Req("b", 9), Req("c", 9)
+    rig.seed_cpu(*a.h)
+    assert rig.m.lookup(a.view(), 0) == 8
+    assert rig.m.lookup(c.view(), 0) == 8                       # only pinned: fine
+    rig.m.finished("c", 0, [[]])
+    rig.m.allocated("a", [rig.alloc(3)], 8)
+    assert rig.m.lookup(b.view(), 0) is None
+    assert refs(rig.cpu, [0, 1]) == [1, 1]                      # A's pins only
+    assert rig.m.counters.lookups_asked_again == 1
+    p = rig.step()
+    assert rig.m.lookup(b.view(), 0) is None                    # still loading
+    rig.ack(p.load)
+    assert rig.m.lookup(b.view(), 0) == 8
+    rig.m.check_invariants()
+
+
+# ---- finish ------------------------------------------------------------------------------
+
+
+def test_request_finished_frees_pins() -> None:
+    """A finishes between phases A and B: its pin goes. B finishes with its load queued:
+    the load is cancelled and every pin goes. C finishes while its load job runs: the
+    job keeps its pins (a worker is copying) and releases them when acked."""
+    rig = Rig()
+    a, b, c = Req("a", 9), Req("b", 9), Req("c", 9)
+    rig.seed_cpu(*a.h)
+    assert rig.m.lookup(a.view(), 0) == 8
+    assert refs(rig.cpu, [0, 1]) == [1, 1]
+    assert rig.m.finished("a", 0, [[]]) is False
+    assert refs(rig.cpu, [0, 1]) == [0, 0]
+
+    assert rig.m.lookup(b.view(), 0) == 8
+    gb = rig.alloc(3)
+    rig.m.allocated("b", [gb], 8)
+    assert refs(rig.gpu, gb) == [2, 2, 1]
+    rig.m.finished("b", 0, [gb])
+    rig.gpu.free(reversed(gb))
+    assert refs(rig.cpu, [0, 1]) == [0, 0] and refs(rig.gpu, gb) == [0, 0, 0]
+    rig.m.check_invariants()
+
+    assert rig.m.lookup(c.view(), 0) == 8
+    gc = rig.alloc(3)
+    rig.m.allocated("c", [gc], 8)
+    p = rig.step()
+    rig.m.finished("c", 0, [gc])
+    rig.gpu.free(reversed(gc))
+    assert refs(rig.cpu, [0, 1]) == [1, 1] and refs(rig.gpu, gc) == [1, 1, 0]
+    rig.ack(p.load)
+    assert rig.m.pins_held() == 0 and refs(rig.gpu, gc) == [0, 0, 0]
+
+
+def test_partial_acceptance_releases_unused_pins() -> None:
+    """Three blocks are offered and pinned; the engine accepts 4 tokens (one block).
+    Only CPU block 0 is loaded, into GPU block 0; blocks 1 and 2 are released at once."""
+    rig = Rig()
+    a = Req("a", 13)
+    rig.seed_cpu(*a.h)
+    assert rig.m.lookup(a.view(), 0) == 12
+    assert refs(rig.cpu, [0, 1, 2]) == [1, 1, 1]
+    ga = rig.alloc(4)
+    rig.m.allocated("a", [ga], 4)
+    rig.m.check_invariants()
+    assert refs(rig.cpu, [0, 1, 2]) == [1, 0, 0] and refs(rig.gpu, ga) == [2, 1, 1, 1]
+    p = rig.step()
+    assert pairs(p.load) == ([0], [0])
+    rig.m.finished("a", 0, [ga])
+    rig.ack(p.load)
+    assert rig.m.pins_held() == 0
+
+
+def test_last_block_stored_when_request_finishes() -> None:
+    """A decodes; the step that completes its third block is its last, and a finished
+    request is never listed again. finished() pins that block (GPU ref 2, then 1 when
+    the engine frees it) and the next build_step stores it; has_pending_work() keeps
+    the engine stepping until the ack."""
+    rig = Rig()
+    a = Req("a", 12)
+    ga = rig.alloc(3, a.h[:2])
+    p1 = rig.step(a.sched(ga, confirmed=8, new=True))
+    rig.ack(p1.store)
+    rig.hash([ga[2]], [a.h[2]])
+    assert rig.m.finished("a", 12, [ga]) is False
+    assert refs(rig.gpu, ga) == [1, 1, 2]
+    rig.gpu.free(reversed(ga))
+    assert refs(rig.gpu, ga) == [0, 0, 1] and rig.m.has_pending_work()
+    p2 = rig.step()
+    assert pairs(p2.store) == ([2], [2])
+    rig.ack(p2.store)
+    assert rig.cpu.get_cached(a.h[2]) == 2 and rig.m.pins_held() == 0
+    assert not rig.m.has_pending_work()
+
+
+def test_prefill_only_remote_decode_request_stores_everything_at_finish() -> None:
+    """A P/D prefill request is listed once (0 confirmed: its prefill runs in that step)
+    and finishes right after, never listed again. finished() with its final count pins
+    all four full blocks, GPU prefix hit included, and the next step stores them all."""
+    rig = Rig()
+    r = Req("r", 18, params=REMOTE)
+    hit = rig.alloc(1, r.h)                                     # [0], a GPU prefix hit
+    assert rig.m.lookup(r.view(), 4) == 0
+    table = hit + rig.alloc(4)                                  # [0, 1, 2, 3, 4]
+    rig.m.allocated("r", [table], 0)
+    p1 = rig.step(r.sched(table, confirmed=4, new=True))
+    assert p1.store is not None and pairs(p1.store) == ([0], [0])
+    rig.hash(table[1:], r.h[1:])
+    rig.m.finished("r", 18, [table])
+    assert refs(rig.gpu, table) == [2, 2, 2, 2, 1]
+    rig.gpu.free(reversed(table))
+    p2 = rig.step()
+    assert pairs(p2.store) == ([1, 2, 3], [1, 2, 3])
+    rig.ack(p1.store)
+    rig.ack(p2.store)
+    assert all(rig.cpu.is_cached(h) for h in r.h) and rig.m.pins_held() == 0
+
+
+def test_phase_b_without_pin_reports_failed_load() -> None:
+    """The engine accepts external tokens the manager holds no pin for: a request never
+    looked up (all its table ids fail: recompute from the start), and one whose pin a
+    reset dropped between phases (exactly the hit's destinations fail). Each gets a
+    failed LoadResult and a failed_loads entry at once -- never a request left waiting."""
+    rig = Rig()
+    b = Req("b", 9, base=40)
+    rig.m.allocated("a", [[3, 4, 5]], 8)
+    rig.seed_cpu(*b.h)
+    assert rig.m.lookup(b.view(), 0) == 8
+    assert rig.m.reset() is True
+    gb = rig.alloc(3)
+    rig.m.allocated("b", [gb], 8)
+    rig.m.check_invariants()
+    p = rig.step()
+    assert p.load is None and tuple(rig.m.take_load_results()) == (
+        LoadResult("a", False, (3, 4, 5), LoadFailure.NO_PIN, 0),
+        LoadResult("b", False, tuple(gb[:2]), LoadFailure.RESET, 0))
+    assert dict(p.failed_loads) == {"a": (3, 4, 5), "b": tuple(gb[:2])}
+    assert rig.m.counters.loads_failed == 2 and rig.m.pins_held() == 0
+
+
+def test_accepting_more_than_offered_is_a_config_error() -> None:
+    """Phase B accepting more tokens than phase A offered is an engine bug: ConfigError,
+    and the pin stays intact (the engine may still finish or retry the request)."""
+    rig = Rig()
+    a = Req("a", 9)
+    rig.seed_cpu(*a.h)
+    assert rig.m.lookup(a.view(), 4) == 4
+    with pytest.raises(ConfigError, match="offered"):
+        rig.m.allocated("a", [rig.alloc(3)], 8)
+    assert refs(rig.cpu, [0, 1]) == [0, 1]
+    rig.m.finished("a", 0, [[]])
+    assert rig.m.pins_held() == 0
+    rig.m.check_invariants()

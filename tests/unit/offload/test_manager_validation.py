@@ -1,0 +1,555 @@
+"""Bad input to the scheduler-side calls: refused whole, before anything changes.
+
+Each hazard test replays a call an attacker made through the public API that used to
+be *half applied* -- the manager changed some of its state, then raised (or raised
+nothing and failed later) -- and shows that the call is now refused with one
+``InvalidRequest`` while the manager stays exactly as it was: every pool's ref counts,
+free-queue (LRU) order and hashes, the hits, the load queue, the in-flight marks, the
+jobs, the tracker's tables and cursors, and every counter but ``invalid_calls``
+(:func:`manager_state`). Then the same request, sent correctly, goes through and ends
+with no pin left. Same rig as test_manager_hazards.py: real pools, tiny sizes, exact
+block ids and ref counts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import pytest
+from engine_rig import BS as ENGINE_BS
+from engine_rig import Client, embedded_engine, tokens
+from test_manager_hazards import BS, Req, Rig, pairs, refs
+
+from kvshm.engine import EngineState
+from kvshm.errors import ConfigError, InvalidRequest
+from kvshm.hashing import chain_hashes
+from kvshm.offload.manager import OffloadManager
+from kvshm.offload.pool import BlockPool
+from kvshm.types import (
+    KVGroup,
+    LoadResult,
+    RequestView,
+    ScheduledRequest,
+    StepInput,
+    no_new_blocks,
+)
+
+# ---- the snapshot ------------------------------------------------------------------------
+
+
+def pool_state(pool: Any) -> tuple[Any, ...]:
+    """Ref counts, the free queue from its LRU end, and every block's hashes."""
+    n = pool.num_blocks
+    return (tuple(pool.ref_cnt(b) for b in range(n)), tuple(pool.iter_free_from_lru()),
+            tuple(pool.block_hashes(b) for b in range(n)))
+
+
+def manager_state(m: OffloadManager) -> dict[str, Any]:
+    """Everything a call could change, as plain comparable values (counters without
+    ``invalid_calls``, which a refusal bumps)."""
+    jobs, plan, track = m._jobs, m._plan, m._track
+    counters = m.counters.as_dict()
+    del counters["invalid_calls"]
+    return {
+        "cpu": pool_state(m.cpu),
+        "gpu": pool_state(m.gpu),
+        "hits": {rid: (h.start, h.end, copy.deepcopy(h.cpu), list(h.pinned), tuple(h.hashes),
+                       h.cause) for rid, h in m._hits.items()},
+        "load_queue": {rid: (p.req_id, list(p.cpu_ids), list(p.gpu_ids), p.failed_ids,
+                             p.num_tokens) for rid, p in m._load_queue.items()},
+        "loading_cpu": dict(m._loading_cpu),
+        "load_job_reqs": dict(m._load_job_reqs),
+        "results": list(m._results),
+        "failed_loads": dict(m._failed_loads),
+        "failed": m._failed,
+        "abandoned": m._abandoned,
+        "jobs": {jid: (j.kind, j.step, list(j.gpu_ids), list(j.cpu_ids), set(j.waiting),
+                       list(j.groups), list(j.keys), j.n_eager,
+                       [(p.req_id, list(p.cpu_ids), list(p.gpu_ids)) for p in j.parts],
+                       j.failed, j.cause, j.abandoned, j.reported)
+                 for jid, j in jobs.jobs.items()},
+        "revoked": set(jobs.revoked),
+        "dead": set(jobs.dead),
+        "next_job_id": jobs._next_id,
+        "inflight_gpu": set(plan.inflight_gpu),
+        "inflight_keys": set(plan.inflight_keys),
+        "load_dst": dict(plan.load_dst),
+        "finish_queue": list(plan.finish_queue),
+        "reqs": {rid: ([list(t) for t in st.tables], st.cursor, tuple(st.hashes), st.start,
+                       st.remote, st.tracked) for rid, st in track.reqs.items()},
+        "watch": dict(track.watch),
+        "counters": counters,
+    }
+
+
+def refused(m: OffloadManager, call: Callable[..., object], *args: Any,
+            **kw: Any) -> InvalidRequest:
+    """``call(*args, **kw)`` raises InvalidRequest and changes nothing but
+    ``invalid_calls`` (+1); the manager's invariants still hold."""
+    before = manager_state(m)
+    n_invalid = m.counters.invalid_calls
+    with pytest.raises(InvalidRequest) as info:
+        call(*args, **kw)
+    assert manager_state(m) == before
+    assert m.counters.invalid_calls == n_invalid + 1
+    m.check_invariants()
+    return info.value
+
+
+def sched(rid: str, hashes: Sequence[Any], n_tokens: int, *tables: Sequence[Any],
+          confirmed: int, new: bool = True) -> ScheduledRequest:
+    return ScheduledRequest(rid, hashes, n_tokens, tuple(tuple(t) for t in tables), new,
+                            confirmed)
+
+
+# ---- one test per reported hazard ----------------------------------------------------------
+
+
+def test_bad_call_half_applied_step_non_bytes_hashes() -> None:
+    """L's 2-block prefix (CPU 0, 1) is being loaded into GPU 0, 1 (job 1 in flight)
+    when a step lists A (9 tokens, GPU 3, 4, 5 not hashed yet) with str "hashes". The
+    step used to plan a store of GPU 3, 4 under the str keys; its completion then
+    raised inside the done callback after the job had left the table: 2 CPU and 2 GPU
+    pins with no record (pins_held 0, check_invariants failing). Now the step is
+    refused and names A and the entry; job 1 still completes, and A listed with its
+    real hashes is stored."""
+    rig = Rig()
+    lo, a = Req("l", 9, base=100), Req("a", 9)
+    assert rig.seed_cpu(lo.h[0], lo.h[1]) == [0, 1]
+    assert rig.m.lookup(lo.view(), 0) == 8
+    gl = rig.alloc(3)                                          # [0, 1, 2]
+    rig.m.allocated("l", [gl], 8)
+    p1 = rig.step(lo.sched(gl, confirmed=0, new=True))
+    assert pairs(p1.load) == ([0, 1], [0, 1]) and p1.load is not None
+    ga = rig.alloc(3)                                          # [3, 4, 5], unhashed
+    assert refs(rig.cpu, [0, 1]) == [1, 1] and refs(rig.gpu, [0, 1, 2, 3, 4, 5]) == [2, 2, 1, 1, 1, 1]
+
+    bad = sched("a", ["h0", "h1"], 9, ga, confirmed=9)
+    err = refused(rig.m, rig.m.build_step, StepInput(2, [lo.sched((), confirmed=0), bad]))
+    assert (err.req_id, err.field) == ("a", "block_hashes[0]") and "bytes" in str(err)
+    assert refs(rig.cpu, [0, 1]) == [1, 1] and refs(rig.gpu, [0, 1, 2, 3, 4, 5]) == [2, 2, 1, 1, 1, 1]
+    assert rig.m.pins_held() == 4 and rig.m.num_jobs_in_flight == 1
+
+    rig.ack(p1.load)
+    p2 = rig.step(lo.sched((), confirmed=8), a.sched(ga, confirmed=9, new=True))
+    assert tuple(rig.m.take_load_results()) == (LoadResult("l", True, (), None, 8),)
+    assert pairs(p2.store) == ([3, 4], [2, 3])
+    rig.ack(p2.store)
+    assert rig.cpu.get_cached(a.h[0]) == 2 and rig.cpu.get_cached(a.h[1]) == 3
+    assert rig.m.pins_held() == 0 and refs(rig.gpu, [0, 1, 2, 3, 4, 5]) == [1] * 6
+
+
+def test_bad_call_half_applied_allocated_out_of_range_gpu_id() -> None:
+    """R's 7 blocks are all in the CPU tier (CPU 0-6); its lookup pins them. Phase B
+    names GPU id 16 in a 16-block pool. That used to raise after the hit was removed
+    and the CPU blocks touched: 7 CPU blocks pinned for good with no record. Now it is
+    refused with the hit and its 7 pins as they were; the right table then loads them
+    and every pin goes."""
+    rig = Rig(cpu=8, gpu=16)
+    r = Req("r", 29)
+    assert rig.seed_cpu(*r.h) == [0, 1, 2, 3, 4, 5, 6]
+    assert rig.m.lookup(r.view(), 0) == 28
+    assert refs(rig.cpu, range(7)) == [1] * 7
+    table = rig.alloc(8)                                       # [0 .. 7]
+    bad = table[:6] + [16] + table[7:]
+    err = refused(rig.m, rig.m.allocated, "r", [bad], 28)
+    assert (err.req_id, err.field) == ("r", "gpu_block_ids[0][6]") and "16 blocks" in str(err)
+    assert refs(rig.cpu, range(7)) == [1] * 7 and rig.m.pins_held() == 7
+
+    rig.m.allocated("r", [table], 28)
+    p = rig.step()
+    assert pairs(p.load) == ([0, 1, 2, 3, 4, 5, 6], [0, 1, 2, 3, 4, 5, 6])
+    rig.ack(p.load)
+    rig.step()
+    assert rig.m.take_load_results() == [LoadResult("r", True, (), None, 28)]
+    assert refs(rig.cpu, range(7)) == [0] * 7 and rig.m.pins_held() == 0
+
+
+def test_bad_call_half_applied_finished_out_of_range_id() -> None:
+    """A (13 tokens, GPU 0-3, blocks 0-2 hashed) is tracked with nothing stored yet.
+    Its ``finished`` names GPU id 8 (pool of 8) at position 1. The finish-time store
+    used to mark GPU 0 in flight and then raise: A forgotten, block 0 marked for a
+    store that never comes, so it was never stored again. Now it is refused; the right
+    call then stores blocks 0, 1, 2."""
+    rig = Rig(cpu=8, gpu=8)
+    a = Req("a", 13)
+    ga = rig.alloc(4, a.h)                                     # [0, 1, 2, 3]
+    rig.step(a.sched(ga, confirmed=0, new=True))
+    err = refused(rig.m, rig.m.finished, "a", 13, [[0, 8, 2, 3]])
+    assert (err.req_id, err.field) == ("a", "gpu_block_ids[0][1]")
+    assert rig.m._plan.inflight_gpu == set() and "a" in rig.m._track.reqs
+
+    assert rig.m.finished("a", 13, [ga]) is False
+    rig.m.check_invariants()
+    assert refs(rig.gpu, ga) == [2, 2, 2, 1]
+    p = rig.step()
+    assert pairs(p.store) == ([0, 1, 2], [0, 1, 2])
+    rig.ack(p.store)
+    assert [rig.cpu.get_cached(h) for h in a.h] == [0, 1, 2]
+    assert refs(rig.gpu, ga) == [1, 1, 1, 1] and rig.m.pins_held() == 0
+
+
+def test_bad_call_half_applied_step_good_and_bad_request() -> None:
+    """One step lists G (9 tokens, GPU 0-2, 2 blocks confirmed) and then B, whose table
+    names GPU id 9 (pool of 8) at a confirmed position. The step used to admit both,
+    mark G's GPU 0, 1 and B's 3 in flight, then raise before any job existed: those
+    blocks were never stored. Now the step is refused (naming B) and neither request is
+    tracked; G alone then stores GPU 0, 1."""
+    rig = Rig(cpu=8, gpu=8)
+    g, b = Req("g", 9), Req("b", 9, base=50)
+    gg = rig.alloc(3, g.h)                                     # [0, 1, 2]
+    gb = rig.alloc(3, b.h)                                     # [3, 4, 5]
+    bad = sched("b", b.h, 9, (gb[0], 9, gb[2]), confirmed=8)
+    err = refused(rig.m, rig.m.build_step, StepInput(1, [g.sched(gg, confirmed=8, new=True), bad]))
+    assert (err.req_id, err.field) == ("b", "new_block_ids[0][1]")
+    assert rig.m._track.reqs == {} and rig.m._plan.inflight_gpu == set()
+
+    p = rig.step(g.sched(gg, confirmed=8, new=True))
+    assert pairs(p.store) == ([0, 1], [0, 1])
+    rig.ack(p.store)
+    assert rig.cpu.get_cached(g.h[0]) == 0 and rig.m.pins_held() == 0
+
+
+@pytest.mark.parametrize(("hashes", "field"), [
+    (None, "block_hashes"),
+    ([[1, 2]], "block_hashes[0]"),          # unhashable
+    ([None, None], "block_hashes[0]"),
+    ("ab", "block_hashes"),                 # a str is no sequence of hashes
+    ([b"short"], "block_hashes[0]"),        # 5 bytes
+], ids=["none", "unhashable", "none-entries", "str", "short"])
+def test_bad_call_lookup_unhashable_or_none_hashes(hashes: Any, field: str) -> None:
+    """R holds a phase-A pin on CPU 0 (its first block). A repeated lookup with hashes
+    that are None, unhashable, not bytes or too short used to drop that pin and then
+    raise a bare TypeError (or, for a short hash, answer 0). Now it is refused and the
+    pin stays."""
+    rig = Rig()
+    r = Req("r", 9)
+    assert rig.seed_cpu(r.h[0]) == [0]
+    assert rig.m.lookup(r.view(), 0) == 4
+    err = refused(rig.m, rig.m.lookup, RequestView("r", hashes, 9), 0)
+    assert (err.req_id, err.field) == ("r", field)
+    assert f"lookup: request 'r': {field}:" in str(err)
+    assert refs(rig.cpu, [0]) == [1] and rig.m._hits["r"].pinned == [0]
+    assert rig.m.lookup(r.view(), 0) == 4                      # the repeat drops the older pin
+    assert refs(rig.cpu, [0]) == [1]
+    rig.m.allocated("r", [rig.alloc(3)], 0)
+    assert refs(rig.cpu, [0]) == [0] and rig.m.pins_held() == 0
+
+
+async def test_bad_call_engine_step_non_bytes_hashes_with_a_load_in_flight() -> None:
+    """The reported path end to end (Engine, two embedded ranks): prefix P is in the
+    CPU tier and being loaded for L when the serving engine lists request A with str
+    hashes. ``step`` used to accept it; the store's completion then failed inside the
+    done callback, L's load never completed, GPU pins leaked while ``statistics()``
+    said 0 and the engine stayed READY. Now ``step`` raises InvalidRequest, L's load
+    completes, and the engine ends with no pin and consistent records."""
+    async with embedded_engine() as (eng, gpu, _, _):
+        c = Client(eng, gpu)
+        toks = tokens(3 * ENGINE_BS + 1, seed=7)
+        await c.store_only("p", toks)
+        hit, table_l, plan = c.load("l", toks)
+        assert hit == 3 * ENGINE_BS and plan.load is not None
+        table_a = gpu.allocate(3)
+        bad = ScheduledRequest("a", ["x", "y", "z"], 3 * ENGINE_BS, (tuple(table_a),), True,
+                               3 * ENGINE_BS)
+        with pytest.raises(InvalidRequest, match="request 'a': block_hashes"):
+            c.step(bad)
+        res = await c.loaded("l")
+        assert res.ok and res.num_tokens == 3 * ENGINE_BS
+        c.finish("l", table_l, 3 * ENGINE_BS)
+        gpu.free(reversed(table_a))
+        await c.settle()
+        st = eng.statistics()
+        assert eng.state is EngineState.READY
+        assert st.pins_held == 0 and st.jobs_in_flight == 0 and gpu.num_pinned == 0
+        assert st.counters["invalid_calls"] == 1 and st.counters["done_errors"] == 0
+        assert eng._core.manager is not None
+        eng._core.manager.check_invariants()
+    await asyncio.sleep(0)
+
+
+def test_store_completion_that_cannot_index_still_releases_pins() -> None:
+    """Records and pools never disagree: a store whose completion cannot index a block
+    (the GPU pool answers a hash the CPU index refuses) has already left the job table,
+    so its pins go anyway -- the error still reaches the caller, and pins_held (0)
+    matches both pools."""
+
+    class OddPool(BlockPool):
+        odd = False
+
+        def block_hashes(self, block_id: int) -> tuple[bytes, ...]:
+            return ("not bytes",) if self.odd else super().block_hashes(block_id)  # type: ignore[return-value]
+
+    rig = Rig()
+    rig.gpu = OddPool(16)
+    rig.m = OffloadManager(rig.cpu, rig.gpu, block_size=BS)
+    a = Req("a", 9)
+    ga = rig.alloc(3)                                          # unhashed: stored under a.h
+    p = rig.step(a.sched(ga, confirmed=9, new=True))
+    assert pairs(p.store) == ([0, 1], [0, 1]) and p.store is not None
+    rig.gpu.odd = True
+    with pytest.raises(ConfigError, match="must be bytes"):
+        rig.m.on_done(p.store.job_id, 0, True)
+    rig.gpu.odd = False
+    rig.m.check_invariants()
+    assert rig.m.pins_held() == 0 and rig.cpu.num_pinned == 0
+    assert refs(rig.gpu, ga) == [1, 1, 1]
+
+
+# ---- the rules, call by call ---------------------------------------------------------------
+
+Case = tuple[str, Callable[[Rig], object], str, str]
+
+
+def _reqs(n: int = 9, rid: str = "r") -> Req:
+    return Req(rid, n)
+
+
+def _cases() -> Iterator[Case]:
+    """(name, bad call on a rig with request "r" known, req id or "", field)."""
+    r = _reqs()
+    h = r.h
+    nn = no_new_blocks(1)
+
+    def step(*reqs: Any, step_no: Any = 9, finished: Any = (), alloc: Any = ()) -> Callable[[Rig], object]:
+        return lambda rig: rig.m.build_step(StepInput(step_no, list(reqs), finished, alloc))
+
+    def alloc(*args: Any) -> Callable[[Rig], object]:
+        return lambda rig: rig.m.allocated(*args)
+
+    def fin(*args: Any, **kw: Any) -> Callable[[Rig], object]:
+        return lambda rig: rig.m.finished(*args, **kw)
+
+    def look(view: Any, local: Any = 0) -> Callable[[Rig], object]:
+        return lambda rig: rig.m.lookup(view, local)
+
+    yield "lookup req id not str", look(RequestView(7, h, 9)), "", "req_id"  # type: ignore[arg-type]
+    yield "lookup negative local", look(r.view(), -4), "r", "num_local_tokens"
+    yield "lookup bool local", look(r.view(), True), "r", "num_local_tokens"
+    yield "lookup float local", look(r.view(), 4.0), "r", "num_local_tokens"
+    yield "lookup local beyond tokens", look(r.view(), 12), "r", "num_local_tokens"
+    yield "lookup negative tokens", look(RequestView("r", [], -1)), "r", "num_tokens"
+    yield "lookup more hashes than blocks", look(RequestView("r", h, 7)), "r", "block_hashes"
+    yield "lookup params not a mapping", look(RequestView("r", h, 9, ["x"])), "r", "kv_transfer_params"  # type: ignore[arg-type]
+    yield "lookup not a view", look(None), "", "req"
+    yield "allocated no table", alloc("r", [], 4), "r", "gpu_block_ids"
+    yield "allocated two tables", alloc("r", [[0], [1]], 4), "r", "gpu_block_ids"
+    yield "allocated bool id", alloc("r", [[0, True, 2]], 4), "r", "gpu_block_ids[0][1]"
+    yield "allocated negative id", alloc("r", [[0, -1, 2]], 4), "r", "gpu_block_ids[0][1]"
+    yield "allocated str id", alloc("r", [[0, "1", 2]], 4), "r", "gpu_block_ids[0][1]"
+    yield "allocated repeated id", alloc("r", [[0, 1, 0]], 4), "r", "gpu_block_ids[0]"
+    yield "allocated table a str", alloc("r", ["012"], 4), "r", "gpu_block_ids[0]"
+    yield "allocated negative tokens", alloc("r", [[0, 1, 2]], -4), "r", "num_external_tokens"
+    yield "allocated None tokens", alloc("r", [[0, 1, 2]], None), "r", "num_external_tokens"
+    yield "allocated more than offered", alloc("r", [[0, 1, 2]], 8), "r", "num_external_tokens"
+    yield "allocated table too short", alloc("r", [[]], 4), "r", "gpu_block_ids[0]"
+    yield "allocated unhashable id", alloc(["r"], [[0]], 4), "", "req_id"
+    yield "finished negative tokens", fin("r", -1, [[0]]), "r", "num_confirmed_tokens"
+    yield "finished wrong table count", fin("r", 4, [[0], [1]]), "r", "gpu_block_ids"
+    yield "finished bad explicit hash", fin("r", 8, [[0, 1, 2]], block_hashes=[h[0], 3]), "r", "block_hashes[1]"
+    yield "finished hashes a str", fin("r", 8, [[0, 1, 2]], block_hashes="ab"), "r", "block_hashes"
+    yield "finished id out of range", fin("r", 8, [[0, 1, 99]]), "r", "gpu_block_ids[0][2]"
+    yield "step number None", step(step_no=None), "", "step"
+    yield "step number bool", step(step_no=True), "", "step"
+    yield "step number negative", step(step_no=-1), "", "step"
+    yield "step finished a str", step(finished="r"), "", "finished"
+    yield "step finished not str", step(finished=[3]), "", "req_id"
+    yield "step allocated out of range", step(alloc=[99]), "", "allocated_block_ids[0]"
+    yield "step allocated a str", step(alloc="ab"), "", "allocated_block_ids"
+    yield "step request None", step(None), "", "requests[0]"
+    yield "step unhashable id", step(sched(["x"], h, 9, [0], confirmed=0)), "", "requests[0]"  # type: ignore[arg-type]
+    yield "step no tables", step(ScheduledRequest("n", h, 9, (), True, 0)), "n", "new_block_ids"
+    yield "step two tables", step(sched("n", h, 9, [0], [1], confirmed=0)), "n", "new_block_ids"
+    yield "step negative confirmed", step(sched("n", h, 9, [0], confirmed=-4)), "n", "num_confirmed_tokens"
+    yield "step float confirmed", step(sched("n", h, 9, [0], confirmed=4.0)), "n", "num_confirmed_tokens"  # type: ignore[arg-type]
+    yield "step flag None", step(ScheduledRequest("n", h, 9, ((0,),), None, 0)), "n", "new_or_resumed"  # type: ignore[arg-type]
+    yield "step preempted int", step(ScheduledRequest("r", h, 9, nn, False, 0, 1)), "r", "preempted"  # type: ignore[arg-type]
+    yield "step params a str", step(ScheduledRequest("n", h, 9, ((0,),), True, 0, False, "x")), "n", "kv_transfer_params"  # type: ignore[arg-type]
+    yield "step more hashes than blocks", step(sched("n", h, 5, [0], confirmed=0)), "n", "block_hashes"
+    yield "step known request bad appended id", step(sched("r", h, 9, [99], confirmed=0, new=False)), "r", "new_block_ids[0][0]"
+    yield "step known request confirmed negative", step(sched("r", h, 9, [], confirmed=-8, new=False)), "r", "num_confirmed_tokens"
+    yield "step known request hash None", step(sched("r", [h[0], None], 9, [], confirmed=8, new=False)), "r", "block_hashes[1]"
+    yield "step listed twice", step(sched("n", h, 9, [5], confirmed=0), sched("n", h, 9, [5], confirmed=0)), "n", "requests"
+
+
+@pytest.mark.parametrize("case", list(_cases()), ids=lambda c: c[0])
+def test_bad_input_is_refused_whole(case: Case) -> None:
+    """Request r (9 tokens, block 0 in the CPU tier) holds a phase-A pin on CPU 0 and
+    is listed (GPU 0, 1, 2; block 0 confirmed, stored and acked). Each bad call is
+    refused with InvalidRequest naming the request and the field, and changes
+    nothing."""
+    _name, call, rid, field = case
+    rig = Rig()
+    r = _reqs()
+    rig.seed_cpu(r.h[0])
+    table = rig.alloc(3, r.h)
+    p = rig.step(r.sched(table, confirmed=4, new=True))
+    assert p.store is None                                     # block 0 is already cached
+    assert rig.m.lookup(r.view(), 0) == 4                      # pins CPU 0 (a re-lookup)
+    err = refused(rig.m, call, rig)
+    assert isinstance(err, ConfigError) and isinstance(err, ValueError)
+    assert err.req_id == (rid or None) and err.field == field, str(err)
+
+
+def test_null_block_may_repeat_in_one_table() -> None:
+    """vLLM puts its null block (id 0) wherever a sliding-window position holds no
+    block, so one table may name it several times; any other repeat is refused."""
+
+    class VllmLike(BlockPool):
+        null_block_id = 0
+
+    groups = (KVGroup.full(), KVGroup.sliding_window(4))
+    gpu = VllmLike(16)
+    m = OffloadManager(BlockPool(8), gpu, block_size=BS, groups=groups)
+    h = chain_hashes(list(range(17)), BS)
+    m.build_step(StepInput(1, [ScheduledRequest("a", h, 17, ((1, 2, 3, 4), (0, 0, 5, 6)),
+                                                True, 0)]))
+    assert m._track.reqs["a"].tables == [[1, 2, 3, 4], [0, 0, 5, 6]]
+    err = refused(m, m.finished, "a", 0, [[1, 2, 3, 4], [5, 0, 5, 6]])
+    assert err.field == "gpu_block_ids[1]" and "block id 5 appears 2 times" in str(err)
+
+
+def test_hash_length_is_exact_when_the_engine_names_it() -> None:
+    """Without ``hash_bytes`` any length in 8..64 passes (kvshm's hashes are 16 bytes,
+    vLLM's 32 or 16); with ``hash_bytes=16`` (or a GPU pool's ``hash_bytes``) a 24-byte
+    hash is refused."""
+    h24 = [bytes(24), bytes([1]) * 24]
+    loose = OffloadManager(BlockPool(4), BlockPool(4), block_size=BS)
+    assert loose.lookup(RequestView("a", h24, 9), 0) == 0
+
+    class Sized(BlockPool):
+        hash_bytes = 16
+
+    for m in (OffloadManager(BlockPool(4), BlockPool(4), block_size=BS, hash_bytes=16),
+              OffloadManager(BlockPool(4), Sized(4), block_size=BS)):
+        err = refused(m, m.lookup, RequestView("a", h24, 9), 0)
+        assert err.field == "block_hashes[0]" and "must be 16 bytes, got 24" in str(err)
+        assert m.lookup(RequestView("a", chain_hashes(list(range(9)), BS), 9), 0) == 0
+    with pytest.raises(ConfigError, match="hash_bytes"):
+        OffloadManager(BlockPool(4), BlockPool(4), block_size=BS, hash_bytes=0)
+
+
+# ---- the vLLM adapter's paths into the manager ---------------------------------------------
+
+
+class ManagerClient:
+    """SyncClient's scheduler calls straight onto a manager (no rendezvous, no ranks)."""
+
+    state = EngineState.READY
+
+    def __init__(self, m: OffloadManager) -> None:
+        self.m = m
+        self.steps: list[list[str]] = []
+
+    def lookup(self, req: RequestView, n: int) -> int | None:
+        return self.m.lookup(req, n)
+
+    def allocated(self, rid: str, ids: Sequence[Sequence[int]], n: int) -> None:
+        self.m.allocated(rid, ids, n)
+
+    def step(self, inp: StepInput) -> Any:
+        self.steps.append([r.req_id for r in inp.requests])
+        return self.m.build_step(inp)
+
+    def finished(self, rid: str, n: int, ids: Sequence[Sequence[int]]) -> bool:
+        return self.m.finished(rid, n, ids)
+
+    def poll(self) -> list[LoadResult]:
+        return self.m.take_load_results()
+
+
+def test_vllm_adapter_maps_refusals_to_no_offload() -> None:
+    """The vLLM scheduler side never lets a refusal reach vLLM where a safe answer
+    exists: X's lookup with a None hash is a miss (X is not offered a hit again), its
+    phase B with nothing to load is refused for a repeated id and releases nothing it
+    did not hold; a step listing good G next to bad B (GPU id 99 in a 16-block pool) is
+    retried without B, B is never listed again, and its finish only forgets it. G's
+    blocks are stored as usual; the manager ends with no pin and no trace of B or X."""
+    from types import SimpleNamespace as NS
+
+    from kvshm.integrations.vllm.config import ConnectorConfig
+    from kvshm.integrations.vllm.scheduler import SchedulerSide
+    from kvshm.types import StoreMode
+
+    cpu, gpu = BlockPool(8), BlockPool(16)
+    m = OffloadManager(cpu, gpu, block_size=BS)
+    side = SchedulerSide(ConnectorConfig("unit", 1, 1, BS, (KVGroup.full(),), StoreMode.EAGER,
+                                         None, 8, None, 30.0, 5.0, 0))
+    client = ManagerClient(m)
+    side._client = client  # type: ignore[assignment]
+
+    def request(rid: str, hashes: list[Any], computed: int) -> Any:
+        r = NS(request_id=rid, block_hashes=hashes, num_tokens=9, num_computed_tokens=computed,
+               num_output_placeholders=0, kv_transfer_params=None)
+        side.on_new_request(r)
+        return r
+
+    x = request("x", [None, None], 0)
+    assert side.lookup(x, 0) == (0, False) and side.lookup(x, 0) == (0, False)
+    side.allocated(x, [[1, 1, 2]], 0)                          # repeated id: refused, no pin held
+    assert side.counters.requests_refused == 2 and m.counters.invalid_calls == 2
+
+    g = request("g", chain_hashes(list(range(9)), BS), 8)
+    b = request("b", chain_hashes(list(range(50, 59)), BS), 8)
+    gg = gpu.allocate(3)
+    so = NS(scheduled_new_reqs=[NS(req_id="g", block_ids=([*gg],), num_computed_tokens=8),
+                                NS(req_id="b", block_ids=([3, 99, 5],), num_computed_tokens=8)],
+            scheduled_cached_reqs=NS(req_ids=[], resumed_req_ids=set(), new_block_ids=[],
+                                     num_computed_tokens=[]),
+            preempted_req_ids=set(), finished_req_ids=set())
+    side.build(so)
+    assert client.steps == [["g", "b"], ["g"]]                 # refused, retried without b
+    assert side.counters.requests_refused == 3 and m._track.reqs.keys() == {"g"}
+    so2 = NS(scheduled_new_reqs=[],
+             scheduled_cached_reqs=NS(req_ids=["g", "b"], resumed_req_ids=set(),
+                                      new_block_ids=[None, None], num_computed_tokens=[8, 8]),
+             preempted_req_ids=set(), finished_req_ids=set())
+    side.build(so2)
+    assert client.steps[-1] == ["g"]                           # b is not listed again
+    assert m.num_jobs_in_flight == 1
+    job = next(iter(m._jobs.jobs))
+    m.on_done(job, 0, True)
+    assert cpu.get_cached(g.block_hashes[0]) is not None
+
+    side.finished(b, [[3, 99, 5]])                             # refused again: only forgotten
+    side.finished(x, [[]])
+    side.finished(g, [gg])
+    assert side.counters.requests_refused == 4
+    gpu.free(reversed(gg))
+    m.check_invariants()
+    assert m.pins_held() == 0 and m._track.reqs == {} and m._hits == {}
+
+
+def test_vllm_adapter_refused_phase_b_with_tokens_becomes_a_failed_load() -> None:
+    """vLLM says 8 tokens of R come from kvshm but hands a table with a repeated id: the
+    manager refuses it (nothing changed). Raising would kill vLLM's scheduler, which
+    then waits for those tokens; instead the lookup's pin is released and R travels in
+    the next metadata's failed_loads with the blocks vLLM expected filled (recomputed)."""
+    from types import SimpleNamespace as NS
+
+    from kvshm.integrations.vllm.config import ConnectorConfig
+    from kvshm.integrations.vllm.scheduler import SchedulerSide
+    from kvshm.types import StoreMode
+
+    cpu, gpu = BlockPool(8), BlockPool(16)
+    m = OffloadManager(cpu, gpu, block_size=BS)
+    side = SchedulerSide(ConnectorConfig("unit", 1, 1, BS, (KVGroup.full(),), StoreMode.EAGER,
+                                         None, 8, None, 10.0, 5.0, 0))
+    side._client = ManagerClient(m)  # type: ignore[assignment]
+    hashes = chain_hashes(list(range(9)), BS)
+    r = NS(request_id="r", block_hashes=hashes, num_tokens=9, num_computed_tokens=0,
+           num_output_placeholders=0, kv_transfer_params=None)
+    side.on_new_request(r)
+    side.lookup(r, 0)
+    side.allocated(r, [[4, 4, 6]], 8)                          # repeated id 4: refused
+    assert side.counters.requests_refused == 1 and m.pins_held() == 0
+    so = NS(scheduled_new_reqs=[], preempted_req_ids=set(), finished_req_ids=set(),
+            scheduled_cached_reqs=NS(req_ids=[], resumed_req_ids=set(), new_block_ids=[],
+                                     num_computed_tokens=[]))
+    meta = side.build(so)
+    assert meta.failed_loads == {"r": (4,)}                    # blocks 0-1 of the table
+    assert side.build(so).failed_loads == {}                  # reported once
+    m.check_invariants()
