@@ -15,7 +15,8 @@ tensor to several layers.
 Scheduler side (specs only, no tensors): :func:`host_pool_plan` lays out one rank's host
 pool (each region's rows contiguous, every region starting 4096-aligned);
 :func:`max_cpu_blocks` and :func:`reconcile` size the CPU tier. This module is a leaf: it
-imports only torch, :mod:`kvshm.ipc.protocol` and :mod:`kvshm.errors`.
+imports only torch, :mod:`kvshm.ipc.protocol`, :mod:`kvshm.errors` and :mod:`kvshm.shm`
+(dtype names; ``shm`` is the lower leaf and never imports this module).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import torch
 
 from kvshm.errors import ConfigError
 from kvshm.ipc.protocol import LayoutSpec, RegionSpec
+from kvshm.shm import dtype_name
 
 __all__ = [
     "HOST_ALIGN",
@@ -38,10 +40,6 @@ __all__ = [
 
 #: Every host-pool region starts at a multiple of this (and the pool's size is one).
 HOST_ALIGN: Final = 4096
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _byte_rows(t: torch.Tensor, what: str) -> torch.Tensor:
@@ -124,7 +122,7 @@ class KVLayout:
                 if twin is None:
                     seen[key] = view
                     regions.append(view)
-                    dtypes.append(_dtype_name(t.dtype))
+                    dtypes.append(dtype_name(t.dtype))
                 elif twin.shape != view.shape or twin.stride() != view.stride():
                     raise ConfigError(f"{what} starts where an earlier region does but has another "
                                       f"shape: {tuple(view.shape)} vs {tuple(twin.shape)}")
