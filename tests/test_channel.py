@@ -1,5 +1,6 @@
-"""kvshm.ipc.channel + kvshm.ipc.doorbell: round trips across real processes, overflow, errors,
-close, the lost-wake-up timer, and SIGKILL of either side (noticed via the lifeline).
+"""The channel ends (kvshm.ipc.sched_channel, kvshm.ipc.worker_channel, over kvshm.ipc.channel)
++ kvshm.ipc.doorbell: round trips across real processes, overflow, errors, close, the
+lost-wake-up timer, and SIGKILL of either side (noticed via the lifeline).
 
 Workers are forked processes that map the segment from the inherited fd (as a spawned
 worker maps the one it received over the rendezvous socket); a socketpair end is the
@@ -22,7 +23,7 @@ import pytest
 import uvloop
 
 from kvshm.ipc import protocol as p
-from kvshm.ipc.channel import WorkerChannel
+from kvshm.ipc.worker_channel import WorkerChannel
 from kvshm.ipc.doorbell import create_eventfd
 from kvshm.errors import ClosedError, ConfigError, PeerDied, ProtocolError, StateError
 from kvshm.errors import TransportError, WouldBlock

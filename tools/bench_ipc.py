@@ -42,7 +42,7 @@ import zmq
 import zmq.asyncio
 
 from kvshm.ipc import protocol as p
-from kvshm.ipc.channel import WorkerChannel
+from kvshm.ipc.worker_channel import WorkerChannel
 from kvshm.ipc.doorbell import create_eventfd
 from kvshm.ipc.ring import DEFAULT_CAPACITY, RingPair, segment_size
 from kvshm.ipc.sched_channel import SchedulerChannel

@@ -32,7 +32,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvshm.ipc.channel import ChannelStats, WorkerChannel
+from kvshm.ipc.channel import ChannelStats
+from kvshm.ipc.worker_channel import WorkerChannel
 from kvshm.errors import ConfigError, PeerDied, ProtocolError, WouldBlock
 from kvshm.layout import KVLayout
 from kvshm.ipc.protocol import PROTOCOL_VERSION, READY_FIXED_FDS, Hello, Ready

@@ -3,8 +3,8 @@
 The wire format (:mod:`~kvshm.ipc.protocol`, msgspec tagged unions), the shared-memory
 rings (:mod:`~kvshm.ipc.ring`), eventfd doorbells, fd passing over a Unix socket and the
 rendezvous that hands each rank its rings, and the two channel ends that put them
-together (worker side: :mod:`~kvshm.ipc.channel`; scheduler side:
-:mod:`~kvshm.ipc.sched_channel`).
+together (shared base: :mod:`~kvshm.ipc.channel`; worker side:
+:mod:`~kvshm.ipc.worker_channel`; scheduler side: :mod:`~kvshm.ipc.sched_channel`).
 
 May import: the shared leaves (errors, layout, shm) and each other. Never:
 ``kvshm.offload``, ``kvshm.engine``, ``workers`` or integrations: an embedded worker

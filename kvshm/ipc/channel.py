@@ -1,11 +1,12 @@
-"""One rank's channel: its rings, the msgspec codec and the eventfd doorbells.
+"""One rank's channel, the parts both ends share: rings, msgspec codec, eventfd doorbells.
 
-:class:`~kvshm.ipc.sched_channel.SchedulerChannel` (its own module; an asyncio loop or a
-synchronous caller, never blocks) writes ``cmd`` and reads ``done``;
-:class:`WorkerChannel` (a synchronous worker loop) the reverse. Both derive from
-:class:`ChannelEndpoint`. Each direction has one encoder (into a reused bytearray, then
-one slice-copy into the ring) and one typed decoder that decodes straight from the
-ring's memoryview, before the tail moves.
+:class:`ChannelEndpoint` is the common half; the two ends live in their own modules:
+:class:`~kvshm.ipc.sched_channel.SchedulerChannel` (an asyncio loop or a synchronous
+caller, never blocks) writes ``cmd`` and reads ``done``;
+:class:`~kvshm.ipc.worker_channel.WorkerChannel` (a synchronous worker loop) the reverse.
+Each direction has one encoder (into a reused bytearray, then one slice-copy into the
+ring) and one typed decoder that decodes straight from the ring's memoryview, before the
+tail moves. :class:`ChannelStats` is the counters snapshot both ends return.
 
 Ordering and loss rules:
 
@@ -18,7 +19,8 @@ Ordering and loss rules:
 * A record that does not decode raises ProtocolError(ring, offset) once; the records
   around it are kept and returned by the next receive. A record whose *framing* is bad
   breaks the ring: every later receive raises (the caller fails that peer).
-* Wake-ups: the writer fences and rings only a parked reader (:mod:`kvshm.ipc.doorbell`).
+* Wake-ups: after each publish the writer calls :func:`kvshm.ipc.doorbell.notify`, which
+  fences and rings only a parked reader (one function for every writer, tests included).
   Attached to a loop, the scheduler side keeps ``done`` parked except while it is
   draining inside its callback, and runs a re-check timer while Transfers are unanswered
   or the overflow is non-empty (safety net against a lost wake-up). It never spins: a
@@ -35,19 +37,18 @@ Ordering and loss rules:
 
 from __future__ import annotations
 
-import time
-from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Final, Generic, TypeVar
 
 import msgspec
 
-from kvshm.ipc import protocol
-from kvshm.ipc.doorbell import FENCE_LOCK, PARK_TIMEOUT_S, Doorbell, Parker
-from kvshm.errors import ClosedError, ConfigError, ProtocolError, WouldBlock
-from kvshm.ipc.ring import Ring, RingPair, WorkerState
+from kvshm.errors import ClosedError, ProtocolError
+from kvshm.ipc.doorbell import Doorbell, notify
+from kvshm.ipc.ring import Ring, RingPair
 
+#: Default period of the scheduler side's re-check timer (the lost wake-up safety net).
 RECHECK_INTERVAL_S: Final = 0.005
+#: Longest error text a Done carries (the worker cuts longer ones so a Done always fits).
 MAX_ERROR_CHARS: Final = 2048
 SendT = TypeVar("SendT")
 RecvT = TypeVar("RecvT")
@@ -132,19 +133,16 @@ class ChannelEndpoint(Generic[SendT, RecvT]):
         return self._scratch
 
     def _published(self, count: int, nbytes: int) -> None:
-        """After tx.publish(): count, track depth, ring a parked reader (see notify)."""
+        """After tx.publish(): count, track depth, ring a parked reader."""
         self._sent_msgs += count
         self._sent_bytes += nbytes
         tx = self._tx
         depth = tx.used()
         if depth > self._peak_depth:
             self._peak_depth = depth
-        with FENCE_LOCK:
-            pass
-        token = tx.park_token
-        if token and token != self._tx_bell.last_token:
-            self._tx_bell.last_token = token
-            self._tx_bell.ring()
+        # Doorbell only after the head store: a token loaded before it could miss a reader
+        # that parked (and re-checked an empty ring) in between; see kvshm.ipc.doorbell.
+        notify(tx, self._tx_bell)
 
     def _drain(self) -> list[RecvT]:
         """Decode every published record, commit once; see module doc for errors."""
@@ -166,7 +164,7 @@ class ChannelEndpoint(Generic[SendT, RecvT]):
             out = [decode(view) for view in views]
         except msgspec.DecodeError:
             return self._drain_slow(views)
-        rx.commit_read()
+        rx.commit_read()  # after decoding: the views point into space the tail store frees
         self._recv_msgs += len(out)
         self._recv_bytes += sum(map(len, views))
         if pending:
@@ -214,156 +212,3 @@ class ChannelEndpoint(Generic[SendT, RecvT]):
             self._tx_bell.close()
             self._rx_bell.close()
         self.rings.close()
-
-
-class WorkerChannel(ChannelEndpoint[protocol.Done, protocol.CmdMsg]):
-    """Worker side of rank ``rank``: reads ``cmd``, writes ``done``; a synchronous loop.
-
-    ``lifeline_fd`` is the connected rendezvous socket (or None in tests): its EOF/HUP
-    while waiting raises PeerDied. ``spin_us`` bounds the busy-wait after the ring runs
-    dry before parking (0 parks at once); ``full_wait_s`` bounds the wait for room in a
-    full ``done`` ring before WouldBlock.
-    """
-
-    def __init__(
-        self,
-        rank: int,
-        rings: RingPair,
-        cmd_efd: int,
-        done_efd: int,
-        lifeline_fd: int | None,
-        *,
-        spin_us: float = 50.0,
-        park_timeout: float = PARK_TIMEOUT_S,
-        full_wait_s: float = 1.0,
-        close_fds: bool = True,
-    ) -> None:
-        super().__init__(
-            rank, rings, rings.done, done_efd, rings.cmd, cmd_efd,
-            protocol.cmd_decoder(), close_fds,
-        )  # fmt: skip
-        if spin_us < 0 or park_timeout <= 0 or full_wait_s < 0:
-            raise ConfigError("spin_us and full_wait_s must be >= 0, park_timeout > 0")
-        self._spin_ns = int(spin_us * 1000)
-        self._full_wait = full_wait_s
-        # error texts are cut so a Done always fits (4 UTF-8 bytes per char at worst)
-        self._max_error = min(MAX_ERROR_CHARS, (rings.done.max_payload() - 64) // 4)
-        self._parker = Parker(rings.cmd, self._rx_bell, lifeline_fd, park_timeout)
-        rings.cmd.unpark()
-        rings.worker_state = WorkerState.RUNNING
-
-    def send_nowait(self, done: protocol.Done) -> None:
-        """Publish one Done (see :meth:`send_many`)."""
-        self.send_many((done,))
-
-    def send_many(self, dones: Sequence[protocol.Done]) -> None:
-        """Publish Dones with one head store and at most one doorbell per ring-full.
-
-        A full ``done`` ring: waits up to ``full_wait_s`` for the scheduler to drain it,
-        then WouldBlock (the Dones before the one that did not fit are sent); PeerDied if
-        the lifeline closes meanwhile. Long error texts are cut to fit (MAX_ERROR_CHARS at most).
-        """
-        self._check_open()
-        tx = self._tx
-        count = nbytes = 0
-        for done in dones:
-            if len(done.error) > self._max_error:
-                done = msgspec.structs.replace(done, error=done.error[: self._max_error])
-            payload = self._encode(done)
-            if not tx.stage(payload):
-                self._flush(count, nbytes)
-                count = nbytes = 0
-                self._wait_for_room(payload)
-            count += 1
-            nbytes += len(payload)
-        self._flush(count, nbytes)
-
-    def send_available(self, dones: Sequence[protocol.Done]) -> int:
-        """Publish as many of ``dones`` as fit now, in order (one head store, at most one
-        doorbell); returns how many. Never waits: the caller keeps the rest for later."""
-        self._check_open()
-        tx = self._tx
-        count = nbytes = 0
-        for done in dones:
-            if len(done.error) > self._max_error:
-                done = msgspec.structs.replace(done, error=done.error[: self._max_error])
-            payload = self._encode(done)
-            if not tx.stage(payload):
-                self._full_events += 1
-                break
-            count += 1
-            nbytes += len(payload)
-        self._flush(count, nbytes)
-        return count
-
-    def _flush(self, count: int, nbytes: int) -> None:
-        if self._tx.publish():
-            self._published(count, nbytes)
-            self.rings.mark_progress()
-
-    def _wait_for_room(self, payload: bytearray) -> None:
-        self._full_events += 1
-        deadline = time.monotonic() + self._full_wait
-        while not self._tx.stage(payload):
-            self._parker.check_lifeline()
-            if time.monotonic() >= deadline:
-                raise WouldBlock(
-                    f"done ring of rank {self.rank} still full after {self._full_wait}s: "
-                    "the scheduler is not draining it"
-                )
-            time.sleep(0.0002)
-
-    def receive_nowait(self) -> list[protocol.CmdMsg]:
-        """Every command published so far; [] if none."""
-        self._check_open()
-        return self._drain()
-
-    def receive(self, timeout: float | None = None) -> list[protocol.CmdMsg]:
-        """Commands, waiting up to ``timeout`` s (None: until some arrive); [] on timeout.
-
-        Drains; if empty, spins ``spin_us``, then parks in poll() on the cmd eventfd and
-        the lifeline (at most ``park_timeout`` per sleep). Returns [] early when the
-        lifeline has data for its owner to read, or a :meth:`watch`-ed fd is readable.
-        PeerDied on lifeline EOF/HUP.
-        """
-        self._check_open()
-        msgs = self._drain()
-        if msgs:
-            return msgs
-        self.rings.worker_state = WorkerState.PARKED
-        parks = self._parker.parks
-        try:
-            self._parker.wait(timeout, self._spin_ns)
-        finally:
-            self.rings.worker_state = WorkerState.RUNNING
-        self._wakeups += self._parker.parks - parks
-        return self._drain()
-
-    def watch(self, fd: int) -> None:
-        """Make :meth:`receive` also return (early, maybe with []) when ``fd`` is
-        readable: a copy engine's completion eventfd, a signal wake-up pipe. The channel
-        never reads it; its owner drains it. Call :meth:`unwatch` before closing it."""
-        self._check_open()
-        self._parker.watch(fd)
-
-    def unwatch(self, fd: int) -> None:
-        """Undo :meth:`watch` (idempotent)."""
-        self._parker.unwatch(fd)
-
-    def beat(self) -> int:
-        """Bump the heartbeat in the control block; returns the new count."""
-        return self.rings.beat()
-
-    def close(self) -> None:
-        """Idempotent: marks the worker STOPPED, releases views, closes the eventfds."""
-        if self._closed:
-            return
-        self.rings.worker_state = WorkerState.STOPPED
-        self._close_common()
-
-    def statistics(self) -> ChannelStats:
-        """A snapshot of the counters (allowed after close)."""
-        p = self._parker
-        return self._stats(
-            "worker", False, parks=p.parks, rechecks=p.rechecks, rescues=p.rescues
-        )

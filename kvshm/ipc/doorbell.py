@@ -38,7 +38,7 @@ from typing import Final
 from kvshm.errors import PeerDied
 from kvshm.ipc.ring import Ring
 
-#: ``with FENCE_LOCK: pass`` is :func:`full_fence` inlined (hot paths).
+#: ``with FENCE_LOCK: pass`` is :func:`full_fence` inlined (:func:`notify`, per publish).
 FENCE_LOCK: Final = threading.Lock()
 _HUP: Final = select.POLLHUP | select.POLLERR | select.POLLNVAL
 #: The park timeout: the longest a lost wake-up could delay a reader (never expected).
@@ -94,8 +94,14 @@ class Doorbell:
 
 
 def notify(ring: Ring, bell: Doorbell) -> bool:
-    """Writer side, after :meth:`Ring.publish`: fence, then ring a parked reader once."""
-    with FENCE_LOCK:
+    """Writer side, after :meth:`Ring.publish`: fence, then ring a parked reader once.
+
+    The one doorbell path of every writer (both channel ends and the stress tests).
+    Returns True when it rang.
+    """
+    # the caller's head store, fence, then the token load (never before the store): a
+    # reader whose re-check missed the record had stored its token first, so it is rung
+    with FENCE_LOCK:  # full_fence(), inlined: this runs once per publish batch
         pass
     token = ring.park_token
     if token and token != bell.last_token:
@@ -191,6 +197,8 @@ class Parker:
             self._undrained = False
             self._bell.drain()
         ring.park()
+        # token store, fence, then the re-check: a record published before the writer
+        # could see the token is found here; a later one finds the token and is rung
         full_fence()
         if not ring.is_empty():
             ring.unpark()

@@ -1,5 +1,5 @@
-"""The scheduler side of one rank's channel (:mod:`kvshm.ipc.channel` has the shared parts,
-the ordering and loss rules, and the worker side).
+"""The scheduler side of one rank's channel (:mod:`kvshm.ipc.channel` has the shared parts
+and the ordering and loss rules; :mod:`kvshm.ipc.worker_channel` the worker side).
 
 Never blocks: an asyncio loop (uvloop) watches the ``done`` doorbell with
 ``loop.add_reader``, or a synchronous caller polls with the ``*_nowait`` calls. A full
@@ -112,7 +112,7 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
             self._overflow_peak = max(self._overflow_peak, 1)
             self._arm_timer()
             return False
-        self._tx.publish()
+        self._tx.publish()  # head store first, then the doorbell (in _published)
         self._published(1, len(payload))
         if self._timer is None:
             self._arm_timer()
@@ -211,6 +211,8 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
             if msgs:
                 return msgs
             self._rx.park()  # a fresh token: the worker rings once for this wait
+            # token store, fence, then the re-check: a Done published before the worker
+            # could see the token is found here; one published after it gets rung
             full_fence()
             if not self._rx.is_empty():
                 continue
@@ -259,7 +261,7 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
         try:
             while self._deliver():
                 rx.park()
-                full_fence()
+                full_fence()  # park, fence, re-check: a Done that raced the park is read now
                 if rx.is_empty():
                     return
                 rx.unpark()
@@ -330,7 +332,7 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
         if self._closed:
             return
         self.rings.revoke(reason)
-        full_fence()
+        full_fence()  # the revocation word before the doorbell: the woken worker reads it
         self._tx_bell.ring()
 
     def close(self) -> None:
