@@ -27,7 +27,7 @@ from kvshm.ipc.worker_channel import WorkerChannel
 from kvshm.ipc.doorbell import create_eventfd
 from kvshm.errors import ClosedError, ConfigError, PeerDied, ProtocolError, StateError
 from kvshm.errors import TransportError, WouldBlock
-from kvshm.ipc.ring import CONTROL_SIZE, RingPair, segment_size
+from kvshm.ipc.ring_pair import CONTROL_SIZE, RingPair, segment_size
 from kvshm.ipc.sched_channel import SchedulerChannel
 from kvshm.shm import Segment, create_segment, map_segment
 

@@ -44,7 +44,8 @@ import zmq.asyncio
 from kvshm.ipc import protocol as p
 from kvshm.ipc.worker_channel import WorkerChannel
 from kvshm.ipc.doorbell import create_eventfd
-from kvshm.ipc.ring import DEFAULT_CAPACITY, RingPair, segment_size
+from kvshm.ipc.ring import DEFAULT_CAPACITY
+from kvshm.ipc.ring_pair import RingPair, segment_size
 from kvshm.ipc.sched_channel import SchedulerChannel
 from kvshm.shm import create_segment, map_segment
 

@@ -86,7 +86,7 @@ from kvshm.errors import KvshmError, PoolExhausted
 from kvshm.hashing import chain_hashes
 from kvshm.offload.pool import BlockPool
 from kvshm.ipc.rendezvous_client import query_stats
-from kvshm.ipc.ring import CONTROL_SIZE, LINE, RingPair
+from kvshm.ipc.ring_pair import CONTROL_SIZE, LINE, RingPair
 from kvshm.shm import SHM_DIR, SHM_PREFIX, shared_tensor
 from kvshm.stats import EngineStats, RankStats
 from kvshm.types import RequestView, ScheduledRequest, StepInput, StepPlan

@@ -38,7 +38,7 @@ from kvshm.errors import ConfigError, PeerDied, ProtocolError, WouldBlock
 from kvshm.layout import KVLayout
 from kvshm.ipc.protocol import PROTOCOL_VERSION, READY_FIXED_FDS, Hello, Ready
 from kvshm.ipc.rendezvous_client import RendezvousClient
-from kvshm.ipc.ring import RingPair, segment_size
+from kvshm.ipc.ring_pair import RingPair, segment_size
 from kvshm.shm import Segment, map_segment, tensor_from_fd
 from workers.copy_engine import CopyEngine
 from workers.cpu_copy import CpuCopyEngine, FaultInjection

@@ -35,7 +35,8 @@ from kvshm.ipc.doorbell import create_eventfd
 from kvshm.errors import ConfigError
 from kvshm.layout import KVLayout, host_pool_plan, reconcile
 from kvshm.ipc.protocol import PROTOCOL_VERSION, Hello, LayoutSpec, Ready, TensorSpec
-from kvshm.ipc.ring import DEFAULT_CAPACITY, RingPair, min_capacity, segment_size
+from kvshm.ipc.ring import DEFAULT_CAPACITY, min_capacity
+from kvshm.ipc.ring_pair import RingPair, segment_size
 from kvshm.ipc.sched_channel import SchedulerChannel
 from kvshm.shm import Segment, available_shm_bytes, create_segment, dtype_name, segment_of
 

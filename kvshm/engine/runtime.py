@@ -63,7 +63,7 @@ from kvshm.offload.pool import BlockPool
 from kvshm.ipc.protocol import Direction, Hello
 from kvshm.engine.provision import Provisioned, check_block_counts, device_layout, provision
 from kvshm.ipc.rendezvous import EventKind, RendezvousEvent, RendezvousServer
-from kvshm.ipc.ring import RevokeReason
+from kvshm.ipc.ring_pair import RevokeReason
 from kvshm.ipc.sched_channel import SchedulerChannel
 from kvshm.stats import EngineStats
 from kvshm.types import GpuBlocks, LoadResult, RequestView, StepInput, StepPlan

@@ -44,7 +44,8 @@ import msgspec
 
 from kvshm.errors import ClosedError, ProtocolError
 from kvshm.ipc.doorbell import Doorbell, notify
-from kvshm.ipc.ring import Ring, RingPair
+from kvshm.ipc.ring import Ring
+from kvshm.ipc.ring_pair import RingPair
 
 #: Default period of the scheduler side's re-check timer (the lost wake-up safety net).
 RECHECK_INTERVAL_S: Final = 0.005

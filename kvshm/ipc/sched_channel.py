@@ -24,7 +24,7 @@ from kvshm.errors import (
     TransportError,
     WouldBlock,
 )
-from kvshm.ipc.ring import RevokeReason, RingPair
+from kvshm.ipc.ring_pair import RevokeReason, RingPair
 
 __all__ = ["SchedulerChannel"]
 

@@ -19,7 +19,7 @@ from kvshm.errors import ConfigError, WouldBlock
 from kvshm.ipc import protocol
 from kvshm.ipc.channel import MAX_ERROR_CHARS, ChannelEndpoint, ChannelStats
 from kvshm.ipc.doorbell import PARK_TIMEOUT_S, Parker
-from kvshm.ipc.ring import RingPair, WorkerState
+from kvshm.ipc.ring_pair import RingPair, WorkerState
 
 __all__ = ["WorkerChannel"]
 

@@ -1,4 +1,5 @@
-"""kvshm.ipc.ring: layout, framing, wrap-around, full/empty, batches, corruption (one process).
+"""kvshm.ipc.ring + kvshm.ipc.ring_pair: segment layout, framing, wrap-around, full/empty,
+batches, corruption (one process).
 
 Cross-process behaviour (round trips, torn reads, wake-ups) is in test_channel.py and
 test_transport_stress.py; here both ends of a ring live in one process over a real
@@ -13,17 +14,10 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvshm.ipc import ring as ring_mod
 from kvshm.errors import ConfigError, ProtocolError, UnsupportedPlatform
-from kvshm.ipc.ring import (
-    CONTROL_SIZE,
-    MIN_RING_CAPACITY,
-    Ring,
-    RingPair,
-    WorkerState,
-    min_capacity,
-    segment_size,
-)
+from kvshm.ipc import ring as ring_mod
+from kvshm.ipc.ring import MIN_RING_CAPACITY, Ring, min_capacity
+from kvshm.ipc.ring_pair import CONTROL_SIZE, LAYOUT_VERSION, RingPair, WorkerState, segment_size
 from kvshm.shm import Segment, create_segment
 
 CAP = 4096
@@ -108,7 +102,7 @@ def test_attach_rejects_bad_magic_version_geometry(seg: Segment) -> None:
         with pytest.raises(ProtocolError, match="layout version 99") as e:
             RingPair.attach(seg.buf)
         assert e.value.offset == 8
-        ctl[1] = ring_mod.LAYOUT_VERSION
+        ctl[1] = LAYOUT_VERSION
         ctl[2] = 1 << 30  # cmd capacity larger than the segment
         with pytest.raises(ProtocolError, match="geometry"):
             RingPair.attach(seg.buf)
