@@ -1,10 +1,14 @@
 """Inter-process transport between the scheduler side and the worker ranks.
 
 The wire format (:mod:`~kvshm.ipc.protocol`, msgspec tagged unions), the shared-memory
-rings (:mod:`~kvshm.ipc.ring`), eventfd doorbells, fd passing over a Unix socket and the
-rendezvous that hands each rank its rings, and the two channel ends that put them
-together (shared base: :mod:`~kvshm.ipc.channel`; worker side:
-:mod:`~kvshm.ipc.worker_channel`; scheduler side: :mod:`~kvshm.ipc.sched_channel`).
+rings (one ring's framing: :mod:`~kvshm.ipc.ring`; a rank's segment, its control block
+and its two rings: :mod:`~kvshm.ipc.ring_pair`), eventfd doorbells
+(:mod:`~kvshm.ipc.doorbell`), fd passing over a Unix socket (:mod:`~kvshm.ipc.fdpass`),
+the rendezvous that hands each rank its rings (server: :mod:`~kvshm.ipc.rendezvous`,
+with ``rendezvous_conns`` and ``rendezvous_events``; worker side:
+:mod:`~kvshm.ipc.rendezvous_client`), and the two channel ends that put them together
+(shared base: :mod:`~kvshm.ipc.channel`; worker side: :mod:`~kvshm.ipc.worker_channel`;
+scheduler side: :mod:`~kvshm.ipc.sched_channel`).
 
 May import: the shared leaves (errors, layout, shm) and each other. Never:
 ``kvshm.offload``, ``kvshm.engine``, ``workers`` or integrations: an embedded worker

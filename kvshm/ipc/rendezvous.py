@@ -36,22 +36,23 @@ Each rank's connection stays open afterwards: it is the lifeline (EOF = the peer
 either way). :meth:`attach` drives ``service`` from an asyncio loop's ``add_reader`` on
 the listener and on every connection; nothing polls or spins.
 
-Worker side: :class:`~kvshm.ipc.rendezvous_client.RendezvousClient` and
-:func:`~kvshm.ipc.rendezvous_client.query_stats`, re-exported here.
+Beside this module: :mod:`kvshm.ipc.rendezvous_conns` keeps the connections (the poll
+set, the pending ones oldest first, the ranks'); :mod:`kvshm.ipc.rendezvous_events` has
+the event and ``make_ready`` types, re-exported here. Worker side:
+:class:`~kvshm.ipc.rendezvous_client.RendezvousClient` and
+:func:`~kvshm.ipc.rendezvous_client.query_stats`, re-exported here too.
 """
 
 from __future__ import annotations
 
 import errno
 import os
-import select
 import socket
 from collections import Counter
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from enum import Enum
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any, Final, TypeAlias
+from typing import TYPE_CHECKING, Any, Final
 
 from kvshm.errors import (
     ClosedError,
@@ -63,7 +64,6 @@ from kvshm.errors import (
     VersionMismatch,
 )
 from kvshm.ipc.fdpass import (
-    PeerCred,
     decode_control,
     encode_control,
     listen,
@@ -71,8 +71,10 @@ from kvshm.ipc.fdpass import (
     recv_datagram,
     send_datagram,
 )
-from kvshm.ipc.protocol import Hello, Ready, Stats, StatsRequest, check_version
+from kvshm.ipc.protocol import Hello, Stats, StatsRequest, check_version
 from kvshm.ipc.rendezvous_client import RendezvousClient, query_stats
+from kvshm.ipc.rendezvous_conns import Conn, ConnTable
+from kvshm.ipc.rendezvous_events import AllReadyPlan, EventKind, MakeReady, RendezvousEvent
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import asyncio
@@ -90,43 +92,6 @@ __all__ = [
 
 #: Largest message a worker may send (a Hello with a big layout is a few KiB).
 _MAX_INBOUND: Final = 1 << 16
-#: Pending (not yet Hello'd) connections kept: this many per rank, and at least the floor.
-_PENDING_PER_RANK: Final = 4
-_PENDING_FLOOR: Final = 16
-_POLLIN: Final = select.POLLIN | select.POLLHUP | select.POLLERR
-
-AllReadyPlan: TypeAlias = Mapping[int, tuple[Ready, Sequence[int]]]
-#: ``make_ready(hellos by rank) -> {rank: (Ready, fds in READY_FIXED_FDS order)}``.
-MakeReady: TypeAlias = Callable[[Mapping[int, Hello]], AllReadyPlan]
-
-
-class EventKind(Enum):
-    """What :meth:`RendezvousServer.service` saw."""
-
-    HELLO = "hello"                  #: rank, pid: a valid Hello was accepted
-    ALL_READY = "all_ready"          #: every rank got its Ready; caller may close its fds
-    RANK_LOST = "rank_lost"          #: rank, pid: that rank's connection hit EOF / reset
-    REFUSED = "refused"              #: reason (+ error): a connection was refused and closed
-    READY_FAILED = "ready_failed"    #: reason, error: make_ready raised or missed a rank
-
-
-@dataclass(frozen=True, slots=True)
-class RendezvousEvent:
-    """One event; ``rank``/``pid`` are -1 where they do not apply or are unknown.
-
-    ``peer_closed`` (RANK_LOST only): the worker closed its end (EOF, reset) -- kvshm's
-    worker does that only once none of its copies runs, so the scheduler may take it as
-    a fence. False when this server closed the connection itself (a refused message, a
-    Ready it could not send): the rank may still be copying.
-    """
-
-    kind: EventKind
-    rank: int = -1
-    pid: int = -1
-    reason: str = ""
-    error: BaseException | None = None
-    peer_closed: bool = False
-
 
 class ServerState(Enum):
     """Lifecycle of a :class:`RendezvousServer`."""
@@ -135,13 +100,6 @@ class ServerState(Enum):
     READY = "ready"                # Ready sent to every rank
     READY_FAILED = "ready_failed"  # make_ready failed; rank connections closed
     CLOSED = "closed"
-
-
-@dataclass(slots=True)
-class _Conn:
-    sock: socket.socket
-    cred: PeerCred
-    rank: int | None = None  # set once its Hello is accepted
 
 
 class RendezvousServer:
@@ -160,18 +118,12 @@ class RendezvousServer:
         self._make_ready = make_ready
         self._stats = stats
         self._listener = listen(name, backlog=max(64, 4 * world_size))
-        self._poll = select.poll()
-        self._poll.register(self._listener.fileno(), _POLLIN)
-        self._conns: dict[int, _Conn] = {}
-        self._pending: dict[int, _Conn] = {}  # not Hello'd yet, by fd, oldest first
-        self._pending_cap = max(_PENDING_FLOOR, _PENDING_PER_RANK * world_size)
-        self._by_rank: dict[int, _Conn] = {}
+        self._table = ConnTable(self._listener.fileno(), world_size)
         self._hellos: dict[int, Hello] = {}
         self._pids: dict[int, int] = {}
         self._lost: set[int] = set()
         self._counts: Counter[str] = Counter()
         self._state = ServerState.WAITING
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._on_events: Callable[[list[RendezvousEvent]], None] | None = None
 
     # ------------------------------------------------------------------ queries
@@ -183,7 +135,7 @@ class RendezvousServer:
     @property
     def pending_cap(self) -> int:
         """Most connections without an accepted Hello kept open (the oldest goes first)."""
-        return self._pending_cap
+        return self._table.pending_cap
 
     def fileno(self) -> int:
         """The listening socket (readable when a connection is pending)."""
@@ -191,11 +143,11 @@ class RendezvousServer:
 
     def connection_fds(self) -> dict[int, int]:
         """rank -> fd of each live rank connection (readable on a message or EOF)."""
-        return {rank: c.sock.fileno() for rank, c in self._by_rank.items()}
+        return {rank: c.sock.fileno() for rank, c in self._table.rank_conns().items()}
 
     def all_fds(self) -> list[int]:
         """The listener and every open connection, rank or not (all to be watched)."""
-        return [self._listener.fileno(), *self._conns]
+        return self._table.fds()
 
     def peer_pid(self, rank: int) -> int:
         """pid of the process that said hello as ``rank`` (SO_PEERCRED; kept after loss)."""
@@ -225,10 +177,10 @@ class RendezvousServer:
         if self._state is ServerState.CLOSED:
             raise ClosedError(f"rendezvous {self.name!r} is closed")
         events: list[RendezvousEvent] = []
-        for fd, _ in self._poll.poll(0):
+        for fd in self._table.ready():
             if fd == self._listener.fileno():
                 self._accept_guarded(events)
-            elif (conn := self._conns.get(fd)) is not None:
+            elif (conn := self._table.get(fd)) is not None:
                 self._read_guarded(conn, events)
         if self._state is ServerState.WAITING and len(self._hellos) == self.world_size:
             self._send_ready(events)
@@ -245,7 +197,7 @@ class RendezvousServer:
                 EventKind.REFUSED, reason=f"accepting on {self.name!r} failed: "
                                           f"{type(e).__name__}: {e}", error=e))
 
-    def _read_guarded(self, conn: _Conn, events: list[RendezvousEvent]) -> None:
+    def _read_guarded(self, conn: Conn, events: list[RendezvousEvent]) -> None:
         """:meth:`_read_all`; an unexpected exception refuses this connection only."""
         try:
             self._read_all(conn, events)
@@ -275,13 +227,13 @@ class RendezvousServer:
             try:
                 conn = self._admit(sock, events)
             except BaseException:
-                if sock.fileno() >= 0 and sock.fileno() not in self._conns:
+                if sock.fileno() >= 0 and not self._table.has(sock.fileno()):
                     sock.close()  # not registered yet: nobody else would close it
                 raise
             if conn is not None:
                 self._read_guarded(conn, events)  # its Hello is usually already queued
 
-    def _admit(self, sock: socket.socket, events: list[RendezvousEvent]) -> _Conn | None:
+    def _admit(self, sock: socket.socket, events: list[RendezvousEvent]) -> Conn | None:
         """Register a freshly accepted connection (evicting the oldest pending one when
         the cap is reached); None if it was refused (another uid) and closed."""
         try:
@@ -303,30 +255,24 @@ class RendezvousServer:
             return None
         self._evict_pending(events)
         self._counts["accepted"] += 1
-        conn = _Conn(sock, cred)
-        self._conns[sock.fileno()] = conn
-        self._pending[sock.fileno()] = conn
-        self._poll.register(sock.fileno(), _POLLIN)
-        if self._loop is not None:
-            self._loop.add_reader(sock.fileno(), self._on_readable)
-        return conn
+        return self._table.add(sock, cred)
 
     def _evict_pending(self, events: list[RendezvousEvent]) -> None:
         """Make room for one more pending connection: close the oldest ones over the cap.
         Every pending connection is read first, so one whose Hello (or stats query) is
         already queued becomes a rank (or is answered) rather than being evicted."""
-        if len(self._pending) >= self._pending_cap:
-            for conn in list(self._pending.values()):
+        table = self._table
+        if table.pending_full():
+            for conn in table.pending():
                 self._read_guarded(conn, events)
-        while len(self._pending) >= self._pending_cap:
-            fd = next(iter(self._pending))
-            oldest = self._pending.pop(fd)
+        while table.pending_full():
+            oldest = table.pop_oldest_pending()
             self._refuse(oldest, events, "refused_pending_cap",
-                         f"{self._pending_cap} connections to {self.name!r} have not said "
+                         f"{table.pending_cap} connections to {self.name!r} have not said "
                          f"Hello: the oldest (pid {oldest.cred.pid}) is closed to admit a "
                          "new one")
 
-    def _read_all(self, conn: _Conn, events: list[RendezvousEvent]) -> None:
+    def _read_all(self, conn: Conn, events: list[RendezvousEvent]) -> None:
         while conn.sock.fileno() >= 0:
             dg = recv_datagram(conn.sock, _MAX_INBOUND)
             if dg is None:
@@ -354,7 +300,7 @@ class RendezvousServer:
                 self._refuse(conn, events, "refused_protocol",
                              f"unexpected {type(msg).__name__} from pid {conn.cred.pid}")
 
-    def _hello_problem(self, conn: _Conn, hello: Hello) -> tuple[str, str] | None:
+    def _hello_problem(self, conn: Conn, hello: Hello) -> tuple[str, str] | None:
         """(counter, reason) if this Hello must be refused, else None."""
         if conn.rank is not None:
             return "refused_protocol", f"second Hello on rank {conn.rank}'s connection"
@@ -365,8 +311,8 @@ class RendezvousServer:
         if not 0 <= hello.rank < self.world_size:
             return "refused_hello", (f"Hello from pid {conn.cred.pid}: rank {hello.rank} out "
                                      f"of range [0, {self.world_size})")
-        if hello.rank in self._by_rank:
-            other = self._by_rank[hello.rank].cred.pid
+        if (twin := self._table.rank_conn(hello.rank)) is not None:
+            other = twin.cred.pid
             return "refused_hello", (f"duplicate rank {hello.rank} from pid {conn.cred.pid}: "
                                      f"already connected from pid {other}")
         if hello.rank in self._lost:
@@ -376,7 +322,7 @@ class RendezvousServer:
             return "refused_hello", f"rendezvous {self.name!r} is {self._state.value}"
         return None
 
-    def _on_hello(self, conn: _Conn, hello: Hello, events: list[RendezvousEvent]) -> None:
+    def _on_hello(self, conn: Conn, hello: Hello, events: list[RendezvousEvent]) -> None:
         try:
             check_version(hello.version)
         except VersionMismatch as e:
@@ -386,14 +332,12 @@ class RendezvousServer:
         if problem is not None:
             self._refuse(conn, events, *problem)
             return
-        conn.rank = hello.rank
-        self._pending.pop(conn.sock.fileno(), None)  # a rank: never evicted
-        self._by_rank[hello.rank] = conn
+        self._table.promote(conn, hello.rank)  # a rank: never evicted
         self._hellos[hello.rank] = hello
         self._pids[hello.rank] = conn.cred.pid
         events.append(RendezvousEvent(EventKind.HELLO, rank=hello.rank, pid=conn.cred.pid))
 
-    def _answer_stats(self, conn: _Conn, events: list[RendezvousEvent]) -> None:
+    def _answer_stats(self, conn: Conn, events: list[RendezvousEvent]) -> None:
         try:
             data = encode_control(Stats(data=self._stats()))
         except Exception as e:  # a stats bug must not take the scheduler down
@@ -411,7 +355,7 @@ class RendezvousServer:
         except BlockingIOError:
             self._counts["stats_dropped"] += 1  # asker does not read its answers
             if conn.rank is None:
-                self._close_conn(conn)
+                self._table.close(conn)
             return
         except PeerDied:
             self._lose(conn, events, "connection closed while answering stats",
@@ -423,14 +367,15 @@ class RendezvousServer:
         self._state = ServerState.READY  # make_ready is called once, even if it raises
         try:
             plan = self._make_ready(MappingProxyType(dict(self._hellos)))
-            missing = sorted(set(self._by_rank) - set(plan))
+            ranks = self._table.rank_conns()
+            missing = sorted(set(ranks) - set(plan))
             if missing:
                 raise ConfigError(f"make_ready returned no Ready for ranks {missing}")
         except Exception as e:
             self._fail_ready(events, e)
             return
-        lost: list[tuple[_Conn, str]] = []
-        for rank, conn in sorted(self._by_rank.items()):
+        lost: list[tuple[Conn, str]] = []
+        for rank, conn in sorted(ranks.items()):
             ready, fds = plan[rank]
             try:
                 send_datagram(conn.sock, encode_control(ready), fds)
@@ -444,14 +389,14 @@ class RendezvousServer:
     def _fail_ready(self, events: list[RendezvousEvent], error: Exception) -> None:
         self._state = ServerState.READY_FAILED
         self._counts["ready_failed"] += 1
-        for conn in list(self._by_rank.values()):
-            self._close_conn(conn)
+        for conn in self._table.rank_conns().values():
+            self._table.close(conn)
         why = error if isinstance(error, KvshmError) else f"{type(error).__name__}: {error}"
         events.append(RendezvousEvent(EventKind.READY_FAILED,
                                       reason=f"rendezvous {self.name!r} failed: {why}",
                                       error=error))
 
-    def _refuse(self, conn: _Conn, events: list[RendezvousEvent], counter: str, reason: str,
+    def _refuse(self, conn: Conn, events: list[RendezvousEvent], counter: str, reason: str,
                 error: BaseException | None = None) -> None:
         """Close ``conn`` without a reply; a rank's connection is also RANK_LOST."""
         self._counts[counter] += 1
@@ -460,10 +405,10 @@ class RendezvousServer:
                                       error=error))
         self._lose(conn, events, reason)
 
-    def _lose(self, conn: _Conn, events: list[RendezvousEvent], why: str, *,
+    def _lose(self, conn: Conn, events: list[RendezvousEvent], why: str, *,
               peer_closed: bool = False) -> None:
         rank = conn.rank
-        self._close_conn(conn)
+        self._table.close(conn)
         if rank is None or rank in self._lost:
             return
         self._lost.add(rank)
@@ -471,19 +416,6 @@ class RendezvousServer:
         self._counts["ranks_lost"] += 1
         events.append(RendezvousEvent(EventKind.RANK_LOST, rank=rank, pid=conn.cred.pid,
                                       reason=why, peer_closed=peer_closed))
-
-    def _close_conn(self, conn: _Conn) -> None:
-        fd = conn.sock.fileno()
-        if fd < 0:
-            return
-        if self._loop is not None:
-            self._loop.remove_reader(fd)  # before close: the fd number may be reused
-        self._poll.unregister(fd)
-        del self._conns[fd]
-        self._pending.pop(fd, None)
-        if conn.rank is not None and self._by_rank.get(conn.rank) is conn:
-            del self._by_rank[conn.rank]
-        conn.sock.close()
 
     # ------------------------------------------------------------------ asyncio
 
@@ -493,20 +425,16 @@ class RendezvousServer:
         connection); ``on_events`` gets each non-empty batch, on the loop's thread."""
         if self._state is ServerState.CLOSED:
             raise ClosedError(f"rendezvous {self.name!r} is closed")
-        if self._loop is not None:
+        if self._table.attached:
             raise StateError(f"rendezvous {self.name!r} is already attached to a loop")
-        self._loop, self._on_events = loop, on_events
-        for fd in self.all_fds():
-            loop.add_reader(fd, self._on_readable)
+        self._on_events = on_events
+        self._table.attach(loop, self._on_readable)
         loop.call_soon(self._on_readable)  # work that arrived before attach
 
     def detach(self) -> None:
         """Stop watching fds from the loop (idempotent); service() still works."""
-        if self._loop is None:
-            return
-        for fd in self.all_fds():
-            self._loop.remove_reader(fd)
-        self._loop = self._on_events = None
+        self._table.detach()
+        self._on_events = None
 
     def _on_readable(self) -> None:
         if self._state is ServerState.CLOSED or self._on_events is None:
@@ -520,8 +448,7 @@ class RendezvousServer:
         if self._state is ServerState.CLOSED:
             return
         self.detach()
-        for conn in list(self._conns.values()):
-            self._close_conn(conn)
+        self._table.close_all()
         self._listener.close()
         self._state = ServerState.CLOSED
 
