@@ -22,13 +22,20 @@ from typing import Any
 import pytest
 import uvloop
 
+from kvshm.errors import (
+    ClosedError,
+    ConfigError,
+    PeerDied,
+    ProtocolError,
+    StateError,
+    TransportError,
+    WouldBlock,
+)
 from kvshm.ipc import protocol as p
-from kvshm.ipc.worker_channel import WorkerChannel
 from kvshm.ipc.doorbell import create_eventfd
-from kvshm.errors import ClosedError, ConfigError, PeerDied, ProtocolError, StateError
-from kvshm.errors import TransportError, WouldBlock
 from kvshm.ipc.ring_pair import CONTROL_SIZE, RingPair, segment_size
 from kvshm.ipc.sched_channel import SchedulerChannel
+from kvshm.ipc.worker_channel import WorkerChannel
 from kvshm.shm import Segment, create_segment, map_segment
 
 CTX = mp.get_context("fork")

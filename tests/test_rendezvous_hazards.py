@@ -18,9 +18,16 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 
 import pytest
 
-from kvshm.ipc import rendezvous_client
 from kvshm.errors import ProtocolError, UntrustedPeer, VersionMismatch
-from kvshm.ipc.fdpass import MAX_FDS, PeerCred, decode_control, encode_control, listen, send_datagram
+from kvshm.ipc import rendezvous_client
+from kvshm.ipc.fdpass import (
+    MAX_FDS,
+    PeerCred,
+    decode_control,
+    encode_control,
+    listen,
+    send_datagram,
+)
 from kvshm.ipc.protocol import PROTOCOL_VERSION, Hello, LayoutSpec, Ready, Stats, StatsRequest
 from kvshm.ipc.rendezvous import (
     EventKind,

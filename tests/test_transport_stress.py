@@ -25,10 +25,10 @@ from typing import Any
 import pytest
 
 from kvshm.ipc import protocol as p
-from kvshm.ipc.worker_channel import WorkerChannel
 from kvshm.ipc.doorbell import Doorbell, Parker, create_eventfd, notify
 from kvshm.ipc.ring_pair import RingPair, segment_size
 from kvshm.ipc.sched_channel import SchedulerChannel
+from kvshm.ipc.worker_channel import WorkerChannel
 from kvshm.shm import Segment, create_segment, map_segment
 
 CTX = mp.get_context("fork")

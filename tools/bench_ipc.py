@@ -32,7 +32,7 @@ import statistics
 import sys
 import tempfile
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -42,11 +42,11 @@ import zmq
 import zmq.asyncio
 
 from kvshm.ipc import protocol as p
-from kvshm.ipc.worker_channel import WorkerChannel
 from kvshm.ipc.doorbell import create_eventfd
 from kvshm.ipc.ring import DEFAULT_CAPACITY
 from kvshm.ipc.ring_pair import RingPair, segment_size
 from kvshm.ipc.sched_channel import SchedulerChannel
+from kvshm.ipc.worker_channel import WorkerChannel
 from kvshm.shm import create_segment, map_segment
 
 SPIN_US = 50.0

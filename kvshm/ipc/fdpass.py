@@ -26,7 +26,14 @@ from typing import Final
 
 import msgspec
 
-from kvshm.errors import ConfigError, NameInUse, PeerDied, ProtocolError, VersionMismatch, WouldBlock
+from kvshm.errors import (
+    ConfigError,
+    NameInUse,
+    PeerDied,
+    ProtocolError,
+    VersionMismatch,
+    WouldBlock,
+)
 from kvshm.ipc.protocol import (
     PROTOCOL_VERSION,
     ControlMsg,

@@ -13,9 +13,6 @@ import asyncio
 import collections
 from collections.abc import Callable, Sequence
 
-from kvshm.ipc import protocol
-from kvshm.ipc.channel import RECHECK_INTERVAL_S, ChannelEndpoint, ChannelStats
-from kvshm.ipc.doorbell import full_fence
 from kvshm.errors import (
     ClosedError,
     ConfigError,
@@ -24,6 +21,9 @@ from kvshm.errors import (
     TransportError,
     WouldBlock,
 )
+from kvshm.ipc import protocol
+from kvshm.ipc.channel import RECHECK_INTERVAL_S, ChannelEndpoint, ChannelStats
+from kvshm.ipc.doorbell import full_fence
 from kvshm.ipc.ring_pair import RevokeReason, RingPair
 
 __all__ = ["SchedulerChannel"]

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from kvshm.errors import ConfigError
-from kvshm.layout import HOST_ALIGN, KVLayout, host_pool_plan, max_cpu_blocks, reconcile
 from kvshm.ipc.protocol import LayoutSpec, RegionSpec
+from kvshm.layout import HOST_ALIGN, KVLayout, host_pool_plan, max_cpu_blocks, reconcile
 
 
 def spec(*sizes: int, blocks: int = 8) -> LayoutSpec:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from kvshm.ipc import protocol as p
 from kvshm.errors import ProtocolError, VersionMismatch
+from kvshm.ipc import protocol as p
 
 
 def test_transfer_round_trip_with_packed_ids() -> None:
