@@ -37,6 +37,8 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Final
 
+from workers.phases import LINKED, DetachReason, Phase
+
 if TYPE_CHECKING:  # torch is imported only by a rank, never by the parent or --help
     from workers.worker import Worker
 
@@ -246,14 +248,11 @@ def run_rank(name: str, rank: int, world: int, *, connect_timeout: float,
 
 
 def _serve(worker: Worker, stopper: _Stopper, connect_timeout: float) -> int:
-    from workers.worker import DetachReason, Phase
-
     if not _await_ready(worker, stopper, connect_timeout):
         return 0
-    linked = (Phase.READY, Phase.DRAINING)
-    if worker.phase in linked:
+    if worker.phase in LINKED:
         worker.watch(stopper.fd)
-    while worker.phase in linked and not stopper.signum:
+    while worker.phase in LINKED and not stopper.signum:
         for step in worker.queued_steps():
             worker.begin_step(step)
             worker.submit_loads(step)
@@ -261,7 +260,7 @@ def _serve(worker: Worker, stopper: _Stopper, connect_timeout: float) -> int:
         worker.poll()
         # Any call above may have drained new Transfers from the ring: park only with
         # none queued, or they would wait for the next wake-up.
-        if worker.phase in linked and not worker.queued_steps():
+        if worker.phase in LINKED and not worker.queued_steps():
             worker.wait_for_work(PARK_S)
             stopper.drain()
     if worker.detach_reason in (None, DetachReason.SHUTDOWN, DetachReason.PEER_DIED):
@@ -276,8 +275,6 @@ def _serve(worker: Worker, stopper: _Stopper, connect_timeout: float) -> int:
 
 def _await_ready(worker: Worker, stopper: _Stopper, timeout: float) -> bool:
     """Connect and wait for Ready; False if a stop signal came first. TimeoutError."""
-    from workers.worker import Phase
-
     deadline = time.monotonic() + timeout
     poller_fds = [stopper.fd]
     while True:
@@ -297,8 +294,6 @@ def _await_ready(worker: Worker, stopper: _Stopper, timeout: float) -> bool:
 
 
 def _timeout_message(worker: Worker, timeout: float) -> str:
-    from workers.worker import Phase
-
     if worker.phase is Phase.NEW:
         return (f"no kvshm engine named {worker.name!r} appeared within {timeout:g}s "
                 f"(nothing listens on \\0kvshm.{worker.name})")

@@ -1,5 +1,7 @@
 """Transfers waiting for their step to begin, and the Flush lists of coming steps.
 
+Commands from the ``cmd`` ring come in through :meth:`StepQueue.intake` (Transfers and
+Flushes are queued; a Shutdown is reported to the caller, which owns the phase).
 Invariants: a Transfer leaves the queue exactly once (``take``, ``take_ids`` or
 ``take_all``), and within one direction in arrival order (the scheduler posts in job-id
 order); a Transfer is only handed out for a step bound the caller has begun.
@@ -7,9 +9,10 @@ order); a Transfer is only handed out for a step bound the caller has begun.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections import Counter
+from collections.abc import Collection, Iterable
 
-from kvshm.ipc.protocol import Direction, Transfer
+from kvshm.ipc.protocol import Direction, Flush, Shutdown, Transfer, unpack_ids
 
 __all__ = ["StepQueue"]
 
@@ -23,6 +26,25 @@ class StepQueue:
 
     def __len__(self) -> int:
         return sum(map(len, self._q.values()))
+
+    def intake(self, msgs: Iterable[object], counts: Counter[str]) -> bool:
+        """Queue the Transfers and Flushes of ``msgs``, in order, counting each kind
+        (``transfers``, ``flushes``, ``shutdowns``, ``ignored_messages``); True if a
+        Shutdown was among them."""
+        shutdown = False
+        for msg in msgs:
+            if isinstance(msg, Transfer):
+                counts["transfers"] += 1
+                self.add(msg)
+            elif isinstance(msg, Flush):
+                counts["flushes"] += 1
+                self.add_flush(msg.step, unpack_ids(msg.job_ids))
+            elif isinstance(msg, Shutdown):
+                counts["shutdowns"] += 1
+                shutdown = True
+            else:
+                counts["ignored_messages"] += 1
+        return shutdown
 
     def add(self, t: Transfer) -> None:
         self._q[Direction(t.direction)].append(t)

@@ -1,11 +1,8 @@
 """The kvshm worker of one rank: embedded in a serving engine's worker, or standalone.
 
-Lifecycle (:class:`Phase`; :class:`DetachReason` says why it detached)::
-
-    NEW --connect + Hello--> CONNECTING --Ready--> READY --Shutdown--> DRAINING --drained--+
-    (retried while nobody      | refused,           | lifeline EOF,       |                |
-     listens on the name)      | bad Ready          | bad record          v                v
-                               +--------------------+-------------> DETACHED    close(): CLOSED
+Lifecycle: :class:`~workers.phases.Phase` (NEW, CONNECTING, READY, DRAINING, DETACHED,
+CLOSED; the diagram is in :mod:`workers.phases`); :class:`~workers.phases.DetachReason`
+says why it detached.
 
 **No call blocks** except :meth:`Worker.wait` and :meth:`Worker.wait_for_work` (and a
 ``Flush`` wait in :meth:`Worker.begin_step`, bounded by ``flush_timeout_s``, which only
@@ -26,19 +23,14 @@ Per engine step: ``begin_step(step, flush_ids)``, ``submit_loads(step, after)``,
 * ``Flush(step, ids)`` (from the ring, or ``flush_ids``): at ``begin_step(step)`` those
   jobs are finished (copy engine ``wait``) before the call returns.
 * Every ``Done`` goes over the ``done`` ring *and* is returned once locally by
-  :meth:`poll` (or by :meth:`wait` for the jobs it names).
+  :meth:`poll` (or by :meth:`wait` for the jobs it names): :mod:`workers.done_book`.
 * ``Shutdown``: DRAINING; a :meth:`poll` that finds nothing running and nothing queued
   for a begun step fails the jobs of steps never begun, then detaches (SHUTDOWN).
-* Revocation (:meth:`kvshm.ipc.ring.RingPair.revoke`): the scheduler declared this rank dead
-  (a hang verdict, a broken ring). The word is read before each job starts and before
-  each batch of Dones is published; once set, the worker starts nothing more (queued
-  jobs and those waiting in the copy engine fail locally), publishes no Done and
-  detaches (REVOKED).
-* The lifeline closes only once no copy this worker submitted is still running: the
-  scheduler takes a standalone rank's EOF as proof that nothing of it can still write,
-  and only then hands that rank's blocks out again. A detached worker with copies
-  running keeps the socket open until they finish (:meth:`poll` / :meth:`service` /
-  :meth:`close`).
+* Revocation (the scheduler declared this rank dead) and the lifeline: no copy starts
+  once the word is set -- queued jobs and those waiting in the copy engine fail
+  locally, no Done is published, the worker detaches (REVOKED) -- and the socket closes
+  only once no copy runs (:mod:`workers.revocation`; :meth:`poll` / :meth:`service` /
+  :meth:`close` close it when the last copy of a detached worker has finished).
 * Lifeline EOF or a ``ProtocolError``: every queued job fails locally
   (``Done(ok=False)`` returned by :meth:`poll`; the scheduler is gone or broken, so
   nothing more goes over the ring), the link is closed, copies already running still
@@ -52,7 +44,6 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
-from enum import Enum
 from typing import Any, Final
 
 import torch
@@ -67,10 +58,13 @@ from kvshm.errors import (
 )
 from kvshm.ipc.fdpass import socket_address
 from kvshm.layout import KVLayout
-from kvshm.ipc.protocol import Direction, Done, Flush, Shutdown, Transfer, unpack_ids
+from kvshm.ipc.protocol import Direction, Done, Transfer
 from kvshm.ipc.rendezvous_client import RendezvousClient
 from workers.copy_engine import CopyJob, Fence, describe_error
 from workers.cpu_copy import FaultInjection
+from workers.done_book import DoneBook
+from workers.phases import LINKED, DetachReason, Phase
+from workers.revocation import RevocationGate, close_lifeline_when_idle
 from workers.session import Connector, Session, SessionOptions
 from workers.step_queue import StepQueue
 
@@ -78,32 +72,6 @@ __all__ = ["DetachReason", "Phase", "Worker"]
 
 #: Default bound of a Flush wait in begin_step.
 FLUSH_TIMEOUT_S: Final = 60.0
-
-
-class Phase(Enum):
-    """Lifecycle of a :class:`Worker` (see the module docstring)."""
-
-    NEW = "new"
-    CONNECTING = "connecting"
-    READY = "ready"
-    DRAINING = "draining"
-    DETACHED = "detached"
-    CLOSED = "closed"
-
-
-class DetachReason(Enum):
-    """Why a worker left READY (``Worker.detach_reason``)."""
-
-    SHUTDOWN = "shutdown"  # the scheduler asked; queued work finished first
-    PEER_DIED = "peer_died"  # lifeline EOF after Ready: the scheduler is gone
-    REFUSED = "refused"  # the scheduler closed the connection before Ready
-    SETUP_FAILED = "setup_failed"  # a bad Ready: version, layout, fds, segments
-    PROTOCOL_ERROR = "protocol_error"  # an undecodable record or message after Ready
-    REVOKED = "revoked"  # the scheduler declared this rank dead (hang, broken ring)
-    CLOSED = "closed"  # close() was called first
-
-
-_LINKED = (Phase.READY, Phase.DRAINING)
 
 
 class Worker:
@@ -122,10 +90,9 @@ class Worker:
         self._connector = Connector(name, rank, world_size, layout, opts)
         self._step = -1
         self._queue = StepQueue()
-        self._inflight: set[int] = set()
-        self._outbox: list[Done] = []
-        self._local: list[Done] = []
         self._counts: Counter[str] = Counter()
+        self._dones = DoneBook(self._counts)
+        self._gate: RevocationGate | None = None
 
     @classmethod
     def attach(cls, name: str, rank: int, world_size: int,
@@ -175,8 +142,8 @@ class Worker:
             "rank": self.rank, "phase": self._phase.value, "step": self._step,
             "detach_reason": self.detach_reason.value if self.detach_reason else None,
             "last_error": str(self.last_error) if self.last_error else None,
-            "queued": len(self._queue), "inflight": len(self._inflight),
-            "outbox": len(self._outbox),
+            "queued": len(self._queue), "inflight": len(self._dones.inflight),
+            "outbox": len(self._dones.outbox),
             "counters": dict(self._counts, connect_retries=self._connector.attempts)}
         if self._session is not None:
             chan = self._session.channel_stats()
@@ -190,11 +157,11 @@ class Worker:
         """Progress without waiting: connect / poll for Ready / pump the link."""
         if self._phase in (Phase.NEW, Phase.CONNECTING):
             self._connect_step()
-        if self._phase in _LINKED:
+        if self._phase in LINKED:
             self._pump()
         elif self._phase is Phase.DETACHED and self._session is not None:
             self._collect()
-            self._close_lifeline_when_idle()
+            close_lifeline_when_idle(self._client, self._dones.inflight)
 
     def begin_step(self, step: int, flush_ids: Iterable[int] = ()) -> None:
         """Step ``step`` begins; its Flush'ed jobs (ring and ``flush_ids``) finish first."""
@@ -205,7 +172,7 @@ class Worker:
             self._step = step
         self._counts["steps"] += 1
         ids = self._queue.take_flush(self._step) | set(flush_ids)
-        if ids and self._phase in _LINKED:
+        if ids and self._phase in LINKED:
             self._flush_wait(ids)
 
     def submit_loads(self, step: int, after: Fence | None = None) -> None:
@@ -221,8 +188,7 @@ class Worker:
         self.service()
         if self._phase is Phase.DRAINING:
             self._maybe_drained()
-        out, self._local = self._local, []
-        return out
+        return self._dones.take_local()
 
     def wait(self, job_ids: Collection[int], timeout: float | None = None) -> list[Done]:
         """Block until the named jobs already submitted have finished (or ``timeout``);
@@ -230,13 +196,10 @@ class Worker:
         submitted yet (queued for a later step) or unknown are ignored."""
         self.service()
         ids = set(job_ids)
-        out = [d for d in self._local if d.job_id in ids]
-        if out:
-            self._local = [d for d in self._local if d.job_id not in ids]
-        pending = ids & self._inflight
+        out = self._dones.take_local(ids)
+        pending = ids & self._dones.inflight
         if pending and self._session is not None:
-            out += self._finished(self._session.engine.wait(pending, timeout), local=False)
-            self._send()
+            out += self._report(self._session.engine.wait(pending, timeout), local=False)
         return out
 
     def wait_for_work(self, timeout: float) -> None:
@@ -245,9 +208,9 @@ class Worker:
         first; never busy-waits longer. Submit :meth:`queued_steps` first: Transfers
         already drained into the queue do not wake it."""
         chan = self._session.channel if self._session is not None else None
-        if self._phase not in _LINKED or chan is None:
+        if self._phase not in LINKED or chan is None:
             return
-        if self._outbox:  # the done ring was full: retry soon
+        if self._dones.outbox:  # the done ring was full: retry soon
             timeout = min(timeout, 0.001)
         try:
             self._handle(chan.receive(timeout))
@@ -268,8 +231,7 @@ class Worker:
             return
         if self.detach_reason is None:
             self.detach_reason = DetachReason.CLOSED
-        self._counts["dones_dropped_at_close"] += len(self._local) + len(self._queue)
-        self._local, self._outbox = [], []
+        self._counts["dones_dropped_at_close"] += self._dones.drop_all() + len(self._queue)
         self._queue.take_all()
         if self._session is not None:
             self._session.close()
@@ -296,7 +258,8 @@ class Worker:
             return
         self._client = self._connector.client
         if self._session is not None:
-            self._session.engine.set_gate(self._may_copy)
+            self._gate = RevocationGate(self._session)
+            self._session.engine.set_gate(self._gate.may_copy)
             self._phase = Phase.READY
         elif self._client is not None:
             self._phase = Phase.CONNECTING
@@ -322,19 +285,9 @@ class Worker:
             self._lost(PeerDied(f"kvshm scheduler {self.name!r} closed the connection"))
 
     def _handle(self, msgs: Iterable[object]) -> None:
-        for msg in msgs:
-            if isinstance(msg, Transfer):
-                self._counts["transfers"] += 1
-                self._queue.add(msg)
-            elif isinstance(msg, Flush):
-                self._counts["flushes"] += 1
-                self._queue.add_flush(msg.step, unpack_ids(msg.job_ids))
-            elif isinstance(msg, Shutdown):
-                self._counts["shutdowns"] += 1
-                if self._phase is Phase.READY:
-                    self._phase = Phase.DRAINING
-            else:
-                self._counts["ignored_messages"] += 1
+        """Commands into the step queue; a Shutdown turns READY into DRAINING."""
+        if self._queue.intake(msgs, self._counts) and self._phase is Phase.READY:
+            self._phase = Phase.DRAINING
 
     def _lost(self, exc: TransportError) -> None:
         if isinstance(exc, PeerDied):
@@ -350,42 +303,36 @@ class Worker:
             self._detach(DetachReason.PROTOCOL_ERROR, exc)
 
     def _collect(self) -> None:
-        """Finished copies -> outbox (while linked) and the local list; send."""
+        """Finished copies -> the book; send."""
         assert self._session is not None
-        dones = self._session.engine.poll()
-        if dones:
-            self._finished(dones, local=True)
-        self._send()
+        self._report(self._session.engine.poll())
 
-    def _finished(self, dones: list[Done], *, local: bool) -> list[Done]:
-        for d in dones:
-            self._inflight.discard(d.job_id)
-            self._counts["jobs_ok" if d.ok else "jobs_failed"] += 1
-        if self._phase in _LINKED:
-            self._outbox += dones
-        if local:
-            self._local += dones
+    def _record(self, dones: list[Done], *, local: bool = True) -> list[Done]:
+        """Into the book (outbox only while linked); see :mod:`workers.done_book`."""
+        return self._dones.record(dones, linked=self._phase in LINKED, local=local)
+
+    def _report(self, dones: list[Done], *, local: bool = True) -> list[Done]:
+        """Record, then send: how the poll path and the wait paths both report Dones."""
+        if dones:
+            self._record(dones, local=local)
+        self._send()
         return dones
 
     def _send(self) -> None:
+        """The outbox over the ring, unless the rank is revoked (read first, every time)."""
         chan = self._session.channel if self._session is not None else None
-        if not self._outbox or chan is None or self._check_revoked():
+        if not self._dones.outbox or chan is None or self._check_revoked():
             return
         try:
-            sent = chan.send_available(self._outbox)
+            self._dones.send(chan)
         except TransportError as exc:
             self._lost(exc)
-            return
-        self._counts["dones_sent"] += sent
-        if sent < len(self._outbox):
-            self._counts["done_ring_full"] += 1
-        del self._outbox[:sent]
 
     # ------------------------------------------------------------------ jobs
 
     def _submit(self, direction: Direction, step: int, after: Fence | None) -> None:
         self.service()
-        if self._phase not in _LINKED:
+        if self._phase not in LINKED:
             self._counts["submits_not_ready" if self._phase in (Phase.NEW, Phase.CONNECTING)
                          else "submits_detached"] += 1
             return
@@ -396,19 +343,17 @@ class Worker:
 
     def _run(self, t: Transfer, after: Fence | None) -> None:
         assert self._session is not None
-        if self._phase not in _LINKED or self._check_revoked():
+        if self._phase not in LINKED or self._check_revoked():
             self._counts["jobs_refused_revoked"] += 1
-            self._finished([Done(t.job_id, self.rank, False,
-                                 f"CopyError: rank {self.rank} revoked")], local=True)
+            self._record([Done(t.job_id, self.rank, False, f"CopyError: rank {self.rank} revoked")])
             return
         try:
             job = CopyJob.from_transfer(t)
         except ProtocolError as exc:
             self._counts["bad_transfers"] += 1
-            self._finished([Done(t.job_id, self.rank, False, describe_error(exc))], local=True)
+            self._record([Done(t.job_id, self.rank, False, describe_error(exc))])
             return
-        self._inflight.add(t.job_id)
-        self._counts["jobs_submitted"] += 1
+        self._dones.started(t.job_id)
         self._session.engine.submit(job, after)
 
     def _flush_wait(self, ids: set[int]) -> None:
@@ -419,16 +364,16 @@ class Worker:
         self._counts["flush_forced_submits"] += len(forced)
         for t in forced:
             self._run(t, None)
-        pending = ids & self._inflight
+        pending = ids & self._dones.inflight
         if pending:
-            self._finished(self._session.engine.wait(pending, self._flush_timeout), local=True)
-            if ids & self._inflight:
+            self._record(self._session.engine.wait(pending, self._flush_timeout))
+            if ids & self._dones.inflight:
                 self._counts["flush_timeouts"] += 1
         self._send()
 
     def _maybe_drained(self) -> None:
         """DRAINING -> DETACHED once nothing runs or waits for a begun step."""
-        if self._inflight or self._outbox:
+        if self._dones.inflight or self._dones.outbox:
             return
         if self._queue.any_upto(self._step):
             return
@@ -441,12 +386,11 @@ class Worker:
                   for t in self._queue.take_all()]
         if failed:
             self._counts["jobs_failed_unrun"] += len(failed)
-            self._finished(failed, local=True)
+            self._record(failed)
 
     def _check_revoked(self) -> bool:
         """Read the revocation word; if set, detach (REVOKED) and return True."""
-        chan = self._session.channel if self._session is not None else None
-        why = chan.rings.revoked if chan is not None else None
+        why = self._gate.word() if self._gate is not None else None
         if why is None:
             return self._phase is Phase.DETACHED \
                 and self.detach_reason is DetachReason.REVOKED
@@ -458,43 +402,20 @@ class Worker:
             f"({why.name.lower()}); this rank does no more work for it"))
         return True
 
-    def _may_copy(self) -> bool:
-        """The copy engine's gate (any thread): False once revoked. Reads the shared
-        revocation word itself, so a copy that waited on its fence while the rank was
-        declared dead never starts, even before the host's thread next looks. (A worker
-        detached for another reason still finishes what it submitted.)"""
-        if self._revoked_detach():
-            return False
-        session = self._session
-        chan = session.channel if session is not None else None
-        if chan is None:
-            return True
-        try:
-            return chan.rings.revoked is None
-        except ValueError:  # the link closed meanwhile (views released): ask again
-            return not self._revoked_detach()
-
-    def _revoked_detach(self) -> bool:
-        return self.detach_reason is DetachReason.REVOKED
-
-    def _close_lifeline_when_idle(self) -> None:
-        """Close the rendezvous socket once detached and no copy runs (see module doc)."""
-        if self._client is not None and not self._inflight:
-            self._client.close()
-
     def _detach(self, reason: DetachReason, error: KvshmError | None) -> None:
         """Leave the link for good: fail what never ran, close the channel; the socket
         closes now, or once the copies still running have finished."""
         if self._phase in (Phase.DETACHED, Phase.CLOSED):
             return
         self.detach_reason, self.last_error = reason, error
+        if reason is DetachReason.REVOKED and self._gate is not None:
+            self._gate.shut()  # before close_link releases the views the gate reads
         self._counts[f"detached_{reason.value}"] += 1
         self._phase = Phase.DETACHED  # from here on nothing goes over the ring
-        self._counts["dones_unsent"] += len(self._outbox)
-        self._outbox = []
+        self._dones.drop_outbox()
         self._fail_queued(f"detached ({reason.value}): {error}" if error
                           else f"detached ({reason.value})")
         if self._session is not None:
             self._session.close_link()
             self._collect()
-        self._close_lifeline_when_idle()
+        close_lifeline_when_idle(self._client, self._dones.inflight)
