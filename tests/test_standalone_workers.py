@@ -18,7 +18,8 @@ from kvshm.errors import WorkerDied
 from kvshm.ipc.protocol import Direction, Shutdown
 from kvshm.ipc.rendezvous import EventKind
 from kvshm.shm import shared_tensor
-from workers.loop import cli_main
+from kvshm.worker_cli import Flag, rank_argv
+from workers.loop import build_parser, cli_main
 
 NB = 128  # device blocks per rank
 STORE, LOAD = Direction.STORE, Direction.LOAD
@@ -158,6 +159,28 @@ def test_help_and_usage_errors() -> None:
     assert cli_main(["--name", "x"]) == 2  # neither --tp nor --world-size
     assert cli_main(["--name", "x", "--tp", "2", "--world-size", "3"]) == 2
     assert cli_main(["--name", "x", "--tp", "2", "--rank", "2"]) == 2
+
+
+def test_rank_argv_parses_back_with_the_workers_parser() -> None:
+    """One definition of the per-rank command line (kvshm.worker_cli): what the parent
+    form and the engine's launcher start parses with the workers' own parser to exactly
+    the values it was built from, and every flag it may write is one the parser knows."""
+    from kvshm.engine.launcher import worker_command  # the engine side: here only
+
+    parser = build_parser()
+    known = {opt for action in parser._actions for opt in action.option_strings}
+    assert {f.value for f in Flag} <= known
+    argv = rank_argv("eng-1", 2, 4, connect_timeout=0.1 + 0.2, spin_us=12.5)
+    assert argv[:3] == [sys.executable, "-m", "workers"]
+    args = parser.parse_args(argv[3:])
+    assert (args.name, args.rank, args.world_size, args.connect_timeout, args.spin_us) == \
+        ("eng-1", 2, 4, 0.1 + 0.2, 12.5)
+    spawned = worker_command("eng-1", 3, 4)
+    assert spawned == rank_argv("eng-1", 3, 4)
+    args = parser.parse_args(spawned[3:])
+    defaults = parser.parse_args([Flag.NAME.value, "x"])
+    assert (args.name, args.rank, args.world_size) == ("eng-1", 3, 4)
+    assert (args.connect_timeout, args.spin_us) == (defaults.connect_timeout, defaults.spin_us)
 
 
 def test_rank_without_engine_times_out_with_clear_error(

@@ -37,6 +37,7 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Final
 
+from kvshm.worker_cli import add_arguments, rank_argv
 from workers.phases import LINKED, DetachReason, Phase
 
 if TYPE_CHECKING:  # torch is imported only by a rank, never by the parent or --help
@@ -47,7 +48,6 @@ __all__ = ["cli_main", "run_parent", "run_rank"]
 PROG: Final = "kvshm-workers"
 #: Longest park between services (the copy thread, doorbells and signals wake it sooner).
 PARK_S: Final = 1.0
-DEFAULT_CONNECT_TIMEOUT_S: Final = 60.0
 _PR_SET_PDEATHSIG: Final = 1
 _STOP_SIGNALS: Final = (signal.SIGTERM, signal.SIGINT)
 
@@ -57,6 +57,8 @@ class UsageError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The parser of both forms; its options are :func:`kvshm.worker_cli.add_arguments`,
+    the same flags :func:`kvshm.worker_cli.rank_argv` writes."""
     p = argparse.ArgumentParser(
         prog=PROG,
         description="Run kvshm's standalone CPU worker processes (one per TP x PP rank) for "
@@ -65,19 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         epilog="Exit codes: 0 after the engine's Shutdown, its exit, or SIGTERM/SIGINT; 1 on "
                "a runtime error; 2 on bad usage. Device caches are the shared-memory "
                "tensors the serving process hands to its kvshm engine (CPU only).")
-    p.add_argument("--name", required=True, help="the engine's name (abstract socket "
-                   "\\0kvshm.NAME)")
-    p.add_argument("--tp", type=int, default=None, help="tensor-parallel size")
-    p.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (default 1)")
-    p.add_argument("--rank", type=int, default=None, help="run only this rank (per-rank form)")
-    p.add_argument("--world-size", type=int, default=None,
-                   help="number of ranks (default: tp x pp)")
-    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
-                   help="device of the KV caches; only cpu in this version")
-    p.add_argument("--connect-timeout", type=float, default=DEFAULT_CONNECT_TIMEOUT_S,
-                   help="seconds to wait for the engine's Ready (default %(default)s)")
-    p.add_argument("--spin-us", type=float, default=50.0,
-                   help="busy-wait before parking when idle, in microseconds (default 50)")
+    add_arguments(p)
     return p
 
 
@@ -123,14 +113,6 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
 # ---------------------------------------------------------------------------- parent
 
 
-def rank_command(name: str, rank: int, world: int, *, connect_timeout: float,
-                 spin_us: float) -> list[str]:
-    """The per-rank command line the parent form starts."""
-    return [sys.executable, "-m", "workers", "--name", name, "--rank", str(rank),
-            "--world-size", str(world), "--connect-timeout", repr(connect_timeout),
-            "--spin-us", repr(spin_us)]
-
-
 def _death_signal(parent: int) -> Callable[[], None]:
     libc = ctypes.CDLL(None, use_errno=True)
 
@@ -163,8 +145,8 @@ def run_parent(name: str, world: int, *, connect_timeout: float, spin_us: float)
     preexec = _death_signal(os.getpid())
     try:
         for rank in range(world):
-            cmd = rank_command(name, rank, world, connect_timeout=connect_timeout,
-                               spin_us=spin_us)
+            cmd = rank_argv(name, rank, world, connect_timeout=connect_timeout,
+                            spin_us=spin_us)
             procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,  # noqa: S603
                                           preexec_fn=preexec))
             if stop:

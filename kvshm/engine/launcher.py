@@ -15,9 +15,10 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import sys
 import time
 from dataclasses import dataclass, field
+
+from kvshm.worker_cli import rank_argv
 
 
 @dataclass
@@ -42,9 +43,10 @@ class SpawnedWorker:
 
 
 def worker_command(name: str, rank: int, world_size: int) -> list[str]:
-    """The command line of one spawned rank (the standalone worker, single-rank mode)."""
-    return [sys.executable, "-m", "workers", "--name", name,
-            "--rank", str(rank), "--world-size", str(world_size)]
+    """The command line of one spawned rank (the standalone worker, per-rank form, with
+    the parser's defaults): :func:`kvshm.worker_cli.rank_argv`, the definition the
+    workers' parser is built from. Looked up at each start (tests replace it)."""
+    return rank_argv(name, rank, world_size)
 
 
 class Launcher:
