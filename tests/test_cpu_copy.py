@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from kvshm.errors import ConfigError, ProtocolError
-from kvshm.layout import KVLayout, host_pool_plan
 from kvshm.ipc.protocol import PROTOCOL_VERSION, Direction, Done, Ready, Transfer, pack_ids
+from kvshm.layout import KVLayout, host_pool_plan
 from workers.copy_engine import CompletionTracker, CopyEngine, CopyJob, CpuFence, pair_runs
 from workers.cpu_copy import CpuCopyEngine, CpuCopyMethod, FaultInjection
 from workers.host_pool import HostPool

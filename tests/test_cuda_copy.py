@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kvshm.errors import ConfigError, CopyError
-from kvshm.layout import KVLayout
 from kvshm.ipc.protocol import Direction
+from kvshm.layout import KVLayout
 from workers.copy_engine import CopyEngine, CopyJob, CpuFence
 from workers.cuda_batch import load_batch_memcpy
 from workers.cuda_copy import CudaCopyEngine, CudaCopyMethod, CudaFence

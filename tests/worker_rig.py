@@ -15,9 +15,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 import torch
 
+from kvshm.engine.provision import Provisioned, provision
 from kvshm.errors import WorkerDied
 from kvshm.ipc.protocol import CmdMsg, Direction, Done, Hello, Ready, Transfer, pack_ids
-from kvshm.engine.provision import Provisioned, provision
 from kvshm.ipc.rendezvous import EventKind, RendezvousEvent, RendezvousServer
 from kvshm.ipc.sched_channel import SchedulerChannel
 

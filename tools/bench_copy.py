@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from kvshm.layout import KVLayout
 from kvshm.ipc.protocol import Direction
+from kvshm.layout import KVLayout
 from workers.copy_engine import CopyEngine, CopyJob
 from workers.cpu_copy import CpuCopyEngine, CpuCopyMethod
 from workers.host_pool import HostPool

@@ -36,8 +36,8 @@ from typing import Final, NamedTuple, Self
 import torch
 
 from kvshm.errors import ConfigError, CopyError
-from kvshm.layout import KVLayout
 from kvshm.ipc.protocol import Direction, Done
+from kvshm.layout import KVLayout
 from workers.copy_engine import (
     CompletionTracker,
     CopyJob,

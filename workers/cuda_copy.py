@@ -41,8 +41,8 @@ from typing import Any, Final, NamedTuple, Protocol, Self
 import torch
 
 from kvshm.errors import ConfigError, CopyError
-from kvshm.layout import KVLayout
 from kvshm.ipc.protocol import Direction, Done
+from kvshm.layout import KVLayout
 from workers.copy_engine import (
     CompletionTracker,
     CopyJob,

@@ -23,8 +23,8 @@ from typing import Any, Final, Self
 import torch
 
 from kvshm.errors import ConfigError
-from kvshm.layout import KVLayout, host_pool_plan
 from kvshm.ipc.protocol import PROTOCOL_VERSION, LayoutSpec, Ready
+from kvshm.layout import KVLayout, host_pool_plan
 from kvshm.shm import map_segment
 
 __all__ = ["HostPool"]

@@ -32,13 +32,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvshm.ipc.channel import ChannelStats
-from kvshm.ipc.worker_channel import WorkerChannel
 from kvshm.errors import ConfigError, PeerDied, ProtocolError, WouldBlock
-from kvshm.layout import KVLayout
+from kvshm.ipc.channel import ChannelStats
 from kvshm.ipc.protocol import PROTOCOL_VERSION, READY_FIXED_FDS, Hello, Ready
 from kvshm.ipc.rendezvous_client import RendezvousClient
 from kvshm.ipc.ring_pair import RingPair, segment_size
+from kvshm.ipc.worker_channel import WorkerChannel
+from kvshm.layout import KVLayout
 from kvshm.shm import Segment, map_segment, tensor_from_fd
 from workers.copy_engine import CopyEngine
 from workers.cpu_copy import CpuCopyEngine, FaultInjection

@@ -57,9 +57,9 @@ from kvshm.errors import (
     TransportError,
 )
 from kvshm.ipc.fdpass import socket_address
-from kvshm.layout import KVLayout
 from kvshm.ipc.protocol import Direction, Done, Transfer
 from kvshm.ipc.rendezvous_client import RendezvousClient
+from kvshm.layout import KVLayout
 from workers.copy_engine import CopyJob, Fence, describe_error
 from workers.cpu_copy import FaultInjection
 from workers.done_book import DoneBook
