@@ -1,15 +1,18 @@
-"""Shared helpers for the engine tests: tiny shared-memory KV shards and request plumbing."""
+"""Shared helpers for the engine tests: tiny shared-memory KV shards, request plumbing,
+and ready engines (:func:`spawned_engine`, :func:`embedded_engine`) for a test module's
+async fixtures to wrap."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
+from typing import NamedTuple
 
 import torch
 
 from kvshm.config import EngineConfig
-from kvshm.engine import ATTACH, Engine
+from kvshm.engine import ATTACH, SPAWN, Engine
 from kvshm.hashing import chain_hashes
 from kvshm.offload.pool import BlockPool
 from kvshm.shm import shared_tensor
@@ -157,3 +160,22 @@ async def embedded_engine(**cfg: object) -> AsyncIterator[
     finally:
         await eng.aclose()
         await ranks.stop()
+
+
+class Spawned(NamedTuple):
+    """A READY SPAWN engine with its GPU pool and its ranks' shared-memory shards."""
+
+    eng: Engine
+    gpu: BlockPool
+    ks: list[torch.Tensor]
+
+
+@contextlib.asynccontextmanager
+async def spawned_engine(**cfg: object) -> AsyncIterator[Spawned]:
+    """A SPAWN engine (``config(**cfg)``: tp=2) over fresh :func:`shards`; closed (its
+    workers stopped and reaped) on exit."""
+    ks, gpu = shards(), BlockPool(GPU_BLOCKS)
+    async with Engine.launch(config(**cfg), workers=SPAWN, gpu_blocks=gpu,
+                             device_caches=[[k] for k in ks]) as eng:
+        yield Spawned(eng, gpu, ks)
+

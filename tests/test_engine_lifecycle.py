@@ -1,6 +1,7 @@
 """Engine lifecycle edges found in review, each a regression test with real workers:
 a failed start, a cancelled aclose, finishing a request whose load is queued, a
-wait_loaded cancelled as its result arrives, and a request first listed before READY."""
+wait_loaded cancelled as its result arrives, a request first listed before READY, and
+``SyncClient`` closing as it leaves its ``with`` block."""
 
 from __future__ import annotations
 
@@ -11,14 +12,14 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from engine_rig import BS, GPU_BLOCKS, Client, config, shards, spawned_engine, tokens
 
 import kvshm.engine.launcher as launcher_mod
-from engine_rig import BS, GPU_BLOCKS, Client, config, shards, tokens
-from kvshm.engine.runtime import Runtime, EngineState
-from kvshm.engine import SPAWN, Engine, SyncClient
+from kvshm.engine import SPAWN, Engine, EngineState, SyncClient
+from kvshm.engine.launcher import Launcher
+from kvshm.engine.runtime import Runtime
 from kvshm.errors import StateError, WorkerDied
 from kvshm.hashing import chain_hashes
-from kvshm.engine.launcher import Launcher
 from kvshm.offload.pool import BlockPool
 from kvshm.types import LoadFailure, LoadResult, RequestView, ScheduledRequest, StepInput
 
@@ -83,9 +84,7 @@ async def test_finishing_a_request_with_a_queued_load_resolves_its_waiter() -> N
     """b finishes after allocated() but before any step planned its load: the manager
     drops the queued load (no LoadResult); the waiter gets REQUEST_FINISHED, a new
     wait_loaded is a StateError, and b's CPU pins are gone."""
-    ks, gpu = shards(), BlockPool(GPU_BLOCKS)
-    async with Engine.launch(config(), workers=SPAWN, gpu_blocks=gpu,
-                             device_caches=[[k] for k in ks]) as eng:
+    async with spawned_engine() as (eng, gpu, _):
         c, table_b, _ = await _stored_then_looked_up(eng, gpu)
         waiter = asyncio.ensure_future(eng.wait_loaded("b"))
         await asyncio.sleep(0)
@@ -190,3 +189,20 @@ def test_request_listed_before_ready_gets_no_hit_and_no_pin() -> None:
     finally:
         client.close()
         workers.stop(2.0)
+
+
+def test_sync_client_closes_when_its_with_block_ends() -> None:
+    """``with SyncClient(...) as client`` closes the client on exit -- a raise out of the
+    block included: scheduler calls then raise StateError and the name is free again."""
+    cfg = config()
+    with SyncClient(cfg, gpu_blocks=BlockPool(GPU_BLOCKS)) as client:
+        assert client.state is EngineState.STARTING
+        assert client.lookup(RequestView("r", [], 1), 0) == 0  # no rank yet: a miss
+    assert client.state is EngineState.CLOSED
+    with pytest.raises(StateError, match="is CLOSED"):
+        client.poll()
+    client.close()  # idempotent after the with block
+    with (pytest.raises(RuntimeError, match="inside the block"),
+          SyncClient(cfg, gpu_blocks=BlockPool(GPU_BLOCKS)) as again):  # same name: free
+        raise RuntimeError("inside the block")
+    assert again.state is EngineState.CLOSED

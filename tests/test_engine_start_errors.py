@@ -69,12 +69,12 @@ def test_calls_before_ready_refuse_a_bad_request_id_and_change_nothing() -> None
         bad = ScheduledRequest(["not", "hashable"], [], 0, ((),))  # type: ignore[arg-type]
         with pytest.raises(InvalidRequest, match="build_step: input: req_id"):
             client.step(StepInput(1, [good, bad]))
-        assert client._core._pre_ready == set()
+        assert client._core._admission.pre_ready == set()
         with pytest.raises(InvalidRequest, match="lookup"):
             client.lookup(RequestView(None, [], 0), 0)  # type: ignore[arg-type]
         with pytest.raises(InvalidRequest, match="finished"):
             client.finished(["x"], 0, [[]])  # type: ignore[arg-type]
         client.step(StepInput(2, [good]))
-        assert client._core._pre_ready == {"ok"}
+        assert client._core._admission.pre_ready == {"ok"}
     finally:
         client.close()

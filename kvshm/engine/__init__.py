@@ -1,11 +1,16 @@
 """The runtime that joins the offload policy to worker ranks over the IPC transport.
 
 :class:`Engine` (asyncio) and :class:`SyncClient` (the caller's thread) are the public
-faces; both drive one :class:`~kvshm.engine.runtime.Runtime`, which owns the manager,
-the CPU pool, the rendezvous and one channel per rank, supervises the ranks
-(:mod:`~kvshm.engine.supervision`), provisions shared memory
-(:mod:`~kvshm.engine.provision`) and, in SPAWN mode, starts the worker processes
-(:mod:`~kvshm.engine.launcher`).
+faces (:mod:`~kvshm.engine.api`), sharing their scheduler calls and state guard
+(:mod:`~kvshm.engine.facade`); both drive one :class:`~kvshm.engine.runtime.Runtime`,
+which owns the manager, the CPU pool, the rendezvous and one channel per rank. The
+runtime keeps requests listed before READY away from the manager
+(:mod:`~kvshm.engine.admission`), posts Transfers and applies Dones
+(:mod:`~kvshm.engine.dispatch`), supervises the ranks -- verdict, fence, hang check
+(:mod:`~kvshm.engine.supervision`) --, provisions shared memory
+(:mod:`~kvshm.engine.provision`), reports statistics (:mod:`~kvshm.engine.snapshot`)
+and, in SPAWN mode, starts the worker processes (:mod:`~kvshm.engine.launcher`). The
+lifecycle diagram: :mod:`~kvshm.engine.lifecycle`.
 
 May import: the shared leaves, ``kvshm.offload`` and ``kvshm.ipc``. Never: ``workers``
 (ranks are separate processes or the serving engine's own), integrations, vLLM

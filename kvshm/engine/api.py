@@ -1,19 +1,17 @@
 """The public engines: ``Engine`` (asyncio, for custom servers) and ``SyncClient``.
 
-Both are thin shells around :class:`kvshm.engine.runtime.Runtime`, which owns the manager, the
-CPU pool, the rendezvous and the channels. The rule both keep: every call that touches
-the manager or a pool runs on one thread -- the event loop's for ``Engine``, the caller's
-for ``SyncClient``.
+Both are :class:`~kvshm.engine.facade.Facade` s over one
+:class:`~kvshm.engine.runtime.Runtime`, which owns the manager, the CPU pool, the
+rendezvous and the channels; the facade holds the scheduler calls and the one state
+guard they share. Lifecycle: :mod:`kvshm.engine.lifecycle` (diagram and what each state
+promises). The rule both keep: every call that touches the manager or a pool runs on one
+thread -- the event loop's for ``Engine``, the caller's for ``SyncClient``.
 
-``Engine`` lifecycle (``EngineState``)::
-
-    NEW --launch--> STARTING --all ranks ready--> READY --aclose--> CLOSING --> CLOSED
-                        |                           |
-                        +--- rank died / hung ----> FAILED --aclose--> CLOSING --> CLOSED
-
-In FAILED the engine keeps answering: ``lookup`` returns 0, ``step`` plans nothing, every
-pending ``wait_loaded`` resolves with a failed ``LoadResult`` (recompute). Calls after
-``aclose`` raise :class:`~kvshm.errors.StateError`.
+What differs: ``Engine`` is driven by loop callbacks (rendezvous, done rings, pidfds of
+the ranks it spawned, a 0.25 s ticker) and hands load results to ``wait_loaded``
+waiters as they arrive (a waiter never outlives ``aclose``: it resolves failed, cause
+ENGINE_CLOSED). ``SyncClient`` pumps the runtime at the start of every call and hands
+load results out through ``poll``.
 """
 
 from __future__ import annotations
@@ -23,16 +21,17 @@ import contextlib
 from collections.abc import Generator, Sequence
 from enum import Enum
 from types import TracebackType
-from typing import Any
+from typing import Any, Self
 
 import torch
 
 from kvshm.config import EngineConfig
-from kvshm.engine.runtime import Runtime, EngineState
-from kvshm.errors import StateError
+from kvshm.engine.facade import Facade
 from kvshm.engine.launcher import Launcher
-from kvshm.stats import EngineStats
-from kvshm.types import GpuBlocks, LoadFailure, LoadResult, RequestView, StepInput, StepPlan
+from kvshm.engine.lifecycle import EngineState
+from kvshm.engine.runtime import Runtime
+from kvshm.errors import StateError
+from kvshm.types import GpuBlocks, LoadFailure, LoadResult
 
 __all__ = ["ATTACH", "SPAWN", "Engine", "EngineState", "SyncClient", "WorkerMode"]
 
@@ -50,11 +49,11 @@ ATTACH = WorkerMode.ATTACH
 _TICK_S = 0.25
 
 
-class Engine:
+class Engine(Facade):
     """asyncio engine. Create with ``async with Engine.launch(config, ...) as eng``."""
 
     def __init__(self, core: Runtime, launcher: Launcher | None) -> None:
-        self._core = core
+        super().__init__(core)
         self._launcher = launcher
         self._waiters: dict[str, list[asyncio.Future[LoadResult]]] = {}
         self._results: dict[str, LoadResult] = {}
@@ -99,26 +98,16 @@ class Engine:
             await self.aclose()
             raise
 
-    async def __aenter__(self) -> Engine:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, et: type[BaseException] | None, e: BaseException | None,
                         tb: TracebackType | None) -> None:
         await self.aclose()
 
-    @property
-    def state(self) -> EngineState:
-        """The lifecycle state."""
-        return self._core.state
-
-    @property
-    def name(self) -> str:
-        """The rendezvous name (``kvshm stats --name`` takes it)."""
-        return self._core.config.name
-
     async def aclose(self) -> None:
         """Shut down: Shutdown to workers, close lifelines, then TERM/KILL (idempotent)."""
-        if self._core.state in (EngineState.CLOSING, EngineState.CLOSED):
+        if self._ended:
             await self._closed.wait()
             return
         loop = asyncio.get_running_loop()
@@ -150,39 +139,14 @@ class Engine:
                and loop.time() < deadline):
             await asyncio.sleep(0.002)
 
-    # -- scheduler calls ---------------------------------------------------------------
-    def lookup(self, req: RequestView, num_local_tokens: int) -> int | None:
-        """Phase A: CPU hit length in tokens beyond ``num_local_tokens`` (pins it)."""
-        self._check_open()
-        return self._core.lookup(req, num_local_tokens)
-
-    def allocated(self, req_id: str, gpu_block_ids: Sequence[Sequence[int]],
-                  num_external_tokens: int) -> None:
-        """Phase B: where the hit goes; ``await wait_loaded(req_id)`` after ``step``."""
-        self._check_open()
-        self._core.allocated(req_id, gpu_block_ids, num_external_tokens)
-        if num_external_tokens > 0:  # only once accepted: a refusal leaves nothing to wait
-            self._pending_loads.add(req_id)
-        self._publish()
-
-    def step(self, step_input: StepInput) -> StepPlan:
-        """Plan and post this step's transfers; never blocks, never raises on a full ring.
-
-        Contract (SPAWN / standalone workers): call it only after the compute of every
-        earlier step has finished writing the device caches.
-        """
-        self._check_open()
-        plan = self._core.step(step_input)
-        self._publish()
-        return plan
-
+    # -- scheduler calls (the rest: Facade) ----------------------------------------------
     async def wait_loaded(self, req_id: str) -> LoadResult:
         """The outcome of ``req_id``'s load; never raises on worker death.
 
         Cancelling it cancels only this wait: the load itself goes on and its result is
         kept for a later ``wait_loaded`` (until the request finishes).
         """
-        self._check_open()
+        self._enter()
         if req_id in self._results:
             self._pending_loads.discard(req_id)
             return self._results.pop(req_id)
@@ -208,24 +172,9 @@ class Engine:
         self._pending_loads.discard(req_id)
         return result
 
-    def finished(self, req_id: str, num_confirmed_tokens: int,
-                 gpu_block_ids: Sequence[Sequence[int]]) -> bool:
-        """The request is done; its unsaved full blocks go out in the next step."""
-        self._check_open()
-        out = self._core.finished(req_id, num_confirmed_tokens, gpu_block_ids)
-        # A load still queued is dropped with the request and a planned one's result is
-        # moot: nobody may wait for it any longer, and nothing is kept for it.
-        self._pending_loads.discard(req_id)
-        self._publish()
-        self._results.pop(req_id, None)
-        for fut in self._waiters.pop(req_id, ()):
-            if not fut.done():
-                fut.set_result(LoadResult(req_id, False, (), LoadFailure.REQUEST_FINISHED, 0))
-        return out
-
     async def reset(self, timeout: float | None = None) -> bool:
         """Drop the CPU index; waits until no transfer is in flight. True when done."""
-        self._check_open()
+        self._enter()
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         while not self._core.reset():
             if deadline is not None and asyncio.get_running_loop().time() > deadline:
@@ -234,18 +183,30 @@ class Engine:
         return True
 
     def has_pending_work(self) -> bool:
-        """True while any job is planned, queued, in flight or not acked by every rank."""
+        """True while any job is planned, queued, in flight or not acked by every rank
+        (no state guard: answers after ``aclose`` too)."""
         return self._core.has_pending_work()
 
-    def statistics(self) -> EngineStats:
-        """A statistics snapshot."""
-        return self._core.statistics()
+    # -- Facade hooks -----------------------------------------------------------------
+    def _after_allocated(self, req_id: str, num_external_tokens: int) -> None:
+        if num_external_tokens > 0:  # only once accepted: a refusal leaves nothing to wait
+            self._pending_loads.add(req_id)
+        self._publish()
+
+    def _after_step(self) -> None:
+        self._publish()
+
+    def _after_finished(self, req_id: str) -> None:
+        # A load still queued is dropped with the request and a planned one's result is
+        # moot: nobody may wait for it any longer, and nothing is kept for it.
+        self._pending_loads.discard(req_id)
+        self._publish()
+        self._results.pop(req_id, None)
+        for fut in self._waiters.pop(req_id, ()):
+            if not fut.done():
+                fut.set_result(LoadResult(req_id, False, (), LoadFailure.REQUEST_FINISHED, 0))
 
     # -- internals --------------------------------------------------------------------
-    def _check_open(self) -> None:
-        if self._core.state in (EngineState.CLOSING, EngineState.CLOSED):
-            raise StateError(f"engine {self.name!r} is {self._core.state.name}")
-
     def _on_change(self) -> None:
         self._publish()
 
@@ -280,7 +241,7 @@ class Engine:
         loop = asyncio.get_running_loop()
         self._core.tick(loop.time())
         self._publish()
-        if self._core.state not in (EngineState.CLOSING, EngineState.CLOSED):
+        if not self._ended:
             self._ticker = loop.call_later(_TICK_S, self._tick)
 
 
@@ -296,7 +257,7 @@ class _Launch:
     async def _go(self) -> Engine:
         cls, config, mode, gpu_blocks, device_caches = self._args
         core = Runtime(config, gpu_blocks=gpu_blocks, device_caches=device_caches,
-                          spawned=mode is SPAWN)
+                       spawned=mode is SPAWN)
         core.open()
         launcher = Launcher(config.name, config.world_size) if mode is SPAWN else None
         engine = cls(core, launcher)
@@ -316,79 +277,52 @@ class _Launch:
             await self._engine.aclose()
 
 
-class SyncClient:
+class SyncClient(Facade):
     """Synchronous engine for a serving engine whose scheduler is synchronous (vLLM).
 
-    Workers ATTACH (embedded or standalone). Every call first services the rendezvous and
-    drains the done rings without waiting, applying completions on the caller's thread.
-    Until every rank has connected, ``lookup`` returns 0 and ``step`` plans nothing.
+    Workers ATTACH (embedded or standalone). Every guarded call first services the
+    rendezvous and drains the done rings without waiting, applying completions on the
+    caller's thread. Until every rank has connected, ``lookup`` returns 0 and ``step``
+    plans nothing. A context manager: ``with SyncClient(...) as client`` closes on exit.
     """
+
+    _kind = "client"
 
     def __init__(self, config: EngineConfig, *, gpu_blocks: GpuBlocks,
                  device_caches: Sequence[Sequence[torch.Tensor]] | None = None) -> None:
-        self._core = Runtime(config, gpu_blocks=gpu_blocks, device_caches=device_caches,
-                                spawned=False)
-        self._core.open()
+        core = Runtime(config, gpu_blocks=gpu_blocks, device_caches=device_caches,
+                       spawned=False)
+        core.open()
+        super().__init__(core)
 
-    @property
-    def state(self) -> EngineState:
-        """The lifecycle state."""
-        return self._core.state
+    def __enter__(self) -> Self:
+        return self
 
-    @property
-    def name(self) -> str:
-        """The rendezvous name."""
-        return self._core.config.name
+    def __exit__(self, et: type[BaseException] | None, e: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.close()
 
-    def _pump(self) -> None:
-        if self._core.state in (EngineState.CLOSING, EngineState.CLOSED):
-            raise StateError(f"client {self.name!r} is {self._core.state.name}")
+    def _service(self) -> None:
         self._core.pump()
-
-    def lookup(self, req: RequestView, num_local_tokens: int) -> int | None:
-        """Phase A (see ``OffloadManager.lookup``)."""
-        self._pump()
-        return self._core.lookup(req, num_local_tokens)
-
-    def allocated(self, req_id: str, gpu_block_ids: Sequence[Sequence[int]],
-                  num_external_tokens: int) -> None:
-        """Phase B (see ``OffloadManager.allocated``)."""
-        self._pump()
-        self._core.allocated(req_id, gpu_block_ids, num_external_tokens)
-
-    def step(self, step_input: StepInput) -> StepPlan:
-        """Plan and post this step's transfers (never blocks)."""
-        self._pump()
-        return self._core.step(step_input)
-
-    def finished(self, req_id: str, num_confirmed_tokens: int,
-                 gpu_block_ids: Sequence[Sequence[int]]) -> bool:
-        """The request is done (see ``OffloadManager.finished``)."""
-        self._pump()
-        return self._core.finished(req_id, num_confirmed_tokens, gpu_block_ids)
 
     def poll(self) -> list[LoadResult]:
         """Service, drain, and return the load results that arrived since the last call."""
-        self._pump()
+        self._enter()
         return self._core.take_load_results()
 
     def reset(self) -> bool:
         """Drop the CPU index; False until nothing is in flight (call again later)."""
-        self._pump()
+        self._enter()
         return self._core.reset()
 
     def has_pending_work(self) -> bool:
         """True while any job is not yet acked by every rank."""
-        self._pump()
+        self._enter()
         return self._core.has_pending_work()
-
-    def statistics(self) -> EngineStats:
-        """A statistics snapshot."""
-        return self._core.statistics()
 
     def close(self) -> None:
         """Send Shutdown, close the channels and the rendezvous (idempotent)."""
-        if self._core.state in (EngineState.CLOSING, EngineState.CLOSED):
+        if self._ended:
             return
         self._core.begin_close()
         self._core.close()

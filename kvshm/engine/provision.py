@@ -31,16 +31,18 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvshm.ipc.doorbell import create_eventfd
 from kvshm.errors import ConfigError
-from kvshm.layout import KVLayout, host_pool_plan, reconcile
+from kvshm.ipc.doorbell import create_eventfd
 from kvshm.ipc.protocol import PROTOCOL_VERSION, Hello, LayoutSpec, Ready, TensorSpec
 from kvshm.ipc.ring import DEFAULT_CAPACITY, min_capacity
 from kvshm.ipc.ring_pair import RingPair, segment_size
 from kvshm.ipc.sched_channel import SchedulerChannel
+from kvshm.layout import KVLayout, host_pool_plan, reconcile
 from kvshm.shm import Segment, available_shm_bytes, create_segment, dtype_name, segment_of
+from kvshm.types import GpuBlocks
 
-__all__ = ["Provisioned", "RankResources", "device_layout", "provision"]
+__all__ = ["Provisioned", "RankResources", "check_caches", "device_layout", "pool_size",
+           "provision"]
 
 
 def device_layout(tensors: Sequence[torch.Tensor]) -> LayoutSpec:
@@ -164,6 +166,23 @@ def check_block_counts(layouts: Mapping[int, LayoutSpec], num_gpu_blocks: int | 
                 raise ConfigError(f"rank {rank} region {i}: {region.num_blocks} device "
                                   f"blocks, rank {first[0]} has {first[1]} (every rank "
                                   "must have the same block count)")
+
+
+def pool_size(gpu: GpuBlocks) -> int | None:
+    """The GPU pool's block count where the pool tells it (kvshm's BlockPool does)."""
+    n = getattr(gpu, "num_blocks", None)
+    return n if isinstance(n, int) else None
+
+
+def check_caches(caches: Sequence[Sequence[torch.Tensor]], world_size: int,
+                 num_gpu_blocks: int | None) -> None:
+    """Refuse bad ``device_caches`` before anything is spawned (ConfigError): one entry
+    per rank, and every rank's block counts as :func:`check_block_counts` wants them."""
+    if len(caches) != world_size:
+        raise ConfigError(f"device_caches has {len(caches)} entries, "
+                          f"world_size is {world_size}")
+    layouts = {r: device_layout(ts) for r, ts in enumerate(caches) if ts}
+    check_block_counts(layouts, num_gpu_blocks)
 
 
 def _tensor_specs(tensors: Sequence[torch.Tensor]) -> tuple[tuple[TensorSpec, ...], list[int]]:

@@ -1,76 +1,62 @@
 """Runtime: the scheduler side shared by ``Engine`` (asyncio) and ``SyncClient``.
 
 It owns the rendezvous server, the provisioned per-rank resources, one
-:class:`~kvshm.ipc.sched_channel.SchedulerChannel` per rank, the CPU :class:`~kvshm.offload.pool.BlockPool`
-and the :class:`~kvshm.offload.manager.OffloadManager`. It does no waiting of its own: events
-come in through :meth:`pump` (the sync client, at the start of every call) or through
-loop callbacks (:meth:`attach_loop`). Every method runs on one thread.
+:class:`~kvshm.ipc.sched_channel.SchedulerChannel` per rank, the CPU
+:class:`~kvshm.offload.pool.BlockPool` and the :class:`~kvshm.offload.manager.OffloadManager`,
+and two helpers: a :class:`~kvshm.engine.dispatch.Dispatcher` (Transfers out, Dones
+back) and a :class:`~kvshm.engine.supervision.Supervisor` (each rank's verdict, fence
+and hang check). It does no waiting of its own: events come in through :meth:`pump`
+(the sync client, at the start of every call) or through loop callbacks
+(:meth:`attach_loop`). Every method runs on one thread.
 
-Lifecycle (:class:`EngineState`)::
-
-    NEW --open--> STARTING --every rank Ready--> READY --begin_close--> CLOSING --close--> CLOSED
-                     |                             |
-                     +-- make_ready failed,        +-- a rank died / hung / broke its ring
-                         a rank lost --> FAILED <--+
+Lifecycle: :class:`~kvshm.engine.lifecycle.EngineState` (the diagram is drawn there);
+this class makes every transition.
 
 Rules kept here:
 
 * Before READY there is no manager: ``lookup`` returns 0 and ``step`` plans nothing.
-  Requests listed in a step before READY are remembered and kept away from the manager
-  afterwards (it never saw them arrive, so it cannot track their tables); they finish
-  without offload.
-* A plan's transfers are posted to every live rank in plan order (store, then load),
-  so a rank sees jobs in job-id order. A full ring queues (``post``), never blocks.
-* Each batch of ``Done``s goes to ``OffloadManager.on_done``; the load outcomes it
-  decides stay in the manager's queue until :meth:`take_load_results`.
-* A rank is declared dead on lifeline EOF, pidfd exit (spawned), a broken ring, or a
-  hang: Transfers outstanding and no Done from it for ``hang_timeout_s`` -- for an
-  embedded rank only ticks in which its heartbeat advanced count (its host engine was
-  calling it). Then ``manager.rank_failed`` runs and the engine is FAILED: serving goes
-  on without offload; nothing waits on the dead rank.
-* **A block that a rank may still touch is never handed out again until that rank is
-  fenced.** Declared dead is not fenced: the verdict sets the rank's revocation word
-  (so a rank that resumes starts nothing and publishes nothing) and fails its jobs, but
-  their pins stay (quarantined, ``quarantined_*_blocks`` in the statistics) until a
-  proof that nothing of the rank runs any more: its process exited (spawned ranks are
-  SIGKILLed at the verdict and watched by pidfd; every rank's process by a pidfd
-  opened at its Hello) or its lifeline closed -- kvshm's worker closes its socket only
-  once none of its copies runs (``Worker.close`` waits for them; a detached or revoked
-  worker keeps the socket until they finish). A rank that stays hung gives neither:
-  for an embedded rank inside a live host process its quarantine then lasts for the
-  engine's life (:meth:`rank_died`).
+  Requests listed in a step before READY are kept away from the manager for life
+  (:mod:`~kvshm.engine.admission`).
+* Events are applied in arrival order; in attached mode ``on_change`` runs once after
+  each batch (rendezvous events, a ring's Dones, a verdict), never in the middle of one.
+* Each batch of ``Done`` goes to ``OffloadManager.on_done`` through the dispatcher; the
+  load outcomes it decides stay in the manager's queue until :meth:`take_load_results`.
+* A verdict (:meth:`rank_died`; rules in :mod:`~kvshm.engine.supervision`) revokes and
+  closes the rank's channel, then fails the start (WorkerDied) while STARTING, or runs
+  ``manager.rank_failed`` and makes the engine FAILED: serving goes on without offload
+  and nothing waits on the dead rank. Only the rank's fence runs
+  ``manager.rank_fenced``, which ends its quarantine.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import replace
-from enum import Enum
 from functools import partial
 from typing import Any
 
 import torch
 
-from kvshm.ipc import protocol
 from kvshm.config import EngineConfig
-from kvshm.engine.supervision import CoreCounters, RankWatch, build_stats
-from kvshm.errors import ConfigError, InvalidRequest, StateError, TransportError, WorkerDied
-from kvshm.offload.manager import OffloadManager
-from kvshm.offload.pool import BlockPool
-from kvshm.ipc.protocol import Direction, Hello
-from kvshm.engine.provision import Provisioned, check_block_counts, device_layout, provision
+from kvshm.engine.admission import Admission, check_id
+from kvshm.engine.dispatch import Dispatcher
+from kvshm.engine.lifecycle import ENDED, LIVE, EngineState
+from kvshm.engine.provision import Provisioned, check_caches, pool_size, provision
+from kvshm.engine.snapshot import CoreCounters, build_stats
+from kvshm.engine.supervision import Supervisor
+from kvshm.errors import ConfigError, StateError, TransportError, WorkerDied
+from kvshm.ipc import protocol
+from kvshm.ipc.protocol import Hello
 from kvshm.ipc.rendezvous import EventKind, RendezvousEvent, RendezvousServer
 from kvshm.ipc.ring_pair import RevokeReason
 from kvshm.ipc.sched_channel import SchedulerChannel
+from kvshm.offload.manager import OffloadManager
+from kvshm.offload.pool import BlockPool
 from kvshm.stats import EngineStats
 from kvshm.types import GpuBlocks, LoadResult, RequestView, StepInput, StepPlan
 
-__all__ = ["Runtime", "EngineState"]
-
-_log = logging.getLogger("kvshm.engine.runtime")
+__all__ = ["Runtime"]
 
 
 def _ranges(ranks: Sequence[int]) -> str:
@@ -86,42 +72,6 @@ def _ranges(ranks: Sequence[int]) -> str:
     return ", ".join(out)
 
 
-def _check_id(call: str, req_id: object) -> None:
-    """A request id must be a str (InvalidRequest otherwise) before it meets a set."""
-    if not isinstance(req_id, str):
-        raise InvalidRequest(call, None, "req_id", f"must be a str, got {req_id!r}")
-
-
-def _pool_size(gpu: GpuBlocks) -> int | None:
-    """The GPU pool's block count where the pool tells it (kvshm's BlockPool does)."""
-    n = getattr(gpu, "num_blocks", None)
-    return n if isinstance(n, int) else None
-
-
-def _check_caches(caches: Sequence[Sequence[torch.Tensor]], world_size: int,
-                  num_gpu_blocks: int | None) -> None:
-    """Refuse bad ``device_caches`` before anything is spawned (ConfigError)."""
-    if len(caches) != world_size:
-        raise ConfigError(f"device_caches has {len(caches)} entries, "
-                          f"world_size is {world_size}")
-    layouts = {r: device_layout(ts) for r, ts in enumerate(caches) if ts}
-    check_block_counts(layouts, num_gpu_blocks)
-
-
-class EngineState(Enum):
-    """Lifecycle of an engine (see the module docstring)."""
-
-    NEW = "new"
-    STARTING = "starting"
-    READY = "ready"
-    FAILED = "failed"
-    CLOSING = "closing"
-    CLOSED = "closed"
-
-
-_LIVE = (EngineState.STARTING, EngineState.READY, EngineState.FAILED)
-
-
 class Runtime:
     """See the module docstring. ``spawned``: kvshm started the workers (pidfds)."""
 
@@ -129,28 +79,27 @@ class Runtime:
                  device_caches: Sequence[Sequence[torch.Tensor]] | None = None,
                  spawned: bool = False) -> None:
         if device_caches is not None:
-            _check_caches(device_caches, config.world_size, _pool_size(gpu_blocks))
+            check_caches(device_caches, config.world_size, pool_size(gpu_blocks))
         self.config = config
         self._gpu = gpu_blocks
         self._caches = device_caches
-        self._spawned = spawned
         self._state = EngineState.NEW
         self._server: RendezvousServer | None = None
         self._prov: Provisioned | None = None
         self._channels: dict[int, SchedulerChannel] = {}
-        self._watch: dict[int, RankWatch] = {r: RankWatch(r) for r in range(config.world_size)}
         self.manager: OffloadManager | None = None
         self._cpu: BlockPool | None = None
         self._bytes_per_block = 0
-        self._pre_ready: set[str] = set()
+        self._admission = Admission()
         self._start_error: BaseException | None = None
         self._started: asyncio.Event | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_change: Callable[[], None] | None = None
-        self._posted: dict[int, tuple[float, int]] = {}
-        self._kill: Callable[[int], None] | None = None
-        self._logged: set[str] = set()
         self.counters = CoreCounters()
+        self._ranks = Supervisor(config.world_size, config.hang_timeout_s, self.counters,
+                                 spawned=spawned, on_verdict=self._on_verdict,
+                                 on_fence=self._on_fence)
+        self._jobs = Dispatcher(config.name, self._channels, self._ranks.watch, self.counters)
 
     # -- lifecycle ---------------------------------------------------------------------
     @property
@@ -208,8 +157,8 @@ class Runtime:
             raise self._start_error
 
     def begin_close(self) -> None:
-        """READY/FAILED/STARTING -> CLOSING: Shutdown to every live rank."""
-        if self._state not in _LIVE and self._state is not EngineState.NEW:
+        """NEW/STARTING/READY/FAILED -> CLOSING: Shutdown to every live rank."""
+        if self._state not in LIVE and self._state is not EngineState.NEW:
             return
         self._state = EngineState.CLOSING
         for chan in self._channels.values():
@@ -228,8 +177,7 @@ class Runtime:
             self._prov.close()
         if self._server is not None:
             self._server.close()
-        for watch in self._watch.values():
-            watch.close()
+        self._ranks.close()
         self._state = EngineState.CLOSED
         if self._started is not None:
             self._started.set()
@@ -237,7 +185,7 @@ class Runtime:
     # -- event intake ------------------------------------------------------------------
     def pump(self) -> None:
         """Sync mode: service the rendezvous, drain every done ring, check for hangs."""
-        if self._server is not None and self._state in _LIVE:
+        if self._server is not None and self._state in LIVE:
             events = self._server.service()
             if events:
                 self._on_events(events, notify=False)
@@ -264,7 +212,7 @@ class Runtime:
     def _on_events(self, events: list[RendezvousEvent], notify: bool = True) -> None:
         for ev in events:
             if ev.kind is EventKind.HELLO:
-                self._watch[ev.rank].hello(ev.pid, self._hello_of(ev.rank))
+                self._ranks.watch[ev.rank].hello(ev.pid, self._hello_of(ev.rank))
             elif ev.kind is EventKind.ALL_READY:
                 self._all_ready()
             elif ev.kind is EventKind.READY_FAILED:
@@ -290,7 +238,7 @@ class Runtime:
                                num_cpu_blocks=cfg.num_cpu_blocks,
                                cpu_bytes_per_rank=cfg.cpu_bytes_per_rank,
                                capacity=cfg.ring_capacity,
-                               num_gpu_blocks=_pool_size(self._gpu))
+                               num_gpu_blocks=pool_size(self._gpu))
         return self._prov.ready_plan()
 
     def _all_ready(self) -> None:
@@ -302,7 +250,7 @@ class Runtime:
         for rank, res in prov.ranks.items():
             chan = res.make_channel()
             self._channels[rank] = chan
-            self._watch[rank].ready(chan)
+            self._ranks.watch[rank].ready(chan)
             if self._loop is not None:
                 self._attach_channel(rank, chan)
         cfg = self.config
@@ -329,52 +277,11 @@ class Runtime:
                     partial(self._on_channel_error, rank))
 
     def _on_dones(self, rank: int, dones: list[protocol.Done], notify: bool = True) -> None:
-        """Apply a batch of Dones from ``rank``. An exception while applying one fails
-        that job only (counted in ``done_errors``, logged once per kind); every other
-        Done of the batch is still applied and the load outcomes of the whole batch are
-        collected in the same pass."""
-        now = time.monotonic()
-        watch = self._watch[rank]
-        manager = self.manager
-        for d in dones:
-            try:
-                watch.acked(now, d.ok, self._ack_latency(d.job_id, now))
-                if manager is not None:
-                    manager.on_done(d.job_id, rank, d.ok)
-            except Exception as exc:  # noqa: BLE001 - one bad Done must not lose the rest
-                self._done_failed(rank, d, exc)
-        chan = self._channels.get(rank)
-        if chan is not None and not chan.closed and chan.overflow_depth:
-            chan.flush_overflow()
+        """Apply a batch of Dones from ``rank`` (:meth:`Dispatcher.apply
+        <kvshm.engine.dispatch.Dispatcher.apply>`: one bad Done fails only its job)."""
+        self._jobs.apply(rank, dones, self.manager)
         if notify:
             self._notify()
-
-    def _done_failed(self, rank: int, done: protocol.Done, exc: Exception) -> None:
-        """Applying ``done`` raised: count and log it, and fail its job (best effort:
-        a second failure is only counted)."""
-        self.counters.done_errors += 1
-        key = type(exc).__name__
-        if key not in self._logged:
-            self._logged.add(key)
-            _log.error("kvshm %s: applying Done(job %d) from rank %d failed; that job is "
-                       "failed, the rest of the batch goes on", self.config.name,
-                       done.job_id, rank, exc_info=exc)
-        if self.manager is not None and done.ok:
-            try:
-                self.manager.on_done(done.job_id, rank, False)
-            except Exception:  # noqa: BLE001 - counted above; the job may be gone
-                self.counters.done_errors += 1
-
-    def _ack_latency(self, job_id: int, now: float) -> float | None:
-        entry = self._posted.get(job_id)
-        if entry is None:
-            return None
-        posted, left = entry
-        if left <= 1:
-            del self._posted[job_id]
-        else:
-            self._posted[job_id] = (posted, left - 1)
-        return now - posted
 
     def _on_channel_error(self, rank: int, exc: TransportError, notify: bool = True) -> None:
         self.counters.protocol_errors += 1
@@ -385,40 +292,26 @@ class Runtime:
     def set_killer(self, kill: Callable[[int], None]) -> None:
         """``kill(rank)``: SIGKILL a rank this engine spawned (SPAWN mode); its pidfd then
         reports the exit, which fences the rank (:meth:`rank_died` with ``fenced``)."""
-        self._kill = kill
+        self._ranks.set_killer(kill)
 
     def rank_died(self, rank: int, exitcode: int | None, *, why: str = "process exited",
                   fenced: bool = False, revoke: RevokeReason = RevokeReason.DIED,
                   notify: bool = True) -> None:
-        """``rank`` is gone or must be treated so: the verdict, then maybe the fence.
-
-        Verdict (once): the revocation word is set and the channel closed, its jobs fail
-        (loads: recompute), the engine is FAILED. The blocks of its unacked jobs stay
-        pinned (quarantined) until it is *fenced* -- ``fenced=True``: its process exited
-        (pidfd; :meth:`tick` also checks the pidfd opened at every rank's Hello), or its
-        lifeline closed (kvshm's worker closes it only after its last copy finished). A
-        spawned rank is SIGKILLed at the verdict, so its fence follows in milliseconds;
-        a rank that stays hung in a live process (embedded, or standalone that kvshm may
-        not signal) stays quarantined.
-        """
-        if self._state in (EngineState.CLOSING, EngineState.CLOSED):
+        """``rank`` is gone or must be treated so: the verdict (once), then the fence if
+        ``fenced`` -- its process exited (pidfd; :meth:`tick` also checks the pidfd
+        opened at every rank's Hello) or it closed its lifeline itself. Until the fence
+        the blocks of its unacked jobs stay pinned (quarantined); for a rank that stays
+        hung inside a live process that is the engine's life. Ignored once closing.
+        Rules and ordering: :class:`~kvshm.engine.supervision.Supervisor`."""
+        if self._state in ENDED:
             return
-        watch = self._watch[rank]
-        if watch.alive:
-            self._verdict(rank, exitcode, why, revoke)
-            if not fenced and self._spawned and self._kill is not None:
-                self._kill(rank)
-        if fenced and not watch.fenced:
-            watch.fenced = True
-            if self.manager is not None:
-                self.manager.rank_fenced(rank)
+        self._ranks.rank_died(rank, exitcode, why=why, fenced=fenced, revoke=revoke)
         if notify:
             self._notify()
 
-    def _verdict(self, rank: int, exitcode: int | None, why: str,
-                 revoke: RevokeReason) -> None:
-        self._watch[rank].died(exitcode, why)
-        self.counters.ranks_failed += 1
+    def _on_verdict(self, rank: int, exitcode: int | None, revoke: RevokeReason) -> None:
+        """The verdict's consequences: the rank's ring is revoked and its channel closed,
+        then the start fails (STARTING) or its jobs fail and the engine is FAILED."""
         chan = self._channels.get(rank)
         if chan is not None:
             chan.revoke(revoke)
@@ -427,36 +320,30 @@ class Runtime:
             self._start_failed(WorkerDied(rank, exitcode))
         elif self.manager is not None:
             self.manager.rank_failed(rank)
-            self._posted.clear()
+            self._jobs.forget_posted()
             self._state = EngineState.FAILED
+
+    def _on_fence(self, rank: int) -> None:
+        """The fence's consequence: the rank's quarantined pins are released."""
+        if self.manager is not None:
+            self.manager.rank_fenced(rank)
 
     def tick(self, now: float) -> None:
         """Hang check, and the fence of quarantined ranks whose process has exited since;
         call a few times a second (the engine's timer, or every pump)."""
         if self._state is EngineState.FAILED:
-            self._fence_exited()
+            self._ranks.fence_exited()
         if self._state is not EngineState.READY:
             return
-        for rank, watch in self._watch.items():
-            if watch.alive and watch.stalled_for(now) >= self.config.hang_timeout_s:
-                self.counters.hangs += 1
-                self.rank_died(rank, None, why=f"hung: no job completed for "
-                               f"{self.config.hang_timeout_s}s with jobs pending",
-                               revoke=RevokeReason.HUNG, notify=False)
-
-    def _fence_exited(self) -> None:
-        for rank, watch in self._watch.items():
-            if not watch.alive and not watch.fenced and watch.process_exited():
-                self.rank_died(rank, None, fenced=True, notify=False)
+        self._ranks.check_hangs(now)
 
     # -- scheduler calls ---------------------------------------------------------------
     def lookup(self, req: RequestView, num_local_tokens: int) -> int | None:
-        """Phase A; 0 until READY, once FAILED, and for a request listed in a step
-        before READY (the manager does not track it, so ``allocated`` ignores it: a hit
-        here would be a pin nobody releases and a load nobody reports)."""
-        _check_id("lookup", req.req_id)
+        """Phase A; 0 until READY, once FAILED, and for a request kept out of the manager
+        (:mod:`~kvshm.engine.admission`: ``allocated`` ignores it too)."""
+        check_id("lookup", req.req_id)
         if (self.manager is None or self._state is not EngineState.READY
-                or req.req_id in self._pre_ready):
+                or self._admission.kept_out(req.req_id)):
             self.counters.lookups_not_ready += 1
             return 0
         return self.manager.lookup(req, num_local_tokens)
@@ -464,64 +351,35 @@ class Runtime:
     def allocated(self, req_id: str, gpu_block_ids: Sequence[Sequence[int]],
                   num_external_tokens: int) -> None:
         """Phase B (ignored before READY: every lookup then returned 0)."""
-        _check_id("allocated", req_id)
-        if self.manager is None or req_id in self._pre_ready:
+        check_id("allocated", req_id)
+        if self.manager is None or self._admission.kept_out(req_id):
             return
         self.manager.allocated(req_id, gpu_block_ids, num_external_tokens)
 
     def step(self, inp: StepInput) -> StepPlan:
         """Build this step's plan and post its transfers to every live rank."""
         manager = self.manager
-        pre = self._pre_ready
-        if manager is None or pre:  # the ids go into a set first: check them first
-            for rid in (*(r.req_id for r in inp.requests), *inp.finished):
-                _check_id("build_step", rid)
         if manager is None:
-            pre.update(r.req_id for r in inp.requests)
-            pre.difference_update(inp.finished)
+            self._admission.before_ready(inp)
             return StepPlan(inp.step)
-        if pre:
-            plan = manager.build_step(replace(
-                inp, requests=[r for r in inp.requests if r.req_id not in pre],
-                finished=[f for f in inp.finished if f not in pre]))
-            pre.difference_update(inp.finished)  # only once the call went through
-        else:
-            plan = manager.build_step(inp)
+        plan = manager.build_step(self._admission.admitted(inp))
+        self._admission.stepped(inp)
         for t in (plan.store, plan.load):
             if t is not None:
-                self._post(t)
+                self._jobs.post(t)
         return plan
-
-    def _post(self, t: protocol.Transfer) -> None:
-        live = [r for r, c in self._channels.items() if not c.closed]
-        now = time.monotonic()
-        self._posted[t.job_id] = (now, len(live))
-        for rank in live:
-            self._channels[rank].post(t)
-            self._watch[rank].posted(now)
-        if t.direction is Direction.STORE:
-            self.counters.store_jobs += 1
-        else:
-            self.counters.load_jobs += 1
 
     def finished(self, req_id: str, num_confirmed_tokens: int,
                  gpu_block_ids: Sequence[Sequence[int]]) -> bool:
         """The request is done; always False (pins, not delayed frees)."""
-        _check_id("finished", req_id)
-        if req_id in self._pre_ready:
-            self._pre_ready.discard(req_id)
+        check_id("finished", req_id)
+        if self._admission.finish(req_id) or self.manager is None:
             return False
-        if self.manager is None:
-            return False
-        out = self.manager.finished(req_id, num_confirmed_tokens, gpu_block_ids)
-        return out
+        return self.manager.finished(req_id, num_confirmed_tokens, gpu_block_ids)
 
     def reset(self) -> bool:
         """Drop the CPU index; True once nothing is in flight."""
-        if self.manager is None:
-            return True
-        done = self.manager.reset()
-        return done
+        return self.manager is None or self.manager.reset()
 
     def has_pending_work(self) -> bool:
         """True while any job is queued, in flight or not yet acked by every live rank."""
@@ -540,7 +398,7 @@ class Runtime:
     def statistics(self) -> EngineStats:
         """A snapshot (valid in every state)."""
         return build_stats(self.config, self._state.value, self.manager, self._cpu,
-                           self._bytes_per_block, self._watch, self.counters)
+                           self._bytes_per_block, self._ranks.snapshots(), self.counters)
 
     def _stats_data(self) -> dict[str, Any]:
         return self.statistics().as_dict()

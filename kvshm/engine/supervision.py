@@ -1,41 +1,43 @@
-"""Per-rank supervision records and the statistics snapshot of an :class:`Runtime`.
+"""Rank supervision: each rank's :class:`RankWatch`, and the verdict, the fence and the
+hang check over all of them (:class:`Supervisor`).
 
-:class:`RankWatch` is the hang rule's state for one rank. A rank is *stalled* while it
-has Transfers outstanding and has completed none since the last progress mark; the
-stall clock counts wall time for a worker that runs on its own (spawned or standalone)
-and, for an embedded worker, only the time between two looks at which its heartbeat had
-advanced -- an embedded worker does nothing while its host engine is not calling it, and
-that is not a hang.
+A rank is declared dead -- the *verdict*, once per rank -- on lifeline EOF, pidfd exit
+(spawned), a broken ring, or a hang. A rank is *stalled* while it has Transfers
+outstanding and has completed none since the last progress mark; the stall clock counts
+wall time for a worker that runs on its own (spawned or standalone) and, for an
+embedded worker, only the time between two looks at which its heartbeat had advanced
+-- an embedded worker does nothing while its host engine is not calling it, and that is
+not a hang. A rank stalled for ``hang_timeout_s`` is hung.
+
+**A block that a rank may still touch is never handed out again until that rank is
+fenced.** Declared dead is not fenced. The verdict sets the rank's revocation word (so
+a rank that resumes starts nothing and publishes nothing) and fails its jobs, but their
+pins stay (quarantined, ``quarantined_*_blocks`` in the statistics) until a proof that
+nothing of the rank runs any more: its process exited (spawned ranks are SIGKILLed at
+the verdict and watched by pidfd; every rank's process by a pidfd opened at its Hello)
+or its lifeline closed -- kvshm's worker closes its socket only once none of its copies
+runs (``Worker.close`` waits for them; a detached or revoked worker keeps the socket
+until they finish). A rank that stays hung gives neither: for an embedded rank inside a
+live host process its quarantine then lasts for the engine's life.
+
+Ordering, per rank: the verdict comes before the fence (a fence that arrives first --
+the process exited -- brings its verdict with it, in that order); each happens at most
+once; a spawned rank is killed only after its verdict's consequences ran.
 """
 
 from __future__ import annotations
 
 import os
 import select
-from dataclasses import asdict, dataclass
+from collections.abc import Callable
 
-from kvshm.config import EngineConfig
-from kvshm.offload.manager import OffloadManager
-from kvshm.offload.pool import BlockPool
+from kvshm.engine.snapshot import CoreCounters
 from kvshm.ipc.protocol import Hello
+from kvshm.ipc.ring_pair import RevokeReason
 from kvshm.ipc.sched_channel import SchedulerChannel
-from kvshm.stats import EngineStats, LatencyWindow, RankStats
+from kvshm.stats import LatencyWindow, RankStats
 
-__all__ = ["CoreCounters", "RankWatch", "build_stats"]
-
-
-@dataclass
-class CoreCounters:
-    """Engine-level counters (the manager keeps its own); monotonic."""
-
-    store_jobs: int = 0
-    load_jobs: int = 0
-    lookups_not_ready: int = 0
-    ranks_failed: int = 0
-    hangs: int = 0
-    protocol_errors: int = 0
-    refused: int = 0
-    done_errors: int = 0  # Dones whose handling raised (their jobs were failed)
+__all__ = ["RankWatch", "Supervisor"]
 
 
 class RankWatch:
@@ -136,22 +138,71 @@ class RankWatch:
                          channel=chan.statistics().as_dict() if chan is not None else {})
 
 
-def build_stats(config: EngineConfig, state: str, manager: OffloadManager | None,
-                cpu: BlockPool | None, bytes_per_block: int, watch: dict[int, RankWatch],
-                counters: CoreCounters) -> EngineStats:
-    """One :class:`EngineStats` snapshot; ``bytes_per_block`` sums every rank's shard."""
-    merged: dict[str, int] = dict(asdict(counters))
-    stored = loaded = pins = jobs = q_gpu = q_cpu = 0
-    if manager is not None:
-        q_gpu, q_cpu = manager.quarantined_blocks()
-        merged.update(manager.counters.as_dict())
-        stored = manager.counters.stored_blocks * bytes_per_block
-        loaded = manager.counters.loaded_blocks * bytes_per_block
-        pins, jobs = manager.pins_held(), manager.num_jobs_in_flight
-    return EngineStats(
-        name=config.name, state=state, world_size=config.world_size,
-        num_cpu_blocks=cpu.num_blocks if cpu is not None else 0,
-        cpu_blocks_cached=cpu.num_hashes if cpu is not None else 0,
-        pins_held=pins, jobs_in_flight=jobs, stored_bytes=stored, loaded_bytes=loaded,
-        quarantined_gpu_blocks=q_gpu, quarantined_cpu_blocks=q_cpu,
-        counters=merged, ranks=[w.snapshot() for w in watch.values()])
+class Supervisor:
+    """Every rank's :class:`RankWatch`, and the verdict, fence and hang rules over them.
+
+    What a verdict and a fence mean for the rest of the engine is the runtime's:
+    ``on_verdict(rank, exitcode, revoke)`` runs once per rank, right after its watch is
+    marked dead (and before a spawned rank is killed); ``on_fence(rank)`` runs once per
+    rank, right after its watch is marked fenced. Runs on the runtime's one thread.
+    """
+
+    def __init__(self, world_size: int, hang_timeout_s: float, counters: CoreCounters, *,
+                 spawned: bool, on_verdict: Callable[[int, int | None, RevokeReason], None],
+                 on_fence: Callable[[int], None]) -> None:
+        self.watch: dict[int, RankWatch] = {r: RankWatch(r) for r in range(world_size)}
+        self._hang_timeout_s = hang_timeout_s
+        self._counters = counters
+        self._spawned = spawned
+        self._on_verdict = on_verdict
+        self._on_fence = on_fence
+        self._kill: Callable[[int], None] | None = None
+
+    def set_killer(self, kill: Callable[[int], None]) -> None:
+        """``kill(rank)``: SIGKILL a rank this engine spawned (SPAWN mode); its pidfd then
+        reports the exit, which fences the rank (:meth:`rank_died` with ``fenced``)."""
+        self._kill = kill
+
+    def rank_died(self, rank: int, exitcode: int | None, *, why: str, fenced: bool,
+                  revoke: RevokeReason) -> None:
+        """``rank`` is gone or must be treated so: the verdict (once), then maybe the
+        fence (once). ``fenced``: this news proves the rank stopped -- its process exited
+        or it closed its lifeline itself. A spawned rank not fenced by this news is
+        SIGKILLed at the verdict, so its fence follows in milliseconds; a rank that
+        stays hung in a live process (embedded, or standalone that kvshm may not
+        signal) stays quarantined."""
+        watch = self.watch[rank]
+        if watch.alive:
+            watch.died(exitcode, why)
+            self._counters.ranks_failed += 1
+            self._on_verdict(rank, exitcode, revoke)
+            if not fenced and self._spawned and self._kill is not None:
+                self._kill(rank)
+        if fenced and not watch.fenced:
+            watch.fenced = True
+            self._on_fence(rank)
+
+    def check_hangs(self, now: float) -> None:
+        """The verdict for every live rank stalled for ``hang_timeout_s`` (rank order)."""
+        for rank, watch in self.watch.items():
+            if watch.alive and watch.stalled_for(now) >= self._hang_timeout_s:
+                self._counters.hangs += 1
+                self.rank_died(rank, None, why=f"hung: no job completed for "
+                               f"{self._hang_timeout_s}s with jobs pending", fenced=False,
+                               revoke=RevokeReason.HUNG)
+
+    def fence_exited(self) -> None:
+        """The fence of every quarantined rank whose process has exited since."""
+        for rank, watch in self.watch.items():
+            if not watch.alive and not watch.fenced and watch.process_exited():
+                self.rank_died(rank, None, why="process exited", fenced=True,
+                               revoke=RevokeReason.DIED)
+
+    def snapshots(self) -> list[RankStats]:
+        """Every rank's statistics record, in rank order."""
+        return [w.snapshot() for w in self.watch.values()]
+
+    def close(self) -> None:
+        """Release every watch's pidfd (idempotent)."""
+        for watch in self.watch.values():
+            watch.close()

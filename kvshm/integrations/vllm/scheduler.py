@@ -51,8 +51,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvshm.config import EngineConfig
-from kvshm.engine.runtime import EngineState
-from kvshm.engine import SyncClient
+from kvshm.engine import EngineState, SyncClient
+from kvshm.engine.lifecycle import LIVE
 from kvshm.errors import ConfigError, InvalidRequest, StateError
 from kvshm.integrations.vllm.blocks import VllmGpuBlocks
 from kvshm.integrations.vllm.config import ConnectorConfig
@@ -179,7 +179,7 @@ class SchedulerSide:
             if not client.has_pending_work():
                 break
             time.sleep(0.002)
-        self._absorb(client.poll() if client.state in _LIVE else [])
+        self._absorb(client.poll() if client.state in LIVE else [])
         client.close()
         stats = self.statistics()
         if self.cfg.stats_path:
@@ -415,9 +415,6 @@ class SchedulerSide:
     def reset(self) -> bool:
         """``reset_cache``: drop the CPU index; False while transfers are in flight."""
         return self.client.reset()
-
-
-_LIVE = (EngineState.STARTING, EngineState.READY, EngineState.FAILED)
 
 
 def _write_json(path: str, data: dict[str, Any]) -> None:

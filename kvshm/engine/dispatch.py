@@ -1,0 +1,109 @@
+"""Job traffic between the manager and the ranks: Transfers out, Dones back.
+
+:class:`Dispatcher` posts each planned Transfer to every live rank and applies the
+batches of ``Done`` that come back to :meth:`OffloadManager.on_done
+<kvshm.offload.manager.OffloadManager.on_done>`. Rules kept here:
+
+* A plan's transfers are posted in plan order (store, then load), each to every live
+  rank in rank order, so every rank sees jobs in job-id order. A full ring queues
+  (``SchedulerChannel.post``), never blocks.
+* A batch of Dones is applied in arrival order. An exception while applying one fails
+  that job only (counted in ``done_errors``, logged once per exception type); every
+  other Done of the batch is still applied. The load outcomes stay in the manager's
+  queue (nothing here copies them).
+* Each Done is progress for its rank's hang clock (:meth:`RankWatch.acked
+  <kvshm.engine.supervision.RankWatch.acked>`) and carries its job's ack latency while
+  acks are still owed: a job's post time is kept for as many Dones as ranks it went to,
+  or until :meth:`forget_posted` (a verdict: the owed acks will not all come).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Mapping
+
+from kvshm.engine.snapshot import CoreCounters
+from kvshm.engine.supervision import RankWatch
+from kvshm.ipc.protocol import Direction, Done, Transfer
+from kvshm.ipc.sched_channel import SchedulerChannel
+from kvshm.offload.manager import OffloadManager
+
+__all__ = ["Dispatcher"]
+
+_log = logging.getLogger("kvshm.engine.runtime")  # one logger name for the whole runtime
+
+
+class Dispatcher:
+    """See the module docstring. ``channels`` and ``watch`` are the runtime's own maps
+    (read, never changed here: channels appear at READY and are closed by the runtime)."""
+
+    def __init__(self, name: str, channels: Mapping[int, SchedulerChannel],
+                 watch: Mapping[int, RankWatch], counters: CoreCounters) -> None:
+        self._name = name
+        self._channels = channels
+        self._watch = watch
+        self._counters = counters
+        self._posted: dict[int, tuple[float, int]] = {}  # job id -> (post time, acks owed)
+        self._logged: set[str] = set()
+
+    def post(self, t: Transfer) -> None:
+        """Post ``t`` to every live rank (queued where a ring is full)."""
+        live = [r for r, c in self._channels.items() if not c.closed]
+        now = time.monotonic()
+        self._posted[t.job_id] = (now, len(live))
+        for rank in live:
+            self._channels[rank].post(t)
+            self._watch[rank].posted(now)
+        if t.direction is Direction.STORE:
+            self._counters.store_jobs += 1
+        else:
+            self._counters.load_jobs += 1
+
+    def forget_posted(self) -> None:
+        """Drop every post time (a verdict: the remaining acks will not all come)."""
+        self._posted.clear()
+
+    def apply(self, rank: int, dones: list[Done], manager: OffloadManager | None) -> None:
+        """Apply a batch of Dones from ``rank`` (to ``manager`` once there is one), then
+        move the rank's queued Transfers into the room the batch made."""
+        now = time.monotonic()
+        watch = self._watch[rank]
+        for d in dones:
+            try:
+                watch.acked(now, d.ok, self._ack_latency(d.job_id, now))
+                if manager is not None:
+                    manager.on_done(d.job_id, rank, d.ok)
+            except Exception as exc:  # noqa: BLE001 - one bad Done must not lose the rest
+                self._done_failed(rank, d, exc, manager)
+        chan = self._channels.get(rank)
+        if chan is not None and not chan.closed and chan.overflow_depth:
+            chan.flush_overflow()
+
+    def _done_failed(self, rank: int, done: Done, exc: Exception,
+                     manager: OffloadManager | None) -> None:
+        """Applying ``done`` raised: count and log it, and fail its job (best effort:
+        a second failure is only counted)."""
+        self._counters.done_errors += 1
+        key = type(exc).__name__
+        if key not in self._logged:
+            self._logged.add(key)
+            _log.error("kvshm %s: applying Done(job %d) from rank %d failed; that job is "
+                       "failed, the rest of the batch goes on", self._name,
+                       done.job_id, rank, exc_info=exc)
+        if manager is not None and done.ok:
+            try:
+                manager.on_done(done.job_id, rank, False)
+            except Exception:  # noqa: BLE001 - counted above; the job may be gone
+                self._counters.done_errors += 1
+
+    def _ack_latency(self, job_id: int, now: float) -> float | None:
+        entry = self._posted.get(job_id)
+        if entry is None:
+            return None
+        posted, left = entry
+        if left <= 1:
+            del self._posted[job_id]
+        else:
+            self._posted[job_id] = (posted, left - 1)
+        return now - posted

@@ -1,0 +1,115 @@
+"""What :class:`~kvshm.engine.Engine` and :class:`~kvshm.engine.SyncClient` share.
+
+:class:`Facade` holds one :class:`~kvshm.engine.runtime.Runtime` and gives both public
+faces the same scheduler calls (``lookup``, ``allocated``, ``step``, ``finished``,
+``statistics``) behind one state guard, :meth:`Facade._enter`. Lifecycle states and
+what each promises: :mod:`kvshm.engine.lifecycle`.
+
+Ordering of every guarded call:
+
+1. the guard: :class:`~kvshm.errors.StateError` once CLOSING or CLOSED (nothing else
+   happens), then :meth:`Facade._service` -- ``SyncClient`` pumps the runtime there
+   (rendezvous, done rings, hang check), ``Engine`` has nothing to do (its loop
+   callbacks already did it);
+2. the runtime call;
+3. the after-hook, only when the runtime call returned: ``Engine`` publishes the load
+   results that are now due to its waiters; ``SyncClient`` leaves them for ``poll``.
+
+Every call runs on the one thread that owns the runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from kvshm.engine.lifecycle import ENDED, EngineState
+from kvshm.engine.runtime import Runtime
+from kvshm.errors import StateError
+from kvshm.stats import EngineStats
+from kvshm.types import RequestView, StepInput, StepPlan
+
+__all__ = ["Facade"]
+
+
+class Facade:
+    """The shared half of ``Engine`` and ``SyncClient`` (see the module docstring)."""
+
+    #: What a StateError calls this face ("engine 'x' is CLOSED").
+    _kind = "engine"
+
+    def __init__(self, core: Runtime) -> None:
+        self._core = core
+
+    @property
+    def state(self) -> EngineState:
+        """The lifecycle state (:class:`~kvshm.engine.lifecycle.EngineState`)."""
+        return self._core.state
+
+    @property
+    def name(self) -> str:
+        """The rendezvous name (``kvshm stats --name`` takes it)."""
+        return self._core.config.name
+
+    @property
+    def _ended(self) -> bool:
+        """CLOSING or CLOSED: scheduler calls raise, closing again does nothing."""
+        return self._core.state in ENDED
+
+    # -- scheduler calls ---------------------------------------------------------------
+    def lookup(self, req: RequestView, num_local_tokens: int) -> int | None:
+        """Phase A: the CPU hit in tokens beyond ``num_local_tokens`` (pinned until phase
+        B); 0 unless READY; None: ask again later (see ``OffloadManager.lookup``)."""
+        self._enter()
+        return self._core.lookup(req, num_local_tokens)
+
+    def allocated(self, req_id: str, gpu_block_ids: Sequence[Sequence[int]],
+                  num_external_tokens: int) -> None:
+        """Phase B: where the hit goes (see ``OffloadManager.allocated``). The load's
+        outcome: ``await Engine.wait_loaded(req_id)`` after ``step``, or
+        ``SyncClient.poll``."""
+        self._enter()
+        self._core.allocated(req_id, gpu_block_ids, num_external_tokens)
+        self._after_allocated(req_id, num_external_tokens)
+
+    def step(self, step_input: StepInput) -> StepPlan:
+        """Plan and post this step's transfers; never blocks, never raises on a full ring.
+
+        Contract (SPAWN / standalone workers): call it only after the compute of every
+        earlier step has finished writing the device caches.
+        """
+        self._enter()
+        plan = self._core.step(step_input)
+        self._after_step()
+        return plan
+
+    def finished(self, req_id: str, num_confirmed_tokens: int,
+                 gpu_block_ids: Sequence[Sequence[int]]) -> bool:
+        """The request is done; its unsaved full blocks go out in the next step. Always
+        False (pins, not delayed frees; see ``OffloadManager.finished``)."""
+        self._enter()
+        out = self._core.finished(req_id, num_confirmed_tokens, gpu_block_ids)
+        self._after_finished(req_id)
+        return out
+
+    def statistics(self) -> EngineStats:
+        """A statistics snapshot (in every state, closed included)."""
+        return self._core.statistics()
+
+    # -- the guard and the hooks -------------------------------------------------------
+    def _enter(self) -> None:
+        """The state guard every scheduler call passes first (the only copy)."""
+        if self._ended:
+            raise StateError(f"{self._kind} {self.name!r} is {self._core.state.name}")
+        self._service()
+
+    def _service(self) -> None:
+        """After the guard, before the runtime call (SyncClient: pump)."""
+
+    def _after_allocated(self, req_id: str, num_external_tokens: int) -> None:
+        """After a phase B the runtime accepted."""
+
+    def _after_step(self) -> None:
+        """After a step the runtime planned."""
+
+    def _after_finished(self, req_id: str) -> None:
+        """After a finish the runtime accepted."""

@@ -1,0 +1,56 @@
+"""The runtime's own counters and the statistics snapshot built from every source.
+
+:class:`CoreCounters` are the engine-level counters (the manager keeps its own); every
+field only grows. :func:`build_stats` reads -- never changes -- the manager, the CPU
+pool and the counters, in any lifecycle state (before READY there is no manager and
+no pool: their fields read 0); the per-rank records come in already built
+(:meth:`~kvshm.engine.supervision.RankWatch.snapshot`). The manager's counters are
+merged into the runtime's in one dict.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+from kvshm.config import EngineConfig
+from kvshm.offload.manager import OffloadManager
+from kvshm.offload.pool import BlockPool
+from kvshm.stats import EngineStats, RankStats
+
+__all__ = ["CoreCounters", "build_stats"]
+
+
+@dataclass
+class CoreCounters:
+    """Engine-level counters (the manager keeps its own); monotonic."""
+
+    store_jobs: int = 0
+    load_jobs: int = 0
+    lookups_not_ready: int = 0
+    ranks_failed: int = 0
+    hangs: int = 0
+    protocol_errors: int = 0
+    refused: int = 0
+    done_errors: int = 0  # Dones whose handling raised (their jobs were failed)
+
+
+def build_stats(config: EngineConfig, state: str, manager: OffloadManager | None,
+                cpu: BlockPool | None, bytes_per_block: int, ranks: Sequence[RankStats],
+                counters: CoreCounters) -> EngineStats:
+    """One :class:`EngineStats` snapshot; ``bytes_per_block`` sums every rank's shard."""
+    merged: dict[str, int] = dict(asdict(counters))
+    stored = loaded = pins = jobs = q_gpu = q_cpu = 0
+    if manager is not None:
+        q_gpu, q_cpu = manager.quarantined_blocks()
+        merged.update(manager.counters.as_dict())
+        stored = manager.counters.stored_blocks * bytes_per_block
+        loaded = manager.counters.loaded_blocks * bytes_per_block
+        pins, jobs = manager.pins_held(), manager.num_jobs_in_flight
+    return EngineStats(
+        name=config.name, state=state, world_size=config.world_size,
+        num_cpu_blocks=cpu.num_blocks if cpu is not None else 0,
+        cpu_blocks_cached=cpu.num_hashes if cpu is not None else 0,
+        pins_held=pins, jobs_in_flight=jobs, stored_bytes=stored, loaded_bytes=loaded,
+        quarantined_gpu_blocks=q_gpu, quarantined_cpu_blocks=q_cpu,
+        counters=merged, ranks=list(ranks))
