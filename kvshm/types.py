@@ -8,12 +8,15 @@ Block hashes are the *plain* chained hashes of :mod:`kvshm.hashing` (``bytes``),
 for every KV group; the manager qualifies them per group for its CPU index. A
 ``GpuBlocks.block_hashes`` implementation must therefore return plain hashes too (the
 vLLM adapter strips vLLM's group id suffix).
+
+The manager's own counters and decline reasons are not exchanged data: they live with it,
+in :mod:`kvshm.offload.counters`.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Protocol
 
@@ -24,9 +27,8 @@ from kvshm.hashing import BlockHash
 from kvshm.ipc.protocol import Transfer
 
 __all__ = [
-    "BlockHash", "DeclineReason", "GpuBlocks", "GroupKind", "KVGroup", "LoadFailure",
-    "LoadResult", "ManagerCounters", "RequestView", "ScheduledRequest", "StepInput",
-    "StepPlan", "StoreMode", "no_new_blocks",
+    "BlockHash", "GpuBlocks", "GroupKind", "KVGroup", "LoadFailure", "LoadResult",
+    "RequestView", "ScheduledRequest", "StepInput", "StepPlan", "StoreMode", "no_new_blocks",
 ]
 
 
@@ -215,61 +217,3 @@ class StepPlan:
     flush: tuple[int, ...] = ()
     load_jobs: Mapping[int, tuple[str, ...]] = field(default_factory=lambda: _NO_JOBS)
     failed_loads: Mapping[str, tuple[int, ...]] = field(default_factory=lambda: _NO_FAILED)
-
-
-class DeclineReason(Enum):
-    """Why a candidate block was not stored (one counter each)."""
-
-    CPU_FULL = "cpu_full"
-    """The CPU pool could not supply a block (eager: retried next step)."""
-    IN_FLIGHT = "in_flight"
-    """The GPU block, or another block with its hash, is being stored."""
-    ALREADY_CACHED = "already_cached"
-    UNHASHED = "unhashed"
-    """Neither the request nor the GPU pool knows the block's hash."""
-    STALE_WINDOW = "stale_window"
-    """A sliding-window id no longer valid for its position (freed, reused)."""
-    HASH_MISMATCH = "hash_mismatch"
-    """A full-attention GPU block carries hashes other than the position's."""
-    ENGINE_FAILED = "engine_failed"
-    """A finish-time store dropped because a rank failed."""
-    RESET = "reset"
-    """A finish-time store dropped by ``reset()`` before it was sent."""
-
-
-def _zero_declines() -> dict[DeclineReason, int]:
-    return {r: 0 for r in DeclineReason}
-
-
-@dataclass(slots=True)
-class ManagerCounters:
-    """Monotonic counters of the manager (never reset, not even by ``reset()``)."""
-
-    lookups: int = 0
-    lookup_hit_tokens: int = 0
-    lookups_asked_again: int = 0
-    lookups_unaligned: int = 0
-    loads_planned: int = 0
-    loaded_blocks: int = 0
-    loads_failed: int = 0
-    stores_planned_blocks: int = 0
-    stored_blocks: int = 0
-    declined: dict[DeclineReason, int] = field(default_factory=_zero_declines)
-    jobs_failed: int = 0
-    jobs_abandoned: int = 0
-    acks_unknown: int = 0
-    acks_duplicate: int = 0
-    invalid_calls: int = 0
-    """Calls refused with ``InvalidRequest`` (nothing else changed)."""
-
-    def as_dict(self) -> dict[str, int]:
-        """Flat ``name -> value`` (declines as ``declined_<reason>``), for stats."""
-        out: dict[str, int] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if isinstance(value, dict):
-                for reason, n in value.items():
-                    out[f"declined_{reason.value}"] = n
-            else:
-                out[f.name] = value
-        return out

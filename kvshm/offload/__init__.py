@@ -13,5 +13,5 @@ integrations, torch, asyncio, threading, socket (``tests/unit/test_imports.py``)
 The invariant every change keeps: a block that any rank may still read or write is
 pinned (CPU) or listed as a load destination / store source (GPU) until every rank has
 acked the job that touches it, or the rank is proven gone; it is never handed out again
-before. ``kvshm.offload.invariants.check_manager`` states the bookkeeping in full.
+before. ``kvshm.offload.invariants.check_parts`` states the bookkeeping in full.
 """

@@ -1,9 +1,8 @@
-"""CPU-tier hit search and phase-B assignment for the manager (pure functions).
+"""CPU-tier hit search (phase A) and the phase-B assignment for the manager.
 
-Groups and keys: the CPU index holds one entry per (hash, group). Group 0 uses the plain
-chained hash; group ``g > 0`` appends a fixed suffix naming ``g`` (:meth:`GroupSet.key`),
-so a hybrid model's full-attention and sliding-window copies of one position never
-collide and a single-group model pays nothing.
+Pure functions over the CPU pool's index: nothing here pins or changes a block (the
+manager pins a :class:`Hit`'s ``pinned`` ids and releases them). Index keys are
+group-qualified hashes (:meth:`kvshm.offload.groups.GroupSet.key`).
 
 Hybrid hit rule: a hit may end at position ``E`` (exclusive) when every full-attention
 group holds every position ``[s, E)`` and every sliding-window group holds the
@@ -17,41 +16,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvshm.errors import ConfigError
+from kvshm.hashing import BlockHash
+from kvshm.offload.groups import GroupSet
 from kvshm.offload.pool import BlockPool
-from kvshm.types import BlockHash, GroupKind, KVGroup, LoadFailure
+from kvshm.types import LoadFailure
 
-__all__ = ["Assignment", "GroupSet", "Hit", "assign", "find_hit"]
-
-
-def cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-class GroupSet:
-    """The manager's KV groups: kinds, windows in blocks, CPU index keys."""
-
-    def __init__(self, groups: Sequence[KVGroup], block_size: int) -> None:
-        if block_size < 1:
-            raise ConfigError(f"block_size must be >= 1, got {block_size}")
-        if not groups:
-            raise ConfigError("at least one KV group is needed")
-        if len(groups) > 0xFFFF:
-            raise ConfigError(f"too many KV groups: {len(groups)}")
-        self.groups = tuple(groups)
-        self.n = len(self.groups)
-        self.full = [g for g, kv in enumerate(self.groups) if kv.kind is GroupKind.FULL]
-        self.sw: list[tuple[int, int]] = []
-        for g, kv in enumerate(self.groups):
-            if kv.kind is GroupKind.SLIDING_WINDOW:
-                assert kv.window_tokens is not None
-                self.sw.append((g, cdiv(kv.window_tokens - 1, block_size)))
-        self.is_sw = tuple(kv.kind is GroupKind.SLIDING_WINDOW for kv in self.groups)
-        self.window_blocks = {g: n for g, n in self.sw}
-        self._suffix = [b""] + [b"\x00kvshm.g" + g.to_bytes(2, "little") for g in range(1, self.n)]
-
-    def key(self, h: BlockHash, g: int) -> bytes:
-        """CPU index key of hash ``h`` in group ``g``."""
-        return h + self._suffix[g] if g else h
+__all__ = ["Assignment", "Hit", "assign", "find_hit"]
 
 
 @dataclass(slots=True, eq=False)

@@ -12,24 +12,26 @@ waiting for it, so their blocks stay pinned (*quarantined*). Only
 :meth:`JobTable.fence_rank` -- its process is known to have exited, or its lifeline
 closed after its last copy -- counts it as acked, and the pins go.
 
+Two kinds share that ack state (:class:`Job`): a :class:`StoreJob` (GPU -> CPU, its
+in-flight marks kept by :mod:`kvshm.offload.stores`) and a :class:`LoadJob` (CPU -> GPU,
+its requests' bookkeeping kept by :mod:`kvshm.offload.loads`). The table only counts
+acks; what a failure or completion means for the blocks is the manager's and those
+parts' business.
+
 Job ids come from one counter shared by stores and loads, starting at 1, strictly
 increasing and never reset (workers and adapters may compare them).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from enum import Enum
+from dataclasses import dataclass
+from typing import TypeAlias
 
 from kvshm.errors import ConfigError
-from kvshm.types import LoadFailure, ManagerCounters
+from kvshm.offload.counters import ManagerCounters
+from kvshm.types import LoadFailure
 
-__all__ = ["AckOutcome", "Job", "JobKind", "JobTable", "LoadPart"]
-
-
-class JobKind(Enum):
-    STORE = "store"
-    LOAD = "load"
+__all__ = ["AckOutcome", "AnyJob", "Job", "JobTable", "LoadJob", "LoadPart", "StoreJob"]
 
 
 @dataclass(slots=True, eq=False)
@@ -47,35 +49,65 @@ class LoadPart:
 
 @dataclass(slots=True, eq=False)
 class Job:
-    """Pairs ``gpu_ids[i] <-> cpu_ids[i]`` in prefix order (per request, position-major).
+    """What both kinds share: the pairs and the ack state.
 
-    Stores: ``groups[i]`` / ``keys[i]`` are the pair's KV group and group-qualified
-    primary hash (its in-flight mark); the first ``n_eager`` pairs go back to the GPU
-    pool normally, the rest (lazy offloads) with ``evict_first``. Loads: ``parts``.
-    ``reported``: the job's requests have been told its outcome (loads only).
+    Pairs ``gpu_ids[i] <-> cpu_ids[i]`` in prefix order (per request, position-major);
+    every id is pinned until the job completes. ``waiting``: the ranks whose ack is
+    still due (live or revoked, never fenced). ``failed`` / ``cause``: set once, at the
+    first failed ack or revocation (:meth:`fail`), never cleared. ``abandoned``: failed
+    by ``reset``; its completion indexes nothing.
     """
 
     job_id: int
-    kind: JobKind
     step: int
     gpu_ids: list[int]
     cpu_ids: list[int]
     waiting: set[int]
-    groups: list[int] = field(default_factory=list)
-    keys: list[bytes] = field(default_factory=list)
-    n_eager: int = 0
-    parts: list[LoadPart] = field(default_factory=list)
     failed: bool = False
     cause: LoadFailure | None = None
     abandoned: bool = False
+
+    def fail(self, cause: LoadFailure) -> bool:
+        """Mark the job failed with ``cause`` unless it already is; True if it was
+        not (the caller counts it)."""
+        if self.failed:
+            return False
+        self.failed = True
+        self.cause = cause
+        return True
+
+
+@dataclass(slots=True, eq=False, kw_only=True)
+class StoreJob(Job):
+    """GPU -> CPU. ``groups[i]`` / ``keys[i]``: the pair's KV group and group-qualified
+    primary hash (its in-flight mark in :class:`~kvshm.offload.stores.StorePlanner`); the
+    first ``n_eager`` pairs go back to the GPU pool normally, the rest (lazy offloads)
+    with ``evict_first``."""
+
+    groups: list[int]
+    keys: list[bytes]
+    n_eager: int
+
+
+@dataclass(slots=True, eq=False, kw_only=True)
+class LoadJob(Job):
+    """CPU -> GPU, the queued parts of one step in order (their ids concatenated are the
+    job's pairs). ``reported``: the parts' requests have been told the outcome
+    (:class:`~kvshm.offload.loads.LoadBook`), once."""
+
+    parts: list[LoadPart]
     reported: bool = False
+
+
+AnyJob: TypeAlias = StoreJob | LoadJob
+"""A job of either kind, as the table holds it (``isinstance`` tells them apart)."""
 
 
 @dataclass(frozen=True, slots=True)
 class AckOutcome:
     """What one ack changed: the job just failed and/or just completed."""
 
-    job: Job
+    job: AnyJob
     newly_failed: bool
     complete: bool
 
@@ -87,7 +119,7 @@ class JobTable:
         if world_size < 1:
             raise ConfigError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
-        self.jobs: dict[int, Job] = {}
+        self.jobs: dict[int, AnyJob] = {}
         self.revoked: set[int] = set()  # declared dead, not yet fenced
         self.dead: set[int] = set()  # fenced: nothing of it can touch a block any more
         self._next_id = 1
@@ -96,13 +128,31 @@ class JobTable:
     def __len__(self) -> int:
         return len(self.jobs)
 
-    def new_job(self, kind: JobKind, step: int, gpu_ids: list[int], cpu_ids: list[int]) -> Job:
-        """Register a job waiting for every live rank (there must be one)."""
+    def _next(self) -> tuple[int, set[int]]:
+        """The next job id and the ranks it waits for: every live one (there must be
+        one)."""
         waiting = set(range(self.world_size)) - self.dead - self.revoked
         assert waiting, "a job planned with every rank dead"
-        job = Job(self._next_id, kind, step, gpu_ids, cpu_ids, waiting)
+        job_id = self._next_id
         self._next_id += 1
-        self.jobs[job.job_id] = job
+        return job_id, waiting
+
+    def new_store(self, step: int, gpu_ids: list[int], cpu_ids: list[int], *,
+                  groups: list[int], keys: list[bytes], n_eager: int) -> StoreJob:
+        """Register a store job waiting for every live rank."""
+        job_id, waiting = self._next()
+        job = StoreJob(job_id, step, gpu_ids, cpu_ids, waiting, groups=groups, keys=keys,
+                       n_eager=n_eager)
+        self.jobs[job_id] = job
+        return job
+
+    def new_load(self, step: int, parts: list[LoadPart], gpu_ids: list[int],
+                 cpu_ids: list[int]) -> LoadJob:
+        """Register a load job of ``parts`` (``gpu_ids`` / ``cpu_ids``: their ids
+        concatenated) waiting for every live rank."""
+        job_id, waiting = self._next()
+        job = LoadJob(job_id, step, gpu_ids, cpu_ids, waiting, parts=parts)
+        self.jobs[job_id] = job
         return job
 
     def ack(self, job_id: int, rank: int, ok: bool, cause: LoadFailure) -> AckOutcome | None:
@@ -117,29 +167,25 @@ class JobTable:
             self._counters.acks_duplicate += 1
             return None
         job.waiting.discard(rank)
-        newly_failed = False
-        if not ok and not job.failed:
-            job.failed = True
-            job.cause = cause
-            newly_failed = True
+        newly_failed = not ok and job.fail(cause)
+        if newly_failed:
             self._counters.jobs_failed += 1
         complete = not job.waiting
         if complete:
             del self.jobs[job_id]
         return AckOutcome(job, newly_failed, complete)
 
-    def revoke_rank(self, rank: int) -> list[Job]:
+    def revoke_rank(self, rank: int) -> list[AnyJob]:
         """Declare ``rank`` dead: the jobs it has not acked, newly failed (RANK_DIED), are
         returned; they keep waiting for it (quarantined) until :meth:`fence_rank`."""
         self._check_rank(rank)
         if rank in self.dead or rank in self.revoked:
             return []
         self.revoked.add(rank)
-        out: list[Job] = []
+        out: list[AnyJob] = []
         for job in self.jobs.values():
             if rank in job.waiting:
-                if not job.failed:
-                    job.failed, job.cause = True, LoadFailure.RANK_DIED
+                if job.fail(LoadFailure.RANK_DIED):
                     self._counters.jobs_failed += 1
                 out.append(job)
         return out

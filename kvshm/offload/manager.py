@@ -22,8 +22,15 @@ ConfigError) with the manager exactly as before but for ``counters.invalid_calls
 Pins (ref counts) are the only protection: every CPU block a lookup, queued load or job
 uses and every GPU block a job or queued transfer uses is pinned, and each pin is
 recorded by exactly one hit, queued load, finish-time store or job
-(:meth:`check_invariants` compares). A block is never reused while any rank may still
-copy into it, so ``StepPlan.flush`` is always empty.
+(:meth:`check_invariants` compares, :mod:`kvshm.offload.invariants`). A block is never
+reused while any rank may still copy into it, so ``StepPlan.flush`` is always empty.
+
+Parts: the manager keeps the phase-A hits (:mod:`kvshm.offload.hits`) and orders the
+calls; the records live in its parts, each owning its pins once handed over: the job
+table and ack state (:mod:`kvshm.offload.jobs`), load bookkeeping from phase B to outcome
+(:mod:`kvshm.offload.loads`), store selection and in-flight marks
+(:mod:`kvshm.offload.stores`), per-request tables and cursors
+(:mod:`kvshm.offload.requests`), KV groups and index keys (:mod:`kvshm.offload.groups`).
 
 Cost per step: O(listed requests) with a dict lookup and a few compares each, plus
 O(blocks that changed); no scan over every request's blocks.
@@ -34,27 +41,28 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from kvshm.errors import ConfigError
-from kvshm.offload.jobs import AckOutcome, Job, JobKind, JobTable, LoadPart
-from kvshm.offload.hits import GroupSet, Hit, assign, cdiv, find_hit
-from kvshm.offload.invariants import check_manager, recorded_pins
-from kvshm.offload.pool import BlockPool
 from kvshm.ipc.protocol import Direction, Transfer, pack_ids
-from kvshm.offload.stores import ReqState, Selection, StorePlanner
-from kvshm.offload.requests import RequestTracker, is_remote
+from kvshm.offload.counters import DeclineReason, ManagerCounters
+from kvshm.offload.groups import GroupSet, cdiv
+from kvshm.offload.hits import Hit, assign, find_hit
+from kvshm.offload.inputs import for_pool
+from kvshm.offload.invariants import Parts, check_parts, recorded_pins
+from kvshm.offload.jobs import AckOutcome, AnyJob, JobTable, LoadJob, LoadPart, StoreJob
+from kvshm.offload.loads import LoadBook
+from kvshm.offload.pool import BlockPool
+from kvshm.offload.requests import ReqState, RequestTracker, is_remote
+from kvshm.offload.stores import Selection, StorePlanner
 from kvshm.types import (
-    DeclineReason,
     GpuBlocks,
     KVGroup,
     LoadFailure,
     LoadResult,
-    ManagerCounters,
     RequestView,
     ScheduledRequest,
     StepInput,
     StepPlan,
     StoreMode,
 )
-from kvshm.offload.validate import for_pool
 
 __all__ = ["OffloadManager"]
 
@@ -85,14 +93,11 @@ class OffloadManager:
         self.mode = mode
         self._eager = mode is StoreMode.EAGER
         self._jobs = JobTable(world_size, self.counters)
-        self._plan = StorePlanner(cpu, gpu, self._gs, block_size, self.counters, lazy_window)
-        self._track = RequestTracker(self._gs, block_size, self._eager, self._plan)
+        self._loads = LoadBook(cpu, gpu, self.counters)
+        self._stores = StorePlanner(cpu, gpu, self._gs, block_size, self.counters, lazy_window,
+                                  self._loads.dst.counts)
+        self._track = RequestTracker(self._gs, block_size, self._eager, self._stores)
         self._hits: dict[str, Hit] = {}
-        self._load_queue: dict[str, LoadPart] = {}
-        self._loading_cpu: dict[int, int] = {}
-        self._load_job_reqs: dict[int, tuple[str, ...]] = {}
-        self._results: list[LoadResult] = []
-        self._failed_loads: dict[str, tuple[int, ...]] = {}
         self._failed = False
         self._abandoned = 0
 
@@ -116,18 +121,16 @@ class OffloadManager:
         """Anything queued, in flight or not yet reported: keep stepping. Jobs that wait
         only for a revoked, unfenced rank do not count: nothing will move them."""
         jobs = bool(self._jobs.jobs) and not self._jobs.only_quarantined()
-        return bool(jobs or self._load_queue or self._plan.finish_queue
-                    or self._results or self._failed_loads)
+        return bool(jobs or self._loads.pending() or self._stores.finish_queue)
 
     def take_load_results(self) -> list[LoadResult]:
         """Load outcomes decided since the last call, each handed out exactly once. This
         queue is the only one: the runtime and the engines drain it, never copy it."""
-        out, self._results = self._results, []
-        return out
+        return self._loads.take_results()
 
     def pins_held(self) -> int:
         """CPU plus GPU pins the manager holds (from its own records)."""
-        cpu, gpu = recorded_pins(self)
+        cpu, gpu = recorded_pins(self._parts())
         return sum(cpu.values()) + sum(gpu.values())
 
     # ---- phase A / B ---------------------------------------------------------------
@@ -154,8 +157,7 @@ class OffloadManager:
                        (view.num_tokens - 1 - num_local_tokens) // bs)
         if hit is None:
             return 0
-        loading = self._loading_cpu
-        if any(b in loading for b in hit.pinned):
+        if self._loads.is_loading(hit.pinned):
             self.counters.lookups_asked_again += 1
             return None
         self.cpu.touch(hit.pinned)
@@ -181,7 +183,7 @@ class OffloadManager:
             self._hits.pop(req_id, None)
             cause = hit.cause if hit is not None and hit.cause is not None else (
                 LoadFailure.ENGINE_FAILED if self._failed else LoadFailure.NO_PIN)
-            self._fail_now(req_id, self._guess_dests(hit, tables, num_external_tokens), cause)
+            self._loads.fail_now(req_id, self._guess_dests(hit, tables, num_external_tokens), cause)
             return
         offered = (hit.end - hit.start) * self.block_size
         if num_external_tokens > offered:
@@ -196,16 +198,11 @@ class OffloadManager:
         if st is not None:
             st.start = hit.start + k
         if not a.cpu_ids:
-            self._fail_now(req_id, a.failed, LoadFailure.WINDOW_MISSING)
+            self._loads.fail_now(req_id, a.failed, LoadFailure.WINDOW_MISSING)
             return
         self.gpu.touch(a.gpu_ids)
-        old = self._load_queue.pop(req_id, None)
-        if old is not None:
-            self._cancel_part(old)
-        part = LoadPart(req_id, a.cpu_ids, a.gpu_ids, tuple(a.failed), num_external_tokens)
-        self._load_queue[req_id] = part
-        self._count_loading(part, +1)
-        self.counters.loads_planned += 1
+        self._loads.enqueue(
+            LoadPart(req_id, a.cpu_ids, a.gpu_ids, tuple(a.failed), num_external_tokens))
 
     def _guess_dests(self, hit: Hit | None, tables: Sequence[Sequence[int]],
                      n_ext: int) -> list[int]:
@@ -216,31 +213,10 @@ class OffloadManager:
             return [t[p] for p in range(hit.start, end) for t in tables if p < len(t)]
         return list(dict.fromkeys(b for t in tables for b in t))
 
-    def _fail_now(self, req_id: str, dests: Sequence[int], cause: LoadFailure) -> None:
-        ids = tuple(dests)
-        self._results.append(LoadResult(req_id, False, ids, cause, 0))
-        self._failed_loads[req_id] = ids
-        self.counters.loads_failed += 1
-
     def _drop_hit(self, req_id: str) -> None:
         hit = self._hits.pop(req_id, None)
         if hit is not None and hit.cause is None:
             self.cpu.free(reversed(hit.pinned))
-
-    def _count_loading(self, part: LoadPart, delta: int) -> None:
-        for counts, ids in ((self._loading_cpu, part.cpu_ids), (self._plan.load_dst, part.gpu_ids)):
-            for b in ids:
-                n = counts.get(b, 0) + delta
-                if n:
-                    counts[b] = n
-                else:
-                    del counts[b]
-
-    def _cancel_part(self, part: LoadPart) -> None:
-        """Release a queued (never sent) load: CPU and GPU pins, loading marks."""
-        self._count_loading(part, -1)
-        self.cpu.free(reversed(part.cpu_ids))
-        self.gpu.free(reversed(part.gpu_ids))
 
     # ---- the step ------------------------------------------------------------------
 
@@ -256,29 +232,16 @@ class OffloadManager:
             dirty = self._track.apply(changes)
             if not self._abandoned:
                 store = self._plan_stores(step, alloc, dirty)
-                load = self._plan_loads(step)
-        failed_loads = self._failed_loads
-        if failed_loads:
-            self._failed_loads = {}
-        jobs = self._listed_load_jobs() if self._load_job_reqs else {}
+                load = self._loads.plan(step, self._jobs)
+        failed_loads = self._loads.take_failed()
+        jobs = self._loads.listed_jobs(self._jobs)
         return StepPlan(step=step, store=store, load=load, load_jobs=jobs,
                         failed_loads=failed_loads)
-
-    def _listed_load_jobs(self) -> dict[int, tuple[str, ...]]:
-        """Load jobs not yet acked by every live rank. A job that waits only for revoked
-        ranks (quarantined until they are fenced, possibly for the engine's life) is no
-        longer listed: its outcome was reported at the verdict, and every rank saw it
-        listed in the step that planned it."""
-        if not self._jobs.revoked:
-            return dict(self._load_job_reqs)
-        table, revoked = self._jobs.jobs, self._jobs.revoked
-        return {j: r for j, r in self._load_job_reqs.items()
-                if not table[j].waiting <= revoked}
 
     def _plan_stores(self, step: int, alloc: frozenset[int],
                      dirty: list[ScheduledRequest]) -> Transfer | None:
         sel = Selection()
-        plan = self._plan
+        plan = self._stores
         avail = plan.take_finished(self.cpu.num_free, bool(self._jobs.jobs), sel)
         if dirty:
             avail = self._track.select(dirty, alloc if self._gs.sw else _EMPTY, avail, sel)
@@ -290,25 +253,11 @@ class OffloadManager:
         cpu_ids = self.cpu.allocate(n)
         if sel.to_touch:
             self.gpu.touch(sel.to_touch)
-        job = self._jobs.new_job(JobKind.STORE, step, sel.gpu_ids, cpu_ids)
-        job.groups = sel.groups
-        job.keys = sel.keys
-        job.n_eager = n - sel.n_lazy
+        job = self._jobs.new_store(step, sel.gpu_ids, cpu_ids, groups=sel.groups,
+                                   keys=sel.keys, n_eager=n - sel.n_lazy)
         self.counters.stores_planned_blocks += n
         return Transfer(step, job.job_id, Direction.STORE, pack_ids(sel.gpu_ids),
                         pack_ids(cpu_ids))
-
-    def _plan_loads(self, step: int) -> Transfer | None:
-        if not self._load_queue:
-            return None
-        parts = list(self._load_queue.values())
-        self._load_queue.clear()
-        cpu_ids = [b for p in parts for b in p.cpu_ids]
-        gpu_ids = [b for p in parts for b in p.gpu_ids]
-        job = self._jobs.new_job(JobKind.LOAD, step, gpu_ids, cpu_ids)
-        job.parts = parts
-        self._load_job_reqs[job.job_id] = tuple(p.req_id for p in parts)
-        return Transfer(step, job.job_id, Direction.LOAD, pack_ids(cpu_ids), pack_ids(gpu_ids))
 
     # ---- completions ---------------------------------------------------------------
 
@@ -321,58 +270,19 @@ class OffloadManager:
 
     def _apply(self, out: AckOutcome) -> None:
         job = out.job
-        if job.failed and job.kind is JobKind.LOAD:
-            self._report_load(job)
+        if job.failed and isinstance(job, LoadJob):
+            self._loads.report(job)
         if out.complete:
             self._complete(job)
 
-    def _report_load(self, job: Job) -> None:
-        """Tell a load job's requests its outcome, once (at the first failure, or at
-        completion); from then on their CPU blocks no longer count as being loaded."""
-        if job.reported:
-            return
-        job.reported = True
-        for part in job.parts:
-            for b in part.cpu_ids:
-                n = self._loading_cpu[b] - 1
-                if n:
-                    self._loading_cpu[b] = n
-                else:
-                    del self._loading_cpu[b]
-            if job.failed:
-                assert job.cause is not None
-                res = LoadResult(part.req_id, False, tuple(part.gpu_ids) + part.failed_ids,
-                                 job.cause, 0)
-                self.counters.loads_failed += 1
-            elif part.failed_ids:
-                res = LoadResult(part.req_id, False, part.failed_ids,
-                                 LoadFailure.WINDOW_MISSING, 0)
-                self.counters.loaded_blocks += len(part.cpu_ids)
-            else:
-                res = LoadResult(part.req_id, True, (), None, part.num_tokens)
-                self.counters.loaded_blocks += len(part.cpu_ids)
-            self._results.append(res)
-
-    def _complete(self, job: Job) -> None:
+    def _complete(self, job: AnyJob) -> None:
         """Every rank acked or is dead: release the job's pins (and index a store)."""
         if job.abandoned:
             self._abandoned -= 1
-        if job.kind is JobKind.STORE:
-            register = not job.failed and not self._failed
-            self._plan.complete(job.gpu_ids, job.cpu_ids, job.groups, job.keys, job.n_eager,
-                                register)
-            return
-        self._report_load(job)
-        dst = self._plan.load_dst
-        for b in job.gpu_ids:
-            n = dst[b] - 1
-            if n:
-                dst[b] = n
-            else:
-                del dst[b]
-        del self._load_job_reqs[job.job_id]
-        self.cpu.free(reversed(job.cpu_ids))
-        self.gpu.free(reversed(job.gpu_ids))
+        if isinstance(job, StoreJob):
+            self._stores.complete(job, register=not job.failed and not self._failed)
+        else:
+            self._loads.complete(job)
 
     # ---- request end, reset, rank death ----------------------------------------------
 
@@ -397,9 +307,7 @@ class OffloadManager:
     def _forget(self, req_id: str) -> ReqState | None:
         """Drop a request's pin, queued load and tracking (in-flight jobs keep theirs)."""
         self._drop_hit(req_id)
-        part = self._load_queue.pop(req_id, None)
-        if part is not None:
-            self._cancel_part(part)
+        self._loads.cancel(req_id)
         return self._track.forget(req_id)
 
     def reset(self) -> bool:
@@ -447,15 +355,12 @@ class OffloadManager:
         gpu, cpu = self._jobs.quarantined()
         return len(gpu), len(cpu)
 
-    def _fail_job(self, job: Job, cause: LoadFailure, *, count: bool) -> None:
+    def _fail_job(self, job: AnyJob, cause: LoadFailure, *, count: bool) -> None:
         """Mark ``job`` failed (``count``: as a failed job; an abandoned one is not)."""
-        if not job.failed:
-            job.failed = True
-            job.cause = cause
-            if count:
-                self.counters.jobs_failed += 1
-        if job.kind is JobKind.LOAD:
-            self._report_load(job)
+        if job.fail(cause) and count:
+            self.counters.jobs_failed += 1
+        if isinstance(job, LoadJob):
+            self._loads.report(job)
 
     def _drop_pending(self, cause: LoadFailure, decline: DeclineReason) -> None:
         """Release every phase-A pin (tombstones), fail every queued load, drop queued
@@ -464,14 +369,16 @@ class OffloadManager:
             if hit.cause is None:
                 self.cpu.free(reversed(hit.pinned))
                 self._hits[rid] = Hit(hit.start, hit.end, [], [], (), cause)
-        for rid, part in list(self._load_queue.items()):
-            self._cancel_part(part)
-            self._fail_now(rid, tuple(part.gpu_ids) + part.failed_ids, cause)
-        self._load_queue.clear()
-        self._plan.drop_finished(decline)
+        self._loads.drop_queued(cause)
+        self._stores.drop_finished(decline)
 
     # ---- checks ----------------------------------------------------------------------
 
     def check_invariants(self) -> None:
         """O(everything) consistency check for tests; AssertionError names the fault."""
-        check_manager(self)
+        check_parts(self._parts())
+
+    def _parts(self) -> Parts:
+        return Parts(cpu=self.cpu, gpu=self.gpu, world_size=self.world_size, hits=self._hits,
+                     jobs=self._jobs, loads=self._loads, stores=self._stores,
+                     failed=self._failed, abandoned=self._abandoned)

@@ -26,9 +26,9 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from kvshm.offload.blocks import Block, FreeBlockQueue
 from kvshm.errors import ConfigError, PoolExhausted
 from kvshm.hashing import BlockHash
+from kvshm.offload.blocks import Block, FreeBlockQueue
 
 __all__ = ["BlockPool", "BlockRemoved", "BlockStored", "PoolEvent"]
 

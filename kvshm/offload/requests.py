@@ -12,9 +12,13 @@ A request gets a ``watch`` entry at its first listing; ``lookup`` may create its
 ``ReqState`` earlier (to remember where a restarted cursor begins).
 
 A step's listing is taken in two passes so that a bad listing changes nothing:
-:meth:`RequestTracker.prepare` reads and checks it (:mod:`kvshm.offload.validate`) and changes
-no state; :meth:`RequestTracker.apply` then applies the changed requests only, from the
-values ``prepare`` checked. The hot loop over unchanged requests stays in ``prepare``.
+:meth:`RequestTracker.prepare` reads and checks it (:mod:`kvshm.offload.inputs`, by the
+rules of :mod:`kvshm.offload.validate`) and changes no state; :meth:`RequestTracker.apply`
+then applies the changed requests only, from the values ``prepare`` checked. The hot loop
+over unchanged requests stays in ``prepare``.
+
+Stores: the tracker hands the store planner (:mod:`kvshm.offload.stores`) each changed
+request's :class:`ReqState` to walk; the planner moves its ``cursor`` and nothing else.
 """
 
 from __future__ import annotations
@@ -22,12 +26,14 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable, Mapping, Sequence
 from typing import Any
 
-from kvshm.offload.hits import GroupSet
-from kvshm.offload.stores import ReqState, Selection, StorePlanner
-from kvshm.types import BlockHash, ScheduledRequest, no_new_blocks
-from kvshm.offload.validate import InputCheck
+from kvshm.hashing import BlockHash
+from kvshm.offload.groups import GroupSet
+from kvshm.offload.inputs import CallCheck
+from kvshm.offload.stores import Selection, StorePlanner
+from kvshm.types import ScheduledRequest, no_new_blocks
 
-__all__ = ["ADMIT", "DIRTY", "EXTEND", "NEVER", "Change", "RequestTracker", "is_remote"]
+__all__ = ["ADMIT", "DIRTY", "EXTEND", "NEVER", "Change", "ReqState", "RequestTracker",
+           "is_remote"]
 
 NEVER = 1 << 62
 """Watch value of a request with nothing to store (never reached)."""
@@ -39,6 +45,25 @@ preemption), append ids to its tables, walk its newly confirmed blocks."""
 Change = tuple[ScheduledRequest, int]
 """A changed listed request (as checked: the request itself, or its normalized copy) and
 what the step does to it."""
+
+
+class ReqState:
+    """Store tracking of one request. ``tables[g]``: its GPU ids per group as known;
+    ``cursor``: next position to consider; ``start``: where a restarted cursor begins
+    (after the GPU hit and loaded blocks; ``do_remote_decode`` ignores it and starts at
+    0); ``tracked``: its blocks are stored eagerly. The store planner walks it as a
+    :class:`~kvshm.offload.stores.Cursor`."""
+
+    __slots__ = ("cursor", "hashes", "remote", "req_id", "start", "tables", "tracked")
+
+    def __init__(self, req_id: str, ngroups: int) -> None:
+        self.req_id = req_id
+        self.tables: list[list[int]] = [[] for _ in range(ngroups)]
+        self.cursor = 0
+        self.hashes: Sequence[BlockHash] = ()
+        self.start = 0
+        self.remote = False
+        self.tracked = False
 
 
 def is_remote(params: Mapping[str, Any] | None) -> bool:
@@ -71,7 +96,7 @@ class RequestTracker:
     # ---- the per-step scan: check (no change), then apply ----------------------------
 
     def prepare(self, requests: Iterable[Any], gone: Collection[str],
-                check: InputCheck) -> list[Change]:
+                check: CallCheck) -> list[Change]:
         """Check this step's listing and say what the step does to each request that
         carries a change (listing order); changes nothing (InvalidRequest if the
         listing is bad). ``gone``: the step's finished ids, forgotten before the listing
@@ -85,7 +110,7 @@ class RequestTracker:
             watch.update(hidden)
 
     def _classify(self, requests: Iterable[Any], gone: Collection[str],
-                  check: InputCheck) -> list[Change]:
+                  check: CallCheck) -> list[Change]:
         """The hot loop: an unchanged request costs one dict probe, two identity tests
         and a few compares (see :mod:`kvshm.offload.validate` for what that leaves unchecked)."""
         out: list[Change] = []
@@ -109,7 +134,7 @@ class RequestTracker:
         return out
 
     @staticmethod
-    def _once(rid: str, seen: set[str], check: InputCheck) -> None:
+    def _once(rid: str, seen: set[str], check: CallCheck) -> None:
         """A request may carry a change once per step (a second listing would be
         applied against state the first one changed)."""
         if rid in seen:
@@ -117,7 +142,7 @@ class RequestTracker:
                                "listed twice in one step with a change")
         seen.add(rid)
 
-    def _check_admit(self, r: ScheduledRequest, gone: Collection[str], check: InputCheck,
+    def _check_admit(self, r: ScheduledRequest, gone: Collection[str], check: CallCheck,
                      seen: set[str]) -> Change:
         """A (re)admission: check the hashes its first walk may read."""
         self._once(r.req_id, seen, check)
@@ -132,7 +157,7 @@ class RequestTracker:
                          min(ready, len(r.block_hashes)))
         return r, ADMIT
 
-    def _check_change(self, r: ScheduledRequest, w: int, check: InputCheck,
+    def _check_change(self, r: ScheduledRequest, w: int, check: CallCheck,
                       seen: set[str]) -> Change:
         """A known request with ids appended and/or a new block confirmed: check the
         hashes this step's walk may read. (In a decode step about one listed request in
@@ -219,7 +244,7 @@ class RequestTracker:
 
     def check_finish(self, st: ReqState, num_confirmed_tokens: int,
                      tables: Sequence[Sequence[int]], hashes: Sequence[BlockHash] | None,
-                     check: InputCheck) -> None:
+                     check: CallCheck) -> None:
         """Before :meth:`finish`: check the hashes its finish-time store may read."""
         if not st.tracked:
             return

@@ -46,6 +46,11 @@ below its next watched block (see :mod:`kvshm.offload.requests`). So a count of 
 that stays below the next block boundary, and the fields a step does not read of an
 unchanged request, are not looked at: nothing uses them, and a type test per listed
 request measured 0.04 - 0.1 us, 0.6 - 1.6 ms a step at 16k requests.
+
+Layout: this module states the rules and holds the field checks (:class:`InputCheck`:
+scalars, hashes, block ids, tables); :mod:`kvshm.offload.inputs` composes them into one
+check per call (``CallCheck``, built by ``for_pool``), and the tracker
+(:mod:`kvshm.offload.requests`) runs the per-request part of a step's listing.
 """
 
 from __future__ import annotations
@@ -55,10 +60,12 @@ from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
-from kvshm.errors import ConfigError, InvalidRequest
-from kvshm.types import BlockHash, GpuBlocks, ManagerCounters, ScheduledRequest, no_new_blocks
+from kvshm.errors import InvalidRequest
+from kvshm.hashing import BlockHash
+from kvshm.offload.counters import ManagerCounters
+from kvshm.types import no_new_blocks
 
-__all__ = ["HASH_LEN_RANGE", "InputCheck", "Tables", "View", "for_pool"]
+__all__ = ["HASH_LEN_RANGE", "NOT_SEQUENCES", "InputCheck", "Tables", "describe"]
 
 Tables = tuple[tuple[int, ...], ...]
 """Checked block tables: one tuple of GPU block ids per KV group."""
@@ -67,7 +74,8 @@ HASH_LEN_RANGE: Final = (8, 64)
 """Hash lengths accepted when the engine does not name its own: kvshm's hashes are 16
 bytes (:data:`kvshm.hashing.HASH_BYTES`), vLLM's 32 (sha256) or 16 (xxh3-128)."""
 
-_NOT_SEQUENCES = (str, bytes, bytearray, memoryview)
+NOT_SEQUENCES = (str, bytes, bytearray, memoryview)
+"""Sequences that are never a sequence of ids or hashes (a str is not a list of hashes)."""
 _SHORT = 8
 """Up to this many ids or hashes are checked one by one; more in C."""
 _repr = reprlib.Repr()
@@ -81,8 +89,9 @@ def describe(value: object) -> str:
 
 
 class InputCheck:
-    """The checks, bound to one manager's limits. Every refusal goes through
-    :meth:`refuse`, which counts it: ``raise check.refuse(...)``."""
+    """The field checks, bound to one manager's limits (``for_pool`` in
+    :mod:`kvshm.offload.inputs` builds them). Every refusal goes through :meth:`refuse`,
+    which counts it: ``raise check.refuse(...)``."""
 
     __slots__ = ("block_size", "counters", "hash_max", "hash_min", "n_groups", "no_new",
                  "null_block_id", "num_gpu_blocks")
@@ -134,7 +143,7 @@ class InputCheck:
         """A sequence of hashes (its entries are checked where they are read)."""
         if type(value) is list or type(value) is tuple:
             return value
-        if isinstance(value, _NOT_SEQUENCES) or not isinstance(value, Sequence):
+        if isinstance(value, NOT_SEQUENCES) or not isinstance(value, Sequence):
             raise self.refuse(call, rid, field,
                               f"must be a sequence of bytes, got {describe(value)}")
         return value
@@ -228,7 +237,7 @@ class InputCheck:
             t: tuple[Any, ...] = value
         elif type(value) is list:
             t = tuple(value)
-        elif isinstance(value, _NOT_SEQUENCES) or not isinstance(value, Iterable):
+        elif isinstance(value, NOT_SEQUENCES) or not isinstance(value, Iterable):
             raise self.refuse(call, rid, field,
                               f"must be a sequence of block ids, got {describe(value)}")
         else:
@@ -270,7 +279,7 @@ class InputCheck:
                 out.append(t)
             else:
                 return tuple(out)
-        if isinstance(value, _NOT_SEQUENCES) or not isinstance(value, Sequence):
+        if isinstance(value, NOT_SEQUENCES) or not isinstance(value, Sequence):
             raise self.refuse(call, rid, field,
                               f"must be one sequence of block ids per KV group, got "
                               f"{describe(value)}")
@@ -278,164 +287,3 @@ class InputCheck:
             raise self.refuse(call, rid, field, f"{len(value)} block tables, expected "
                               f"{self.n_groups} (one per KV group)")
         return tuple(self.ids(call, rid, f"{field}[{g}]", t) for g, t in enumerate(value))
-
-    # ---- whole calls ---------------------------------------------------------------
-
-    def listed(self, r: Any) -> ScheduledRequest:
-        """Read and check every field of a listed request (an object without a
-        ScheduledRequest's fields raises AttributeError: see :meth:`malformed`). A
-        ``ScheduledRequest`` whose fields have the plain types (str, list or tuple of
-        hashes, ints, bools, None or a dict, a tuple of tuples of ids) is handed back as
-        it is -- one inlined test; anything else is checked field by field and handed
-        back as a normalized copy."""
-        call = "build_step"
-        rid, hashes, num_tokens, nb = r.req_id, r.block_hashes, r.num_tokens, r.new_block_ids
-        new, confirmed, preempted = r.new_or_resumed, r.num_confirmed_tokens, r.preempted
-        params = r.kv_transfer_params
-        plain = (type(rid) is str and type(num_tokens) is int and type(confirmed) is int
-                 and num_tokens >= 0 and confirmed >= 0 and type(new) is bool
-                 and type(preempted) is bool and (type(hashes) is list or type(hashes) is tuple)
-                 and (params is None or type(params) is dict))
-        if not plain:
-            rid = self.req_id(call, rid)
-            hashes = self.hash_seq(call, rid, "block_hashes", hashes)
-            num_tokens = self.count(call, rid, "num_tokens", num_tokens)
-            new = self.flag(call, rid, "new_or_resumed", new)
-            confirmed = self.count(call, rid, "num_confirmed_tokens", confirmed)
-            preempted = self.flag(call, rid, "preempted", preempted)
-            params = self.params(call, rid, params)
-        if len(hashes) * self.block_size > num_tokens:
-            self.hash_count(call, rid, hashes, num_tokens)
-        if nb is not self.no_new and not (type(nb) is tuple and len(nb) == self.n_groups
-                                          and self._tuples_ok(nb)):
-            nb = self.tables(call, rid, "new_block_ids", nb)
-            plain = False
-        if plain and type(r) is ScheduledRequest:
-            return r
-        return ScheduledRequest(rid, hashes, num_tokens, nb, new, confirmed, preempted, params)
-
-    def malformed(self, requests: object, r: object, exc: Exception) -> InvalidRequest:
-        """The refusal of a listing whose request ``r`` could not be read at all (not a
-        ScheduledRequest, an unhashable id, a count that cannot be divided)."""
-        where = "requests"
-        if type(requests) is list or type(requests) is tuple:
-            idx = next((i for i, x in enumerate(requests) if x is r), None)
-            if idx is not None:
-                where = f"requests[{idx}]"
-        rid = getattr(r, "req_id", None)
-        return self.refuse("build_step", rid if isinstance(rid, str) else None, where,
-                           f"not a well-formed ScheduledRequest ({type(exc).__name__}: {exc})")
-
-    def step_head(self, step: object, finished: object,
-                  allocated: object) -> tuple[int, tuple[str, ...], frozenset[int]]:
-        """A StepInput's step number, finished ids and allocated ids."""
-        call = "build_step"
-        step_no = self.count(call, None, "step", step)
-        if isinstance(finished, _NOT_SEQUENCES) or not isinstance(finished, Iterable):
-            raise self.refuse(call, None, "finished",
-                              f"must be a sequence of request ids, got {describe(finished)}")
-        gone = tuple(finished)
-        for rid in gone:
-            self.req_id(call, rid)
-        if isinstance(allocated, _NOT_SEQUENCES) or not isinstance(allocated, Iterable):
-            raise self.refuse(call, None, "allocated_block_ids",
-                              f"must be a collection of block ids, got {describe(allocated)}")
-        ids: tuple[Any, ...] = tuple(allocated)
-        if ids and (set(map(type, ids)) != {int} or min(ids) < 0
-                    or max(ids) >= self.num_gpu_blocks):
-            self._bad_id(call, None, "allocated_block_ids", ids)
-        return step_no, gone, frozenset(ids)
-
-    # ---- the manager's calls ---------------------------------------------------------
-
-    def view(self, req: Any, num_local_tokens: object) -> View:
-        """``lookup``'s input; checks the hashes it may read (from the engine's hit to
-        the lookup cap)."""
-        call = "lookup"
-        try:
-            fields = (req.req_id, req.block_hashes, req.num_tokens, req.kv_transfer_params)
-        except AttributeError:
-            raise self.refuse(call, None, "req",
-                              f"must be a RequestView, got {describe(req)}") from None
-        rid = self.req_id(call, fields[0])
-        hashes = self.hash_seq(call, rid, "block_hashes", fields[1])
-        num_tokens = self.count(call, rid, "num_tokens", fields[2])
-        local = self.count(call, rid, "num_local_tokens", num_local_tokens)
-        if local > num_tokens:
-            raise self.refuse(call, rid, "num_local_tokens",
-                              f"{local} local tokens of a {num_tokens}-token request")
-        self.hash_count(call, rid, hashes, num_tokens)
-        params = self.params(call, rid, fields[3])
-        bs = self.block_size
-        self.hashes(call, rid, "block_hashes", hashes, local // bs,
-                    min(len(hashes), max(0, (num_tokens - 1) // bs)))
-        return View(rid, hashes, num_tokens, local, params)
-
-    def allocated(self, req_id: object, tables: object,
-                  num_external_tokens: object) -> tuple[str, Tables, int]:
-        call = "allocated"
-        rid = self.req_id(call, req_id)
-        checked = self.tables(call, rid, "gpu_block_ids", tables)
-        return rid, checked, self.count(call, rid, "num_external_tokens", num_external_tokens)
-
-    def reach(self, call: str, rid: str, tables: Tables, end: int) -> None:
-        """Every table covers positions ``[0, end)``."""
-        for g, t in enumerate(tables):
-            if len(t) < end:
-                raise self.refuse(call, rid, f"gpu_block_ids[{g}]",
-                                  f"{len(t)} blocks, the accepted hit needs {end}")
-
-    def finished(self, req_id: object, num_confirmed_tokens: object, tables: object,
-                 block_hashes: object) -> tuple[str, int, Tables, tuple[BlockHash, ...] | None]:
-        call = "finished"
-        rid = self.req_id(call, req_id)
-        confirmed = self.count(call, rid, "num_confirmed_tokens", num_confirmed_tokens)
-        checked = self.tables(call, rid, "gpu_block_ids", tables)
-        hashes = (None if block_hashes is None
-                  else self.all_hashes(call, rid, "block_hashes", block_hashes))
-        return rid, confirmed, checked, hashes
-
-    def step_input(self, inp: Any) -> tuple[int, Any, tuple[str, ...], frozenset[int]]:
-        """A StepInput's fields: step, requests (checked by the tracker), finished ids,
-        allocated ids."""
-        try:
-            fields = (inp.step, inp.requests, inp.finished, inp.allocated_block_ids)
-        except AttributeError:
-            raise self.refuse("build_step", None, "inp",
-                              f"must be a StepInput, got {describe(inp)}") from None
-        step, gone, alloc = self.step_head(fields[0], fields[2], fields[3])
-        return step, fields[1], gone, alloc
-
-
-class View:
-    """``lookup``'s checked input."""
-
-    __slots__ = ("hashes", "num_local_tokens", "num_tokens", "params", "req_id")
-
-    def __init__(self, req_id: str, hashes: Sequence[BlockHash], num_tokens: int,
-                 num_local_tokens: int, params: Mapping[str, Any] | None) -> None:
-        self.req_id = req_id
-        self.hashes = hashes
-        self.num_tokens = num_tokens
-        self.num_local_tokens = num_local_tokens
-        self.params = params
-
-
-def for_pool(gpu: GpuBlocks, *, n_groups: int, block_size: int, hash_bytes: int | None,
-             counters: ManagerCounters) -> InputCheck:
-    """The checks for a manager over ``gpu``: its size (``num_blocks``), and its optional
-    ``hash_bytes`` (unless given here) and ``null_block_id``. ConfigError for a pool
-    that says something impossible."""
-    n = gpu.num_blocks
-    if type(n) is not int or n < 1:
-        raise ConfigError(f"the GPU pool's num_blocks must be an int >= 1, got {describe(n)}")
-    if hash_bytes is None:
-        hash_bytes = getattr(gpu, "hash_bytes", None)
-    if hash_bytes is not None and (type(hash_bytes) is not int or not 1 <= hash_bytes <= 255):
-        raise ConfigError(f"hash_bytes must be an int in 1..255, got {describe(hash_bytes)}")
-    null = getattr(gpu, "null_block_id", None)
-    if null is not None and (type(null) is not int or not 0 <= null < n):
-        raise ConfigError(f"the GPU pool's null_block_id must be None or a block id, got "
-                          f"{describe(null)}")
-    return InputCheck(n_groups=n_groups, block_size=block_size, num_gpu_blocks=n,
-                      hash_bytes=hash_bytes, null_block_id=null, counters=counters)

@@ -16,11 +16,11 @@ import pytest
 
 from kvshm.errors import ConfigError
 from kvshm.hashing import chain_hashes
+from kvshm.ipc.protocol import Direction, Transfer, unpack_ids
+from kvshm.offload.counters import DeclineReason
 from kvshm.offload.manager import OffloadManager
 from kvshm.offload.pool import BlockPool
-from kvshm.ipc.protocol import Direction, Transfer, unpack_ids
 from kvshm.types import (
-    DeclineReason,
     KVGroup,
     LoadFailure,
     LoadResult,

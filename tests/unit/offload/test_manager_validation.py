@@ -26,6 +26,7 @@ from test_manager_hazards import BS, Req, Rig, pairs, refs
 from kvshm.engine import EngineState
 from kvshm.errors import ConfigError, InvalidRequest
 from kvshm.hashing import chain_hashes
+from kvshm.offload.jobs import LoadJob, StoreJob
 from kvshm.offload.manager import OffloadManager
 from kvshm.offload.pool import BlockPool
 from kvshm.types import (
@@ -47,10 +48,19 @@ def pool_state(pool: Any) -> tuple[Any, ...]:
             tuple(pool.block_hashes(b) for b in range(n)))
 
 
+def _job_state(j: StoreJob | LoadJob) -> tuple[Any, ...]:
+    ack = (j.step, list(j.gpu_ids), list(j.cpu_ids), set(j.waiting), j.failed, j.cause,
+           j.abandoned)
+    if isinstance(j, StoreJob):
+        return ("store", *ack, list(j.groups), list(j.keys), j.n_eager)
+    return ("load", *ack, [(p.req_id, list(p.cpu_ids), list(p.gpu_ids)) for p in j.parts],
+            j.reported)
+
+
 def manager_state(m: OffloadManager) -> dict[str, Any]:
     """Everything a call could change, as plain comparable values (counters without
     ``invalid_calls``, which a refusal bumps)."""
-    jobs, plan, track = m._jobs, m._plan, m._track
+    jobs, loads, stores, track = m._jobs, m._loads, m._stores, m._track
     counters = m.counters.as_dict()
     del counters["invalid_calls"]
     return {
@@ -59,25 +69,21 @@ def manager_state(m: OffloadManager) -> dict[str, Any]:
         "hits": {rid: (h.start, h.end, copy.deepcopy(h.cpu), list(h.pinned), tuple(h.hashes),
                        h.cause) for rid, h in m._hits.items()},
         "load_queue": {rid: (p.req_id, list(p.cpu_ids), list(p.gpu_ids), p.failed_ids,
-                             p.num_tokens) for rid, p in m._load_queue.items()},
-        "loading_cpu": dict(m._loading_cpu),
-        "load_job_reqs": dict(m._load_job_reqs),
-        "results": list(m._results),
-        "failed_loads": dict(m._failed_loads),
+                             p.num_tokens) for rid, p in loads.queue.items()},
+        "loading_cpu": dict(loads.loading_cpu.counts),
+        "load_job_reqs": dict(loads.job_reqs),
+        "results": list(loads.results),
+        "failed_loads": dict(loads.failed),
         "failed": m._failed,
         "abandoned": m._abandoned,
-        "jobs": {jid: (j.kind, j.step, list(j.gpu_ids), list(j.cpu_ids), set(j.waiting),
-                       list(j.groups), list(j.keys), j.n_eager,
-                       [(p.req_id, list(p.cpu_ids), list(p.gpu_ids)) for p in j.parts],
-                       j.failed, j.cause, j.abandoned, j.reported)
-                 for jid, j in jobs.jobs.items()},
+        "jobs": {jid: _job_state(j) for jid, j in jobs.jobs.items()},
         "revoked": set(jobs.revoked),
         "dead": set(jobs.dead),
         "next_job_id": jobs._next_id,
-        "inflight_gpu": set(plan.inflight_gpu),
-        "inflight_keys": set(plan.inflight_keys),
-        "load_dst": dict(plan.load_dst),
-        "finish_queue": list(plan.finish_queue),
+        "inflight_gpu": set(stores.inflight_gpu),
+        "inflight_keys": set(stores.inflight_keys),
+        "load_dst": dict(loads.dst.counts),
+        "finish_queue": list(stores.finish_queue),
         "reqs": {rid: ([list(t) for t in st.tables], st.cursor, tuple(st.hashes), st.start,
                        st.remote, st.tracked) for rid, st in track.reqs.items()},
         "watch": dict(track.watch),
@@ -180,7 +186,7 @@ def test_bad_call_half_applied_finished_out_of_range_id() -> None:
     rig.step(a.sched(ga, confirmed=0, new=True))
     err = refused(rig.m, rig.m.finished, "a", 13, [[0, 8, 2, 3]])
     assert (err.req_id, err.field) == ("a", "gpu_block_ids[0][1]")
-    assert rig.m._plan.inflight_gpu == set() and "a" in rig.m._track.reqs
+    assert rig.m._stores.inflight_gpu == set() and "a" in rig.m._track.reqs
 
     assert rig.m.finished("a", 13, [ga]) is False
     rig.m.check_invariants()
@@ -205,7 +211,7 @@ def test_bad_call_half_applied_step_good_and_bad_request() -> None:
     bad = sched("b", b.h, 9, (gb[0], 9, gb[2]), confirmed=8)
     err = refused(rig.m, rig.m.build_step, StepInput(1, [g.sched(gg, confirmed=8, new=True), bad]))
     assert (err.req_id, err.field) == ("b", "new_block_ids[0][1]")
-    assert rig.m._track.reqs == {} and rig.m._plan.inflight_gpu == set()
+    assert rig.m._track.reqs == {} and rig.m._stores.inflight_gpu == set()
 
     p = rig.step(g.sched(gg, confirmed=8, new=True))
     assert pairs(p.store) == ([0, 1], [0, 1])

@@ -1,0 +1,74 @@
+"""The manager's counters: what it did, declined and refused, for stats and tests.
+
+Monotonic: no counter ever goes down, not even at ``OffloadManager.reset()``. One
+:class:`ManagerCounters` per manager, shared by its parts (:mod:`kvshm.offload.jobs`,
+:mod:`kvshm.offload.stores`, :mod:`kvshm.offload.loads`, :mod:`kvshm.offload.validate`),
+each of which bumps only the counters of its own decisions. The engine reads them by
+attribute (``manager.counters``) and flattens them with :meth:`ManagerCounters.as_dict`
+(``kvshm.engine.supervision``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, fields
+from enum import Enum
+
+__all__ = ["DeclineReason", "ManagerCounters"]
+
+
+class DeclineReason(Enum):
+    """Why a candidate block was not stored (one counter each)."""
+
+    CPU_FULL = "cpu_full"
+    """The CPU pool could not supply a block (eager: retried next step)."""
+    IN_FLIGHT = "in_flight"
+    """The GPU block, or another block with its hash, is being stored."""
+    ALREADY_CACHED = "already_cached"
+    UNHASHED = "unhashed"
+    """Neither the request nor the GPU pool knows the block's hash."""
+    STALE_WINDOW = "stale_window"
+    """A sliding-window id no longer valid for its position (freed, reused)."""
+    HASH_MISMATCH = "hash_mismatch"
+    """A full-attention GPU block carries hashes other than the position's."""
+    ENGINE_FAILED = "engine_failed"
+    """A finish-time store dropped because a rank failed."""
+    RESET = "reset"
+    """A finish-time store dropped by ``reset()`` before it was sent."""
+
+
+def _zero_declines() -> dict[DeclineReason, int]:
+    return {r: 0 for r in DeclineReason}
+
+
+@dataclass(slots=True)
+class ManagerCounters:
+    """Monotonic counters of the manager (never reset, not even by ``reset()``)."""
+
+    lookups: int = 0
+    lookup_hit_tokens: int = 0
+    lookups_asked_again: int = 0
+    lookups_unaligned: int = 0
+    loads_planned: int = 0
+    loaded_blocks: int = 0
+    loads_failed: int = 0
+    stores_planned_blocks: int = 0
+    stored_blocks: int = 0
+    declined: dict[DeclineReason, int] = field(default_factory=_zero_declines)
+    jobs_failed: int = 0
+    jobs_abandoned: int = 0
+    acks_unknown: int = 0
+    acks_duplicate: int = 0
+    invalid_calls: int = 0
+    """Calls refused with ``InvalidRequest`` (nothing else changed)."""
+
+    def as_dict(self) -> dict[str, int]:
+        """Flat ``name -> value`` (declines as ``declined_<reason>``), for stats."""
+        out: dict[str, int] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, dict):
+                for reason, n in value.items():
+                    out[f"declined_{reason.value}"] = n
+            else:
+                out[f.name] = value
+        return out
