@@ -72,37 +72,43 @@ class WorkerChannel(ChannelEndpoint[protocol.Done, protocol.CmdMsg]):
         the lifeline closes meanwhile. Long error texts are cut to fit (MAX_ERROR_CHARS at most).
         """
         self._check_open()
-        tx = self._tx
-        count = nbytes = 0
-        for done in dones:
-            if len(done.error) > self._max_error:
-                done = msgspec.structs.replace(done, error=done.error[: self._max_error])
-            payload = self._encode(done)
-            if not tx.stage(payload):
-                self._flush(count, nbytes)
-                count = nbytes = 0
-                self._wait_for_room(payload)
-            count += 1
-            nbytes += len(payload)
-        self._flush(count, nbytes)
+        start, carried = 0, (0, 0)
+        while True:
+            count, nbytes, blocked = self._stage_from(dones, start)
+            start += count
+            self._flush(count + carried[0], nbytes + carried[1])
+            if blocked is None:
+                return
+            self._wait_for_room(blocked)  # stages it once there is room
+            start += 1
+            carried = (1, len(blocked))
 
     def send_available(self, dones: Sequence[protocol.Done]) -> int:
         """Publish as many of ``dones`` as fit now, in order (one head store, at most one
         doorbell); returns how many. Never waits: the caller keeps the rest for later."""
         self._check_open()
+        count, nbytes, blocked = self._stage_from(dones, 0)
+        if blocked is not None:
+            self._full_events += 1
+        self._flush(count, nbytes)
+        return count
+
+    def _stage_from(self, dones: Sequence[protocol.Done],
+                    start: int) -> tuple[int, int, bytearray | None]:
+        """Stage ``dones[start:]`` in order until one does not fit: (how many were staged,
+        their bytes, the encoded Done that did not fit or None). The one loop both
+        senders use; nothing is visible to the scheduler before ``_flush``."""
         tx = self._tx
-        count = nbytes = 0
-        for done in dones:
+        nbytes = 0
+        for i in range(start, len(dones)):
+            done = dones[i]
             if len(done.error) > self._max_error:
                 done = msgspec.structs.replace(done, error=done.error[: self._max_error])
             payload = self._encode(done)
             if not tx.stage(payload):
-                self._full_events += 1
-                break
-            count += 1
+                return i - start, nbytes, payload
             nbytes += len(payload)
-        self._flush(count, nbytes)
-        return count
+        return len(dones) - start, nbytes, None
 
     def _flush(self, count: int, nbytes: int) -> None:
         if self._tx.publish():  # head store first, then the doorbell (in _published)
