@@ -26,7 +26,6 @@ from __future__ import annotations
 import abc
 import threading
 import time
-from array import array
 from collections import deque
 from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field, fields
@@ -35,7 +34,7 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from kvshm.errors import CopyError, ProtocolError
-from kvshm.ipc.protocol import Direction, Done, Transfer, unpack_ids
+from kvshm.ipc.protocol import Direction, Done, Transfer, ids_array
 
 __all__ = [
     "CompletionTracker",
@@ -85,15 +84,15 @@ class CopyJob:
 
 
 def _unpack(data: bytes, what: str) -> torch.Tensor:
-    """Wire ids (:func:`~kvshm.ipc.protocol.unpack_ids`: the ragged-length check and the
+    """Wire ids (:func:`~kvshm.ipc.protocol.ids_array`: the ragged-length check and the
     u32 decode) as a 1-D int64 tensor; the ProtocolError names the side (``src``/``dst``)."""
     try:
-        ids = unpack_ids(data)
+        ids = ids_array(data)
     except ProtocolError as exc:
         raise ProtocolError(f"{what} {exc}") from None
     if not ids:
         return torch.empty(0, dtype=torch.int64)
-    return torch.frombuffer(array("q", ids), dtype=torch.int64)  # keeps the array alive
+    return torch.frombuffer(ids, dtype=torch.uint32).to(torch.int64)
 
 
 class Fence(abc.ABC):

@@ -161,13 +161,19 @@ def pack_ids(ids: Iterable[int]) -> bytes:
     return array("I", ids).tobytes()
 
 
-def unpack_ids(data: bytes | memoryview) -> list[int]:
-    """Inverse of :func:`pack_ids`; raises ProtocolError on a ragged length."""
+def ids_array(data: bytes | memoryview) -> array[int]:
+    """The ids of a :func:`pack_ids` payload as an ``array('I')`` (one copy, no Python
+    ints: a copy engine wraps it in a tensor); raises ProtocolError on a ragged length."""
     if len(data) % 4:
         raise ProtocolError(f"block id payload of {len(data)} bytes is not a multiple of 4")
     out = array("I")
     out.frombytes(data)
-    return out.tolist()
+    return out
+
+
+def unpack_ids(data: bytes | memoryview) -> list[int]:
+    """Inverse of :func:`pack_ids`; raises ProtocolError on a ragged length."""
+    return ids_array(data).tolist()
 
 
 def cmd_encoder() -> msgspec.msgpack.Encoder:
