@@ -1,118 +1,23 @@
 """One narrated regression test per scheduler-side hazard of docs/design.md ("Hazards").
 
-Every test drives the real ``OffloadManager`` over two real ``BlockPool``s (the CPU tier
-and a toy engine's GPU pool), with tiny pools so block ids, ref counts and jobs can be
-asserted exactly. The test plays the engine: it allocates GPU blocks, hashes a block
-once its KV is computed, lists requests in ``StepInput``s and acks jobs.
-``check_invariants()`` runs after every manager call that changes state.
+Every test drives the real ``OffloadManager`` through the shared rig
+(:mod:`manager_rig`: real pools, tiny sizes, exact block ids, ref counts and jobs). The
+test plays the engine: it allocates GPU blocks, hashes a block once its KV is computed,
+lists requests in ``StepInput``s and acks jobs. ``check_invariants()`` runs after every
+manager call that changes state.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import pytest
+from manager_rig import REMOTE, Req, Rig, declined, pairs, refs
 
 from kvshm.errors import ConfigError
-from kvshm.hashing import chain_hashes
-from kvshm.ipc.protocol import Direction, Transfer, unpack_ids
+from kvshm.ipc.protocol import Direction
 from kvshm.offload.counters import DeclineReason
-from kvshm.offload.manager import OffloadManager
-from kvshm.offload.pool import BlockPool
-from kvshm.types import (
-    KVGroup,
-    LoadFailure,
-    LoadResult,
-    RequestView,
-    ScheduledRequest,
-    StepInput,
-    StepPlan,
-)
-
-BS = 4
-REMOTE = {"do_remote_decode": True}
-
-
-class Rig:
-    """The manager, both pools and a step counter."""
-
-    def __init__(self, *, cpu: int = 8, gpu: int = 16, world_size: int = 1,
-                 groups: Sequence[KVGroup] = (KVGroup.full(),)) -> None:
-        self.cpu = BlockPool(cpu)
-        self.gpu = BlockPool(gpu)
-        self.m = OffloadManager(self.cpu, self.gpu, block_size=BS, groups=groups,
-                                world_size=world_size)
-        self.ngroups = len(groups)
-        self.n = 0
-
-    def step(self, *reqs: ScheduledRequest, allocated: Sequence[int] = ()) -> StepPlan:
-        self.n += 1
-        plan = self.m.build_step(StepInput(self.n, reqs, (), frozenset(allocated)))
-        self.m.check_invariants()
-        return plan
-
-    def ack(self, t: Transfer | None, *, ranks: Sequence[int] = (0,), ok: bool = True) -> None:
-        assert t is not None
-        for r in ranks:
-            self.m.on_done(t.job_id, r, ok)
-            self.m.check_invariants()
-
-    def alloc(self, n: int, hashes: Sequence[bytes] = ()) -> list[int]:
-        """Engine allocation; ``hashes`` marks the first blocks as computed."""
-        ids = self.gpu.allocate(n)
-        self.hash(ids, hashes)
-        return ids
-
-    def hash(self, ids: Sequence[int], hashes: Sequence[bytes]) -> None:
-        for b, h in zip(ids, hashes):
-            self.gpu.add_hashes(b, [h])
-
-    def seed_cpu(self, *hashes: bytes) -> list[int]:
-        """Put blocks into the CPU tier as if stored long ago (cached, ref 0)."""
-        ids = self.cpu.allocate(len(hashes))
-        for b, h in zip(ids, hashes):
-            self.cpu.add_hashes(b, [h])
-        self.cpu.free(reversed(ids))
-        return ids
-
-
-class Req:
-    """An engine-side request: tokens and their chained block hashes."""
-
-    def __init__(self, rid: str, n_tokens: int, *, base: int = 0,
-                 params: dict[str, Any] | None = None) -> None:
-        self.rid = rid
-        self.toks = list(range(base, base + n_tokens))
-        self.h = chain_hashes(self.toks, BS)
-        self.params = params
-
-    def view(self) -> RequestView:
-        return RequestView(self.rid, self.h, len(self.toks), self.params)
-
-    def sched(self, *new_ids: Sequence[int], confirmed: int, new: bool = False,
-              preempted: bool = False) -> ScheduledRequest:
-        return ScheduledRequest(self.rid, self.h, len(self.toks),
-                                tuple(tuple(ids) for ids in new_ids), new, confirmed,
-                                preempted, self.params)
-
-
-def ids(data: bytes) -> list[int]:
-    return unpack_ids(data)
-
-
-def pairs(t: Transfer | None) -> tuple[list[int], list[int]]:
-    assert t is not None
-    return ids(t.src_ids), ids(t.dst_ids)
-
-
-def refs(pool: BlockPool, block_ids: Sequence[int]) -> list[int]:
-    return [pool.ref_cnt(b) for b in block_ids]
-
-
-def declined(m: OffloadManager, reason: DeclineReason) -> int:
-    return m.counters.declined[reason]
-
+from kvshm.types import KVGroup, LoadFailure, LoadResult, ScheduledRequest, StepPlan
 
 # ---- in-flight dedup -------------------------------------------------------------------
 
@@ -188,7 +93,7 @@ def test_toctou_pin_survives_eviction_between_phases() -> None:
     assert pairs(p2.load) == ([0, 1], [4, 5]) and p2.load is not None
     assert p2.load.direction is Direction.LOAD and p2.load_jobs == {p2.load.job_id: ("b",)}
     rig.ack(p2.load)
-    p3 = rig.step()
+    rig.step()
     assert tuple(rig.m.take_load_results()) == (LoadResult("b", True, (), None, 8),)
     assert refs(rig.cpu, [0, 1]) == [0, 0] and refs(rig.gpu, gb) == [1, 1, 1]
 
@@ -375,7 +280,7 @@ def test_reset_with_transfers_in_flight() -> None:
     assert not rig.cpu.is_cached(a.h[0]) and refs(rig.cpu, [0, 3, 4]) == [0, 0, 0]
     assert rig.m.reset() is True
     assert rig.m.counters.jobs_abandoned == 2 and rig.m.pins_held() == 0
-    p3 = rig.step(a.sched((), confirmed=8))                     # planning resumes
+    rig.step(a.sched((), confirmed=8))                          # planning resumes
     assert rig.m.take_load_results() == [] and not rig.m.has_pending_work()
 
 

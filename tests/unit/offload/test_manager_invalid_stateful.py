@@ -30,13 +30,13 @@ from hypothesis.stateful import (
     precondition,
     rule,
 )
-from test_manager_validation import manager_state
+from manager_rig import manager_state
 
 from kvshm.errors import InvalidRequest
 from kvshm.hashing import chain_hashes, hash_block
+from kvshm.ipc.protocol import Transfer
 from kvshm.offload.manager import OffloadManager
 from kvshm.offload.pool import BlockPool
-from kvshm.ipc.protocol import Transfer
 from kvshm.types import (
     KVGroup,
     LoadResult,

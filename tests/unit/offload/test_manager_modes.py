@@ -1,20 +1,16 @@
 """Lazy store mode, ack bookkeeping, counters and edge cases of the OffloadManager.
 
-Same style as test_manager_hazards.py: real pools, tiny sizes, exact ids and refs.
+Same rig as test_manager_hazards.py (:mod:`manager_rig`): real pools, tiny sizes, exact
+ids and refs.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import pytest
+from manager_rig import Rig, hashes, pairs
 
 from kvshm.errors import ConfigError
-from kvshm.hashing import chain_hashes
-from kvshm.ipc.protocol import Transfer, unpack_ids
 from kvshm.offload.counters import DeclineReason
-from kvshm.offload.manager import OffloadManager
-from kvshm.offload.pool import BlockPool
 from kvshm.types import (
     KVGroup,
     LoadFailure,
@@ -22,43 +18,8 @@ from kvshm.types import (
     RequestView,
     ScheduledRequest,
     StepInput,
-    StepPlan,
     StoreMode,
 )
-
-BS = 4
-
-
-def mk(*, cpu: int = 8, gpu: int = 8, mode: StoreMode = StoreMode.LAZY, window: int = 3,
-       groups: Sequence[KVGroup] = (KVGroup.full(),), world_size: int = 1,
-       ) -> tuple[OffloadManager, BlockPool, BlockPool]:
-    c, g = BlockPool(cpu), BlockPool(gpu)
-    m = OffloadManager(c, g, block_size=BS, groups=groups, world_size=world_size, mode=mode,
-                       lazy_window=window)
-    return m, c, g
-
-
-def step(m: OffloadManager, n: int, *reqs: ScheduledRequest) -> StepPlan:
-    plan = m.build_step(StepInput(n, reqs))
-    m.check_invariants()
-    return plan
-
-
-def pairs(t: Transfer | None) -> tuple[list[int], list[int]]:
-    assert t is not None
-    return unpack_ids(t.src_ids), unpack_ids(t.dst_ids)
-
-
-def ack(m: OffloadManager, t: Transfer | None, ranks: Sequence[int] = (0,)) -> None:
-    assert t is not None
-    for r in ranks:
-        m.on_done(t.job_id, r, True)
-        m.check_invariants()
-
-
-def hashes(n_tokens: int, base: int = 0) -> list[bytes]:
-    return chain_hashes(list(range(base, base + n_tokens)), BS)
-
 
 # ---- lazy mode ---------------------------------------------------------------------------
 
@@ -69,55 +30,58 @@ def test_lazy_offloads_blocks_nearing_eviction_and_returns_them_evict_first() ->
     offloads 4 and 3; being pinned they leave the free queue, so the next step's window
     is 5, 2, 1. After each copy the blocks go back at the LRU end, in order, so the
     engine evicts them (already offloaded) before block 0, which the scan then finds."""
-    m, cpu, gpu = mk(gpu=6)
+    rig = Rig(gpu=6, mode=StoreMode.LAZY, lazy_window=3)
+    m, cpu, gpu = rig.m, rig.cpu, rig.gpu
     h = hashes(20)
     ids = gpu.allocate(6)
     for b, hh in zip(ids, h):
         gpu.add_hashes(b, [hh])
     gpu.free(reversed(ids))
     assert list(gpu.iter_free_from_lru()) == [5, 4, 3, 2, 1, 0]
-    p1 = step(m, 1)
+    p1 = rig.step()
     assert pairs(p1.store) == ([4, 3], [0, 1])
     assert gpu.ref_cnt(4) == 1 and list(gpu.iter_free_from_lru()) == [5, 2, 1, 0]
-    p2 = step(m, 2)
+    p2 = rig.step()
     assert pairs(p2.store) == ([2, 1], [2, 3])
-    ack(m, p1.store)
-    ack(m, p2.store)
+    rig.ack(p1.store)
+    rig.ack(p2.store)
     assert list(gpu.iter_free_from_lru()) == [2, 1, 4, 3, 5, 0]
     assert [cpu.get_cached(x) for x in h[:5]] == [None, 3, 2, 1, 0]
-    assert step(m, 3).store is None                           # window 2, 1, 4: all cached
+    assert rig.step().store is None                           # window 2, 1, 4: all cached
     assert gpu.allocate(5) == [2, 1, 4, 3, 5]
-    p4 = step(m, 4)
+    p4 = rig.step()
     assert pairs(p4.store) == ([0], [4])
-    ack(m, p4.store)
+    rig.ack(p4.store)
     assert m.counters.stored_blocks == 5 and m.pins_held() == 0
 
 
 def test_lazy_mode_stores_remote_decode_requests_eagerly() -> None:
     """In lazy mode ordinary running requests are not tracked, but a do_remote_decode
     request must still publish its KV, so it is stored as its blocks are confirmed."""
-    m, _, gpu = mk(gpu=8)
+    rig = Rig(gpu=8, mode=StoreMode.LAZY, lazy_window=3)
+    gpu = rig.gpu
     h = hashes(9)
     ids = gpu.allocate(3)
     for b, hh in zip(ids, h):
         gpu.add_hashes(b, [hh])
     plain = ScheduledRequest("p", h, 9, (tuple(ids),), True, 8)
-    assert step(m, 1, plain).store is None
+    assert rig.step(plain).store is None
     ids2 = gpu.allocate(3)
     for b, hh in zip(ids2, hashes(9, base=100)):
         gpu.add_hashes(b, [hh])
     remote = ScheduledRequest("r", hashes(9, base=100), 9, (tuple(ids2),), True, 8, False,
                               {"do_remote_decode": True})
-    p = step(m, 2, remote)
+    p = rig.step(remote)
     assert pairs(p.store) == (ids2[:2], [0, 1])
-    ack(m, p.store)
+    rig.ack(p.store)
 
 
 def test_lazy_mode_needs_a_single_group() -> None:
     with pytest.raises(ConfigError, match="single KV group"):
-        mk(groups=(KVGroup.full(), KVGroup.sliding_window(8)))
+        Rig(gpu=8, mode=StoreMode.LAZY, lazy_window=3,
+            groups=(KVGroup.full(), KVGroup.sliding_window(8)))
     with pytest.raises(ConfigError):
-        mk(window=0)
+        Rig(gpu=8, mode=StoreMode.LAZY, lazy_window=0)
 
 
 # ---- acks and job ids --------------------------------------------------------------------
@@ -126,11 +90,12 @@ def test_lazy_mode_needs_a_single_group() -> None:
 def test_unknown_and_duplicate_acks_are_counted_and_ignored() -> None:
     """Acks for a job that does not exist, twice from one rank, or from a rank out of
     range change nothing but counters; job ids keep increasing across a reset."""
-    m, cpu, gpu = mk(mode=StoreMode.EAGER, world_size=2)
+    rig = Rig(gpu=8, world_size=2)
+    m, cpu, gpu = rig.m, rig.cpu, rig.gpu
     h = hashes(4)
     [b] = gpu.allocate(1)
     gpu.add_hashes(b, h)
-    p1 = step(m, 1, ScheduledRequest("a", h, 4, ((b,),), True, 4))
+    p1 = rig.step(ScheduledRequest("a", h, 4, ((b,),), True, 4))
     assert p1.store is not None and p1.store.job_id == 1
     m.on_done(99, 0, True)
     m.on_done(1, 0, True)
@@ -145,12 +110,12 @@ def test_unknown_and_duplicate_acks_are_counted_and_ignored() -> None:
     [b2] = gpu.allocate(1)
     h2 = hashes(4, base=9)
     gpu.add_hashes(b2, h2)
-    p2 = step(m, 2, ScheduledRequest("b", h2, 4, ((b2,),), True, 4))
+    p2 = rig.step(ScheduledRequest("b", h2, 4, ((b2,),), True, 4))
     assert p2.store is not None and p2.store.job_id == 2
 
 
 def test_rank_failed_rejects_unknown_rank_and_is_idempotent() -> None:
-    m, _, _ = mk(mode=StoreMode.EAGER, world_size=2)
+    m = Rig(gpu=8, world_size=2).m
     with pytest.raises(ConfigError):
         m.rank_failed(2)
     m.rank_failed(1)
@@ -160,7 +125,7 @@ def test_rank_failed_rejects_unknown_rank_and_is_idempotent() -> None:
 
 
 def test_counters_flatten_for_stats() -> None:
-    m, _, _ = mk(mode=StoreMode.EAGER)
+    m = Rig(gpu=8).m
     flat = m.counters.as_dict()
     assert flat["lookups"] == 0 and flat["declined_cpu_full"] == 0
     assert all(isinstance(v, int) for v in flat.values())
@@ -171,7 +136,8 @@ def test_counters_flatten_for_stats() -> None:
 
 
 def test_unaligned_local_hit_gets_no_cpu_hit() -> None:
-    m, cpu, _ = mk(mode=StoreMode.EAGER)
+    rig = Rig(gpu=8)
+    m, cpu = rig.m, rig.cpu
     h = hashes(12)
     for hh in h:
         [c] = cpu.allocate(1)
@@ -190,7 +156,8 @@ def test_sliding_window_partial_acceptance_fills_the_window_or_fails_it() -> Non
     position 1 is looked up again and pinned, position 0's window copy is gone, so its
     destination is reported failed (recompute) while the rest loads."""
     groups = (KVGroup.full(), KVGroup.sliding_window(8))
-    m, cpu, gpu = mk(cpu=16, gpu=16, mode=StoreMode.EAGER, groups=groups)
+    rig = Rig(cpu=16, gpu=16, groups=groups)
+    m, cpu, gpu = rig.m, rig.cpu, rig.gpu
     h = hashes(17)
     key = m._gs.key
     keys = [key(x, 0) for x in h] + [key(x, 1) for x in h[1:]]   # window copy of 0 missing
@@ -204,13 +171,13 @@ def test_sliding_window_partial_acceptance_fills_the_window_or_fails_it() -> Non
     m.allocated("a", [full, win], 8)
     m.check_invariants()
     assert sum(cpu.ref_cnt(b) for b in range(16)) == 3       # full 0, 1 + window 1
-    p = step(m, 1)
+    p = rig.step()
     src, dst = pairs(p.load)
     assert src == [cpu.get_cached(key(h[0], 0)), cpu.get_cached(key(h[1], 0)),
                    cpu.get_cached(key(h[1], 1))]
     assert dst == [full[0], full[1], win[1]]
-    ack(m, p.load)
-    step(m, 2)
+    rig.ack(p.load)
+    rig.step()
     assert m.take_load_results() == [
         LoadResult("a", False, (win[0],), LoadFailure.WINDOW_MISSING, 0)]
     assert m.counters.loaded_blocks == 3
@@ -220,7 +187,8 @@ def test_finish_stores_dropped_when_cpu_cannot_ever_supply() -> None:
     """Every CPU block is pinned by lookups and no job is in flight, so no completion
     will ever free one: finish-time stores are dropped (CPU_FULL) and their GPU pins
     released instead of being held forever."""
-    m, cpu, gpu = mk(cpu=2, mode=StoreMode.EAGER)
+    rig = Rig(cpu=2, gpu=8)
+    m, cpu, gpu = rig.m, rig.cpu, rig.gpu
     h = hashes(9, base=70)
     for hh in h:
         [c] = cpu.allocate(1)
@@ -230,10 +198,10 @@ def test_finish_stores_dropped_when_cpu_cannot_ever_supply() -> None:
     a = hashes(5)
     ids = gpu.allocate(2)
     gpu.add_hashes(ids[0], a)
-    step(m, 1, ScheduledRequest("a", a, 5, (tuple(ids),), True, 0))
+    rig.step(ScheduledRequest("a", a, 5, (tuple(ids),), True, 0))
     m.finished("a", 5, [ids])
     assert gpu.ref_cnt(ids[0]) == 2
-    p = step(m, 2)
+    p = rig.step()
     assert p.store is None and m.counters.declined[DeclineReason.CPU_FULL] == 1
     assert gpu.ref_cnt(ids[0]) == 1
     m.finished("w", 0, [[]])
@@ -244,7 +212,8 @@ def test_step_input_finished_releases_like_finished_without_final_stores() -> No
     """A request named in StepInput.finished (its finished() never called) loses its
     phase-A pin, its queued load and its tracking; with no final count known, nothing
     more is stored for it."""
-    m, cpu, gpu = mk(mode=StoreMode.EAGER)
+    rig = Rig(gpu=8)
+    m, cpu, gpu = rig.m, rig.cpu, rig.gpu
     h = hashes(9)
     for hh in h:
         [c] = cpu.allocate(1)

@@ -23,9 +23,9 @@ from hypothesis.stateful import (
 )
 
 from kvshm.hashing import chain_hashes, hash_block
+from kvshm.ipc.protocol import Direction, Transfer, unpack_ids
 from kvshm.offload.manager import OffloadManager
 from kvshm.offload.pool import BlockPool
-from kvshm.ipc.protocol import Direction, Transfer, unpack_ids
 from kvshm.types import KVGroup, RequestView, ScheduledRequest, StepInput, StepPlan, StoreMode
 
 BS = 2

@@ -8,25 +8,23 @@ free-queue (LRU) order and hashes, the hits, the load queue, the in-flight marks
 jobs, the tracker's tables and cursors, and every counter but ``invalid_calls``
 (:func:`manager_state`). Then the same request, sent correctly, goes through and ends
 with no pin left. Same rig as test_manager_hazards.py: real pools, tiny sizes, exact
-block ids and ref counts.
+block ids and ref counts (:mod:`manager_rig`, which also holds the snapshot).
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import pytest
 from engine_rig import BS as ENGINE_BS
 from engine_rig import Client, embedded_engine, tokens
-from test_manager_hazards import BS, Req, Rig, pairs, refs
+from manager_rig import BS, Req, Rig, manager_state, pairs, refs
 
 from kvshm.engine import EngineState
 from kvshm.errors import ConfigError, InvalidRequest
 from kvshm.hashing import chain_hashes
-from kvshm.offload.jobs import LoadJob, StoreJob
 from kvshm.offload.manager import OffloadManager
 from kvshm.offload.pool import BlockPool
 from kvshm.types import (
@@ -38,57 +36,7 @@ from kvshm.types import (
     no_new_blocks,
 )
 
-# ---- the snapshot ------------------------------------------------------------------------
-
-
-def pool_state(pool: Any) -> tuple[Any, ...]:
-    """Ref counts, the free queue from its LRU end, and every block's hashes."""
-    n = pool.num_blocks
-    return (tuple(pool.ref_cnt(b) for b in range(n)), tuple(pool.iter_free_from_lru()),
-            tuple(pool.block_hashes(b) for b in range(n)))
-
-
-def _job_state(j: StoreJob | LoadJob) -> tuple[Any, ...]:
-    ack = (j.step, list(j.gpu_ids), list(j.cpu_ids), set(j.waiting), j.failed, j.cause,
-           j.abandoned)
-    if isinstance(j, StoreJob):
-        return ("store", *ack, list(j.groups), list(j.keys), j.n_eager)
-    return ("load", *ack, [(p.req_id, list(p.cpu_ids), list(p.gpu_ids)) for p in j.parts],
-            j.reported)
-
-
-def manager_state(m: OffloadManager) -> dict[str, Any]:
-    """Everything a call could change, as plain comparable values (counters without
-    ``invalid_calls``, which a refusal bumps)."""
-    jobs, loads, stores, track = m._jobs, m._loads, m._stores, m._track
-    counters = m.counters.as_dict()
-    del counters["invalid_calls"]
-    return {
-        "cpu": pool_state(m.cpu),
-        "gpu": pool_state(m.gpu),
-        "hits": {rid: (h.start, h.end, copy.deepcopy(h.cpu), list(h.pinned), tuple(h.hashes),
-                       h.cause) for rid, h in m._hits.items()},
-        "load_queue": {rid: (p.req_id, list(p.cpu_ids), list(p.gpu_ids), p.failed_ids,
-                             p.num_tokens) for rid, p in loads.queue.items()},
-        "loading_cpu": dict(loads.loading_cpu.counts),
-        "load_job_reqs": dict(loads.job_reqs),
-        "results": list(loads.results),
-        "failed_loads": dict(loads.failed),
-        "failed": m._failed,
-        "abandoned": m._abandoned,
-        "jobs": {jid: _job_state(j) for jid, j in jobs.jobs.items()},
-        "revoked": set(jobs.revoked),
-        "dead": set(jobs.dead),
-        "next_job_id": jobs._next_id,
-        "inflight_gpu": set(stores.inflight_gpu),
-        "inflight_keys": set(stores.inflight_keys),
-        "load_dst": dict(loads.dst.counts),
-        "finish_queue": list(stores.finish_queue),
-        "reqs": {rid: ([list(t) for t in st.tables], st.cursor, tuple(st.hashes), st.start,
-                       st.remote, st.tracked) for rid, st in track.reqs.items()},
-        "watch": dict(track.watch),
-        "counters": counters,
-    }
+# ---- refusals ------------------------------------------------------------------------
 
 
 def refused(m: OffloadManager, call: Callable[..., object], *args: Any,
