@@ -119,7 +119,7 @@ GONE_S: Final = 10.0  # after close and the parent's exit: longer is a process l
 FENCE_S: Final = 5.0
 CORRUPT_VERDICT_S: Final = 3.0
 ALLOC_S: Final = 5.0
-# the ring segment's control block (documented in kvshm/ipc/ring.py): u64 words
+# the ring segment's control block (documented in kvshm/ipc/ring_pair.py): u64 words
 _W_DONE_CAP: Final = 3
 _W_DONE_OFF: Final = 5
 _W_DONE_HEAD: Final = 4 * LINE // 8

@@ -1,7 +1,7 @@
 """The two rules that let the scheduler hand a dead rank's blocks out again.
 
 The scheduler declares a rank dead (a hang verdict, a broken ring) by setting the rank's
-revocation word (:meth:`kvshm.ipc.ring.RingPair.revoke`; never cleared). A worker keeps:
+revocation word (:meth:`kvshm.ipc.ring_pair.RingPair.revoke`; never cleared). A worker keeps:
 
 * **No copy starts after the word is set.** The worker's thread reads it
   (:meth:`RevocationGate.word`) before each job it submits and before each batch of

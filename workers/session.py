@@ -9,7 +9,7 @@ with it as its error), so neither the Hello nor, later, any of this rank's fds r
 
 :func:`open_session` maps, in this order, the rank's device caches (standalone workers
 only: ``Ready.device_caches``), checks the layout against ``Ready.layout``, maps the ring
-segment, the host pool, builds the :class:`~kvshm.ipc.channel.WorkerChannel` (lifeline = the
+segment, the host pool, builds the :class:`~kvshm.ipc.worker_channel.WorkerChannel` (lifeline = the
 rendezvous socket) and the copy engine (CUDA for a CUDA layout, else CPU), whose
 completion eventfd the channel watches, so a finished copy wakes a parked receive.
 
