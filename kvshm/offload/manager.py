@@ -14,10 +14,11 @@ engine step makes them (docs/design.md, "The scheduler-side contract"):
 5. ``finished``: pins the request's unstored full blocks for the next store.
 6. ``reset`` / ``rank_failed`` / ``has_pending_work`` / ``check_invariants``.
 
-Every call above checks its whole input before it changes anything
-(:mod:`kvshm.offload.validate`): bad input -- a wrong type, an id out of range or repeated, a
-table per group missing, a count that disagrees -- raises ``InvalidRequest`` (a
-ConfigError) with the manager exactly as before but for ``counters.invalid_calls``.
+Every call above checks its whole input before it changes anything (the rules:
+:mod:`kvshm.offload.validate`; one check per call: :mod:`kvshm.offload.inputs`): bad
+input -- a wrong type, an id out of range or repeated, a table per group missing, a
+count that disagrees -- raises ``InvalidRequest`` (a ConfigError) with the manager
+exactly as before but for ``counters.invalid_calls``.
 
 Pins (ref counts) are the only protection: every CPU block a lookup, queued load or job
 uses and every GPU block a job or queued transfer uses is pinned, and each pin is
