@@ -214,7 +214,7 @@ def test_failed_load_is_reported_per_request_with_several_kv_groups(per_request:
     (block ids are per group there), so with full + sliding-window groups a failed load
     travels as the request id in failed_recving and no block id is reported; with one
     group the destination blocks are reported (vLLM keeps the valid prefix)."""
-    from kvshm.integrations.vllm.scheduler import StepMeta
+    from kvshm.integrations.vllm.records import StepMeta
 
     ws = _worker_side(per_request)
     ws.bind(StepMeta(7, failed_loads={"r1": (4, 5, 6)}))

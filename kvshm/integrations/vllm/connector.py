@@ -38,7 +38,8 @@ from kvshm.integrations.vllm.config import (
     check_budget,
     parse_config,
 )
-from kvshm.integrations.vllm.scheduler import SchedulerSide, StepMeta
+from kvshm.integrations.vllm.records import StepMeta
+from kvshm.integrations.vllm.scheduler import SchedulerSide
 from kvshm.integrations.vllm.worker import WorkerSide
 from kvshm.shm import available_shm_bytes
 

@@ -37,7 +37,13 @@ Requests and readiness: until every worker rank has connected, ``lookup`` return
 no request is listed in a ``StepInput``. The first step at which the client is READY
 lists every scheduled request not yet *announced* with its full current tables
 (``new_or_resumed``), from ``scheduler_output.kv_connector_block_state``, so requests
-that started before the workers connected are still stored.
+that started before the workers connected are still stored. The listing itself:
+:mod:`~kvshm.integrations.vllm.listing`; the metadata and counters records:
+:mod:`~kvshm.integrations.vllm.records`.
+
+Ordering within ``build``: the client's load results are absorbed first, finished
+requests are forgotten, then the listing is built and ``SyncClient.step`` runs; loads
+kvshm refused in phase B join the metadata's ``failed_loads`` exactly once.
 """
 
 from __future__ import annotations
@@ -47,7 +53,6 @@ import logging
 import os
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
 from typing import Any
 
 from kvshm.config import EngineConfig
@@ -56,65 +61,15 @@ from kvshm.engine.lifecycle import LIVE
 from kvshm.errors import ConfigError, InvalidRequest, StateError
 from kvshm.integrations.vllm.blocks import VllmGpuBlocks
 from kvshm.integrations.vllm.config import ConnectorConfig
+from kvshm.integrations.vllm.listing import Listing
+from kvshm.integrations.vllm.records import SchedulerCounters, StepMeta
 from kvshm.ipc.protocol import unpack_ids
-from kvshm.types import (
-    GroupKind,
-    RequestView,
-    ScheduledRequest,
-    StepInput,
-    StepPlan,
-    no_new_blocks,
-)
+from kvshm.types import RequestView, ScheduledRequest, StepInput, StepPlan, no_new_blocks
 
+# StepMeta and SchedulerCounters live in records.py; re-exported here, where they were.
 __all__ = ["SchedulerCounters", "SchedulerSide", "StepMeta"]
 
 log = logging.getLogger("kvshm.vllm")
-
-Tables = tuple[tuple[int, ...], ...]
-
-
-@dataclass
-class StepMeta:
-    """What one step tells every worker rank (pickled to worker processes).
-
-    ``load_jobs``: every load job not yet acked by every rank -> its request ids (a rank
-    reports them finished when it sees the job's ``Done``, ok or not). ``load_dsts``:
-    load jobs planned this step -> their destination GPU block ids (a rank that sees
-    such a job fail reports these as load errors). ``failed_loads``: loads that failed
-    on the scheduler side and reach no worker -> destination ids (every rank reports
-    them in the step it receives them). ``flush``: job ids to finish before compute.
-    """
-
-    step: int
-    load_jobs: dict[int, tuple[str, ...]] = field(default_factory=dict)
-    load_dsts: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    failed_loads: dict[str, tuple[int, ...]] = field(default_factory=dict)
-    flush: tuple[int, ...] = ()
-
-
-@dataclass
-class SchedulerCounters:
-    """The connector's own counters (the engine keeps its own); monotonic."""
-
-    lookups: int = 0
-    lookups_skipped: int = 0  # skip_reading_prefix_cache (e.g. prompt logprobs)
-    lookups_asked_again: int = 0
-    lookup_hit_tokens: int = 0
-    loads_ok: int = 0
-    loaded_tokens: int = 0  # tokens of successful loads (a hit offered again is not counted)
-    loads_failed: int = 0
-    requests_announced_late: int = 0
-    requests_preempted: int = 0
-    requests_resumed: int = 0
-    requests_unknown: int = 0
-    lookups_after_failed_load: int = 0  # answered 0: that request recomputes instead
-    requests_refused: int = 0  # calls kvshm refused (InvalidRequest): that request goes without
-    steps: int = 0
-
-
-def _tables(block_ids: Sequence[Sequence[int]]) -> Tables:
-    return tuple(tuple(g) for g in block_ids)
-
 
 class SchedulerSide:
     """See the module docstring. ``meta_cls`` builds the step metadata (vLLM's
@@ -133,10 +88,11 @@ class SchedulerSide:
         self._no_new = no_new_blocks(len(cfg.groups))
         # loads vLLM expects but kvshm refused in phase B -> destinations to recompute
         self._refused_loads: dict[str, tuple[int, ...]] = {}
-        self._sw = any(g.kind is GroupKind.SLIDING_WINDOW for g in cfg.groups)
         self._step = 0
         self._closed = False
         self.counters = SchedulerCounters()
+        self._lister = Listing(cfg, self._requests, self._announced, self.counters,
+                               self._no_new)
 
     # -- lifecycle -----------------------------------------------------------------------
     @property
@@ -300,75 +256,9 @@ class SchedulerSide:
                 reqs = [r for r in reqs if r.req_id != rid]
 
     def _listing(self, so: Any) -> tuple[list[ScheduledRequest], set[int]]:
-        """Every scheduled request (decode steps list every running one) and, with
-        sliding-window groups, the GPU ids allocated this step.
-
-        Runs once per step over every running request: an announced request that is not
-        resumed (nearly all of them in decode) takes the inlined path - one set probe,
-        one dict probe and one ScheduledRequest - and the set of listed ids is built
-        only when the step preempted someone."""
-        out: list[ScheduledRequest] = []
-        alloc: set[int] = set()
-        for nr in so.scheduled_new_reqs:
-            self._add(out, nr.req_id, _tables(nr.block_ids), True, nr.num_computed_tokens,
-                      alloc)
-        cached = so.scheduled_cached_reqs
-        self._list_cached(cached, out, alloc, getattr(so, "kv_connector_block_state", None))
-        preempted = getattr(so, "preempted_req_ids", None)
-        if preempted:
-            listed = {nr.req_id for nr in so.scheduled_new_reqs}
-            listed.update(cached.req_ids)
-            for rid in preempted:
-                if rid in self._announced and rid not in listed:
-                    self.counters.requests_preempted += 1
-                    self._add(out, rid, self._no_new, False, 0, alloc, preempted=True)
-        return out, alloc
-
-    def _list_cached(self, cached: Any, out: list[ScheduledRequest], alloc: set[int],
-                     state: Any) -> None:
-        resumed = cached.resumed_req_ids
-        announced, get, no_new, sw = self._announced, self._requests.get, self._no_new, self._sw
-        append, unknown = out.append, 0
-        for rid, nb, computed in zip(cached.req_ids, cached.new_block_ids,
-                                     cached.num_computed_tokens):
-            if rid in announced and (nb is None or rid not in resumed):
-                r = get(rid)
-                if r is None:
-                    unknown += 1
-                    continue
-                if nb is None:
-                    table = no_new
-                else:
-                    table = _tables(nb)
-                    if sw:
-                        alloc.update(b for g in nb for b in g)
-                append(ScheduledRequest(rid, r.block_hashes, r.num_tokens, table, False,
-                                        r.num_computed_tokens - r.num_output_placeholders,
-                                        False, r.kv_transfer_params))
-            elif rid in resumed and nb is not None:
-                self.counters.requests_resumed += 1
-                self._add(out, rid, _tables(nb), True, computed, alloc)
-            else:  # listed before: never announced (the workers were not ready yet)
-                full = state.get_block_ids(rid) if state is not None else None
-                if full is None:
-                    continue
-                self.counters.requests_announced_late += 1
-                self._add(out, rid, _tables(full), True, computed, alloc)
-        self.counters.requests_unknown += unknown
-
-    def _add(self, out: list[ScheduledRequest], rid: str, table: Tables, full: bool,
-             num_computed: int, alloc: set[int], *, preempted: bool = False) -> None:
-        r = self._requests.get(rid)
-        if r is None:
-            self.counters.requests_unknown += 1
-            return
-        self._announced.add(rid)
-        if full and self._sw:
-            first = num_computed // self.cfg.block_size
-            alloc.update(b for g in table for b in g[first:])
-        confirmed = r.num_computed_tokens - r.num_output_placeholders
-        out.append(ScheduledRequest(rid, r.block_hashes, r.num_tokens, table, full,
-                                    confirmed, preempted, r.kv_transfer_params))
+        """This step's requests and sliding-window allocations
+        (:class:`~kvshm.integrations.vllm.listing.Listing`)."""
+        return self._lister.build(so)
 
     # -- completions, finish, reset ------------------------------------------------------
     def update_output(self) -> None:

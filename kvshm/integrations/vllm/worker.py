@@ -43,7 +43,7 @@ import torch
 from kvshm.errors import StateError
 from kvshm.integrations.vllm.blocks import kv_regions
 from kvshm.integrations.vllm.config import ConnectorConfig
-from kvshm.integrations.vllm.scheduler import StepMeta
+from kvshm.integrations.vllm.records import StepMeta
 
 if TYPE_CHECKING:
     from workers.worker import Worker

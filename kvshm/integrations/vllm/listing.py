@@ -1,0 +1,121 @@
+"""The per-step listing: vLLM's ``SchedulerOutput`` as kvshm's ``ScheduledRequest`` list.
+
+:class:`Listing` builds, once per step, the requests of the step's ``StepInput``, in
+this order: new requests, then the cached (running or resumed) ones in vLLM's order,
+then the preempted requests that were announced and are not listed otherwise. With
+sliding-window groups it also collects the GPU block ids allocated this step.
+
+A request is *announced* once it has been listed with its full tables
+(``new_or_resumed``): a new or resumed request, or -- at its first step once kvshm is
+READY -- a running request that started before the workers connected (its tables come
+from ``scheduler_output.kv_connector_block_state``). An announced request that is not
+resumed is listed with only its new block ids. A request the side never saw
+(``on_new_request`` / lookup) is skipped and counted (``requests_unknown``).
+
+Duck-typed over vLLM's objects (no vLLM import). The listing reads the scheduler
+side's live requests and adds to its announced set; it changes nothing else there.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from kvshm.integrations.vllm.config import ConnectorConfig
+from kvshm.integrations.vllm.records import SchedulerCounters
+from kvshm.types import GroupKind, ScheduledRequest
+
+__all__ = ["Listing", "Tables", "tables"]
+
+Tables = tuple[tuple[int, ...], ...]
+
+
+def tables(block_ids: Sequence[Sequence[int]]) -> Tables:
+    """vLLM's per-group block id lists as kvshm's table tuple."""
+    return tuple(tuple(g) for g in block_ids)
+
+
+class Listing:
+    """See the module docstring. ``requests`` and ``announced`` are the scheduler side's
+    own (request id -> vLLM ``Request``, and the announced ids); ``no_new`` is the
+    "no new blocks" table of every group."""
+
+    def __init__(self, cfg: ConnectorConfig, requests: Mapping[str, Any],
+                 announced: set[str], counters: SchedulerCounters, no_new: Tables) -> None:
+        self._block_size = cfg.block_size
+        self._sw = any(g.kind is GroupKind.SLIDING_WINDOW for g in cfg.groups)
+        self._requests = requests
+        self._announced = announced
+        self._counters = counters
+        self._no_new = no_new
+
+    def build(self, so: Any) -> tuple[list[ScheduledRequest], set[int]]:
+        """Every scheduled request (decode steps list every running one) and, with
+        sliding-window groups, the GPU ids allocated this step.
+
+        Runs once per step over every running request: an announced request that is not
+        resumed (nearly all of them in decode) takes the inlined path - one set probe,
+        one dict probe and one ScheduledRequest - and the set of listed ids is built
+        only when the step preempted someone."""
+        out: list[ScheduledRequest] = []
+        alloc: set[int] = set()
+        for nr in so.scheduled_new_reqs:
+            self._add(out, nr.req_id, tables(nr.block_ids), True, nr.num_computed_tokens,
+                      alloc)
+        cached = so.scheduled_cached_reqs
+        self._list_cached(cached, out, alloc, getattr(so, "kv_connector_block_state", None))
+        preempted = getattr(so, "preempted_req_ids", None)
+        if preempted:
+            listed = {nr.req_id for nr in so.scheduled_new_reqs}
+            listed.update(cached.req_ids)
+            for rid in preempted:
+                if rid in self._announced and rid not in listed:
+                    self._counters.requests_preempted += 1
+                    self._add(out, rid, self._no_new, False, 0, alloc, preempted=True)
+        return out, alloc
+
+    def _list_cached(self, cached: Any, out: list[ScheduledRequest], alloc: set[int],
+                     state: Any) -> None:
+        resumed = cached.resumed_req_ids
+        announced, get, no_new, sw = self._announced, self._requests.get, self._no_new, self._sw
+        append, unknown = out.append, 0
+        for rid, nb, computed in zip(cached.req_ids, cached.new_block_ids,
+                                     cached.num_computed_tokens):
+            if rid in announced and (nb is None or rid not in resumed):
+                r = get(rid)
+                if r is None:
+                    unknown += 1
+                    continue
+                if nb is None:
+                    table = no_new
+                else:
+                    table = tables(nb)
+                    if sw:
+                        alloc.update(b for g in nb for b in g)
+                append(ScheduledRequest(rid, r.block_hashes, r.num_tokens, table, False,
+                                        r.num_computed_tokens - r.num_output_placeholders,
+                                        False, r.kv_transfer_params))
+            elif rid in resumed and nb is not None:
+                self._counters.requests_resumed += 1
+                self._add(out, rid, tables(nb), True, computed, alloc)
+            else:  # listed before: never announced (the workers were not ready yet)
+                full = state.get_block_ids(rid) if state is not None else None
+                if full is None:
+                    continue
+                self._counters.requests_announced_late += 1
+                self._add(out, rid, tables(full), True, computed, alloc)
+        self._counters.requests_unknown += unknown
+
+    def _add(self, out: list[ScheduledRequest], rid: str, table: Tables, full: bool,
+             num_computed: int, alloc: set[int], *, preempted: bool = False) -> None:
+        r = self._requests.get(rid)
+        if r is None:
+            self._counters.requests_unknown += 1
+            return
+        self._announced.add(rid)
+        if full and self._sw:
+            first = num_computed // self._block_size
+            alloc.update(b for g in table for b in g[first:])
+        confirmed = r.num_computed_tokens - r.num_output_placeholders
+        out.append(ScheduledRequest(rid, r.block_hashes, r.num_tokens, table, full,
+                                    confirmed, preempted, r.kv_transfer_params))

@@ -1,0 +1,53 @@
+"""The records the vLLM scheduler side hands out: :class:`StepMeta`, which every worker
+rank receives each step, and :class:`SchedulerCounters`, in the side's statistics.
+
+Plain dataclasses with no kvshm engine import, so the worker side
+(:mod:`~kvshm.integrations.vllm.worker`) reads the step metadata without loading the
+scheduler side. ``KvshmMetadata`` (:mod:`~kvshm.integrations.vllm.connector`) is
+:class:`StepMeta` as vLLM's ``KVConnectorMetadata``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["SchedulerCounters", "StepMeta"]
+
+
+@dataclass
+class StepMeta:
+    """What one step tells every worker rank (pickled to worker processes).
+
+    ``load_jobs``: every load job not yet acked by every rank -> its request ids (a rank
+    reports them finished when it sees the job's ``Done``, ok or not). ``load_dsts``:
+    load jobs planned this step -> their destination GPU block ids (a rank that sees
+    such a job fail reports these as load errors). ``failed_loads``: loads that failed
+    on the scheduler side and reach no worker -> destination ids (every rank reports
+    them in the step it receives them). ``flush``: job ids to finish before compute.
+    """
+
+    step: int
+    load_jobs: dict[int, tuple[str, ...]] = field(default_factory=dict)
+    load_dsts: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    failed_loads: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    flush: tuple[int, ...] = ()
+
+
+@dataclass
+class SchedulerCounters:
+    """The connector's own counters (the engine keeps its own); monotonic."""
+
+    lookups: int = 0
+    lookups_skipped: int = 0  # skip_reading_prefix_cache (e.g. prompt logprobs)
+    lookups_asked_again: int = 0
+    lookup_hit_tokens: int = 0
+    loads_ok: int = 0
+    loaded_tokens: int = 0  # tokens of successful loads (a hit offered again is not counted)
+    loads_failed: int = 0
+    requests_announced_late: int = 0
+    requests_preempted: int = 0
+    requests_resumed: int = 0
+    requests_unknown: int = 0
+    lookups_after_failed_load: int = 0  # answered 0: that request recomputes instead
+    requests_refused: int = 0  # calls kvshm refused (InvalidRequest): that request goes without
+    steps: int = 0
