@@ -34,12 +34,16 @@ Invariants (checked by :mod:`kvshm.offload.invariants`):
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from types import MappingProxyType
 
 from kvshm.ipc.protocol import Direction, Transfer, pack_ids
 from kvshm.offload.counters import ManagerCounters
 from kvshm.offload.jobs import JobTable, LoadJob, LoadPart
 from kvshm.offload.pool import BlockPool
 from kvshm.types import GpuBlocks, LoadFailure, LoadResult
+
+#: What an empty step hands out as ``failed_loads`` (read-only: never the live dict).
+_NO_FAILED: Mapping[str, tuple[int, ...]] = MappingProxyType({})
 
 __all__ = ["LoadBook", "Multiset"]
 
@@ -221,10 +225,12 @@ class LoadBook:
         out, self.results = self.results, []
         return out
 
-    def take_failed(self) -> dict[str, tuple[int, ...]]:
+    def take_failed(self) -> Mapping[str, tuple[int, ...]]:
         """``StepPlan.failed_loads``: the loads failed before they were sent since the
-        last plan (the empty mapping is kept, not replaced)."""
+        last plan. The mapping handed out is never written again (an empty step gets a
+        shared read-only empty one, not this book's live dict)."""
         failed = self.failed
-        if failed:
-            self.failed = {}
+        if not failed:
+            return _NO_FAILED
+        self.failed = {}
         return failed

@@ -531,6 +531,22 @@ def test_phase_b_without_pin_reports_failed_load() -> None:
     assert rig.m.counters.loads_failed == 2 and rig.m.pins_held() == 0
 
 
+def test_a_kept_plan_does_not_change_when_a_later_load_fails() -> None:
+    """An engine may keep a plan past the next call. A step with no failed loads used to
+    hand out the manager's live (empty) dict, which the next failure then filled: step
+    1's plan grew step 2's failure for "a" (destinations 3, 4, 5)."""
+    rig = Rig()
+    p1 = rig.step()
+    rig.m.allocated("a", [[3, 4, 5]], 8)  # never looked up: no pin, fails at once
+    p2 = rig.step()
+    assert dict(p2.failed_loads) == {"a": (3, 4, 5)}
+    assert dict(p1.failed_loads) == {}
+    with pytest.raises(TypeError):  # read-only: nobody can write into the shared empty one
+        p1.failed_loads["x"] = (1,)  # type: ignore[index]
+    assert dict(rig.step().failed_loads) == {}
+    assert rig.m.counters.loads_failed == 1 and rig.m.pins_held() == 0
+
+
 def test_accepting_more_than_offered_is_a_config_error() -> None:
     """Phase B accepting more tokens than phase A offered is an engine bug: ConfigError,
     and the pin stays intact (the engine may still finish or retry the request)."""
