@@ -298,11 +298,9 @@ class Runtime:
                   fenced: bool = False, revoke: RevokeReason = RevokeReason.DIED,
                   notify: bool = True) -> None:
         """``rank`` is gone or must be treated so: the verdict (once), then the fence if
-        ``fenced`` -- its process exited (pidfd; :meth:`tick` also checks the pidfd
-        opened at every rank's Hello) or it closed its lifeline itself. Until the fence
-        the blocks of its unacked jobs stay pinned (quarantined); for a rank that stays
-        hung inside a live process that is the engine's life. Ignored once closing.
-        Rules and ordering: :class:`~kvshm.engine.supervision.Supervisor`."""
+        ``fenced`` (its process exited, or it closed its lifeline itself); until then
+        its unacked jobs' blocks stay quarantined. Ignored once closing. Rules and
+        ordering: :mod:`~kvshm.engine.supervision`."""
         if self._state in ENDED:
             return
         self._ranks.rank_died(rank, exitcode, why=why, fenced=fenced, revoke=revoke)
