@@ -122,7 +122,7 @@ async def test_cancelled_aclose_still_closes_and_resolves_waiters() -> None:
 
 
 class _Core:
-    """Just enough of an Runtime for Engine's waiter bookkeeping (a seam for timing)."""
+    """Just enough of a Runtime for Engine's waiter bookkeeping (a seam for timing)."""
 
     state = EngineState.READY
 
@@ -149,6 +149,25 @@ async def test_wait_loaded_cancelled_as_its_result_arrives_keeps_the_result() ->
         await first
     res = await asyncio.wait_for(eng.wait_loaded("r"), 1)
     assert res.ok and res.num_tokens == 8
+
+
+async def test_wait_loaded_cancelled_before_its_result_arrives_keeps_the_result() -> None:
+    """The other order: the waiting task is cancelled first (its future is cancelled, its
+    clean-up has not run yet) and the result arrives in that same loop turn. The result
+    went to the cancelled future only and was lost: the next wait_loaded hung."""
+    core = _Core()
+    eng = Engine(core, None)  # type: ignore[arg-type]
+    eng._pending_loads.add("r")
+    first = asyncio.ensure_future(eng.wait_loaded("r"))
+    await asyncio.sleep(0)
+    first.cancel()
+    core.results.append(LoadResult("r", True, (), None, 8))
+    eng._publish()
+    with pytest.raises(asyncio.CancelledError):
+        await first
+    res = await asyncio.wait_for(eng.wait_loaded("r"), 1)
+    assert res.ok and res.num_tokens == 8
+    assert eng._results == {} and eng._waiters == {} and "r" not in eng._pending_loads
 
 
 def test_request_listed_before_ready_gets_no_hit_and_no_pin() -> None:

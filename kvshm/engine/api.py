@@ -211,13 +211,16 @@ class Engine(Facade):
         self._publish()
 
     def _publish(self) -> None:
+        """Hand each load result to the live waiters of its request; with none (no waiter,
+        or only waiters already cancelled and not yet cleaned up) keep it for a later
+        ``wait_loaded`` while the load is still pending. A result is never dropped."""
         for res in self._core.take_load_results():
-            waiters = self._waiters.pop(res.req_id, None)
-            if waiters:
-                for fut in waiters:
-                    if not fut.done():
-                        fut.set_result(res)
-            elif res.req_id in self._pending_loads:
+            handed = False
+            for fut in self._waiters.pop(res.req_id, ()):
+                if not fut.done():
+                    fut.set_result(res)
+                    handed = True
+            if not handed and res.req_id in self._pending_loads:
                 self._results[res.req_id] = res
 
     def _fail_waiters(self, cause: LoadFailure) -> None:
