@@ -96,7 +96,8 @@ class VersionMismatch(ProtocolError):
     """The peer speaks another ``PROTOCOL_VERSION``."""
 
     def __init__(self, ours: int, theirs: int) -> None:
-        super().__init__(f"protocol version mismatch: this side speaks {ours}, peer speaks {theirs}")
+        super().__init__(f"protocol version mismatch: this side speaks {ours}, "
+                         f"peer speaks {theirs}")
         self.ours = ours
         self.theirs = theirs
 

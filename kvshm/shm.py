@@ -251,7 +251,8 @@ def map_segment(fd: int, size: int) -> Segment:
             raise ConfigError(f"cannot map a segment of {size} bytes")
         actual = os.fstat(fd).st_size
         if actual < size:
-            raise ConfigError(f"segment behind fd {fd} has {actual} bytes, expected at least {size}")
+            raise ConfigError(f"segment behind fd {fd} has {actual} bytes, "
+                              f"expected at least {size}")
         buf = _Map(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
     except BaseException:
         os.close(fd)

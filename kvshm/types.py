@@ -58,7 +58,8 @@ class KVGroup:
     def __post_init__(self) -> None:
         if self.kind is GroupKind.SLIDING_WINDOW:
             if self.window_tokens is None or self.window_tokens < 1:
-                raise ConfigError(f"sliding window needs window_tokens >= 1, got {self.window_tokens}")
+                raise ConfigError("sliding window needs window_tokens >= 1, "
+                                  f"got {self.window_tokens}")
         elif self.window_tokens is not None:
             raise ConfigError("a full-attention group has no window_tokens")
 

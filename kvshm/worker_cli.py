@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
-from enum import Enum
+from enum import StrEnum
 from typing import Final
 
 __all__ = ["DEFAULT_CONNECT_TIMEOUT_S", "DEFAULT_SPIN_US", "MODULE", "Flag", "add_arguments",
@@ -28,7 +28,7 @@ DEFAULT_CONNECT_TIMEOUT_S: Final = 60.0
 DEFAULT_SPIN_US: Final = 50.0
 
 
-class Flag(str, Enum):
+class Flag(StrEnum):
     """Every option of the worker command line (the value is the flag as typed)."""
 
     NAME = "--name"

@@ -518,12 +518,14 @@ async def test_closing_from_inside_the_callbacks_is_safe() -> None:
         lk, w = in_process_pair()
         calls: list[str] = []
 
-        def on_done(msgs: list[p.Done], lk: Link = lk, closer: str = closer) -> None:
+        def on_done(msgs: list[p.Done], lk: Link = lk, closer: str = closer,
+                    calls: list[str] = calls) -> None:
             calls.append("done")
             if closer == "on_done":
                 lk.ch.close()
 
-        def on_error(exc: TransportError, lk: Link = lk, closer: str = closer) -> None:
+        def on_error(exc: TransportError, lk: Link = lk, closer: str = closer,
+                     calls: list[str] = calls) -> None:
             calls.append("error")
             if closer == "on_error":
                 lk.ch.close()

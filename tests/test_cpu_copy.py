@@ -75,7 +75,7 @@ def test_round_trip_two_ranks_byte_exact(method: CpuCopyMethod) -> None:
         # 9 store jobs of 30 pairs; a later job may overwrite a CPU row (the last one counts).
         jobs = [(torch.randperm(NUM_GPU, generator=g)[:30].tolist(),
                  torch.randperm(NUM_CPU, generator=g)[:30].tolist()) for _ in range(9)]
-        for layout, _, eng in ranks:
+        for _layout, _, eng in ranks:
             for j, (s, d) in enumerate(jobs):
                 eng.submit(CopyJob.from_ids(j, Direction.STORE, s, d))
         expect: dict[int, int] = {}

@@ -36,8 +36,8 @@ from engine_rig import (
 )
 
 from kvshm.engine import ATTACH, SPAWN, Engine, EngineState
-from kvshm.offload.pool import BlockPool
 from kvshm.ipc.rendezvous_client import query_stats
+from kvshm.offload.pool import BlockPool
 from kvshm.types import LoadFailure, StepInput
 from workers.copy_engine import CpuFence
 from workers.worker import DetachReason, Worker

@@ -311,12 +311,16 @@ def test_scheduler_name_squatted_by_another_uid_gets_nothing_from_workers() -> N
 # ---------------------------------------------------------------- 3. pending-connection cap
 
 
+def _accepted(server: RendezvousServer, n: int) -> Callable[[list[RendezvousEvent]], bool]:
+    return lambda _events: server.counters().get("accepted") == n
+
+
 def test_idle_connections_cannot_pile_up_server_fds(server: RendezvousServer) -> None:
     cap = 16  # world_size 1: the floor
     idle: list[socket.socket] = []
     for _ in range(10):  # 200 connections, in batches below the accept backlog
         idle += [_raw_connect(server.name) for _ in range(20)]
-        _service_until(server, lambda ev: server.counters().get("accepted") == len(idle))
+        _service_until(server, _accepted(server, len(idle)))
         assert len(server.all_fds()) <= 1 + cap
     evicted = len(idle) - cap
     assert server.counters()["refused_pending_cap"] == evicted

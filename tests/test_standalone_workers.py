@@ -66,8 +66,8 @@ def sched_tp2() -> Iterator[tuple[Sched, list[list[torch.Tensor]]]]:
 def test_tp2_round_trip_byte_exact_idle_parks_and_shutdown_is_clean(
         sched_tp2: tuple[Sched, list[list[torch.Tensor]]]) -> None:
     """The parent form starts 2 ranks; stores then loads through them are byte-exact on
-    both ranks' shards; idle ranks park (no spinning) yet wake at once; Shutdown ends every process with
-    code 0 and nothing left in /dev/shm (the conftest fixture checks that)."""
+    both ranks' shards; idle ranks park (no spinning) yet wake at once; Shutdown ends
+    every process with code 0 and nothing left in /dev/shm (the conftest fixture checks that)."""
     sched, cs = sched_tp2
     parent = spawn("--name", sched.name, "--tp", "2", "--connect-timeout", "30")
     try:

@@ -87,7 +87,8 @@ def main(argv: list[str] | None = None) -> int:
         side, so = _side_and_output(n)
         out, _ = side._listing(so)
         assert len(out) == n and side.counters.requests_unknown == 0
-        a, f = _medians_us((lambda: side._listing(so), lambda: _floor(side, so)), n,
+        a, f = _medians_us((lambda side=side, so=so: side._listing(so),
+                            lambda side=side, so=so: _floor(side, so)), n,
                            args.reps)
         listing[str(n)], floor[str(n)] = round(a, 3), round(f, 3)
         print(f"{n:>8} {a:>15.3f} {f:>13.3f} {a / f:>6.2f}")

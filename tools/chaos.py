@@ -79,14 +79,14 @@ from typing import IO, Any, Final, TypeVar
 
 import torch
 
-from kvshm.ipc import protocol
 from kvshm.config import EngineConfig
 from kvshm.engine import ATTACH, SPAWN, Engine, WorkerMode
 from kvshm.errors import KvshmError, PoolExhausted
 from kvshm.hashing import chain_hashes
-from kvshm.offload.pool import BlockPool
+from kvshm.ipc import protocol
 from kvshm.ipc.rendezvous_client import query_stats
 from kvshm.ipc.ring_pair import CONTROL_SIZE, LINE, RingPair
+from kvshm.offload.pool import BlockPool
 from kvshm.shm import SHM_DIR, SHM_PREFIX, shared_tensor
 from kvshm.stats import EngineStats, RankStats
 from kvshm.types import RequestView, ScheduledRequest, StepInput, StepPlan
@@ -905,7 +905,7 @@ INJECT: Final[dict[str, Callable[[Traffic], Awaitable[str]]]] = {
 
 def spawn_workers(name: str) -> tuple[subprocess.Popen[bytes], IO[bytes]]:
     """``python -m workers --name NAME --tp 2`` (ATTACH), stderr to a temporary file."""
-    err = tempfile.TemporaryFile()  # noqa: SIM115 - closed when the parent is reaped
+    err = tempfile.TemporaryFile()
     proc = subprocess.Popen(
         [sys.executable, "-m", "workers", "--name", name, "--tp", str(TP)],
         stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=err)

@@ -311,7 +311,7 @@ class CudaCopyEngine:
                 if not _wait_event(targets[-1], left):
                     self._tracker.count_wait_timeout()
                     break
-            except Exception:  # noqa: BLE001, S112 - _reap turns it into a failed Done
+            except Exception:  # noqa: BLE001 - _reap turns it into a failed Done
                 continue
         return self._tracker.take(ids)
 
@@ -342,7 +342,7 @@ class CudaCopyEngine:
         for stream in self._streams.values():
             try:
                 stream.synchronize()
-            except Exception:  # noqa: BLE001, S110 - _reap reports the failures
+            except Exception:  # noqa: BLE001 - _reap reports the failures
                 pass
         self._reap()
 

@@ -147,7 +147,7 @@ def run_parent(name: str, world: int, *, connect_timeout: float, spin_us: float)
         for rank in range(world):
             cmd = rank_argv(name, rank, world, connect_timeout=connect_timeout,
                             spin_us=spin_us)
-            procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,  # noqa: S603
+            procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
                                           preexec_fn=preexec))
             if stop:
                 procs[-1].send_signal(stop)
@@ -250,7 +250,8 @@ def _serve(worker: Worker, stopper: _Stopper, connect_timeout: float) -> int:
     why = {DetachReason.REFUSED: "the engine refused this rank or closed before Ready",
            DetachReason.SETUP_FAILED: "could not use the engine's resources",
            DetachReason.PROTOCOL_ERROR: "protocol error",
-           DetachReason.REVOKED: "the engine declared this rank dead"}.get(worker.detach_reason, "detached")
+           DetachReason.REVOKED: "the engine declared this rank dead",
+           }.get(worker.detach_reason, "detached")
     print(f"{PROG}[rank {worker.rank}]: error: {why}: {worker.last_error}", file=sys.stderr)
     return 1
 

@@ -14,7 +14,6 @@ ratio, bytes stored and loaded, checksum results, and the bit-exact check (see
 
 from __future__ import annotations
 
-import asyncio
 import json
 import statistics
 import sys

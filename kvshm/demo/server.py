@@ -39,8 +39,8 @@ import torch
 from kvshm.demo.model import ToyModel, greedy
 from kvshm.engine import Engine
 from kvshm.hashing import chain_hashes
-from kvshm.offload.pool import BlockPool
 from kvshm.ipc.protocol import Transfer, unpack_ids
+from kvshm.offload.pool import BlockPool
 from kvshm.types import RequestView, ScheduledRequest, StepInput, StepPlan, no_new_blocks
 
 __all__ = ["ChunkCall", "ToyServer", "TurnResult"]

@@ -64,7 +64,7 @@ class Launcher:
         env.setdefault("OMP_NUM_THREADS", "1")
         for rank in range(self._world_size):
             try:
-                proc = subprocess.Popen(  # noqa: S603 - our own interpreter and module
+                proc = subprocess.Popen(
                     worker_command(self._name, rank, self._world_size),
                     env=env, stdin=subprocess.DEVNULL, close_fds=True)
             except BaseException:

@@ -17,8 +17,9 @@ each side could read the other's *old* value and the wake-up would be lost. With
 at least one side sees the other: the reader finds the record in step 3, or the writer
 finds the token and rings. Ringing once per token is enough: the eventfd stays readable
 until the reader drains it, which it does only *before* storing its next token (step 0),
-and a reader never sleeps again without a new token and a new re-check. The 1 s poll timeout is only the safety net; a wake-up
-it rescues is counted (:attr:`Parker.rescues`) and tests require zero.
+and a reader never sleeps again without a new token and a new re-check. The 1 s poll
+timeout is only the safety net; a wake-up it rescues is counted (:attr:`Parker.rescues`)
+and tests require zero.
 
 A full fence here is an uncontended lock acquire/release (a locked instruction, ~0.2 us),
 paid only on the park path and once per publish batch.

@@ -340,7 +340,7 @@ class RendezvousServer:
     def _answer_stats(self, conn: Conn, events: list[RendezvousEvent]) -> None:
         try:
             data = encode_control(Stats(data=self._stats()))
-        except Exception as e:  # a stats bug must not take the scheduler down
+        except Exception as e:  # noqa: BLE001 - a stats bug must not take the scheduler down
             self._counts["stats_errors"] += 1
             data = encode_control(Stats(data={"error": f"{type(e).__name__}: {e}"}))
         try:
@@ -371,7 +371,7 @@ class RendezvousServer:
             missing = sorted(set(ranks) - set(plan))
             if missing:
                 raise ConfigError(f"make_ready returned no Ready for ranks {missing}")
-        except Exception as e:
+        except Exception as e:  # noqa: BLE001 - any make_ready failure fails the start, not the loop
             self._fail_ready(events, e)
             return
         lost: list[tuple[Conn, str]] = []

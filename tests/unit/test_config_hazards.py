@@ -9,6 +9,7 @@ import dataclasses
 import math
 import os
 import re
+from typing import Any
 
 import pytest
 
@@ -38,7 +39,8 @@ def test_nan_inf_nonpositive_or_bool_timeout_is_refused_naming_field_and_value(
 @pytest.mark.parametrize("value", [1e-3, 0.5, 1, 30, 86_400.0])
 @pytest.mark.parametrize("field", TIMEOUTS)
 def test_finite_positive_timeouts_are_kept(field: str, value: float) -> None:
-    assert getattr(EngineConfig(block_size=16, **{field: value}), field) == value
+    kwargs: dict[str, Any] = {field: value}
+    assert getattr(EngineConfig(block_size=16, **kwargs), field) == value
 
 
 def test_default_name_carries_at_least_64_random_bits() -> None:
@@ -52,7 +54,8 @@ def test_default_name_carries_at_least_64_random_bits() -> None:
 
 def test_default_hang_timeout_is_the_measured_one() -> None:
     """The default comes from tools.bench_acks (worst per-rank stall 0.14 s under a
-    saturating soak, with a wide margin): 10 s, also the vLLM connector's default."""
-    from kvshm.integrations.vllm.config import DEFAULT_HANG_TIMEOUT_S as VLLM_DEFAULT
+    saturating soak, with a wide margin): 10 s, also the vLLM connector's default
+    (tests/vllm/test_vllm_config.py::test_defaults parses it)."""
+    from kvshm.config import DEFAULT_HANG_TIMEOUT_S
 
-    assert EngineConfig(block_size=16).hang_timeout_s == 10.0 == VLLM_DEFAULT
+    assert EngineConfig(block_size=16).hang_timeout_s == 10.0 == DEFAULT_HANG_TIMEOUT_S

@@ -60,6 +60,7 @@ def test_defaults() -> None:
     assert cfg.cpu_bytes_per_rank == GIB // 4  # server-wide budget split over ranks
     assert cfg.groups == (KVGroup.full(),)
     assert cfg.stats_path is None and cfg.test_fail_loads == 0
+    assert cfg.hang_timeout_s == 10.0 and cfg.shutdown_timeout_s == 5.0  # as EngineConfig
     EngineConfig(block_size=cfg.block_size, name=cfg.name)  # the name is valid there
 
 
@@ -188,7 +189,7 @@ needs_vllm = pytest.mark.skipif(
 ])
 def test_vllm_start_fails_clearly(make_llm: LLMFactory, kv_overrides: dict[str, Any],
                                   extra: dict[str, Any], match: str) -> None:
-    with pytest.raises(Exception) as info:  # noqa: PT011 - vLLM may wrap it
+    with pytest.raises(Exception) as info:
         with make_llm("KvshmConnector", module="kvshm.integrations.vllm",
                       kv_overrides=kv_overrides, **extra):
             pass

@@ -30,10 +30,11 @@ pytest.importorskip(
     reason="vLLM is not installed (see tools/vllm_install.sh)",
 )
 
-from vllm import SamplingParams  # noqa: E402
-from vllm.distributed.kv_transfer import get_kv_transfer_group  # noqa: E402
+from vllm import SamplingParams
+from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-from kvshm.integrations.vllm import engine_name  # noqa: E402
+from kvshm.integrations.vllm import engine_name
+from kvshm.integrations.vllm.connector import KvshmConnector
 
 MODULE = "kvshm.integrations.vllm"
 CONNECTOR = "KvshmConnector"
@@ -46,6 +47,13 @@ MAX_TOKENS = 8
 CPU_BYTES = 64 << 20
 FP32_BLOCK_BYTES = 2 * 2 * BLOCK * 64 * 4  # 2 layers x 2 KV heads x 32 tokens x (K|V) fp32
 SMALL_POOL = 80 * FP32_BLOCK_BYTES
+
+
+def _kvshm_connector() -> KvshmConnector:
+    """This (in-process) engine's connector, as kvshm's class (vLLM types it as the base)."""
+    conn = get_kv_transfer_group()
+    assert isinstance(conn, KvshmConnector)
+    return conn
 
 
 def _params(max_tokens: int = MAX_TOKENS) -> SamplingParams:
@@ -245,7 +253,8 @@ class TestLazy:
     @classmethod
     def eng(cls, make_llm: LLMFactory,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
-        yield from _engine(make_llm, tmp_path_factory.mktemp("lazy"), kv_cache_bytes=SMALL_POOL, mode="lazy")
+        yield from _engine(make_llm, tmp_path_factory.mktemp("lazy"), kv_cache_bytes=SMALL_POOL,
+                           mode="lazy")
 
     def test_stores_freed_blocks_and_restores_exactly(self, eng: Engine) -> None:
         """Lazy mode stores nothing while the request runs; its blocks go out once freed
@@ -278,7 +287,7 @@ class TestLoadFailure:
         assert stats["counters"]["jobs_failed"] == 1
         assert stats["connector"]["loads_failed"] == 1
         assert stats["connector"]["lookups_after_failed_load"] >= 1
-        wstats = get_kv_transfer_group().worker_side.statistics()["connector"]
+        wstats = _kvshm_connector().worker_side.statistics()["connector"]
         assert wstats["loads_failed"] == 1
         assert wstats["error_blocks"] == 3
         eng.reset_device_cache()
@@ -304,10 +313,11 @@ class TestWorkerGone:
         prompt = _prompt(PROMPT_TOKENS, 250)
         cold = eng.generate([prompt])[0]
         eng.reset_device_cache()
-        side = get_kv_transfer_group().worker_side
+        side = _kvshm_connector().worker_side
         start_loads = side.start_loads
 
         def close_then_start() -> None:
+            assert side._worker is not None
             side._worker.close()
             start_loads()
 
@@ -344,11 +354,12 @@ class TestSchedulerSideLoadFailure:
         cold = eng.generate([prompt])[0]
         eng.reset_device_cache()
         sched = eng.connector().scheduler_side
-        worker_side = get_kv_transfer_group().worker_side
+        worker_side = _kvshm_connector().worker_side
         allocated = sched.allocated
 
         def lose_worker_then_allocate(request: Any, block_ids: Any, n_ext: int) -> None:
             if n_ext:
+                assert worker_side._worker is not None
                 worker_side._worker.close()  # the scheduler sees the lifeline close ...
                 sched.client.poll()  # ... at its next call: FAILED, the pin is void
             allocated(request, block_ids, n_ext)

@@ -104,7 +104,7 @@ def test_every_override_is_listed_and_the_class_is_concrete() -> None:
 @needs_vllm
 def test_gpu_blocks_over_vllm_block_pool() -> None:
     from vllm.v1.core.block_pool import BlockPool
-    from vllm.v1.core.kv_cache_utils import make_block_hash_with_group_id
+    from vllm.v1.core.kv_cache_utils import BlockHash, make_block_hash_with_group_id
 
     pool = BlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=32)
     gpu = VllmGpuBlocks(pool)
@@ -113,8 +113,8 @@ def test_gpu_blocks_over_vllm_block_pool() -> None:
     ids = [b.block_id for b in blocks]
     h = [bytes([i]) * 32 for i in range(4)]
     for b, hb in zip(blocks, h):
-        pool._insert_block_hash(make_block_hash_with_group_id(hb, 0), b, 32)
-    pool._insert_block_hash(make_block_hash_with_group_id(b"s" * 32, 1), blocks[0], 32)
+        pool._insert_block_hash(make_block_hash_with_group_id(BlockHash(hb), 0), b, 32)
+    pool._insert_block_hash(make_block_hash_with_group_id(BlockHash(b"s" * 32), 1), blocks[0], 32)
     assert gpu.block_hashes(ids[0]) == (h[0], b"s" * 32)  # primary, then secondary
     assert gpu.block_hashes(ids[1]) == (h[1],)
     assert gpu.block_hashes(7) == ()

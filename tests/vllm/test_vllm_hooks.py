@@ -18,8 +18,8 @@ pytest.importorskip(
     reason="vLLM is not installed (see tools/vllm_install.sh)",
 )
 
-from vllm.config import KVTransferConfig  # noqa: E402
-from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
+from vllm.config import KVTransferConfig
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
@@ -28,16 +28,16 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (  # noqa: E402
     SupportsHMA,
     supports_hma,
 )
-from vllm.v1.core.block_pool import BlockPool  # noqa: E402
-from vllm.v1.core.kv_cache_manager import KVCacheBlocks  # noqa: E402
-from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock  # noqa: E402
-from vllm.v1.core.sched.output import (  # noqa: E402
+from vllm.v1.core.block_pool import BlockPool
+from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+from vllm.v1.core.kv_cache_utils import FreeKVCacheBlockQueue, KVCacheBlock
+from vllm.v1.core.sched.output import (
     CachedRequestData,
     NewRequestData,
     SchedulerOutput,
 )
-from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor  # noqa: E402
-from vllm.v1.outputs import KVConnectorOutput  # noqa: E402
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheTensor
+from vllm.v1.outputs import KVConnectorOutput
 
 # hook -> parameter names after ``self`` (for classmethods: after ``cls``).
 CONNECTOR_HOOKS: dict[str, tuple[str, ...]] = {
@@ -129,7 +129,7 @@ def test_supports_hma() -> None:
 
 def test_roles_and_metadata_bases() -> None:
     assert {r.name for r in KVConnectorRole} == {"SCHEDULER", "WORKER"}
-    assert not getattr(KVConnectorMetadata, "__abstractmethods__")  # a plain marker base
+    assert not KVConnectorMetadata.__abstractmethods__  # a plain marker base
     assert set(KVConnectorWorkerMetadata.__abstractmethods__) == {"aggregate"}
     assert _param_names(KVConnectorWorkerMetadata.aggregate) == ("other",)
     assert _field_names(KVConnectorTransferResults) == {

@@ -25,7 +25,7 @@ pytest.importorskip(
     reason="vLLM is not installed (see tools/vllm_install.sh)",
 )
 
-from vllm import SamplingParams  # noqa: E402
+from vllm import SamplingParams
 
 # Fixtures from conftest.py: tiny_llama (TinyModel), llm_factory, drain.
 LLMFactory = Callable[..., AbstractContextManager[Any]]

@@ -132,7 +132,7 @@ def test_stale_sliding_window_block_not_stored() -> None:
     # Hybrid hit rule: all full blocks plus the window block before the hit point.
     d = Req("d", 17)
     assert rig.m.lookup(d.view(), 0) == 16
-    e = Req("e", 9)                                          # hit point 2: window block 1 is missing
+    e = Req("e", 9)                                    # hit point 2: window block 1 is missing
     assert rig.m.lookup(e.view(), 0) == 0
 
 
@@ -308,7 +308,8 @@ def test_rank_failure_fails_job_but_keeps_pins_until_all_ranks_done() -> None:
 
     rig.ack(p1.load, ranks=[0], ok=False)
     p2 = rig.step(a.sched((), confirmed=4))
-    assert tuple(rig.m.take_load_results()) == (LoadResult("r", False, (0, 1), LoadFailure.WORKER_FAILED, 0),)
+    assert rig.m.take_load_results() == [
+        LoadResult("r", False, (0, 1), LoadFailure.WORKER_FAILED, 0)]
     assert p2.load_jobs == {2: ("r",)}
     assert refs(rig.cpu, [0, 1]) == [1, 1] and refs(rig.gpu, gr) == [2, 2, 1]
 
@@ -353,7 +354,8 @@ def test_load_result_waits_for_every_rank() -> None:
     assert refs(rig.cpu, [0, 1]) == [1, 1] and refs(rig.gpu, gr) == [2, 2, 1]
     rig.ack(p1.load, ranks=[0])
     p3 = rig.step()
-    assert tuple(rig.m.take_load_results()) == (LoadResult("r", True, (), None, 8),) and p3.load_jobs == {}
+    assert rig.m.take_load_results() == [LoadResult("r", True, (), None, 8)]
+    assert p3.load_jobs == {}
     assert rig.m.pins_held() == 0
 
 

@@ -207,7 +207,8 @@ async def test_bad_call_engine_step_non_bytes_hashes_with_a_load_in_flight() -> 
         hit, table_l, plan = c.load("l", toks)
         assert hit == 3 * ENGINE_BS and plan.load is not None
         table_a = gpu.allocate(3)
-        bad = ScheduledRequest("a", ["x", "y", "z"], 3 * ENGINE_BS, (tuple(table_a),), True,
+        bad = ScheduledRequest("a", ["x", "y", "z"],  # type: ignore[list-item]
+                               3 * ENGINE_BS, (tuple(table_a),), True,
                                3 * ENGINE_BS)
         with pytest.raises(InvalidRequest, match="request 'a': block_hashes"):
             c.step(bad)
