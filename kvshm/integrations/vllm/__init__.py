@@ -22,6 +22,13 @@ documented in :mod:`kvshm.integrations.vllm.config`; the scheduler side in
 
 Pinned vLLM version: 0.32 (``VLLM_VERSION``); every hook the connector overrides
 exists there (``CONNECTOR_HOOKS``; tests/vllm checks both).
+
+What the package may import: the scheduler side (connector, config, scheduler, listing,
+records, blocks) builds on ``kvshm.engine`` and never imports ``workers``; only
+:mod:`~kvshm.integrations.vllm.worker` embeds a ``workers`` Worker in vLLM's worker
+process, and it never plans (``tests/unit/test_imports.py``). The invariant a change
+keeps: no scheduler hook raises into vLLM for bad input or a dead rank; a refused or
+failed load becomes a failed load that vLLM recomputes.
 """
 
 from __future__ import annotations
