@@ -2,6 +2,10 @@
 
 The public API is exported lazily (PEP 562) so that importing a leaf module such as
 ``kvshm.ipc.protocol`` from a worker process loads no manager, pool or engine code.
+
+``kvshm.shared_tensor`` makes the device caches a custom server hands to
+``Engine.launch`` (CPU tensors in shared memory the worker processes can map);
+``kvshm.chain_hashes`` names a prompt's full blocks the way the engine does.
 """
 
 from __future__ import annotations
@@ -28,6 +32,8 @@ _LAZY: dict[str, str] = {
     "StepPlan": "kvshm.types",
     "LoadResult": "kvshm.types",
     "errors": "kvshm.errors",
+    "shared_tensor": "kvshm.shm",
+    "chain_hashes": "kvshm.hashing",
 }
 
 __all__ = sorted(_LAZY)

@@ -174,14 +174,78 @@ def pool_size(gpu: GpuBlocks) -> int | None:
     return n if isinstance(n, int) else None
 
 
+#: Where a user is told to look for the device-cache contract.
+_CACHE_HINT = ("allocate each rank's caches with kvshm.shared_tensor(shape, dtype): "
+               "device_caches=[[k0, v0, ...], [k1, v1, ...]], one list per rank (README, API)")
+
+
+def _check_tensor(where: str, t: object) -> None:
+    """One device-cache tensor a kvshm worker process can open: a torch.Tensor on the
+    CPU, backed by :func:`kvshm.shm.shared_tensor` memory, starting at the segment's
+    first byte and contiguous (the worker maps the segment from byte 0 with the shape and
+    dtype alone: a view with an offset or other strides would be different bytes there),
+    of a dtype the worker can rebuild by name."""
+    if not isinstance(t, torch.Tensor):
+        raise ConfigError(f"{where}: expected a torch.Tensor, got {type(t).__name__}; "
+                          + _CACHE_HINT)
+    desc = f"shape {tuple(t.shape)}, {dtype_name(t.dtype)}, device {t.device}"
+    if t.device.type != "cpu":
+        raise ConfigError(f"{where} ({desc}): kvshm's own worker processes copy CPU "
+                          "shared-memory caches; an engine whose caches live on a GPU "
+                          "attaches embedded workers from its own worker processes")
+    try:
+        seg = segment_of(t)
+    except ConfigError:
+        raise ConfigError(f"{where} ({desc}) is ordinary process memory (e.g. torch.zeros): "
+                          "kvshm's worker processes cannot see it; " + _CACHE_HINT) from None
+    if t.storage_offset() != 0 or not t.is_contiguous():
+        raise ConfigError(f"{where} ({desc}, offset {t.storage_offset()}, strides "
+                          f"{t.stride()}) is a view: pass whole contiguous tensors made by "
+                          "kvshm.shared_tensor (a view's bytes are elsewhere in the worker)")
+    if t.is_quantized or t.is_complex() or t.nbytes > seg.size:
+        raise ConfigError(f"{where} ({desc}): unsupported tensor (quantized, complex or "
+                          "larger than its segment); " + _CACHE_HINT)
+
+
+def _check_rank_entry(rank: int, entry: object, spawned: bool) -> None:
+    """One rank's list of tensors (a bare tensor is the usual slip: ``[k0, k1]``)."""
+    if isinstance(entry, torch.Tensor) or not isinstance(entry, Sequence) \
+            or isinstance(entry, str):
+        raise ConfigError(f"device_caches[{rank}] must be a list of tensors (one list per "
+                          f"rank), got {type(entry).__name__}; write [[k0], [k1]], not "
+                          "[k0, k1]")
+    if spawned and not entry:
+        raise ConfigError(f"device_caches[{rank}] is empty: a worker kvshm spawns needs "
+                          "its rank's caches; " + _CACHE_HINT)
+    for i, t in enumerate(entry):
+        _check_tensor(f"device_caches[{rank}][{i}]", t)
+
+
 def check_caches(caches: Sequence[Sequence[torch.Tensor]], world_size: int,
-                 num_gpu_blocks: int | None) -> None:
-    """Refuse bad ``device_caches`` before anything is spawned (ConfigError): one entry
-    per rank, and every rank's block counts as :func:`check_block_counts` wants them."""
+                 num_gpu_blocks: int | None, *, spawned: bool = False) -> None:
+    """Refuse bad ``device_caches`` before anything is spawned or listened on
+    (ConfigError, naming ``device_caches[rank][i]`` and what to do). Checked, in order:
+    one entry per rank, each a list (with ``spawned``: a non-empty one) of CPU tensors
+    made by :func:`kvshm.shm.shared_tensor`, whole and contiguous
+    (:func:`_check_tensor`); each rank's tensors form a KV layout (blocks as dim 0);
+    every rank's block counts as :func:`check_block_counts` wants them (at least the GPU
+    pool's, the same on every rank). Empty entries (without ``spawned``) are ranks whose
+    embedded workers bring their own layout."""
+    if isinstance(caches, torch.Tensor) or not isinstance(caches, Sequence):
+        raise ConfigError(f"device_caches must be a list with one list of tensors per "
+                          f"rank, got {type(caches).__name__}")
     if len(caches) != world_size:
         raise ConfigError(f"device_caches has {len(caches)} entries, "
-                          f"world_size is {world_size}")
-    layouts = {r: device_layout(ts) for r, ts in enumerate(caches) if ts}
+                          f"world_size is {world_size} (one list of tensors per rank)")
+    for rank, entry in enumerate(caches):
+        _check_rank_entry(rank, entry, spawned)
+    layouts: dict[int, LayoutSpec] = {}
+    for rank, ts in enumerate(caches):
+        if ts:
+            try:
+                layouts[rank] = device_layout(ts)
+            except ConfigError as e:
+                raise ConfigError(f"device_caches[{rank}]: {e}") from None
     check_block_counts(layouts, num_gpu_blocks)
 
 
