@@ -6,6 +6,10 @@ names the field and the value, never a failure later inside a worker. Every time
 everywhere (a hang never detected), infinity would wait forever (an ``aclose()`` that never
 returns), and both break the conversions to milliseconds further down.
 
+Without a size the CPU tier takes :data:`DEFAULT_CPU_BYTES_PER_RANK` (1 GiB) per rank,
+reserved up front in /dev/shm: enough to try kvshm, never the whole machine. Set
+``num_cpu_blocks`` (exact) or ``cpu_bytes_per_rank`` for real use.
+
 The default name carries :data:`NAME_RANDOM_BITS` random bits beside the pid, so two
 engines of one process collide with probability ~2**-64, not 2**-32.
 """
@@ -26,6 +30,9 @@ _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,80}$")
 
 #: Random bits in a default engine name (hex digits: a quarter of that).
 NAME_RANDOM_BITS: Final = 64
+#: Default ``cpu_bytes_per_rank``: 1 GiB of shared memory per worker rank, lowered to
+#: what /dev/shm and MemAvailable allow (a 64 MiB Docker /dev/shm still starts).
+DEFAULT_CPU_BYTES_PER_RANK: Final = 1 << 30
 #: The EngineConfig fields that are durations in seconds (each finite and > 0).
 #: Default ``hang_timeout_s`` (see EngineConfig; chosen from tools.bench_acks).
 DEFAULT_HANG_TIMEOUT_S: Final = 10.0
@@ -71,8 +78,14 @@ class EngineConfig:
       must use the same one; default: unique per engine instance.
     * ``tp`` x ``pp`` = ``world_size`` worker ranks; CPU block ``b`` is row ``b`` of every
       rank's host pool.
-    * CPU tier size: ``num_cpu_blocks`` (exact) or ``cpu_bytes_per_rank`` (the largest
-      count that fits); neither: as much as /dev/shm and MemAvailable allow, less a margin.
+    * CPU tier size, reserved in /dev/shm at start (``posix_fallocate``, ~1 s a GiB;
+      an INFO line on logger ``kvshm.shm`` for every segment of 4 GiB or more):
+      ``num_cpu_blocks`` (exact; wins over the byte budget; ConfigError if it does not
+      fit) or ``cpu_bytes_per_rank`` (the largest block count whose host pool fits in
+      that many bytes on every rank, lowered to what the machine allows). Default:
+      :data:`DEFAULT_CPU_BYTES_PER_RANK` = 1 GiB per rank. ``cpu_bytes_per_rank=None``
+      (explicitly, without ``num_cpu_blocks``) takes as much as /dev/shm and
+      MemAvailable allow, less a margin.
     * ``hang_timeout_s``: a rank with jobs pending that completes none for this long is
       declared hung and the engine goes to FAILED. Default 10 s (was 30): the longest
       per-rank stall with jobs pending measured under a saturating soak was 0.14 s
@@ -89,7 +102,7 @@ class EngineConfig:
     groups: tuple[KVGroup, ...] = (KVGroup.full(),)
     mode: StoreMode = StoreMode.EAGER
     num_cpu_blocks: int | None = None
-    cpu_bytes_per_rank: int | None = None
+    cpu_bytes_per_rank: int | None = DEFAULT_CPU_BYTES_PER_RANK
     hang_timeout_s: float = DEFAULT_HANG_TIMEOUT_S
     connect_timeout_s: float = 60.0
     shutdown_grace_s: float = 2.0

@@ -12,7 +12,10 @@ Order inside :func:`create_segment` (each step undone on any error path):
 2. ``shm_open(O_CREAT | O_EXCL, 0600)`` under a random ``/kvshm-...`` name;
 3. ``shm_unlink`` at once -- before any step that can fail or take long;
 4. ``posix_fallocate`` reserves every page (ENOSPC becomes a :class:`ConfigError` naming the
-   /dev/shm size, never a SIGBUS on first touch later), then ``ftruncate``;
+   /dev/shm size, never a SIGBUS on first touch later), then ``ftruncate``; a segment of
+   :data:`PROGRESS_BYTES` or more is reserved in :data:`PROGRESS_CHUNK` pieces with an
+   INFO line (logger ``kvshm.shm``) before, after each piece and at the end: it takes
+   0.5 - 2 s a GiB, which must not look like a hang;
 5. ``mmap(MAP_SHARED)``.
 
 Segments are never registered with ``multiprocessing.resource_tracker``.
@@ -24,10 +27,12 @@ rendezvous can use this module without paying for ``import torch``.
 from __future__ import annotations
 
 import errno
+import logging
 import mmap
 import os
 import re
 import secrets
+import time
 import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Final
@@ -58,6 +63,12 @@ __all__ = [
 SHM_DIR: Final = "/dev/shm"
 #: Every name kvshm creates starts with this (after the leading slash).
 SHM_PREFIX: Final = "kvshm"
+#: Segments at least this large are reserved with progress lines (INFO, ``kvshm.shm``).
+PROGRESS_BYTES: Final = 4 << 30
+#: The piece reserved between two progress lines.
+PROGRESS_CHUNK: Final = 2 << 30
+#: Where the progress of large reservations is logged.
+log: Final = logging.getLogger("kvshm.shm")
 #: Upper bound of the safety margin kept free (see :func:`available_shm_bytes`).
 _MARGIN_MAX: Final = 256 << 20
 #: The margin is at most this fraction of the limiting resource (small /dev/shm mounts).
@@ -229,16 +240,44 @@ def create_segment(size: int, *, purpose: str) -> Segment:
 
 
 def _reserve(fd: int, size: int, purpose: str) -> None:
+    """Reserve every page of ``fd`` up to ``size`` (see the module docstring, step 4)."""
+    if size < PROGRESS_BYTES:
+        _fallocate(fd, 0, size, size, purpose)
+    else:
+        if size > _statvfs_free(SHM_DIR):  # fail at once, not after filling /dev/shm
+            raise _reserve_error(size, purpose, errno.ENOSPC)
+        t0 = time.monotonic()
+        log.info("kvshm: reserving %s of shared memory for %s (posix_fallocate, "
+                 "0.5 - 2 s a GiB)", _size_text(size), purpose)
+        done = 0
+        while done < size:
+            piece = min(PROGRESS_CHUNK, size - done)
+            _fallocate(fd, done, piece, size, purpose)
+            done += piece
+            log.info("kvshm: %s: %s of %s reserved (%.1f s)", purpose, _size_text(done),
+                     _size_text(size), time.monotonic() - t0)
+    os.ftruncate(fd, size)
+
+
+def _size_text(n: int) -> str:
+    """``n`` bytes for a person: GiB with one decimal from 1 GiB up, else MiB."""
+    return f"{n / 2**30:.1f} GiB" if n >= 1 << 30 else f"{n / 2**20:.0f} MiB"
+
+
+def _fallocate(fd: int, offset: int, length: int, size: int, purpose: str) -> None:
     try:
-        os.posix_fallocate(fd, 0, size)
+        os.posix_fallocate(fd, offset, length)
     except OSError as e:
         if e.errno in (errno.ENOSPC, errno.EFBIG, errno.ENOMEM):
-            raise ConfigError(
-                f"cannot reserve {size} bytes ({size / 2**20:.1f} MiB) of shared memory for "
-                f"{purpose}: {os.strerror(e.errno)} ({_shm_size_text()}); enlarge {SHM_DIR} "
-                f"(e.g. docker --shm-size) or use fewer CPU blocks") from e
+            raise _reserve_error(size, purpose, e.errno) from e
         raise
-    os.ftruncate(fd, size)
+
+
+def _reserve_error(size: int, purpose: str, err: int) -> ConfigError:
+    return ConfigError(
+        f"cannot reserve {size} bytes ({size / 2**20:.1f} MiB) of shared memory for "
+        f"{purpose}: {os.strerror(err)} ({_shm_size_text()}); enlarge {SHM_DIR} "
+        f"(e.g. docker --shm-size) or use fewer CPU blocks")
 
 
 def map_segment(fd: int, size: int) -> Segment:

@@ -121,3 +121,16 @@ def test_readme_names_are_exported_from_kvshm() -> None:
     with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
         readme = f.read()
     assert "kvshm.shared_tensor(" in readme and "kvshm.chain_hashes(" in readme
+
+
+async def test_an_engine_without_a_size_gets_one_gib_per_rank() -> None:
+    """The issue's toy took 9.8 GiB a rank; now 1 GiB: with 1 KiB blocks, 2**20 CPU
+    blocks (the host pool is exactly 1 GiB)."""
+    from kvshm.config import DEFAULT_CPU_BYTES_PER_RANK, EngineConfig
+
+    cfg = EngineConfig(block_size=4, tp=1, connect_timeout_s=30.0)
+    assert cfg.num_cpu_blocks is None
+    async with Engine.launch(cfg, workers=SPAWN, gpu_blocks=BlockPool(GPU_BLOCKS),
+                             device_caches=[[shards(1)[0]]]) as eng:
+        stats = eng.statistics()
+    assert stats.num_cpu_blocks == DEFAULT_CPU_BYTES_PER_RANK // ROW == 1 << 20
