@@ -7,9 +7,19 @@
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import math
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Final
+
+#: Upper bounds (µs) of the ack-latency histogram buckets (+Inf follows).
+LATENCY_BUCKETS_US: Final = (10.0, 25.0, 50.0, 100.0, 250.0, 500.0, 1e3, 2.5e3, 5e3, 1e4,
+                             2.5e4, 5e4, 1e5, 2.5e5, 1e6)
+#: What ``kvshm stats --prometheus`` says when prometheus-client is missing.
+PROMETHEUS_MISSING: Final = ("the Prometheus exposition needs prometheus-client: "
+                             "pip install 'kvshm[prometheus]'")
 
 
 class LatencyWindow:
@@ -20,15 +30,25 @@ class LatencyWindow:
         self._ring: list[float] = []
         self._next = 0
         self.count = 0
+        self._sum_s = 0.0
+        self._buckets = [0] * (len(LATENCY_BUCKETS_US) + 1)  # the last one is +Inf
 
     def add(self, seconds: float) -> None:
-        """Record one latency."""
+        """Record one latency (the window, and the histogram of every latency ever)."""
         self.count += 1
+        self._sum_s += seconds
+        self._buckets[bisect.bisect_left(LATENCY_BUCKETS_US, seconds * 1e6)] += 1
         if len(self._ring) < self._size:
             self._ring.append(seconds)
         else:
             self._ring[self._next] = seconds
             self._next = (self._next + 1) % self._size
+
+    def histogram(self) -> dict[str, Any]:
+        """Every latency since the start, bucketed: ``le_us`` (upper bounds, the last
+        ``inf``), ``counts`` (per bucket, not cumulative), ``sum_s``, ``count``."""
+        return {"le_us": [*LATENCY_BUCKETS_US, float("inf")], "counts": list(self._buckets),
+                "sum_s": self._sum_s, "count": self.count}
 
     def summary_us(self) -> dict[str, float]:
         """p50, p99, p99.9 and max of the window, in microseconds (zeros when empty)."""
@@ -53,10 +73,16 @@ class RankStats:
     alive: bool = True
     fenced: bool = False  # declared dead and proven unable to touch a block any more
     embedded: bool = False
+    #: left when the engine closed (a clean end, not a failure); ``why`` says how it
+    #: ended (a death's cause, or the detach)
+    detached: bool = False
+    why: str = ""
     acks: int = 0
     failed_acks: int = 0
     ack_latency_us: dict[str, float] = field(default_factory=dict)
     channel: dict[str, Any] = field(default_factory=dict)
+    #: :meth:`LatencyWindow.histogram` of every ack (empty from an older engine)
+    ack_latency_hist: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -68,6 +94,8 @@ class EngineStats:
     world_size: int
     num_cpu_blocks: int = 0
     cpu_blocks_cached: int = 0
+    #: the CPU tier's size: num_cpu_blocks x the bytes of one block over every rank
+    cpu_tier_bytes: int = 0
     pins_held: int = 0
     jobs_in_flight: int = 0
     stored_bytes: int = 0
@@ -77,6 +105,16 @@ class EngineStats:
     quarantined_cpu_blocks: int = 0
     counters: dict[str, int] = field(default_factory=dict)
     ranks: list[RankStats] = field(default_factory=list)
+    #: seconds since the engine opened its rendezvous; pid of the engine's process
+    uptime_s: float = 0.0
+    pid: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        """CPU-tier hit tokens over the tokens looked up beyond the GPU's own hit (0..1;
+        0 before any lookup)."""
+        asked = self.counters.get("lookup_tokens", 0)
+        return self.counters.get("lookup_hit_tokens", 0) / asked if asked else 0.0
 
     def as_dict(self) -> dict[str, Any]:
         """Plain JSON-able data."""
@@ -93,30 +131,89 @@ class EngineStats:
         return cls(**kw, ranks=ranks)
 
 
+#: Snapshot fields that are levels (gauges); the byte totals are counters.
+_GAUGES: Final = ("num_cpu_blocks", "cpu_blocks_cached", "pins_held", "jobs_in_flight",
+                  "quarantined_gpu_blocks", "quarantined_cpu_blocks")
+
+
+def _families(stats: EngineStats) -> Iterator[Any]:
+    """The metric families of one snapshot (prometheus-client imported by the caller)."""
+    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+    eng = [stats.name]
+    for key in _GAUGES:
+        g = GaugeMetricFamily(f"kvshm_{key}", key.replace("_", " "), labels=["engine"])
+        g.add_metric(eng, float(getattr(stats, key)))
+        yield g
+    for key in ("stored_bytes", "loaded_bytes"):
+        c = CounterMetricFamily(f"kvshm_{key}", key.replace("_", " "), labels=["engine"])
+        c.add_metric(eng, float(getattr(stats, key)))
+        yield c
+    for key, value in sorted(stats.counters.items()):
+        c = CounterMetricFamily(f"kvshm_{key}", f"kvshm counter {key}", labels=["engine"])
+        c.add_metric(eng, float(value))
+        yield c
+    hit = GaugeMetricFamily("kvshm_hit_rate", "CPU-tier hit tokens / tokens looked up",
+                            labels=["engine"])
+    hit.add_metric(eng, stats.hit_rate)
+    yield hit
+    up = GaugeMetricFamily("kvshm_uptime_seconds", "seconds since the engine opened",
+                           labels=["engine"])
+    up.add_metric(eng, stats.uptime_s)
+    yield up
+    state = GaugeMetricFamily("kvshm_state", "1 for the engine's lifecycle state",
+                              labels=["engine", "state"])
+    state.add_metric([stats.name, stats.state], 1.0)
+    yield state
+    yield from _rank_families(stats)
+
+
+def _rank_families(stats: EngineStats) -> Iterator[Any]:
+    from prometheus_client.core import (
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+    )
+
+    alive = GaugeMetricFamily("kvshm_rank_alive", "1 while the rank is not declared dead",
+                              labels=["engine", "rank"])
+    acks = CounterMetricFamily("kvshm_rank_acks", "Dones received", labels=["engine", "rank"])
+    bad = CounterMetricFamily("kvshm_rank_failed_acks", "Dones with ok=False",
+                              labels=["engine", "rank"])
+    lat = HistogramMetricFamily("kvshm_ack_latency_seconds",
+                                "Transfer posted to Done received, per rank",
+                                labels=["engine", "rank"])
+    for r in stats.ranks:
+        labels = [stats.name, str(r.rank)]
+        alive.add_metric(labels, float(r.alive))
+        acks.add_metric(labels, float(r.acks))
+        bad.add_metric(labels, float(r.failed_acks))
+        hist = r.ack_latency_hist
+        if hist:
+            running, buckets = 0, []
+            for le_us, n in zip(hist["le_us"], hist["counts"]):
+                running += n
+                le = "+Inf" if math.isinf(le_us) else repr(le_us / 1e6)
+                buckets.append((le, float(running)))
+            lat.add_metric(labels, buckets, float(hist["sum_s"]))
+    yield from (alive, acks, bad, lat)
+
+
 def to_prometheus(stats: EngineStats) -> bytes:
-    """Prometheus text exposition of ``stats`` (needs the optional prometheus-client)."""
-    from prometheus_client import CollectorRegistry, Gauge, generate_latest
+    """Prometheus text exposition of ``stats``: levels as gauges, every counter as a
+    counter (``_total``), per-rank ack latency as a histogram (seconds), a hit-rate
+    and an uptime series. Raises ``ImportError`` naming
+    ``pip install 'kvshm[prometheus]'`` without prometheus-client."""
+    try:
+        from prometheus_client import CollectorRegistry, generate_latest
+    except ImportError as exc:
+        raise ImportError(PROMETHEUS_MISSING) from exc
+
+    class _Snapshot:
+        def collect(self) -> Iterator[Any]:
+            return _families(stats)
 
     reg = CollectorRegistry()
-    labels = ["engine"]
-    plain = {
-        "num_cpu_blocks": stats.num_cpu_blocks, "cpu_blocks_cached": stats.cpu_blocks_cached,
-        "pins_held": stats.pins_held, "jobs_in_flight": stats.jobs_in_flight,
-        "stored_bytes": stats.stored_bytes, "loaded_bytes": stats.loaded_bytes,
-        "quarantined_gpu_blocks": stats.quarantined_gpu_blocks,
-        "quarantined_cpu_blocks": stats.quarantined_cpu_blocks,
-    }
-    for key, value in plain.items():
-        Gauge(f"kvshm_{key}", key.replace("_", " "), labels, registry=reg).labels(
-            stats.name).set(value)
-    counter = Gauge("kvshm_counter", "manager counters", ["engine", "name"], registry=reg)
-    for key, value in sorted(stats.counters.items()):
-        counter.labels(stats.name, key).set(value)
-    lat = Gauge("kvshm_ack_latency_us", "per-rank ack latency", ["engine", "rank", "q"],
-                registry=reg)
-    for r in stats.ranks:
-        for q, lat_us in r.ack_latency_us.items():
-            lat.labels(stats.name, str(r.rank), q).set(lat_us)
+    reg.register(_Snapshot())
     out: bytes = generate_latest(reg)
     return out
-

@@ -1,17 +1,20 @@
 """Start errors a user can act on: device caches that cannot serve the GPU pool are
 refused before any worker is spawned, and a start that times out names the ranks that
-never said Hello."""
+never said Hello, the command to run and the refusals the engine saw (and logged)."""
 
 from __future__ import annotations
 
+import logging
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 from engine_rig import GPU_BLOCKS, ROW, config, shards
 
-from kvshm.engine import ATTACH, SPAWN, Engine
-from kvshm.errors import ConfigError
+from kvshm.engine import ATTACH, SPAWN, Engine, EngineState, StartTimeout
+from kvshm.errors import ConfigError, KvshmError
 from kvshm.offload.pool import BlockPool
 from kvshm.shm import shared_tensor
 
@@ -44,15 +47,65 @@ async def test_ranks_with_different_block_counts_are_refused() -> None:
 
 
 async def test_start_timeout_names_the_ranks_that_never_said_hello() -> None:
-    """tp=64, nobody attaches: the TimeoutError says 0 of 64 said Hello, lists the
-    missing ranks compactly and says what to run."""
-    with pytest.raises(TimeoutError) as info:
+    """tp=64, nobody attaches: the StartTimeout (a TimeoutError) says 0 of 64 connected,
+    lists the missing ranks compactly and says what to run."""
+    with pytest.raises(StartTimeout) as info:
         await Engine.launch(config(tp=64, connect_timeout_s=0.3), workers=ATTACH,
                             gpu_blocks=BlockPool(GPU_BLOCKS))
     msg = str(info.value)
-    assert "0 of 64 ranks said Hello within 0.3s" in msg
-    assert "never heard from rank(s) 0-63" in msg
-    assert "kvshm-workers --name " in msg and "--world-size 64" in msg
+    assert isinstance(info.value, TimeoutError) and isinstance(info.value, KvshmError)
+    assert "0 of 64 ranks connected (said Hello) within 0.3s" in msg
+    assert "missing rank(s) 0-63" in msg
+    assert "run `kvshm-workers --name " in msg and " --tp 64`" in msg
+    assert "Refused" not in msg
+    assert info.value.missing == tuple(range(64)) and info.value.connected == ()
+
+
+def _worker(name: str, *argv: str) -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-m", "workers", "--name", name, *argv],
+                            text=True, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+
+async def test_a_tp1_worker_against_a_tp2_engine_is_refused_with_the_reason_logged(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A standalone ``--tp 1`` worker against a tp=2 engine: the engine logs the refusal
+    with its reason (WARNING), the start times out with an error that carries it and the
+    right command, and the worker exits 1 pointing at the engine's log."""
+    cfg = config(tp=2, connect_timeout_s=4.0)
+    caplog.set_level(logging.INFO, logger="kvshm.engine")
+    proc = _worker(cfg.name, "--tp", "1", "--connect-timeout", "20")
+    try:
+        with pytest.raises(StartTimeout) as info:
+            await Engine.launch(cfg, workers=ATTACH, gpu_blocks=BlockPool(GPU_BLOCKS),
+                                device_caches=[[k] for k in shards()])
+        assert proc.wait(timeout=30) == 1
+        err = proc.stderr.read() if proc.stderr else ""
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    msg = str(info.value)
+    assert "0 of 2 ranks connected" in msg and "missing rank(s) 0-1" in msg
+    assert f"run `kvshm-workers --name {cfg.name} --tp 2`" in msg
+    assert "Refused meanwhile (1 kept): refused rank 0 (pid " in msg
+    assert "world size 1 != 2" in msg
+    assert len(info.value.refusals) == 1
+    logged = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("refused rank 0" in m and "world size 1 != 2" in m for m in logged), logged
+    assert "kvshm-workers[rank 0]: error: the engine refused this rank" in err
+    assert "the engine's log names the reason" in err
+
+
+def test_sync_client_wait_ready_times_out_with_the_same_error() -> None:
+    """SyncClient.wait_ready: the same typed error as Engine.launch's."""
+    from kvshm.engine import SyncClient
+
+    cfg = config(tp=3, connect_timeout_s=0.2)
+    with SyncClient(cfg, gpu_blocks=BlockPool(GPU_BLOCKS)) as client:
+        with pytest.raises(StartTimeout, match=r"0 of 3 ranks connected \(said Hello\) "
+                                               r"within 0.2s; missing rank\(s\) 0-2"):
+            client.wait_ready()
+        assert client.state is EngineState.STARTING
 
 
 def test_calls_before_ready_refuse_a_bad_request_id_and_change_nothing() -> None:

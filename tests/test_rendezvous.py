@@ -250,7 +250,8 @@ def test_garbage_is_refused_as_protocol_error(plan: SegmentPlan) -> None:
 
 
 @pytest.mark.parametrize("hello, reason", [
-    (Hello(version=PROTOCOL_VERSION, rank=0, world_size=3, pid=1), "says world_size 3, but"),
+    (Hello(version=PROTOCOL_VERSION, rank=0, world_size=3, pid=1),
+     "world size 3 != 2 (the Hello says world_size 3, but"),
     (Hello(version=PROTOCOL_VERSION, rank=2, world_size=2, pid=1), "rank 2 out of range"),
     (Hello(version=PROTOCOL_VERSION, rank=-1, world_size=2, pid=1), "rank -1 out of range"),
 ])

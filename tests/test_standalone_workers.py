@@ -137,7 +137,9 @@ def test_sigkill_rank_is_lifeline_eof_and_sigterm_stops_the_rest(
         parent.send_signal(signal.SIGTERM)
         assert parent.wait(timeout=20) == 128 + signal.SIGKILL
         stderr = parent.stderr.read() if parent.stderr else ""
-        assert "rank 1 exited with signal 9" in stderr and "rank 0" not in stderr
+        assert "rank 1 exited with signal 9" in stderr and "rank 0 exited" not in stderr
+        assert "kvshm-workers[rank 0]: ready\n" in stderr
+        assert "kvshm-workers[rank 0]: detached (signal SIGTERM)\n" in stderr
         sched.wait_for(lambda: len(sched.lost()) == 2, what="rank 0's lifeline closed")
         assert all(gone(p) for p in pids)
         assert not any(e.kind is EventKind.REFUSED for e in sched.events)

@@ -18,9 +18,13 @@ plans stores only for blocks whose compute has finished), send Dones as copies f
 Idle, it spins ``--spin-us`` then parks in poll() on the cmd doorbell, the lifeline, the
 copy engine's completion eventfd and a signal wake-up pipe -- no busy waiting.
 
-Exit codes: 0 after Shutdown, lifeline EOF (the scheduler is gone) or SIGTERM/SIGINT;
-1 for a runtime error (refused, no Ready in time, bad resources, protocol error), with
-one clear line on stderr; 2 for bad usage (``--device cuda``: CPU only in this phase).
+Each rank prints, on stderr: ``connected to kvshm engine 'NAME'``, ``ready``, and at the
+end ``detached (the engine closed)`` / ``detached (signal SIGTERM)`` or ``error: ...``.
+
+Exit codes: 0 after the engine's Shutdown (it closed) or SIGTERM/SIGINT; 1 when the
+engine died (lifeline EOF without a Shutdown: SIGKILL, a crash) or for a runtime error
+(refused, no Ready in time, bad resources, protocol error), with one clear line on
+stderr; 2 for bad usage (``--device cuda``: CPU only in this phase).
 """
 
 from __future__ import annotations
@@ -64,9 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="Run kvshm's standalone CPU worker processes (one per TP x PP rank) for "
                     "the kvshm engine named NAME. Without --rank: start every rank as a child "
                     "process and wait for them. With --rank: run that one rank.",
-        epilog="Exit codes: 0 after the engine's Shutdown, its exit, or SIGTERM/SIGINT; 1 on "
-               "a runtime error; 2 on bad usage. Device caches are the shared-memory "
-               "tensors the serving process hands to its kvshm engine (CPU only).")
+        epilog="Exit codes: 0 after the engine's Shutdown or SIGTERM/SIGINT; 1 when the "
+               "engine died (no Shutdown) or on a runtime error; 2 on bad usage. Device "
+               "caches are the shared-memory tensors the serving process hands to its kvshm "
+               "engine (CPU only).")
     add_arguments(p)
     return p
 
@@ -229,9 +234,34 @@ def run_rank(name: str, rank: int, world: int, *, connect_timeout: float,
         stopper.close()
 
 
+def _say(worker: Worker, text: str) -> None:
+    """One progress line on stderr: ``kvshm-workers[rank R]: text``."""
+    print(f"{PROG}[rank {worker.rank}]: {text}", file=sys.stderr, flush=True)
+
+
+#: Detach reasons of a rank that never got a usable Ready.
+_BEFORE_READY: Final = (DetachReason.REFUSED, DetachReason.SETUP_FAILED)
+
+#: The exit line of each detach reason that is an error (exit code 1).
+_ERRORS: Final = {
+    DetachReason.PEER_DIED: "the engine died (its lifeline closed without a Shutdown)",
+    DetachReason.REFUSED: "the engine refused this rank or closed before Ready "
+                          "(the engine's log names the reason)",
+    DetachReason.SETUP_FAILED: "could not use the engine's resources",
+    DetachReason.PROTOCOL_ERROR: "protocol error",
+    DetachReason.REVOKED: "the engine declared this rank dead",
+}
+
+
 def _serve(worker: Worker, stopper: _Stopper, connect_timeout: float) -> int:
+    """Serve until the link ends; prints ``ready`` and ``detached (reason)`` or the error.
+    Exit 0 only for the engine's Shutdown or a stop signal (a supervisor tells a closed
+    engine from a dead one by it)."""
     if not _await_ready(worker, stopper, connect_timeout):
+        _say(worker, f"detached (signal {signal.Signals(stopper.signum).name})")
         return 0
+    if worker.phase in LINKED or worker.detach_reason not in _BEFORE_READY:
+        _say(worker, "ready")  # also when Ready and the end came in one service()
     if worker.phase in LINKED:
         worker.watch(stopper.fd)
     while worker.phase in LINKED and not stopper.signum:
@@ -245,14 +275,14 @@ def _serve(worker: Worker, stopper: _Stopper, connect_timeout: float) -> int:
         if worker.phase in LINKED and not worker.queued_steps():
             worker.wait_for_work(PARK_S)
             stopper.drain()
-    if worker.detach_reason in (None, DetachReason.SHUTDOWN, DetachReason.PEER_DIED):
+    reason = worker.detach_reason
+    if reason is None or reason is DetachReason.SHUTDOWN:
+        how = "the engine closed" if reason is not None \
+            else f"signal {signal.Signals(stopper.signum).name}"
+        _say(worker, f"detached ({how})")
         return 0
-    why = {DetachReason.REFUSED: "the engine refused this rank or closed before Ready",
-           DetachReason.SETUP_FAILED: "could not use the engine's resources",
-           DetachReason.PROTOCOL_ERROR: "protocol error",
-           DetachReason.REVOKED: "the engine declared this rank dead",
-           }.get(worker.detach_reason, "detached")
-    print(f"{PROG}[rank {worker.rank}]: error: {why}: {worker.last_error}", file=sys.stderr)
+    why = _ERRORS.get(reason, f"detached ({reason.value})")
+    _say(worker, f"error: {why}: {worker.last_error}")
     return 1
 
 
@@ -261,7 +291,11 @@ def _await_ready(worker: Worker, stopper: _Stopper, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
     poller_fds = [stopper.fd]
     while True:
+        was_new = worker.phase is Phase.NEW
         worker.service()
+        if was_new and worker.phase is not Phase.NEW and worker.lifeline_fd() is not None:
+            _say(worker, f"connected to kvshm engine {worker.name!r} "
+                         f"(rank {worker.rank} of {worker.world_size})")
         if worker.phase not in (Phase.NEW, Phase.CONNECTING):
             return True
         if stopper.signum:

@@ -31,7 +31,9 @@ Per engine step: ``begin_step(step, flush_ids)``, ``submit_loads(step, after)``,
   locally, no Done is published, the worker detaches (REVOKED) -- and the socket closes
   only once no copy runs (:mod:`workers.revocation`; :meth:`poll` / :meth:`service` /
   :meth:`close` close it when the last copy of a detached worker has finished).
-* Lifeline EOF or a ``ProtocolError``: every queued job fails locally
+* Lifeline EOF or a ``ProtocolError``: every queued job fails locally (an EOF after the
+  engine's ``Shutdown`` detaches as SHUTDOWN: the engine closed; without one as
+  PEER_DIED: the engine died)
   (``Done(ok=False)`` returned by :meth:`poll`; the scheduler is gone or broken, so
   nothing more goes over the ring), the link is closed, copies already running still
   report through :meth:`poll`. Nothing is raised and the host process is never
@@ -290,8 +292,15 @@ class Worker:
             self._phase = Phase.DRAINING
 
     def _lost(self, exc: TransportError) -> None:
+        """The link broke. Lifeline EOF after the engine's Shutdown (read from the ring
+        first: the engine posts it, then closes) is the engine closing -- SHUTDOWN; EOF
+        without one is the engine dying -- PEER_DIED."""
         if isinstance(exc, PeerDied):
-            self._detach(DetachReason.PEER_DIED, exc)
+            if self._phase is Phase.READY:
+                self._drain_ring_quietly()
+            closed = self._phase is Phase.DRAINING
+            self._detach(DetachReason.SHUTDOWN if closed else DetachReason.PEER_DIED,
+                         None if closed else exc)
         else:
             self._counts["protocol_errors"] += 1
             chan = self._session.channel if self._session is not None else None
@@ -301,6 +310,16 @@ class Worker:
                 except TransportError:
                     pass
             self._detach(DetachReason.PROTOCOL_ERROR, exc)
+
+    def _drain_ring_quietly(self) -> None:
+        """Take what the ring still holds (a Shutdown the engine posted before closing)."""
+        chan = self._session.channel if self._session is not None else None
+        if chan is None:
+            return
+        try:
+            self._handle(chan.receive_nowait())
+        except TransportError:
+            pass
 
     def _collect(self) -> None:
         """Finished copies -> the book; send."""

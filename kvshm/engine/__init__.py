@@ -9,7 +9,8 @@ runtime keeps requests listed before READY away from the manager
 (:mod:`~kvshm.engine.dispatch`), supervises the ranks -- verdict, fence, hang check
 (:mod:`~kvshm.engine.supervision`) --, provisions shared memory
 (:mod:`~kvshm.engine.provision`), reports statistics (:mod:`~kvshm.engine.snapshot`)
-and, in SPAWN mode, starts the worker processes (:mod:`~kvshm.engine.launcher`). The
+and, in SPAWN mode, starts the worker processes (:mod:`~kvshm.engine.launcher`); its
+start errors and lifecycle log lines are :mod:`~kvshm.engine.startup`'s. The
 lifecycle diagram: :mod:`~kvshm.engine.lifecycle`.
 
 May import: the shared leaves, ``kvshm.offload`` and ``kvshm.ipc``. Never: ``workers``
@@ -22,5 +23,7 @@ that failed is fenced before its quarantined pins are released.
 """
 
 from kvshm.engine.api import ATTACH, SPAWN, Engine, EngineState, SyncClient, WorkerMode
+from kvshm.engine.startup import StartTimeout
 
-__all__ = ["ATTACH", "SPAWN", "Engine", "EngineState", "SyncClient", "WorkerMode"]
+__all__ = ["ATTACH", "SPAWN", "Engine", "EngineState", "StartTimeout", "SyncClient",
+           "WorkerMode"]

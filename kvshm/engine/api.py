@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Generator, Sequence
 from enum import Enum
 from types import TracebackType
@@ -307,6 +308,22 @@ class SyncClient(Facade):
 
     def _service(self) -> None:
         self._core.pump()
+
+    def wait_ready(self, timeout_s: float | None = None) -> None:
+        """Block until every rank connected (READY), pumping every few ms; for a host
+        that wants its ranks before serving. ``timeout_s`` defaults to the config's
+        ``connect_timeout_s``. Raises :class:`~kvshm.engine.startup.StartTimeout` (how
+        many ranks connected, which are missing, what to run, the refusals seen), or
+        what failed the start (:class:`~kvshm.errors.WorkerDied`, a ConfigError)."""
+        self._enter()
+        timeout = self._core.config.connect_timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        while self._core.state is EngineState.STARTING:
+            if time.monotonic() >= deadline:
+                raise self._core.start_timeout_error(timeout)
+            time.sleep(0.005)
+            self._core.pump()
+        self._core.raise_if_start_failed()
 
     def poll(self) -> list[LoadResult]:
         """Service, drain, and return the load results that arrived since the last call."""

@@ -44,6 +44,7 @@ from kvshm.engine.dispatch import Dispatcher
 from kvshm.engine.lifecycle import ENDED, LIVE, EngineState
 from kvshm.engine.provision import Provisioned, check_caches, pool_size, provision
 from kvshm.engine.snapshot import CoreCounters, build_stats
+from kvshm.engine.startup import Refusals, StartTimeout, log, start_timeout_error
 from kvshm.engine.supervision import Supervisor
 from kvshm.errors import ConfigError, StateError, TransportError, WorkerDied
 from kvshm.ipc import protocol
@@ -57,19 +58,6 @@ from kvshm.stats import EngineStats
 from kvshm.types import GpuBlocks, LoadResult, RequestView, StepInput, StepPlan
 
 __all__ = ["Runtime"]
-
-
-def _ranges(ranks: Sequence[int]) -> str:
-    """[0, 1, 2, 5, 7, 8] -> '0-2, 5, 7-8'."""
-    out: list[str] = []
-    i = 0
-    while i < len(ranks):
-        j = i
-        while j + 1 < len(ranks) and ranks[j + 1] == ranks[j] + 1:
-            j += 1
-        out.append(str(ranks[i]) if i == j else f"{ranks[i]}-{ranks[j]}")
-        i = j + 1
-    return ", ".join(out)
 
 
 class Runtime:
@@ -96,6 +84,8 @@ class Runtime:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_change: Callable[[], None] | None = None
         self.counters = CoreCounters()
+        self._refusals = Refusals(config.name)
+        self._opened: float | None = None
         self._ranks = Supervisor(config.world_size, config.hang_timeout_s, self.counters,
                                  spawned=spawned, on_verdict=self._on_verdict,
                                  on_fence=self._on_fence)
@@ -114,6 +104,10 @@ class Runtime:
         self._server = RendezvousServer(self.config.name, self.config.world_size,
                                         make_ready=self._make_ready, stats=self._stats_data)
         self._state = EngineState.STARTING
+        self._opened = time.monotonic()
+        log.info("kvshm engine %r: waiting for %d rank(s); query it with "
+                 "`kvshm stats --name %s`", self.config.name, self.config.world_size,
+                 self.config.name)
 
     def attach_loop(self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None]) -> None:
         """Drive everything from ``loop``; ``on_change`` runs after each batch of events."""
@@ -139,17 +133,11 @@ class Runtime:
         assert self._started is not None, "wait_started needs attach_loop"
         await self._started.wait()
 
-    def start_timeout_error(self, timeout_s: float) -> TimeoutError:
-        """What a start that ran out of time says: which ranks said Hello, which never
-        did (listed compactly), and what to run for them."""
+    def start_timeout_error(self, timeout_s: float) -> StartTimeout:
+        """What a start that ran out of time says (:mod:`~kvshm.engine.startup`): which
+        ranks connected, which are missing, what to run, the refusals seen."""
         said = set(self._server.hellos()) if self._server is not None else set()
-        ws = self.config.world_size
-        missing = [r for r in range(ws) if r not in said]
-        return TimeoutError(
-            f"kvshm engine {self.config.name!r}: {len(said)} of {ws} ranks said Hello "
-            f"within {timeout_s:g}s; never heard from rank(s) {_ranges(missing)}. "
-            f"Standalone workers: kvshm-workers --name {self.config.name} --world-size {ws}"
-            "; embedded ones attach from the serving engine's worker processes.")
+        return start_timeout_error(self.config, said, self._refusals, timeout_s)
 
     def raise_if_start_failed(self) -> None:
         """Re-raise what stopped the start (make_ready error, a rank lost while starting)."""
@@ -161,6 +149,7 @@ class Runtime:
         if self._state not in LIVE and self._state is not EngineState.NEW:
             return
         self._state = EngineState.CLOSING
+        self._ranks.detach_all("the engine closed")
         for chan in self._channels.values():
             if not chan.closed:
                 chan.post(protocol.Shutdown())
@@ -179,6 +168,9 @@ class Runtime:
             self._server.close()
         self._ranks.close()
         self._state = EngineState.CLOSED
+        stats = self.statistics()
+        log.info("kvshm engine %r shut down: %d CPU block(s) cached, %d rank(s) failed",
+                 self.config.name, stats.cpu_blocks_cached, self.counters.ranks_failed)
         if self._started is not None:
             self._started.set()
 
@@ -224,6 +216,7 @@ class Runtime:
                                fenced=ev.peer_closed, notify=False)
             else:
                 self.counters.refused += 1
+                self._refusals.record(ev.reason)
         if notify:
             self._notify()
 
@@ -260,6 +253,10 @@ class Runtime:
                                       groups=cfg.groups, world_size=cfg.world_size,
                                       mode=cfg.mode)
         self._state = EngineState.READY
+        log.info("kvshm engine %r READY: %d rank(s), CPU tier %d blocks x %d bytes = "
+                 "%.3g GiB; `kvshm stats --name %s`", cfg.name, cfg.world_size,
+                 prov.num_cpu_blocks, self._bytes_per_block,
+                 prov.num_cpu_blocks * self._bytes_per_block / 2**30, cfg.name)
         if self._started is not None:
             self._started.set()
 
@@ -268,6 +265,7 @@ class Runtime:
             self._prov.close()
         self._start_error = error
         self._state = EngineState.FAILED
+        log.error("kvshm engine %r: start FAILED: %s", self.config.name, error)
         if self._started is not None:
             self._started.set()
 
@@ -319,7 +317,11 @@ class Runtime:
         elif self.manager is not None:
             self.manager.rank_failed(rank)
             self._jobs.forget_posted()
+            first = self._state is not EngineState.FAILED
             self._state = EngineState.FAILED
+            if first:
+                log.error("kvshm engine %r FAILED: rank %d %s; serving goes on without "
+                          "offload", self.config.name, rank, self._ranks.watch[rank].why)
 
     def _on_fence(self, rank: int) -> None:
         """The fence's consequence: the rank's quarantined pins are released."""
@@ -344,7 +346,11 @@ class Runtime:
                 or self._admission.kept_out(req.req_id)):
             self.counters.lookups_not_ready += 1
             return 0
-        return self.manager.lookup(req, num_local_tokens)
+        hit = self.manager.lookup(req, num_local_tokens)
+        if hit is not None:
+            self.counters.lookup_tokens += max(0, req.num_tokens - num_local_tokens)
+            self.counters.lookups_hit += hit > 0
+        return hit
 
     def allocated(self, req_id: str, gpu_block_ids: Sequence[Sequence[int]],
                   num_external_tokens: int) -> None:
@@ -395,8 +401,10 @@ class Runtime:
     # -- statistics --------------------------------------------------------------------
     def statistics(self) -> EngineStats:
         """A snapshot (valid in every state)."""
+        up = time.monotonic() - self._opened if self._opened is not None else 0.0
         return build_stats(self.config, self._state.value, self.manager, self._cpu,
-                           self._bytes_per_block, self._ranks.snapshots(), self.counters)
+                           self._bytes_per_block, self._ranks.snapshots(), self.counters,
+                           uptime_s=up)
 
     def _stats_data(self) -> dict[str, Any]:
         return self.statistics().as_dict()

@@ -10,6 +10,7 @@ merged into the runtime's in one dict.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
@@ -33,12 +34,15 @@ class CoreCounters:
     protocol_errors: int = 0
     refused: int = 0
     done_errors: int = 0  # Dones whose handling raised (their jobs were failed)
+    lookup_tokens: int = 0  # tokens asked for beyond the GPU's own hit (answered lookups)
+    lookups_hit: int = 0  # answered lookups with a CPU-tier hit
 
 
 def build_stats(config: EngineConfig, state: str, manager: OffloadManager | None,
                 cpu: BlockPool | None, bytes_per_block: int, ranks: Sequence[RankStats],
-                counters: CoreCounters) -> EngineStats:
-    """One :class:`EngineStats` snapshot; ``bytes_per_block`` sums every rank's shard."""
+                counters: CoreCounters, uptime_s: float = 0.0) -> EngineStats:
+    """One :class:`EngineStats` snapshot; ``bytes_per_block`` sums every rank's shard;
+    ``uptime_s``: since the engine opened."""
     merged: dict[str, int] = dict(asdict(counters))
     stored = loaded = pins = jobs = q_gpu = q_cpu = 0
     if manager is not None:
@@ -51,6 +55,7 @@ def build_stats(config: EngineConfig, state: str, manager: OffloadManager | None
         name=config.name, state=state, world_size=config.world_size,
         num_cpu_blocks=cpu.num_blocks if cpu is not None else 0,
         cpu_blocks_cached=cpu.num_hashes if cpu is not None else 0,
+        cpu_tier_bytes=cpu.num_blocks * bytes_per_block if cpu is not None else 0,
         pins_held=pins, jobs_in_flight=jobs, stored_bytes=stored, loaded_bytes=loaded,
         quarantined_gpu_blocks=q_gpu, quarantined_cpu_blocks=q_cpu,
-        counters=merged, ranks=list(ranks))
+        counters=merged, ranks=list(ranks), uptime_s=uptime_s, pid=os.getpid())

@@ -49,6 +49,7 @@ class RankWatch:
         self.embedded = False
         self.alive = True
         self.fenced = False  # proven unable to touch a block (process exited / EOF)
+        self.detached = False  # left at the engine's close: not a failure
         self.exitcode: int | None = None
         self.why = ""
         self.acks = 0
@@ -132,9 +133,11 @@ class RankWatch:
         chan = self._chan
         return RankStats(rank=self.rank, pid=self.pid, connected=chan is not None,
                          alive=self.alive, fenced=self.fenced, embedded=self.embedded,
+                         detached=self.detached, why=self.why,
                          acks=self.acks,
                          failed_acks=self.failed_acks,
                          ack_latency_us=self.latency.summary_us(),
+                         ack_latency_hist=self.latency.histogram(),
                          channel=chan.statistics().as_dict() if chan is not None else {})
 
 
@@ -181,6 +184,13 @@ class Supervisor:
         if fenced and not watch.fenced:
             watch.fenced = True
             self._on_fence(rank)
+
+    def detach_all(self, why: str) -> None:
+        """The engine began closing: every rank still alive detaches (``why``); a loss
+        seen from here on is no verdict and no failure (the runtime ignores it)."""
+        for watch in self.watch.values():
+            if watch.alive and not watch.detached:
+                watch.detached, watch.why = True, why
 
     def check_hangs(self, now: float) -> None:
         """The verdict for every live rank stalled for ``hang_timeout_s`` (rank order)."""

@@ -305,9 +305,10 @@ class RendezvousServer:
         if conn.rank is not None:
             return "refused_protocol", f"second Hello on rank {conn.rank}'s connection"
         if hello.world_size != self.world_size:
-            return "refused_hello", (f"Hello from pid {conn.cred.pid} says world_size "
-                                     f"{hello.world_size}, but {self.name!r} serves "
-                                     f"world_size {self.world_size}")
+            return "refused_hello", (f"refused rank {hello.rank} (pid {conn.cred.pid}): "
+                                     f"world size {hello.world_size} != {self.world_size} "
+                                     f"(the Hello says world_size {hello.world_size}, but "
+                                     f"{self.name!r} serves world_size {self.world_size})")
         if not 0 <= hello.rank < self.world_size:
             return "refused_hello", (f"Hello from pid {conn.cred.pid}: rank {hello.rank} out "
                                      f"of range [0, {self.world_size})")

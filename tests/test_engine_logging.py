@@ -1,0 +1,74 @@
+"""What an engine logs and reports at its ends, with real spawned workers: the INFO
+lines of its lifecycle (name and how to query it, READY with the CPU tier, FAILED with
+rank and cause, shutdown), and a clean close that is no failure (ranks_failed 0, the
+CPU index kept for the final statistics, each rank detached)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+
+import pytest
+from engine_rig import BS, ROW, Client, spawned_engine, tokens
+
+from kvshm.engine import EngineState
+
+
+def _lines(caplog: pytest.LogCaptureFixture, level: int) -> list[str]:
+    return [r.getMessage() for r in caplog.records
+            if r.name.startswith("kvshm.engine") and r.levelno == level]
+
+
+async def test_clean_close_is_no_failure_and_keeps_the_index(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Store 6 blocks, close: CLOSED, ranks_failed 0, the 6 blocks still counted as
+    cached, each rank detached ("the engine closed") and not dead. The log says, once
+    each: where to query the engine, READY with the tier size, shutdown -- and nothing
+    at WARNING or above."""
+    caplog.set_level(logging.DEBUG, logger="kvshm.engine")
+    async with spawned_engine(num_cpu_blocks=64) as (eng, gpu, _):
+        await Client(eng, gpu).store_only("a", tokens(6 * BS + 1, seed=3))
+        assert eng.statistics().cpu_blocks_cached == 6
+        name = eng.name
+    stats = eng.statistics()
+    assert stats.state == "closed" and eng.state is EngineState.CLOSED
+    assert stats.counters["ranks_failed"] == 0
+    assert stats.cpu_blocks_cached == 6
+    assert [(r.alive, r.detached, r.why) for r in stats.ranks] == \
+        [(True, True, "the engine closed")] * 2
+    info = _lines(caplog, logging.INFO)
+    assert info[0] == (f"kvshm engine {name!r}: waiting for 2 rank(s); query it with "
+                       f"`kvshm stats --name {name}`")
+    ready = [m for m in info if "READY" in m]
+    assert ready == [f"kvshm engine {name!r} READY: 2 rank(s), CPU tier 64 blocks x "
+                     f"{2 * ROW} bytes = {64 * 2 * ROW / 2**30:.3g} GiB; "
+                     f"`kvshm stats --name {name}`"]
+    assert info[-1] == (f"kvshm engine {name!r} shut down: 6 CPU block(s) cached, "
+                        "0 rank(s) failed")
+    assert len(info) == 3, info
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+async def test_a_killed_rank_is_logged_with_rank_and_cause(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """SIGKILL of spawned rank 1: one ERROR line names the engine, the rank and the
+    cause; the shutdown line then counts the failure."""
+    caplog.set_level(logging.INFO, logger="kvshm.engine")
+    async with spawned_engine() as (eng, _, _):
+        pid = eng.statistics().ranks[1].pid
+        os.kill(pid, signal.SIGKILL)
+        for _ in range(400):
+            if eng.state is EngineState.FAILED:
+                break
+            await asyncio.sleep(0.01)
+        assert eng.state is EngineState.FAILED
+        name = eng.name
+    errors = _lines(caplog, logging.ERROR)
+    assert len(errors) == 1, errors
+    assert errors[0].startswith(f"kvshm engine {name!r} FAILED: rank 1 ")
+    assert errors[0].endswith("; serving goes on without offload")
+    assert ("lifeline lost" in errors[0]) or ("process exited" in errors[0])
+    assert eng.statistics().counters["ranks_failed"] == 1
+    assert _lines(caplog, logging.INFO)[-1].endswith("1 rank(s) failed")

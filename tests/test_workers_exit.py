@@ -1,0 +1,97 @@
+"""``kvshm-workers`` tells a supervisor how its engine ended, and the engine does not
+count a clean close as a failure: real processes on both sides (the engine in
+``tests/engine_proc.py``, the workers as ``python -m workers``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from worker_rig import unique_name
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env["PYTHONPATH"] = os.pathsep.join([str(HERE), str(ROOT), env.get("PYTHONPATH", "")])
+    return env
+
+
+class Pair:
+    """An engine process (tp=2) and a ``kvshm-workers --tp 2`` parent serving it."""
+
+    def __init__(self) -> None:
+        self.name = unique_name()
+        self.engine = subprocess.Popen(
+            [sys.executable, str(HERE / "engine_proc.py"), self.name, "2"], env=_env(),
+            text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        self.workers = subprocess.Popen(
+            [sys.executable, "-m", "workers", "--name", self.name, "--tp", "2",
+             "--connect-timeout", "60"], env=_env(), text=True, stdin=subprocess.DEVNULL,
+            stderr=subprocess.PIPE, cwd=ROOT)
+        assert self.engine.stdout is not None
+        line = self.engine.stdout.readline()
+        assert line == "READY\n", f"engine did not start: {line!r}"
+
+    def finish_workers(self) -> tuple[int, str]:
+        rc = self.workers.wait(timeout=30)
+        return rc, self.workers.stderr.read() if self.workers.stderr else ""
+
+    def kill(self) -> None:
+        for p in (self.workers, self.engine):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    p = Pair()
+    try:
+        yield p
+    finally:
+        p.kill()
+
+
+def test_engine_closed_workers_exit_0_and_no_rank_counts_as_failed(pair: Pair) -> None:
+    """The engine closes (Shutdown, then lifeline EOF): every rank prints ``connected``,
+    ``ready`` and ``detached (the engine closed)`` and the workers exit 0. The engine's
+    final statistics: CLOSED, ranks_failed 0, each rank detached and not dead."""
+    assert pair.engine.stdin is not None and pair.engine.stdout is not None
+    pair.engine.stdin.write("close\n")
+    pair.engine.stdin.flush()
+    stats = json.loads(pair.engine.stdout.readline())
+    rc, err = pair.finish_workers()
+    assert rc == 0, err
+    for r in range(2):
+        assert (f"kvshm-workers[rank {r}]: connected to kvshm engine {pair.name!r} "
+                f"(rank {r} of 2)\n") in err
+        assert f"kvshm-workers[rank {r}]: ready\n" in err
+        assert f"kvshm-workers[rank {r}]: detached (the engine closed)\n" in err
+    assert "error" not in err
+    assert pair.engine.wait(timeout=30) == 0
+    assert stats["state"] == "closed"
+    assert stats["counters"]["ranks_failed"] == 0
+    assert [(r["alive"], r["detached"], r["why"]) for r in stats["ranks"]] == \
+        [(True, True, "the engine closed")] * 2
+
+
+def test_engine_killed_workers_exit_1_saying_it_died(pair: Pair) -> None:
+    """SIGKILL of the engine: lifeline EOF without a Shutdown. Each rank prints that the
+    engine died and the parent exits 1, naming the ranks' codes."""
+    pair.engine.send_signal(signal.SIGKILL)
+    rc, err = pair.finish_workers()
+    assert rc == 1, err
+    for r in range(2):
+        assert (f"kvshm-workers[rank {r}]: error: the engine died (its lifeline closed "
+                "without a Shutdown)") in err
+        assert f"kvshm-workers: rank {r} exited with code 1" in err
+        assert "detached (the engine closed)" not in err
