@@ -1,4 +1,4 @@
-"""The ``kvshm`` command: ``demo``, ``stats``, ``sweep``.
+"""The ``kvshm`` command: ``demo``, ``stats``, ``ls``, ``sweep``.
 
 Each subcommand imports what it needs only when it runs, so ``kvshm --help`` is fast.
 """
@@ -30,9 +30,25 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     if args.prometheus:
         from kvshm.stats import EngineStats, to_prometheus
 
-        sys.stdout.write(to_prometheus(EngineStats.from_dict(data)).decode())
+        try:
+            text = to_prometheus(EngineStats.from_dict(data))
+        except ImportError as exc:
+            print(f"kvshm stats: {exc}", file=sys.stderr)
+            return 1
+        sys.stdout.write(text.decode())
     else:
         print(json.dumps(data, indent=2, sort_keys=True))
+    return 0
+
+
+def _cmd_ls(args: argparse.Namespace) -> int:
+    from kvshm.cli_ls import format_table, list_engines
+
+    rows = list_engines(timeout=args.timeout)
+    if not rows:
+        print("no kvshm engines running (none listens on an abstract socket @kvshm.*)")
+        return 0
+    print(format_table(rows))
     return 0
 
 
@@ -60,8 +76,14 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--name", required=True, help="the engine's name")
     stats.add_argument("--timeout", type=float, default=2.0, help="seconds to wait")
     stats.add_argument("--prometheus", action="store_true",
-                       help="Prometheus text exposition instead of JSON (needs prometheus-client)")
+                       help="Prometheus text exposition instead of JSON (needs "
+                            "pip install 'kvshm[prometheus]')")
     stats.set_defaults(func=_cmd_stats)
+    ls = sub.add_parser("ls", help="list the running engines: name, pid, state, world "
+                                   "size, CPU tier")
+    ls.add_argument("--timeout", type=float, default=1.0,
+                    help="seconds to wait for each engine's answer")
+    ls.set_defaults(func=_cmd_ls)
     sweep = sub.add_parser("sweep", help="list and remove leftover kvshm segments")
     sweep.add_argument("--dry-run", action="store_true", help="list only")
     sweep.set_defaults(func=_cmd_sweep)

@@ -1,0 +1,94 @@
+"""``kvshm ls``: the kvshm engines running on this machine, one line each.
+
+An engine listens on the abstract socket ``\\0kvshm.<name>``; the kernel lists every
+unix socket in ``/proc/net/unix``, abstract names with a leading ``@``. A listener is a
+line whose flags carry ``__SO_ACCEPTCON`` (0x10000); its rank connections carry the same
+name without the flag and are skipped. Each listener found is asked for its statistics
+(the ``StatsRequest`` ``kvshm stats`` sends); one that does not answer -- another uid's,
+one that is stuck, one that closed meanwhile -- is still listed, with why in place of
+its state.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final
+
+__all__ = ["EngineRow", "engine_names", "format_table", "list_engines"]
+
+_PREFIX: Final = "@kvshm."
+_ACCEPTCON: Final = 0x10000
+_HEADER: Final = ("NAME", "PID", "STATE", "WORLD", "CPU TIER", "CACHED", "UPTIME")
+
+
+@dataclass(frozen=True)
+class EngineRow:
+    """One engine of ``kvshm ls``; ``error`` set when it did not answer."""
+
+    name: str
+    pid: int = 0
+    state: str = "?"
+    world_size: int = 0
+    num_cpu_blocks: int = 0
+    cpu_tier_bytes: int = 0
+    cpu_blocks_cached: int = 0
+    uptime_s: float = 0.0
+    error: str = ""
+
+
+def engine_names(proc_net_unix: str = "/proc/net/unix") -> list[str]:
+    """Names of the kvshm listeners in ``proc_net_unix``, sorted, each once."""
+    names: set[str] = set()
+    with open(proc_net_unix) as f:
+        next(f, None)  # the header
+        for line in f:
+            parts = line.rstrip("\n").split(None, 7)
+            if len(parts) < 8 or not parts[7].startswith(_PREFIX):
+                continue
+            if int(parts[3], 16) & _ACCEPTCON:
+                names.add(parts[7][len(_PREFIX):])
+    return sorted(names)
+
+
+def _row(name: str, data: dict[str, Any]) -> EngineRow:
+    if "error" in data and "state" not in data:
+        return EngineRow(name, error=str(data["error"]))
+    return EngineRow(name, pid=int(data.get("pid", 0)), state=str(data.get("state", "?")),
+                     world_size=int(data.get("world_size", 0)),
+                     num_cpu_blocks=int(data.get("num_cpu_blocks", 0)),
+                     cpu_tier_bytes=int(data.get("cpu_tier_bytes", 0)),
+                     cpu_blocks_cached=int(data.get("cpu_blocks_cached", 0)),
+                     uptime_s=float(data.get("uptime_s", 0.0)))
+
+
+def list_engines(timeout: float = 1.0) -> list[EngineRow]:
+    """Every engine :func:`engine_names` finds, with its statistics (``timeout`` each)."""
+    from kvshm.errors import KvshmError
+    from kvshm.ipc.rendezvous import query_stats
+
+    rows = []
+    for name in engine_names():
+        try:
+            rows.append(_row(name, query_stats(name, timeout=timeout)))
+        except (KvshmError, TimeoutError, OSError) as exc:
+            rows.append(EngineRow(name, error=f"{type(exc).__name__}: {exc}"))
+    return rows
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def format_table(rows: list[EngineRow]) -> str:
+    """The table ``kvshm ls`` prints (a header, then one line per engine)."""
+    lines = [_HEADER]
+    for r in rows:
+        if r.error:
+            lines.append((r.name, "-", f"no answer: {r.error}", "-", "-", "-", "-"))
+            continue
+        tier = f"{r.num_cpu_blocks} blocks / {_gib(r.cpu_tier_bytes)}"
+        lines.append((r.name, str(r.pid), r.state, str(r.world_size), tier,
+                      str(r.cpu_blocks_cached), f"{r.uptime_s:.0f}s"))
+    widths = [max(len(line[i]) for line in lines) for i in range(len(_HEADER) - 1)]
+    return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(line, widths)), line[-1]])
+                     .rstrip() for line in lines)

@@ -1,0 +1,121 @@
+"""``kvshm ls`` and ``kvshm stats --prometheus`` against a real running engine (SPAWN,
+two worker processes), the CLI in its own process while the engine's loop serves it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+
+from engine_rig import BS, ROW, Client, spawned_engine, tokens
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvshm.cli_ls import engine_names
+
+_BLOCK_PROMETHEUS = """
+import sys
+class _NoPrometheus:
+    def find_spec(self, name, path=None, target=None):
+        if name.split(".")[0] == "prometheus_client":
+            raise ImportError(f"No module named {name!r}")
+sys.meta_path.insert(0, _NoPrometheus())
+from kvshm.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+async def _kvshm(*argv: str, code: str | None = None) -> tuple[int, str, str]:
+    """Run the ``kvshm`` CLI in a child process without blocking the engine's loop."""
+    pre = ["-c", code] if code else ["-m", "kvshm.cli"]
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, *pre, *argv, stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE)
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_ls_lists_a_running_engine_with_pid_state_world_and_tier() -> None:
+    """The engine is found by its abstract socket and described by its own answer."""
+    async with spawned_engine(num_cpu_blocks=64) as (eng, gpu, _):
+        await Client(eng, gpu).store_only("a", tokens(3 * BS + 1, seed=5))
+        assert eng.name in engine_names()
+        rc, out, err = await _kvshm("ls")
+        assert rc == 0, err
+        lines = out.splitlines()
+        assert lines[0].split() == ["NAME", "PID", "STATE", "WORLD", "CPU", "TIER",
+                                    "CACHED", "UPTIME"]
+        mine = [ln for ln in lines if ln.startswith(eng.name + " ")]
+        assert len(mine) == 1, out
+        gib = 64 * 2 * ROW / 2**30
+        assert mine[0].split()[:9] == [eng.name, str(os.getpid()), "ready", "2", "64",
+                                       "blocks", "/", f"{gib:.2f}", "GiB"]
+        assert mine[0].split()[9] == "3"
+    assert eng.name not in engine_names()
+
+
+async def test_stats_prometheus_counters_histograms_hit_rate_uptime() -> None:
+    """Counters end in ``_total`` and are typed counter; per-rank ack latency is a
+    histogram whose +Inf bucket equals the rank's acks; hit rate and uptime are there;
+    no old ``q=`` gauge."""
+    async with spawned_engine(num_cpu_blocks=64) as (eng, gpu, _):
+        c = Client(eng, gpu)
+        toks = tokens(4 * BS + 1, seed=7)
+        await c.store_only("a", toks)
+        hit, table, _ = c.load("b", toks)
+        assert hit == 4 * BS
+        assert (await c.loaded("b")).ok
+        c.finish("b", table, 0)
+        await c.settle()
+        rc, out, err = await _kvshm("stats", "--name", eng.name, "--prometheus")
+        acks = [r.acks for r in eng.statistics().ranks]
+    assert rc == 0, err
+    assert 'q="' not in out
+    fams = {f.name: f for f in text_string_to_metric_families(out)}
+    assert fams["kvshm_stored_blocks"].type == "counter"
+    (stored,) = fams["kvshm_stored_blocks"].samples
+    assert stored.name == "kvshm_stored_blocks_total" and stored.value == 4
+    assert fams["kvshm_stored_bytes"].samples[0].value == 4 * 2 * ROW
+    assert fams["kvshm_cpu_blocks_cached"].type == "gauge"
+    lat = fams["kvshm_ack_latency_seconds"]
+    assert lat.type == "histogram"
+    for rank in (0, 1):
+        inf = [s for s in lat.samples if s.name == "kvshm_ack_latency_seconds_bucket"
+               and s.labels["rank"] == str(rank) and s.labels["le"] == "+Inf"]
+        assert [s.value for s in inf] == [acks[rank]] and acks[rank] >= 2
+    (rate,) = fams["kvshm_hit_rate"].samples
+    assert rate.value == (4 * BS) / (4 * BS + 1)
+    assert fams["kvshm_uptime_seconds"].samples[0].value > 0
+    assert fams["kvshm_state"].samples[0].labels["state"] == "ready"
+
+
+async def test_stats_json_keeps_its_fields_and_prometheus_missing_names_the_extra() -> None:
+    """The JSON answer keeps every old field (and adds pid, uptime, tier bytes, the
+    histogram); without prometheus-client, --prometheus says what to install."""
+    async with spawned_engine() as (eng, _, _):
+        rc, out, err = await _kvshm("stats", "--name", eng.name)
+        assert rc == 0, err
+        data = json.loads(out)
+        for key in ("name", "state", "world_size", "num_cpu_blocks", "cpu_blocks_cached",
+                    "pins_held", "jobs_in_flight", "stored_bytes", "loaded_bytes",
+                    "quarantined_gpu_blocks", "quarantined_cpu_blocks", "counters", "ranks",
+                    "pid", "uptime_s", "cpu_tier_bytes"):
+            assert key in data, key
+        assert {"ack_latency_us", "ack_latency_hist", "alive", "detached"} <= \
+            set(data["ranks"][0])
+        rc, out, err = await _kvshm("stats", "--name", eng.name, "--prometheus",
+                                    code=_BLOCK_PROMETHEUS)
+    assert rc == 1 and out == ""
+    assert err.strip() == ("kvshm stats: the Prometheus exposition needs prometheus-client: "
+                           "pip install 'kvshm[prometheus]'")
+
+
+async def test_ls_with_no_engine_of_ours_says_so_or_lists_others() -> None:
+    """Without an engine of this test the table has no row for a closed one."""
+    async with spawned_engine() as (eng, _, _):
+        name = eng.name
+    rc, out, _ = await _kvshm("ls")
+    assert rc == 0
+    assert name not in out
+    assert out.startswith(("NAME", "no kvshm engines running"))
