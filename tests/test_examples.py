@@ -1,0 +1,106 @@
+"""The vLLM quick-start works as the README tells it (issue 14, point 10): the tiny-model
+builder runs offline, the ``vllm`` command of a venv made by tools/vllm_install.sh runs,
+and the quick-start script gets a CPU-tier hit from kvshm in a real vLLM."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+HAVE_HF = all(importlib.util.find_spec(m) is not None for m in ("transformers", "tokenizers"))
+_VLLM_SPEC = importlib.util.find_spec("vllm")
+HAVE_VLLM = _VLLM_SPEC is not None and _VLLM_SPEC.origin is not None
+#: No hub, no network, one thread (the builder must not need any of it).
+OFFLINE = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "OMP_NUM_THREADS": "1", "TORCH_COMPILE_DISABLE": "1",
+           "VLLM_CPU_OMP_THREADS_BIND": "nobind", "PYTHONPATH": str(ROOT)}
+
+
+def _run(*argv: str, timeout: float) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(argv, cwd=ROOT, env=OFFLINE, capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def _build(folder: Path) -> None:
+    proc = _run(sys.executable, "examples/tiny_llama.py", str(folder), timeout=240)
+    assert proc.returncode == 0, proc.stderr
+    assert f"tiny Llama written to {folder}" in proc.stdout
+
+
+@pytest.mark.skipif(not HAVE_HF, reason="transformers/tokenizers not installed (come with vLLM)")
+def test_tiny_llama_builds_offline(tmp_path: Path) -> None:
+    """The folder holds a 2-layer Llama config, safetensors weights and a word-level
+    tokenizer whose words are one token each."""
+    folder = tmp_path / "tiny"
+    _build(folder)
+    config = json.loads((folder / "config.json").read_text())
+    assert (config["model_type"], config["num_hidden_layers"], config["hidden_size"],
+            config["num_key_value_heads"], config["vocab_size"]) == ("llama", 2, 128, 2, 512)
+    assert (folder / "model.safetensors").stat().st_size > 0
+    transformers = importlib.import_module("transformers")
+    tok = transformers.AutoTokenizer.from_pretrained(str(folder))
+    assert tok("w0 w1 w507", add_special_tokens=False)["input_ids"] == [4, 5, 511]
+
+
+@pytest.mark.skipif(not HAVE_VLLM, reason="vLLM is not installed (see tools/vllm_install.sh)")
+def test_vllm_console_script_runs() -> None:
+    """vllm-cpu's ``vllm`` command died with PackageNotFoundError: vllm; the install
+    script's metadata alias makes it run, with the CPU build's version."""
+    import vllm
+
+    proc = _run(str(Path(sys.executable).parent / "vllm"), "--version", timeout=120)
+    assert "PackageNotFoundError" not in proc.stderr
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == f"{vllm.__version__}+cpu"
+
+
+@pytest.mark.slow
+@pytest.mark.vllm
+@pytest.mark.skipif(not HAVE_VLLM or not HAVE_HF, reason="vLLM is not installed")
+def test_vllm_quickstart_hits_the_cpu_tier(tmp_path: Path) -> None:
+    """examples/vllm_quickstart.py, which the README shows: the repeat of a 300-token
+    prompt after vLLM's prefix cache was dropped gets its two full 128-token blocks
+    from kvshm (256 tokens), and the answers are the same."""
+    folder = tmp_path / "tiny"
+    _build(folder)
+    proc = _run(sys.executable, "examples/vllm_quickstart.py", str(folder), timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    lines = {ln.split(":")[0]: ln for ln in proc.stdout.splitlines() if ":" in ln}
+    assert lines["first"].startswith("first:  cached 0 tokens, ")
+    assert lines["second"].startswith("second: cached 256 tokens, ")
+    assert lines["first"].split(", ", 1)[1] == lines["second"].split(", ", 1)[1]
+    assert "kvshm: lookup_hit_tokens=256, stored_blocks=" in proc.stdout
+
+
+def _readme_vllm() -> str:
+    text = (ROOT / "README.md").read_text()
+    return text[text.index("## vLLM\n"):text.index("## Measured")]
+
+
+def test_readme_serve_line_is_a_valid_connector_config() -> None:
+    """The README's ``vllm serve`` line: its --kv-transfer-config JSON names kvshm's
+    connector with the settings the connector requires and only extra keys it knows."""
+    from kvshm.integrations.vllm.config import _KNOWN_KEYS
+
+    section = _readme_vllm()
+    assert "vllm serve /tmp/tiny-llama --enable-prefix-caching" in section
+    raw = section.split("--kv-transfer-config '", 1)[1].split("'", 1)[0]
+    cfg = json.loads(raw)
+    assert cfg["kv_connector"] == "KvshmConnector"
+    assert cfg["kv_connector_module_path"] == "kvshm.integrations.vllm"
+    assert (cfg["kv_role"], cfg["kv_load_failure_policy"]) == ("kv_both", "recompute")
+    extra = cfg["kv_connector_extra_config"]
+    assert set(extra) <= _KNOWN_KEYS and extra["cpu_bytes"] == 4 << 30
+    if HAVE_VLLM:
+        from vllm.config import KVTransferConfig
+
+        KVTransferConfig(**cfg)  # every field is one vLLM knows
+    assert 'if __name__ == "__main__":' in section
+    assert "kvshm stats --name serve1" in section
