@@ -72,3 +72,20 @@ async def test_a_killed_rank_is_logged_with_rank_and_cause(
     assert ("lifeline lost" in errors[0]) or ("process exited" in errors[0])
     assert eng.statistics().counters["ranks_failed"] == 1
     assert _lines(caplog, logging.INFO)[-1].endswith("1 rank(s) failed")
+
+
+async def test_per_request_lines_are_debug_only(caplog: pytest.LogCaptureFixture) -> None:
+    """A lookup logs its request and hit at DEBUG; nothing per request reaches INFO."""
+    caplog.set_level(logging.DEBUG, logger="kvshm.engine")
+    async with spawned_engine() as (eng, gpu, _):
+        c = Client(eng, gpu)
+        toks = tokens(4 * BS + 1, seed=9)
+        await c.store_only("a", toks)
+        hit, table, _ = c.load("b", toks)
+        assert (await c.loaded("b")).ok
+        c.finish("b", table, 0)
+        await c.settle()
+        name = eng.name
+    assert f"kvshm engine {name!r}: lookup 'b': {4 * BS} CPU hit token(s) beyond 0 local" \
+        in _lines(caplog, logging.DEBUG)
+    assert not [m for m in _lines(caplog, logging.INFO) if "'b'" in m or "'a'" in m]

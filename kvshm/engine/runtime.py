@@ -350,6 +350,8 @@ class Runtime:
         if hit is not None:
             self.counters.lookup_tokens += max(0, req.num_tokens - num_local_tokens)
             self.counters.lookups_hit += hit > 0
+        log.debug("kvshm engine %r: lookup %r: %s CPU hit token(s) beyond %d local",
+                  self.config.name, req.req_id, hit, num_local_tokens)
         return hit
 
     def allocated(self, req_id: str, gpu_block_ids: Sequence[Sequence[int]],
