@@ -7,17 +7,24 @@ memory and launches an :class:`~kvshm.engine.Engine` with 2 SPAWN workers (TP=2)
 CPU tier large enough for the whole trace.
 
 Reported: CPU-tier hit rate, median time to first token on turns 2+ each way and their
-ratio, bytes stored and loaded, checksum results, and the bit-exact check (see
-:mod:`kvshm.demo.check`). ``--json`` prints ``{"ttft_ratio", "hit_rate", "bit_exact",
-...}`` as the last line. Exit status 0 when the restored bytes and logits are exact.
+ratio, wall time each way (the "on" time includes starting and stopping the worker
+processes; both are reported), bytes stored and loaded, checksum results, and the
+bit-exact check (see :mod:`kvshm.demo.check`). ``--json`` prints ``{"ttft_ratio",
+"hit_rate", "bit_exact", ..., "per_turn", "ttft_by_turn_ms", "hit_rate_by_turn"}`` as the
+last line: ``per_turn`` has one record per replayed request, in replay order, with both
+arms' TTFT; the ``_by_turn`` lists are indexed by turn number (turn 1 first).
+``--plot FILE.png`` draws them (:mod:`kvshm.demo.plot`, needs ``kvshm[plot]``; checked
+before the replay starts). Exit status 0 when the restored bytes and logits are exact.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +40,7 @@ from kvshm.engine import SPAWN, Engine
 from kvshm.offload.pool import BlockPool
 from kvshm.shm import shared_tensor
 
-__all__ = ["RunReport", "run_demo"]
+__all__ = ["RunReport", "add_arguments", "main", "run_demo"]
 
 
 @dataclass
@@ -48,6 +55,10 @@ class RunReport:
     stats: dict[str, Any] = field(default_factory=dict)
     checksum_ok: int = 0
     checksum_bad: int = 0
+    #: Offload on only: Engine.launch until READY (spawning the workers included) and
+    #: the engine's close at the end; both are inside ``wall_s``.
+    start_s: float = 0.0
+    stop_s: float = 0.0
 
     def ttft_later(self) -> float:
         """Median time to first token over turns 2+ (turn index >= 1)."""
@@ -113,10 +124,13 @@ async def _run(model: ToyModel, trace: ChatTrace, offload: bool, progress: _Prog
                            num_cpu_blocks=cpu_blocks)
         async with Engine.launch(cfg, workers=SPAWN, gpu_blocks=gpu,
                                  device_caches=[[s] for s in shards]) as eng:
+            report.start_s = time.perf_counter() - start
             server = ToyServer(model, shards, gpu, eng, len(trace.system_prompt))
             await _replay(trace, server, report, progress)
             report.stats = eng.statistics().as_dict()
             report.checksum_ok, report.checksum_bad = server.checksum_ok, server.checksum_bad
+            closing = time.perf_counter()
+        report.stop_s = time.perf_counter() - closing
     report.wall_s = time.perf_counter() - start
     return report
 
@@ -163,6 +177,34 @@ async def _demo(quick: bool, progress_on: bool) -> dict[str, Any]:
         "pins_at_end": stats.get("pins_held", -1),
         "replies_equal": sum(on.turns[r].reply == off.turns[r].reply for r in trace.order),
         "turns": len(trace.order),
+        "workers": model.config.tp_shards,
+        "workers_start_s": on.start_s, "workers_stop_s": on.stop_s,
+        **_per_turn(trace, off, on),
+    }
+
+
+def _median_ms(values: list[float]) -> float:
+    return statistics.median(values) * 1e3
+
+
+def _per_turn(trace: ChatTrace, off: RunReport, on: RunReport) -> dict[str, Any]:
+    """Both arms turn by turn: one record per request in replay order, and per turn
+    number (index 0 = turn 1) the median TTFT of each arm and the CPU-tier hit rate
+    (hit tokens / prompt tokens over that turn's requests)."""
+    per_turn = [{"conversation": ref.conversation, "turn": ref.turn + 1,
+                 "prompt_tokens": trace.prompt_length(ref),
+                 "ttft_off_ms": off.turns[ref].ttft_s * 1e3,
+                 "ttft_on_ms": on.turns[ref].ttft_s * 1e3,
+                 "cpu_hit_tokens": on.turns[ref].cpu_hit_tokens} for ref in trace.order]
+    numbers = sorted({ref.turn for ref in trace.order})
+    refs = {t: [ref for ref in trace.order if ref.turn == t] for t in numbers}
+    return {
+        "per_turn": per_turn,
+        "ttft_by_turn_ms": {
+            "off": [_median_ms([off.turns[r].ttft_s for r in refs[t]]) for t in numbers],
+            "on": [_median_ms([on.turns[r].ttft_s for r in refs[t]]) for t in numbers]},
+        "hit_rate_by_turn": [sum(on.turns[r].cpu_hit_tokens for r in refs[t])
+                             / sum(trace.prompt_length(r) for r in refs[t]) for t in numbers],
     }
 
 
@@ -172,7 +214,12 @@ def _print_summary(out: dict[str, Any]) -> None:
     print(f"CPU-tier hit rate:     {out['hit_rate']:.1%} of prompt tokens")
     print(f"median TTFT, turns 2+: {out['ttft_off_ms']:.1f} ms recompute, "
           f"{out['ttft_on_ms']:.1f} ms offload  ->  {out['ttft_ratio']:.2f}x")
-    print(f"wall time:             {out['wall_off_s']:.1f} s off, {out['wall_on_s']:.1f} s on")
+    print("TTFT by turn (median): "
+          + ", ".join(f"turn {i + 1} {a:.1f} -> {b:.1f} ms" for i, (a, b) in
+                      enumerate(zip(out["ttft_by_turn_ms"]["off"], out["ttft_by_turn_ms"]["on"]))))
+    print(f"wall time:             {out['wall_off_s']:.1f} s off, {out['wall_on_s']:.1f} s on; "
+          f"the on time includes starting the {out['workers']} worker processes "
+          f"({out['workers_start_s']:.1f} s) and stopping them ({out['workers_stop_s']:.1f} s)")
     print(f"bytes moved:           {out['stored_bytes'] / mib:.1f} MiB stored, "
           f"{out['loaded_bytes'] / mib:.1f} MiB loaded")
     print(f"checksums of loads:    {out['checksums_ok']} equal, {out['checksums_bad']} differ")
@@ -182,10 +229,42 @@ def _print_summary(out: dict[str, Any]) -> None:
     print(f"bit exact:             {out['bit_exact']}")
 
 
-def run_demo(json_out: bool = False, quick: bool = False) -> int:
-    """Entry point of ``kvshm demo``; 0 when everything restored was exact."""
+def run_demo(json_out: bool = False, quick: bool = False, plot: str | None = None) -> int:
+    """Entry point of ``kvshm demo``; 0 when everything restored was exact, 2 when
+    ``plot`` was asked for without matplotlib (said before anything runs)."""
+    if plot is not None:
+        from kvshm.demo.plot import PlotUnavailable, require_matplotlib
+
+        try:
+            require_matplotlib()
+        except PlotUnavailable as e:
+            print(f"kvshm demo: {e}", file=sys.stderr)
+            return 2
     out = uvloop.run(_demo(quick, progress_on=True))
     _print_summary(out)
+    if plot is not None:
+        from kvshm.demo.plot import draw
+
+        draw(out, plot)
+        print(f"plot written to {plot}")
     if json_out:
         print(json.dumps(out))
     return 0 if out["bit_exact"] else 1
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The demo's options (``kvshm demo`` and ``python -m kvshm.demo``)."""
+    parser.add_argument("--json", action="store_true", help="print a JSON summary as last line")
+    parser.add_argument("--quick", action="store_true", help="a shorter trace (for tests)")
+    parser.add_argument("--plot", metavar="FILE.png",
+                        help="draw TTFT per turn, off vs on, and the CPU-tier hit rate "
+                             "(needs pip install 'kvshm[plot]')")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m kvshm.demo [--json] [--quick] [--plot FILE.png]``."""
+    parser = argparse.ArgumentParser(
+        prog="kvshm demo", description="replay a chat trace on a toy model, offload off and on")
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    return run_demo(json_out=args.json, quick=args.quick, plot=args.plot)
