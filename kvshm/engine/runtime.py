@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 from kvshm.config import EngineConfig
+from kvshm.engine import startup
 from kvshm.engine.admission import Admission, check_id
 from kvshm.engine.dispatch import Dispatcher
 from kvshm.engine.lifecycle import ENDED, LIVE, EngineState
@@ -105,9 +106,7 @@ class Runtime:
                                         make_ready=self._make_ready, stats=self._stats_data)
         self._state = EngineState.STARTING
         self._opened = time.monotonic()
-        log.info("kvshm engine %r: waiting for %d rank(s); query it with "
-                 "`kvshm stats --name %s`", self.config.name, self.config.world_size,
-                 self.config.name)
+        startup.log_opened(self.config)
 
     def attach_loop(self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None]) -> None:
         """Drive everything from ``loop``; ``on_change`` runs after each batch of events."""
@@ -168,9 +167,7 @@ class Runtime:
             self._server.close()
         self._ranks.close()
         self._state = EngineState.CLOSED
-        stats = self.statistics()
-        log.info("kvshm engine %r shut down: %d CPU block(s) cached, %d rank(s) failed",
-                 self.config.name, stats.cpu_blocks_cached, self.counters.ranks_failed)
+        startup.log_closed(self.statistics())
         if self._started is not None:
             self._started.set()
 
@@ -253,10 +250,7 @@ class Runtime:
                                       groups=cfg.groups, world_size=cfg.world_size,
                                       mode=cfg.mode)
         self._state = EngineState.READY
-        log.info("kvshm engine %r READY: %d rank(s), CPU tier %d blocks x %d bytes = "
-                 "%.3g GiB; `kvshm stats --name %s`", cfg.name, cfg.world_size,
-                 prov.num_cpu_blocks, self._bytes_per_block,
-                 prov.num_cpu_blocks * self._bytes_per_block / 2**30, cfg.name)
+        startup.log_ready(cfg, prov.num_cpu_blocks, self._bytes_per_block)
         if self._started is not None:
             self._started.set()
 

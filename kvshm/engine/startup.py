@@ -20,9 +20,10 @@ from typing import Final
 
 from kvshm.config import EngineConfig
 from kvshm.errors import KvshmError
+from kvshm.stats import EngineStats
 
-__all__ = ["KEEP", "Refusals", "StartTimeout", "log", "ranges", "start_timeout_error",
-           "workers_command"]
+__all__ = ["KEEP", "Refusals", "StartTimeout", "log", "log_closed", "log_opened",
+           "log_ready", "ranges", "start_timeout_error", "workers_command"]
 
 #: The lifecycle logger of every engine (INFO: name, READY, FAILED, shutdown;
 #: WARNING: refusals; DEBUG: per-request lines).
@@ -95,3 +96,23 @@ def start_timeout_error(config: EngineConfig, connected: set[int], refusals: Ref
         text += f" Refused meanwhile ({len(reasons)} kept): " + "; ".join(reasons)
     return StartTimeout(text, connected=tuple(sorted(connected)), missing=tuple(missing),
                         refusals=reasons)
+
+
+def log_opened(config: EngineConfig) -> None:
+    """INFO, once per engine: its name, its ranks and how to query it."""
+    log.info("kvshm engine %r: waiting for %d rank(s); query it with "
+             "`kvshm stats --name %s`", config.name, config.world_size, config.name)
+
+
+def log_ready(config: EngineConfig, num_cpu_blocks: int, bytes_per_block: int) -> None:
+    """INFO, once: READY with the CPU tier's size."""
+    log.info("kvshm engine %r READY: %d rank(s), CPU tier %d blocks x %d bytes = "
+             "%.3g GiB; `kvshm stats --name %s`", config.name, config.world_size,
+             num_cpu_blocks, bytes_per_block, num_cpu_blocks * bytes_per_block / 2**30,
+             config.name)
+
+
+def log_closed(stats: EngineStats) -> None:
+    """INFO, once: the engine shut down, with what it held and how many ranks failed."""
+    log.info("kvshm engine %r shut down: %d CPU block(s) cached, %d rank(s) failed",
+             stats.name, stats.cpu_blocks_cached, stats.counters.get("ranks_failed", 0))
