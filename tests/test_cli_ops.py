@@ -7,6 +7,7 @@ import asyncio
 import json
 import os
 import sys
+from pathlib import Path
 
 from engine_rig import BS, ROW, Client, spawned_engine, tokens
 from prometheus_client.parser import text_string_to_metric_families
@@ -15,6 +16,7 @@ from kvshm.cli_ls import engine_names
 
 _BLOCK_PROMETHEUS = """
 import sys
+from pathlib import Path
 class _NoPrometheus:
     def find_spec(self, name, path=None, target=None):
         if name.split(".")[0] == "prometheus_client":
@@ -119,3 +121,18 @@ async def test_ls_with_no_engine_of_ours_says_so_or_lists_others() -> None:
     assert rc == 0
     assert name not in out
     assert out.startswith(("NAME", "no kvshm engines running"))
+
+
+def test_engine_names_takes_listeners_only(tmp_path: Path) -> None:
+    """A rank's connection carries the engine's name too, without __SO_ACCEPTCON: it
+    must not add a row; other sockets and names with spaces are handled."""
+    table = tmp_path / "unix"
+    table.write_text(
+        "Num       RefCount Protocol Flags    Type St Inode Path\n"
+        "0000000000000001: 00000002 00000000 00010000 0005 01 11 @kvshm.alpha\n"
+        "0000000000000002: 00000003 00000000 00000000 0005 03 12 @kvshm.alpha\n"
+        "0000000000000003: 00000003 00000000 00000000 0005 03 13 @kvshm.ghost\n"
+        "0000000000000004: 00000002 00000000 00010000 0001 01 14 /tmp/x.sock\n"
+        "0000000000000005: 00000002 00000000 00010000 0005 01 15 @kvshm.my engine\n"
+        "0000000000000006: 00000002 00000000 00010000 0005 01 16\n")
+    assert engine_names(str(table)) == ["alpha", "my engine"]
