@@ -29,7 +29,11 @@ What each state promises the scheduler:
   nothing new, every pending load resolves failed (the caller recomputes). Nothing
   waits on a dead rank.
 * CLOSING, CLOSED (:data:`ENDED`) -- every scheduler call raises
-  :class:`~kvshm.errors.StateError`; ``statistics`` still answers.
+  :class:`~kvshm.errors.StateError`; ``statistics`` still answers. A close is not a
+  failure: every rank alive at ``begin_close`` is marked detached ("the engine
+  closed"), a lifeline EOF or exit seen from then on is no verdict (``ranks_failed``
+  does not move, the state does not become FAILED) and the CPU index is kept, so the
+  final statistics describe the engine that served.
 """
 
 from __future__ import annotations
