@@ -57,6 +57,9 @@ def test_pinned_vllm_version() -> None:
 
 
 def _params(func: Any) -> list[tuple[str, Any]]:
+    """Parameter names and kinds (a classmethod's function, ``cls`` included)."""
+    if isinstance(func, classmethod):
+        func = func.__func__
     return [(p.name, p.kind) for p in inspect.signature(func).parameters.values()]
 
 

@@ -77,6 +77,9 @@ CONNECTOR_HOOKS: Final = (
     "clear_connector_metadata",
     "shutdown",
     "requires_kv_delivery",
+    "get_kv_connector_stats",
+    "build_kv_connector_stats",
+    "build_prom_metrics",
 )
 
 _LAZY: Final = frozenset({"KvshmConnector", "KvshmMetadata"})

@@ -49,6 +49,7 @@ __all__ = [
     "check_budget",
     "engine_name",
     "parse_config",
+    "tier_text",
 ]
 
 _NAME_MAX: Final = 80
@@ -294,3 +295,12 @@ def check_budget(cfg: ConnectorConfig, bytes_per_block: int, available_bytes: in
         raise ConfigError(f"{what} x {world} rank(s) = {need * world} bytes does not fit: "
                           f"{available_bytes} bytes of shared memory are available here "
                           "(free /dev/shm and MemAvailable, less a margin)")
+
+
+def tier_text(c: ConnectorConfig) -> str:
+    """The CPU tier's size as configured, for the start-up line."""
+    if c.num_cpu_blocks is not None:
+        return f"CPU tier of {c.num_cpu_blocks} blocks"
+    if c.cpu_bytes_per_rank is not None:
+        return f"CPU tier of {c.cpu_bytes_per_rank / (1 << 30):.2f} GiB per rank"
+    return "CPU tier sized by the engine"

@@ -7,6 +7,12 @@ process (a :class:`~kvshm.integrations.vllm.worker.WorkerSide`). Both validate t
 configuration in ``__init__`` (:func:`~kvshm.integrations.vllm.config.parse_config`), so
 a bad setting fails vLLM's start-up with a :class:`~kvshm.errors.ConfigError`.
 
+Statistics: the scheduler side reports kvshm's counters through vLLM's KV-connector
+stats (``get_kv_connector_stats``, ``build_kv_connector_stats``) and registers
+``kvshm_*`` Prometheus series (``build_prom_metrics``):
+:mod:`~kvshm.integrations.vllm.metrics`. Logging: ``__init__`` routes the ``kvshm``
+loggers through vLLM's handler (:mod:`~kvshm.integrations.vllm.logs`).
+
 It declares ``SupportsHMA``: vLLM calls ``request_finished_all_groups`` with one table
 per KV group (full and sliding-window groups of one block size are supported).
 """
@@ -38,6 +44,12 @@ from kvshm.integrations.vllm.config import (
     check_budget,
     parse_config,
 )
+from kvshm.integrations.vllm.logs import route_kvshm_logs
+from kvshm.integrations.vllm.metrics import (
+    KvshmConnectorStats,
+    KvshmPromMetrics,
+    StatsReporter,
+)
 from kvshm.integrations.vllm.records import StepMeta
 from kvshm.integrations.vllm.scheduler import SchedulerSide
 from kvshm.integrations.vllm.worker import WorkerSide
@@ -45,6 +57,11 @@ from kvshm.shm import available_shm_bytes
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
+        KVConnectorStats,
+        PromMetric,
+        PromMetricT,
+    )
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.block_pool import BlockPool
@@ -105,9 +122,11 @@ class KvshmConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole,
                  kv_cache_config: KVCacheConfig) -> None:
         super().__init__(vllm_config, role, kv_cache_config)
+        route_kvshm_logs()
         self._cfg = connector_config(vllm_config, kv_cache_config)
         self._sched: SchedulerSide | None = None
         self._worker: WorkerSide | None = None
+        self._reporter = StatsReporter()
         if role == KVConnectorRole.SCHEDULER:
             check_budget(self._cfg, _bytes_per_block(kv_cache_config), available_shm_bytes())
             self._sched = SchedulerSide(self._cfg, KvshmMetadata)
@@ -174,6 +193,29 @@ class KvshmConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
 
     def reset_cache(self) -> bool | None:
         return self.scheduler_side.reset()
+
+    # -- statistics (scheduler side reports; vLLM aggregates, logs and exports) ----------
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """kvshm's counter increments and gauges, at most once per REPORT_PERIOD_S
+        (a report reads a whole snapshot); None on the worker side and before bind."""
+        sched = self._sched
+        if sched is None or not sched.bound or not self._reporter.due():
+            return None
+        return self._reporter.report(sched.statistics())
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
+                                 ) -> KVConnectorStats | None:
+        return KvshmConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: VllmConfig,
+                           metric_types: dict[type[PromMetric], type[PromMetricT]],
+                           labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]
+                           ) -> KvshmPromMetrics:
+        return KvshmPromMetrics(vllm_config, metric_types, labelnames,
+                                per_engine_labelvalues)
 
     # -- worker side ---------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:

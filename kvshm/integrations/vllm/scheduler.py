@@ -41,6 +41,13 @@ that started before the workers connected are still stored. The listing itself:
 :mod:`~kvshm.integrations.vllm.listing`; the metadata and counters records:
 :mod:`~kvshm.integrations.vllm.records`.
 
+Threads: every hook runs under one lock (:class:`~kvshm.integrations.vllm.service.HookGuard`),
+and a service thread started in :meth:`SchedulerSide.bind` pumps the client under that
+lock while vLLM is idle, so ``kvshm stats --name`` answers an idle engine within about
+20 ms (:mod:`~kvshm.integrations.vllm.service` states the invariant). :meth:`shutdown`
+stops and joins it before anything else. The file written to ``stats_path``:
+:mod:`~kvshm.integrations.vllm.final_stats`.
+
 Ordering within ``build``: the client's load results are absorbed first, finished
 requests are forgotten, then the listing is built and ``SyncClient.step`` runs; loads
 kvshm refused in phase B join the metadata's ``failed_loads`` exactly once.
@@ -48,21 +55,26 @@ kvshm refused in phase B join the metadata's ``failed_loads`` exactly once.
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Final
 
 from kvshm.config import EngineConfig
 from kvshm.engine import EngineState, SyncClient
 from kvshm.engine.lifecycle import LIVE
 from kvshm.errors import ConfigError, InvalidRequest, StateError
 from kvshm.integrations.vllm.blocks import VllmGpuBlocks
-from kvshm.integrations.vllm.config import ConnectorConfig
+from kvshm.integrations.vllm.config import ConnectorConfig, tier_text
+from kvshm.integrations.vllm.final_stats import (
+    DETACH_WINDOW_S,
+    SnapshotSource,
+    final_statistics,
+    write_json,
+)
 from kvshm.integrations.vllm.listing import Listing
 from kvshm.integrations.vllm.records import SchedulerCounters, StepMeta
+from kvshm.integrations.vllm.service import HookGuard, ServiceThread, guarded
 from kvshm.ipc.protocol import unpack_ids
 from kvshm.types import RequestView, ScheduledRequest, StepInput, StepPlan, no_new_blocks
 
@@ -70,6 +82,9 @@ from kvshm.types import RequestView, ScheduledRequest, StepInput, StepPlan, no_n
 __all__ = ["SchedulerCounters", "SchedulerSide", "StepMeta"]
 
 log = logging.getLogger("kvshm.vllm")
+
+#: The oldest READY snapshot the idle service thread keeps (seconds).
+SNAPSHOT_MAX_AGE_S: Final = 1.0
 
 class SchedulerSide:
     """See the module docstring. ``meta_cls`` builds the step metadata (vLLM's
@@ -93,6 +108,12 @@ class SchedulerSide:
         self.counters = SchedulerCounters()
         self._lister = Listing(cfg, self._requests, self._announced, self.counters,
                                self._no_new)
+        self.guard = HookGuard()
+        self._service: ServiceThread | None = None
+        # (when taken, statistics) of the service thread: the latest while READY, and
+        # the one from before the pump that saw READY end
+        self._ready_snap: tuple[float, dict[str, Any]] | None = None
+        self._left_ready: tuple[float, dict[str, Any]] | None = None
 
     # -- lifecycle -----------------------------------------------------------------------
     @property
@@ -117,42 +138,98 @@ class SchedulerSide:
                              groups=c.groups, mode=c.mode, num_cpu_blocks=c.num_cpu_blocks,
                              cpu_bytes_per_rank=c.cpu_bytes_per_rank,
                              hang_timeout_s=c.hang_timeout_s)
-        self._client = SyncClient(econf, gpu_blocks=VllmGpuBlocks(gpu_block_pool))
-        log.info("kvshm: scheduler side listening as %r for %d rank(s), %s mode",
-                 c.name, c.world_size, c.mode.value)
+        with self.guard:
+            self._client = SyncClient(econf, gpu_blocks=VllmGpuBlocks(gpu_block_pool))
+            self._service = ServiceThread(self.guard, self._idle_pump, c.name)
+            self._service.start()
+        log.info("kvshm: engine %r is waiting for %d worker rank(s) (%s mode, %s); "
+                 "query it with: kvshm stats --name %s", c.name, c.world_size,
+                 c.mode.value, tier_text(c), c.name)
+
+    @property
+    def bound(self) -> bool:
+        """True once ``bind`` created the client."""
+        return self._client is not None
+
+    @property
+    def service_thread(self) -> ServiceThread | None:
+        """The idle-time service thread (None before ``bind``)."""
+        return self._service
+
+    def _idle_pump(self) -> None:
+        """The service thread's pump (under the guard): ``poll`` and absorb; remembers
+        the READY statistics from before a pump that saw the engine leave READY. They
+        are refreshed only when a hook ran since or they are older than
+        :data:`SNAPSHOT_MAX_AGE_S` (a snapshot sorts every rank's latency window; an
+        idle engine with nothing pending does not change)."""
+        client = self._client
+        if client is None or self._closed or client.state not in LIVE:
+            return
+        ready = client.state is EngineState.READY
+        now = time.monotonic()
+        if ready and (self._ready_snap is None or self.guard.last_exit >= self._ready_snap[0]
+                      or now - self._ready_snap[0] > SNAPSHOT_MAX_AGE_S):
+            self._ready_snap = (now, self.statistics())
+        self._absorb(client.poll())
+        if ready and client.state is not EngineState.READY and self._ready_snap is not None:
+            self._left_ready = (time.monotonic(), self._ready_snap[1])
 
     def shutdown(self) -> None:
-        """Let jobs in flight finish (up to ``shutdown_timeout_s``), write the final
-        statistics to ``stats_path``, close the client (idempotent)."""
-        if self._closed or self._client is None:
+        """Stop the service thread, let jobs in flight finish (up to
+        ``shutdown_timeout_s``), close the client, write ``stats_path`` (idempotent).
+        The statistics written are taken before anything is torn down
+        (:mod:`~kvshm.integrations.vllm.final_stats`)."""
+        if self._service is not None:
+            self._service.stop()
+        with self.guard:
+            if self._closed or self._client is None:
+                self._closed = True
+                return
             self._closed = True
-            return
-        self._closed = True
-        client = self._client
+            snap, source = self._drain_and_snapshot(self._client)
+            self._client.close()
+            stats = final_statistics(snap, source, self.statistics())
+        if self.cfg.stats_path:
+            write_json(self.cfg.stats_path, stats)
+        log.info("kvshm: engine %r closed (statistics: %s)", self.cfg.name,
+                 self.cfg.stats_path or "not written; set stats_path")
+
+    def _drain_and_snapshot(self, client: SyncClient
+                            ) -> tuple[dict[str, Any] | None, SnapshotSource]:
+        """Drain in-flight work, then the READY snapshot the file carries (see
+        final_stats' rules), taken before ``close``."""
+        snap: dict[str, Any] | None = None
+        source = SnapshotSource.AFTER_CLOSE
+        if client.state is EngineState.READY:
+            snap, source = self.statistics(), SnapshotSource.ON_SHUTDOWN
         deadline = time.monotonic() + self.cfg.shutdown_timeout_s
         while time.monotonic() < deadline and client.state is EngineState.READY:
-            client.poll()
+            self._absorb(client.poll())
             if not client.has_pending_work():
                 break
             time.sleep(0.002)
         self._absorb(client.poll() if client.state in LIVE else [])
-        client.close()
-        stats = self.statistics()
-        if self.cfg.stats_path:
-            _write_json(self.cfg.stats_path, stats)
-        log.info("kvshm: scheduler side closed (%s)", stats.get("state"))
+        if client.state is EngineState.READY:
+            return self.statistics(), SnapshotSource.BEFORE_CLOSE
+        left = self._left_ready
+        if snap is None and left is not None and time.monotonic() - left[0] <= DETACH_WINDOW_S:
+            return left[1], SnapshotSource.BEFORE_WORKERS_DETACHED
+        return snap, source
 
     def statistics(self) -> dict[str, Any]:
         """The engine's statistics plus the connector's counters, JSON-able."""
-        out = self.client.statistics().as_dict()
-        out["connector"] = dict(vars(self.counters))
-        return out
+        with self.guard:
+            out = self.client.statistics().as_dict()
+            out["connector"] = dict(vars(self.counters))
+            return out
 
     # -- phase A / B ---------------------------------------------------------------------
+    @guarded
     def on_new_request(self, request: Any) -> None:
         """Remember the live request (its hashes and counts grow in place)."""
         self._requests[request.request_id] = request
 
+    @guarded
     def lookup(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """``get_num_new_matched_tokens``: see the module docstring."""
         self._requests[request.request_id] = request
@@ -177,9 +254,12 @@ class SchedulerSide:
             return None, False
         if hit > 0:
             self.counters.lookup_hit_tokens += hit
+            log.debug("kvshm: request %s: %d token(s) from the CPU tier", request.request_id,
+                      hit)
             return hit, True
         return 0, False
 
+    @guarded
     def allocated(self, request: Any, block_ids: Sequence[Sequence[int]],
                   num_external_tokens: int) -> None:
         """``update_state_after_alloc``: the request's whole per-group tables."""
@@ -217,6 +297,7 @@ class SchedulerSide:
                       exc.call, rid, exc)
 
     # -- the step ------------------------------------------------------------------------
+    @guarded
     def build(self, so: Any) -> StepMeta:
         """``build_connector_meta``: plan this step; never blocks."""
         client = self.client
@@ -261,6 +342,7 @@ class SchedulerSide:
         return self._lister.build(so)
 
     # -- completions, finish, reset ------------------------------------------------------
+    @guarded
     def update_output(self) -> None:
         """``update_connector_output``: collect the client's load results."""
         self._absorb(self.client.poll())
@@ -274,10 +356,15 @@ class SchedulerSide:
                 self.counters.loads_failed += 1
                 if res.req_id in self._requests:
                     self._load_failed.add(res.req_id)
-                log.warning("kvshm: load for %s failed (%s); vLLM recomputes %d block(s)",
-                            res.req_id, res.cause.value if res.cause else "?",
-                            len(res.failed_block_ids))
+                first = self.counters.loads_failed == 1
+                log.log(logging.WARNING if first else logging.DEBUG,
+                        "kvshm: load for %s failed (%s); vLLM recomputes %d block(s)%s",
+                        res.req_id, res.cause.value if res.cause else "?",
+                        len(res.failed_block_ids),
+                        " (further failed loads: DEBUG lines, counted in "
+                        "connector.loads_failed)" if first else "")
 
+    @guarded
     def finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, None]:
         """``request_finished_all_groups``: final confirmed count and tables."""
         rid = request.request_id
@@ -296,20 +383,15 @@ class SchedulerSide:
         self._load_failed.discard(rid)
         self._refused.discard(rid)
 
+    @guarded
     def has_pending_work(self) -> bool:
         """``has_pending_push_work``: jobs not yet acked by every rank."""
         if self._client is None or self._closed:
             return False
         return self._client.has_pending_work()
 
+    @guarded
     def reset(self) -> bool:
         """``reset_cache``: drop the CPU index; False while transfers are in flight."""
         return self.client.reset()
 
-
-def _write_json(path: str, data: dict[str, Any]) -> None:
-    """Write ``data`` to ``path`` atomically (a temporary file renamed over it)."""
-    tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1, sort_keys=True, default=str)
-    os.replace(tmp, path)

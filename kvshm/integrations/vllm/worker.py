@@ -244,8 +244,11 @@ class WorkerSide:
         self.counters.loads_failed += 1
         self._failed_reqs.update(reqs)
         self._errors.update(dsts)
-        log.warning("kvshm: rank %d: load job %d failed; %d block(s) of %s recomputed",
-                    self.rank, job_id, len(dsts), sorted(reqs))
+        first = self.counters.loads_failed == 1
+        log.log(logging.WARNING if first else logging.DEBUG,
+                "kvshm: rank %d: load job %d failed; %d block(s) of %s recomputed%s",
+                self.rank, job_id, len(dsts), sorted(reqs),
+                " (further failures: DEBUG lines, counted)" if first else "")
 
     def load_errors(self) -> set[int]:
         """``get_block_ids_with_load_errors``: failed destinations since the last call

@@ -1,0 +1,46 @@
+"""The statistics file's rules (issue 14, point 4): the READY snapshot from before the
+teardown, with the final state, and a ``teardown`` record that hides nothing."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm.logger", reason="vLLM is not installed (see tools/vllm_install.sh)")
+
+from kvshm.integrations.vllm.final_stats import SnapshotSource, final_statistics
+
+
+def _stats(state: str, cached: int, alive: list[bool], failed: int) -> dict[str, Any]:
+    return {"name": "e", "state": state, "cpu_blocks_cached": cached,
+            "counters": {"ranks_failed": failed},
+            "ranks": [{"rank": i, "alive": a} for i, a in enumerate(alive)],
+            "connector": {"steps": 3 if state == "ready" else 9}}
+
+
+def test_the_ready_snapshot_wins_with_the_final_state_and_counters() -> None:
+    ready = _stats("ready", 5, [True, True], 0)
+    closed = _stats("closed", 0, [False, False], 2)
+    out = final_statistics(ready, SnapshotSource.BEFORE_WORKERS_DETACHED, closed)
+    assert out["state"] == "closed"
+    assert out["cpu_blocks_cached"] == 5 and out["counters"] == {"ranks_failed": 0}
+    assert [r["alive"] for r in out["ranks"]] == [True, True]
+    assert out["connector"] == {"steps": 9}
+    assert out["teardown"] == {"snapshot": "before_workers_detached",
+                               "ranks_detached": [0, 1]}
+
+
+def test_without_a_ready_snapshot_the_end_is_reported_as_it_is() -> None:
+    failed = _stats("closed", 0, [True, False], 1)
+    out = final_statistics(None, SnapshotSource.AFTER_CLOSE, failed)
+    assert out["counters"] == {"ranks_failed": 1} and out["cpu_blocks_cached"] == 0
+    assert out["teardown"] == {"snapshot": "after_close", "ranks_detached": [1]}
+
+
+def test_a_rank_already_lost_in_the_snapshot_is_not_listed_as_detached() -> None:
+    snap = _stats("ready", 2, [True, False], 1)
+    out = final_statistics(snap, SnapshotSource.ON_SHUTDOWN, _stats("closed", 0,
+                                                                     [False, False], 1))
+    assert out["counters"] == {"ranks_failed": 1}
+    assert out["teardown"] == {"snapshot": "on_shutdown", "ranks_detached": [0]}
