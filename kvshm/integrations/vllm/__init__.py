@@ -23,8 +23,16 @@ documented in :mod:`kvshm.integrations.vllm.config`; the scheduler side in
 Pinned vLLM version: 0.32 (``VLLM_VERSION``); every hook the connector overrides
 exists there (``CONNECTOR_HOOKS``; tests/vllm checks both).
 
+Operating it (issue 14): an idle engine answers ``kvshm stats --name`` through the
+scheduler side's service thread (:mod:`~kvshm.integrations.vllm.service`); the file at
+``stats_path`` holds the engine as it served, not its teardown
+(:mod:`~kvshm.integrations.vllm.final_stats`); kvshm's log lines go through vLLM's
+handler (:mod:`~kvshm.integrations.vllm.logs`); its counters reach vLLM's stats log and
+``/metrics`` as ``kvshm_*`` series (:mod:`~kvshm.integrations.vllm.metrics`).
+
 What the package may import: the scheduler side (connector, config, scheduler, listing,
-records, blocks) builds on ``kvshm.engine`` and never imports ``workers``; only
+records, blocks, service, final_stats, logs, metrics) builds on ``kvshm.engine`` and
+never imports ``workers``; only
 :mod:`~kvshm.integrations.vllm.worker` embeds a ``workers`` Worker in vLLM's worker
 process, and it never plans (``tests/unit/test_imports.py``). The invariant a change
 keeps: no scheduler hook raises into vLLM for bad input or a dead rank; a refused or
