@@ -9,11 +9,13 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from kvshm.demo.args import add_arguments
+
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     from kvshm.demo.driver import run_demo
 
-    return run_demo(json_out=args.json, quick=args.quick)
+    return run_demo(json_out=args.json, quick=args.quick, plot=args.plot)
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
@@ -69,8 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="kvshm", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
     demo = sub.add_parser("demo", help="replay a chat trace on a toy model, offload off and on")
-    demo.add_argument("--json", action="store_true", help="print a JSON summary as last line")
-    demo.add_argument("--quick", action="store_true", help="a shorter trace (for tests)")
+    add_arguments(demo)
     demo.set_defaults(func=_cmd_demo)
     stats = sub.add_parser("stats", help="ask a running engine for its statistics")
     stats.add_argument("--name", required=True, help="the engine's name")

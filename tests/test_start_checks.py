@@ -110,6 +110,13 @@ def test_spawned_check_wants_every_rank_to_have_caches() -> None:
         check_caches(caches, 2, GPU_BLOCKS, spawned=True)
 
 
+async def test_spawn_without_device_caches_is_refused_before_spawning() -> None:
+    """SPAWN with no device_caches at all failed 8.9 s in, after spawning, with "rank 0
+    is a standalone worker ... no device_caches were given". Now: at once."""
+    msg = await _refused(None, r"SPAWN mode needs device_caches: one list per rank")
+    assert "kvshm.shared_tensor(shape, dtype)" in msg
+
+
 def test_readme_names_are_exported_from_kvshm() -> None:
     """The README snippet uses kvshm.shared_tensor and kvshm.chain_hashes."""
     from kvshm.hashing import chain_hashes

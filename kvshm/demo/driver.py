@@ -32,6 +32,7 @@ import torch
 import uvloop
 
 from kvshm.config import EngineConfig
+from kvshm.demo.args import add_arguments
 from kvshm.demo.check import is_clean, replay_logits, with_system_chunk
 from kvshm.demo.model import ToyModel
 from kvshm.demo.server import ChunkCall, ToyServer, TurnResult
@@ -40,7 +41,7 @@ from kvshm.engine import SPAWN, Engine
 from kvshm.offload.pool import BlockPool
 from kvshm.shm import shared_tensor
 
-__all__ = ["RunReport", "add_arguments", "main", "run_demo"]
+__all__ = ["RunReport", "main", "run_demo"]
 
 
 @dataclass
@@ -250,15 +251,6 @@ def run_demo(json_out: bool = False, quick: bool = False, plot: str | None = Non
     if json_out:
         print(json.dumps(out))
     return 0 if out["bit_exact"] else 1
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """The demo's options (``kvshm demo`` and ``python -m kvshm.demo``)."""
-    parser.add_argument("--json", action="store_true", help="print a JSON summary as last line")
-    parser.add_argument("--quick", action="store_true", help="a shorter trace (for tests)")
-    parser.add_argument("--plot", metavar="FILE.png",
-                        help="draw TTFT per turn, off vs on, and the CPU-tier hit rate "
-                             "(needs pip install 'kvshm[plot]')")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -68,7 +68,12 @@ class Runtime:
                  device_caches: Sequence[Sequence[torch.Tensor]] | None = None,
                  spawned: bool = False) -> None:
         if device_caches is not None:
-            check_caches(device_caches, config.world_size, pool_size(gpu_blocks))
+            check_caches(device_caches, config.world_size, pool_size(gpu_blocks),
+                         spawned=spawned)
+        elif spawned:  # before anything is spawned: a spawned rank has no other source
+            raise ConfigError("SPAWN mode needs device_caches: one list per rank of the "
+                              "rank's KV cache tensors, each made with "
+                              "kvshm.shared_tensor(shape, dtype) (README, API)")
         self.config = config
         self._gpu = gpu_blocks
         self._caches = device_caches

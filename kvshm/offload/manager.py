@@ -138,7 +138,11 @@ class OffloadManager:
 
     def lookup(self, req: RequestView, num_local_tokens: int) -> int | None:
         """Tokens the CPU tier can supply after ``num_local_tokens`` (block-aligned; an
-        unaligned value gets 0). Pins the hit; None: ask again next step (no pin)."""
+        unaligned value gets 0), in whole blocks. At least one prompt token is always
+        left to compute (the model needs it for the first output token), so the hit
+        covers at most ``num_tokens - 1`` tokens: the last full block of a prompt that
+        ends on a block boundary is never a hit. Pins the hit; None: ask again next
+        step (no pin)."""
         view = self._check.view(req, num_local_tokens)
         self.counters.lookups += 1
         rid = view.req_id
