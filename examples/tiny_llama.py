@@ -8,9 +8,10 @@ tokens is its number of words. 2 layers, hidden 128, 4 attention heads, 2 KV hea
 (head_dim 32, a size vLLM's CPU attention backend supports), vocab 512, float32. The
 output is meaningless text; what it is for is seeing the CPU tier hit (README, "vLLM").
 
-The same model as the fixture in tests/vllm/conftest.py (a standalone copy: this script
-imports nothing from the tests, and the tests nothing from here). Needs ``transformers``
-and ``tokenizers``, which vLLM installs.
+The one builder of this model: the vLLM tests' fixtures (tests/vllm/conftest.py) build
+theirs with it too (``sliding_window`` gives the hybrid variant), so what a user tries
+is what the tests run. It imports nothing from kvshm or the tests. Needs
+``transformers`` and ``tokenizers``, which vLLM installs.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import argparse
 import importlib
 import sys
 from pathlib import Path
-from typing import Final
+from typing import Any, Final
 
 SPECIAL_TOKENS: Final = ("<unk>", "<s>", "</s>", "<pad>")
 VOCAB_SIZE: Final = 512
@@ -47,8 +48,11 @@ def build_tokenizer(folder: Path) -> None:
     fast.save_pretrained(str(folder))
 
 
-def build_model(folder: Path) -> None:
-    """Write the random Llama's config and weights (safetensors)."""
+def build_model(folder: Path, sliding_window: int | None = None) -> Any:
+    """Write the random Llama's config and weights (safetensors); returns the config.
+    With ``sliding_window``, layer 0 attends over that many tokens only (vLLM's Llama
+    reads ``layer_types``), so vLLM's hybrid allocator gives the model two KV cache
+    groups: sliding-window and full attention."""
     import torch
 
     transformers = importlib.import_module("transformers")
@@ -56,12 +60,17 @@ def build_model(folder: Path) -> None:
         vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
         bos_token_id=1, eos_token_id=2, pad_token_id=3, tie_word_embeddings=False)
+    if sliding_window is not None:
+        config.layer_types = ["sliding_attention", "full_attention"]
+        config.sliding_window = sliding_window
     torch.manual_seed(SEED)
     model = transformers.LlamaForCausalLM(config).to(torch.float32)
     with torch.no_grad():
-        # A random init gives near-flat logits; scaled, greedy outputs are distinct.
+        # A random init gives near-flat logits; scale them so greedy outputs and
+        # logprobs are distinct and any KV corruption shows.
         model.lm_head.weight.mul_(20.0)
     model.save_pretrained(str(folder), safe_serialization=True)
+    return config
 
 
 def main(argv: list[str] | None = None) -> int:

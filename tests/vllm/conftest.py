@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import tiny_llama as tiny_llama_example  # examples/ (pytest pythonpath)
 
 
 def _vllm_installed() -> bool:
@@ -65,10 +66,6 @@ if VLLM_INSTALLED:
     # In case torch was imported (by another test module) before the variable was set.
     torch.set_num_threads(1)
 
-SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
-VOCAB_SIZE = 512
-NUM_WORDS = VOCAB_SIZE - len(SPECIAL_TOKENS)
-SEED = 0
 SHUTDOWN_TIMEOUT_S = 30.0
 
 
@@ -85,64 +82,19 @@ class TinyModel:
     @staticmethod
     def prompt(num_tokens: int, start: int = 0) -> str:
         """A prompt of exactly ``num_tokens`` tokens: words ``w{start} ..`` (wrapping)."""
-        return " ".join(f"w{(start + i) % NUM_WORDS}" for i in range(num_tokens))
-
-
-def _build_tokenizer(folder: Path) -> None:
-    # importlib: these exist only beside vLLM, and mypy runs where they may not.
-    tokenizers = importlib.import_module("tokenizers")
-    transformers = importlib.import_module("transformers")
-
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    vocab.update({f"w{i}": len(SPECIAL_TOKENS) + i for i in range(NUM_WORDS)})
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = tokenizers.pre_tokenizers.WhitespaceSplit()
-    fast = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        unk_token="<unk>",
-        bos_token="<s>",
-        eos_token="</s>",
-        pad_token="<pad>",
-    )
-    fast.save_pretrained(str(folder))
+        return tiny_llama_example.prompt(num_tokens, start)
 
 
 def _build_model(folder: Path, sliding_window: int | None = None) -> TinyModel:
-    """The tiny Llama; with ``sliding_window``, layer 0 attends over that many tokens
-    only (vLLM's Llama reads ``layer_types``), so vLLM's hybrid allocator gives the
-    model two KV cache groups: sliding-window and full attention."""
-    import torch
-
-    transformers = importlib.import_module("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=VOCAB_SIZE,
-        hidden_size=128,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=2048,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=3,
-        tie_word_embeddings=False,
-    )
-    if sliding_window is not None:
-        config.layer_types = ["sliding_attention", "full_attention"]
-        config.sliding_window = sliding_window
-    torch.manual_seed(SEED)
-    model = transformers.LlamaForCausalLM(config).to(torch.float32)
-    with torch.no_grad():
-        # A random init gives near-flat logits; scale them so greedy outputs and
-        # logprobs are distinct and any KV corruption shows.
-        model.lm_head.weight.mul_(20.0)
-    model.save_pretrained(str(folder), safe_serialization=True)
+    """The tiny Llama of examples/tiny_llama.py (the one builder), with its tokenizer."""
+    tiny_llama_example.build_tokenizer(folder)
+    config = tiny_llama_example.build_model(folder, sliding_window)
     return TinyModel(
         path=folder,
         num_layers=config.num_hidden_layers,
         num_kv_heads=config.num_key_value_heads,
         head_dim=config.hidden_size // config.num_attention_heads,
-        vocab_size=VOCAB_SIZE,
+        vocab_size=tiny_llama_example.VOCAB_SIZE,
     )
 
 
@@ -150,7 +102,6 @@ def _build_model(folder: Path, sliding_window: int | None = None) -> TinyModel:
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
     """The tiny random Llama (float32 weights; pass ``dtype="bfloat16"`` to vLLM for bf16)."""
     folder = tmp_path_factory.mktemp("tiny_llama")
-    _build_tokenizer(folder)
     return _build_model(folder)
 
 
@@ -158,7 +109,6 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
 def tiny_hybrid_llama(tmp_path_factory: pytest.TempPathFactory) -> TinyModel:
     """The tiny Llama with a 64-token sliding-window layer 0 (two KV cache groups)."""
     folder = tmp_path_factory.mktemp("tiny_hybrid_llama")
-    _build_tokenizer(folder)
     return _build_model(folder, sliding_window=64)
 
 
@@ -279,7 +229,7 @@ def _run_llm(model: TinyModel, spec: EngineSpec) -> Iterator[Any]:
         "enable_prefix_caching": True,
         "block_size": 32,
         "max_num_seqs": spec.max_num_seqs,
-        "seed": SEED,
+        "seed": tiny_llama_example.SEED,
         "kv_cache_memory_bytes": spec.kv_cache_bytes,
     }
     llm_args.update(spec.llm_overrides)
