@@ -27,9 +27,16 @@ from kvshm.hashing import BlockHash
 from kvshm.ipc.protocol import Transfer
 
 __all__ = [
-    "BlockHash", "GpuBlocks", "GroupKind", "KVGroup", "LoadFailure", "LoadResult",
+    "BlockHash", "DeviceKind", "GpuBlocks", "GroupKind", "KVGroup", "LoadFailure", "LoadResult",
     "RequestView", "ScheduledRequest", "StepInput", "StepPlan", "StoreMode", "no_new_blocks",
 ]
+
+
+class DeviceKind(Enum):
+    """Where a rank's device caches live (a standalone worker's ``--device``)."""
+
+    CPU = "cpu"
+    CUDA = "cuda"
 
 
 class StoreMode(Enum):

@@ -42,12 +42,15 @@ class Flag(StrEnum):
 
 
 def rank_argv(name: str, rank: int, world_size: int, *, connect_timeout: float | None = None,
-              spin_us: float | None = None) -> list[str]:
+              spin_us: float | None = None, device: str | None = None) -> list[str]:
     """The per-rank command line: ``python -m workers --name NAME --rank R --world-size W``,
-    then ``--connect-timeout`` and ``--spin-us`` where given (else the parser's defaults
-    apply). Floats are written with ``repr`` so they parse back to the same value."""
+    then ``--device``, ``--connect-timeout`` and ``--spin-us`` where given (else the
+    parser's defaults apply). Floats are written with ``repr`` so they parse back to the
+    same value."""
     argv = [sys.executable, "-m", MODULE, Flag.NAME.value, name, Flag.RANK.value, str(rank),
             Flag.WORLD_SIZE.value, str(world_size)]
+    if device is not None:
+        argv += [Flag.DEVICE.value, device]
     if connect_timeout is not None:
         argv += [Flag.CONNECT_TIMEOUT.value, repr(connect_timeout)]
     if spin_us is not None:
@@ -67,7 +70,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(Flag.WORLD_SIZE.value, type=int, default=None,
                    help="number of ranks (default: tp x pp)")
     p.add_argument(Flag.DEVICE.value, choices=("cpu", "cuda"), default="cpu",
-                   help="device of the KV caches; only cpu in this version")
+                   help="where the engine's device caches live: cpu (shared memory) or "
+                   "cuda (opened over CUDA IPC; default cpu)")
     p.add_argument(Flag.CONNECT_TIMEOUT.value, type=float, default=DEFAULT_CONNECT_TIMEOUT_S,
                    help="seconds to wait for the engine's Ready (default %(default)s)")
     p.add_argument(Flag.SPIN_US.value, type=float, default=DEFAULT_SPIN_US,

@@ -21,7 +21,14 @@ from kvshm.engine.runtime import Runtime
 from kvshm.errors import StateError, WorkerDied
 from kvshm.hashing import chain_hashes
 from kvshm.offload.pool import BlockPool
-from kvshm.types import LoadFailure, LoadResult, RequestView, ScheduledRequest, StepInput
+from kvshm.types import (
+    DeviceKind,
+    LoadFailure,
+    LoadResult,
+    RequestView,
+    ScheduledRequest,
+    StepInput,
+)
 
 
 def _children() -> list[int]:
@@ -44,10 +51,10 @@ def _children() -> list[int]:
 def rank0_exits_at_once(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     real = launcher_mod.worker_command
 
-    def command(name: str, rank: int, world: int) -> list[str]:
+    def command(name: str, rank: int, world: int, device: DeviceKind) -> list[str]:
         if rank == 0:
             return [sys.executable, "-c", "raise SystemExit(3)"]
-        return real(name, rank, world)
+        return real(name, rank, world, device)
 
     monkeypatch.setattr(launcher_mod, "worker_command", command)
     yield

@@ -18,6 +18,7 @@ from kvshm.errors import WorkerDied
 from kvshm.ipc.protocol import Direction, Shutdown
 from kvshm.ipc.rendezvous import EventKind
 from kvshm.shm import shared_tensor
+from kvshm.types import DeviceKind
 from kvshm.worker_cli import Flag, rank_argv
 from workers.loop import build_parser, cli_main
 
@@ -155,9 +156,14 @@ def test_help_and_usage_errors() -> None:
     assert out.returncode == 0
     for flag in ("--name", "--tp", "--pp", "--rank", "--world-size", "--device"):
         assert flag in out.stdout
+    # --device cuda where no GPU is visible (hidden here, so a GPU machine refuses too)
     bad = subprocess.run([sys.executable, "-m", "workers", "--name", "x", "--tp", "2",
-                          "--device", "cuda"], capture_output=True, text=True, timeout=30)
-    assert bad.returncode == 2 and "--device cuda is not supported" in bad.stderr
+                          "--device", "cuda"], capture_output=True, text=True, timeout=60,
+                         env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert bad.returncode == 2, bad.stderr
+    assert "kvshm-workers: error: --device cuda: no CUDA device is visible here " \
+        "(torch.cuda.is_available() is False; check the driver and CUDA_VISIBLE_DEVICES)" \
+        in bad.stderr
     assert cli_main(["--name", "x"]) == 2  # neither --tp nor --world-size
     assert cli_main(["--name", "x", "--tp", "2", "--world-size", "3"]) == 2
     assert cli_main(["--name", "x", "--tp", "2", "--rank", "2"]) == 2
@@ -178,10 +184,12 @@ def test_rank_argv_parses_back_with_the_workers_parser() -> None:
     assert (args.name, args.rank, args.world_size, args.connect_timeout, args.spin_us) == \
         ("eng-1", 2, 4, 0.1 + 0.2, 12.5)
     spawned = worker_command("eng-1", 3, 4)
-    assert spawned == rank_argv("eng-1", 3, 4)
+    assert spawned == rank_argv("eng-1", 3, 4, device="cpu")
     args = parser.parse_args(spawned[3:])
     defaults = parser.parse_args([Flag.NAME.value, "x"])
-    assert (args.name, args.rank, args.world_size) == ("eng-1", 3, 4)
+    assert (args.name, args.rank, args.world_size, args.device) == ("eng-1", 3, 4, "cpu")
+    cuda = parser.parse_args(worker_command("eng-1", 0, 1, DeviceKind.CUDA)[3:])
+    assert cuda.device == "cuda"
     assert (args.connect_timeout, args.spin_us) == (defaults.connect_timeout, defaults.spin_us)
 
 

@@ -7,9 +7,11 @@ Two forms of one command line:
   all have: 0 if every rank exited 0, else the first failing rank's code (128 + signal
   for a rank killed by a signal). Children get ``PR_SET_PDEATHSIG`` = SIGTERM, so they
   stop if the parent is killed.
-* per rank: ``python -m workers --name NAME --rank R --world-size W`` (what
-  :class:`kvshm.engine.launcher.Launcher` spawns) runs one standalone
-  :class:`~workers.worker.Worker` (``regions=None``: the device caches arrive in Ready).
+* per rank: ``python -m workers --name NAME --rank R --world-size W [--device cuda]``
+  (what :class:`kvshm.engine.launcher.Launcher` spawns) runs one standalone
+  :class:`~workers.worker.Worker` (``regions=None``: the device caches arrive in Ready:
+  shared-memory segments with ``--device cpu``, CUDA IPC handles with ``--device cuda``,
+  see :mod:`kvshm.cuda_ipc`; a rank started for the other device is refused).
 
 A rank connects (retrying while nobody listens on the name) and waits for Ready up to
 ``--connect-timeout`` seconds, then loops: drain commands, begin every step it has seen in
@@ -24,7 +26,7 @@ end ``detached (the engine closed)`` / ``detached (signal SIGTERM)`` or ``error:
 Exit codes: 0 after the engine's Shutdown (it closed) or SIGTERM/SIGINT; 1 when the
 engine died (lifeline EOF without a Shutdown: SIGKILL, a crash) or for a runtime error
 (refused, no Ready in time, bad resources, protocol error), with one clear line on
-stderr; 2 for bad usage (``--device cuda``: CPU only in this phase).
+stderr; 2 for bad usage (``--device cuda`` where no CUDA device is visible, too).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Final
 
+from kvshm.types import DeviceKind
 from kvshm.worker_cli import add_arguments, rank_argv
 from workers.phases import LINKED, DetachReason, Phase
 
@@ -65,13 +68,13 @@ def build_parser() -> argparse.ArgumentParser:
     the same flags :func:`kvshm.worker_cli.rank_argv` writes."""
     p = argparse.ArgumentParser(
         prog=PROG,
-        description="Run kvshm's standalone CPU worker processes (one per TP x PP rank) for "
+        description="Run kvshm's standalone worker processes (one per TP x PP rank) for "
                     "the kvshm engine named NAME. Without --rank: start every rank as a child "
                     "process and wait for them. With --rank: run that one rank.",
         epilog="Exit codes: 0 after the engine's Shutdown or SIGTERM/SIGINT; 1 when the "
                "engine died (no Shutdown) or on a runtime error; 2 on bad usage. Device "
-               "caches are the shared-memory tensors the serving process hands to its kvshm "
-               "engine (CPU only).")
+               "caches are the tensors the serving process hands to its kvshm engine: "
+               "shared-memory ones (--device cpu) or CUDA ones (--device cuda, CUDA IPC).")
     add_arguments(p)
     return p
 
@@ -100,19 +103,31 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        if args.device != "cpu":
-            raise UsageError(f"--device {args.device} is not supported: this version runs "
-                             "CPU device caches only (use --device cpu)")
         world = _world_size(args)
+        device = _device(args.device)
     except UsageError as exc:
         parser.print_usage(sys.stderr)
         print(f"{PROG}: error: {exc}", file=sys.stderr)
         return 2
     if args.rank is None:
         return run_parent(args.name, world, connect_timeout=args.connect_timeout,
-                          spin_us=args.spin_us)
+                          spin_us=args.spin_us, device=device)
     return run_rank(args.name, args.rank, world, connect_timeout=args.connect_timeout,
-                    spin_us=args.spin_us)
+                    spin_us=args.spin_us, device=device)
+
+
+def _device(name: str) -> DeviceKind:
+    """``--device``; UsageError for cuda where this process sees no CUDA device (checked
+    once, before any rank starts: torch is imported for it only then)."""
+    device = DeviceKind(name)
+    if device is DeviceKind.CUDA:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise UsageError("--device cuda: no CUDA device is visible here "
+                             "(torch.cuda.is_available() is False; check the driver and "
+                             "CUDA_VISIBLE_DEVICES)")
+    return device
 
 
 # ---------------------------------------------------------------------------- parent
@@ -129,7 +144,8 @@ def _death_signal(parent: int) -> Callable[[], None]:
     return preexec
 
 
-def run_parent(name: str, world: int, *, connect_timeout: float, spin_us: float) -> int:
+def run_parent(name: str, world: int, *, connect_timeout: float, spin_us: float,
+               device: DeviceKind = DeviceKind.CPU) -> int:
     """Start ``world`` ranks, forward SIGTERM/SIGINT, wait for all; see module doc."""
     procs: list[subprocess.Popen[bytes]] = []
     stop = 0
@@ -151,7 +167,7 @@ def run_parent(name: str, world: int, *, connect_timeout: float, spin_us: float)
     try:
         for rank in range(world):
             cmd = rank_argv(name, rank, world, connect_timeout=connect_timeout,
-                            spin_us=spin_us)
+                            spin_us=spin_us, device=device.value)
             procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
                                           preexec_fn=preexec))
             if stop:
@@ -209,7 +225,7 @@ class _Stopper:
 
 
 def run_rank(name: str, rank: int, world: int, *, connect_timeout: float,
-             spin_us: float) -> int:
+             spin_us: float, device: DeviceKind = DeviceKind.CPU) -> int:
     """One standalone rank until Shutdown, lifeline EOF or a stop signal; the exit code."""
     import warnings
 
@@ -223,7 +239,7 @@ def run_rank(name: str, rank: int, world: int, *, connect_timeout: float,
     stopper = _Stopper()
     worker: Worker | None = None
     try:
-        worker = Worker.attach(name, rank, world, None, spin_us=spin_us)
+        worker = Worker.attach(name, rank, world, None, spin_us=spin_us, device=device)
         return _serve(worker, stopper, connect_timeout)
     except (KvshmError, TimeoutError) as exc:
         print(f"{PROG}[rank {rank}]: error: {exc}", file=sys.stderr)

@@ -8,7 +8,9 @@ process of another uid raises :class:`~kvshm.errors.UntrustedPeer` (the worker d
 with it as its error), so neither the Hello nor, later, any of this rank's fds reach it.
 
 :func:`open_session` maps, in this order, the rank's device caches (standalone workers
-only: ``Ready.device_caches``), checks the layout against ``Ready.layout``, maps the ring
+only: ``Ready.device_caches``, shared-memory segments by fd, or CUDA tensors opened over
+CUDA IPC by :mod:`kvshm.cuda_ipc`; each must be on the device the worker was started
+for, ``SessionOptions.device``), checks the layout against ``Ready.layout``, maps the ring
 segment, the host pool, builds the :class:`~kvshm.ipc.worker_channel.WorkerChannel` (lifeline = the
 rendezvous socket) and the copy engine (CUDA for a CUDA layout, else CPU), whose
 completion eventfd the channel watches, so a finished copy wakes a parked receive.
@@ -32,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvshm.cuda_ipc import open_tensor
 from kvshm.errors import ConfigError, PeerDied, ProtocolError, WouldBlock
 from kvshm.ipc.channel import ChannelStats
 from kvshm.ipc.protocol import PROTOCOL_VERSION, READY_FIXED_FDS, Hello, Ready
@@ -40,6 +43,7 @@ from kvshm.ipc.ring_pair import RingPair, segment_size
 from kvshm.ipc.worker_channel import WorkerChannel
 from kvshm.layout import KVLayout
 from kvshm.shm import Segment, map_segment, tensor_from_fd
+from kvshm.types import DeviceKind
 from workers.copy_engine import CopyEngine
 from workers.cpu_copy import CpuCopyEngine, FaultInjection
 from workers.host_pool import HostPool
@@ -57,6 +61,9 @@ class SessionOptions:
     spin_us: float = 50.0
     copy_threads: int = 1
     fault: FaultInjection | None = None
+    #: A standalone worker's ``--device`` (where the engine's caches must live); None for
+    #: an embedded worker, which brings its own layout.
+    device: DeviceKind | None = None
 
 
 @dataclass
@@ -83,7 +90,10 @@ class Session:
             self.ring_seg = None
 
     def close(self) -> None:
-        """Everything: link, copy engine (running copies finish), host pool. Idempotent."""
+        """Everything: link, copy engine (running copies finish), host pool. Idempotent.
+        A standalone worker's CUDA device caches are unmapped once the last reference to
+        them goes (the copy engine's and this session's layout), which returns torch's
+        IPC reference to the exporter: call it on detach."""
         self.close_link()
         self.engine.close()
         self.notify_fd = None
@@ -113,8 +123,10 @@ class _Fds:
                 os.close(fd)
 
 
-def _device_layout(ready: Ready, fds: _Fds, layout: KVLayout | None) -> KVLayout:
-    """The embedded layout checked against Ready, or the standalone one mapped from fds."""
+def _device_layout(ready: Ready, fds: _Fds, layout: KVLayout | None,
+                   device: DeviceKind | None) -> KVLayout:
+    """The embedded layout checked against Ready, or the standalone one opened from the
+    Ready's device caches (fds for CPU ones, CUDA IPC handles for CUDA ones)."""
     if layout is not None:
         if ready.device_caches:
             raise ConfigError(f"rank {ready.rank}: Ready carries device caches, but this "
@@ -127,14 +139,36 @@ def _device_layout(ready: Ready, fds: _Fds, layout: KVLayout | None) -> KVLayout
     if not ready.device_caches:
         raise ConfigError(f"rank {ready.rank}: a standalone worker needs device caches in "
                           "Ready (the serving process allocates them with shared_tensor)")
-    tensors: list[torch.Tensor] = []
-    for i, spec in enumerate(ready.device_caches):
-        tensors.append(tensor_from_fd(fds.take(READY_FIXED_FDS + i), spec.shape, spec.dtype))
+    tensors = _open_caches(ready, fds, device or DeviceKind.CPU)
     mapped = KVLayout.from_tensors(tensors)
     if mapped.to_spec() != ready.layout:
         raise ConfigError(f"rank {ready.rank}: device caches map to {mapped.to_spec()}, "
                           f"Ready says {ready.layout}")
     return mapped
+
+
+def _open_caches(ready: Ready, fds: _Fds, device: DeviceKind) -> list[torch.Tensor]:
+    """Every device cache of the Ready, refusing any not on ``device`` (before opening)."""
+    for i, spec in enumerate(ready.device_caches):
+        on = DeviceKind.CPU if spec.cuda is None else DeviceKind.CUDA
+        if on is not device:
+            raise ConfigError(f"rank {ready.rank}: the engine's device cache {i} is a "
+                              f"{on.value} tensor, but this worker runs --device "
+                              f"{device.value}: start kvshm-workers with --device {on.value}")
+    tensors: list[torch.Tensor] = []
+    fd_index = READY_FIXED_FDS
+    for spec in ready.device_caches:
+        if spec.cuda is not None:
+            tensors.append(open_tensor(spec))
+            continue
+        tensors.append(tensor_from_fd(fds.take(fd_index), spec.shape, spec.dtype))
+        fd_index += 1
+    return tensors
+
+
+def ready_fd_count(ready: Ready) -> int:
+    """The fds a Ready must carry: the fixed ones and one per CPU device cache."""
+    return READY_FIXED_FDS + sum(1 for spec in ready.device_caches if spec.cuda is None)
 
 
 def _make_engine(rank: int, layout: KVLayout, host: HostPool,
@@ -160,14 +194,17 @@ def open_session(ready: Ready, fds: Sequence[int], *, layout: KVLayout | None,
     host: HostPool | None = None
     channel: WorkerChannel | None = None
     try:
-        want = READY_FIXED_FDS + len(ready.device_caches)
+        want = ready_fd_count(ready)
         if len(fds) != want:
             raise ProtocolError(f"Ready for rank {ready.rank} carries {len(fds)} fds, "
                                 f"expected {want}", ring="rendezvous", offset=0)
-        dev = _device_layout(ready, owned, layout)
+        dev = _device_layout(ready, owned, layout, opts.device)
         seg = map_segment(owned.take(0), segment_size(ready.cmd_capacity, ready.done_capacity))
         rings = RingPair.attach(seg.buf)
-        host = HostPool.from_fd(owned.take(1), ready, pin=dev.device.type == "cuda")
+        on_cuda = dev.device.type == DeviceKind.CUDA.value
+        if on_cuda and layout is None:  # standalone: pin the host pool for the caches' GPU
+            torch.cuda.set_device(dev.device)
+        host = HostPool.from_fd(owned.take(1), ready, pin=on_cuda)
         cmd_efd, done_efd = owned.take(2), owned.take(3)
         try:
             channel = WorkerChannel(ready.rank, rings, cmd_efd, done_efd, lifeline_fd,
@@ -234,8 +271,9 @@ class Connector:
         spec = None if self._layout is None else self._layout.to_spec()
         try:
             client.connect_nowait()
+            device = "" if self._opts.device is None else self._opts.device.value
             client.send_hello(Hello(PROTOCOL_VERSION, self.rank, self.world_size, os.getpid(),
-                                    spec))
+                                    spec, device))
         except (PeerDied, WouldBlock):  # nobody listens yet, or its backlog is full
             client.close()
             self.attempts += 1

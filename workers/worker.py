@@ -62,6 +62,7 @@ from kvshm.ipc.fdpass import socket_address
 from kvshm.ipc.protocol import Direction, Done, Transfer
 from kvshm.ipc.rendezvous_client import RendezvousClient
 from kvshm.layout import KVLayout
+from kvshm.types import DeviceKind
 from workers.copy_engine import CopyJob, Fence, describe_error
 from workers.cpu_copy import FaultInjection
 from workers.done_book import DoneBook
@@ -100,11 +101,13 @@ class Worker:
     def attach(cls, name: str, rank: int, world_size: int,
                regions: Sequence[torch.Tensor] | None, *, kv_outer: bool | Sequence[bool] = False,
                fault: FaultInjection | None = None, spin_us: float = 50.0,
-               copy_threads: int = 1, flush_timeout_s: float = FLUSH_TIMEOUT_S) -> Worker:
+               copy_threads: int = 1, flush_timeout_s: float = FLUSH_TIMEOUT_S,
+               device: DeviceKind = DeviceKind.CPU) -> Worker:
         """A worker for rank ``rank`` of the scheduler named ``name``; no I/O, never blocks.
 
         ``regions``: this rank's KV tensors (embedded; blocks as dim 0, or K/V as dim 0
-        with ``kv_outer``), or None (standalone: the device caches come in ``Ready``).
+        with ``kv_outer``), or None (standalone: the device caches come in ``Ready``, and
+        must live on ``device``: shared memory for CPU, CUDA IPC for CUDA).
         ConfigError for a bad name, rank, world size or region.
         """
         socket_address(name)
@@ -115,8 +118,9 @@ class Worker:
         if spin_us < 0 or copy_threads < 1 or flush_timeout_s <= 0:
             raise ConfigError("spin_us must be >= 0, copy_threads >= 1, flush_timeout_s > 0")
         layout = None if regions is None else KVLayout.from_tensors(regions, kv_outer=kv_outer)
-        return cls(name, rank, world_size, layout,
-                   SessionOptions(spin_us, copy_threads, fault), flush_timeout_s)
+        opts = SessionOptions(spin_us, copy_threads, fault,
+                              device if regions is None else None)
+        return cls(name, rank, world_size, layout, opts, flush_timeout_s)
 
     # ------------------------------------------------------------------ queries
 

@@ -30,6 +30,7 @@ from kvshm.config import EngineConfig
 from kvshm.engine.facade import Facade
 from kvshm.engine.launcher import Launcher
 from kvshm.engine.lifecycle import EngineState
+from kvshm.engine.provision import cache_device
 from kvshm.engine.runtime import Runtime
 from kvshm.errors import StateError
 from kvshm.types import GpuBlocks, LoadFailure, LoadResult
@@ -263,7 +264,9 @@ class _Launch:
         core = Runtime(config, gpu_blocks=gpu_blocks, device_caches=device_caches,
                        spawned=mode is SPAWN)
         core.open()
-        launcher = Launcher(config.name, config.world_size) if mode is SPAWN else None
+        launcher = None if mode is not SPAWN else Launcher(
+            config.name, config.world_size,
+            None if device_caches is None else [cache_device(c) for c in device_caches])
         engine = cls(core, launcher)
         await engine._start(mode)
         return engine

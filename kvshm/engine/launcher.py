@@ -16,8 +16,10 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvshm.types import DeviceKind
 from kvshm.worker_cli import rank_argv
 
 
@@ -42,19 +44,24 @@ class SpawnedWorker:
         return self.exitcode
 
 
-def worker_command(name: str, rank: int, world_size: int) -> list[str]:
+def worker_command(name: str, rank: int, world_size: int,
+                   device: DeviceKind = DeviceKind.CPU) -> list[str]:
     """The command line of one spawned rank (the standalone worker, per-rank form, with
-    the parser's defaults): :func:`kvshm.worker_cli.rank_argv`, the definition the
-    workers' parser is built from. Looked up at each start (tests replace it)."""
-    return rank_argv(name, rank, world_size)
+    the parser's defaults and the rank's ``--device``): :func:`kvshm.worker_cli.rank_argv`,
+    the definition the workers' parser is built from. Looked up at each start (tests
+    replace it)."""
+    return rank_argv(name, rank, world_size, device=device.value)
 
 
 class Launcher:
-    """Starts ``world_size`` CPU worker processes for one engine and tears them down."""
+    """Starts ``world_size`` worker processes for one engine and tears them down.
+    ``devices``: each rank's ``--device`` (where its caches live; default all CPU)."""
 
-    def __init__(self, name: str, world_size: int) -> None:
+    def __init__(self, name: str, world_size: int,
+                 devices: Sequence[DeviceKind] | None = None) -> None:
         self._name = name
         self._world_size = world_size
+        self._devices = list(devices) if devices is not None else [DeviceKind.CPU] * world_size
         self.workers: list[SpawnedWorker] = []
         self._stopped = False
 
@@ -65,7 +72,7 @@ class Launcher:
         for rank in range(self._world_size):
             try:
                 proc = subprocess.Popen(
-                    worker_command(self._name, rank, self._world_size),
+                    worker_command(self._name, rank, self._world_size, self._devices[rank]),
                     env=env, stdin=subprocess.DEVNULL, close_fds=True)
             except BaseException:
                 self.stop(0.0)  # the ranks already started: nothing may outlive us

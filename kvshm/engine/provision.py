@@ -7,8 +7,11 @@ rank:
 * a ring segment (control block + ``cmd`` ring + ``done`` ring), formatted here;
 * a host-pool segment laid out by :func:`kvshm.layout.host_pool_plan`;
 * two eventfds (``cmd`` doorbell, ``done`` doorbell);
-* for standalone workers, the fds of the device-cache tensors the serving process made
-  with :func:`kvshm.shm.shared_tensor` (shapes and dtypes travel as ``TensorSpec``).
+* for standalone workers, the device caches the serving process made: CPU ones with
+  :func:`kvshm.shm.shared_tensor` go as their segment's fd, CUDA ones as a CUDA IPC
+  handle (:mod:`kvshm.cuda_ipc`); shapes and dtypes travel as ``TensorSpec``. A
+  standalone rank's ``Hello.device`` (its ``--device``) must match where its caches
+  live: a mismatch fails the start before any Ready, naming the rank and the fix.
 
 Where a rank's KV layout comes from: an embedded worker sends it in ``Hello.layout``
 (it owns the device caches); a standalone worker sends none and gets the caches the
@@ -31,6 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kvshm.cuda_ipc import export_tensor
 from kvshm.errors import ConfigError
 from kvshm.ipc.doorbell import create_eventfd
 from kvshm.ipc.protocol import PROTOCOL_VERSION, Hello, LayoutSpec, Ready, TensorSpec
@@ -39,10 +43,10 @@ from kvshm.ipc.ring_pair import RingPair, segment_size
 from kvshm.ipc.sched_channel import SchedulerChannel
 from kvshm.layout import KVLayout, host_pool_plan, reconcile
 from kvshm.shm import Segment, available_shm_bytes, create_segment, dtype_name, segment_of
-from kvshm.types import GpuBlocks
+from kvshm.types import DeviceKind, GpuBlocks
 
-__all__ = ["Provisioned", "RankResources", "check_caches", "device_layout", "pool_size",
-           "provision"]
+__all__ = ["Provisioned", "RankResources", "cache_device", "check_caches", "device_layout",
+           "pool_size", "provision"]
 
 
 def device_layout(tensors: Sequence[torch.Tensor]) -> LayoutSpec:
@@ -140,11 +144,29 @@ def _rank_layouts(hellos: Mapping[int, Hello],
                                   "but device_caches were also given for it")
             layouts[rank] = hello.layout
         elif caches:
+            _check_worker_device(rank, hello, caches)
             layouts[rank] = device_layout(caches)
         else:
             raise ConfigError(f"rank {rank} is a standalone worker (no layout in Hello) and "
                               "no device_caches were given for it")
     return layouts
+
+
+def cache_device(caches: Sequence[torch.Tensor]) -> DeviceKind:
+    """Where one rank's (checked, non-empty) device caches live."""
+    return DeviceKind.CUDA if caches[0].device.type == DeviceKind.CUDA.value else DeviceKind.CPU
+
+
+def _check_worker_device(rank: int, hello: Hello, caches: Sequence[torch.Tensor]) -> None:
+    """A standalone rank's ``--device`` (``Hello.device``; "" from an older worker means
+    cpu) must be where its caches live. ConfigError naming the fix."""
+    have = caches[0].device
+    want = cache_device(caches)
+    said = hello.device or DeviceKind.CPU.value
+    if said != want.value:
+        raise ConfigError(f"rank {rank} (pid {hello.pid}) is a standalone worker started with "
+                          f"--device {said}, but its device caches are on {have}: start "
+                          f"kvshm-workers with --device {want.value}")
 
 
 def check_block_counts(layouts: Mapping[int, LayoutSpec], num_gpu_blocks: int | None) -> None:
@@ -180,19 +202,26 @@ _CACHE_HINT = ("allocate each rank's caches with kvshm.shared_tensor(shape, dtyp
 
 
 def _check_tensor(where: str, t: object) -> None:
-    """One device-cache tensor a kvshm worker process can open: a torch.Tensor on the
-    CPU, backed by :func:`kvshm.shm.shared_tensor` memory, starting at the segment's
-    first byte and contiguous (the worker maps the segment from byte 0 with the shape and
-    dtype alone: a view with an offset or other strides would be different bytes there),
-    of a dtype the worker can rebuild by name."""
+    """One device-cache tensor a kvshm worker process can open: a contiguous CUDA tensor
+    (shared over CUDA IPC), or a torch.Tensor on the CPU, backed by
+    :func:`kvshm.shm.shared_tensor` memory, starting at the segment's first byte and
+    contiguous (the worker maps the segment from byte 0 with the shape and dtype alone: a
+    view with an offset or other strides would be different bytes there), of a dtype the
+    worker can rebuild by name."""
     if not isinstance(t, torch.Tensor):
         raise ConfigError(f"{where}: expected a torch.Tensor, got {type(t).__name__}; "
                           + _CACHE_HINT)
     desc = f"shape {tuple(t.shape)}, {dtype_name(t.dtype)}, device {t.device}"
-    if t.device.type != "cpu":
-        raise ConfigError(f"{where} ({desc}): kvshm's own worker processes copy CPU "
-                          "shared-memory caches; an engine whose caches live on a GPU "
-                          "attaches embedded workers from its own worker processes")
+    if t.device.type == DeviceKind.CUDA.value:
+        if not t.is_contiguous() or t.is_quantized or t.is_complex():
+            raise ConfigError(f"{where} ({desc}, strides {t.stride()}): a CUDA device "
+                              "cache must be a whole contiguous tensor of a real dtype (the "
+                              "worker views it with its shape and dtype alone)")
+        return
+    if t.device.type != DeviceKind.CPU.value:
+        raise ConfigError(f"{where} ({desc}): kvshm's worker processes copy CPU shared-memory "
+                          "caches or CUDA tensors (shared over CUDA IPC), not "
+                          f"{t.device.type} ones")
     try:
         seg = segment_of(t)
     except ConfigError:
@@ -250,8 +279,13 @@ def check_caches(caches: Sequence[Sequence[torch.Tensor]], world_size: int,
 
 
 def _tensor_specs(tensors: Sequence[torch.Tensor]) -> tuple[tuple[TensorSpec, ...], list[int]]:
+    """One TensorSpec per tensor, and an fd per CPU one (CUDA ones carry an IPC handle)."""
     specs, fds = [], []
     for t in tensors:
+        if t.device.type == DeviceKind.CUDA.value:
+            specs.append(TensorSpec(tuple(int(s) for s in t.shape), dtype_name(t.dtype),
+                                    export_tensor(t)))
+            continue
         seg = segment_of(t)
         if t.storage_offset() != 0 or not t.is_contiguous():
             raise ConfigError("device caches for standalone workers must be whole contiguous "

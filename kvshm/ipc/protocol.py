@@ -20,7 +20,8 @@ Block ids travel as packed little-endian u32 ``bytes`` (:func:`pack_ids` /
 
 ``Ready`` carries file descriptors out of band (SCM_RIGHTS), always in this order:
 ``[ring segment, host pool segment, cmd eventfd, done eventfd, *device cache segments]``
-(:data:`READY_FIXED_FDS` fixed ones, then one per ``Ready.device_caches`` entry).
+(:data:`READY_FIXED_FDS` fixed ones, then one per CPU ``Ready.device_caches`` entry; a
+CUDA device cache travels as a :class:`CudaIpc` handle inside its ``TensorSpec``, no fd).
 """
 
 from __future__ import annotations
@@ -80,11 +81,35 @@ class LayoutSpec(msgspec.Struct, array_like=True, frozen=True, gc=False):
         return min((r.num_blocks for r in self.regions), default=0)
 
 
+class CudaIpc(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """Where a CUDA device cache lives, for another process on the machine to open
+    (made and opened by :mod:`kvshm.cuda_ipc`, which documents the contract).
+
+    ``handle`` is the ``cudaIpcMemHandle`` of the CUDA allocation holding the tensor;
+    ``storage_offset_bytes``/``storage_bytes`` place the tensor's storage in it and
+    ``tensor_offset`` (elements) the tensor in its storage. ``device_uuid`` names the GPU
+    (a worker may number its GPUs differently: CUDA_VISIBLE_DEVICES). The ref-counter and
+    event fields are torch's IPC bookkeeping, passed through unchanged.
+    """
+
+    device_uuid: str
+    handle: bytes
+    storage_bytes: int
+    storage_offset_bytes: int
+    tensor_offset: int
+    ref_counter_handle: bytes
+    ref_counter_offset: int
+    event_handle: bytes | None
+    event_sync_required: bool
+
+
 class TensorSpec(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """Shape and dtype of a shared-memory device cache sent to a standalone worker."""
+    """Shape and dtype of a device cache sent to a standalone worker: a shared-memory
+    segment (its fd rides along with Ready) or, with ``cuda``, a CUDA IPC handle."""
 
     shape: tuple[int, ...]
     dtype: str
+    cuda: CudaIpc | None = None
 
 
 class Hello(_Msg, tag=1, frozen=True, array_like=True, gc=False):
@@ -95,6 +120,9 @@ class Hello(_Msg, tag=1, frozen=True, array_like=True, gc=False):
     world_size: int
     pid: int
     layout: LayoutSpec | None = None
+    #: A standalone worker's ``--device`` ("cpu" or "cuda"); "" from an embedded worker
+    #: (it brings its own ``layout``) or an older one.
+    device: str = ""
 
 
 class Ready(_Msg, tag=2, frozen=True, array_like=True, gc=False):

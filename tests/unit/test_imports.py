@@ -22,7 +22,8 @@ ROOT = Path(__file__).resolve().parents[2]
 #: The shared leaves: any part may import them; they import only each other and the
 #: wire structs. ``kvshm`` itself resolves its exports lazily (by string), like _moved.
 LEAVES = {"kvshm", "kvshm.errors", "kvshm.config", "kvshm.types", "kvshm.hashing",
-          "kvshm.layout", "kvshm.shm", "kvshm.stats", "kvshm._moved", "kvshm.worker_cli"}
+          "kvshm.layout", "kvshm.shm", "kvshm.stats", "kvshm._moved", "kvshm.worker_cli",
+          "kvshm.cuda_ipc"}
 #: The wire structs: the one module of ``kvshm.ipc`` that offload and the leaves may use.
 PROTOCOL = "kvshm.ipc.protocol"
 
