@@ -347,6 +347,39 @@ def test_standalone_in_process_maps_device_caches_from_ready() -> None:
         sched.close()
 
 
+def test_wait_for_work_polls_the_copies_of_an_engine_without_a_completion_fd() -> None:
+    """The CUDA copy engine has no fd that wakes poll() when a copy ends (its events are
+    polled): with a job in flight, a standalone loop's ``wait_for_work(1.0)`` parks at
+    most COPY_POLL_S, so a finished CUDA copy is reported within ~1 ms, not after the
+    1 s park. Simulated on the CPU engine by hiding its fd; the copy waits on a fence."""
+    from workers.worker import COPY_POLL_S
+
+    cache = shared_tensor((32, 64), torch.uint8)
+    sched = Sched(1, device_caches=[[cache]], num_cpu_blocks=64)
+    w = Worker.attach(sched.name, 0, 1, None)
+    fence = CpuFence()
+    try:
+        sched.wait_for(lambda: w.phase is Phase.READY, tick=w.service, what="READY")
+        session = w._session
+        assert session is not None and session.notify_fd is not None
+        session.notify_fd = None  # what a CUDA session looks like
+        sched.post(transfer(1, 1, STORE, range(4), range(4)))
+        sched.wait_for(lambda: bool(w.queued_steps()), tick=w.service, what="queued")
+        w.begin_step(1)
+        w.submit_stores(1, after=fence)
+        assert w.statistics()["inflight"] == 1
+        t0 = time.monotonic()
+        w.wait_for_work(1.0)
+        assert time.monotonic() - t0 < 0.25  # the 1 s park would be >= 1.0
+        assert COPY_POLL_S <= 0.001
+        fence.set()
+        sched.collect([1], tick=w.poll)
+    finally:
+        fence.set()
+        w.close()
+        sched.close()
+
+
 def test_standalone_without_device_caches_is_refused() -> None:
     sched = Sched(1)
     w = Worker.attach(sched.name, 0, 1, None)

@@ -75,6 +75,9 @@ __all__ = ["DetachReason", "Phase", "Worker"]
 
 #: Default bound of a Flush wait in begin_step.
 FLUSH_TIMEOUT_S: Final = 60.0
+#: The longest :meth:`Worker.wait_for_work` parks while copies run on an engine that has no
+#: completion fd to wake it (CUDA: its events are polled), in seconds (poll()'s 1 ms tick).
+COPY_POLL_S: Final = 0.001
 
 
 class Worker:
@@ -218,6 +221,9 @@ class Worker:
             return
         if self._dones.outbox:  # the done ring was full: retry soon
             timeout = min(timeout, 0.001)
+        elif self._dones.inflight and self._session is not None \
+                and self._session.notify_fd is None:  # CUDA events do not wake poll()
+            timeout = min(timeout, COPY_POLL_S)
         try:
             self._handle(chan.receive(timeout))
         except TransportError as exc:
