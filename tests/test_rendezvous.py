@@ -29,7 +29,15 @@ from kvshm.errors import (
     VersionMismatch,
 )
 from kvshm.ipc.fdpass import encode_control, listen, send_datagram
-from kvshm.ipc.protocol import PROTOCOL_VERSION, Hello, LayoutSpec, Ready, Stats, StatsRequest
+from kvshm.ipc.protocol import (
+    PROTOCOL_VERSION,
+    Goodbye,
+    Hello,
+    LayoutSpec,
+    Ready,
+    Stats,
+    StatsRequest,
+)
 from kvshm.ipc.rendezvous import (
     EventKind,
     RendezvousClient,
@@ -559,3 +567,44 @@ def test_attach_detach_and_close_are_idempotent(plan: SegmentPlan) -> None:
             server.attach(loop, lambda events: None)
     finally:
         loop.close()
+
+
+def test_goodbye_marks_the_rank_eof_as_a_departure_and_is_refused_elsewhere(
+        plan: SegmentPlan) -> None:
+    """A rank that says Goodbye and closes: its RANK_LOST carries the farewell (a clean
+    departure). Closing without one: no farewell (a death). A Goodbye for another rank,
+    or from a connection that never said Hello, is a protocol error and refused."""
+    name = _name()
+    with _server(name, 2, plan) as server, RendezvousClient(name) as r0, \
+            RendezvousClient(name) as r1:
+        for rank, client in enumerate((r0, r1)):
+            client.connect_nowait()
+            client.send_hello(Hello(version=PROTOCOL_VERSION, rank=rank, world_size=2,
+                                    pid=os.getpid()))
+        _service_until(server, _has(EventKind.ALL_READY))
+        for client in (r0, r1):
+            client.wait_ready(timeout=5)
+        assert r0.send_goodbye(0, "host shutting down")
+        r0.close()
+        [lost] = _service_until(server, _has(EventKind.RANK_LOST))
+        assert (lost.rank, lost.peer_closed, lost.farewell) == (0, True, "host shutting down")
+        assert server.counters()["goodbyes"] == 1
+        r1.close()
+        [lost] = _service_until(server, _has(EventKind.RANK_LOST))
+        assert (lost.rank, lost.peer_closed, lost.farewell) == (1, True, "")
+    name = _name()
+    with _server(name, 2, plan) as server, RendezvousClient(name) as r0, \
+            socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as stranger:
+        r0.connect_nowait()
+        r0.send_hello(Hello(version=PROTOCOL_VERSION, rank=0, world_size=2, pid=os.getpid()))
+        _service_until(server, _has(EventKind.HELLO))
+        assert r0.send_goodbye(1, "not my rank")
+        events = _service_until(server, _has(EventKind.RANK_LOST))
+        assert _kinds(events) == [EventKind.REFUSED, EventKind.RANK_LOST]
+        assert events[0].reason == f"unexpected Goodbye from pid {os.getpid()}"
+        assert events[1].farewell == ""
+        stranger.connect(b"\0kvshm." + name.encode())
+        stranger.send(encode_control(Goodbye(0, "never said hello")))
+        [refused] = _service_until(server, _has(EventKind.REFUSED))
+        assert refused.rank == -1 and "unexpected Goodbye" in refused.reason
+        assert server.counters()["refused_protocol"] == 2

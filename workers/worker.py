@@ -238,9 +238,12 @@ class Worker:
 
     def close(self) -> None:
         """Stop (idempotent): running copies finish, queued ones fail; the link closes.
-        Dones not yet returned are dropped (counted)."""
+        Dones not yet returned are dropped (counted). A linked worker closed by its host
+        (not detached by a fault) says ``Goodbye`` once its copies are done, just before
+        its EOF: the scheduler takes that as a clean departure, not a death."""
         if self._phase is Phase.CLOSED:
             return
+        farewell = self.detach_reason is None and self._phase in LINKED
         if self.detach_reason is None:
             self.detach_reason = DetachReason.CLOSED
         self._counts["dones_dropped_at_close"] += self._dones.drop_all() + len(self._queue)
@@ -248,6 +251,8 @@ class Worker:
         if self._session is not None:
             self._session.close()
         if self._client is not None:
+            if farewell and self._client.send_goodbye(self.rank, "closed by its own process"):
+                self._counts["goodbyes_sent"] += 1
             self._client.close()
         self._phase = Phase.CLOSED
 

@@ -4,13 +4,13 @@ An :class:`~kvshm.engine.Engine` or :class:`~kvshm.engine.SyncClient` and the
 :class:`~kvshm.engine.runtime.Runtime` under it are always in exactly one state, and
 only the runtime moves it::
 
-    NEW --open--> STARTING --every rank got Ready--> READY
-                     |                                 |
-                     | make_ready failed,              | a rank died, hung or
-                     | a rank lost while starting      | broke its ring (the verdict)
-                     +-------------> FAILED <----------+
+    NEW --open--> STARTING --every rank got Ready--> READY --a rank left--> STOPPED
+                     |                                 |                   |
+                     | make_ready failed,              | a rank died, hung or broke its
+                     | a rank lost while starting      | ring (the verdict)|
+                     +-------------> FAILED <----------+-------------------+
 
-    NEW, STARTING, READY or FAILED --begin_close--> CLOSING --close--> CLOSED
+    any state but CLOSING and CLOSED --begin_close--> CLOSING --close--> CLOSED
 
 ``open`` is ``Engine.launch`` / ``SyncClient(...)``; ``begin_close`` then ``close`` are
 ``Engine.aclose`` / ``SyncClient.close`` (both idempotent: in CLOSING or CLOSED they
@@ -28,6 +28,10 @@ What each state promises the scheduler:
 * FAILED -- serving goes on without offload: ``lookup`` returns 0, ``step`` plans
   nothing new, every pending load resolves failed (the caller recomputes). Nothing
   waits on a dead rank.
+* STOPPED -- as FAILED for the scheduler, but nothing failed: a rank's worker said
+  ``Goodbye`` and closed (its host is shutting down, e.g. vLLM stops its workers before
+  its scheduler). ``ranks_left`` counts it, ``ranks_failed`` does not; it is logged at
+  INFO. A real verdict on another rank afterwards still moves it to FAILED.
 * CLOSING, CLOSED (:data:`ENDED`) -- every scheduler call raises
   :class:`~kvshm.errors.StateError`; ``statistics`` still answers. A close is not a
   failure: every rank alive at ``begin_close`` is marked detached ("the engine
@@ -49,12 +53,14 @@ class EngineState(Enum):
     NEW = "new"
     STARTING = "starting"
     READY = "ready"
+    STOPPED = "stopped"
     FAILED = "failed"
     CLOSING = "closing"
     CLOSED = "closed"
 
 
 #: Opened and not yet closing: the rendezvous is serviced, ranks are watched.
-LIVE = frozenset({EngineState.STARTING, EngineState.READY, EngineState.FAILED})
+LIVE = frozenset({EngineState.STARTING, EngineState.READY, EngineState.STOPPED,
+                  EngineState.FAILED})
 #: Closing or closed: scheduler calls raise ``StateError``.
 ENDED = frozenset({EngineState.CLOSING, EngineState.CLOSED})

@@ -211,6 +211,10 @@ class Runtime:
                 self._all_ready()
             elif ev.kind is EventKind.READY_FAILED:
                 self._start_failed(ev.error or ConfigError(ev.reason))
+            elif ev.kind is EventKind.RANK_LOST and ev.farewell \
+                    and self._state in (EngineState.READY, EngineState.STOPPED,
+                                        EngineState.FAILED):
+                self._ranks.rank_left(ev.rank, ev.farewell)  # a departure, not a death
             elif ev.kind is EventKind.RANK_LOST:
                 # the worker's own close is a fence (it closes only after its last
                 # copy); a close by the server is not: the rank may still be copying
@@ -316,11 +320,18 @@ class Runtime:
         elif self.manager is not None:
             self.manager.rank_failed(rank)
             self._jobs.forget_posted()
+            why = self._ranks.watch[rank].why
+            if revoke is RevokeReason.LEFT:
+                if self._state is EngineState.READY:
+                    self._state = EngineState.STOPPED
+                    log.info("kvshm engine %r STOPPED: rank %d %s; serving goes on without "
+                             "offload", self.config.name, rank, why)
+                return
             first = self._state is not EngineState.FAILED
             self._state = EngineState.FAILED
             if first:
                 log.error("kvshm engine %r FAILED: rank %d %s; serving goes on without "
-                          "offload", self.config.name, rank, self._ranks.watch[rank].why)
+                          "offload", self.config.name, rank, why)
 
     def _on_fence(self, rank: int) -> None:
         """The fence's consequence: the rank's quarantined pins are released."""
@@ -330,7 +341,7 @@ class Runtime:
     def tick(self, now: float) -> None:
         """Hang check, and the fence of quarantined ranks whose process has exited since;
         call a few times a second (the engine's timer, or every pump)."""
-        if self._state is EngineState.FAILED:
+        if self._state in (EngineState.FAILED, EngineState.STOPPED):
             self._ranks.fence_exited()
         if self._state is not EngineState.READY:
             return

@@ -30,6 +30,7 @@ class CoreCounters:
     load_jobs: int = 0
     lookups_not_ready: int = 0
     ranks_failed: int = 0
+    ranks_left: int = 0  # said Goodbye and closed while the engine ran: not failures
     hangs: int = 0
     protocol_errors: int = 0
     refused: int = 0

@@ -113,6 +113,8 @@ def log_ready(config: EngineConfig, num_cpu_blocks: int, bytes_per_block: int) -
 
 
 def log_closed(stats: EngineStats) -> None:
-    """INFO, once: the engine shut down, with what it held and how many ranks failed."""
-    log.info("kvshm engine %r shut down: %d CPU block(s) cached, %d rank(s) failed",
-             stats.name, stats.cpu_blocks_cached, stats.counters.get("ranks_failed", 0))
+    """INFO, once: the engine shut down, with what it held and how many ranks failed or
+    left (said Goodbye: their host closed them first) while it ran."""
+    log.info("kvshm engine %r shut down: %d CPU block(s) cached, %d rank(s) failed, %d "
+             "left", stats.name, stats.cpu_blocks_cached,
+             stats.counters.get("ranks_failed", 0), stats.counters.get("ranks_left", 0))

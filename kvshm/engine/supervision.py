@@ -185,6 +185,21 @@ class Supervisor:
             watch.fenced = True
             self._on_fence(rank)
 
+    def rank_left(self, rank: int, why: str) -> None:
+        """``rank``'s worker said Goodbye, then closed its lifeline: its host closed it (a
+        shutdown under way). Not a failure -- ``ranks_left`` moves, ``ranks_failed`` does
+        not, the watch is marked detached -- but its unacked jobs end as at a verdict
+        (``on_verdict`` with ``RevokeReason.LEFT``), and its EOF is the fence."""
+        watch = self.watch[rank]
+        if watch.alive:
+            watch.died(None, f"left: {why}")
+            watch.detached = True
+            self._counters.ranks_left += 1
+            self._on_verdict(rank, None, RevokeReason.LEFT)
+        if not watch.fenced:
+            watch.fenced = True
+            self._on_fence(rank)
+
     def detach_all(self, why: str) -> None:
         """The engine began closing: every rank still alive detaches (``why``); a loss
         seen from here on is no verdict and no failure (the runtime ignores it)."""

@@ -12,7 +12,7 @@ building a decoder costs far more than decoding):
 * ``cmd`` ring, scheduler -> worker: :data:`CmdMsg` = Transfer | Flush | Shutdown
 * ``done`` ring, worker -> scheduler: :data:`DoneMsg` = Done
 * rendezvous socket, both ways: :data:`ControlMsg` = Hello | Ready | StatsRequest | Stats
-  | Shutdown
+  | Shutdown | Goodbye
 
 Block ids travel as packed little-endian u32 ``bytes`` (:func:`pack_ids` /
 :func:`unpack_ids`): a msgpack list of 2,048 ints costs ~26 us to decode, packed bytes
@@ -179,9 +179,18 @@ class Done(_Msg, tag=8, frozen=True, array_like=True, gc=False):
     error: str = ""
 
 
+class Goodbye(_Msg, tag=9, frozen=True, array_like=True, gc=False):
+    """Worker -> scheduler on the rendezvous socket, just before a worker that was closed
+    by its own host (not detached by a fault) closes the socket: the EOF that follows is
+    a clean departure, not a death. Sent once none of its copies runs."""
+
+    rank: int
+    reason: str
+
+
 CmdMsg = Transfer | Flush | Shutdown
 DoneMsg = Done
-ControlMsg = Hello | Ready | StatsRequest | Stats | Shutdown
+ControlMsg = Hello | Ready | StatsRequest | Stats | Shutdown | Goodbye
 
 
 def pack_ids(ids: Iterable[int]) -> bytes:

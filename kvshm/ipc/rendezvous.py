@@ -71,7 +71,7 @@ from kvshm.ipc.fdpass import (
     recv_datagram,
     send_datagram,
 )
-from kvshm.ipc.protocol import Hello, Stats, StatsRequest, check_version
+from kvshm.ipc.protocol import Goodbye, Hello, Stats, StatsRequest, check_version
 from kvshm.ipc.rendezvous_client import RendezvousClient, query_stats
 from kvshm.ipc.rendezvous_conns import Conn, ConnTable
 from kvshm.ipc.rendezvous_events import AllReadyPlan, EventKind, MakeReady, RendezvousEvent
@@ -166,8 +166,8 @@ class RendezvousServer:
     def counters(self) -> dict[str, int]:
         """accepted, accept_errors, refused_uid, refused_pending_cap, refused_version,
         refused_hello, refused_protocol, service_errors, ranks_lost, stats_served,
-        stats_errors, stats_dropped, ready_sent, ready_failed (only those that happened
-        appear)."""
+        stats_errors, stats_dropped, ready_sent, ready_failed, goodbyes (only those that
+        happened appear)."""
         return dict(self._counts)
 
     # ------------------------------------------------------------------ service
@@ -296,6 +296,9 @@ class RendezvousServer:
                 self._on_hello(conn, msg, events)
             elif isinstance(msg, StatsRequest):
                 self._answer_stats(conn, events)
+            elif isinstance(msg, Goodbye) and conn.rank is not None and msg.rank == conn.rank:
+                conn.farewell = msg.reason or "the worker closed"
+                self._counts["goodbyes"] += 1
             else:
                 self._refuse(conn, events, "refused_protocol",
                              f"unexpected {type(msg).__name__} from pid {conn.cred.pid}")
@@ -416,7 +419,8 @@ class RendezvousServer:
         self._hellos.pop(rank, None)
         self._counts["ranks_lost"] += 1
         events.append(RendezvousEvent(EventKind.RANK_LOST, rank=rank, pid=conn.cred.pid,
-                                      reason=why, peer_closed=peer_closed))
+                                      reason=why, peer_closed=peer_closed,
+                                      farewell=conn.farewell if peer_closed else ""))
 
     # ------------------------------------------------------------------ asyncio
 

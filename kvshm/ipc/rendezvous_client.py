@@ -32,6 +32,7 @@ from typing import Any, Final
 from kvshm.errors import (
     ClosedError,
     ConfigError,
+    KvshmError,
     PeerDied,
     ProtocolError,
     StateError,
@@ -49,7 +50,15 @@ from kvshm.ipc.fdpass import (
     send_datagram,
     socket_address,
 )
-from kvshm.ipc.protocol import ControlMsg, Hello, Ready, Stats, StatsRequest, check_version
+from kvshm.ipc.protocol import (
+    ControlMsg,
+    Goodbye,
+    Hello,
+    Ready,
+    Stats,
+    StatsRequest,
+    check_version,
+)
 
 __all__ = ["RendezvousClient", "check_scheduler_cred", "query_stats"]
 
@@ -109,6 +118,18 @@ class RendezvousClient:
             self._eof = True
             raise PeerDied(f"kvshm scheduler {self.name!r} closed the connection: "
                            f"{_REFUSED_HINT}") from None
+
+    def send_goodbye(self, rank: int, reason: str) -> bool:
+        """Best effort, never raises: tell the scheduler this rank is leaving cleanly
+        (:class:`~kvshm.ipc.protocol.Goodbye`); False if it could not be sent (not
+        connected, no Hello sent, buffer full, peer gone)."""
+        if self._hello is None:
+            return False
+        try:
+            self.send(Goodbye(rank, reason))
+        except (KvshmError, OSError):
+            return False
+        return True
 
     def send_hello(self, hello: Hello) -> None:
         """Say hello (once per connection)."""

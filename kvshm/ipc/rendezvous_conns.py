@@ -44,6 +44,7 @@ class Conn:
     sock: socket.socket
     cred: PeerCred
     rank: int | None = None  # set once its Hello is accepted
+    farewell: str = ""  # the rank's Goodbye reason: its coming EOF is a clean departure
 
 
 class ConnTable:

@@ -42,7 +42,9 @@ class RendezvousEvent:
     ``peer_closed`` (RANK_LOST only): the worker closed its end (EOF, reset) -- kvshm's
     worker does that only once none of its copies runs, so the scheduler may take it as
     a fence. False when this server closed the connection itself (a refused message, a
-    Ready it could not send): the rank may still be copying.
+    Ready it could not send): the rank may still be copying. ``farewell`` (RANK_LOST
+    only): the reason the rank's ``Goodbye`` gave before its EOF -- its host closed the
+    worker (a clean departure, not a death); "" if it said none.
     """
 
     kind: EventKind
@@ -51,3 +53,4 @@ class RendezvousEvent:
     reason: str = ""
     error: BaseException | None = None
     peer_closed: bool = False
+    farewell: str = ""

@@ -86,6 +86,7 @@ class RevokeReason(IntEnum):
     HUNG = 2  # jobs outstanding and no completion for hang_timeout_s
     BROKEN_RING = 3  # an undecodable record or impossible framing from this rank
     DIED = 4  # its process exited or its lifeline closed (revoked for good measure)
+    LEFT = 5  # it said Goodbye and closed: its host closed it (a departure, not a death)
 
 
 def _offsets(cmd_capacity: int, done_capacity: int) -> tuple[int, int, int]:

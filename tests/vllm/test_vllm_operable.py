@@ -123,6 +123,13 @@ def test_idle_in_process_engine_answers_stats_and_shuts_down_clean(
               if "closed (statistics:" in r.getMessage()]
     assert closed == [("kvshm.vllm", logging.INFO,
                        f"kvshm: engine {name!r} closed (statistics: {stats_path})")], closed
+    # vLLM closes its worker (the embedded Worker says Goodbye) before or while its
+    # scheduler shuts down: no kvshm line says FAILED or warns about it
+    loud = [(r.name, r.getMessage()) for r in caplog.records
+            if r.name.startswith("kvshm") and r.levelno >= logging.WARNING]
+    assert loud == [], loud
+    ends = [r.getMessage() for r in caplog.records if " shut down: " in r.getMessage()]
+    assert all("0 rank(s) failed" in m for m in ends), ends
 
 @pytest.mark.slow
 def test_idle_multiprocess_engine_answers_stats_logs_and_cli(

@@ -46,6 +46,7 @@ COUNTERS: Final[dict[str, tuple[tuple[str, ...], str]]] = {
     "jobs_failed": (("counters", "jobs_failed"), "transfer jobs that failed"),
     "loads_failed": (("counters", "loads_failed"), "request loads that failed"),
     "ranks_failed": (("counters", "ranks_failed"), "worker ranks declared dead"),
+    "ranks_left": (("counters", "ranks_left"), "worker ranks that left cleanly (Goodbye)"),
 }
 
 #: name in ``data`` -> (where it is read, help text)
