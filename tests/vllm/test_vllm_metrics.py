@@ -4,10 +4,13 @@ increments, and the Prometheus hook registers and fills ``kvshm_*`` series."""
 
 from __future__ import annotations
 
+import bisect
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 pytest.importorskip(
     "vllm.distributed.kv_transfer.kv_connector.v1.metrics",
@@ -19,9 +22,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 
 from kvshm.integrations.vllm.connector import KvshmConnector
 from kvshm.integrations.vllm.metrics import (
+    ACK_BUCKETS_S,
     KvshmConnectorStats,
     KvshmPromMetrics,
     StatsReporter,
+    replay_values,
 )
 
 
@@ -40,7 +45,8 @@ def test_reporter_sends_increments_and_gauge_levels() -> None:
     first = rep.report(_snapshot(hit=64, stored=3, cached=3, pins=2), now=0.0)
     assert first.data == {"hit_tokens": 64, "stored_blocks": 3, "loaded_blocks": 1,
                           "stored_bytes": 300, "loaded_bytes": 100, "jobs_failed": 0,
-                          "loads_failed": 0, "ranks_failed": 0, "pins_held": 2,
+                          "loads_failed": 0, "ranks_failed": 0, "ranks_left": 0,
+                          "pins_held": 2,
                           "cpu_blocks_cached": 3, "num_cpu_blocks": 8,
                           "jobs_in_flight": 0}
     assert not rep.due(now=0.5) and rep.due(now=1.0)
@@ -123,3 +129,71 @@ def test_prom_metrics_register_kvshm_series_and_observe_per_engine() -> None:
     assert {"kvshm_loaded_blocks_total", "kvshm_loaded_bytes_total",
             "kvshm_loads_failed_total", "kvshm_ranks_failed_total",
             "kvshm_num_cpu_blocks", "kvshm_jobs_in_flight"} <= names
+
+
+def _hist(counts: dict[int, int], sum_s: float) -> dict[str, Any]:
+    """A rank's ``ack_latency_hist`` as the engine reports it (16 buckets, +Inf last)."""
+    out = [0] * (len(ACK_BUCKETS_S) + 1)
+    for i, n in counts.items():
+        out[i] = n
+    return {"le_us": [], "counts": out, "sum_s": sum_s, "count": sum(out)}
+
+
+def test_reporter_sends_each_ranks_ack_latency_increments() -> None:
+    """Per rank, the bucket counts and the sum since the last report; a rank with no new
+    ack is left out, and so is the key when no rank acked."""
+    rep = StatsReporter(period_s=0.0)
+    snap = _snapshot(hit=0, stored=0, cached=0)
+    snap["ranks"] = [{"rank": 0, "ack_latency_hist": _hist({2: 3}, 120e-6)},
+                     {"rank": 1, "ack_latency_hist": _hist({}, 0.0)}]
+    first = rep.report(snap, now=0.0).data["ack_latency"]
+    assert list(first) == ["0"] and first["0"]["counts"][2] == 3
+    assert first["0"]["sum_s"] == pytest.approx(120e-6)
+    snap["ranks"] = [{"rank": 0, "ack_latency_hist": _hist({2: 3, 4: 1}, 320e-6)},
+                     {"rank": 1, "ack_latency_hist": _hist({0: 2}, 10e-6)}]
+    second = rep.report(snap, now=1.0).data["ack_latency"]
+    assert second["0"]["counts"] == [0, 0, 0, 0, 1] + [0] * 11
+    assert second["0"]["sum_s"] == pytest.approx(200e-6)
+    assert second["1"]["counts"][0] == 2
+    assert "ack_latency" not in rep.report(snap, now=2.0).data
+    both = KvshmConnectorStats(data={"ack_latency": first}).aggregate(
+        KvshmConnectorStats(data={"ack_latency": second}))
+    assert both.data["ack_latency"]["0"]["counts"][2] == 3
+    assert both.data["ack_latency"]["0"]["counts"][4] == 1
+    assert both.data["ack_latency"]["0"]["sum_s"] == pytest.approx(320e-6)
+    assert both.data["ack_latency"]["1"]["counts"][0] == 2
+
+
+def test_prom_ack_latency_histogram_per_rank_has_exact_buckets() -> None:
+    """``kvshm_ack_latency_seconds{rank=...}`` on kvshm's bounds: cumulative bucket
+    counts and _count exact; _sum exact for an interval within one bucket."""
+    reg = CollectorRegistry()
+    prom = KvshmConnector.build_prom_metrics(
+        SimpleNamespace(kv_transfer_config=None),  # type: ignore[arg-type]
+        _metric_types(reg), ["model_name", "engine"], {0: ["m", "0"]})
+    prom.observe({"ack_latency": {"1": _hist({2: 3}, 3 * 40e-6)}}, engine_idx=0)
+    prom.observe({"ack_latency": {"1": _hist({0: 1, 15: 2}, 5e-6 + 6.0)}}, engine_idx=0)
+    got = _series(reg)
+    def bucket(le: str) -> float:
+        return got[f'kvshm_ack_latency_seconds_bucket{{engine="0",le="{le}",model_name="m",'
+                   'rank="1"}']
+
+    assert (bucket("1e-05"), bucket("2.5e-05"), bucket("5e-05"), bucket("1.0"),
+            bucket("+Inf")) == (1.0, 1.0, 4.0, 4.0, 6.0)
+    lab = 'engine="0",model_name="m",rank="1"'
+    assert got[f"kvshm_ack_latency_seconds_count{{{lab}}}"] == 6.0
+    # one bucket: the interval's own sum; +Inf holds 2 of 3 samples at >= 1 s
+    assert got[f"kvshm_ack_latency_seconds_sum{{{lab}}}"] >= 3 * 40e-6 + 2.0
+
+
+@given(st.lists(st.integers(0, 50), min_size=16, max_size=16),
+       st.floats(0.0, 10.0, allow_nan=False))
+def test_replayed_values_land_in_their_own_buckets(counts: list[int], mean: float) -> None:
+    """Whatever the interval's mean, each replayed value falls in the bucket it stands
+    for (Prometheus' le is inclusive, as kvshm's bisect_left), so counts stay exact."""
+    total = sum(counts)
+    pairs = replay_values(counts, mean * total)
+    assert sum(n for _, n in pairs) == total
+    nonempty = [i for i, n in enumerate(counts) if n > 0]
+    for (value, n), i in zip(pairs, nonempty):
+        assert bisect.bisect_left(ACK_BUCKETS_S, value) == i and n == counts[i]

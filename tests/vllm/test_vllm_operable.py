@@ -175,7 +175,8 @@ def _kvshm_series() -> dict[str, float]:
 
 def test_vllm_prometheus_logger_carries_kvshm_series(make_llm: LLMFactory) -> None:
     """With vLLM's stats on, the series vLLM's ``/metrics`` serves (its Prometheus
-    logger, the global registry) carry kvshm's hit tokens, stores, loads and CPU tier."""
+    logger, the global registry) carry kvshm's hit tokens, stores, loads, CPU tier and
+    the per-rank ack-latency histogram."""
     with make_llm(CONNECTOR, module=MODULE, cpu_bytes=CPU_BYTES,
                   llm_overrides={"disable_log_stats": False}) as llm:
         prompt = _prompt(100, 300)
@@ -196,3 +197,6 @@ def test_vllm_prometheus_logger_carries_kvshm_series(make_llm: LLMFactory) -> No
     assert got["kvshm_jobs_failed_total"] == 0.0, got
     assert got["kvshm_num_cpu_blocks"] > 0 and got["kvshm_cpu_blocks_cached"] >= 3, got
     assert 0 < got["kvshm_cpu_tier_occupancy"] <= 1, got
+    # rank 0's acks (the stores and the load) as a histogram: at least the load's
+    assert got["kvshm_ack_latency_seconds_count"] >= 2.0, got
+    assert got["kvshm_ack_latency_seconds_sum"] > 0, got

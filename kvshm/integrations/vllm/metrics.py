@@ -11,13 +11,21 @@ What travels (:class:`KvshmConnectorStats`'s ``data``, JSON-able):
 * the *increments* since the previous report of the counters in :data:`COUNTERS`
   (summed by ``aggregate``: two reports of one interval add up);
 * the *current value* of the gauges in :data:`GAUGES` (``aggregate`` keeps the later
-  report's value: a gauge is a level, not an amount).
+  report's value: a gauge is a level, not an amount);
+* ``ack_latency``: per rank (``"0"``, ``"1"``, ...), the *increments* of its ack-latency
+  histogram -- ``counts`` per bucket of :data:`kvshm.stats.LATENCY_BUCKETS_US` (the last
+  one +Inf) and ``sum_s`` -- summed bucket by bucket by ``aggregate``.
 
 Only the scheduler side reports (the workers' counters are in ``kvshm stats``), and at
 most once per :data:`REPORT_PERIOD_S`: a report reads a whole statistics snapshot.
 Prometheus series (:class:`KvshmPromMetrics`, every one labelled like vLLM's own):
 ``kvshm_<counter>_total`` counters and ``kvshm_<gauge>`` gauges, plus
-``kvshm_cpu_tier_occupancy`` (cached / capacity, 0..1).
+``kvshm_cpu_tier_occupancy`` (cached / capacity, 0..1) and the histogram
+``kvshm_ack_latency_seconds`` with a ``rank`` label, on kvshm's own bucket bounds.
+kvshm keeps bucket counts, not samples, so each increment is replayed as that many
+observations of one value inside its bucket: the bucket counts and ``_count`` are exact;
+``_sum`` is exact when an interval's samples fall in one bucket and otherwise near it
+(each bucket replays the interval's mean latency, clamped into the bucket).
 """
 
 from __future__ import annotations
@@ -33,7 +41,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
-__all__ = ["COUNTERS", "GAUGES", "REPORT_PERIOD_S", "KvshmConnectorStats",
+from kvshm.stats import LATENCY_BUCKETS_US
+
+__all__ = ["ACK_BUCKETS_S", "COUNTERS", "GAUGES", "REPORT_PERIOD_S", "KvshmConnectorStats",
            "KvshmPromMetrics", "StatsReporter"]
 
 #: name in ``data`` -> (where it is read in ``SchedulerSide.statistics()``, help text)
@@ -59,6 +69,52 @@ GAUGES: Final[dict[str, tuple[tuple[str, ...], str]]] = {
 
 #: The most often the scheduler side builds a report (seconds).
 REPORT_PERIOD_S: Final = 1.0
+#: ``kvshm_ack_latency_seconds``'s bucket upper bounds (+Inf is implied).
+ACK_BUCKETS_S: Final = tuple(b / 1e6 for b in LATENCY_BUCKETS_US)
+#: Key of the per-rank ack-latency increments in the reported ``data``.
+ACK_KEY: Final = "ack_latency"
+
+Hist = dict[str, Any]  # {"counts": [per bucket, +Inf last], "sum_s": float}
+
+
+def _hist_add(a: Hist | None, b: Hist) -> Hist:
+    """Bucket-by-bucket sum of two histogram increments."""
+    if a is None:
+        return {"counts": list(b["counts"]), "sum_s": float(b["sum_s"])}
+    return {"counts": [int(x) + int(y) for x, y in zip(a["counts"], b["counts"])],
+            "sum_s": float(a["sum_s"]) + float(b["sum_s"])}
+
+
+def _rank_hists(stats: dict[str, Any]) -> dict[str, Hist]:
+    """Each rank's ack-latency histogram so far (``counts``, ``sum_s``), by rank label."""
+    out: dict[str, Hist] = {}
+    for r in stats.get("ranks") or ():
+        hist = r.get("ack_latency_hist") if isinstance(r, dict) else None
+        if isinstance(hist, dict) and "counts" in hist:
+            out[str(r.get("rank", len(out)))] = {"counts": [int(c) for c in hist["counts"]],
+                                                 "sum_s": float(hist.get("sum_s", 0.0))}
+    return out
+
+
+def replay_values(counts: list[int], sum_s: float) -> list[tuple[float, int]]:
+    """(value, times) per non-empty bucket: the interval's mean latency clamped into the
+    bucket (its lower bound excluded), so observing each value ``times`` times lands
+    every count in its own bucket (see the module docstring)."""
+    total = sum(counts)
+    if total <= 0:
+        return []
+    mean = sum_s / total
+    out: list[tuple[float, int]] = []
+    for i, n in enumerate(counts):
+        if n <= 0:
+            continue
+        lo = ACK_BUCKETS_S[i - 1] if i > 0 else 0.0
+        hi = ACK_BUCKETS_S[i] if i < len(ACK_BUCKETS_S) else float("inf")
+        value = min(max(mean, lo), hi)
+        if value <= lo:  # the bound itself belongs to the bucket below
+            value = min(lo * 1.000001 + 1e-12, hi)
+        out.append((value, n))
+    return out
 
 
 def _read(stats: dict[str, Any], path: tuple[str, ...]) -> int:
@@ -89,6 +145,11 @@ class KvshmConnectorStats(KVConnectorStats):  # type: ignore[misc, unused-ignore
         for key in GAUGES:
             if key in theirs:
                 out[key] = int(theirs[key])
+        if theirs.get(ACK_KEY):
+            mine: dict[str, Hist] = dict(out.get(ACK_KEY) or {})
+            for rank, hist in theirs[ACK_KEY].items():
+                mine[rank] = _hist_add(mine.get(rank), hist)
+            out[ACK_KEY] = mine
         return KvshmConnectorStats(data=out)
 
     def reduce(self) -> dict[str, int | float]:
@@ -112,6 +173,7 @@ class StatsReporter:
     def __init__(self, period_s: float = REPORT_PERIOD_S) -> None:
         self._period = period_s
         self._last: dict[str, int] = {k: 0 for k in COUNTERS}
+        self._last_hist: dict[str, Hist] = {}
         self._due = 0.0
 
     def due(self, now: float | None = None) -> bool:
@@ -128,7 +190,23 @@ class StatsReporter:
             self._last[key] = value
         for key, (path, _) in GAUGES.items():
             data[key] = _read(stats, path)
+        acks = self._hist_increments(_rank_hists(stats))
+        if acks:
+            data[ACK_KEY] = acks
         return KvshmConnectorStats(data=data)
+
+    def _hist_increments(self, now: dict[str, Hist]) -> dict[str, Hist]:
+        """Each rank's bucket increments since the last report (ranks with none left out)."""
+        out: dict[str, Hist] = {}
+        for rank, hist in now.items():
+            last = self._last_hist.get(rank)
+            counts = hist["counts"] if last is None else [
+                max(0, c - p) for c, p in zip(hist["counts"], last["counts"])]
+            sum_s = hist["sum_s"] - (0.0 if last is None else last["sum_s"])
+            self._last_hist[rank] = hist
+            if any(counts):
+                out[rank] = {"counts": counts, "sum_s": max(0.0, sum_s)}
+        return out
 
 
 def _unregister_stale() -> None:
@@ -158,6 +236,11 @@ class KvshmPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc, unused-ign
         self._occupancy = self._per_engine(
             self._gauge_cls, "kvshm_cpu_tier_occupancy",
             "fraction of the CPU tier's blocks that hold cached KV (0..1)")
+        hist_cls: Any = self._histogram_cls
+        self._ack: Any = hist_cls(
+            name="kvshm_ack_latency_seconds",
+            documentation="kvshm: per-rank time from posting a transfer job to its ack",
+            labelnames=[*self._labelnames, "rank"], buckets=list(ACK_BUCKETS_S))
 
     def _per_engine(self, cls: Any, name: str, text: str) -> dict[int, Any]:
         metric = cls(name=name, documentation=f"kvshm: {text}",
@@ -177,3 +260,9 @@ class KvshmPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc, unused-ign
         cap = int(data.get("num_cpu_blocks", 0))
         if cap > 0:
             self._occupancy[engine_idx].set(int(data.get("cpu_blocks_cached", 0)) / cap)
+        labels = self.per_engine_labelvalues.get(engine_idx, [])
+        for rank, hist in (data.get(ACK_KEY) or {}).items():
+            ack = self._ack.labels(*labels, str(rank))
+            for value, times in replay_values(list(hist["counts"]), float(hist["sum_s"])):
+                for _ in range(times):
+                    ack.observe(value)
