@@ -21,6 +21,7 @@ import os
 import re
 import secrets
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Final
 
 from kvshm.errors import ConfigError
@@ -40,6 +41,36 @@ TIMEOUT_FIELDS: Final = ("hang_timeout_s", "connect_timeout_s", "shutdown_grace_
 #: Longest timeout accepted: a day. Larger values behave like infinity (and overflow
 #: the millisecond conversions of poll()).
 MAX_TIMEOUT_S: Final = 86400.0
+
+
+class Eviction(Enum):
+    """Which cached block the CPU tier reuses first when it is full
+    (:mod:`kvshm.offload.evict` has each order and its cost: O(1) per operation, but
+    ``DEPTH_AGED`` pays a heap push when a block opens a new age slot; none ever takes
+    a pinned block). Measured on a capacity-bound chat trace
+    by ``python -m tools.bench_evict``.
+
+    * ``DEPTH_AGED`` (default): LRU where a block one level deeper in its prefix chain
+      counts as ``num_blocks // 16`` blocks older, so a full tier drops tails before
+      heads and still ages out what nobody uses.
+    * ``LRU``: least recently stored or hit first (vLLM's CPU offload does this).
+    * ``LRU_REFRESH``: LRU, and a block is also refreshed when the engine's own (GPU)
+      prefix cache hits it.
+    * ``DEEPEST``: the deepest block first, LRU among equals (no aging).
+    * ``SLRU``: stored blocks on probation, hit ones protected (80 %).
+    * ``S3FIFO``: S3-FIFO (small FIFO, ghost keys, main CLOCK).
+    """
+
+    DEPTH_AGED = "depth_aged"
+    LRU = "lru"
+    LRU_REFRESH = "lru_refresh"
+    DEEPEST = "deepest"
+    SLRU = "slru"
+    S3FIFO = "s3fifo"
+
+
+#: The CPU tier's eviction order unless EngineConfig says otherwise.
+DEFAULT_EVICTION: Final = Eviction.DEPTH_AGED
 
 
 def default_name() -> str:
@@ -93,6 +124,8 @@ class EngineConfig:
       ~250 GB at 25 GB/s; a hang stalls the loads queued behind it for that long.
     * ``hang_timeout_s``, ``connect_timeout_s``, ``shutdown_grace_s``: seconds, each a
       finite number > 0 (ConfigError otherwise, naming the field and the value).
+    * ``eviction``: the CPU tier's eviction order (:class:`Eviction`; default
+      :data:`DEFAULT_EVICTION`), for the pool the runtime builds.
     """
 
     block_size: int
@@ -107,6 +140,7 @@ class EngineConfig:
     connect_timeout_s: float = 60.0
     shutdown_grace_s: float = 2.0
     ring_capacity: int | None = None
+    eviction: Eviction = DEFAULT_EVICTION
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
@@ -122,6 +156,8 @@ class EngineConfig:
             raise ConfigError("groups must name at least one KV group")
         if not isinstance(self.mode, StoreMode):
             raise ConfigError(f"mode must be a StoreMode, got {self.mode!r}")
+        if not isinstance(self.eviction, Eviction):
+            raise ConfigError(f"eviction must be an Eviction, got {self.eviction!r}")
         for label in TIMEOUT_FIELDS:
             _timeout(label, getattr(self, label))
 

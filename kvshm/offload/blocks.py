@@ -20,9 +20,14 @@ from kvshm.hashing import BlockHash
 
 
 class Block:
-    """One block: id, reference count, the hashes it is indexed under, queue links."""
+    """One block: id, reference count, the hashes it is indexed under, queue links.
 
-    __slots__ = ("block_id", "hashes", "next", "prev", "ref_cnt")
+    ``depth``, ``slot`` and ``freq`` belong to the eviction orders of
+    :mod:`kvshm.offload.evict` (plain LRU ignores them): the block's position in its
+    prefix chain (set when it is indexed), which of the order's queues holds it, and
+    its hit count since it was stored (-1: stored, not hit yet)."""
+
+    __slots__ = ("block_id", "depth", "freq", "hashes", "next", "prev", "ref_cnt", "slot")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = block_id
@@ -30,6 +35,9 @@ class Block:
         self.hashes: tuple[BlockHash, ...] = ()
         self.prev: Block | None = None
         self.next: Block | None = None
+        self.depth = 0
+        self.slot = 0
+        self.freq = -1
 
     @property
     def queued(self) -> bool:
@@ -87,6 +95,11 @@ class FreeBlockQueue:
         nxt.prev = prev
         b.prev = b.next = None
         self._len -= 1
+
+    def refresh(self, b: Block) -> None:
+        """``b`` was used elsewhere: move it to the MRU end."""
+        self.remove(b)
+        self.append(b)
 
     def popleft(self) -> Block:
         """Remove and return the block at the LRU end; StateError when empty."""

@@ -24,7 +24,7 @@ increasing and never reset (workers and adapters may compare them).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TypeAlias
 
 from kvshm.errors import ConfigError
@@ -82,11 +82,13 @@ class StoreJob(Job):
     """GPU -> CPU. ``groups[i]`` / ``keys[i]``: the pair's KV group and group-qualified
     primary hash (its in-flight mark in :class:`~kvshm.offload.stores.StorePlanner`); the
     first ``n_eager`` pairs go back to the GPU pool normally, the rest (lazy offloads)
-    with ``evict_first``."""
+    with ``evict_first``. ``depths[i]``: the pair's position in its request's block
+    sequence (the CPU tier's depth-aware eviction orders read it; empty: all 0)."""
 
     groups: list[int]
     keys: list[bytes]
     n_eager: int
+    depths: list[int] = field(default_factory=list)
 
 
 @dataclass(slots=True, eq=False, kw_only=True)
@@ -138,11 +140,12 @@ class JobTable:
         return job_id, waiting
 
     def new_store(self, step: int, gpu_ids: list[int], cpu_ids: list[int], *,
-                  groups: list[int], keys: list[bytes], n_eager: int) -> StoreJob:
+                  groups: list[int], keys: list[bytes], n_eager: int,
+                  depths: list[int] | None = None) -> StoreJob:
         """Register a store job waiting for every live rank."""
         job_id, waiting = self._next()
         job = StoreJob(job_id, step, gpu_ids, cpu_ids, waiting, groups=groups, keys=keys,
-                       n_eager=n_eager)
+                       n_eager=n_eager, depths=depths if depths is not None else [])
         self.jobs[job_id] = job
         return job
 

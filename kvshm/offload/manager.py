@@ -158,6 +158,8 @@ class OffloadManager:
         st.start = s
         if self._failed or self._abandoned:
             return 0
+        if s and self.cpu.refresh_gpu_hits:
+            self._refresh(view.hashes, s)
         hit = find_hit(self.cpu, self._gs, view.hashes, s,
                        (view.num_tokens - 1 - num_local_tokens) // bs)
         if hit is None:
@@ -170,6 +172,20 @@ class OffloadManager:
         tokens = (hit.end - s) * bs
         self.counters.lookup_hit_tokens += tokens
         return tokens
+
+    def _refresh(self, hashes: Sequence[bytes], s: int) -> None:
+        """The engine's own prefix hit ``[0, s)`` reused these blocks: refresh their CPU
+        copies, tail first (the head ends up evicted last). O(s)."""
+        get = self.cpu.get_cached
+        key = self._gs.key
+        ids: list[int] = []
+        for p in range(min(s, len(hashes)) - 1, -1, -1):
+            for g in range(self._gs.n):
+                b = get(key(hashes[p], g))
+                if b is not None:
+                    ids.append(b)
+        if ids:
+            self.cpu.refresh(ids)
 
     def allocated(self, req_id: str, gpu_block_ids: Sequence[Sequence[int]],
                   num_external_tokens: int) -> None:
@@ -259,7 +275,7 @@ class OffloadManager:
         if sel.to_touch:
             self.gpu.touch(sel.to_touch)
         job = self._jobs.new_store(step, sel.gpu_ids, cpu_ids, groups=sel.groups,
-                                   keys=sel.keys, n_eager=n - sel.n_lazy)
+                                   keys=sel.keys, n_eager=n - sel.n_lazy, depths=sel.depths)
         self.counters.stores_planned_blocks += n
         return Transfer(step, job.job_id, Direction.STORE, pack_ids(sel.gpu_ids),
                         pack_ids(cpu_ids))

@@ -11,11 +11,18 @@ States (exactly one per block, checked by :meth:`BlockPool.check_invariants`):
 * **pinned**: ``ref_cnt > 0``, not in the free queue (never reused or evicted; its
   hashes change only through explicit ``add_hashes`` / ``remove_hashes`` calls).
 
-Ordering: :meth:`allocate` takes blocks from the LRU end of the free queue. A block
+Ordering (``eviction=Eviction.LRU``, the default of a bare pool and the order a GPU pool
+keeps): :meth:`allocate` takes blocks from the LRU end of the free queue. A block
 freed to ref 0 goes to the LRU end when it has no hashes (reused first) or when
 ``evict_first`` is given, and to the MRU end (evicted last) when it is cached. Within
 one :meth:`free` call, ids listed earlier are taken before ids listed later among the
 blocks sent to the same end, so freeing a prefix tail-first evicts its tail first.
+Another ``eviction`` (:class:`kvshm.config.Eviction`) puts the cached blocks at ref 0 in
+one of the orders of :mod:`kvshm.offload.evict` instead; uncached and ``evict_first``
+blocks are still taken first, and only blocks at ref 0 are ever taken.
+:meth:`refresh` counts a GPU-side reuse of cached blocks (the manager calls it for the
+engine's own prefix hit where :attr:`BlockPool.refresh_gpu_hits`); :meth:`set_depth`
+tells the orders a block's position in its prefix chain.
 
 Cost: every operation is O(1) per block named (plus O(hashes) per block); nothing scans
 the pool except :meth:`drop_all_hashes` (O(hashed blocks)) and :meth:`check_invariants`.
@@ -26,9 +33,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
+from kvshm.config import Eviction
 from kvshm.errors import ConfigError, PoolExhausted
 from kvshm.hashing import BlockHash
 from kvshm.offload.blocks import Block, FreeBlockQueue
+from kvshm.offload.evict import FreeSet, make_free_set
 
 __all__ = ["BlockPool", "BlockRemoved", "BlockStored", "PoolEvent"]
 
@@ -60,11 +69,20 @@ class BlockPool:
     registered block still carrying the hash.
     """
 
-    def __init__(self, num_blocks: int, *, enable_events: bool = False) -> None:
+    def __init__(self, num_blocks: int, *, enable_events: bool = False,
+                 eviction: Eviction = Eviction.LRU,
+                 refresh_gpu_hits: bool | None = None) -> None:
         if num_blocks < 1:
             raise ConfigError(f"num_blocks must be >= 1, got {num_blocks}")
+        if not isinstance(eviction, Eviction):
+            raise ConfigError(f"eviction must be an Eviction, got {eviction!r}")
         self._blocks = [Block(i) for i in range(num_blocks)]
-        self._queue = FreeBlockQueue(self._blocks)
+        self._queue: FreeBlockQueue | FreeSet = make_free_set(eviction, self._blocks,
+                                                              num_blocks)
+        self.eviction = eviction
+        self.refresh_gpu_hits = (eviction is Eviction.LRU_REFRESH
+                                 if refresh_gpu_hits is None else refresh_gpu_hits)
+        """The manager calls :meth:`refresh` for the engine's own prefix hits."""
         self._index: dict[BlockHash, dict[int, None]] = {}
         self._enable_events = enable_events
         self._events: list[PoolEvent] = []
@@ -177,6 +195,20 @@ class BlockPool:
 
     def ref_cnt(self, block_id: int) -> int:
         return self._get(block_id).ref_cnt
+
+    def refresh(self, ids: Iterable[int]) -> None:
+        """The blocks were reused elsewhere (their GPU copies hit): each cached one at
+        ref 0 counts as used now (LRU: to the MRU end; earlier ids end up evicted
+        before later ones). Pinned or uncached ids are left alone."""
+        queue = self._queue
+        for b in self._resolve(ids):
+            if b.ref_cnt == 0 and b.hashes:
+                queue.refresh(b)
+
+    def set_depth(self, block_id: int, depth: int) -> None:
+        """``block_id`` holds position ``depth`` of its prefix chain (read by the
+        depth-aware orders when the block is next freed)."""
+        self._get(block_id).depth = depth
 
     # ---- hash index ----------------------------------------------------------------
 

@@ -39,6 +39,7 @@ from typing import Protocol
 
 import msgspec
 
+from kvshm.config import Eviction
 from kvshm.hashing import BlockHash
 from kvshm.offload.counters import DeclineReason, ManagerCounters
 from kvshm.offload.groups import GroupSet
@@ -51,7 +52,9 @@ __all__ = ["Cand", "Cursor", "Selection", "StorePlanner"]
 
 class Cand(msgspec.Struct, frozen=True, gc=False):
     """A block selected for storing: its GPU id, KV group and ``key``, the
-    group-qualified primary hash (its CPU index key and in-flight mark).
+    group-qualified primary hash (its CPU index key and in-flight mark), and ``pos`` its
+    position in the request's block sequence (0 where unknown: lazy offloads), which the
+    CPU tier's depth-aware eviction orders read.
 
     A ``msgspec.Struct`` because a step builds one per selected block: built in C
     (~60 ns here, a plain tuple ~40 ns, a ``NamedTuple`` ~290 ns: +1.5 % of a
@@ -61,6 +64,7 @@ class Cand(msgspec.Struct, frozen=True, gc=False):
     gpu_id: int
     group: int
     key: bytes
+    pos: int = 0
 
 
 class Cursor(Protocol):
@@ -81,12 +85,13 @@ class Selection:
     """One step's store pairs in job order: finish-time ones (already touched), then
     running requests' (``to_touch``), then lazy ones (``n_lazy``, also in ``to_touch``)."""
 
-    __slots__ = ("gpu_ids", "groups", "keys", "n_lazy", "to_touch")
+    __slots__ = ("depths", "gpu_ids", "groups", "keys", "n_lazy", "to_touch")
 
     def __init__(self) -> None:
         self.gpu_ids: list[int] = []
         self.groups: list[int] = []
         self.keys: list[bytes] = []
+        self.depths: list[int] = []
         self.to_touch: list[int] = []
         self.n_lazy = 0
 
@@ -94,6 +99,7 @@ class Selection:
         self.gpu_ids.append(c.gpu_id)
         self.groups.append(c.group)
         self.keys.append(c.key)
+        self.depths.append(c.pos)
 
 
 class StorePlanner:
@@ -174,7 +180,7 @@ class StorePlanner:
                     break
                 reason, key = self.classify(b, h, g, alloc)
                 if reason is None:
-                    picks.append(Cand(b, g, key))
+                    picks.append(Cand(b, g, key, p))
                 else:
                     reasons.append(reason)
             if wait:
@@ -210,7 +216,7 @@ class StorePlanner:
                 if reason is not None:
                     declined[reason] += 1
                     continue
-                c = Cand(b, g, key)
+                c = Cand(b, g, key, p)
                 self._mark(c)
                 picks.append(c)
         st.cursor = max(st.cursor, ready)
@@ -281,7 +287,7 @@ class StorePlanner:
             self._unmark(b, key)
         try:
             if register:
-                self._register(gpu_ids, cpu_ids, job.groups, job.keys)
+                self._register(gpu_ids, cpu_ids, job.groups, job.keys, job.depths)
         finally:
             self.cpu.free(reversed(cpu_ids))
             if n_eager:
@@ -290,13 +296,17 @@ class StorePlanner:
                 self.gpu.free(gpu_ids[n_eager:], evict_first=True)
 
     def _register(self, gpu_ids: list[int], cpu_ids: list[int], groups: list[int],
-                  keys: list[bytes]) -> None:
+                  keys: list[bytes], depths: list[int]) -> None:
         key_of = self.gs.key
+        cpu = self.cpu
         for c, b, g, k in zip(cpu_ids, gpu_ids, groups, keys):
             hs = [k]
             for h in self.gpu.block_hashes(b):
                 q = key_of(h, g)
                 if q != k:
                     hs.append(q)
-            self.cpu.add_hashes(c, hs)
+            cpu.add_hashes(c, hs)
+        if cpu.eviction is not Eviction.LRU:
+            for c, d in zip(cpu_ids, depths):
+                cpu.set_depth(c, d)
         self.counters.stored_blocks += len(cpu_ids)

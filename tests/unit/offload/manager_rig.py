@@ -16,6 +16,7 @@ import copy
 from collections.abc import Sequence
 from typing import Any
 
+from kvshm.config import Eviction
 from kvshm.hashing import chain_hashes
 from kvshm.ipc.protocol import Transfer, unpack_ids
 from kvshm.offload.counters import DeclineReason
@@ -33,8 +34,9 @@ class Rig:
 
     def __init__(self, *, cpu: int = 8, gpu: int = 16, world_size: int = 1,
                  groups: Sequence[KVGroup] = (KVGroup.full(),),
-                 mode: StoreMode = StoreMode.EAGER, lazy_window: int = 256) -> None:
-        self.cpu = BlockPool(cpu)
+                 mode: StoreMode = StoreMode.EAGER, lazy_window: int = 256,
+                 eviction: Eviction = Eviction.LRU) -> None:
+        self.cpu = BlockPool(cpu, eviction=eviction)
         self.gpu = BlockPool(gpu)
         self.m = OffloadManager(self.cpu, self.gpu, block_size=BS, groups=groups,
                                 world_size=world_size, mode=mode, lazy_window=lazy_window)

@@ -3,7 +3,8 @@
 The engine admits requests (GPU prefix hit, ``lookup``, allocation, partial acceptance,
 ``allocated``), runs steps (prefill, then one token per step), preempts and finishes
 requests, resets, and plays 1-4 worker ranks that ack jobs out of order, fail acks and
-die. After every rule ``check_invariants()`` runs, and an independent oracle -- every
+die, over a CPU tier of every eviction order (``kvshm.config.Eviction``). After every
+rule ``check_invariants()`` runs, and an independent oracle -- every
 (job, rank) copy not yet acked -- checks that no GPU block the engine allocates and no
 CPU block a new job uses is still under copy by any rank. At teardown (everything
 acked, every request finished) both pools hold zero pins, and no request was ever left
@@ -22,6 +23,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from kvshm.config import Eviction
 from kvshm.hashing import chain_hashes, hash_block
 from kvshm.ipc.protocol import Direction, Transfer, unpack_ids
 from kvshm.offload.manager import OffloadManager
@@ -64,13 +66,14 @@ class SimReq:
 class ManagerMachine(RuleBasedStateMachine):
     """See the module docstring."""
 
-    @initialize(ws=st.integers(1, 4), hybrid=st.booleans(), lazy=st.booleans())
-    def setup(self, ws: int, hybrid: bool, lazy: bool) -> None:
+    @initialize(ws=st.integers(1, 4), hybrid=st.booleans(), lazy=st.booleans(),
+                eviction=st.sampled_from(list(Eviction)))
+    def setup(self, ws: int, hybrid: bool, lazy: bool, eviction: Eviction) -> None:
         hybrid = hybrid and not lazy
         groups = (KVGroup.full(), KVGroup.sliding_window(2 * BS)) if hybrid else (KVGroup.full(),)
         self.ng = len(groups)
         self.gpu = BlockPool(24 if hybrid else 16)
-        self.cpu = BlockPool(12)
+        self.cpu = BlockPool(12, eviction=eviction)
         self.m = OffloadManager(self.cpu, self.gpu, block_size=BS, groups=groups,
                                 world_size=ws, mode=StoreMode.LAZY if lazy else StoreMode.EAGER,
                                 lazy_window=4)
