@@ -1,12 +1,22 @@
 """Per-request store tracking for the manager: tables, cursors and the per-step scan.
 
-Every step lists every running request; the scan must cost an unchanged request next to
-nothing. The only per-request state it reads is ``watch[req_id]``: the number of
-confirmed *blocks* at which the request next needs a look (its cursor + 1; a huge value
-when nothing is tracked). Keeping it in its own dict of (mostly small, interpreter-
-cached) ints means an unchanged request touches its own ``ScheduledRequest``, one dict
-probe and no other object. The full :class:`ReqState` is read only for requests that
-changed (new ids, a crossed block boundary, admission, preemption).
+A step lists the requests that changed: new or resumed ones, preempted ones, ones with
+new block ids, and ones whose confirmed tokens reached their next block. Listing an
+unchanged running request is allowed and costs next to nothing: the only per-request
+state the scan reads is ``watch[req_id]``: the number of confirmed *blocks* at which the
+request next needs a look (its cursor + 1; a huge value when nothing is tracked).
+Keeping it in its own dict of (mostly small, interpreter-cached) ints means an unchanged
+request touches its own ``ScheduledRequest``, one dict probe and no other object. The
+full :class:`ReqState` is read only for requests that changed (new ids, a crossed block
+boundary, admission, preemption).
+
+*Stalled* requests: a walk that stops short of the confirmed blocks (the CPU pool could
+not supply a position, or a pending load's destination) leaves ``watch <= confirmed
+blocks``. The tracker keeps such a request's last listing in :attr:`RequestTracker.stalled`
+and walks it again every step until it catches up, whether or not it is listed (its
+hashes are the engine's live sequence, already checked up to the confirmed blocks; its
+confirmed count can only have grown, and a preemption or resumption re-admits it, which
+drops the entry first). So an engine need not list a request only to retry its store.
 
 A request gets a ``watch`` entry at its first listing; ``lookup`` may create its
 ``ReqState`` earlier (to remember where a restarted cursor begins).
@@ -81,6 +91,9 @@ class RequestTracker:
         self.plan = plan
         self.reqs: dict[str, ReqState] = {}
         self.watch: dict[str, int] = {}
+        #: requests whose last walk stopped short (module docstring), by id: their
+        #: last listing, walked again every step until they catch up
+        self.stalled: dict[str, ScheduledRequest] = {}
         self._no_new = no_new_blocks(gs.n)
 
     def state(self, req_id: str) -> ReqState:
@@ -91,6 +104,7 @@ class RequestTracker:
 
     def forget(self, req_id: str) -> ReqState | None:
         self.watch.pop(req_id, None)
+        self.stalled.pop(req_id, None)
         return self.reqs.pop(req_id, None)
 
     # ---- the per-step scan: check (no change), then apply ----------------------------
@@ -189,16 +203,23 @@ class RequestTracker:
         return r, kind | DIRTY
 
     def apply(self, changes: list[Change]) -> list[ScheduledRequest]:
-        """Apply :meth:`prepare`'s changes; returns the requests with blocks to walk."""
+        """Apply :meth:`prepare`'s changes; returns the requests with blocks to walk: the
+        listed ones that need it, then the stalled ones not listed this step (a
+        (re)admitted request leaves the stalled set first)."""
         dirty: list[ScheduledRequest] = []
+        stalled = self.stalled
         for r, kind in changes:
             if kind & ADMIT:
+                stalled.pop(r.req_id, None)
                 self._admit(r, dirty)
                 continue
             if kind & EXTEND:
                 self._extend(r)
             if kind & DIRTY:
                 dirty.append(r)
+        if stalled:
+            listed = {r.req_id for r, _ in changes}
+            dirty.extend(r for rid, r in stalled.items() if rid not in listed)
         return dirty
 
     def _extend(self, r: ScheduledRequest) -> None:
@@ -239,7 +260,11 @@ class RequestTracker:
             st.hashes = r.block_hashes
             ready = min(r.num_confirmed_tokens // bs, min(len(t) for t in st.tables))
             avail = self.plan.walk(st, ready, avail, alloc, sel)
-            self.watch[r.req_id] = st.cursor + 1
+            w = self.watch[r.req_id] = st.cursor + 1
+            if w <= ready:  # stopped short of what it could store: walk it again
+                self.stalled[r.req_id] = r
+            elif self.stalled:
+                self.stalled.pop(r.req_id, None)
         return avail
 
     def check_finish(self, st: ReqState, num_confirmed_tokens: int,

@@ -93,8 +93,13 @@ def test_toctou_pin_survives_eviction_between_phases() -> None:
     assert pairs(p2.load) == ([0, 1], [4, 5]) and p2.load is not None
     assert p2.load.direction is Direction.LOAD and p2.load_jobs == {p2.load.job_id: ("b",)}
     rig.ack(p2.load)
-    rig.step()
+    p3 = rig.step()  # c, stalled at CPU_FULL, is walked again although it is not listed
     assert tuple(rig.m.take_load_results()) == (LoadResult("b", True, (), None, 8),)
+    gpu3, cpu3 = pairs(p3.store)
+    assert gpu3 == [2, 3] and sorted(cpu3) == [0, 1] and p3.store is not None  # b's, unpinned
+    rig.ack(p3.store)
+    rig.step()
+    assert rig.m._track.stalled == {}
     assert refs(rig.cpu, [0, 1]) == [0, 0] and refs(rig.gpu, gb) == [1, 1, 1]
 
 
