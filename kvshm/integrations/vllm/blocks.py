@@ -11,7 +11,11 @@ scheduler thread only: the pool is not thread-safe):
   given order kept, so the first id is evicted first.
 * ``block_hashes`` are the block's primary ``block_hash`` plus its secondary hashes
   (``cached_block_hashes_by_block``), each stripped of vLLM's 4-byte group id suffix:
-  kvshm qualifies plain hashes per group itself.
+  kvshm qualifies plain hashes per group itself. The stripped primary is cached per block
+  id with the hash object it came from: a call returns the cached tuple while the block
+  still carries that very object (vLLM's hashes are immutable bytes, replaced, never
+  changed in place), so the store path's two calls per block build no bytes. A block
+  with secondary hashes is built each time (rare: hybrid hash sizes).
 * ``iter_free_from_lru`` walks the free queue from its head (next evicted first).
 * ``num_blocks`` is the pool's size (its null block, id 0, included) and
   ``null_block_id`` that null block's id: vLLM puts it in a sliding-window group's table
@@ -56,6 +60,9 @@ class VllmGpuBlocks:
             pool, "cached_block_hashes_by_block", {})
         null = getattr(getattr(pool, "null_block", None), "block_id", None)
         self.null_block_id: int | None = null if isinstance(null, int) else None
+        # block id -> (vLLM's hash object, its plain-hash tuple); see the module docstring
+        self._plain: list[tuple[object, tuple[BlockHash, ...]] | None] = \
+            [None] * len(self._blocks)
 
     @property
     def num_blocks(self) -> int:
@@ -84,10 +91,16 @@ class VllmGpuBlocks:
         primary = self._blocks[block_id].block_hash
         if primary is None:
             return ()
-        extra = self._secondary.get(block_id)
-        if not extra:
-            return (plain_hash(primary),)
-        return (plain_hash(primary), *(plain_hash(k) for k in extra))
+        if self._secondary:
+            extra = self._secondary.get(block_id)
+            if extra:
+                return (plain_hash(primary), *(plain_hash(k) for k in extra))
+        hit = self._plain[block_id]
+        if hit is not None and hit[0] is primary:
+            return hit[1]
+        out = (plain_hash(primary),)
+        self._plain[block_id] = (primary, out)
+        return out
 
     def iter_free_from_lru(self) -> Iterator[int]:
         """Ref-0 block ids, the next to be evicted first."""

@@ -1,9 +1,10 @@
 """The per-step listing: vLLM's ``SchedulerOutput`` as kvshm's ``ScheduledRequest`` list.
 
 :class:`Listing` builds, once per step, the requests of the step's ``StepInput``, in
-this order: new requests, then the cached (running or resumed) ones in vLLM's order,
-then the preempted requests that were announced and are not listed otherwise. With
-sliding-window groups it also collects the GPU block ids allocated this step.
+this order: new requests, then the cached (running or resumed) ones that changed, in
+vLLM's order, then the preempted requests that were announced and are not listed
+otherwise. With sliding-window groups it also collects the GPU block ids allocated this
+step.
 
 A request is *announced* once it has been listed with its full tables
 (``new_or_resumed``): a new or resumed request, or -- at its first step once kvshm is
@@ -11,6 +12,20 @@ READY -- a running request that started before the workers connected (its tables
 from ``scheduler_output.kv_connector_block_state``). An announced request that is not
 resumed is listed with only its new block ids. A request the side never saw
 (``on_new_request`` / lookup) is skipped and counted (``requests_unknown``).
+
+O(changed) per step: a listed request gets a *next look* in tokens, the next block
+boundary past its confirmed tokens (``(confirmed // block_size + 1) * block_size``). A
+cached request with no new block ids whose ``num_computed_tokens`` in the
+SchedulerOutput is still below its next look is not listed: nothing of it changed that
+kvshm reads (its confirmed tokens, at most its computed ones, are still inside the
+block that was confirmed when it was last listed), so a decode step costs it one dict
+probe and a compare, and no ``Request`` field is read. Everything else is listed: new,
+resumed and preempted requests, new block ids, a boundary reached (the manager walks
+its store cursor only then), a request without a next look. A store the manager had to
+defer is retried by the manager itself (:mod:`kvshm.offload.requests`, *stalled*), not
+by listing the request again. Counted: ``requests_unchanged`` (cached requests passed
+over). Invariant: a request has a next look only while it is announced (forgetting or
+preempting it drops both).
 
 Duck-typed over vLLM's objects (no vLLM import). The listing reads the scheduler
 side's live requests and adds to its announced set; it changes nothing else there.
@@ -48,15 +63,22 @@ class Listing:
         self._announced = announced
         self._counters = counters
         self._no_new = no_new
+        #: request id -> the computed-token count at which it is next listed
+        self.next_look: dict[str, int] = {}
+
+    def forget(self, rid: str) -> None:
+        """The request is gone (finished): drop its next look."""
+        self.next_look.pop(rid, None)
 
     def build(self, so: Any) -> tuple[list[ScheduledRequest], set[int]]:
-        """Every scheduled request (decode steps list every running one) and, with
+        """The scheduled requests that changed (module docstring) and, with
         sliding-window groups, the GPU ids allocated this step.
 
-        Runs once per step over every running request: an announced request that is not
-        resumed (nearly all of them in decode) takes the inlined path - one set probe,
-        one dict probe and one ScheduledRequest - and the set of listed ids is built
-        only when the step preempted someone."""
+        Runs once per step over the SchedulerOutput's lists: an unchanged running
+        request costs one dict probe and a compare; a changed announced request that is
+        not resumed takes the inlined path (one set probe, one dict probe, one
+        ScheduledRequest); the set of listed ids is built only when the step preempted
+        someone."""
         out: list[ScheduledRequest] = []
         alloc: set[int] = set()
         for nr in so.scheduled_new_reqs:
@@ -72,15 +94,24 @@ class Listing:
                 if rid in self._announced and rid not in listed:
                     self._counters.requests_preempted += 1
                     self._add(out, rid, self._no_new, False, 0, alloc, preempted=True)
+                    self.next_look.pop(rid, None)  # listed again when it resumes
         return out, alloc
 
     def _list_cached(self, cached: Any, out: list[ScheduledRequest], alloc: set[int],
                      state: Any) -> None:
         resumed = cached.resumed_req_ids
         announced, get, no_new, sw = self._announced, self._requests.get, self._no_new, self._sw
-        append, unknown = out.append, 0
+        look = self.next_look
+        at = look.get
+        bs = self._block_size
+        append, unknown, unchanged = out.append, 0, 0
         for rid, nb, computed in zip(cached.req_ids, cached.new_block_ids,
                                      cached.num_computed_tokens):
+            if nb is None:
+                n = at(rid)
+                if n is not None and computed < n:
+                    unchanged += 1
+                    continue
             if rid in announced and (nb is None or rid not in resumed):
                 r = get(rid)
                 if r is None:
@@ -92,9 +123,10 @@ class Listing:
                     table = tables(nb)
                     if sw:
                         alloc.update(b for g in nb for b in g)
+                confirmed = r.num_computed_tokens - r.num_output_placeholders
+                look[rid] = (confirmed // bs + 1) * bs
                 append(ScheduledRequest(rid, r.block_hashes, r.num_tokens, table, False,
-                                        r.num_computed_tokens - r.num_output_placeholders,
-                                        False, r.kv_transfer_params))
+                                        confirmed, False, r.kv_transfer_params))
             elif rid in resumed and nb is not None:
                 self._counters.requests_resumed += 1
                 self._add(out, rid, tables(nb), True, computed, alloc)
@@ -105,6 +137,7 @@ class Listing:
                 self._counters.requests_announced_late += 1
                 self._add(out, rid, tables(full), True, computed, alloc)
         self._counters.requests_unknown += unknown
+        self._counters.requests_unchanged += unchanged
 
     def _add(self, out: list[ScheduledRequest], rid: str, table: Tables, full: bool,
              num_computed: int, alloc: set[int], *, preempted: bool = False) -> None:
@@ -117,5 +150,7 @@ class Listing:
             first = num_computed // self._block_size
             alloc.update(b for g in table for b in g[first:])
         confirmed = r.num_computed_tokens - r.num_output_placeholders
+        if not preempted:
+            self.next_look[rid] = (confirmed // self._block_size + 1) * self._block_size
         out.append(ScheduledRequest(rid, r.block_hashes, r.num_tokens, table, full,
                                     confirmed, preempted, r.kv_transfer_params))

@@ -48,6 +48,7 @@ class SchedulerCounters:
     requests_preempted: int = 0
     requests_resumed: int = 0
     requests_unknown: int = 0
+    requests_unchanged: int = 0  # running requests a step passed over (nothing changed)
     lookups_after_failed_load: int = 0  # answered 0: that request recomputes instead
     requests_refused: int = 0  # calls kvshm refused (InvalidRequest): that request goes without
     steps: int = 0

@@ -378,6 +378,7 @@ class SchedulerSide:
         return False, None
 
     def _forget(self, rid: str) -> None:
+        self._lister.forget(rid)
         self._requests.pop(rid, None)
         self._announced.discard(rid)
         self._load_failed.discard(rid)

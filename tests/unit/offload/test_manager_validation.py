@@ -460,10 +460,11 @@ def test_vllm_adapter_maps_refusals_to_no_offload() -> None:
     assert side.counters.requests_refused == 3 and m._track.reqs.keys() == {"g"}
     so2 = NS(scheduled_new_reqs=[],
              scheduled_cached_reqs=NS(req_ids=["g", "b"], resumed_req_ids=set(),
-                                      new_block_ids=[None, None], num_computed_tokens=[8, 8]),
+                                      new_block_ids=[None, ([6],)], num_computed_tokens=[8, 8]),
              preempted_req_ids=set(), finished_req_ids=set())
     side.build(so2)
-    assert client.steps[-1] == ["g"]                           # b is not listed again
+    assert client.steps[-1] == []              # b (new ids) is not listed again; g unchanged
+    assert side.counters.requests_unchanged == 1
     assert m.num_jobs_in_flight == 1
     job = next(iter(m._jobs.jobs))
     m.on_done(job, 0, True)
