@@ -99,7 +99,9 @@ class Rig:
                               cpu_blocks, None, 30.0, 5.0, 0)
         self.side = SchedulerSide(cfg)
         self.side.bind(self.pool)
-        self.worker = Worker.attach(name, 0, 1, [torch.zeros((n, ROW), dtype=torch.uint8)])
+        # spin_us=0: the rank shares this process (and its GIL) with the timed hooks
+        self.worker = Worker.attach(name, 0, 1, [torch.zeros((n, ROW), dtype=torch.uint8)],
+                                    spin_us=0.0)
         deadline = time.monotonic() + 30
         while not self._ready():
             if time.monotonic() > deadline:
@@ -236,6 +238,7 @@ class Rig:
             for done in w.poll():
                 loaded.update(meta.load_jobs.get(done.job_id, ()))
             if not (len(w._queue) or w._dones.inflight or w._dones.outbox):
+                time.sleep(0.001)  # let the copy thread park before the next timed hook
                 return loaded
             if time.monotonic() > deadline:
                 raise RuntimeError("the kvshm worker did not finish a step in 30 s")
