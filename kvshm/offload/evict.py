@@ -172,27 +172,41 @@ class DepthAged(FreeSet):
         self.clock = 0
         self.slots: dict[int, FreeBlockQueue] = {}
         self.heap: list[int] = []  # occupied slot ids (and some emptied ones: lazy)
+        self.spare: list[FreeBlockQueue] = []  # emptied queues, reused for new slots
 
     def _place(self, b: Block) -> None:
         self.clock += 1
         s = (self.clock_weight * self.clock - self.k * b.depth) // self.width
-        q = self.slots.get(s)
+        slots = self.slots
+        q = slots.get(s)
         if q is None:
-            q = self.slots[s] = FreeBlockQueue()
+            q = slots[s] = self.spare.pop() if self.spare else FreeBlockQueue()
             heap = self.heap
-            if len(heap) > 2 * len(self.slots) + 64:  # drop the ids of emptied slots
-                heap[:] = self.slots
+            if len(heap) > 2 * len(slots) + 64:  # drop the ids of emptied slots
+                heap[:] = slots
                 heapq.heapify(heap)
             else:
                 heapq.heappush(heap, s)
         b.slot = s
         q.append(b)
 
+    def append(self, b: Block) -> None:  # the base's, inlined (a hot path)
+        self._place(b)
+        self._len += 1
+
     def _unlink(self, b: Block) -> None:
         q = self.slots[b.slot]
         q.remove(b)
         if not len(q):
             del self.slots[b.slot]
+            self.spare.append(q)
+
+    def remove(self, b: Block) -> None:  # the base's, without the hit count
+        if b.slot == FRESH:
+            self.fresh.remove(b)
+        else:
+            self._unlink(b)
+        self._len -= 1
 
     def _victim(self) -> Block:
         slots = self.slots
@@ -202,6 +216,7 @@ class DepthAged(FreeSet):
         b = q.popleft()
         if not len(q):
             del slots[heapq.heappop(heap)]
+            self.spare.append(q)
         return b
 
     def _queues(self) -> list[FreeBlockQueue]:
