@@ -38,6 +38,9 @@ FORBIDDEN: dict[str, set[str]] = {
     # the vLLM worker side embeds a Worker in vLLM's worker process; it never plans
     "integrations-worker": {"offload", "engine", "demo", "app"},
     "leaf": {"ipc", "offload", "engine", "workers", "integrations", "demo", "app", "vllm"},
+    # the remote tier (Valkey): leaves and its client packages; workers and engine use it
+    "remote": {"ipc", "offload", "engine", "workers", "integrations", "demo", "app",
+               "vllm", "torch"},
 }
 
 
@@ -55,7 +58,7 @@ def part_of(module: str) -> str:
     sub = rest.split(".")[0]
     if sub == "integrations" and module.endswith(".worker"):
         return "integrations-worker"
-    if sub in ("offload", "ipc", "engine", "integrations", "demo"):
+    if sub in ("offload", "ipc", "engine", "integrations", "demo", "remote"):
         return sub
     return "app"  # kvshm.cli and the deprecated aliases: entry points, not a part
 
@@ -95,7 +98,7 @@ def test_the_parts_exist() -> None:
     """The table names real modules (a rename must not make it vacuous)."""
     parts = {part_of(m) for m in ALL}
     assert {"ipc", "offload", "workers", "engine", "integrations", "leaf",
-            "protocol"} <= parts
+            "protocol", "remote"} <= parts
     assert all(m in ALL for m in LEAVES - {"kvshm.worker_cli"})
 
 

@@ -1,0 +1,342 @@
+"""The remote tier's interface: what a backend implements and what the engine calls.
+
+Two protocols, one per side:
+
+* :class:`BlockStore` (worker side, many threads): moves bytes between host rows (views
+  of the CPU tier's shared memory) and the server. ``put_many`` stores each row under
+  its key with a :class:`BlockHeader`; ``get_many_into`` lands each value's payload
+  directly in the caller's view and checks its header against the expected one.
+* :class:`ReadyIndex` (scheduler side, never blocks): publishes per-block readiness keys
+  once every rank stored a block, and answers longest-present-prefix queries
+  asynchronously (``query`` returns at once, ``answers`` polls).
+
+Keys are content-addressed and immutable (:func:`block_key`, :func:`ready_key`): the
+layout fingerprint (model, dtype, block size, layout) and the rank are part of the key,
+so two deployments never read each other's bytes, and a key never changes meaning.
+
+Rule (the part's invariant): failure = miss = recompute. Every outcome is a value
+(:class:`GetOutcome`, ``False``, a prefix of 0), counted in ``statistics()``, never an
+exception into the caller.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import struct
+import zlib
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Final, Protocol, runtime_checkable
+from urllib.parse import parse_qsl, urlsplit
+
+from kvshm.errors import ConfigError
+
+#: The prefix of every key kvshm writes (``v1``: the key and header format version).
+KEY_PREFIX: Final = "kvshm:v1"
+#: :attr:`BlockHeader.version` of the values this code writes and accepts.
+FORMAT_VERSION: Final = 1
+
+_FINGERPRINT_RE = re.compile(r"^[A-Za-z0-9._+=/-]{1,200}$")
+_MAX_HASH_BYTES: Final = 64
+
+# ---------------------------------------------------------------------------- outcomes
+
+
+class GetOutcome(Enum):
+    """What one key of a ``get_many_into`` came to."""
+
+    HIT = "hit"
+    """The payload landed in the caller's view and its header matched: load it."""
+    MISS = "miss"
+    """No such key (never stored, expired, evicted)."""
+    BAD = "bad"
+    """A value was there but its header, length or checksum did not match the expected
+    one (another fingerprint, rank, hash; a truncated or corrupted value). Counted; the
+    view's bytes are garbage and are never loaded."""
+    ERROR = "error"
+    """The server failed, timed out, or the breaker is open: treat as a miss."""
+
+
+# ---------------------------------------------------------------------------- the spec
+
+_SCHEMES: Final = {"valkey": False, "redis": False,
+                   "valkey+cluster": True, "redis+cluster": True}
+_INT_KNOBS: Final = ("request_timeout_ms", "connect_timeout_ms", "threads")
+
+
+@dataclass(frozen=True)
+class RemoteSpec:
+    """A remote tier's address and knobs, parsed from a URL by :meth:`parse`.
+
+    ``valkey://host:port`` is one standalone server; ``valkey+cluster://h1:p1,h2:p2,...``
+    a cluster, reached through any of the listed seed nodes (``redis://`` and
+    ``redis+cluster://`` are accepted as aliases: same protocol). Knobs may also come as
+    the URL's query (``valkey://h:p?ttl_s=600&threads=2``); keyword knobs win.
+
+    * ``request_timeout_ms``: the deadline of one request (a 2 MiB GET included); a
+      request past it is an ERROR (counted as a timeout).
+    * ``connect_timeout_ms``: the deadline of a (re)connection.
+    * ``ttl_s``: the TTL of every block and readiness key (``SET ... EX``), so that the
+      server's ``volatile-lru`` policy may evict them; ``None``: no TTL (never evicted
+      under ``volatile-*``; use with care).
+    * ``threads``: worker-side threads (one client each) per :class:`BlockStore`.
+    """
+
+    url: str
+    nodes: tuple[tuple[str, int], ...]
+    cluster: bool
+    request_timeout_ms: int = 500
+    connect_timeout_ms: int = 500
+    ttl_s: int | None = 3600
+    threads: int = 4
+
+    def __post_init__(self) -> None:
+        if not self.nodes:
+            raise ConfigError(f"remote URL {self.url!r}: no host:port")
+        for name in _INT_KNOBS:
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"remote URL {self.url!r}: {name} must be an int > 0, "
+                                  f"got {value!r}")
+        if self.threads > 64:
+            raise ConfigError(f"remote URL {self.url!r}: threads must be <= 64, "
+                              f"got {self.threads}")
+        if self.ttl_s is not None and (isinstance(self.ttl_s, bool)
+                                       or not isinstance(self.ttl_s, int)
+                                       or self.ttl_s <= 0):
+            raise ConfigError(f"remote URL {self.url!r}: ttl_s must be None or an int > 0, "
+                              f"got {self.ttl_s!r}")
+
+    @classmethod
+    def parse(cls, url: str, **knobs: Any) -> RemoteSpec:
+        """Parse ``valkey://host:port`` or ``valkey+cluster://h1:p1,h2:p2`` (plus knobs).
+
+        Raises :class:`~kvshm.errors.ConfigError` naming the URL and what is wrong."""
+        if not isinstance(url, str):
+            raise ConfigError(f"remote URL must be a str, got {type(url).__name__}")
+        scheme, sep, rest = url.partition("://")
+        if not sep or scheme.lower() not in _SCHEMES:
+            raise ConfigError(
+                f"remote URL {url!r}: expected valkey://host:port or "
+                "valkey+cluster://host1:port1,host2:port2,... (redis:// also accepted)")
+        cluster = _SCHEMES[scheme.lower()]
+        split = urlsplit("x://" + rest)
+        if split.path not in ("", "/") or split.fragment:
+            raise ConfigError(f"remote URL {url!r}: unexpected path {split.path!r} (a "
+                              "database number is not supported)")
+        if "@" in split.netloc:
+            raise ConfigError(f"remote URL {url!r}: credentials in the URL are not "
+                              "supported")
+        nodes: list[tuple[str, int]] = []
+        for item in split.netloc.split(","):
+            host, colon, port = item.strip().rpartition(":")
+            if not colon or not host or not port.isdigit():
+                raise ConfigError(f"remote URL {url!r}: {item!r} is not host:port")
+            host = host.strip("[]")
+            if not 0 < int(port) < 65536:
+                raise ConfigError(f"remote URL {url!r}: port {port} out of range")
+            nodes.append((host, int(port)))
+        if not cluster and len(nodes) != 1:
+            raise ConfigError(f"remote URL {url!r}: a standalone URL names one host:port "
+                              "(valkey+cluster:// for several)")
+        merged: dict[str, Any] = {}
+        for key, value in parse_qsl(split.query, keep_blank_values=True):
+            if key not in (*_INT_KNOBS, "ttl_s"):
+                raise ConfigError(f"remote URL {url!r}: unknown knob {key!r}")
+            if key == "ttl_s" and value.lower() in ("", "none", "0"):
+                merged[key] = None
+            elif not value.isdigit():
+                raise ConfigError(f"remote URL {url!r}: {key}={value!r} is not an int")
+            else:
+                merged[key] = int(value)
+        for key, value in knobs.items():
+            if key not in (*_INT_KNOBS, "ttl_s"):
+                raise ConfigError(f"remote URL {url!r}: unknown knob {key!r}")
+            merged[key] = value
+        return cls(url=url, nodes=tuple(nodes), cluster=cluster, **merged)
+
+
+# ---------------------------------------------------------------------------- keys
+
+
+def _check_fingerprint(fingerprint: str) -> None:
+    if not isinstance(fingerprint, str) or not _FINGERPRINT_RE.match(fingerprint):
+        raise ConfigError(f"layout fingerprint {fingerprint!r} must be 1..200 characters "
+                          "of [A-Za-z0-9._+=/-] (no ':' or spaces: it is part of a key)")
+
+
+def block_key(prefix: str, fingerprint: str, rank: int, world: int,
+              block_hash: bytes) -> str:
+    """``<prefix>:<fingerprint>:<rank>/<world>:<hash hex>`` -- one rank's shard of one
+    block (``prefix`` is normally :data:`KEY_PREFIX`, ``kvshm:v1``)."""
+    _check_fingerprint(fingerprint)
+    if not 0 <= rank < world:
+        raise ConfigError(f"rank {rank} out of range for world size {world}")
+    return f"{prefix}:{fingerprint}:{rank}/{world}:{block_hash.hex()}"
+
+
+def ready_key(fingerprint: str, world: int, block_hash: bytes, *,
+              prefix: str = KEY_PREFIX) -> str:
+    """``<prefix>:<fingerprint>:ready/<world>:<hash hex>`` -- written by the scheduler
+    once every rank stored its shard of the block, so a reader never sees half a block."""
+    _check_fingerprint(fingerprint)
+    if world < 1:
+        raise ConfigError(f"world size must be >= 1, got {world}")
+    return f"{prefix}:{fingerprint}:ready/{world}:{block_hash.hex()}"
+
+
+# ---------------------------------------------------------------------------- header
+
+
+def _crc32(view: memoryview) -> int:
+    return zlib.crc32(view) & 0xFFFF_FFFF
+
+
+def _no_checksum(view: memoryview) -> int:
+    return 0
+
+
+def _checksums() -> dict[int, tuple[str, Callable[[memoryview], int]]]:
+    found: dict[int, tuple[str, Callable[[memoryview], int]]] = {
+        0: ("none", _no_checksum), 1: ("crc32", _crc32)}
+    try:  # hardware CRC32C (SSE4.2), when the optional package is installed
+        import google_crc32c  # type: ignore[import-untyped,import-not-found,unused-ignore]
+
+        def _crc32c(view: memoryview) -> int:
+            return int(google_crc32c.value(view)) & 0xFFFF_FFFF
+
+        found[2] = ("crc32c", _crc32c)
+    except ImportError:
+        pass
+    return found
+
+
+#: checksum id -> (name, function over the payload). The id is stored in each header, so
+#: a reader verifies with the writer's algorithm (or refuses one it does not have: BAD).
+CHECKSUMS: Final = _checksums()
+_CHECKSUM_IDS: Final = {name: cid for cid, (name, _) in CHECKSUMS.items()}
+#: The checksum used when none is named: the fastest one installed (crc32c, else crc32).
+DEFAULT_CHECKSUM: Final = "crc32c" if "crc32c" in _CHECKSUM_IDS else "crc32"
+
+_MAGIC: Final = b"KVB1"
+# magic, version, checksum id, hash length, rank, world, checksum, payload length,
+# fingerprint digest (16 bytes of BLAKE2b), block hash (zero-padded to 64 bytes)
+_HEADER: Final = struct.Struct("<4sHBBHHIQ16s64s")
+#: Bytes of a packed header.
+HEADER_BYTES: Final = _HEADER.size
+
+
+@dataclass(frozen=True)
+class BlockHeader:
+    """What a stored value must be to be loaded: written with the payload by
+    :meth:`pack`, compared on every get by :meth:`check`. Any difference -- format
+    version, layout fingerprint, block hash, rank, world size, payload length, or the
+    payload's checksum -- makes the get :attr:`GetOutcome.BAD`."""
+
+    fingerprint: str
+    block_hash: bytes
+    rank: int
+    world: int
+    length: int
+    version: int = FORMAT_VERSION
+    checksum: str = DEFAULT_CHECKSUM
+    _digest: bytes = field(init=False, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        _check_fingerprint(self.fingerprint)
+        if not 0 < len(self.block_hash) <= _MAX_HASH_BYTES:
+            raise ConfigError(f"block hash must be 1..{_MAX_HASH_BYTES} bytes, "
+                              f"got {len(self.block_hash)}")
+        if not 0 <= self.rank < self.world <= 0xFFFF:
+            raise ConfigError(f"rank {self.rank} / world {self.world} out of range")
+        if self.length < 0:
+            raise ConfigError(f"payload length must be >= 0, got {self.length}")
+        if self.checksum not in _CHECKSUM_IDS:
+            raise ConfigError(f"checksum {self.checksum!r} is not available here "
+                              f"(have: {sorted(_CHECKSUM_IDS)})")
+        digest = hashlib.blake2b(self.fingerprint.encode(), digest_size=16).digest()
+        object.__setattr__(self, "_digest", digest)
+
+    def pack(self, payload: memoryview) -> bytes:
+        """The header bytes for ``payload`` (:data:`HEADER_BYTES`), its checksum included.
+        The payload's length must be :attr:`length`."""
+        if payload.nbytes != self.length:
+            raise ConfigError(f"payload is {payload.nbytes} bytes, header says "
+                              f"{self.length}")
+        cid = _CHECKSUM_IDS[self.checksum]
+        return _HEADER.pack(_MAGIC, self.version, cid, len(self.block_hash), self.rank,
+                            self.world, CHECKSUMS[cid][1](payload), self.length,
+                            self._digest, self.block_hash)
+
+    def check(self, raw: bytes | memoryview, payload: memoryview) -> bool:
+        """Whether ``raw`` (a stored header) is this header and ``payload`` the bytes it
+        was packed with. Never raises: anything malformed is False."""
+        if len(raw) != HEADER_BYTES or payload.nbytes != self.length:
+            return False
+        (magic, version, cid, hlen, rank, world, checksum, length, digest,
+         bhash) = _HEADER.unpack(raw)
+        if (magic != _MAGIC or version != self.version or rank != self.rank
+                or world != self.world or length != self.length or digest != self._digest
+                or hlen != len(self.block_hash) or bhash[:hlen] != self.block_hash
+                or cid not in CHECKSUMS):
+            return False
+        return bool(CHECKSUMS[cid][1](payload) == checksum)
+
+
+# ---------------------------------------------------------------------------- protocols
+
+
+@runtime_checkable
+class BlockStore(Protocol):
+    """Worker side: moves bytes between host rows and the server. Thread-safe; each call
+    may fan out over the backend's own threads. No method raises (but ``close``'s
+    programming errors)."""
+
+    def put_many(self, keys: Sequence[str], views: Sequence[memoryview],
+                 header: Sequence[BlockHeader]) -> list[bool]:
+        """Store ``views[i]`` under ``keys[i]`` with ``header[i]``; True = stored."""
+        ...
+
+    def get_many_into(self, keys: Sequence[str], views: Sequence[memoryview],
+                      header: Sequence[BlockHeader]) -> list[GetOutcome]:
+        """Land each value's payload in ``views[i]`` and check its header against
+        ``header[i]``. Only a HIT's view holds the block; any other outcome leaves the
+        view's bytes undefined."""
+        ...
+
+    def statistics(self) -> dict[str, Any]:
+        """Counters (hits, misses, bad, errors, timeouts, bytes, breaker state ...)."""
+        ...
+
+    def close(self) -> None:
+        """Stop the threads, close the clients. Idempotent."""
+        ...
+
+
+@runtime_checkable
+class ReadyIndex(Protocol):
+    """Scheduler side: readiness keys. No method blocks on the network."""
+
+    def publish(self, keys: Sequence[str]) -> None:
+        """Queue "every rank stored these blocks" (SET key with the TTL); returns at once."""
+        ...
+
+    def query(self, token: int, keys: Sequence[str]) -> None:
+        """Queue a longest-present-prefix query over the chain ``keys`` (one pipelined
+        round trip); returns at once. Its answer comes back through :meth:`answers`."""
+        ...
+
+    def answers(self) -> list[tuple[int, int]]:
+        """``(token, prefix length)`` of the queries finished since the last call; an
+        error or an open breaker answers 0."""
+        ...
+
+    def statistics(self) -> dict[str, Any]:
+        """Counters (queries, answered, publishes, errors, breaker state ...)."""
+        ...
+
+    def close(self) -> None:
+        """Stop the thread, close the client. Idempotent; pending queries answer 0."""
+        ...
