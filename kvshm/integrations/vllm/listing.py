@@ -47,7 +47,9 @@ Tables = tuple[tuple[int, ...], ...]
 
 def tables(block_ids: Sequence[Sequence[int]]) -> Tables:
     """vLLM's per-group block id lists as kvshm's table tuple."""
-    return tuple(tuple(g) for g in block_ids)
+    if len(block_ids) == 1:
+        return (tuple(block_ids[0]),)
+    return tuple(map(tuple, block_ids))
 
 
 class Listing:
@@ -107,11 +109,9 @@ class Listing:
         append, unknown, unchanged = out.append, 0, 0
         for rid, nb, computed in zip(cached.req_ids, cached.new_block_ids,
                                      cached.num_computed_tokens):
-            if nb is None:
-                n = at(rid)
-                if n is not None and computed < n:
-                    unchanged += 1
-                    continue
+            if nb is None and computed < at(rid, 0):  # no next look: 0, never passed over
+                unchanged += 1
+                continue
             if rid in announced and (nb is None or rid not in resumed):
                 r = get(rid)
                 if r is None:
