@@ -218,8 +218,8 @@ class RequestTracker:
             if kind & DIRTY:
                 dirty.append(r)
         if stalled:
-            listed = {r.req_id for r, _ in changes}
-            dirty.extend(r for rid, r in stalled.items() if rid not in listed)
+            walked = {r.req_id for r in dirty}
+            dirty.extend(r for rid, r in stalled.items() if rid not in walked)
         return dirty
 
     def _extend(self, r: ScheduledRequest) -> None:
