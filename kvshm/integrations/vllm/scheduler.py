@@ -37,8 +37,11 @@ Requests and readiness: until every worker rank has connected, ``lookup`` return
 no request is listed in a ``StepInput``. The first step at which the client is READY
 lists every scheduled request not yet *announced* with its full current tables
 (``new_or_resumed``), from ``scheduler_output.kv_connector_block_state``, so requests
-that started before the workers connected are still stored. The listing itself:
-:mod:`~kvshm.integrations.vllm.listing`; the metadata and counters records:
+that started before the workers connected are still stored. The listing itself, which
+lists only the requests that changed (O(changed) per step: a running request that does
+not complete a block costs a dict probe): :mod:`~kvshm.integrations.vllm.listing`; the
+block pool's cached plain hashes: :mod:`~kvshm.integrations.vllm.blocks`; the metadata and
+counters records:
 :mod:`~kvshm.integrations.vllm.records`.
 
 Threads: every hook runs under one lock (:class:`~kvshm.integrations.vllm.service.HookGuard`),
