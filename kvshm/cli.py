@@ -1,4 +1,4 @@
-"""The ``kvshm`` command: ``demo``, ``stats``, ``ls``, ``sweep``.
+"""The ``kvshm`` command: ``demo``, ``stats``, ``ls``, ``sweep``, ``valkey``.
 
 Each subcommand imports what it needs only when it runs, so ``kvshm --help`` is fast.
 """
@@ -66,6 +66,12 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_valkey(args: argparse.Namespace) -> int:
+    from kvshm.remote.server import serve
+
+    return serve(args.port, maxmemory=args.maxmemory, host=args.bind)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``kvshm`` command."""
     parser = argparse.ArgumentParser(prog="kvshm", description=__doc__)
@@ -88,6 +94,14 @@ def build_parser() -> argparse.ArgumentParser:
     sweep = sub.add_parser("sweep", help="list and remove leftover kvshm segments")
     sweep.add_argument("--dry-run", action="store_true", help="list only")
     sweep.set_defaults(func=_cmd_sweep)
+    valkey = sub.add_parser("valkey", help="run a Valkey server for the remote tier (needs "
+                                           "pip install 'kvshm[remote]'); prints its URL")
+    valkey.add_argument("--port", type=int, default=6379, help="0: a free port")
+    valkey.add_argument("--maxmemory", default="4gb", help="e.g. 512mb, 4gb")
+    valkey.add_argument("--bind", default="127.0.0.1",
+                        help="address to listen on (anything else than loopback exposes "
+                             "an unauthenticated server)")
+    valkey.set_defaults(func=_cmd_valkey)
     return parser
 
 

@@ -23,6 +23,7 @@ import signal
 import socket
 import subprocess
 import tempfile
+import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -198,8 +199,9 @@ class ValkeyServer:
         for _ in range(5 if pick else 1):
             if pick:
                 self.port = free_port(self.host)
+            # its own session: a terminal's Ctrl-C reaches the owner, which forwards it
             self.proc = subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL,
-                                         preexec_fn=_pdeathsig)
+                                         preexec_fn=_pdeathsig, start_new_session=True)
             try:
                 self._wait_ready(timeout_s)
                 return self
@@ -332,3 +334,113 @@ def wait_cluster_ok(nodes: Sequence[ValkeyServer], timeout_s: float = 20.0) -> N
         if time.monotonic() > deadline:
             raise ServerStartError(f"cluster not ok within {timeout_s} s: {states}")
         time.sleep(0.05)
+
+
+def serve(port: int = 6379, *, maxmemory: str = "4gb", host: str = "127.0.0.1",
+          policy: str = POLICY) -> int:
+    """``kvshm valkey``: start a server, print its URL (the only line on stdout), run
+    until SIGTERM or SIGINT, forward it as SIGTERM, wait for the server, return 0 (the
+    server's own exit code, or 1, if it stopped by itself)."""
+    import sys
+
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: object) -> None:
+        stop.set()
+
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    server = ValkeyServer(port or None, host=host, maxmemory=maxmemory, policy=policy)
+    try:
+        try:
+            server.start()
+        except (ServerStartError, MissingExtra) as exc:
+            print(f"kvshm valkey: {exc}", file=sys.stderr)
+            return 1
+        print(server.url, flush=True)
+        print(f"kvshm valkey: pid {server.pid}, maxmemory {maxmemory}, policy {policy}, "
+              f"no persistence; log {server.logfile}; stop with SIGTERM or Ctrl-C",
+              file=sys.stderr, flush=True)
+        proc = server.proc
+        assert proc is not None
+        while not stop.is_set():
+            try:
+                code = proc.wait(timeout=0.2)
+            except subprocess.TimeoutExpired:
+                continue
+            if stop.is_set():
+                break
+            print(f"kvshm valkey: the server exited by itself with {code}: "
+                  f"{server.log_tail()}", file=sys.stderr)
+            server.proc = None
+            return code or 1
+        server.stop()
+        return 0
+    finally:
+        server.close()
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+
+
+class ValkeyCluster:
+    """Six (or ``primaries * (replicas + 1)``) :class:`ValkeyServer` cluster nodes on free
+    loopback ports, joined by :func:`make_cluster`; each node can be SIGKILLed and
+    restarted like a standalone server. For the tests and the benchmarks."""
+
+    def __init__(self, primaries: int = 3, replicas: int = 1, *,
+                 maxmemory: str = "512mb", node_timeout_ms: int = 2000,
+                 workdir: str | Path | None = None) -> None:
+        self.replicas = replicas
+        base = Path(workdir) if workdir is not None else None
+        self.nodes = [ValkeyServer(cluster=True, maxmemory=maxmemory,
+                                   node_timeout_ms=node_timeout_ms,
+                                   workdir=None if base is None else base / f"node{i}")
+                      for i in range(primaries * (replicas + 1))]
+
+    @property
+    def url(self) -> str:
+        return "valkey+cluster://" + ",".join(f"{n.host}:{n.port}" for n in self.nodes)
+
+    def start(self, timeout_s: float = 20.0) -> ValkeyCluster:
+        for n in self.nodes:
+            n.workdir.mkdir(parents=True, exist_ok=True)
+            n.start()
+        make_cluster(self.nodes, self.replicas, timeout_s)
+        return self
+
+    def primaries(self) -> list[ValkeyServer]:
+        """The running nodes that are primaries now."""
+        out = []
+        for n in self.nodes:
+            if n.running():
+                with contextlib.suppress(OSError):
+                    info = command(n.host, n.port, "INFO", "replication")
+                    if info_field(info, "role") == "master":
+                        out.append(n)
+        return out
+
+    def wait_ok(self, timeout_s: float = 20.0) -> None:
+        wait_cluster_ok(self.nodes, timeout_s)
+
+    def wait_replicated(self, timeout_s: float = 10.0) -> None:
+        """Until every primary's replicas acknowledged everything written so far."""
+        deadline = time.monotonic() + timeout_s
+        for p in self.primaries():
+            while True:
+                info = command(p.host, p.port, "INFO", "replication")
+                offset = info_field(info, "master_repl_offset")
+                replica = info_field(info, "slave0") or ""
+                if f"offset={offset}," in replica + "," and "state=online" in replica:
+                    break
+                if time.monotonic() > deadline:
+                    raise ServerStartError(f"the replica of {p.port} is behind: {replica}")
+                time.sleep(0.05)
+
+    def close(self) -> None:
+        for n in self.nodes:
+            n.close()
+
+    def __enter__(self) -> ValkeyCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

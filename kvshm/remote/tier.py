@@ -201,11 +201,11 @@ def _no_checksum(view: memoryview) -> int:
 def _checksums() -> dict[int, tuple[str, Callable[[memoryview], int]]]:
     found: dict[int, tuple[str, Callable[[memoryview], int]]] = {
         0: ("none", _no_checksum), 1: ("crc32", _crc32)}
-    try:  # hardware CRC32C (SSE4.2), when the optional package is installed
-        import google_crc32c  # type: ignore[import-untyped,import-not-found,unused-ignore]
+    try:  # hardware CRC32C (SSE4.2 / ARMv8), when the remote extra is installed
+        import crc32c  # type: ignore[import-untyped,import-not-found,unused-ignore]
 
         def _crc32c(view: memoryview) -> int:
-            return int(google_crc32c.value(view)) & 0xFFFF_FFFF
+            return int(crc32c.crc32c(view)) & 0xFFFF_FFFF
 
         found[2] = ("crc32c", _crc32c)
     except ImportError:

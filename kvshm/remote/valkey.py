@@ -7,10 +7,11 @@ slot, so a cluster keeps them on one node). A put is one pipelined round trip (`
 <row> EX ttl``, then ``SET {key}h <header> EX ttl``; the row goes out zero-copy from the
 caller's view); a get is one ``MGET {key}h key`` that lands the header in a small
 per-thread buffer and the payload directly in the caller's view (glide's ``buffers=``:
-no intermediate bytes). A value longer than the view, shorter than the header says, a
-missing header, or a header that does not match the expected one is BAD (counted, never
-loaded); a missing payload is a MISS. The payload's checksum is CRC32C (hardware, the
-``crc32c`` package) or zlib's CRC32 where that is not installed; the header names which.
+no intermediate bytes). A value longer than the view, shorter than the header says, or
+a header that does not match the expected one is BAD (counted, never loaded); a missing
+payload or header (never stored, expired, one of the two evicted) is a MISS. The
+payload's checksum is CRC32C (hardware, the ``crc32c`` package) or zlib's CRC32 where
+that is not installed; the header names which.
 
 **Threads and clients.** :class:`ValkeyBlockStore` runs ``spec.threads`` threads, each
 with its own lazily connected glide_sync client (LMCache's pattern: per-thread clients,
@@ -72,12 +73,14 @@ _quiet_done = False
 
 
 def _quiet(glide: Any) -> None:
-    """glide logs every timeout and reconnect at WARN on stderr; kvshm counts them
-    instead. Only if nobody configured glide's logger before (``Logger.init``)."""
+    """glide logs every timeout, reconnect and failed request (one line each, for the
+    whole of an outage) on the console; kvshm counts them instead. Only if nobody
+    configured glide's logger before (``Logger.init`` keeps an existing configuration:
+    call ``glide_sync.Logger.set_logger_config`` first to see them)."""
     global _quiet_done
     if not _quiet_done:
         _quiet_done = True
-        glide.Logger.init(glide.LogLevel.ERROR)
+        glide.Logger.init(glide.LogLevel.OFF)
 
 
 def make_client(spec: RemoteSpec, request_timeout_ms: int | None = None) -> Any:
@@ -126,12 +129,12 @@ def key_slot(key: str) -> int:
     return crc % _SLOTS
 
 
-def _server_answered(exc: BaseException, glide: Any) -> bool:
-    """Whether ``exc`` is a reply from the server (an error reply such as OOM, or a value
-    too long for its buffer), not a failure to reach it (timeout, connection): the
-    breaker counts only the latter."""
-    return isinstance(exc, glide.RequestError) and not isinstance(
-        exc, glide.TimeoutError | glide.ConnectionError)
+def _too_long(exc: BaseException, glide: Any) -> bool:
+    """Whether a get failed because a value does not fit its buffer (the server answered:
+    the value is longer than the expected block: BAD). Every other exception of a
+    request is a failure to reach the server (glide reports a refused or timed-out
+    connect as a plain RequestError): the breaker counts it."""
+    return isinstance(exc, glide.RequestError) and "exceeds buffer capacity" in str(exc)
 
 
 class _Counters:
@@ -299,16 +302,12 @@ class ValkeyBlockStore:
             batch.set(header_key(key), raw, expiry=self._ttl)
             result = self._client().exec(batch, raise_on_error=False)
         except Exception as exc:  # noqa: BLE001 - failure = miss: counted, never raised
-            if _server_answered(exc, self._glide):
-                breaker.success()
-                self._n.add(put_refused=1)
-                log.debug("remote put %s refused: %s", key, exc)
-                return False
             self._failed(breaker, exc)
             return False
         breaker.success()
         if not result or any(r != "OK" and r != b"OK" for r in result):
-            self._n.add(put_refused=1)  # e.g. OOM under noeviction
+            self._n.add(put_refused=1)  # a reply error in the batch, e.g. OOM
+            log.debug("remote put %s refused: %s", key, result)
             return False
         self._n.add(put_ok=1, bytes_put=view.nbytes)
         return True
@@ -338,18 +337,18 @@ class ValkeyBlockStore:
         try:
             result = self._client().mget([header_key(key), key], buffers=[hbuf, view])
         except Exception as exc:  # noqa: BLE001 - failure = miss: counted, never raised
-            if _server_answered(exc, self._glide):
-                breaker.success()  # the server answered: e.g. a value longer than the view
+            if _too_long(exc, self._glide):
+                breaker.success()  # the server answered: a value longer than the view
                 self._n.add(bad=1)
                 return GetOutcome.BAD
             self._failed(breaker, exc)
             return GetOutcome.ERROR
         breaker.success()
         hlen, plen = result
-        if plen is None:
+        if plen is None or hlen is None:  # never stored, expired, or half evicted
             self._n.add(misses=1)
             return GetOutcome.MISS
-        if hlen is None or int(hlen) != HEADER_BYTES or int(plen) != view.nbytes \
+        if int(hlen) != HEADER_BYTES or int(plen) != view.nbytes \
                 or not header.check(hbuf, view):
             self._n.add(bad=1)
             return GetOutcome.BAD

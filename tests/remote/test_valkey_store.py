@@ -1,0 +1,339 @@
+"""The Valkey backend against a real standalone server: bytes land exact in the caller's
+views, every wrong value is BAD and never a HIT, every key carries the TTL, the ready
+index answers the longest present prefix in one round trip, and a killed server costs
+one deadline, opens the breaker, and is used again once it is back."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from typing import Any, TypeVar
+
+import numpy as np
+import pytest
+
+from kvshm.remote import KEY_PREFIX, BlockHeader, GetOutcome, RemoteSpec, block_key, ready_key
+from kvshm.remote.server import ValkeyServer, command, parse_reply
+from kvshm.remote.valkey import ValkeyBlockStore, ValkeyReadyIndex, header_key
+
+ROW = 2 << 20  # 2 MiB, a typical block shard
+FP = "tiny-llama.bf16.bs16.nhd"
+TIMEOUT_MS = 300
+
+
+def call(server: ValkeyServer, *args: str | bytes) -> Any:
+    """One raw command to ``server`` (the test's own look at the data: TTL, DEL ...)."""
+    return parse_reply(command(server.host, server.port, *args))
+
+
+def headers(n: int, rank: int, world: int, *, fp: str = FP, first: int = 0,
+            length: int = ROW) -> list[BlockHeader]:
+    return [BlockHeader(fingerprint=fp, block_hash=(first + i).to_bytes(16, "big"),
+                        rank=rank, world=world, length=length) for i in range(n)]
+
+
+def keys_of(hs: list[BlockHeader]) -> list[str]:
+    return [block_key(KEY_PREFIX, h.fingerprint, h.rank, h.world, h.block_hash) for h in hs]
+
+
+def rows(n: int, seed: int) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (n, ROW), dtype=np.uint8)
+
+
+def views(a: np.ndarray) -> list[memoryview]:
+    return [memoryview(r) for r in a]
+
+
+@pytest.fixture
+def store(valkey: ValkeyServer) -> Iterator[ValkeyBlockStore]:
+    s = ValkeyBlockStore(RemoteSpec.parse(valkey.url, ttl_s=600,
+                                          request_timeout_ms=TIMEOUT_MS))
+    yield s
+    s.close()
+
+
+def test_tp2_round_trip_lands_byte_exact_in_the_target_views(valkey: ValkeyServer) -> None:
+    """Two ranks, each its own store and its own key set: 16 rows of 2 MiB each; every
+    get is a HIT and the destination rows equal the source rows bit for bit."""
+    spec = RemoteSpec.parse(valkey.url, ttl_s=600)
+    stores = [ValkeyBlockStore(spec), ValkeyBlockStore(spec)]
+    try:
+        for rank, st in enumerate(stores):
+            src, dst = rows(16, rank), np.zeros((16, ROW), np.uint8)
+            hs = headers(16, rank, 2)
+            assert st.put_many(keys_of(hs), views(src), hs) == [True] * 16
+            assert st.get_many_into(keys_of(hs), views(dst), hs) == [GetOutcome.HIT] * 16
+            assert np.array_equal(src, dst)
+        # the two ranks' shards of one block are two keys: rank 0's bytes never answer
+        # rank 1's get (the rank is in the key and in the header)
+        assert keys_of(headers(1, 0, 2)) != keys_of(headers(1, 1, 2))
+        stats = stores[0].statistics()
+        assert (stats["hits"], stats["bytes_got"], stats["put_ok"]) == (16, 16 * ROW, 16)
+        assert stats["errors"] == stats["bad"] == stats["misses"] == 0
+    finally:
+        for st in stores:
+            st.close()
+
+
+def test_a_header_that_does_not_match_is_bad_never_a_hit(store: ValkeyBlockStore) -> None:
+    """The value under a key is checked against what the reader expects: another
+    fingerprint, rank, world size or block hash in the expected header is BAD."""
+    src = rows(1, 7)
+    hs = headers(1, 0, 2)
+    key = keys_of(hs)
+    assert store.put_many(key, views(src), hs) == [True]
+    h = hs[0]
+    wrong = [BlockHeader(fingerprint="other-model", block_hash=h.block_hash, rank=0,
+                         world=2, length=ROW),
+             BlockHeader(fingerprint=FP, block_hash=h.block_hash, rank=1, world=2,
+                         length=ROW),
+             BlockHeader(fingerprint=FP, block_hash=h.block_hash, rank=0, world=4,
+                         length=ROW),
+             BlockHeader(fingerprint=FP, block_hash=b"\xff" * 16, rank=0, world=2,
+                         length=ROW)]
+    dst = np.zeros((1, ROW), np.uint8)
+    for expected in wrong:
+        assert store.get_many_into(key, views(dst), [expected]) == [GetOutcome.BAD]
+    # and the right one still hits
+    assert store.get_many_into(key, views(dst), hs) == [GetOutcome.HIT]
+    assert store.statistics()["bad"] == 4
+
+
+def test_truncated_longer_and_corrupted_values_are_bad(valkey: ValkeyServer,
+                                                       store: ValkeyBlockStore) -> None:
+    """A value cut short, one longer than the view (it does not fit: the client refuses
+    it), and one byte flipped in the payload (the checksum) are each BAD."""
+    src = rows(3, 9)
+    hs = headers(3, 0, 1)
+    keys = keys_of(hs)
+    assert store.put_many(keys, views(src), hs) == [True] * 3
+    call(valkey, "SET", keys[0], bytes(src[0, : ROW - 1]))          # truncated
+    call(valkey, "SET", keys[1], bytes(src[1]) + b"x")              # longer
+    flipped = bytearray(src[2])
+    flipped[ROW // 2] ^= 1
+    call(valkey, "SET", keys[2], bytes(flipped))                    # corrupted
+    dst = np.zeros((3, ROW), np.uint8)
+    assert store.get_many_into(keys, views(dst), hs) == [GetOutcome.BAD] * 3
+    assert store.statistics()["bad"] == 3
+    # a header cut short is BAD too
+    call(valkey, "SET", header_key(keys[0]), b"KVB1")
+    assert store.get_many_into(keys[:1], views(dst[:1]), hs[:1]) == [GetOutcome.BAD]
+
+
+def test_missing_payload_or_header_is_a_miss(valkey: ValkeyServer,
+                                             store: ValkeyBlockStore) -> None:
+    """Never stored: MISS. Payload stored but its header gone (evicted alone): MISS."""
+    src = rows(2, 3)
+    hs = headers(2, 0, 1)
+    keys = keys_of(hs)
+    dst = np.zeros((2, ROW), np.uint8)
+    assert store.get_many_into(keys, views(dst), hs) == [GetOutcome.MISS] * 2
+    assert store.put_many(keys, views(src), hs) == [True] * 2
+    call(valkey, "DEL", header_key(keys[0]))
+    call(valkey, "DEL", keys[1])
+    assert store.get_many_into(keys, views(dst), hs) == [GetOutcome.MISS] * 2
+    assert store.statistics()["misses"] == 4
+
+
+def test_every_block_key_and_its_header_carry_the_ttl(valkey: ValkeyServer,
+                                                      store: ValkeyBlockStore) -> None:
+    """volatile-lru evicts only keys with a TTL: every key a put writes has one."""
+    hs = headers(4, 0, 1)
+    assert store.put_many(keys_of(hs), views(rows(4, 1)), hs) == [True] * 4
+    for key in keys_of(hs):
+        for k in (key, header_key(key)):
+            ttl = call(valkey, "TTL", k)
+            assert isinstance(ttl, int) and 590 <= ttl <= 600, (k, ttl)
+    policy = call(valkey, "CONFIG", "GET", "maxmemory-policy")
+    assert policy == [b"maxmemory-policy", b"volatile-lru"]
+
+
+def test_a_view_of_the_wrong_size_is_bad_and_nothing_is_written_past_it(
+        store: ValkeyBlockStore) -> None:
+    """The reader's view is smaller than the stored payload: BAD, and the bytes after
+    the view (the next host row) are untouched."""
+    hs = headers(1, 0, 1)
+    assert store.put_many(keys_of(hs), views(rows(1, 5)), hs) == [True]
+    buf = np.zeros(2 * ROW, np.uint8)
+    small = BlockHeader(fingerprint=FP, block_hash=hs[0].block_hash, rank=0, world=1,
+                        length=ROW // 2)
+    out = store.get_many_into(keys_of(hs), views(buf[None, : ROW // 2]), [small])
+    assert out == [GetOutcome.BAD]
+    assert not buf[ROW // 2:].any()
+
+
+def test_ready_index_answers_the_longest_present_prefix_in_one_round_trip(
+        valkey: ValkeyServer) -> None:
+    """Publish blocks 0-4 and 6-9 of a 12-block chain: the prefix is 5 (block 5 is
+    missing, so 6-9 do not count). The query is one pipelined batch: the server ran
+    exactly one EXISTS per key of the chain, and the index did one round trip."""
+    idx = ValkeyReadyIndex(RemoteSpec.parse(valkey.url, ttl_s=60))
+    try:
+        chain = [ready_key(FP, 2, i.to_bytes(16, "big")) for i in range(12)]
+        idx.publish(chain[:5] + chain[6:10])
+        _wait(lambda: idx.statistics()["published"] == 9)
+        for k in chain[:5]:
+            assert 50 <= call(valkey, "TTL", k) <= 60
+        call(valkey, "CONFIG", "RESETSTAT")
+        before = idx.statistics()["round_trips"]
+        t0 = time.perf_counter()
+        idx.query(41, chain)
+        assert time.perf_counter() - t0 < 0.005  # query() only enqueues
+        got = _wait(idx.answers)
+        assert got == [(41, 5)]
+        assert idx.statistics()["round_trips"] == before + 1
+        stats = call(valkey, "INFO", "commandstats")
+        assert isinstance(stats, bytes)
+        assert b"cmdstat_exists:calls=12," in stats
+        # an empty chain and an all-missing chain answer 0
+        idx.query(42, [])
+        idx.query(43, [ready_key(FP, 2, b"\x00" * 15 + b"\x77")])
+        answers: list[tuple[int, int]] = []
+
+        def two() -> bool:
+            answers.extend(idx.answers())
+            return len(answers) == 2
+        _wait(two)
+        assert sorted(answers) == [(42, 0), (43, 0)]
+    finally:
+        idx.close()
+
+
+T = TypeVar("T")
+
+
+def _wait(probe: Callable[[], T], timeout_s: float = 5.0) -> T:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        got = probe()
+        if got:
+            return got
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_server_sigkill_mid_put_and_mid_get_costs_one_deadline_opens_and_closes_the_breaker(
+        valkey: ValkeyServer) -> None:
+    """A put of 64 rows is under way when the server is SIGKILLed: the call returns
+    within a few request deadlines (the breaker opens after 3 consecutive failures, the
+    rest of the keys are refused without a request), some puts are False, none raises.
+    While the breaker is open a get costs no network time. After a restart on the same
+    port the breaker's probe closes it and puts and gets work again (the restarted
+    server is empty: the get of a block put before the crash is a MISS)."""
+    spec = RemoteSpec.parse(valkey.url, ttl_s=600, request_timeout_ms=TIMEOUT_MS)
+    store = ValkeyBlockStore(spec, breaker_backoff_s=0.2)
+    try:
+        n = 64
+        src, dst = rows(n, 11), np.zeros((n, ROW), np.uint8)
+        hs = headers(n, 0, 1)
+        keys = keys_of(hs)
+        result: list[bool] = []
+        took: list[float] = []
+
+        def put() -> None:
+            t0 = time.monotonic()
+            result.extend(store.put_many(keys, views(src), hs))
+            took.append(time.monotonic() - t0)
+
+        t = threading.Thread(target=put)
+        t.start()
+        time.sleep(0.02)
+        valkey.kill()
+        t.join(10)
+        assert not t.is_alive()
+        assert took[0] < 4 * TIMEOUT_MS / 1000 + 0.5, took
+        assert False in result
+        stats = store.statistics()
+        # opened once, and each failed probe (every backoff) opened it again
+        assert stats["breaker_opens"] >= 1 and stats["breaker_state"] == "open"
+        assert stats["errors"] >= 3
+
+        # mid-get on a dead server: every key ERROR, fast (the breaker is open)
+        t0 = time.monotonic()
+        out = store.get_many_into(keys, views(dst), hs)
+        assert time.monotonic() - t0 < 0.1
+        assert set(out) == {GetOutcome.ERROR}
+
+        valkey.start()  # the same port, empty
+        deadline = time.monotonic() + 5
+        while store.put_many(keys[:1], views(src[:1]), hs[:1]) != [True]:
+            assert time.monotonic() < deadline, store.statistics()
+            time.sleep(0.05)
+        stats = store.statistics()
+        assert stats["breaker_state"] == "closed" and stats["breaker_closes"] == 1
+        assert store.get_many_into(keys[:2], views(dst[:2]), hs[:2]) == [
+            GetOutcome.HIT, GetOutcome.MISS]
+        assert np.array_equal(dst[0], src[0])
+        assert stats["clients_created"] > spec.threads  # re-created after the crash
+    finally:
+        store.close()
+
+
+def test_server_sigkill_mid_get_returns_within_the_deadline(valkey: ValkeyServer) -> None:
+    """64 HITs under way when the server dies: the call returns within a few deadlines,
+    each key is HIT (landed before the crash) or ERROR, and every HIT is byte-exact."""
+    spec = RemoteSpec.parse(valkey.url, ttl_s=600, request_timeout_ms=TIMEOUT_MS)
+    store = ValkeyBlockStore(spec)
+    try:
+        n = 64
+        src, dst = rows(n, 12), np.zeros((n, ROW), np.uint8)
+        hs = headers(n, 0, 1)
+        keys = keys_of(hs)
+        assert store.put_many(keys, views(src), hs) == [True] * n
+        out: list[GetOutcome] = []
+        t = threading.Thread(target=lambda: out.extend(
+            store.get_many_into(keys, views(dst), hs)))
+        t0 = time.monotonic()
+        t.start()
+        time.sleep(0.01)
+        valkey.kill()
+        t.join(10)
+        took = time.monotonic() - t0
+        assert not t.is_alive() and took < 4 * TIMEOUT_MS / 1000 + 0.5, took
+        assert set(out) <= {GetOutcome.HIT, GetOutcome.ERROR}
+        assert GetOutcome.ERROR in out
+        for i, o in enumerate(out):
+            if o is GetOutcome.HIT:
+                assert np.array_equal(dst[i], src[i])
+    finally:
+        store.close()
+
+
+def test_ready_index_on_a_dead_server_answers_zero_and_never_blocks_the_caller(
+        valkey: ValkeyServer) -> None:
+    """query() and publish() return at once while the server is down; the answers are
+    0; the breaker opens; after a restart a published key is found again."""
+    idx = ValkeyReadyIndex(RemoteSpec.parse(valkey.url, request_timeout_ms=TIMEOUT_MS),
+                           breaker_backoff_s=0.2)
+    try:
+        chain = [ready_key(FP, 1, i.to_bytes(16, "big")) for i in range(4)]
+        valkey.kill()
+        worst = 0.0
+        for tok in range(3):  # three rounds, each one timeout: the breaker opens
+            t0 = time.perf_counter()
+            idx.publish(chain)
+            idx.query(tok, chain)
+            worst = max(worst, time.perf_counter() - t0)
+            assert _wait(idx.answers) == [(tok, 0)]
+        assert worst < 0.002
+        stats = idx.statistics()
+        assert stats["breaker_opens"] == 1 and stats["timeouts"] + stats["errors"] >= 3
+        # open: answered 0 without a request
+        t0 = time.perf_counter()
+        idx.query(7, chain)
+        assert _wait(idx.answers) == [(7, 0)]
+        assert time.perf_counter() - t0 < 0.05
+        valkey.start()
+        deadline = time.monotonic() + 5
+        while True:
+            idx.publish(chain)
+            idx.query(99, chain)
+            got = _wait(idx.answers)
+            if got == [(99, 4)]:
+                break
+            assert time.monotonic() < deadline, idx.statistics()
+            time.sleep(0.1)
+        assert idx.statistics()["breaker_state"] == "closed"
+    finally:
+        idx.close()
