@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 import torch
 
 from kvshm.cuda_ipc import open_tensor
-from kvshm.errors import ConfigError, PeerDied, ProtocolError, WouldBlock
+from kvshm.errors import ConfigError, KvshmError, PeerDied, ProtocolError, WouldBlock
 from kvshm.ipc.channel import ChannelStats
 from kvshm.ipc.protocol import PROTOCOL_VERSION, READY_FIXED_FDS, Hello, Ready
 from kvshm.ipc.rendezvous_client import RendezvousClient
@@ -47,6 +47,7 @@ from kvshm.types import DeviceKind
 from workers.copy_engine import CopyEngine
 from workers.cpu_copy import CpuCopyEngine, FaultInjection
 from workers.host_pool import HostPool
+from workers.remote_mover import RemoteMover
 
 __all__ = ["CONNECT_RETRY_S", "Connector", "Session", "SessionOptions", "open_session"]
 
@@ -78,6 +79,10 @@ class Session:
     channel: WorkerChannel | None
     ring_seg: Segment | None
     last_channel_stats: ChannelStats | None = field(default=None)
+    #: The remote-tier mover, where Ready names a remote tier (and kvshm[remote] is here).
+    remote: RemoteMover | None = None
+    #: Why Ready named a remote tier but there is no mover (every remote job fails).
+    remote_error: str | None = None
 
     def close_link(self) -> None:
         """Close the channel (worker state STOPPED, eventfds) and the ring segment."""
@@ -95,9 +100,13 @@ class Session:
         them goes (the copy engine's and this session's layout), which returns torch's
         IPC reference to the exporter: call it on detach."""
         self.close_link()
+        if self.remote is not None:
+            self.remote.close()  # its running job ends first: no thread touches a row
         self.engine.close()
         self.notify_fd = None
         self.host.close()
+        if self.remote is not None:
+            self.remote.release()
 
     def channel_stats(self) -> ChannelStats | None:
         """The channel's counters (the last snapshot once the link is closed)."""
@@ -182,7 +191,7 @@ def _make_engine(rank: int, layout: KVLayout, host: HostPool,
 
 
 def open_session(ready: Ready, fds: Sequence[int], *, layout: KVLayout | None,
-                 lifeline_fd: int, opts: SessionOptions) -> Session:
+                 lifeline_fd: int, opts: SessionOptions, world_size: int = 1) -> Session:
     """Build the session for ``ready`` (see the module docstring for order and ownership).
 
     ``layout``: the embedded worker's own layout, or None (standalone: mapped from the
@@ -217,6 +226,9 @@ def open_session(ready: Ready, fds: Sequence[int], *, layout: KVLayout | None,
         engine, notify_fd = _make_engine(ready.rank, dev, host, opts)
         if notify_fd is not None:  # a finished copy wakes a parked wait_for_work
             channel.watch(notify_fd)
+        mover, remote_error = _make_mover(ready, host, world_size)
+        if mover is not None:
+            channel.watch(mover.notify_fd())
     except BaseException:
         owned.close_rest()
         if channel is not None:
@@ -226,7 +238,25 @@ def open_session(ready: Ready, fds: Sequence[int], *, layout: KVLayout | None,
         if seg is not None:
             seg.close()
         raise
-    return Session(ready, dev, host, engine, notify_fd, channel, seg)
+    return Session(ready, dev, host, engine, notify_fd, channel, seg, remote=mover,
+                   remote_error=remote_error)
+
+
+def _make_mover(ready: Ready, host: HostPool,
+                world_size: int) -> tuple[RemoteMover | None, str | None]:
+    """The remote-tier mover if Ready names a tier, else (None, None). Where the tier
+    cannot be used here (kvshm[remote] not installed, a bad URL) there is none and the
+    reason is returned: every remote job then fails (failure = miss = recompute)."""
+    if ready.remote is None:
+        return None, None
+    try:
+        from kvshm.remote.tier import RemoteSpec
+        from kvshm.remote.valkey import ValkeyBlockStore
+
+        store = ValkeyBlockStore(RemoteSpec.parse(ready.remote.url))
+    except (ImportError, KvshmError) as exc:
+        return None, f"{type(exc).__name__}: {exc}"
+    return RemoteMover(ready.rank, world_size, ready.remote, host, store), None
 
 
 class Connector:
@@ -260,7 +290,7 @@ class Connector:
             return None
         ready, fds = got
         return open_session(ready, fds, layout=self._layout, lifeline_fd=self.client.fileno(),
-                            opts=self._opts)
+                            opts=self._opts, world_size=self.world_size)
 
     def _try_connect(self) -> None:
         now = time.monotonic()

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection, Iterable
 
-from kvshm.ipc.protocol import Direction, Flush, Shutdown, Transfer, unpack_ids
+from kvshm.ipc.protocol import Direction, Flush, Remote, Shutdown, Transfer, unpack_ids
 
 __all__ = ["StepQueue"]
 
@@ -23,14 +23,16 @@ class StepQueue:
     def __init__(self) -> None:
         self._q: dict[Direction, list[Transfer]] = {d: [] for d in Direction}
         self._flush: dict[int, set[int]] = {}
+        #: Remote jobs, in arrival order: they run on arrival (no step, no fence).
+        self.remote: list[Remote] = []
 
     def __len__(self) -> int:
         return sum(map(len, self._q.values()))
 
     def intake(self, msgs: Iterable[object], counts: Counter[str]) -> bool:
-        """Queue the Transfers and Flushes of ``msgs``, in order, counting each kind
-        (``transfers``, ``flushes``, ``shutdowns``, ``ignored_messages``); True if a
-        Shutdown was among them."""
+        """Queue the Transfers, Flushes and Remote jobs of ``msgs``, in order, counting
+        each kind (``transfers``, ``flushes``, ``remote_jobs``, ``shutdowns``,
+        ``ignored_messages``); True if a Shutdown was among them."""
         shutdown = False
         for msg in msgs:
             if isinstance(msg, Transfer):
@@ -39,6 +41,9 @@ class StepQueue:
             elif isinstance(msg, Flush):
                 counts["flushes"] += 1
                 self.add_flush(msg.step, unpack_ids(msg.job_ids))
+            elif isinstance(msg, Remote):
+                counts["remote_jobs"] += 1
+                self.remote.append(msg)
             elif isinstance(msg, Shutdown):
                 counts["shutdowns"] += 1
                 shutdown = True
@@ -90,4 +95,9 @@ class StepQueue:
         out = [t for q in self._q.values() for t in q]
         self._q = {d: [] for d in Direction}
         self._flush.clear()
+        return out
+
+    def take_remote(self) -> list[Remote]:
+        """Remove and return the queued Remote jobs, in arrival order."""
+        out, self.remote = self.remote, []
         return out

@@ -22,6 +22,8 @@ Per engine step: ``begin_step(step, flush_ids)``, ``submit_loads(step, after)``,
   order (async scheduling may put step N+1's jobs in the ring during step N).
 * ``Flush(step, ids)`` (from the ring, or ``flush_ids``): at ``begin_step(step)`` those
   jobs are finished (copy engine ``wait``) before the call returns.
+* A ``Remote`` job (CPU rows <-> the remote tier) runs on arrival, on the session's
+  :class:`~workers.remote_mover.RemoteMover`; its Done takes the same path as a copy's.
 * Every ``Done`` goes over the ``done`` ring *and* is returned once locally by
   :meth:`poll` (or by :meth:`wait` for the jobs it names): :mod:`workers.done_book`.
 * ``Shutdown``: DRAINING; a :meth:`poll` that finds nothing running and nothing queued
@@ -158,6 +160,9 @@ class Worker:
             chan = self._session.channel_stats()
             out["channel"] = chan.as_dict() if chan is not None else None
             out["copy"] = self._session.engine.stats()
+            if self._session.remote is not None or self._session.remote_error:
+                out["remote"] = (self._session.remote.statistics() if self._session.remote
+                                 else {"error": self._session.remote_error})
         return out
 
     # ------------------------------------------------------------------ per step
@@ -297,6 +302,7 @@ class Worker:
         except TransportError as exc:
             self._lost(exc)
             return
+        self._run_remote()
         self._collect()
         if not alive:
             self._lost(PeerDied(f"kvshm scheduler {self.name!r} closed the connection"))
@@ -337,9 +343,24 @@ class Worker:
             pass
 
     def _collect(self) -> None:
-        """Finished copies -> the book; send."""
+        """Finished copies and remote jobs -> the book; send."""
         assert self._session is not None
-        self._report(self._session.engine.poll())
+        mover = self._session.remote
+        self._report(self._session.engine.poll() + (mover.poll() if mover else []))
+
+    def _run_remote(self) -> None:
+        """Remote jobs run on arrival (:mod:`workers.remote_mover`); without a remote
+        tier in Ready, or once revoked, each fails at once."""
+        assert self._session is not None
+        mover = self._session.remote
+        for job in self._queue.take_remote():
+            if mover is None or self._check_revoked():
+                self._counts["remote_jobs_refused"] += 1
+                why = "no remote tier" if mover is None else f"rank {self.rank} revoked"
+                self._record([Done(job.job_id, self.rank, False, f"RemoteError: {why}")])
+                continue
+            self._dones.started(job.job_id)
+            mover.submit(job)
 
     def _record(self, dones: list[Done], *, local: bool = True) -> list[Done]:
         """Into the book (outbox only while linked); see :mod:`workers.done_book`."""
@@ -416,8 +437,9 @@ class Worker:
         self._detach(DetachReason.SHUTDOWN, None)
 
     def _fail_queued(self, why: str) -> None:
-        failed = [Done(t.job_id, self.rank, False, f"CopyError: rank {self.rank} {why}")
-                  for t in self._queue.take_all()]
+        ids = [t.job_id for t in self._queue.take_all()]
+        ids += [r.job_id for r in self._queue.take_remote()]
+        failed = [Done(i, self.rank, False, f"CopyError: rank {self.rank} {why}") for i in ids]
         if failed:
             self._counts["jobs_failed_unrun"] += len(failed)
             self._record(failed)

@@ -9,7 +9,7 @@ never reused.
 Three channels, each with one encoder and one typed decoder per direction (reuse them:
 building a decoder costs far more than decoding):
 
-* ``cmd`` ring, scheduler -> worker: :data:`CmdMsg` = Transfer | Flush | Shutdown
+* ``cmd`` ring, scheduler -> worker: :data:`CmdMsg` = Transfer | Flush | Shutdown | Remote
 * ``done`` ring, worker -> scheduler: :data:`DoneMsg` = Done
 * rendezvous socket, both ways: :data:`ControlMsg` = Hello | Ready | StatsRequest | Stats
   | Shutdown | Goodbye
@@ -55,6 +55,15 @@ class Direction(IntEnum):
 
 class _Msg(msgspec.Struct, array_like=True, frozen=True, gc=False, tag_field="t"):
     """Base of wire messages (array-like, frozen, untracked by the GC)."""
+
+
+class RemoteOp(IntEnum):
+    """Which way a :class:`Remote` job moves a block: PUT is CPU tier -> remote tier, GET
+    the reverse (into CPU rows the scheduler allocated; a load to the GPU follows as its
+    own Transfer once every rank acked the GET)."""
+
+    PUT = 0
+    GET = 1
 
 
 class RegionSpec(msgspec.Struct, array_like=True, frozen=True, gc=False):
@@ -112,6 +121,15 @@ class TensorSpec(msgspec.Struct, array_like=True, frozen=True, gc=False):
     cuda: CudaIpc | None = None
 
 
+class RemoteSetup(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """The remote tier a worker connects to (in ``Ready``): its URL (the knobs included,
+    ``kvshm.remote.tier.RemoteSpec`` parses it) and the layout fingerprint every key and
+    header of this engine carries."""
+
+    url: str
+    fingerprint: str
+
+
 class Hello(_Msg, tag=1, frozen=True, array_like=True, gc=False):
     """Worker -> scheduler, first message on the rendezvous socket."""
 
@@ -137,6 +155,7 @@ class Ready(_Msg, tag=2, frozen=True, array_like=True, gc=False):
     host_offsets: tuple[int, ...]
     host_bytes: int
     device_caches: tuple[TensorSpec, ...] = ()
+    remote: RemoteSetup | None = None
 
 
 class StatsRequest(_Msg, tag=3, frozen=True, array_like=True, gc=False):
@@ -188,7 +207,20 @@ class Goodbye(_Msg, tag=9, frozen=True, array_like=True, gc=False):
     reason: str
 
 
-CmdMsg = Transfer | Flush | Shutdown
+class Remote(_Msg, tag=10, frozen=True, array_like=True, gc=False):
+    """Move CPU rows ``cpu_ids[i]`` to or from the remote tier under block ``hashes[i]``
+    (``hash_len`` bytes each, concatenated); the worker builds each key from its rank and
+    ``Ready.remote``. Runs on arrival (no step, no fence: a PUT is posted only after its
+    rows' store was acked by every rank, a GET into rows nothing else uses)."""
+
+    job_id: int
+    op: RemoteOp
+    cpu_ids: bytes
+    hashes: bytes
+    hash_len: int
+
+
+CmdMsg = Transfer | Flush | Shutdown | Remote
 DoneMsg = Done
 ControlMsg = Hello | Ready | StatsRequest | Stats | Shutdown | Goodbye
 

@@ -149,9 +149,12 @@ def test_the_manager_loads_no_torch_no_asyncio_no_transport() -> None:
 
 
 def test_the_embedded_worker_loads_only_ipc_and_leaves() -> None:
+    """... and the remote tier's interface (its mover's types), not a remote client:
+    glide loads only where Ready names a remote tier."""
     mods = loaded_by("workers.worker")
     assert "vllm" not in mods
-    assert _kvshm_parts(mods) <= {"workers", "ipc", "protocol", "leaf"}
+    assert not [m for m in mods if m.split(".")[0] in ("glide", "glide_sync", "redis")]
+    assert _kvshm_parts(mods) <= {"workers", "ipc", "protocol", "leaf", "remote"}
 
 
 def test_the_scheduler_side_loads_neither_workers_nor_vllm() -> None:

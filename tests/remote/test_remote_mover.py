@@ -1,0 +1,150 @@
+"""A worker's remote jobs (workers.remote_mover) against a real Valkey server: CPU rows go
+out and come back byte-exact (one region: the row itself is the value; three regions:
+gathered and scattered), another rank's or another engine's keys never load, a dead
+server fails the job within the deadline -- failure = miss = recompute."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import torch
+
+from kvshm.hashing import chain_hashes
+from kvshm.ipc.protocol import Done, LayoutSpec, RegionSpec, Remote, RemoteOp, RemoteSetup, pack_ids
+from kvshm.remote.server import ValkeyServer, command, parse_reply
+from kvshm.remote.tier import KEY_PREFIX, RemoteSpec, block_key
+from kvshm.remote.valkey import ValkeyBlockStore
+from workers.host_pool import HostPool
+from workers.remote_mover import RemoteMover
+
+FP = "test-model.bf16.bs4"
+BLOCKS = 16
+
+
+def _pool(region_bytes: tuple[int, ...], seed: int) -> HostPool:
+    spec = LayoutSpec(tuple(RegionSpec(b, BLOCKS, "uint8") for b in region_bytes))
+    pool = HostPool.for_tests(spec, BLOCKS, pin=False)
+    g = torch.Generator().manual_seed(seed)
+    for r in pool.regions:
+        r.copy_(torch.randint(0, 256, tuple(r.shape), dtype=torch.uint8, generator=g))
+    return pool
+
+
+def _mover(server: ValkeyServer, pool: HostPool, rank: int = 0, world: int = 2,
+           fp: str = FP) -> RemoteMover:
+    spec = RemoteSpec.parse(server.url, request_timeout_ms=300, connect_timeout_ms=300)
+    return RemoteMover(rank, world, RemoteSetup(server.url, fp), pool,
+                       ValkeyBlockStore(spec))
+
+
+def _job(job_id: int, op: RemoteOp, rows: list[int], hashes: list[bytes]) -> Remote:
+    return Remote(job_id, op, pack_ids(rows), b"".join(hashes), len(hashes[0]))
+
+
+def _wait(mover: RemoteMover, n: int = 1, timeout: float = 10.0) -> list[Done]:
+    got: list[Done] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n:
+        assert time.monotonic() < deadline, f"only {got} of {n} Dones"
+        got += mover.poll()
+        time.sleep(0.005)
+    return got
+
+
+def _close(mover: RemoteMover) -> None:
+    mover.close()
+    mover.release()
+
+
+def _round_trip(server: ValkeyServer, region_bytes: tuple[int, ...]) -> None:
+    hashes = chain_hashes(list(range(4 * 8)), 4)  # 8 blocks
+    src, dst = _pool(region_bytes, seed=1), _pool(region_bytes, seed=2)
+    a, b = _mover(server, src), _mover(server, dst)
+    try:
+        a.submit(_job(1, RemoteOp.PUT, list(range(8)), hashes))
+        assert _wait(a) == [Done(1, 0, True)]
+        rows = [15, 3, 9, 0, 1, 2, 12, 7]
+        b.submit(_job(2, RemoteOp.GET, rows, hashes))
+        assert _wait(b) == [Done(2, 0, True)]
+        for s, d in zip(src.regions, dst.regions):
+            assert torch.equal(d[rows], s[:8])
+        key = block_key(KEY_PREFIX, FP, 0, 2, hashes[0])
+        ttl = parse_reply(command(server.host, server.port, "TTL", key))
+        assert isinstance(ttl, int) and 0 < ttl <= 3600
+        assert a.statistics()["mover"]["put_stored"] == 8
+        assert b.statistics()["mover"]["get_hit"] == 8
+    finally:
+        _close(a)
+        _close(b)
+
+
+def test_one_region_rows_round_trip_byte_exact(valkey: ValkeyServer) -> None:
+    _round_trip(valkey, (4096,))
+
+
+def test_three_regions_are_gathered_and_scattered_byte_exact(valkey: ValkeyServer) -> None:
+    _round_trip(valkey, (1024, 3000, 64))
+
+
+def test_other_rank_or_engine_keys_never_load(valkey: ValkeyServer) -> None:
+    """Rank 0 of fingerprint FP stored 4 blocks. Rank 1 (its own keys: none) and an
+    engine of another fingerprint get MISSes: their jobs fail, saying so, and their
+    rows keep their bytes where the GET missed."""
+    hashes = chain_hashes(list(range(16)), 4)
+    pool = _pool((2048,), seed=3)
+    writer = _mover(valkey, pool)
+    other_rank = _mover(valkey, _pool((2048,), seed=4), rank=1)
+    other_fp = _mover(valkey, _pool((2048,), seed=5), fp="other-model.fp16.bs4")
+    try:
+        writer.submit(_job(1, RemoteOp.PUT, [0, 1, 2, 3], hashes))
+        assert _wait(writer)[0].ok
+        for m in (other_rank, other_fp):
+            before = m._host.regions[0][4:8].clone()
+            m.submit(_job(2, RemoteOp.GET, [4, 5, 6, 7], hashes))
+            [done] = _wait(m)
+            assert not done.ok and done.error == "RemoteError: GET of 4 block(s): 4 miss"
+            assert torch.equal(m._host.regions[0][4:8], before)
+    finally:
+        for m in (writer, other_rank, other_fp):
+            _close(m)
+
+
+def test_a_dead_server_fails_the_job_within_the_deadline(valkey: ValkeyServer) -> None:
+    """SIGKILL the server: a PUT of 4 blocks ends failed (not stored), fast -- nothing
+    waits past the configured deadlines; close() returns at once afterwards."""
+    hashes = chain_hashes(list(range(16)), 4)
+    mover = _mover(valkey, _pool((2048,), seed=6))
+    try:
+        assert valkey.pid is not None
+        os.kill(valkey.pid, signal.SIGKILL)
+        time.sleep(0.2)
+        t0 = time.monotonic()
+        mover.submit(_job(1, RemoteOp.PUT, [0, 1, 2, 3], hashes))
+        [done] = _wait(mover)
+        assert time.monotonic() - t0 < 3.0
+        assert not done.ok and done.error.startswith("RemoteError: PUT of 4 block(s): ")
+        assert "4 not_stored" in done.error
+    finally:
+        t0 = time.monotonic()
+        _close(mover)
+        assert time.monotonic() - t0 < 3.0
+
+
+def test_bad_jobs_fail_alone(valkey: ValkeyServer) -> None:
+    """A hash list that does not match the rows, or a row out of range: that job fails
+    with the reason; the next job runs."""
+    hashes = chain_hashes(list(range(8)), 4)
+    mover = _mover(valkey, _pool((512,), seed=7))
+    try:
+        mover.submit(Remote(1, RemoteOp.PUT, pack_ids([0, 1]), hashes[0], len(hashes[0])))
+        mover.submit(_job(2, RemoteOp.PUT, [0, BLOCKS], hashes))
+        mover.submit(_job(3, RemoteOp.PUT, [0, 1], hashes))
+        d1, d2, d3 = _wait(mover, 3)
+        assert not d1.ok and "2 rows but" in d1.error
+        assert not d2.ok and f"CPU row out of range [0, {BLOCKS})" in d2.error
+        assert d3 == Done(3, 0, True)
+        assert mover.counts["bad_jobs"] == 2
+    finally:
+        _close(mover)

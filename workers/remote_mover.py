@@ -1,0 +1,205 @@
+"""A worker's remote-tier jobs: its CPU rows <-> the remote tier, on one thread.
+
+A :class:`~kvshm.ipc.protocol.Remote` job names CPU rows and the block hash of each;
+this rank's key for a block is :func:`kvshm.remote.tier.block_key` of the engine's
+fingerprint, the rank and the hash, and every value carries a
+:class:`~kvshm.remote.tier.BlockHeader` (checked on GET: a mismatch is BAD, never
+loaded). A block's bytes on a rank are one row per region of the host pool; with one
+region the row itself is the value (no copy: the store reads or fills the row in place),
+with several the rows are gathered into (PUT) or scattered from (GET) a staging buffer of
+at most :data:`BATCH` blocks.
+
+Ordering and threads: jobs run in arrival order on one thread (the store spreads each
+batch over its own client threads). ``submit`` never blocks and never raises: a job it
+cannot take becomes a failed Done at once. A finished job's Done waits in :meth:`poll`;
+the eventfd :meth:`notify_fd` turns readable when one is there (the worker's channel
+watches it, so a parked standalone loop wakes). :meth:`close` stops taking jobs, fails
+the queued ones, waits for the running one (every store call has a deadline) and closes
+the store: after it returns, no thread of this mover touches a host row.
+
+Outcome rule (the remote tier's): failure = miss = recompute. A job is ok only if every
+block was stored (PUT) or every block was a HIT (GET); otherwise its Done says how many of
+each outcome, and the scheduler treats the whole job as failed.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any, Final
+
+import numpy as np
+
+from kvshm.ipc.protocol import Done, Remote, RemoteOp, RemoteSetup, ids_array
+from kvshm.remote.tier import KEY_PREFIX, BlockHeader, BlockStore, GetOutcome, block_key
+from workers.host_pool import HostPool
+
+__all__ = ["BATCH", "RemoteMover"]
+
+#: Most blocks one ``put_many``/``get_many_into`` call moves (bounds the staging buffer).
+BATCH: Final = 32
+
+
+class RemoteMover:
+    """See the module docstring. ``store`` is owned from here on (closed by :meth:`close`)."""
+
+    def __init__(self, rank: int, world: int, setup: RemoteSetup, host: HostPool,
+                 store: BlockStore) -> None:
+        self.rank, self.world = rank, world
+        self._fingerprint = setup.fingerprint
+        self._host = host
+        self._store = store
+        self._rows = [r.numpy() for r in host.regions]  # [num_cpu_blocks, bytes] each
+        self._bpb = host.bytes_per_block
+        self._staging: np.ndarray[Any, Any] | None = None
+        self._jobs: queue.SimpleQueue[Remote | None] = queue.SimpleQueue()
+        self._done: list[Done] = []
+        self._lock = threading.Lock()
+        self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._closed = False
+        self.counts: Counter[str] = Counter()
+        self._thread = threading.Thread(target=self._loop, name=f"kvshm-remote-r{rank}",
+                                        daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ worker thread
+
+    def submit(self, job: Remote) -> None:
+        """Queue ``job`` (never blocks or raises; refused once closed: a failed Done)."""
+        if self._closed:
+            self._finish(Done(job.job_id, self.rank, False, "RemoteError: mover closed"))
+            return
+        self._jobs.put(job)
+
+    def poll(self) -> list[Done]:
+        """The Dones of the jobs finished since the last call, in finishing order."""
+        try:
+            os.eventfd_read(self._efd)
+        except BlockingIOError:
+            pass
+        with self._lock:
+            out, self._done = self._done, []
+        return out
+
+    def notify_fd(self) -> int:
+        """Readable while a Done waits in :meth:`poll`."""
+        return self._efd
+
+    def statistics(self) -> dict[str, Any]:
+        return {"mover": dict(self.counts), "store": self._store.statistics()}
+
+    def close(self) -> None:
+        """Stop (idempotent): queued jobs fail, the running one finishes, the store closes."""
+        if self._closed:
+            return
+        self._closed = True
+        self._jobs.put(None)
+        self._thread.join()
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                break
+            if job is not None:
+                self._finish(Done(job.job_id, self.rank, False, "RemoteError: mover closed"))
+        self._store.close()
+        self._rows = []
+        self._staging = None
+
+    def release(self) -> None:
+        """Close the notify fd (after :meth:`close` and a last :meth:`poll`)."""
+        if self._efd >= 0:
+            os.close(self._efd)
+            self._efd = -1
+
+    # ------------------------------------------------------------------ mover thread
+
+    def _loop(self) -> None:
+        while True:
+            job = self._jobs.get()
+            if job is None:
+                return
+            try:
+                done = self._run(job)
+            except Exception as exc:  # noqa: BLE001 - a bug fails this job, not the rank
+                self.counts["job_errors"] += 1
+                done = Done(job.job_id, self.rank, False,
+                            f"RemoteError: {type(exc).__name__}: {exc}")
+            self._finish(done)
+
+    def _finish(self, done: Done) -> None:
+        with self._lock:
+            self._done.append(done)
+        self.counts["jobs_ok" if done.ok else "jobs_failed"] += 1
+        if self._efd >= 0:
+            os.eventfd_write(self._efd, 1)
+
+    def _run(self, job: Remote) -> Done:
+        ids = ids_array(job.cpu_ids)
+        n, hl = len(ids), job.hash_len
+        if hl <= 0 or len(job.hashes) != n * hl:
+            self.counts["bad_jobs"] += 1
+            return Done(job.job_id, self.rank, False,
+                        f"RemoteError: {n} rows but {len(job.hashes)} hash bytes "
+                        f"(hash_len {hl})")
+        if any(not 0 <= i < self._host.num_cpu_blocks for i in ids):
+            self.counts["bad_jobs"] += 1
+            return Done(job.job_id, self.rank, False,
+                        f"RemoteError: CPU row out of range [0, {self._host.num_cpu_blocks})")
+        hashes = [job.hashes[k * hl:(k + 1) * hl] for k in range(n)]
+        tally: Counter[str] = Counter()
+        for start in range(0, n, BATCH):
+            part = slice(start, start + BATCH)
+            if job.op is RemoteOp.PUT:
+                self._put(list(ids[part]), hashes[part], tally)
+            else:
+                self._get(list(ids[part]), hashes[part], tally)
+        good = tally["stored"] if job.op is RemoteOp.PUT else tally[GetOutcome.HIT.value]
+        self.counts.update({f"{job.op.name.lower()}_{k}": v for k, v in tally.items()})
+        if good == n:
+            return Done(job.job_id, self.rank, True)
+        what = ", ".join(f"{v} {k}" for k, v in sorted(tally.items()))
+        return Done(job.job_id, self.rank, False,
+                    f"RemoteError: {job.op.name} of {n} block(s): {what}")
+
+    def _headers(self, hashes: Sequence[bytes]) -> list[BlockHeader]:
+        return [BlockHeader(self._fingerprint, h, self.rank, self.world, self._bpb)
+                for h in hashes]
+
+    def _keys(self, hashes: Sequence[bytes]) -> list[str]:
+        return [block_key(KEY_PREFIX, self._fingerprint, self.rank, self.world, h)
+                for h in hashes]
+
+    def _views(self, ids: Sequence[int]) -> list[memoryview]:
+        """One value view per block: the row itself (one region) or a staging slot."""
+        if len(self._rows) == 1:
+            return [memoryview(self._rows[0][i]) for i in ids]
+        if self._staging is None:
+            self._staging = np.empty((BATCH, self._bpb), dtype=np.uint8)
+        return [memoryview(self._staging[k]) for k in range(len(ids))]
+
+    def _put(self, ids: list[int], hashes: list[bytes], tally: Counter[str]) -> None:
+        views = self._views(ids)
+        if len(self._rows) > 1:
+            assert self._staging is not None
+            for k, i in enumerate(ids):
+                np.concatenate([r[i] for r in self._rows], out=self._staging[k])
+        ok = self._store.put_many(self._keys(hashes), views, self._headers(hashes))
+        tally["stored"] += sum(ok)
+        tally["not_stored"] += len(ok) - sum(ok)
+
+    def _get(self, ids: list[int], hashes: list[bytes], tally: Counter[str]) -> None:
+        views = self._views(ids)
+        got = self._store.get_many_into(self._keys(hashes), views, self._headers(hashes))
+        tally.update(g.value for g in got)
+        if len(self._rows) > 1:
+            assert self._staging is not None
+            for k, i in enumerate(ids):
+                if got[k] is GetOutcome.HIT:
+                    at = 0
+                    for r in self._rows:
+                        r[i] = self._staging[k, at:at + r.shape[1]]
+                        at += r.shape[1]
