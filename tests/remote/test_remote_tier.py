@@ -1,0 +1,235 @@
+"""The remote tier's interface without a server: URLs and knobs, key names, the block
+header (every field and the payload's checksum are checked), the circuit breaker (unit
+cases and a Hypothesis state machine against a model)."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+from hypothesis import settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvshm.errors import ConfigError
+from kvshm.remote import KEY_PREFIX, BlockHeader, RemoteSpec, block_key, ready_key
+from kvshm.remote.breaker import BreakerState, CircuitBreaker
+from kvshm.remote.tier import CHECKSUMS, HEADER_BYTES
+from kvshm.remote.valkey import header_key, key_slot
+
+# ---------------------------------------------------------------------------- URLs
+
+
+def test_standalone_and_cluster_urls_parse_with_defaults_and_knobs() -> None:
+    s = RemoteSpec.parse("valkey://127.0.0.1:6379")
+    assert (s.nodes, s.cluster, s.request_timeout_ms, s.connect_timeout_ms, s.ttl_s,
+            s.threads) == ((("127.0.0.1", 6379),), False, 500, 500, 3600, 4)
+    c = RemoteSpec.parse("valkey+cluster://h1:7001,h2:7002,[::1]:7003?ttl_s=60&threads=2",
+                         request_timeout_ms=250)
+    assert c.cluster and c.nodes == (("h1", 7001), ("h2", 7002), ("::1", 7003))
+    assert (c.ttl_s, c.threads, c.request_timeout_ms) == (60, 2, 250)
+    assert RemoteSpec.parse("redis://h:1", ttl_s=None).ttl_s is None
+    assert RemoteSpec.parse("valkey://h:1?ttl_s=none").ttl_s is None
+    # keyword knobs win over the query
+    assert RemoteSpec.parse("valkey://h:1?threads=8", threads=1).threads == 1
+
+
+@pytest.mark.parametrize("url,says", [
+    ("http://h:1", "expected valkey://"),
+    ("h:1", "expected valkey://"),
+    ("valkey://h", "not host:port"),
+    ("valkey://h:port", "not host:port"),
+    ("valkey://h:0", "out of range"),
+    ("valkey://h:70000", "out of range"),
+    ("valkey://a:1,b:2", "standalone URL names one"),
+    ("valkey://h:1/3", "database number"),
+    ("valkey://user:pw@h:1", "credentials"),
+    ("valkey://h:1?color=red", "unknown knob"),
+    ("valkey://h:1?threads=x", "is not an int"),
+    ("valkey://h:1?threads=0", "threads must be an int > 0"),
+    ("valkey://h:1?threads=65", "threads must be <= 64"),
+])
+def test_a_bad_url_is_a_config_error_that_says_what_is_wrong(url: str, says: str) -> None:
+    with pytest.raises(ConfigError, match=says):
+        RemoteSpec.parse(url)
+
+
+def test_bad_knobs_are_config_errors() -> None:
+    for knobs in ({"ttl_s": 0}, {"ttl_s": True}, {"request_timeout_ms": -1},
+                  {"connect_timeout_ms": 1.5}, {"threads": 0}, {"retries": 3}):
+        with pytest.raises(ConfigError):
+            RemoteSpec.parse("valkey://h:1", **knobs)
+
+
+# ---------------------------------------------------------------------------- keys
+
+
+def test_keys_carry_fingerprint_rank_world_and_hash() -> None:
+    h = bytes(range(16))
+    assert block_key(KEY_PREFIX, "m.bf16.bs16", 1, 2, h) == \
+        "kvshm:v1:m.bf16.bs16:1/2:000102030405060708090a0b0c0d0e0f"
+    assert ready_key("m.bf16.bs16", 2, h) == \
+        "kvshm:v1:m.bf16.bs16:ready/2:000102030405060708090a0b0c0d0e0f"
+    with pytest.raises(ConfigError, match="no ':'"):
+        block_key(KEY_PREFIX, "a:b", 0, 1, h)
+    with pytest.raises(ConfigError, match="out of range"):
+        block_key(KEY_PREFIX, "m", 2, 2, h)
+
+
+def test_the_header_key_shares_the_payload_keys_slot() -> None:
+    """In a cluster a block's payload and header live on one node (one MGET)."""
+    for i in range(200):
+        key = block_key(KEY_PREFIX, "m", i % 4, 4, i.to_bytes(16, "big"))
+        assert key_slot(header_key(key)) == key_slot(key)
+    # the reference values of the cluster spec (CRC16/XMODEM mod 16384)
+    assert key_slot("123456789") == 0x31C3 % 16384
+    assert key_slot("{user1000}.following") == key_slot("user1000")
+
+
+# ---------------------------------------------------------------------------- header
+
+
+def _header(**kw: object) -> BlockHeader:
+    base: dict[str, object] = dict(fingerprint="m.bf16", block_hash=b"\x01" * 16, rank=0,
+                                   world=2, length=8)
+    base.update(kw)
+    return BlockHeader(**base)  # type: ignore[arg-type]
+
+
+def test_a_header_checks_every_field_and_the_payload() -> None:
+    payload = memoryview(b"01234567")
+    raw = _header().pack(payload)
+    assert len(raw) == HEADER_BYTES
+    assert _header().check(raw, payload)
+    assert not _header().check(raw, memoryview(b"01234568"))          # checksum
+    assert not _header(fingerprint="other").check(raw, payload)
+    assert not _header(block_hash=b"\x02" * 16).check(raw, payload)
+    assert not _header(block_hash=b"\x01" * 15).check(raw, payload)
+    assert not _header(rank=1).check(raw, payload)
+    assert not _header(world=4).check(raw, payload)
+    assert not _header(length=7).check(raw, memoryview(b"0123456"))
+    assert not _header(version=2).check(raw, payload)
+    assert not _header().check(raw[:-1], payload)                     # cut short
+    assert not _header().check(b"XXXX" + raw[4:], payload)            # magic
+    assert not _header().check(b"\x00" * HEADER_BYTES, payload)
+
+
+def test_the_checksum_named_in_the_header_is_the_one_verified() -> None:
+    """A reader verifies with the writer's algorithm (stored in the header), so readers
+    and writers with different defaults still agree."""
+    payload = memoryview(b"x" * 4096)
+    for name in ("crc32", "crc32c"):
+        if name not in {n for n, _ in CHECKSUMS.values()}:
+            continue
+        raw = _header(length=4096, checksum=name).pack(payload)
+        for reader in ("crc32", "none"):
+            assert _header(length=4096, checksum=reader).check(raw, payload)
+    with pytest.raises(ConfigError, match="not available"):
+        _header(checksum="md5")
+    with pytest.raises(ConfigError, match="payload is 3 bytes"):
+        _header().pack(memoryview(b"abc"))
+
+
+# ---------------------------------------------------------------------------- breaker
+
+
+def state(b: CircuitBreaker) -> BreakerState:
+    return b.state  # a call: mypy does not keep the state narrowed across transitions
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_breaker_opens_after_threshold_probes_after_backoff_and_closes() -> None:
+    clock = Clock()
+    b = CircuitBreaker(threshold=3, backoff_s=1.0, max_backoff_s=4.0, clock=clock)
+    for _ in range(2):
+        assert b.allow()
+        b.failure()
+    assert state(b) is BreakerState.CLOSED
+    b.success()  # a success resets the count
+    for _ in range(3):
+        assert b.allow()
+        b.failure()
+    assert state(b) is BreakerState.OPEN and b.opens == 1
+    assert not b.allow() and b.rejected == 1
+    clock.now = 1.0
+    assert b.allow() and state(b) is BreakerState.HALF_OPEN
+    assert not b.allow()  # one probe at a time
+    b.failure()  # the probe failed: open again, backoff doubled
+    assert state(b) is BreakerState.OPEN and b.backoff_s == 2.0 and b.opens == 2
+    clock.now = 2.9
+    assert not b.allow()
+    clock.now = 3.0
+    assert b.allow()
+    b.failure()
+    clock.now = 7.0
+    assert b.allow()
+    b.failure()
+    assert b.backoff_s == 4.0  # capped
+    clock.now = 11.0
+    assert b.allow()
+    b.success()
+    assert state(b) is BreakerState.CLOSED and b.closes == 1 and b.backoff_s == 1.0
+
+
+class BreakerMachine(RuleBasedStateMachine):
+    """The breaker against a small model: it lets a request through exactly when the
+    model says so, opens exactly at the threshold, probes once per backoff."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.clock = Clock()
+        self.b = CircuitBreaker(threshold=3, backoff_s=0.5, max_backoff_s=2.0,
+                                clock=self.clock)
+        self.state = "closed"
+        self.consecutive = 0
+        self.backoff = 0.5
+        self.probe_at = 0.0
+        self.outstanding = 0
+
+    @rule(dt=st.sampled_from([0.0, 0.1, 0.5, 1.0, 3.0]))
+    def tick(self, dt: float) -> None:
+        self.clock.now += dt
+
+    @rule()
+    def allow(self) -> None:
+        expected = (self.state == "closed"
+                    or (self.state == "open" and self.clock.now >= self.probe_at))
+        assert self.b.allow() == expected
+        if expected:
+            if self.state == "open":
+                self.state = "half_open"
+            self.outstanding += 1
+
+    @precondition(lambda self: self.outstanding > 0)
+    @rule(ok=st.booleans())
+    def report(self, ok: bool) -> None:
+        self.outstanding -= 1
+        if ok:
+            self.b.success()
+            self.consecutive = 0
+            if self.state != "closed":
+                self.state, self.backoff = "closed", 0.5
+            return
+        self.b.failure()
+        self.consecutive += 1
+        if self.state == "half_open":
+            self.backoff = min(self.backoff * 2, 2.0)
+            self.state, self.probe_at = "open", self.clock.now + self.backoff
+        elif self.state == "closed" and self.consecutive >= 3:
+            self.backoff = 0.5
+            self.state, self.probe_at = "open", self.clock.now + self.backoff
+
+    @invariant()
+    def agrees(self) -> None:
+        assert self.b.state.value == self.state
+        assert self.b.backoff_s == self.backoff
+
+
+BreakerMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=40,
+                                            deadline=None)
+TestBreakerMachine = BreakerMachine.TestCase
