@@ -22,13 +22,8 @@ pytestmark = pytest.mark.vllm
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def test_quick_run_ends_with_the_issue_json_line_and_same_work() -> None:
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "tools.bench_vs_vllm", "--quick", "--json"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
-                         check=False)
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = out.stdout.strip().splitlines()
+def _check(lines: list[str]) -> None:
+    """The last line's shape and the same-work line."""
     summary: dict[str, Any] = json.loads(lines[-1])
     assert set(summary) == {"step_ratio_all", "step_ratio_changed", "hit_fraction"}
     for key in ("step_ratio_all", "step_ratio_changed"):
@@ -42,6 +37,24 @@ def test_quick_run_ends_with_the_issue_json_line_and_same_work() -> None:
         assert work[n]["kvshm"] == work[n]["vllm"]
         assert work[n]["kvshm"]["stored"] > 0 and work[n]["kvshm"]["hit_tokens"] > 0
         assert work[n]["kvshm"]["loaded"] > 0
+
+
+def test_quick_run_in_process(capsys: pytest.CaptureFixture[str]) -> None:
+    from tools import bench_vs_vllm
+
+    assert bench_vs_vllm.main(["--quick", "--json", "--steps", "3", "--warmup", "1"]) == 0
+    _check(capsys.readouterr().out.strip().splitlines())
+
+
+@pytest.mark.slow
+def test_quick_run_as_a_command() -> None:
+    """The command itself (a fresh interpreter: importing vLLM takes 10-30 s here)."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([sys.executable, "-m", "tools.bench_vs_vllm", "--quick", "--json"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
+                         check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    _check(out.stdout.strip().splitlines())
 
 
 def test_different_work_is_refused(monkeypatch: pytest.MonkeyPatch,
