@@ -91,20 +91,30 @@ class RemoteMover:
     def statistics(self) -> dict[str, Any]:
         return {"mover": dict(self.counts), "store": self._store.statistics()}
 
+    def cancel_queued(self, why: str) -> int:
+        """Fail every job not started yet (the running one finishes); how many."""
+        n = 0
+        while True:
+            try:
+                job = self._jobs.get_nowait()
+            except queue.Empty:
+                return n
+            if job is None:  # close()'s sentinel: put it back for the thread
+                self._jobs.put(None)
+                return n
+            n += 1
+            self.counts["jobs_cancelled"] += 1
+            self._finish(Done(job.job_id, self.rank, False, f"RemoteError: {why}"))
+
     def close(self) -> None:
         """Stop (idempotent): queued jobs fail, the running one finishes, the store closes."""
         if self._closed:
             return
         self._closed = True
+        self.cancel_queued("mover closed")
         self._jobs.put(None)
         self._thread.join()
-        while True:
-            try:
-                job = self._jobs.get_nowait()
-            except queue.Empty:
-                break
-            if job is not None:
-                self._finish(Done(job.job_id, self.rank, False, "RemoteError: mover closed"))
+        self.cancel_queued("mover closed")
         self._store.close()
         self._rows = []
         self._staging = None

@@ -46,7 +46,6 @@ Every declined or failed outcome is counted in :meth:`statistics`.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Collection, Iterable, Sequence
 from typing import Any, Final
 
@@ -54,24 +53,19 @@ import torch
 
 from kvshm.errors import (
     ConfigError,
-    KvshmError,
-    PeerDied,
     ProtocolError,
-    RankRevoked,
     TransportError,
 )
 from kvshm.ipc.fdpass import socket_address
 from kvshm.ipc.protocol import Direction, Done, Transfer
-from kvshm.ipc.rendezvous_client import RendezvousClient
 from kvshm.layout import KVLayout
 from kvshm.types import DeviceKind
 from workers.copy_engine import CopyJob, Fence, describe_error
 from workers.cpu_copy import FaultInjection
-from workers.done_book import DoneBook
+from workers.link import WorkerLink
 from workers.phases import LINKED, DetachReason, Phase
-from workers.revocation import RevocationGate, close_lifeline_when_idle
-from workers.session import Connector, Session, SessionOptions
-from workers.step_queue import StepQueue
+from workers.revocation import close_lifeline_when_idle
+from workers.session import SessionOptions
 
 __all__ = ["DetachReason", "Phase", "Worker"]
 
@@ -82,25 +76,10 @@ FLUSH_TIMEOUT_S: Final = 60.0
 COPY_POLL_S: Final = 0.001
 
 
-class Worker:
+class Worker(WorkerLink):
     """One rank's worker; build it with :meth:`attach`. Single-threaded: every method
-    must be called from one thread (the host engine's, or the standalone loop)."""
-
-    def __init__(self, name: str, rank: int, world_size: int, layout: KVLayout | None,
-                 opts: SessionOptions, flush_timeout_s: float) -> None:
-        self.name, self.rank, self.world_size = name, rank, world_size
-        self._flush_timeout = flush_timeout_s
-        self._phase = Phase.NEW
-        self.detach_reason: DetachReason | None = None
-        self.last_error: KvshmError | None = None
-        self._client: RendezvousClient | None = None
-        self._session: Session | None = None
-        self._connector = Connector(name, rank, world_size, layout, opts)
-        self._step = -1
-        self._queue = StepQueue()
-        self._counts: Counter[str] = Counter()
-        self._dones = DoneBook(self._counts)
-        self._gate: RevocationGate | None = None
+    must be called from one thread (the host engine's, or the standalone loop). Its
+    state and the link's servicing are :class:`~workers.link.WorkerLink`'s."""
 
     @classmethod
     def attach(cls, name: str, rank: int, world_size: int,
@@ -267,122 +246,6 @@ class Worker:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # ------------------------------------------------------------------ connecting
-
-    def _connect_step(self) -> None:
-        try:
-            self._session = self._connector.poll()
-        except (KvshmError, OSError) as exc:
-            self._client = self._connector.client  # closed by _detach: the scheduler sees EOF
-            err = exc if isinstance(exc, KvshmError) else ConfigError(f"{exc}")
-            self._detach(DetachReason.REFUSED if isinstance(exc, PeerDied)
-                         else DetachReason.SETUP_FAILED, err)
-            return
-        self._client = self._connector.client
-        if self._session is not None:
-            self._gate = RevocationGate(self._session)
-            self._session.engine.set_gate(self._gate.may_copy)
-            self._phase = Phase.READY
-        elif self._client is not None:
-            self._phase = Phase.CONNECTING
-
-    # ------------------------------------------------------------------ the link
-
-    def _pump(self) -> None:
-        session, client = self._session, self._client
-        assert session is not None and session.channel is not None and client is not None
-        chan = session.channel
-        if self._check_revoked():
-            return
-        try:
-            chan.beat()
-            alive = client.check_alive()
-            self._handle(client.take_messages())
-            self._handle(chan.receive_nowait())
-        except TransportError as exc:
-            self._lost(exc)
-            return
-        self._run_remote()
-        self._collect()
-        if not alive:
-            self._lost(PeerDied(f"kvshm scheduler {self.name!r} closed the connection"))
-
-    def _handle(self, msgs: Iterable[object]) -> None:
-        """Commands into the step queue; a Shutdown turns READY into DRAINING."""
-        if self._queue.intake(msgs, self._counts) and self._phase is Phase.READY:
-            self._phase = Phase.DRAINING
-
-    def _lost(self, exc: TransportError) -> None:
-        """The link broke. Lifeline EOF after the engine's Shutdown (read from the ring
-        first: the engine posts it, then closes) is the engine closing -- SHUTDOWN; EOF
-        without one is the engine dying -- PEER_DIED."""
-        if isinstance(exc, PeerDied):
-            if self._phase is Phase.READY:
-                self._drain_ring_quietly()
-            closed = self._phase is Phase.DRAINING
-            self._detach(DetachReason.SHUTDOWN if closed else DetachReason.PEER_DIED,
-                         None if closed else exc)
-        else:
-            self._counts["protocol_errors"] += 1
-            chan = self._session.channel if self._session is not None else None
-            if chan is not None:
-                try:  # the good records around an undecodable one: fail them locally too
-                    self._handle(chan.receive_nowait())
-                except TransportError:
-                    pass
-            self._detach(DetachReason.PROTOCOL_ERROR, exc)
-
-    def _drain_ring_quietly(self) -> None:
-        """Take what the ring still holds (a Shutdown the engine posted before closing)."""
-        chan = self._session.channel if self._session is not None else None
-        if chan is None:
-            return
-        try:
-            self._handle(chan.receive_nowait())
-        except TransportError:
-            pass
-
-    def _collect(self) -> None:
-        """Finished copies and remote jobs -> the book; send."""
-        assert self._session is not None
-        mover = self._session.remote
-        self._report(self._session.engine.poll() + (mover.poll() if mover else []))
-
-    def _run_remote(self) -> None:
-        """Remote jobs run on arrival (:mod:`workers.remote_mover`); without a remote
-        tier in Ready, or once revoked, each fails at once."""
-        assert self._session is not None
-        mover = self._session.remote
-        for job in self._queue.take_remote():
-            if mover is None or self._check_revoked():
-                self._counts["remote_jobs_refused"] += 1
-                why = "no remote tier" if mover is None else f"rank {self.rank} revoked"
-                self._record([Done(job.job_id, self.rank, False, f"RemoteError: {why}")])
-                continue
-            self._dones.started(job.job_id)
-            mover.submit(job)
-
-    def _record(self, dones: list[Done], *, local: bool = True) -> list[Done]:
-        """Into the book (outbox only while linked); see :mod:`workers.done_book`."""
-        return self._dones.record(dones, linked=self._phase in LINKED, local=local)
-
-    def _report(self, dones: list[Done], *, local: bool = True) -> list[Done]:
-        """Record, then send: how the poll path and the wait paths both report Dones."""
-        if dones:
-            self._record(dones, local=local)
-        self._send()
-        return dones
-
-    def _send(self) -> None:
-        """The outbox over the ring, unless the rank is revoked (read first, every time)."""
-        chan = self._session.channel if self._session is not None else None
-        if not self._dones.outbox or chan is None or self._check_revoked():
-            return
-        try:
-            self._dones.send(chan)
-        except TransportError as exc:
-            self._lost(exc)
-
     # ------------------------------------------------------------------ jobs
 
     def _submit(self, direction: Direction, step: int, after: Fence | None) -> None:
@@ -435,43 +298,3 @@ class Worker:
         self._fail_queued("shut down before its step began")
         self._send()
         self._detach(DetachReason.SHUTDOWN, None)
-
-    def _fail_queued(self, why: str) -> None:
-        ids = [t.job_id for t in self._queue.take_all()]
-        ids += [r.job_id for r in self._queue.take_remote()]
-        failed = [Done(i, self.rank, False, f"CopyError: rank {self.rank} {why}") for i in ids]
-        if failed:
-            self._counts["jobs_failed_unrun"] += len(failed)
-            self._record(failed)
-
-    def _check_revoked(self) -> bool:
-        """Read the revocation word; if set, detach (REVOKED) and return True."""
-        why = self._gate.word() if self._gate is not None else None
-        if why is None:
-            return self._phase is Phase.DETACHED \
-                and self.detach_reason is DetachReason.REVOKED
-        self._counts["revocations_seen"] += 1
-        assert self._session is not None
-        self._session.engine.cancel_queued()
-        self._detach(DetachReason.REVOKED, RankRevoked(
-            f"kvshm scheduler {self.name!r} declared rank {self.rank} dead "
-            f"({why.name.lower()}); this rank does no more work for it"))
-        return True
-
-    def _detach(self, reason: DetachReason, error: KvshmError | None) -> None:
-        """Leave the link for good: fail what never ran, close the channel; the socket
-        closes now, or once the copies still running have finished."""
-        if self._phase in (Phase.DETACHED, Phase.CLOSED):
-            return
-        self.detach_reason, self.last_error = reason, error
-        if reason is DetachReason.REVOKED and self._gate is not None:
-            self._gate.shut()  # before close_link releases the views the gate reads
-        self._counts[f"detached_{reason.value}"] += 1
-        self._phase = Phase.DETACHED  # from here on nothing goes over the ring
-        self._dones.drop_outbox()
-        self._fail_queued(f"detached ({reason.value}): {error}" if error
-                          else f"detached ({reason.value})")
-        if self._session is not None:
-            self._session.close_link()
-            self._collect()
-        close_lifeline_when_idle(self._client, self._dones.inflight)
