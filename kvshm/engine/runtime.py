@@ -26,6 +26,9 @@ Rules kept here:
   ``manager.rank_failed`` and makes the engine FAILED: serving goes on without offload
   and nothing waits on the dead rank. Only the rank's fence runs
   ``manager.rank_fenced``, which ends its quarantine.
+* A rank whose worker said ``Goodbye`` before its EOF left (its host closed it): its jobs
+  end as at a verdict, but the engine becomes STOPPED, not FAILED, and ``ranks_left``
+  counts it (:meth:`Supervisor.rank_left <kvshm.engine.supervision.Supervisor.rank_left>`).
 """
 
 from __future__ import annotations
