@@ -22,6 +22,19 @@ restore that changed a logit enough to flip a greedy token would show).
 Last line with ``--json``: ``{"ttft_ratio": <no connector / kvshm, median TTFT of turns
 2+>, "wall_ratio": <no connector / kvshm>, "cpu_hit_tokens": <int>}``. Target: ttft_ratio
 >= 2.
+
+``--chat``: the capacity-bound variant. The prompts are :func:`tools.chat_trace.chat_trace`
+(``--conversations`` 32 x ``--turns`` 6, ``--think`` 32: every conversation open at once,
+one coming back after about 32 other turns, in 32-token blocks; the trace's answers are
+part of the next prompt, the engine generates ``--answer-tokens`` 1 token), one request
+at a time. The CPU tier holds ``--cpu-frac`` (0.5) of the trace's distinct blocks
+(``num_cpu_blocks``). Passes, one engine at a time: no connector, kvshm with an unbounded
+tier (the denominator of ``hit_fraction``), then kvshm with each ``--evictions`` order
+(default ``lru depth_aged``; the benchmark makes the engine's CPU pool use that order,
+as ``EngineConfig(eviction=...)`` asks). Reported per pass: median TTFT of turns 2+,
+wall time, CPU-hit tokens and ``hit_fraction`` (hit tokens over the unbounded tier's).
+Last line: ``{"hit_fraction": {"<order>": ..}, "ttft_ratio": {"<order>": <no connector /
+that pass>}, "ttft_vs_lru": <lru / depth_aged median TTFT of turns 2+>}``.
 """
 
 from __future__ import annotations
@@ -86,7 +99,7 @@ def build_model(folder: Path, args: argparse.Namespace) -> None:
 
 
 def make_llm(folder: Path, args: argparse.Namespace, kvshm: bool,
-             device_blocks: int | None = None) -> Any:
+             device_blocks: int | None = None, extra: dict[str, Any] | None = None) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -97,8 +110,10 @@ def make_llm(folder: Path, args: argparse.Namespace, kvshm: bool,
         kw["kv_transfer_config"] = KVTransferConfig(
             kv_connector="KvshmConnector", kv_connector_module_path="kvshm.integrations.vllm",
             kv_role="kv_both", kv_load_failure_policy="recompute",
-            kv_connector_extra_config={"cpu_bytes": args.cpu_gib << 30, "mode": args.mode})
-    return LLM(model=str(folder), enforce_eager=True, dtype=args.dtype, max_model_len=2304,
+            kv_connector_extra_config=extra or {"cpu_bytes": args.cpu_gib << 30,
+                                                "mode": args.mode})
+    return LLM(model=str(folder), enforce_eager=True, dtype=args.dtype,
+               max_model_len=getattr(args, "max_model_len", 2304),
                enable_prefix_caching=True, block_size=BLOCK, max_num_seqs=4, seed=0,
                kv_cache_memory_bytes=(device_blocks or args.device_blocks) * kv_bytes,
                disable_log_stats=False,
@@ -249,21 +264,133 @@ def print_table(res: dict[str, Any]) -> None:
               f"{res['kvshm_vs_keep_all_mismatches']}, recompute "
               f"{res['recompute_vs_keep_all_mismatches']}")
 
+# ---- the capacity-bound chat variant (--chat) ----------------------------------------
+
+
+@dataclass
+class ChatSide:
+    """One chat pass: TTFT of turns 2+ (the first turn of a conversation has nothing to
+    reuse), wall seconds, CPU-hit tokens."""
+
+    name: str
+    ttft_later: list[float] = field(default_factory=list)
+    ttft_first: list[float] = field(default_factory=list)
+    wall: float = 0.0
+    hit_tokens: int = 0
+    stored_blocks: int = 0
+
+
+def chat_pass(folder: Path, args: argparse.Namespace, trace: list[Any], name: str,
+              extra: dict[str, Any] | None, eviction: str | None) -> ChatSide:
+    """Every turn of ``trace`` on one engine (``extra``: kvshm's connector config, None:
+    no connector). ``eviction``: the order the engine's CPU pool is built with (the
+    benchmark wraps the runtime's BlockPool for the pass)."""
+    import functools
+
+    import kvshm.engine.runtime as runtime
+    from kvshm.config import Eviction
+
+    side = ChatSide(name)
+    attr = "BlockPool"  # the name runtime.py builds the CPU tier with
+    built = getattr(runtime, attr)
+    if eviction is not None:
+        setattr(runtime, attr, functools.partial(built, eviction=Eviction(eviction)))
+    try:
+        llm = make_llm(folder, args, extra is not None, extra=extra)
+        try:
+            # warm-up (one-time costs): under one block, so nothing is stored
+            one(llm, tokens(BLOCK - 1, 17, args.vocab - len(SPECIALS)), args, extra is not None)
+            for t in trace:
+                ttft, elapsed, _ = one(llm, list(t.prompt), args, extra is not None)
+                (side.ttft_later if t.turn else side.ttft_first).append(ttft)
+                side.wall += elapsed
+            if extra is not None:
+                st = llm.llm_engine.engine_core.engine_core.scheduler.connector \
+                    .scheduler_side.statistics()
+                side.hit_tokens = int(st["connector"]["loaded_tokens"])
+                side.stored_blocks = int(st["counters"]["stored_blocks"])
+        finally:
+            llm.llm_engine.engine_core.shutdown(timeout=30)
+            del llm
+            gc.collect()
+    finally:
+        setattr(runtime, attr, built)
+    return side
+
+
+def run_chat(args: argparse.Namespace) -> dict[str, Any]:
+    """No connector, kvshm unbounded, then kvshm with each order (module docstring)."""
+    from tools.chat_trace import chat_trace, distinct_blocks
+
+    trace = chat_trace(args.conversations, args.turns, BLOCK, 0, think=args.think,
+                       vocab=args.vocab)
+    distinct = distinct_blocks(trace)
+    capacity = max(1, int(distinct * args.cpu_frac))
+    longest = max(len(t.prompt) for t in trace) + args.answer_tokens
+    args.max_model_len = -(-(longest + BLOCK) // BLOCK) * BLOCK
+    sides: list[ChatSide] = []
+    with tempfile.TemporaryDirectory(prefix="bench_vllm_") as tmp:
+        folder = Path(tmp)
+        build_model(folder, args)
+        sides.append(chat_pass(folder, args, trace, "no connector", None, None))
+        sides.append(chat_pass(folder, args, trace, "unbounded", {
+            "num_cpu_blocks": distinct + 4 * args.device_blocks, "mode": args.mode}, "lru"))
+        for ev in args.evictions:
+            sides.append(chat_pass(folder, args, trace, ev, {
+                "num_cpu_blocks": capacity, "mode": args.mode}, ev))
+    return {"sides": sides, "distinct": distinct, "capacity": capacity,
+            "turns": len(trace), "args": vars(args)}
+
+
+def print_chat(res: dict[str, Any]) -> dict[str, Any]:
+    """The table; returns the JSON summary."""
+    sides: list[ChatSide] = res["sides"]
+    base, unb = sides[0], sides[1]
+    a = res["args"]
+    print(f"{res['turns']} turns ({a['conversations']} conversations x {a['turns']}), "
+          f"{res['distinct']} distinct {BLOCK}-token blocks, CPU tier {res['capacity']} "
+          f"blocks, device pool {a['device_blocks']} blocks")
+    print(f"{'pass':<14} {'TTFT 2+ (median)':>17} {'vs none':>8} {'wall s':>7} "
+          f"{'hit tokens':>10} {'hit_fraction':>12}")
+    out: dict[str, Any] = {"hit_fraction": {}, "ttft_ratio": {}}
+    base_t = statistics.median(base.ttft_later)
+    for s in sides:
+        t = statistics.median(s.ttft_later)
+        frac = s.hit_tokens / unb.hit_tokens if unb.hit_tokens else None
+        shown = "" if s is base or frac is None else f"{frac:.3f}"
+        print(f"{s.name:<14} {t * 1e3:>14.0f} ms {base_t / t:>8.2f} {s.wall:>7.1f} "
+              f"{s.hit_tokens:>10} {shown:>12}")
+        if s is not base and s is not unb:
+            out["hit_fraction"][s.name] = None if frac is None else round(frac, 4)
+            out["ttft_ratio"][s.name] = round(base_t / t, 3)
+    by = {s.name: statistics.median(s.ttft_later) for s in sides}
+    if "lru" in by and "depth_aged" in by:
+        out["ttft_vs_lru"] = round(by["lru"] / by["depth_aged"], 3)
+    return out
+
+
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="end with the one-line JSON summary")
-    ap.add_argument("--conversations", type=int, default=16)
-    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--chat", action="store_true",
+                    help="the capacity-bound chat variant (module docstring)")
+    ap.add_argument("--conversations", type=int, default=None, help="16; --chat: 32")
+    ap.add_argument("--turns", type=int, default=None, help="4; --chat: 6")
+    ap.add_argument("--think", type=float, default=32.0, help="--chat: mean think time")
+    ap.add_argument("--cpu-frac", type=float, default=0.5,
+                    help="--chat: CPU tier as a fraction of the distinct blocks")
+    ap.add_argument("--evictions", nargs="+", default=["lru", "depth_aged"],
+                    help="--chat: the CPU tier's orders to run (kvshm.config.Eviction values)")
     ap.add_argument("--first-tokens", type=int, default=1024)
     ap.add_argument("--user-tokens", type=int, default=256)
-    ap.add_argument("--answer-tokens", type=int, default=16)
+    ap.add_argument("--answer-tokens", type=int, default=None, help="16; --chat: 1")
     ap.add_argument("--device-blocks", type=int, default=160)
     ap.add_argument("--ref-device-blocks", type=int, default=1280,
                     help="a third pass without connector whose device pool keeps every "
                     "conversation (vLLM's own prefix cache): kvshm's answers must equal "
                     "its answers token for token; 0 skips it")
-    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--layers", type=int, default=None, help="8; --chat: 4")
     ap.add_argument("--hidden", type=int, default=512)
     ap.add_argument("--kv-heads", type=int, default=4)
     ap.add_argument("--vocab", type=int, default=4096)
@@ -271,9 +398,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mode", default="eager", choices=["eager", "lazy"])
     ap.add_argument("--cpu-gib", type=int, default=2)
     args = ap.parse_args(argv)
+    for key, plain, chat in (("conversations", 16, 32), ("turns", 4, 6),
+                             ("answer_tokens", 16, 1), ("layers", 8, 4)):
+        if getattr(args, key) is None:
+            setattr(args, key, chat if args.chat else plain)
     if importlib.util.find_spec("vllm") is None:
         print("vLLM is not installed (see tools/vllm_install.sh)", file=sys.stderr)
         return 2
+    if args.chat:
+        summary = print_chat(run_chat(args))
+        if args.json:
+            print(json.dumps(summary))
+        return 0
     res = run(args)
     print_table(res)
     if args.json:
