@@ -191,7 +191,7 @@ class ValkeyServer:
                      "--cluster-node-timeout", str(self.node_timeout_ms)]
         return args + list(self.extra_args)
 
-    def start(self, timeout_s: float = 10.0) -> ValkeyServer:
+    def start(self, timeout_s: float = 30.0) -> ValkeyServer:
         """Start (or restart after :meth:`kill` / :meth:`stop`) and wait for PING."""
         if self.running():
             return self

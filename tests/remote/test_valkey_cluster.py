@@ -5,10 +5,10 @@ hangs, no byte is wrong."""
 
 from __future__ import annotations
 
+import random
 import time
 from typing import Any
 
-import numpy as np
 import pytest
 
 from kvshm.remote import KEY_PREFIX, BlockHeader, GetOutcome, RemoteSpec, block_key, ready_key
@@ -21,20 +21,49 @@ TIMEOUT_MS = 300
 N = 48
 
 
+class Rows:
+    """``n`` host rows of ``ROW`` bytes in one buffer (random when ``seed`` is given)."""
+
+    def __init__(self, n: int, seed: int | None = None, row: int = ROW) -> None:
+        self.row = row
+        rnd = random.Random(seed)
+        self.buf = (bytearray(b"".join(rnd.randbytes(row) for _ in range(n)))
+                    if seed is not None else bytearray(n * row))
+        self.views = [memoryview(self.buf)[i * row:(i + 1) * row] for i in range(n)]
+
+    def __getitem__(self, i: int) -> memoryview:
+        return self.views[i]
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Rows) and self.buf == other.buf
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def clear(self) -> None:
+        self.buf[:] = bytes(len(self.buf))
+
+
 def call(server: ValkeyServer, *args: str | bytes) -> Any:
     return parse_reply(command(server.host, server.port, *args))
 
 
 def setup(cluster: ValkeyCluster) -> tuple[ValkeyBlockStore, list[str], list[BlockHeader],
-                                           np.ndarray]:
-    store = ValkeyBlockStore(RemoteSpec.parse(cluster.url, ttl_s=600,
-                                              request_timeout_ms=TIMEOUT_MS),
-                             breaker_backoff_s=0.2, breaker_max_backoff_s=1.0)
+                                           Rows]:
+    """48 blocks put with generous deadlines; a store with short ones to read them."""
     hs = [BlockHeader(fingerprint=FP, block_hash=i.to_bytes(16, "big"), rank=0, world=1,
                       length=ROW) for i in range(N)]
     keys = [block_key(KEY_PREFIX, FP, 0, 1, h.block_hash) for h in hs]
-    src = np.random.default_rng(5).integers(0, 256, (N, ROW), dtype=np.uint8)
-    assert store.put_many(keys, [memoryview(r) for r in src], hs) == [True] * N
+    src = Rows(N, 5)
+    calm = ValkeyBlockStore(RemoteSpec.parse(cluster.url, ttl_s=600,
+                                             request_timeout_ms=5000))
+    try:
+        assert calm.put_many(keys, src.views, hs) == [True] * N
+    finally:
+        calm.close()
+    store = ValkeyBlockStore(RemoteSpec.parse(cluster.url, ttl_s=600,
+                                              request_timeout_ms=TIMEOUT_MS,
+                                              connect_timeout_ms=TIMEOUT_MS),
+                             breaker_backoff_s=0.2, breaker_max_backoff_s=1.0)
     return store, keys, hs, src
 
 
@@ -59,11 +88,12 @@ def test_blocks_and_their_headers_spread_over_all_three_primaries(
         assert len(primaries) == 3
         sizes = [call(p, "DBSIZE") for p in primaries]
         assert sum(sizes) == 2 * N and all(s >= 6 for s in sizes), sizes
-        dst = np.zeros_like(src)
-        out = store.get_many_into(keys, [memoryview(r) for r in dst], hs)
-        assert out == [GetOutcome.HIT] * N and np.array_equal(src, dst)
+        dst = Rows(N)
+        out = store.get_many_into(keys, dst.views, hs)
+        assert out == [GetOutcome.HIT] * N and src == dst
         assert len(store.statistics()["breakers"]) >= 3
-        idx = ValkeyReadyIndex(RemoteSpec.parse(valkey_cluster.url, ttl_s=60))
+        idx = ValkeyReadyIndex(RemoteSpec.parse(valkey_cluster.url, ttl_s=60,
+                                                request_timeout_ms=5000))
         try:
             chain = [ready_key(FP, 1, h.block_hash) for h in hs[:20]]
             idx.publish(chain[:12] + chain[13:])
@@ -97,19 +127,19 @@ def test_a_killed_primary_costs_its_slots_only_until_its_replica_takes_over(
         assert on_victim and others
         victim.kill()
         killed = time.monotonic()
-        dst = np.zeros_like(src)
+        dst = Rows(N)
         worst = 0.0
         rounds = 0
         while True:
-            dst[:] = 0
+            dst.clear()
             t0 = time.monotonic()
-            out = store.get_many_into(keys, [memoryview(r) for r in dst], hs)
+            out = store.get_many_into(keys, dst.views, hs)
             worst = max(worst, time.monotonic() - t0)
             rounds += 1
             for i, o in enumerate(out):
                 assert o is not GetOutcome.BAD
                 if o is GetOutcome.HIT:
-                    assert np.array_equal(dst[i], src[i]), i
+                    assert dst[i] == src[i], i
             assert all(out[i] is GetOutcome.HIT for i in others), (rounds, out)
             if all(o is GetOutcome.HIT for o in out):
                 break
