@@ -164,7 +164,8 @@ class Rig:
         blocks = self.kvm.get_blocks(r.request_id)
         for who in order:
             if who == "kvshm":
-                self.timed(who, self.side.allocated, r, blocks.get_block_ids(), ext)
+                # KvshmConnector.update_state_after_alloc's body, as vLLM calls it
+                self.timed(who, lambda: self.side.allocated(r, blocks.get_block_ids(), ext))
             else:
                 self.timed(who, self.vllm.update_state_after_alloc, r, blocks, ext)
         r.num_computed_tokens = local + ext
