@@ -309,7 +309,11 @@ def test_server_sigkill_mid_get_returns_within_the_deadline(valkey: ValkeyServer
         src, dst = rows(n, 12), Rows(n)
         hs = headers(n, 0, 1)
         keys = keys_of(hs)
-        assert store.put_many(keys, views(src), hs) == [True] * n
+        calm = ValkeyBlockStore(RemoteSpec.parse(valkey.url, ttl_s=600, **CALM))
+        try:
+            assert calm.put_many(keys, views(src), hs) == [True] * n
+        finally:
+            calm.close()
         out: list[GetOutcome] = []
         t = threading.Thread(target=lambda: out.extend(
             store.get_many_into(keys, views(dst), hs)))
