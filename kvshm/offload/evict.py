@@ -110,12 +110,15 @@ class FreeSet:
         return b
 
     def refresh(self, b: Block) -> None:
-        """``b`` (at ref 0, cached) was reused elsewhere: count it as a hit."""
+        """``b`` (at ref 0, cached) was reused elsewhere: count it as a hit (one freed
+        ``evict_first`` leaves the fresh queue for the order's own place, as LRU moves
+        it to the MRU end)."""
         if b.slot == FRESH:
-            return
-        self._unlink(b)
-        if b.freq >= 0:
-            b.freq = min(b.freq + 1, 3)
+            self.fresh.remove(b)
+        else:
+            self._unlink(b)
+            if b.freq >= 0:
+                b.freq = min(b.freq + 1, 3)
         self._place(b)
 
     def __iter__(self) -> Iterator[Block]:
@@ -312,7 +315,9 @@ class S3Fifo(FreeSet):
 
     def refresh(self, b: Block) -> None:
         """A hit leaves the block where it is (S3-FIFO's rule); only its count grows."""
-        if b.slot != FRESH and b.freq >= 0:
+        if b.slot == FRESH:
+            super().refresh(b)
+        elif b.freq >= 0:
             b.freq = min(b.freq + 1, 3)
 
     def _victim(self) -> Block:
