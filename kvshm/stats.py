@@ -108,6 +108,10 @@ class EngineStats:
     #: seconds since the engine opened its rendezvous; pid of the engine's process
     uptime_s: float = 0.0
     pid: int = 0
+    #: the CPU tier's eviction order (``EngineConfig.eviction``'s value); the pool's
+    #: ``evictions``: cached blocks it reused
+    eviction: str = ""
+    evictions: int = 0
 
     @property
     def hit_rate(self) -> float:

@@ -219,3 +219,16 @@ async def test_soak_1000_requests_zero_pins_flat_rss(engine: Spawned) -> None:
     assert st.counters["loaded_blocks"] == 1500
     growth = _rss_bytes() - rss_100
     assert growth < 5 * 2**20, f"RSS grew {growth / 2**20:.1f} MiB over 900 requests"
+
+
+async def test_the_configured_eviction_order_runs_the_cpu_tier() -> None:
+    """EngineConfig(eviction=...) is the order of the engine's CPU pool, and the
+    statistics name it (the default is kvshm.config.DEFAULT_EVICTION)."""
+    from kvshm.config import DEFAULT_EVICTION, Eviction
+
+    async with spawned_engine(eviction=Eviction.LRU) as (eng, _, _):
+        assert eng._core._cpu is not None and eng._core._cpu.eviction is Eviction.LRU
+        st = eng.statistics()
+        assert (st.eviction, st.evictions) == ("lru", 0)
+    async with spawned_engine() as (eng, _, _):
+        assert eng.statistics().eviction == DEFAULT_EVICTION.value
