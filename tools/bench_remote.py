@@ -12,7 +12,9 @@ checksum. (glide_sync's single-key ``get(key, buffer=view)`` is the slower zero-
 path here: 0.8 GB/s against 1.3-1.5 GB/s for the one-key ``MGET`` on one thread, so the
 reference takes the ``MGET``; the tier's get is an ``MGET`` too.)
 The tier adds per block: a header key (its ``SET`` pipelined with the payload's), an
-``MGET`` of header and payload, and the payload's checksum on both sides.
+``MGET`` of header and payload, and the payload's checksum on both sides. A third arm,
+``bare``, is the tier with ``checksum="none"`` in the same alternation: the table shows
+what the checksum costs (the JSON line reports the tier with ``--checksum``).
 
 Each repetition times the tier and the reference, in alternating order, put then get;
 the figures are medians over ``--reps`` repetitions (after one untimed warm-up round: a
@@ -59,6 +61,10 @@ class Rank:
                         for i in range(blocks)]
         self.keys = [block_key(KEY_PREFIX, FP, rank, world, h.block_hash)
                      for h in self.headers]
+        # the same blocks with no checksum in the header: what the checksum costs
+        self.bare_headers = [BlockHeader(fingerprint=FP, block_hash=h.block_hash, rank=rank,
+                                         world=world, length=row, checksum="none")
+                             for h in self.headers]
         self.raw_keys = [f"raw:{rank}:{i}" for i in range(blocks)]
         self.store = ValkeyBlockStore(spec)
         self.threads = spec.threads
@@ -93,17 +99,25 @@ class Rank:
                 c.mget([self.raw_keys[i]], buffers=[self.dst_views[i]])
         list(self.pool.map(chunk, range(self.threads)))
 
-    def tier_put(self) -> None:
-        ok = self.store.put_many(self.keys, self.src_views, self.headers)
+    def tier_put(self, bare: bool = False) -> None:
+        ok = self.store.put_many(self.keys, self.src_views,
+                                 self.bare_headers if bare else self.headers)
         if not all(ok):
             raise SystemExit(f"bench_remote: {ok.count(False)} tier puts failed: "
                              f"{self.store.statistics()}")
 
-    def tier_get(self) -> None:
-        out = self.store.get_many_into(self.keys, self.dst_views, self.headers)
+    def tier_get(self, bare: bool = False) -> None:
+        out = self.store.get_many_into(self.keys, self.dst_views,
+                                       self.bare_headers if bare else self.headers)
         if any(o is not GetOutcome.HIT for o in out):
             raise SystemExit(f"bench_remote: tier gets not all HIT: "
                              f"{self.store.statistics()}")
+
+    def bare_put(self) -> None:
+        self.tier_put(bare=True)
+
+    def bare_get(self) -> None:
+        self.tier_get(bare=True)
 
     def close(self) -> None:
         self.store.close()
@@ -129,31 +143,36 @@ def run(url: str, blocks: int, row: int, world: int, threads: int, reps: int,
                             connect_timeout_ms=2000)
     ranks = [Rank(r, world, blocks, row, spec, checksum) for r in range(world)]
     total = world * blocks * row
-    times: dict[str, list[float]] = {k: [] for k in ("tier_put", "raw_put", "tier_get",
-                                                     "raw_get")}
+    arms = ("tier", "raw", "bare")
+    times: dict[str, list[float]] = {f"{a}_{p}": [] for a in arms for p in ("put", "get")}
     try:
         for op in (Rank.tier_put, Rank.raw_put, Rank.tier_get, Rank.raw_get):  # warm-up
             _both(ranks, op)
         for rep in range(reps):
-            order = ("tier", "raw") if rep % 2 == 0 else ("raw", "tier")
+            order = arms[rep % 3:] + arms[:rep % 3]
+            if rep % 2:
+                order = order[::-1]
             for phase in ("put", "get"):
                 for who in order:
                     op = getattr(Rank, f"{who}_{phase}")
                     times[f"{who}_{phase}"].append(_both(ranks, op))
-            for r in ranks:  # the tier's last get landed last in one order only
+            for r in ranks:  # the tier's last get did not always land last
                 r.dst[:] = bytes(len(r.dst))
             _both(ranks, Rank.tier_get)
             if any(r.dst != r.src for r in ranks):
                 raise SystemExit("bench_remote: the tier's gets are not byte-exact")
         gbps = {k: [total / t / 1e9 for t in v] for k, v in times.items()}
         med = {k: statistics.median(v) for k, v in gbps.items()}
-        log(f"{world} ranks x {blocks} blocks x {row >> 20} MiB = {total / 2**30:.2f} GiB "
+        log(f"{world} ranks x {blocks} blocks x {row / 2**20:g} MiB = {total / 2**30:.2f} GiB "
             f"per direction, {threads} threads per rank, checksum {checksum}, {reps} reps")
         log(f"{'':10} {'put GB/s':>24} {'get GB/s':>24}")
-        for who in ("tier", "raw"):
+        for who in arms:
             p, g = gbps[f"{who}_put"], gbps[f"{who}_get"]
             log(f"{who:10} {med[f'{who}_put']:6.2f} [{min(p):.2f}-{max(p):.2f}]"
                 f"{'':8}{med[f'{who}_get']:6.2f} [{min(g):.2f}-{max(g):.2f}]")
+        log("bare: the tier with checksum none (header still checked); ratios to raw: "
+            f"put {med['bare_put'] / med['raw_put']:.2f}, "
+            f"get {med['bare_get'] / med['raw_get']:.2f}")
         return {"put_ratio": round(med["tier_put"] / med["raw_put"], 3),
                 "get_ratio": round(med["tier_get"] / med["raw_get"], 3),
                 "put_GBps": round(med["tier_put"], 3), "get_GBps": round(med["tier_get"], 3)}

@@ -42,7 +42,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
 
-from kvshm.errors import MissingExtra
+from kvshm.errors import ConfigError, MissingExtra
 from kvshm.remote.breaker import BreakerState, CircuitBreaker
 from kvshm.remote.server import ServerReplyError, command, parse_reply
 from kvshm.remote.tier import HEADER_BYTES, BlockHeader, GetOutcome, RemoteSpec
@@ -291,11 +291,16 @@ class ValkeyBlockStore:
     # ------------------------------------------------------------------ put
 
     def _put_one(self, key: str, view: memoryview, header: BlockHeader) -> bool:
+        try:
+            raw = header.pack(view)  # before the breaker: a caller's error is no outage
+        except (ConfigError, TypeError, ValueError):
+            self._n.add(invalid_calls=1)
+            log.warning("remote put %s: the view does not match its header", key)
+            return False
         breaker = self._guard(key)
         if breaker is None:
             return False
         try:
-            raw = header.pack(view)
             g = self._glide
             batch = (g.ClusterBatch if self.spec.cluster else g.Batch)(is_atomic=False)
             batch.set(key, view, expiry=self._ttl)
@@ -327,6 +332,10 @@ class ValkeyBlockStore:
     # ------------------------------------------------------------------ get
 
     def _get_one(self, key: str, view: memoryview, header: BlockHeader) -> GetOutcome:
+        if view.readonly or not view.c_contiguous:  # a caller's error, not an outage
+            self._n.add(invalid_calls=1, errors=1)
+            log.warning("remote get %s: the view is read-only or not contiguous", key)
+            return GetOutcome.ERROR
         breaker = self._guard(key)
         if breaker is None:
             return GetOutcome.ERROR

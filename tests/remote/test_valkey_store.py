@@ -371,3 +371,23 @@ def test_ready_index_on_a_dead_server_answers_zero_and_never_blocks_the_caller(
         assert idx.statistics()["breaker_state"] == "closed"
     finally:
         idx.close()
+
+
+def test_a_callers_wrong_view_is_refused_without_touching_the_breaker(
+        store: ValkeyBlockStore) -> None:
+    """A put whose view is not its header's length, a get into a read-only view, and
+    mismatched list lengths are the caller's errors: refused (False / ERROR), counted
+    as invalid, and the breaker stays closed however many there are."""
+    hs = headers(1, 0, 1)
+    short = memoryview(bytearray(ROW - 1))
+    for _ in range(5):
+        assert store.put_many(keys_of(hs), [short], hs) == [False]
+        assert store.get_many_into(keys_of(hs), [memoryview(bytes(ROW))], hs) == [
+            GetOutcome.ERROR]
+    assert store.put_many(keys_of(hs), [], hs) == [False]
+    assert store.get_many_into(keys_of(hs), [], hs) == [GetOutcome.ERROR]
+    stats = store.statistics()
+    assert stats["invalid_calls"] == 12
+    assert stats["breaker_opens"] == 0 and stats["breaker_state"] == "closed"
+    src = rows(1, 2)
+    assert store.put_many(keys_of(hs), views(src), hs) == [True]
