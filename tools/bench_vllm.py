@@ -31,10 +31,14 @@ at a time. The CPU tier holds ``--cpu-frac`` (0.5) of the trace's distinct block
 (``num_cpu_blocks``). Passes, one engine at a time: no connector, kvshm with an unbounded
 tier (the denominator of ``hit_fraction``), then kvshm with each ``--evictions`` order
 (default ``lru depth_aged``; the benchmark makes the engine's CPU pool use that order,
-as ``EngineConfig(eviction=...)`` asks). Reported per pass: median TTFT of turns 2+,
-wall time, CPU-hit tokens and ``hit_fraction`` (hit tokens over the unbounded tier's).
-Last line: ``{"hit_fraction": {"<order>": ..}, "ttft_ratio": {"<order>": <no connector /
-that pass>}, "ttft_vs_lru": <lru / depth_aged median TTFT of turns 2+>}``.
+as ``EngineConfig(eviction=...)`` asks), and with ``--simplecpu`` vLLM's own
+``SimpleCPUOffloadConnector`` at the same capacity (its scheduler side unchanged, a
+synchronous CPU copy worker: :mod:`tools.simplecpu_shim`). Reported per pass: median
+TTFT of turns 2+, wall time, CPU-hit tokens and ``hit_fraction`` (hit tokens over the
+unbounded tier's).
+Last line: ``{"hit_fraction": {"<pass>": ..}, "ttft_ratio": {"<pass>": <no connector /
+that pass, median TTFT of turns 2+>}, "ttft_mean_ratio": {..the same of the means},
+"ttft_mean_vs_lru": <lru / depth_aged mean TTFT of turns 2+>}``.
 """
 
 from __future__ import annotations
@@ -99,7 +103,8 @@ def build_model(folder: Path, args: argparse.Namespace) -> None:
 
 
 def make_llm(folder: Path, args: argparse.Namespace, kvshm: bool,
-             device_blocks: int | None = None, extra: dict[str, Any] | None = None) -> Any:
+             device_blocks: int | None = None, extra: dict[str, Any] | None = None,
+             connector: tuple[str, str] = ("KvshmConnector", "kvshm.integrations.vllm")) -> Any:
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -108,7 +113,7 @@ def make_llm(folder: Path, args: argparse.Namespace, kvshm: bool,
     kw: dict[str, Any] = {}
     if kvshm:
         kw["kv_transfer_config"] = KVTransferConfig(
-            kv_connector="KvshmConnector", kv_connector_module_path="kvshm.integrations.vllm",
+            kv_connector=connector[0], kv_connector_module_path=connector[1],
             kv_role="kv_both", kv_load_failure_policy="recompute",
             kv_connector_extra_config=extra or {"cpu_bytes": args.cpu_gib << 30,
                                                 "mode": args.mode})
@@ -280,13 +285,19 @@ class ChatSide:
     stored_blocks: int = 0
 
 
-def chat_pass(folder: Path, args: argparse.Namespace, trace: list[Any], name: str,
-              extra: dict[str, Any] | None, eviction: str | None) -> ChatSide:
-    """Every turn of ``trace`` on one engine (``extra``: kvshm's connector config, None:
-    no connector). ``eviction``: the order the engine's CPU pool is built with (the
-    benchmark wraps the runtime's BlockPool for the pass)."""
-    import functools
+SIMPLE_CPU = ("SimpleCPUShimConnector", "tools.simplecpu_shim")
 
+
+def chat_pass(folder: Path, args: argparse.Namespace, trace: list[Any], name: str,
+              extra: dict[str, Any] | None, eviction: str | None,
+              connector: tuple[str, str] = ("KvshmConnector", "kvshm.integrations.vllm"),
+              ) -> ChatSide:
+    """Every turn of ``trace`` on one engine (``extra``: the connector's config, None:
+    no connector). ``eviction``: the order kvshm's CPU pool is built with (the
+    benchmark wraps the runtime's BlockPool for the pass). Hit tokens: what the
+    connector's ``update_state_after_alloc`` was told to load (both connectors' loads
+    are checked to succeed: kvshm's count of failed loads, the shim copies
+    synchronously)."""
     import kvshm.engine.runtime as runtime
     from kvshm.config import Eviction
 
@@ -294,20 +305,35 @@ def chat_pass(folder: Path, args: argparse.Namespace, trace: list[Any], name: st
     attr = "BlockPool"  # the name runtime.py builds the CPU tier with
     built = getattr(runtime, attr)
     if eviction is not None:
-        setattr(runtime, attr, functools.partial(built, eviction=Eviction(eviction)))
+        order = Eviction(eviction)
+
+        def pool(num_blocks: int, **kw: Any) -> Any:  # this order, whatever the config says
+            return built(num_blocks, **{**kw, "eviction": order})
+
+        setattr(runtime, attr, pool)
     try:
-        llm = make_llm(folder, args, extra is not None, extra=extra)
+        llm = make_llm(folder, args, extra is not None, extra=extra, connector=connector)
         try:
+            accepted = [0]
+            conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
+            if conn is not None:
+                inner = conn.update_state_after_alloc
+
+                def counted(request: Any, blocks: Any, num_external_tokens: int) -> Any:
+                    accepted[0] += num_external_tokens
+                    return inner(request, blocks, num_external_tokens)
+
+                conn.update_state_after_alloc = counted
             # warm-up (one-time costs): under one block, so nothing is stored
             one(llm, tokens(BLOCK - 1, 17, args.vocab - len(SPECIALS)), args, extra is not None)
             for t in trace:
                 ttft, elapsed, _ = one(llm, list(t.prompt), args, extra is not None)
                 (side.ttft_later if t.turn else side.ttft_first).append(ttft)
                 side.wall += elapsed
-            if extra is not None:
-                st = llm.llm_engine.engine_core.engine_core.scheduler.connector \
-                    .scheduler_side.statistics()
-                side.hit_tokens = int(st["connector"]["loaded_tokens"])
+            side.hit_tokens = accepted[0]
+            if extra is not None and connector[0] == "KvshmConnector":
+                st = conn.scheduler_side.statistics()
+                assert int(st["counters"]["loads_failed"]) == 0, st["counters"]
                 side.stored_blocks = int(st["counters"]["stored_blocks"])
         finally:
             llm.llm_engine.engine_core.shutdown(timeout=30)
@@ -338,6 +364,11 @@ def run_chat(args: argparse.Namespace) -> dict[str, Any]:
         for ev in args.evictions:
             sides.append(chat_pass(folder, args, trace, ev, {
                 "num_cpu_blocks": capacity, "mode": args.mode}, ev))
+        if args.simplecpu:
+            kv_bytes = (2 * args.layers * args.kv_heads * 64 * BLOCK
+                        * (2 if args.dtype == "bfloat16" else 4))
+            sides.append(chat_pass(folder, args, trace, "vllm_simplecpu", {
+                "cpu_bytes_to_use": capacity * kv_bytes}, None, connector=SIMPLE_CPU))
     return {"sides": sides, "distinct": distinct, "capacity": capacity,
             "turns": len(trace), "args": vars(args)}
 
@@ -350,22 +381,25 @@ def print_chat(res: dict[str, Any]) -> dict[str, Any]:
     print(f"{res['turns']} turns ({a['conversations']} conversations x {a['turns']}), "
           f"{res['distinct']} distinct {BLOCK}-token blocks, CPU tier {res['capacity']} "
           f"blocks, device pool {a['device_blocks']} blocks")
-    print(f"{'pass':<14} {'TTFT 2+ (median)':>17} {'vs none':>8} {'wall s':>7} "
-          f"{'hit tokens':>10} {'hit_fraction':>12}")
-    out: dict[str, Any] = {"hit_fraction": {}, "ttft_ratio": {}}
+    print(f"{'pass':<14} {'TTFT 2+ median':>15} {'vs none':>8} {'mean':>8} {'vs none':>8} "
+          f"{'wall s':>7} {'hit tokens':>10} {'hit_fraction':>12}")
+    out: dict[str, Any] = {"hit_fraction": {}, "ttft_ratio": {}, "ttft_mean_ratio": {}}
     base_t = statistics.median(base.ttft_later)
+    base_m = statistics.fmean(base.ttft_later)
     for s in sides:
         t = statistics.median(s.ttft_later)
+        mean = statistics.fmean(s.ttft_later)
         frac = s.hit_tokens / unb.hit_tokens if unb.hit_tokens else None
         shown = "" if s is base or frac is None else f"{frac:.3f}"
-        print(f"{s.name:<14} {t * 1e3:>14.0f} ms {base_t / t:>8.2f} {s.wall:>7.1f} "
-              f"{s.hit_tokens:>10} {shown:>12}")
+        print(f"{s.name:<14} {t * 1e3:>12.0f} ms {base_t / t:>8.2f} {mean * 1e3:>5.0f} ms "
+              f"{base_m / mean:>8.2f} {s.wall:>7.1f} {s.hit_tokens:>10} {shown:>12}")
         if s is not base and s is not unb:
             out["hit_fraction"][s.name] = None if frac is None else round(frac, 4)
             out["ttft_ratio"][s.name] = round(base_t / t, 3)
-    by = {s.name: statistics.median(s.ttft_later) for s in sides}
+            out["ttft_mean_ratio"][s.name] = round(base_m / mean, 3)
+    by = {s.name: statistics.fmean(s.ttft_later) for s in sides}
     if "lru" in by and "depth_aged" in by:
-        out["ttft_vs_lru"] = round(by["lru"] / by["depth_aged"], 3)
+        out["ttft_mean_vs_lru"] = round(by["lru"] / by["depth_aged"], 3)
     return out
 
 
@@ -380,6 +414,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--think", type=float, default=32.0, help="--chat: mean think time")
     ap.add_argument("--cpu-frac", type=float, default=0.5,
                     help="--chat: CPU tier as a fraction of the distinct blocks")
+    ap.add_argument("--simplecpu", action="store_true",
+                    help="--chat: also vLLM's SimpleCPUOffloadConnector (its scheduler "
+                    "side unchanged, a synchronous CPU copy worker: tools/simplecpu_shim)")
     ap.add_argument("--evictions", nargs="+", default=["lru", "depth_aged"],
                     help="--chat: the CPU tier's orders to run (kvshm.config.Eviction values)")
     ap.add_argument("--first-tokens", type=int, default=1024)
