@@ -117,13 +117,24 @@ def test_a_killed_primary_costs_its_slots_only_until_its_replica_takes_over(
     """SIGKILL one primary: the keys of the other two stay HIT in every call; the dead
     one's keys are ERROR or MISS (never BAD, never a HIT with wrong bytes); no call takes
     longer than a few request deadlines; within ~5 s of the failover (node timeout 2 s)
-    every key is a HIT again, byte-exact, served by the promoted replica."""
+    every key is a HIT again, byte-exact, served by the promoted replica. The ready index
+    meanwhile answers every query quickly with at most the true prefix (it stops at the
+    first key of the dead shard), and the whole chain again after the failover."""
     store, keys, hs, src = setup(valkey_cluster)
+    idx = ValkeyReadyIndex(RemoteSpec.parse(valkey_cluster.url, ttl_s=600,
+                                            request_timeout_ms=TIMEOUT_MS,
+                                            connect_timeout_ms=TIMEOUT_MS),
+                           breaker_backoff_s=0.2, breaker_max_backoff_s=1.0)
+    chain = [ready_key(FP, 1, h.block_hash) for h in hs]
     try:
+        idx.publish(chain)
+        assert ask(idx, 0, chain) == N
         valkey_cluster.wait_replicated()
         victim = owner(valkey_cluster, keys[0])
         on_victim = [i for i, k in enumerate(keys) if owner(valkey_cluster, k) is victim]
         others = [i for i in range(N) if i not in on_victim]
+        first_ready_lost = next(i for i, k in enumerate(chain)
+                                if owner(valkey_cluster, k) is victim)
         assert on_victim and others
         victim.kill()
         killed = time.monotonic()
@@ -141,7 +152,9 @@ def test_a_killed_primary_costs_its_slots_only_until_its_replica_takes_over(
                 if o is GetOutcome.HIT:
                     assert dst[i] == src[i], i
             assert all(out[i] is GetOutcome.HIT for i in others), (rounds, out)
-            if all(o is GetOutcome.HIT for o in out):
+            prefix = ask(idx, rounds, chain)
+            assert prefix <= first_ready_lost or prefix == N, (prefix, first_ready_lost)
+            if all(o is GetOutcome.HIT for o in out) and prefix == N:
                 break
             assert time.monotonic() - killed < 15, store.statistics()
             time.sleep(0.2)
@@ -156,3 +169,17 @@ def test_a_killed_primary_costs_its_slots_only_until_its_replica_takes_over(
               f"{worst * 1e3:.0f} ms, {stats['errors']} errors")
     finally:
         store.close()
+        idx.close()
+
+
+def ask(idx: ValkeyReadyIndex, token: int, chain: list[str]) -> int:
+    """The index's answer to one query; it must come within a couple of deadlines."""
+    idx.query(token, chain)
+    deadline = time.monotonic() + 3 * TIMEOUT_MS / 1000 + 1.0
+    while True:
+        got = idx.answers()
+        if got:
+            assert [t for t, _ in got] == [token]
+            return got[0][1]
+        assert time.monotonic() < deadline, idx.statistics()
+        time.sleep(0.005)
