@@ -60,4 +60,5 @@ def build_stats(config: EngineConfig, state: str, manager: OffloadManager | None
         pins_held=pins, jobs_in_flight=jobs, stored_bytes=stored, loaded_bytes=loaded,
         quarantined_gpu_blocks=q_gpu, quarantined_cpu_blocks=q_cpu,
         counters=merged, ranks=list(ranks), uptime_s=uptime_s, pid=os.getpid(),
-        eviction=config.eviction.value, evictions=cpu.evictions if cpu is not None else 0)
+        eviction=(cpu.eviction if cpu is not None else config.eviction).value,
+        evictions=cpu.evictions if cpu is not None else 0)

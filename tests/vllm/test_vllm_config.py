@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from kvshm.config import EngineConfig
+from kvshm.config import DEFAULT_EVICTION, EngineConfig, Eviction
 from kvshm.errors import ConfigError
 from kvshm.integrations.vllm.config import (
     ConnectorConfig,
@@ -71,6 +71,9 @@ def test_extra_config_values() -> None:
     assert cfg.cpu_bytes_per_rank == 3_000_000_000 and cfg.num_cpu_blocks == 7
     assert cfg.mode is StoreMode.LAZY and cfg.name == "n.1"
     assert cfg.hang_timeout_s == 2.0 and cfg.test_fail_loads == 1
+    assert cfg.eviction is DEFAULT_EVICTION  # not given: kvshm's default order
+    lru = _parse(_vllm_config({"cpu_bytes": GIB, "eviction": "lru"}))
+    assert lru.eviction is Eviction.LRU
 
 
 @pytest.mark.parametrize(("extra", "match"), [
@@ -91,6 +94,7 @@ def test_extra_config_values() -> None:
     ({"cpu_bytes": GIB, "hang_timeout_s": float("inf")}, "'hang_timeout_s'"),
     ({"cpu_bytes": GIB, "shutdown_timeout_s": float("nan")}, "'shutdown_timeout_s'"),
     ({"cpu_bytes": GIB, "test_fail_loads": -1}, "'test_fail_loads'"),
+    ({"cpu_bytes": GIB, "eviction": "mru"}, r"'eviction'\] must be one of \['depth_aged', 'lru', "),
     ({"cpu_bytes": GIB, "cpu_byte": 1}, r"unknown kv_connector_extra_config keys \['cpu_byte'\]"),
 ])
 def test_bad_extra_config(extra: dict[str, Any], match: str) -> None:

@@ -98,7 +98,7 @@ def test_idle_in_process_engine_answers_stats_and_shuts_down_clean(
     kvshm_log = logging.getLogger("kvshm")
     try:
         with make_llm(CONNECTOR, module=MODULE, cpu_bytes=CPU_BYTES,
-                      stats_path=str(stats_path)) as llm:
+                      stats_path=str(stats_path), eviction="lru") as llm:
             name = _name(llm)
             vllm_handlers = logging.getLogger("vllm").handlers
             assert vllm_handlers and kvshm_log.handlers == vllm_handlers
@@ -117,6 +117,7 @@ def test_idle_in_process_engine_answers_stats_and_shuts_down_clean(
     _assert_answers_fast(times)
     assert data["name"] == name and data["state"] == "ready", data
     assert data["cpu_blocks_cached"] > 0
+    assert data["eviction"] == "lru", data  # kv_connector_extra_config["eviction"]
     assert _service_threads() == []
     _assert_final_stats(stats_path, name)
     closed = [(r.name, r.levelno, r.getMessage()) for r in caplog.records

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Final
 
-from kvshm.config import DEFAULT_HANG_TIMEOUT_S, MAX_TIMEOUT_S
+from kvshm.config import DEFAULT_EVICTION, DEFAULT_HANG_TIMEOUT_S, MAX_TIMEOUT_S, Eviction
 from kvshm.errors import ConfigError
 from kvshm.types import KVGroup, StoreMode
 
@@ -56,7 +56,7 @@ _NAME_MAX: Final = 80
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _KNOWN_KEYS: Final = frozenset({
     "cpu_bytes", "cpu_bytes_per_rank", "num_cpu_blocks", "mode", "name", "stats_path",
-    "hang_timeout_s", "shutdown_timeout_s", "test_fail_loads",
+    "hang_timeout_s", "shutdown_timeout_s", "test_fail_loads", "eviction",
 })
 
 
@@ -96,6 +96,7 @@ class ConnectorConfig:
     hang_timeout_s: float
     shutdown_timeout_s: float
     test_fail_loads: int
+    eviction: Eviction = DEFAULT_EVICTION
 
     @property
     def world_size(self) -> int:
@@ -140,6 +141,17 @@ def _seconds(key: str, value: object, default: float) -> float:
         raise ConfigError(f"kv_connector_extra_config[{key!r}] must be a positive number "
                           f"of seconds (> 0, at most a day), got {value!r}")
     return float(value)
+
+
+def _eviction(value: object) -> Eviction:
+    """``eviction``: the CPU tier's eviction order by name (default: kvshm's default)."""
+    if value is None:
+        return DEFAULT_EVICTION
+    for e in Eviction:
+        if value == e.value:
+            return e
+    raise ConfigError(f"kv_connector_extra_config['eviction'] must be one of "
+                      f"{[e.value for e in Eviction]}, got {value!r}")
 
 
 def _mode(value: object) -> StoreMode:
@@ -268,7 +280,7 @@ def parse_config(vllm_config: Any, infos: Sequence[GroupInfo],
                                 DEFAULT_HANG_TIMEOUT_S),
         shutdown_timeout_s=_seconds("shutdown_timeout_s", extra.get("shutdown_timeout_s"),
                                     5.0),
-        test_fail_loads=fail_loads)
+        test_fail_loads=fail_loads, eviction=_eviction(extra.get("eviction")))
 
 
 def check_budget(cfg: ConnectorConfig, bytes_per_block: int, available_bytes: int) -> None:
