@@ -133,8 +133,10 @@ def no_new_blocks(num_groups: int) -> tuple[tuple[int, ...], ...]:
 
 
 class ScheduledRequest(msgspec.Struct, gc=False):
-    """One request of a step. In a decode step every running request is listed; an
-    unchanged one costs the manager a dict lookup and a few compares.
+    """One request of a step. An engine lists the requests that changed (new or resumed,
+    preempted, new block ids, a block boundary reached); listing an unchanged one is
+    allowed and costs the manager a dict lookup and a few compares; a store the CPU pool
+    deferred is retried by the manager without a listing.
 
     Read-only by contract; the manager never mutates it and keeps no reference past the
     step. An engine adapter builds one per running request per step, so construction
