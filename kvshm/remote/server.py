@@ -189,8 +189,12 @@ class ValkeyServer:
                 "--maxmemory-policy", self.policy, "--dir", str(self.workdir),
                 "--logfile", self.logfile]
         if self.cluster:
+            # a cache: the healthy primaries keep serving their slots while one primary
+            # is down (the default, "yes", refuses every key cluster-wide until the
+            # failover is done)
             args += ["--cluster-enabled", "yes", "--cluster-config-file", "nodes.conf",
-                     "--cluster-node-timeout", str(self.node_timeout_ms)]
+                     "--cluster-node-timeout", str(self.node_timeout_ms),
+                     "--cluster-require-full-coverage", "no"]
         return args + list(self.extra_args)
 
     def start(self, timeout_s: float = 30.0) -> ValkeyServer:

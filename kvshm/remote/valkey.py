@@ -23,9 +23,11 @@ backoff.
 ``CLUSTER SLOTS``) has a :class:`~kvshm.remote.breaker.CircuitBreaker`: consecutive
 timeouts or connection errors open it, and while it is open the keys of that shard are
 ERROR at once, without a request; a probe after the backoff closes it when the server
-answers. When a breaker opens the thread clients are re-created (and in a cluster the
-slot map is read again, so the slots of a failed-over primary go to the replica that
-took them over). No call raises; every outcome is counted.
+answers. When a standalone server's breaker opens the thread clients are re-created
+(connected anew once it is back); when a cluster primary's opens, the slot map is read
+again, so the slots of a failed-over primary go to the replica that took them over
+(the clients stay: glide's cluster client follows the failover, and new clients would
+cost the healthy primaries a reconnection). No call raises; every outcome is counted.
 
 :class:`ValkeyReadyIndex` is the scheduler side: one background thread with its own
 client drains queued publishes and queries into one pipelined batch per round (``SET
@@ -274,9 +276,11 @@ class ValkeyBlockStore:
         before = breaker.opens
         breaker.failure()
         self._n.add(errors=1, timeouts=int(isinstance(exc, self._glide.TimeoutError)))
-        if breaker.opens != before:  # it just opened: new clients, a fresh slot map
-            self._gen += 1
-            self._shards.refresh(force=True)
+        if breaker.opens != before:
+            if self.spec.cluster:  # a fresh slot map; glide's cluster client follows the
+                self._shards.refresh(force=True)  # failover itself, the others' too
+            else:  # the one server: new clients (connected anew once it is back)
+                self._gen += 1
 
     def _guard(self, key: str) -> CircuitBreaker | None:
         """The key's breaker if it allows a request now; None (counted) otherwise."""

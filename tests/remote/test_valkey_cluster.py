@@ -151,7 +151,10 @@ def test_a_killed_primary_costs_its_slots_only_until_its_replica_takes_over(
                 assert o is not GetOutcome.BAD
                 if o is GetOutcome.HIT:
                     assert dst[i] == src[i], i
-            assert all(out[i] is GetOutcome.HIT for i in others), (rounds, out)
+            assert all(out[i] is GetOutcome.HIT for i in others), (
+                rounds, time.monotonic() - killed, [(i, out[i].value) for i in others
+                                                    if out[i] is not GetOutcome.HIT],
+                store.statistics())
             prefix = ask(idx, rounds, chain)
             assert prefix <= first_ready_lost or prefix == N, (prefix, first_ready_lost)
             if all(o is GetOutcome.HIT for o in out) and prefix == N:
