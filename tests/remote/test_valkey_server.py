@@ -75,8 +75,13 @@ def test_kvshm_valkey_prints_its_url_serves_and_stops_cleanly(sig: signal.Signal
 
 def test_a_taken_port_is_a_clear_error() -> None:
     with ValkeyServer() as first:
-        with pytest.raises(ServerStartError, match="exited with 1"):
-            ValkeyServer(first.port).start()
+        second = ValkeyServer(first.port)
+        try:
+            with pytest.raises(ServerStartError, match="exited with 1"):
+                second.start()
+        finally:
+            second.close()
+        assert not second.workdir.exists()
         out = subprocess.run([sys.executable, "-m", "kvshm.cli", "valkey", "--port",
                               str(first.port)], capture_output=True, text=True, timeout=60)
         assert out.returncode == 1 and "kvshm valkey:" in out.stderr and not out.stdout
