@@ -24,6 +24,7 @@ each outcome, and the scheduler treats the whole job as failed.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import queue
 import threading
@@ -31,7 +32,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any, Final
 
-import numpy as np
+import torch
 
 from kvshm.ipc.protocol import Done, Remote, RemoteOp, RemoteSetup, ids_array
 from kvshm.remote.tier import KEY_PREFIX, BlockHeader, BlockStore, GetOutcome, block_key
@@ -52,9 +53,9 @@ class RemoteMover:
         self._fingerprint = setup.fingerprint
         self._host = host
         self._store = store
-        self._rows = [r.numpy() for r in host.regions]  # [num_cpu_blocks, bytes] each
+        self._rows: list[torch.Tensor] = list(host.regions)  # [num_cpu_blocks, bytes] each
         self._bpb = host.bytes_per_block
-        self._staging: np.ndarray[Any, Any] | None = None
+        self._staging: torch.Tensor | None = None  # [BATCH, bytes_per_block], several regions
         self._jobs: queue.SimpleQueue[Remote | None] = queue.SimpleQueue()
         self._done: list[Done] = []
         self._lock = threading.Lock()
@@ -186,17 +187,17 @@ class RemoteMover:
     def _views(self, ids: Sequence[int]) -> list[memoryview]:
         """One value view per block: the row itself (one region) or a staging slot."""
         if len(self._rows) == 1:
-            return [memoryview(self._rows[0][i]) for i in ids]
+            return [_view(self._rows[0][i]) for i in ids]
         if self._staging is None:
-            self._staging = np.empty((BATCH, self._bpb), dtype=np.uint8)
-        return [memoryview(self._staging[k]) for k in range(len(ids))]
+            self._staging = torch.empty((BATCH, self._bpb), dtype=torch.uint8)
+        return [_view(self._staging[k]) for k in range(len(ids))]
 
     def _put(self, ids: list[int], hashes: list[bytes], tally: Counter[str]) -> None:
         views = self._views(ids)
         if len(self._rows) > 1:
             assert self._staging is not None
             for k, i in enumerate(ids):
-                np.concatenate([r[i] for r in self._rows], out=self._staging[k])
+                torch.cat([r[i] for r in self._rows], out=self._staging[k])
         ok = self._store.put_many(self._keys(hashes), views, self._headers(hashes))
         tally["stored"] += sum(ok)
         tally["not_stored"] += len(ok) - sum(ok)
@@ -211,5 +212,14 @@ class RemoteMover:
                 if got[k] is GetOutcome.HIT:
                     at = 0
                     for r in self._rows:
-                        r[i] = self._staging[k, at:at + r.shape[1]]
+                        r[i].copy_(self._staging[k, at:at + r.shape[1]])
                         at += r.shape[1]
+
+
+def _view(row: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous uint8 row, without numpy (torch's CPU build
+    does not require it). The caller keeps ``row``'s storage alive while the view is used
+    (the mover holds the host pool's region tensors and its staging buffer)."""
+    assert row.dtype is torch.uint8 and row.is_contiguous()
+    buf = (ctypes.c_char * row.numel()).from_address(row.data_ptr())
+    return memoryview(buf).cast("B")
