@@ -287,10 +287,13 @@ class _Launch:
 class SyncClient(Facade):
     """Synchronous engine for a serving engine whose scheduler is synchronous (vLLM).
 
-    Workers ATTACH (embedded or standalone). Every guarded call first services the
-    rendezvous and drains the done rings without waiting, applying completions on the
-    caller's thread. Until every rank has connected, ``lookup`` returns 0 and ``step``
-    plans nothing. A context manager: ``with SyncClient(...) as client`` closes on exit.
+    Workers ATTACH (embedded or standalone). ``step``, ``poll``, ``reset`` and
+    ``has_pending_work`` first service the rendezvous and drain the done rings without
+    waiting, applying completions on the caller's thread; the per-request calls
+    (``lookup``, ``allocated``, ``finished``) act on what the last of those left (see
+    :mod:`kvshm.engine.facade`). Until every rank has connected, ``lookup`` returns 0
+    and ``step`` plans nothing. A context manager: ``with SyncClient(...) as client``
+    closes on exit.
     """
 
     _kind = "client"

@@ -361,8 +361,8 @@ class TestSchedulerSideLoadFailure:
         def lose_worker_then_allocate(request: Any, block_ids: Any, n_ext: int) -> None:
             if n_ext:
                 assert worker_side._worker is not None
-                worker_side._worker.close()  # the scheduler sees the lifeline close ...
-                sched.client.poll()  # ... at its next call: FAILED, the pin is void
+                worker_side._worker.close()  # the scheduler sees Goodbye + EOF ...
+                sched.client.poll()  # ... at its next call: STOPPED, the pin is void
             allocated(request, block_ids, n_ext)
 
         monkeypatch.setattr(sched, "allocated", lose_worker_then_allocate)
@@ -372,7 +372,7 @@ class TestSchedulerSideLoadFailure:
         wstats = worker_side.statistics()["connector"]
         assert wstats["scheduler_failed_loads"] == 1 and wstats["error_blocks"] == 3
         stats = eng.stats()
-        assert stats["state"] == "failed" and stats["connector"]["loads_failed"] == 1
+        assert stats["state"] == "stopped" and stats["connector"]["loads_failed"] == 1
         assert stats["pins_held"] == 0
 
 
