@@ -291,10 +291,7 @@ class Slru(FreeSet):
         return list(self.seg)
 
     def _check_queue(self, q: FreeBlockQueue, blocks: list[Block]) -> None:
-        want = self.seg.index(q)
-        for b in blocks:
-            if b.slot != want:
-                raise AssertionError(f"{b!r} in segment {want} says {b.slot}")
+        _check_slots(self.seg.index(q), blocks, "segment")
 
 
 class S3Fifo(FreeSet):
@@ -358,10 +355,7 @@ class S3Fifo(FreeSet):
         return list(self.q)
 
     def _check_queue(self, q: FreeBlockQueue, blocks: list[Block]) -> None:
-        want = self.q.index(q)
-        for b in blocks:
-            if b.slot != want:
-                raise AssertionError(f"{b!r} in queue {want} says {b.slot}")
+        _check_slots(self.q.index(q), blocks, "queue")
 
 
 def make_free_set(eviction: Eviction, blocks: Iterable[Block],
@@ -386,3 +380,10 @@ def make_free_set(eviction: Eviction, blocks: Iterable[Block],
         fs.fresh.append(b)
     fs._len = len(fs.fresh)
     return fs
+
+
+def _check_slots(want: int, blocks: list[Block], what: str) -> None:
+    """Invariant check (tests): every block of queue ``want`` says it is in ``want``."""
+    for b in blocks:
+        if b.slot != want:
+            raise AssertionError(f"{b!r} in {what} {want} says {b.slot}")

@@ -226,6 +226,12 @@ class _Shards:
             return {k: b.state.value for k, b in self.breakers.items()}
 
 
+def _expiry(glide: Any, spec: RemoteSpec) -> Any:
+    """The ``SET ... EX ttl_s`` option of ``spec`` (None: no TTL)."""
+    return glide.ExpirySet(glide.ExpiryType.SEC, spec.ttl_s) if spec.ttl_s is not None \
+        else None
+
+
 class ValkeyBlockStore:
     """The worker side on Valkey (see the module). ``breaker_*``: consecutive failures
     that open a shard's breaker, and its first and longest backoff."""
@@ -234,8 +240,7 @@ class ValkeyBlockStore:
                  breaker_backoff_s: float = 0.25, breaker_max_backoff_s: float = 5.0) -> None:
         self.spec = spec
         self._glide = _glide()
-        self._ttl = (self._glide.ExpirySet(self._glide.ExpiryType.SEC, spec.ttl_s)
-                     if spec.ttl_s is not None else None)
+        self._ttl = _expiry(self._glide, spec)
         self._shards = _Shards(spec, lambda: CircuitBreaker(
             breaker_threshold, breaker_backoff_s, breaker_max_backoff_s))
         self._pool = ThreadPoolExecutor(spec.threads, thread_name_prefix="kvshm-remote")
@@ -437,8 +442,7 @@ class ValkeyReadyIndex:
                  breaker_backoff_s: float = 0.25, breaker_max_backoff_s: float = 5.0) -> None:
         self.spec = spec
         self._glide = _glide()
-        self._ttl = (self._glide.ExpirySet(self._glide.ExpiryType.SEC, spec.ttl_s)
-                     if spec.ttl_s is not None else None)
+        self._ttl = _expiry(self._glide, spec)
         self.breaker = CircuitBreaker(breaker_threshold, breaker_backoff_s,
                                       breaker_max_backoff_s)
         self._q: queue.SimpleQueue[tuple[str, int, Sequence[str]] | None] = \

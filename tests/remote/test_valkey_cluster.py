@@ -5,11 +5,11 @@ hangs, no byte is wrong."""
 
 from __future__ import annotations
 
-import random
 import time
 from typing import Any
 
 import pytest
+from remote_rig import Rows as RowsT
 
 from kvshm.remote import KEY_PREFIX, BlockHeader, GetOutcome, RemoteSpec, block_key, ready_key
 from kvshm.remote.server import ValkeyCluster, ValkeyServer, command, parse_reply
@@ -21,26 +21,9 @@ TIMEOUT_MS = 300
 N = 48
 
 
-class Rows:
-    """``n`` host rows of ``ROW`` bytes in one buffer (random when ``seed`` is given)."""
-
-    def __init__(self, n: int, seed: int | None = None, row: int = ROW) -> None:
-        self.row = row
-        rnd = random.Random(seed)
-        self.buf = (bytearray(b"".join(rnd.randbytes(row) for _ in range(n)))
-                    if seed is not None else bytearray(n * row))
-        self.views = [memoryview(self.buf)[i * row:(i + 1) * row] for i in range(n)]
-
-    def __getitem__(self, i: int) -> memoryview:
-        return self.views[i]
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Rows) and self.buf == other.buf
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def clear(self) -> None:
-        self.buf[:] = bytes(len(self.buf))
+def Rows(n: int, seed: int | None = None) -> RowsT:
+    """``n`` rows of this module's ``ROW`` bytes (``remote_rig.Rows``)."""
+    return RowsT(n, seed, row=ROW)
 
 
 def call(server: ValkeyServer, *args: str | bytes) -> Any:
@@ -48,7 +31,7 @@ def call(server: ValkeyServer, *args: str | bytes) -> Any:
 
 
 def setup(cluster: ValkeyCluster) -> tuple[ValkeyBlockStore, list[str], list[BlockHeader],
-                                           Rows]:
+                                           RowsT]:
     """48 blocks put with generous deadlines; a store with short ones to read them."""
     hs = [BlockHeader(fingerprint=FP, block_hash=i.to_bytes(16, "big"), rank=0, world=1,
                       length=ROW) for i in range(N)]

@@ -5,13 +5,13 @@ one deadline, opens the breaker, and is used again once it is back."""
 
 from __future__ import annotations
 
-import random
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import pytest
+from remote_rig import Rows as RowsT
 
 from kvshm.remote import KEY_PREFIX, BlockHeader, GetOutcome, RemoteSpec, block_key, ready_key
 from kvshm.remote.server import ValkeyServer, command, parse_reply
@@ -43,33 +43,16 @@ def keys_of(hs: list[BlockHeader]) -> list[str]:
     return [block_key(KEY_PREFIX, h.fingerprint, h.rank, h.world, h.block_hash) for h in hs]
 
 
-class Rows:
-    """``n`` host rows of ``ROW`` bytes in one buffer (random when ``seed`` is given)."""
-
-    def __init__(self, n: int, seed: int | None = None, row: int = ROW) -> None:
-        self.row = row
-        rnd = random.Random(seed)
-        self.buf = (bytearray(b"".join(rnd.randbytes(row) for _ in range(n)))
-                    if seed is not None else bytearray(n * row))
-        self.views = [memoryview(self.buf)[i * row:(i + 1) * row] for i in range(n)]
-
-    def __getitem__(self, i: int) -> memoryview:
-        return self.views[i]
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Rows) and self.buf == other.buf
-
-    __hash__ = None  # type: ignore[assignment]
-
-    def clear(self) -> None:
-        self.buf[:] = bytes(len(self.buf))
+def Rows(n: int, seed: int | None = None) -> RowsT:
+    """``n`` rows of this module's ``ROW`` bytes (``remote_rig.Rows``)."""
+    return RowsT(n, seed, row=ROW)
 
 
-def rows(n: int, seed: int) -> Rows:
+def rows(n: int, seed: int) -> RowsT:
     return Rows(n, seed)
 
 
-def views(a: Rows) -> list[memoryview]:
+def views(a: RowsT) -> list[memoryview]:
     return a.views
 
 
