@@ -98,13 +98,18 @@ class FreeSet:
 
     def remove(self, b: Block) -> None:
         """``b`` is pinned again (a hit): it leaves the set."""
+        self._take_as_hit(b)
+        self._len -= 1
+
+    def _take_as_hit(self, b: Block) -> None:
+        """Unlink ``b`` from its queue; one the order had placed counts a hit (freq,
+        capped at 3)."""
         if b.slot == FRESH:
             self.fresh.remove(b)
         else:
             self._unlink(b)
             if b.freq >= 0:
                 b.freq = min(b.freq + 1, 3)
-        self._len -= 1
 
     def popleft(self) -> Block:
         """The next victim (fresh blocks first); StateError when empty."""
@@ -123,12 +128,7 @@ class FreeSet:
         """``b`` (at ref 0, cached) was reused elsewhere: count it as a hit (one freed
         ``evict_first`` leaves the fresh queue for the order's own place, as LRU moves
         it to the MRU end)."""
-        if b.slot == FRESH:
-            self.fresh.remove(b)
-        else:
-            self._unlink(b)
-            if b.freq >= 0:
-                b.freq = min(b.freq + 1, 3)
+        self._take_as_hit(b)
         self._place(b)
 
     def __iter__(self) -> Iterator[Block]:
