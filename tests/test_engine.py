@@ -226,9 +226,8 @@ async def test_the_configured_eviction_order_runs_the_cpu_tier() -> None:
     statistics name it (the default is kvshm.config.DEFAULT_EVICTION)."""
     from kvshm.config import DEFAULT_EVICTION, Eviction
 
+    assert config().eviction is DEFAULT_EVICTION is not Eviction.LRU
     async with spawned_engine(eviction=Eviction.LRU) as (eng, _, _):
         assert eng._core._cpu is not None and eng._core._cpu.eviction is Eviction.LRU
         st = eng.statistics()
         assert (st.eviction, st.evictions) == ("lru", 0)
-    async with spawned_engine() as (eng, _, _):
-        assert eng.statistics().eviction == DEFAULT_EVICTION.value

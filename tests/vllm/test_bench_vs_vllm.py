@@ -7,10 +7,6 @@ named). No timing is asserted."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -19,7 +15,6 @@ pytest.importorskip("vllm.v1.simple_kv_offload.manager")
 
 pytestmark = pytest.mark.vllm
 
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _check(lines: list[str]) -> None:
@@ -44,17 +39,6 @@ def test_quick_run_in_process(capsys: pytest.CaptureFixture[str]) -> None:
 
     assert bench_vs_vllm.main(["--quick", "--json", "--steps", "3", "--warmup", "1"]) == 0
     _check(capsys.readouterr().out.strip().splitlines())
-
-
-@pytest.mark.slow
-def test_quick_run_as_a_command() -> None:
-    """The command itself (a fresh interpreter: importing vLLM takes 10-30 s here)."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([sys.executable, "-m", "tools.bench_vs_vllm", "--quick", "--json"],
-                         cwd=ROOT, env=env, capture_output=True, text=True, timeout=600,
-                         check=False)
-    assert out.returncode == 0, out.stderr[-3000:]
-    _check(out.stdout.strip().splitlines())
 
 
 def test_different_work_is_refused(monkeypatch: pytest.MonkeyPatch,
