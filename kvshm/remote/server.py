@@ -443,6 +443,12 @@ class ValkeyCluster:
                 time.sleep(0.05)
 
     def close(self) -> None:
+        """Stop every node by pid: SIGTERM to all first (they shut down in parallel),
+        then each is waited for (and SIGKILLed past its grace) and its directory removed."""
+        for n in self.nodes:
+            if n.pid is not None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(n.pid, signal.SIGTERM)
         for n in self.nodes:
             n.close()
 
