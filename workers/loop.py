@@ -107,7 +107,7 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
         device = _device(args.device)
     except UsageError as exc:
         parser.print_usage(sys.stderr)
-        print(f"{PROG}: error: {exc}", file=sys.stderr)
+        _line(f"{PROG}: error: {exc}")
         return 2
     if args.rank is None:
         return run_parent(args.name, world, connect_timeout=args.connect_timeout,
@@ -187,7 +187,7 @@ def _parent_exit_code(codes: list[int]) -> int:
     for rank, code in enumerate(codes):
         if code != 0:
             how = f"signal {-code}" if code < 0 else f"code {code}"
-            print(f"{PROG}: rank {rank} exited with {how}", file=sys.stderr)
+            _line(f"{PROG}: rank {rank} exited with {how}")
     bad = [c for c in codes if c != 0]
     if not bad:
         return 0
@@ -242,7 +242,7 @@ def run_rank(name: str, rank: int, world: int, *, connect_timeout: float,
         worker = Worker.attach(name, rank, world, None, spin_us=spin_us, device=device)
         return _serve(worker, stopper, connect_timeout)
     except (KvshmError, TimeoutError) as exc:
-        print(f"{PROG}[rank {rank}]: error: {exc}", file=sys.stderr)
+        _line(f"{PROG}[rank {rank}]: error: {exc}")
         return 1
     finally:
         if worker is not None:
@@ -252,7 +252,15 @@ def run_rank(name: str, rank: int, world: int, *, connect_timeout: float,
 
 def _say(worker: Worker, text: str) -> None:
     """One progress line on stderr: ``kvshm-workers[rank R]: text``."""
-    print(f"{PROG}[rank {worker.rank}]: {text}", file=sys.stderr, flush=True)
+    _line(f"{PROG}[rank {worker.rank}]: {text}")
+
+
+def _line(text: str) -> None:
+    """One line on stderr in one write: the ranks of one parent share its stderr, and
+    ``print`` writes the text and its newline separately, so two ranks' lines could
+    interleave (seen in CI: "...closed)kvshm-workers[rank 0]: ...")."""
+    sys.stderr.write(text + "\n")
+    sys.stderr.flush()
 
 
 #: Detach reasons of a rank that never got a usable Ready.
