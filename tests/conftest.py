@@ -53,3 +53,19 @@ def no_shm_leak() -> Iterator[None]:
     yield
     leaked = _kvshm_segments() - before
     assert not leaked, f"test left kvshm segments in /dev/shm: {sorted(leaked)}"
+
+
+@pytest.fixture(autouse=True, scope="session")
+def vllm_ipc_sockets_in_a_temp_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """vLLM names its ZMQ ``ipc://`` sockets ``$VLLM_RPC_BASE_PATH/<uuid>`` (default: the
+    system temp dir) and leaves the socket files behind: hundreds per CI run. Point it at
+    a directory of this session (inherited by the engines and examples the tests start),
+    removed with pytest's other temp dirs."""
+    path = tmp_path_factory.mktemp("vllm-rpc")
+    old = os.environ.get("VLLM_RPC_BASE_PATH")
+    os.environ["VLLM_RPC_BASE_PATH"] = str(path)
+    yield
+    if old is None:
+        os.environ.pop("VLLM_RPC_BASE_PATH", None)
+    else:
+        os.environ["VLLM_RPC_BASE_PATH"] = old
