@@ -17,6 +17,7 @@ import kvshm
 from kvshm.engine import SPAWN, Engine
 from kvshm.errors import ConfigError
 from kvshm.offload.pool import BlockPool
+from kvshm.shm import shared_tensor
 
 
 def _children() -> set[int]:
@@ -141,3 +142,15 @@ async def test_an_engine_without_a_size_gets_one_gib_per_rank() -> None:
                              device_caches=[[shards(1)[0]]]) as eng:
         stats = eng.statistics()
     assert stats.num_cpu_blocks == DEFAULT_CPU_BYTES_PER_RANK // ROW == 1 << 20
+
+
+def test_device_cache_specs_are_all_or_nothing_on_fds() -> None:
+    """A bad tensor after a good one: ConfigError, and the fd duplicated for the good one
+    is closed again (provision's error path holds no fd of this list)."""
+    from kvshm.engine.provision import _tensor_specs
+
+    good = shared_tensor((8, 64), torch.uint8)
+    fds_before = len(os.listdir("/proc/self/fd"))
+    with pytest.raises(ConfigError, match="not views"):
+        _tensor_specs([good, good[1:]])
+    assert len(os.listdir("/proc/self/fd")) == fds_before

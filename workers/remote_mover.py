@@ -76,7 +76,11 @@ class RemoteMover:
         self._jobs.put(job)
 
     def poll(self) -> list[Done]:
-        """The Dones of the jobs finished since the last call, in finishing order."""
+        """The Dones of the jobs finished since the last call, in finishing order. Called
+        on every pump: with nothing finished it returns without a syscall (a Done added
+        after this read leaves the eventfd readable, so the next wait wakes for it)."""
+        if not self._done:
+            return []
         try:
             os.eventfd_read(self._efd)
         except BlockingIOError:

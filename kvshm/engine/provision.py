@@ -279,19 +279,26 @@ def check_caches(caches: Sequence[Sequence[torch.Tensor]], world_size: int,
 
 
 def _tensor_specs(tensors: Sequence[torch.Tensor]) -> tuple[tuple[TensorSpec, ...], list[int]]:
-    """One TensorSpec per tensor, and an fd per CPU one (CUDA ones carry an IPC handle)."""
-    specs, fds = [], []
-    for t in tensors:
-        if t.device.type == DeviceKind.CUDA.value:
-            specs.append(TensorSpec(tuple(int(s) for s in t.shape), dtype_name(t.dtype),
-                                    export_tensor(t)))
-            continue
-        seg = segment_of(t)
-        if t.storage_offset() != 0 or not t.is_contiguous():
-            raise ConfigError("device caches for standalone workers must be whole contiguous "
-                              "tensors made by kvshm.shm.shared_tensor, not views")
-        specs.append(TensorSpec(tuple(int(s) for s in t.shape), dtype_name(t.dtype)))
-        fds.append(os.dup(seg.fd))
+    """One TensorSpec per tensor, and an fd per CPU one (CUDA ones carry an IPC handle).
+    All or nothing: on an error the duplicates made so far are closed."""
+    specs: list[TensorSpec] = []
+    fds: list[int] = []
+    try:
+        for t in tensors:
+            shape, dtype = tuple(int(s) for s in t.shape), dtype_name(t.dtype)
+            if t.device.type == DeviceKind.CUDA.value:
+                specs.append(TensorSpec(shape, dtype, export_tensor(t)))
+                continue
+            seg = segment_of(t)
+            if t.storage_offset() != 0 or not t.is_contiguous():
+                raise ConfigError("device caches for standalone workers must be whole "
+                                  "contiguous tensors made by kvshm.shm.shared_tensor, not views")
+            specs.append(TensorSpec(shape, dtype))
+            fds.append(os.dup(seg.fd))
+    except BaseException:
+        for fd in fds:
+            os.close(fd)
+        raise
     return tuple(specs), fds
 
 
