@@ -25,6 +25,7 @@ from enum import Enum
 from typing import Final
 
 from kvshm.errors import ConfigError
+from kvshm.remote.tier import RemoteSpec
 from kvshm.types import KVGroup, StoreMode
 
 _NAME_RE = re.compile(r"^[A-Za-z0-9._-]{1,80}$")
@@ -41,6 +42,19 @@ TIMEOUT_FIELDS: Final = ("hang_timeout_s", "connect_timeout_s", "shutdown_grace_
 #: Longest timeout accepted: a day. Larger values behave like infinity (and overflow
 #: the millisecond conversions of poll()).
 MAX_TIMEOUT_S: Final = 86400.0
+
+
+class RemoteMode(Enum):
+    """When a CPU-tier block is written to the remote tier (``EngineConfig.remote_mode``).
+
+    * ``WRITE_THROUGH`` (default): as soon as its store completed on every rank, so
+      another engine can hit it at once.
+    * ``ON_EVICT``: only when it nears eviction from the CPU tier (it is among the
+      cached blocks the tier would reuse next): less remote traffic, later sharing.
+    """
+
+    WRITE_THROUGH = "write_through"
+    ON_EVICT = "on_evict"
 
 
 class Eviction(Enum):
@@ -126,6 +140,13 @@ class EngineConfig:
       finite number > 0 (ConfigError otherwise, naming the field and the value).
     * ``eviction``: the CPU tier's eviction order (:class:`Eviction`; default
       :data:`DEFAULT_EVICTION`), for the pool the runtime builds.
+    * ``remote_url``: a remote tier shared with other engines
+      (``valkey://host:port`` or ``valkey+cluster://h1:p1,h2:p2``, knobs such as
+      ``?ttl_s=600`` in the query: :class:`kvshm.remote.tier.RemoteSpec`); None: none.
+      Checked here (ConfigError naming what is wrong). ``remote_mode``: when blocks are
+      written there (:class:`RemoteMode`). ``model_id``: the model and dtype as the
+      embedding engine names them; part of the layout fingerprint that keeps two
+      deployments from reading each other's blocks (:mod:`kvshm.remote.fingerprint`).
     """
 
     block_size: int
@@ -141,6 +162,9 @@ class EngineConfig:
     shutdown_grace_s: float = 2.0
     ring_capacity: int | None = None
     eviction: Eviction = DEFAULT_EVICTION
+    remote_url: str | None = None
+    remote_mode: RemoteMode = RemoteMode.WRITE_THROUGH
+    model_id: str = ""
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
@@ -160,6 +184,20 @@ class EngineConfig:
             raise ConfigError(f"eviction must be an Eviction, got {self.eviction!r}")
         for label in TIMEOUT_FIELDS:
             _timeout(label, getattr(self, label))
+        self._check_remote()
+
+    def _check_remote(self) -> None:
+        if not isinstance(self.remote_mode, RemoteMode):
+            raise ConfigError(f"remote_mode must be a RemoteMode, got {self.remote_mode!r}")
+        if not isinstance(self.model_id, str) or len(self.model_id) > 400:
+            raise ConfigError(f"model_id must be a str of at most 400 characters, "
+                              f"got {self.model_id!r}")
+        if self.remote_url is None:
+            return
+        RemoteSpec.parse(self.remote_url)
+        if any(g.window_tokens is not None for g in self.groups):
+            raise ConfigError("remote_url: the remote tier supports full-attention KV "
+                              "groups only (sliding-window groups are stored partially)")
 
     @property
     def world_size(self) -> int:

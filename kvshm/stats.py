@@ -112,6 +112,10 @@ class EngineStats:
     #: ``evictions``: cached blocks it reused
     eviction: str = ""
     evictions: int = 0
+    #: the remote tier ({} without one): its URL and mode, the scheduler's counters
+    #: (queries, hits, GET / PUT jobs and blocks, failures), hit and put bytes, and the
+    #: readiness index's counters and breaker state (``index_*``)
+    remote: dict[str, Any] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:

@@ -1,6 +1,6 @@
 """Plain data exchanged between a serving engine and kvshm's scheduler side.
 
-A leaf module: it imports only :mod:`kvshm.ipc.protocol` (for ``Transfer``),
+A leaf module: it imports only :mod:`kvshm.ipc.protocol` (for ``Transfer`` and ``Remote``),
 :mod:`kvshm.hashing` (for ``BlockHash``) and :mod:`kvshm.errors`, all leaves.
 Nothing here has behaviour beyond small constructors and validation of its own fields.
 
@@ -24,7 +24,7 @@ import msgspec
 
 from kvshm.errors import ConfigError
 from kvshm.hashing import BlockHash
-from kvshm.ipc.protocol import Transfer
+from kvshm.ipc.protocol import Remote, Transfer
 
 __all__ = [
     "BlockHash", "DeviceKind", "GpuBlocks", "GroupKind", "KVGroup", "LoadFailure", "LoadResult",
@@ -218,7 +218,7 @@ class StepPlan:
     queue. ``load_jobs``: every load job not yet acked by
     every rank -> its request ids. ``failed_loads``: loads that failed on the scheduler
     side and never reached a worker -> destination GPU ids (their ``LoadResult`` is queued
-    too).
+    too). ``remote``: remote-tier jobs (PUT / GET) to post to every rank.
     """
 
     step: int
@@ -227,3 +227,4 @@ class StepPlan:
     flush: tuple[int, ...] = ()
     load_jobs: Mapping[int, tuple[str, ...]] = field(default_factory=lambda: _NO_JOBS)
     failed_loads: Mapping[str, tuple[int, ...]] = field(default_factory=lambda: _NO_FAILED)
+    remote: tuple[Remote, ...] = ()

@@ -11,6 +11,7 @@ batches of ``Done`` that come back to :meth:`OffloadManager.on_done
   that job only (counted in ``done_errors``, logged once per exception type); every
   other Done of the batch is still applied. The load outcomes stay in the manager's
   queue (nothing here copies them).
+* A Remote job (:meth:`post_remote`) follows the plan's transfers, in plan order.
 * Each Done is progress for its rank's hang clock (:meth:`RankWatch.acked
   <kvshm.engine.supervision.RankWatch.acked>`) and carries its job's ack latency while
   acks are still owed: a job's post time is kept for as many Dones as ranks it went to,
@@ -25,7 +26,7 @@ from collections.abc import Mapping
 
 from kvshm.engine.snapshot import CoreCounters
 from kvshm.engine.supervision import RankWatch
-from kvshm.ipc.protocol import Direction, Done, Transfer
+from kvshm.ipc.protocol import Direction, Done, Remote, Transfer
 from kvshm.ipc.sched_channel import SchedulerChannel
 from kvshm.offload.manager import OffloadManager
 
@@ -59,6 +60,15 @@ class Dispatcher:
             self._counters.store_jobs += 1
         else:
             self._counters.load_jobs += 1
+
+    def post_remote(self, msg: Remote) -> None:
+        """Post a remote-tier job to every live rank. Not on the hang clock and not in
+        the ack-latency histogram: it waits on a network server with its own deadlines
+        (``kvshm.remote.tier.RemoteSpec``), not on the rank's copy engine."""
+        for chan in self._channels.values():
+            if not chan.closed:
+                chan.post(msg)
+        self._counters.remote_jobs += 1
 
     def forget_posted(self) -> None:
         """Drop every post time (a verdict: the remaining acks will not all come)."""

@@ -37,11 +37,19 @@ import torch
 from kvshm.cuda_ipc import export_tensor
 from kvshm.errors import ConfigError
 from kvshm.ipc.doorbell import create_eventfd
-from kvshm.ipc.protocol import PROTOCOL_VERSION, Hello, LayoutSpec, Ready, TensorSpec
+from kvshm.ipc.protocol import (
+    PROTOCOL_VERSION,
+    Hello,
+    LayoutSpec,
+    Ready,
+    RemoteSetup,
+    TensorSpec,
+)
 from kvshm.ipc.ring import DEFAULT_CAPACITY, min_capacity
 from kvshm.ipc.ring_pair import RingPair, segment_size
 from kvshm.ipc.sched_channel import SchedulerChannel
 from kvshm.layout import KVLayout, host_pool_plan, reconcile
+from kvshm.remote.fingerprint import RemoteTarget
 from kvshm.shm import Segment, available_shm_bytes, create_segment, dtype_name, segment_of
 from kvshm.types import DeviceKind, GpuBlocks
 
@@ -117,6 +125,7 @@ class Provisioned:
 
     num_cpu_blocks: int
     ranks: dict[int, RankResources]
+    remote: RemoteSetup | None = None
 
     def ready_plan(self) -> dict[int, tuple[Ready, list[int]]]:
         """The value a rendezvous ``make_ready`` returns."""
@@ -316,8 +325,12 @@ def ring_capacity(configured: int | None, num_gpu_blocks: int) -> int:
 def provision(hellos: Mapping[int, Hello], *, world_size: int,
               device_caches: Sequence[Sequence[torch.Tensor]] | None,
               num_cpu_blocks: int | None, cpu_bytes_per_rank: int | None,
-              capacity: int | None = None, num_gpu_blocks: int | None = None) -> Provisioned:
+              capacity: int | None = None, num_gpu_blocks: int | None = None,
+              remote: RemoteTarget | None = None) -> Provisioned:
     """Create every rank's resources (all or nothing: on error nothing is left open).
+
+    ``remote``: the engine's remote tier; every Ready then names it with the layout
+    fingerprint of all ranks (``Provisioned.remote``).
 
     ``capacity``: the configured ring capacity (checked against the largest rank's
     block count), or None for the default. ``num_gpu_blocks``: the engine's GPU pool
@@ -334,20 +347,21 @@ def provision(hellos: Mapping[int, Hello], *, world_size: int,
     seg_bytes = segment_size(capacity, capacity)
     budget = available_shm_bytes() - world_size * seg_bytes
     n = reconcile(list(layouts.values()), cpu_bytes_per_rank, num_cpu_blocks, budget)
+    setup = None if remote is None else remote.setup(layouts)
     done: dict[int, RankResources] = {}
     try:
         for rank, spec in layouts.items():
             caches = () if hellos[rank].layout is not None or device_caches is None \
                 else device_caches[rank]
-            done[rank] = _one_rank(rank, spec, n, capacity, caches)
+            done[rank] = _one_rank(rank, spec, n, capacity, caches, setup)
     except BaseException:
         Provisioned(n, done).close()
         raise
-    return Provisioned(n, done)
+    return Provisioned(n, done, setup)
 
 
 def _one_rank(rank: int, spec: LayoutSpec, n: int, capacity: int,
-              caches: Sequence[torch.Tensor]) -> RankResources:
+              caches: Sequence[torch.Tensor], remote: RemoteSetup | None) -> RankResources:
     offsets, host_bytes = host_pool_plan(spec, n)
     ring_seg = create_segment(segment_size(capacity, capacity), purpose=f"rings-r{rank}")
     opened: list[int] = []
@@ -366,5 +380,5 @@ def _one_rank(rank: int, spec: LayoutSpec, n: int, capacity: int,
         raise
     rings = RingPair.init(ring_seg.buf, capacity, capacity)
     ready = Ready(PROTOCOL_VERSION, rank, spec, n, capacity, capacity, offsets, host_bytes,
-                  specs)
+                  specs, remote)
     return RankResources(rank, ready, ring_seg, host_seg, opened[0], opened[1], dev_fds, rings)

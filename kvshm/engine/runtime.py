@@ -47,6 +47,7 @@ from kvshm.engine.admission import Admission, check_id
 from kvshm.engine.dispatch import Dispatcher
 from kvshm.engine.lifecycle import ENDED, LIVE, EngineState
 from kvshm.engine.provision import Provisioned, check_caches, pool_size, provision
+from kvshm.engine.remote_link import RemoteLink, open_remote
 from kvshm.engine.snapshot import CoreCounters, build_stats
 from kvshm.engine.startup import Refusals, StartTimeout, log, start_timeout_error
 from kvshm.engine.supervision import Supervisor
@@ -58,6 +59,7 @@ from kvshm.ipc.ring_pair import RevokeReason
 from kvshm.ipc.sched_channel import SchedulerChannel
 from kvshm.offload.manager import OffloadManager
 from kvshm.offload.pool import BlockPool
+from kvshm.remote.fingerprint import RemoteTarget
 from kvshm.stats import EngineStats
 from kvshm.types import GpuBlocks, LoadResult, RequestView, StepInput, StepPlan
 
@@ -99,6 +101,7 @@ class Runtime:
                                  spawned=spawned, on_verdict=self._on_verdict,
                                  on_fence=self._on_fence)
         self._jobs = Dispatcher(config.name, self._channels, self._ranks.watch, self.counters)
+        self._remote = RemoteLink.none()
 
     # -- lifecycle ---------------------------------------------------------------------
     @property
@@ -110,6 +113,7 @@ class Runtime:
         """Listen on the rendezvous (NameInUse if taken): NEW -> STARTING."""
         if self._state is not EngineState.NEW:
             raise StateError(f"engine {self.config.name!r} is {self._state.name}, not NEW")
+        self._remote = open_remote(self.config)  # ConfigError: before anything listens
         self._server = RendezvousServer(self.config.name, self.config.world_size,
                                         make_ready=self._make_ready, stats=self._stats_data)
         self._state = EngineState.STARTING
@@ -173,6 +177,7 @@ class Runtime:
             self._prov.close()
         if self._server is not None:
             self._server.close()
+        self._remote.close()
         self._ranks.close()
         self._state = EngineState.CLOSED
         startup.log_closed(self.statistics())
@@ -236,11 +241,13 @@ class Runtime:
     def _make_ready(self, hellos: Mapping[int, Hello]) -> dict[int, tuple[protocol.Ready,
                                                                           list[int]]]:
         cfg = self.config
+        target = None if cfg.remote_url is None else RemoteTarget(
+            cfg.remote_url, cfg.model_id, cfg.block_size, cfg.groups)
         self._prov = provision(hellos, world_size=cfg.world_size, device_caches=self._caches,
                                num_cpu_blocks=cfg.num_cpu_blocks,
                                cpu_bytes_per_rank=cfg.cpu_bytes_per_rank,
                                capacity=cfg.ring_capacity,
-                               num_gpu_blocks=pool_size(self._gpu))
+                               num_gpu_blocks=pool_size(self._gpu), remote=target)
         return self._prov.ready_plan()
 
     def _all_ready(self) -> None:
@@ -260,7 +267,8 @@ class Runtime:
         self._cpu = BlockPool(prov.num_cpu_blocks, eviction=cfg.eviction)
         self.manager = OffloadManager(self._cpu, self._gpu, block_size=cfg.block_size,
                                       groups=cfg.groups, world_size=cfg.world_size,
-                                      mode=cfg.mode)
+                                      mode=cfg.mode,
+                                      remote=self._remote.book_factory(prov.remote))
         self._state = EngineState.READY
         startup.log_ready(cfg, prov.num_cpu_blocks, self._bytes_per_block)
         if self._started is not None:
@@ -386,6 +394,8 @@ class Runtime:
         for t in (plan.store, plan.load):
             if t is not None:
                 self._jobs.post(t)
+        for msg in plan.remote:
+            self._jobs.post_remote(msg)
         return plan
 
     def finished(self, req_id: str, num_confirmed_tokens: int,

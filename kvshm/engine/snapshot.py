@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from typing import Any
 
 from kvshm.config import EngineConfig
 from kvshm.offload.manager import OffloadManager
@@ -37,6 +38,7 @@ class CoreCounters:
     done_errors: int = 0  # Dones whose handling raised (their jobs were failed)
     lookup_tokens: int = 0  # tokens asked for beyond the GPU's own hit (answered lookups)
     lookups_hit: int = 0  # answered lookups with a CPU-tier hit
+    remote_jobs: int = 0  # remote-tier jobs (PUT / GET) posted
 
 
 def build_stats(config: EngineConfig, state: str, manager: OffloadManager | None,
@@ -61,4 +63,22 @@ def build_stats(config: EngineConfig, state: str, manager: OffloadManager | None
         quarantined_gpu_blocks=q_gpu, quarantined_cpu_blocks=q_cpu,
         counters=merged, ranks=list(ranks), uptime_s=uptime_s, pid=os.getpid(),
         eviction=(cpu.eviction if cpu is not None else config.eviction).value,
-        evictions=cpu.evictions if cpu is not None else 0)
+        evictions=cpu.evictions if cpu is not None else 0,
+        remote=_remote_stats(config, manager, bytes_per_block))
+
+
+def _remote_stats(config: EngineConfig, manager: OffloadManager | None,
+                  bytes_per_block: int) -> dict[str, Any]:
+    """The remote tier's section: the book's counters, bytes, the index's counters and
+    breaker state ({} without a remote tier)."""
+    if config.remote_url is None:
+        return {}
+    out: dict[str, Any] = {"url": config.remote_url, "mode": config.remote_mode.value}
+    book = manager.remote if manager is not None else None
+    if book is None:
+        return out
+    out.update(book.counters.as_dict())
+    out["hit_bytes"] = book.counters.hit_blocks * bytes_per_block
+    out["put_bytes"] = book.counters.published_blocks * bytes_per_block
+    out.update({f"index_{k}": v for k, v in book.index.statistics().items()})
+    return out

@@ -52,6 +52,7 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
         self._overflow: collections.deque[bytes] = collections.deque()
         self._overflow_peak = self._dropped = 0
         self._outstanding = 0
+        self._remote_ids: set[int] = set()  # Remote jobs posted, not yet answered
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_done: Callable[[list[protocol.Done]], None] | None = None
         self._on_error: Callable[[TransportError], None] | None = None
@@ -70,6 +71,28 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
         return self._outstanding
 
     # -- sending -------------------------------------------------------------------
+    def _sent(self, msg: protocol.CmdMsg) -> int:
+        """1 for a Transfer (counted in :attr:`outstanding`: the hang clock). A Remote
+        job is not: it waits on a network server, with its own deadlines; its id is
+        kept so that its Done does not count as a Transfer's answer."""
+        if isinstance(msg, protocol.Remote):
+            self._remote_ids.add(msg.job_id)
+            return 0
+        return isinstance(msg, protocol.Transfer)
+
+    def _answered(self, dones: list[protocol.Done]) -> int:
+        """How many of ``dones`` answer Transfers (the rest answer Remote jobs)."""
+        ids = self._remote_ids
+        if not ids:
+            return len(dones)
+        n = 0
+        for d in dones:
+            if d.job_id in ids:
+                ids.discard(d.job_id)
+            else:
+                n += 1
+        return n
+
     def send_nowait(self, msg: protocol.CmdMsg) -> None:
         """Publish ``msg`` now; WouldBlock if the ring (or the overflow before it) is full.
 
@@ -86,7 +109,7 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
             self._full_events += 1
             raise WouldBlock(f"cmd ring of rank {self.rank} is full")
         self._tx.publish()
-        self._outstanding += isinstance(msg, protocol.Transfer)
+        self._outstanding += self._sent(msg)
         self._published(1, len(payload))
         self._arm_timer()
 
@@ -100,7 +123,7 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
             return self.post_many((msg,)) == 1
         payload = self._scratch  # fast path: nothing queued, one record
         self._encoder.encode_into(msg, payload)
-        self._outstanding += isinstance(msg, protocol.Transfer)
+        self._outstanding += self._sent(msg)
         try:
             staged = self._tx.stage(payload)
         except ConfigError:
@@ -139,7 +162,7 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
                     f"record of {len(payload)} bytes exceeds the cmd ring limit of {limit} "
                     f"(rank {self.rank})"
                 )
-            self._outstanding += isinstance(msg, protocol.Transfer)
+            self._outstanding += self._sent(msg)
             if not overflow and tx.stage(payload):
                 staged += 1
                 nbytes += len(payload)
@@ -184,7 +207,7 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
         self._check_open()
         msgs = self._drain()
         if msgs:
-            self._outstanding = max(0, self._outstanding - len(msgs))
+            self._outstanding = max(0, self._outstanding - self._answered(msgs))
         if self._overflow:
             self.flush_overflow()
         return msgs
@@ -195,7 +218,7 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
         so no message is dropped because its neighbour was bad."""
         good, self._pending = self._pending, []
         if good:
-            self._outstanding = max(0, self._outstanding - len(good))
+            self._outstanding = max(0, self._outstanding - self._answered(good))
         return good
 
     async def receive(self) -> list[protocol.Done]:

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 
 from kvshm.offload.hits import Hit
-from kvshm.offload.jobs import JobTable, LoadJob, StoreJob
+from kvshm.offload.jobs import JobTable, LoadJob, RemoteJob, StoreJob
 from kvshm.offload.loads import LoadBook
 from kvshm.offload.pool import BlockPool
 from kvshm.offload.stores import StorePlanner
@@ -51,6 +51,7 @@ class Parts:
     stores: StorePlanner
     failed: bool
     abandoned: int
+    remote_pins: tuple[int, ...] = ()
 
 
 def _fail(msg: str) -> None:
@@ -81,6 +82,7 @@ def recorded_pins(p: Parts) -> tuple[Counter[int], Counter[int]]:
         cpu.update(job.cpu_ids)
         gpu.update(job.gpu_ids)
     gpu.update(c.gpu_id for c in p.stores.finish_queue)
+    cpu.update(p.remote_pins)
     return cpu, gpu
 
 
@@ -98,7 +100,7 @@ def _check_pins(p: Parts) -> None:
         if hit.cause is not None and hit.pinned:
             _fail(f"tombstone hit of {rid} still records pins")
     if p.failed and (any(h.cause is None for h in p.hits.values()) or p.loads.queue
-                     or p.stores.finish_queue):
+                     or p.stores.finish_queue or p.remote_pins):
         _fail("a failed manager still holds lookup pins, queued loads or finish stores")
 
 
@@ -109,7 +111,11 @@ def _check_marks(p: Parts) -> None:
     loading: Counter[int] = Counter()
     dst: Counter[int] = Counter()
     for job in p.jobs.jobs.values():
-        if isinstance(job, StoreJob):
+        if isinstance(job, RemoteJob):
+            for c in job.cpu_ids:
+                if not job.put and p.cpu.block_hashes(c):
+                    _fail(f"CPU block {c} is being fetched but carries hashes")
+        elif isinstance(job, StoreJob):
             gpu_ids.extend(job.gpu_ids)
             keys.extend(job.keys)
             for c in job.cpu_ids:

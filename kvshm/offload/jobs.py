@@ -14,7 +14,9 @@ closed after its last copy -- counts it as acked, and the pins go.
 
 Two kinds share that ack state (:class:`Job`): a :class:`StoreJob` (GPU -> CPU, its
 in-flight marks kept by :mod:`kvshm.offload.stores`) and a :class:`LoadJob` (CPU -> GPU,
-its requests' bookkeeping kept by :mod:`kvshm.offload.loads`). The table only counts
+its requests' bookkeeping kept by :mod:`kvshm.offload.loads`); a third, :class:`RemoteJob`
+(CPU tier <-> remote tier, kept by :mod:`kvshm.offload.remote`), pins CPU blocks only.
+The table only counts
 acks; what a failure or completion means for the blocks is the manager's and those
 parts' business.
 
@@ -31,7 +33,8 @@ from kvshm.errors import ConfigError
 from kvshm.offload.counters import ManagerCounters
 from kvshm.types import LoadFailure
 
-__all__ = ["AckOutcome", "AnyJob", "Job", "JobTable", "LoadJob", "LoadPart", "StoreJob"]
+__all__ = ["AckOutcome", "AnyJob", "Job", "JobTable", "LoadJob", "LoadPart", "RemoteJob",
+           "StoreJob"]
 
 
 @dataclass(slots=True, eq=False)
@@ -101,7 +104,21 @@ class LoadJob(Job):
     reported: bool = False
 
 
-AnyJob: TypeAlias = StoreJob | LoadJob
+@dataclass(slots=True, eq=False, kw_only=True)
+class RemoteJob(Job):
+    """CPU tier <-> remote tier (no GPU ids). ``put``: True for a PUT (the CPU blocks
+    are indexed and only read), False for a GET (fresh CPU blocks written from the
+    remote; unindexed until the job completes without failure). ``keys[i]``: the
+    group-qualified hash of ``cpu_ids[i]``; ``depths[i]`` its chain position.
+    ``req_id``: the request a GET was fetched for ("" for a PUT)."""
+
+    put: bool
+    keys: list[bytes]
+    depths: list[int]
+    req_id: str = ""
+
+
+AnyJob: TypeAlias = StoreJob | LoadJob | RemoteJob
 """A job of either kind, as the table holds it (``isinstance`` tells them apart)."""
 
 
@@ -155,6 +172,15 @@ class JobTable:
         concatenated) waiting for every live rank."""
         job_id, waiting = self._next()
         job = LoadJob(job_id, step, gpu_ids, cpu_ids, waiting, parts=parts)
+        self.jobs[job_id] = job
+        return job
+
+    def new_remote(self, step: int, cpu_ids: list[int], keys: list[bytes],
+                   depths: list[int], *, put: bool, req_id: str = "") -> RemoteJob:
+        """Register a remote-tier job waiting for every live rank."""
+        job_id, waiting = self._next()
+        job = RemoteJob(job_id, step, [], cpu_ids, waiting, put=put, keys=keys,
+                        depths=depths, req_id=req_id)
         self.jobs[job_id] = job
         return job
 

@@ -39,18 +39,19 @@ O(blocks that changed); no scan over every request's blocks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from kvshm.errors import ConfigError
-from kvshm.ipc.protocol import Direction, Transfer, pack_ids
+from kvshm.ipc.protocol import Direction, Remote, Transfer, pack_ids
 from kvshm.offload.counters import DeclineReason, ManagerCounters
 from kvshm.offload.groups import GroupSet, cdiv
 from kvshm.offload.hits import Hit, assign, find_hit
 from kvshm.offload.inputs import for_pool
 from kvshm.offload.invariants import Parts, check_parts, recorded_pins
-from kvshm.offload.jobs import AckOutcome, AnyJob, JobTable, LoadJob, LoadPart, StoreJob
+from kvshm.offload.jobs import AckOutcome, AnyJob, JobTable, LoadJob, LoadPart, RemoteJob, StoreJob
 from kvshm.offload.loads import LoadBook
 from kvshm.offload.pool import BlockPool
+from kvshm.offload.remote import RemoteBook
 from kvshm.offload.requests import ReqState, RequestTracker, is_remote
 from kvshm.offload.stores import Selection, StorePlanner
 from kvshm.types import (
@@ -74,12 +75,16 @@ class OffloadManager:
     """See the module docstring. ``lazy_window``: GPU free-queue blocks a lazy step
     looks at from the LRU end (LAZY mode needs a single KV group). ``hash_bytes``: the
     exact length of the engine's block hashes (default: ``gpu.hash_bytes`` where the pool
-    has one, else any length in ``kvshm.offload.validate.HASH_LEN_RANGE``)."""
+    has one, else any length in ``kvshm.offload.validate.HASH_LEN_RANGE``). ``remote``:
+    builds the remote tier's book from the manager's pool, groups and job table
+    (:mod:`kvshm.offload.remote`); None: no remote tier."""
 
     def __init__(self, cpu: BlockPool, gpu: GpuBlocks, *, block_size: int,
                  groups: Sequence[KVGroup] = (KVGroup.full(),), world_size: int = 1,
                  mode: StoreMode = StoreMode.EAGER, lazy_window: int = 256,
-                 hash_bytes: int | None = None) -> None:
+                 hash_bytes: int | None = None,
+                 remote: Callable[[BlockPool, GroupSet, JobTable], RemoteBook] | None = None
+                 ) -> None:
         self._gs = GroupSet(groups, block_size)
         if mode is StoreMode.LAZY and self._gs.n != 1:
             raise ConfigError("lazy store mode supports a single KV group only")
@@ -99,6 +104,7 @@ class OffloadManager:
                                   self._loads.dst.counts)
         self._track = RequestTracker(self._gs, block_size, self._eager, self._stores)
         self._hits: dict[str, Hit] = {}
+        self.remote = None if remote is None else remote(cpu, self._gs, self._jobs)
         self._failed = False
         self._abandoned = 0
 
@@ -122,7 +128,8 @@ class OffloadManager:
         """Anything queued, in flight or not yet reported: keep stepping. Jobs that wait
         only for a revoked, unfenced rank do not count: nothing will move them."""
         jobs = bool(self._jobs.jobs) and not self._jobs.only_quarantined()
-        return bool(jobs or self._loads.pending() or self._stores.finish_queue)
+        remote = self.remote is not None and self.remote.has_pending_work()
+        return bool(jobs or remote or self._loads.pending() or self._stores.finish_queue)
 
     def take_load_results(self) -> list[LoadResult]:
         """Load outcomes decided since the last call, each handed out exactly once. This
@@ -163,11 +170,16 @@ class OffloadManager:
         hit = find_hit(self.cpu, self._gs, view.hashes, s,
                        (view.num_tokens - 1 - num_local_tokens) // bs)
         if hit is None:
-            return 0
+            if self.remote is None:
+                return 0
+            return self.remote.lookup(rid, view.hashes, s,
+                                      (view.num_tokens - 1 - num_local_tokens) // bs)
         if self._loads.is_loading(hit.pinned):
             self.counters.lookups_asked_again += 1
             return None
         self.cpu.touch(hit.pinned)
+        if self.remote is not None:
+            self.remote.release(rid)  # what it fetched for rid is pinned by the hit now
         self._hits[rid] = hit
         tokens = (hit.end - s) * bs
         self.counters.lookup_hit_tokens += tokens
@@ -249,15 +261,18 @@ class OffloadManager:
         for rid in gone:
             self._forget(rid)
         store = load = None
+        remote: tuple[Remote, ...] = ()
         if not self._failed:
             dirty = self._track.apply(changes)
             if not self._abandoned:
                 store = self._plan_stores(step, alloc, dirty)
                 load = self._loads.plan(step, self._jobs)
+                if self.remote is not None:
+                    remote = tuple(self.remote.plan(step))
         failed_loads = self._loads.take_failed()
         jobs = self._loads.listed_jobs(self._jobs)
         return StepPlan(step=step, store=store, load=load, load_jobs=jobs,
-                        failed_loads=failed_loads)
+                        failed_loads=failed_loads, remote=remote)
 
     def _plan_stores(self, step: int, alloc: frozenset[int],
                      dirty: list[ScheduledRequest]) -> Transfer | None:
@@ -300,8 +315,14 @@ class OffloadManager:
         """Every rank acked or is dead: release the job's pins (and index a store)."""
         if job.abandoned:
             self._abandoned -= 1
+        usable = not job.failed and not self._failed
         if isinstance(job, StoreJob):
-            self._stores.complete(job, register=not job.failed and not self._failed)
+            self._stores.complete(job, register=usable)
+            if usable and self.remote is not None:
+                self.remote.stored(job.cpu_ids, job.keys, job.depths)
+        elif isinstance(job, RemoteJob):
+            assert self.remote is not None, "a remote job without a remote tier"
+            self.remote.complete(job, usable and not job.abandoned)
         else:
             self._loads.complete(job)
 
@@ -329,6 +350,8 @@ class OffloadManager:
         """Drop a request's pin, queued load and tracking (in-flight jobs keep theirs)."""
         self._drop_hit(req_id)
         self._loads.cancel(req_id)
+        if self.remote is not None:
+            self.remote.forget(req_id)
         return self._track.forget(req_id)
 
     def reset(self) -> bool:
@@ -392,6 +415,8 @@ class OffloadManager:
                 self._hits[rid] = Hit(hit.start, hit.end, [], [], (), cause)
         self._loads.drop_queued(cause)
         self._stores.drop_finished(decline)
+        if self.remote is not None:
+            self.remote.drop()
 
     # ---- checks ----------------------------------------------------------------------
 
@@ -402,4 +427,5 @@ class OffloadManager:
     def _parts(self) -> Parts:
         return Parts(cpu=self.cpu, gpu=self.gpu, world_size=self.world_size, hits=self._hits,
                      jobs=self._jobs, loads=self._loads, stores=self._stores,
-                     failed=self._failed, abandoned=self._abandoned)
+                     failed=self._failed, abandoned=self._abandoned,
+                     remote_pins=() if self.remote is None else tuple(self.remote.pinned()))

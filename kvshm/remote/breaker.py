@@ -83,6 +83,13 @@ class CircuitBreaker:
             self.rejected += 1
             return False
 
+    def would_allow(self) -> bool:
+        """What :meth:`allow` would say now, without its effects (no probe is taken,
+        nothing counted): lets a caller skip work that would only be refused."""
+        with self._lock:
+            return self._state is BreakerState.CLOSED or (
+                self._state is BreakerState.OPEN and self._clock() >= self._probe_at)
+
     def success(self) -> None:
         """The server answered (a miss is an answer)."""
         with self._lock:

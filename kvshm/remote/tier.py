@@ -333,6 +333,11 @@ class ReadyIndex(Protocol):
         error or an open breaker answers 0."""
         ...
 
+    def healthy(self) -> bool:
+        """False while a query would only be refused (the breaker is open and no probe
+        is due): a caller answers "no remote hit" at once instead of asking."""
+        ...
+
     def statistics(self) -> dict[str, Any]:
         """Counters (queries, answered, publishes, errors, breaker state ...)."""
         ...

@@ -473,6 +473,9 @@ class ValkeyReadyIndex:
             out, self._answers = self._answers, []
         return out
 
+    def healthy(self) -> bool:
+        return not self._closed and self.breaker.would_allow()
+
     def _answer(self, items: list[tuple[int, int]]) -> None:
         self._n.add(answered=len(items), answered_zero=sum(1 for _, p in items if p == 0))
         with self._lock:

@@ -23,7 +23,10 @@ ROOT = Path(__file__).resolve().parents[2]
 #: wire structs. ``kvshm`` itself resolves its exports lazily (by string), like _moved.
 LEAVES = {"kvshm", "kvshm.errors", "kvshm.config", "kvshm.types", "kvshm.hashing",
           "kvshm.layout", "kvshm.shm", "kvshm.stats", "kvshm._moved", "kvshm.worker_cli",
-          "kvshm.cuda_ipc"}
+          "kvshm.cuda_ipc",
+          # the remote tier's interface (protocols, keys, header; stdlib only): the
+          # config parses its URLs, the manager's remote book calls its ReadyIndex
+          "kvshm.remote", "kvshm.remote.tier"}
 #: The wire structs: the one module of ``kvshm.ipc`` that offload and the leaves may use.
 PROTOCOL = "kvshm.ipc.protocol"
 
