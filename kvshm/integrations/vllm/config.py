@@ -19,6 +19,12 @@ through plain attributes, so it can be tested without vLLM. Every refusal is a
   shutdown.
 * ``hang_timeout_s``, ``shutdown_timeout_s``: finite positive numbers (defaults 10 --
   ``kvshm.config.DEFAULT_HANG_TIMEOUT_S`` -- and 5).
+* ``remote_url``: a remote tier shared by every engine that names it
+  (``valkey://host:port`` or ``valkey+cluster://h1:p1,h2:p2``; ``kvshm valkey`` runs
+  one); ``remote_mode``: ``"write_through"`` (default) or ``"on_evict"``. The layout
+  fingerprint that keeps deployments apart includes the model name and dtype, so two
+  engines share blocks only when both are equal (and vLLM's block hashes agree: start
+  both with the same ``PYTHONHASHSEED``, which seeds vLLM's prefix hashes).
 * ``test_fail_loads``: a test hook: each worker rank fails the copy of the first N load
   jobs it is sent (the copy engine raises; nothing is copied). Default 0.
 
@@ -38,8 +44,15 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Any, Final
 
-from kvshm.config import DEFAULT_EVICTION, DEFAULT_HANG_TIMEOUT_S, MAX_TIMEOUT_S, Eviction
+from kvshm.config import (
+    DEFAULT_EVICTION,
+    DEFAULT_HANG_TIMEOUT_S,
+    MAX_TIMEOUT_S,
+    Eviction,
+    RemoteMode,
+)
 from kvshm.errors import ConfigError
+from kvshm.remote.tier import RemoteSpec
 from kvshm.types import KVGroup, StoreMode
 
 __all__ = [
@@ -57,6 +70,7 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _KNOWN_KEYS: Final = frozenset({
     "cpu_bytes", "cpu_bytes_per_rank", "num_cpu_blocks", "mode", "name", "stats_path",
     "hang_timeout_s", "shutdown_timeout_s", "test_fail_loads", "eviction",
+    "remote_url", "remote_mode",
 })
 
 
@@ -97,6 +111,9 @@ class ConnectorConfig:
     shutdown_timeout_s: float
     test_fail_loads: int
     eviction: Eviction = DEFAULT_EVICTION
+    remote_url: str | None = None
+    remote_mode: RemoteMode = RemoteMode.WRITE_THROUGH
+    model_id: str = ""
 
     @property
     def world_size(self) -> int:
@@ -152,6 +169,25 @@ def _eviction(value: object) -> Eviction:
             return e
     raise ConfigError(f"kv_connector_extra_config['eviction'] must be one of "
                       f"{[e.value for e in Eviction]}, got {value!r}")
+
+
+def _remote(extra: Mapping[str, Any], vllm_config: Any) -> tuple[str | None, RemoteMode,
+                                                                   str]:
+    """(remote_url, remote_mode, model_id) from the extra config and the model config."""
+    url = extra.get("remote_url")
+    if url is not None:
+        if not isinstance(url, str):
+            raise ConfigError(f"kv_connector_extra_config['remote_url'] must be a URL "
+                              f"string, got {url!r}")
+        RemoteSpec.parse(url)
+    mode = extra.get("remote_mode", RemoteMode.WRITE_THROUGH.value)
+    modes = {m.value: m for m in RemoteMode}
+    if mode not in modes:
+        raise ConfigError(f"kv_connector_extra_config['remote_mode'] must be one of "
+                          f"{sorted(modes)}, got {mode!r}")
+    mc = getattr(vllm_config, "model_config", None)
+    model_id = f"{getattr(mc, 'model', '')}|{getattr(mc, 'dtype', '')}"
+    return url, modes[mode], model_id[:400]
 
 
 def _mode(value: object) -> StoreMode:
@@ -273,6 +309,7 @@ def parse_config(vllm_config: Any, infos: Sequence[GroupInfo],
     fail_loads = extra.get("test_fail_loads", 0)
     if fail_loads != 0:
         fail_loads = _int("test_fail_loads", fail_loads)
+    url, remote_mode, model_id = _remote(extra, vllm_config)
     return ConnectorConfig(
         name=name, tp=tp, pp=pp, block_size=bs, groups=groups, mode=mode,
         cpu_bytes_per_rank=per_rank, num_cpu_blocks=blocks, stats_path=stats_path,
@@ -280,7 +317,8 @@ def parse_config(vllm_config: Any, infos: Sequence[GroupInfo],
                                 DEFAULT_HANG_TIMEOUT_S),
         shutdown_timeout_s=_seconds("shutdown_timeout_s", extra.get("shutdown_timeout_s"),
                                     5.0),
-        test_fail_loads=fail_loads, eviction=_eviction(extra.get("eviction")))
+        test_fail_loads=fail_loads, eviction=_eviction(extra.get("eviction")),
+        remote_url=url, remote_mode=remote_mode, model_id=model_id)
 
 
 def check_budget(cfg: ConnectorConfig, bytes_per_block: int, available_bytes: int) -> None:

@@ -140,7 +140,9 @@ class SchedulerSide:
         econf = EngineConfig(block_size=c.block_size, name=c.name, tp=c.tp, pp=c.pp,
                              groups=c.groups, mode=c.mode, num_cpu_blocks=c.num_cpu_blocks,
                              cpu_bytes_per_rank=c.cpu_bytes_per_rank,
-                             hang_timeout_s=c.hang_timeout_s, eviction=c.eviction)
+                             hang_timeout_s=c.hang_timeout_s, eviction=c.eviction,
+                             remote_url=c.remote_url, remote_mode=c.remote_mode,
+                             model_id=c.model_id)
         with self.guard:
             self._client = SyncClient(econf, gpu_blocks=VllmGpuBlocks(gpu_block_pool))
             self._service = ServiceThread(self.guard, self._idle_pump, c.name)
