@@ -156,7 +156,11 @@ def _check_jobs(p: Parts) -> None:
             _fail(f"job {jid} waits for {sorted(job.waiting)}, live ranks {sorted(live)}")
         if not job.failed and not jobs.revoked.isdisjoint(job.waiting):
             _fail(f"job {jid} waits for a revoked rank but is not failed")
-        if len(job.gpu_ids) != len(job.cpu_ids):
+        if isinstance(job, RemoteJob):
+            if job.gpu_ids or len(job.keys) != len(job.cpu_ids):
+                _fail(f"remote job {jid}: {len(job.gpu_ids)} GPU ids, {len(job.keys)} keys "
+                      f"for {len(job.cpu_ids)} CPU ids")
+        elif len(job.gpu_ids) != len(job.cpu_ids):
             _fail(f"job {jid} pairs {len(job.gpu_ids)} GPU ids with {len(job.cpu_ids)} CPU ids")
         abandoned += job.abandoned
         if job.abandoned and not job.failed:

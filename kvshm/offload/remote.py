@@ -12,7 +12,10 @@ neither published by this engine nor queued or in flight is pinned and queued; t
 completed on every rank without failure, the blocks' readiness keys are published (so a
 reader never sees half a block: the all-ranks rule of local stores) and the pins go.
 ``ON_EVICT`` queues instead the unpublished cached blocks among the next ones the CPU
-tier would reuse (a window at the LRU end, scanned each plan).
+tier would reuse (a window of ``max(8, num_blocks // 16)`` at the eviction end, scanned
+by a plan with no such PUT in flight). The PUT's pin takes a block out of the eviction
+order and its release puts it back as recently used: a second chance, once per block
+(published blocks are skipped by later scans), like CLOCK.
 
 Read path, for a request whose CPU-tier hit is 0 (a CPU hit never waits for the remote):
 
@@ -135,13 +138,14 @@ class RemoteBook:
 
     def __init__(self, cpu: BlockPool, gs: GroupSet, jobs: JobTable, index: ReadyIndex,
                  ready_key: Callable[[bytes], str], *, mode: RemoteMode,
-                 answer_timeout_s: float = 2.0, evict_window: int = 64,
+                 answer_timeout_s: float = 2.0, evict_window: int | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.cpu, self._gs, self._jobs, self.index = cpu, gs, jobs, index
         self._ready_key = ready_key
         self.mode = mode
         self._timeout = answer_timeout_s
-        self._window = evict_window
+        self._window = evict_window or max(8, cpu.num_blocks // 16)
+        self._evict_puts = 0  # ON_EVICT PUT jobs in flight
         self._clock = clock
         self.counters = RemoteCounters()
         self._reqs: dict[str, _Lookup] = {}
@@ -274,8 +278,9 @@ class RemoteBook:
                 msg = self._get_job(step, rid, st)
                 if msg is not None:
                     out.append(msg)
-        if self.mode is RemoteMode.ON_EVICT:
+        if self.mode is RemoteMode.ON_EVICT and not self._evict_puts:
             self._scan_evictable()
+            self._evict_puts = -(-len(self._puts) // MAX_PUT_BLOCKS)
         for _ in range(MAX_PUT_JOBS):
             if not self._puts:
                 break
@@ -321,6 +326,7 @@ class RemoteBook:
 
     def _put_done(self, job: RemoteJob, usable: bool) -> None:
         self._put_keys.difference_update(job.keys)
+        self._evict_puts = max(0, self._evict_puts - 1)
         try:
             if usable:
                 self.index.publish([self._ready_key(remote_hash(k)) for k in job.keys])
@@ -373,5 +379,6 @@ class RemoteBook:
             self._put_keys.discard(k)
             self.cpu.free((c,))
         self._puts = []
+        self._evict_puts = 0
         for rid in list(self._reqs):
             self.forget(rid)

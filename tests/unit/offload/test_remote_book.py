@@ -1,0 +1,344 @@
+"""The remote tier's scheduler side (``kvshm.offload.remote``), narrated with exact block
+ids and ref counts, on the real manager and pools.
+
+The readiness index is the one seam a test must control in time (when an answer
+arrives); :class:`HeldIndex` implements :class:`~kvshm.remote.tier.ReadyIndex` and holds
+every query until the test answers it. The real Valkey index is tested against a real
+server in ``tests/remote``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from manager_rig import BS, Req, Rig, refs
+
+from kvshm.config import RemoteMode
+from kvshm.ipc.protocol import Remote, RemoteOp, unpack_ids
+from kvshm.offload.manager import OffloadManager
+from kvshm.offload.remote import RemoteBook, remote_hash
+from kvshm.types import LoadFailure
+
+WORLD = 2
+
+
+class HeldIndex:
+    """A ReadyIndex whose queries wait until the test answers them."""
+
+    def __init__(self) -> None:
+        self.ready: set[str] = set()  # what "the server" holds
+        self.published: list[str] = []
+        self.queries: list[tuple[int, list[str]]] = []
+        self._answers: list[tuple[int, int]] = []
+        self.up = True
+
+    def publish(self, keys: Sequence[str]) -> None:
+        self.published.extend(keys)
+        self.ready.update(keys)
+
+    def query(self, token: int, keys: Sequence[str]) -> None:
+        self.queries.append((token, list(keys)))
+
+    def answer_all(self) -> None:
+        """Answer every held query with the longest present prefix."""
+        for token, keys in self.queries:
+            n = 0
+            while n < len(keys) and keys[n] in self.ready:
+                n += 1
+            self._answers.append((token, n))
+        self.queries = []
+
+    def answers(self) -> list[tuple[int, int]]:
+        out, self._answers = self._answers, []
+        return out
+
+    def healthy(self) -> bool:
+        return self.up
+
+    def statistics(self) -> dict[str, Any]:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+def key(h: bytes) -> str:
+    """The readiness key the book asks for (it passes remote hashes)."""
+    return f"ready:{h.hex()}"
+
+
+def rkey(h: bytes) -> str:
+    """The readiness key of a block whose CPU index key is ``h``."""
+    return key(remote_hash(h))
+
+
+def remote_rig(index: HeldIndex, *, cpu: int = 16, mode: RemoteMode = RemoteMode.WRITE_THROUGH,
+               timeout: float = 2.0, clock: list[float] | None = None) -> Rig:
+    rig = Rig(cpu=cpu, gpu=16, world_size=WORLD)
+    now = clock if clock is not None else [0.0]
+
+    def make(cpu_pool: Any, gs: Any, jobs: Any) -> RemoteBook:
+        return RemoteBook(cpu_pool, gs, jobs, index, key, mode=mode, answer_timeout_s=timeout,
+                          clock=lambda: now[0])
+    rig.m = OffloadManager(rig.cpu, rig.gpu, block_size=BS, world_size=WORLD, remote=make)
+    return rig
+
+
+def ack_remote(rig: Rig, msg: Remote, oks: Sequence[bool] = (True, True)) -> None:
+    for rank, ok in enumerate(oks):
+        rig.m.on_done(msg.job_id, rank, ok)
+        rig.m.check_invariants()
+
+
+def store(rig: Rig, req: Req, msgs: list[Remote] | None = None) -> list[int]:
+    """``req`` computed all its full blocks and finished; its store acked by both ranks.
+    Returns the CPU ids it was stored in; the step's remote jobs go to ``msgs``."""
+    n = len(req.h)
+    g = rig.alloc(n, req.h)
+    p = rig.step(req.sched(g, confirmed=len(req.toks), new=True))
+    if msgs is not None:
+        msgs.extend(p.remote)
+    assert p.store is not None
+    rig.ack(p.store, ranks=range(WORLD))
+    rig.m.finished(req.rid, len(req.toks), [g])
+    rig.gpu.free(reversed(g))
+    return unpack_ids(p.store.dst_ids)
+
+
+def test_write_through_publishes_only_after_every_rank_acked_the_put() -> None:
+    """A stores 2 blocks into CPU 0, 1; the completed store queues them for write-through
+    (pinned: ref 1); the next step's PUT job carries both. Rank 0's ack publishes
+    nothing -- a reader must never see a block rank 1 has not stored; rank 1's ack
+    publishes both readiness keys and unpins them (ref 0, still cached). Storing the same
+    content again puts nothing (deduplicated by key)."""
+    index = HeldIndex()
+    rig = remote_rig(index)
+    a = Req("a", 9)
+    cpu = store(rig, a)
+    assert cpu == [0, 1] and refs(rig.cpu, cpu) == [1, 1]      # queued for the PUT
+    plan = rig.step()
+    (put,) = plan.remote
+    assert put.op is RemoteOp.PUT and unpack_ids(put.cpu_ids) == [0, 1]
+    assert put.hashes == remote_hash(a.h[0]) + remote_hash(a.h[1]) and put.hash_len == 32
+    rig.m.on_done(put.job_id, 0, True)
+    rig.m.check_invariants()
+    assert index.published == [] and refs(rig.cpu, cpu) == [1, 1]
+    rig.m.on_done(put.job_id, 1, True)
+    rig.m.check_invariants()
+    assert index.published == [rkey(a.h[0]), rkey(a.h[1])]
+    assert refs(rig.cpu, cpu) == [0, 0] and rig.cpu.get_cached(a.h[0]) == 0
+    book = rig.m.remote
+    assert book is not None and book.counters.published_blocks == 2
+    rig.cpu.drop_all_hashes()                                     # the CPU copy is gone
+    b = Req("b", 9)                                               # same tokens as A
+    store(rig, b)
+    assert rig.step().remote == () and book.counters.put_skipped_duplicate == 2
+
+
+def test_a_failed_put_publishes_nothing() -> None:
+    """Rank 1 fails the PUT: no readiness key, the pins go, the failure is counted."""
+    index = HeldIndex()
+    rig = remote_rig(index)
+    cpu = store(rig, Req("a", 9))
+    (put,) = rig.step().remote
+    ack_remote(rig, put, (True, False))
+    assert index.published == [] and refs(rig.cpu, cpu) == [0, 0]
+    assert rig.m.remote is not None and rig.m.remote.counters.put_failed_blocks == 2
+
+
+def fetch_setup(blocks: int = 2) -> tuple[HeldIndex, Rig, Req]:
+    """A remote tier that holds ``blocks`` blocks of R's prompt (9 tokens: 2 full blocks)."""
+    index = HeldIndex()
+    r = Req("r", 4 * blocks + 1)
+    index.ready.update(rkey(h) for h in r.h)
+    return index, remote_rig(index), r
+
+
+def test_get_blocks_are_indexed_only_after_every_rank_acked() -> None:
+    """R misses the CPU tier: its lookup queries the index and says "ask again" (None);
+    after the answer (2 blocks present) the next step plans a GET into fresh CPU blocks
+    0, 1 (ref 1, no hash). Rank 0's ack indexes nothing (rank 1 may still be writing);
+    rank 1's ack indexes both, still pinned for R (ref 1). R's next lookup is an ordinary
+    CPU hit of 8 tokens: its own pin (ref 2), then the fetch pin goes (ref 1)."""
+    index, rig, r = fetch_setup()
+    assert rig.m.lookup(r.view(), 0) is None
+    assert len(index.queries) == 1 and index.queries[0][1] == [rkey(h) for h in r.h]
+    assert rig.m.lookup(r.view(), 0) is None                      # still unanswered
+    index.answer_all()
+    assert rig.m.lookup(r.view(), 0) is None                      # answered, not fetched
+    (get,) = rig.step().remote
+    assert get.op is RemoteOp.GET and unpack_ids(get.cpu_ids) == [0, 1]
+    assert refs(rig.cpu, [0, 1]) == [1, 1] and rig.cpu.block_hashes(0) == ()
+    rig.m.on_done(get.job_id, 0, True)
+    rig.m.check_invariants()
+    assert rig.cpu.block_hashes(0) == () and rig.m.lookup(r.view(), 0) is None
+    rig.m.on_done(get.job_id, 1, True)
+    rig.m.check_invariants()
+    assert rig.cpu.get_cached(r.h[0]) == 0 and rig.cpu.get_cached(r.h[1]) == 1
+    assert refs(rig.cpu, [0, 1]) == [1, 1]
+    assert rig.m.lookup(r.view(), 0) == 2 * BS
+    rig.m.check_invariants()
+    assert refs(rig.cpu, [0, 1]) == [1, 1]                        # the hit's pin only
+    assert len(index.queries) == 0 and rig.m.remote is not None
+    assert rig.m.remote.counters.hit_blocks == 2
+
+
+def test_a_failed_get_frees_its_blocks_unindexed_and_recomputes() -> None:
+    """Rank 1's GET misses (evicted, corrupt, server down): the job fails, CPU blocks
+    0, 1 go back unindexed (ref 0, no hash) only once both ranks acked; R's lookup says
+    0 (recompute) and the index is not asked again."""
+    index, rig, r = fetch_setup()
+    assert rig.m.lookup(r.view(), 0) is None
+    index.answer_all()
+    (get,) = rig.step().remote
+    rig.m.on_done(get.job_id, 1, False)
+    assert refs(rig.cpu, [0, 1]) == [1, 1]                        # rank 0 may still write
+    rig.m.on_done(get.job_id, 0, True)
+    rig.m.check_invariants()
+    assert refs(rig.cpu, [0, 1]) == [0, 0] and rig.cpu.num_hashes == 0
+    assert rig.m.lookup(r.view(), 0) == 0 and index.queries == []
+    assert rig.m.remote is not None and rig.m.remote.counters.get_failed_jobs == 1
+
+
+def test_a_rank_declared_dead_during_a_get_quarantines_its_blocks() -> None:
+    """Rank 1 is declared dead while the GET into CPU 0, 1 runs: the job fails at once,
+    but rank 1 may still be writing those rows, so they stay pinned (quarantined) after
+    rank 0's ack, until rank 1 is fenced; then they go back unindexed."""
+    index, rig, r = fetch_setup()
+    rig.m.lookup(r.view(), 0)
+    index.answer_all()
+    (get,) = rig.step().remote
+    rig.m.rank_failed(1)
+    rig.m.on_done(get.job_id, 0, True)
+    rig.m.check_invariants()
+    assert refs(rig.cpu, [0, 1]) == [1, 1] and rig.m.quarantined_blocks() == (0, 2)
+    rig.m.rank_fenced(1)
+    rig.m.check_invariants()
+    assert refs(rig.cpu, [0, 1]) == [0, 0] and rig.cpu.num_hashes == 0
+
+
+def test_reset_during_a_get_indexes_nothing() -> None:
+    """reset() while the GET runs abandons it: its completion frees CPU 0, 1 unindexed."""
+    index, rig, r = fetch_setup()
+    rig.m.lookup(r.view(), 0)
+    index.answer_all()
+    (get,) = rig.step().remote
+    assert rig.m.reset() is False
+    ack_remote(rig, get)
+    assert refs(rig.cpu, [0, 1]) == [0, 0] and rig.cpu.num_hashes == 0
+    assert rig.m.reset() is True
+
+
+def test_the_same_prefix_is_never_fetched_twice_at_once() -> None:
+    """S shares R's prefix while R's GET runs: S asks again without a query; after R's
+    GET, S's lookup is a plain CPU hit."""
+    index, rig, r = fetch_setup()
+    s = Req("s", 9)
+    rig.m.lookup(r.view(), 0)
+    index.answer_all()
+    (get,) = rig.step().remote
+    assert rig.m.lookup(s.view(), 0) is None and index.queries == []
+    ack_remote(rig, get)
+    assert rig.m.lookup(s.view(), 0) == 2 * BS
+    assert rig.m.remote is not None and rig.m.remote.counters.queries == 1
+
+
+def test_an_unanswered_query_times_out_and_an_unhealthy_index_is_not_asked() -> None:
+    """No answer within the answer timeout: the lookup gives up (0) and counts it. While
+    the index is unhealthy (breaker open) a lookup answers 0 at once, without a query."""
+    index, _, r = fetch_setup()
+    now = [100.0]
+    rig = remote_rig(index, timeout=2.0, clock=now)
+    assert rig.m.lookup(r.view(), 0) is None
+    now[0] += 2.5
+    assert rig.m.lookup(r.view(), 0) == 0
+    book = rig.m.remote
+    assert book is not None and book.counters.query_timeouts == 1
+    index.up = False
+    t = Req("t", 9, base=50)
+    assert rig.m.lookup(t.view(), 0) == 0 and book.counters.skipped_unhealthy == 1
+    assert len(index.queries) == 1                                # R's only
+
+
+def test_a_request_gone_before_its_get_completes_leaves_the_blocks_cached() -> None:
+    """R finishes while its GET runs: the GET still completes (rows written on both
+    ranks), indexes CPU 0, 1 and leaves them cached at ref 0 for the next request."""
+    index, rig, r = fetch_setup()
+    rig.m.lookup(r.view(), 0)
+    index.answer_all()
+    (get,) = rig.step().remote
+    rig.m.finished("r", 0, [[]])
+    ack_remote(rig, get)
+    assert refs(rig.cpu, [0, 1]) == [0, 0] and rig.cpu.get_cached(r.h[1]) == 1
+
+
+def test_a_full_cpu_tier_declines_the_get() -> None:
+    """Every CPU block pinned by a lookup: the answered GET cannot get a block; R ends
+    with 0 (recompute), counted."""
+    index = HeldIndex()
+    rig = remote_rig(index, cpu=2)
+    held = Req("h", 9, base=100)
+    rig.seed_cpu(*held.h)
+    assert rig.m.lookup(held.view(), 0) == 2 * BS                 # pins CPU 0, 1
+    r = Req("r", 9)
+    index.ready.update(rkey(h) for h in r.h)
+    assert rig.m.lookup(r.view(), 0) is None
+    index.answer_all()
+    assert rig.step().remote == ()
+    assert rig.m.lookup(r.view(), 0) == 0
+    assert rig.m.remote is not None and rig.m.remote.counters.get_declined_cpu_full == 1
+
+
+def test_on_evict_puts_each_block_once_just_before_it_would_be_reused() -> None:
+    """ON_EVICT, a 16-block LRU tier, window 8: A's blocks land in CPU 0, 1 (freed tail
+    first: 1 is reused before 0), each Fi's in the next two. Nothing is put while the
+    next 8 blocks the tier would hand out are empty ones; F3's step takes CPU 8, 9 and
+    leaves A's 1, 0 among the next 8 (after 10..15): they are put (PUT [1, 0]), F4's
+    step puts F0's and F1's, and so on, one batch in flight at a time. A put block goes
+    back as recently used (a second chance); published, it is never put again."""
+    index = HeldIndex()
+    rig = remote_rig(index, mode=RemoteMode.ON_EVICT)
+    puts: list[list[int]] = []
+    for i, req in enumerate([Req("a", 9)] + [Req(f"f{i}", 9, base=1000 + 100 * i)
+                                             for i in range(8)]):
+        msgs: list[Remote] = []
+        assert store(rig, req, msgs) == [(2 * i) % 16, (2 * i + 1) % 16]
+        puts.extend(unpack_ids(m.cpu_ids) for m in msgs)
+        for m in msgs:
+            ack_remote(rig, m)
+        if i == 3:
+            assert puts == []
+        if i == 4:
+            assert puts == [[1, 0]]
+        if i == 5:
+            assert puts == [[1, 0], [3, 2, 5, 4]]
+    flat = [c for p in puts for c in p]
+    assert len(flat) == len(set(flat)) and len(index.published) == len(flat)
+    assert rig.m.remote is not None
+    assert rig.m.remote.counters.put_skipped_duplicate == 0
+
+
+def test_group_qualified_keys_travel_as_fixed_length_remote_hashes() -> None:
+    """A key longer than 32 bytes (a second KV group's) is sent as its BLAKE2b digest."""
+    long_key = b"h" * 32 + b"\x00kvshm.g\x01\x00"
+    assert len(remote_hash(long_key)) == 32 and remote_hash(long_key) != long_key[:32]
+    assert remote_hash(b"x" * 32) == b"x" * 32
+
+
+def test_failed_load_result_after_a_remote_hit_is_recomputed() -> None:
+    """After a remote fetch, R's CPU hit is loaded; a failed load reports the cause and
+    the pins all go (the remote part changes nothing about load failure)."""
+    index, rig, r = fetch_setup()
+    rig.m.lookup(r.view(), 0)
+    index.answer_all()
+    (get,) = rig.step().remote
+    ack_remote(rig, get)
+    assert rig.m.lookup(r.view(), 0) == 2 * BS
+    g = rig.alloc(3)
+    rig.m.allocated("r", [g], 2 * BS)
+    p = rig.step(r.sched(g, confirmed=0, new=True))
+    rig.ack(p.load, ranks=(0, 1), ok=False)
+    (res,) = rig.m.take_load_results()
+    assert not res.ok and res.cause is LoadFailure.WORKER_FAILED
+    assert refs(rig.cpu, [0, 1]) == [0, 0]
