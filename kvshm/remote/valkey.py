@@ -386,19 +386,23 @@ class ValkeyBlockStore:
     # ------------------------------------------------------------------ plumbing
 
     def _fan_out(self, n: int, one: Callable[[int], Any], failed: Any) -> list[Any]:
-        """Run ``one(i)`` for every i over the threads (thread t takes i = t, t+T, ...)."""
+        """Run ``one(i)`` for every i over the threads (thread t takes i = t, t+T, ...).
+
+        While a breaker is not closed, item 0 runs alone first: it is the probe, and a
+        half-open breaker refuses every request that would race it, which would fail
+        the rest of the batch (a whole job) against a server that is back."""
         out: list[Any] = [failed] * n
         if n == 0:
             return out
+        if any(s != "closed" for s in self._shards.states().values()):
+            out[0] = self._run_one(one, 0, failed)
+            rest = self._fan_out(n - 1, lambda i: one(i + 1), failed) if n > 1 else []
+            return [out[0], *rest]
         threads = min(self.spec.threads, n)
 
         def chunk(t: int) -> None:
             for i in range(t, n, threads):
-                try:
-                    out[i] = one(i)
-                except Exception:  # a bug here must not raise into a worker: logged
-                    log.exception("remote tier: unexpected error")
-                    self._n.add(errors=1)
+                out[i] = self._run_one(one, i, failed)
         try:
             futures = [self._pool.submit(chunk, t) for t in range(threads)]
         except RuntimeError:  # closed concurrently
@@ -406,6 +410,14 @@ class ValkeyBlockStore:
         for f in futures:
             f.result()
         return out
+
+    def _run_one(self, one: Callable[[int], Any], i: int, failed: Any) -> Any:
+        try:
+            return one(i)
+        except Exception:  # a bug here must not raise into a worker: logged
+            log.exception("remote tier: unexpected error")
+            self._n.add(errors=1)
+            return failed
 
     def statistics(self) -> dict[str, Any]:
         stats: dict[str, Any] = self._n.snapshot()

@@ -1,0 +1,110 @@
+"""Helpers for the remote tier's engine tests: a writer engine that stores and publishes
+a prompt, a reader that asks until the remote answers, and the raw server commands a
+test uses to corrupt or evict what a writer published.
+
+Run as a script (``python tests/remote/remote_engine_rig.py URL SEED``), it is the
+writer of the two-process test: an engine with two embedded ranks (tp=2) stores the
+prompt of ``SEED``, waits until every block's readiness key is published, prints one
+JSON line (the SHA-256 of each rank's stored blocks, the remote counters) and exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if __name__ == "__main__":  # as a script: the tests' helpers and the repository
+    sys.path[:0] = [str(Path(__file__).resolve().parents[1]),
+                    str(Path(__file__).resolve().parents[2])]
+
+import hashlib
+
+import torch
+from engine_rig import BS, Client, embedded_engine, tokens
+
+from kvshm.engine import Engine
+from kvshm.hashing import chain_hashes
+from kvshm.remote.server import command
+from kvshm.types import RequestView, ScheduledRequest
+
+#: Full blocks of every test prompt (the prompt has one more token: the hit is all 8).
+BLOCKS = 8
+MODEL = "remote-test"
+
+
+def prompt(seed: int) -> list[int]:
+    return tokens(BLOCKS * BS + 1, seed)
+
+
+async def wait_for(cond: Any, what: str, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.01)
+
+
+async def store_and_publish(c: Client, req_id: str, toks: list[int]) -> list[int]:
+    """Compute and finish ``req_id``; wait until every rank acked its blocks' PUT and
+    the readiness keys are on the server."""
+    table, _ = c.compute(req_id, toks)
+    c.finish(req_id, table, len(toks))
+    await c.settle()  # store, then the PUT job it queued: both acked by every rank
+    r = remote(c.eng)
+    assert r["published_blocks"] >= BLOCKS, r
+    await wait_for(lambda: remote(c.eng)["index_published"] >= r["published_blocks"],
+                   "readiness keys on the server")
+    return table
+
+
+async def ask(c: Client, req_id: str, toks: list[int], timeout: float = 20.0) -> int:
+    """Look ``toks`` up until the engine answers (stepping meanwhile, as a scheduler
+    does); the answer in tokens."""
+    hashes = chain_hashes(toks, BS)
+    deadline = time.monotonic() + timeout
+    while True:
+        hit = c.eng.lookup(RequestView(req_id, hashes, len(toks)), 0)
+        if hit is not None:
+            return hit
+        assert time.monotonic() < deadline, f"lookup of {req_id} never answered"
+        c.step()
+        await asyncio.sleep(0.005)
+
+
+def load(c: Client, req_id: str, toks: list[int], hit: int) -> list[int]:
+    """Phase B and the step that posts the load of ``hit`` tokens; the GPU table."""
+    hashes = chain_hashes(toks, BS)
+    table = c.gpu.allocate(len(toks) // BS)
+    c.eng.allocated(req_id, [table], hit)
+    c.step(ScheduledRequest(req_id, hashes, len(toks), (tuple(table),),
+                            new_or_resumed=True, num_confirmed_tokens=0))
+    return table
+
+
+def remote(eng: Engine) -> dict[str, Any]:
+    return eng.statistics().remote
+
+
+def server_keys(host: str, port: int, pattern: str = "kvshm:*") -> list[bytes]:
+    """Every key matching ``pattern`` (KEYS: fine on a test server)."""
+    from kvshm.remote.server import parse_reply
+    return list(parse_reply(command(host, port, "KEYS", pattern)))
+
+
+def digest(t: torch.Tensor) -> str:
+    """SHA-256 of a tensor's bytes."""
+    return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
+
+
+async def _write(url: str, seed: int) -> None:
+    async with embedded_engine(remote_url=url, model_id=MODEL) as (eng, gpu, ks, _):
+        table = await store_and_publish(Client(eng, gpu), "w", prompt(seed))
+        print(json.dumps({"sha256": [digest(k[table[:BLOCKS]]) for k in ks],
+                          "remote": remote(eng)}), flush=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(_write(sys.argv[1], int(sys.argv[2])))
