@@ -14,10 +14,11 @@ Ordering of every guarded call:
    callbacks already did it). The per-request calls (``lookup``, ``allocated``,
    ``finished``) do not pump: a synchronous scheduler makes dozens of them a step, and
    they act on the state the step's own pump left (a pump costs ~10 µs: measured with
-   ``tools.bench_vs_vllm``);
+   ``tools.bench_vs_vllm``), and they inline the guard's state test;
 2. the runtime call;
 3. the after-hook, only when the runtime call returned: ``Engine`` publishes the load
-   results that are now due to its waiters; ``SyncClient`` leaves them for ``poll``.
+   results that are now due to its waiters; ``SyncClient`` leaves them for ``poll`` (a
+   face that does not override a hook does not call it).
 
 Every call runs on the one thread that owns the runtime.
 """
@@ -43,6 +44,11 @@ class Facade:
 
     def __init__(self, core: Runtime) -> None:
         self._core = core
+        cls = type(self)
+        # the after-hooks a face overrides (the base ones do nothing and are not called)
+        self._hooks_allocated = cls._after_allocated is not Facade._after_allocated
+        self._hooks_step = cls._after_step is not Facade._after_step
+        self._hooks_finished = cls._after_finished is not Facade._after_finished
 
     @property
     def state(self) -> EngineState:
@@ -63,17 +69,22 @@ class Facade:
     def lookup(self, req: RequestView, num_local_tokens: int) -> int | None:
         """Phase A: the CPU hit in tokens beyond ``num_local_tokens`` (pinned until phase
         B); 0 unless READY; None: ask again later (see ``OffloadManager.lookup``)."""
-        self._enter(service=False)
-        return self._core.lookup(req, num_local_tokens)
+        core = self._core
+        if core.state in ENDED:  # _enter(service=False), inlined
+            raise self._ended_error()
+        return core.lookup(req, num_local_tokens)
 
     def allocated(self, req_id: str, gpu_block_ids: Sequence[Sequence[int]],
                   num_external_tokens: int) -> None:
         """Phase B: where the hit goes (see ``OffloadManager.allocated``). The load's
         outcome: ``await Engine.wait_loaded(req_id)`` after ``step``, or
         ``SyncClient.poll``."""
-        self._enter(service=False)
-        self._core.allocated(req_id, gpu_block_ids, num_external_tokens)
-        self._after_allocated(req_id, num_external_tokens)
+        core = self._core
+        if core.state in ENDED:  # _enter(service=False), inlined
+            raise self._ended_error()
+        core.allocated(req_id, gpu_block_ids, num_external_tokens)
+        if self._hooks_allocated:
+            self._after_allocated(req_id, num_external_tokens)
 
     def step(self, step_input: StepInput) -> StepPlan:
         """Plan and post this step's transfers; never blocks, never raises on a full ring.
@@ -83,16 +94,20 @@ class Facade:
         """
         self._enter()
         plan = self._core.step(step_input)
-        self._after_step()
+        if self._hooks_step:
+            self._after_step()
         return plan
 
     def finished(self, req_id: str, num_confirmed_tokens: int,
                  gpu_block_ids: Sequence[Sequence[int]]) -> bool:
         """The request is done; its unsaved full blocks go out in the next step. Always
         False (pins, not delayed frees; see ``OffloadManager.finished``)."""
-        self._enter(service=False)
-        out = self._core.finished(req_id, num_confirmed_tokens, gpu_block_ids)
-        self._after_finished(req_id)
+        core = self._core
+        if core.state in ENDED:  # _enter(service=False), inlined
+            raise self._ended_error()
+        out = core.finished(req_id, num_confirmed_tokens, gpu_block_ids)
+        if self._hooks_finished:
+            self._after_finished(req_id)
         return out
 
     def statistics(self) -> EngineStats:
@@ -104,9 +119,13 @@ class Facade:
         """The state guard every scheduler call passes first (the only copy); then the
         face's service unless ``service`` is False (the per-request calls)."""
         if self._ended:
-            raise StateError(f"{self._kind} {self.name!r} is {self._core.state.name}")
+            raise self._ended_error()
         if service:
             self._service()
+
+    def _ended_error(self) -> StateError:
+        """What a call on an ended face raises (the only copy of its text)."""
+        return StateError(f"{self._kind} {self.name!r} is {self._core.state.name}")
 
     def _service(self) -> None:
         """After the guard, before the runtime call (SyncClient: pump)."""

@@ -32,7 +32,9 @@ class GroupSet:
     """The manager's KV groups: kinds, windows in blocks, CPU index keys.
 
     ``full``: the full-attention group numbers; ``sw``: (group, window in blocks) of each
-    sliding-window group; ``is_sw[g]`` and ``window_blocks[g]`` the same by group.
+    sliding-window group; ``is_sw[g]`` and ``window_blocks[g]`` the same by group;
+    ``single``: one full-attention group only, whose keys are the plain hashes (the hot
+    paths take a shortcut there).
     """
 
     def __init__(self, groups: Sequence[KVGroup], block_size: int) -> None:
@@ -52,6 +54,7 @@ class GroupSet:
                 self.sw.append((g, cdiv(kv.window_tokens - 1, block_size)))
         self.is_sw = tuple(kv.kind is GroupKind.SLIDING_WINDOW for kv in self.groups)
         self.window_blocks = {g: n for g, n in self.sw}
+        self.single = self.n == 1 and not self.sw
         self._suffix = [b""] + [b"\x00kvshm.g" + g.to_bytes(2, "little") for g in range(1, self.n)]
 
     def key(self, h: BlockHash, g: int) -> bytes:

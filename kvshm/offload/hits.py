@@ -47,6 +47,13 @@ def find_hit(cpu: BlockPool, gs: GroupSet, hashes: Sequence[BlockHash], start: i
     n = min(len(hashes) - start, max_blocks)
     if n <= 0:
         return None
+    if gs.single:  # one full-attention group: the keys are the hashes themselves
+        run = cpu.cached_run(hashes, start, start + n)
+        if not run:
+            return None
+        end = start + len(run)
+        only: list[int | None] = list(run)
+        return Hit(start, end, [only], run, _seen(hashes, start, end))
     get = cpu.get_cached
     key = gs.key
     full_rows: list[list[int]] = []
@@ -78,9 +85,14 @@ def find_hit(cpu: BlockPool, gs: GroupSet, hashes: Sequence[BlockHash], start: i
         window.extend(sw_ids[g][lo:k])
         per_group[g] = window
     pinned = [b for i in range(k) for g in range(gs.n) if (b := per_group[g][i]) is not None]
-    seen = (tuple(hashes[start:end]) if type(hashes) is list or type(hashes) is tuple
-            else tuple(hashes[p] for p in range(start, end)))
-    return Hit(start, end, per_group, pinned, seen)
+    return Hit(start, end, per_group, pinned, _seen(hashes, start, end))
+
+
+def _seen(hashes: Sequence[BlockHash], start: int, end: int) -> tuple[BlockHash, ...]:
+    """A copy of ``hashes[start:end]`` (phase B never reads the live sequence)."""
+    if type(hashes) is list or type(hashes) is tuple:
+        return tuple(hashes[start:end])
+    return tuple(hashes[p] for p in range(start, end))
 
 
 def _shrink_for_windows(gs: GroupSet, sw_ids: dict[int, list[int | None]], start: int,
@@ -126,6 +138,13 @@ def assign(cpu: BlockPool, gs: GroupSet, hit: Hit, tables: Sequence[Sequence[int
     manager checks that first, as InvalidRequest).
     """
     end = hit.start + k
+    if gs.single:  # every position of the one full group has its CPU block
+        t = tables[0]
+        if len(t) < end:
+            raise ConfigError(f"group 0 table has {len(t)} blocks, phase B needs {end}")
+        row = hit.cpu[0]
+        return Assignment(row[:k] if k < len(row) else list(row),  # type: ignore[arg-type]
+                          list(t[hit.start:end]), [])
     for g in range(gs.n):
         if len(tables[g]) < end:
             raise ConfigError(

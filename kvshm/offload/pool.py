@@ -30,7 +30,7 @@ the pool except :meth:`drop_all_hashes` (O(hashed blocks)) and :meth:`check_inva
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvshm.config import Eviction
@@ -121,10 +121,11 @@ class BlockPool:
         blocks = self._blocks
         n = len(blocks)
         out: list[Block] = []
+        add = out.append
         for i in ids:
             if not 0 <= i < n:
                 raise ConfigError(f"unknown block id {i!r} (pool has {n} blocks)")
-            out.append(blocks[i])
+            add(blocks[i])
         return out
 
     def _get(self, block_id: int) -> Block:
@@ -142,8 +143,9 @@ class BlockPool:
             self.exhausted += 1
             raise PoolExhausted(n, len(self._queue))
         out: list[int] = []
+        popleft = self._queue.popleft
         for _ in range(n):
-            b = self._queue.popleft()
+            b = popleft()
             if b.hashes:
                 self.evictions += 1
                 self._unindex(b)
@@ -154,30 +156,48 @@ class BlockPool:
     def touch(self, ids: Iterable[int]) -> None:
         """ref += 1 for each id (repeats count); a block at ref 0 leaves the free queue
         first and keeps its hashes. Unknown ids: ConfigError before any change."""
-        queue = self._queue
-        for b in self._resolve(ids):
+        blocks = self._resolve(ids)
+        remove = self._queue.remove
+        for b in blocks:
             if b.ref_cnt == 0:
-                queue.remove(b)
+                remove(b)
             b.ref_cnt += 1
 
     def free(self, ids: Iterable[int], *, evict_first: bool = False) -> None:
         """ref -= 1 for each id (repeats count). A block reaching 0 joins the free
         queue: LRU end when uncached or ``evict_first``, MRU end when cached; earlier ids
         are taken before later ones at either end. Freeing below 0 or an unknown id:
-        ConfigError before any change."""
-        blocks = self._resolve(ids)
-        self._check_freeable(blocks)
+        ConfigError before any change.
+
+        One pass resolves the ids and checks each block's ref; only a call that names a
+        block twice counts per block (:meth:`_check_freeable`)."""
+        all_blocks = self._blocks
+        n = len(all_blocks)
+        blocks: list[Block] = []
+        add = blocks.append
+        low = False
+        for i in ids:
+            if not 0 <= i < n:
+                raise ConfigError(f"unknown block id {i!r} (pool has {n} blocks)")
+            b = all_blocks[i]
+            if b.ref_cnt < 1:
+                low = True
+            add(b)
+        if low or (len(blocks) > 1 and len(set(map(id, blocks))) != len(blocks)):
+            self._check_freeable(blocks)
         to_lru: list[Block] = []
-        queue = self._queue
+        append = self._queue.append
         for b in blocks:
             b.ref_cnt -= 1
             if b.ref_cnt == 0:
                 if evict_first or not b.hashes:
                     to_lru.append(b)
                 else:
-                    queue.append(b)
-        for b in reversed(to_lru):
-            queue.appendleft(b)
+                    append(b)
+        if to_lru:
+            appendleft = self._queue.appendleft
+            for b in reversed(to_lru):
+                appendleft(b)
 
     @staticmethod
     def _check_freeable(blocks: list[Block]) -> None:
@@ -208,7 +228,11 @@ class BlockPool:
     def set_depth(self, block_id: int, depth: int) -> None:
         """``block_id`` holds position ``depth`` of its prefix chain (read by the
         depth-aware orders when the block is next freed)."""
-        self._get(block_id).depth = depth
+        blocks = self._blocks
+        if not 0 <= block_id < len(blocks):
+            raise ConfigError(f"unknown block id {block_id!r} (pool has {len(blocks)} "
+                              "blocks)")
+        blocks[block_id].depth = depth
 
     # ---- hash index ----------------------------------------------------------------
 
@@ -219,12 +243,17 @@ class BlockPool:
     def add_hashes(self, block_id: int, hashes: Iterable[BlockHash]) -> None:
         """Index ``block_id`` under each hash (ones it already carries are skipped).
         The block's place in the free queue does not change."""
-        b = self._get(block_id)
+        blocks = self._blocks
+        if not 0 <= block_id < len(blocks):
+            raise ConfigError(f"unknown block id {block_id!r} (pool has {len(blocks)} "
+                              "blocks)")
+        b = blocks[block_id]
+        have = b.hashes
         new: list[BlockHash] = []
         for h in hashes:
             if not isinstance(h, bytes):
                 raise ConfigError(f"block hash must be bytes, got {type(h).__name__}")
-            if h not in b.hashes and h not in new:
+            if h not in have and h not in new:
                 new.append(h)
         if not new:
             return
@@ -263,6 +292,19 @@ class BlockPool:
         if not ids:
             return None
         return next(iter(ids))
+
+    def cached_run(self, hashes: Sequence[BlockHash], start: int, end: int) -> list[int]:
+        """:meth:`get_cached` of ``hashes[start]``, ``hashes[start + 1]``, ... up to the
+        first hash not cached or ``end`` (exclusive): one call for a lookup's whole run
+        (the index never keeps an empty entry, so a present entry names a block)."""
+        get = self._index.get
+        out: list[int] = []
+        for p in range(start, end):
+            ids = get(hashes[p])
+            if ids is None:
+                break
+            out.append(next(iter(ids)))
+        return out
 
     def is_cached(self, h: BlockHash) -> bool:
         return h in self._index

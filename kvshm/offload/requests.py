@@ -208,27 +208,28 @@ class RequestTracker:
         (re)admitted request leaves the stalled set first)."""
         dirty: list[ScheduledRequest] = []
         stalled = self.stalled
+        reqs = self.reqs
         for r, kind in changes:
             if kind & ADMIT:
                 stalled.pop(r.req_id, None)
                 self._admit(r, dirty)
                 continue
-            if kind & EXTEND:
-                self._extend(r)
+            if kind & EXTEND:  # ids appended (a tracked request keeps its tables)
+                st = reqs[r.req_id]
+                if st.tracked:
+                    tables, nb = st.tables, r.new_block_ids
+                    if len(tables) == 1:
+                        tables[0].extend(nb[0])
+                    else:
+                        for table, ids in zip(tables, nb):
+                            table.extend(ids)
+                    st.hashes = r.block_hashes
             if kind & DIRTY:
                 dirty.append(r)
         if stalled:
             walked = {r.req_id for r in dirty}
             dirty.extend(r for rid, r in stalled.items() if rid not in walked)
         return dirty
-
-    def _extend(self, r: ScheduledRequest) -> None:
-        st = self.reqs[r.req_id]
-        if not st.tracked:
-            return
-        for table, ids in zip(st.tables, r.new_block_ids):
-            table.extend(ids)
-        st.hashes = r.block_hashes
 
     def _admit(self, r: ScheduledRequest, dirty: list[ScheduledRequest]) -> None:
         """First listing, resumption (full table) or preemption (table forgotten)."""
@@ -255,16 +256,22 @@ class RequestTracker:
         """Walk each changed request's confirmed blocks into ``sel``; returns what is
         left of ``avail`` CPU blocks."""
         bs = self.bs
+        reqs, watch, stalled, walk = self.reqs, self.watch, self.stalled, self.plan.walk
         for r in dirty:
-            st = self.reqs[r.req_id]
+            rid = r.req_id
+            st = reqs[rid]
             st.hashes = r.block_hashes
-            ready = min(r.num_confirmed_tokens // bs, min(len(t) for t in st.tables))
-            avail = self.plan.walk(st, ready, avail, alloc, sel)
-            w = self.watch[r.req_id] = st.cursor + 1
+            tables = st.tables
+            shortest = len(tables[0]) if len(tables) == 1 else min(map(len, tables))
+            ready = r.num_confirmed_tokens // bs
+            if shortest < ready:
+                ready = shortest
+            avail = walk(st, ready, avail, alloc, sel)
+            w = watch[rid] = st.cursor + 1
             if w <= ready:  # stopped short of what it could store: walk it again
-                self.stalled[r.req_id] = r
-            elif self.stalled:
-                self.stalled.pop(r.req_id, None)
+                stalled[rid] = r
+            elif stalled:
+                stalled.pop(rid, None)
         return avail
 
     def check_finish(self, st: ReqState, num_confirmed_tokens: int,
@@ -287,6 +294,7 @@ class RequestTracker:
         st.tables = [list(t) for t in tables]
         if hashes is not None:
             st.hashes = hashes
-        ready = min(num_confirmed_tokens // self.bs, min(len(t) for t in st.tables))
-        self.plan.pin_finished(st, ready)
+        ready = min(num_confirmed_tokens // self.bs, min(map(len, tables)))
+        if ready > st.cursor:
+            self.plan.pin_finished(st, ready)
 

@@ -237,30 +237,32 @@ class SchedulerSide:
     @guarded
     def lookup(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         """``get_num_new_matched_tokens``: see the module docstring."""
-        self._requests[request.request_id] = request
-        self.counters.lookups += 1
+        rid = request.request_id
+        self._requests[rid] = request
+        counters = self.counters
+        counters.lookups += 1
         if getattr(request, "skip_reading_prefix_cache", False):
-            self.counters.lookups_skipped += 1
+            counters.lookups_skipped += 1
             return 0, False
-        if request.request_id in self._load_failed:
-            self.counters.lookups_after_failed_load += 1
+        if rid in self._load_failed:
+            counters.lookups_after_failed_load += 1
             return 0, False
-        if request.request_id in self._refused:
+        if rid in self._refused:
             return 0, False
-        view = RequestView(request.request_id, request.block_hashes, request.num_tokens,
+        view = RequestView(rid, request.block_hashes, request.num_tokens,
                            request.kv_transfer_params)
+        client = self._client or self.client  # the property raises before bind
         try:
-            hit = self.client.lookup(view, num_computed_tokens)
+            hit = client.lookup(view, num_computed_tokens)
         except InvalidRequest as exc:
-            self._refuse(request.request_id, exc)
+            self._refuse(rid, exc)
             return 0, False
         if hit is None:
-            self.counters.lookups_asked_again += 1
+            counters.lookups_asked_again += 1
             return None, False
         if hit > 0:
-            self.counters.lookup_hit_tokens += hit
-            log.debug("kvshm: request %s: %d token(s) from the CPU tier", request.request_id,
-                      hit)
+            counters.lookup_hit_tokens += hit
+            log.debug("kvshm: request %s: %d token(s) from the CPU tier", rid, hit)
             return hit, True
         return 0, False
 
@@ -270,7 +272,7 @@ class SchedulerSide:
         """``update_state_after_alloc``: the request's whole per-group tables."""
         rid = request.request_id
         try:
-            self.client.allocated(rid, block_ids, num_external_tokens)
+            (self._client or self.client).allocated(rid, block_ids, num_external_tokens)
         except InvalidRequest as exc:
             self._refuse(rid, exc)
             self.client.allocated(rid, self._no_new, 0)  # releases the lookup's pin
@@ -375,7 +377,7 @@ class SchedulerSide:
         rid = request.request_id
         confirmed = request.num_computed_tokens - request.num_output_placeholders
         try:
-            self.client.finished(rid, confirmed, block_ids)
+            (self._client or self.client).finished(rid, confirmed, block_ids)
         except InvalidRequest as exc:
             self._refuse(rid, exc)
             self.client.finished(rid, 0, self._no_new)  # forgets it, stores nothing
@@ -383,11 +385,13 @@ class SchedulerSide:
         return False, None
 
     def _forget(self, rid: str) -> None:
-        self._lister.forget(rid)
+        self._lister.next_look.pop(rid, None)  # Listing.forget, inlined
         self._requests.pop(rid, None)
         self._announced.discard(rid)
-        self._load_failed.discard(rid)
-        self._refused.discard(rid)
+        if self._load_failed:
+            self._load_failed.discard(rid)
+        if self._refused:
+            self._refused.discard(rid)
 
     @guarded
     def has_pending_work(self) -> bool:

@@ -37,6 +37,7 @@ P = ParamSpec("P")
 R = TypeVar("R")
 
 log = logging.getLogger("kvshm.vllm")
+_monotonic = time.monotonic
 
 #: How long the scheduler may be idle before the thread pumps (and its poll period):
 #: a ``kvshm stats`` query waits at most about this long plus one pump.
@@ -71,11 +72,18 @@ G = TypeVar("G", bound=_Guarded)
 
 
 def guarded(fn: Callable[Concatenate[G, P], R]) -> Callable[Concatenate[G, P], R]:
-    """Run the method inside its object's ``guard`` (a hook of the scheduler side)."""
+    """Run the method inside its object's ``guard`` (a hook of the scheduler side):
+    :class:`HookGuard`'s enter and exit, inlined (vLLM calls dozens of hooks a step)."""
     @functools.wraps(fn)
     def wrapper(self: G, /, *args: P.args, **kwargs: P.kwargs) -> R:
-        with self.guard:
+        guard = self.guard
+        lock = guard.lock
+        lock.acquire()
+        try:
             return fn(self, *args, **kwargs)
+        finally:
+            guard.last_exit = _monotonic()
+            lock.release()
     return wrapper
 
 
