@@ -1,0 +1,164 @@
+"""Hypothesis stateful test of the manager with a remote tier (``kvshm.offload.remote``).
+
+Random interleavings of stores (write-through PUTs), lookups that query the held index,
+answers, steps, per-rank acks of remote jobs in any order (ok or failed), requests
+finishing, evictions on the server, ``reset`` and a rank's death and fence. After every
+rule the manager's own cross-check runs (every CPU pin recorded exactly once, a block
+being fetched carries no hash). Invariants of the remote tier checked here:
+
+* a readiness key is published only for blocks whose PUT every rank acked ok;
+* a block another engine published (never stored here) is indexed in the CPU tier only
+  after a GET of it that every rank acked ok;
+* once every job is acked and every request finished, nothing is pinned.
+"""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from manager_rig import BS, Req
+from test_remote_book import WORLD, HeldIndex, remote_rig, rkey
+
+from kvshm.ipc.protocol import Remote, RemoteOp
+from kvshm.offload.remote import remote_hash
+
+PROMPTS = [Req(f"p{i}", 4 * (1 + i % 3) + 1, base=100 * i) for i in range(6)]
+#: Prompts another engine published (on the server from the start; never stored here).
+FOREIGN = [Req(f"x{i}", 4 * (1 + i % 3) + 1, base=5000 + 100 * i) for i in range(3)]
+FOREIGN_KEYS = {remote_hash(h): h for r in FOREIGN for h in r.h}
+
+
+class RemoteMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.index = HeldIndex()
+        self.index.ready.update(rkey(h) for h in FOREIGN_KEYS.values())
+        self.rig = remote_rig(self.index, cpu=10)
+        self.out: list[tuple[Remote, dict[int, bool]]] = []  # posted, acks so far
+        self.put_ok: set[str] = set()  # readiness keys whose PUT every rank acked ok
+        self.get_ok: set[bytes] = set()  # foreign keys a GET fetched, every rank ok
+        self.live: set[str] = set()
+        self.failed = False
+        self.n = 0
+
+    def _plan(self) -> None:
+        for msg in self.rig.step().remote:
+            self.out.append((msg, {}))
+
+    @rule(i=st.integers(0, len(PROMPTS) - 1))
+    def store(self, i: int) -> None:
+        req = PROMPTS[i]
+        if self.failed or self.rig.gpu.num_free < len(req.h):
+            return
+        self.n += 1
+        rid = f"s{self.n}"
+        g = self.rig.alloc(len(req.h), req.h)
+        r = Req(rid, len(req.toks), base=req.toks[0])
+        plan = self.rig.step(r.sched(g, confirmed=len(r.toks), new=True))
+        if plan.store is not None:
+            self.rig.ack(plan.store, ranks=range(WORLD))
+        self.out.extend((m, {}) for m in plan.remote)
+        self.rig.m.finished(rid, len(r.toks), [g])
+        self.rig.gpu.free(reversed(g))
+        self.rig.m.check_invariants()
+
+    @rule(i=st.integers(0, len(PROMPTS) + len(FOREIGN) - 1), n=st.integers(0, 3))
+    def lookup(self, i: int, n: int) -> None:
+        req = (PROMPTS + FOREIGN)[i]
+        rid = f"l{i}.{n}"
+        self.live.add(rid)
+        self.rig.m.lookup(Req(rid, len(req.toks), base=req.toks[0]).view(), 0)
+        self.rig.m.check_invariants()
+
+    @rule()
+    def answer(self) -> None:
+        self.index.answer_all()
+
+    @rule()
+    def step(self) -> None:
+        self._plan()
+
+    @precondition(lambda self: self.out)
+    @rule(data=st.data(), ok=st.booleans())
+    def ack(self, data: st.DataObject, ok: bool) -> None:
+        k = data.draw(st.integers(0, len(self.out) - 1))
+        msg, acks = self.out[k]
+        rank = data.draw(st.sampled_from([r for r in range(WORLD) if r not in acks]))
+        acks[rank] = ok
+        self.rig.m.on_done(msg.job_id, rank, ok)
+        if len(acks) == WORLD:
+            del self.out[k]
+            if all(acks.values()) and not self.failed:
+                self._completed_ok(msg)
+        self.rig.m.check_invariants()
+
+    def _completed_ok(self, msg: Remote) -> None:
+        hashes = [msg.hashes[i:i + msg.hash_len] for i in range(0, len(msg.hashes),
+                                                                 msg.hash_len)]
+        if msg.op is RemoteOp.PUT:
+            self.put_ok.update(f"ready:{h.hex()}" for h in hashes)
+        else:
+            self.get_ok.update(FOREIGN_KEYS[h] for h in hashes if h in FOREIGN_KEYS)
+
+    @precondition(lambda self: self.live)
+    @rule(data=st.data())
+    def finish(self, data: st.DataObject) -> None:
+        rid = data.draw(st.sampled_from(sorted(self.live)))
+        self.live.discard(rid)
+        self.rig.m.finished(rid, 0, [[]])
+        self.rig.m.check_invariants()
+
+    @rule(i=st.integers(0, 20))
+    def evict_on_server(self, i: int) -> None:
+        ready = sorted(self.index.ready)
+        if ready:
+            self.index.ready.discard(ready[i % len(ready)])
+
+    @rule()
+    def reset(self) -> None:
+        self.rig.m.reset()
+        self.rig.m.check_invariants()
+
+    @precondition(lambda self: not self.failed)
+    @rule()
+    def rank_dies_and_is_fenced(self) -> None:
+        self.failed = True
+        self.rig.m.rank_fenced(1)
+        for _msg, acks in self.out:
+            acks[1] = False
+        self.out = [(m, a) for m, a in self.out if len(a) < WORLD]
+        self.rig.m.check_invariants()
+
+    @invariant()
+    def published_only_after_every_rank_stored(self) -> None:
+        assert set(self.index.published) <= self.put_ok
+
+    @invariant()
+    def foreign_blocks_are_indexed_only_after_every_rank_fetched_them(self) -> None:
+        foreign = set(FOREIGN_KEYS.values())
+        indexed = {k for c in range(self.rig.cpu.num_blocks)
+                   for k in self.rig.cpu.block_hashes(c)}
+        assert indexed & foreign <= self.get_ok
+
+    def teardown(self) -> None:
+        for msg, acks in list(self.out):
+            for rank in range(WORLD):
+                if rank not in acks:
+                    self.rig.m.on_done(msg.job_id, rank, True)
+        for rid in list(self.live):
+            self.rig.m.finished(rid, 0, [[]])
+        self.rig.m.check_invariants()
+        if not self.rig.m.has_pending_work():
+            assert self.rig.m.pins_held() == 0
+
+
+RemoteMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
+                                           deadline=None)
+TestRemote = RemoteMachine.TestCase
+
+
+def test_remote_hash_and_ready_key_agree() -> None:
+    """The test's published key for a stored block is the book's readiness key."""
+    h = PROMPTS[0].h[0]
+    assert rkey(h) == f"ready:{remote_hash(h).hex()}" and BS == 4
