@@ -33,7 +33,7 @@ from remote_engine_rig import (
 )
 
 from kvshm.hashing import chain_hashes
-from kvshm.remote.server import ValkeyServer, command
+from kvshm.remote.server import ValkeyCluster, ValkeyServer, command
 from kvshm.types import RequestView
 
 pytestmark = pytest.mark.asyncio
@@ -203,3 +203,24 @@ def _probe(c: Client) -> bool:
     c.eng.lookup(RequestView(f"probe{_probe_no[0]}", chain_hashes(toks, BS), len(toks)), 0)
     c.step()
     return bool(remote(c.eng)["index_breaker_state"] == "closed")
+
+
+async def test_round_trip_over_a_six_node_cluster(valkey_cluster: ValkeyCluster) -> None:
+    """The same hand-over on a ``valkey+cluster://`` URL (3 primaries + 3 replicas): the
+    blocks' keys spread over the primaries (each primary holds some), B loads all 8
+    bit-exact. (A killed primary's effect on the tier: test_valkey_cluster.py.)"""
+    url = valkey_cluster.url
+    toks = prompt(7)
+    async with embedded_engine(remote_url=url, model_id=MODEL) as (ea, ga, ka, _):
+        table = await store_and_publish(Client(ea, ga), "w", toks)
+        src = [digest(k[table[:BLOCKS]]) for k in ka]
+    held = [len(server_keys(n.host, n.port, "*kvshm:v1:*")) for n in valkey_cluster.primaries()]
+    assert sum(held) == 40 and all(held), held
+    async with embedded_engine(remote_url=url, model_id=MODEL) as (eb, gb, kb, _):
+        for k in kb:
+            k.zero_()
+        cb = Client(eb, gb)
+        assert await ask(cb, "r", toks) == BLOCKS * BS
+        dst = load(cb, "r", toks, BLOCKS * BS)
+        assert (await cb.loaded("r")).ok
+        assert [digest(k[dst[:BLOCKS]]) for k in kb] == src
