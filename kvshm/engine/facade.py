@@ -26,6 +26,7 @@ Every call runs on the one thread that owns the runtime.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from kvshm.engine.lifecycle import ENDED, EngineState
 from kvshm.engine.runtime import Runtime
@@ -109,6 +110,13 @@ class Facade:
         if self._hooks_finished:
             self._after_finished(req_id)
         return out
+
+    def transfer_params(self, req_id: str) -> dict[str, Any] | None:
+        """After ``finished`` of a P/D prefill request (``do_remote_decode`` in its
+        params) on an engine with a remote tier: the ``kv_transfer_params`` a decode
+        engine needs (the hand-off's manifest; pass them with ``do_remote_prefill``);
+        handed out once. None for any other request."""
+        return self._core.transfer_params(req_id)
 
     def statistics(self) -> EngineStats:
         """A statistics snapshot (in every state, closed included)."""

@@ -18,9 +18,10 @@ from dataclasses import dataclass
 from kvshm.config import EngineConfig
 from kvshm.ipc.protocol import RemoteSetup
 from kvshm.offload.groups import GroupSet
+from kvshm.offload.handoff import Handoffs
 from kvshm.offload.jobs import JobTable
 from kvshm.offload.pool import BlockPool
-from kvshm.offload.remote import RemoteBook
+from kvshm.offload.remote import RemoteBook, remote_hash
 from kvshm.remote.tier import ReadyIndex, RemoteSpec, ready_key
 from kvshm.remote.valkey import ValkeyReadyIndex
 
@@ -52,7 +53,8 @@ class RemoteLink:
             return ready_key(fingerprint, world, h)
 
         def make(cpu: BlockPool, gs: GroupSet, jobs: JobTable) -> RemoteBook:
-            return RemoteBook(cpu, gs, jobs, index, key, mode=cfg.remote_mode)
+            pd = Handoffs(index, fingerprint, world, cfg.block_size, remote_hash)
+            return RemoteBook(cpu, gs, jobs, index, key, mode=cfg.remote_mode, handoffs=pd)
         return make
 
     def close(self) -> None:

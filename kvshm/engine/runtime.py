@@ -406,6 +406,10 @@ class Runtime:
             return False
         return self.manager.finished(req_id, num_confirmed_tokens, gpu_block_ids)
 
+    def transfer_params(self, req_id: str) -> dict[str, Any] | None:
+        """A finished P/D prefill request's ``kv_transfer_params`` (once), else None."""
+        return None if self.manager is None else self.manager.transfer_params(req_id)
+
     def reset(self) -> bool:
         """Drop the CPU index; True once nothing is in flight."""
         return self.manager is None or self.manager.reset()

@@ -78,6 +78,8 @@ def _remote_stats(config: EngineConfig, manager: OffloadManager | None,
     if book is None:
         return out
     out.update(book.counters.as_dict())
+    if book.pd is not None:
+        out.update(book.pd.counters.as_dict())
     out["hit_bytes"] = book.counters.hit_blocks * bytes_per_block
     out["put_bytes"] = book.counters.published_blocks * bytes_per_block
     out.update({f"index_{k}": v for k, v in book.index.statistics().items()})

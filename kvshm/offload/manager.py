@@ -40,6 +40,7 @@ O(blocks that changed); no scan over every request's blocks.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvshm.errors import ConfigError
 from kvshm.ipc.protocol import Direction, Remote, Transfer, pack_ids
@@ -104,6 +105,7 @@ class OffloadManager:
                                   self._loads.dst.counts)
         self._track = RequestTracker(self._gs, block_size, self._eager, self._stores)
         self._hits: dict[str, Hit] = {}
+        self._params: dict[str, dict[str, Any]] = {}  # P/D hand-offs' transfer params
         self.remote = None if remote is None else remote(cpu, self._gs, self._jobs)
         self._failed = False
         self._abandoned = 0
@@ -173,7 +175,8 @@ class OffloadManager:
             if self.remote is None:
                 return 0
             return self.remote.lookup(rid, view.hashes, s,
-                                      (view.num_tokens - 1 - num_local_tokens) // bs)
+                                      (view.num_tokens - 1 - num_local_tokens) // bs,
+                                      view.params)
         if self._loads.is_loading(hit.pinned):
             self.counters.lookups_asked_again += 1
             return None
@@ -344,7 +347,19 @@ class OffloadManager:
         st = self._forget(req_id)
         if st is not None and not self._failed:
             self._track.finish(st, confirmed, tables, hashes)
+            if st.remote and self.remote is not None and self.remote.pd is not None:
+                n = min(confirmed // self.block_size, len(st.hashes))
+                keys = [self._gs.key(st.hashes[p], g) for p in range(n)
+                        for g in range(self._gs.n)]
+                self._params[req_id] = self.remote.publish(req_id, keys, confirmed)
+                if len(self._params) > 4096:  # never asked for: keep the newest only
+                    del self._params[next(iter(self._params))]
         return False
+
+    def transfer_params(self, req_id: str) -> dict[str, Any] | None:
+        """The ``kv_transfer_params`` of a P/D prefill request that just finished (its
+        hand-off's manifest: :mod:`kvshm.offload.handoff`), once; None otherwise."""
+        return self._params.pop(req_id, None)
 
     def _forget(self, req_id: str) -> ReqState | None:
         """Drop a request's pin, queued load and tracking (in-flight jobs keep theirs)."""

@@ -50,11 +50,12 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from enum import Enum
 from itertools import islice
-from typing import Final
+from typing import Any, Final
 
 from kvshm.config import Eviction, RemoteMode
 from kvshm.ipc.protocol import Remote, RemoteOp, pack_ids
 from kvshm.offload.groups import GroupSet
+from kvshm.offload.handoff import Handoffs, Verdict
 from kvshm.offload.jobs import JobTable, RemoteJob
 from kvshm.offload.pool import BlockPool
 from kvshm.remote.tier import ReadyIndex
@@ -139,7 +140,8 @@ class RemoteBook:
     def __init__(self, cpu: BlockPool, gs: GroupSet, jobs: JobTable, index: ReadyIndex,
                  ready_key: Callable[[bytes], str], *, mode: RemoteMode,
                  answer_timeout_s: float = 2.0, evict_window: int | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 handoffs: Handoffs | None = None) -> None:
         self.cpu, self._gs, self._jobs, self.index = cpu, gs, jobs, index
         self._ready_key = ready_key
         self.mode = mode
@@ -155,6 +157,7 @@ class RemoteBook:
         self._put_keys: set[bytes] = set()  # queued or in flight
         self._published: OrderedDict[bytes, None] = OrderedDict()
         self._fetching: dict[bytes, int] = {}  # key -> GET job id
+        self.pd = handoffs
 
     # ---- queries ---------------------------------------------------------------------
 
@@ -172,13 +175,22 @@ class RemoteBook:
 
     # ---- read path ---------------------------------------------------------------------
 
-    def lookup(self, rid: str, hashes: Sequence[bytes], start: int, n_max: int) -> int | None:
+    def lookup(self, rid: str, hashes: Sequence[bytes], start: int, n_max: int,
+               params: Any = None) -> int | None:
         """A request whose CPU hit is 0: None while its remote lookup runs, else 0 (the
         blocks, once fetched, are an ordinary CPU hit). ``n_max``: blocks after
-        ``start`` the hit may cover."""
+        ``start`` the hit may cover. A P/D hand-off (``params``) waits for its
+        manifest first (:mod:`kvshm.offload.handoff`)."""
         self.poll()
         st = self._reqs.get(rid)
         if st is None:
+            if self.pd is not None:
+                verdict = self.pd.consume(rid, params, lambda: self._keys(hashes, 0,
+                                                                          len(hashes)))
+                if verdict is Verdict.WAIT:
+                    return None
+                if verdict is Verdict.REFUSED:
+                    return 0
             return self._begin(rid, hashes, start, n_max)
         if st.state is RemoteState.QUERYING and self._clock() - st.since > self._timeout:
             self.counters.query_timeouts += 1
@@ -196,8 +208,7 @@ class RemoteBook:
         if not self.index.healthy():
             self.counters.skipped_unhealthy += 1
             return 0
-        key = self._gs.key
-        keys = [key(hashes[p], g) for p in range(start, end) for g in range(self._gs.n)]
+        keys = self._keys(hashes, start, end)
         if keys[0] in self._fetching:
             self.counters.asked_again += 1
             return None
@@ -208,6 +219,10 @@ class RemoteBook:
         self.counters.queries += 1
         self.index.query(token, [self._ready_key(remote_hash(k)) for k in keys])
         return None
+
+    def _keys(self, hashes: Sequence[bytes], start: int, end: int) -> list[bytes]:
+        key = self._gs.key
+        return [key(hashes[p], g) for p in range(start, end) for g in range(self._gs.n)]
 
     def poll(self) -> None:
         """Apply the index's answers (a stale one, for a request gone, is counted)."""
@@ -238,16 +253,31 @@ class RemoteBook:
         st = self._reqs.pop(rid, None)
         if st is not None:
             self._tokens.pop(st.token, None)
+        if self.pd is not None:
+            self.pd.forget(rid)
 
     # ---- write path --------------------------------------------------------------------
 
     def stored(self, cpu_ids: Sequence[int], keys: Sequence[bytes],
                depths: Sequence[int]) -> None:
         """A store completed and indexed ``cpu_ids`` under ``keys``: queue write-through."""
-        if self.mode is not RemoteMode.WRITE_THROUGH:
-            return
+        every = self.mode is RemoteMode.WRITE_THROUGH
+        pd = self.pd
         for i, (c, k) in enumerate(zip(cpu_ids, keys)):
-            self._queue_put(c, k, depths[i] if i < len(depths) else 0)
+            if every or (pd is not None and pd.wants(k)):
+                self._queue_put(c, k, depths[i] if i < len(depths) else 0)
+
+    def publish(self, rid: str, keys: Sequence[bytes], num_tokens: int) -> dict[str, Any]:
+        """A P/D prefill request finished: its hand-off's ``kv_transfer_params``. Its
+        blocks cached here but not on the server are queued for a PUT now; the others
+        come from its finish-time store (:meth:`stored`) or are there already."""
+        assert self.pd is not None, "publish without hand-offs"
+        params = self.pd.publish(rid, keys, num_tokens, self._published.__contains__)
+        for k in keys:
+            c = self.cpu.get_cached(k)
+            if c is not None and self.pd.wants(k) and k not in self._put_keys:
+                self._queue_put(c, k, 0)
+        return params
 
     def _queue_put(self, c: int, k: bytes, depth: int) -> None:
         if k in self._put_keys or k in self._published:
@@ -272,6 +302,9 @@ class RemoteBook:
     def plan(self, step: int) -> list[Remote]:
         """This step's remote jobs: GETs for answered lookups, then PUTs."""
         self.poll()
+        if self.pd is not None:
+            self.pd.poll()
+            self.pd.expire()
         out: list[Remote] = []
         for rid, st in self._reqs.items():
             if st.state is RemoteState.ANSWERED:
@@ -334,6 +367,8 @@ class RemoteBook:
                 self.counters.published_blocks += len(job.keys)
             else:
                 self.counters.put_failed_blocks += len(job.keys)
+            if self.pd is not None:  # after the readiness keys: the manifest goes last
+                self.pd.put_done(job.keys, usable)
         finally:
             self.cpu.free(reversed(job.cpu_ids))
 
@@ -361,6 +396,8 @@ class RemoteBook:
         if mine:
             assert st is not None
             st.state, st.pinned = RemoteState.FETCHED, list(job.cpu_ids)
+            if self.pd is not None:
+                self.pd.collected(job.req_id)
         else:
             cpu.free(reversed(job.cpu_ids))
 
@@ -380,5 +417,7 @@ class RemoteBook:
             self.cpu.free((c,))
         self._puts = []
         self._evict_puts = 0
+        if self.pd is not None:
+            self.pd.drop_all()
         for rid in list(self._reqs):
             self.forget(rid)

@@ -338,6 +338,23 @@ class ReadyIndex(Protocol):
         is due): a caller answers "no remote hit" at once instead of asking."""
         ...
 
+    def put_value(self, key: str, value: bytes, ttl_s: int) -> None:
+        """Queue ``SET key value EX ttl_s`` (a small value: a hand-off manifest)."""
+        ...
+
+    def get_value(self, token: int, key: str) -> None:
+        """Queue a GET of a small value; its answer comes back through :meth:`values`."""
+        ...
+
+    def delete(self, keys: Sequence[str]) -> None:
+        """Queue a DEL of ``keys``."""
+        ...
+
+    def values(self) -> list[tuple[int, bytes | None]]:
+        """``(token, value)`` of the GETs finished since the last call; None: no such
+        key, an error or an open breaker."""
+        ...
+
     def statistics(self) -> dict[str, Any]:
         """Counters (queries, answered, publishes, errors, breaker state ...)."""
         ...

@@ -457,13 +457,15 @@ class ValkeyReadyIndex:
         self._ttl = _expiry(self._glide, spec)
         self.breaker = CircuitBreaker(breaker_threshold, breaker_backoff_s,
                                       breaker_max_backoff_s)
-        self._q: queue.SimpleQueue[tuple[str, int, Sequence[str]] | None] = \
+        self._q: queue.SimpleQueue[tuple[str, int, Sequence[Any]] | None] = \
             queue.SimpleQueue()
         self._answers: list[tuple[int, int]] = []
+        self._values: list[tuple[int, bytes | None]] = []
         self._lock = threading.Lock()
         self._n = _Counters("queries", "answered", "answered_zero", "keys_queried",
                             "keys_present", "published", "publish_failed", "errors",
-                            "timeouts", "rejected", "round_trips", "clients_created")
+                            "timeouts", "rejected", "round_trips", "clients_created",
+                            "values_set", "values_got")
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvshm-remote-index",
                                         daemon=True)
@@ -488,6 +490,26 @@ class ValkeyReadyIndex:
     def healthy(self) -> bool:
         return not self._closed and self.breaker.would_allow()
 
+    def put_value(self, key: str, value: bytes, ttl_s: int) -> None:
+        if not self._closed:
+            self._q.put(("set", ttl_s, [key, value]))
+
+    def get_value(self, token: int, key: str) -> None:
+        if self._closed:
+            with self._lock:
+                self._values.append((token, None))
+            return
+        self._q.put(("get", token, [key]))
+
+    def delete(self, keys: Sequence[str]) -> None:
+        if keys and not self._closed:
+            self._q.put(("delete", 0, list(keys)))
+
+    def values(self) -> list[tuple[int, bytes | None]]:
+        with self._lock:
+            out, self._values = self._values, []
+        return out
+
     def _answer(self, items: list[tuple[int, int]]) -> None:
         self._n.add(answered=len(items), answered_zero=sum(1 for _, p in items if p == 0))
         with self._lock:
@@ -508,6 +530,7 @@ class ValkeyReadyIndex:
             work = [o for o in ops if o is not None]
             queries = [(tok, keys) for kind, tok, keys in work if kind == "query"]
             publishes = [k for kind, _, keys in work if kind == "publish" for k in keys]
+            others = [o for o in work if o[0] in ("set", "get", "delete")]
             if work:
                 if client is None or self.breaker.opens != gen_opens:
                     if client is not None:
@@ -519,6 +542,8 @@ class ValkeyReadyIndex:
                     gen_opens = self.breaker.opens
                     self._n.add(clients_created=1)
                 self._round(client, queries, publishes)
+                if others:
+                    self._values_round(client, others)
             if stop:
                 break
         if client is not None:
@@ -566,6 +591,41 @@ class ValkeyReadyIndex:
             self._n.add(keys_queried=len(keys), keys_present=prefix)
             answers.append((tok, prefix))
         self._answer(answers)
+
+    def _values_round(self, client: Any, ops: list[tuple[str, int, Sequence[Any]]]) -> None:
+        """Small values (hand-off manifests): SET with their own TTL, GET, DEL; one
+        round trip. A failure answers every GET with None (a miss)."""
+        g = self._glide
+        gets = [tok for kind, tok, _ in ops if kind == "get"]
+        if not self.breaker.allow():
+            self._n.add(rejected=1)
+            self._put_values([(tok, None) for tok in gets])
+            return
+        batch = (g.ClusterBatch if self.spec.cluster else g.Batch)(is_atomic=False)
+        for kind, arg, items in ops:
+            if kind == "set":
+                batch.set(items[0], items[1], expiry=g.ExpirySet(g.ExpiryType.SEC, arg))
+            elif kind == "get":
+                batch.get(items[0])
+            else:
+                batch.delete(list(items))
+        try:
+            result = list(client.exec(batch, raise_on_error=False) or [])
+            self._n.add(round_trips=1)
+        except Exception as exc:  # noqa: BLE001 - failure = miss: counted, never raised
+            self.breaker.failure()
+            self._n.add(errors=1, timeouts=int(isinstance(exc, g.TimeoutError)))
+            self._put_values([(tok, None) for tok in gets])
+            return
+        self.breaker.success()
+        got = [(tok, r if isinstance(r, bytes) else None)
+               for (kind, tok, _), r in zip(ops, result) if kind == "get"]
+        self._n.add(values_set=sum(1 for o in ops if o[0] == "set"), values_got=len(got))
+        self._put_values(got)
+
+    def _put_values(self, items: list[tuple[int, bytes | None]]) -> None:
+        with self._lock:
+            self._values.extend(items)
 
     def statistics(self) -> dict[str, Any]:
         stats: dict[str, Any] = self._n.snapshot()

@@ -16,6 +16,7 @@ from manager_rig import BS, Req, Rig, refs
 
 from kvshm.config import RemoteMode
 from kvshm.ipc.protocol import Remote, RemoteOp, unpack_ids
+from kvshm.offload.handoff import MANIFEST_PARAM, Handoffs
 from kvshm.offload.manager import OffloadManager
 from kvshm.offload.remote import RemoteBook, remote_hash
 from kvshm.types import LoadFailure
@@ -32,10 +33,29 @@ class HeldIndex:
         self.queries: list[tuple[int, list[str]]] = []
         self._answers: list[tuple[int, int]] = []
         self.up = True
+        self.log: list[str] = []  # every write, in order
+        self.kv: dict[str, bytes] = {}
+        self._values: list[tuple[int, bytes | None]] = []
 
     def publish(self, keys: Sequence[str]) -> None:
         self.published.extend(keys)
         self.ready.update(keys)
+        self.log.extend(keys)
+
+    def put_value(self, key: str, value: bytes, ttl_s: int) -> None:
+        self.kv[key] = value
+        self.log.append(key)
+
+    def get_value(self, token: int, key: str) -> None:
+        self._values.append((token, self.kv.get(key)))
+
+    def delete(self, keys: Sequence[str]) -> None:
+        for k in keys:
+            self.kv.pop(k, None)
+
+    def values(self) -> list[tuple[int, bytes | None]]:
+        out, self._values = self._values, []
+        return out
 
     def query(self, token: int, keys: Sequence[str]) -> None:
         self.queries.append((token, list(keys)))
@@ -79,8 +99,9 @@ def remote_rig(index: HeldIndex, *, cpu: int = 16, mode: RemoteMode = RemoteMode
     now = clock if clock is not None else [0.0]
 
     def make(cpu_pool: Any, gs: Any, jobs: Any) -> RemoteBook:
+        pd = Handoffs(index, "fp", WORLD, BS, remote_hash, clock=lambda: now[0])
         return RemoteBook(cpu_pool, gs, jobs, index, key, mode=mode, answer_timeout_s=timeout,
-                          clock=lambda: now[0])
+                          clock=lambda: now[0], handoffs=pd)
     rig.m = OffloadManager(rig.cpu, rig.gpu, block_size=BS, world_size=WORLD, remote=make)
     return rig
 
@@ -342,3 +363,25 @@ def test_failed_load_result_after_a_remote_hit_is_recomputed() -> None:
     (res,) = rig.m.take_load_results()
     assert not res.ok and res.cause is LoadFailure.WORKER_FAILED
     assert refs(rig.cpu, [0, 1]) == [0, 0]
+
+
+def test_a_handoff_manifest_is_written_after_every_block_and_readiness_key() -> None:
+    """P/D: P's request (``do_remote_decode``) finishes with its 2 blocks stored; its
+    transfer params name the manifest at once, but the manifest is written only after
+    both ranks acked the blocks' PUT, after their readiness keys (the server's write
+    order: ready, ready, manifest). A failed PUT would leave no manifest at all."""
+    index = HeldIndex()
+    rig = remote_rig(index, mode=RemoteMode.ON_EVICT)    # P/D blocks are put anyway
+    p = Req("p", 9, params={"do_remote_decode": True})
+    g = rig.alloc(3, p.h)
+    plan = rig.step(p.sched(g, confirmed=9, new=True))
+    rig.m.finished("p", 9, [g])
+    params = rig.m.transfer_params("p")
+    assert params == {MANIFEST_PARAM: "kvshm:v1:pd:fp:2:p"} and index.log == []
+    rig.ack(plan.store, ranks=(0, 1))
+    (put,) = rig.step().remote
+    rig.m.on_done(put.job_id, 0, True)
+    assert index.log == []
+    rig.m.on_done(put.job_id, 1, True)
+    rig.m.check_invariants()
+    assert index.log == [rkey(p.h[0]), rkey(p.h[1]), "kvshm:v1:pd:fp:2:p"]

@@ -1,0 +1,278 @@
+"""Prefill/decode hand-off through the remote tier: manifests, published last.
+
+A P/D prefill request (``do_remote_decode``) must reach a decode engine whole. When it
+finishes, :meth:`Handoffs.publish` records a *publication*: its blocks' CPU keys (in
+prefix order) and token count, and the manifest key it will write,
+``kvshm:v1:pd:<fingerprint>:<request>``, which the engine hands back at once as the
+request's ``kv_transfer_params`` (``{"kvshm_manifest": key}``). The manifest is written
+**last**: only once every one of its blocks was put and acked by every rank (the remote
+book reports each ok PUT through :meth:`put_done`); a failed PUT, or blocks that never
+reach the CPU tier within ``wait_s``, drop the publication (counted) and no manifest is
+ever written. A manifest names the fingerprint, world size, block size, token count,
+the blocks' remote hashes and an expiry (wall clock).
+
+The decode side (:meth:`Handoffs.consume`, from a lookup whose params carry
+``do_remote_prefill`` and ``kvshm_manifest``) reads the manifest asynchronously: "ask
+again" (None) until it arrives. Missing: ask again until ``wait_s`` (the prefill may
+still be publishing), then 0. Present: it is checked -- fingerprint, world size and
+block size equal the consumer's, not expired, its hashes are the request's own prefix
+-- and only then does the ordinary remote lookup run (the readiness keys are still
+asked: a manifest is never trusted alone). An expired one is deleted (demoted: its
+blocks keep their ordinary TTL). A consumer that loaded the blocks deletes the manifest
+(collected). Every refusal is a counted miss: the request recomputes.
+
+Not done: the partial tail block (the decoder recomputes the last partial block, not
+only the last token), and TTL-free blocks until collection (blocks carry the tier's
+ordinary TTL; the manifest's expiry should stay well below it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, fields
+from enum import Enum
+from typing import Any, Final
+
+import msgspec
+
+from kvshm.remote.tier import ReadyIndex
+
+__all__ = ["MANIFEST_PARAM", "Handoffs", "Manifest", "PdCounters", "Verdict",
+           "manifest_key"]
+
+log = logging.getLogger("kvshm.remote")
+
+#: The ``kv_transfer_params`` key naming a manifest.
+MANIFEST_PARAM: Final = "kvshm_manifest"
+_SAFE = re.compile(r"^[A-Za-z0-9._=-]{1,120}$")
+
+
+class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What a decode engine needs to trust a hand-off (msgspec JSON on the server)."""
+
+    version: int
+    fingerprint: str
+    world: int
+    block_size: int
+    num_tokens: int
+    hashes: list[str]  # remote hashes, hex, prefix order (position-major over groups)
+    expires_at: float  # wall clock (time.time())
+
+
+def manifest_key(fingerprint: str, world: int, req_id: str) -> str:
+    """``kvshm:v1:pd:<fingerprint>:<world>:<request>`` (a request id outside
+    ``[A-Za-z0-9._=-]{1,120}`` is replaced by its SHA-256)."""
+    rid = req_id if _SAFE.match(req_id) else hashlib.sha256(req_id.encode()).hexdigest()
+    return f"kvshm:v1:pd:{fingerprint}:{world}:{rid}"
+
+
+class Verdict(Enum):
+    """A consumer's state: waiting for the manifest, cleared to query, or refused."""
+
+    WAIT = "wait"
+    GO = "go"
+    REFUSED = "refused"
+
+
+@dataclass(slots=True)
+class PdCounters:
+    """Monotonic counters of the hand-offs (in ``EngineStats.remote``, ``pd_*``)."""
+
+    published: int = 0
+    manifests_written: int = 0
+    publish_failed: int = 0
+    publish_timeouts: int = 0
+    consumed: int = 0
+    manifest_missing: int = 0
+    manifest_refused: int = 0
+    manifest_expired: int = 0
+    collected: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        """Every counter by name, ``pd_`` first."""
+        return {f"pd_{f.name}": getattr(self, f.name) for f in fields(self)}
+
+
+@dataclass(slots=True, eq=False)
+class _Pub:
+    key: str
+    keys: list[bytes]
+    pending: set[bytes]
+    num_tokens: int
+    since: float
+
+
+@dataclass(slots=True, eq=False)
+class _Consume:
+    key: str
+    keys: list[bytes]  # the request's CPU keys from position 0
+    token: int
+    since: float
+    verdict: Verdict = Verdict.WAIT
+
+
+class Handoffs:
+    """See the module docstring. ``remote_hash``: a CPU key's remote hash."""
+
+    def __init__(self, index: ReadyIndex, fingerprint: str, world: int, block_size: int,
+                 remote_hash: Callable[[bytes], bytes], *, wait_s: float = 5.0,
+                 manifest_ttl_s: int = 600, clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        self.index, self.fingerprint, self.world = index, fingerprint, world
+        self.block_size = block_size
+        self._rhash = remote_hash
+        self._wait = wait_s
+        self._ttl = manifest_ttl_s
+        self._clock, self._wall = clock, wall
+        self.counters = PdCounters()
+        self._pubs: dict[str, _Pub] = {}
+        self._waiting: dict[bytes, set[str]] = {}  # block key -> publications waiting
+        self._reqs: dict[str, _Consume] = {}
+        self._tokens: dict[int, str] = {}
+        self._next_token = -1  # negative: never collides with the remote book's
+
+    # ---- prefill side ----------------------------------------------------------------
+
+    def publish(self, rid: str, keys: Sequence[bytes], num_tokens: int,
+                published: Callable[[bytes], bool]) -> dict[str, Any]:
+        """Record ``rid``'s publication; its ``kv_transfer_params``. ``published(k)``:
+        whether block ``k`` is on the server already."""
+        key = manifest_key(self.fingerprint, self.world, rid)
+        pending = {k for k in keys if not published(k)}
+        self._pubs[rid] = _Pub(key, list(keys), pending, num_tokens, self._clock())
+        for k in pending:
+            self._waiting.setdefault(k, set()).add(rid)
+        self.counters.published += 1
+        if not pending:
+            self._write(rid)
+        return {MANIFEST_PARAM: key}
+
+    def wants(self, key: bytes) -> bool:
+        """Whether a publication waits for block ``key`` (it is put whatever the mode)."""
+        return key in self._waiting
+
+    def put_done(self, keys: Sequence[bytes], ok: bool) -> None:
+        """A PUT of ``keys`` completed on every rank (``ok``: without failure)."""
+        for k in keys:
+            for rid in self._waiting.pop(k, ()):
+                pub = self._pubs.get(rid)
+                if pub is None:
+                    continue
+                if not ok:
+                    self._drop(rid)
+                    self.counters.publish_failed += 1
+                    continue
+                pub.pending.discard(k)
+                if not pub.pending:
+                    self._write(rid)
+
+    def _write(self, rid: str) -> None:
+        pub = self._pubs.pop(rid)
+        m = Manifest(1, self.fingerprint, self.world, self.block_size, pub.num_tokens,
+                     [self._rhash(k).hex() for k in pub.keys], self._wall() + self._ttl)
+        self.index.put_value(pub.key, msgspec.json.encode(m), 2 * self._ttl)
+        self.counters.manifests_written += 1
+
+    def _drop(self, rid: str) -> None:
+        pub = self._pubs.pop(rid, None)
+        if pub is None:
+            return
+        for k in pub.pending:
+            rids = self._waiting.get(k)
+            if rids is not None:
+                rids.discard(rid)
+                if not rids:
+                    del self._waiting[k]
+
+    def expire(self) -> None:
+        """Drop publications whose blocks did not all arrive within ``wait_s``."""
+        now = self._clock()
+        for rid in [r for r, p in self._pubs.items() if now - p.since > self._wait]:
+            self._drop(rid)
+            self.counters.publish_timeouts += 1
+
+    # ---- decode side -----------------------------------------------------------------
+
+    def consume(self, rid: str, params: Any, keys: Callable[[], list[bytes]]
+                ) -> Verdict | None:
+        """A lookup of ``rid``: None when it is no hand-off; else where its manifest
+        stands. ``keys()``: the request's CPU keys from position 0 (asked once)."""
+        key = params.get(MANIFEST_PARAM) if isinstance(params, Mapping) else None
+        if not isinstance(key, str) or not params.get("do_remote_prefill"):
+            return None
+        self.poll()
+        st = self._reqs.get(rid)
+        if st is None:
+            st = self._reqs[rid] = _Consume(key, keys(), self._ask(rid, key), self._clock())
+        return st.verdict
+
+    def _ask(self, rid: str, key: str) -> int:
+        token = self._next_token
+        self._next_token -= 1
+        self._tokens[token] = rid
+        self.index.get_value(token, key)
+        return token
+
+    def poll(self) -> None:
+        """Apply the manifests that arrived; re-ask a missing one until ``wait_s``."""
+        for token, raw in self.index.values():
+            rid = self._tokens.pop(token, None)
+            st = self._reqs.get(rid) if rid is not None else None
+            if rid is None or st is None or st.verdict is not Verdict.WAIT:
+                continue
+            self._judge(rid, st, raw)
+
+    def _judge(self, rid: str, st: _Consume, raw: bytes | None) -> None:
+        if raw is None:
+            if self._clock() - st.since > self._wait:
+                st.verdict = Verdict.REFUSED
+                self.counters.manifest_missing += 1
+            else:
+                st.token = self._ask(rid, st.key)
+            return
+        try:
+            m = msgspec.json.decode(raw, type=Manifest)
+        except msgspec.DecodeError:
+            m = None
+        if m is not None and m.expires_at < self._wall():
+            st.verdict = Verdict.REFUSED
+            self.counters.manifest_expired += 1
+            self.index.delete([st.key])  # demoted: its blocks keep the ordinary TTL
+            return
+        ok = (m is not None and m.fingerprint == self.fingerprint and m.world == self.world
+              and m.block_size == self.block_size and m.hashes
+              and [self._rhash(k).hex() for k in st.keys[:len(m.hashes)]] == m.hashes)
+        if not ok:
+            st.verdict = Verdict.REFUSED
+            self.counters.manifest_refused += 1
+            why = "unreadable" if m is None else (
+                f"fingerprint {m.fingerprint} / world {m.world} / block size "
+                f"{m.block_size}, this engine {self.fingerprint} / {self.world} / "
+                f"{self.block_size}, or other block hashes")
+            log.warning("kvshm: hand-off manifest %s for request %r refused (%s); the "
+                        "request recomputes its prompt", st.key, rid, why)
+            return
+        st.verdict = Verdict.GO
+        self.counters.consumed += 1
+
+    def collected(self, rid: str) -> None:
+        """``rid`` fetched its blocks: delete its manifest (collected)."""
+        st = self._reqs.get(rid)
+        if st is not None and st.verdict is Verdict.GO:
+            self.index.delete([st.key])
+            self.counters.collected += 1
+
+    def forget(self, rid: str) -> None:
+        """The request is gone (its publication, if any, goes on)."""
+        st = self._reqs.pop(rid, None)
+        if st is not None:
+            self._tokens.pop(st.token, None)
+
+    def drop_all(self) -> None:
+        """Reset or engine failure: every pending publication is dropped (no manifest)."""
+        for rid in list(self._pubs):
+            self._drop(rid)

@@ -1,0 +1,206 @@
+"""Prefill/decode hand-off through the remote tier (``kvshm.offload.handoff``), asyncio
+API, real engines (two embedded ranks each), a real Valkey server.
+
+The prefill engine P serves a request with ``do_remote_decode``; when it finishes,
+``transfer_params`` names the manifest; the decode engine D gets the request with
+``do_remote_prefill`` and those params, as a P/D proxy sends it. Rule: D either loads
+exactly P's KV, or recomputes (missing, expired, foreign or untrustworthy manifest;
+evicted blocks; a prefill killed mid-publish) -- never a hang, never a partial load.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from engine_rig import BS, Client, embedded_engine
+from remote_engine_rig import BLOCKS, MODEL, digest, load, prompt, remote, server_keys
+
+from kvshm.hashing import chain_hashes
+from kvshm.offload.handoff import MANIFEST_PARAM, Manifest
+from kvshm.remote.server import ValkeyServer, command
+from kvshm.types import RequestView, ScheduledRequest
+
+pytestmark = pytest.mark.asyncio
+HERE = Path(__file__).parent
+PREFILL = {"do_remote_decode": True}
+
+
+async def prefill(c: Client, rid: str, toks: list[int]) -> tuple[dict[str, Any], list[int]]:
+    """P computes ``toks`` for a ``do_remote_decode`` request and finishes it: its
+    transfer params and GPU table."""
+    hashes = chain_hashes(toks, BS)
+    table = c.gpu.allocate(len(toks) // BS + 1)
+    c.eng.allocated(rid, [table], 0)
+    c.step(ScheduledRequest(rid, hashes, len(toks), (tuple(table),), new_or_resumed=True,
+                            num_confirmed_tokens=len(toks), kv_transfer_params=PREFILL))
+    c.eng.finished(rid, len(toks), [table])
+    params = c.eng.transfer_params(rid)
+    assert params is not None and c.eng.transfer_params(rid) is None  # once
+    return params, table
+
+
+async def settle_published(c: Client) -> None:
+    """Step until P's store, PUT and manifest are done."""
+    await c.settle()
+    deadline = time.monotonic() + 20
+    while remote(c.eng)["index_values_set"] < remote(c.eng)["pd_manifests_written"] or \
+            remote(c.eng)["pd_manifests_written"] == 0:
+        assert time.monotonic() < deadline, remote(c.eng)
+        c.step()
+        await asyncio.sleep(0.005)
+
+
+async def decode(c: Client, rid: str, toks: list[int], params: dict[str, Any],
+                 timeout: float = 20.0) -> int:
+    """D looks the request up as a P/D proxy sends it, until it answers."""
+    view = RequestView(rid, chain_hashes(toks, BS), len(toks),
+                       {"do_remote_prefill": True, **params})
+    deadline = time.monotonic() + timeout
+    while True:
+        hit = c.eng.lookup(view, 0)
+        if hit is not None:
+            return hit
+        assert time.monotonic() < deadline, f"{rid} never answered: {remote(c.eng)}"
+        c.step()
+        await asyncio.sleep(0.005)
+
+
+def exists(server: ValkeyServer, key: str) -> bool:
+    return command(server.host, server.port, "EXISTS", key).strip() == b":1"
+
+
+async def test_handoff_publish_then_consume_bit_exact_and_collected(
+        valkey: ValkeyServer) -> None:
+    """P publishes 8 blocks and, last, the manifest; D (zeroed caches) asks with the
+    params: the manifest is read, the readiness keys asked, the blocks fetched and
+    loaded bit-exact; the manifest is deleted (collected)."""
+    toks = prompt(30)
+    async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ep, gp, kp, _):
+        cp = Client(ep, gp)
+        params, table = await prefill(cp, "req-1", toks)
+        assert set(params) == {MANIFEST_PARAM}
+        await settle_published(cp)
+        src = [digest(k[table[:BLOCKS]]) for k in kp]
+        rp = remote(ep)
+        assert (rp["pd_published"], rp["pd_manifests_written"]) == (1, 1)
+    key = params[MANIFEST_PARAM]
+    manifest = msgspec.json.decode(command(valkey.host, valkey.port, "GET", key)
+                                   .split(b"\r\n", 1)[1][:-2], type=Manifest)
+    assert manifest.world == 2 and manifest.num_tokens == len(toks)
+    assert len(manifest.hashes) == BLOCKS
+    async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ed, gd, kd, _):
+        for k in kd:
+            k.zero_()
+        cd = Client(ed, gd)
+        assert await decode(cd, "req-1", toks, params) == BLOCKS * BS
+        dst = load(cd, "req-1", toks, BLOCKS * BS)
+        assert (await cd.loaded("req-1")).ok
+        assert [digest(k[dst[:BLOCKS]]) for k in kd] == src
+        rd = remote(ed)
+        assert (rd["pd_consumed"], rd["pd_collected"], rd["hit_blocks"]) == (1, 1, 8)
+        await asyncio.sleep(0.2)
+        cd.step()
+        assert not exists(valkey, key)
+
+
+async def test_decode_asking_before_the_prefill_published_waits_then_hits(
+        valkey: ValkeyServer) -> None:
+    """D asks first (the manifest does not exist yet): "ask again" while P publishes,
+    then the hit -- the P/D race a proxy creates."""
+    toks = prompt(31)
+    async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ep, gp, _, _), \
+            embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ed, gd, _, _):
+        cp, cd = Client(ep, gp), Client(ed, gd)
+        params, _ = await prefill(cp, "req-2", toks)
+        view = RequestView("req-2", chain_hashes(toks, BS), len(toks),
+                           {"do_remote_prefill": True, **params})
+        assert ed.lookup(view, 0) is None
+        await settle_published(cp)
+        assert await decode(cd, "req-2", toks, params) == BLOCKS * BS
+
+
+async def test_a_manifest_written_before_its_blocks_is_never_trusted(
+        valkey: ValkeyServer) -> None:
+    """A manifest on the server (forced) whose blocks were never put: D still asks the
+    readiness keys, finds none and recomputes (0); nothing is fetched."""
+    toks = prompt(32)
+    async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ep, gp, _, _):
+        cp = Client(ep, gp)
+        params, _ = await prefill(cp, "req-3", toks)
+        await settle_published(cp)
+    for k in server_keys(valkey.host, valkey.port, "*:ready/*"):
+        command(valkey.host, valkey.port, "DEL", k)
+    async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ed, gd, _, _):
+        cd = Client(ed, gd)
+        assert await decode(cd, "req-3", toks, params) == 0
+        rd = remote(ed)
+        assert rd["pd_consumed"] == 1 and rd["get_jobs"] == 0 and rd["query_misses"] == 1
+
+
+async def test_evicted_blocks_behind_a_manifest_recompute(valkey: ValkeyServer) -> None:
+    """The manifest and readiness keys are there, rank 0's payloads were evicted: the
+    GET fails, D recomputes with nothing pinned."""
+    toks = prompt(33)
+    async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ep, gp, _, _):
+        cp = Client(ep, gp)
+        params, _ = await prefill(cp, "req-4", toks)
+        await settle_published(cp)
+    for k in server_keys(valkey.host, valkey.port, "kvshm:v1:*:0/2:*"):
+        command(valkey.host, valkey.port, "DEL", k)
+    async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ed, gd, _, _):
+        cd = Client(ed, gd)
+        assert await decode(cd, "req-4", toks, params) == 0
+        assert remote(ed)["get_failed_jobs"] == 1 and ed.statistics().pins_held == 0
+
+
+async def test_an_expired_manifest_is_demoted_and_a_foreign_one_refused(
+        valkey: ValkeyServer) -> None:
+    """An expired manifest: D answers 0 and deletes it. A manifest of another model
+    (another fingerprint): refused, counted, logged; D recomputes."""
+    toks, other = prompt(34), prompt(35)
+    async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ep, gp, _, _):
+        cp = Client(ep, gp)
+        params, _ = await prefill(cp, "req-5", toks)
+        params2, _ = await prefill(cp, "req-6", other)
+        await settle_published(cp)
+    key = params[MANIFEST_PARAM]
+    raw = command(valkey.host, valkey.port, "GET", key).split(b"\r\n", 1)[1][:-2]
+    m = msgspec.json.decode(raw, type=Manifest)
+    stale = msgspec.structs.replace(m, expires_at=time.time() - 1)
+    command(valkey.host, valkey.port, "SET", key, msgspec.json.encode(stale))
+    async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ed, gd, _, _):
+        cd = Client(ed, gd)
+        assert await decode(cd, "req-5", toks, params) == 0
+        assert remote(ed)["pd_manifest_expired"] == 1
+        await asyncio.sleep(0.2)
+        cd.step()
+        assert not exists(valkey, key)
+    async with embedded_engine(remote_url=valkey.url,
+                               model_id="another-model") as (ef, gf, _, _):
+        assert await decode(Client(ef, gf), "req-6", other, params2) == 0
+        assert remote(ef)["pd_manifest_refused"] == 1
+
+
+async def test_a_prefill_killed_mid_publish_leaves_no_manifest_and_decode_recomputes(
+        valkey: ValkeyServer) -> None:
+    """P (its own process) finishes the request and is SIGKILLed before its store ran:
+    no manifest is ever written; D waits for it up to the hand-off's wait (5 s) and
+    recomputes."""
+    proc = subprocess.run([sys.executable, str(HERE / "pd_prefill_proc.py"), valkey.url,
+                           "36"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == -9, proc.stderr[-2000:]
+    params = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert not exists(valkey, params[MANIFEST_PARAM])
+    async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ed, gd, _, _):
+        t0 = time.monotonic()
+        assert await decode(Client(ed, gd), "req-k", prompt(36), params) == 0
+        assert 4.5 < time.monotonic() - t0 < 10
+        assert remote(ed)["pd_manifest_missing"] == 1
