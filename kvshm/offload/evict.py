@@ -203,8 +203,16 @@ class DepthAged(FreeSet):
         b.slot = s
         q.append(b)
 
-    def append(self, b: Block) -> None:  # the base's, inlined (a hot path)
-        self._place(b)
+    def append(self, b: Block) -> None:  # the base's with _place, inlined (a hot path)
+        self.clock += 1
+        s = (self.clock_weight * self.clock - self.k * b.depth) // self.width
+        q = self.slots.get(s)
+        if q is None:  # a new slot: _place opens it (and counts the tick itself)
+            self.clock -= 1
+            self._place(b)
+        else:
+            b.slot = s
+            q.append(b)
         self._len += 1
 
     def _unlink(self, b: Block) -> None:
@@ -215,10 +223,15 @@ class DepthAged(FreeSet):
             self.spare.append(q)
 
     def remove(self, b: Block) -> None:  # the base's, without the hit count
-        if b.slot == FRESH:
+        s = b.slot
+        if s == FRESH:
             self.fresh.remove(b)
-        else:
-            self._unlink(b)
+        else:  # _unlink, inlined
+            q = self.slots[s]
+            q.remove(b)
+            if not len(q):
+                del self.slots[s]
+                self.spare.append(q)
         self._len -= 1
 
     def _victim(self) -> Block:

@@ -61,10 +61,17 @@ class CallCheck(InputCheck):
             params = self.params(call, rid, params)
         if len(hashes) * self.block_size > num_tokens:
             self.hash_count(call, rid, hashes, num_tokens)
-        if nb is not self.no_new and not (type(nb) is tuple and len(nb) == self.n_groups
-                                          and self._tuples_ok(nb)):
-            nb = self.tables(call, rid, "new_block_ids", nb)
-            plain = False
+        if nb is not self.no_new:
+            ok = type(nb) is tuple and len(nb) == self.n_groups
+            if ok:
+                if len(nb) == 1 and type(t := nb[0]) is tuple and len(t) == 1:
+                    b = t[0]  # one id appended to one group: a decode step's change
+                    ok = type(b) is int and 0 <= b < self.num_gpu_blocks
+                else:
+                    ok = self._tuples_ok(nb)
+            if not ok:
+                nb = self.tables(call, rid, "new_block_ids", nb)
+                plain = False
         if plain and type(r) is ScheduledRequest:
             return r
         return ScheduledRequest(rid, hashes, num_tokens, nb, new, confirmed, preempted, params)
@@ -108,19 +115,26 @@ class CallCheck(InputCheck):
         the lookup cap)."""
         call = "lookup"
         try:
-            fields = (req.req_id, req.block_hashes, req.num_tokens, req.kv_transfer_params)
+            rid, hashes, num_tokens, params = (req.req_id, req.block_hashes, req.num_tokens,
+                                               req.kv_transfer_params)
         except AttributeError:
             raise self.refuse(call, None, "req",
                               f"must be a RequestView, got {describe(req)}") from None
-        rid = self.req_id(call, fields[0])
-        hashes = self.hash_seq(call, rid, "block_hashes", fields[1])
-        num_tokens = self.count(call, rid, "num_tokens", fields[2])
-        local = self.count(call, rid, "num_local_tokens", num_local_tokens)
+        local: Any = num_local_tokens
+        if not (type(rid) is str and (type(hashes) is list or type(hashes) is tuple)
+                and type(num_tokens) is int and num_tokens >= 0 and type(local) is int
+                and local >= 0 and (params is None or type(params) is dict)):
+            rid = self.req_id(call, rid)  # the field checks, in this order
+            hashes = self.hash_seq(call, rid, "block_hashes", hashes)
+            num_tokens = self.count(call, rid, "num_tokens", num_tokens)
+            local = self.count(call, rid, "num_local_tokens", local)
+            if local <= num_tokens and len(hashes) * self.block_size <= num_tokens:
+                params = self.params(call, rid, params)
         if local > num_tokens:
             raise self.refuse(call, rid, "num_local_tokens",
                               f"{local} local tokens of a {num_tokens}-token request")
-        self.hash_count(call, rid, hashes, num_tokens)
-        params = self.params(call, rid, fields[3])
+        if len(hashes) * self.block_size > num_tokens:
+            self.hash_count(call, rid, hashes, num_tokens)
         bs = self.block_size
         self.hashes(call, rid, "block_hashes", hashes, local // bs,
                     min(len(hashes), max(0, (num_tokens - 1) // bs)))

@@ -118,7 +118,7 @@ class LoadBook:
     def is_loading(self, cpu_ids: Iterable[int]) -> bool:
         """True when a queued or unreported load reads any of ``cpu_ids``."""
         loading = self.loading_cpu.counts
-        return any(b in loading for b in cpu_ids)
+        return bool(loading) and not loading.keys().isdisjoint(cpu_ids)
 
     # ---- queued loads ----------------------------------------------------------------
 

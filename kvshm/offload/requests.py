@@ -243,7 +243,7 @@ class RequestTracker:
             self.watch[rid] = NEVER
             return
         if st.tracked:
-            st.tables = [list(ids) for ids in r.new_block_ids]
+            st.tables = list(map(list, r.new_block_ids))
         st.hashes = r.block_hashes
         w = self.watch[rid] = st.cursor + 1 if st.tracked else NEVER
         if r.num_confirmed_tokens // self.bs >= w:

@@ -106,12 +106,13 @@ class Listing:
         look = self.next_look
         at = look.get
         bs = self._block_size
-        append, unknown, unchanged = out.append, 0, 0
-        for rid, nb, computed in zip(cached.req_ids, cached.new_block_ids,
+        append, unknown, looked = out.append, 0, 0
+        req_ids = cached.req_ids
+        for rid, nb, computed in zip(req_ids, cached.new_block_ids,
                                      cached.num_computed_tokens):
             if nb is None and computed < at(rid, 0):  # no next look: 0, never passed over
-                unchanged += 1
                 continue
+            looked += 1
             if rid in announced and (nb is None or rid not in resumed):
                 r = get(rid)
                 if r is None:
@@ -120,7 +121,7 @@ class Listing:
                 if nb is None:
                     table = no_new
                 else:
-                    table = tables(nb)
+                    table = (tuple(nb[0]),) if len(nb) == 1 else tables(nb)
                     if sw:
                         alloc.update(b for g in nb for b in g)
                 confirmed = r.num_computed_tokens - r.num_output_placeholders
@@ -137,7 +138,7 @@ class Listing:
                 self._counters.requests_announced_late += 1
                 self._add(out, rid, tables(full), True, computed, alloc)
         self._counters.requests_unknown += unknown
-        self._counters.requests_unchanged += unchanged
+        self._counters.requests_unchanged += len(req_ids) - looked
 
     def _add(self, out: list[ScheduledRequest], rid: str, table: Tables, full: bool,
              num_computed: int, alloc: set[int], *, preempted: bool = False) -> None:

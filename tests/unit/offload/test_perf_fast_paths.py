@@ -1,0 +1,203 @@
+"""The hot paths' shortcuts (issue 15, "O(changed) per step") answer exactly what the
+general paths answer: the one-group hit search and phase-B pairing, ``cached_run``, the
+one-pass ``free``, ``add_hashes``' single-key path, DepthAged's inlined ``append`` and
+``remove``, VllmGpuBlocks' slot read, and the facade's skipped no-op after-hooks."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvshm.config import Eviction
+from kvshm.engine.facade import Facade
+from kvshm.errors import ConfigError
+from kvshm.integrations.vllm.blocks import VllmGpuBlocks, plain_hash
+from kvshm.offload.evict import FRESH, DepthAged
+from kvshm.offload.groups import GroupSet
+from kvshm.offload.hits import Hit, assign, find_hit
+from kvshm.offload.pool import BlockPool
+from kvshm.types import KVGroup
+
+H = [bytes([i]) * 16 for i in range(24)]
+
+
+def _general(gs: GroupSet) -> GroupSet:
+    """The same groups, with the one-group shortcut switched off."""
+    out = GroupSet(gs.groups, 16)
+    out.single = False
+    return out
+
+
+def _fields(hit: Hit | None) -> Any:
+    if hit is None:
+        return None
+    return hit.start, hit.end, hit.cpu, hit.pinned, tuple(hit.hashes), hit.cause
+
+
+@settings(max_examples=200, deadline=None)
+@given(cached=st.sets(st.integers(0, 23)), seq=st.lists(st.integers(0, 23), max_size=12),
+       start=st.integers(0, 12), cap=st.integers(0, 12), k=st.integers(1, 12))
+def test_one_group_hit_and_assignment_equal_the_general_path(
+        cached: set[int], seq: list[int], start: int, cap: int, k: int) -> None:
+    pool = BlockPool(32)
+    ids = pool.allocate(len(cached))
+    for b, h in zip(ids, sorted(cached)):
+        pool.add_hashes(b, [H[h]])
+    gs = GroupSet((KVGroup.full(),), 16)
+    assert gs.single
+    hashes = [H[i] for i in seq]
+    fast, slow = find_hit(pool, gs, hashes, start, cap), find_hit(pool, _general(gs), hashes,
+                                                                  start, cap)
+    assert _fields(fast) == _fields(slow)
+    if fast is None or slow is None:
+        return
+    k = min(k, fast.end - fast.start)
+    table = [[100 + p for p in range(fast.end + 2)]]
+    one, other = assign(pool, gs, fast, table, k), assign(pool, _general(gs), slow, table, k)
+    assert (one.cpu_ids, one.gpu_ids, one.failed) == (other.cpu_ids, other.gpu_ids,
+                                                      other.failed)
+    with pytest.raises(ConfigError):
+        assign(pool, gs, fast, [table[0][:fast.start + k - 1]], k)
+
+
+def test_cached_run_is_get_cached_up_to_the_first_miss() -> None:
+    pool = BlockPool(8)
+    ids = pool.allocate(3)
+    for b, h in zip(ids, H):
+        pool.add_hashes(b, [h])
+    seq = [H[0], H[1], H[5], H[2]]
+    assert pool.cached_run(seq, 0, 4) == [ids[0], ids[1]]
+    assert pool.cached_run(seq, 1, 2) == [ids[1]]
+    assert pool.cached_run(seq, 2, 4) == []
+    assert pool.cached_run(seq, 3, 4) == [pool.get_cached(H[2])]
+
+
+def test_one_pass_free_refuses_as_before_and_changes_nothing() -> None:
+    pool = BlockPool(4)
+    a, b = pool.allocate(2)
+    pool.free([b])
+    with pytest.raises(ConfigError, match=f"free of block {b} at ref 0"):
+        pool.free([b])
+    with pytest.raises(ConfigError, match=f"free of block {b} 1 time"):
+        pool.free([a, b])
+    with pytest.raises(ConfigError, match=f"free of block {a} 2 time"):
+        pool.free([a, a])
+    with pytest.raises(ConfigError, match="unknown block id 9"):
+        pool.free([a, 9])
+    with pytest.raises(ConfigError, match="unknown block id -1"):
+        pool.free(iter([a, -1]))
+    assert pool.ref_cnt(a) == 1 and pool.ref_cnt(b) == 0
+    pool.touch([a])
+    pool.free(reversed([a, a]))  # repeats within the ref count are fine
+    assert pool.ref_cnt(a) == 0
+    pool.check_invariants()
+
+
+def test_add_hashes_single_key_path() -> None:
+    pool = BlockPool(4, enable_events=True)
+    (b,) = pool.allocate(1)
+    pool.add_hashes(b, [H[0]])
+    pool.add_hashes(b, [H[0]])  # already carried: no change, no event
+    pool.add_hashes(b, (H[1], H[0]))
+    assert pool.block_hashes(b) == (H[0], H[1])
+    assert [e.hashes for e in pool.take_events()] == [(H[0],), (H[1],)]
+    with pytest.raises(ConfigError):
+        pool.add_hashes(b, ["x"])  # type: ignore[list-item]
+    with pytest.raises(ConfigError):
+        pool.add_hashes(7, [H[2]])
+    pool.check_invariants()
+
+
+@settings(max_examples=100, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["free", "take"]), st.integers(0, 15),
+                              st.integers(0, 5)), max_size=60))
+def test_depth_aged_inlined_paths_keep_the_order(ops: list[tuple[str, int, int]]) -> None:
+    """Against a DepthAged whose append and remove are the base class's (no inlining)."""
+
+    class Plain(DepthAged):
+        def append(self, b: Any) -> None:
+            self._place(b)
+            self._len += 1
+
+        def remove(self, b: Any) -> None:
+            if b.slot == FRESH:
+                self.fresh.remove(b)
+            else:
+                self._unlink(b)
+            self._len -= 1
+
+    pools = [BlockPool(16, eviction=Eviction.DEPTH_AGED) for _ in range(2)]
+    fs = pools[1]._queue
+    assert isinstance(fs, DepthAged)
+    plain = Plain(k=fs.k, slot_width=fs.width)
+    plain.fresh = fs.fresh
+    plain._len = len(fs)
+    pools[1]._queue = plain
+    for op, i, depth in ops:
+        for pool in pools:
+            if op == "free" and pool.ref_cnt(i) == 0:
+                pool.touch([i])
+            elif op == "free":
+                pool.add_hashes(i, [H[i]])
+                pool.set_depth(i, depth)
+                pool.free([i])
+            elif pool.num_free:
+                pool.touch([next(pool.iter_free_from_lru())])
+        assert list(pools[0].iter_free_from_lru()) == list(pools[1].iter_free_from_lru())
+    for pool in pools:
+        pool.check_invariants()
+
+
+class _SlotBlock:
+    __slots__ = ("_block_hash", "block_id")
+
+    def __init__(self, i: int, h: bytes | None) -> None:
+        self.block_id = i
+        self._block_hash = h
+
+    @property
+    def block_hash(self) -> bytes | None:
+        return self._block_hash
+
+
+class _OtherBlock(_SlotBlock):
+    __slots__ = ()
+
+    @property
+    def block_hash(self) -> bytes | None:  # not the slot: the property must be called
+        return None if self._block_hash is None else b"x" * 20
+
+
+class _Pool:
+    def __init__(self, blocks: list[Any]) -> None:
+        self.blocks = blocks
+        self.free_block_queue = None
+
+
+@pytest.mark.parametrize("cls", [_SlotBlock, _OtherBlock])
+def test_vllm_blocks_read_the_slot_only_where_it_is_the_property(cls: type) -> None:
+    blocks = [cls(0, None), cls(1, b"a" * 36)]
+    gpu = VllmGpuBlocks(_Pool(blocks))
+    assert gpu._slot is (cls is _SlotBlock)
+    assert gpu.block_hashes(0) == ()
+    want = (plain_hash(blocks[1].block_hash),)
+    assert gpu.block_hashes(1) == want and gpu.block_hashes(1) is gpu.block_hashes(1)
+    blocks[1]._block_hash = b"b" * 36  # re-hashed: a new object, a new answer
+    assert gpu.block_hashes(1) == (plain_hash(blocks[1].block_hash),)
+
+
+def test_facade_calls_only_the_after_hooks_a_face_overrides() -> None:
+    class Quiet(Facade):
+        pass
+
+    class Loud(Facade):
+        def _after_step(self) -> None:
+            pass
+
+    core: Any = object()
+    q, loud = Quiet(core), Loud(core)
+    assert not (q._hooks_allocated or q._hooks_step or q._hooks_finished)
+    assert loud._hooks_step and not (loud._hooks_allocated or loud._hooks_finished)
