@@ -169,7 +169,7 @@ class RemoteMover:
         for start in range(0, n, BATCH):
             part = slice(start, start + BATCH)
             if job.op is RemoteOp.PUT:
-                self._put(list(ids[part]), hashes[part], tally)
+                self._put(list(ids[part]), hashes[part], tally, job.keep)
             else:
                 self._get(list(ids[part]), hashes[part], tally)
         good = tally["stored"] if job.op is RemoteOp.PUT else tally[GetOutcome.HIT.value]
@@ -196,13 +196,14 @@ class RemoteMover:
             self._staging = torch.empty((BATCH, self._bpb), dtype=torch.uint8)
         return [_view(self._staging[k]) for k in range(len(ids))]
 
-    def _put(self, ids: list[int], hashes: list[bytes], tally: Counter[str]) -> None:
+    def _put(self, ids: list[int], hashes: list[bytes], tally: Counter[str],
+             keep: bool) -> None:
         views = self._views(ids)
         if len(self._rows) > 1:
             assert self._staging is not None
             for k, i in enumerate(ids):
                 torch.cat([r[i] for r in self._rows], out=self._staging[k])
-        ok = self._store.put_many(self._keys(hashes), views, self._headers(hashes))
+        ok = self._store.put_many(self._keys(hashes), views, self._headers(hashes), keep=keep)
         tally["stored"] += sum(ok)
         tally["not_stored"] += len(ok) - sum(ok)
 

@@ -53,7 +53,7 @@ class RemoteLink:
             return ready_key(fingerprint, world, h)
 
         def make(cpu: BlockPool, gs: GroupSet, jobs: JobTable) -> RemoteBook:
-            pd = Handoffs(index, fingerprint, world, cfg.block_size, remote_hash)
+            pd = Handoffs(index, fingerprint, world, cfg.block_size, remote_hash, key)
             return RemoteBook(cpu, gs, jobs, index, key, mode=cfg.remote_mode, handoffs=pd)
         return make
 

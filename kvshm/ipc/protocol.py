@@ -218,6 +218,9 @@ class Remote(_Msg, tag=10, frozen=True, array_like=True, gc=False):
     cpu_ids: bytes
     hashes: bytes
     hash_len: int
+    #: PUT only: store without a TTL (a P/D hand-off's blocks, protected from
+    #: ``volatile-lru`` until the decoder gives them the ordinary TTL).
+    keep: bool = False
 
 
 CmdMsg = Transfer | Flush | Shutdown | Remote

@@ -21,9 +21,15 @@ asked: a manifest is never trusted alone). An expired one is deleted (demoted: i
 blocks keep their ordinary TTL). A consumer that loaded the blocks deletes the manifest
 (collected). Every refusal is a counted miss: the request recomputes.
 
+Lifetime: a hand-off's blocks and readiness keys are put without a TTL (``keep``), so
+``volatile-lru`` cannot evict a hand-off in flight; the decoder that loaded them gives
+them the tier's ordinary TTL (they stay useful as cache); so does the publisher when its
+publication fails, and the first engine that finds a manifest expired (demotion). A
+prefill killed mid-publish leaves its kept blocks without a TTL (no engine knows of
+them): ``maxmemory`` with ``volatile-lru`` never evicts them.
+
 Not done: the partial tail block (the decoder recomputes the last partial block, not
-only the last token), and TTL-free blocks until collection (blocks carry the tier's
-ordinary TTL; the manifest's expiry should stay well below it).
+only the last token).
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ from typing import Any, Final
 
 import msgspec
 
-from kvshm.remote.tier import ReadyIndex
+from kvshm.remote.tier import KEY_PREFIX, ReadyIndex, block_key
 
 __all__ = ["MANIFEST_PARAM", "Handoffs", "Manifest", "PdCounters", "Verdict",
            "manifest_key"]
@@ -113,18 +119,21 @@ class _Consume:
     token: int
     since: float
     verdict: Verdict = Verdict.WAIT
+    manifest: Manifest | None = None
 
 
 class Handoffs:
     """See the module docstring. ``remote_hash``: a CPU key's remote hash."""
 
     def __init__(self, index: ReadyIndex, fingerprint: str, world: int, block_size: int,
-                 remote_hash: Callable[[bytes], bytes], *, wait_s: float = 5.0,
+                 remote_hash: Callable[[bytes], bytes], ready_key: Callable[[bytes], str],
+                 *, wait_s: float = 5.0,
                  manifest_ttl_s: int = 600, clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time) -> None:
         self.index, self.fingerprint, self.world = index, fingerprint, world
         self.block_size = block_size
         self._rhash = remote_hash
+        self._ready_key = ready_key
         self._wait = wait_s
         self._ttl = manifest_ttl_s
         self._clock, self._wall = clock, wall
@@ -163,7 +172,7 @@ class Handoffs:
                 if pub is None:
                     continue
                 if not ok:
-                    self._drop(rid)
+                    self._fail(rid)
                     self.counters.publish_failed += 1
                     continue
                 pub.pending.discard(k)
@@ -192,8 +201,22 @@ class Handoffs:
         """Drop publications whose blocks did not all arrive within ``wait_s``."""
         now = self._clock()
         for rid in [r for r, p in self._pubs.items() if now - p.since > self._wait]:
-            self._drop(rid)
+            self._fail(rid)
             self.counters.publish_timeouts += 1
+
+    def _fail(self, rid: str) -> None:
+        """A publication that will write no manifest: its blocks put so far (kept, no
+        TTL) get the ordinary TTL back, so nothing is pinned on the server for ever."""
+        pub = self._pubs.get(rid)
+        if pub is not None:
+            self._demote([self._rhash(k) for k in pub.keys])
+        self._drop(rid)
+
+    def _demote(self, hashes: Sequence[bytes]) -> None:
+        """Give blocks (every rank's shard) and their readiness keys the ordinary TTL."""
+        keys = [block_key(KEY_PREFIX, self.fingerprint, r, self.world, h)
+                for h in hashes for r in range(self.world)]
+        self.index.expire(keys + [self._ready_key(h) for h in hashes])
 
     # ---- decode side -----------------------------------------------------------------
 
@@ -241,11 +264,12 @@ class Handoffs:
         if m is not None and m.expires_at < self._wall():
             st.verdict = Verdict.REFUSED
             self.counters.manifest_expired += 1
-            self.index.delete([st.key])  # demoted: its blocks keep the ordinary TTL
+            self._collect(st.key, m)  # demoted: its blocks get the ordinary TTL
             return
         ok = (m is not None and m.fingerprint == self.fingerprint and m.world == self.world
               and m.block_size == self.block_size and m.hashes
               and [self._rhash(k).hex() for k in st.keys[:len(m.hashes)]] == m.hashes)
+        st.manifest = m if ok else None
         if not ok:
             st.verdict = Verdict.REFUSED
             self.counters.manifest_refused += 1
@@ -260,11 +284,23 @@ class Handoffs:
         self.counters.consumed += 1
 
     def collected(self, rid: str) -> None:
-        """``rid`` fetched its blocks: delete its manifest (collected)."""
+        """``rid`` fetched its blocks: they get the ordinary TTL (they stay useful as
+        cache) and the manifest goes (collected)."""
         st = self._reqs.get(rid)
-        if st is not None and st.verdict is Verdict.GO:
-            self.index.delete([st.key])
+        if st is not None and st.verdict is Verdict.GO and st.manifest is not None:
+            self._collect(st.key, st.manifest)
+            st.manifest = None
             self.counters.collected += 1
+
+    def _collect(self, key: str, m: Manifest) -> None:
+        hashes = []
+        for h in m.hashes:
+            try:
+                hashes.append(bytes.fromhex(h))
+            except ValueError:
+                continue
+        self._demote(hashes)
+        self.index.delete([key])
 
     def forget(self, rid: str) -> None:
         """The request is gone (its publication, if any, goes on)."""

@@ -116,6 +116,7 @@ class RemoteJob(Job):
     keys: list[bytes]
     depths: list[int]
     req_id: str = ""
+    keep: bool = False  # a PUT without TTL (a P/D hand-off's blocks)
 
 
 AnyJob: TypeAlias = StoreJob | LoadJob | RemoteJob
@@ -176,11 +177,12 @@ class JobTable:
         return job
 
     def new_remote(self, step: int, cpu_ids: list[int], keys: list[bytes],
-                   depths: list[int], *, put: bool, req_id: str = "") -> RemoteJob:
+                   depths: list[int], *, put: bool, req_id: str = "",
+                   keep: bool = False) -> RemoteJob:
         """Register a remote-tier job waiting for every live rank."""
         job_id, waiting = self._next()
         job = RemoteJob(job_id, step, [], cpu_ids, waiting, put=put, keys=keys,
-                        depths=depths, req_id=req_id)
+                        depths=depths, req_id=req_id, keep=keep)
         self.jobs[job_id] = job
         return job
 

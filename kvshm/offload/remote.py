@@ -153,7 +153,7 @@ class RemoteBook:
         self._reqs: dict[str, _Lookup] = {}
         self._tokens: dict[int, str] = {}
         self._next_token = 1
-        self._puts: list[tuple[int, bytes, int]] = []  # (cpu id, key, depth), pinned
+        self._puts: list[tuple[int, bytes, int, bool]] = []  # (cpu id, key, depth, keep)
         self._put_keys: set[bytes] = set()  # queued or in flight
         self._published: OrderedDict[bytes, None] = OrderedDict()
         self._fetching: dict[bytes, int] = {}  # key -> GET job id
@@ -163,7 +163,7 @@ class RemoteBook:
 
     def pinned(self) -> list[int]:
         """CPU ids this book pins (queued PUTs, FETCHED requests), with repeats."""
-        out = [c for c, _, _ in self._puts]
+        out = [c for c, _, _, _ in self._puts]
         for st in self._reqs.values():
             out.extend(st.pinned)
         return out
@@ -264,8 +264,9 @@ class RemoteBook:
         every = self.mode is RemoteMode.WRITE_THROUGH
         pd = self.pd
         for i, (c, k) in enumerate(zip(cpu_ids, keys)):
-            if every or (pd is not None and pd.wants(k)):
-                self._queue_put(c, k, depths[i] if i < len(depths) else 0)
+            keep = pd is not None and pd.wants(k)
+            if every or keep:
+                self._queue_put(c, k, depths[i] if i < len(depths) else 0, keep)
 
     def publish(self, rid: str, keys: Sequence[bytes], num_tokens: int) -> dict[str, Any]:
         """A P/D prefill request finished: its hand-off's ``kv_transfer_params``. Its
@@ -276,16 +277,16 @@ class RemoteBook:
         for k in keys:
             c = self.cpu.get_cached(k)
             if c is not None and self.pd.wants(k) and k not in self._put_keys:
-                self._queue_put(c, k, 0)
+                self._queue_put(c, k, 0, True)
         return params
 
-    def _queue_put(self, c: int, k: bytes, depth: int) -> None:
+    def _queue_put(self, c: int, k: bytes, depth: int, keep: bool = False) -> None:
         if k in self._put_keys or k in self._published:
             self.counters.put_skipped_duplicate += 1
             return
         self.cpu.touch((c,))
         self._put_keys.add(k)
-        self._puts.append((c, k, depth))
+        self._puts.append((c, k, depth, keep))
 
     def _scan_evictable(self) -> None:
         """ON_EVICT: queue the unpublished cached blocks the tier would reuse next."""
@@ -317,10 +318,15 @@ class RemoteBook:
         for _ in range(MAX_PUT_JOBS):
             if not self._puts:
                 break
-            batch, self._puts = self._puts[:MAX_PUT_BLOCKS], self._puts[MAX_PUT_BLOCKS:]
-            job = self._jobs.new_remote(step, [c for c, _, _ in batch],
-                                        [k for _, k, _ in batch], [d for _, _, d in batch],
-                                        put=True)
+            keep = self._puts[0][3]  # one job: all kept (hand-off) or all ordinary
+            batch: list[tuple[int, bytes, int, bool]] = []
+            rest: list[tuple[int, bytes, int, bool]] = []
+            for p in self._puts:
+                (batch if p[3] is keep and len(batch) < MAX_PUT_BLOCKS else rest).append(p)
+            self._puts = rest
+            job = self._jobs.new_remote(step, [c for c, _, _, _ in batch],
+                                        [k for _, k, _, _ in batch],
+                                        [d for _, _, d, _ in batch], put=True, keep=keep)
             self.counters.put_jobs += 1
             self.counters.put_blocks += len(batch)
             out.append(self._message(job, RemoteOp.PUT))
@@ -347,7 +353,8 @@ class RemoteBook:
     @staticmethod
     def _message(job: RemoteJob, op: RemoteOp) -> Remote:
         hashes = b"".join(remote_hash(k) for k in job.keys)
-        return Remote(job.job_id, op, pack_ids(job.cpu_ids), hashes, REMOTE_HASH_BYTES)
+        return Remote(job.job_id, op, pack_ids(job.cpu_ids), hashes, REMOTE_HASH_BYTES,
+                      job.keep)
 
     def complete(self, job: RemoteJob, usable: bool) -> None:
         """``job`` is done on every rank (it left the job table). ``usable``: it did
@@ -362,7 +369,8 @@ class RemoteBook:
         self._evict_puts = max(0, self._evict_puts - 1)
         try:
             if usable:
-                self.index.publish([self._ready_key(remote_hash(k)) for k in job.keys])
+                self.index.publish([self._ready_key(remote_hash(k)) for k in job.keys],
+                                   keep=job.keep)
                 self._remember(job.keys)
                 self.counters.published_blocks += len(job.keys)
             else:
@@ -412,7 +420,7 @@ class RemoteBook:
     def drop(self) -> None:
         """Reset or engine failure: unpin queued PUTs and FETCHED blocks, forget every
         lookup (GET jobs in flight complete unclaimed; their blocks are freed)."""
-        for c, k, _ in reversed(self._puts):
+        for c, k, _, _ in reversed(self._puts):
             self._put_keys.discard(k)
             self.cpu.free((c,))
         self._puts = []

@@ -295,8 +295,9 @@ class BlockStore(Protocol):
     programming errors)."""
 
     def put_many(self, keys: Sequence[str], views: Sequence[memoryview],
-                 header: Sequence[BlockHeader]) -> list[bool]:
-        """Store ``views[i]`` under ``keys[i]`` with ``header[i]``; True = stored."""
+                 header: Sequence[BlockHeader], *, keep: bool = False) -> list[bool]:
+        """Store ``views[i]`` under ``keys[i]`` with ``header[i]``; True = stored.
+        ``keep``: without a TTL (a hand-off's blocks until collected)."""
         ...
 
     def get_many_into(self, keys: Sequence[str], views: Sequence[memoryview],
@@ -319,8 +320,9 @@ class BlockStore(Protocol):
 class ReadyIndex(Protocol):
     """Scheduler side: readiness keys. No method blocks on the network."""
 
-    def publish(self, keys: Sequence[str]) -> None:
-        """Queue "every rank stored these blocks" (SET key with the TTL); returns at once."""
+    def publish(self, keys: Sequence[str], *, keep: bool = False) -> None:
+        """Queue "every rank stored these blocks" (SET key with the TTL; ``keep``: without
+        one); returns at once."""
         ...
 
     def query(self, token: int, keys: Sequence[str]) -> None:
@@ -348,6 +350,11 @@ class ReadyIndex(Protocol):
 
     def delete(self, keys: Sequence[str]) -> None:
         """Queue a DEL of ``keys``."""
+        ...
+
+    def expire(self, keys: Sequence[str]) -> None:
+        """Queue giving ``keys`` the tier's ordinary TTL (a collected or demoted
+        hand-off's blocks); a missing key is no error."""
         ...
 
     def values(self) -> list[tuple[int, bytes | None]]:

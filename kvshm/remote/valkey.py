@@ -299,7 +299,8 @@ class ValkeyBlockStore:
 
     # ------------------------------------------------------------------ put
 
-    def _put_one(self, key: str, view: memoryview, header: BlockHeader) -> bool:
+    def _put_one(self, key: str, view: memoryview, header: BlockHeader,
+                 keep: bool = False) -> bool:
         try:
             raw = header.pack(view)  # before the breaker: a caller's error is no outage
         except (ConfigError, TypeError, ValueError):
@@ -312,8 +313,9 @@ class ValkeyBlockStore:
         try:
             g = self._glide
             batch = (g.ClusterBatch if self.spec.cluster else g.Batch)(is_atomic=False)
-            batch.set(key, view, expiry=self._ttl)
-            batch.set(header_key(key), raw, expiry=self._ttl)
+            expiry = None if keep else self._ttl
+            batch.set(key, view, expiry=expiry)
+            batch.set(header_key(key), raw, expiry=expiry)
             result = self._client().exec(batch, raise_on_error=False)
         except Exception as exc:  # noqa: BLE001 - failure = miss: counted, never raised
             self._failed(breaker, exc)
@@ -327,13 +329,13 @@ class ValkeyBlockStore:
         return True
 
     def put_many(self, keys: Sequence[str], views: Sequence[memoryview],
-                 header: Sequence[BlockHeader]) -> list[bool]:
+                 header: Sequence[BlockHeader], *, keep: bool = False) -> list[bool]:
         n = len(keys)
         if self._closed or len(views) != n or len(header) != n:
             self._n.add(invalid_calls=1, put_failed=n)
             return [False] * n
         self._n.add(puts=n)
-        out = self._fan_out(n, lambda i: self._put_one(keys[i], views[i], header[i]),
+        out = self._fan_out(n, lambda i: self._put_one(keys[i], views[i], header[i], keep),
                             False)
         self._n.add(put_failed=out.count(False))
         return out
@@ -471,9 +473,13 @@ class ValkeyReadyIndex:
                                         daemon=True)
         self._thread.start()
 
-    def publish(self, keys: Sequence[str]) -> None:
+    def publish(self, keys: Sequence[str], *, keep: bool = False) -> None:
         if keys and not self._closed:
-            self._q.put(("publish", 0, list(keys)))
+            self._q.put(("keep" if keep else "publish", 0, list(keys)))
+
+    def expire(self, keys: Sequence[str]) -> None:
+        if keys and not self._closed and self.spec.ttl_s is not None:
+            self._q.put(("expire", self.spec.ttl_s, list(keys)))
 
     def query(self, token: int, keys: Sequence[str]) -> None:
         self._n.add(queries=1)
@@ -529,8 +535,9 @@ class ValkeyReadyIndex:
             stop = None in ops
             work = [o for o in ops if o is not None]
             queries = [(tok, keys) for kind, tok, keys in work if kind == "query"]
-            publishes = [k for kind, _, keys in work if kind == "publish" for k in keys]
-            others = [o for o in work if o[0] in ("set", "get", "delete")]
+            publishes = [(k, kind == "keep") for kind, _, keys in work
+                         if kind in ("publish", "keep") for k in keys]
+            others = [o for o in work if o[0] in ("set", "get", "delete", "expire")]
             if work:
                 if client is None or self.breaker.opens != gen_opens:
                     if client is not None:
@@ -553,15 +560,15 @@ class ValkeyReadyIndex:
                 pass
 
     def _round(self, client: Any, queries: list[tuple[int, Sequence[str]]],
-               publishes: list[str]) -> None:
+               publishes: list[tuple[str, bool]]) -> None:
         g = self._glide
         if not self.breaker.allow():
             self._n.add(rejected=1, publish_failed=len(publishes))
             self._answer([(tok, 0) for tok, _ in queries])
             return
         batch = (g.ClusterBatch if self.spec.cluster else g.Batch)(is_atomic=False)
-        for k in publishes:
-            batch.set(k, b"1", expiry=self._ttl)
+        for k, keep in publishes:
+            batch.set(k, b"1", expiry=None if keep else self._ttl)
         for _, keys in queries:
             for k in keys:
                 batch.exists([k])
@@ -607,6 +614,10 @@ class ValkeyReadyIndex:
                 batch.set(items[0], items[1], expiry=g.ExpirySet(g.ExpiryType.SEC, arg))
             elif kind == "get":
                 batch.get(items[0])
+            elif kind == "expire":  # a block key's header key too (none: a no-op)
+                for k in items:
+                    batch.expire(k, arg)
+                    batch.expire(header_key(k), arg)
             else:
                 batch.delete(list(items))
         try:
@@ -618,8 +629,12 @@ class ValkeyReadyIndex:
             self._put_values([(tok, None) for tok in gets])
             return
         self.breaker.success()
-        got = [(tok, r if isinstance(r, bytes) else None)
-               for (kind, tok, _), r in zip(ops, result) if kind == "get"]
+        got, pos = [], 0
+        for kind, tok, items in ops:  # one reply per command, an EXPIRE per key
+            if kind == "get":
+                r = result[pos] if pos < len(result) else None
+                got.append((tok, r if isinstance(r, bytes) else None))
+            pos += 2 * len(items) if kind == "expire" else 1
         self._n.add(values_set=sum(1 for o in ops if o[0] == "set"), values_got=len(got))
         self._put_values(got)
 

@@ -77,11 +77,26 @@ def exists(server: ValkeyServer, key: str) -> bool:
     return command(server.host, server.port, "EXISTS", key).strip() == b":1"
 
 
+def ttl(server: ValkeyServer, key: str | bytes) -> int:
+    """The key's TTL in seconds (-1: none, -2: no such key)."""
+    return int(command(server.host, server.port, "TTL", key).strip(b":\r\n"))
+
+
+async def wait_for_server(cond: Any, timeout: float = 5.0) -> None:
+    """The index writes from its own thread: wait until the server shows ``cond``."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "the server never showed it"
+        await asyncio.sleep(0.01)
+
+
 async def test_handoff_publish_then_consume_bit_exact_and_collected(
         valkey: ValkeyServer) -> None:
-    """P publishes 8 blocks and, last, the manifest; D (zeroed caches) asks with the
-    params: the manifest is read, the readiness keys asked, the blocks fetched and
-    loaded bit-exact; the manifest is deleted (collected)."""
+    """P publishes 8 blocks and, last, the manifest; until a decoder loads them the
+    blocks and readiness keys have no TTL (``volatile-lru`` cannot evict a hand-off in
+    flight), the manifest has its own. D (zeroed caches) asks with the params: the
+    manifest is read, the readiness keys asked, the blocks fetched and loaded bit-exact;
+    then the blocks get the ordinary TTL and the manifest is deleted (collected)."""
     toks = prompt(30)
     async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ep, gp, kp, _):
         cp = Client(ep, gp)
@@ -96,6 +111,10 @@ async def test_handoff_publish_then_consume_bit_exact_and_collected(
                                    .split(b"\r\n", 1)[1][:-2], type=Manifest)
     assert manifest.world == 2 and manifest.num_tokens == len(toks)
     assert len(manifest.hashes) == BLOCKS
+    assert 0 < ttl(valkey, key) <= 1200
+    blocks = server_keys(valkey.host, valkey.port, "*kvshm:v1:*")
+    assert len(blocks) == 8 * 2 * 2 + 8 + 1                      # shards, headers, ready
+    assert {ttl(valkey, k) for k in blocks if k != key.encode()} == {-1}  # until loaded
     async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ed, gd, kd, _):
         for k in kd:
             k.zero_()
@@ -106,9 +125,8 @@ async def test_handoff_publish_then_consume_bit_exact_and_collected(
         assert [digest(k[dst[:BLOCKS]]) for k in kd] == src
         rd = remote(ed)
         assert (rd["pd_consumed"], rd["pd_collected"], rd["hit_blocks"]) == (1, 1, 8)
-        await asyncio.sleep(0.2)
-        cd.step()
-        assert not exists(valkey, key)
+        await wait_for_server(lambda: not exists(valkey, key))
+        assert all(0 < ttl(valkey, k) <= 3600 for k in blocks if k != key.encode())
 
 
 async def test_decode_asking_before_the_prefill_published_waits_then_hits(
@@ -163,8 +181,9 @@ async def test_evicted_blocks_behind_a_manifest_recompute(valkey: ValkeyServer) 
 
 async def test_an_expired_manifest_is_demoted_and_a_foreign_one_refused(
         valkey: ValkeyServer) -> None:
-    """An expired manifest: D answers 0 and deletes it. A manifest of another model
-    (another fingerprint): refused, counted, logged; D recomputes."""
+    """An expired manifest: D answers 0, deletes it and gives its blocks the ordinary TTL
+    (demoted). A manifest of another model (another fingerprint): refused, counted,
+    logged; D recomputes."""
     toks, other = prompt(34), prompt(35)
     async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ep, gp, _, _):
         cp = Client(ep, gp)
@@ -180,9 +199,9 @@ async def test_an_expired_manifest_is_demoted_and_a_foreign_one_refused(
         cd = Client(ed, gd)
         assert await decode(cd, "req-5", toks, params) == 0
         assert remote(ed)["pd_manifest_expired"] == 1
-        await asyncio.sleep(0.2)
-        cd.step()
-        assert not exists(valkey, key)
+        await wait_for_server(lambda: not exists(valkey, key))
+        ready = server_keys(valkey.host, valkey.port, "*:ready/*")
+        assert ready and sum(ttl(valkey, k) > 0 for k in ready) == BLOCKS  # req-5's
     async with embedded_engine(remote_url=valkey.url,
                                model_id="another-model") as (ef, gf, _, _):
         assert await decode(Client(ef, gf), "req-6", other, params2) == 0

@@ -34,10 +34,12 @@ class HeldIndex:
         self._answers: list[tuple[int, int]] = []
         self.up = True
         self.log: list[str] = []  # every write, in order
+        self.kept: set[str] = set()  # readiness keys published without a TTL
         self.kv: dict[str, bytes] = {}
         self._values: list[tuple[int, bytes | None]] = []
 
-    def publish(self, keys: Sequence[str]) -> None:
+    def publish(self, keys: Sequence[str], *, keep: bool = False) -> None:
+        self.kept.update(keys if keep else ())
         self.published.extend(keys)
         self.ready.update(keys)
         self.log.extend(keys)
@@ -52,6 +54,9 @@ class HeldIndex:
     def delete(self, keys: Sequence[str]) -> None:
         for k in keys:
             self.kv.pop(k, None)
+
+    def expire(self, keys: Sequence[str]) -> None:
+        self.log.extend(f"expire {k}" for k in keys)
 
     def values(self) -> list[tuple[int, bytes | None]]:
         out, self._values = self._values, []
@@ -99,7 +104,7 @@ def remote_rig(index: HeldIndex, *, cpu: int = 16, mode: RemoteMode = RemoteMode
     now = clock if clock is not None else [0.0]
 
     def make(cpu_pool: Any, gs: Any, jobs: Any) -> RemoteBook:
-        pd = Handoffs(index, "fp", WORLD, BS, remote_hash, clock=lambda: now[0])
+        pd = Handoffs(index, "fp", WORLD, BS, remote_hash, key, clock=lambda: now[0])
         return RemoteBook(cpu_pool, gs, jobs, index, key, mode=mode, answer_timeout_s=timeout,
                           clock=lambda: now[0], handoffs=pd)
     rig.m = OffloadManager(rig.cpu, rig.gpu, block_size=BS, world_size=WORLD, remote=make)
@@ -385,3 +390,23 @@ def test_a_handoff_manifest_is_written_after_every_block_and_readiness_key() -> 
     rig.m.on_done(put.job_id, 1, True)
     rig.m.check_invariants()
     assert index.log == [rkey(p.h[0]), rkey(p.h[1]), "kvshm:v1:pd:fp:2:p"]
+    assert put.keep and index.kept == {rkey(p.h[0]), rkey(p.h[1])}   # no TTL until loaded
+
+
+def test_a_failed_handoff_put_writes_no_manifest_and_demotes_its_blocks() -> None:
+    """Rank 1 fails the hand-off's PUT: no manifest ever; the blocks (kept: no TTL) and
+    their readiness keys get the ordinary TTL back, every rank's shard named."""
+    index = HeldIndex()
+    rig = remote_rig(index)
+    p = Req("p", 5, params={"do_remote_decode": True})
+    g = rig.alloc(2, p.h)
+    plan = rig.step(p.sched(g, confirmed=5, new=True))
+    rig.m.finished("p", 5, [g])
+    rig.ack(plan.store, ranks=(0, 1))
+    (put,) = rig.step().remote
+    ack_remote(rig, put, (True, False))
+    h = remote_hash(p.h[0]).hex()
+    assert index.log == [f"expire kvshm:v1:fp:0/2:{h}", f"expire kvshm:v1:fp:1/2:{h}",
+                         f"expire {rkey(p.h[0])}"]
+    assert rig.m.remote is not None and rig.m.remote.pd is not None
+    assert rig.m.remote.pd.counters.publish_failed == 1
