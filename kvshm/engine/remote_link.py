@@ -23,7 +23,7 @@ from kvshm.offload.jobs import JobTable
 from kvshm.offload.pool import BlockPool
 from kvshm.offload.remote import RemoteBook, remote_hash
 from kvshm.remote.tier import ReadyIndex, RemoteSpec, ready_key
-from kvshm.remote.valkey import ValkeyReadyIndex
+from kvshm.remote.valkey_index import ValkeyReadyIndex
 
 __all__ = ["RemoteLink", "open_remote"]
 

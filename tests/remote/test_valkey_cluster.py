@@ -13,7 +13,8 @@ from remote_rig import Rows as RowsT
 
 from kvshm.remote import KEY_PREFIX, BlockHeader, GetOutcome, RemoteSpec, block_key, ready_key
 from kvshm.remote.server import ValkeyCluster, ValkeyServer, command, parse_reply
-from kvshm.remote.valkey import ValkeyBlockStore, ValkeyReadyIndex, key_slot
+from kvshm.remote.valkey import ValkeyBlockStore, key_slot
+from kvshm.remote.valkey_index import ValkeyReadyIndex
 
 ROW = 256 << 10
 FP = "tiny-llama.bf16.bs16.nhd"

@@ -15,7 +15,8 @@ from remote_rig import Rows as RowsT
 
 from kvshm.remote import KEY_PREFIX, BlockHeader, GetOutcome, RemoteSpec, block_key, ready_key
 from kvshm.remote.server import ValkeyServer, command, parse_reply
-from kvshm.remote.valkey import ValkeyBlockStore, ValkeyReadyIndex, header_key
+from kvshm.remote.valkey import ValkeyBlockStore, header_key
+from kvshm.remote.valkey_index import ValkeyReadyIndex
 
 ROW = 2 << 20  # 2 MiB, a typical block shard
 FP = "tiny-llama.bf16.bs16.nhd"

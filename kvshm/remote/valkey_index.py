@@ -1,0 +1,239 @@
+"""The readiness index on Valkey: the scheduler side of the remote tier.
+
+:class:`ValkeyReadyIndex` implements :class:`~kvshm.remote.tier.ReadyIndex`: one
+background thread with its own glide_sync client (made anew after its breaker opened)
+takes everything queued since its last round -- readiness keys to publish, prefix
+queries, small values (hand-off manifests) to set, get, delete or expire -- and sends it
+in one pipelined, non-atomic batch (a second one for the small values). Nothing here
+blocks its caller: ``publish``, ``query``, ``put_value``, ``get_value``, ``delete`` and
+``expire`` enqueue; ``answers`` and ``values`` pop what the thread finished. A failed
+round answers every query 0 and every GET None (failure = miss), counted, and feeds the
+one :class:`~kvshm.remote.breaker.CircuitBreaker`; while it is open nothing is sent and
+:meth:`ValkeyReadyIndex.healthy` says so, so lookups do not even ask.
+
+Ordering: one round's commands run in queue order (readiness keys before the manifest
+queued after them: a manifest is written last).
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+from kvshm.remote.breaker import CircuitBreaker
+from kvshm.remote.tier import RemoteSpec
+from kvshm.remote.valkey import _Counters, _expiry, _glide, header_key, make_client
+
+__all__ = ["ValkeyReadyIndex"]
+
+
+class ValkeyReadyIndex:
+    """The scheduler side on Valkey (see the module). Never blocks its caller: ``publish``
+    and ``query`` enqueue, ``answers`` pops what the background thread finished."""
+
+    def __init__(self, spec: RemoteSpec, *, breaker_threshold: int = 3,
+                 breaker_backoff_s: float = 0.25, breaker_max_backoff_s: float = 5.0) -> None:
+        self.spec = spec
+        self._glide = _glide()
+        self._ttl = _expiry(self._glide, spec)
+        self.breaker = CircuitBreaker(breaker_threshold, breaker_backoff_s,
+                                      breaker_max_backoff_s)
+        self._q: queue.SimpleQueue[tuple[str, int, Sequence[Any]] | None] = \
+            queue.SimpleQueue()
+        self._answers: list[tuple[int, int]] = []
+        self._values: list[tuple[int, bytes | None]] = []
+        self._lock = threading.Lock()
+        self._n = _Counters("queries", "answered", "answered_zero", "keys_queried",
+                            "keys_present", "published", "publish_failed", "errors",
+                            "timeouts", "rejected", "round_trips", "clients_created",
+                            "values_set", "values_got")
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name="kvshm-remote-index",
+                                        daemon=True)
+        self._thread.start()
+
+    def publish(self, keys: Sequence[str], *, keep: bool = False) -> None:
+        if keys and not self._closed:
+            self._q.put(("keep" if keep else "publish", 0, list(keys)))
+
+    def expire(self, keys: Sequence[str]) -> None:
+        if keys and not self._closed and self.spec.ttl_s is not None:
+            self._q.put(("expire", self.spec.ttl_s, list(keys)))
+
+    def query(self, token: int, keys: Sequence[str]) -> None:
+        self._n.add(queries=1)
+        if self._closed or not keys:
+            self._answer([(token, 0)])
+            return
+        self._q.put(("query", token, list(keys)))
+
+    def answers(self) -> list[tuple[int, int]]:
+        with self._lock:
+            out, self._answers = self._answers, []
+        return out
+
+    def healthy(self) -> bool:
+        return not self._closed and self.breaker.would_allow()
+
+    def put_value(self, key: str, value: bytes, ttl_s: int) -> None:
+        if not self._closed:
+            self._q.put(("set", ttl_s, [key, value]))
+
+    def get_value(self, token: int, key: str) -> None:
+        if self._closed:
+            with self._lock:
+                self._values.append((token, None))
+            return
+        self._q.put(("get", token, [key]))
+
+    def delete(self, keys: Sequence[str]) -> None:
+        if keys and not self._closed:
+            self._q.put(("delete", 0, list(keys)))
+
+    def values(self) -> list[tuple[int, bytes | None]]:
+        with self._lock:
+            out, self._values = self._values, []
+        return out
+
+    def _answer(self, items: list[tuple[int, int]]) -> None:
+        self._n.add(answered=len(items), answered_zero=sum(1 for _, p in items if p == 0))
+        with self._lock:
+            self._answers.extend(items)
+
+    def _run(self) -> None:
+        client: Any = None
+        gen_opens = 0
+        while True:
+            op = self._q.get()
+            ops = [op]
+            while True:  # drain: one round trip for everything queued meanwhile
+                try:
+                    ops.append(self._q.get_nowait())
+                except queue.Empty:
+                    break
+            stop = None in ops
+            work = [o for o in ops if o is not None]
+            queries = [(tok, keys) for kind, tok, keys in work if kind == "query"]
+            publishes = [(k, kind == "keep") for kind, _, keys in work
+                         if kind in ("publish", "keep") for k in keys]
+            others = [o for o in work if o[0] in ("set", "get", "delete", "expire")]
+            if work:
+                if client is None or self.breaker.opens != gen_opens:
+                    if client is not None:
+                        try:
+                            client.close()
+                        except Exception:  # noqa: BLE001 - a broken client: drop it
+                            pass
+                    client = make_client(self.spec)
+                    gen_opens = self.breaker.opens
+                    self._n.add(clients_created=1)
+                self._round(client, queries, publishes)
+                if others:
+                    self._values_round(client, others)
+            if stop:
+                break
+        if client is not None:
+            try:
+                client.close()
+            except Exception:  # noqa: BLE001 - closing: nothing to do
+                pass
+
+    def _round(self, client: Any, queries: list[tuple[int, Sequence[str]]],
+               publishes: list[tuple[str, bool]]) -> None:
+        g = self._glide
+        if not self.breaker.allow():
+            self._n.add(rejected=1, publish_failed=len(publishes))
+            self._answer([(tok, 0) for tok, _ in queries])
+            return
+        batch = (g.ClusterBatch if self.spec.cluster else g.Batch)(is_atomic=False)
+        for k, keep in publishes:
+            batch.set(k, b"1", expiry=None if keep else self._ttl)
+        for _, keys in queries:
+            for k in keys:
+                batch.exists([k])
+        try:
+            result = client.exec(batch, raise_on_error=False)
+            self._n.add(round_trips=1)
+        except Exception as exc:  # noqa: BLE001 - failure = 0: counted, never raised
+            self.breaker.failure()
+            self._n.add(errors=1, timeouts=int(isinstance(exc, g.TimeoutError)),
+                        publish_failed=len(publishes))
+            self._answer([(tok, 0) for tok, _ in queries])
+            return
+        self.breaker.success()
+        result = list(result or [])
+        pub, rest = result[:len(publishes)], result[len(publishes):]
+        ok = sum(1 for r in pub if r in ("OK", b"OK"))
+        self._n.add(published=ok, publish_failed=len(publishes) - ok)
+        answers, pos = [], 0
+        for tok, keys in queries:
+            part = rest[pos:pos + len(keys)]
+            pos += len(keys)
+            prefix = 0
+            for r in part:
+                if r != 1:
+                    break
+                prefix += 1
+            self._n.add(keys_queried=len(keys), keys_present=prefix)
+            answers.append((tok, prefix))
+        self._answer(answers)
+
+    def _values_round(self, client: Any, ops: list[tuple[str, int, Sequence[Any]]]) -> None:
+        """Small values (hand-off manifests): SET with their own TTL, GET, DEL; one
+        round trip. A failure answers every GET with None (a miss)."""
+        g = self._glide
+        gets = [tok for kind, tok, _ in ops if kind == "get"]
+        if not self.breaker.allow():
+            self._n.add(rejected=1)
+            self._put_values([(tok, None) for tok in gets])
+            return
+        batch = (g.ClusterBatch if self.spec.cluster else g.Batch)(is_atomic=False)
+        for kind, arg, items in ops:
+            if kind == "set":
+                batch.set(items[0], items[1], expiry=g.ExpirySet(g.ExpiryType.SEC, arg))
+            elif kind == "get":
+                batch.get(items[0])
+            elif kind == "expire":  # a block key's header key too (none: a no-op)
+                for k in items:
+                    batch.expire(k, arg)
+                    batch.expire(header_key(k), arg)
+            else:
+                batch.delete(list(items))
+        try:
+            result = list(client.exec(batch, raise_on_error=False) or [])
+            self._n.add(round_trips=1)
+        except Exception as exc:  # noqa: BLE001 - failure = miss: counted, never raised
+            self.breaker.failure()
+            self._n.add(errors=1, timeouts=int(isinstance(exc, g.TimeoutError)))
+            self._put_values([(tok, None) for tok in gets])
+            return
+        self.breaker.success()
+        got, pos = [], 0
+        for kind, tok, items in ops:  # one reply per command, an EXPIRE per key
+            if kind == "get":
+                r = result[pos] if pos < len(result) else None
+                got.append((tok, r if isinstance(r, bytes) else None))
+            pos += 2 * len(items) if kind == "expire" else 1
+        self._n.add(values_set=sum(1 for o in ops if o[0] == "set"), values_got=len(got))
+        self._put_values(got)
+
+    def _put_values(self, items: list[tuple[int, bytes | None]]) -> None:
+        with self._lock:
+            self._values.extend(items)
+
+    def statistics(self) -> dict[str, Any]:
+        stats: dict[str, Any] = self._n.snapshot()
+        b = self.breaker.statistics()
+        stats.update(breaker_state=b["state"], breaker_opens=b["opens"],
+                     breaker_closes=b["closes"])
+        return stats
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._q.put(None)
+        self._thread.join(timeout=2 * (self.spec.request_timeout_ms
+                                       + self.spec.connect_timeout_ms) / 1000 + 1)
