@@ -372,17 +372,23 @@ class SchedulerSide:
                         "connector.loads_failed)" if first else "")
 
     @guarded
-    def finished(self, request: Any, block_ids: Sequence[Sequence[int]]) -> tuple[bool, None]:
-        """``request_finished_all_groups``: final confirmed count and tables."""
+    def finished(self, request: Any, block_ids: Sequence[Sequence[int]]
+                 ) -> tuple[bool, dict[str, Any] | None]:
+        """``request_finished_all_groups``: final confirmed count and tables. Never
+        delays the free (pins keep the blocks); a P/D prefill request
+        (``do_remote_decode``) on an engine with a remote tier returns its hand-off's
+        ``kv_transfer_params`` (the manifest), which vLLM puts on the request's output
+        for the proxy to pass to the decode engine."""
         rid = request.request_id
         confirmed = request.num_computed_tokens - request.num_output_placeholders
+        client = self._client or self.client
         try:
-            (self._client or self.client).finished(rid, confirmed, block_ids)
+            client.finished(rid, confirmed, block_ids)
         except InvalidRequest as exc:
             self._refuse(rid, exc)
             self.client.finished(rid, 0, self._no_new)  # forgets it, stores nothing
         self._forget(rid)
-        return False, None
+        return False, client.transfer_params(rid)
 
     def _forget(self, rid: str) -> None:
         self._lister.next_look.pop(rid, None)  # Listing.forget, inlined
