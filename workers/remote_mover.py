@@ -138,7 +138,10 @@ class RemoteMover:
             if job is None:
                 return
             try:
-                done = self._run(job)
+                # the host rows may be inference tensors (vLLM's worker makes them under
+                # inference_mode): an in-place copy into one outside the mode raises
+                with torch.inference_mode():
+                    done = self._run(job)
             except Exception as exc:  # noqa: BLE001 - a bug fails this job, not the rank
                 self.counts["job_errors"] += 1
                 done = Done(job.job_id, self.rank, False,

@@ -23,12 +23,16 @@ FP = "test-model.bf16.bs4"
 BLOCKS = 16
 
 
-def _pool(region_bytes: tuple[int, ...], seed: int) -> HostPool:
+def _pool(region_bytes: tuple[int, ...], seed: int, inference: bool = False) -> HostPool:
+    """A host pool of random rows; ``inference``: its region tensors are made under
+    ``torch.inference_mode`` (inference tensors), as in vLLM's worker process."""
     spec = LayoutSpec(tuple(RegionSpec(b, BLOCKS, "uint8") for b in region_bytes))
-    pool = HostPool.for_tests(spec, BLOCKS, pin=False)
-    g = torch.Generator().manual_seed(seed)
-    for r in pool.regions:
-        r.copy_(torch.randint(0, 256, tuple(r.shape), dtype=torch.uint8, generator=g))
+    with torch.inference_mode(inference):
+        pool = HostPool.for_tests(spec, BLOCKS, pin=False)
+        g = torch.Generator().manual_seed(seed)
+        for r in pool.regions:
+            r.copy_(torch.randint(0, 256, tuple(r.shape), dtype=torch.uint8, generator=g))
+    assert all(r.is_inference() == inference for r in pool.regions)
     return pool
 
 
@@ -58,9 +62,11 @@ def _close(mover: RemoteMover) -> None:
     mover.release()
 
 
-def _round_trip(server: ValkeyServer, region_bytes: tuple[int, ...]) -> None:
+def _round_trip(server: ValkeyServer, region_bytes: tuple[int, ...],
+                inference: bool = False) -> None:
     hashes = chain_hashes(list(range(4 * 8)), 4)  # 8 blocks
-    src, dst = _pool(region_bytes, seed=1), _pool(region_bytes, seed=2)
+    src = _pool(region_bytes, seed=1, inference=inference)
+    dst = _pool(region_bytes, seed=2, inference=inference)
     a, b = _mover(server, src), _mover(server, dst)
     try:
         a.submit(_job(1, RemoteOp.PUT, list(range(8)), hashes))
@@ -86,6 +92,14 @@ def test_one_region_rows_round_trip_byte_exact(valkey: ValkeyServer) -> None:
 
 def test_three_regions_are_gathered_and_scattered_byte_exact(valkey: ValkeyServer) -> None:
     _round_trip(valkey, (1024, 3000, 64))
+
+
+def test_rows_that_are_inference_tensors_round_trip(valkey: ValkeyServer) -> None:
+    """vLLM's worker builds its host pool under inference_mode: the GET's scatter into
+    those rows (three regions: staging -> rows) must run in inference mode too (it
+    raised "Inplace update to inference tensor outside InferenceMode" on the mover's
+    thread: every GET failed inside vLLM)."""
+    _round_trip(valkey, (96, 160, 64), inference=True)
 
 
 def test_other_rank_or_engine_keys_never_load(valkey: ValkeyServer) -> None:
