@@ -5,17 +5,9 @@ never blocks (``publish`` and ``query`` enqueue; ``answers`` pops). The manager 
 this book; the bytes move on the workers as :class:`~kvshm.offload.jobs.RemoteJob` s
 (``kvshm.ipc.protocol.Remote`` messages), acked like copies.
 
-Write path (``RemoteMode.WRITE_THROUGH``): a store job that completed on every rank
-hands its newly indexed CPU blocks to :meth:`RemoteBook.stored`; each block whose key is
-neither published by this engine nor queued or in flight is pinned and queued; the next
-:meth:`RemoteBook.plan` makes one PUT job of at most :data:`MAX_PUT_BLOCKS`. When the PUT
-completed on every rank without failure, the blocks' readiness keys are published (so a
-reader never sees half a block: the all-ranks rule of local stores) and the pins go.
-``ON_EVICT`` queues instead the unpublished cached blocks among the next ones the CPU
-tier would reuse (a window of ``max(8, num_blocks // 16)`` at the eviction end, scanned
-by a plan with no such PUT in flight). The PUT's pin takes a block out of the eviction
-order and its release puts it back as recently used: a second chance, once per block
-(published blocks are skipped by later scans), like CLOCK.
+Write path (:mod:`kvshm.offload.remote_puts`): blocks are put after their store
+completed on every rank (write-through) or as they near eviction (``ON_EVICT``); a
+completed PUT publishes their readiness keys. P/D hand-offs: :mod:`kvshm.offload.handoff`.
 
 Read path, for a request whose CPU-tier hit is 0 (a CPU hit never waits for the remote):
 
@@ -34,43 +26,36 @@ never waits on the remote for longer. Dedup: a key is never put twice by one eng
 (published, queued or in flight), nor fetched twice at once (a lookup whose first key is
 being fetched by another request answers None until that GET ends).
 
-Pins: every CPU block this book pins is recorded in :meth:`pinned` (queued PUTs, FETCHED
-requests); jobs record their own. Remote hashes: each block's key in the remote tier is
-its CPU index key when that is :data:`REMOTE_HASH_BYTES` long, else a BLAKE2b digest of
-it of that length (group-qualified keys are longer), so a Remote message carries hashes
-of one length.
+Pins: every CPU block this book pins is recorded in :meth:`RemoteBook.pinned` (queued
+PUTs, FETCHED requests); jobs record their own.
 """
 
 from __future__ import annotations
 
-import hashlib
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 from enum import Enum
-from itertools import islice
-from typing import Any, Final
+from typing import Any
 
 from kvshm.config import Eviction, RemoteMode
-from kvshm.ipc.protocol import Remote, RemoteOp, pack_ids
+from kvshm.ipc.protocol import Remote, RemoteOp
 from kvshm.offload.groups import GroupSet
 from kvshm.offload.handoff import Handoffs, Verdict
 from kvshm.offload.jobs import JobTable, RemoteJob
 from kvshm.offload.pool import BlockPool
+from kvshm.offload.remote_puts import (
+    MAX_PUT_BLOCKS,
+    REMOTE_HASH_BYTES,
+    PutQueue,
+    RemoteCounters,
+    message,
+    remote_hash,
+)
 from kvshm.remote.tier import ReadyIndex
 
 __all__ = ["MAX_PUT_BLOCKS", "REMOTE_HASH_BYTES", "RemoteBook", "RemoteCounters",
-           "RemoteState"]
-
-#: Most blocks one PUT job moves (several jobs go out in one step when more are queued).
-MAX_PUT_BLOCKS: Final = 128
-#: PUT jobs one plan makes at most (the rest wait for the next step).
-MAX_PUT_JOBS: Final = 4
-#: Length of every block hash a Remote message carries.
-REMOTE_HASH_BYTES: Final = 32
-#: Keys this engine remembers as published (oldest forgotten first: re-put, harmless).
-PUBLISHED_MEMORY: Final = 1 << 20
+           "RemoteState", "remote_hash"]
 
 
 class RemoteState(Enum):
@@ -81,34 +66,6 @@ class RemoteState(Enum):
     FETCHING = "fetching"
     FETCHED = "fetched"
     DONE = "done"
-
-
-@dataclass(slots=True)
-class RemoteCounters:
-    """Monotonic counters of the remote book (``EngineStats.remote``)."""
-
-    queries: int = 0
-    query_hits: int = 0
-    query_misses: int = 0
-    query_timeouts: int = 0
-    answers_stale: int = 0
-    skipped_unhealthy: int = 0
-    asked_again: int = 0
-    get_jobs: int = 0
-    get_blocks: int = 0
-    get_failed_jobs: int = 0
-    get_failed_blocks: int = 0
-    get_declined_cpu_full: int = 0
-    hit_blocks: int = 0
-    put_jobs: int = 0
-    put_blocks: int = 0
-    put_failed_blocks: int = 0
-    put_skipped_duplicate: int = 0
-    published_blocks: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        """Every counter by name."""
-        return {f.name: getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(slots=True, eq=False)
@@ -126,13 +83,6 @@ class _Lookup:
     pinned: list[int] = field(default_factory=list)
 
 
-def remote_hash(key: bytes) -> bytes:
-    """The block hash a Remote message and a readiness key carry for CPU index ``key``."""
-    if len(key) == REMOTE_HASH_BYTES:
-        return key
-    return hashlib.blake2b(key, digest_size=REMOTE_HASH_BYTES).digest()
-
-
 class RemoteBook:
     """See the module docstring. ``ready_key(h)``: the readiness key of remote hash
     ``h`` (:func:`kvshm.remote.tier.ready_key` with the engine's fingerprint)."""
@@ -146,16 +96,13 @@ class RemoteBook:
         self._ready_key = ready_key
         self.mode = mode
         self._timeout = answer_timeout_s
-        self._window = evict_window or max(8, cpu.num_blocks // 16)
-        self._evict_puts = 0  # ON_EVICT PUT jobs in flight
         self._clock = clock
         self.counters = RemoteCounters()
+        self.puts = PutQueue(cpu, jobs, index, ready_key, self.counters, mode=mode,
+                             evict_window=evict_window, handoffs=handoffs)
         self._reqs: dict[str, _Lookup] = {}
         self._tokens: dict[int, str] = {}
         self._next_token = 1
-        self._puts: list[tuple[int, bytes, int, bool]] = []  # (cpu id, key, depth, keep)
-        self._put_keys: set[bytes] = set()  # queued or in flight
-        self._published: OrderedDict[bytes, None] = OrderedDict()
         self._fetching: dict[bytes, int] = {}  # key -> GET job id
         self.pd = handoffs
 
@@ -163,14 +110,14 @@ class RemoteBook:
 
     def pinned(self) -> list[int]:
         """CPU ids this book pins (queued PUTs, FETCHED requests), with repeats."""
-        out = [c for c, _, _, _ in self._puts]
+        out = self.puts.pinned()
         for st in self._reqs.values():
             out.extend(st.pinned)
         return out
 
     def has_pending_work(self) -> bool:
         """PUTs queued or GETs answered but not planned: the next plan has work."""
-        return bool(self._puts) or any(st.state is RemoteState.ANSWERED
+        return self.puts.pending() or any(st.state is RemoteState.ANSWERED
                                        for st in self._reqs.values())
 
     # ---- read path ---------------------------------------------------------------------
@@ -256,47 +203,16 @@ class RemoteBook:
         if self.pd is not None:
             self.pd.forget(rid)
 
-    # ---- write path --------------------------------------------------------------------
+    # ---- write path (kvshm.offload.remote_puts) ---------------------------------------
 
     def stored(self, cpu_ids: Sequence[int], keys: Sequence[bytes],
                depths: Sequence[int]) -> None:
-        """A store completed and indexed ``cpu_ids`` under ``keys``: queue write-through."""
-        every = self.mode is RemoteMode.WRITE_THROUGH
-        pd = self.pd
-        for i, (c, k) in enumerate(zip(cpu_ids, keys)):
-            keep = pd is not None and pd.wants(k)
-            if every or keep:
-                self._queue_put(c, k, depths[i] if i < len(depths) else 0, keep)
+        """A store completed and indexed ``cpu_ids`` under ``keys`` (write-through)."""
+        self.puts.stored(cpu_ids, keys, depths)
 
     def publish(self, rid: str, keys: Sequence[bytes], num_tokens: int) -> dict[str, Any]:
-        """A P/D prefill request finished: its hand-off's ``kv_transfer_params``. Its
-        blocks cached here but not on the server are queued for a PUT now; the others
-        come from its finish-time store (:meth:`stored`) or are there already."""
-        assert self.pd is not None, "publish without hand-offs"
-        params = self.pd.publish(rid, keys, num_tokens, self._published.__contains__)
-        for k in keys:
-            c = self.cpu.get_cached(k)
-            if c is not None and self.pd.wants(k) and k not in self._put_keys:
-                self._queue_put(c, k, 0, True)
-        return params
-
-    def _queue_put(self, c: int, k: bytes, depth: int, keep: bool = False) -> None:
-        if k in self._put_keys or k in self._published:
-            self.counters.put_skipped_duplicate += 1
-            return
-        self.cpu.touch((c,))
-        self._put_keys.add(k)
-        self._puts.append((c, k, depth, keep))
-
-    def _scan_evictable(self) -> None:
-        """ON_EVICT: queue the unpublished cached blocks the tier would reuse next."""
-        picks: list[tuple[int, bytes]] = []
-        for c in islice(self.cpu.iter_free_from_lru(), self._window):
-            hs = self.cpu.block_hashes(c)
-            if hs and hs[0] not in self._put_keys and hs[0] not in self._published:
-                picks.append((c, hs[0]))
-        for c, k in picks:
-            self._queue_put(c, k, 0)
+        """A P/D prefill request finished: its hand-off's ``kv_transfer_params``."""
+        return self.puts.publish(rid, keys, num_tokens)
 
     # ---- plan and completion -------------------------------------------------------------
 
@@ -312,25 +228,7 @@ class RemoteBook:
                 msg = self._get_job(step, rid, st)
                 if msg is not None:
                     out.append(msg)
-        if self.mode is RemoteMode.ON_EVICT and not self._evict_puts:
-            self._scan_evictable()
-            self._evict_puts = -(-len(self._puts) // MAX_PUT_BLOCKS)
-        for _ in range(MAX_PUT_JOBS):
-            if not self._puts:
-                break
-            keep = self._puts[0][3]  # one job: all kept (hand-off) or all ordinary
-            batch: list[tuple[int, bytes, int, bool]] = []
-            rest: list[tuple[int, bytes, int, bool]] = []
-            for p in self._puts:
-                (batch if p[3] is keep and len(batch) < MAX_PUT_BLOCKS else rest).append(p)
-            self._puts = rest
-            job = self._jobs.new_remote(step, [c for c, _, _, _ in batch],
-                                        [k for _, k, _, _ in batch],
-                                        [d for _, _, d, _ in batch], put=True, keep=keep)
-            self.counters.put_jobs += 1
-            self.counters.put_blocks += len(batch)
-            out.append(self._message(job, RemoteOp.PUT))
-        return out
+        return out + self.puts.plan(step)
 
     def _get_job(self, step: int, rid: str, st: _Lookup) -> Remote | None:
         n = min(st.present, self.cpu.num_free)
@@ -348,37 +246,15 @@ class RemoteBook:
         st.state, st.job_id = RemoteState.FETCHING, job.job_id
         self.counters.get_jobs += 1
         self.counters.get_blocks += n
-        return self._message(job, RemoteOp.GET)
-
-    @staticmethod
-    def _message(job: RemoteJob, op: RemoteOp) -> Remote:
-        hashes = b"".join(remote_hash(k) for k in job.keys)
-        return Remote(job.job_id, op, pack_ids(job.cpu_ids), hashes, REMOTE_HASH_BYTES,
-                      job.keep)
+        return message(job, RemoteOp.GET)
 
     def complete(self, job: RemoteJob, usable: bool) -> None:
         """``job`` is done on every rank (it left the job table). ``usable``: it did
         not fail and its result may be used (not abandoned, the engine not failed)."""
         if job.put:
-            self._put_done(job, usable)
+            self.puts.done(job, usable)
         else:
             self._get_done(job, usable)
-
-    def _put_done(self, job: RemoteJob, usable: bool) -> None:
-        self._put_keys.difference_update(job.keys)
-        self._evict_puts = max(0, self._evict_puts - 1)
-        try:
-            if usable:
-                self.index.publish([self._ready_key(remote_hash(k)) for k in job.keys],
-                                   keep=job.keep)
-                self._remember(job.keys)
-                self.counters.published_blocks += len(job.keys)
-            else:
-                self.counters.put_failed_blocks += len(job.keys)
-            if self.pd is not None:  # after the readiness keys: the manifest goes last
-                self.pd.put_done(job.keys, usable)
-        finally:
-            self.cpu.free(reversed(job.cpu_ids))
 
     def _get_done(self, job: RemoteJob, usable: bool) -> None:
         for k in job.keys:
@@ -399,7 +275,7 @@ class RemoteBook:
             cpu.add_hashes(c, (k,))
             if cpu.eviction is not Eviction.LRU:
                 cpu.set_depth(c, d)
-        self._remember(job.keys)
+        self.puts.remember(job.keys)
         self.counters.hit_blocks += len(job.cpu_ids)
         if mine:
             assert st is not None
@@ -409,22 +285,10 @@ class RemoteBook:
         else:
             cpu.free(reversed(job.cpu_ids))
 
-    def _remember(self, keys: Sequence[bytes]) -> None:
-        pub = self._published
-        for k in keys:
-            pub[k] = None
-            pub.move_to_end(k)
-        while len(pub) > PUBLISHED_MEMORY:
-            pub.popitem(last=False)
-
     def drop(self) -> None:
         """Reset or engine failure: unpin queued PUTs and FETCHED blocks, forget every
         lookup (GET jobs in flight complete unclaimed; their blocks are freed)."""
-        for c, k, _, _ in reversed(self._puts):
-            self._put_keys.discard(k)
-            self.cpu.free((c,))
-        self._puts = []
-        self._evict_puts = 0
+        self.puts.drop()
         if self.pd is not None:
             self.pd.drop_all()
         for rid in list(self._reqs):

@@ -412,6 +412,9 @@ class ManagerClient:
     def finished(self, rid: str, n: int, ids: Sequence[Sequence[int]]) -> bool:
         return self.m.finished(rid, n, ids)
 
+    def transfer_params(self, rid: str) -> dict[str, Any] | None:
+        return self.m.transfer_params(rid)
+
     def poll(self) -> list[LoadResult]:
         return self.m.take_load_results()
 

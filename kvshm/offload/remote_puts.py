@@ -1,0 +1,220 @@
+"""The remote tier's write path (scheduler side): which CPU blocks to put, when, and
+what a completed PUT publishes. Part of :class:`~kvshm.offload.remote.RemoteBook`.
+
+Rules:
+
+* ``WRITE_THROUGH``: a store job that completed on every rank hands its newly indexed
+  CPU blocks to :meth:`PutQueue.stored`; each block whose key is neither published by
+  this engine nor queued or in flight is pinned and queued; a plan makes PUT jobs of at
+  most :data:`MAX_PUT_BLOCKS` (:data:`MAX_PUT_JOBS` a step). ``ON_EVICT`` queues instead
+  the unpublished cached blocks among the next ``max(8, num_blocks // 16)`` the CPU tier
+  would reuse, scanned by a plan with no such PUT in flight: the PUT's pin takes a block
+  out of the eviction order and its release puts it back as recently used, a second
+  chance once per block (published blocks are skipped by later scans), like CLOCK.
+* A P/D hand-off's blocks are put whatever the mode, without a TTL (``keep``: a job is
+  all kept or all ordinary).
+* A PUT that completed on every rank without failure publishes its blocks' readiness
+  keys (a reader never sees half a block), then tells the hand-offs (whose manifest
+  goes last); the pins go in every case.
+
+Remote hashes: a block's hash in the remote tier is its CPU index key when that is
+:data:`REMOTE_HASH_BYTES` long, else a BLAKE2b digest of it of that length
+(group-qualified keys are longer): a Remote message carries hashes of one length.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, fields
+from itertools import islice
+from typing import Any, Final
+
+from kvshm.config import RemoteMode
+from kvshm.ipc.protocol import Remote, RemoteOp, pack_ids
+from kvshm.offload.handoff import Handoffs
+from kvshm.offload.jobs import JobTable, RemoteJob
+from kvshm.offload.pool import BlockPool
+from kvshm.remote.tier import ReadyIndex
+
+__all__ = ["MAX_PUT_BLOCKS", "MAX_PUT_JOBS", "PUBLISHED_MEMORY", "REMOTE_HASH_BYTES",
+           "PutQueue", "RemoteCounters", "message", "remote_hash"]
+
+#: Most blocks one PUT job moves (several jobs go out in one step when more are queued).
+MAX_PUT_BLOCKS: Final = 128
+#: PUT jobs one plan makes at most (the rest wait for the next step).
+MAX_PUT_JOBS: Final = 4
+#: Length of every block hash a Remote message carries.
+REMOTE_HASH_BYTES: Final = 32
+#: Keys this engine remembers as published (oldest forgotten first: re-put, harmless).
+PUBLISHED_MEMORY: Final = 1 << 20
+
+_Put = tuple[int, bytes, int, bool]  # (cpu id, key, depth, keep), pinned
+
+
+@dataclass(slots=True)
+class RemoteCounters:
+    """Monotonic counters of the remote book (``EngineStats.remote``)."""
+
+    queries: int = 0
+    query_hits: int = 0
+    query_misses: int = 0
+    query_timeouts: int = 0
+    answers_stale: int = 0
+    skipped_unhealthy: int = 0
+    asked_again: int = 0
+    get_jobs: int = 0
+    get_blocks: int = 0
+    get_failed_jobs: int = 0
+    get_failed_blocks: int = 0
+    get_declined_cpu_full: int = 0
+    hit_blocks: int = 0
+    put_jobs: int = 0
+    put_blocks: int = 0
+    put_failed_blocks: int = 0
+    put_skipped_duplicate: int = 0
+    published_blocks: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        """Every counter by name."""
+        return {f.name: getattr(self, f.name) for f in fields(self)}
+
+
+def remote_hash(key: bytes) -> bytes:
+    """The block hash a Remote message and a readiness key carry for CPU index ``key``."""
+    if len(key) == REMOTE_HASH_BYTES:
+        return key
+    return hashlib.blake2b(key, digest_size=REMOTE_HASH_BYTES).digest()
+
+
+def message(job: RemoteJob, op: RemoteOp) -> Remote:
+    """The Remote command of ``job`` (every rank gets the same)."""
+    hashes = b"".join(remote_hash(k) for k in job.keys)
+    return Remote(job.job_id, op, pack_ids(job.cpu_ids), hashes, REMOTE_HASH_BYTES, job.keep)
+
+
+class PutQueue:
+    """See the module docstring. Shares the book's counters; ``published`` is also the
+    read path's memory of keys fetched from the server (never put back)."""
+
+    def __init__(self, cpu: BlockPool, jobs: JobTable, index: ReadyIndex,
+                 ready_key: Callable[[bytes], str], counters: RemoteCounters, *,
+                 mode: RemoteMode, evict_window: int | None = None,
+                 handoffs: Handoffs | None = None) -> None:
+        self.cpu, self._jobs, self.index = cpu, jobs, index
+        self._ready_key = ready_key
+        self.counters = counters
+        self.mode = mode
+        self._window = evict_window or max(8, cpu.num_blocks // 16)
+        self._evict_puts = 0  # ON_EVICT PUT jobs in flight
+        self.pd = handoffs
+        self._puts: list[_Put] = []
+        self._put_keys: set[bytes] = set()  # queued or in flight
+        self.published: OrderedDict[bytes, None] = OrderedDict()
+
+    def pinned(self) -> list[int]:
+        """CPU ids pinned by queued PUTs."""
+        return [c for c, _, _, _ in self._puts]
+
+    def pending(self) -> bool:
+        """PUTs queued: the next plan has work."""
+        return bool(self._puts)
+
+    def stored(self, cpu_ids: Sequence[int], keys: Sequence[bytes],
+               depths: Sequence[int]) -> None:
+        """A store completed and indexed ``cpu_ids`` under ``keys``: queue write-through
+        (and a hand-off's blocks in any mode)."""
+        every = self.mode is RemoteMode.WRITE_THROUGH
+        pd = self.pd
+        for i, (c, k) in enumerate(zip(cpu_ids, keys)):
+            keep = pd is not None and pd.wants(k)
+            if every or keep:
+                self._queue(c, k, depths[i] if i < len(depths) else 0, keep)
+
+    def publish(self, rid: str, keys: Sequence[bytes], num_tokens: int) -> dict[str, Any]:
+        """A P/D prefill request finished: its hand-off's ``kv_transfer_params``. Its
+        blocks cached here but not on the server are queued for a PUT now; the others
+        come from its finish-time store (:meth:`stored`) or are there already."""
+        assert self.pd is not None, "publish without hand-offs"
+        params = self.pd.publish(rid, keys, num_tokens, self.published.__contains__)
+        for k in keys:
+            c = self.cpu.get_cached(k)
+            if c is not None and self.pd.wants(k) and k not in self._put_keys:
+                self._queue(c, k, 0, True)
+        return params
+
+    def _queue(self, c: int, k: bytes, depth: int, keep: bool = False) -> None:
+        if k in self._put_keys or k in self.published:
+            self.counters.put_skipped_duplicate += 1
+            return
+        self.cpu.touch((c,))
+        self._put_keys.add(k)
+        self._puts.append((c, k, depth, keep))
+
+    def _scan_evictable(self) -> None:
+        """ON_EVICT: queue the unpublished cached blocks the tier would reuse next."""
+        picks: list[tuple[int, bytes]] = []
+        for c in islice(self.cpu.iter_free_from_lru(), self._window):
+            hs = self.cpu.block_hashes(c)
+            if hs and hs[0] not in self._put_keys and hs[0] not in self.published:
+                picks.append((c, hs[0]))
+        for c, k in picks:
+            self._queue(c, k, 0)
+
+    def plan(self, step: int) -> list[Remote]:
+        """This step's PUT jobs (an ON_EVICT scan first, when none of its PUTs runs)."""
+        if self.mode is RemoteMode.ON_EVICT and not self._evict_puts:
+            self._scan_evictable()
+            self._evict_puts = -(-len(self._puts) // MAX_PUT_BLOCKS)
+        out: list[Remote] = []
+        for _ in range(MAX_PUT_JOBS):
+            if not self._puts:
+                break
+            keep = self._puts[0][3]  # one job: all kept (hand-off) or all ordinary
+            batch: list[_Put] = []
+            rest: list[_Put] = []
+            for p in self._puts:
+                (batch if p[3] is keep and len(batch) < MAX_PUT_BLOCKS else rest).append(p)
+            self._puts = rest
+            job = self._jobs.new_remote(step, [c for c, _, _, _ in batch],
+                                        [k for _, k, _, _ in batch],
+                                        [d for _, _, d, _ in batch], put=True, keep=keep)
+            self.counters.put_jobs += 1
+            self.counters.put_blocks += len(batch)
+            out.append(message(job, RemoteOp.PUT))
+        return out
+
+    def done(self, job: RemoteJob, usable: bool) -> None:
+        """A PUT completed on every rank (``usable``: without failure, not abandoned)."""
+        self._put_keys.difference_update(job.keys)
+        self._evict_puts = max(0, self._evict_puts - 1)
+        try:
+            if usable:
+                self.index.publish([self._ready_key(remote_hash(k)) for k in job.keys],
+                                   keep=job.keep)
+                self.remember(job.keys)
+                self.counters.published_blocks += len(job.keys)
+            else:
+                self.counters.put_failed_blocks += len(job.keys)
+            if self.pd is not None:  # after the readiness keys: the manifest goes last
+                self.pd.put_done(job.keys, usable)
+        finally:
+            self.cpu.free(reversed(job.cpu_ids))
+
+    def remember(self, keys: Sequence[bytes]) -> None:
+        """``keys`` are on the server (put by us, or fetched): never put them again."""
+        pub = self.published
+        for k in keys:
+            pub[k] = None
+            pub.move_to_end(k)
+        while len(pub) > PUBLISHED_MEMORY:
+            pub.popitem(last=False)
+
+    def drop(self) -> None:
+        """Reset or engine failure: unpin every queued PUT."""
+        for c, k, _, _ in reversed(self._puts):
+            self._put_keys.discard(k)
+            self.cpu.free((c,))
+        self._puts = []
+        self._evict_puts = 0
