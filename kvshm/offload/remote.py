@@ -21,10 +21,13 @@ Read path, for a request whose CPU-tier hit is 0 (a CPU hit never waits for the 
    ordinary CPU hit and pins it itself. A failed GET frees its blocks unindexed: DONE,
    and the request is never asked for again (failure = miss = recompute).
 
-A query that has no answer after ``answer_timeout_s`` ends DONE (counted): a request
-never waits on the remote for longer. Dedup: a key is never put twice by one engine
-(published, queued or in flight), nor fetched twice at once (a lookup whose first key is
-being fetched by another request answers None until that GET ends).
+A query that has no answer after ``answer_timeout_s``, or a GET not done on every rank
+after ``fetch_timeout_s`` (a rank stuck on the server), ends DONE (counted): a request
+never waits on the remote for longer (the GET keeps its pins until it ends).
+
+Dedup: a key is never put twice by one engine (published, queued or in flight), nor
+fetched twice at once (a lookup whose first key is being fetched by another request
+answers None until that GET ends).
 
 Pins: every CPU block this book pins is recorded in :meth:`RemoteBook.pinned` (queued
 PUTs, FETCHED requests); jobs record their own.
@@ -89,13 +92,15 @@ class RemoteBook:
 
     def __init__(self, cpu: BlockPool, gs: GroupSet, jobs: JobTable, index: ReadyIndex,
                  ready_key: Callable[[bytes], str], *, mode: RemoteMode,
-                 answer_timeout_s: float = 2.0, evict_window: int | None = None,
+                 answer_timeout_s: float = 2.0, fetch_timeout_s: float = 15.0,
+                 evict_window: int | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  handoffs: Handoffs | None = None) -> None:
         self.cpu, self._gs, self._jobs, self.index = cpu, gs, jobs, index
         self._ready_key = ready_key
         self.mode = mode
         self._timeout = answer_timeout_s
+        self._fetch_timeout = fetch_timeout_s
         self._clock = clock
         self.counters = RemoteCounters()
         self.puts = PutQueue(cpu, jobs, index, ready_key, self.counters, mode=mode,
@@ -139,9 +144,13 @@ class RemoteBook:
                 if verdict is Verdict.REFUSED:
                     return 0
             return self._begin(rid, hashes, start, n_max)
-        if st.state is RemoteState.QUERYING and self._clock() - st.since > self._timeout:
+        waited = self._clock() - st.since
+        if st.state is RemoteState.QUERYING and waited > self._timeout:
             self.counters.query_timeouts += 1
             self._tokens.pop(st.token, None)
+            st.state = RemoteState.DONE
+        elif st.state is RemoteState.FETCHING and waited > self._fetch_timeout:
+            self.counters.fetch_timeouts += 1  # the job keeps its pins until it ends
             st.state = RemoteState.DONE
         if st.state in (RemoteState.QUERYING, RemoteState.ANSWERED, RemoteState.FETCHING):
             return None
@@ -243,7 +252,7 @@ class RemoteBook:
                                     req_id=rid)
         for k in keys:
             self._fetching[k] = job.job_id
-        st.state, st.job_id = RemoteState.FETCHING, job.job_id
+        st.state, st.job_id, st.since = RemoteState.FETCHING, job.job_id, self._clock()
         self.counters.get_jobs += 1
         self.counters.get_blocks += n
         return message(job, RemoteOp.GET)
@@ -261,7 +270,8 @@ class RemoteBook:
             if self._fetching.get(k) == job.job_id:
                 del self._fetching[k]
         st = self._reqs.get(job.req_id)
-        mine = st is not None and st.job_id == job.job_id
+        mine = (st is not None and st.job_id == job.job_id
+                and st.state is RemoteState.FETCHING)  # not timed out meanwhile
         if not usable:
             self.counters.get_failed_jobs += 1
             self.counters.get_failed_blocks += len(job.cpu_ids)

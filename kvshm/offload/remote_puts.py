@@ -61,6 +61,7 @@ class RemoteCounters:
     query_hits: int = 0
     query_misses: int = 0
     query_timeouts: int = 0
+    fetch_timeouts: int = 0
     answers_stale: int = 0
     skipped_unhealthy: int = 0
     asked_again: int = 0

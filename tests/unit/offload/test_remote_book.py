@@ -410,3 +410,25 @@ def test_a_failed_handoff_put_writes_no_manifest_and_demotes_its_blocks() -> Non
                          f"expire {rkey(p.h[0])}"]
     assert rig.m.remote is not None and rig.m.remote.pd is not None
     assert rig.m.remote.pd.counters.publish_failed == 1
+
+
+def test_a_get_stuck_on_a_rank_times_out_the_request_but_keeps_its_pins() -> None:
+    """Rank 1 never acks R's GET (stuck on the server): after the fetch timeout R's
+    lookup gives up (0, counted) so the request recomputes; CPU 0, 1 stay pinned by the
+    job (rank 1 may still write them) and go back only when it ends."""
+    index, _, r = fetch_setup()
+    now = [0.0]
+    rig = remote_rig(index, clock=now)
+    assert rig.m.lookup(r.view(), 0) is None
+    index.answer_all()
+    (get,) = rig.step().remote
+    rig.m.on_done(get.job_id, 0, True)
+    now[0] += 10.0
+    assert rig.m.lookup(r.view(), 0) is None                      # still within 15 s
+    now[0] += 6.0
+    assert rig.m.lookup(r.view(), 0) == 0
+    assert rig.m.remote is not None and rig.m.remote.counters.fetch_timeouts == 1
+    assert refs(rig.cpu, [0, 1]) == [1, 1]
+    rig.m.on_done(get.job_id, 1, True)
+    rig.m.check_invariants()
+    assert refs(rig.cpu, [0, 1]) == [0, 0] and rig.cpu.get_cached(r.h[0]) == 0
