@@ -7,13 +7,13 @@ prefix order) and token count, and the manifest key it will write,
 request's ``kv_transfer_params`` (``{"kvshm_manifest": key}``). The manifest is written
 **last**: only once every one of its blocks was put and acked by every rank (the remote
 book reports each ok PUT through :meth:`put_done`); a failed PUT, or blocks that never
-reach the CPU tier within ``wait_s``, drop the publication (counted) and no manifest is
-ever written. A manifest names the fingerprint, world size, block size, token count,
-the blocks' remote hashes and an expiry (wall clock).
+reach the server within ``publish_timeout_s`` (30 s), drop the publication (counted)
+and no manifest is ever written. A manifest names the fingerprint, world size, block
+size, token count, the blocks' remote hashes and an expiry (wall clock).
 
 The decode side (:meth:`Handoffs.consume`, from a lookup whose params carry
 ``do_remote_prefill`` and ``kvshm_manifest``) reads the manifest asynchronously: "ask
-again" (None) until it arrives. Missing: ask again until ``wait_s`` (the prefill may
+again" (None) until it arrives. Missing: ask again until ``wait_s`` (5 s; the prefill may
 still be publishing), then 0. Present: it is checked -- fingerprint, world size and
 block size equal the consumer's, not expired, its hashes are the request's own prefix
 -- and only then does the ordinary remote lookup run (the readiness keys are still
@@ -127,7 +127,7 @@ class Handoffs:
 
     def __init__(self, index: ReadyIndex, fingerprint: str, world: int, block_size: int,
                  remote_hash: Callable[[bytes], bytes], ready_key: Callable[[bytes], str],
-                 *, wait_s: float = 5.0,
+                 *, wait_s: float = 5.0, publish_timeout_s: float = 30.0,
                  manifest_ttl_s: int = 600, clock: Callable[[], float] = time.monotonic,
                  wall: Callable[[], float] = time.time) -> None:
         self.index, self.fingerprint, self.world = index, fingerprint, world
@@ -135,6 +135,7 @@ class Handoffs:
         self._rhash = remote_hash
         self._ready_key = ready_key
         self._wait = wait_s
+        self._publish_timeout = publish_timeout_s
         self._ttl = manifest_ttl_s
         self._clock, self._wall = clock, wall
         self.counters = PdCounters()
@@ -198,9 +199,10 @@ class Handoffs:
                     del self._waiting[k]
 
     def expire(self) -> None:
-        """Drop publications whose blocks did not all arrive within ``wait_s``."""
+        """Drop publications whose blocks were not all put within the publish timeout."""
         now = self._clock()
-        for rid in [r for r, p in self._pubs.items() if now - p.since > self._wait]:
+        for rid in [r for r, p in self._pubs.items()
+                    if now - p.since > self._publish_timeout]:
             self._fail(rid)
             self.counters.publish_timeouts += 1
 
