@@ -129,6 +129,27 @@ async def test_handoff_publish_then_consume_bit_exact_and_collected(
         assert all(0 < ttl(valkey, k) <= 3600 for k in blocks if k != key.encode())
 
 
+async def test_a_prefill_process_hands_off_to_a_decode_process_bit_exact(
+        valkey: ValkeyServer) -> None:
+    """P runs in its own process, publishes and exits; D (this process, zeroed caches)
+    consumes the hand-off: its blocks hold P's bytes (same SHA-256 per rank), so the
+    decode's logits are the ones a single engine computing everything gets (the toy
+    model's logits are bit-exact for equal KV: ``tools.bench_pd`` checks them)."""
+    proc = subprocess.run([sys.executable, str(HERE / "pd_prefill_proc.py"), valkey.url,
+                           "37", "publish"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ed, gd, kd, _):
+        for k in kd:
+            k.zero_()
+        cd = Client(ed, gd)
+        toks = prompt(37)
+        assert await decode(cd, "req-k", toks, out["params"]) == BLOCKS * BS
+        dst = load(cd, "req-k", toks, BLOCKS * BS)
+        assert (await cd.loaded("req-k")).ok
+        assert [digest(k[dst[:BLOCKS]]) for k in kd] == out["sha256"]
+
+
 async def test_decode_asking_before_the_prefill_published_waits_then_hits(
         valkey: ValkeyServer) -> None:
     """D asks first (the manifest does not exist yet): "ask again" while P publishes,
@@ -214,7 +235,7 @@ async def test_a_prefill_killed_mid_publish_leaves_no_manifest_and_decode_recomp
     no manifest is ever written; D waits for it up to the hand-off's wait (5 s) and
     recomputes."""
     proc = subprocess.run([sys.executable, str(HERE / "pd_prefill_proc.py"), valkey.url,
-                           "36"], capture_output=True, text=True, timeout=120)
+                           "36", "kill"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == -9, proc.stderr[-2000:]
     params = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not exists(valkey, params[MANIFEST_PARAM])
