@@ -19,7 +19,9 @@ cached request with no new block ids whose ``num_computed_tokens`` in the
 SchedulerOutput is still below its next look is not listed: nothing of it changed that
 kvshm reads (its confirmed tokens, at most its computed ones, are still inside the
 block that was confirmed when it was last listed), so a decode step costs it one dict
-probe and a compare, and no ``Request`` field is read. Everything else is listed: new,
+probe and a compare -- or, where it sits where it sat in the last step's list, one
+identity test and a compare (positional hints: :meth:`Listing._list_cached`) -- and no
+``Request`` field is read. Everything else is listed: new,
 resumed and preempted requests, new block ids, a boundary reached (the manager walks
 its store cursor only then), a request without a next look. A store the manager had to
 defer is retried by the manager itself (:mod:`kvshm.offload.requests`, *stalled*), not
@@ -67,17 +69,24 @@ class Listing:
         self._no_new = no_new
         #: request id -> the computed-token count at which it is next listed
         self.next_look: dict[str, int] = {}
+        # the last step's cached request ids and their next looks after it (positional
+        # hints, see _list_cached), and the ids forgotten or preempted since
+        self._prev_ids: list[str] = []
+        self._prev_looks: list[int] = []
+        self._gone: set[str] = set()
 
     def forget(self, rid: str) -> None:
         """The request is gone (finished): drop its next look."""
         self.next_look.pop(rid, None)
+        self._gone.add(rid)
 
     def build(self, so: Any) -> tuple[list[ScheduledRequest], set[int]]:
         """The scheduled requests that changed (module docstring) and, with
         sliding-window groups, the GPU ids allocated this step.
 
         Runs once per step over the SchedulerOutput's lists: an unchanged running
-        request costs one dict probe and a compare; a changed announced request that is
+        request costs one dict probe (or a positional hint) and a compare; a changed
+        announced request that is
         not resumed takes the inlined path (one set probe, one dict probe, one
         ScheduledRequest); the set of listed ids is built only when the step preempted
         someone."""
@@ -97,10 +106,21 @@ class Listing:
                     self._counters.requests_preempted += 1
                     self._add(out, rid, self._no_new, False, 0, alloc, preempted=True)
                     self.next_look.pop(rid, None)  # listed again when it resumes
+                    self._gone.add(rid)
         return out, alloc
 
     def _list_cached(self, cached: Any, out: list[ScheduledRequest], alloc: set[int],
                      state: Any) -> None:
+        """The cached requests (see :meth:`build`). A request's next look comes from
+        the last step's list where the request sits where it sat then (``is`` on the id
+        object: no string hash, no dict probe -- at 16k running requests, the misses
+        those cost were most of the step), past the ids forgotten or preempted since;
+        elsewhere from :attr:`next_look` (after a few misses in a row the rest of the
+        list skips the hints). Exact: a hint is the request's next look at the end of the
+        last listing, and between listings only ``forget`` and preemption change one,
+        of requests that leave the running list (their ids are skipped, never matched:
+        vLLM lists a request again only after it resumed, with new block ids, and then
+        its next look is not read)."""
         resumed = cached.resumed_req_ids
         announced, get, no_new, sw = self._announced, self._requests.get, self._no_new, self._sw
         look = self.next_look
@@ -108,15 +128,37 @@ class Listing:
         bs = self._block_size
         append, unknown, looked = out.append, 0, 0
         req_ids = cached.req_ids
+        prev_ids, prev_looks, gone = self._prev_ids, self._prev_looks, self._gone
+        n_prev = len(prev_ids)
+        looks: list[int] = []
+        keep = looks.append
+        j = misses = 0
         for rid, nb, computed in zip(req_ids, cached.new_block_ids,
                                      cached.num_computed_tokens):
-            if nb is None and computed < at(rid, 0):  # no next look: 0, never passed over
+            if j < n_prev and prev_ids[j] is rid:
+                w = prev_looks[j]
+                j += 1
+            else:
+                while j < n_prev and prev_ids[j] in gone:
+                    j += 1
+                if j < n_prev and prev_ids[j] is rid:
+                    w = prev_looks[j]
+                    j += 1
+                    misses = 0
+                else:
+                    w = at(rid, 0)
+                    misses += 1
+                    if misses > 8:
+                        j = n_prev  # the order changed: no more hints this step
+            if nb is None and computed < w:  # no next look: 0, never passed over
+                keep(w)
                 continue
             looked += 1
             if rid in announced and (nb is None or rid not in resumed):
                 r = get(rid)
                 if r is None:
                     unknown += 1
+                    keep(w)
                     continue
                 if nb is None:
                     table = no_new
@@ -125,18 +167,26 @@ class Listing:
                     if sw:
                         alloc.update(b for g in nb for b in g)
                 confirmed = r.num_computed_tokens - r.num_output_placeholders
-                look[rid] = (confirmed // bs + 1) * bs
+                w = look[rid] = (confirmed // bs + 1) * bs
+                keep(w)
                 append(ScheduledRequest(rid, r.block_hashes, r.num_tokens, table, False,
                                         confirmed, False, r.kv_transfer_params))
-            elif rid in resumed and nb is not None:
+                continue
+            if rid in resumed and nb is not None:
                 self._counters.requests_resumed += 1
                 self._add(out, rid, tables(nb), True, computed, alloc)
             else:  # listed before: never announced (the workers were not ready yet)
                 full = state.get_block_ids(rid) if state is not None else None
-                if full is None:
-                    continue
-                self._counters.requests_announced_late += 1
-                self._add(out, rid, tables(full), True, computed, alloc)
+                if full is not None:
+                    self._counters.requests_announced_late += 1
+                    self._add(out, rid, tables(full), True, computed, alloc)
+            keep(at(rid, 0))
+        ids = list(req_ids)
+        if len(ids) != len(looks):  # zip stopped at a shorter list
+            del ids[len(looks):]
+        self._prev_ids = ids
+        self._prev_looks = looks
+        gone.clear()
         self._counters.requests_unknown += unknown
         self._counters.requests_unchanged += len(req_ids) - looked
 

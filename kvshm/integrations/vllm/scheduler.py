@@ -391,13 +391,11 @@ class SchedulerSide:
         return False, client.transfer_params(rid)
 
     def _forget(self, rid: str) -> None:
-        self._lister.next_look.pop(rid, None)  # Listing.forget, inlined
+        self._lister.forget(rid)
         self._requests.pop(rid, None)
         self._announced.discard(rid)
-        if self._load_failed:
-            self._load_failed.discard(rid)
-        if self._refused:
-            self._refused.discard(rid)
+        self._load_failed.discard(rid)
+        self._refused.discard(rid)
 
     @guarded
     def has_pending_work(self) -> bool:
