@@ -133,6 +133,9 @@ class RemoteMover:
     # ------------------------------------------------------------------ mover thread
 
     def _loop(self) -> None:
+        warm = getattr(self._store, "warm", None)
+        if callable(warm):  # connect before the first job (never blocks the rank)
+            warm()
         while True:
             job = self._jobs.get()
             if job is None:

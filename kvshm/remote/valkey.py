@@ -432,6 +432,16 @@ class ValkeyBlockStore:
         stats["slot_map_refreshes"] = self._shards.refreshes
         return stats
 
+    def warm(self) -> None:
+        """Connect every thread's client now (best effort; a failure is only counted):
+        the first job then costs a round trip, not a connection per thread."""
+        def connect(_: int) -> None:
+            try:
+                self._client()
+            except Exception:  # noqa: BLE001 - a server down: the first job will tell
+                self._n.add(errors=1)
+        self._fan_out(self.spec.threads, connect, None)
+
     def close(self) -> None:
         if self._closed:
             return
