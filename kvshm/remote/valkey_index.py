@@ -129,7 +129,8 @@ class ValkeyReadyIndex:
                     client = make_client(self.spec)
                     gen_opens = self.breaker.opens
                     self._n.add(clients_created=1)
-                self._round(client, queries, publishes)
+                if queries or publishes:  # an empty batch is an error to glide
+                    self._round(client, queries, publishes)
                 if others:
                     self._values_round(client, others)
             if stop:

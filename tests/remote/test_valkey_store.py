@@ -211,6 +211,34 @@ def test_ready_index_answers_the_longest_present_prefix_in_one_round_trip(
         idx.close()
 
 
+def test_ready_index_small_values_alone_are_no_error_and_a_probe_closes_the_breaker(
+        valkey: ValkeyServer) -> None:
+    """Manifest traffic with no query or publish queued (a decoder's GET, a DEL, an
+    EXPIRE): no empty batch is sent (glide refuses one: it counted as a server error and,
+    as the half-open probe, kept the breaker open for good). With the breaker opened by
+    hand, the next GET after the backoff is the probe and closes it."""
+    idx = ValkeyReadyIndex(RemoteSpec.parse(valkey.url, ttl_s=60, **CALM),
+                           breaker_backoff_s=0.1)
+    try:
+        idx.put_value("kvshm:v1:pd:fp:2:r", b"manifest", 60)
+        idx.get_value(1, "kvshm:v1:pd:fp:2:r")
+        assert _wait(idx.values) == [(1, b"manifest")]
+        idx.expire(["kvshm:v1:pd:fp:2:r"])
+        idx.delete(["kvshm:v1:pd:fp:2:r"])
+        idx.get_value(2, "kvshm:v1:pd:fp:2:r")
+        assert _wait(idx.values) == [(2, None)]
+        assert idx.statistics()["errors"] == 0
+        for _ in range(3):
+            idx.breaker.failure()
+        assert not idx.healthy()
+        time.sleep(0.15)
+        idx.get_value(3, "kvshm:v1:pd:fp:2:none")
+        assert _wait(idx.values) == [(3, None)]
+        assert idx.statistics()["breaker_state"] == "closed"
+    finally:
+        idx.close()
+
+
 T = TypeVar("T")
 
 
