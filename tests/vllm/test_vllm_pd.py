@@ -269,11 +269,7 @@ def test_decode_engine_takes_the_prefill_engines_kv_through_valkey_exactly(
     assert remote["pd_manifest_missing"] == remote["pd_manifest_refused"] == 0, remote
     assert remote["hit_blocks"] == PROMPTS * FULL_BLOCKS, remote
     assert remote["get_failed_jobs"] == 0, remote
-    # Not asserted: remote["index_errors"] == 0. Known bug (kvshm/remote/valkey_index.py,
-    # ValkeyReadyIndex._run): a round holding only small-value ops (the manifest's GET,
-    # the collection's DEL/EXPIRE) first sends an empty readiness batch, which glide
-    # refuses ("Received empty pipeline"): counted as an error and a breaker failure
-    # (D shows 3 here). Add the assertion with the fix.
+    assert remote["index_errors"] == 0, remote  # manifest-only rounds send no empty batch
     assert d_stats["counters"]["loaded_blocks"] == PROMPTS * FULL_BLOCKS
     assert d_stats["pins_held"] == 0 and d_stats["jobs_in_flight"] == 0
     # what kvshm told vLLM (external hit tokens) and what vLLM reports on each output
