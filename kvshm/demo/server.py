@@ -4,9 +4,10 @@ It does what a serving engine's scheduler and worker do, in one asyncio task:
 
 1. GPU prefix cache: the longest run of the prompt's block hashes cached in its
    :class:`~kvshm.offload.pool.BlockPool` (touched), capped so at least one token is computed;
-2. ``engine.lookup`` for a CPU hit beyond it (phase A), then the block table is
-   allocated (local hits + fresh blocks for the rest of the prompt and the reply) and
-   ``engine.allocated`` (phase B);
+2. ``engine.lookup`` for a CPU hit beyond it (phase A; while it answers None, "ask
+   again", the engine is stepped with nothing scheduled: a remote tier's GET job is
+   planned by a step), then the block table is allocated (local hits + fresh blocks
+   for the rest of the prompt and the reply) and ``engine.allocated`` (phase B);
 3. the first ``engine.step`` lists the request (``new_or_resumed``); its plan's load is
    awaited with ``wait_loaded`` (a failed load recomputes from the first failed block);
 4. prefill in 512-token chunks from the hit, then the reply token by token; every chunk
@@ -39,7 +40,7 @@ import torch
 from kvshm.demo.model import ToyModel, greedy
 from kvshm.engine import Engine
 from kvshm.hashing import chain_hashes
-from kvshm.ipc.protocol import Transfer, unpack_ids
+from kvshm.ipc.protocol import RemoteOp, Transfer, unpack_ids
 from kvshm.offload.pool import BlockPool
 from kvshm.types import RequestView, ScheduledRequest, StepInput, StepPlan, no_new_blocks
 
@@ -67,6 +68,13 @@ class TurnResult:
     cpu_hit_tokens: int
     load_failed: bool
     calls: list[ChunkCall] = field(default_factory=list)
+    #: Phases of ``ttft_s``: the lookup (first ``engine.lookup`` until it answered; with
+    #: a remote tier it includes the index query and the GET job), of which
+    #: ``query_s`` until the step that planned a remote GET (0: none planned), and the
+    #: wait for the load; the rest is compute.
+    lookup_s: float = 0.0
+    query_s: float = 0.0
+    load_s: float = 0.0
 
 
 class ToyServer:
@@ -147,7 +155,7 @@ class ToyServer:
         bs, n = self.bs, len(prompt)
         hashes = chain_hashes(prompt, bs)
         local = self._local_hit(hashes, n)
-        hit = await self._lookup(req_id, hashes, n, len(local) * bs)
+        hit, query_s, lookup_s = await self._lookup(req_id, hashes, n, len(local) * bs)
         total_blocks = -(-(n + reply_tokens) // bs)
         table = local + self.gpu.allocate(total_blocks - len(local))
         start = len(local) * bs + hit
@@ -158,10 +166,13 @@ class ToyServer:
                                num_confirmed_tokens=len(local) * bs)
         plan = await self._step_engine(req)
         load_failed = False
+        loading = time.perf_counter()
         if hit and plan is not None and self.engine is not None:
             start, load_failed = await self._await_load(req_id, plan, table, start,
                                                         len(local) * bs)
-        result = TurnResult([], 0.0, torch.empty(0), len(local) * bs, hit, load_failed)
+        result = TurnResult([], 0.0, torch.empty(0), len(local) * bs, hit, load_failed,
+                            lookup_s=lookup_s, query_s=query_s,
+                            load_s=time.perf_counter() - loading)
         logits = await self._prefill(req_id, prompt, start, table, seq_hashes, result)
         result.ttft_s, result.logits = time.perf_counter() - t0, logits
         await self._decode(req_id, prompt, greedy(logits), reply_tokens, table, seq_hashes,
@@ -169,16 +180,26 @@ class ToyServer:
         self._finish(req_id, n + reply_tokens - 1, table, seq_hashes, prompt, result.reply)
         return result
 
-    async def _lookup(self, req_id: str, hashes: list[bytes], n: int, local: int) -> int:
+    async def _lookup(self, req_id: str, hashes: list[bytes], n: int, local: int,
+                      ) -> tuple[int, float, float]:
+        """(hit tokens, seconds until a remote GET was planned or 0, seconds in all)."""
         eng = self.engine
         if eng is None:
-            return 0
+            return 0, 0.0, 0.0
         view = RequestView(req_id, hashes, n)
+        t0 = time.perf_counter()
+        get_at = 0.0
         while True:
             hit = eng.lookup(view, local)
             if hit is not None:
-                return hit
-            await asyncio.sleep(0.001)  # another request is loading this prefix
+                return hit, (get_at - t0 if get_at else 0.0), time.perf_counter() - t0
+            # "ask again": another request is loading this prefix, or the remote tier is
+            # being asked (its GET job is planned by a step, so step while waiting)
+            plan = await self._step_engine(None)
+            if not get_at and plan is not None and any(
+                    m.op is RemoteOp.GET for m in plan.remote):
+                get_at = time.perf_counter()
+            await asyncio.sleep(0.001)
 
     async def _await_load(self, req_id: str, plan: StepPlan, table: list[int], start: int,
                           local: int) -> tuple[int, bool]:
