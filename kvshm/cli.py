@@ -30,14 +30,21 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         print(f"kvshm stats: {exc or type(exc).__name__}", file=sys.stderr)
         return 1
     if args.prometheus:
+        from kvshm.cli_ls import remote_prometheus
         from kvshm.stats import EngineStats, to_prometheus
 
         try:
             text = to_prometheus(EngineStats.from_dict(data))
+            text += remote_prometheus(str(data.get("name", args.name)),
+                                      data.get("remote") or {})
         except ImportError as exc:
             print(f"kvshm stats: {exc}", file=sys.stderr)
             return 1
         sys.stdout.write(text.decode())
+    elif args.remote:
+        from kvshm.cli_ls import format_remote
+
+        print(format_remote(data.get("remote") or {}))
     else:
         print(json.dumps(data, indent=2, sort_keys=True))
     return 0
@@ -85,6 +92,9 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--prometheus", action="store_true",
                        help="Prometheus text exposition instead of JSON (needs "
                             "pip install 'kvshm[prometheus]')")
+    stats.add_argument("--remote", action="store_true",
+                       help="the remote tier's section as text: hits, misses, bytes, "
+                            "errors, breaker state")
     stats.set_defaults(func=_cmd_stats)
     ls = sub.add_parser("ls", help="list the running engines: name, pid, state, world "
                                    "size, CPU tier")

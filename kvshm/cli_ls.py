@@ -1,4 +1,5 @@
-"""``kvshm ls``: the kvshm engines running on this machine, one line each.
+"""``kvshm ls``: the kvshm engines running on this machine, one line each; and the remote
+tier's section of ``kvshm stats`` (:func:`format_remote`, :func:`remote_prometheus`).
 
 An engine listens on the abstract socket ``\\0kvshm.<name>``; the kernel lists every
 unix socket in ``/proc/net/unix``, abstract names with a leading ``@``. A listener is a
@@ -14,7 +15,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Final
 
-__all__ = ["EngineRow", "engine_names", "format_table", "list_engines"]
+__all__ = ["EngineRow", "engine_names", "format_remote", "format_table", "list_engines",
+           "remote_prometheus"]
 
 _PREFIX: Final = "@kvshm."
 _ACCEPTCON: Final = 0x10000
@@ -92,3 +94,87 @@ def format_table(rows: list[EngineRow]) -> str:
     widths = [max(len(line[i]) for line in lines) for i in range(len(_HEADER) - 1)]
     return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(line, widths)), line[-1]])
                      .rstrip() for line in lines)
+
+
+# ---------------------------------------------------------------------------- remote tier
+
+
+def _mib(n: object) -> str:
+    return f"{int(n) / 2**20:.1f} MiB" if isinstance(n, int) else "?"
+
+
+def format_remote(remote: dict[str, Any]) -> str:
+    """``kvshm stats --remote``: the ``remote`` section of an engine's statistics
+    (``EngineStats.remote``) as a few lines; "no remote tier" when it is empty."""
+    if not remote:
+        return "no remote tier"
+
+    def g(key: str) -> object:
+        return remote.get(key, "?")
+
+    lines = [f"remote tier: {g('url')} ({g('mode')})"]
+    if len(remote) <= 2:  # URL and mode only: the engine is not READY yet
+        return "\n".join([*lines, "  (no counters yet: the engine is not ready)"])
+    lines += [
+        f"  lookups:  {g('queries')} queries, {g('query_hits')} hits, {g('query_misses')} "
+        f"misses, {g('query_timeouts')} timed out, {g('skipped_unhealthy')} skipped "
+        f"(breaker open)",
+        f"  fetched:  {g('get_jobs')} GET jobs, {g('hit_blocks')} blocks "
+        f"({_mib(remote.get('hit_bytes'))}); failed: {g('get_failed_jobs')} jobs, "
+        f"{g('get_failed_blocks')} blocks; declined (CPU tier full): "
+        f"{g('get_declined_cpu_full')}",
+        f"  written:  {g('put_jobs')} PUT jobs, {g('published_blocks')} blocks published "
+        f"({_mib(remote.get('put_bytes'))}); failed: {g('put_failed_blocks')} blocks; "
+        f"duplicates skipped: {g('put_skipped_duplicate')}",
+        f"  index:    breaker {g('index_breaker_state')} (opened {g('index_breaker_opens')}, "
+        f"closed {g('index_breaker_closes')}); errors {g('index_errors')}, timeouts "
+        f"{g('index_timeouts')}, rejected {g('index_rejected')}, publish failed "
+        f"{g('index_publish_failed')}",
+    ]
+    return "\n".join(lines)
+
+
+def remote_prometheus(engine: str, remote: dict[str, Any]) -> bytes:
+    """Prometheus text of the ``remote`` section (empty without a remote tier): every
+    integer counter as ``kvshm_remote_<name>_total``, the breaker state as
+    ``kvshm_remote_breaker_state{state=...} 1``, the URL and mode as
+    ``kvshm_remote_info{url=...,mode=...} 1``. ImportError (naming the extra) without
+    prometheus-client."""
+    if not remote:
+        return b""
+    from kvshm.stats import PROMETHEUS_MISSING
+
+    try:
+        from prometheus_client import CollectorRegistry, generate_latest
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+    except ImportError as exc:
+        raise ImportError(PROMETHEUS_MISSING) from exc
+
+    def families() -> list[Any]:
+        out: list[Any] = []
+        info = GaugeMetricFamily("kvshm_remote_info", "the remote tier: URL and mode",
+                                 labels=["engine", "url", "mode"])
+        info.add_metric([engine, str(remote.get("url", "")), str(remote.get("mode", ""))], 1)
+        out.append(info)
+        for key, value in sorted(remote.items()):
+            if isinstance(value, int) and not isinstance(value, bool):
+                c = CounterMetricFamily(f"kvshm_remote_{key}", f"remote tier counter {key}",
+                                        labels=["engine"])
+                c.add_metric([engine], float(value))
+                out.append(c)
+        state = remote.get("index_breaker_state")
+        if state is not None:
+            b = GaugeMetricFamily("kvshm_remote_breaker_state", "1 for the readiness "
+                                  "index's circuit breaker state", labels=["engine", "state"])
+            b.add_metric([engine, str(state)], 1)
+            out.append(b)
+        return out
+
+    class _Remote:
+        def collect(self) -> Any:
+            return iter(families())
+
+    reg = CollectorRegistry()
+    reg.register(_Remote())
+    text: bytes = generate_latest(reg)
+    return text
