@@ -218,8 +218,8 @@ class Remote(_Msg, tag=10, frozen=True, array_like=True, gc=False):
     cpu_ids: bytes
     hashes: bytes
     hash_len: int
-    #: PUT only: store without a TTL (a P/D hand-off's blocks, protected from
-    #: ``volatile-lru`` until the decoder gives them the ordinary TTL).
+    #: PUT only: store with the tier's hold TTL instead of the ordinary one (a P/D
+    #: hand-off's blocks, until the decoder gives them the ordinary TTL).
     keep: bool = False
 
 

@@ -21,12 +21,16 @@ asked: a manifest is never trusted alone). An expired one is deleted (demoted: i
 blocks keep their ordinary TTL). A consumer that loaded the blocks deletes the manifest
 (collected). Every refusal is a counted miss: the request recomputes.
 
-Lifetime: a hand-off's blocks and readiness keys are put without a TTL (``keep``), so
-``volatile-lru`` cannot evict a hand-off in flight; the decoder that loaded them gives
-them the tier's ordinary TTL (they stay useful as cache); so does the publisher when its
-publication fails, and the first engine that finds a manifest expired (demotion). A
-prefill killed mid-publish leaves its kept blocks without a TTL (no engine knows of
-them): ``maxmemory`` with ``volatile-lru`` never evicts them.
+Lifetime: a hand-off's blocks and readiness keys are put with the tier's *hold* TTL
+(``keep``; ``RemoteSpec.hold_ttl_s``, 30 min), not the ordinary one; the decoder that
+loaded them gives them the ordinary TTL (they stay useful as cache); so does the
+publisher when its publication fails, and the first engine that finds a manifest
+expired (demotion). Not "no TTL", as first planned: a hand-off nobody collects (the
+decode request aborted or served from another tier, the manifest refused, the prefill
+killed mid-publish) would pin server memory for ever, and ``volatile-lru`` can never
+evict a key without a TTL -- the server would fill up and refuse writes. The price: under
+memory pressure ``volatile-lru`` may evict a hand-off in flight (the decoder then
+recomputes, counted).
 
 Not done: the partial tail block (the decoder recomputes the last partial block, not
 only the last token).

@@ -11,8 +11,8 @@ Rules:
   would reuse, scanned by a plan with no such PUT in flight: the PUT's pin takes a block
   out of the eviction order and its release puts it back as recently used, a second
   chance once per block (published blocks are skipped by later scans), like CLOCK.
-* A P/D hand-off's blocks are put whatever the mode, without a TTL (``keep``: a job is
-  all kept or all ordinary).
+* A P/D hand-off's blocks are put whatever the mode, with the hold TTL (``keep``: a job
+  is all kept or all ordinary).
 * A PUT that completed on every rank without failure publishes its blocks' readiness
   keys (a reader never sees half a block), then tells the hand-offs (whose manifest
   goes last); the pins go in every case.

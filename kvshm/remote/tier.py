@@ -63,7 +63,7 @@ class GetOutcome(Enum):
 
 _SCHEMES: Final = {"valkey": False, "redis": False,
                    "valkey+cluster": True, "redis+cluster": True}
-_INT_KNOBS: Final = ("request_timeout_ms", "connect_timeout_ms", "threads")
+_INT_KNOBS: Final = ("request_timeout_ms", "connect_timeout_ms", "threads", "hold_ttl_s")
 
 
 @dataclass(frozen=True)
@@ -82,6 +82,10 @@ class RemoteSpec:
       server's ``volatile-lru`` policy may evict them; ``None``: no TTL (never evicted
       under ``volatile-*``; use with care).
     * ``threads``: worker-side threads (one client each) per :class:`BlockStore`.
+    * ``hold_ttl_s``: the TTL of a P/D hand-off's blocks and readiness keys until a
+      decoder loads them (then they get ``ttl_s``). Finite on purpose: a hand-off no
+      decoder ever collects (aborted, refused, its prefill killed) must not pin server
+      memory for ever; it must outlast the publication plus the manifest's life.
     """
 
     url: str
@@ -91,6 +95,7 @@ class RemoteSpec:
     connect_timeout_ms: int = 500
     ttl_s: int | None = 3600
     threads: int = 4
+    hold_ttl_s: int = 1800
 
     def __post_init__(self) -> None:
         if not self.nodes:
@@ -297,7 +302,7 @@ class BlockStore(Protocol):
     def put_many(self, keys: Sequence[str], views: Sequence[memoryview],
                  header: Sequence[BlockHeader], *, keep: bool = False) -> list[bool]:
         """Store ``views[i]`` under ``keys[i]`` with ``header[i]``; True = stored.
-        ``keep``: without a TTL (a hand-off's blocks until collected)."""
+        ``keep``: with the hold TTL (a hand-off's blocks until collected)."""
         ...
 
     def get_many_into(self, keys: Sequence[str], views: Sequence[memoryview],
@@ -321,8 +326,8 @@ class ReadyIndex(Protocol):
     """Scheduler side: readiness keys. No method blocks on the network."""
 
     def publish(self, keys: Sequence[str], *, keep: bool = False) -> None:
-        """Queue "every rank stored these blocks" (SET key with the TTL; ``keep``: without
-        one); returns at once."""
+        """Queue "every rank stored these blocks" (SET key with the TTL; ``keep``: the
+        hold TTL); returns at once."""
         ...
 
     def query(self, token: int, keys: Sequence[str]) -> None:

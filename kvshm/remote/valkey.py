@@ -239,6 +239,7 @@ class ValkeyBlockStore:
         self.spec = spec
         self._glide = _glide()
         self._ttl = _expiry(self._glide, spec)
+        self._hold = self._glide.ExpirySet(self._glide.ExpiryType.SEC, spec.hold_ttl_s)
         self._shards = _Shards(spec, lambda: CircuitBreaker(
             breaker_threshold, breaker_backoff_s, breaker_max_backoff_s))
         self._pool = ThreadPoolExecutor(spec.threads, thread_name_prefix="kvshm-remote")
@@ -311,7 +312,7 @@ class ValkeyBlockStore:
         try:
             g = self._glide
             batch = (g.ClusterBatch if self.spec.cluster else g.Batch)(is_atomic=False)
-            expiry = None if keep else self._ttl
+            expiry = self._hold if keep else self._ttl
             batch.set(key, view, expiry=expiry)
             batch.set(header_key(key), raw, expiry=expiry)
             result = self._client().exec(batch, raise_on_error=False)

@@ -38,6 +38,7 @@ class ValkeyReadyIndex:
         self.spec = spec
         self._glide = _glide()
         self._ttl = _expiry(self._glide, spec)
+        self._hold = self._glide.ExpirySet(self._glide.ExpiryType.SEC, spec.hold_ttl_s)
         self.breaker = CircuitBreaker(breaker_threshold, breaker_backoff_s,
                                       breaker_max_backoff_s)
         self._q: queue.SimpleQueue[tuple[str, int, Sequence[Any]] | None] = \
@@ -150,7 +151,7 @@ class ValkeyReadyIndex:
             return
         batch = (g.ClusterBatch if self.spec.cluster else g.Batch)(is_atomic=False)
         for k, keep in publishes:
-            batch.set(k, b"1", expiry=None if keep else self._ttl)
+            batch.set(k, b"1", expiry=self._hold if keep else self._ttl)
         for _, keys in queries:
             for k in keys:
                 batch.exists([k])

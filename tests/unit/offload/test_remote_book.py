@@ -34,7 +34,7 @@ class HeldIndex:
         self._answers: list[tuple[int, int]] = []
         self.up = True
         self.log: list[str] = []  # every write, in order
-        self.kept: set[str] = set()  # readiness keys published without a TTL
+        self.kept: set[str] = set()  # readiness keys published with the hold TTL
         self.kv: dict[str, bytes] = {}
         self._values: list[tuple[int, bytes | None]] = []
 
@@ -390,11 +390,11 @@ def test_a_handoff_manifest_is_written_after_every_block_and_readiness_key() -> 
     rig.m.on_done(put.job_id, 1, True)
     rig.m.check_invariants()
     assert index.log == [rkey(p.h[0]), rkey(p.h[1]), "kvshm:v1:pd:fp:2:p"]
-    assert put.keep and index.kept == {rkey(p.h[0]), rkey(p.h[1])}   # no TTL until loaded
+    assert put.keep and index.kept == {rkey(p.h[0]), rkey(p.h[1])}   # hold TTL until loaded
 
 
 def test_a_failed_handoff_put_writes_no_manifest_and_demotes_its_blocks() -> None:
-    """Rank 1 fails the hand-off's PUT: no manifest ever; the blocks (kept: no TTL) and
+    """Rank 1 fails the hand-off's PUT: no manifest ever; the blocks (kept: hold TTL) and
     their readiness keys get the ordinary TTL back, every rank's shard named."""
     index = HeldIndex()
     rig = remote_rig(index)
