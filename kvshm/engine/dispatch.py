@@ -26,6 +26,7 @@ from collections.abc import Mapping
 
 from kvshm.engine.snapshot import CoreCounters
 from kvshm.engine.supervision import RankWatch
+from kvshm.errors import ConfigError
 from kvshm.ipc.protocol import Direction, Done, Remote, Transfer
 from kvshm.ipc.sched_channel import SchedulerChannel
 from kvshm.offload.manager import OffloadManager
@@ -46,6 +47,7 @@ class Dispatcher:
         self._watch = watch
         self._counters = counters
         self._posted: dict[int, tuple[float, int]] = {}  # job id -> (post time, acks owed)
+        self._remote: dict[int, int] = {}  # remote job id -> Dones still due
         self._logged: set[str] = set()
 
     def post(self, t: Transfer) -> None:
@@ -61,27 +63,51 @@ class Dispatcher:
         else:
             self._counters.load_jobs += 1
 
-    def post_remote(self, msg: Remote) -> None:
-        """Post a remote-tier job to every live rank. Not on the hang clock and not in
-        the ack-latency histogram: it waits on a network server with its own deadlines
-        (``kvshm.remote.tier.RemoteSpec``), not on the rank's copy engine."""
-        for chan in self._channels.values():
-            if not chan.closed:
+    def post_remote(self, msg: Remote) -> list[int]:
+        """Post a remote-tier job to every live rank; the ranks that refused it (a
+        record the ring can never hold: the caller fails the job for them, nothing
+        raises). Not on the hang clock and not in the ack-latency histogram: it waits
+        on a network server with its own deadlines, not on the rank's copy engine; its
+        Done is no progress for the rank's stall clock either (:meth:`apply`)."""
+        refused: list[int] = []
+        for rank, chan in self._channels.items():
+            if chan.closed:
+                continue
+            try:
                 chan.post(msg)
+            except ConfigError as exc:
+                refused.append(rank)
+                self._counters.remote_post_refused += 1
+                _log.error("kvshm %s: remote job %d refused by rank %d's ring: %s; the job "
+                           "fails (a miss)", self._name, msg.job_id, rank, exc)
+        posted = sum(1 for c in self._channels.values() if not c.closed) - len(refused)
+        if posted > 0:
+            self._remote[msg.job_id] = posted
         self._counters.remote_jobs += 1
+        return refused
 
     def forget_posted(self) -> None:
         """Drop every post time (a verdict: the remaining acks will not all come)."""
         self._posted.clear()
+        self._remote.clear()
 
     def apply(self, rank: int, dones: list[Done], manager: OffloadManager | None) -> None:
         """Apply a batch of Dones from ``rank`` (to ``manager`` once there is one), then
         move the rank's queued Transfers into the room the batch made."""
         now = time.monotonic()
         watch = self._watch[rank]
+        remote = self._remote
         for d in dones:
             try:
-                watch.acked(now, d.ok, self._ack_latency(d.job_id, now))
+                due = remote.get(d.job_id)
+                if due is not None:  # no progress of the rank's copies (hang clock)
+                    self._counters.remote_acks += 1
+                    if due <= 1:
+                        del remote[d.job_id]
+                    else:
+                        remote[d.job_id] = due - 1
+                else:
+                    watch.acked(now, d.ok, self._ack_latency(d.job_id, now))
                 if manager is not None:
                     manager.on_done(d.job_id, rank, d.ok)
             except Exception as exc:  # noqa: BLE001 - one bad Done must not lose the rest

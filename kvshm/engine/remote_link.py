@@ -21,7 +21,7 @@ from kvshm.offload.groups import GroupSet
 from kvshm.offload.handoff import Handoffs
 from kvshm.offload.jobs import JobTable
 from kvshm.offload.pool import BlockPool
-from kvshm.offload.remote import RemoteBook, remote_hash
+from kvshm.offload.remote import RemoteBook, max_job_blocks, remote_hash
 from kvshm.remote.tier import ReadyIndex, RemoteSpec, ready_key
 from kvshm.remote.valkey_index import ValkeyReadyIndex
 
@@ -42,8 +42,9 @@ class RemoteLink:
         """No remote tier."""
         return cls(None, None)
 
-    def book_factory(self, setup: RemoteSetup | None) -> BookFactory | None:
-        """What builds the manager's remote book (None without a remote tier)."""
+    def book_factory(self, setup: RemoteSetup | None, max_record: int) -> BookFactory | None:
+        """What builds the manager's remote book (None without a remote tier);
+        ``max_record``: the largest command every rank's ring takes (bounds a job)."""
         cfg, index = self.config, self.index
         if cfg is None or index is None or setup is None:
             return None
@@ -54,7 +55,8 @@ class RemoteLink:
 
         def make(cpu: BlockPool, gs: GroupSet, jobs: JobTable) -> RemoteBook:
             pd = Handoffs(index, fingerprint, world, cfg.block_size, remote_hash, key)
-            return RemoteBook(cpu, gs, jobs, index, key, mode=cfg.remote_mode, handoffs=pd)
+            return RemoteBook(cpu, gs, jobs, index, key, mode=cfg.remote_mode, handoffs=pd,
+                              max_job_blocks=max_job_blocks(max_record))
         return make
 
     def close(self) -> None:

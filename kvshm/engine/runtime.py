@@ -265,10 +265,11 @@ class Runtime:
         cfg = self.config
         self._bytes_per_block = sum(r.ready.layout.bytes_per_block for r in prov.ranks.values())
         self._cpu = BlockPool(prov.num_cpu_blocks, eviction=cfg.eviction)
+        record = min(c.max_record for c in self._channels.values())
         self.manager = OffloadManager(self._cpu, self._gpu, block_size=cfg.block_size,
                                       groups=cfg.groups, world_size=cfg.world_size,
                                       mode=cfg.mode,
-                                      remote=self._remote.book_factory(prov.remote))
+                                      remote=self._remote.book_factory(prov.remote, record))
         self._state = EngineState.READY
         startup.log_ready(cfg, prov.num_cpu_blocks, self._bytes_per_block)
         if self._started is not None:
@@ -395,7 +396,8 @@ class Runtime:
             if t is not None:
                 self._jobs.post(t)
         for msg in plan.remote:
-            self._jobs.post_remote(msg)
+            for rank in self._jobs.post_remote(msg):
+                manager.on_done(msg.job_id, rank, False)  # never sent: fails, unpins
         return plan
 
     def finished(self, req_id: str, num_confirmed_tokens: int,

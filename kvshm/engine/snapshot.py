@@ -39,6 +39,8 @@ class CoreCounters:
     lookup_tokens: int = 0  # tokens asked for beyond the GPU's own hit (answered lookups)
     lookups_hit: int = 0  # answered lookups with a CPU-tier hit
     remote_jobs: int = 0  # remote-tier jobs (PUT / GET) posted
+    remote_acks: int = 0  # their Dones (no progress for the hang clock)
+    remote_post_refused: int = 0  # (rank, job) posts a ring could never hold: failed
 
 
 def build_stats(config: EngineConfig, state: str, manager: OffloadManager | None,

@@ -66,6 +66,11 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
         return len(self._overflow)
 
     @property
+    def max_record(self) -> int:
+        """The largest encoded command the ``cmd`` ring can ever take."""
+        return self._tx.max_payload()
+
+    @property
     def outstanding(self) -> int:
         """Transfers in the ring or overflow not yet answered by a Done (approximate)."""
         return self._outstanding

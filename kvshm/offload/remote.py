@@ -52,13 +52,14 @@ from kvshm.offload.remote_puts import (
     REMOTE_HASH_BYTES,
     PutQueue,
     RemoteCounters,
+    max_job_blocks,
     message,
     remote_hash,
 )
 from kvshm.remote.tier import ReadyIndex
 
 __all__ = ["MAX_PUT_BLOCKS", "REMOTE_HASH_BYTES", "RemoteBook", "RemoteCounters",
-           "RemoteState", "remote_hash"]
+           "RemoteState", "max_job_blocks", "remote_hash"]
 
 
 class RemoteState(Enum):
@@ -95,7 +96,8 @@ class RemoteBook:
                  answer_timeout_s: float = 2.0, fetch_timeout_s: float = 15.0,
                  evict_window: int | None = None,
                  clock: Callable[[], float] = time.monotonic,
-                 handoffs: Handoffs | None = None) -> None:
+                 handoffs: Handoffs | None = None,
+                 max_job_blocks: int = MAX_PUT_BLOCKS) -> None:
         self.cpu, self._gs, self._jobs, self.index = cpu, gs, jobs, index
         self._ready_key = ready_key
         self.mode = mode
@@ -103,8 +105,10 @@ class RemoteBook:
         self._fetch_timeout = fetch_timeout_s
         self._clock = clock
         self.counters = RemoteCounters()
+        self._max_job = max_job_blocks
         self.puts = PutQueue(cpu, jobs, index, ready_key, self.counters, mode=mode,
-                             evict_window=evict_window, handoffs=handoffs)
+                             evict_window=evict_window, handoffs=handoffs,
+                             max_job_blocks=max_job_blocks)
         self._reqs: dict[str, _Lookup] = {}
         self._tokens: dict[int, str] = {}
         self._next_token = 1
@@ -240,8 +244,10 @@ class RemoteBook:
         return out + self.puts.plan(step)
 
     def _get_job(self, step: int, rid: str, st: _Lookup) -> Remote | None:
-        n = min(st.present, self.cpu.num_free)
+        n = min(st.present, self.cpu.num_free, self._max_job)
         n -= n % self._gs.n
+        if n < st.present and n == self._max_job - self._max_job % self._gs.n:
+            self.counters.get_capped += 1  # one command's worth: the rest is recomputed
         if n <= 0:
             self.counters.get_declined_cpu_full += 1
             st.state = RemoteState.DONE

@@ -39,7 +39,7 @@ from kvshm.offload.pool import BlockPool
 from kvshm.remote.tier import ReadyIndex
 
 __all__ = ["MAX_PUT_BLOCKS", "MAX_PUT_JOBS", "PUBLISHED_MEMORY", "REMOTE_HASH_BYTES",
-           "PutQueue", "RemoteCounters", "message", "remote_hash"]
+           "PutQueue", "RemoteCounters", "max_job_blocks", "message", "remote_hash"]
 
 #: Most blocks one PUT job moves (several jobs go out in one step when more are queued).
 MAX_PUT_BLOCKS: Final = 128
@@ -47,6 +47,17 @@ MAX_PUT_BLOCKS: Final = 128
 MAX_PUT_JOBS: Final = 4
 #: Length of every block hash a Remote message carries.
 REMOTE_HASH_BYTES: Final = 32
+#: Encoded bytes of a Remote command besides its ids and hashes (msgpack headers, a
+#: margin); each block adds a 4-byte id and a hash.
+REMOTE_OVERHEAD: Final = 64
+
+
+def max_job_blocks(max_record: int) -> int:
+    """The most blocks one Remote command may carry to fit a ring record of
+    ``max_record`` bytes."""
+    return max(1, (max_record - REMOTE_OVERHEAD) // (4 + REMOTE_HASH_BYTES))
+
+
 #: Keys this engine remembers as published (oldest forgotten first: re-put, harmless).
 PUBLISHED_MEMORY: Final = 1 << 20
 
@@ -70,6 +81,7 @@ class RemoteCounters:
     get_failed_jobs: int = 0
     get_failed_blocks: int = 0
     get_declined_cpu_full: int = 0
+    get_capped: int = 0
     hit_blocks: int = 0
     put_jobs: int = 0
     put_blocks: int = 0
@@ -102,12 +114,14 @@ class PutQueue:
     def __init__(self, cpu: BlockPool, jobs: JobTable, index: ReadyIndex,
                  ready_key: Callable[[bytes], str], counters: RemoteCounters, *,
                  mode: RemoteMode, evict_window: int | None = None,
-                 handoffs: Handoffs | None = None) -> None:
+                 handoffs: Handoffs | None = None, max_job_blocks: int = MAX_PUT_BLOCKS
+                 ) -> None:
         self.cpu, self._jobs, self.index = cpu, jobs, index
         self._ready_key = ready_key
         self.counters = counters
         self.mode = mode
         self._window = evict_window or max(8, cpu.num_blocks // 16)
+        self._batch = max(1, min(MAX_PUT_BLOCKS, max_job_blocks))
         self._evict_puts = 0  # ON_EVICT PUT jobs in flight
         self.pd = handoffs
         self._puts: list[_Put] = []
@@ -167,7 +181,7 @@ class PutQueue:
         """This step's PUT jobs (an ON_EVICT scan first, when none of its PUTs runs)."""
         if self.mode is RemoteMode.ON_EVICT and not self._evict_puts:
             self._scan_evictable()
-            self._evict_puts = -(-len(self._puts) // MAX_PUT_BLOCKS)
+            self._evict_puts = -(-len(self._puts) // self._batch)
         out: list[Remote] = []
         for _ in range(MAX_PUT_JOBS):
             if not self._puts:
@@ -176,7 +190,7 @@ class PutQueue:
             batch: list[_Put] = []
             rest: list[_Put] = []
             for p in self._puts:
-                (batch if p[3] is keep and len(batch) < MAX_PUT_BLOCKS else rest).append(p)
+                (batch if p[3] is keep and len(batch) < self._batch else rest).append(p)
             self._puts = rest
             job = self._jobs.new_remote(step, [c for c, _, _, _ in batch],
                                         [k for _, k, _, _ in batch],

@@ -99,14 +99,15 @@ def rkey(h: bytes) -> str:
 
 
 def remote_rig(index: HeldIndex, *, cpu: int = 16, mode: RemoteMode = RemoteMode.WRITE_THROUGH,
-               timeout: float = 2.0, clock: list[float] | None = None) -> Rig:
+               timeout: float = 2.0, clock: list[float] | None = None,
+               max_job: int = 128) -> Rig:
     rig = Rig(cpu=cpu, gpu=16, world_size=WORLD)
     now = clock if clock is not None else [0.0]
 
     def make(cpu_pool: Any, gs: Any, jobs: Any) -> RemoteBook:
         pd = Handoffs(index, "fp", WORLD, BS, remote_hash, key, clock=lambda: now[0])
         return RemoteBook(cpu_pool, gs, jobs, index, key, mode=mode, answer_timeout_s=timeout,
-                          clock=lambda: now[0], handoffs=pd)
+                          clock=lambda: now[0], handoffs=pd, max_job_blocks=max_job)
     rig.m = OffloadManager(rig.cpu, rig.gpu, block_size=BS, world_size=WORLD, remote=make)
     return rig
 
@@ -432,3 +433,25 @@ def test_a_get_stuck_on_a_rank_times_out_the_request_but_keeps_its_pins() -> Non
     rig.m.on_done(get.job_id, 1, True)
     rig.m.check_invariants()
     assert refs(rig.cpu, [0, 1]) == [0, 0] and rig.cpu.get_cached(r.h[0]) == 0
+
+
+def test_remote_jobs_never_exceed_what_one_ring_record_holds() -> None:
+    """With room for 2 blocks a command, A's 3 stored blocks go out as PUTs of 2 and 1,
+    and R's 3-block remote prefix is fetched 2 blocks deep (counted: the rest is
+    recomputed) -- no command a ring could refuse."""
+    index = HeldIndex()
+    rig = remote_rig(index, max_job=2)
+    store(rig, Req("a", 13))
+    puts = rig.step().remote
+    assert [len(unpack_ids(m.cpu_ids)) for m in puts] == [2, 1]
+    for m in puts:
+        ack_remote(rig, m)
+    r = Req("r", 13, base=500)
+    index.ready.update(rkey(h) for h in r.h)
+    assert rig.m.lookup(r.view(), 0) is None
+    index.answer_all()
+    (get,) = rig.step().remote
+    assert len(unpack_ids(get.cpu_ids)) == 2
+    ack_remote(rig, get)
+    assert rig.m.lookup(r.view(), 0) == 2 * BS
+    assert rig.m.remote is not None and rig.m.remote.counters.get_capped == 1
