@@ -55,10 +55,14 @@ __all__ = ["MANIFEST_PARAM", "Handoffs", "Manifest", "PdCounters", "Verdict",
            "manifest_key"]
 
 log = logging.getLogger("kvshm.remote")
+#: A manifest larger than base + per-block x the request's blocks is refused unread.
+_MANIFEST_BASE: Final = 1024
+_MANIFEST_PER_BLOCK: Final = 80
 
 #: The ``kv_transfer_params`` key naming a manifest.
 MANIFEST_PARAM: Final = "kvshm_manifest"
 _SAFE = re.compile(r"^[A-Za-z0-9._=-]{1,120}$")
+_PD_PREFIX: Final = "kvshm:v1:pd"
 
 
 class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -77,7 +81,7 @@ def manifest_key(fingerprint: str, world: int, req_id: str) -> str:
     """``kvshm:v1:pd:<fingerprint>:<world>:<request>`` (a request id outside
     ``[A-Za-z0-9._=-]{1,120}`` is replaced by its SHA-256)."""
     rid = req_id if _SAFE.match(req_id) else hashlib.sha256(req_id.encode()).hexdigest()
-    return f"kvshm:v1:pd:{fingerprint}:{world}:{rid}"
+    return f"{_PD_PREFIX}:{fingerprint}:{world}:{rid}"
 
 
 class Verdict(Enum):
@@ -101,6 +105,8 @@ class PdCounters:
     manifest_refused: int = 0
     manifest_expired: int = 0
     collected: int = 0
+    publish_empty: int = 0
+    unhealthy: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """Every counter by name, ``pd_`` first."""
@@ -138,6 +144,7 @@ class Handoffs:
         self.block_size = block_size
         self._rhash = remote_hash
         self._ready_key = ready_key
+        self._prefix = f"{_PD_PREFIX}:{fingerprint}:{world}:"
         self._wait = wait_s
         self._publish_timeout = publish_timeout_s
         self._ttl = manifest_ttl_s
@@ -152,9 +159,15 @@ class Handoffs:
     # ---- prefill side ----------------------------------------------------------------
 
     def publish(self, rid: str, keys: Sequence[bytes], num_tokens: int,
-                published: Callable[[bytes], bool]) -> dict[str, Any]:
-        """Record ``rid``'s publication; its ``kv_transfer_params``. ``published(k)``:
-        whether block ``k`` is on the server already."""
+                published: Callable[[bytes], bool]) -> dict[str, Any] | None:
+        """Record ``rid``'s publication; its ``kv_transfer_params`` (None: not one full
+        block, nothing to hand off). ``published(k)``: whether block ``k`` is on the
+        server already. The params follow vLLM's P/D convention (a proxy forwards the
+        prefill's params to the decode engine as they are): ``do_remote_prefill`` for
+        the decoder, and the manifest's name."""
+        if not keys:
+            self.counters.publish_empty += 1
+            return None
         key = manifest_key(self.fingerprint, self.world, rid)
         pending = {k for k in keys if not published(k)}
         self._pubs[rid] = _Pub(key, list(keys), pending, num_tokens, self._clock())
@@ -163,7 +176,7 @@ class Handoffs:
         self.counters.published += 1
         if not pending:
             self._write(rid)
-        return {MANIFEST_PARAM: key}
+        return {"do_remote_prefill": True, "do_remote_decode": False, MANIFEST_PARAM: key}
 
     def wants(self, key: bytes) -> bool:
         """Whether a publication waits for block ``key`` (it is put whatever the mode)."""
@@ -235,8 +248,19 @@ class Handoffs:
             return None
         self.poll()
         st = self._reqs.get(rid)
-        if st is None:
-            st = self._reqs[rid] = _Consume(key, keys(), self._ask(rid, key), self._clock())
+        if st is not None:
+            return st.verdict
+        if not key.startswith(self._prefix) or len(key) > len(self._prefix) + 120:
+            self.counters.manifest_refused += 1  # another deployment's, or not a name
+            log.warning("kvshm: hand-off manifest name %.200r for request %r is not this "
+                        "deployment's (%s...): the request recomputes", key, rid,
+                        self._prefix)
+            self._reqs[rid] = _Consume(key, [], 0, self._clock(), Verdict.REFUSED)
+            return Verdict.REFUSED
+        if not self.index.healthy():
+            self.counters.unhealthy += 1  # no wait for a manifest nobody can read
+            return Verdict.REFUSED
+        st = self._reqs[rid] = _Consume(key, keys(), self._ask(rid, key), self._clock())
         return st.verdict
 
     def _ask(self, rid: str, key: str) -> int:
@@ -263,18 +287,21 @@ class Handoffs:
             else:
                 st.token = self._ask(rid, st.key)
             return
-        try:
-            m = msgspec.json.decode(raw, type=Manifest)
-        except msgspec.DecodeError:
-            m = None
-        if m is not None and m.expires_at < self._wall():
+        m = None
+        if len(raw) <= _MANIFEST_BASE + _MANIFEST_PER_BLOCK * len(st.keys):
+            try:
+                m = msgspec.json.decode(raw, type=Manifest)
+            except msgspec.DecodeError:
+                pass
+        ok = (m is not None and m.version == 1 and m.fingerprint == self.fingerprint
+              and m.world == self.world and m.block_size == self.block_size
+              and 0 < len(m.hashes) <= len(st.keys)
+              and [self._rhash(k).hex() for k in st.keys[:len(m.hashes)]] == m.hashes)
+        if ok and m is not None and m.expires_at < self._wall():
             st.verdict = Verdict.REFUSED
             self.counters.manifest_expired += 1
             self._collect(st.key, m)  # demoted: its blocks get the ordinary TTL
             return
-        ok = (m is not None and m.fingerprint == self.fingerprint and m.world == self.world
-              and m.block_size == self.block_size and m.hashes
-              and [self._rhash(k).hex() for k in st.keys[:len(m.hashes)]] == m.hashes)
         st.manifest = m if ok else None
         if not ok:
             st.verdict = Verdict.REFUSED

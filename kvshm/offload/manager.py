@@ -182,7 +182,7 @@ class OffloadManager:
             return None
         self.cpu.touch(hit.pinned)
         if self.remote is not None:
-            self.remote.release(rid)  # what it fetched for rid is pinned by the hit now
+            self.remote.hit(rid)  # what it fetched for rid is pinned by the hit now
         self._hits[rid] = hit
         tokens = (hit.end - s) * bs
         self.counters.lookup_hit_tokens += tokens
@@ -351,7 +351,9 @@ class OffloadManager:
                 n = min(confirmed // self.block_size, len(st.hashes))
                 keys = [self._gs.key(st.hashes[p], g) for p in range(n)
                         for g in range(self._gs.n)]
-                self._params[req_id] = self.remote.publish(req_id, keys, confirmed)
+                params = self.remote.publish(req_id, keys, confirmed)
+                if params is not None:
+                    self._params[req_id] = params
                 if len(self._params) > 4096:  # never asked for: keep the newest only
                     del self._params[next(iter(self._params))]
         return False

@@ -113,6 +113,7 @@ class RemoteBook:
         self._tokens: dict[int, str] = {}
         self._next_token = 1
         self._fetching: dict[bytes, int] = {}  # key -> GET job id
+        self._fetch_since: dict[int, float] = {}  # GET job id -> when it was planned
         self.pd = handoffs
 
     # ---- queries ---------------------------------------------------------------------
@@ -169,7 +170,9 @@ class RemoteBook:
             self.counters.skipped_unhealthy += 1
             return 0
         keys = self._keys(hashes, start, end)
-        if keys[0] in self._fetching:
+        job = self._fetching.get(keys[0])
+        if job is not None and self._clock() - self._fetch_since.get(job, 0.0) \
+                <= self._fetch_timeout:  # wait for it, as long as its own request would
             self.counters.asked_again += 1
             return None
         token = self._next_token
@@ -200,6 +203,16 @@ class RemoteBook:
             self.counters.query_hits += 1
             st.present, st.state = min(n, len(st.keys)), RemoteState.ANSWERED
 
+    def hit(self, rid: str) -> None:
+        """``rid``'s lookup is a CPU hit (pinned): its remote lookup ends here -- what
+        it fetched is released, a query or GET still running goes on unclaimed."""
+        st = self._reqs.get(rid)
+        if st is not None and st.state in (RemoteState.QUERYING, RemoteState.ANSWERED,
+                                           RemoteState.FETCHING):
+            self._tokens.pop(st.token, None)
+            st.state = RemoteState.DONE
+        self.release(rid)
+
     def release(self, rid: str) -> None:
         """Drop ``rid``'s FETCHED pins (its lookup pinned what it hit meanwhile)."""
         st = self._reqs.get(rid)
@@ -223,7 +236,8 @@ class RemoteBook:
         """A store completed and indexed ``cpu_ids`` under ``keys`` (write-through)."""
         self.puts.stored(cpu_ids, keys, depths)
 
-    def publish(self, rid: str, keys: Sequence[bytes], num_tokens: int) -> dict[str, Any]:
+    def publish(self, rid: str, keys: Sequence[bytes], num_tokens: int
+                ) -> dict[str, Any] | None:
         """A P/D prefill request finished: its hand-off's ``kv_transfer_params``."""
         return self.puts.publish(rid, keys, num_tokens)
 
@@ -258,6 +272,7 @@ class RemoteBook:
                                     req_id=rid)
         for k in keys:
             self._fetching[k] = job.job_id
+        self._fetch_since[job.job_id] = self._clock()
         st.state, st.job_id, st.since = RemoteState.FETCHING, job.job_id, self._clock()
         self.counters.get_jobs += 1
         self.counters.get_blocks += n
@@ -275,6 +290,7 @@ class RemoteBook:
         for k in job.keys:
             if self._fetching.get(k) == job.job_id:
                 del self._fetching[k]
+        self._fetch_since.pop(job.job_id, None)
         st = self._reqs.get(job.req_id)
         mine = (st is not None and st.job_id == job.job_id
                 and st.state is RemoteState.FETCHING)  # not timed out meanwhile

@@ -6,7 +6,9 @@ Rules:
 * ``WRITE_THROUGH``: a store job that completed on every rank hands its newly indexed
   CPU blocks to :meth:`PutQueue.stored`; each block whose key is neither published by
   this engine nor queued or in flight is pinned and queued; a plan makes PUT jobs of at
-  most :data:`MAX_PUT_BLOCKS` (:data:`MAX_PUT_JOBS` a step). ``ON_EVICT`` queues instead
+  most :data:`MAX_PUT_BLOCKS` (:data:`MAX_PUT_JOBS` a step), and no more while a
+  quarter of the CPU tier is being put (a network slower than the stores must not pin
+  the whole tier: the queue waits, counted). ``ON_EVICT`` queues instead
   the unpublished cached blocks among the next ``max(8, num_blocks // 16)`` the CPU tier
   would reuse, scanned by a plan with no such PUT in flight: the PUT's pin takes a block
   out of the eviction order and its release puts it back as recently used, a second
@@ -87,6 +89,7 @@ class RemoteCounters:
     put_blocks: int = 0
     put_failed_blocks: int = 0
     put_skipped_duplicate: int = 0
+    put_backpressure: int = 0
     published_blocks: int = 0
 
     def as_dict(self) -> dict[str, int]:
@@ -122,6 +125,9 @@ class PutQueue:
         self.mode = mode
         self._window = evict_window or max(8, cpu.num_blocks // 16)
         self._batch = max(1, min(MAX_PUT_BLOCKS, max_job_blocks))
+        # PUT blocks in flight at most: a slow network must not pin the whole CPU tier
+        self._max_inflight = max(self._batch, cpu.num_blocks // 4)
+        self._inflight = 0
         self._evict_puts = 0  # ON_EVICT PUT jobs in flight
         self.pd = handoffs
         self._puts: list[_Put] = []
@@ -147,7 +153,8 @@ class PutQueue:
             if every or keep:
                 self._queue(c, k, depths[i] if i < len(depths) else 0, keep)
 
-    def publish(self, rid: str, keys: Sequence[bytes], num_tokens: int) -> dict[str, Any]:
+    def publish(self, rid: str, keys: Sequence[bytes], num_tokens: int
+                ) -> dict[str, Any] | None:
         """A P/D prefill request finished: its hand-off's ``kv_transfer_params``. Its
         blocks cached here but not on the server are queued for a PUT now; the others
         come from its finish-time store (:meth:`stored`) or are there already."""
@@ -186,6 +193,9 @@ class PutQueue:
         for _ in range(MAX_PUT_JOBS):
             if not self._puts:
                 break
+            if self._inflight >= self._max_inflight:
+                self.counters.put_backpressure += 1  # the queue waits (its pins too)
+                break
             keep = self._puts[0][3]  # one job: all kept (hand-off) or all ordinary
             batch: list[_Put] = []
             rest: list[_Put] = []
@@ -197,6 +207,7 @@ class PutQueue:
                                         [d for _, _, d, _ in batch], put=True, keep=keep)
             self.counters.put_jobs += 1
             self.counters.put_blocks += len(batch)
+            self._inflight += len(batch)
             out.append(message(job, RemoteOp.PUT))
         return out
 
@@ -204,6 +215,7 @@ class PutQueue:
         """A PUT completed on every rank (``usable``: without failure, not abandoned)."""
         self._put_keys.difference_update(job.keys)
         self._evict_puts = max(0, self._evict_puts - 1)
+        self._inflight -= len(job.keys)
         try:
             if usable:
                 self.index.publish([self._ready_key(remote_hash(k)) for k in job.keys],

@@ -102,7 +102,8 @@ async def test_handoff_publish_then_consume_bit_exact_and_collected(
     async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ep, gp, kp, _):
         cp = Client(ep, gp)
         params, table = await prefill(cp, "req-1", toks)
-        assert set(params) == {MANIFEST_PARAM}
+        assert params == {"do_remote_prefill": True, "do_remote_decode": False,
+                          MANIFEST_PARAM: params[MANIFEST_PARAM]}  # vLLM's P/D convention
         await settle_published(cp)
         src = [digest(k[table[:BLOCKS]]) for k in kp]
         rp = remote(ep)

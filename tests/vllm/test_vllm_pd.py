@@ -8,7 +8,7 @@ Exactly what a P/D proxy does, with two real vLLM engines and a real Valkey:
   stepped until its kvshm statistics count every manifest written (published last,
   after every block's PUT);
 * engine D (another process, the same model and ``PYTHONHASHSEED``, its own empty CPU
-  tier) then serves the same prompts, each with ``{"do_remote_prefill": True, **params}``
+  tier) then serves the same prompts, each with P's params forwarded verbatim
   (greedy, ``MAX_TOKENS`` tokens, top-3 logprobs). kvshm's lookup on D answers "ask
   again" until the manifest and the blocks are in D's CPU tier, then reports them as
   external hit tokens; vLLM schedules only the rest.
@@ -138,9 +138,8 @@ def child(cfg: dict[str, Any]) -> None:
         if not line.strip():
             raise SystemExit("no hand-off params")
         handoffs: list[dict[str, Any]] = json.loads(line)
-        params = [_greedy(extra_args={"kv_transfer_params": {"do_remote_prefill": True,
-                                                              **p}})
-                  for p in handoffs]
+        # the proxy forwards the prefill's params verbatim (vLLM's P/D convention)
+        params = [_greedy(extra_args={"kv_transfer_params": p}) for p in handoffs]
         t0 = time.perf_counter()
         outs = llm.generate([_prompt(i) for i in range(PROMPTS)], params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
@@ -231,7 +230,8 @@ def test_decode_engine_takes_the_prefill_engines_kv_through_valkey_exactly(
             p_out = [_record(o) for o in llm.generate(prompts, prefill, use_tqdm=False)]
             handoffs = [o["params"] for o in p_out]
             for h in handoffs:  # what the proxy passes on: the manifest's name
-                assert isinstance(h, dict) and set(h) == {MANIFEST}, h
+                assert isinstance(h, dict) and h.get("do_remote_prefill") is True, h
+                assert set(h) == {MANIFEST, "do_remote_prefill", "do_remote_decode"}, h
                 assert h[MANIFEST].startswith("kvshm:v1:pd:"), h
             assert len({h[MANIFEST] for h in handoffs}) == PROMPTS
             _step_until(llm, _manifests_written)  # published: every manifest written

@@ -383,7 +383,8 @@ def test_a_handoff_manifest_is_written_after_every_block_and_readiness_key() -> 
     plan = rig.step(p.sched(g, confirmed=9, new=True))
     rig.m.finished("p", 9, [g])
     params = rig.m.transfer_params("p")
-    assert params == {MANIFEST_PARAM: "kvshm:v1:pd:fp:2:p"} and index.log == []
+    assert params is not None and params[MANIFEST_PARAM] == "kvshm:v1:pd:fp:2:p"
+    assert params["do_remote_prefill"] is True and index.log == []
     rig.ack(plan.store, ranks=(0, 1))
     (put,) = rig.step().remote
     rig.m.on_done(put.job_id, 0, True)
@@ -455,3 +456,68 @@ def test_remote_jobs_never_exceed_what_one_ring_record_holds() -> None:
     ack_remote(rig, get)
     assert rig.m.lookup(r.view(), 0) == 2 * BS
     assert rig.m.remote is not None and rig.m.remote.counters.get_capped == 1
+
+
+def test_a_cpu_hit_ends_the_requests_remote_lookup() -> None:
+    """R's remote query is answered, but before the GET is planned R's next lookup finds
+    a CPU hit (another request stored the blocks meanwhile): no GET is planned for R,
+    nothing is fetched twice."""
+    index, rig, r = fetch_setup()
+    assert rig.m.lookup(r.view(), 0) is None
+    index.answer_all()
+    rig.seed_cpu(*r.h)                                            # CPU 0, 1
+    assert rig.m.lookup(r.view(), 0) == 2 * BS
+    assert rig.step().remote == ()
+    assert rig.m.remote is not None and rig.m.remote.counters.get_jobs == 0
+
+
+def test_a_request_behind_a_stuck_get_waits_no_longer_than_the_get_would() -> None:
+    """S shares R's prefix while R's GET is stuck on a rank: S asks again only until the
+    fetch timeout (15 s), then queries for itself."""
+    index, _, r = fetch_setup()
+    now = [0.0]
+    rig = remote_rig(index, clock=now)
+    s = Req("s", 9)
+    rig.m.lookup(r.view(), 0)
+    index.answer_all()
+    rig.step()
+    assert rig.m.lookup(s.view(), 0) is None and index.queries == []
+    now[0] += 16.0
+    assert rig.m.lookup(s.view(), 0) is None and len(index.queries) == 1
+
+
+def test_puts_in_flight_are_capped_at_a_quarter_of_the_cpu_tier() -> None:
+    """A 16-block tier with 2-block commands: once 4 or more blocks are being put, no
+    more PUTs go out (counted); the queue waits, pinned, until PUTs complete. A's 3
+    blocks go as [2, 1] (3 in flight), B's first 2 follow (5 in flight), B's last waits
+    until A's first PUT is acked (3 in flight again)."""
+    index = HeldIndex()
+    rig = remote_rig(index, max_job=2)
+    store(rig, Req("a", 13))
+    msgs: list[Remote] = []
+    store(rig, Req("b", 13, base=100), msgs)
+    assert [len(unpack_ids(m.cpu_ids)) for m in msgs] == [2, 1]
+    (b01,) = rig.step().remote
+    assert len(unpack_ids(b01.cpu_ids)) == 2
+    assert rig.step().remote == ()
+    assert rig.m.remote is not None and rig.m.remote.counters.put_backpressure >= 1
+    ack_remote(rig, msgs[0])
+    assert [len(unpack_ids(m.cpu_ids)) for m in rig.step().remote] == [1]
+
+
+def test_a_manifest_of_another_deployment_or_oversized_is_refused_unread() -> None:
+    """A decode request naming a manifest outside this deployment's namespace is refused
+    without a read; one whose value is far larger than the request could need is
+    refused unparsed. Both recompute, counted."""
+    index = HeldIndex()
+    rig = remote_rig(index)
+    r = Req("r", 9, params={"do_remote_prefill": True,
+                            MANIFEST_PARAM: "kvshm:v1:pd:other:2:r"})
+    assert rig.m.lookup(r.view(), 0) == 0 and index._values == []
+    key = "kvshm:v1:pd:fp:2:s"
+    index.kv[key] = b"[" + b"0," * 100_000 + b"0]"
+    s = Req("s", 9, params={"do_remote_prefill": True, MANIFEST_PARAM: key})
+    assert rig.m.lookup(s.view(), 0) is None
+    assert rig.m.lookup(s.view(), 0) == 0
+    assert rig.m.remote is not None and rig.m.remote.pd is not None
+    assert rig.m.remote.pd.counters.manifest_refused == 2
