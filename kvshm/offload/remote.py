@@ -97,7 +97,7 @@ class RemoteBook:
                  evict_window: int | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  handoffs: Handoffs | None = None,
-                 max_job_blocks: int = MAX_PUT_BLOCKS) -> None:
+                 max_job_blocks: int = MAX_PUT_BLOCKS, ttl_s: float | None = None) -> None:
         self.cpu, self._gs, self._jobs, self.index = cpu, gs, jobs, index
         self._ready_key = ready_key
         self.mode = mode
@@ -108,7 +108,7 @@ class RemoteBook:
         self._max_job = max_job_blocks
         self.puts = PutQueue(cpu, jobs, index, ready_key, self.counters, mode=mode,
                              evict_window=evict_window, handoffs=handoffs,
-                             max_job_blocks=max_job_blocks)
+                             max_job_blocks=max_job_blocks, ttl_s=ttl_s, clock=clock)
         self._reqs: dict[str, _Lookup] = {}
         self._tokens: dict[int, str] = {}
         self._next_token = 1

@@ -27,6 +27,7 @@ Remote hashes: a block's hash in the remote tier is its CPU index key when that 
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
@@ -60,8 +61,12 @@ def max_job_blocks(max_record: int) -> int:
     return max(1, (max_record - REMOTE_OVERHEAD) // (4 + REMOTE_HASH_BYTES))
 
 
-#: Keys this engine remembers as published (oldest forgotten first: re-put, harmless).
-PUBLISHED_MEMORY: Final = 1 << 20
+#: Keys this engine remembers as published (oldest forgotten first: re-put, harmless;
+#: about 150 bytes each).
+PUBLISHED_MEMORY: Final = 1 << 18
+#: Readiness keys remembered per publish, to forget a block whose readiness write the
+#: server refused (so that it is put and published again).
+READY_MEMORY: Final = 1 << 16
 
 _Put = tuple[int, bytes, int, bool]  # (cpu id, key, depth, keep), pinned
 
@@ -90,6 +95,7 @@ class RemoteCounters:
     put_failed_blocks: int = 0
     put_skipped_duplicate: int = 0
     put_backpressure: int = 0
+    publish_refused: int = 0
     published_blocks: int = 0
 
     def as_dict(self) -> dict[str, int]:
@@ -117,8 +123,9 @@ class PutQueue:
     def __init__(self, cpu: BlockPool, jobs: JobTable, index: ReadyIndex,
                  ready_key: Callable[[bytes], str], counters: RemoteCounters, *,
                  mode: RemoteMode, evict_window: int | None = None,
-                 handoffs: Handoffs | None = None, max_job_blocks: int = MAX_PUT_BLOCKS
-                 ) -> None:
+                 handoffs: Handoffs | None = None, max_job_blocks: int = MAX_PUT_BLOCKS,
+                 ttl_s: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.cpu, self._jobs, self.index = cpu, jobs, index
         self._ready_key = ready_key
         self.counters = counters
@@ -132,7 +139,12 @@ class PutQueue:
         self.pd = handoffs
         self._puts: list[_Put] = []
         self._put_keys: set[bytes] = set()  # queued or in flight
-        self.published: OrderedDict[bytes, None] = OrderedDict()
+        # key -> when it was published; an entry older than half the server's TTL no
+        # longer counts (the server may have dropped it: put it again)
+        self.published: OrderedDict[bytes, float] = OrderedDict()
+        self._fresh_s = ttl_s / 2 if ttl_s is not None else float("inf")
+        self._clock = clock
+        self._ready_of: OrderedDict[str, bytes] = OrderedDict()  # ready key -> CPU key
 
     def pinned(self) -> list[int]:
         """CPU ids pinned by queued PUTs."""
@@ -159,7 +171,7 @@ class PutQueue:
         blocks cached here but not on the server are queued for a PUT now; the others
         come from its finish-time store (:meth:`stored`) or are there already."""
         assert self.pd is not None, "publish without hand-offs"
-        params = self.pd.publish(rid, keys, num_tokens, self.published.__contains__)
+        params = self.pd.publish(rid, keys, num_tokens, self.is_published)
         for k in keys:
             c = self.cpu.get_cached(k)
             if c is not None and self.pd.wants(k) and k not in self._put_keys:
@@ -167,7 +179,7 @@ class PutQueue:
         return params
 
     def _queue(self, c: int, k: bytes, depth: int, keep: bool = False) -> None:
-        if k in self._put_keys or k in self.published:
+        if k in self._put_keys or self.is_published(k):
             self.counters.put_skipped_duplicate += 1
             return
         self.cpu.touch((c,))
@@ -179,13 +191,14 @@ class PutQueue:
         picks: list[tuple[int, bytes]] = []
         for c in islice(self.cpu.iter_free_from_lru(), self._window):
             hs = self.cpu.block_hashes(c)
-            if hs and hs[0] not in self._put_keys and hs[0] not in self.published:
+            if hs and hs[0] not in self._put_keys and not self.is_published(hs[0]):
                 picks.append((c, hs[0]))
         for c, k in picks:
             self._queue(c, k, 0)
 
     def plan(self, step: int) -> list[Remote]:
         """This step's PUT jobs (an ON_EVICT scan first, when none of its PUTs runs)."""
+        self.forget_refused()
         if self.mode is RemoteMode.ON_EVICT and not self._evict_puts:
             self._scan_evictable()
             self._evict_puts = -(-len(self._puts) // self._batch)
@@ -218,9 +231,12 @@ class PutQueue:
         self._inflight -= len(job.keys)
         try:
             if usable:
-                self.index.publish([self._ready_key(remote_hash(k)) for k in job.keys],
-                                   keep=job.keep)
+                ready = [self._ready_key(remote_hash(k)) for k in job.keys]
+                self.index.publish(ready, keep=job.keep)
                 self.remember(job.keys)
+                self._ready_of.update(zip(ready, job.keys))
+                while len(self._ready_of) > READY_MEMORY:
+                    self._ready_of.popitem(last=False)
                 self.counters.published_blocks += len(job.keys)
             else:
                 self.counters.put_failed_blocks += len(job.keys)
@@ -229,11 +245,26 @@ class PutQueue:
         finally:
             self.cpu.free(reversed(job.cpu_ids))
 
+    def is_published(self, k: bytes) -> bool:
+        """Whether ``k`` was put or fetched by this engine recently enough to be on the
+        server still."""
+        t = self.published.get(k)
+        return t is not None and self._clock() - t < self._fresh_s
+
+    def forget_refused(self) -> None:
+        """The readiness writes the server refused: those blocks count as unpublished
+        (a later store puts them again), counted."""
+        for ready in self.index.refused():
+            k = self._ready_of.pop(ready, None)
+            if k is not None and self.published.pop(k, None) is not None:
+                self.counters.publish_refused += 1
+
     def remember(self, keys: Sequence[bytes]) -> None:
-        """``keys`` are on the server (put by us, or fetched): never put them again."""
-        pub = self.published
+        """``keys`` are on the server (put by us, or fetched): not put again while
+        fresh."""
+        pub, now = self.published, self._clock()
         for k in keys:
-            pub[k] = None
+            pub[k] = now
             pub.move_to_end(k)
         while len(pub) > PUBLISHED_MEMORY:
             pub.popitem(last=False)

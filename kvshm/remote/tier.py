@@ -367,6 +367,11 @@ class ReadyIndex(Protocol):
         key, an error or an open breaker."""
         ...
 
+    def refused(self) -> list[str]:
+        """The readiness keys whose write failed since the last call (server error,
+        OOM, breaker open)."""
+        ...
+
     def statistics(self) -> dict[str, Any]:
         """Counters (queries, answered, publishes, errors, breaker state ...)."""
         ...

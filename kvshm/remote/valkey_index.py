@@ -45,11 +45,12 @@ class ValkeyReadyIndex:
             queue.SimpleQueue()
         self._answers: list[tuple[int, int]] = []
         self._values: list[tuple[int, bytes | None]] = []
+        self._refused: list[str] = []
         self._lock = threading.Lock()
         self._n = _Counters("queries", "answered", "answered_zero", "keys_queried",
                             "keys_present", "published", "publish_failed", "errors",
                             "timeouts", "rejected", "round_trips", "clients_created",
-                            "values_set", "values_got")
+                            "values_set", "values_got", "values_dropped")
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvshm-remote-index",
                                         daemon=True)
@@ -93,6 +94,11 @@ class ValkeyReadyIndex:
         if keys and not self._closed:
             self._q.put(("delete", 0, list(keys)))
 
+    def refused(self) -> list[str]:
+        with self._lock:
+            out, self._refused = self._refused, []
+        return out
+
     def values(self) -> list[tuple[int, bytes | None]]:
         with self._lock:
             out, self._values = self._values, []
@@ -130,8 +136,13 @@ class ValkeyReadyIndex:
                     client = make_client(self.spec)
                     gen_opens = self.breaker.opens
                     self._n.add(clients_created=1)
+                ok = True
                 if queries or publishes:  # an empty batch is an error to glide
-                    self._round(client, queries, publishes)
+                    ok = self._round(client, queries, publishes)
+                if not ok:  # a manifest goes last: not after readiness the server refused
+                    kept = [o for o in others if o[0] != "set"]
+                    self._n.add(values_dropped=len(others) - len(kept))
+                    others = kept
                 if others:
                     self._values_round(client, others)
             if stop:
@@ -143,12 +154,14 @@ class ValkeyReadyIndex:
                 pass
 
     def _round(self, client: Any, queries: list[tuple[int, Sequence[str]]],
-               publishes: list[tuple[str, bool]]) -> None:
+               publishes: list[tuple[str, bool]]) -> bool:
+        """One batch of readiness writes and queries; False if a write failed (its key
+        goes to :meth:`refused`)."""
         g = self._glide
         if not self.breaker.allow():
             self._n.add(rejected=1, publish_failed=len(publishes))
             self._answer([(tok, 0) for tok, _ in queries])
-            return
+            return self._refuse([k for k, _ in publishes])
         batch = (g.ClusterBatch if self.spec.cluster else g.Batch)(is_atomic=False)
         for k, keep in publishes:
             batch.set(k, b"1", expiry=self._hold if keep else self._ttl)
@@ -163,12 +176,13 @@ class ValkeyReadyIndex:
             self._n.add(errors=1, timeouts=int(isinstance(exc, g.TimeoutError)),
                         publish_failed=len(publishes))
             self._answer([(tok, 0) for tok, _ in queries])
-            return
+            return self._refuse([k for k, _ in publishes])
         self.breaker.success()
         result = list(result or [])
         pub, rest = result[:len(publishes)], result[len(publishes):]
-        ok = sum(1 for r in pub if r in ("OK", b"OK"))
-        self._n.add(published=ok, publish_failed=len(publishes) - ok)
+        bad = [k for (k, _), r in zip(publishes, pub) if r not in ("OK", b"OK")]
+        bad += [k for k, _ in publishes[len(pub):]]
+        self._n.add(published=len(publishes) - len(bad), publish_failed=len(bad))
         answers, pos = [], 0
         for tok, keys in queries:
             part = rest[pos:pos + len(keys)]
@@ -181,6 +195,14 @@ class ValkeyReadyIndex:
             self._n.add(keys_queried=len(keys), keys_present=prefix)
             answers.append((tok, prefix))
         self._answer(answers)
+        return self._refuse(bad)
+
+    def _refuse(self, keys: list[str]) -> bool:
+        """Record readiness writes that failed; True when there were none."""
+        if keys:
+            with self._lock:
+                self._refused.extend(keys)
+        return not keys
 
     def _values_round(self, client: Any, ops: list[tuple[str, int, Sequence[Any]]]) -> None:
         """Small values (hand-off manifests): SET with their own TTL, GET, DEL; one

@@ -22,9 +22,12 @@ through plain attributes, so it can be tested without vLLM. Every refusal is a
 * ``remote_url``: a remote tier shared by every engine that names it
   (``valkey://host:port`` or ``valkey+cluster://h1:p1,h2:p2``; ``kvshm valkey`` runs
   one); ``remote_mode``: ``"write_through"`` (default) or ``"on_evict"``. The layout
-  fingerprint that keeps deployments apart includes the model name and dtype, so two
-  engines share blocks only when both are equal (and vLLM's block hashes agree: start
-  both with the same ``PYTHONHASHSEED``, which seeds vLLM's prefix hashes).
+  fingerprint that keeps deployments apart includes the model, its revision, dtype,
+  quantization, a digest of its HF config (rope scaling, overrides), the KV cache dtype
+  and ``remote_namespace`` (any string: a salt to keep deployments apart that kvshm
+  cannot tell apart, e.g. fine-tunes published under one name), so two engines share
+  blocks only when all are equal (and vLLM's block hashes agree: start both with the
+  same ``PYTHONHASHSEED``, which seeds vLLM's prefix hashes).
 * ``test_fail_loads``: a test hook: each worker rank fails the copy of the first N load
   jobs it is sent (the copy engine raises; nothing is copied). Default 0.
 
@@ -38,6 +41,7 @@ block size equal to the hash block size.
 from __future__ import annotations
 
 import hashlib
+import json
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -70,7 +74,7 @@ _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 _KNOWN_KEYS: Final = frozenset({
     "cpu_bytes", "cpu_bytes_per_rank", "num_cpu_blocks", "mode", "name", "stats_path",
     "hang_timeout_s", "shutdown_timeout_s", "test_fail_loads", "eviction",
-    "remote_url", "remote_mode",
+    "remote_url", "remote_mode", "remote_namespace",
 })
 
 
@@ -185,9 +189,28 @@ def _remote(extra: Mapping[str, Any], vllm_config: Any) -> tuple[str | None, Rem
     if mode not in modes:
         raise ConfigError(f"kv_connector_extra_config['remote_mode'] must be one of "
                           f"{sorted(modes)}, got {mode!r}")
+    namespace = extra.get("remote_namespace", "")
+    if not isinstance(namespace, str) or len(namespace) > 100:
+        raise ConfigError(f"kv_connector_extra_config['remote_namespace'] must be a string "
+                          f"of at most 100 characters, got {namespace!r}")
+    return url, modes[mode], model_identity(vllm_config, namespace)
+
+
+def model_identity(vllm_config: Any, namespace: str = "") -> str:
+    """What the layout fingerprint covers of the model (at most 400 characters): name,
+    revision, dtype, quantization, a digest of the HF config, KV cache dtype, and the
+    operator's namespace. Two deployments whose KV bytes may differ must differ here."""
     mc = getattr(vllm_config, "model_config", None)
-    model_id = f"{getattr(mc, 'model', '')}|{getattr(mc, 'dtype', '')}"
-    return url, modes[mode], model_id[:400]
+    parts = [str(getattr(mc, a, "") or "") for a in ("model", "revision", "dtype",
+                                                       "quantization")]
+    to_dict = getattr(getattr(mc, "hf_config", None), "to_dict", None)
+    hf = ""
+    if callable(to_dict):
+        raw = json.dumps(to_dict(), sort_keys=True, default=str).encode()
+        hf = hashlib.sha256(raw).hexdigest()[:16]
+    cache = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", ""))
+    tail = "|".join([hf, cache, namespace])
+    return ("|".join(parts)[:400 - len(tail) - 1] + "|" + tail)[:400]
 
 
 def _mode(value: object) -> StoreMode:

@@ -35,6 +35,7 @@ class HeldIndex:
         self.up = True
         self.log: list[str] = []  # every write, in order
         self.kept: set[str] = set()  # readiness keys published with the hold TTL
+        self.refuse: list[str] = []  # readiness writes the "server" refused (to report)
         self.kv: dict[str, bytes] = {}
         self._values: list[tuple[int, bytes | None]] = []
 
@@ -60,6 +61,10 @@ class HeldIndex:
 
     def values(self) -> list[tuple[int, bytes | None]]:
         out, self._values = self._values, []
+        return out
+
+    def refused(self) -> list[str]:
+        out, self.refuse = self.refuse, []
         return out
 
     def query(self, token: int, keys: Sequence[str]) -> None:
@@ -100,14 +105,15 @@ def rkey(h: bytes) -> str:
 
 def remote_rig(index: HeldIndex, *, cpu: int = 16, mode: RemoteMode = RemoteMode.WRITE_THROUGH,
                timeout: float = 2.0, clock: list[float] | None = None,
-               max_job: int = 128) -> Rig:
+               max_job: int = 128, ttl_s: float | None = None) -> Rig:
     rig = Rig(cpu=cpu, gpu=16, world_size=WORLD)
     now = clock if clock is not None else [0.0]
 
     def make(cpu_pool: Any, gs: Any, jobs: Any) -> RemoteBook:
         pd = Handoffs(index, "fp", WORLD, BS, remote_hash, key, clock=lambda: now[0])
         return RemoteBook(cpu_pool, gs, jobs, index, key, mode=mode, answer_timeout_s=timeout,
-                          clock=lambda: now[0], handoffs=pd, max_job_blocks=max_job)
+                          clock=lambda: now[0], handoffs=pd, max_job_blocks=max_job,
+                          ttl_s=ttl_s)
     rig.m = OffloadManager(rig.cpu, rig.gpu, block_size=BS, world_size=WORLD, remote=make)
     return rig
 
@@ -521,3 +527,40 @@ def test_a_manifest_of_another_deployment_or_oversized_is_refused_unread() -> No
     assert rig.m.lookup(s.view(), 0) == 0
     assert rig.m.remote is not None and rig.m.remote.pd is not None
     assert rig.m.remote.pd.counters.manifest_refused == 2
+
+
+def test_a_block_is_put_again_once_the_server_may_have_dropped_it() -> None:
+    """TTL 100 s: A's blocks, published at t=0, count as on the server until t=50 (half
+    the TTL); storing the same content again then puts nothing. At t=60 it is put
+    again (the server may have expired it)."""
+    index = HeldIndex()
+    now = [0.0]
+    rig = remote_rig(index, clock=now, ttl_s=100)
+    store(rig, Req("a", 9))
+    (put,) = rig.step().remote
+    ack_remote(rig, put)
+    rig.cpu.drop_all_hashes()
+    now[0] = 40.0
+    store(rig, Req("b", 9))
+    assert rig.step().remote == ()
+    rig.cpu.drop_all_hashes()
+    now[0] = 60.0
+    store(rig, Req("c", 9))
+    assert len(rig.step().remote) == 1
+
+
+def test_a_readiness_write_the_server_refused_is_not_remembered() -> None:
+    """The server refused A's readiness writes (OOM): the blocks count as unpublished
+    (counted) and the next store of that content puts and publishes them again."""
+    index = HeldIndex()
+    rig = remote_rig(index)
+    a = Req("a", 9)
+    store(rig, a)
+    (put,) = rig.step().remote
+    ack_remote(rig, put)
+    index.refuse = [rkey(a.h[0]), rkey(a.h[1])]
+    rig.cpu.drop_all_hashes()
+    store(rig, Req("b", 9))
+    (again,) = rig.step().remote
+    assert again.op is RemoteOp.PUT and len(unpack_ids(again.cpu_ids)) == 2
+    assert rig.m.remote is not None and rig.m.remote.counters.publish_refused == 2

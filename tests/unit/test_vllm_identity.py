@@ -1,0 +1,49 @@
+"""What the remote tier's layout fingerprint takes from a vLLM config: two deployments
+whose KV bytes may differ never share a model identity (so never read each other's
+blocks); two equal ones always do. Pure Python: vLLM's configs are stood in by plain
+objects with the attributes the connector reads."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from kvshm.errors import ConfigError
+from kvshm.integrations.vllm.config import _remote, model_identity
+
+
+class HfConfig(SimpleNamespace):
+    def to_dict(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+
+def vllm_config(**over: Any) -> Any:
+    model = dict(model="org/m", revision="r1", dtype="bfloat16", quantization=None,
+                 hf_config=HfConfig(rope_scaling=None, num_layers=2))
+    cache = dict(cache_dtype="auto")
+    for k, v in over.items():
+        (cache if k in cache else model)[k] = v
+    return SimpleNamespace(model_config=SimpleNamespace(**model),
+                           cache_config=SimpleNamespace(**cache))
+
+
+@pytest.mark.parametrize("change", [
+    {"model": "org/other"}, {"revision": "r2"}, {"dtype": "float16"},
+    {"quantization": "fp8"}, {"cache_dtype": "fp8_e4m3"},
+    {"hf_config": HfConfig(rope_scaling={"factor": 4.0}, num_layers=2)},
+])
+def test_anything_that_changes_kv_bytes_changes_the_identity(change: dict[str, Any]) -> None:
+    assert model_identity(vllm_config()) != model_identity(vllm_config(**change))
+
+
+def test_equal_deployments_share_it_and_a_namespace_separates_them() -> None:
+    assert model_identity(vllm_config()) == model_identity(vllm_config())
+    assert model_identity(vllm_config(), "a") != model_identity(vllm_config(), "b")
+    assert len(model_identity(vllm_config(model="x" * 1000))) <= 400
+
+
+def test_a_bad_namespace_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="remote_namespace"):
+        _remote({"remote_namespace": 7}, vllm_config())
