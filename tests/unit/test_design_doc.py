@@ -8,7 +8,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 DOC = (ROOT / "docs" / "design.md").read_text()
-CITED_TEST = re.compile(r"`((?:unit/\w+/|remote/)?test_\w+)::((?:Test|test_)\w+?)(\*)?`")
+CITED_TEST = re.compile(r"`((?:unit/(?:\w+/)?|remote/)?test_\w+)::((?:Test|test_)\w+?)(\*)?`")
 CITED_MODULE = re.compile(r"`((?:kvshm|workers)/[\w/]+\.py)`")
 
 
