@@ -188,14 +188,6 @@ def _engine_a(cfg: dict[str, Any]) -> Iterator[Any]:
         gc.collect()
 
 
-# Known bug (not in this file): RemoteMover._get (workers/remote_mover.py) scatters a GET's
-# staging rows into the host pool's region tensors with copy_ on its own thread, outside
-# torch.inference_mode; in vLLM's worker those regions are inference tensors, so every
-# GET job fails (RuntimeError: Inplace update to inference tensor outside InferenceMode)
-# and B recomputes. With the mover's job run under torch.inference_mode() this test
-# passes (28 s). Strict: remove the marker with the fix.
-@pytest.mark.xfail(raises=AssertionError, strict=True,
-                   reason="RemoteMover GET into vLLM's inference-tensor host rows fails")
 def test_engine_b_serves_engine_a_prefixes_from_valkey_exactly(tiny_llama: Any,
                                                                tmp_path: Path) -> None:
     import tiny_llama as tiny_llama_example  # examples/ (pytest pythonpath)
