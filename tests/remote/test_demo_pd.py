@@ -1,0 +1,29 @@
+"""``kvshm demo --pd --quick --json``: a prefill engine and a decode engine in separate
+processes (two worker ranks each) hand KV over an embedded Valkey; the decode side's
+logits equal the prefill side's bit for bit and the last line carries the figures."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_demo_pd_quick_is_bit_exact(valkey: object) -> None:
+    del valkey  # only for the fixture's skip where the remote extra is missing
+    out = subprocess.run([sys.executable, "-m", "kvshm.cli", "demo", "--pd", "--quick",
+                          "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    last = json.loads(out.stdout.strip().splitlines()[-1])
+    assert last["bit_exact"] is True and last["prompts"] == 2
+    assert {"pd_ttft_ratio", "publish_ms_p50", "bytes_per_request"} <= set(last)
+    assert "a prefill engine (its own process)" in out.stdout
+
+
+def test_demo_pd_refuses_plot() -> None:
+    out = subprocess.run([sys.executable, "-m", "kvshm.cli", "demo", "--pd", "--plot",
+                          "x.png"], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "--pd" in out.stderr
