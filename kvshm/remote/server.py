@@ -169,6 +169,7 @@ class ValkeyServer:
         self._own_dir = workdir is None
         self.workdir = Path(workdir) if workdir is not None else Path(
             tempfile.mkdtemp(prefix="kvshm-valkey-"))
+        self.workdir.mkdir(parents=True, exist_ok=True)  # valkey refuses a missing --dir
         #: ``None``: a file in the work directory; ``""``: the server's stdout.
         self.logfile = str(self.workdir / "valkey.log") if logfile is None else logfile
         self.extra_args = tuple(extra_args)
