@@ -14,11 +14,18 @@ import signal
 import sys
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parents[1]), str(Path(__file__).parent)]
+sys.path[:0] = [str(Path(__file__).resolve().parents[1]),
+                str(Path(__file__).resolve().parents[2])]
 
 from engine_rig import Client, embedded_engine  # noqa: E402
-from remote_engine_rig import BLOCKS, MODEL, digest, prompt  # noqa: E402
-from test_pd_handoff import prefill, settle_published  # noqa: E402
+from remote_engine_rig import (  # noqa: E402
+    BLOCKS,
+    MODEL,
+    digest,
+    prefill,
+    prompt,
+    settle_published,
+)
 
 
 async def main(url: str, seed: int, mode: str) -> None:

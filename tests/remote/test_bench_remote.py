@@ -21,6 +21,7 @@ KEYS = {"put_ratio", "get_ratio", "put_GBps", "get_GBps", "cross_engine_ttft_rat
         "down_lookup_p99_ms"}
 
 
+@pytest.mark.slow
 def test_bench_remote_quick_runs_all_parts_and_ends_with_its_json_line() -> None:
     out = subprocess.run([sys.executable, "-m", "tools.bench_remote", "--quick", "--json"],
                          cwd=ROOT, env={**os.environ, "OMP_NUM_THREADS": "1"},

@@ -21,43 +21,25 @@ from typing import Any
 import msgspec
 import pytest
 from engine_rig import BS, Client, embedded_engine
-from remote_engine_rig import BLOCKS, MODEL, digest, load, prompt, remote, server_keys
+from remote_engine_rig import (
+    BLOCKS,
+    MODEL,
+    digest,
+    load,
+    prefill,
+    prompt,
+    remote,
+    server_keys,
+    settle_published,
+)
 
 from kvshm.hashing import chain_hashes
 from kvshm.offload.handoff import MANIFEST_PARAM, Manifest
 from kvshm.remote.server import ValkeyServer, command
-from kvshm.types import RequestView, ScheduledRequest
+from kvshm.types import RequestView
 
 pytestmark = pytest.mark.asyncio
 HERE = Path(__file__).parent
-PREFILL = {"do_remote_decode": True}
-
-
-async def prefill(c: Client, rid: str, toks: list[int]) -> tuple[dict[str, Any], list[int]]:
-    """P computes ``toks`` for a ``do_remote_decode`` request and finishes it: its
-    transfer params and GPU table."""
-    hashes = chain_hashes(toks, BS)
-    table = c.gpu.allocate(len(toks) // BS + 1)
-    c.eng.allocated(rid, [table], 0)
-    c.step(ScheduledRequest(rid, hashes, len(toks), (tuple(table),), new_or_resumed=True,
-                            num_confirmed_tokens=len(toks), kv_transfer_params=PREFILL))
-    c.eng.finished(rid, len(toks), [table])
-    params = c.eng.transfer_params(rid)
-    assert params is not None and c.eng.transfer_params(rid) is None  # once
-    return params, table
-
-
-async def settle_published(c: Client) -> None:
-    """Step until P's store, PUT and manifest are done."""
-    await c.settle()
-    deadline = time.monotonic() + 20
-    while remote(c.eng)["index_values_set"] < remote(c.eng)["pd_manifests_written"] or \
-            remote(c.eng)["pd_manifests_written"] == 0:
-        assert time.monotonic() < deadline, remote(c.eng)
-        c.step()
-        await asyncio.sleep(0.005)
-
-
 async def decode(c: Client, rid: str, toks: list[int], params: dict[str, Any],
                  timeout: float = 20.0) -> int:
     """D looks the request up as a P/D proxy sends it, until it answers."""

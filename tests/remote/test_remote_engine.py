@@ -86,7 +86,7 @@ async def test_another_process_reads_what_one_engine_published(
     """Engine A runs in its own process (two ranks), stores and publishes a prompt and
     exits, printing the SHA-256 of each rank's stored blocks. This process's engine B
     loads the prompt from the remote tier into zeroed device blocks: same digests."""
-    out = subprocess.run([sys.executable, str(HERE / "remote_engine_rig.py"), valkey.url,
+    out = subprocess.run([sys.executable, str(HERE.parent / "remote_engine_rig.py"), valkey.url,
                           "2"], capture_output=True, text=True, timeout=120, check=True)
     written = json.loads(out.stdout.strip().splitlines()[-1])
     assert written["remote"]["published_blocks"] == BLOCKS

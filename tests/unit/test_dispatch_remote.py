@@ -13,7 +13,6 @@ from typing import Any
 import msgspec
 import pytest
 
-import kvshm.engine.dispatch as dispatch
 from kvshm.engine.dispatch import Dispatcher
 from kvshm.engine.snapshot import CoreCounters
 from kvshm.engine.supervision import RankWatch
@@ -48,7 +47,7 @@ def test_remote_dones_do_not_reset_a_wedged_transfers_stall(
     second: those acks are no progress of the rank's copies, so the stall grows past
     the hang timeout (10 s); a Transfer's Done does reset it."""
     now = [0.0]
-    monkeypatch.setattr(dispatch.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr("kvshm.engine.dispatch.time.monotonic", lambda: now[0])
     chan, watch = Chan(), RankWatch(0)
     watch.ready(chan)  # type: ignore[arg-type]
     watch.posted(0.0)

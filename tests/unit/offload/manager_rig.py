@@ -20,7 +20,7 @@ from kvshm.config import Eviction
 from kvshm.hashing import chain_hashes
 from kvshm.ipc.protocol import Transfer, unpack_ids
 from kvshm.offload.counters import DeclineReason
-from kvshm.offload.jobs import LoadJob, StoreJob
+from kvshm.offload.jobs import LoadJob, RemoteJob, StoreJob
 from kvshm.offload.manager import OffloadManager
 from kvshm.offload.pool import BlockPool
 from kvshm.types import KVGroup, RequestView, ScheduledRequest, StepInput, StepPlan, StoreMode
@@ -126,11 +126,13 @@ def pool_state(pool: Any) -> tuple[Any, ...]:
             tuple(pool.block_hashes(b) for b in range(n)))
 
 
-def _job_state(j: StoreJob | LoadJob) -> tuple[Any, ...]:
+def _job_state(j: StoreJob | LoadJob | RemoteJob) -> tuple[Any, ...]:
     ack = (j.step, list(j.gpu_ids), list(j.cpu_ids), set(j.waiting), j.failed, j.cause,
            j.abandoned)
     if isinstance(j, StoreJob):
         return ("store", *ack, list(j.groups), list(j.keys), j.n_eager)
+    if isinstance(j, RemoteJob):
+        return ("remote", *ack, j.put, list(j.keys), list(j.depths), j.req_id, j.keep)
     return ("load", *ack, [(p.req_id, list(p.cpu_ids), list(p.gpu_ids)) for p in j.parts],
             j.reported)
 

@@ -2,7 +2,7 @@
 a prompt, a reader that asks until the remote answers, and the raw server commands a
 test uses to corrupt or evict what a writer published.
 
-Run as a script (``python tests/remote/remote_engine_rig.py URL SEED``), it is the
+Run as a script (``python tests/remote_engine_rig.py URL SEED``), it is the
 writer of the two-process test: an engine with two embedded ranks (tp=2) stores the
 prompt of ``SEED``, waits until every block's readiness key is published, prints one
 JSON line (the SHA-256 of each rank's stored blocks, the remote counters) and exits.
@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 if __name__ == "__main__":  # as a script: the tests' helpers and the repository
-    sys.path[:0] = [str(Path(__file__).resolve().parents[1]),
-                    str(Path(__file__).resolve().parents[2])]
+    sys.path[:0] = [str(Path(__file__).resolve().parent),
+                    str(Path(__file__).resolve().parents[1])]
 
 import hashlib
 
@@ -28,7 +28,7 @@ from engine_rig import BS, Client, embedded_engine, tokens
 
 from kvshm.engine import Engine
 from kvshm.hashing import chain_hashes
-from kvshm.remote.server import command
+from kvshm.remote.server import command, parse_reply
 from kvshm.types import RequestView, ScheduledRequest
 
 #: Full blocks of every test prompt (the prompt has one more token: the hit is all 8).
@@ -90,8 +90,34 @@ def remote(eng: Engine) -> dict[str, Any]:
 
 def server_keys(host: str, port: int, pattern: str = "kvshm:*") -> list[bytes]:
     """Every key matching ``pattern`` (KEYS: fine on a test server)."""
-    from kvshm.remote.server import parse_reply
-    return list(parse_reply(command(host, port, "KEYS", pattern)))
+    reply = parse_reply(command(host, port, "KEYS", pattern))
+    assert isinstance(reply, list)
+    return [k for k in reply if isinstance(k, bytes)]
+
+
+PREFILL = {"do_remote_decode": True}
+
+
+async def prefill(c: Client, rid: str, toks: list[int]) -> tuple[dict[str, Any], list[int]]:
+    """A P/D prefill engine computes ``toks`` for a ``do_remote_decode`` request and
+    finishes it: its transfer params (handed out once) and GPU table."""
+    hashes = chain_hashes(toks, BS)
+    table = c.gpu.allocate(len(toks) // BS + 1)
+    c.eng.allocated(rid, [table], 0)
+    c.step(ScheduledRequest(rid, hashes, len(toks), (tuple(table),), new_or_resumed=True,
+                            num_confirmed_tokens=len(toks), kv_transfer_params=PREFILL))
+    c.eng.finished(rid, len(toks), [table])
+    params = c.eng.transfer_params(rid)
+    assert params is not None and c.eng.transfer_params(rid) is None  # once
+    return params, table
+
+
+async def settle_published(c: Client) -> None:
+    """Step until the prefill engine's store, PUT and manifest are done."""
+    await c.settle()
+    await wait_for(lambda: remote(c.eng)["pd_manifests_written"] > 0
+                   and remote(c.eng)["index_values_set"]
+                   >= remote(c.eng)["pd_manifests_written"], "the manifest written")
 
 
 def digest(t: torch.Tensor) -> str:
