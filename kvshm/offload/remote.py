@@ -26,8 +26,8 @@ after ``fetch_timeout_s`` (a rank stuck on the server), ends DONE (counted): a r
 never waits on the remote for longer (the GET keeps its pins until it ends).
 
 Dedup: a key is never put twice by one engine (published, queued or in flight), nor
-fetched twice at once (a lookup whose first key is being fetched by another request
-answers None until that GET ends).
+fetched twice at once (a lookup any of whose keys another request's GET is fetching
+answers None until that GET ends, or the fetch timeout).
 
 Pins: every CPU block this book pins is recorded in :meth:`RemoteBook.pinned` (queued
 PUTs, FETCHED requests); jobs record their own.
@@ -170,9 +170,7 @@ class RemoteBook:
             self.counters.skipped_unhealthy += 1
             return 0
         keys = self._keys(hashes, start, end)
-        job = self._fetching.get(keys[0])
-        if job is not None and self._clock() - self._fetch_since.get(job, 0.0) \
-                <= self._fetch_timeout:  # wait for it, as long as its own request would
+        if self._being_fetched(keys):  # wait for it, as long as its own request would
             self.counters.asked_again += 1
             return None
         token = self._next_token
@@ -182,6 +180,18 @@ class RemoteBook:
         self.counters.queries += 1
         self.index.query(token, [self._ready_key(remote_hash(k)) for k in keys])
         return None
+
+    def _being_fetched(self, keys: Sequence[bytes]) -> bool:
+        """Whether a GET not older than the fetch timeout is fetching any of ``keys``
+        (two requests may reach the same blocks from different starting positions)."""
+        if not self._fetching:
+            return False
+        now = self._clock()
+        for k in keys:
+            job = self._fetching.get(k)
+            if job is not None and now - self._fetch_since.get(job, 0.0) <= self._fetch_timeout:
+                return True
+        return False
 
     def _keys(self, hashes: Sequence[bytes], start: int, end: int) -> list[bytes]:
         key = self._gs.key

@@ -564,3 +564,14 @@ def test_a_readiness_write_the_server_refused_is_not_remembered() -> None:
     (again,) = rig.step().remote
     assert again.op is RemoteOp.PUT and len(unpack_ids(again.cpu_ids)) == 2
     assert rig.m.remote is not None and rig.m.remote.counters.publish_refused == 2
+
+
+def test_a_prefix_reached_from_another_start_is_not_fetched_twice() -> None:
+    """R's GET fetches blocks 0-1; S already holds block 0 on its GPU (local hit of one
+    block) and asks from block 1, which R's GET is fetching: S asks again, no query."""
+    index, rig, r = fetch_setup()
+    s = Req("s", 9)
+    rig.m.lookup(r.view(), 0)
+    index.answer_all()
+    rig.step()
+    assert rig.m.lookup(s.view(), BS) is None and index.queries == []
