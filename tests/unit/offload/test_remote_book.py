@@ -567,11 +567,13 @@ def test_a_readiness_write_the_server_refused_is_not_remembered() -> None:
 
 
 def test_a_prefix_reached_from_another_start_is_not_fetched_twice() -> None:
-    """R's GET fetches blocks 0-1; S already holds block 0 on its GPU (local hit of one
-    block) and asks from block 1, which R's GET is fetching: S asks again, no query."""
+    """R holds block 0 on its GPU (a local hit of one block) and fetches block 1; S asks
+    from block 0: block 0 is not being fetched but block 1 is, so S asks again (no
+    query) instead of fetching block 1 a second time."""
     index, rig, r = fetch_setup()
     s = Req("s", 9)
-    rig.m.lookup(r.view(), 0)
+    assert rig.m.lookup(r.view(), BS) is None
     index.answer_all()
-    rig.step()
-    assert rig.m.lookup(s.view(), BS) is None and index.queries == []
+    (get,) = rig.step().remote
+    assert len(unpack_ids(get.cpu_ids)) == 1
+    assert rig.m.lookup(s.view(), 0) is None and index.queries == []
