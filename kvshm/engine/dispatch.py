@@ -99,7 +99,7 @@ class Dispatcher:
         remote = self._remote
         for d in dones:
             try:
-                due = remote.get(d.job_id)
+                due = remote.get(d.job_id) if remote else None
                 if due is not None:  # no progress of the rank's copies (hang clock)
                     self._counters.remote_acks += 1
                     if due <= 1:

@@ -239,6 +239,27 @@ def test_ready_index_small_values_alone_are_no_error_and_a_probe_closes_the_brea
         idx.close()
 
 
+def test_a_get_past_its_deadline_never_writes_the_row_later(valkey: ValkeyServer) -> None:
+    """A GET times out (the server is paused past the 150 ms deadline): ERROR, and when
+    the server answers afterwards nothing lands in the row -- the row goes back to the
+    CPU tier after the failed job and may hold another block by then."""
+    src, dst = rows(2, seed=5), Rows(2)
+    hs = headers(2, 0, 1)
+    st = ValkeyBlockStore(RemoteSpec.parse(valkey.url, ttl_s=600, request_timeout_ms=150,
+                                           connect_timeout_ms=2000, threads=1))
+    try:
+        assert st.put_many(keys_of(hs), views(src), hs) == [True, True]  # connected
+        call(valkey, "CLIENT", "PAUSE", "700", "ALL")
+        got = st.get_many_into(keys_of(hs), views(dst), hs)
+        assert got[0] is GetOutcome.ERROR
+        time.sleep(1.2)  # the server is back and has sent its (late) replies
+        assert dst.buf == bytes(len(dst.buf))
+        assert st.get_many_into(keys_of(hs), views(dst), hs) == [GetOutcome.HIT] * 2
+        assert dst == src
+    finally:
+        st.close()
+
+
 T = TypeVar("T")
 
 
