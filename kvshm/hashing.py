@@ -72,3 +72,30 @@ def chain_hashes(
         prev = hash_block(prev, token_ids[start : start + block_size], extra)
         out.append(prev)
     return out
+
+
+_TAIL_PERSON = b"kvshm.tail.v1"
+
+
+def tail_hash(parent: BlockHash, token_ids: Sequence[int], *, length: int | None = None,
+              extra: bytes = b"") -> BlockHash:
+    """Hash of a *partial* last block (``1 .. block_size - 1`` tokens) after the full
+    block hashing to ``parent``: the key a P/D hand-off stores that block under.
+
+    Domain-separated from :func:`hash_block` (BLAKE2b personalised ``kvshm.tail.v1``), so
+    a tail never shares a key with a full block, whatever the engine's hash function.
+    ``length``: output bytes, 1..64 (default ``len(parent)``: an engine whose block
+    hashes are 32 bytes gets 32-byte tails, as the manager checks every hash's length).
+    Encoding as :func:`hash_block`'s: ``u8 len(parent) || parent || u32 n || tokens ||
+    extra``."""
+    n = len(parent) if length is None else length
+    if not 0 < len(parent) <= 255:
+        raise ConfigError(f"parent hash must be 1..255 bytes, got {len(parent)}")
+    if not 1 <= n <= 64:
+        raise ConfigError(f"tail hash length must be 1..64 bytes, got {n}")
+    h = hashlib.blake2b(digest_size=n, person=_TAIL_PERSON)
+    h.update(bytes((len(parent),)))
+    h.update(parent)
+    h.update(_pack_tokens(token_ids))
+    h.update(extra)
+    return h.digest()

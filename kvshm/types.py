@@ -117,6 +117,11 @@ class RequestView:
     """Chained hashes of the request's full blocks (prompt, and output so far)."""
     num_tokens: int
     kv_transfer_params: Mapping[str, Any] | None = None
+    tail_hash: BlockHash | None = None
+    """A P/D decode request's partial last block's hash (:func:`kvshm.hashing.tail_hash`
+    of the last full block's hash and the remaining tokens), when ``num_tokens`` does not
+    end on a block boundary: a hand-off that carries that block loads it too, so only
+    the last token is computed. Ignored by every other lookup."""
 
 
 _NO_NEW_BLOCKS: dict[int, tuple[tuple[int, ...], ...]] = {}

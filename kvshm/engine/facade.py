@@ -100,13 +100,16 @@ class Facade:
         return plan
 
     def finished(self, req_id: str, num_confirmed_tokens: int,
-                 gpu_block_ids: Sequence[Sequence[int]]) -> bool:
+                 gpu_block_ids: Sequence[Sequence[int]], *,
+                 tail_hash: bytes | None = None) -> bool:
         """The request is done; its unsaved full blocks go out in the next step. Always
-        False (pins, not delayed frees; see ``OffloadManager.finished``)."""
+        False (pins, not delayed frees; see ``OffloadManager.finished``). ``tail_hash``:
+        a P/D prefill request's partial last block's hash
+        (:func:`kvshm.hashing.tail_hash`), handed off with its full blocks."""
         core = self._core
         if core.state in ENDED:  # _enter(service=False), inlined
             raise self._ended_error()
-        out = core.finished(req_id, num_confirmed_tokens, gpu_block_ids)
+        out = core.finished(req_id, num_confirmed_tokens, gpu_block_ids, tail_hash=tail_hash)
         if self._hooks_finished:
             self._after_finished(req_id)
         return out

@@ -401,12 +401,14 @@ class Runtime:
         return plan
 
     def finished(self, req_id: str, num_confirmed_tokens: int,
-                 gpu_block_ids: Sequence[Sequence[int]]) -> bool:
+                 gpu_block_ids: Sequence[Sequence[int]], *,
+                 tail_hash: bytes | None = None) -> bool:
         """The request is done; always False (pins, not delayed frees)."""
         check_id("finished", req_id)
         if self._admission.finish(req_id) or self.manager is None:
             return False
-        return self.manager.finished(req_id, num_confirmed_tokens, gpu_block_ids)
+        return self.manager.finished(req_id, num_confirmed_tokens, gpu_block_ids,
+                                     tail_hash=tail_hash)
 
     def transfer_params(self, req_id: str) -> dict[str, Any] | None:
         """A finished P/D prefill request's ``kv_transfer_params`` (once), else None."""

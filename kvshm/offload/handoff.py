@@ -32,8 +32,14 @@ evict a key without a TTL -- the server would fill up and refuse writes. The pri
 memory pressure ``volatile-lru`` may evict a hand-off in flight (the decoder then
 recomputes, counted).
 
-Not done: the partial tail block (the decoder recomputes the last partial block, not
-only the last token).
+The partial last block (a prompt that does not end on a block boundary) travels too:
+the prefill stores it under a *tail key* (:func:`kvshm.hashing.tail_hash` of the last
+full block's hash and the remaining tokens; the engine passes it to ``finished``), puts
+it like the others and names it last in the manifest (``Manifest.tail``); the decoder
+derives the same key from its own tokens (``RequestView.tail_hash``) and its hit covers
+``num_tokens - 1`` tokens (:func:`handoff_extent`), so it computes only the last token,
+as vLLM's own P/D connectors do. A decoder without the tail key (or with another one)
+loads the full blocks only.
 """
 
 from __future__ import annotations
@@ -51,8 +57,8 @@ import msgspec
 
 from kvshm.remote.tier import KEY_PREFIX, ReadyIndex, block_key
 
-__all__ = ["MANIFEST_PARAM", "Handoffs", "Manifest", "PdCounters", "Verdict",
-           "manifest_key"]
+__all__ = ["MANIFEST_PARAM", "Handoffs", "Manifest", "PdCounters", "Verdict", "handoff_extent",
+           "is_handoff", "manifest_key"]
 
 log = logging.getLogger("kvshm.remote")
 #: A manifest larger than base + per-block x the request's blocks is refused unread.
@@ -66,7 +72,10 @@ _PD_PREFIX: Final = "kvshm:v1:pd"
 
 
 class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """What a decode engine needs to trust a hand-off (msgspec JSON on the server)."""
+    """What a decode engine needs to trust a hand-off (msgspec JSON on the server).
+    ``tail``: how many of the last ``hashes`` name the partial last block (one per KV
+    group; 0: none) -- keys the consumer derives from its own tokens, so they are not
+    compared (a consumer without that block's key simply does not find it)."""
 
     version: int
     fingerprint: str
@@ -75,6 +84,25 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     num_tokens: int
     hashes: list[str]  # remote hashes, hex, prefix order (position-major over groups)
     expires_at: float  # wall clock (time.time())
+    tail: int = 0
+
+
+def is_handoff(params: Mapping[str, Any]) -> bool:
+    """Whether a lookup's ``kv_transfer_params`` are a P/D decode request's (kvshm's)."""
+    return bool(params.get("do_remote_prefill")) and isinstance(params.get(MANIFEST_PARAM), str)
+
+
+def handoff_extent(hashes: Sequence[bytes], tail: bytes | None, num_tokens: int,
+                   block_size: int, start: int) -> tuple[Sequence[bytes], int]:
+    """A hand-off consumer's lookup range: its hashes (with ``tail``, the partial last
+    block's, appended when it has exactly the full blocks before it) and how many blocks
+    from ``start`` the hit may cover: every block holding one of the first
+    ``num_tokens - 1`` tokens (the last token is always computed; a 1-token tail holds
+    only that one, so it is never loaded)."""
+    n_max = -(-(num_tokens - 1) // block_size) - start
+    if tail is not None and len(hashes) == num_tokens // block_size:
+        return [*hashes, tail], n_max
+    return hashes, n_max
 
 
 def manifest_key(fingerprint: str, world: int, req_id: str) -> str:
@@ -120,6 +148,7 @@ class _Pub:
     pending: set[bytes]
     num_tokens: int
     since: float
+    tail: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -159,18 +188,19 @@ class Handoffs:
     # ---- prefill side ----------------------------------------------------------------
 
     def publish(self, rid: str, keys: Sequence[bytes], num_tokens: int,
-                published: Callable[[bytes], bool]) -> dict[str, Any] | None:
+                published: Callable[[bytes], bool], tail: int = 0) -> dict[str, Any] | None:
         """Record ``rid``'s publication; its ``kv_transfer_params`` (None: not one full
         block, nothing to hand off). ``published(k)``: whether block ``k`` is on the
         server already. The params follow vLLM's P/D convention (a proxy forwards the
         prefill's params to the decode engine as they are): ``do_remote_prefill`` for
-        the decoder, and the manifest's name."""
-        if not keys:
+        the decoder, and the manifest's name. ``tail``: how many of the last ``keys``
+        are the partial last block's."""
+        if len(keys) <= tail:
             self.counters.publish_empty += 1
             return None
         key = manifest_key(self.fingerprint, self.world, rid)
         pending = {k for k in keys if not published(k)}
-        self._pubs[rid] = _Pub(key, list(keys), pending, num_tokens, self._clock())
+        self._pubs[rid] = _Pub(key, list(keys), pending, num_tokens, self._clock(), tail)
         for k in pending:
             self._waiting.setdefault(k, set()).add(rid)
         self.counters.published += 1
@@ -200,7 +230,8 @@ class Handoffs:
     def _write(self, rid: str) -> None:
         pub = self._pubs.pop(rid)
         m = Manifest(1, self.fingerprint, self.world, self.block_size, pub.num_tokens,
-                     [self._rhash(k).hex() for k in pub.keys], self._wall() + self._ttl)
+                     [self._rhash(k).hex() for k in pub.keys], self._wall() + self._ttl,
+                     pub.tail)
         self.index.put_value(pub.key, msgspec.json.encode(m), 2 * self._ttl)
         self.counters.manifests_written += 1
 
@@ -293,10 +324,11 @@ class Handoffs:
                 m = msgspec.json.decode(raw, type=Manifest)
             except msgspec.DecodeError:
                 pass
+        full = len(m.hashes) - m.tail if m is not None else 0
         ok = (m is not None and m.version == 1 and m.fingerprint == self.fingerprint
               and m.world == self.world and m.block_size == self.block_size
-              and 0 < len(m.hashes) <= len(st.keys)
-              and [self._rhash(k).hex() for k in st.keys[:len(m.hashes)]] == m.hashes)
+              and 0 <= m.tail < len(m.hashes) and full <= len(st.keys)
+              and [self._rhash(k).hex() for k in st.keys[:full]] == m.hashes[:full])
         if ok and m is not None and m.expires_at < self._wall():
             st.verdict = Verdict.REFUSED
             self.counters.manifest_expired += 1

@@ -138,7 +138,10 @@ class CallCheck(InputCheck):
         bs = self.block_size
         self.hashes(call, rid, "block_hashes", hashes, local // bs,
                     min(len(hashes), max(0, (num_tokens - 1) // bs)))
-        return View(rid, hashes, num_tokens, local, params)
+        tail = getattr(req, "tail_hash", None)
+        if tail is not None:
+            tail = self.tail(call, rid, tail, num_tokens)
+        return View(rid, hashes, num_tokens, local, params, tail)
 
     def allocated(self, req_id: object, tables: object,
                   num_external_tokens: object) -> tuple[str, Tables, int]:
@@ -155,14 +158,16 @@ class CallCheck(InputCheck):
                                   f"{len(t)} blocks, the accepted hit needs {end}")
 
     def finished(self, req_id: object, num_confirmed_tokens: object, tables: object,
-                 block_hashes: object) -> tuple[str, int, Tables, tuple[BlockHash, ...] | None]:
+                 block_hashes: object, tail_hash: object = None
+                 ) -> tuple[str, int, Tables, tuple[BlockHash, ...] | None, BlockHash | None]:
         call = "finished"
         rid = self.req_id(call, req_id)
         confirmed = self.count(call, rid, "num_confirmed_tokens", num_confirmed_tokens)
         checked = self.tables(call, rid, "gpu_block_ids", tables)
         hashes = (None if block_hashes is None
                   else self.all_hashes(call, rid, "block_hashes", block_hashes))
-        return rid, confirmed, checked, hashes
+        tail = self.tail(call, rid, tail_hash, confirmed)
+        return rid, confirmed, checked, hashes, tail
 
     def step_input(self, inp: Any) -> tuple[int, Any, tuple[str, ...], frozenset[int]]:
         """A StepInput's fields: step, requests (checked by the tracker), finished ids,
@@ -179,15 +184,17 @@ class CallCheck(InputCheck):
 class View:
     """``lookup``'s checked input."""
 
-    __slots__ = ("hashes", "num_local_tokens", "num_tokens", "params", "req_id")
+    __slots__ = ("hashes", "num_local_tokens", "num_tokens", "params", "req_id", "tail")
 
     def __init__(self, req_id: str, hashes: Sequence[BlockHash], num_tokens: int,
-                 num_local_tokens: int, params: Mapping[str, Any] | None) -> None:
+                 num_local_tokens: int, params: Mapping[str, Any] | None,
+                 tail: BlockHash | None = None) -> None:
         self.req_id = req_id
         self.hashes = hashes
         self.num_tokens = num_tokens
         self.num_local_tokens = num_local_tokens
         self.params = params
+        self.tail = tail
 
 
 def for_pool(gpu: GpuBlocks, *, n_groups: int, block_size: int, hash_bytes: int | None,

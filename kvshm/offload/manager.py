@@ -46,6 +46,7 @@ from kvshm.errors import ConfigError
 from kvshm.ipc.protocol import Direction, Remote, Transfer, pack_ids
 from kvshm.offload.counters import DeclineReason, ManagerCounters
 from kvshm.offload.groups import GroupSet, cdiv
+from kvshm.offload.handoff import handoff_extent, is_handoff
 from kvshm.offload.hits import Hit, assign, find_hit
 from kvshm.offload.inputs import for_pool
 from kvshm.offload.invariants import Parts, check_parts, recorded_pins
@@ -169,14 +170,17 @@ class OffloadManager:
             return 0
         if s and self.cpu.refresh_gpu_hits:
             self._refresh(view.hashes, s)
-        hit = find_hit(self.cpu, self._gs, view.hashes, s,
-                       (view.num_tokens - 1 - num_local_tokens) // bs)
+        hashes, n_max = view.hashes, (view.num_tokens - 1 - num_local_tokens) // bs
+        cap = 0  # a P/D hand-off's hit may end inside a block: num_tokens - 1 at most
+        if (view.params is not None and self.remote is not None and self.remote.pd is not None
+                and is_handoff(view.params)):
+            hashes, n_max = handoff_extent(hashes, view.tail, view.num_tokens, bs, s)
+            cap = view.num_tokens - 1 - num_local_tokens
+        hit = find_hit(self.cpu, self._gs, hashes, s, n_max)
         if hit is None:
             if self.remote is None:
                 return 0
-            return self.remote.lookup(rid, view.hashes, s,
-                                      (view.num_tokens - 1 - num_local_tokens) // bs,
-                                      view.params)
+            return self.remote.lookup(rid, hashes, s, n_max, view.params)
         if self._loads.is_loading(hit.pinned):
             self.counters.lookups_asked_again += 1
             return None
@@ -185,6 +189,8 @@ class OffloadManager:
             self.remote.hit(rid)  # what it fetched for rid is pinned by the hit now
         self._hits[rid] = hit
         tokens = (hit.end - s) * bs
+        if cap and tokens > cap:
+            tokens = cap
         self.counters.lookup_hit_tokens += tokens
         return tokens
 
@@ -231,8 +237,8 @@ class OffloadManager:
         del self._hits[req_id]
         self.cpu.touch(a.cpu_ids)
         self.cpu.free(reversed(hit.pinned))
-        if st is not None:
-            st.start = hit.start + k
+        if st is not None:  # a hand-off's partial last block is stored once it fills
+            st.start = hit.start + num_external_tokens // self.block_size
         if not a.cpu_ids:
             self._loads.fail_now(req_id, a.failed, LoadFailure.WINDOW_MISSING)
             return
@@ -333,14 +339,17 @@ class OffloadManager:
 
     def finished(self, req_id: str, num_confirmed_tokens: int,
                  gpu_block_ids: Sequence[Sequence[int]], *,
-                 block_hashes: Sequence[bytes] | None = None) -> bool:
-        """The request is gone (its final confirmed count and tables). Its unstored full
+                 block_hashes: Sequence[bytes] | None = None,
+                 tail_hash: bytes | None = None) -> bool:
+        """The request is done (its final confirmed count and tables). Its unstored full
         blocks are pinned here and stored by the next ``build_step``; its other pins are
         released. ``block_hashes``: its final hashes, when the engine's sequence seen
-        so far may lack the last block. Always False (pins make delayed frees
-        unnecessary). InvalidRequest (nothing changed) for bad input."""
-        req_id, confirmed, tables, hashes = self._check.finished(
-            req_id, num_confirmed_tokens, gpu_block_ids, block_hashes)
+        so far may lack the last block. ``tail_hash``: a P/D prefill request's partial
+        last block's (handed off with the rest; ignored for other requests). Always
+        False (pins make delayed frees unnecessary). InvalidRequest (nothing changed)
+        for bad input."""
+        req_id, confirmed, tables, hashes, tail = self._check.finished(
+            req_id, num_confirmed_tokens, gpu_block_ids, block_hashes, tail_hash)
         st = self._track.reqs.get(req_id)
         if st is not None and not self._failed:
             self._track.check_finish(st, confirmed, tables, hashes, self._check)
@@ -348,15 +357,25 @@ class OffloadManager:
         if st is not None and not self._failed:
             self._track.finish(st, confirmed, tables, hashes)
             if st.remote and self.remote is not None and self.remote.pd is not None:
-                n = min(confirmed // self.block_size, len(st.hashes))
-                keys = [self._gs.key(st.hashes[p], g) for p in range(n)
-                        for g in range(self._gs.n)]
-                params = self.remote.publish(req_id, keys, confirmed)
-                if params is not None:
-                    self._params[req_id] = params
-                if len(self._params) > 4096:  # never asked for: keep the newest only
-                    del self._params[next(iter(self._params))]
+                self._publish(req_id, st, confirmed, tables, tail)
         return False
+
+    def _publish(self, req_id: str, st: ReqState, confirmed: int,
+                 tables: Sequence[Sequence[int]], tail: bytes | None) -> None:
+        """A P/D prefill request's hand-off: its full blocks' keys, then its partial
+        last block's when ``tail`` names one and every group can store it."""
+        assert self.remote is not None
+        n = min(confirmed // self.block_size, len(st.hashes))
+        keys = [self._gs.key(st.hashes[p], g) for p in range(n) for g in range(self._gs.n)]
+        tail_keys = None
+        if tail is not None and n == confirmed // self.block_size:
+            tail_keys = self._stores.pin_tail(tables, n, tail)
+        params = self.remote.publish(req_id, keys + (tail_keys or []), confirmed,
+                                     len(tail_keys or ()))
+        if params is not None:
+            self._params[req_id] = params
+        if len(self._params) > 4096:  # never asked for: keep the newest only
+            del self._params[next(iter(self._params))]
 
     def transfer_params(self, req_id: str) -> dict[str, Any] | None:
         """The ``kv_transfer_params`` of a P/D prefill request that just finished (its

@@ -246,10 +246,11 @@ class RemoteBook:
         """A store completed and indexed ``cpu_ids`` under ``keys`` (write-through)."""
         self.puts.stored(cpu_ids, keys, depths)
 
-    def publish(self, rid: str, keys: Sequence[bytes], num_tokens: int
+    def publish(self, rid: str, keys: Sequence[bytes], num_tokens: int, tail: int = 0
                 ) -> dict[str, Any] | None:
-        """A P/D prefill request finished: its hand-off's ``kv_transfer_params``."""
-        return self.puts.publish(rid, keys, num_tokens)
+        """A P/D prefill request finished: its hand-off's ``kv_transfer_params``
+        (``tail``: how many of the last ``keys`` are its partial last block's)."""
+        return self.puts.publish(rid, keys, num_tokens, tail)
 
     # ---- plan and completion -------------------------------------------------------------
 

@@ -165,13 +165,13 @@ class PutQueue:
             if every or keep:
                 self._queue(c, k, depths[i] if i < len(depths) else 0, keep)
 
-    def publish(self, rid: str, keys: Sequence[bytes], num_tokens: int
+    def publish(self, rid: str, keys: Sequence[bytes], num_tokens: int, tail: int = 0
                 ) -> dict[str, Any] | None:
         """A P/D prefill request finished: its hand-off's ``kv_transfer_params``. Its
         blocks cached here but not on the server are queued for a PUT now; the others
         come from its finish-time store (:meth:`stored`) or are there already."""
         assert self.pd is not None, "publish without hand-offs"
-        params = self.pd.publish(rid, keys, num_tokens, self.is_published)
+        params = self.pd.publish(rid, keys, num_tokens, self.is_published, tail)
         for k in keys:
             c = self.cpu.get_cached(k)
             if c is not None and self.pd.wants(k) and k not in self._put_keys:

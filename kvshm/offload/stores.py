@@ -225,6 +225,39 @@ class StorePlanner:
             self.finish_queue.extend(picks)
         return len(picks)
 
+    def pin_tail(self, tables: Sequence[Sequence[int]], p: int, tail: BlockHash
+                 ) -> list[bytes] | None:
+        """Finish-time, P/D only: queue the partial last block (position ``p``) of every
+        group for a store under ``tail``'s keys -- it has no engine hash; its KV is the
+        request's own. Returns the keys a hand-off may name (queued here, in flight or
+        cached already), or None with nothing queued when some group's block cannot be
+        stored: a sliding-window group (not handed off partially), a table too short, a
+        pending load writing it, or a GPU block the pool says holds another hash."""
+        if self.gs.sw or any(len(t) <= p for t in tables):
+            return None
+        picks: list[Cand] = []
+        keys: list[bytes] = []
+        for g in range(self.gs.n):
+            b = tables[g][p]
+            if b in self.load_dst:
+                return None
+            reason, key = self.classify(b, tail, g, _NO_IDS)
+            if reason is DeclineReason.IN_FLIGHT and b not in self.inflight_gpu:
+                key = self.gs.key(tail, g)  # another request stores the same tail
+            elif reason is DeclineReason.ALREADY_CACHED:
+                key = self.gs.key(tail, g)
+            elif reason is not None:
+                return None
+            else:
+                picks.append(Cand(b, g, key, p))
+            keys.append(key)
+        for c in picks:
+            self._mark(c)
+        if picks:
+            self.gpu.touch([c.gpu_id for c in picks])
+            self.finish_queue.extend(picks)
+        return keys
+
     def take_finished(self, avail: int, keep_rest: bool, sel: Selection) -> int:
         """Move up to ``avail`` queued finish-time stores into ``sel``. The rest wait
         while ``keep_rest`` (jobs in flight will free CPU blocks), else are dropped as

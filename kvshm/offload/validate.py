@@ -169,14 +169,19 @@ class InputCheck:
             self._hash(call, rid, field, i, seq[i])
 
     def _hash(self, call: str, rid: str, field: str, i: int, h: object) -> None:
+        problem = self._hash_problem(h)
+        if problem is not None:
+            raise self.refuse(call, rid, f"{field}[{i}]", problem)
+
+    def _hash_problem(self, h: object) -> str | None:
+        """What is wrong with ``h`` as a block hash (None: nothing)."""
         if type(h) is not bytes:
-            raise self.refuse(call, rid, f"{field}[{i}]",
-                              f"a block hash must be bytes, got {describe(h)}")
+            return f"a block hash must be bytes, got {describe(h)}"
         if not self.hash_min <= len(h) <= self.hash_max:
             want = (str(self.hash_min) if self.hash_min == self.hash_max
                     else f"{self.hash_min}..{self.hash_max}")
-            raise self.refuse(call, rid, f"{field}[{i}]",
-                              f"a block hash must be {want} bytes, got {len(h)}")
+            return f"a block hash must be {want} bytes, got {len(h)}"
+        return None
 
     def all_hashes(self, call: str, rid: str, field: str, value: object) -> tuple[BlockHash, ...]:
         """A whole sequence of hashes, every entry checked (a one-off argument)."""
@@ -184,6 +189,22 @@ class InputCheck:
         out = tuple(seq)
         self.hashes(call, rid, field, out, 0, len(out))
         return out
+
+    def tail(self, call: str, rid: str, value: object, num_tokens: int) -> BlockHash | None:
+        """A partial last block's hash (``tail_hash``): None, or a hash when
+        ``num_tokens`` does not end on a block boundary (else there is no partial block
+        to name)."""
+        if value is None:
+            return None
+        problem = self._hash_problem(value)
+        if problem is not None:
+            raise self.refuse(call, rid, "tail_hash", problem)
+        assert type(value) is bytes  # _hash_problem checked it
+        if num_tokens % self.block_size == 0:
+            raise self.refuse(call, rid, "tail_hash",
+                              f"names a partial last block, but {num_tokens} tokens end "
+                              f"on a block boundary (block_size {self.block_size})")
+        return value
 
     def hash_count(self, call: str, rid: str, hashes: Sequence[BlockHash],
                    num_tokens: int) -> None:

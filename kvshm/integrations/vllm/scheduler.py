@@ -78,6 +78,7 @@ from kvshm.integrations.vllm.final_stats import (
 from kvshm.integrations.vllm.listing import Listing
 from kvshm.integrations.vllm.records import SchedulerCounters, StepMeta
 from kvshm.integrations.vllm.service import HookGuard, ServiceThread, guarded
+from kvshm.integrations.vllm.tails import request_tail_hash
 from kvshm.ipc.protocol import unpack_ids
 from kvshm.types import RequestView, ScheduledRequest, StepInput, StepPlan, no_new_blocks
 
@@ -249,8 +250,10 @@ class SchedulerSide:
             return 0, False
         if rid in self._refused:
             return 0, False
-        view = RequestView(rid, request.block_hashes, request.num_tokens,
-                           request.kv_transfer_params)
+        params = request.kv_transfer_params
+        tail = (request_tail_hash(request, request.num_tokens, self.cfg.block_size)
+                if params and params.get("do_remote_prefill") else None)
+        view = RequestView(rid, request.block_hashes, request.num_tokens, params, tail)
         client = self._client or self.client  # the property raises before bind
         try:
             hit = client.lookup(view, num_computed_tokens)
@@ -383,7 +386,10 @@ class SchedulerSide:
         confirmed = request.num_computed_tokens - request.num_output_placeholders
         client = self._client or self.client
         try:
-            client.finished(rid, confirmed, block_ids)
+            params = request.kv_transfer_params
+            tail = (request_tail_hash(request, confirmed, self.cfg.block_size)
+                    if params and params.get("do_remote_decode") else None)
+            client.finished(rid, confirmed, block_ids, tail_hash=tail)
         except InvalidRequest as exc:
             self._refuse(rid, exc)
             self.client.finished(rid, 0, self._no_new)  # forgets it, stores nothing

@@ -409,8 +409,9 @@ class ManagerClient:
         self.steps.append([r.req_id for r in inp.requests])
         return self.m.build_step(inp)
 
-    def finished(self, rid: str, n: int, ids: Sequence[Sequence[int]]) -> bool:
-        return self.m.finished(rid, n, ids)
+    def finished(self, rid: str, n: int, ids: Sequence[Sequence[int]], *,
+                 tail_hash: bytes | None = None) -> bool:
+        return self.m.finished(rid, n, ids, tail_hash=tail_hash)
 
     def transfer_params(self, rid: str) -> dict[str, Any] | None:
         return self.m.transfer_params(rid)
