@@ -1,4 +1,4 @@
-"""The ``kvshm`` command: ``demo``, ``stats``, ``ls``, ``sweep``, ``valkey``.
+"""The ``kvshm`` command: ``demo``, ``stats``, ``ls``, ``sweep``, ``valkey``, ``janitor``.
 
 Each subcommand imports what it needs only when it runs, so ``kvshm --help`` is fast.
 """
@@ -9,6 +9,7 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from kvshm.cli_janitor import add_janitor
 from kvshm.demo.args import add_arguments
 
 
@@ -112,6 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="address to listen on (anything else than loopback exposes "
                              "an unauthenticated server)")
     valkey.set_defaults(func=_cmd_valkey)
+    add_janitor(sub)
     return parser
 
 
