@@ -99,3 +99,15 @@ def tail_hash(parent: BlockHash, token_ids: Sequence[int], *, length: int | None
     h.update(_pack_tokens(token_ids))
     h.update(extra)
     return h.digest()
+
+
+def chain_tail(token_ids: Sequence[int], block_size: int, hashes: Sequence[BlockHash], *,
+               extra: bytes = b"") -> BlockHash | None:
+    """The :func:`tail_hash` of ``token_ids``' partial last block, given its full blocks'
+    chain ``hashes`` (:func:`chain_hashes`), or None when there is no partial block (or
+    no full block before it). What ``RequestView.tail_hash`` and ``finished(...,
+    tail_hash=)`` of a P/D request take."""
+    n, rest = divmod(len(token_ids), block_size)
+    if rest == 0 or n == 0 or len(hashes) < n:
+        return None
+    return tail_hash(hashes[n - 1], token_ids[n * block_size:], extra=extra)

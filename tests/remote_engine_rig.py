@@ -27,7 +27,7 @@ import torch
 from engine_rig import BS, Client, embedded_engine, tokens
 
 from kvshm.engine import Engine
-from kvshm.hashing import chain_hashes
+from kvshm.hashing import chain_hashes, chain_tail
 from kvshm.remote.server import command, parse_reply
 from kvshm.types import RequestView, ScheduledRequest
 
@@ -77,7 +77,7 @@ async def ask(c: Client, req_id: str, toks: list[int], timeout: float = 20.0) ->
 def load(c: Client, req_id: str, toks: list[int], hit: int) -> list[int]:
     """Phase B and the step that posts the load of ``hit`` tokens; the GPU table."""
     hashes = chain_hashes(toks, BS)
-    table = c.gpu.allocate(len(toks) // BS)
+    table = c.gpu.allocate(-(-len(toks) // BS))
     c.eng.allocated(req_id, [table], hit)
     c.step(ScheduledRequest(req_id, hashes, len(toks), (tuple(table),),
                             new_or_resumed=True, num_confirmed_tokens=0))
@@ -98,15 +98,18 @@ def server_keys(host: str, port: int, pattern: str = "kvshm:*") -> list[bytes]:
 PREFILL = {"do_remote_decode": True}
 
 
-async def prefill(c: Client, rid: str, toks: list[int]) -> tuple[dict[str, Any], list[int]]:
+async def prefill(c: Client, rid: str, toks: list[int], *, tail: bool = False
+                  ) -> tuple[dict[str, Any], list[int]]:
     """A P/D prefill engine computes ``toks`` for a ``do_remote_decode`` request and
-    finishes it: its transfer params (handed out once) and GPU table."""
+    finishes it (``tail``: with its partial last block's key): its transfer params
+    (handed out once) and GPU table."""
     hashes = chain_hashes(toks, BS)
     table = c.gpu.allocate(len(toks) // BS + 1)
     c.eng.allocated(rid, [table], 0)
     c.step(ScheduledRequest(rid, hashes, len(toks), (tuple(table),), new_or_resumed=True,
                             num_confirmed_tokens=len(toks), kv_transfer_params=PREFILL))
-    c.eng.finished(rid, len(toks), [table])
+    c.eng.finished(rid, len(toks), [table],
+                   tail_hash=chain_tail(toks, BS, hashes) if tail else None)
     params = c.eng.transfer_params(rid)
     assert params is not None and c.eng.transfer_params(rid) is None  # once
     return params, table

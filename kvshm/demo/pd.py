@@ -39,7 +39,7 @@ import torch
 from kvshm.config import EngineConfig
 from kvshm.demo.model import ToyModel
 from kvshm.engine import SPAWN, Engine
-from kvshm.hashing import chain_hashes
+from kvshm.hashing import chain_hashes, chain_tail
 from kvshm.offload.pool import BlockPool
 from kvshm.shm import shared_tensor
 from kvshm.types import RequestView, ScheduledRequest, StepInput
@@ -93,9 +93,9 @@ async def open_side(model: ToyModel, url: str) -> tuple[Any, Side]:
 
 
 def hit_tokens(model: ToyModel, n: int) -> int:
-    """The block-aligned prefix a decoder takes from a hand-off of ``n`` tokens."""
-    bs = model.config.block_size
-    return (n - 1) // bs * bs
+    """The tokens a decoder takes from a hand-off of ``n`` tokens: all but the last (the
+    partial last block travels too, under its tail key)."""
+    return n - 1
 
 
 async def prefill(p: Side, model: ToyModel, rid: str,
@@ -103,16 +103,17 @@ async def prefill(p: Side, model: ToyModel, rid: str,
     """The prefill engine's work for one request: its logits, hand-off params and the
     milliseconds from ``finished`` to the manifest on the server."""
     bs, h = model.config.block_size, hit_tokens(model, len(toks))
+    hashes = chain_hashes(toks, bs)
     table = p.gpu.allocate(-(-len(toks) // bs))
     model.prefill(p.shards, toks[:h], table)
     logits = model.forward_chunk(p.shards, toks[h:], h, table)
     p.eng.allocated(rid, [table], 0)
-    p.step(ScheduledRequest(rid, chain_hashes(toks, bs), len(toks), (tuple(table),),
+    p.step(ScheduledRequest(rid, hashes, len(toks), (tuple(table),),
                             new_or_resumed=True, num_confirmed_tokens=len(toks),
                             kv_transfer_params={"do_remote_decode": True}))
     written = p.eng.statistics().remote["index_values_set"]
     t0 = time.perf_counter()
-    p.eng.finished(rid, len(toks), [table])
+    p.eng.finished(rid, len(toks), [table], tail_hash=chain_tail(toks, bs, hashes))
     params = p.eng.transfer_params(rid)
     if params is None:
         raise RuntimeError(f"{rid}: no hand-off params (is the remote tier configured?)")
@@ -128,7 +129,7 @@ async def handoff(d: Side, model: ToyModel, rid: str, toks: list[int],
     bs, h = model.config.block_size, hit_tokens(model, len(toks))
     hashes = chain_hashes(toks, bs)
     kv = {"do_remote_prefill": True, **params}
-    view = RequestView(rid, hashes, len(toks), kv)
+    view = RequestView(rid, hashes, len(toks), kv, chain_tail(toks, bs, hashes))
     marks = {k: d.eng.statistics().remote[k] for k in PHASES}
     seen: dict[str, float] = {}
     t0 = time.perf_counter()
@@ -257,7 +258,7 @@ async def _drive(url: str, prompts: int, tokens: int) -> dict[str, Any]:
             "handoff_ttft_ms_p50": round(statistics.median(ho), 1),
             "recompute_ttft_ms_p50": round(statistics.median(rc), 1),
             "publish_ms_p50": round(statistics.median(publish), 1),
-            "bytes_per_request": h // c.block_size * c.bytes_per_block * c.tp_shards,
+            "bytes_per_request": -(-h // c.block_size) * c.bytes_per_block * c.tp_shards,
             "bit_exact": bool(exact), "prompts": prompts, "prompt_tokens": tokens}
 
 

@@ -363,12 +363,14 @@ class OffloadManager:
     def _publish(self, req_id: str, st: ReqState, confirmed: int,
                  tables: Sequence[Sequence[int]], tail: bytes | None) -> None:
         """A P/D prefill request's hand-off: its full blocks' keys, then its partial
-        last block's when ``tail`` names one and every group can store it."""
+        last block's when ``tail`` names one of 2+ tokens (a decoder computes the last
+        token anyway) and every group can store it."""
         assert self.remote is not None
         n = min(confirmed // self.block_size, len(st.hashes))
         keys = [self._gs.key(st.hashes[p], g) for p in range(n) for g in range(self._gs.n)]
         tail_keys = None
-        if tail is not None and n == confirmed // self.block_size:
+        full, rest = divmod(confirmed, self.block_size)
+        if tail is not None and n == full and rest > 1:
             tail_keys = self._stores.pin_tail(tables, n, tail)
         params = self.remote.publish(req_id, keys + (tail_keys or []), confirmed,
                                      len(tail_keys or ()))

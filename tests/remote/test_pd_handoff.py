@@ -20,7 +20,7 @@ from typing import Any
 
 import msgspec
 import pytest
-from engine_rig import BS, Client, embedded_engine
+from engine_rig import BS, Client, embedded_engine, tokens
 from remote_engine_rig import (
     BLOCKS,
     MODEL,
@@ -33,7 +33,7 @@ from remote_engine_rig import (
     settle_published,
 )
 
-from kvshm.hashing import chain_hashes
+from kvshm.hashing import chain_hashes, chain_tail
 from kvshm.offload.handoff import MANIFEST_PARAM, Manifest
 from kvshm.remote.server import ValkeyServer, command
 from kvshm.types import RequestView
@@ -41,10 +41,12 @@ from kvshm.types import RequestView
 pytestmark = pytest.mark.asyncio
 HERE = Path(__file__).parent
 async def decode(c: Client, rid: str, toks: list[int], params: dict[str, Any],
-                 timeout: float = 20.0) -> int:
-    """D looks the request up as a P/D proxy sends it, until it answers."""
-    view = RequestView(rid, chain_hashes(toks, BS), len(toks),
-                       {"do_remote_prefill": True, **params})
+                 timeout: float = 20.0, *, tail: bool = False) -> int:
+    """D looks the request up as a P/D proxy sends it (``tail``: with its partial last
+    block's key), until it answers."""
+    hashes = chain_hashes(toks, BS)
+    view = RequestView(rid, hashes, len(toks), {"do_remote_prefill": True, **params},
+                       chain_tail(toks, BS, hashes) if tail else None)
     deadline = time.monotonic() + timeout
     while True:
         hit = c.eng.lookup(view, 0)
@@ -111,6 +113,35 @@ async def test_handoff_publish_then_consume_bit_exact_and_collected(
         assert (rd["pd_consumed"], rd["pd_collected"], rd["hit_blocks"]) == (1, 1, 8)
         await wait_for_server(lambda: not exists(valkey, key))
         assert all(3500 < ttl(valkey, k) <= 3600 for k in blocks if k != key.encode())
+
+
+async def test_the_partial_last_block_travels_so_the_decoder_computes_one_token(
+        valkey: ValkeyServer) -> None:
+    """A 35-token prompt: 8 full blocks and a 3-token tail. P finishes it with the tail
+    key: 9 blocks are put (every rank's shard) and the manifest names the tail last
+    (``tail == 1``). D (zeroed caches) asks with the same tail key: its hit is 34 tokens
+    (all but the last), the 9 blocks load into D's table and hold P's bytes (the tail
+    block's too), so D computes only token 34."""
+    toks = tokens(BLOCKS * BS + 3, 34)
+    async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ep, gp, kp, _):
+        cp = Client(ep, gp)
+        params, table = await prefill(cp, "req-t", toks, tail=True)
+        await settle_published(cp)
+        src = [digest(k[table[:BLOCKS + 1]]) for k in kp]
+        assert remote(ep)["published_blocks"] == BLOCKS + 1
+    key = params[MANIFEST_PARAM]
+    manifest = msgspec.json.decode(command(valkey.host, valkey.port, "GET", key)
+                                   .split(b"\r\n", 1)[1][:-2], type=Manifest)
+    assert (len(manifest.hashes), manifest.tail, manifest.num_tokens) == (BLOCKS + 1, 1, 35)
+    async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ed, gd, kd, _):
+        for k in kd:
+            k.zero_()
+        cd = Client(ed, gd)
+        assert await decode(cd, "req-t", toks, params, tail=True) == len(toks) - 1
+        dst = load(cd, "req-t", toks, len(toks) - 1)
+        assert (await cd.loaded("req-t")).ok
+        assert [digest(k[dst[:BLOCKS + 1]]) for k in kd] == src
+        assert remote(ed)["hit_blocks"] == BLOCKS + 1
 
 
 async def test_a_prefill_process_hands_off_to_a_decode_process_bit_exact(
