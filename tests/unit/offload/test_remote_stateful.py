@@ -1,7 +1,8 @@
 """Hypothesis stateful test of the manager with a remote tier (``kvshm.offload.remote``).
 
-Random interleavings of stores (write-through PUTs), lookups that query the held index,
-answers, steps, per-rank acks of remote jobs in any order (ok or failed), requests
+Random interleavings of stores (write-through PUTs), P/D prefills (with or without their
+partial last block) and their decoders' lookups and loads, lookups that query the held
+index, answers, steps, per-rank acks of jobs in any order (ok or failed), requests
 finishing, evictions on the server, ``reset`` and a rank's death and fence. After every
 rule the manager's own cross-check runs (every CPU pin recorded exactly once, a block
 being fetched carries no hash). Invariants of the remote tier checked here:
@@ -9,19 +10,28 @@ being fetched carries no hash). Invariants of the remote tier checked here:
 * a readiness key is published only for blocks whose PUT every rank acked ok;
 * a block another engine published (never stored here) is indexed in the CPU tier only
   after a GET of it that every rank acked ok;
+* a P/D manifest is written only after every block it names (the partial last block
+  included) had its PUT acked ok by every rank; a decoder's hit never covers the last
+  prompt token;
 * once every job is acked and every request finished, nothing is pinned.
 """
 
 from __future__ import annotations
 
+from typing import Any
+
+import msgspec
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from manager_rig import BS, Req
+from manager_rig import BS, REMOTE, Req
 from test_remote_book import WORLD, HeldIndex, remote_rig, rkey
 
-from kvshm.ipc.protocol import Remote, RemoteOp
+from kvshm.hashing import chain_tail
+from kvshm.ipc.protocol import Remote, RemoteOp, Transfer
+from kvshm.offload.handoff import Manifest
 from kvshm.offload.remote import remote_hash
+from kvshm.types import RequestView
 
 PROMPTS = [Req(f"p{i}", 4 * (1 + i % 3) + 1, base=100 * i) for i in range(6)]
 #: Prompts another engine published (on the server from the start; never stored here).
@@ -35,16 +45,20 @@ class RemoteMachine(RuleBasedStateMachine):
         self.index = HeldIndex()
         self.index.ready.update(rkey(h) for h in FOREIGN_KEYS.values())
         self.rig = remote_rig(self.index, cpu=10)
-        self.out: list[tuple[Remote, dict[int, bool]]] = []  # posted, acks so far
+        self.out: list[tuple[Remote | Transfer, dict[int, bool]]] = []  # posted, acks so far
         self.put_ok: set[str] = set()  # readiness keys whose PUT every rank acked ok
         self.get_ok: set[bytes] = set()  # foreign keys a GET fetched, every rank ok
         self.live: set[str] = set()
+        self.handoffs: dict[str, tuple[Req, dict[str, Any]]] = {}  # published, params
+        self.hits: dict[str, int] = {}  # decoders' last hits, not yet accepted
+        self.tables: dict[str, list[int]] = {}  # decoders' GPU tables (loads)
         self.failed = False
         self.n = 0
 
     def _plan(self) -> None:
-        for msg in self.rig.step().remote:
-            self.out.append((msg, {}))
+        plan = self.rig.step()
+        self.out.extend((t, {}) for t in (plan.store, plan.load) if t is not None)
+        self.out.extend((msg, {}) for msg in plan.remote)
 
     @rule(i=st.integers(0, len(PROMPTS) - 1))
     def store(self, i: int) -> None:
@@ -63,6 +77,62 @@ class RemoteMachine(RuleBasedStateMachine):
         self.rig.gpu.free(reversed(g))
         self.rig.m.check_invariants()
 
+    @rule(i=st.integers(0, len(PROMPTS) - 1), tail=st.booleans())
+    def prefill(self, i: int, tail: bool) -> None:
+        """A P/D prefill of PROMPTS[i]'s full blocks and a 3-token tail (``tail``: with
+        its key); its store and PUTs are acked by the ``ack`` rule, in any order."""
+        req = PROMPTS[i]
+        n_tok = BS * len(req.h) + 3
+        if self.failed or self.rig.gpu.num_free < len(req.h) + 1:
+            return
+        self.n += 1
+        rid = f"pd{self.n}"
+        r = Req(rid, n_tok, base=req.toks[0], params=REMOTE)
+        g = self.rig.alloc(len(r.h) + 1, r.h)
+        plan = self.rig.step(r.sched(g, confirmed=n_tok, new=True))
+        self.out.extend((t, {}) for t in (plan.store, plan.load) if t is not None)
+        self.out.extend((m, {}) for m in plan.remote)
+        self.rig.m.finished(rid, n_tok, [g],
+                            tail_hash=chain_tail(r.toks, BS, r.h) if tail else None)
+        params = self.rig.m.transfer_params(rid)
+        if params is not None:
+            self.handoffs[rid] = (r, params)
+        self.rig.gpu.free(reversed(g))
+        self.rig.m.check_invariants()
+
+    @precondition(lambda self: self.handoffs)
+    @rule(data=st.data(), tail=st.booleans())
+    def decode(self, data: st.DataObject, tail: bool) -> None:
+        """A decoder looks a hand-off up (with or without the tail key)."""
+        rid = data.draw(st.sampled_from(sorted(self.handoffs)))
+        r, params = self.handoffs[rid]
+        cid = f"d{rid}"
+        if cid in self.tables:
+            return
+        self.live.add(cid)
+        view = RequestView(cid, r.h, len(r.toks), {"do_remote_prefill": True, **params},
+                           chain_tail(r.toks, BS, r.h) if tail else None)
+        hit = self.rig.m.lookup(view, 0)
+        self.rig.m.check_invariants()
+        if hit is not None:
+            assert 0 <= hit <= len(r.toks) - 1
+            self.hits[cid] = hit
+        else:
+            self.hits.pop(cid, None)
+
+    @precondition(lambda self: self.hits)
+    @rule(data=st.data())
+    def accept(self, data: st.DataObject) -> None:
+        """Phase B of a decoder's last hit: a GPU table, the load planned next step."""
+        cid = data.draw(st.sampled_from(sorted(self.hits)))
+        hit = self.hits.pop(cid)
+        n = -(-hit // BS)
+        if self.rig.gpu.num_free < n:
+            return
+        self.tables[cid] = self.rig.gpu.allocate(n)
+        self.rig.m.allocated(cid, [self.tables[cid]], hit)
+        self.rig.m.check_invariants()
+
     @rule(i=st.integers(0, len(PROMPTS) + len(FOREIGN) - 1), n=st.integers(0, 3))
     def lookup(self, i: int, n: int) -> None:
         req = (PROMPTS + FOREIGN)[i]
@@ -79,6 +149,22 @@ class RemoteMachine(RuleBasedStateMachine):
     def step(self) -> None:
         self._plan()
 
+    @rule()
+    def settle(self) -> None:
+        """Every rank acks every job ok, then the next steps' jobs, a few rounds."""
+        for _ in range(4):
+            self.index.answer_all()
+            self._plan()
+            for msg, acks in self.out:
+                for rank in range(WORLD):
+                    if rank not in acks:
+                        acks[rank] = True
+                        self.rig.m.on_done(msg.job_id, rank, True)
+                if all(acks.values()) and not self.failed:
+                    self._completed_ok(msg)
+            self.out = []
+            self.rig.m.check_invariants()
+
     @precondition(lambda self: self.out)
     @rule(data=st.data(), ok=st.booleans())
     def ack(self, data: st.DataObject, ok: bool) -> None:
@@ -93,7 +179,9 @@ class RemoteMachine(RuleBasedStateMachine):
                 self._completed_ok(msg)
         self.rig.m.check_invariants()
 
-    def _completed_ok(self, msg: Remote) -> None:
+    def _completed_ok(self, msg: Remote | Transfer) -> None:
+        if not isinstance(msg, Remote):
+            return
         hashes = [msg.hashes[i:i + msg.hash_len] for i in range(0, len(msg.hashes),
                                                                  msg.hash_len)]
         if msg.op is RemoteOp.PUT:
@@ -106,7 +194,11 @@ class RemoteMachine(RuleBasedStateMachine):
     def finish(self, data: st.DataObject) -> None:
         rid = data.draw(st.sampled_from(sorted(self.live)))
         self.live.discard(rid)
+        self.hits.pop(rid, None)
         self.rig.m.finished(rid, 0, [[]])
+        table = self.tables.pop(rid, None)
+        if table is not None:
+            self.rig.gpu.free(reversed(table))
         self.rig.m.check_invariants()
 
     @rule(i=st.integers(0, 20))
@@ -135,6 +227,14 @@ class RemoteMachine(RuleBasedStateMachine):
         assert set(self.index.published) <= self.put_ok
 
     @invariant()
+    def a_manifest_follows_every_put_of_its_blocks(self) -> None:
+        for key, raw in self.index.kv.items():
+            if key.startswith("kvshm:v1:pd:"):
+                m = msgspec.json.decode(raw, type=Manifest)
+                assert {f"ready:{h}" for h in m.hashes} <= self.put_ok, key
+                assert 0 <= m.tail <= 1 and m.tail < len(m.hashes)
+
+    @invariant()
     def foreign_blocks_are_indexed_only_after_every_rank_fetched_them(self) -> None:
         foreign = set(FOREIGN_KEYS.values())
         indexed = {k for c in range(self.rig.cpu.num_blocks)
@@ -148,6 +248,8 @@ class RemoteMachine(RuleBasedStateMachine):
                     self.rig.m.on_done(msg.job_id, rank, True)
         for rid in list(self.live):
             self.rig.m.finished(rid, 0, [[]])
+        for table in self.tables.values():
+            self.rig.gpu.free(reversed(table))
         self.rig.m.check_invariants()
         if not self.rig.m.has_pending_work():
             assert self.rig.m.pins_held() == 0
