@@ -27,6 +27,10 @@ process). Medians. Last line with ``--json``:
 ``{"pd_ttft_ratio": recompute / hand-off, "publish_ms_p50": .., "bytes_per_request": ..,
 "handoff_ttft_ms_p50": .., "recompute_ttft_ms_p50": .., "bit_exact": true}``.
 Target: ``pd_ttft_ratio`` >= 3.
+
+``--vllm``: the same measurement between two vLLM CPU engines with kvshm as their KV
+connector (:mod:`tools.bench_pd_vllm`; ``--prompts`` / ``--tokens``, default 16 of 2,000;
+``--quick``: 2 of 256); its last line is ``{"vllm": {"pd_ttft_ratio": .., ..}}``.
 """
 
 from __future__ import annotations
@@ -91,8 +95,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     ap.add_argument("--json", action="store_true", help="print the JSON line last")
     ap.add_argument("--quick", action="store_true", help="2 prompts of 256 tokens")
+    ap.add_argument("--vllm", action="store_true",
+                    help="two vLLM CPU engines (tools.bench_pd_vllm) instead of the demo's")
+    ap.add_argument("--prompts", type=int, help="prompts (16; --quick 2)")
+    ap.add_argument("--tokens", type=int, help="tokens a prompt (2000; --quick 256)")
     args = ap.parse_args(argv)
     prompts, tokens = (2, 256) if args.quick else (16, 2000)
+    prompts, tokens = args.prompts or prompts, args.tokens or tokens
+    if args.vllm:
+        from tools import bench_pd_vllm
+
+        return bench_pd_vllm.main([*(["--json"] if args.json else []),
+                                   "--prompts", str(prompts), "--tokens", str(tokens)])
     out = asyncio.run(run(prompts, tokens))
     print(f"P/D hand-off, {prompts} prompts of {tokens} tokens (demo model, tp=2): decode "
           f"TTFT {out['handoff_ttft_ms_p50']} ms with the hand-off vs "
