@@ -14,12 +14,13 @@ size, token count, the blocks' remote hashes and an expiry (wall clock).
 The decode side (:meth:`Handoffs.consume`, from a lookup whose params carry
 ``do_remote_prefill`` and ``kvshm_manifest``) reads the manifest asynchronously: "ask
 again" (None) until it arrives. Missing: ask again until ``wait_s`` (5 s; the prefill may
-still be publishing), then 0. Present: it is checked -- fingerprint, world size and
-block size equal the consumer's, not expired, its hashes are the request's own prefix
--- and only then does the ordinary remote lookup run (the readiness keys are still
-asked: a manifest is never trusted alone). An expired one is deleted (demoted: its
-blocks keep their ordinary TTL). A consumer that loaded the blocks deletes the manifest
-(collected). Every refusal is a counted miss: the request recomputes.
+still be publishing), then 0; an answer that never arrives at all: 0 after twice that.
+Present: it is checked -- fingerprint, world size and block size equal the consumer's,
+not expired, its hashes are the request's own prefix -- and only then does the ordinary
+remote lookup run (the readiness keys are still asked: a manifest is never trusted
+alone). An expired one is deleted (demoted: its blocks keep their ordinary TTL). A
+consumer that loaded the blocks deletes the manifest (collected). Every refusal is a
+counted miss: the request recomputes.
 
 Lifetime: a hand-off's blocks and readiness keys are put with the tier's *hold* TTL
 (``keep``; ``RemoteSpec.hold_ttl_s``, 30 min), not the ordinary one; the decoder that
@@ -71,11 +72,14 @@ _SAFE = re.compile(r"^[A-Za-z0-9._=-]{1,120}$")
 _PD_PREFIX: Final = "kvshm:v1:pd"
 
 
-class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
     """What a decode engine needs to trust a hand-off (msgspec JSON on the server).
     ``tail``: how many of the last ``hashes`` name the partial last block (one per KV
     group; 0: none) -- keys the consumer derives from its own tokens, so they are not
-    compared (a consumer without that block's key simply does not find it)."""
+    compared (a consumer without that block's key simply does not find it). Written only
+    when not 0, so a manifest without a tail reads as before the field existed (a
+    decoder of the previous release, which refuses unknown fields, still trusts it;
+    one with a tail it refuses: it would compare the tail key as a full block's)."""
 
     version: int
     fingerprint: str
@@ -98,9 +102,10 @@ def handoff_extent(hashes: Sequence[bytes], tail: bytes | None, num_tokens: int,
     block's, appended when it has exactly the full blocks before it) and how many blocks
     from ``start`` the hit may cover: every block holding one of the first
     ``num_tokens - 1`` tokens (the last token is always computed; a 1-token tail holds
-    only that one, so it is never loaded)."""
+    only that one, so it is never loaded). No tail without a full block before it (its
+    key has no parent)."""
     n_max = -(-(num_tokens - 1) // block_size) - start
-    if tail is not None and len(hashes) == num_tokens // block_size:
+    if tail is not None and hashes and len(hashes) == num_tokens // block_size:
         return [*hashes, tail], n_max
     return hashes, n_max
 
@@ -280,6 +285,11 @@ class Handoffs:
         self.poll()
         st = self._reqs.get(rid)
         if st is not None:
+            if st.verdict is Verdict.WAIT and self._clock() - st.since > 2 * self._wait:
+                # an answer that never came (the last ask is answered within wait_s)
+                st.verdict = Verdict.REFUSED
+                self._tokens.pop(st.token, None)
+                self.counters.manifest_missing += 1
             return st.verdict
         if not key.startswith(self._prefix) or len(key) > len(self._prefix) + 120:
             self.counters.manifest_refused += 1  # another deployment's, or not a name

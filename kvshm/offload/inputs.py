@@ -22,6 +22,7 @@ from typing import Any
 from kvshm.errors import ConfigError, InvalidRequest
 from kvshm.hashing import BlockHash
 from kvshm.offload.counters import ManagerCounters
+from kvshm.offload.handoff import is_handoff
 from kvshm.offload.validate import NOT_SEQUENCES, InputCheck, Tables, describe
 from kvshm.types import GpuBlocks, ScheduledRequest
 
@@ -136,8 +137,14 @@ class CallCheck(InputCheck):
         if len(hashes) * self.block_size > num_tokens:
             self.hash_count(call, rid, hashes, num_tokens)
         bs = self.block_size
-        self.hashes(call, rid, "block_hashes", hashes, local // bs,
-                    min(len(hashes), max(0, (num_tokens - 1) // bs)))
+        if params is not None and is_handoff(params):
+            # a P/D hand-off reads more: its manifest check every hash from position 0,
+            # its hit up to the block holding token num_tokens - 2 (handoff_extent)
+            self.hashes(call, rid, "block_hashes", hashes, 0,
+                        min(len(hashes), max(0, -(-(num_tokens - 1) // bs))))
+        else:
+            self.hashes(call, rid, "block_hashes", hashes, local // bs,
+                        min(len(hashes), max(0, (num_tokens - 1) // bs)))
         tail = getattr(req, "tail_hash", None)
         if tail is not None:
             tail = self.tail(call, rid, tail, num_tokens)

@@ -231,9 +231,11 @@ class StorePlanner:
         group for a store under ``tail``'s keys -- it has no engine hash; its KV is the
         request's own. Returns the keys a hand-off may name (queued here, in flight or
         cached already), or None with nothing queued when some group's block cannot be
-        stored: a sliding-window group (not handed off partially), a table too short, a
-        pending load writing it, or a GPU block the pool says holds another hash."""
-        if self.gs.sw or any(len(t) <= p for t in tables):
+        stored: no full block before it (``p == 0``: the tail has no parent, the
+        hand-off publishes nothing), a sliding-window group (not handed off partially), a
+        table too short, a pending load writing it, or a GPU block the pool says holds
+        another hash."""
+        if p == 0 or self.gs.sw or any(len(t) <= p for t in tables):
             return None
         picks: list[Cand] = []
         keys: list[bytes] = []

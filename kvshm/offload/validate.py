@@ -26,9 +26,11 @@ Valid input:
 
 Which hashes: a request's ``block_hashes`` may be the engine's live, growing sequence, so
 a call checks the entries it reads -- ``lookup`` those from the engine's own hit up to
-the lookup cap, a step those its store walk may reach (``[cursor, ready)``),
-``finished`` those its finish-time store may reach -- and ``finished``'s explicit
-``block_hashes`` in full. An entry no call reads is never used.
+the lookup cap (a P/D hand-off's: every one from position 0, which its manifest check
+reads, up to the block holding token ``num_tokens - 2``, its hit's end), a step those
+its store walk may reach (``[cursor, ready)``), ``finished`` those its finish-time store
+may reach -- and ``finished``'s explicit ``block_hashes`` in full. An entry no call
+reads is never used.
 
 Other refusals: a listing that cannot be read at all (an entry without a
 ScheduledRequest's fields, an unhashable id) is refused as a whole, naming the entry; a
