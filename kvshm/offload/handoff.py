@@ -40,7 +40,9 @@ it like the others and names it last in the manifest (``Manifest.tail``); the de
 derives the same key from its own tokens (``RequestView.tail_hash``) and its hit covers
 ``num_tokens - 1`` tokens (:func:`handoff_extent`), so it computes only the last token,
 as vLLM's own P/D connectors do. A decoder without the tail key (or with another one)
-loads the full blocks only.
+loads the full blocks only. The tail is an extra: when its finish-time store is dropped
+for want of CPU blocks (:meth:`Handoffs.store_dropped`, from the store planner's
+``on_dropped`` hook), the publication goes on without it rather than time out.
 """
 
 from __future__ import annotations
@@ -140,6 +142,7 @@ class PdCounters:
     collected: int = 0
     publish_empty: int = 0
     unhealthy: int = 0
+    tails_dropped: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """Every counter by name, ``pd_`` first."""
@@ -231,6 +234,40 @@ class Handoffs:
                 pub.pending.discard(k)
                 if not pub.pending:
                     self._write(rid)
+
+    def store_dropped(self, keys: Sequence[bytes]) -> None:
+        """Finish-time stores of ``keys`` were dropped (the CPU tier had no room): they
+        will never be put. A publication waiting for its partial last block's drops its
+        tail (``tails_dropped``) and is written as soon as its full blocks are all put
+        -- the decoder loads those and computes the rest, as without a tail key. One
+        waiting for a full block's times out as before (another request may still store
+        that block)."""
+        for k in keys:
+            for rid in list(self._waiting.get(k, ())):
+                pub = self._pubs.get(rid)
+                if pub is not None and pub.tail and k in pub.keys[len(pub.keys) - pub.tail:]:
+                    self._drop_tail(rid, pub)
+
+    def _drop_tail(self, rid: str, pub: _Pub) -> None:
+        tail = pub.keys[len(pub.keys) - pub.tail:]
+        del pub.keys[len(pub.keys) - pub.tail:]
+        pub.tail = 0
+        put = []  # another group's tail, on the server already: no manifest names it
+        for k in tail:
+            if k not in pub.pending:
+                put.append(self._rhash(k))
+                continue
+            pub.pending.discard(k)
+            rids = self._waiting.get(k)
+            if rids is not None:
+                rids.discard(rid)
+                if not rids:
+                    del self._waiting[k]
+        if put:
+            self._demote(put)
+        self.counters.tails_dropped += 1
+        if not pub.pending:
+            self._write(rid)
 
     def _write(self, rid: str) -> None:
         pub = self._pubs.pop(rid)

@@ -246,6 +246,12 @@ class RemoteBook:
         """A store completed and indexed ``cpu_ids`` under ``keys`` (write-through)."""
         self.puts.stored(cpu_ids, keys, depths)
 
+    def store_dropped(self, keys: Sequence[bytes]) -> None:
+        """Finish-time stores of ``keys`` were dropped (no CPU blocks): never put. A P/D
+        publication waiting for its partial last block's goes on without it."""
+        if self.pd is not None:
+            self.pd.store_dropped(keys)
+
     def publish(self, rid: str, keys: Sequence[bytes], num_tokens: int, tail: int = 0
                 ) -> dict[str, Any] | None:
         """A P/D prefill request finished: its hand-off's ``kv_transfer_params``

@@ -33,7 +33,7 @@ Cost: a step touches only requests whose confirmed tokens crossed their cursor's
 
 from __future__ import annotations
 
-from collections.abc import Collection, Container, Sequence
+from collections.abc import Callable, Collection, Container, Sequence
 from itertools import islice
 from typing import Protocol
 
@@ -119,6 +119,10 @@ class StorePlanner:
         self.inflight_keys: set[bytes] = set()
         self.load_dst = load_dst
         self.finish_queue: list[Cand] = []
+        #: told the keys of finish-time stores dropped for want of CPU blocks (never
+        #: stored, so never put): a P/D publication waiting for one of them learns it
+        #: now (:meth:`kvshm.offload.remote.RemoteBook.store_dropped`), not at its timeout
+        self.on_dropped: Callable[[list[bytes]], None] | None = None
 
     # ---- classification ----------------------------------------------------------
 
@@ -270,7 +274,10 @@ class StorePlanner:
             sel.add(c)
         del q[:n]
         if q and not keep_rest:
+            dropped = [c.key for c in q]
             self.drop_finished(DeclineReason.CPU_FULL)
+            if self.on_dropped is not None:
+                self.on_dropped(dropped)
         return avail - n
 
     def drop_finished(self, reason: DeclineReason) -> None:

@@ -173,6 +173,63 @@ def test_allocated_refuses_more_tokens_than_the_capped_handoff_hit(accepted: int
     assert manager_state(d.m) == before
 
 
+# ---- 2b. a tail store dropped for want of CPU blocks ------------------------------------
+
+
+def dropped_tail_publication(index: HeldIndex, *, wire: bool) -> Rig:
+    """P's CPU tier has 2 blocks. R (11 tokens: GPU 0, 1 full, GPU 2 holding the 3-token
+    tail) finishes without an earlier store: ``finished`` queues GPU 0, 1, 2 (ref 2
+    each). The next step stores GPU 0, 1 into CPU 0, 1; GPU 2 does not fit and nothing
+    is in flight, so its store is dropped (CPU_FULL; GPU 2 back to ref 1, the engine's).
+    Both ranks ack the store and the PUT of h0, h1. ``wire``: the store planner tells
+    the remote book of dropped stores (what the manager's patch does)."""
+    p = remote_rig(index, cpu=2)
+    if wire:
+        assert p.m.remote is not None
+        p.m._stores.on_dropped = p.m.remote.store_dropped
+    r = Req("r", 11, params=REMOTE)
+    g = p.alloc(3, r.h)
+    p.step(r.sched(g, confirmed=0, new=True))
+    p.m.finished("r", 11, [g], tail_hash=tail_of(r))
+    assert refs(p.gpu, g) == [2, 2, 2] and len(p.m._stores.finish_queue) == 3
+    plan = p.step()
+    assert plan.store is not None and refs(p.gpu, g) == [2, 2, 1]
+    p.ack(plan.store, ranks=range(WORLD))
+    for _ in range(3):
+        for msg in p.step().remote:
+            ack_remote(p, msg)
+    assert refs(p.gpu, g) == [1, 1, 1] and p.m.pins_held() == 0
+    return p
+
+
+def test_a_dropped_tail_store_leaves_the_full_block_handoff_intact() -> None:
+    """Before: the publication waited for the tail key that would never be put, wrote
+    no manifest and timed out after 30 s; D waited 5 s and recomputed all 11 tokens --
+    the tail, an extra, sank the hand-off of the two full blocks that were on the server.
+    Now the drop reaches the publication: it goes on without its tail (``tails_dropped``),
+    the manifest names h0, h1 (``tail == 0``) and D, asking with the tail key, loads
+    the two full blocks: 8 tokens."""
+    index = HeldIndex()
+    p = dropped_tail_publication(index, wire=True)
+    r = Req("r", 11, params=REMOTE)
+    assert p.m.remote is not None and p.m.remote.pd is not None
+    assert p.m.remote.pd.counters.tails_dropped == 1
+    m = manifest(index)
+    assert (m.hashes, m.tail) == ([remote_hash(h).hex() for h in r.h], 0)
+    _, _, hit = consume(index, r, {"do_remote_prefill": True, "do_remote_decode": False,
+                                   MANIFEST_PARAM: MANIFEST}, tail_of(r))
+    assert hit == 8
+
+
+@pytest.mark.xfail(strict=True, reason="manager.py does not wire StorePlanner.on_dropped "
+                   "to RemoteBook.store_dropped yet; patch in the review report")
+def test_the_manager_tells_the_remote_book_of_a_dropped_tail_store() -> None:
+    """The same scenario without the test wiring the hook: the manager must."""
+    index = HeldIndex()
+    dropped_tail_publication(index, wire=False)
+    assert MANIFEST in index.kv
+
+
 # ---- 3. no tail without a full block before it -------------------------------------------
 
 
