@@ -12,6 +12,10 @@ manager P and a decode manager D over one :class:`HeldIndex`; BS = 4, two ranks)
 2. ``allocated`` compares the accepted tokens with the hit's whole blocks, not with the
    capped count ``lookup`` returned (``num_tokens - 1``): an engine accepting every
    prompt token is not refused. The fix belongs in ``manager.py`` (strict xfail here).
+2b. A tail store dropped for want of CPU blocks (CPU_FULL) sank the whole hand-off: the
+   publication waited for a key never put and timed out, though the full blocks were on
+   the server. Now the publication drops its tail (the manager's wiring of
+   ``StorePlanner.on_dropped`` is the one missing line: strict xfail).
 3. A tail key for a prompt shorter than one block (no full block, no parent) made P pin
    and store that block for a hand-off that publishes nothing.
 4. Every manifest names ``tail`` (0 too), so a decoder of the previous release
