@@ -34,6 +34,7 @@ from manager_rig import BS, REMOTE, Req, Rig, manager_state, refs
 from test_handoff_tail import MANIFEST, consume, manifest, publish, tail_of
 from test_remote_book import WORLD, HeldIndex, ack_remote, remote_rig
 
+from kvshm.config import Eviction
 from kvshm.errors import InvalidRequest
 from kvshm.hashing import tail_hash
 from kvshm.offload.handoff import MANIFEST_PARAM, Manifest, handoff_extent
@@ -298,3 +299,24 @@ def test_a_manifest_without_a_tail_is_readable_by_the_previous_release() -> None
         msgspec.json.decode(index2.kv[MANIFEST], type=_ManifestV1)
     m = Manifest(1, "fp", WORLD, BS, 12, ["ab"], time.time())
     assert b"tail" not in msgspec.json.encode(m)
+
+
+# ---- 5. (pre-existing, found on the way) the GPU-hit refresh reads unchecked hashes ------
+
+
+@pytest.mark.xfail(strict=True, raises=TypeError, reason="manager.py: lookup's refresh of "
+                   "the engine's own hit reads hashes [0, s) the check skips; patch in the "
+                   "review report")
+def test_the_gpu_hit_refresh_reads_no_unchecked_hash() -> None:
+    """Not the tail's: an ``LRU_REFRESH`` CPU tier refreshes the CPU copies of the
+    engine's own GPU hit, reading ``block_hashes[0:s)`` -- which the lookup check skips
+    (it starts at the engine's hit). A malformed one there (an unhashable list at
+    position 0 under a 4-token GPU hit) raised TypeError after the lookup was counted
+    and its state created; it must be InvalidRequest with nothing changed."""
+    rig = Rig(eviction=Eviction.LRU_REFRESH)
+    r = Req("r", 12)
+    bad: list[Any] = [[1], *r.h[1:]]
+    before = manager_state(rig.m)
+    with pytest.raises(InvalidRequest, match="block_hashes\\[0\\]"):
+        rig.m.lookup(RequestView("r", bad, 12), 4)
+    assert manager_state(rig.m) == before
