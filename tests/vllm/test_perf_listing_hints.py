@@ -1,8 +1,10 @@
-"""The listing's positional next-look hints (issue 15, "O(changed) per step") change
-nothing: over random steps -- finishes, arrivals, growth, decode progress, reorders,
-preemptions and resumptions, every request or only some listed -- a listing that uses
-the last step's positions answers exactly what one that always asks ``next_look``
-answers (the requests listed, their fields, the counters, the next looks).
+"""The listing's mirror of the last step's next looks (issue 15, "O(changed) per
+step": the batch boundary test where vLLM kept its order, the positional walk
+elsewhere) changes nothing: over random steps -- finishes, arrivals, growth, decode
+progress, reorders, preemptions and resumptions, every request or only some listed -- a
+listing with the mirror answers exactly what one that always asks ``next_look`` answers
+(the requests listed, their fields, the counters, the next looks); and a steady decode
+step takes the batch test.
 
 Duck-typed SchedulerOutputs; no vLLM import."""
 
@@ -23,10 +25,10 @@ from kvshm.types import KVGroup, StoreMode, no_new_blocks
 BS = 4
 
 
-def _listing(requests: dict[str, Any]) -> Listing:
+def _listing(requests: dict[str, Any], mirror: bool = True) -> Listing:
     cfg = ConnectorConfig("unit", 1, 1, BS, (KVGroup.full(),), StoreMode.EAGER, None, 64,
                           None, 30.0, 5.0, 0)
-    return Listing(cfg, requests, set(), SchedulerCounters(), no_new_blocks(1))
+    return Listing(cfg, requests, set(), SchedulerCounters(), no_new_blocks(1), mirror=mirror)
 
 
 class _World:
@@ -72,7 +74,7 @@ def _so(new: list[Any], cached: list[tuple[str, Any]], resumed: set[str],
 def test_hints_answer_what_next_look_answers(seed: int, steps: int) -> None:
     rnd = random.Random(seed)
     w = _World(rnd)
-    hinted, plain = _listing(w.requests), _listing(w.requests)
+    hinted, plain = _listing(w.requests), _listing(w.requests, mirror=False)
     for _ in range(steps):
         for rid in rnd.sample(w.running, min(len(w.running), rnd.randrange(0, 3))):
             w.running.remove(rid)  # finished: vLLM calls request_finished
@@ -102,8 +104,42 @@ def test_hints_answer_what_next_look_answers(seed: int, steps: int) -> None:
         w.running.extend(sorted(resumed))
         w.running.extend(nr.req_id for nr in new)
         so = _so(new, cached, resumed, preempted, w.requests)
-        plain._prev_ids, plain._prev_looks = [], []  # never a hint: always next_look
         assert hinted.build(so) == plain.build(so)
         assert hinted.next_look == plain.next_look
         assert vars(hinted._counters) == vars(plain._counters)
         assert hinted._announced == plain._announced
+
+
+def test_a_steady_decode_step_takes_the_batch_test() -> None:
+    """Finishes, arrivals and growth keep vLLM's order: after the first listing every
+    step's ids match the mirror, and only the flagged requests are visited."""
+    rnd = random.Random(7)
+    w = _World(rnd)
+    lst = _listing(w.requests)
+    batch = []
+    orig = lst._aligned
+
+    def spy(*args: Any) -> bool:
+        batch.append(orig(*args))
+        return batch[-1]
+
+    lst._aligned = spy  # type: ignore[method-assign,assignment]
+    new: list[Any] = []
+    for _ in range(6):
+        for rid in w.running[:2]:
+            w.running.remove(rid)
+            lst.forget(rid)
+        w.running.extend(nr.req_id for nr in new)  # last step's new requests run now
+        cached = []
+        for rid in w.running:
+            r = w.requests[rid]
+            r.num_computed_tokens += 1
+            r.num_tokens = r.num_computed_tokens + 1
+            cached.append((rid, (w.blocks(1),) if rnd.random() < 0.2 else None))
+        new = []
+        for _ in range(3):
+            r = w.new_request()
+            new.append(NS(req_id=r.request_id, block_ids=(w.blocks(2),),
+                          num_computed_tokens=r.num_computed_tokens))
+        lst.build(_so(new, cached, set(), set(), w.requests))
+    assert batch[1:] == [True] * 5, batch

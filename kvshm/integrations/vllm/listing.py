@@ -18,16 +18,29 @@ boundary past its confirmed tokens (``(confirmed // block_size + 1) * block_size
 cached request with no new block ids whose ``num_computed_tokens`` in the
 SchedulerOutput is still below its next look is not listed: nothing of it changed that
 kvshm reads (its confirmed tokens, at most its computed ones, are still inside the
-block that was confirmed when it was last listed), so a decode step costs it one dict
-probe and a compare -- or, where it sits where it sat in the last step's list, one
-identity test and a compare (positional hints: :meth:`Listing._list_cached`) -- and no
-``Request`` field is read. Everything else is listed: new,
-resumed and preempted requests, new block ids, a boundary reached (the manager walks
-its store cursor only then), a request without a next look. A store the manager had to
-defer is retried by the manager itself (:mod:`kvshm.offload.requests`, *stalled*), not
-by listing the request again. Counted: ``requests_unchanged`` (cached requests passed
-over). Invariant: a request has a next look only while it is announced (forgetting or
-preempting it drops both).
+block that was confirmed when it was last listed), and no ``Request`` field is read.
+Everything else is listed: new, resumed and preempted requests, new block ids, a
+boundary reached (the manager walks its store cursor only then), a request without a
+next look. A store the manager had to defer is retried by the manager itself
+(:mod:`kvshm.offload.requests`, *stalled*), not by listing the request again. Counted:
+``requests_unchanged`` (cached requests passed over). Invariant: a request has a next
+look only while it is announced (forgetting or preempting it drops both).
+
+How the unchanged requests are passed over (:meth:`Listing._list_cached`): the listing
+keeps the last step's cached ids with their next looks side by side (*the mirror*).
+vLLM's running order is stable: a step's cached ids are usually the last step's, less
+the requests that left (finished, preempted: their positions are found by binary search
+over per-position sequence numbers), plus the requests that were new last step at the
+end. When the mirror, so updated, equals this step's ids (one list compare, by identity
+first: no request id is hashed or even read), the boundary test runs over the whole
+batch at once in C (``map`` over the computed counts and the mirrored next looks, and
+over the new block ids), and only the positions it flags are visited in Python. Any
+other order (a request left out by the token budget, a reorder, a resumption in the
+middle) takes the per-request walk, which matches ids to the mirror by position (``is``)
+and falls back to a dict probe, then rebuilds the mirror. Both are exact: a mirrored
+next look is the request's next look (it is updated wherever a next look changes, and
+a request whose next look changed elsewhere leaves the mirror), so both list exactly
+what asking :attr:`Listing.next_look` for every request would list.
 
 Duck-typed over vLLM's objects (no vLLM import). The listing reads the scheduler
 side's live requests and adds to its announced set; it changes nothing else there.
@@ -35,7 +48,11 @@ side's live requests and adds to its announced set; it changes nothing else ther
 
 from __future__ import annotations
 
+from array import array
+from bisect import bisect_left
 from collections.abc import Mapping, Sequence
+from itertools import compress, repeat
+from operator import ge, is_not
 from typing import Any
 
 from kvshm.integrations.vllm.config import ConnectorConfig
@@ -57,23 +74,31 @@ def tables(block_ids: Sequence[Sequence[int]]) -> Tables:
 class Listing:
     """See the module docstring. ``requests`` and ``announced`` are the scheduler side's
     own (request id -> vLLM ``Request``, and the announced ids); ``no_new`` is the
-    "no new blocks" table of every group."""
+    "no new blocks" table of every group. ``mirror``: False asks :attr:`next_look` for
+    every cached request (the reference the tests compare against)."""
 
     def __init__(self, cfg: ConnectorConfig, requests: Mapping[str, Any],
-                 announced: set[str], counters: SchedulerCounters, no_new: Tables) -> None:
+                 announced: set[str], counters: SchedulerCounters, no_new: Tables, *,
+                 mirror: bool = True) -> None:
         self._block_size = cfg.block_size
         self._sw = any(g.kind is GroupKind.SLIDING_WINDOW for g in cfg.groups)
         self._requests = requests
         self._announced = announced
         self._counters = counters
         self._no_new = no_new
+        self._mirror = mirror
         #: request id -> the computed-token count at which it is next listed
         self.next_look: dict[str, int] = {}
-        # the last step's cached request ids and their next looks after it (positional
-        # hints, see _list_cached), and the ids forgotten or preempted since
-        self._prev_ids: list[str] = []
-        self._prev_looks: list[int] = []
-        self._gone: set[str] = set()
+        # the mirror (module docstring): the last step's cached ids, their next looks,
+        # increasing sequence numbers, and id -> its sequence number
+        self._ids: list[str] = []
+        self._looks: list[int] = []
+        self._seq: array[int] = array("q")
+        self._seq_of: dict[str, int] = {}
+        self._next_seq = 0
+        self._gone: set[str] = set()  # left the running list since the last listing
+        self._ints: dict[int, int] = {}  # one int object per next-look value (cache-warm)
+        self._positions: list[int] = []  # 0, 1, 2, ...: compress's data (no int per step)
 
     def forget(self, rid: str) -> None:
         """The request is gone (finished): drop its next look."""
@@ -82,17 +107,14 @@ class Listing:
 
     def build(self, so: Any) -> tuple[list[ScheduledRequest], set[int]]:
         """The scheduled requests that changed (module docstring) and, with
-        sliding-window groups, the GPU ids allocated this step.
-
-        Runs once per step over the SchedulerOutput's lists: an unchanged running
-        request costs one dict probe (or a positional hint) and a compare; a changed
-        announced request that is
-        not resumed takes the inlined path (one set probe, one dict probe, one
-        ScheduledRequest); the set of listed ids is built only when the step preempted
-        someone."""
+        sliding-window groups, the GPU ids allocated this step. The set of listed ids
+        is built only when the step preempted someone."""
         out: list[ScheduledRequest] = []
         alloc: set[int] = set()
+        seq_of = self._seq_of
         for nr in so.scheduled_new_reqs:
+            if nr.req_id in seq_of:  # its next look changes outside the mirror
+                self._gone.add(nr.req_id)
             self._add(out, nr.req_id, tables(nr.block_ids), True, nr.num_computed_tokens,
                       alloc)
         cached = so.scheduled_cached_reqs
@@ -109,32 +131,98 @@ class Listing:
                     self._gone.add(rid)
         return out, alloc
 
+    # -- the cached requests -------------------------------------------------------------
     def _list_cached(self, cached: Any, out: list[ScheduledRequest], alloc: set[int],
                      state: Any) -> None:
-        """The cached requests (see :meth:`build`). A request's next look comes from
-        the last step's list where the request sits where it sat then (``is`` on the id
-        object: no string hash, no dict probe -- at 16k running requests, the misses
-        those cost were most of the step), past the ids forgotten or preempted since;
-        elsewhere from :attr:`next_look` (after a few misses in a row the rest of the
-        list skips the hints). Exact: a hint is the request's next look at the end of the
-        last listing, and between listings only ``forget`` and preemption change one,
-        of requests that leave the running list (their ids are skipped, never matched:
-        vLLM lists a request again only after it resumed, with new block ids, and then
-        its next look is not read)."""
+        """The cached requests that changed, in vLLM's order (see the module docstring:
+        the batch test over the mirror, else the per-request walk)."""
+        ids, nbs, comps = cached.req_ids, cached.new_block_ids, cached.num_computed_tokens
         resumed = cached.resumed_req_ids
-        announced, get, no_new, sw = self._announced, self._requests.get, self._no_new, self._sw
-        look = self.next_look
-        at = look.get
-        bs = self._block_size
-        append, unknown, looked = out.append, 0, 0
-        req_ids = cached.req_ids
-        prev_ids, prev_looks, gone = self._prev_ids, self._prev_looks, self._gone
-        n_prev = len(prev_ids)
+        if self._mirror and self._aligned(ids, nbs, comps):
+            looks = self._looks
+            flagged = self._flagged(nbs, comps)
+            for i in flagged:
+                looks[i] = self._changed(ids[i], nbs[i], comps[i], looks[i], out, alloc,
+                                         state, resumed)
+            looked = len(flagged)
+        else:
+            looked = self._walk(ids, nbs, comps, out, alloc, state, resumed)
+        self._gone.clear()
+        self._counters.requests_unchanged += len(ids) - looked
+
+    def _flagged(self, nbs: Sequence[Any], comps: Sequence[int]) -> list[int]:
+        """The positions the batch test flags, in order: a boundary reached
+        (``computed >= next look``, one C ``map`` over the mirrored next looks) or new
+        block ids (``nbs.count(None)`` first: usually none or a few; their positions by
+        truthiness, and by ``is not None`` where that disagrees: an empty table)."""
+        n = len(comps)
+        pos = self._positions
+        if len(pos) < n:
+            pos.extend(range(len(pos), n))
+        flagged = list(compress(pos, map(ge, comps, self._looks)))
+        k = n - nbs.count(None)
+        if k:
+            grown = list(compress(pos, nbs))
+            if len(grown) != k:
+                grown = list(compress(pos, map(is_not, nbs, repeat(None))))
+            flagged = sorted(set(flagged).union(grown)) if flagged else grown
+        return flagged
+
+    def _aligned(self, ids: Any, nbs: Sequence[Any], comps: Sequence[int]) -> bool:
+        """Update the mirror (drop the requests that left, append this step's ids past
+        its end) and say whether it now equals ``ids``, position by position."""
+        mids, looks, seq, seq_of = self._ids, self._looks, self._seq, self._seq_of
+        if self._gone and seq_of:
+            at: list[int] = []
+            for rid in self._gone:
+                s = seq_of.pop(rid, None)
+                if s is not None:
+                    p = bisect_left(seq, s)
+                    if p == len(seq) or seq[p] != s:
+                        return False  # never expected: the walk rebuilds the mirror
+                    at.append(p)
+            at.sort()
+            while at:  # runs of adjacent positions, last first: one memmove each
+                hi = at.pop()
+                lo = hi
+                while at and at[-1] == lo - 1:
+                    lo = at.pop()
+                del mids[lo:hi + 1], looks[lo:hi + 1], seq[lo:hi + 1]
+        m, n = len(mids), len(ids)
+        if n < m or len(nbs) != n or len(comps) != n:
+            return False
+        if n > m:
+            tail = ids[m:]
+            first = self._next_seq
+            self._next_seq += len(tail)
+            for s, rid in enumerate(tail, first):
+                if seq_of.setdefault(rid, s) != s:
+                    return False  # listed twice: the walk rebuilds the mirror
+            at_look = self.next_look.get
+            mids.extend(tail)
+            looks.extend(at_look(rid, 0) for rid in tail)
+            seq.extend(range(first, first + len(tail)))
+        return bool(mids == ids)
+
+    def _walk(self, ids: Sequence[str], nbs: Sequence[Any], comps: Sequence[int],
+              out: list[ScheduledRequest], alloc: set[int], state: Any,
+              resumed: Any) -> int:
+        """The per-request walk (the mirror did not match): a request's next look comes
+        from the mirror where the request sits where the mirror has it (``is`` on the id
+        object: no string hash, no dict probe), else from :attr:`next_look` (after a few
+        misses in a row the rest of the list skips the mirror); then the mirror is
+        rebuilt from this step's ids. Ids that left since the last listing are skipped,
+        never matched (vLLM lists a request again only after it resumed, with new block
+        ids, and then its next look is not read). Returns how many requests were
+        visited."""
+        at = self.next_look.get
+        prev_ids, prev_looks = self._ids, self._looks
+        n_prev = len(prev_ids) if self._mirror else 0
         looks: list[int] = []
         keep = looks.append
-        j = misses = 0
-        for rid, nb, computed in zip(req_ids, cached.new_block_ids,
-                                     cached.num_computed_tokens):
+        gone = self._gone
+        j = misses = looked = 0
+        for rid, nb, computed in zip(ids, nbs, comps):
             if j < n_prev and prev_ids[j] is rid:
                 w = prev_looks[j]
                 j += 1
@@ -154,41 +242,60 @@ class Listing:
                 keep(w)
                 continue
             looked += 1
-            if rid in announced and (nb is None or rid not in resumed):
-                r = get(rid)
-                if r is None:
-                    unknown += 1
-                    keep(w)
-                    continue
-                if nb is None:
-                    table = no_new
-                else:
-                    table = (tuple(nb[0]),) if len(nb) == 1 else tables(nb)
-                    if sw:
-                        alloc.update(b for g in nb for b in g)
-                confirmed = r.num_computed_tokens - r.num_output_placeholders
-                w = look[rid] = (confirmed // bs + 1) * bs
-                keep(w)
-                append(ScheduledRequest(rid, r.block_hashes, r.num_tokens, table, False,
+            keep(self._changed(rid, nb, computed, w, out, alloc, state, resumed))
+        if self._mirror:
+            self._remirror(ids, looks)
+        return looked
+
+    def _remirror(self, ids: Sequence[str], looks: list[int]) -> None:
+        """The mirror from this step's ids (cut where ``zip`` stopped) and next looks."""
+        mids = list(ids)
+        del mids[len(looks):]
+        first = self._next_seq
+        self._next_seq += len(mids)
+        self._ids, self._looks = mids, looks
+        self._seq = array("q", range(first, first + len(mids)))
+        self._seq_of = dict(zip(mids, range(first, first + len(mids))))
+        if len(self._seq_of) != len(mids):  # an id listed twice: no mirror next step
+            self._ids, self._looks, self._seq = [], [], array("q")
+            self._seq_of.clear()
+
+    def _changed(self, rid: str, nb: Any, computed: int, w: int,
+                 out: list[ScheduledRequest], alloc: set[int], state: Any,
+                 resumed: Any) -> int:
+        """One cached request the boundary test flagged (``w``: its next look): list it
+        if it changed; returns its next look after this step."""
+        if rid in self._announced and (nb is None or rid not in resumed):
+            r = self._requests.get(rid)
+            if r is None:
+                self._counters.requests_unknown += 1
+                return w
+            if nb is None:
+                table = self._no_new
+            else:
+                table = (tuple(nb[0]),) if len(nb) == 1 else tables(nb)
+                if self._sw:
+                    alloc.update(b for g in nb for b in g)
+            confirmed = r.num_computed_tokens - r.num_output_placeholders
+            w = self._int((confirmed // self._block_size + 1) * self._block_size)
+            self.next_look[rid] = w
+            out.append(ScheduledRequest(rid, r.block_hashes, r.num_tokens, table, False,
                                         confirmed, False, r.kv_transfer_params))
-                continue
-            if rid in resumed and nb is not None:
-                self._counters.requests_resumed += 1
-                self._add(out, rid, tables(nb), True, computed, alloc)
-            else:  # listed before: never announced (the workers were not ready yet)
-                full = state.get_block_ids(rid) if state is not None else None
-                if full is not None:
-                    self._counters.requests_announced_late += 1
-                    self._add(out, rid, tables(full), True, computed, alloc)
-            keep(at(rid, 0))
-        ids = list(req_ids)
-        if len(ids) != len(looks):  # zip stopped at a shorter list
-            del ids[len(looks):]
-        self._prev_ids = ids
-        self._prev_looks = looks
-        gone.clear()
-        self._counters.requests_unknown += unknown
-        self._counters.requests_unchanged += len(req_ids) - looked
+            return w
+        if rid in resumed and nb is not None:
+            self._counters.requests_resumed += 1
+            self._add(out, rid, tables(nb), True, computed, alloc)
+        else:  # listed before: never announced (the workers were not ready yet)
+            full = state.get_block_ids(rid) if state is not None else None
+            if full is not None:
+                self._counters.requests_announced_late += 1
+                self._add(out, rid, tables(full), True, computed, alloc)
+        return self.next_look.get(rid, 0)
+
+    def _int(self, w: int) -> int:
+        """The one int object for next look ``w`` (the batch test reads every mirrored
+        next look each step: shared objects stay in cache)."""
+        return self._ints.setdefault(w, w)
 
     def _add(self, out: list[ScheduledRequest], rid: str, table: Tables, full: bool,
              num_computed: int, alloc: set[int], *, preempted: bool = False) -> None:
@@ -202,6 +309,7 @@ class Listing:
             alloc.update(b for g in table for b in g[first:])
         confirmed = r.num_computed_tokens - r.num_output_placeholders
         if not preempted:
-            self.next_look[rid] = (confirmed // self._block_size + 1) * self._block_size
+            self.next_look[rid] = self._int(
+                (confirmed // self._block_size + 1) * self._block_size)
         out.append(ScheduledRequest(rid, r.block_hashes, r.num_tokens, table, full,
                                     confirmed, preempted, r.kv_transfer_params))
