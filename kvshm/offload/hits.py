@@ -39,6 +39,8 @@ class Hit:
     pinned: list[int]
     hashes: Sequence[BlockHash]
     cause: LoadFailure | None = None
+    offered: int = 0
+    """The tokens ``lookup`` answered for it (a hand-off's may end inside a block)."""
 
 
 def find_hit(cpu: BlockPool, gs: GroupSet, hashes: Sequence[BlockHash], start: int,

@@ -108,6 +108,8 @@ class OffloadManager:
         self._hits: dict[str, Hit] = {}
         self._params: dict[str, dict[str, Any]] = {}  # P/D hand-offs' transfer params
         self.remote = None if remote is None else remote(cpu, self._gs, self._jobs)
+        if self.remote is not None:  # a P/D publication learns of a dropped tail store
+            self._stores.on_dropped = self.remote.store_dropped
         self._failed = False
         self._abandoned = 0
 
@@ -154,6 +156,10 @@ class OffloadManager:
         ends on a block boundary is never a hit. Pins the hit; None: ask again next
         step (no pin)."""
         view = self._check.view(req, num_local_tokens)
+        if self.cpu.refresh_gpu_hits and num_local_tokens >= self.block_size:
+            # _refresh reads the engine's own hit's hashes, which view() does not check
+            self._check.hashes("lookup", view.req_id, "block_hashes", view.hashes, 0,
+                               min(num_local_tokens // self.block_size, len(view.hashes)))
         self.counters.lookups += 1
         rid = view.req_id
         self._drop_hit(rid)
@@ -191,6 +197,7 @@ class OffloadManager:
         tokens = (hit.end - s) * bs
         if cap and tokens > cap:
             tokens = cap
+        hit.offered = tokens
         self.counters.lookup_hit_tokens += tokens
         return tokens
 
@@ -227,7 +234,7 @@ class OffloadManager:
                 LoadFailure.ENGINE_FAILED if self._failed else LoadFailure.NO_PIN)
             self._loads.fail_now(req_id, self._guess_dests(hit, tables, num_external_tokens), cause)
             return
-        offered = (hit.end - hit.start) * self.block_size
+        offered = hit.offered
         if num_external_tokens > offered:
             raise self._check.refuse("allocated", req_id, "num_external_tokens",
                                      f"{num_external_tokens} accepted, {offered} offered")

@@ -11,11 +11,12 @@ manager P and a decode manager D over one :class:`HeldIndex`; BS = 4, two ranks)
    that never comes no longer leaves a lookup waiting past twice ``wait_s``.
 2. ``allocated`` compares the accepted tokens with the hit's whole blocks, not with the
    capped count ``lookup`` returned (``num_tokens - 1``): an engine accepting every
-   prompt token is not refused. The fix belongs in ``manager.py`` (strict xfail here).
+   prompt token is not refused. Now ``allocated`` compares with the lookup's answer
+   (``Hit.offered``).
 2b. A tail store dropped for want of CPU blocks (CPU_FULL) sank the whole hand-off: the
    publication waited for a key never put and timed out, though the full blocks were on
-   the server. Now the publication drops its tail (the manager's wiring of
-   ``StorePlanner.on_dropped`` is the one missing line: strict xfail).
+   the server. Now the publication drops its tail (the manager wires
+   ``StorePlanner.on_dropped`` to ``RemoteBook.store_dropped``).
 3. A tail key for a prompt shorter than one block (no full block, no parent) made P pin
    and store that block for a hand-off that publishes nothing.
 4. Every manifest names ``tail`` (0 too), so a decoder of the previous release
@@ -157,9 +158,6 @@ def ask(d: Rig, index: HeldIndex, view: RequestView) -> int:
 # ---- 2. allocated: at most what lookup returned ------------------------------------------
 
 
-@pytest.mark.xfail(strict=True, reason="manager.py: allocated compares with the hit's whole "
-                   "blocks (12 tokens), not the capped lookup answer (10); patch in the "
-                   "review report")
 @pytest.mark.parametrize("accepted", [11, 12])
 def test_allocated_refuses_more_tokens_than_the_capped_handoff_hit(accepted: int) -> None:
     """D's hit of R (11 tokens, tail handed off) is 10 tokens: CPU 0, 1, 2, the last one
@@ -226,8 +224,6 @@ def test_a_dropped_tail_store_leaves_the_full_block_handoff_intact() -> None:
     assert hit == 8
 
 
-@pytest.mark.xfail(strict=True, reason="manager.py does not wire StorePlanner.on_dropped "
-                   "to RemoteBook.store_dropped yet; patch in the review report")
 def test_the_manager_tells_the_remote_book_of_a_dropped_tail_store() -> None:
     """The same scenario without the test wiring the hook: the manager must."""
     index = HeldIndex()
@@ -304,9 +300,6 @@ def test_a_manifest_without_a_tail_is_readable_by_the_previous_release() -> None
 # ---- 5. (pre-existing, found on the way) the GPU-hit refresh reads unchecked hashes ------
 
 
-@pytest.mark.xfail(strict=True, raises=TypeError, reason="manager.py: lookup's refresh of "
-                   "the engine's own hit reads hashes [0, s) the check skips; patch in the "
-                   "review report")
 def test_the_gpu_hit_refresh_reads_no_unchecked_hash() -> None:
     """Not the tail's: an ``LRU_REFRESH`` CPU tier refreshes the CPU copies of the
     engine's own GPU hit, reading ``block_hashes[0:s)`` -- which the lookup check skips
