@@ -21,7 +21,7 @@ from kvshm.offload.groups import GroupSet
 from kvshm.offload.pool import BlockPool
 from kvshm.types import LoadFailure
 
-__all__ = ["Assignment", "Hit", "assign", "find_hit"]
+__all__ = ["Assignment", "Hit", "assign", "find_hit", "guess_dests", "refresh_prefix"]
 
 
 @dataclass(slots=True, eq=False)
@@ -170,3 +170,28 @@ def assign(cpu: BlockPool, gs: GroupSet, hit: Hit, tables: Sequence[Sequence[int
                 out.cpu_ids.append(src)
                 out.gpu_ids.append(dst)
     return out
+
+
+def refresh_prefix(cpu: BlockPool, gs: GroupSet, hashes: Sequence[BlockHash], s: int) -> None:
+    """The engine's own prefix hit ``[0, s)`` reused these blocks: refresh their CPU
+    copies, tail first (the head ends up evicted last). O(s)."""
+    get = cpu.get_cached
+    key = gs.key
+    ids: list[int] = []
+    for p in range(min(s, len(hashes)) - 1, -1, -1):
+        for g in range(gs.n):
+            b = get(key(hashes[p], g))
+            if b is not None:
+                ids.append(b)
+    if ids:
+        cpu.refresh(ids)
+
+
+def guess_dests(hit: Hit | None, tables: Sequence[Sequence[int]], n_ext: int,
+                block_size: int) -> list[int]:
+    """Destinations of a load that cannot happen: the hit's range when known, else every
+    id of the tables (the engine then recomputes from the first)."""
+    if hit is not None:
+        end = hit.start - (-n_ext // block_size)
+        return [t[p] for p in range(hit.start, end) for t in tables if p < len(t)]
+    return list(dict.fromkeys(b for t in tables for b in t))

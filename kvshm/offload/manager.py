@@ -47,7 +47,7 @@ from kvshm.ipc.protocol import Direction, Remote, Transfer, pack_ids
 from kvshm.offload.counters import DeclineReason, ManagerCounters
 from kvshm.offload.groups import GroupSet, cdiv
 from kvshm.offload.handoff import handoff_extent, is_handoff
-from kvshm.offload.hits import Hit, assign, find_hit
+from kvshm.offload.hits import Hit, assign, find_hit, guess_dests, refresh_prefix
 from kvshm.offload.inputs import for_pool
 from kvshm.offload.invariants import Parts, check_parts, recorded_pins
 from kvshm.offload.jobs import AckOutcome, AnyJob, JobTable, LoadJob, LoadPart, RemoteJob, StoreJob
@@ -106,7 +106,6 @@ class OffloadManager:
                                   self._loads.dst.counts)
         self._track = RequestTracker(self._gs, block_size, self._eager, self._stores)
         self._hits: dict[str, Hit] = {}
-        self._params: dict[str, dict[str, Any]] = {}  # P/D hand-offs' transfer params
         self.remote = None if remote is None else remote(cpu, self._gs, self._jobs)
         if self.remote is not None:  # a P/D publication learns of a dropped tail store
             self._stores.on_dropped = self.remote.store_dropped
@@ -175,7 +174,7 @@ class OffloadManager:
         if self._failed or self._abandoned:
             return 0
         if s and self.cpu.refresh_gpu_hits:
-            self._refresh(view.hashes, s)
+            refresh_prefix(self.cpu, self._gs, view.hashes, s)
         hashes, n_max = view.hashes, (view.num_tokens - 1 - num_local_tokens) // bs
         cap = 0  # a P/D hand-off's hit may end inside a block: num_tokens - 1 at most
         if (view.params is not None and self.remote is not None and self.remote.pd is not None
@@ -201,20 +200,6 @@ class OffloadManager:
         self.counters.lookup_hit_tokens += tokens
         return tokens
 
-    def _refresh(self, hashes: Sequence[bytes], s: int) -> None:
-        """The engine's own prefix hit ``[0, s)`` reused these blocks: refresh their CPU
-        copies, tail first (the head ends up evicted last). O(s)."""
-        get = self.cpu.get_cached
-        key = self._gs.key
-        ids: list[int] = []
-        for p in range(min(s, len(hashes)) - 1, -1, -1):
-            for g in range(self._gs.n):
-                b = get(key(hashes[p], g))
-                if b is not None:
-                    ids.append(b)
-        if ids:
-            self.cpu.refresh(ids)
-
     def allocated(self, req_id: str, gpu_block_ids: Sequence[Sequence[int]],
                   num_external_tokens: int) -> None:
         """Phase B: ``gpu_block_ids`` are the request's full per-group tables; the first
@@ -232,7 +217,8 @@ class OffloadManager:
             self._hits.pop(req_id, None)
             cause = hit.cause if hit is not None and hit.cause is not None else (
                 LoadFailure.ENGINE_FAILED if self._failed else LoadFailure.NO_PIN)
-            self._loads.fail_now(req_id, self._guess_dests(hit, tables, num_external_tokens), cause)
+            self._loads.fail_now(req_id, guess_dests(hit, tables, num_external_tokens,
+                                                     self.block_size), cause)
             return
         offered = hit.offered
         if num_external_tokens > offered:
@@ -252,15 +238,6 @@ class OffloadManager:
         self.gpu.touch(a.gpu_ids)
         self._loads.enqueue(
             LoadPart(req_id, a.cpu_ids, a.gpu_ids, tuple(a.failed), num_external_tokens))
-
-    def _guess_dests(self, hit: Hit | None, tables: Sequence[Sequence[int]],
-                     n_ext: int) -> list[int]:
-        """Destinations of a load that cannot happen: the hit's range when known, else
-        every id of the tables (the engine then recomputes from the first)."""
-        if hit is not None:
-            end = hit.start + cdiv(n_ext, self.block_size)
-            return [t[p] for p in range(hit.start, end) for t in tables if p < len(t)]
-        return list(dict.fromkeys(b for t in tables for b in t))
 
     def _drop_hit(self, req_id: str) -> None:
         hit = self._hits.pop(req_id, None)
@@ -364,32 +341,14 @@ class OffloadManager:
         if st is not None and not self._failed:
             self._track.finish(st, confirmed, tables, hashes)
             if st.remote and self.remote is not None and self.remote.pd is not None:
-                self._publish(req_id, st, confirmed, tables, tail)
+                self.remote.publish_request(req_id, st.hashes, confirmed, tables, tail,
+                                            self._stores.pin_tail)
         return False
-
-    def _publish(self, req_id: str, st: ReqState, confirmed: int,
-                 tables: Sequence[Sequence[int]], tail: bytes | None) -> None:
-        """A P/D prefill request's hand-off: its full blocks' keys, then its partial
-        last block's when ``tail`` names one of 2+ tokens (a decoder computes the last
-        token anyway) and every group can store it."""
-        assert self.remote is not None
-        n = min(confirmed // self.block_size, len(st.hashes))
-        keys = [self._gs.key(st.hashes[p], g) for p in range(n) for g in range(self._gs.n)]
-        tail_keys = None
-        full, rest = divmod(confirmed, self.block_size)
-        if tail is not None and n == full and rest > 1:
-            tail_keys = self._stores.pin_tail(tables, n, tail)
-        params = self.remote.publish(req_id, keys + (tail_keys or []), confirmed,
-                                     len(tail_keys or ()))
-        if params is not None:
-            self._params[req_id] = params
-        if len(self._params) > 4096:  # never asked for: keep the newest only
-            del self._params[next(iter(self._params))]
 
     def transfer_params(self, req_id: str) -> dict[str, Any] | None:
         """The ``kv_transfer_params`` of a P/D prefill request that just finished (its
         hand-off's manifest: :mod:`kvshm.offload.handoff`), once; None otherwise."""
-        return self._params.pop(req_id, None)
+        return None if self.remote is None else self.remote.transfer_params(req_id)
 
     def _forget(self, req_id: str) -> ReqState | None:
         """Drop a request's pin, queued load and tracking (in-flight jobs keep theirs)."""

@@ -115,6 +115,7 @@ class RemoteBook:
         self._fetching: dict[bytes, int] = {}  # key -> GET job id
         self._fetch_since: dict[int, float] = {}  # GET job id -> when it was planned
         self.pd = handoffs
+        self._params: dict[str, dict[str, Any]] = {}  # P/D hand-offs' transfer params
 
     # ---- queries ---------------------------------------------------------------------
 
@@ -257,6 +258,33 @@ class RemoteBook:
         """A P/D prefill request finished: its hand-off's ``kv_transfer_params``
         (``tail``: how many of the last ``keys`` are its partial last block's)."""
         return self.puts.publish(rid, keys, num_tokens, tail)
+
+    def publish_request(self, rid: str, hashes: Sequence[bytes], confirmed: int,
+                        tables: Sequence[Sequence[int]], tail: bytes | None,
+                        pin_tail: Callable[[Sequence[Sequence[int]], int, bytes],
+                                           list[bytes] | None]) -> None:
+        """A P/D prefill request finished (the manager's ``finished``): its hand-off
+        names its full blocks' keys, then its partial last block's when ``tail`` names
+        one of 2+ tokens (a decoder computes the last token anyway) and ``pin_tail``
+        (:meth:`~kvshm.offload.stores.StorePlanner.pin_tail`) could queue it. The params
+        wait for :meth:`transfer_params` (the newest 4,096 are kept)."""
+        assert self.pd is not None, "a hand-off without the hand-off book"
+        bs, gs = self.pd.block_size, self._gs
+        n = min(confirmed // bs, len(hashes))
+        keys = [gs.key(hashes[p], g) for p in range(n) for g in range(gs.n)]
+        tail_keys = None
+        full, rest = divmod(confirmed, bs)
+        if tail is not None and n == full and rest > 1:
+            tail_keys = pin_tail(tables, n, tail)
+        params = self.publish(rid, keys + (tail_keys or []), confirmed, len(tail_keys or ()))
+        if params is not None:
+            self._params[rid] = params
+        if len(self._params) > 4096:  # never asked for: keep the newest only
+            del self._params[next(iter(self._params))]
+
+    def transfer_params(self, rid: str) -> dict[str, Any] | None:
+        """A finished P/D prefill request's ``kv_transfer_params``, once."""
+        return self._params.pop(rid, None)
 
     # ---- plan and completion -------------------------------------------------------------
 
