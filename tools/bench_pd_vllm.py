@@ -28,11 +28,15 @@ cache nor kvshm is read (kvshm counts the lookup skipped; checked: no hit token,
 cached), so D computes every token, as a decoder without the hand-off does. Both are
 greedy, 4 tokens, top-3 logprobs. TTFT is vLLM's own ``first_token_latency`` (the
 request's arrival in D to its first token: the "ask again" rounds while kvshm reads the
-manifest and the readiness keys, the GET, the load, the tail's compute). The first prompt
-is a warm-up, not counted. Checked (the exit status): every hand-off hit at least every
-full block of its prompt (kvshm's external hit tokens; with the tail block, all but the
-last token), the recompute read nothing, and the hand-off's tokens equal the
-recompute's (P's first token too). ``bit_exact``: its top-3 logprobs equal too, bit for
+manifest and the readiness keys, the GET, the load, the tail's compute); D is stepped as
+``LLM.generate`` steps it. ``--phases`` (``python -m tools.bench_pd_vllm --phases``) also
+reads kvshm's counters after each step (~1 ms each on the dev VM): ``phases_ms_p50``, from
+the submission to the manifest accepted (``pd_consumed``), the readiness keys answered
+(``query_hits``), the GET done (``hit_blocks``), the load done (``loads_ok``).
+The first prompt is a warm-up, not counted. Checked (the exit status): every hand-off hit
+at least every full block of its prompt (kvshm's external hit tokens; with the tail
+block, all but the last token), the recompute read nothing, and the hand-off's tokens
+equal the recompute's (P's first token too). ``bit_exact``: its top-3 logprobs equal too, bit for
 bit; they do up to 512-token prompts, not from 1,024 on (``logprob_max_abs_diff``
 ~5e-6): vLLM CPU alone does the same -- a prompt served from its own prefix cache (the
 last 16 tokens computed over 1,984 cached) differs from the same prompt recomputed by
@@ -180,13 +184,33 @@ def delta(before: dict[str, int], after: dict[str, int]) -> dict[str, int]:
     return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
 
 
-def serve(llm: Any, prompt: list[int], params: Any) -> tuple[dict[str, Any], dict[str, int]]:
-    """One request on an idle engine, then idle again: its record and the kvshm
+#: kvshm counters whose first move on D marks a hand-off's phases: the manifest read and
+#: accepted, the readiness keys answered, the GET done, the load into vLLM's KV done.
+PHASES = ("remote.pd_consumed", "remote.query_hits", "remote.hit_blocks", "loads_ok")
+
+
+def serve(llm: Any, rid: str, prompt: list[int], params: Any, phases: bool
+          ) -> tuple[dict[str, Any], dict[str, int]]:
+    """One request on an idle engine, stepped as ``LLM.generate`` does, then idle again:
+    its record (``phases``: with the ms from its submission to each phase) and the kvshm
     counters it moved."""
+    eng = llm.llm_engine
     before = counters(llm)
-    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    seen: dict[str, float] = {}
+    out = None
+    t0 = time.perf_counter()
+    eng.add_request(rid, {"prompt_token_ids": prompt}, params)
+    while eng.has_unfinished_requests():
+        for o in eng.step():
+            out = o if o.finished else out
+        if phases:  # ~1 ms a step (kvshm's statistics)
+            now = counters(llm)
+            seen.update({k: (time.perf_counter() - t0) * 1e3 for k in PHASES
+                         if k not in seen and now.get(k, 0) > before.get(k, 0)})
+    if out is None:
+        raise RuntimeError(f"{rid}: no output")
     settle(llm)
-    return record(out), delta(before, counters(llm))
+    return {**record(out), "phases_ms": seen}, delta(before, counters(llm))
 
 
 # --------------------------------------------------------------------------- engine D
@@ -204,9 +228,12 @@ def child(cfg: dict[str, Any]) -> None:
             raise SystemExit("no work")
         work = json.loads(line)
         rows = []
-        for prompt, params in zip(work["prompts"], work["params"], strict=True):
-            ho, ho_c = serve(llm, prompt, greedy(extra_args={"kv_transfer_params": params}))
-            rc, rc_c = serve(llm, prompt, greedy(skip_reading_prefix_cache=True))
+        for i, (prompt, params) in enumerate(zip(work["prompts"], work["params"],
+                                                 strict=True)):
+            ho, ho_c = serve(llm, f"handoff-{i}", prompt,
+                             greedy(extra_args={"kv_transfer_params": params}), cfg["phases"])
+            rc, rc_c = serve(llm, f"recompute-{i}", prompt,
+                             greedy(skip_reading_prefix_cache=True), cfg["phases"])
             rows.append({"handoff": ho, "handoff_counters": ho_c,
                          "recompute": rc, "recompute_counters": rc_c})
         Path(cfg["out"]).write_text(json.dumps(
@@ -231,7 +258,7 @@ def _manifests(n: int) -> Callable[[dict[str, Any]], bool]:
     return lambda stats: bool(stats["remote"].get("pd_manifests_written", 0) >= n)
 
 
-def run(prompts: int, tokens: int) -> dict[str, Any]:
+def run(prompts: int, tokens: int, phases: bool = False) -> dict[str, Any]:
     """The whole bench; returns the JSON line's ``vllm`` object."""
     _env()
     from kvshm.remote.server import ValkeyServer
@@ -245,7 +272,7 @@ def run(prompts: int, tokens: int) -> dict[str, Any]:
     toks = [[SPECIALS + rnd.randrange(words) for _ in range(tokens)]
             for _ in range(prompts + 1)]  # the first: the warm-up
     server = ValkeyServer(maxmemory="1gb", workdir=tmp / "valkey").start()
-    cfg = {"model": str(tmp / "model"), "url": server.url}
+    cfg = {"model": str(tmp / "model"), "url": server.url, "phases": phases}
     log, ready, out = tmp / "d.log", tmp / "d.ready", tmp / "d.json"
     env = {**os.environ, **ENV, "PYTHONHASHSEED": HASH_SEED,
            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get(
@@ -331,6 +358,9 @@ def summarize(res: dict[str, Any], p_rows: list[dict[str, Any]], publish: list[f
                 "remote.hit_bytes", 0) for r in rows)),
             "asked_again_p50": med(r["handoff_counters"].get("lookups_asked_again", 0)
                                    for r in rows),
+            "phases_ms_p50": {k.removeprefix("remote."): round(med(
+                r["handoff"]["phases_ms"][k] for r in rows if k in r["handoff"]["phases_ms"]),
+                1) for k in PHASES if any(k in r["handoff"]["phases_ms"] for r in rows)},
             "bit_exact": bool(exact), "tokens_equal": bool(same_tokens),
             "logprob_max_abs_diff": diff,
             "all_blocks_hit": min(hit) >= (tokens - 1) // BLOCK * BLOCK,
@@ -347,6 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the JSON line last")
     ap.add_argument("--prompts", type=int, default=16, help="timed prompts (16)")
     ap.add_argument("--tokens", type=int, default=2000, help="tokens a prompt (2000)")
+    ap.add_argument("--phases", action="store_true",
+                    help="time the hand-off's phases (reads kvshm's statistics every step)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     if args.child:
@@ -358,7 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(0)
-    out = run(args.prompts, args.tokens)
+    out = run(args.prompts, args.tokens, args.phases)
     print(f"P/D hand-off on vLLM CPU, {args.prompts} prompts of {args.tokens} tokens "
           f"(tiny Llama): decode TTFT {out['handoff_ttft_ms_p50']} ms with the hand-off vs "
           f"{out['recompute_ttft_ms_p50']} ms recomputing (x{out['pd_ttft_ratio']}); "
