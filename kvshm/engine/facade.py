@@ -36,6 +36,11 @@ from kvshm.types import RequestView, StepInput, StepPlan
 
 __all__ = ["Facade"]
 
+# ENDED's members, tested by identity on the per-request path (``state in ENDED``
+# hashes the Enum: a Python-level ``Enum.__hash__`` call per test)
+_CLOSING, _CLOSED = EngineState.CLOSING, EngineState.CLOSED
+assert ENDED == {_CLOSING, _CLOSED}
+
 
 class Facade:
     """The shared half of ``Engine`` and ``SyncClient`` (see the module docstring)."""
@@ -64,14 +69,16 @@ class Facade:
     @property
     def _ended(self) -> bool:
         """CLOSING or CLOSED: scheduler calls raise, closing again does nothing."""
-        return self._core.state in ENDED
+        state = self._core.state
+        return state is _CLOSING or state is _CLOSED
 
     # -- scheduler calls ---------------------------------------------------------------
     def lookup(self, req: RequestView, num_local_tokens: int) -> int | None:
         """Phase A: the CPU hit in tokens beyond ``num_local_tokens`` (pinned until phase
         B); 0 unless READY; None: ask again later (see ``OffloadManager.lookup``)."""
         core = self._core
-        if core.state in ENDED:  # _enter(service=False), inlined
+        state = core.state
+        if state is _CLOSING or state is _CLOSED:  # _enter(service=False), inlined
             raise self._ended_error()
         return core.lookup(req, num_local_tokens)
 
@@ -81,19 +88,24 @@ class Facade:
         outcome: ``await Engine.wait_loaded(req_id)`` after ``step``, or
         ``SyncClient.poll``."""
         core = self._core
-        if core.state in ENDED:  # _enter(service=False), inlined
+        state = core.state
+        if state is _CLOSING or state is _CLOSED:  # _enter(service=False), inlined
             raise self._ended_error()
         core.allocated(req_id, gpu_block_ids, num_external_tokens)
         if self._hooks_allocated:
             self._after_allocated(req_id, num_external_tokens)
 
-    def step(self, step_input: StepInput) -> StepPlan:
+    def step(self, step_input: StepInput, *, service: bool = True) -> StepPlan:
         """Plan and post this step's transfers; never blocks, never raises on a full ring.
+        ``service`` False skips the face's service (``SyncClient``: the pump) for a
+        caller that serviced it just before, in the same critical section
+        (``SyncClient.poll``): a Done that arrives in between is applied by the next
+        pump, as if it had arrived after the step.
 
         Contract (SPAWN / standalone workers): call it only after the compute of every
         earlier step has finished writing the device caches.
         """
-        self._enter()
+        self._enter(service=service)
         plan = self._core.step(step_input)
         if self._hooks_step:
             self._after_step()
@@ -107,7 +119,8 @@ class Facade:
         a P/D prefill request's partial last block's hash
         (:func:`kvshm.hashing.tail_hash`), handed off with its full blocks."""
         core = self._core
-        if core.state in ENDED:  # _enter(service=False), inlined
+        state = core.state
+        if state is _CLOSING or state is _CLOSED:  # _enter(service=False), inlined
             raise self._ended_error()
         out = core.finished(req_id, num_confirmed_tokens, gpu_block_ids, tail_hash=tail_hash)
         if self._hooks_finished:

@@ -34,6 +34,7 @@ Rules kept here:
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -64,6 +65,9 @@ from kvshm.stats import EngineStats
 from kvshm.types import GpuBlocks, LoadResult, RequestView, StepInput, StepPlan
 
 __all__ = ["Runtime"]
+
+_READY = EngineState.READY
+_DEBUG = logging.DEBUG
 
 
 class Runtime:
@@ -187,7 +191,8 @@ class Runtime:
     # -- event intake ------------------------------------------------------------------
     def pump(self) -> None:
         """Sync mode: service the rendezvous, drain every done ring, check for hangs."""
-        if self._server is not None and self._state in LIVE:
+        state = self._state
+        if self._server is not None and (state is _READY or state in LIVE):
             events = self._server.service()
             if events:
                 self._on_events(events, notify=False)
@@ -363,26 +368,37 @@ class Runtime:
     def lookup(self, req: RequestView, num_local_tokens: int) -> int | None:
         """Phase A; 0 until READY, once FAILED, and for a request kept out of the manager
         (:mod:`~kvshm.engine.admission`: ``allocated`` ignores it too)."""
-        check_id("lookup", req.req_id)
-        if (self.manager is None or self._state is not EngineState.READY
-                or self._admission.kept_out(req.req_id)):
+        rid = req.req_id
+        if type(rid) is not str:
+            check_id("lookup", rid)  # InvalidRequest unless a str subclass
+        manager = self.manager
+        pre = self._admission.pre_ready  # kept_out, inlined (a call per lookup)
+        if manager is None or self._state is not _READY or (pre and rid in pre):
             self.counters.lookups_not_ready += 1
             return 0
-        hit = self.manager.lookup(req, num_local_tokens)
+        hit = manager.lookup(req, num_local_tokens)
         if hit is not None:
-            self.counters.lookup_tokens += max(0, req.num_tokens - num_local_tokens)
-            self.counters.lookups_hit += hit > 0
-        log.debug("kvshm engine %r: lookup %r: %s CPU hit token(s) beyond %d local",
-                  self.config.name, req.req_id, hit, num_local_tokens)
+            counters = self.counters
+            more = req.num_tokens - num_local_tokens
+            if more > 0:
+                counters.lookup_tokens += more
+            if hit > 0:
+                counters.lookups_hit += 1
+        if log.isEnabledFor(_DEBUG):
+            log.debug("kvshm engine %r: lookup %r: %s CPU hit token(s) beyond %d local",
+                      self.config.name, rid, hit, num_local_tokens)
         return hit
 
     def allocated(self, req_id: str, gpu_block_ids: Sequence[Sequence[int]],
                   num_external_tokens: int) -> None:
         """Phase B (ignored before READY: every lookup then returned 0)."""
-        check_id("allocated", req_id)
-        if self.manager is None or self._admission.kept_out(req_id):
+        if type(req_id) is not str:
+            check_id("allocated", req_id)
+        manager = self.manager
+        pre = self._admission.pre_ready
+        if manager is None or (pre and req_id in pre):
             return
-        self.manager.allocated(req_id, gpu_block_ids, num_external_tokens)
+        manager.allocated(req_id, gpu_block_ids, num_external_tokens)
 
     def step(self, inp: StepInput) -> StepPlan:
         """Build this step's plan and post its transfers to every live rank."""
@@ -404,8 +420,10 @@ class Runtime:
                  gpu_block_ids: Sequence[Sequence[int]], *,
                  tail_hash: bytes | None = None) -> bool:
         """The request is done; always False (pins, not delayed frees)."""
-        check_id("finished", req_id)
-        if self._admission.finish(req_id) or self.manager is None:
+        if type(req_id) is not str:
+            check_id("finished", req_id)
+        if (self._admission.pre_ready and self._admission.finish(req_id)
+                or self.manager is None):
             return False
         return self.manager.finished(req_id, num_confirmed_tokens, gpu_block_ids,
                                      tail_hash=tail_hash)

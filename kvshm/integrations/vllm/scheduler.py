@@ -51,9 +51,12 @@ lock while vLLM is idle, so ``kvshm stats --name`` answers an idle engine within
 stops and joins it before anything else. The file written to ``stats_path``:
 :mod:`~kvshm.integrations.vllm.final_stats`.
 
-Ordering within ``build``: the client's load results are absorbed first, finished
-requests are forgotten, then the listing is built and ``SyncClient.step`` runs; loads
-kvshm refused in phase B join the metadata's ``failed_loads`` exactly once.
+Ordering within ``build``: the client's load results are absorbed first
+(``SyncClient.poll``: the build's one pump of the rings and the rendezvous), finished
+requests are forgotten, then the listing is built and ``SyncClient.step`` runs without
+pumping again (``service=False``); loads kvshm refused in phase B join the metadata's
+``failed_loads`` exactly once. A step pumps twice: ``update_connector_output`` and
+``build``.
 """
 
 from __future__ import annotations
@@ -338,7 +341,9 @@ class SchedulerSide:
             reqs = [r for r in reqs if r.req_id not in refused]
         while True:
             try:
-                return self.client.step(StepInput(self._step, reqs, (), alloc))
+                # build's poll pumped the client a moment ago: no second pump
+                return self.client.step(StepInput(self._step, reqs, (), alloc),
+                                        service=False)
             except InvalidRequest as exc:
                 rid = exc.req_id
                 if rid is None or rid in refused:

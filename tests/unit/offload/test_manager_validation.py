@@ -405,7 +405,7 @@ class ManagerClient:
     def allocated(self, rid: str, ids: Sequence[Sequence[int]], n: int) -> None:
         self.m.allocated(rid, ids, n)
 
-    def step(self, inp: StepInput) -> Any:
+    def step(self, inp: StepInput, *, service: bool = True) -> Any:
         self.steps.append([r.req_id for r in inp.requests])
         return self.m.build_step(inp)
 
