@@ -95,6 +95,7 @@ class Listing:
         self._looks: list[int] = []
         self._seq: array[int] = array("q")
         self._seq_of: dict[str, int] = {}
+        self._sequenced = False  # the mirror has its sequence numbers: aligning may work
         self._next_seq = 0
         self._gone: set[str] = set()  # left the running list since the last listing
         self._ints: dict[int, int] = {}  # one int object per next-look value (cache-warm)
@@ -113,8 +114,8 @@ class Listing:
         alloc: set[int] = set()
         seq_of = self._seq_of
         for nr in so.scheduled_new_reqs:
-            if nr.req_id in seq_of:  # its next look changes outside the mirror
-                self._gone.add(nr.req_id)
+            if not self._sequenced or nr.req_id in seq_of:
+                self._gone.add(nr.req_id)  # its next look changes outside the mirror
             self._add(out, nr.req_id, tables(nr.block_ids), True, nr.num_computed_tokens,
                       alloc)
         cached = so.scheduled_cached_reqs
@@ -171,6 +172,8 @@ class Listing:
     def _aligned(self, ids: Any, nbs: Sequence[Any], comps: Sequence[int]) -> bool:
         """Update the mirror (drop the requests that left, append this step's ids past
         its end) and say whether it now equals ``ids``, position by position."""
+        if not self._sequenced:
+            return False
         mids, looks, seq, seq_of = self._ids, self._looks, self._seq, self._seq_of
         if self._gone and seq_of:
             at: list[int] = []
@@ -222,6 +225,7 @@ class Listing:
         keep = looks.append
         gone = self._gone
         j = misses = looked = 0
+        hinted = len(ids)  # less one per dict probe below
         for rid, nb, computed in zip(ids, nbs, comps):
             if j < n_prev and prev_ids[j] is rid:
                 w = prev_looks[j]
@@ -234,6 +238,7 @@ class Listing:
                     j += 1
                     misses = 0
                 else:
+                    hinted -= 1
                     w = at(rid, 0)
                     misses += 1
                     if misses > 8:
@@ -244,21 +249,30 @@ class Listing:
             looked += 1
             keep(self._changed(rid, nb, computed, w, out, alloc, state, resumed))
         if self._mirror:
-            self._remirror(ids, looks)
+            self._remirror(ids, looks, 2 * hinted >= len(ids))
         return looked
 
-    def _remirror(self, ids: Sequence[str], looks: list[int]) -> None:
-        """The mirror from this step's ids (cut where ``zip`` stopped) and next looks."""
+    def _remirror(self, ids: Sequence[str], looks: list[int], sequence: bool) -> None:
+        """The mirror from this step's ids (cut where ``zip`` stopped) and next looks;
+        with sequence numbers only when ``sequence`` (most of this step's ids sat where
+        the last mirror had them: the next step may align), else it only serves the
+        next walk's positional hints (a step that lists only some of the running
+        requests aligns with nothing: no dict of sequence numbers is built for it)."""
         mids = list(ids)
         del mids[len(looks):]
+        self._ids, self._looks = mids, looks
+        self._sequenced = sequence
+        if not sequence:
+            self._seq, self._seq_of = array("q"), {}
+            return
         first = self._next_seq
         self._next_seq += len(mids)
-        self._ids, self._looks = mids, looks
         self._seq = array("q", range(first, first + len(mids)))
         self._seq_of = dict(zip(mids, range(first, first + len(mids))))
         if len(self._seq_of) != len(mids):  # an id listed twice: no mirror next step
             self._ids, self._looks, self._seq = [], [], array("q")
             self._seq_of.clear()
+            self._sequenced = False
 
     def _changed(self, rid: str, nb: Any, computed: int, w: int,
                  out: list[ScheduledRequest], alloc: set[int], state: Any,
