@@ -8,9 +8,10 @@ prefill engine P and the decode engine D. For each of 16 prompts of 2,000 tokens
 (``--quick``: 2 of 256):
 
 1. P prefills the prompt with the toy model (``kvshm.demo.model``) in two parts,
-   ``[0, h)`` in 512-token chunks and ``[h, n)`` (h = the block-aligned hit a decoder can
-   take, n - 1 rounded down to a block), lists the request with ``do_remote_decode``,
-   finishes it and steps until the hand-off's manifest is on the server:
+   ``[0, h)`` in 512-token chunks and ``[h, n)`` (h = n - 1, the hit a decoder takes:
+   the full blocks and the partial last one, under its tail key), lists the request with
+   ``do_remote_decode``, finishes it and steps until the hand-off's manifest is on the
+   server:
    ``publish_ms`` = from ``finished`` to the manifest written (P's blocks stored, put by
    both ranks, readiness keys, manifest).
 2. D serves the request as a P/D proxy sends it (``do_remote_prefill`` + P's params),
@@ -23,9 +24,11 @@ prefill engine P and the decode engine D. For each of 16 prompts of 2,000 tokens
 
 Order alternates (hand-off first on even prompts). The pieces are
 :mod:`kvshm.demo.pd`'s (``kvshm demo --pd`` runs the prefill engine in its own
-process). Medians. Last line with ``--json``:
-``{"pd_ttft_ratio": recompute / hand-off, "publish_ms_p50": .., "bytes_per_request": ..,
-"handoff_ttft_ms_p50": .., "recompute_ttft_ms_p50": .., "bit_exact": true}``.
+process). Medians. ``bytes_per_request``: what P's remote tier put a request, both ranks
+(kvshm's ``put_bytes``); ``decode_bytes_per_request``: what D's got (``hit_bytes``). Last
+line with ``--json``: ``{"pd_ttft_ratio": recompute / hand-off, "publish_ms_p50": ..,
+"bytes_per_request": .., "handoff_ttft_ms_p50": .., "recompute_ttft_ms_p50": ..,
+"bit_exact": true}``.
 Target: ``pd_ttft_ratio`` >= 3.
 
 ``--vllm``: the same measurement between two vLLM CPU engines with kvshm as their KV
@@ -46,7 +49,7 @@ from typing import Any
 import torch
 
 from kvshm.demo.model import ToyModel
-from kvshm.demo.pd import PHASES, handoff, hit_tokens, open_side, prefill, recompute
+from kvshm.demo.pd import PHASES, handoff, open_side, prefill, recompute
 from kvshm.remote.server import ValkeyServer
 
 
@@ -54,7 +57,6 @@ async def run(prompts: int, tokens: int) -> dict[str, Any]:
     torch.set_num_threads(1)
     model = ToyModel()
     c = model.config
-    h = hit_tokens(model, tokens)
     rnd = random.Random(0)
     with ValkeyServer(maxmemory="2gb") as server:
         lp, p = await open_side(model, server.url)
@@ -77,6 +79,7 @@ async def run(prompts: int, tokens: int) -> dict[str, Any]:
                         rc.append(ms)
                 await d.until(lambda: not d.eng.has_pending_work())
             stats = d.eng.statistics().remote
+            p_stats = p.eng.statistics().remote
         finally:
             await ld.__aexit__(None, None, None)
             await lp.__aexit__(None, None, None)
@@ -85,7 +88,8 @@ async def run(prompts: int, tokens: int) -> dict[str, Any]:
               for k in PHASES if any(k in x for x in d.phases)}
     return {"pd_ttft_ratio": round(med_r / med_h, 2),
             "publish_ms_p50": round(statistics.median(publish), 1),
-            "bytes_per_request": h // c.block_size * c.bytes_per_block * c.tp_shards,
+            "bytes_per_request": p_stats.get("put_bytes", 0) // prompts,
+            "decode_bytes_per_request": stats.get("hit_bytes", 0) // prompts,
             "handoff_ttft_ms_p50": round(med_h, 1), "recompute_ttft_ms_p50": round(med_r, 1),
             "bit_exact": bool(exact), "prompts": prompts, "prompt_tokens": tokens,
             "decode_pd_consumed": stats.get("pd_consumed", 0), "phases_ms_p50": phases}

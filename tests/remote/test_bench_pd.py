@@ -23,4 +23,6 @@ def test_bench_pd_quick_is_bit_exact_and_reports_its_keys(valkey: object) -> Non
     last = json.loads(out.stdout.strip().splitlines()[-1])
     assert {"pd_ttft_ratio", "publish_ms_p50", "bytes_per_request"} <= set(last)
     assert last["bit_exact"] is True and last["decode_pd_consumed"] == 2
-    assert last["bytes_per_request"] == 15 * 2 * 128 * 1024  # 15 blocks x 2 shards
+    # 15 full blocks and the tail (the last block's first 15 tokens) x 2 shards, put by
+    # the prefill side and got by the decode side (kvshm's counters)
+    assert last["bytes_per_request"] == last["decode_bytes_per_request"] == 16 * 2 * 128 * 1024
