@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from kvshm.errors import ConfigError
 from kvshm.hashing import tail_hash
 
 __all__ = ["request_tail_hash"]
@@ -22,7 +23,8 @@ __all__ = ["request_tail_hash"]
 def request_tail_hash(request: Any, num_tokens: int, block_size: int) -> bytes | None:
     """The key of ``request``'s partial block among its first ``num_tokens`` tokens, or
     None: the count ends on a block boundary, the full blocks before it are not all
-    hashed yet, or the block may hold inputs its token ids do not describe."""
+    hashed yet, the block may hold inputs its token ids do not describe, or no key can
+    carry its parent hash or token ids (never raises: vLLM's hooks must not)."""
     n_full, rest = divmod(num_tokens, block_size)
     hashes = request.block_hashes
     if rest == 0 or n_full == 0 or len(hashes) < n_full:
@@ -34,4 +36,7 @@ def request_tail_hash(request: Any, num_tokens: int, block_size: int) -> bytes |
     if type(parent) is not bytes:
         return None
     tokens = request.all_token_ids[n_full * block_size:num_tokens]
-    return tail_hash(parent, tokens)
+    try:
+        return tail_hash(parent, tokens)
+    except ConfigError:  # a hash or token id no key can carry: the block is recomputed
+        return None
