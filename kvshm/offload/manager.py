@@ -228,8 +228,7 @@ class OffloadManager:
         self._check.reach("allocated", req_id, tables, hit.start + k)
         a = assign(self.cpu, self._gs, hit, tables, k)
         del self._hits[req_id]
-        self.cpu.touch(a.cpu_ids)
-        self.cpu.free(reversed(hit.pinned))
+        self._hand_over(hit.pinned, a.cpu_ids)
         if st is not None:  # a hand-off's partial last block is stored once it fills
             st.start = hit.start + num_external_tokens // self.block_size
         if not a.cpu_ids:
@@ -238,6 +237,19 @@ class OffloadManager:
         self.gpu.touch(a.gpu_ids)
         self._loads.enqueue(
             LoadPart(req_id, a.cpu_ids, a.gpu_ids, tuple(a.failed), num_external_tokens))
+
+    def _hand_over(self, pinned: list[int], taken: list[int]) -> None:
+        """Phase B: the hit's pins on ``taken`` (the load's CPU ids) become the load's;
+        the rest of ``pinned`` is released tail-first. One full-attention group takes a
+        prefix of ``pinned`` in order: those pins move without a pool call (a touch then
+        a free of a pinned block changes neither its ref count nor its queue place)."""
+        k = len(taken)
+        if pinned[:k] == taken:
+            if k < len(pinned):
+                self.cpu.free(reversed(pinned[k:]))
+            return
+        self.cpu.touch(taken)
+        self.cpu.free(reversed(pinned))
 
     def _drop_hit(self, req_id: str) -> None:
         hit = self._hits.pop(req_id, None)

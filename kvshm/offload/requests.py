@@ -68,7 +68,7 @@ class ReqState:
 
     def __init__(self, req_id: str, ngroups: int) -> None:
         self.req_id = req_id
-        self.tables: list[list[int]] = [[] for _ in range(ngroups)]
+        self.tables: list[list[int]] = [[]] if ngroups == 1 else [[] for _ in range(ngroups)]
         self.cursor = 0
         self.hashes: Sequence[BlockHash] = ()
         self.start = 0
@@ -142,7 +142,9 @@ class RequestTracker:
                 nb = r.new_block_ids
                 q = r.num_confirmed_tokens // bs
                 if q >= w or q < 0 or nb is not no_new and nb != no_new:
-                    out.append(self._check_change(check.listed(r), w, check, seen))
+                    kind = self._decode_step(r, nb, q, w, seen, check)
+                    out.append((r, kind) if kind else
+                               self._check_change(check.listed(r), w, check, seen))
         except (TypeError, AttributeError) as exc:
             raise check.malformed(requests, r, exc) from exc
         return out
@@ -159,17 +161,63 @@ class RequestTracker:
     def _check_admit(self, r: ScheduledRequest, gone: Collection[str], check: CallCheck,
                      seen: set[str]) -> Change:
         """A (re)admission: check the hashes its first walk may read."""
-        self._once(r.req_id, seen, check)
+        rid = r.req_id
+        self._once(rid, seen, check)
         if r.preempted and not r.new_or_resumed:
             return r, ADMIT
-        st = None if r.req_id in gone else self.reqs.get(r.req_id)
-        remote = (st is not None and st.remote) or is_remote(r.kv_transfer_params)
+        st = None if rid in gone else self.reqs.get(rid)
+        params = r.kv_transfer_params
+        remote = (st is not None and st.remote) or (params is not None and is_remote(params))
         if self.eager or remote:
             cursor = 0 if remote or st is None else st.start
-            ready = min(r.num_confirmed_tokens // self.bs, min(len(t) for t in r.new_block_ids))
-            check.hashes("build_step", r.req_id, "block_hashes", r.block_hashes, cursor,
-                         min(ready, len(r.block_hashes)))
+            nb, hashes = r.new_block_ids, r.block_hashes
+            shortest = len(nb[0]) if len(nb) == 1 else min(map(len, nb))
+            ready = min(r.num_confirmed_tokens // self.bs, shortest, len(hashes))
+            if ready > cursor:
+                check.hashes("build_step", rid, "block_hashes", hashes, cursor, ready)
         return r, ADMIT
+
+    def _decode_step(self, r: Any, nb: Any, q: int, w: int, seen: set[str],
+                     check: CallCheck) -> int:
+        """The change of a decode step, checked in one pass: a plain ``ScheduledRequest``
+        of one KV group with one id appended, and either no block newly confirmed
+        (``q < w``: ``EXTEND``) or the next one (``q == w``, a tracked request whose walk
+        reads one hash: ``EXTEND | DIRTY``). Returns 0 for any other shape or value: the
+        caller then runs the full checks (:meth:`CallCheck.listed`,
+        :meth:`_check_change`), so this never refuses and never accepts what they would
+        refuse -- every test :meth:`CallCheck.listed` makes of such a request is made
+        here (``q >= 0`` is ``confirmed >= 0``; ``len(hashes) * bs <= num_tokens``
+        implies ``num_tokens >= 0``; both flags are known to be exactly False)."""
+        if q > w or type(r) is not ScheduledRequest or type(nb) is not tuple or len(nb) != 1:
+            return 0
+        t = nb[0]
+        if type(t) is not tuple or len(t) != 1:
+            return 0
+        rid, hashes, num_tokens = r.req_id, r.block_hashes, r.num_tokens
+        b, params = t[0], r.kv_transfer_params
+        if not (type(rid) is str and type(num_tokens) is int
+                and type(r.num_confirmed_tokens) is int and q >= 0
+                and (type(hashes) is list or type(hashes) is tuple)
+                and (params is None or type(params) is dict)
+                and len(hashes) * self.bs <= num_tokens
+                and type(b) is int and 0 <= b < check.num_gpu_blocks
+                and check.n_groups == 1 and rid not in seen):
+            return 0
+        if q < w:
+            seen.add(rid)
+            return EXTEND
+        st = self.reqs[rid]
+        lo = st.cursor
+        if not st.tracked or len(st.tables) != 1:
+            return 0
+        hi = min(q, len(st.tables[0]) + 1, len(hashes))
+        if hi - lo != 1:
+            return 0
+        h = hashes[lo]
+        if type(h) is not bytes or not check.hash_min <= len(h) <= check.hash_max:
+            return 0
+        seen.add(rid)
+        return EXTEND | DIRTY
 
     def _check_change(self, r: ScheduledRequest, w: int, check: CallCheck,
                       seen: set[str]) -> Change:
