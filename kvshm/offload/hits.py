@@ -54,8 +54,8 @@ def find_hit(cpu: BlockPool, gs: GroupSet, hashes: Sequence[BlockHash], start: i
         if not run:
             return None
         end = start + len(run)
-        only: list[int | None] = list(run)
-        return Hit(start, end, [only], run, _seen(hashes, start, end))
+        # one list is both the group's row and the pins: neither is ever mutated
+        return Hit(start, end, [run], run, _seen(hashes, start, end))  # type: ignore[list-item]
     get = cpu.get_cached
     key = gs.key
     full_rows: list[list[int]] = []
@@ -90,10 +90,10 @@ def find_hit(cpu: BlockPool, gs: GroupSet, hashes: Sequence[BlockHash], start: i
     return Hit(start, end, per_group, pinned, _seen(hashes, start, end))
 
 
-def _seen(hashes: Sequence[BlockHash], start: int, end: int) -> tuple[BlockHash, ...]:
+def _seen(hashes: Sequence[BlockHash], start: int, end: int) -> Sequence[BlockHash]:
     """A copy of ``hashes[start:end]`` (phase B never reads the live sequence)."""
     if type(hashes) is list or type(hashes) is tuple:
-        return tuple(hashes[start:end])
+        return hashes[start:end]  # a slice of a list or tuple is a copy already
     return tuple(hashes[p] for p in range(start, end))
 
 

@@ -45,7 +45,7 @@ hashes_s = st.one_of(
     st.lists(st.sampled_from(GOOD + [b"short", "str", None]), max_size=6),  # type: ignore[list-item]
     st.lists(st.sampled_from(GOOD), max_size=6).map(tuple),
     st.just("not a list"))
-nb_s = st.one_of(ids_s.map(lambda b: ((b,),)), st.just(((),)), st.just(()),
+nb_s = st.one_of(ids_s.map(lambda b: ((b,),)), st.just("NO_NEW"), st.just(((),)), st.just(()),
                  st.tuples(ids_s, ids_s).map(lambda t: (t,)), ids_s.map(lambda b: ([b],)),
                  ids_s.map(lambda b: ((b,), (b,))))
 count_s = st.one_of(st.integers(0, 6).map(lambda k: k * BS), st.integers(-5, 40),
@@ -70,6 +70,8 @@ def test_the_decode_shortcut_decides_what_the_full_checks_decide(
         confirmed: Any, params: Any, rid: str, shape: str) -> None:
     rig, _ = _admitted(mode, blocks, min(done, blocks))
     tracker = rig.m._track
+    if nb == "NO_NEW":  # the tracker's own "no new blocks" table, as an adapter passes it
+        nb = tracker._no_new
     fields = (rid, hashes, num_tokens, nb, False, confirmed, False, params)
     r: Any = (NS(**dict(zip(ScheduledRequest.__struct_fields__, fields)))
               if shape == "duck" else ScheduledRequest(*fields))
@@ -91,21 +93,23 @@ def test_the_decode_shortcut_decides_what_the_full_checks_decide(
     if any(answered) and shape != "twice":
         # the shortcut answered: the full checks hand the request back as it is
         assert isinstance(slow, list) and [got for got, _ in slow] == [r]
-        assert slow[0][1] in (EXTEND, EXTEND | DIRTY)
+        assert slow[0][1] in (EXTEND, EXTEND | DIRTY, DIRTY)
 
 
-@pytest.mark.parametrize(("confirmed_blocks", "want"), [(2, EXTEND), (3, EXTEND | DIRTY)])
-def test_the_decode_shortcut_answers_a_plain_decode_step(confirmed_blocks: int,
+@pytest.mark.parametrize(("confirmed_blocks", "grow", "want"),
+                         [(2, True, EXTEND), (3, True, EXTEND | DIRTY), (3, False, DIRTY)])
+def test_the_decode_shortcut_answers_a_plain_decode_step(confirmed_blocks: int, grow: bool,
                                                          want: int) -> None:
     """Request "a" (3 blocks, 2 computed and stored: its store cursor and next look at
     block 2) gets GPU block ``ids[2] + 1`` appended: with 2 blocks confirmed it is an
-    EXTEND, with 3 the walk reads hash 2 as well: EXTEND | DIRTY; both answered by the
-    shortcut (a test that cannot tell would pass with the shortcut switched off)."""
+    EXTEND, with 3 the walk reads hash 2 as well: EXTEND | DIRTY; with nothing appended
+    and 3 confirmed, DIRTY; each answered by the shortcut (a test that cannot tell would
+    pass with the shortcut switched off)."""
     rig, ids = _admitted(StoreMode.EAGER, 3, 2)
     tracker = rig.m._track
     assert tracker.watch["a"] == 3 and tracker.reqs["a"].cursor == 2
-    r = ScheduledRequest("a", GOOD[:3], 4 * BS, ((ids[2] + 1,),), False,
-                         confirmed_blocks * BS)
+    nb = ((ids[2] + 1,),) if grow else tracker._no_new
+    r = ScheduledRequest("a", GOOD[:3], 4 * BS, nb, False, confirmed_blocks * BS)
     assert tracker._decode_step(r, r.new_block_ids, confirmed_blocks, 3, set(),
                                 rig.m._check) == want
     assert tracker._classify([r], (), rig.m._check) == [(r, want)]
