@@ -49,21 +49,24 @@ class Block:
 
 
 class FreeBlockQueue:
-    """Doubly linked queue of blocks, LRU end first; every operation is O(1)."""
+    """Doubly linked queue of blocks, LRU end first; every operation is O(1).
+    ``size``: the blocks queued (``len()``); ``head`` / ``tail``: the sentinels. Outside
+    this class only :class:`kvshm.offload.evict.DepthAged`'s inlined copies of
+    :meth:`append` and :meth:`remove` (its hot paths) touch them."""
 
-    __slots__ = ("_head", "_len", "_tail")
+    __slots__ = ("head", "size", "tail")
 
     def __init__(self, blocks: Iterable[Block] = ()) -> None:
-        self._head = Block(-1)
-        self._tail = Block(-2)
-        self._head.next = self._tail
-        self._tail.prev = self._head
-        self._len = 0
+        self.head = Block(-1)
+        self.tail = Block(-2)
+        self.head.next = self.tail
+        self.tail.prev = self.head
+        self.size = 0
         for b in blocks:
             self.append(b)
 
     def __len__(self) -> int:
-        return self._len
+        return self.size
 
     def _link_after(self, left: Block, b: Block) -> None:
         if b.prev is not None or b.next is not None:
@@ -74,17 +77,45 @@ class FreeBlockQueue:
         b.next = right
         left.next = b
         right.prev = b
-        self._len += 1
+        self.size += 1
 
     def append(self, b: Block) -> None:
-        """Add ``b`` at the MRU end (taken last)."""
-        prev = self._tail.prev
-        assert prev is not None, "queue link broken"
-        self._link_after(prev, b)
+        """Add ``b`` at the MRU end (taken last). (:meth:`_link_after`, inlined: a hot
+        path.)"""
+        if b.prev is not None or b.next is not None:
+            raise StateError(f"{b!r} is already in the free queue")
+        tail = self.tail
+        left = tail.prev
+        assert left is not None, "queue link broken"
+        b.prev = left
+        b.next = tail
+        left.next = b
+        tail.prev = b
+        self.size += 1
+
+    def extend(self, blocks: Iterable[Block]) -> None:
+        """:meth:`append` each block in order (the first is taken first among them).
+        StateError for a block already queued, the blocks before it appended."""
+        tail = self.tail
+        left = tail.prev
+        assert left is not None, "queue link broken"
+        n = 0
+        try:
+            for b in blocks:
+                if b.prev is not None or b.next is not None:
+                    raise StateError(f"{b!r} is already in the free queue")
+                b.prev = left
+                left.next = b
+                left = b
+                n += 1
+        finally:
+            left.next = tail
+            tail.prev = left
+            self.size += n
 
     def appendleft(self, b: Block) -> None:
         """Add ``b`` at the LRU end (taken next)."""
-        self._link_after(self._head, b)
+        self._link_after(self.head, b)
 
     def remove(self, b: Block) -> None:
         """Unlink ``b`` from wherever it is in the queue."""
@@ -94,7 +125,7 @@ class FreeBlockQueue:
         prev.next = nxt
         nxt.prev = prev
         b.prev = b.next = None
-        self._len -= 1
+        self.size -= 1
 
     def refresh(self, b: Block) -> None:
         """``b`` was used elsewhere: move it to the MRU end."""
@@ -103,17 +134,23 @@ class FreeBlockQueue:
 
     def popleft(self) -> Block:
         """Remove and return the block at the LRU end; StateError when empty."""
-        first = self._head.next
-        if first is None or first is self._tail:
+        head = self.head
+        first = head.next
+        if first is None or first is self.tail:
             raise StateError("pop from an empty free queue")
-        self.remove(first)
+        nxt = first.next
+        assert nxt is not None, "queue link broken"
+        head.next = nxt
+        nxt.prev = head
+        first.prev = first.next = None
+        self.size -= 1
         return first
 
     def __iter__(self) -> Iterator[Block]:
         """Blocks from the LRU end. The caller may unlink the block just yielded (e.g.
         touch it); any other change to the queue during iteration raises StateError."""
-        node = self._head.next
-        while node is not None and node is not self._tail:
+        node = self.head.next
+        while node is not None and node is not self.tail:
             nxt = node.next
             yield node
             if node.next is not None:
@@ -127,9 +164,9 @@ class FreeBlockQueue:
         """Walk the queue (at most ``limit`` blocks) verifying every link both ways;
         returns the blocks in LRU order. Raises AssertionError on any inconsistency."""
         out: list[Block] = []
-        prev = self._head
-        node = self._head.next
-        while node is not self._tail:
+        prev = self.head
+        node = self.head.next
+        while node is not self.tail:
             if node is None:
                 raise AssertionError(f"free queue: next of {prev!r} is None")
             if node.prev is not prev:
@@ -138,8 +175,8 @@ class FreeBlockQueue:
                 raise AssertionError(f"free queue: more than {limit} blocks (cycle?)")
             out.append(node)
             prev, node = node, node.next
-        if self._tail.prev is not prev:
+        if self.tail.prev is not prev:
             raise AssertionError("free queue: tail sentinel's prev is not the last block")
-        if len(out) != self._len:
-            raise AssertionError(f"free queue: walked {len(out)} blocks, length says {self._len}")
+        if len(out) != self.size:
+            raise AssertionError(f"free queue: walked {len(out)} blocks, length says {self.size}")
         return out

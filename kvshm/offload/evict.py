@@ -2,8 +2,8 @@
 when it must reuse a cached block.
 
 Each order is a *free set* with the interface of
-:class:`~kvshm.offload.blocks.FreeBlockQueue` (``append`` for a cached block reaching ref
-0, ``appendleft`` for an uncached or ``evict_first`` one, ``remove`` when a block is
+:class:`~kvshm.offload.blocks.FreeBlockQueue` (``append`` / ``extend`` for cached blocks
+reaching ref 0, ``appendleft`` for an uncached or ``evict_first`` one, ``remove`` when a block is
 pinned again, ``popleft`` for the next victim, iteration in victim order, ``__len__``,
 ``check_links``), plus ``refresh`` (a cached block at ref 0 was reused elsewhere: the
 GPU copy of it hit). The pool keeps the rest: ref counts, the hash index, and the rule
@@ -96,6 +96,11 @@ class FreeSet:
         self._place(b)
         self._len += 1
 
+    def extend(self, blocks: Iterable[Block]) -> None:
+        """:meth:`append` each block in order (``BlockPool.free``'s cached blocks)."""
+        for b in blocks:
+            self.append(b)
+
     def remove(self, b: Block) -> None:
         """``b`` is pinned again (a hit): it leaves the set."""
         self._take_as_hit(b)
@@ -116,7 +121,7 @@ class FreeSet:
         if not self._len:
             raise StateError("pop from an empty free set")
         self._len -= 1
-        if len(self.fresh):
+        if self.fresh.size:
             b = self.fresh.popleft()
         else:
             b = self._victim()
@@ -203,22 +208,36 @@ class DepthAged(FreeSet):
         b.slot = s
         q.append(b)
 
-    def append(self, b: Block) -> None:  # the base's with _place, inlined (a hot path)
-        self.clock += 1
-        s = (self.clock_weight * self.clock - self.k * b.depth) // self.width
-        q = self.slots.get(s)
-        if q is None:  # a new slot: _place opens it (and counts the tick itself)
-            self.clock -= 1
-            self._place(b)
-        else:
-            b.slot = s
-            q.append(b)
-        self._len += 1
+    def extend(self, blocks: Iterable[Block]) -> None:
+        """:meth:`append` each block in order, the loop's invariants hoisted (the hot
+        path: a store's completion frees its CPU blocks in one call)."""
+        cw, k, w = self.clock_weight, self.k, self.width
+        get = self.slots.get
+        for b in blocks:
+            clock = self.clock + 1
+            s = (cw * clock - k * b.depth) // w
+            q = get(s)
+            if q is None:  # a new slot: _place opens it (and counts the tick itself)
+                self._place(b)
+            else:  # q.append(b), inlined
+                if b.prev is not None or b.next is not None:
+                    raise StateError(f"{b!r} is already in the free queue")
+                tail = q.tail
+                left = tail.prev
+                assert left is not None, "queue link broken"
+                self.clock = clock
+                b.slot = s
+                b.prev = left
+                b.next = tail
+                left.next = b
+                tail.prev = b
+                q.size += 1
+            self._len += 1
 
     def _unlink(self, b: Block) -> None:
         q = self.slots[b.slot]
         q.remove(b)
-        if not len(q):
+        if not q.size:
             del self.slots[b.slot]
             self.spare.append(q)
 
@@ -226,10 +245,16 @@ class DepthAged(FreeSet):
         s = b.slot
         if s == FRESH:
             self.fresh.remove(b)
-        else:  # _unlink, inlined
+        else:  # _unlink and q.remove(b), inlined
+            prev, nxt = b.prev, b.next
+            if prev is None or nxt is None:
+                raise StateError(f"{b!r} is not in the free queue")
             q = self.slots[s]
-            q.remove(b)
-            if not len(q):
+            prev.next = nxt
+            nxt.prev = prev
+            b.prev = b.next = None
+            q.size -= 1
+            if not q.size:
                 del self.slots[s]
                 self.spare.append(q)
         self._len -= 1
@@ -240,7 +265,7 @@ class DepthAged(FreeSet):
         while (q := slots.get(heap[0])) is None:
             heapq.heappop(heap)
         b = q.popleft()
-        if not len(q):
+        if not q.size:
             del slots[heapq.heappop(heap)]
             self.spare.append(q)
         return b

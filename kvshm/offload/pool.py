@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 
 from kvshm.config import Eviction
 from kvshm.errors import ConfigError, PoolExhausted
@@ -40,6 +41,7 @@ from kvshm.offload.blocks import Block, FreeBlockQueue
 from kvshm.offload.evict import FreeSet, make_free_set
 
 __all__ = ["BlockPool", "BlockRemoved", "BlockStored", "PoolEvent"]
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -170,7 +172,9 @@ class BlockPool:
         ConfigError before any change.
 
         One pass resolves the ids and checks each block's ref; only a call that names a
-        block twice counts per block (:meth:`_check_freeable`)."""
+        block twice counts per block (:meth:`_check_freeable`). The cached blocks
+        reaching 0 join the MRU end in one ``extend`` (the order of one ``append``
+        each)."""
         all_blocks = self._blocks
         n = len(all_blocks)
         blocks: list[Block] = []
@@ -185,15 +189,18 @@ class BlockPool:
             add(b)
         if low or (len(blocks) > 1 and len(set(map(id, blocks))) != len(blocks)):
             self._check_freeable(blocks)
+        to_mru: list[Block] = []
         to_lru: list[Block] = []
-        append = self._queue.append
         for b in blocks:
-            b.ref_cnt -= 1
-            if b.ref_cnt == 0:
+            r = b.ref_cnt - 1
+            b.ref_cnt = r
+            if not r:
                 if evict_first or not b.hashes:
                     to_lru.append(b)
                 else:
-                    append(b)
+                    to_mru.append(b)
+        if to_mru:
+            self._queue.extend(to_mru)
         if to_lru:
             appendleft = self._queue.appendleft
             for b in reversed(to_lru):
@@ -272,6 +279,44 @@ class BlockPool:
         b.hashes = b.hashes + added
         if self._enable_events:
             self._events.append(BlockStored(block_id, added))
+
+    def add_keys(self, ids: Sequence[int], keys: Sequence[BlockHash],
+                 depths: Sequence[int] | None = None) -> None:
+        """:meth:`add_hashes` ``(ids[i], [keys[i]])`` for each ``i`` in order, then
+        :meth:`set_depth` ``(ids[i], depths[i])`` (as many as ``depths`` has; None:
+        none): a store's completion, one call. Everything is checked first (ids,
+        lengths, every key bytes): ConfigError and nothing changed. The index and the
+        events end up exactly as the calls one by one leave them."""
+        blocks = self._blocks
+        n = len(blocks)
+        if len(keys) != len(ids):
+            raise ConfigError(f"{len(ids)} block ids but {len(keys)} keys")
+        if not ids:
+            return
+        if min(ids) < 0 or max(ids) >= n:
+            bad = next(i for i in ids if not 0 <= i < n)
+            raise ConfigError(f"unknown block id {bad!r} (pool has {n} blocks)")
+        if not all(map(isinstance, keys, repeat(bytes))):
+            bad_key = next(k for k in keys if not isinstance(k, bytes))
+            raise ConfigError(f"block hash must be bytes, got {type(bad_key).__name__}")
+        index = self._index
+        events = self._events if self._enable_events else None
+        for c, k in zip(ids, keys):
+            b = blocks[c]
+            have = b.hashes
+            if k in have:
+                continue
+            b.hashes = (*have, k) if have else (k,)
+            got = index.get(k)
+            if got is None:
+                index[k] = {c: None}
+            else:
+                got[c] = None
+            if events is not None:
+                events.append(BlockStored(c, (k,)))
+        if depths:
+            for c, d in zip(ids, depths):
+                blocks[c].depth = d
 
     def remove_hashes(self, block_id: int) -> None:
         """Drop every hash of ``block_id`` (BlockRemoved); it stays where it is."""
