@@ -61,14 +61,18 @@ class BlockRemoved:
 
 
 PoolEvent = BlockStored | BlockRemoved
+IndexEntry = int | dict[int, None]
+"""The ids carrying one hash (see :class:`BlockPool`): one id, or an ordered set of them."""
 
 
 class BlockPool:
     """Ref-counted blocks ``0 .. num_blocks-1``, a free queue and a hash index.
 
-    The index maps a hash to the ids carrying it, in registration order (a dict used as
-    an ordered set), so :meth:`get_cached` deterministically answers the earliest
-    registered block still carrying the hash.
+    The index maps a hash to the ids carrying it, in registration order, so
+    :meth:`get_cached` deterministically answers the earliest registered block still
+    carrying the hash. An entry is the id itself while one block carries the hash (the
+    usual case: no per-entry dict to build or free), else a dict used as an ordered set
+    of two or more ids (one, once others left it); never empty (:data:`IndexEntry`).
     """
 
     def __init__(self, num_blocks: int, *, enable_events: bool = False,
@@ -85,7 +89,7 @@ class BlockPool:
         self.refresh_gpu_hits = (eviction is Eviction.LRU_REFRESH
                                  if refresh_gpu_hits is None else refresh_gpu_hits)
         """The manager calls :meth:`refresh` for the engine's own prefix hits."""
-        self._index: dict[BlockHash, dict[int, None]] = {}
+        self._index: dict[BlockHash, IndexEntry] = {}
         self._enable_events = enable_events
         self._events: list[PoolEvent] = []
         self.evictions = 0
@@ -272,9 +276,11 @@ class BlockPool:
         for h in new:
             ids = index.get(h)
             if ids is None:
-                index[h] = {block_id: None}
-            else:
+                index[h] = block_id
+            elif isinstance(ids, dict):
                 ids[block_id] = None
+            else:
+                index[h] = {ids: None, block_id: None}
         added = tuple(new)
         b.hashes = b.hashes + added
         if self._enable_events:
@@ -309,9 +315,11 @@ class BlockPool:
             b.hashes = (*have, k) if have else (k,)
             got = index.get(k)
             if got is None:
-                index[k] = {c: None}
-            else:
+                index[k] = c
+            elif isinstance(got, dict):
                 got[c] = None
+            else:
+                index[k] = {got: None, c: None}
             if events is not None:
                 events.append(BlockStored(c, (k,)))
         if depths:
@@ -328,8 +336,12 @@ class BlockPool:
         index = self._index
         for h in b.hashes:
             ids = index[h]
-            del ids[b.block_id]
-            if not ids:
+            if isinstance(ids, dict):
+                del ids[b.block_id]
+                if not ids:
+                    del index[h]
+            else:
+                assert ids == b.block_id, "index entry names another block"
                 del index[h]
         if self._enable_events:
             self._events.append(BlockRemoved(b.block_id, b.hashes))
@@ -338,9 +350,9 @@ class BlockPool:
     def get_cached(self, h: BlockHash) -> int | None:
         """The earliest registered block still carrying ``h``, or None."""
         ids = self._index.get(h)
-        if not ids:
-            return None
-        return next(iter(ids))
+        if isinstance(ids, dict):
+            return next(iter(ids))
+        return ids
 
     def cached_run(self, hashes: Sequence[BlockHash], start: int, end: int) -> list[int]:
         """:meth:`get_cached` of ``hashes[start]``, ``hashes[start + 1]``, ... up to the
@@ -352,7 +364,7 @@ class BlockPool:
             ids = get(hashes[p])
             if ids is None:
                 break
-            out.append(next(iter(ids)))
+            out.append(next(iter(ids)) if isinstance(ids, dict) else ids)
         return out
 
     def is_cached(self, h: BlockHash) -> bool:
@@ -364,7 +376,10 @@ class BlockPool:
         plain reuse-first blocks. O(hashed blocks)."""
         seen: dict[int, None] = {}
         for ids in self._index.values():
-            seen.update(ids)
+            if isinstance(ids, dict):
+                seen.update(ids)
+            else:
+                seen[ids] = None
         for block_id in seen:
             self._unindex(self._blocks[block_id])
         assert not self._index, "index not empty after dropping every block's hashes"
@@ -395,12 +410,13 @@ class BlockPool:
         for b in self._blocks:
             self._check_block(b, b.block_id in queued_ids)
             n_entries += len(b.hashes)
-        index_entries = sum(len(ids) for ids in self._index.values())
+        index_entries = sum(len(ids) if isinstance(ids, dict) else 1
+                            for ids in self._index.values())
         if index_entries != n_entries:
             raise AssertionError(
                 f"index has {index_entries} (hash, block) entries, blocks carry {n_entries}")
         for h, ids in self._index.items():
-            if not ids:
+            if isinstance(ids, dict) and not ids:
                 raise AssertionError(f"index keeps empty entry for hash {h.hex()}")
         free = sum(1 for b in self._blocks if b.ref_cnt == 0)
         if free != self.num_free:
@@ -419,5 +435,6 @@ class BlockPool:
         if len(set(b.hashes)) != len(b.hashes):
             raise AssertionError(f"{b!r} carries a hash twice")
         for h in b.hashes:
-            if b.block_id not in self._index.get(h, {}):
+            ids = self._index.get(h, {})
+            if b.block_id not in ids if isinstance(ids, dict) else ids != b.block_id:
                 raise AssertionError(f"{b!r} carries {h.hex()} but the index lacks it")

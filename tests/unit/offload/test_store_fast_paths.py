@@ -144,3 +144,24 @@ def test_depth_aged_extend_equals_append(depths: list[int], cut: int) -> None:
     assert ([b.block_id for b in sets[0]] == [b.block_id for b in sets[1]]
             and sets[0].clock == sets[1].clock and len(sets[0]) == len(sets[1]))
     sets[0].check_links(limit=100)
+
+
+def test_index_entry_is_the_id_until_a_second_block_shares_the_hash() -> None:
+    pool = BlockPool(4)
+    a, b, c = pool.allocate(3)
+    pool.add_keys([a], [H[0]])
+    assert pool._index[H[0]] == a and pool.get_cached(H[0]) == a
+    pool.add_hashes(b, [H[0]])
+    pool.add_keys([c], [H[0]])
+    assert pool.cached_run([H[0]], 0, 1) == [a] and pool.num_hashes == 1
+    pool.remove_hashes(a)
+    assert pool.get_cached(H[0]) == b
+    pool.remove_hashes(b)
+    assert pool.get_cached(H[0]) == c and pool.cached_run([H[0], H[1]], 0, 2) == [c]
+    pool.check_invariants()
+    pool.remove_hashes(c)
+    assert pool.get_cached(H[0]) is None and pool.num_hashes == 0
+    pool.add_keys([a, b], [H[1], H[2]])
+    pool.drop_all_hashes()
+    assert pool.num_hashes == 0
+    pool.check_invariants()
