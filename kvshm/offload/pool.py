@@ -30,7 +30,7 @@ the pool except :meth:`drop_all_hashes` (O(hashed blocks)) and :meth:`check_inva
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, KeysView, Sequence
 from dataclasses import dataclass
 from itertools import repeat
 
@@ -369,6 +369,12 @@ class BlockPool:
 
     def is_cached(self, h: BlockHash) -> bool:
         return h in self._index
+
+    @property
+    def cached_keys(self) -> KeysView[BlockHash]:
+        """A live view of the hashes :meth:`is_cached` answers True for (``h in view``
+        is the same test without a call: the store planner's hot path)."""
+        return self._index.keys()
 
     def drop_all_hashes(self) -> None:
         """Make every block uncached (reset): BlockRemoved for each hashed block. Free

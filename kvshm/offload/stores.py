@@ -78,6 +78,10 @@ class StorePlanner:
         self.inflight_gpu: set[int] = set()
         self.inflight_keys: set[bytes] = set()
         self.load_dst = load_dst
+        # what _walk_one reads, in one tuple: none of these objects is ever replaced
+        # (the sets and dicts change in place; the index view is live)
+        self._hot = (load_dst, self.inflight_gpu, self.inflight_keys, cpu.cached_keys,
+                     gpu.block_hashes, counters.declined)
         self.finish_queue: list[Cand] = []
         #: told the keys of finish-time stores dropped for want of CPU blocks (never
         #: stored, so never put): a P/D publication waiting for one of them learns it
@@ -175,11 +179,7 @@ class StorePlanner:
         table = st.tables[0]
         hashes = st.hashes
         nh = len(hashes)
-        declined = self.counters.declined
-        load_dst, inflight_gpu, inflight_keys = self.load_dst, self.inflight_gpu, \
-            self.inflight_keys
-        cached = self.cpu.is_cached
-        gh_of = self.gpu.block_hashes
+        load_dst, inflight_gpu, inflight_keys, cached, gh_of, declined = self._hot
         while p < ready:
             b = table[p]
             if b in load_dst:
@@ -200,7 +200,7 @@ class StorePlanner:
                 if h is not None and reason is None:
                     if h in inflight_keys:
                         reason = DeclineReason.IN_FLIGHT
-                    elif cached(h):
+                    elif h in cached:
                         reason = DeclineReason.ALREADY_CACHED
             if reason is not None:
                 if 0 > avail:  # walk's "more picks than avail" with no pick
