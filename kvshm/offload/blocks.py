@@ -146,6 +146,27 @@ class FreeBlockQueue:
         self.size -= 1
         return first
 
+    def take(self, n: int) -> list[Block]:
+        """:meth:`popleft` ``n`` times, in one call (``n`` at most the size: StateError
+        and nothing taken otherwise); the blocks in the order taken."""
+        if not 0 <= n <= self.size:
+            raise StateError(f"take {n} from a free queue of {self.size}")
+        head = self.head
+        out: list[Block] = []
+        add = out.append
+        node = head.next
+        for _ in range(n):
+            assert node is not None, "queue link broken"
+            add(node)
+            nxt = node.next
+            node.prev = node.next = None
+            node = nxt
+        assert node is not None, "queue link broken"
+        head.next = node
+        node.prev = head
+        self.size -= n
+        return out
+
     def __iter__(self) -> Iterator[Block]:
         """Blocks from the LRU end. The caller may unlink the block just yielded (e.g.
         touch it); any other change to the queue during iteration raises StateError."""

@@ -129,6 +129,20 @@ class FreeSet:
         b.depth = 0
         return b
 
+    def take(self, n: int) -> list[Block]:
+        """:meth:`popleft` ``n`` times, in one call (fresh blocks in one cut); ``n`` at
+        most the length (StateError and nothing taken otherwise)."""
+        if not 0 <= n <= self._len:
+            raise StateError(f"take {n} from a free set of {self._len}")
+        out = self.fresh.take(min(n, self.fresh.size))
+        for _ in range(n - len(out)):
+            out.append(self._victim())
+        for b in out:
+            b.freq = NEW
+            b.depth = 0
+        self._len -= n
+        return out
+
     def refresh(self, b: Block) -> None:
         """``b`` (at ref 0, cached) was reused elsewhere: count it as a hit (one freed
         ``evict_first`` leaves the fresh queue for the order's own place, as LRU moves

@@ -148,16 +148,13 @@ class BlockPool:
         if n > len(self._queue):
             self.exhausted += 1
             raise PoolExhausted(n, len(self._queue))
-        out: list[int] = []
-        popleft = self._queue.popleft
-        for _ in range(n):
-            b = popleft()
+        blocks = self._queue.take(n)  # the victims are chosen before any is unindexed
+        for b in blocks:
             if b.hashes:
                 self.evictions += 1
                 self._unindex(b)
             b.ref_cnt = 1
-            out.append(b.block_id)
-        return out
+        return [b.block_id for b in blocks]
 
     def touch(self, ids: Iterable[int]) -> None:
         """ref += 1 for each id (repeats count); a block at ref 0 leaves the free queue

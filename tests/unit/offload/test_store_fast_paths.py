@@ -165,3 +165,45 @@ def test_index_entry_is_the_id_until_a_second_block_shares_the_hash() -> None:
     pool.drop_all_hashes()
     assert pool.num_hashes == 0
     pool.check_invariants()
+
+
+@settings(max_examples=100, deadline=None)
+@given(ev=st.sampled_from(list(Eviction)), ops=st.lists(
+    st.tuples(st.sampled_from(["free", "alloc"]), st.integers(0, 11), st.integers(0, 5)),
+    max_size=40))
+def test_allocate_takes_what_popleft_one_by_one_takes(
+        ev: Eviction, ops: list[tuple[str, int, int]]) -> None:
+    """``allocate``'s one ``take`` against a pool whose free set pops one at a time."""
+
+    class OneByOne(BlockPool):
+        def allocate(self, n: int) -> list[int]:
+            out = []
+            for _ in range(min(n, self.num_free)):
+                b = self._queue.popleft()
+                if b.hashes:
+                    self.evictions += 1
+                    self._unindex(b)
+                b.ref_cnt = 1
+                out.append(b.block_id)
+            return out
+
+    pools = [BlockPool(12, eviction=ev, enable_events=True),
+             OneByOne(12, eviction=ev, enable_events=True)]
+    held: list[list[int]] = [[], []]
+    for op, i, d in ops:
+        got = []
+        for pool, mine in zip(pools, held):
+            if op == "alloc":
+                got.append(pool.allocate(min(1 + i % 4, pool.num_free)))
+                mine.extend(got[-1])
+            elif mine:
+                b = mine.pop(i % len(mine))
+                pool.add_keys([b], [H[i]], [d])
+                pool.free([b])
+        assert got[:1] == got[1:] and held[0] == held[1]
+        assert list(pools[0].iter_free_from_lru()) == list(pools[1].iter_free_from_lru())
+        assert pools[0].take_events() == pools[1].take_events()
+    for pool in pools:
+        pool.check_invariants()
+    with pytest.raises(Exception, match="take 13"):
+        pools[0]._queue.take(13)
