@@ -78,7 +78,7 @@ class StorePlanner:
         self.inflight_gpu: set[int] = set()
         self.inflight_keys: set[bytes] = set()
         self.load_dst = load_dst
-        # what _walk_one reads, in one tuple: none of these objects is ever replaced
+        # what walk reads, in one tuple: none of these objects is ever replaced
         # (the sets and dicts change in place; the index view is live)
         self._hot = (load_dst, self.inflight_gpu, self.inflight_keys, cpu.cached_keys,
                      gpu.block_hashes, counters.declined)
@@ -130,52 +130,17 @@ class StorePlanner:
              sel: Selection) -> int:
         """Select ``st``'s candidates ``[cursor, ready)`` into ``sel`` within ``avail``
         CPU blocks; returns what is left of ``avail``. Moves the cursor past every
-        position decided (stored or declined), never past a deferred one."""
-        if self.gs.single:
-            return self._walk_one(st, ready, avail, sel)
-        p = st.cursor
-        tables = st.tables
-        hashes = st.hashes
-        nh = len(hashes)
-        declined = self.counters.declined
-        while p < ready:
-            h = hashes[p] if p < nh else None
-            picks: list[Cand] = []
-            reasons: list[DeclineReason] = []
-            wait = False
-            for g in range(self.gs.n):
-                b = tables[g][p]
-                if b in self.load_dst:
-                    wait = True
-                    break
-                reason, key = self.classify(b, h, g, alloc)
-                if reason is None:
-                    picks.append(Cand(b, g, key, p))
-                else:
-                    reasons.append(reason)
-            if wait:
-                break
-            if len(picks) > avail:
-                declined[DeclineReason.CPU_FULL] += 1
-                break
-            for r in reasons:
-                declined[r] += 1
-            for c in picks:
-                self._mark(c)
-                sel.add(c)
-                sel.to_touch.append(c.gpu_id)
-            avail -= len(picks)
-            p += 1
-        st.cursor = p
-        return avail
+        position decided (stored or declined), never past a deferred one.
 
-    def _walk_one(self, st: Cursor, ready: int, avail: int, sel: Selection) -> int:
-        """:meth:`walk` for one full-attention group (``gs.single``): the same decisions
-        in the same order, with :meth:`classify`, ``Cand``, :meth:`_mark` and
-        :meth:`Selection.add` inlined (a key is the plain hash; no sliding window)."""
+        One full-attention group (``gs.single``, the hot case) is walked here, with
+        :meth:`classify`, ``Cand``, :meth:`_mark` and :meth:`Selection.add` inlined (a
+        key is the plain hash; no sliding window): the same decisions in the same order
+        as :meth:`_walk_groups`, which walks any other group set."""
         p = st.cursor
         if p >= ready:
             return avail
+        if not self.gs.single:
+            return self._walk_groups(st, ready, avail, alloc, sel)
         table = st.tables[0]
         hashes = st.hashes
         nh = len(hashes)
@@ -221,6 +186,45 @@ class StorePlanner:
             sel.depths.append(p)
             sel.to_touch.append(b)
             avail -= 1
+            p += 1
+        st.cursor = p
+        return avail
+
+    def _walk_groups(self, st: Cursor, ready: int, avail: int, alloc: Collection[int],
+                     sel: Selection) -> int:
+        """:meth:`walk` for any groups: every group of a position, then the position."""
+        p = st.cursor
+        tables = st.tables
+        hashes = st.hashes
+        nh = len(hashes)
+        declined = self.counters.declined
+        while p < ready:
+            h = hashes[p] if p < nh else None
+            picks: list[Cand] = []
+            reasons: list[DeclineReason] = []
+            wait = False
+            for g in range(self.gs.n):
+                b = tables[g][p]
+                if b in self.load_dst:
+                    wait = True
+                    break
+                reason, key = self.classify(b, h, g, alloc)
+                if reason is None:
+                    picks.append(Cand(b, g, key, p))
+                else:
+                    reasons.append(reason)
+            if wait:
+                break
+            if len(picks) > avail:
+                declined[DeclineReason.CPU_FULL] += 1
+                break
+            for r in reasons:
+                declined[r] += 1
+            for c in picks:
+                self._mark(c)
+                sel.add(c)
+                sel.to_touch.append(c.gpu_id)
+            avail -= len(picks)
             p += 1
         st.cursor = p
         return avail
@@ -378,8 +382,7 @@ class StorePlanner:
         depth_list = depths if cpu.eviction is not Eviction.LRU else None
         gh_of = self.gpu.block_hashes
         if self.gs.single:
-            for b, k in zip(gpu_ids, keys):
-                gh = gh_of(b)
+            for gh, k in zip(map(gh_of, gpu_ids), keys):
                 if gh and (gh[0] != k or len(gh) > 1):
                     break
             else:
