@@ -302,24 +302,29 @@ class BlockPool:
         if not all(map(isinstance, keys, repeat(bytes))):
             bad_key = next(k for k in keys if not isinstance(k, bytes))
             raise ConfigError(f"block hash must be bytes, got {type(bad_key).__name__}")
-        index = self._index
+        setdefault = self._index.setdefault
         events = self._events if self._enable_events else None
-        for c, k in zip(ids, keys):
+        dep: Iterable[int] = repeat(0)
+        fused = depths is not None and len(depths) == len(ids)  # else set after
+        if fused and depths is not None:
+            dep = depths
+        for c, k, d in zip(ids, keys, dep):
             b = blocks[c]
+            if fused:
+                b.depth = d
             have = b.hashes
             if k in have:
                 continue
             b.hashes = (*have, k) if have else (k,)
-            got = index.get(k)
-            if got is None:
-                index[k] = c
-            elif isinstance(got, dict):
-                got[c] = None
-            else:
-                index[k] = {got: None, c: None}
+            got = setdefault(k, c)  # one probe: c itself where k was not indexed
+            if got is not c:
+                if isinstance(got, dict):
+                    got[c] = None
+                else:
+                    self._index[k] = {got: None, c: None}
             if events is not None:
                 events.append(BlockStored(c, (k,)))
-        if depths:
+        if depths and not fused:
             for c, d in zip(ids, depths):
                 blocks[c].depth = d
 
