@@ -9,14 +9,42 @@ O(1) and allocate nothing.
 Invariant: a block is in the queue iff its ``prev`` and ``next`` are both set; two
 sentinel records (block_id -1 and -2) bound the list so no operation special-cases an
 empty queue or the ends.
+
+Also here, for :mod:`kvshm.offload.pool` (which re-exports the events): the pool's events
+(:class:`BlockStored`, :class:`BlockRemoved`), the shape of its index entries
+(:data:`IndexEntry`) and its O(pool) invariant check (:func:`check_pool`); and the base of
+the eviction orders of :mod:`kvshm.offload.evict` (:class:`FreeSet`: the fresh queue and
+the bookkeeping they share; evict re-exports it).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 
 from kvshm.errors import StateError
 from kvshm.hashing import BlockHash
+
+
+@dataclass(frozen=True, slots=True)
+class BlockStored:
+    """``block_id`` became indexed under ``hashes`` (only the newly added ones)."""
+
+    block_id: int
+    hashes: tuple[BlockHash, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class BlockRemoved:
+    """``block_id`` stopped being indexed under ``hashes`` (evicted, removed, reset)."""
+
+    block_id: int
+    hashes: tuple[BlockHash, ...]
+
+
+PoolEvent = BlockStored | BlockRemoved
+IndexEntry = int | dict[int, None]
+"""The ids carrying one hash (see :class:`BlockPool`): one id, or an ordered set of them."""
 
 
 class Block:
@@ -201,3 +229,165 @@ class FreeBlockQueue:
         if len(out) != self.size:
             raise AssertionError(f"free queue: walked {len(out)} blocks, length says {self.size}")
         return out
+
+
+FRESH = -(1 << 62) - 1
+"""``Block.slot`` of a block in the fresh queue."""
+NEW = -1
+"""``Block.freq`` of a block stored and not yet hit."""
+
+class FreeSet:
+    """Base of the orders: the fresh queue and the bookkeeping they share."""
+
+    def __init__(self) -> None:
+        self.fresh = FreeBlockQueue()
+        self._len = 0
+
+    def __len__(self) -> int:
+        return self._len
+
+    def appendleft(self, b: Block) -> None:
+        """``b`` is taken before every block now in the set (uncached or evict_first)."""
+        b.slot = FRESH
+        self.fresh.appendleft(b)
+        self._len += 1
+
+    def append(self, b: Block) -> None:
+        """A cached block reached ref 0: the order places it."""
+        self._place(b)
+        self._len += 1
+
+    def extend(self, blocks: Iterable[Block]) -> None:
+        """:meth:`append` each block in order (``BlockPool.free``'s cached blocks)."""
+        for b in blocks:
+            self.append(b)
+
+    def remove(self, b: Block) -> None:
+        """``b`` is pinned again (a hit): it leaves the set."""
+        self._take_as_hit(b)
+        self._len -= 1
+
+    def _take_as_hit(self, b: Block) -> None:
+        """Unlink ``b`` from its queue; one the order had placed counts a hit (freq,
+        capped at 3)."""
+        if b.slot == FRESH:
+            self.fresh.remove(b)
+        else:
+            self._unlink(b)
+            if b.freq >= 0:
+                b.freq = min(b.freq + 1, 3)
+
+    def popleft(self) -> Block:
+        """The next victim (fresh blocks first); StateError when empty."""
+        if not self._len:
+            raise StateError("pop from an empty free set")
+        self._len -= 1
+        if self.fresh.size:
+            b = self.fresh.popleft()
+        else:
+            b = self._victim()
+        b.freq = NEW
+        b.depth = 0
+        return b
+
+    def take(self, n: int) -> list[Block]:
+        """:meth:`popleft` ``n`` times, in one call (fresh blocks in one cut); ``n`` at
+        most the length (StateError and nothing taken otherwise)."""
+        if not 0 <= n <= self._len:
+            raise StateError(f"take {n} from a free set of {self._len}")
+        out = self.fresh.take(min(n, self.fresh.size))
+        for _ in range(n - len(out)):
+            out.append(self._victim())
+        for b in out:
+            b.freq = NEW
+            b.depth = 0
+        self._len -= n
+        return out
+
+    def refresh(self, b: Block) -> None:
+        """``b`` (at ref 0, cached) was reused elsewhere: count it as a hit (one freed
+        ``evict_first`` leaves the fresh queue for the order's own place, as LRU moves
+        it to the MRU end)."""
+        self._take_as_hit(b)
+        self._place(b)
+
+    def __iter__(self) -> Iterator[Block]:
+        """Blocks in victim order as far as the order knows it without changing anything
+        (fresh first). The caller may remove the block just yielded."""
+        yield from self.fresh
+        for q in self._queues():
+            yield from q
+
+    def check_links(self, limit: int) -> list[Block]:
+        """Every queue's links, each block's slot, and the length; blocks in set order."""
+        out = self.fresh.check_links(limit)
+        for b in out:
+            if b.slot != FRESH:
+                raise AssertionError(f"{b!r} in the fresh queue has slot {b.slot}")
+        for q in self._queues():
+            blocks = q.check_links(limit)
+            self._check_queue(q, blocks)
+            out.extend(blocks)
+        if len(out) != self._len:
+            raise AssertionError(f"free set: walked {len(out)} blocks, length says {self._len}")
+        return out
+
+    # ---- what an order defines -------------------------------------------------------
+
+    def _place(self, b: Block) -> None:
+        raise NotImplementedError
+
+    def _unlink(self, b: Block) -> None:
+        raise NotImplementedError
+
+    def _victim(self) -> Block:
+        raise NotImplementedError
+
+    def _queues(self) -> list[FreeBlockQueue]:
+        raise NotImplementedError
+
+    def _check_queue(self, q: FreeBlockQueue, blocks: list[Block]) -> None:
+        raise NotImplementedError
+
+
+def check_pool(blocks: Sequence[Block], queued: list[Block],
+               index: dict[BlockHash, IndexEntry], num_free: int) -> None:
+    """:meth:`kvshm.offload.pool.BlockPool.check_invariants`: ``queued`` the free set's
+    blocks (its ``check_links``), ``index`` the pool's hash index. O(pool), for tests;
+    AssertionError names what is wrong."""
+    queued_ids = {b.block_id for b in queued}
+    if len(queued_ids) != len(queued):
+        raise AssertionError("free queue holds a block twice")
+    n_entries = 0
+    for b in blocks:
+        _check_block(blocks, index, b, b.block_id in queued_ids)
+        n_entries += len(b.hashes)
+    index_entries = sum(len(ids) if isinstance(ids, dict) else 1 for ids in index.values())
+    if index_entries != n_entries:
+        raise AssertionError(
+            f"index has {index_entries} (hash, block) entries, blocks carry {n_entries}")
+    for h, ids in index.items():
+        if isinstance(ids, dict) and not ids:
+            raise AssertionError(f"index keeps empty entry for hash {h.hex()}")
+    free = sum(1 for b in blocks if b.ref_cnt == 0)
+    if free != num_free:
+        raise AssertionError(f"{free} blocks at ref 0 but num_free is {num_free}")
+
+
+def _check_block(blocks: Sequence[Block], index: dict[BlockHash, IndexEntry], b: Block,
+                 in_queue: bool) -> None:
+    if blocks[b.block_id] is not b:
+        raise AssertionError(f"{b!r} is not at its own index")
+    if b.ref_cnt < 0:
+        raise AssertionError(f"{b!r} has a negative ref count")
+    if (b.ref_cnt == 0) != in_queue:
+        where = "in" if in_queue else "not in"
+        raise AssertionError(f"{b!r} is {where} the free queue with ref {b.ref_cnt}")
+    if in_queue != b.queued:
+        raise AssertionError(f"{b!r} links disagree with the queue walk")
+    if len(set(b.hashes)) != len(b.hashes):
+        raise AssertionError(f"{b!r} carries a hash twice")
+    for h in b.hashes:
+        ids = index.get(h, {})
+        if b.block_id not in ids if isinstance(ids, dict) else ids != b.block_id:
+            raise AssertionError(f"{b!r} carries {h.hex()} but the index lacks it")

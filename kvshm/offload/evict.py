@@ -9,7 +9,9 @@ pinned again, ``popleft`` for the next victim, iteration in victim order, ``__le
 GPU copy of it hit). The pool keeps the rest: ref counts, the hash index, and the rule
 that only blocks at ref 0 are ever in the free set, so a pinned or in-flight block is
 never a victim. Blocks reaching ref 0 without hashes, or with ``evict_first``, go to a
-``fresh`` queue that every order empties first, as LRU does.
+``fresh`` queue that every order empties first, as LRU does. Their base,
+:class:`~kvshm.offload.blocks.FreeSet` (with ``FRESH`` and ``NEW``), lives next to the
+queue in :mod:`kvshm.offload.blocks` and is re-exported here.
 
 The orders (:class:`kvshm.config.Eviction`; ``python -m tools.bench_evict`` measures them
 through the real manager on the chat trace of :mod:`tools.chat_trace`, 64 conversations
@@ -57,136 +59,18 @@ twice the occupied slots, when it is rebuilt (amortized O(1)).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 
 from kvshm.config import Eviction
 from kvshm.errors import ConfigError, StateError
-from kvshm.offload.blocks import Block, FreeBlockQueue
+from kvshm.offload.blocks import FRESH, NEW, Block, FreeBlockQueue, FreeSet
 
-__all__ = ["DepthAged", "FreeSet", "S3Fifo", "Slru", "make_free_set"]
+__all__ = ["FRESH", "NEW", "DepthAged", "FreeSet", "S3Fifo", "Slru", "make_free_set"]
 
-FRESH = -(1 << 62) - 1
-"""``Block.slot`` of a block in the fresh queue."""
-NEW = -1
-"""``Block.freq`` of a block stored and not yet hit."""
 DEPTH_AGED_DIV = 16
 """``depth_aged``: one chain level counts as ``num_blocks // DEPTH_AGED_DIV`` ticks of
 age (8 / 16 / 32 measured by tools.bench_evict: 16 is within 0.03 of the best of the
 three on each of four traces)."""
-
-
-class FreeSet:
-    """Base of the orders: the fresh queue and the bookkeeping they share."""
-
-    def __init__(self) -> None:
-        self.fresh = FreeBlockQueue()
-        self._len = 0
-
-    def __len__(self) -> int:
-        return self._len
-
-    def appendleft(self, b: Block) -> None:
-        """``b`` is taken before every block now in the set (uncached or evict_first)."""
-        b.slot = FRESH
-        self.fresh.appendleft(b)
-        self._len += 1
-
-    def append(self, b: Block) -> None:
-        """A cached block reached ref 0: the order places it."""
-        self._place(b)
-        self._len += 1
-
-    def extend(self, blocks: Iterable[Block]) -> None:
-        """:meth:`append` each block in order (``BlockPool.free``'s cached blocks)."""
-        for b in blocks:
-            self.append(b)
-
-    def remove(self, b: Block) -> None:
-        """``b`` is pinned again (a hit): it leaves the set."""
-        self._take_as_hit(b)
-        self._len -= 1
-
-    def _take_as_hit(self, b: Block) -> None:
-        """Unlink ``b`` from its queue; one the order had placed counts a hit (freq,
-        capped at 3)."""
-        if b.slot == FRESH:
-            self.fresh.remove(b)
-        else:
-            self._unlink(b)
-            if b.freq >= 0:
-                b.freq = min(b.freq + 1, 3)
-
-    def popleft(self) -> Block:
-        """The next victim (fresh blocks first); StateError when empty."""
-        if not self._len:
-            raise StateError("pop from an empty free set")
-        self._len -= 1
-        if self.fresh.size:
-            b = self.fresh.popleft()
-        else:
-            b = self._victim()
-        b.freq = NEW
-        b.depth = 0
-        return b
-
-    def take(self, n: int) -> list[Block]:
-        """:meth:`popleft` ``n`` times, in one call (fresh blocks in one cut); ``n`` at
-        most the length (StateError and nothing taken otherwise)."""
-        if not 0 <= n <= self._len:
-            raise StateError(f"take {n} from a free set of {self._len}")
-        out = self.fresh.take(min(n, self.fresh.size))
-        for _ in range(n - len(out)):
-            out.append(self._victim())
-        for b in out:
-            b.freq = NEW
-            b.depth = 0
-        self._len -= n
-        return out
-
-    def refresh(self, b: Block) -> None:
-        """``b`` (at ref 0, cached) was reused elsewhere: count it as a hit (one freed
-        ``evict_first`` leaves the fresh queue for the order's own place, as LRU moves
-        it to the MRU end)."""
-        self._take_as_hit(b)
-        self._place(b)
-
-    def __iter__(self) -> Iterator[Block]:
-        """Blocks in victim order as far as the order knows it without changing anything
-        (fresh first). The caller may remove the block just yielded."""
-        yield from self.fresh
-        for q in self._queues():
-            yield from q
-
-    def check_links(self, limit: int) -> list[Block]:
-        """Every queue's links, each block's slot, and the length; blocks in set order."""
-        out = self.fresh.check_links(limit)
-        for b in out:
-            if b.slot != FRESH:
-                raise AssertionError(f"{b!r} in the fresh queue has slot {b.slot}")
-        for q in self._queues():
-            blocks = q.check_links(limit)
-            self._check_queue(q, blocks)
-            out.extend(blocks)
-        if len(out) != self._len:
-            raise AssertionError(f"free set: walked {len(out)} blocks, length says {self._len}")
-        return out
-
-    # ---- what an order defines -------------------------------------------------------
-
-    def _place(self, b: Block) -> None:
-        raise NotImplementedError
-
-    def _unlink(self, b: Block) -> None:
-        raise NotImplementedError
-
-    def _victim(self) -> Block:
-        raise NotImplementedError
-
-    def _queues(self) -> list[FreeBlockQueue]:
-        raise NotImplementedError
-
-    def _check_queue(self, q: FreeBlockQueue, blocks: list[Block]) -> None:
-        raise NotImplementedError
 
 
 class DepthAged(FreeSet):

@@ -31,38 +31,24 @@ the pool except :meth:`drop_all_hashes` (O(hashed blocks)) and :meth:`check_inva
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, KeysView, Sequence
-from dataclasses import dataclass
 from itertools import repeat
 
 from kvshm.config import Eviction
 from kvshm.errors import ConfigError, PoolExhausted
 from kvshm.hashing import BlockHash
-from kvshm.offload.blocks import Block, FreeBlockQueue
+from kvshm.offload.blocks import (
+    Block,
+    BlockRemoved,
+    BlockStored,
+    FreeBlockQueue,
+    IndexEntry,
+    PoolEvent,
+    check_pool,
+)
 from kvshm.offload.evict import FreeSet, make_free_set
 
 __all__ = ["BlockPool", "BlockRemoved", "BlockStored", "PoolEvent"]
 
-
-
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    """``block_id`` became indexed under ``hashes`` (only the newly added ones)."""
-
-    block_id: int
-    hashes: tuple[BlockHash, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    """``block_id`` stopped being indexed under ``hashes`` (evicted, removed, reset)."""
-
-    block_id: int
-    hashes: tuple[BlockHash, ...]
-
-
-PoolEvent = BlockStored | BlockRemoved
-IndexEntry = int | dict[int, None]
-"""The ids carrying one hash (see :class:`BlockPool`): one id, or an ordered set of them."""
 
 
 class BlockPool:
@@ -409,40 +395,7 @@ class BlockPool:
         return events
 
     def check_invariants(self) -> None:
-        """O(pool) consistency check for tests; AssertionError names what is wrong."""
-        queued = self._queue.check_links(limit=len(self._blocks))
-        queued_ids = {b.block_id for b in queued}
-        if len(queued_ids) != len(queued):
-            raise AssertionError("free queue holds a block twice")
-        n_entries = 0
-        for b in self._blocks:
-            self._check_block(b, b.block_id in queued_ids)
-            n_entries += len(b.hashes)
-        index_entries = sum(len(ids) if isinstance(ids, dict) else 1
-                            for ids in self._index.values())
-        if index_entries != n_entries:
-            raise AssertionError(
-                f"index has {index_entries} (hash, block) entries, blocks carry {n_entries}")
-        for h, ids in self._index.items():
-            if isinstance(ids, dict) and not ids:
-                raise AssertionError(f"index keeps empty entry for hash {h.hex()}")
-        free = sum(1 for b in self._blocks if b.ref_cnt == 0)
-        if free != self.num_free:
-            raise AssertionError(f"{free} blocks at ref 0 but num_free is {self.num_free}")
-
-    def _check_block(self, b: Block, in_queue: bool) -> None:
-        if self._blocks[b.block_id] is not b:
-            raise AssertionError(f"{b!r} is not at its own index")
-        if b.ref_cnt < 0:
-            raise AssertionError(f"{b!r} has a negative ref count")
-        if (b.ref_cnt == 0) != in_queue:
-            where = "in" if in_queue else "not in"
-            raise AssertionError(f"{b!r} is {where} the free queue with ref {b.ref_cnt}")
-        if in_queue != b.queued:
-            raise AssertionError(f"{b!r} links disagree with the queue walk")
-        if len(set(b.hashes)) != len(b.hashes):
-            raise AssertionError(f"{b!r} carries a hash twice")
-        for h in b.hashes:
-            ids = self._index.get(h, {})
-            if b.block_id not in ids if isinstance(ids, dict) else ids != b.block_id:
-                raise AssertionError(f"{b!r} carries {h.hex()} but the index lacks it")
+        """O(pool) consistency check for tests; AssertionError names what is wrong
+        (:func:`kvshm.offload.blocks.check_pool`)."""
+        check_pool(self._blocks, self._queue.check_links(limit=len(self._blocks)),
+                   self._index, self.num_free)
