@@ -32,6 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, KeysView, Sequence
 from itertools import repeat
+from typing import NoReturn
 
 from kvshm.config import Eviction
 from kvshm.errors import ConfigError, PoolExhausted
@@ -158,40 +159,53 @@ class BlockPool:
         are taken before later ones at either end. Freeing below 0 or an unknown id:
         ConfigError before any change.
 
-        One pass resolves the ids and checks each block's ref; only a call that names a
-        block twice counts per block (:meth:`_check_freeable`). The cached blocks
-        reaching 0 join the MRU end in one ``extend`` (the order of one ``append``
-        each)."""
+        One pass resolves, checks and decrements (a repeat sees its earlier decrement);
+        the first id that fails undoes the pass's decrements and :meth:`_refuse_free`
+        raises what checking first names. The cached blocks reaching 0 join the MRU
+        end in one ``extend`` (the order of one ``append`` each), after the pass."""
         all_blocks = self._blocks
         n = len(all_blocks)
-        blocks: list[Block] = []
-        add = blocks.append
-        low = False
-        for i in ids:
-            if not 0 <= i < n:
-                raise ConfigError(f"unknown block id {i!r} (pool has {n} blocks)")
-            b = all_blocks[i]
-            if b.ref_cnt < 1:
-                low = True
-            add(b)
-        if low or (len(blocks) > 1 and len(set(map(id, blocks))) != len(blocks)):
-            self._check_freeable(blocks)
+        ids = ids if type(ids) is list else list(ids)
         to_mru: list[Block] = []
         to_lru: list[Block] = []
-        for b in blocks:
-            r = b.ref_cnt - 1
-            b.ref_cnt = r
-            if not r:
-                if evict_first or not b.hashes:
-                    to_lru.append(b)
-                else:
-                    to_mru.append(b)
+        done = 0
+        try:
+            for i in ids:
+                if not 0 <= i < n:
+                    break
+                b = all_blocks[i]
+                r = b.ref_cnt - 1
+                if r < 0:
+                    break
+                b.ref_cnt = r
+                done += 1
+                if not r:
+                    if evict_first or not b.hashes:
+                        to_lru.append(b)
+                    else:
+                        to_mru.append(b)
+        finally:
+            if done != len(ids):  # refused (or a bad id type): nothing changes
+                for i in ids[:done]:
+                    all_blocks[i].ref_cnt += 1
+        if done != len(ids):
+            self._refuse_free(ids)
         if to_mru:
             self._queue.extend(to_mru)
         if to_lru:
             appendleft = self._queue.appendleft
             for b in reversed(to_lru):
                 appendleft(b)
+
+    def _refuse_free(self, ids: list[int]) -> NoReturn:
+        """The ConfigError of a refused :meth:`free` (refs as before the call): the
+        first unknown id, else the first block freed more often than its ref."""
+        n = len(self._blocks)
+        for i in ids:
+            if not 0 <= i < n:
+                raise ConfigError(f"unknown block id {i!r} (pool has {n} blocks)")
+        self._check_freeable([self._blocks[i] for i in ids])
+        raise AssertionError("free refused with every id freeable")
 
     @staticmethod
     def _check_freeable(blocks: list[Block]) -> None:

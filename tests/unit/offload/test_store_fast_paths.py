@@ -207,3 +207,24 @@ def test_allocate_takes_what_popleft_one_by_one_takes(
         pool.check_invariants()
     with pytest.raises(Exception, match="take 13"):
         pools[0]._queue.take(13)
+
+
+def test_one_pass_free_undoes_its_decrements_when_refused() -> None:
+    pool = BlockPool(4, eviction=Eviction.DEPTH_AGED)
+    a, b, c = pool.allocate(3)
+    pool.touch([a])
+    pool.add_keys([a, b], [H[0], H[1]])
+    pool.free([c])
+    with pytest.raises(ConfigError, match=f"free of block {a} 3 time"):
+        pool.free([b, a, a, a])
+    with pytest.raises(ConfigError, match="unknown block id 99"):
+        pool.free([a, c, 99])  # an unknown id is named before a block at ref 0
+    with pytest.raises(ConfigError, match=f"free of block {c} 1 time"):
+        pool.free(reversed([c, b, a]))
+    with pytest.raises(TypeError):
+        pool.free([a, "x"])  # type: ignore[list-item]
+    assert [pool.ref_cnt(i) for i in (a, b, c)] == [2, 1, 0] and pool.num_free == 2
+    pool.check_invariants()
+    pool.free([a, b, a])
+    assert pool.num_free == 4
+    pool.check_invariants()
