@@ -30,43 +30,36 @@ the pool except :meth:`drop_all_hashes` (O(hashed blocks)) and :meth:`check_inva
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, KeysView, Sequence
+from itertools import repeat
+from typing import NoReturn
 
 from kvshm.config import Eviction
 from kvshm.errors import ConfigError, PoolExhausted
 from kvshm.hashing import BlockHash
-from kvshm.offload.blocks import Block, FreeBlockQueue
+from kvshm.offload.blocks import (
+    Block,
+    BlockRemoved,
+    BlockStored,
+    FreeBlockQueue,
+    IndexEntry,
+    PoolEvent,
+    check_pool,
+)
 from kvshm.offload.evict import FreeSet, make_free_set
 
 __all__ = ["BlockPool", "BlockRemoved", "BlockStored", "PoolEvent"]
 
 
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    """``block_id`` became indexed under ``hashes`` (only the newly added ones)."""
-
-    block_id: int
-    hashes: tuple[BlockHash, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    """``block_id`` stopped being indexed under ``hashes`` (evicted, removed, reset)."""
-
-    block_id: int
-    hashes: tuple[BlockHash, ...]
-
-
-PoolEvent = BlockStored | BlockRemoved
-
 
 class BlockPool:
     """Ref-counted blocks ``0 .. num_blocks-1``, a free queue and a hash index.
 
-    The index maps a hash to the ids carrying it, in registration order (a dict used as
-    an ordered set), so :meth:`get_cached` deterministically answers the earliest
-    registered block still carrying the hash.
+    The index maps a hash to the ids carrying it, in registration order, so
+    :meth:`get_cached` deterministically answers the earliest registered block still
+    carrying the hash. An entry is the id itself while one block carries the hash (the
+    usual case: no per-entry dict to build or free), else a dict used as an ordered set
+    of two or more ids (one, once others left it); never empty (:data:`IndexEntry`).
     """
 
     def __init__(self, num_blocks: int, *, enable_events: bool = False,
@@ -83,7 +76,7 @@ class BlockPool:
         self.refresh_gpu_hits = (eviction is Eviction.LRU_REFRESH
                                  if refresh_gpu_hits is None else refresh_gpu_hits)
         """The manager calls :meth:`refresh` for the engine's own prefix hits."""
-        self._index: dict[BlockHash, dict[int, None]] = {}
+        self._index: dict[BlockHash, IndexEntry] = {}
         self._enable_events = enable_events
         self._events: list[PoolEvent] = []
         self.evictions = 0
@@ -142,16 +135,13 @@ class BlockPool:
         if n > len(self._queue):
             self.exhausted += 1
             raise PoolExhausted(n, len(self._queue))
-        out: list[int] = []
-        popleft = self._queue.popleft
-        for _ in range(n):
-            b = popleft()
+        blocks = self._queue.take(n)  # the victims are chosen before any is unindexed
+        for b in blocks:
             if b.hashes:
                 self.evictions += 1
                 self._unindex(b)
             b.ref_cnt = 1
-            out.append(b.block_id)
-        return out
+        return [b.block_id for b in blocks]
 
     def touch(self, ids: Iterable[int]) -> None:
         """ref += 1 for each id (repeats count); a block at ref 0 leaves the free queue
@@ -169,35 +159,53 @@ class BlockPool:
         are taken before later ones at either end. Freeing below 0 or an unknown id:
         ConfigError before any change.
 
-        One pass resolves the ids and checks each block's ref; only a call that names a
-        block twice counts per block (:meth:`_check_freeable`)."""
+        One pass resolves, checks and decrements (a repeat sees its earlier decrement);
+        the first id that fails undoes the pass's decrements and :meth:`_refuse_free`
+        raises what checking first names. The cached blocks reaching 0 join the MRU
+        end in one ``extend`` (the order of one ``append`` each), after the pass."""
         all_blocks = self._blocks
         n = len(all_blocks)
-        blocks: list[Block] = []
-        add = blocks.append
-        low = False
-        for i in ids:
-            if not 0 <= i < n:
-                raise ConfigError(f"unknown block id {i!r} (pool has {n} blocks)")
-            b = all_blocks[i]
-            if b.ref_cnt < 1:
-                low = True
-            add(b)
-        if low or (len(blocks) > 1 and len(set(map(id, blocks))) != len(blocks)):
-            self._check_freeable(blocks)
+        ids = ids if type(ids) is list else list(ids)
+        to_mru: list[Block] = []
         to_lru: list[Block] = []
-        append = self._queue.append
-        for b in blocks:
-            b.ref_cnt -= 1
-            if b.ref_cnt == 0:
-                if evict_first or not b.hashes:
-                    to_lru.append(b)
-                else:
-                    append(b)
+        done = 0
+        try:
+            for i in ids:
+                if not 0 <= i < n:
+                    break
+                b = all_blocks[i]
+                r = b.ref_cnt - 1
+                if r < 0:
+                    break
+                b.ref_cnt = r
+                done += 1
+                if not r:
+                    if evict_first or not b.hashes:
+                        to_lru.append(b)
+                    else:
+                        to_mru.append(b)
+        finally:
+            if done != len(ids):  # refused (or a bad id type): nothing changes
+                for i in ids[:done]:
+                    all_blocks[i].ref_cnt += 1
+        if done != len(ids):
+            self._refuse_free(ids)
+        if to_mru:
+            self._queue.extend(to_mru)
         if to_lru:
             appendleft = self._queue.appendleft
             for b in reversed(to_lru):
                 appendleft(b)
+
+    def _refuse_free(self, ids: list[int]) -> NoReturn:
+        """The ConfigError of a refused :meth:`free` (refs as before the call): the
+        first unknown id, else the first block freed more often than its ref."""
+        n = len(self._blocks)
+        for i in ids:
+            if not 0 <= i < n:
+                raise ConfigError(f"unknown block id {i!r} (pool has {n} blocks)")
+        self._check_freeable([self._blocks[i] for i in ids])
+        raise AssertionError("free refused with every id freeable")
 
     @staticmethod
     def _check_freeable(blocks: list[Block]) -> None:
@@ -265,13 +273,60 @@ class BlockPool:
         for h in new:
             ids = index.get(h)
             if ids is None:
-                index[h] = {block_id: None}
-            else:
+                index[h] = block_id
+            elif isinstance(ids, dict):
                 ids[block_id] = None
+            else:
+                index[h] = {ids: None, block_id: None}
         added = tuple(new)
         b.hashes = b.hashes + added
         if self._enable_events:
             self._events.append(BlockStored(block_id, added))
+
+    def add_keys(self, ids: Sequence[int], keys: Sequence[BlockHash],
+                 depths: Sequence[int] | None = None) -> None:
+        """:meth:`add_hashes` ``(ids[i], [keys[i]])`` for each ``i`` in order, then
+        :meth:`set_depth` ``(ids[i], depths[i])`` (as many as ``depths`` has; None:
+        none): a store's completion, one call. Everything is checked first (ids,
+        lengths, every key bytes): ConfigError and nothing changed. The index and the
+        events end up exactly as the calls one by one leave them."""
+        blocks = self._blocks
+        n = len(blocks)
+        if len(keys) != len(ids):
+            raise ConfigError(f"{len(ids)} block ids but {len(keys)} keys")
+        if not ids:
+            return
+        if min(ids) < 0 or max(ids) >= n:
+            bad = next(i for i in ids if not 0 <= i < n)
+            raise ConfigError(f"unknown block id {bad!r} (pool has {n} blocks)")
+        if not all(map(isinstance, keys, repeat(bytes))):
+            bad_key = next(k for k in keys if not isinstance(k, bytes))
+            raise ConfigError(f"block hash must be bytes, got {type(bad_key).__name__}")
+        setdefault = self._index.setdefault
+        events = self._events if self._enable_events else None
+        dep: Iterable[int] = repeat(0)
+        fused = depths is not None and len(depths) == len(ids)  # else set after
+        if fused and depths is not None:
+            dep = depths
+        for c, k, d in zip(ids, keys, dep):
+            b = blocks[c]
+            if fused:
+                b.depth = d
+            have = b.hashes
+            if k in have:
+                continue
+            b.hashes = (*have, k) if have else (k,)
+            got = setdefault(k, c)  # one probe: c itself where k was not indexed
+            if got is not c:
+                if isinstance(got, dict):
+                    got[c] = None
+                else:
+                    self._index[k] = {got: None, c: None}
+            if events is not None:
+                events.append(BlockStored(c, (k,)))
+        if depths and not fused:
+            for c, d in zip(ids, depths):
+                blocks[c].depth = d
 
     def remove_hashes(self, block_id: int) -> None:
         """Drop every hash of ``block_id`` (BlockRemoved); it stays where it is."""
@@ -283,8 +338,12 @@ class BlockPool:
         index = self._index
         for h in b.hashes:
             ids = index[h]
-            del ids[b.block_id]
-            if not ids:
+            if isinstance(ids, dict):
+                del ids[b.block_id]
+                if not ids:
+                    del index[h]
+            else:
+                assert ids == b.block_id, "index entry names another block"
                 del index[h]
         if self._enable_events:
             self._events.append(BlockRemoved(b.block_id, b.hashes))
@@ -293,9 +352,9 @@ class BlockPool:
     def get_cached(self, h: BlockHash) -> int | None:
         """The earliest registered block still carrying ``h``, or None."""
         ids = self._index.get(h)
-        if not ids:
-            return None
-        return next(iter(ids))
+        if isinstance(ids, dict):
+            return next(iter(ids))
+        return ids
 
     def cached_run(self, hashes: Sequence[BlockHash], start: int, end: int) -> list[int]:
         """:meth:`get_cached` of ``hashes[start]``, ``hashes[start + 1]``, ... up to the
@@ -307,11 +366,17 @@ class BlockPool:
             ids = get(hashes[p])
             if ids is None:
                 break
-            out.append(next(iter(ids)))
+            out.append(next(iter(ids)) if isinstance(ids, dict) else ids)
         return out
 
     def is_cached(self, h: BlockHash) -> bool:
         return h in self._index
+
+    @property
+    def cached_keys(self) -> KeysView[BlockHash]:
+        """A live view of the hashes :meth:`is_cached` answers True for (``h in view``
+        is the same test without a call: the store planner's hot path)."""
+        return self._index.keys()
 
     def drop_all_hashes(self) -> None:
         """Make every block uncached (reset): BlockRemoved for each hashed block. Free
@@ -319,7 +384,10 @@ class BlockPool:
         plain reuse-first blocks. O(hashed blocks)."""
         seen: dict[int, None] = {}
         for ids in self._index.values():
-            seen.update(ids)
+            if isinstance(ids, dict):
+                seen.update(ids)
+            else:
+                seen[ids] = None
         for block_id in seen:
             self._unindex(self._blocks[block_id])
         assert not self._index, "index not empty after dropping every block's hashes"
@@ -341,38 +409,7 @@ class BlockPool:
         return events
 
     def check_invariants(self) -> None:
-        """O(pool) consistency check for tests; AssertionError names what is wrong."""
-        queued = self._queue.check_links(limit=len(self._blocks))
-        queued_ids = {b.block_id for b in queued}
-        if len(queued_ids) != len(queued):
-            raise AssertionError("free queue holds a block twice")
-        n_entries = 0
-        for b in self._blocks:
-            self._check_block(b, b.block_id in queued_ids)
-            n_entries += len(b.hashes)
-        index_entries = sum(len(ids) for ids in self._index.values())
-        if index_entries != n_entries:
-            raise AssertionError(
-                f"index has {index_entries} (hash, block) entries, blocks carry {n_entries}")
-        for h, ids in self._index.items():
-            if not ids:
-                raise AssertionError(f"index keeps empty entry for hash {h.hex()}")
-        free = sum(1 for b in self._blocks if b.ref_cnt == 0)
-        if free != self.num_free:
-            raise AssertionError(f"{free} blocks at ref 0 but num_free is {self.num_free}")
-
-    def _check_block(self, b: Block, in_queue: bool) -> None:
-        if self._blocks[b.block_id] is not b:
-            raise AssertionError(f"{b!r} is not at its own index")
-        if b.ref_cnt < 0:
-            raise AssertionError(f"{b!r} has a negative ref count")
-        if (b.ref_cnt == 0) != in_queue:
-            where = "in" if in_queue else "not in"
-            raise AssertionError(f"{b!r} is {where} the free queue with ref {b.ref_cnt}")
-        if in_queue != b.queued:
-            raise AssertionError(f"{b!r} links disagree with the queue walk")
-        if len(set(b.hashes)) != len(b.hashes):
-            raise AssertionError(f"{b!r} carries a hash twice")
-        for h in b.hashes:
-            if b.block_id not in self._index.get(h, {}):
-                raise AssertionError(f"{b!r} carries {h.hex()} but the index lacks it")
+        """O(pool) consistency check for tests; AssertionError names what is wrong
+        (:func:`kvshm.offload.blocks.check_pool`)."""
+        check_pool(self._blocks, self._queue.check_links(limit=len(self._blocks)),
+                   self._index, self.num_free)

@@ -37,34 +37,15 @@ from collections.abc import Callable, Collection, Container, Sequence
 from itertools import islice
 from typing import Protocol
 
-import msgspec
-
 from kvshm.config import Eviction
 from kvshm.hashing import BlockHash
 from kvshm.offload.counters import DeclineReason, ManagerCounters
 from kvshm.offload.groups import GroupSet
-from kvshm.offload.jobs import StoreJob
+from kvshm.offload.jobs import Cand, Selection, StoreJob
 from kvshm.offload.pool import BlockPool
 from kvshm.types import GpuBlocks
 
 __all__ = ["Cand", "Cursor", "Selection", "StorePlanner"]
-
-
-class Cand(msgspec.Struct, frozen=True, gc=False):
-    """A block selected for storing: its GPU id, KV group and ``key``, the
-    group-qualified primary hash (its CPU index key and in-flight mark), and ``pos`` its
-    position in the request's block sequence (0 where unknown: lazy offloads), which the
-    CPU tier's depth-aware eviction orders read.
-
-    A ``msgspec.Struct`` because a step builds one per selected block: built in C
-    (~60 ns here, a plain tuple ~40 ns, a ``NamedTuple`` ~290 ns: +1.5 % of a
-    ``tools.bench_manager`` step's instructions at 1k requests). ``gc=False``: it holds
-    no reference back to itself."""
-
-    gpu_id: int
-    group: int
-    key: bytes
-    pos: int = 0
 
 
 class Cursor(Protocol):
@@ -79,27 +60,6 @@ class Cursor(Protocol):
 
 
 _NO_IDS: frozenset[int] = frozenset()
-
-
-class Selection:
-    """One step's store pairs in job order: finish-time ones (already touched), then
-    running requests' (``to_touch``), then lazy ones (``n_lazy``, also in ``to_touch``)."""
-
-    __slots__ = ("depths", "gpu_ids", "groups", "keys", "n_lazy", "to_touch")
-
-    def __init__(self) -> None:
-        self.gpu_ids: list[int] = []
-        self.groups: list[int] = []
-        self.keys: list[bytes] = []
-        self.depths: list[int] = []
-        self.to_touch: list[int] = []
-        self.n_lazy = 0
-
-    def add(self, c: Cand) -> None:
-        self.gpu_ids.append(c.gpu_id)
-        self.groups.append(c.group)
-        self.keys.append(c.key)
-        self.depths.append(c.pos)
 
 
 class StorePlanner:
@@ -118,6 +78,10 @@ class StorePlanner:
         self.inflight_gpu: set[int] = set()
         self.inflight_keys: set[bytes] = set()
         self.load_dst = load_dst
+        # what walk reads, in one tuple: none of these objects is ever replaced
+        # (the sets and dicts change in place; the index view is live)
+        self._hot = (load_dst, self.inflight_gpu, self.inflight_keys, cpu.cached_keys,
+                     gpu.block_hashes, counters.declined)
         self.finish_queue: list[Cand] = []
         #: told the keys of finish-time stores dropped for want of CPU blocks (never
         #: stored, so never put): a P/D publication waiting for one of them learns it
@@ -166,7 +130,69 @@ class StorePlanner:
              sel: Selection) -> int:
         """Select ``st``'s candidates ``[cursor, ready)`` into ``sel`` within ``avail``
         CPU blocks; returns what is left of ``avail``. Moves the cursor past every
-        position decided (stored or declined), never past a deferred one."""
+        position decided (stored or declined), never past a deferred one.
+
+        One full-attention group (``gs.single``, the hot case) is walked here, with
+        :meth:`classify`, ``Cand``, :meth:`_mark` and :meth:`Selection.add` inlined (a
+        key is the plain hash; no sliding window): the same decisions in the same order
+        as :meth:`_walk_groups`, which walks any other group set."""
+        p = st.cursor
+        if p >= ready:
+            return avail
+        if not self.gs.single:
+            return self._walk_groups(st, ready, avail, alloc, sel)
+        table = st.tables[0]
+        hashes = st.hashes
+        nh = len(hashes)
+        load_dst, inflight_gpu, inflight_keys, cached, gh_of, declined = self._hot
+        while p < ready:
+            b = table[p]
+            if b in load_dst:
+                break
+            reason: DeclineReason | None = None
+            if b in inflight_gpu:
+                reason = DeclineReason.IN_FLIGHT
+            else:
+                gh = gh_of(b)
+                h = hashes[p] if p < nh else None
+                if h is None:
+                    if gh:
+                        h = gh[0]
+                    else:
+                        reason = DeclineReason.UNHASHED
+                elif gh and h not in gh:
+                    reason = DeclineReason.HASH_MISMATCH
+                if h is not None and reason is None:
+                    if h in inflight_keys:
+                        reason = DeclineReason.IN_FLIGHT
+                    elif h in cached:
+                        reason = DeclineReason.ALREADY_CACHED
+            if reason is not None:
+                if 0 > avail:  # walk's "more picks than avail" with no pick
+                    declined[DeclineReason.CPU_FULL] += 1
+                    break
+                declined[reason] += 1
+                p += 1
+                continue
+            if avail < 1:
+                declined[DeclineReason.CPU_FULL] += 1
+                break
+            assert h is not None
+            inflight_gpu.add(b)
+            inflight_keys.add(h)
+            sel.gpu_ids.append(b)
+            sel.groups.append(0)
+            sel.keys.append(h)
+            sel.depths.append(p)
+            sel.to_touch.append(b)
+            avail -= 1
+            p += 1
+        st.cursor = p
+        return avail
+
+    def _walk_groups(self, st: Cursor, ready: int, avail: int, alloc: Collection[int],
+                     sel: Selection) -> int:
+        """:meth:`walk` for any groups: every group of a position, then the position."""
         p = st.cursor
         tables = st.tables
         hashes = st.hashes
@@ -325,8 +351,7 @@ class StorePlanner:
         so its pins go even when indexing fails (a GPU pool that answers a hash kvshm
         cannot index): no pin outlives its record."""
         gpu_ids, cpu_ids, n_eager = job.gpu_ids, job.cpu_ids, job.n_eager
-        for b, key in zip(gpu_ids, job.keys):
-            self._unmark(b, key)
+        self._unmark_all(gpu_ids, job.keys)
         try:
             if register:
                 self._register(gpu_ids, cpu_ids, job.groups, job.keys, job.depths)
@@ -337,18 +362,42 @@ class StorePlanner:
             if n_eager < len(gpu_ids):
                 self.gpu.free(gpu_ids[n_eager:], evict_first=True)
 
+    def _unmark_all(self, gpu_ids: list[int], keys: list[bytes]) -> None:
+        """:meth:`_unmark` of each pair, in C: a job's GPU ids and keys are distinct and
+        all marked (they were marked when selected, each only while unmarked)."""
+        ig, ik = self.inflight_gpu, self.inflight_keys
+        n_gpu, n_keys = len(ig), len(ik)
+        ig.difference_update(gpu_ids)
+        ik.difference_update(keys)
+        assert len(ig) == n_gpu - len(gpu_ids) and len(ik) == n_keys - len(keys), \
+            "a store job's marks were not all set"
+
     def _register(self, gpu_ids: list[int], cpu_ids: list[int], groups: list[int],
                   keys: list[bytes], depths: list[int]) -> None:
-        key_of = self.gs.key
+        """Index each CPU block under its key, then the GPU block's other hashes (as
+        qualified keys); set the depths (not for plain LRU). Where no GPU block carries
+        a hash besides its key (the usual case: one group, the block hashed as stored)
+        this is one :meth:`BlockPool.add_keys` call; else the pairs one by one."""
         cpu = self.cpu
+        depth_list = depths if cpu.eviction is not Eviction.LRU else None
+        gh_of = self.gpu.block_hashes
+        if self.gs.single:
+            for gh, k in zip(map(gh_of, gpu_ids), keys):
+                if gh and (gh[0] != k or len(gh) > 1):
+                    break
+            else:
+                cpu.add_keys(cpu_ids, keys, depth_list)
+                self.counters.stored_blocks += len(cpu_ids)
+                return
+        key_of = self.gs.key
         for c, b, g, k in zip(cpu_ids, gpu_ids, groups, keys):
             hs = [k]
-            for h in self.gpu.block_hashes(b):
+            for h in gh_of(b):
                 q = key_of(h, g)
                 if q != k:
                     hs.append(q)
             cpu.add_hashes(c, hs)
-        if cpu.eviction is not Eviction.LRU:
-            for c, d in zip(cpu_ids, depths):
+        if depth_list:
+            for c, d in zip(cpu_ids, depth_list):
                 cpu.set_depth(c, d)
         self.counters.stored_blocks += len(cpu_ids)

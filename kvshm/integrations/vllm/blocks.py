@@ -63,9 +63,10 @@ class VllmGpuBlocks:
             pool, "cached_block_hashes_by_block", {})
         null = getattr(getattr(pool, "null_block", None), "block_id", None)
         self.null_block_id: int | None = null if isinstance(null, int) else None
-        # block id -> (vLLM's hash object, its plain-hash tuple); see the module docstring
-        self._plain: list[tuple[object, tuple[BlockHash, ...]] | None] = \
-            [None] * len(self._blocks)
+        # by block id: vLLM's hash object last stripped, and its plain-hash tuple (two
+        # lists: a hit reads one of each, a miss builds no pair); see the module docstring
+        self._plain_of: list[object] = [None] * len(self._blocks)
+        self._plain: list[tuple[BlockHash, ...]] = [()] * len(self._blocks)
         self._slot = _hash_in_slot(self._blocks)
 
     @property
@@ -100,11 +101,11 @@ class VllmGpuBlocks:
             extra = self._secondary.get(block_id)
             if extra:
                 return (plain_hash(primary), *(plain_hash(k) for k in extra))
-        hit = self._plain[block_id]
-        if hit is not None and hit[0] is primary:
-            return hit[1]
+        if self._plain_of[block_id] is primary:
+            return self._plain[block_id]
         out = (primary[:-_GROUP_SUFFIX] if type(primary) is bytes else plain_hash(primary),)
-        self._plain[block_id] = (primary, out)
+        self._plain_of[block_id] = primary
+        self._plain[block_id] = out
         return out
 
     def iter_free_from_lru(self) -> Iterator[int]:

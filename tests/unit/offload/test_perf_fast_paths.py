@@ -122,6 +122,10 @@ def test_depth_aged_inlined_paths_keep_the_order(ops: list[tuple[str, int, int]]
             self._place(b)
             self._len += 1
 
+        def extend(self, blocks: Any) -> None:
+            for b in blocks:
+                self.append(b)
+
         def remove(self, b: Any) -> None:
             if b.slot == FRESH:
                 self.fresh.remove(b)

@@ -1,0 +1,230 @@
+"""The store path's shortcuts (issue 15) decide exactly what the general paths decide:
+the one-group walk against the general walk, ``BlockPool.add_keys`` against
+``add_hashes`` + ``set_depth`` one by one, ``FreeBlockQueue.extend`` against ``append``
+and ``DepthAged.extend`` against its ``append``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvshm.config import Eviction
+from kvshm.errors import ConfigError
+from kvshm.offload.blocks import Block, FreeBlockQueue
+from kvshm.offload.counters import ManagerCounters
+from kvshm.offload.evict import DepthAged
+from kvshm.offload.groups import GroupSet
+from kvshm.offload.pool import BlockPool
+from kvshm.offload.stores import Selection, StorePlanner
+from kvshm.types import KVGroup
+
+H = [bytes([i]) * 16 for i in range(12)]
+
+
+@dataclass
+class _Cur:
+    tables: list[list[int]]
+    hashes: list[bytes]
+    cursor: int = 0
+    extra: list[int] = field(default_factory=list)
+
+
+def _planner(single: bool, gpu: BlockPool, cpu: BlockPool, load_dst: set[int]) -> StorePlanner:
+    gs = GroupSet((KVGroup.full(),), 16)
+    gs.single = single
+    return StorePlanner(cpu, gpu, gs, 16, ManagerCounters(), 8, load_dst)
+
+
+@settings(max_examples=300, deadline=None)
+@given(gpu_h=st.lists(st.one_of(st.none(), st.integers(0, 11)), min_size=12, max_size=12),
+       seq=st.lists(st.integers(0, 11), max_size=10), cached=st.sets(st.integers(0, 11)),
+       inflight=st.sets(st.integers(0, 11)), keys_inflight=st.sets(st.integers(0, 11)),
+       loading=st.sets(st.integers(0, 11)), order=st.permutations(list(range(12))),
+       cursor=st.integers(0, 4), ready=st.integers(0, 12), avail=st.integers(0, 6),
+       calls=st.integers(1, 3))
+def test_one_group_walk_equals_the_general_walk(
+        gpu_h: list[int | None], seq: list[int], cached: set[int], inflight: set[int],
+        keys_inflight: set[int], loading: set[int], order: list[int], cursor: int,
+        ready: int, avail: int, calls: int) -> None:
+    out = []
+    for single in (True, False):
+        gpu, cpu = BlockPool(12), BlockPool(16)
+        gpu.allocate(12)
+        for b, h in enumerate(gpu_h):
+            if h is not None:
+                gpu.add_hashes(b, [H[h]])
+        for c, h in zip(cpu.allocate(len(cached)), sorted(cached)):
+            cpu.add_hashes(c, [H[h]])
+        plan = _planner(single, gpu, cpu, loading)
+        plan.inflight_gpu.update(inflight)
+        plan.inflight_keys.update(H[k] for k in keys_inflight)
+        cur = _Cur([order], [H[i] for i in seq], cursor)
+        sel = Selection()
+        left = avail
+        for _ in range(calls):
+            left = plan.walk(cur, ready, left, (), sel)
+        out.append((left, cur.cursor, sel.gpu_ids, sel.groups, sel.keys, sel.depths,
+                    sel.to_touch, sorted(plan.inflight_gpu), sorted(plan.inflight_keys),
+                    plan.counters.as_dict()))
+    assert out[0] == out[1]
+
+
+@settings(max_examples=200, deadline=None)
+@given(pairs=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 5), st.integers(0, 9)),
+                      max_size=12),
+       pre=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 5)), max_size=4),
+       with_depths=st.booleans())
+def test_add_keys_equals_add_hashes_one_by_one(
+        pairs: list[tuple[int, int, int]], pre: list[tuple[int, int]],
+        with_depths: bool) -> None:
+    pools = [BlockPool(8, enable_events=True, eviction=Eviction.DEPTH_AGED) for _ in range(2)]
+    for pool in pools:
+        pool.allocate(8)
+        for b, h in pre:
+            pool.add_hashes(b, [H[h]])
+        pool.take_events()
+    ids, keys, depths = [b for b, _, _ in pairs], [H[h] for _, h, _ in pairs], \
+        [d for _, _, d in pairs]
+    pools[0].add_keys(ids, keys, depths if with_depths else None)
+    for b, k in zip(ids, keys):
+        pools[1].add_hashes(b, [k])
+    if with_depths:
+        for b, d in zip(ids, depths):
+            pools[1].set_depth(b, d)
+    got = [([(pool.block_hashes(b), pool._blocks[b].depth) for b in range(8)],
+            [pool.get_cached(h) for h in H], pool.take_events()) for pool in pools]
+    assert got[0] == got[1]
+    for pool in pools:
+        pool.check_invariants()
+
+
+def test_add_keys_refuses_before_any_change() -> None:
+    pool = BlockPool(4, enable_events=True)
+    a, b = pool.allocate(2)
+    with pytest.raises(ConfigError, match="unknown block id 9"):
+        pool.add_keys([a, 9], [H[0], H[1]])
+    with pytest.raises(ConfigError, match="unknown block id -1"):
+        pool.add_keys([a, -1], [H[0], H[1]])
+    with pytest.raises(ConfigError, match="must be bytes"):
+        pool.add_keys([a, b], [H[0], "x"])  # type: ignore[list-item]
+    with pytest.raises(ConfigError, match="2 block ids but 1 keys"):
+        pool.add_keys([a, b], [H[0]])
+    assert pool.num_hashes == 0 and pool.take_events() == []
+    pool.add_keys([], [])
+    pool.check_invariants()
+
+
+def test_queue_extend_equals_append() -> None:
+    bs = [Block(i) for i in range(6)]
+    q = FreeBlockQueue(bs[:2])
+    q.extend(bs[2:5])
+    assert [b.block_id for b in q] == [0, 1, 2, 3, 4] and len(q) == 5
+    q.check_links(limit=10)
+    with pytest.raises(Exception, match="already in the free queue"):
+        q.extend([bs[5], bs[1]])
+    assert [b.block_id for b in q] == [0, 1, 2, 3, 4, 5] and len(q) == 6
+    q.check_links(limit=10)
+
+
+@settings(max_examples=100, deadline=None)
+@given(depths=st.lists(st.integers(0, 40), max_size=30), cut=st.integers(0, 30))
+def test_depth_aged_extend_equals_append(depths: list[int], cut: int) -> None:
+    sets = [DepthAged(k=3, slot_width=3) for _ in range(2)]
+    blocks = [[Block(i) for i in range(len(depths))] for _ in range(2)]
+    for bl in blocks:
+        for b, d in zip(bl, depths):
+            b.depth = d
+    sets[0].extend(blocks[0][:cut])
+    sets[0].extend(blocks[0][cut:])
+    for b in blocks[1]:
+        sets[1].append(b)
+    assert ([b.block_id for b in sets[0]] == [b.block_id for b in sets[1]]
+            and sets[0].clock == sets[1].clock and len(sets[0]) == len(sets[1]))
+    sets[0].check_links(limit=100)
+
+
+def test_index_entry_is_the_id_until_a_second_block_shares_the_hash() -> None:
+    pool = BlockPool(4)
+    a, b, c = pool.allocate(3)
+    pool.add_keys([a], [H[0]])
+    assert pool._index[H[0]] == a and pool.get_cached(H[0]) == a
+    pool.add_hashes(b, [H[0]])
+    pool.add_keys([c], [H[0]])
+    assert pool.cached_run([H[0]], 0, 1) == [a] and pool.num_hashes == 1
+    pool.remove_hashes(a)
+    assert pool.get_cached(H[0]) == b
+    pool.remove_hashes(b)
+    assert pool.get_cached(H[0]) == c and pool.cached_run([H[0], H[1]], 0, 2) == [c]
+    pool.check_invariants()
+    pool.remove_hashes(c)
+    assert pool.get_cached(H[0]) is None and pool.num_hashes == 0
+    pool.add_keys([a, b], [H[1], H[2]])
+    pool.drop_all_hashes()
+    assert pool.num_hashes == 0
+    pool.check_invariants()
+
+
+@settings(max_examples=100, deadline=None)
+@given(ev=st.sampled_from(list(Eviction)), ops=st.lists(
+    st.tuples(st.sampled_from(["free", "alloc"]), st.integers(0, 11), st.integers(0, 5)),
+    max_size=40))
+def test_allocate_takes_what_popleft_one_by_one_takes(
+        ev: Eviction, ops: list[tuple[str, int, int]]) -> None:
+    """``allocate``'s one ``take`` against a pool whose free set pops one at a time."""
+
+    class OneByOne(BlockPool):
+        def allocate(self, n: int) -> list[int]:
+            out = []
+            for _ in range(min(n, self.num_free)):
+                b = self._queue.popleft()
+                if b.hashes:
+                    self.evictions += 1
+                    self._unindex(b)
+                b.ref_cnt = 1
+                out.append(b.block_id)
+            return out
+
+    pools = [BlockPool(12, eviction=ev, enable_events=True),
+             OneByOne(12, eviction=ev, enable_events=True)]
+    held: list[list[int]] = [[], []]
+    for op, i, d in ops:
+        got = []
+        for pool, mine in zip(pools, held):
+            if op == "alloc":
+                got.append(pool.allocate(min(1 + i % 4, pool.num_free)))
+                mine.extend(got[-1])
+            elif mine:
+                b = mine.pop(i % len(mine))
+                pool.add_keys([b], [H[i]], [d])
+                pool.free([b])
+        assert got[:1] == got[1:] and held[0] == held[1]
+        assert list(pools[0].iter_free_from_lru()) == list(pools[1].iter_free_from_lru())
+        assert pools[0].take_events() == pools[1].take_events()
+    for pool in pools:
+        pool.check_invariants()
+    with pytest.raises(Exception, match="take 13"):
+        pools[0]._queue.take(13)
+
+
+def test_one_pass_free_undoes_its_decrements_when_refused() -> None:
+    pool = BlockPool(4, eviction=Eviction.DEPTH_AGED)
+    a, b, c = pool.allocate(3)
+    pool.touch([a])
+    pool.add_keys([a, b], [H[0], H[1]])
+    pool.free([c])
+    with pytest.raises(ConfigError, match=f"free of block {a} 3 time"):
+        pool.free([b, a, a, a])
+    with pytest.raises(ConfigError, match="unknown block id 99"):
+        pool.free([a, c, 99])  # an unknown id is named before a block at ref 0
+    with pytest.raises(ConfigError, match=f"free of block {c} 1 time"):
+        pool.free(reversed([c, b, a]))
+    with pytest.raises(TypeError):
+        pool.free([a, "x"])  # type: ignore[list-item]
+    assert [pool.ref_cnt(i) for i in (a, b, c)] == [2, 1, 0] and pool.num_free == 2
+    pool.check_invariants()
+    pool.free([a, b, a])
+    assert pool.num_free == 4
+    pool.check_invariants()
