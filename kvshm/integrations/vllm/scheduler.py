@@ -401,6 +401,8 @@ class SchedulerSide:
             self._refuse(rid, exc)
             self.client.finished(rid, 0, self._no_new)  # forgets it, stores nothing
         self._forget(rid)
+        if self.cfg.remote_url is None:  # no remote tier: no hand-off, nothing to ask
+            return False, None
         return False, client.transfer_params(rid)
 
     def _forget(self, rid: str) -> None:
