@@ -190,7 +190,10 @@ class Runtime:
 
     # -- event intake ------------------------------------------------------------------
     def pump(self) -> None:
-        """Sync mode: service the rendezvous, drain every done ring, check for hangs."""
+        """Sync mode: service the rendezvous, drain every done ring, check for hangs.
+        A channel's overflow is flushed before its receive only when it has one (the
+        flush does nothing else); while READY the hang check runs without :meth:`tick`'s
+        other tests (they act only outside READY)."""
         state = self._state
         if self._server is not None and (state is _READY or state in LIVE):
             events = self._server.service()
@@ -199,7 +202,8 @@ class Runtime:
         for rank, chan in list(self._channels.items()):
             if chan.closed:
                 continue
-            chan.flush_overflow()
+            if chan.overflow_depth:
+                chan.flush_overflow()
             try:
                 dones = chan.receive_nowait()
             except TransportError as exc:
@@ -210,7 +214,10 @@ class Runtime:
                 continue
             if dones:
                 self._on_dones(rank, dones, notify=False)
-        self.tick(time.monotonic())
+        if self._state is _READY:
+            self._ranks.check_hangs(time.monotonic())
+        else:
+            self.tick(time.monotonic())
 
     def _notify(self) -> None:
         if self._on_change is not None:

@@ -317,8 +317,10 @@ class SchedulerSide:
         self._absorb(client.poll())
         self._step += 1
         self.counters.steps += 1
+        requests, refused = self._requests, self._refused
         for rid in getattr(so, "finished_req_ids", ()) or ():
-            self._forget(rid)
+            if rid in requests or rid in refused:  # else ``finished`` forgot it already
+                self._forget(rid)
         ready = client.state is EngineState.READY
         reqs, alloc = self._listing(so) if ready else ([], set())
         plan = self._plan(reqs, alloc)
@@ -399,9 +401,16 @@ class SchedulerSide:
             self._refuse(rid, exc)
             self.client.finished(rid, 0, self._no_new)  # forgets it, stores nothing
         self._forget(rid)
+        if self.cfg.remote_url is None:  # no remote tier: no hand-off, nothing to ask
+            return False, None
         return False, client.transfer_params(rid)
 
     def _forget(self, rid: str) -> None:
+        """Drop every trace of ``rid``. Invariant (``build`` skips a finished id that
+        is in neither ``_requests`` nor ``_refused``): the announced, load-failed and
+        next-look entries exist only for a request in ``_requests`` (the listing, the
+        lookup and ``_absorb`` add them only for a known request); an unknown id left in
+        the listing's mirror only makes the next listing take its walk (exact)."""
         self._lister.forget(rid)
         self._requests.pop(rid, None)
         self._announced.discard(rid)
