@@ -108,9 +108,10 @@ class GpuBlocks(Protocol):
     def iter_free_from_lru(self) -> Iterator[int]: ...
 
 
-@dataclass(frozen=True, slots=True)
-class RequestView:
-    """A waiting request as phase A (``lookup``) sees it."""
+class RequestView(msgspec.Struct, frozen=True, gc=False):
+    """A waiting request as phase A (``lookup``) sees it. A frozen ``msgspec.Struct``:
+    an adapter builds one per lookup, and C builds it in ~0.1 us where the frozen
+    dataclass took 0.8 - 2.5 us. ``gc=False``: it holds no reference back to itself."""
 
     req_id: str
     block_hashes: Sequence[BlockHash]

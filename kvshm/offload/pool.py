@@ -296,6 +296,9 @@ class BlockPool:
             raise ConfigError(f"{len(ids)} block ids but {len(keys)} keys")
         if not ids:
             return
+        if set(map(type, ids)) != {int}:  # 1.0 or True would pass the range test
+            bad_id = next(i for i in ids if type(i) is not int)
+            raise ConfigError(f"block id must be an int, got {bad_id!r}")
         if min(ids) < 0 or max(ids) >= n:
             bad = next(i for i in ids if not 0 <= i < n)
             raise ConfigError(f"unknown block id {bad!r} (pool has {n} blocks)")

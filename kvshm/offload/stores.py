@@ -38,6 +38,7 @@ from itertools import islice
 from typing import Protocol
 
 from kvshm.config import Eviction
+from kvshm.errors import ConfigError
 from kvshm.hashing import BlockHash
 from kvshm.offload.counters import DeclineReason, ManagerCounters
 from kvshm.offload.groups import GroupSet
@@ -431,12 +432,19 @@ class StorePlanner:
                 self.counters.stored_blocks += len(cpu_ids)
                 return
         key_of = self.gs.key
+        pairs: list[tuple[int, list[bytes]]] = []
         for c, b, g, k in zip(cpu_ids, gpu_ids, groups, keys):
             hs = [k]
             for h in gh_of(b):
                 q = key_of(h, g)
                 if q != k:
                     hs.append(q)
+            pairs.append((c, hs))
+        for _, hs in pairs:  # every key checked before any is indexed, as add_keys does
+            for h in hs:
+                if not isinstance(h, bytes):
+                    raise ConfigError(f"block hash must be bytes, got {type(h).__name__}")
+        for c, hs in pairs:
             cpu.add_hashes(c, hs)
         if depth_list:
             for c, d in zip(cpu_ids, depth_list):
