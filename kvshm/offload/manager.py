@@ -40,6 +40,7 @@ O(blocks that changed); no scan over every request's blocks.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 from kvshm.errors import ConfigError
@@ -55,6 +56,7 @@ from kvshm.offload.loads import LoadBook
 from kvshm.offload.pool import BlockPool
 from kvshm.offload.remote import RemoteBook
 from kvshm.offload.requests import ReqState, RequestTracker, is_remote
+from kvshm.offload.side_stores import lazy_scan, pin_tail
 from kvshm.offload.stores import Selection, StorePlanner
 from kvshm.types import (
     GpuBlocks,
@@ -287,7 +289,7 @@ class OffloadManager:
         if dirty:
             avail = self._track.select(dirty, alloc if self._gs.sw else _EMPTY, avail, sel)
         if not self._eager:
-            plan.lazy_scan(avail, sel)
+            lazy_scan(plan, avail, sel)
         n = len(sel.gpu_ids)
         if not n:
             return None
@@ -354,7 +356,7 @@ class OffloadManager:
             self._track.finish(st, confirmed, tables, hashes)
             if st.remote and self.remote is not None and self.remote.pd is not None:
                 self.remote.publish_request(req_id, st.hashes, confirmed, tables, tail,
-                                            self._stores.pin_tail)
+                                            partial(pin_tail, self._stores))
         return False
 
     def transfer_params(self, req_id: str) -> dict[str, Any] | None:

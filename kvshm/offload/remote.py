@@ -266,7 +266,7 @@ class RemoteBook:
         """A P/D prefill request finished (the manager's ``finished``): its hand-off
         names its full blocks' keys, then its partial last block's when ``tail`` names
         one of 2+ tokens (a decoder computes the last token anyway) and ``pin_tail``
-        (:meth:`~kvshm.offload.stores.StorePlanner.pin_tail`) could queue it. The params
+        (:func:`~kvshm.offload.side_stores.pin_tail`) could queue it. The params
         wait for :meth:`transfer_params` (the newest 4,096 are kept)."""
         assert self.pd is not None, "a hand-off without the hand-off book"
         bs, gs = self.pd.block_size, self._gs

@@ -1,4 +1,5 @@
-"""Store selection for the manager: per-request cursors, in-flight dedup, lazy scans.
+"""Store selection for the manager: per-request cursors, in-flight dedup (the lazy scan
+and a P/D tail block's store: :mod:`kvshm.offload.side_stores`, through this planner).
 
 Rules (each is a hazard of docs/design.md):
 
@@ -34,7 +35,6 @@ Cost: a step touches only requests whose confirmed tokens crossed their cursor's
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Container, Sequence
-from itertools import islice
 from typing import Protocol
 
 from kvshm.config import Eviction
@@ -117,7 +117,8 @@ class StorePlanner:
             return DeclineReason.ALREADY_CACHED, b""
         return None, key
 
-    def _mark(self, c: Cand) -> None:
+    def mark(self, c: Cand) -> None:
+        """``c`` is selected: in flight until its job completes or its queued store drops."""
         self.inflight_gpu.add(c.gpu_id)
         self.inflight_keys.add(c.key)
 
@@ -222,7 +223,7 @@ class StorePlanner:
             for r in reasons:
                 declined[r] += 1
             for c in picks:
-                self._mark(c)
+                self.mark(c)
                 sel.add(c)
                 sel.to_touch.append(c.gpu_id)
             avail -= len(picks)
@@ -293,44 +294,9 @@ class StorePlanner:
                     declined[reason] += 1
                     continue
                 c = Cand(b, g, key, p)
-                self._mark(c)
+                self.mark(c)
                 picks.append(c)
         return picks
-
-    def pin_tail(self, tables: Sequence[Sequence[int]], p: int, tail: BlockHash
-                 ) -> list[bytes] | None:
-        """Finish-time, P/D only: queue the partial last block (position ``p``) of every
-        group for a store under ``tail``'s keys -- it has no engine hash; its KV is the
-        request's own. Returns the keys a hand-off may name (queued here, in flight or
-        cached already), or None with nothing queued when some group's block cannot be
-        stored: no full block before it (``p == 0``: the tail has no parent, the
-        hand-off publishes nothing), a sliding-window group (not handed off partially), a
-        table too short, a pending load writing it, or a GPU block the pool says holds
-        another hash."""
-        if p == 0 or self.gs.sw or any(len(t) <= p for t in tables):
-            return None
-        picks: list[Cand] = []
-        keys: list[bytes] = []
-        for g in range(self.gs.n):
-            b = tables[g][p]
-            if b in self.load_dst:
-                return None
-            reason, key = self.classify(b, tail, g, _NO_IDS)
-            if reason is DeclineReason.IN_FLIGHT and b not in self.inflight_gpu:
-                key = self.gs.key(tail, g)  # another request stores the same tail
-            elif reason is DeclineReason.ALREADY_CACHED:
-                key = self.gs.key(tail, g)
-            elif reason is not None:
-                return None
-            else:
-                picks.append(Cand(b, g, key, p))
-            keys.append(key)
-        for c in picks:
-            self._mark(c)
-        if picks:
-            self.gpu.touch([c.gpu_id for c in picks])
-            self.finish_queue.extend(picks)
-        return keys
 
     def take_finished(self, avail: int, keep_rest: bool, sel: Selection) -> int:
         """Move up to ``avail`` queued finish-time stores into ``sel``. The rest wait
@@ -356,32 +322,6 @@ class StorePlanner:
         self.counters.declined[reason] += len(q)
         if q:
             self.gpu.free([c.gpu_id for c in reversed(q)])
-
-    # ---- lazy --------------------------------------------------------------------
-
-    def lazy_scan(self, avail: int, sel: Selection) -> None:
-        """Offload hashed, uncached blocks among the next ``lazy_window`` GPU blocks to
-        be evicted (single group only). Touches after iterating."""
-        picks: list[Cand] = []
-        seen: set[bytes] = set()
-        cached = self.cpu.is_cached
-        for b in islice(self.gpu.iter_free_from_lru(), self.lazy_window):
-            gh = self.gpu.block_hashes(b)
-            if not gh:
-                continue
-            key = gh[0]
-            if key in self.inflight_keys or key in seen or cached(key):
-                continue
-            if len(picks) >= avail:
-                self.counters.declined[DeclineReason.CPU_FULL] += 1
-                break
-            picks.append(Cand(b, 0, key))
-            seen.add(key)
-        for c in picks:
-            self._mark(c)
-            sel.add(c)
-            sel.to_touch.append(c.gpu_id)
-        sel.n_lazy = len(picks)
 
     # ---- completion --------------------------------------------------------------
 
