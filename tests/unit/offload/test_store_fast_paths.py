@@ -38,6 +38,23 @@ def _planner(single: bool, gpu: BlockPool, cpu: BlockPool, load_dst: set[int]) -
     return StorePlanner(cpu, gpu, gs, 16, ManagerCounters(), 8, load_dst)
 
 
+def _state(single: bool, gpu_h: list[int | None], cached: set[int], inflight: set[int],
+           keys_inflight: set[int], loading: set[int]) -> tuple[BlockPool, StorePlanner]:
+    """A 12-block GPU pool hashed as ``gpu_h`` says, a CPU tier holding ``cached``, and a
+    planner with those GPU ids and keys in flight and ``loading`` being loaded."""
+    gpu, cpu = BlockPool(12), BlockPool(16)
+    gpu.allocate(12)
+    for b, h in enumerate(gpu_h):
+        if h is not None:
+            gpu.add_hashes(b, [H[h]])
+    for c, h in zip(cpu.allocate(len(cached)), sorted(cached)):
+        cpu.add_hashes(c, [H[h]])
+    plan = _planner(single, gpu, cpu, loading)
+    plan.inflight_gpu.update(inflight)
+    plan.inflight_keys.update(H[k] for k in keys_inflight)
+    return gpu, plan
+
+
 @settings(max_examples=300, deadline=None)
 @given(gpu_h=st.lists(st.one_of(st.none(), st.integers(0, 11)), min_size=12, max_size=12),
        seq=st.lists(st.integers(0, 11), max_size=10), cached=st.sets(st.integers(0, 11)),
@@ -51,16 +68,7 @@ def test_one_group_walk_equals_the_general_walk(
         ready: int, avail: int, calls: int) -> None:
     out = []
     for single in (True, False):
-        gpu, cpu = BlockPool(12), BlockPool(16)
-        gpu.allocate(12)
-        for b, h in enumerate(gpu_h):
-            if h is not None:
-                gpu.add_hashes(b, [H[h]])
-        for c, h in zip(cpu.allocate(len(cached)), sorted(cached)):
-            cpu.add_hashes(c, [H[h]])
-        plan = _planner(single, gpu, cpu, loading)
-        plan.inflight_gpu.update(inflight)
-        plan.inflight_keys.update(H[k] for k in keys_inflight)
+        gpu, plan = _state(single, gpu_h, cached, inflight, keys_inflight, loading)
         cur = _Cur([order], [H[i] for i in seq], cursor)
         sel = Selection()
         left = avail
@@ -86,16 +94,7 @@ def test_one_group_finish_pin_equals_the_general_pin(
     the general classification does (GPU refs included), and moves the cursor alike."""
     out = []
     for single in (True, False):
-        gpu, cpu = BlockPool(12), BlockPool(16)
-        gpu.allocate(12)
-        for b, h in enumerate(gpu_h):
-            if h is not None:
-                gpu.add_hashes(b, [H[h]])
-        for c, h in zip(cpu.allocate(len(cached)), sorted(cached)):
-            cpu.add_hashes(c, [H[h]])
-        plan = _planner(single, gpu, cpu, loading)
-        plan.inflight_gpu.update(inflight)
-        plan.inflight_keys.update(H[k] for k in keys_inflight)
+        gpu, plan = _state(single, gpu_h, cached, inflight, keys_inflight, loading)
         cur = _Cur([order], [H[i] for i in seq], cursor)
         n = plan.pin_finished(cur, ready)
         out.append((n, cur.cursor, list(plan.finish_queue), sorted(plan.inflight_gpu),
