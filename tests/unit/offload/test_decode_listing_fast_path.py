@@ -42,7 +42,7 @@ def _admitted(mode: StoreMode, blocks: int, confirmed_blocks: int) -> tuple[Rig,
 
 ids_s = st.one_of(st.integers(-2, 18), st.just(True), st.just(3.0), st.just("1"))
 hashes_s = st.one_of(
-    st.lists(st.sampled_from(GOOD + [b"short", "str", None]), max_size=6),  # type: ignore[list-item]
+    st.lists(st.sampled_from([*GOOD, b"short", "str", None]), max_size=6),
     st.lists(st.sampled_from(GOOD), max_size=6).map(tuple),
     st.just("not a list"))
 nb_s = st.one_of(ids_s.map(lambda b: ((b,),)), st.just("NO_NEW"), st.just(((),)), st.just(()),
@@ -85,7 +85,7 @@ def test_the_decode_shortcut_decides_what_the_full_checks_decide(
         answered.append(kind)
         return kind
 
-    tracker._decode_step = spy  # type: ignore[method-assign]
+    tracker._decode_step = spy  # type: ignore[method-assign, assignment]
     assert _classify(tracker, rig, listing) == fast
     tracker._decode_step = lambda *args: 0  # type: ignore[method-assign]
     slow = _classify(tracker, rig, listing)

@@ -5,6 +5,7 @@ and ``DepthAged.extend`` against its ``append``."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pytest
@@ -27,7 +28,7 @@ H = [bytes([i]) * 16 for i in range(12)]
 @dataclass
 class _Cur:
     tables: list[list[int]]
-    hashes: list[bytes]
+    hashes: Sequence[bytes]
     cursor: int = 0
     extra: list[int] = field(default_factory=list)
 
