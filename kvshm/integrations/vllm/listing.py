@@ -42,11 +42,12 @@ next look is the request's next look (it is updated wherever a next look changes
 a request whose next look changed elsewhere leaves the mirror), so both list exactly
 what asking :attr:`Listing.next_look` for every request would list.
 
-The fast path: a flagged request that was announced, is not resumed and is known, on an
-engine without sliding-window groups, is listed inline by both paths (what
-:meth:`Listing._changed` does for it, without the call: ~140 such requests a step at
-1k running when every request is listed); every other case goes to ``_changed``. The
-reference listing (``mirror=False``) always calls ``_changed``.
+The fast path: a flagged request that was announced, is not resumed and is known (and
+has no ids appended on an engine with sliding-window groups) goes straight to
+:meth:`Listing._known`, which builds its record, as :meth:`Listing._changed` does after
+its guards (~140 such requests a step at 1k running when every request is listed);
+every other case goes to ``_changed``. The reference listing (``mirror=False``) always
+calls ``_changed``.
 
 Duck-typed over vLLM's objects (no vLLM import). The listing reads the scheduler
 side's live requests and adds to its announced set; it changes nothing else there.
@@ -148,10 +149,8 @@ class Listing:
         if self._mirror and self._aligned(ids, nbs, comps):
             looks = self._looks
             flagged = self._flagged(nbs, comps)
-            # _changed's common case inlined (module docstring, "the fast path")
-            announced, requests, next_look = self._announced, self._requests, self.next_look
-            bs, ints, no_new, sw = self._block_size, self._ints, self._no_new, self._sw
-            add = out.append
+            # _changed's common case without its call (module docstring, "the fast path")
+            announced, requests, sw = self._announced, self._requests, self._sw
             for i in flagged:
                 rid, nb = ids[i], nbs[i]
                 r = (requests.get(rid) if rid in announced
@@ -159,13 +158,8 @@ class Listing:
                 if r is None or (sw and nb is not None):
                     looks[i] = self._changed(rid, nb, comps[i], looks[i], out, alloc,
                                              state, resumed)
-                    continue
-                confirmed = r.num_computed_tokens - r.num_output_placeholders
-                w = (confirmed // bs + 1) * bs
-                looks[i] = next_look[rid] = w = ints.setdefault(w, w)
-                add(ScheduledRequest(rid, r.block_hashes, r.num_tokens, no_new if nb is None
-                                     else (tuple(nb[0]),) if len(nb) == 1 else tables(nb),
-                                     False, confirmed, False, r.kv_transfer_params))
+                else:
+                    looks[i] = self._known(rid, r, nb, out)
             looked = len(flagged)
         else:
             looked = self._walk(ids, nbs, comps, out, alloc, state, resumed)
@@ -248,9 +242,7 @@ class Listing:
         j = misses = looked = 0
         hinted = len(ids)  # less one per dict probe below
         fast = self._mirror  # the reference (no mirror) asks _changed for every request
-        announced, requests, next_look = self._announced, self._requests, self.next_look
-        bs, ints, no_new, sw = self._block_size, self._ints, self._no_new, self._sw
-        add = out.append
+        announced, requests, sw = self._announced, self._requests, self._sw
         for rid, nb, computed in zip(ids, nbs, comps):
             if j < n_prev and prev_ids[j] is rid:
                 w = prev_looks[j]
@@ -276,15 +268,8 @@ class Listing:
                  and (nb is None or rid not in resumed) else None)
             if r is None or (sw and nb is not None):
                 keep(self._changed(rid, nb, computed, w, out, alloc, state, resumed))
-                continue
-            # _changed's common case inlined (module docstring, "the fast path")
-            confirmed = r.num_computed_tokens - r.num_output_placeholders
-            w = (confirmed // bs + 1) * bs
-            next_look[rid] = w = ints.setdefault(w, w)
-            keep(w)
-            add(ScheduledRequest(rid, r.block_hashes, r.num_tokens, no_new if nb is None
-                                 else (tuple(nb[0]),) if len(nb) == 1 else tables(nb),
-                                 False, confirmed, False, r.kv_transfer_params))
+            else:  # _changed's common case, without its guards (module docstring)
+                keep(self._known(rid, r, nb, out))
         if self._mirror:
             self._remirror(ids, looks, 2 * hinted >= len(ids))
         return looked
@@ -321,18 +306,9 @@ class Listing:
             if r is None:
                 self._counters.requests_unknown += 1
                 return w
-            if nb is None:
-                table = self._no_new
-            else:
-                table = (tuple(nb[0]),) if len(nb) == 1 else tables(nb)
-                if self._sw:
-                    alloc.update(b for g in nb for b in g)
-            confirmed = r.num_computed_tokens - r.num_output_placeholders
-            w = self._int((confirmed // self._block_size + 1) * self._block_size)
-            self.next_look[rid] = w
-            out.append(ScheduledRequest(rid, r.block_hashes, r.num_tokens, table, False,
-                                        confirmed, False, r.kv_transfer_params))
-            return w
+            if nb is not None and self._sw:
+                alloc.update(b for g in nb for b in g)
+            return self._known(rid, r, nb, out)
         if rid in resumed and nb is not None:
             self._counters.requests_resumed += 1
             self._add(out, rid, tables(nb), True, computed, alloc)
@@ -342,6 +318,19 @@ class Listing:
                 self._counters.requests_announced_late += 1
                 self._add(out, rid, tables(full), True, computed, alloc)
         return self.next_look.get(rid, 0)
+
+    def _known(self, rid: str, r: Any, nb: Any, out: list[ScheduledRequest]) -> int:
+        """List announced, known request ``r`` (not resumed) with the ids ``nb``
+        appended (None: none); returns and records its next look. The one place such a
+        record is built (the fast paths and :meth:`_changed` call it)."""
+        table = (self._no_new if nb is None
+                 else (tuple(nb[0]),) if len(nb) == 1 else tables(nb))
+        confirmed = r.num_computed_tokens - r.num_output_placeholders
+        w = self._int((confirmed // self._block_size + 1) * self._block_size)
+        self.next_look[rid] = w
+        out.append(ScheduledRequest(rid, r.block_hashes, r.num_tokens, table, False,
+                                    confirmed, False, r.kv_transfer_params))
+        return w
 
     def _int(self, w: int) -> int:
         """The one int object for next look ``w`` (the batch test reads every mirrored
