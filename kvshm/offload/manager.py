@@ -12,7 +12,8 @@ engine step makes them (docs/design.md, "The scheduler-side contract"):
 3. ``build_step``: at most one store and one load ``Transfer`` per step.
 4. ``on_done``: acks; a job completes when every rank acked or is dead.
 5. ``finished``: pins the request's unstored full blocks for the next store.
-6. ``reset`` / ``rank_failed`` / ``has_pending_work`` / ``check_invariants``.
+6. ``reset`` / ``rank_failed`` / ``has_pending_work`` / ``check_invariants`` (acks,
+   completions, reset and rank death: :mod:`kvshm.offload.outcomes`, a base class).
 
 Every call above checks its whole input before it changes anything (the rules:
 :mod:`kvshm.offload.validate`; one check per call: :mod:`kvshm.offload.inputs`): bad
@@ -45,14 +46,15 @@ from typing import Any
 
 from kvshm.errors import ConfigError
 from kvshm.ipc.protocol import Direction, Remote, Transfer, pack_ids
-from kvshm.offload.counters import DeclineReason, ManagerCounters
+from kvshm.offload.counters import ManagerCounters
 from kvshm.offload.groups import GroupSet, cdiv
 from kvshm.offload.handoff import handoff_extent, is_handoff
 from kvshm.offload.hits import Hit, assign, find_hit, guess_dests, refresh_prefix
 from kvshm.offload.inputs import for_pool
 from kvshm.offload.invariants import Parts, check_parts, recorded_pins
-from kvshm.offload.jobs import AckOutcome, AnyJob, JobTable, LoadJob, LoadPart, RemoteJob, StoreJob
+from kvshm.offload.jobs import JobTable, LoadPart
 from kvshm.offload.loads import LoadBook
+from kvshm.offload.outcomes import JobOutcomes
 from kvshm.offload.pool import BlockPool
 from kvshm.offload.remote import RemoteBook
 from kvshm.offload.requests import ReqState, RequestTracker, is_remote
@@ -75,7 +77,7 @@ __all__ = ["OffloadManager"]
 _EMPTY: frozenset[int] = frozenset()
 
 
-class OffloadManager:
+class OffloadManager(JobOutcomes):
     """See the module docstring. ``lazy_window``: GPU free-queue blocks a lazy step
     looks at from the LRU end (LAZY mode needs a single KV group). ``hash_bytes``: the
     exact length of the engine's block hashes (default: ``gpu.hash_bytes`` where the pool
@@ -302,38 +304,7 @@ class OffloadManager:
         return Transfer(step, job.job_id, Direction.STORE, pack_ids(sel.gpu_ids),
                         pack_ids(cpu_ids))
 
-    # ---- completions ---------------------------------------------------------------
-
-    def on_done(self, job_id: int, rank: int, ok: bool) -> None:
-        """One rank's ack. Unknown jobs and repeated or unexpected ranks are counted
-        (``acks_unknown`` / ``acks_duplicate``) and ignored."""
-        out = self._jobs.ack(job_id, rank, ok, LoadFailure.WORKER_FAILED)
-        if out is not None:
-            self._apply(out)
-
-    def _apply(self, out: AckOutcome) -> None:
-        job = out.job
-        if job.failed and isinstance(job, LoadJob):
-            self._loads.report(job)
-        if out.complete:
-            self._complete(job)
-
-    def _complete(self, job: AnyJob) -> None:
-        """Every rank acked or is dead: release the job's pins (and index a store)."""
-        if job.abandoned:
-            self._abandoned -= 1
-        usable = not job.failed and not self._failed
-        if isinstance(job, StoreJob):
-            self._stores.complete(job, register=usable)
-            if usable and self.remote is not None:
-                self.remote.stored(job.cpu_ids, job.keys, job.depths)
-        elif isinstance(job, RemoteJob):
-            assert self.remote is not None, "a remote job without a remote tier"
-            self.remote.complete(job, usable and not job.abandoned)
-        else:
-            self._loads.complete(job)
-
-    # ---- request end, reset, rank death ----------------------------------------------
+    # ---- request end -----------------------------------------------------------------
 
     def finished(self, req_id: str, num_confirmed_tokens: int,
                  gpu_block_ids: Sequence[Sequence[int]], *,
@@ -371,70 +342,6 @@ class OffloadManager:
         if self.remote is not None:
             self.remote.forget(req_id)
         return self._track.forget(req_id)
-
-    def reset(self) -> bool:
-        """Drop the CPU index; abandon every job in flight (its completion releases refs
-        without indexing; no new job is planned until they are all done). True once
-        nothing is in flight (jobs that wait only for a revoked, unfenced rank do not
-        count: nothing will move them, and the engine is FAILED anyway)."""
-        if not self._failed:
-            self._drop_pending(LoadFailure.RESET, DeclineReason.RESET)
-            for job in self._jobs.jobs.values():
-                if not job.abandoned:
-                    job.abandoned = True
-                    self._abandoned += 1
-                    self.counters.jobs_abandoned += 1
-                    self._fail_job(job, LoadFailure.RESET, count=False)
-            self.cpu.drop_all_hashes()
-        return not self._jobs.jobs or self._jobs.only_quarantined()
-
-    def rank_failed(self, rank: int) -> None:
-        """``rank`` was declared dead (it may still be running a copy): every job fails
-        (failed load results now); the index is dropped; from now on lookups get 0 and
-        nothing is planned. The jobs ``rank`` has not acked keep their pins -- those
-        blocks are *quarantined* -- until :meth:`rank_fenced`: a block a rank may still
-        touch is never handed out again."""
-        first = not self._failed
-        self._failed = True
-        for job in self._jobs.revoke_rank(rank):
-            self._fail_job(job, LoadFailure.RANK_DIED, count=False)
-        if first:
-            for job in self._jobs.jobs.values():
-                self._fail_job(job, LoadFailure.RANK_DIED, count=True)
-            self._drop_pending(LoadFailure.RANK_DIED, DeclineReason.ENGINE_FAILED)
-            self.cpu.drop_all_hashes()
-
-    def rank_fenced(self, rank: int) -> None:
-        """``rank`` can touch no block any more (its process exited, or its lifeline
-        closed after its last copy): the jobs it had not acked count as acked by it, so
-        their pins go once the other ranks are done. Implies :meth:`rank_failed`."""
-        self.rank_failed(rank)
-        for out in self._jobs.fence_rank(rank):
-            self._apply(out)
-
-    def quarantined_blocks(self) -> tuple[int, int]:
-        """(GPU, CPU) blocks pinned only because a revoked rank is not fenced yet."""
-        gpu, cpu = self._jobs.quarantined()
-        return len(gpu), len(cpu)
-
-    def _fail_job(self, job: AnyJob, cause: LoadFailure, *, count: bool) -> None:
-        """Mark ``job`` failed (``count``: as a failed job; an abandoned one is not)."""
-        if job.fail(cause) and count:
-            self.counters.jobs_failed += 1
-        if isinstance(job, LoadJob):
-            self._loads.report(job)
-
-    def _drop_pending(self, cause: LoadFailure, decline: DeclineReason) -> None:
-        """Release every phase-A pin (tombstones), fail every queued load, drop queued
-        finish-time stores."""
-        for rid, hit in list(self._hits.items()):
-            if hit.cause is None:
-                self.cpu.free(reversed(hit.pinned))
-                self._hits[rid] = Hit(hit.start, hit.end, [], [], (), cause)
-        self._loads.drop_queued(cause)
-        self._stores.drop_finished(decline)
-        if self.remote is not None:
-            self.remote.drop()
 
     # ---- checks ----------------------------------------------------------------------
 
