@@ -1,0 +1,174 @@
+"""The vLLM scheduler side's lifecycle: bind, the idle-time service thread, shutdown and
+statistics.
+
+:class:`SideLifecycle` is a base of :class:`~kvshm.integrations.vllm.scheduler.SchedulerSide`
+(one object); it reads and sets the side's records declared below.
+
+Ordering and invariants:
+
+* ``bind`` creates the client and starts the service thread under the hooks' lock, once;
+  until then every hook that needs the client raises ``StateError`` (``client``).
+* The service thread pumps only under the lock and only while the hooks are idle
+  (:mod:`~kvshm.integrations.vllm.service`); it keeps the latest READY statistics and the
+  ones from before the pump that saw READY end, so a shutdown after the workers left
+  still writes what the engine did.
+* ``shutdown`` stops and joins the service thread first, then (under the lock) drains
+  the jobs in flight for at most ``shutdown_timeout_s``, takes the snapshot the file
+  carries (:mod:`~kvshm.integrations.vllm.final_stats`), closes the client and writes
+  ``stats_path``; a second call does nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import Any, Final
+
+from kvshm.config import EngineConfig
+from kvshm.engine import EngineState, SyncClient
+from kvshm.engine.lifecycle import LIVE
+from kvshm.errors import ConfigError, StateError
+from kvshm.integrations.vllm.blocks import VllmGpuBlocks
+from kvshm.integrations.vllm.config import ConnectorConfig, tier_text
+from kvshm.integrations.vllm.final_stats import (
+    DETACH_WINDOW_S,
+    SnapshotSource,
+    final_statistics,
+    write_json,
+)
+from kvshm.integrations.vllm.records import SchedulerCounters
+from kvshm.integrations.vllm.service import HookGuard, ServiceThread
+
+__all__ = ["SNAPSHOT_MAX_AGE_S", "SideLifecycle"]
+
+log = logging.getLogger("kvshm.vllm")
+
+#: The oldest READY snapshot the idle service thread keeps (seconds).
+SNAPSHOT_MAX_AGE_S: Final = 1.0
+
+
+class SideLifecycle:
+    """See the module docstring; ``SchedulerSide`` sets every attribute below and
+    implements ``_absorb`` (the client's load results, under the lock)."""
+
+    cfg: ConnectorConfig
+    counters: SchedulerCounters
+    guard: HookGuard
+    _client: SyncClient | None
+    _service: ServiceThread | None
+    _closed: bool
+    _ready_snap: tuple[float, dict[str, Any]] | None
+    _left_ready: tuple[float, dict[str, Any]] | None
+
+    def _absorb(self, results: Sequence[Any]) -> None:
+        raise NotImplementedError
+
+    @property
+    def client(self) -> SyncClient:
+        """The kvshm client (StateError before ``bind``)."""
+        if self._client is None:
+            raise StateError("kvshm's scheduler side has no GPU block pool bound yet")
+        return self._client
+
+    def bind(self, gpu_block_pool: Any) -> None:
+        """Create the client around vLLM's pool (once; vLLM's ``bind_gpu_block_pool``)."""
+        if self._client is not None:
+            raise StateError("bind_gpu_block_pool called twice")
+        c = self.cfg
+        hash_bs = getattr(gpu_block_pool, "hash_block_size", c.block_size)
+        if hash_bs != c.block_size:
+            raise ConfigError(f"vLLM's block pool hashes blocks of {hash_bs} tokens, kvshm "
+                              f"needs the block size ({c.block_size})")
+        if not getattr(gpu_block_pool, "enable_caching", True):
+            raise ConfigError("vLLM's block pool has prefix caching off; kvshm needs it")
+        econf = EngineConfig(block_size=c.block_size, name=c.name, tp=c.tp, pp=c.pp,
+                             groups=c.groups, mode=c.mode, num_cpu_blocks=c.num_cpu_blocks,
+                             cpu_bytes_per_rank=c.cpu_bytes_per_rank,
+                             hang_timeout_s=c.hang_timeout_s, eviction=c.eviction,
+                             remote_url=c.remote_url, remote_mode=c.remote_mode,
+                             model_id=c.model_id)
+        with self.guard:
+            self._client = SyncClient(econf, gpu_blocks=VllmGpuBlocks(gpu_block_pool))
+            self._service = ServiceThread(self.guard, self._idle_pump, c.name)
+            self._service.start()
+        log.info("kvshm: engine %r is waiting for %d worker rank(s) (%s mode, %s); "
+                 "query it with: kvshm stats --name %s", c.name, c.world_size,
+                 c.mode.value, tier_text(c), c.name)
+
+    @property
+    def bound(self) -> bool:
+        """True once ``bind`` created the client."""
+        return self._client is not None
+
+    @property
+    def service_thread(self) -> ServiceThread | None:
+        """The idle-time service thread (None before ``bind``)."""
+        return self._service
+
+    def _idle_pump(self) -> None:
+        """The service thread's pump (under the guard): ``poll`` and absorb; remembers
+        the READY statistics from before a pump that saw the engine leave READY. They
+        are refreshed only when a hook ran since or they are older than
+        :data:`SNAPSHOT_MAX_AGE_S` (a snapshot sorts every rank's latency window; an
+        idle engine with nothing pending does not change)."""
+        client = self._client
+        if client is None or self._closed or client.state not in LIVE:
+            return
+        ready = client.state is EngineState.READY
+        now = time.monotonic()
+        if ready and (self._ready_snap is None or self.guard.last_exit >= self._ready_snap[0]
+                      or now - self._ready_snap[0] > SNAPSHOT_MAX_AGE_S):
+            self._ready_snap = (now, self.statistics())
+        self._absorb(client.poll())
+        if ready and client.state is not EngineState.READY and self._ready_snap is not None:
+            self._left_ready = (time.monotonic(), self._ready_snap[1])
+
+    def shutdown(self) -> None:
+        """Stop the service thread, let jobs in flight finish (up to
+        ``shutdown_timeout_s``), close the client, write ``stats_path`` (idempotent).
+        The statistics written are taken before anything is torn down
+        (:mod:`~kvshm.integrations.vllm.final_stats`)."""
+        if self._service is not None:
+            self._service.stop()
+        with self.guard:
+            if self._closed or self._client is None:
+                self._closed = True
+                return
+            self._closed = True
+            snap, source = self._drain_and_snapshot(self._client)
+            self._client.close()
+            stats = final_statistics(snap, source, self.statistics())
+        if self.cfg.stats_path:
+            write_json(self.cfg.stats_path, stats)
+        log.info("kvshm: engine %r closed (statistics: %s)", self.cfg.name,
+                 self.cfg.stats_path or "not written; set stats_path")
+
+    def _drain_and_snapshot(self, client: SyncClient
+                            ) -> tuple[dict[str, Any] | None, SnapshotSource]:
+        """Drain in-flight work, then the READY snapshot the file carries (see
+        final_stats' rules), taken before ``close``."""
+        snap: dict[str, Any] | None = None
+        source = SnapshotSource.AFTER_CLOSE
+        if client.state is EngineState.READY:
+            snap, source = self.statistics(), SnapshotSource.ON_SHUTDOWN
+        deadline = time.monotonic() + self.cfg.shutdown_timeout_s
+        while time.monotonic() < deadline and client.state is EngineState.READY:
+            self._absorb(client.poll())
+            if not client.has_pending_work():
+                break
+            time.sleep(0.002)
+        self._absorb(client.poll() if client.state in LIVE else [])
+        if client.state is EngineState.READY:
+            return self.statistics(), SnapshotSource.BEFORE_CLOSE
+        left = self._left_ready
+        if snap is None and left is not None and time.monotonic() - left[0] <= DETACH_WINDOW_S:
+            return left[1], SnapshotSource.BEFORE_WORKERS_DETACHED
+        return snap, source
+
+    def statistics(self) -> dict[str, Any]:
+        """The engine's statistics plus the connector's counters, JSON-able."""
+        with self.guard:
+            out = self.client.statistics().as_dict()
+            out["connector"] = dict(vars(self.counters))
+            return out
