@@ -1,0 +1,195 @@
+"""The block pool's hash index: which blocks carry which prefix hashes.
+
+:class:`HashIndex` is a base of :class:`~kvshm.offload.pool.BlockPool` (one object; the
+manager's lookups and store completions call these methods directly). It reads and
+writes the pool's records declared below; the reference counts and the free queue stay
+in ``pool.py``.
+
+Invariants (checked by :func:`kvshm.offload.blocks.check_pool`):
+
+* The index maps a hash to the ids carrying it, in registration order: an entry is the
+  id itself while one block carries the hash, else a dict used as an ordered set of two
+  or more ids; never empty. :meth:`get_cached` answers the earliest registered block
+  still carrying the hash.
+* A block's ``hashes`` and the index agree both ways, at every return.
+* Indexing never moves a block in the free queue; a call that refuses (``ConfigError``)
+  has changed nothing (:meth:`add_keys` checks every id and key first).
+* With ``enable_events``, every hash added or removed is one event, in call order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, KeysView, Sequence
+from itertools import repeat
+
+from kvshm.errors import ConfigError
+from kvshm.hashing import BlockHash
+from kvshm.offload.blocks import Block, BlockRemoved, BlockStored, IndexEntry, PoolEvent
+
+__all__ = ["HashIndex"]
+
+
+class HashIndex:
+    """See the module docstring; ``BlockPool`` sets every attribute below."""
+
+    _blocks: list[Block]
+    _index: dict[BlockHash, IndexEntry]
+    _enable_events: bool
+    _events: list[PoolEvent]
+
+    def _get(self, block_id: int) -> Block:
+        n = len(self._blocks)
+        if not 0 <= block_id < n:
+            raise ConfigError(f"unknown block id {block_id!r} (pool has {n} blocks)")
+        return self._blocks[block_id]
+
+    def block_hashes(self, block_id: int) -> tuple[BlockHash, ...]:
+        """The hashes ``block_id`` is indexed under, in the order added; () if none."""
+        return self._get(block_id).hashes
+
+    def add_hashes(self, block_id: int, hashes: Iterable[BlockHash]) -> None:
+        """Index ``block_id`` under each hash (ones it already carries are skipped).
+        The block's place in the free queue does not change."""
+        blocks = self._blocks
+        if not 0 <= block_id < len(blocks):
+            raise ConfigError(f"unknown block id {block_id!r} (pool has {len(blocks)} "
+                              "blocks)")
+        b = blocks[block_id]
+        have = b.hashes
+        new: list[BlockHash]
+        if type(hashes) is list and len(hashes) == 1 and type(hashes[0]) is bytes:
+            new = [] if hashes[0] in have else hashes  # a store's usual single key
+        else:
+            new = []
+            for h in hashes:
+                if not isinstance(h, bytes):
+                    raise ConfigError(f"block hash must be bytes, got {type(h).__name__}")
+                if h not in have and h not in new:
+                    new.append(h)
+        if not new:
+            return
+        index = self._index
+        for h in new:
+            ids = index.get(h)
+            if ids is None:
+                index[h] = block_id
+            elif isinstance(ids, dict):
+                ids[block_id] = None
+            else:
+                index[h] = {ids: None, block_id: None}
+        added = tuple(new)
+        b.hashes = b.hashes + added
+        if self._enable_events:
+            self._events.append(BlockStored(block_id, added))
+
+    def add_keys(self, ids: Sequence[int], keys: Sequence[BlockHash],
+                 depths: Sequence[int] | None = None) -> None:
+        """:meth:`add_hashes` ``(ids[i], [keys[i]])`` for each ``i`` in order, then
+        :meth:`set_depth` ``(ids[i], depths[i])`` (as many as ``depths`` has; None:
+        none): a store's completion, one call. Everything is checked first (ids,
+        lengths, every key bytes): ConfigError and nothing changed. The index and the
+        events end up exactly as the calls one by one leave them."""
+        blocks = self._blocks
+        n = len(blocks)
+        if len(keys) != len(ids):
+            raise ConfigError(f"{len(ids)} block ids but {len(keys)} keys")
+        if not ids:
+            return
+        if set(map(type, ids)) != {int}:  # 1.0 or True would pass the range test
+            bad_id = next(i for i in ids if type(i) is not int)
+            raise ConfigError(f"block id must be an int, got {bad_id!r}")
+        if min(ids) < 0 or max(ids) >= n:
+            bad = next(i for i in ids if not 0 <= i < n)
+            raise ConfigError(f"unknown block id {bad!r} (pool has {n} blocks)")
+        if not all(map(isinstance, keys, repeat(bytes))):
+            bad_key = next(k for k in keys if not isinstance(k, bytes))
+            raise ConfigError(f"block hash must be bytes, got {type(bad_key).__name__}")
+        setdefault = self._index.setdefault
+        events = self._events if self._enable_events else None
+        dep: Iterable[int] = repeat(0)
+        fused = depths is not None and len(depths) == len(ids)  # else set after
+        if fused and depths is not None:
+            dep = depths
+        for c, k, d in zip(ids, keys, dep):
+            b = blocks[c]
+            if fused:
+                b.depth = d
+            have = b.hashes
+            if k in have:
+                continue
+            b.hashes = (*have, k) if have else (k,)
+            got = setdefault(k, c)  # one probe: c itself where k was not indexed
+            if got is not c:
+                if isinstance(got, dict):
+                    got[c] = None
+                else:
+                    self._index[k] = {got: None, c: None}
+            if events is not None:
+                events.append(BlockStored(c, (k,)))
+        if depths and not fused:
+            for c, d in zip(ids, depths):
+                blocks[c].depth = d
+
+    def remove_hashes(self, block_id: int) -> None:
+        """Drop every hash of ``block_id`` (BlockRemoved); it stays where it is."""
+        b = self._get(block_id)
+        if b.hashes:
+            self._unindex(b)
+
+    def _unindex(self, b: Block) -> None:
+        index = self._index
+        for h in b.hashes:
+            ids = index[h]
+            if isinstance(ids, dict):
+                del ids[b.block_id]
+                if not ids:
+                    del index[h]
+            else:
+                assert ids == b.block_id, "index entry names another block"
+                del index[h]
+        if self._enable_events:
+            self._events.append(BlockRemoved(b.block_id, b.hashes))
+        b.hashes = ()
+
+    def get_cached(self, h: BlockHash) -> int | None:
+        """The earliest registered block still carrying ``h``, or None."""
+        ids = self._index.get(h)
+        if isinstance(ids, dict):
+            return next(iter(ids))
+        return ids
+
+    def cached_run(self, hashes: Sequence[BlockHash], start: int, end: int) -> list[int]:
+        """:meth:`get_cached` of ``hashes[start]``, ``hashes[start + 1]``, ... up to the
+        first hash not cached or ``end`` (exclusive): one call for a lookup's whole run
+        (the index never keeps an empty entry, so a present entry names a block)."""
+        get = self._index.get
+        out: list[int] = []
+        for p in range(start, end):
+            ids = get(hashes[p])
+            if ids is None:
+                break
+            out.append(next(iter(ids)) if isinstance(ids, dict) else ids)
+        return out
+
+    def is_cached(self, h: BlockHash) -> bool:
+        return h in self._index
+
+    @property
+    def cached_keys(self) -> KeysView[BlockHash]:
+        """A live view of the hashes :meth:`is_cached` answers True for (``h in view``
+        is the same test without a call: the store planner's hot path)."""
+        return self._index.keys()
+
+    def drop_all_hashes(self) -> None:
+        """Make every block uncached (reset): BlockRemoved for each hashed block. Free
+        blocks keep their queue order; none is cached any more, so all of them are
+        plain reuse-first blocks. O(hashed blocks)."""
+        seen: dict[int, None] = {}
+        for ids in self._index.values():
+            if isinstance(ids, dict):
+                seen.update(ids)
+            else:
+                seen[ids] = None
+        for block_id in seen:
+            self._unindex(self._blocks[block_id])
+        assert not self._index, "index not empty after dropping every block's hashes"
