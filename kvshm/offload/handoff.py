@@ -43,110 +43,39 @@ as vLLM's own P/D connectors do. A decoder without the tail key (or with another
 loads the full blocks only. The tail is an extra: when its finish-time store is dropped
 for want of CPU blocks (:meth:`Handoffs.store_dropped`, from the store planner's
 ``on_dropped`` hook), the publication goes on without it rather than time out.
+
+The manifest record, its key and the consumer's hit range: :mod:`kvshm.offload.manifest`
+(re-exported here).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import re
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, fields
-from enum import Enum
-from typing import Any, Final
+from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 
+from kvshm.offload.manifest import (
+    MANIFEST_BASE,
+    MANIFEST_PARAM,
+    MANIFEST_PER_BLOCK,
+    PD_PREFIX,
+    Manifest,
+    PdCounters,
+    Verdict,
+    handoff_extent,
+    is_handoff,
+    manifest_key,
+)
 from kvshm.remote.tier import KEY_PREFIX, ReadyIndex, block_key
 
 __all__ = ["MANIFEST_PARAM", "Handoffs", "Manifest", "PdCounters", "Verdict", "handoff_extent",
            "is_handoff", "manifest_key"]
 
 log = logging.getLogger("kvshm.remote")
-#: A manifest larger than base + per-block x the request's blocks is refused unread.
-_MANIFEST_BASE: Final = 1024
-_MANIFEST_PER_BLOCK: Final = 80
-
-#: The ``kv_transfer_params`` key naming a manifest.
-MANIFEST_PARAM: Final = "kvshm_manifest"
-_SAFE = re.compile(r"^[A-Za-z0-9._=-]{1,120}$")
-_PD_PREFIX: Final = "kvshm:v1:pd"
-
-
-class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
-    """What a decode engine needs to trust a hand-off (msgspec JSON on the server).
-    ``tail``: how many of the last ``hashes`` name the partial last block (one per KV
-    group; 0: none) -- keys the consumer derives from its own tokens, so they are not
-    compared (a consumer without that block's key simply does not find it). Written only
-    when not 0, so a manifest without a tail reads as before the field existed (a
-    decoder of the previous release, which refuses unknown fields, still trusts it;
-    one with a tail it refuses: it would compare the tail key as a full block's)."""
-
-    version: int
-    fingerprint: str
-    world: int
-    block_size: int
-    num_tokens: int
-    hashes: list[str]  # remote hashes, hex, prefix order (position-major over groups)
-    expires_at: float  # wall clock (time.time())
-    tail: int = 0
-
-
-def is_handoff(params: Mapping[str, Any]) -> bool:
-    """Whether a lookup's ``kv_transfer_params`` are a P/D decode request's (kvshm's)."""
-    return bool(params.get("do_remote_prefill")) and isinstance(params.get(MANIFEST_PARAM), str)
-
-
-def handoff_extent(hashes: Sequence[bytes], tail: bytes | None, num_tokens: int,
-                   block_size: int, start: int) -> tuple[Sequence[bytes], int]:
-    """A hand-off consumer's lookup range: its hashes (with ``tail``, the partial last
-    block's, appended when it has exactly the full blocks before it) and how many blocks
-    from ``start`` the hit may cover: every block holding one of the first
-    ``num_tokens - 1`` tokens (the last token is always computed; a 1-token tail holds
-    only that one, so it is never loaded). No tail without a full block before it (its
-    key has no parent)."""
-    n_max = -(-(num_tokens - 1) // block_size) - start
-    if tail is not None and hashes and len(hashes) == num_tokens // block_size:
-        return [*hashes, tail], n_max
-    return hashes, n_max
-
-
-def manifest_key(fingerprint: str, world: int, req_id: str) -> str:
-    """``kvshm:v1:pd:<fingerprint>:<world>:<request>`` (a request id outside
-    ``[A-Za-z0-9._=-]{1,120}`` is replaced by its SHA-256)."""
-    rid = req_id if _SAFE.match(req_id) else hashlib.sha256(req_id.encode()).hexdigest()
-    return f"{_PD_PREFIX}:{fingerprint}:{world}:{rid}"
-
-
-class Verdict(Enum):
-    """A consumer's state: waiting for the manifest, cleared to query, or refused."""
-
-    WAIT = "wait"
-    GO = "go"
-    REFUSED = "refused"
-
-
-@dataclass(slots=True)
-class PdCounters:
-    """Monotonic counters of the hand-offs (in ``EngineStats.remote``, ``pd_*``)."""
-
-    published: int = 0
-    manifests_written: int = 0
-    publish_failed: int = 0
-    publish_timeouts: int = 0
-    consumed: int = 0
-    manifest_missing: int = 0
-    manifest_refused: int = 0
-    manifest_expired: int = 0
-    collected: int = 0
-    publish_empty: int = 0
-    unhealthy: int = 0
-    tails_dropped: int = 0
-
-    def as_dict(self) -> dict[str, int]:
-        """Every counter by name, ``pd_`` first."""
-        return {f"pd_{f.name}": getattr(self, f.name) for f in fields(self)}
 
 
 @dataclass(slots=True, eq=False)
@@ -181,7 +110,7 @@ class Handoffs:
         self.block_size = block_size
         self._rhash = remote_hash
         self._ready_key = ready_key
-        self._prefix = f"{_PD_PREFIX}:{fingerprint}:{world}:"
+        self._prefix = f"{PD_PREFIX}:{fingerprint}:{world}:"
         self._wait = wait_s
         self._publish_timeout = publish_timeout_s
         self._ttl = manifest_ttl_s
@@ -366,7 +295,7 @@ class Handoffs:
                 st.token = self._ask(rid, st.key)
             return
         m = None
-        if len(raw) <= _MANIFEST_BASE + _MANIFEST_PER_BLOCK * len(st.keys):
+        if len(raw) <= MANIFEST_BASE + MANIFEST_PER_BLOCK * len(st.keys):
             try:
                 m = msgspec.json.decode(raw, type=Manifest)
             except msgspec.DecodeError:

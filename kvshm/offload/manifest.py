@@ -1,0 +1,110 @@
+"""The P/D hand-off's manifest: its wire record, its key, and the lookup range it grants.
+
+A manifest is msgspec JSON on the remote server, written by the prefill engine last,
+once every block it names was put and acked (:mod:`kvshm.offload.handoff` keeps that
+order and the consumer's checks). What lives here is what both ends must agree on
+byte for byte: the record's fields (unknown ones refused, the tail written only when
+not 0, so an older decoder still reads a tail-less manifest), the key a request's
+manifest is written under (one per fingerprint, world size and request id; an unsafe
+id is replaced by its SHA-256), the ``kv_transfer_params`` entry naming it, the size
+bound under which a manifest is read at all, and the consumer's hit range
+(:func:`handoff_extent`). Also the hand-off's counters and a consumer's verdict.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, fields
+from enum import Enum
+from typing import Any, Final
+
+import msgspec
+
+__all__ = ["MANIFEST_BASE", "MANIFEST_PARAM", "MANIFEST_PER_BLOCK", "PD_PREFIX", "Manifest",
+           "PdCounters", "Verdict", "handoff_extent", "is_handoff", "manifest_key"]
+
+#: A manifest larger than base + per-block x the request's blocks is refused unread.
+MANIFEST_BASE: Final = 1024
+MANIFEST_PER_BLOCK: Final = 80
+
+#: The ``kv_transfer_params`` key naming a manifest.
+MANIFEST_PARAM: Final = "kvshm_manifest"
+_SAFE = re.compile(r"^[A-Za-z0-9._=-]{1,120}$")
+PD_PREFIX: Final = "kvshm:v1:pd"
+
+
+class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
+    """What a decode engine needs to trust a hand-off (msgspec JSON on the server).
+    ``tail``: how many of the last ``hashes`` name the partial last block (one per KV
+    group; 0: none) -- keys the consumer derives from its own tokens, so they are not
+    compared (a consumer without that block's key simply does not find it). Written only
+    when not 0, so a manifest without a tail reads as before the field existed (a
+    decoder of the previous release, which refuses unknown fields, still trusts it;
+    one with a tail it refuses: it would compare the tail key as a full block's)."""
+
+    version: int
+    fingerprint: str
+    world: int
+    block_size: int
+    num_tokens: int
+    hashes: list[str]  # remote hashes, hex, prefix order (position-major over groups)
+    expires_at: float  # wall clock (time.time())
+    tail: int = 0
+
+
+def is_handoff(params: Mapping[str, Any]) -> bool:
+    """Whether a lookup's ``kv_transfer_params`` are a P/D decode request's (kvshm's)."""
+    return bool(params.get("do_remote_prefill")) and isinstance(params.get(MANIFEST_PARAM), str)
+
+
+def handoff_extent(hashes: Sequence[bytes], tail: bytes | None, num_tokens: int,
+                   block_size: int, start: int) -> tuple[Sequence[bytes], int]:
+    """A hand-off consumer's lookup range: its hashes (with ``tail``, the partial last
+    block's, appended when it has exactly the full blocks before it) and how many blocks
+    from ``start`` the hit may cover: every block holding one of the first
+    ``num_tokens - 1`` tokens (the last token is always computed; a 1-token tail holds
+    only that one, so it is never loaded). No tail without a full block before it (its
+    key has no parent)."""
+    n_max = -(-(num_tokens - 1) // block_size) - start
+    if tail is not None and hashes and len(hashes) == num_tokens // block_size:
+        return [*hashes, tail], n_max
+    return hashes, n_max
+
+
+def manifest_key(fingerprint: str, world: int, req_id: str) -> str:
+    """``kvshm:v1:pd:<fingerprint>:<world>:<request>`` (a request id outside
+    ``[A-Za-z0-9._=-]{1,120}`` is replaced by its SHA-256)."""
+    rid = req_id if _SAFE.match(req_id) else hashlib.sha256(req_id.encode()).hexdigest()
+    return f"{PD_PREFIX}:{fingerprint}:{world}:{rid}"
+
+
+class Verdict(Enum):
+    """A consumer's state: waiting for the manifest, cleared to query, or refused."""
+
+    WAIT = "wait"
+    GO = "go"
+    REFUSED = "refused"
+
+
+@dataclass(slots=True)
+class PdCounters:
+    """Monotonic counters of the hand-offs (in ``EngineStats.remote``, ``pd_*``)."""
+
+    published: int = 0
+    manifests_written: int = 0
+    publish_failed: int = 0
+    publish_timeouts: int = 0
+    consumed: int = 0
+    manifest_missing: int = 0
+    manifest_refused: int = 0
+    manifest_expired: int = 0
+    collected: int = 0
+    publish_empty: int = 0
+    unhealthy: int = 0
+    tails_dropped: int = 0
+
+    def as_dict(self) -> dict[str, int]:
+        """Every counter by name, ``pd_`` first."""
+        return {f"pd_{f.name}": getattr(self, f.name) for f in fields(self)}
