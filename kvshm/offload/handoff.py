@@ -19,8 +19,11 @@ Present: it is checked -- fingerprint, world size and block size equal the consu
 not expired, its hashes are the request's own prefix -- and only then does the ordinary
 remote lookup run (the readiness keys are still asked: a manifest is never trusted
 alone). An expired one is deleted (demoted: its blocks keep their ordinary TTL). A
-consumer that loaded the blocks deletes the manifest (collected). Every refusal is a
-counted miss: the request recomputes.
+consumer that loaded the blocks deletes the manifest (collected); so does one that
+trusted it but fetched nothing (it held every block already, or the server no longer
+did), when its request ends. A decoder whose CPU tier holds a prefix of the hand-off
+(a shared system prompt) still fetches the rest (the manager asks the remote tier from
+the end of that hit). Every refusal is a counted miss: the request recomputes.
 
 Lifetime: a hand-off's blocks and readiness keys are put with the tier's *hold* TTL
 (``keep``; ``RemoteSpec.hold_ttl_s``, 30 min), not the ordinary one; the decoder that
@@ -344,10 +347,15 @@ class Handoffs:
         self.index.delete([key])
 
     def forget(self, rid: str) -> None:
-        """The request is gone (its publication, if any, goes on)."""
+        """The request is gone (its publication, if any, goes on). A manifest it trusted
+        but never collected (nothing was fetched: the decoder held every block, or the
+        server no longer did) is collected now: it has served its one consumer."""
         st = self._reqs.pop(rid, None)
         if st is not None:
             self._tokens.pop(st.token, None)
+            if st.verdict is Verdict.GO and st.manifest is not None:
+                self._collect(st.key, st.manifest)
+                self.counters.collected += 1
 
     def drop_all(self) -> None:
         """Reset or engine failure: every pending publication is dropped (no manifest)."""

@@ -181,8 +181,9 @@ class OffloadManager(JobOutcomes):
             refresh_prefix(self.cpu, self._gs, view.hashes, s)
         hashes, n_max = view.hashes, (view.num_tokens - 1 - num_local_tokens) // bs
         cap = 0  # a P/D hand-off's hit may end inside a block: num_tokens - 1 at most
-        if (view.params is not None and self.remote is not None and self.remote.pd is not None
-                and is_handoff(view.params)):
+        handoff = (view.params is not None and self.remote is not None
+                   and self.remote.pd is not None and is_handoff(view.params))
+        if handoff:
             hashes, n_max = handoff_extent(hashes, view.tail, view.num_tokens, bs, s)
             cap = view.num_tokens - 1 - num_local_tokens
         hit = find_hit(self.cpu, self._gs, hashes, s, n_max)
@@ -190,6 +191,9 @@ class OffloadManager(JobOutcomes):
             if self.remote is None:
                 return 0
             return self.remote.lookup(rid, hashes, s, n_max, view.params)
+        if handoff and hit.end < s + n_max and self._rest_is_coming(rid, hit, hashes, s + n_max,
+                                                                     view.params):
+            return None
         if self._loads.is_loading(hit.pinned):
             self.counters.lookups_asked_again += 1
             return None
@@ -241,6 +245,17 @@ class OffloadManager(JobOutcomes):
         self.gpu.touch(a.gpu_ids)
         self._loads.enqueue(
             LoadPart(req_id, a.cpu_ids, a.gpu_ids, tuple(a.failed), num_external_tokens))
+
+    def _rest_is_coming(self, rid: str, hit: Hit, hashes: Sequence[bytes], end: int,
+                        params: Any) -> bool:
+        """A P/D hand-off's CPU hit ends before its extent's ``end`` (the decoder holds a
+        prefix, e.g. a shared system prompt): the rest is asked of the remote tier, as
+        for a CPU miss, because the manifest says the server holds it. True: ask again
+        (nothing pinned: ``find_hit`` does not pin). False: the remote part is over (fetched,
+        refused or missing) and the hit stands. An ordinary request's shorter CPU hit
+        never waits for the remote (nothing says the rest is there)."""
+        assert self.remote is not None
+        return self.remote.lookup(rid, hashes, hit.end, end - hit.end, params) is None
 
     def _hand_over(self, pinned: list[int], taken: list[int]) -> None:
         """Phase B: the hit's pins on ``taken`` (the load's CPU ids) become the load's;

@@ -9,7 +9,9 @@ Write path (:mod:`kvshm.offload.remote_puts`): blocks are put after their store
 completed on every rank (write-through) or as they near eviction (``ON_EVICT``); a
 completed PUT publishes their readiness keys. P/D hand-offs: :mod:`kvshm.offload.handoff`.
 
-Read path, for a request whose CPU-tier hit is 0 (a CPU hit never waits for the remote):
+Read path, for a request whose CPU-tier hit is 0 (an ordinary CPU hit never waits for
+the remote), or a P/D hand-off whose CPU hit ends short of its extent (its manifest says
+the server holds the rest: the manager asks for the blocks after the hit):
 
 1. :meth:`lookup` queries the readiness keys of the blocks after the local hit and
    answers None ("ask again"); QUERYING.
@@ -135,8 +137,9 @@ class RemoteBook:
 
     def lookup(self, rid: str, hashes: Sequence[bytes], start: int, n_max: int,
                params: Any = None) -> int | None:
-        """A request whose CPU hit is 0: None while its remote lookup runs, else 0 (the
-        blocks, once fetched, are an ordinary CPU hit). ``n_max``: blocks after
+        """A request whose CPU hit is 0 (or a hand-off's, short of its extent, from its
+        end ``start``): None while its remote lookup runs, else 0 (the blocks, once
+        fetched, are an ordinary CPU hit). ``n_max``: blocks after
         ``start`` the hit may cover. A P/D hand-off (``params``) waits for its
         manifest first (:mod:`kvshm.offload.handoff`)."""
         self.poll()

@@ -259,3 +259,44 @@ async def test_a_prefill_killed_mid_publish_leaves_no_manifest_and_decode_recomp
         assert await decode(Client(ed, gd), "req-k", prompt(36), params) == 0
         assert 4.5 < time.monotonic() - t0 < 10
         assert remote(ed)["pd_manifest_missing"] == 1
+
+
+async def test_a_decoder_holding_a_shared_prefix_still_fetches_the_rest(
+        valkey: ValkeyServer) -> None:
+    """Hazard: a hand-off short-cut by a local CPU hit. req-1 and req-2 share their first
+    4 blocks (a system prompt); P prefills both and publishes both manifests. D loads
+    req-1 whole from Valkey (8 blocks) and finishes it: its CPU tier now holds the
+    shared 4. req-2's CPU hit is those 4 blocks, short of its 8-block extent, so D asks
+    Valkey for blocks 4..7 only (hit_blocks 8 -> 12), answers the whole prompt and loads
+    it bit-exact (the shared blocks as P stored them, from req-1's rows); both manifests
+    are collected. Before, the CPU hit ended the lookup at
+    16 tokens: D recomputed tokens 16..31 the server held for it, and req-2's manifest
+    was never read."""
+    head = prompt(40)[:4 * BS]
+    t1, t2 = head + prompt(41)[4 * BS:], head + prompt(42)[4 * BS:]
+    async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ep, gp, kp, _):
+        cp = Client(ep, gp)
+        p1, table1 = await prefill(cp, "req-1", t1)
+        p2, table2 = await prefill(cp, "req-2", t2)
+        await settle_published(cp)
+        await wait_for_server(lambda: exists(valkey, p2[MANIFEST_PARAM])
+                              and exists(valkey, p1[MANIFEST_PARAM]), 20.0)
+        # P stored (and put) the shared blocks once, from req-1's GPU rows
+        src = [digest(k[table1[:4] + table2[4:BLOCKS]]) for k in kp]
+    async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ed, gd, kd, _):
+        for k in kd:
+            k.zero_()
+        cd = Client(ed, gd)
+        assert await decode(cd, "req-1", t1, p1) == BLOCKS * BS
+        first = load(cd, "req-1", t1, BLOCKS * BS)
+        assert (await cd.loaded("req-1")).ok
+        cd.finish("req-1", first, len(t1))
+        await cd.settle()
+        assert remote(ed)["hit_blocks"] == BLOCKS
+        assert await decode(cd, "req-2", t2, p2) == BLOCKS * BS
+        assert remote(ed)["hit_blocks"] == BLOCKS + 4
+        dst = load(cd, "req-2", t2, BLOCKS * BS)
+        assert (await cd.loaded("req-2")).ok
+        assert [digest(k[dst[:BLOCKS]]) for k in kd] == src
+        assert (remote(ed)["pd_consumed"], remote(ed)["pd_collected"]) == (2, 2)
+        await wait_for_server(lambda: not exists(valkey, p2[MANIFEST_PARAM]))

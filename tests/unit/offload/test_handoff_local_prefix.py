@@ -1,0 +1,145 @@
+"""A P/D decoder that already holds part of a hand-off locally, narrated with exact
+block ids and ref counts on real managers (``kvshm.offload.manager.lookup`` and
+``kvshm.offload.handoff``): a prefill manager P and a decode manager D share one held
+readiness index (:class:`HeldIndex`, the test answers its queries).
+
+BS = 4, two ranks. R has 11 tokens: full blocks h0, h1 and a 3-token tail. P publishes
+all three and the manifest. Hazard: *a hand-off short-cut by a local CPU hit* -- D's CPU
+tier already holds h0 (an earlier request with the same first block, e.g. a shared
+system prompt), and a CPU hit used to end the lookup there: D recomputed tokens 4..9
+that the server held for it, and never read or collected the manifest. Now a hand-off
+whose CPU hit ends short of its extent asks the remote tier for the rest (the manifest
+said the server holds it) and waits, its hit's pins released meanwhile.
+
+Second hazard: *a manifest trusted but never collected* -- D's GPU already holds every
+full block of R (nothing to fetch): the manifest was read and trusted, but only a GET's
+completion collected it, so it stayed on the server until its TTL. Now the request's end
+collects it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from manager_rig import Req, Rig, refs
+from test_handoff_tail import MANIFEST, publish, tail_of
+from test_remote_book import WORLD, HeldIndex, ack_remote, remote_rig, rkey, store
+
+from kvshm.ipc.protocol import RemoteOp, unpack_ids
+from kvshm.types import RequestView
+
+
+def settle(rig: Rig) -> None:
+    """Run steps, acking every remote job on both ranks, until none is left."""
+    for _ in range(4):
+        plan = rig.step()
+        for msg in plan.remote:
+            ack_remote(rig, msg)
+        if plan.store is not None:
+            rig.ack(plan.store, ranks=range(WORLD))
+
+
+def handoff_view(r: Req, params: dict[str, Any], tail: bytes | None) -> RequestView:
+    return RequestView("r", r.h, len(r.toks), {"do_remote_prefill": True, **params}, tail)
+
+
+def test_a_handoff_short_cut_by_a_local_cpu_hit_fetches_the_rest() -> None:
+    """D first computes Q (tokens 0..4: its one full block is h0, R's first) and stores
+    it into CPU 0 (ref 0 once its write-through PUT is acked). R's first lookup finds
+    the CPU hit on CPU 0 (4 tokens) short of R's extent (positions 0..2, tail included),
+    so it answers None: CPU 0 is back to ref 0 and the manifest is asked. The manifest
+    arrives and is trusted; the readiness keys of positions 1 and 2 (h1, the tail) --
+    not h0's, which D holds -- are asked and answered; the GET fetches them into CPU 1,
+    2. The next lookup is an ordinary CPU hit over CPU 0, 1, 2 (refs 1, 1, 1): 10
+    tokens, only token 10 computed. Phase B loads CPU 0, 1, 2 into GPU 5, 6, 7 and the
+    manifest is collected."""
+    index = HeldIndex()
+    _, r, params = publish(index)
+    d = remote_rig(index)
+    q = Req("q", 5)
+    assert q.h[0] == r.h[0]
+    assert store(d, q) == [0]
+    settle(d)
+    assert d.cpu.get_cached(r.h[0]) == 0 and refs(d.cpu, [0]) == [0]
+
+    view = handoff_view(r, params, tail_of(r))
+    assert d.m.lookup(view, 0) is None                  # not the 4-token CPU hit
+    assert refs(d.cpu, [0]) == [0]                      # its pin went with the None
+    d.m.check_invariants()
+    asked: list[list[str]] = []
+    hit = None
+    for _ in range(6):
+        asked.extend(keys for _, keys in index.queries)
+        index.answer_all()
+        for msg in d.step().remote:
+            assert msg.op is RemoteOp.GET
+            assert unpack_ids(msg.cpu_ids) == [1, 2]
+            ack_remote(d, msg)
+        hit = d.m.lookup(view, 0)
+        d.m.check_invariants()
+        if hit is not None:
+            break
+    assert asked == [[rkey(r.h[1]), rkey(tail_of(r))]]
+    assert hit == 10
+    assert [d.cpu.get_cached(k) for k in (r.h[0], r.h[1], tail_of(r))] == [0, 1, 2]
+    assert refs(d.cpu, [0, 1, 2]) == [1, 1, 1]
+    g = d.gpu.allocate(8)[5:]
+    d.m.allocated("r", [g], hit)
+    plan = d.step()
+    assert plan.load is not None
+    assert unpack_ids(plan.load.src_ids) == [0, 1, 2] and unpack_ids(plan.load.dst_ids) == g
+    assert MANIFEST not in index.kv
+    assert d.m.remote is not None and d.m.remote.pd is not None
+    assert (d.m.remote.pd.counters.consumed, d.m.remote.pd.counters.collected) == (1, 1)
+
+
+def test_a_handoff_whose_cpu_hit_covers_its_extent_does_not_wait() -> None:
+    """D holds every block of R in its CPU tier already (CPU 0, 1, 2: it stored a
+    request with R's tokens and the tail): R's lookup is the CPU hit at once (10
+    tokens), nothing is asked of the server."""
+    index = HeldIndex()
+    _, r, params = publish(index)
+    d = remote_rig(index)
+    view = handoff_view(r, params, tail_of(r))
+    for _ in range(6):                         # the first hand-off fetches all three
+        hit = d.m.lookup(view, 0)
+        if hit is not None:
+            break
+        index.answer_all()
+        for msg in d.step().remote:
+            ack_remote(d, msg)
+    assert hit == 10
+    d.m.allocated("r", [d.gpu.allocate(3)], 0)  # accepted none: the pins go
+    d.m.finished("r", 11, [[]])
+    assert refs(d.cpu, [0, 1, 2]) == [0, 0, 0]
+    index.queries.clear()
+    again = RequestView("r2", r.h, 11, view.kv_transfer_params, view.tail_hash)
+    assert d.m.lookup(again, 0) == 10
+    assert refs(d.cpu, [0, 1, 2]) == [1, 1, 1] and index.queries == []
+
+
+def test_a_manifest_trusted_but_never_collected_is_collected_when_the_request_ends(
+        ) -> None:
+    """R (11 tokens, handed off without its tail: full blocks h0, h1) reaches D, whose
+    GPU holds both full blocks (8 local tokens): the extent after them is empty, so the
+    manifest is read and trusted (consumed 1), the hit is 0 and no GET runs. When R
+    finishes on D, the manifest is deleted and its blocks get the ordinary TTL
+    (collected 1)."""
+    index = HeldIndex()
+    _, r, params = publish(index, 11, tail=False)
+    d = remote_rig(index)
+    view = handoff_view(r, params, None)
+    hit = None
+    for _ in range(4):
+        hit = d.m.lookup(view, 8)
+        if hit is not None:
+            break
+    assert hit == 0
+    assert d.m.remote is not None and d.m.remote.pd is not None
+    pd = d.m.remote.pd
+    assert (pd.counters.consumed, pd.counters.collected) == (1, 0)
+    assert MANIFEST in index.kv
+    d.m.finished("r", 12, [[]])
+    assert MANIFEST not in index.kv
+    assert pd.counters.collected == 1
+    assert f"expire {rkey(r.h[1])}" in index.log
