@@ -44,7 +44,7 @@ from dataclasses import asdict, dataclass
 from typing import Any, Final, Protocol
 
 from kvshm.errors import ConfigError, RemoteError
-from kvshm.remote.server import ServerReplyError, command, info_field, parse_reply
+from kvshm.remote.resp import ServerReplyError, command, info_field, parse_reply
 from kvshm.remote.tier import KEY_PREFIX, RemoteSpec, block_key, ready_key
 
 __all__ = ["MANIFEST_VERSION", "PD_PREFIX", "Decoder", "HandoffRecord", "JanitorReport",

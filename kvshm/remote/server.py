@@ -11,7 +11,8 @@ directory for ``nodes.conf``);
 ADDSLOTSRANGE``, ``MEET``, ``REPLICATE``), no ``valkey-cli`` needed.
 
 The server dies with the process that started it (``PR_SET_PDEATHSIG``), so a killed
-test run leaves no server behind.
+test run leaves no server behind. The control-command client (:func:`command`,
+:func:`parse_reply`) is :mod:`kvshm.remote.resp`, re-exported here.
 """
 
 from __future__ import annotations
@@ -28,9 +29,14 @@ import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Final
 
 from kvshm.errors import ConfigError, MissingExtra, ServerStartError
+from kvshm.remote.resp import ServerReplyError, command, info_field, parse_reply
+
+__all__ = ["POLICY", "ServerReplyError", "ValkeyCluster", "ValkeyServer", "command",
+           "free_port", "info_field", "make_cluster", "node_id", "parse_reply", "serve",
+           "valkey_binary", "wait_cluster_ok"]
 
 #: The maxmemory policy kvshm's servers run with: evict only keys with a TTL, LRU first.
 POLICY: Final = "volatile-lru"
@@ -63,89 +69,6 @@ def free_port(host: str = "127.0.0.1") -> int:
 def _pdeathsig() -> None:  # pragma: no cover - runs in the child before exec
     with contextlib.suppress(Exception):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
-def command(host: str, port: int, *args: str | bytes, timeout: float = 2.0) -> bytes:
-    """Send one command over a fresh connection and return its raw RESP reply (tests and
-    the cluster bootstrap; the data path uses glide). Raises OSError when nothing answers."""
-    parts = [a.encode() if isinstance(a, str) else a for a in args]
-    req = b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
-    with socket.create_connection((host, port), timeout=timeout) as s:
-        s.sendall(req)
-        buf = b""
-        while True:
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            buf += chunk
-            if _complete(buf):
-                break
-    return buf
-
-
-def _complete(buf: bytes) -> bool:
-    """Whether ``buf`` holds one whole RESP reply (simple, error, int, bulk; arrays of
-    those one level deep are enough for the commands used here)."""
-    def one(pos: int) -> int:
-        end = buf.find(b"\r\n", pos)
-        if end < 0:
-            return -1
-        kind, head = buf[pos:pos + 1], buf[pos + 1:end]
-        if kind in (b"+", b"-", b":", b"_", b"#", b","):
-            return end + 2
-        if kind in (b"$", b"="):
-            n = int(head)
-            if n < 0:
-                return end + 2
-            stop = end + 2 + n + 2
-            return stop if len(buf) >= stop else -1
-        if kind in (b"*", b"%", b"~"):
-            n = int(head) * (2 if kind == b"%" else 1)
-            pos = end + 2
-            for _ in range(max(n, 0)):
-                pos = one(pos)
-                if pos < 0:
-                    return -1
-            return pos
-        return end + 2
-    return one(0) >= 0
-
-
-def parse_reply(buf: bytes) -> Any:
-    """Decode one RESP2 reply: bytes, int, None, a list, or a :class:`ServerReplyError`
-    for an error reply (not raised)."""
-    def one(pos: int) -> tuple[Any, int]:
-        end = buf.index(b"\r\n", pos)
-        kind, head = buf[pos:pos + 1], buf[pos + 1:end]
-        if kind == b"+":
-            return head, end + 2
-        if kind == b"-":
-            return ServerReplyError(head.decode(errors="replace")), end + 2
-        if kind == b":":
-            return int(head), end + 2
-        if kind == b"$":
-            n = int(head)
-            return (None, end + 2) if n < 0 else (buf[end + 2:end + 2 + n], end + 4 + n)
-        if kind == b"*":
-            n, pos, items = int(head), end + 2, []
-            for _ in range(max(n, 0)):
-                item, pos = one(pos)
-                items.append(item)
-            return (items if n >= 0 else None), pos
-        raise ValueError(f"unsupported RESP type {kind!r}")
-    return one(0)[0]
-
-
-class ServerReplyError(str):
-    """An error reply (``-ERR ...``) decoded by :func:`parse_reply`."""
-
-
-def info_field(reply: bytes, name: str) -> str | None:
-    """A ``name:value`` field of an INFO / CLUSTER INFO reply."""
-    for line in reply.decode(errors="replace").splitlines():
-        if line.startswith(name + ":"):
-            return line.split(":", 1)[1].strip()
-    return None
 
 
 class ValkeyServer:

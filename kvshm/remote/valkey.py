@@ -44,7 +44,7 @@ from typing import Any, Final
 
 from kvshm.errors import ConfigError, MissingExtra
 from kvshm.remote.breaker import BreakerState, CircuitBreaker
-from kvshm.remote.server import ServerReplyError, command, parse_reply
+from kvshm.remote.resp import ServerReplyError, command, parse_reply
 from kvshm.remote.tier import HEADER_BYTES, BlockHeader, GetOutcome, RemoteSpec
 
 log = logging.getLogger(__name__)
