@@ -232,7 +232,7 @@ class _Sweep:
 
     def demote(self, name: str, raw: bytes, keys: list[str]) -> None:
         """EXPIRE every key and its header key; all answered: compare-and-delete."""
-        from kvshm.remote.valkey import header_key
+        from kvshm.remote.glide_client import header_key
 
         r = self.report
         ttl = self.spec.ttl_s
@@ -290,9 +290,9 @@ def sweep(spec: RemoteSpec, decode: Decoder, *, dry_run: bool = False,
     if fingerprint is not None:
         ready_key(fingerprint, 1, b"")  # ConfigError: not a fingerprint (no glob either)
         match = f"{PD_PREFIX}:{fingerprint}:*"
-    from kvshm.remote.valkey import _glide, make_client
+    from kvshm.remote.glide_client import glide_module, make_client
 
-    glide = _glide()
+    glide = glide_module()
     _probe(spec)
     report = JanitorReport(spec.url, dry_run)
     client = make_client(spec, max(spec.request_timeout_ms, _MIN_TIMEOUT_MS))

@@ -29,205 +29,35 @@ again, so the slots of a failed-over primary go to the replica that took them ov
 (the clients stay: glide's cluster client follows the failover, and new clients would
 cost the healthy primaries a reconnection). No call raises; every outcome is counted.
 
-The scheduler side, ``ValkeyReadyIndex``, is :mod:`kvshm.remote.valkey_index` (it
-shares this module's client factory and counters).
+The scheduler side, ``ValkeyReadyIndex``, is :mod:`kvshm.remote.valkey_index`; the
+client factory, slot map and counters both use are :mod:`kvshm.remote.glide_client`.
 """
 
 from __future__ import annotations
 
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Final
+from typing import Any
 
-from kvshm.errors import ConfigError, MissingExtra
+from kvshm.errors import ConfigError
 from kvshm.remote.breaker import BreakerState, CircuitBreaker
-from kvshm.remote.resp import ServerReplyError, command, parse_reply
+from kvshm.remote.glide_client import (
+    Counters,
+    Shards,
+    expiry_of,
+    glide_module,
+    header_key,
+    key_slot,
+    make_client,
+    too_long,
+)
 from kvshm.remote.tier import HEADER_BYTES, BlockHeader, GetOutcome, RemoteSpec
 
+__all__ = ["ValkeyBlockStore", "header_key", "key_slot", "make_client"]
+
 log = logging.getLogger(__name__)
-
-_SLOTS: Final = 16384
-#: A slot-map refresh is attempted at most this often (seconds).
-_REFRESH_EVERY_S: Final = 0.5
-_RECONNECT: Final = (3, 50, 2)  # glide BackoffStrategy: retries, factor ms, base
-
-
-def header_key(key: str) -> str:
-    """The key of ``key``'s header: same hash slot as ``key`` (``{key}h``)."""
-    return "{" + key + "}h"
-
-
-def _glide() -> Any:
-    try:
-        import glide_sync
-    except ImportError as exc:
-        raise MissingExtra("valkey-glide-sync", "remote", "the Valkey remote tier") from exc
-    _quiet(glide_sync)
-    return glide_sync
-
-
-_quiet_done = False
-
-
-def _quiet(glide: Any) -> None:
-    """glide logs every timeout, reconnect and failed request (one line each, for the
-    whole of an outage) on the console; kvshm counts them instead. Only if nobody
-    configured glide's logger before (``Logger.init`` keeps an existing configuration:
-    call ``glide_sync.Logger.set_logger_config`` first to see them)."""
-    global _quiet_done
-    if not _quiet_done:
-        _quiet_done = True
-        glide.Logger.init(glide.LogLevel.OFF)
-
-
-def make_client(spec: RemoteSpec, request_timeout_ms: int | None = None) -> Any:
-    """A lazily connected glide_sync client for ``spec`` (standalone or cluster) with
-    explicit timeouts and a bounded reconnect backoff. Creating it never blocks."""
-    g = _glide()
-    addrs = [g.NodeAddress(h, p) for h, p in spec.nodes]
-    backoff = g.BackoffStrategy(num_of_retries=_RECONNECT[0], factor=_RECONNECT[1],
-                                exponent_base=_RECONNECT[2])
-    timeout = request_timeout_ms or spec.request_timeout_ms
-    if spec.cluster:
-        return g.GlideClusterClient.create(g.GlideClusterClientConfiguration(
-            addrs, request_timeout=timeout, reconnect_strategy=backoff, lazy_connect=True,
-            advanced_config=g.AdvancedGlideClusterClientConfiguration(
-                connection_timeout=spec.connect_timeout_ms)))
-    return g.GlideClient.create(g.GlideClientConfiguration(
-        addrs, request_timeout=timeout, reconnect_strategy=backoff, lazy_connect=True,
-        advanced_config=g.AdvancedGlideClientConfiguration(
-            connection_timeout=spec.connect_timeout_ms)))
-
-
-def _crc16_table() -> list[int]:
-    table = []
-    for i in range(256):
-        crc = i << 8
-        for _ in range(8):
-            crc = ((crc << 1) ^ 0x1021 if crc & 0x8000 else crc << 1) & 0xFFFF
-        table.append(crc)
-    return table
-
-
-_CRC16: Final = _crc16_table()
-
-
-def key_slot(key: str) -> int:
-    """The cluster hash slot of ``key`` (CRC16/XMODEM mod 16384, hash tags honoured)."""
-    raw = key.encode()
-    start = raw.find(b"{")
-    if start >= 0:
-        end = raw.find(b"}", start + 1)
-        if end > start + 1:
-            raw = raw[start + 1:end]
-    crc = 0
-    for b in raw:
-        crc = ((crc << 8) & 0xFFFF) ^ _CRC16[((crc >> 8) ^ b) & 0xFF]
-    return crc % _SLOTS
-
-
-def _too_long(exc: BaseException, glide: Any) -> bool:
-    """Whether a get failed because a value does not fit its buffer (the server answered:
-    the value is longer than the expected block: BAD). Every other exception of a
-    request is a failure to reach the server (glide reports a refused or timed-out
-    connect as a plain RequestError): the breaker counts it."""
-    return isinstance(exc, glide.RequestError) and "exceeds buffer capacity" in str(exc)
-
-
-class _Counters:
-    """Named counters under one lock."""
-
-    def __init__(self, *names: str) -> None:
-        self._lock = threading.Lock()
-        self._c = dict.fromkeys(names, 0)
-
-    def add(self, **deltas: int) -> None:
-        with self._lock:
-            for k, v in deltas.items():
-                self._c[k] = self._c.get(k, 0) + v
-
-    def snapshot(self) -> dict[str, int]:
-        with self._lock:
-            return dict(self._c)
-
-
-class _Shards:
-    """Which breaker guards a key: one for a standalone server; one per primary of a
-    cluster, from a slot map read with ``CLUSTER SLOTS`` (raw, short-timeout
-    connections to the known nodes, so a dead node costs a refused connect)."""
-
-    def __init__(self, spec: RemoteSpec, make: Callable[[], CircuitBreaker]) -> None:
-        self.spec = spec
-        self._make = make
-        self._lock = threading.Lock()
-        self._refresh_lock = threading.Lock()
-        self.breakers: dict[str, CircuitBreaker] = {}
-        self._slots: list[str] | None = None
-        self._known: list[tuple[str, int]] = list(spec.nodes)
-        self._last_refresh = -1e9
-        self.refreshes = 0
-
-    def breaker(self, name: str) -> CircuitBreaker:
-        with self._lock:
-            found = self.breakers.get(name)
-            if found is None:
-                found = self.breakers[name] = self._make()
-            return found
-
-    def shard_of(self, key: str) -> str:
-        if not self.spec.cluster:
-            return "server"
-        slots = self._slots
-        if slots is None:
-            self.refresh()
-            slots = self._slots
-        return slots[key_slot(key)] if slots is not None else "cluster"
-
-    def refresh(self, force: bool = False) -> None:
-        """Read the slot map again (at most every ``_REFRESH_EVERY_S``; one thread at a
-        time, the others go on with the old map)."""
-        if not self.spec.cluster or not self._refresh_lock.acquire(blocking=False):
-            return
-        try:
-            now = time.monotonic()
-            if not force and now - self._last_refresh < _REFRESH_EVERY_S:
-                return
-            self._last_refresh = now
-            timeout = self.spec.connect_timeout_ms / 1000
-            for host, port in list(self._known):
-                try:
-                    reply = parse_reply(command(host, port, "CLUSTER", "SLOTS",
-                                                timeout=timeout))
-                except (OSError, ValueError):
-                    continue
-                if isinstance(reply, ServerReplyError) or not reply:
-                    continue
-                slots = ["cluster"] * _SLOTS
-                known = set(self._known)
-                for lo, hi, primary, *replicas in reply:
-                    name = f"{primary[0].decode()}:{primary[1]}"
-                    slots[lo:hi + 1] = [name] * (hi - lo + 1)
-                    for node in (primary, *replicas):
-                        known.add((node[0].decode(), int(node[1])))
-                self._slots = slots
-                self._known = sorted(known)
-                self.refreshes += 1
-                return
-        finally:
-            self._refresh_lock.release()
-
-    def states(self) -> dict[str, str]:
-        with self._lock:
-            return {k: b.state.value for k, b in self.breakers.items()}
-
-
-def _expiry(glide: Any, spec: RemoteSpec) -> Any:
-    """The ``SET ... EX ttl_s`` option of ``spec`` (None: no TTL)."""
-    return glide.ExpirySet(glide.ExpiryType.SEC, spec.ttl_s) if spec.ttl_s is not None \
-        else None
 
 
 class ValkeyBlockStore:
@@ -237,10 +67,10 @@ class ValkeyBlockStore:
     def __init__(self, spec: RemoteSpec, *, breaker_threshold: int = 3,
                  breaker_backoff_s: float = 0.25, breaker_max_backoff_s: float = 5.0) -> None:
         self.spec = spec
-        self._glide = _glide()
-        self._ttl = _expiry(self._glide, spec)
+        self._glide = glide_module()
+        self._ttl = expiry_of(self._glide, spec)
         self._hold = self._glide.ExpirySet(self._glide.ExpiryType.SEC, spec.hold_ttl_s)
-        self._shards = _Shards(spec, lambda: CircuitBreaker(
+        self._shards = Shards(spec, lambda: CircuitBreaker(
             breaker_threshold, breaker_backoff_s, breaker_max_backoff_s))
         self._pool = ThreadPoolExecutor(spec.threads, thread_name_prefix="kvshm-remote")
         self._local = threading.local()
@@ -248,7 +78,7 @@ class ValkeyBlockStore:
         self._clients: list[Any] = []
         self._clients_lock = threading.Lock()
         self._closed = False
-        self._n = _Counters("puts", "put_ok", "put_failed", "put_refused", "gets", "hits",
+        self._n = Counters("puts", "put_ok", "put_failed", "put_refused", "gets", "hits",
                             "misses", "bad", "errors", "timeouts", "rejected",
                             "bytes_put", "bytes_got", "invalid_calls", "clients_created")
 
@@ -356,7 +186,7 @@ class ValkeyBlockStore:
         try:
             result = self._client().mget([header_key(key), key], buffers=[hbuf, view])
         except Exception as exc:  # noqa: BLE001 - failure = miss: counted, never raised
-            if _too_long(exc, self._glide):
+            if too_long(exc, self._glide):
                 breaker.success()  # the server answered: a value longer than the view
                 self._n.add(bad=1)
                 return GetOutcome.BAD

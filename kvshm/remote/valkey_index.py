@@ -23,8 +23,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvshm.remote.breaker import CircuitBreaker
+from kvshm.remote.glide_client import Counters, expiry_of, glide_module, header_key, make_client
 from kvshm.remote.tier import RemoteSpec
-from kvshm.remote.valkey import _Counters, _expiry, _glide, header_key, make_client
 
 __all__ = ["ValkeyReadyIndex"]
 
@@ -36,8 +36,8 @@ class ValkeyReadyIndex:
     def __init__(self, spec: RemoteSpec, *, breaker_threshold: int = 3,
                  breaker_backoff_s: float = 0.25, breaker_max_backoff_s: float = 5.0) -> None:
         self.spec = spec
-        self._glide = _glide()
-        self._ttl = _expiry(self._glide, spec)
+        self._glide = glide_module()
+        self._ttl = expiry_of(self._glide, spec)
         self._hold = self._glide.ExpirySet(self._glide.ExpiryType.SEC, spec.hold_ttl_s)
         self.breaker = CircuitBreaker(breaker_threshold, breaker_backoff_s,
                                       breaker_max_backoff_s)
@@ -47,7 +47,7 @@ class ValkeyReadyIndex:
         self._values: list[tuple[int, bytes | None]] = []
         self._refused: list[str] = []
         self._lock = threading.Lock()
-        self._n = _Counters("queries", "answered", "answered_zero", "keys_queried",
+        self._n = Counters("queries", "answered", "answered_zero", "keys_queried",
                             "keys_present", "published", "publish_failed", "errors",
                             "timeouts", "rejected", "round_trips", "clients_created",
                             "values_set", "values_got", "values_dropped")

@@ -1,0 +1,212 @@
+"""The glide plumbing both Valkey backends share: clients, cluster slots, counters.
+
+* :func:`make_client`: a lazily connected glide_sync client (standalone or cluster)
+  with explicit request and connect timeouts and a bounded reconnect backoff; creating
+  one never blocks. :func:`glide_module` imports glide once and turns its console
+  logging off (kvshm counts timeouts and reconnects instead).
+* :func:`key_slot`: a key's cluster hash slot (CRC16/XMODEM, hash tags honoured), and
+  :func:`header_key`, which keeps a block's header in its payload's slot.
+* :class:`Shards`: which circuit breaker guards a key -- one for a standalone server,
+  one per cluster primary from a ``CLUSTER SLOTS`` map, read again at most every
+  ``_REFRESH_EVERY_S`` by one thread at a time (the others keep the old map).
+* :class:`Counters`: named counters under one lock (read as one snapshot).
+
+Used by :mod:`kvshm.remote.valkey` (the block store), :mod:`kvshm.remote.valkey_index`
+(the readiness index) and :mod:`kvshm.remote.janitor`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, Final
+
+from kvshm.errors import MissingExtra
+from kvshm.remote.breaker import CircuitBreaker
+from kvshm.remote.resp import ServerReplyError, command, parse_reply
+from kvshm.remote.tier import RemoteSpec
+
+__all__ = ["Counters", "Shards", "expiry_of", "glide_module", "header_key", "key_slot",
+           "make_client", "too_long"]
+
+_SLOTS: Final = 16384
+#: A slot-map refresh is attempted at most this often (seconds).
+_REFRESH_EVERY_S: Final = 0.5
+_RECONNECT: Final = (3, 50, 2)  # glide BackoffStrategy: retries, factor ms, base
+
+
+def header_key(key: str) -> str:
+    """The key of ``key``'s header: same hash slot as ``key`` (``{key}h``)."""
+    return "{" + key + "}h"
+
+
+def glide_module() -> Any:
+    """The ``glide_sync`` module (MissingExtra without it), its console logging off."""
+    try:
+        import glide_sync
+    except ImportError as exc:
+        raise MissingExtra("valkey-glide-sync", "remote", "the Valkey remote tier") from exc
+    _quiet(glide_sync)
+    return glide_sync
+
+
+_quiet_done = False
+
+
+def _quiet(glide: Any) -> None:
+    """glide logs every timeout, reconnect and failed request (one line each, for the
+    whole of an outage) on the console; kvshm counts them instead. Only if nobody
+    configured glide's logger before (``Logger.init`` keeps an existing configuration:
+    call ``glide_sync.Logger.set_logger_config`` first to see them)."""
+    global _quiet_done
+    if not _quiet_done:
+        _quiet_done = True
+        glide.Logger.init(glide.LogLevel.OFF)
+
+
+def make_client(spec: RemoteSpec, request_timeout_ms: int | None = None) -> Any:
+    """A lazily connected glide_sync client for ``spec`` (standalone or cluster) with
+    explicit timeouts and a bounded reconnect backoff. Creating it never blocks."""
+    g = glide_module()
+    addrs = [g.NodeAddress(h, p) for h, p in spec.nodes]
+    backoff = g.BackoffStrategy(num_of_retries=_RECONNECT[0], factor=_RECONNECT[1],
+                                exponent_base=_RECONNECT[2])
+    timeout = request_timeout_ms or spec.request_timeout_ms
+    if spec.cluster:
+        return g.GlideClusterClient.create(g.GlideClusterClientConfiguration(
+            addrs, request_timeout=timeout, reconnect_strategy=backoff, lazy_connect=True,
+            advanced_config=g.AdvancedGlideClusterClientConfiguration(
+                connection_timeout=spec.connect_timeout_ms)))
+    return g.GlideClient.create(g.GlideClientConfiguration(
+        addrs, request_timeout=timeout, reconnect_strategy=backoff, lazy_connect=True,
+        advanced_config=g.AdvancedGlideClientConfiguration(
+            connection_timeout=spec.connect_timeout_ms)))
+
+
+def _crc16_table() -> list[int]:
+    table = []
+    for i in range(256):
+        crc = i << 8
+        for _ in range(8):
+            crc = ((crc << 1) ^ 0x1021 if crc & 0x8000 else crc << 1) & 0xFFFF
+        table.append(crc)
+    return table
+
+
+_CRC16: Final = _crc16_table()
+
+
+def key_slot(key: str) -> int:
+    """The cluster hash slot of ``key`` (CRC16/XMODEM mod 16384, hash tags honoured)."""
+    raw = key.encode()
+    start = raw.find(b"{")
+    if start >= 0:
+        end = raw.find(b"}", start + 1)
+        if end > start + 1:
+            raw = raw[start + 1:end]
+    crc = 0
+    for b in raw:
+        crc = ((crc << 8) & 0xFFFF) ^ _CRC16[((crc >> 8) ^ b) & 0xFF]
+    return crc % _SLOTS
+
+
+def too_long(exc: BaseException, glide: Any) -> bool:
+    """Whether a get failed because a value does not fit its buffer (the server answered:
+    the value is longer than the expected block: BAD). Every other exception of a
+    request is a failure to reach the server (glide reports a refused or timed-out
+    connect as a plain RequestError): the breaker counts it."""
+    return isinstance(exc, glide.RequestError) and "exceeds buffer capacity" in str(exc)
+
+
+class Counters:
+    """Named counters under one lock."""
+
+    def __init__(self, *names: str) -> None:
+        self._lock = threading.Lock()
+        self._c = dict.fromkeys(names, 0)
+
+    def add(self, **deltas: int) -> None:
+        with self._lock:
+            for k, v in deltas.items():
+                self._c[k] = self._c.get(k, 0) + v
+
+    def snapshot(self) -> dict[str, int]:
+        with self._lock:
+            return dict(self._c)
+
+
+class Shards:
+    """Which breaker guards a key: one for a standalone server; one per primary of a
+    cluster, from a slot map read with ``CLUSTER SLOTS`` (raw, short-timeout
+    connections to the known nodes, so a dead node costs a refused connect)."""
+
+    def __init__(self, spec: RemoteSpec, make: Callable[[], CircuitBreaker]) -> None:
+        self.spec = spec
+        self._make = make
+        self._lock = threading.Lock()
+        self._refresh_lock = threading.Lock()
+        self.breakers: dict[str, CircuitBreaker] = {}
+        self._slots: list[str] | None = None
+        self._known: list[tuple[str, int]] = list(spec.nodes)
+        self._last_refresh = -1e9
+        self.refreshes = 0
+
+    def breaker(self, name: str) -> CircuitBreaker:
+        with self._lock:
+            found = self.breakers.get(name)
+            if found is None:
+                found = self.breakers[name] = self._make()
+            return found
+
+    def shard_of(self, key: str) -> str:
+        if not self.spec.cluster:
+            return "server"
+        slots = self._slots
+        if slots is None:
+            self.refresh()
+            slots = self._slots
+        return slots[key_slot(key)] if slots is not None else "cluster"
+
+    def refresh(self, force: bool = False) -> None:
+        """Read the slot map again (at most every ``_REFRESH_EVERY_S``; one thread at a
+        time, the others go on with the old map)."""
+        if not self.spec.cluster or not self._refresh_lock.acquire(blocking=False):
+            return
+        try:
+            now = time.monotonic()
+            if not force and now - self._last_refresh < _REFRESH_EVERY_S:
+                return
+            self._last_refresh = now
+            timeout = self.spec.connect_timeout_ms / 1000
+            for host, port in list(self._known):
+                try:
+                    reply = parse_reply(command(host, port, "CLUSTER", "SLOTS",
+                                                timeout=timeout))
+                except (OSError, ValueError):
+                    continue
+                if isinstance(reply, ServerReplyError) or not reply:
+                    continue
+                slots = ["cluster"] * _SLOTS
+                known = set(self._known)
+                for lo, hi, primary, *replicas in reply:
+                    name = f"{primary[0].decode()}:{primary[1]}"
+                    slots[lo:hi + 1] = [name] * (hi - lo + 1)
+                    for node in (primary, *replicas):
+                        known.add((node[0].decode(), int(node[1])))
+                self._slots = slots
+                self._known = sorted(known)
+                self.refreshes += 1
+                return
+        finally:
+            self._refresh_lock.release()
+
+    def states(self) -> dict[str, str]:
+        with self._lock:
+            return {k: b.state.value for k, b in self.breakers.items()}
+
+
+def expiry_of(glide: Any, spec: RemoteSpec) -> Any:
+    """The ``SET ... EX ttl_s`` option of ``spec`` (None: no TTL)."""
+    return glide.ExpirySet(glide.ExpiryType.SEC, spec.ttl_s) if spec.ttl_s is not None \
+        else None
