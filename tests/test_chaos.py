@@ -1,4 +1,4 @@
-"""tools/chaos.py briefly: five fresh engines (SPAWN and ATTACH, tp=2), one fault each
+"""tools/chaos briefly: five fresh engines (SPAWN and ATTACH, tp=2), one fault each
 (SIGKILL, SIGSTOP + resume after the verdict, a corrupt done record, rogue rendezvous
 connections, invalid API calls), byte-pattern traffic verified on every load and on
 every live block. The verdict is its JSON line: no wrong byte, no hang, no leaked pin,
