@@ -18,7 +18,8 @@ Order inside :func:`create_segment` (each step undone on any error path):
    0.5 - 2 s a GiB, which must not look like a hang;
 5. ``mmap(MAP_SHARED)``.
 
-Segments are never registered with ``multiprocessing.resource_tracker``.
+Segments are never registered with ``multiprocessing.resource_tracker``. How many bytes
+one may take (/dev/shm, MemAvailable, the memory cgroup): :mod:`kvshm.shm_budget`.
 
 Torch is imported lazily (only the tensor helpers need it), so the rings and the
 rendezvous can use this module without paying for ``import torch``.
@@ -39,7 +40,9 @@ from typing import TYPE_CHECKING, Final
 
 import posix_ipc
 
+from kvshm import shm_budget
 from kvshm.errors import ConfigError
+from kvshm.shm_budget import available_shm_bytes, shm_size_text, statvfs_free
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
@@ -60,7 +63,7 @@ __all__ = [
 ]
 
 #: Where POSIX shared memory lives on Linux.
-SHM_DIR: Final = "/dev/shm"
+SHM_DIR: Final = shm_budget.SHM_DIR
 #: Every name kvshm creates starts with this (after the leading slash).
 SHM_PREFIX: Final = "kvshm"
 #: Segments at least this large are reserved with progress lines (INFO, ``kvshm.shm``).
@@ -69,12 +72,6 @@ PROGRESS_BYTES: Final = 4 << 30
 PROGRESS_CHUNK: Final = 2 << 30
 #: Where the progress of large reservations is logged.
 log: Final = logging.getLogger("kvshm.shm")
-#: Upper bound of the safety margin kept free (see :func:`available_shm_bytes`).
-_MARGIN_MAX: Final = 256 << 20
-#: The margin is at most this fraction of the limiting resource (small /dev/shm mounts).
-_MARGIN_DIVISOR: Final = 8
-#: cgroup limits at or above this are "no limit" (cgroup v1 reports ~2**63 rounded down).
-_CGROUP_UNLIMITED: Final = 1 << 60
 
 
 class _Map(mmap.mmap):
@@ -128,74 +125,6 @@ class Segment:
         return f"Segment({state}, size={self.size}, name={self.name!r})"
 
 
-# ----------------------------------------------------------------------------- sizing
-
-
-def _statvfs_free(path: str) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
-def _meminfo_available() -> int:
-    with open("/proc/meminfo", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
-    raise ConfigError("/proc/meminfo has no MemAvailable line; cannot size shared memory")
-
-
-def _read_int(path: str) -> int | None:
-    try:
-        with open(path, encoding="ascii") as f:
-            text = f.read().strip()
-    except OSError:
-        return None
-    return int(text) if text.isdigit() else None
-
-
-def _cgroup_headroom() -> int | None:
-    """Bytes the memory cgroup still allows (tmpfs pages are charged to it), None if unlimited."""
-    try:
-        with open("/proc/self/cgroup", encoding="ascii") as f:
-            lines = f.read().splitlines()
-    except OSError:
-        return None
-    for line in lines:
-        _, controllers, path = line.split(":", 2)
-        if controllers == "":
-            limit = _read_int(f"/sys/fs/cgroup{path}/memory.max")
-            usage = _read_int(f"/sys/fs/cgroup{path}/memory.current")
-        elif "memory" in controllers.split(","):
-            base = f"/sys/fs/cgroup/memory{path}"
-            limit = _read_int(f"{base}/memory.limit_in_bytes")
-            usage = _read_int(f"{base}/memory.usage_in_bytes")
-        else:
-            continue
-        if limit is not None and usage is not None and limit < _CGROUP_UNLIMITED:
-            return max(0, limit - usage)
-    return None
-
-
-def available_shm_bytes() -> int:
-    """Bytes a new segment may take: min(free /dev/shm, MemAvailable, cgroup headroom) - margin.
-
-    The margin is ``min(256 MiB, limit // 8)`` so a small /dev/shm (Docker's 64 MiB
-    default) is still usable while a large machine keeps room for everything else.
-    """
-    limit = min(_statvfs_free(SHM_DIR), _meminfo_available())
-    headroom = _cgroup_headroom()
-    if headroom is not None:
-        limit = min(limit, headroom)
-    margin = min(_MARGIN_MAX, limit // _MARGIN_DIVISOR)
-    return max(0, limit - margin)
-
-
-def _shm_size_text() -> str:
-    st = os.statvfs(SHM_DIR)
-    return (f"{SHM_DIR} has {st.f_blocks * st.f_frsize / 2**20:.0f} MiB in all, "
-            f"{st.f_bavail * st.f_frsize / 2**20:.0f} MiB free")
-
-
 # ----------------------------------------------------------------------------- segments
 
 
@@ -225,7 +154,7 @@ def create_segment(size: int, *, purpose: str) -> Segment:
         raise ConfigError(
             f"shared-memory segment for {purpose} needs {size} bytes ({size / 2**20:.1f} MiB) "
             f"but only {available} bytes ({available / 2**20:.1f} MiB) may be used "
-            f"({_shm_size_text()}; MemAvailable and a safety margin also count)")
+            f"({shm_size_text()}; MemAvailable and a safety margin also count)")
     name = _segment_name(purpose)
     shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
     fd: int = shm.fd
@@ -244,7 +173,7 @@ def _reserve(fd: int, size: int, purpose: str) -> None:
     if size < PROGRESS_BYTES:
         _fallocate(fd, 0, size, size, purpose)
     else:
-        if size > _statvfs_free(SHM_DIR):  # fail at once, not after filling /dev/shm
+        if size > statvfs_free(SHM_DIR):  # fail at once, not after filling /dev/shm
             raise _reserve_error(size, purpose, errno.ENOSPC)
         t0 = time.monotonic()
         log.info("kvshm: reserving %s of shared memory for %s (posix_fallocate, "
@@ -276,7 +205,7 @@ def _fallocate(fd: int, offset: int, length: int, size: int, purpose: str) -> No
 def _reserve_error(size: int, purpose: str, err: int) -> ConfigError:
     return ConfigError(
         f"cannot reserve {size} bytes ({size / 2**20:.1f} MiB) of shared memory for "
-        f"{purpose}: {os.strerror(err)} ({_shm_size_text()}); enlarge {SHM_DIR} "
+        f"{purpose}: {os.strerror(err)} ({shm_size_text()}); enlarge {SHM_DIR} "
         f"(e.g. docker --shm-size) or use fewer CPU blocks")
 
 

@@ -1,0 +1,96 @@
+"""How many bytes of shared memory a new segment may take.
+
+A tmpfs page is charged three ways, and running out of any of them ends badly (ENOSPC
+at best, the OOM killer or a SIGBUS at worst), so :func:`available_shm_bytes` is the
+smallest of /dev/shm's free space (``statvfs``), ``MemAvailable`` and the memory
+cgroup's headroom (v2 ``memory.max - memory.current`` or v1 ``limit - usage``; a limit
+of 2**60 or more is none), less a margin of ``min(256 MiB, limit // 8)``: a small
+/dev/shm (Docker's 64 MiB) stays usable while a large machine keeps room for everything
+else. Read on every call (nothing cached: the answer changes as segments come and go).
+Re-exported by :mod:`kvshm.shm`, whose :func:`~kvshm.shm.create_segment` checks it first.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Final
+
+from kvshm.errors import ConfigError
+
+__all__ = ["SHM_DIR", "available_shm_bytes", "shm_size_text", "statvfs_free"]
+
+#: Where POSIX shared memory lives on Linux (also ``kvshm.shm.SHM_DIR``).
+SHM_DIR: Final = "/dev/shm"
+#: Upper bound of the safety margin kept free (see :func:`available_shm_bytes`).
+_MARGIN_MAX: Final = 256 << 20
+#: The margin is at most this fraction of the limiting resource (small /dev/shm mounts).
+_MARGIN_DIVISOR: Final = 8
+#: cgroup limits at or above this are "no limit" (cgroup v1 reports ~2**63 rounded down).
+_CGROUP_UNLIMITED: Final = 1 << 60
+
+
+def statvfs_free(path: str) -> int:
+    """Bytes an unprivileged writer may still put under ``path``."""
+    st = os.statvfs(path)
+    return st.f_bavail * st.f_frsize
+
+
+def _meminfo_available() -> int:
+    with open("/proc/meminfo", encoding="ascii") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise ConfigError("/proc/meminfo has no MemAvailable line; cannot size shared memory")
+
+
+def _read_int(path: str) -> int | None:
+    try:
+        with open(path, encoding="ascii") as f:
+            text = f.read().strip()
+    except OSError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def _cgroup_headroom() -> int | None:
+    """Bytes the memory cgroup still allows (tmpfs pages are charged to it), None if unlimited."""
+    try:
+        with open("/proc/self/cgroup", encoding="ascii") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        return None
+    for line in lines:
+        _, controllers, path = line.split(":", 2)
+        if controllers == "":
+            limit = _read_int(f"/sys/fs/cgroup{path}/memory.max")
+            usage = _read_int(f"/sys/fs/cgroup{path}/memory.current")
+        elif "memory" in controllers.split(","):
+            base = f"/sys/fs/cgroup/memory{path}"
+            limit = _read_int(f"{base}/memory.limit_in_bytes")
+            usage = _read_int(f"{base}/memory.usage_in_bytes")
+        else:
+            continue
+        if limit is not None and usage is not None and limit < _CGROUP_UNLIMITED:
+            return max(0, limit - usage)
+    return None
+
+
+def available_shm_bytes() -> int:
+    """Bytes a new segment may take: min(free /dev/shm, MemAvailable, cgroup headroom) - margin.
+
+    The margin is ``min(256 MiB, limit // 8)`` so a small /dev/shm (Docker's 64 MiB
+    default) is still usable while a large machine keeps room for everything else.
+    """
+    limit = min(statvfs_free(SHM_DIR), _meminfo_available())
+    headroom = _cgroup_headroom()
+    if headroom is not None:
+        limit = min(limit, headroom)
+    margin = min(_MARGIN_MAX, limit // _MARGIN_DIVISOR)
+    return max(0, limit - margin)
+
+
+def shm_size_text() -> str:
+    """/dev/shm's size and free space, for error messages."""
+    st = os.statvfs(SHM_DIR)
+    return (f"{SHM_DIR} has {st.f_blocks * st.f_frsize / 2**20:.0f} MiB in all, "
+            f"{st.f_bavail * st.f_frsize / 2**20:.0f} MiB free")
