@@ -33,7 +33,8 @@ tier (the denominator of ``hit_fraction``), then kvshm with each ``--evictions``
 (default ``lru depth_aged``; the benchmark makes the engine's CPU pool use that order,
 as ``EngineConfig(eviction=...)`` asks), and with ``--simplecpu`` vLLM's own
 ``SimpleCPUOffloadConnector`` at the same capacity (its scheduler side unchanged, a
-synchronous CPU copy worker: :mod:`tools.simplecpu_shim`). Reported per pass: median
+synchronous CPU copy worker: :mod:`tools.simplecpu_shim`; the passes are in
+:mod:`tools.bench_vllm_chat`). Reported per pass: median
 TTFT of turns 2+, wall time, CPU-hit tokens and ``hit_fraction`` (hit tokens over the
 unbounded tier's).
 Last line: ``{"hit_fraction": {"<pass>": ..}, "ttft_ratio": {"<pass>": <no connector /
@@ -269,141 +270,6 @@ def print_table(res: dict[str, Any]) -> None:
               f"{res['kvshm_vs_keep_all_mismatches']}, recompute "
               f"{res['recompute_vs_keep_all_mismatches']}")
 
-# ---- the capacity-bound chat variant (--chat) ----------------------------------------
-
-
-@dataclass
-class ChatSide:
-    """One chat pass: TTFT of turns 2+ (the first turn of a conversation has nothing to
-    reuse), wall seconds, CPU-hit tokens."""
-
-    name: str
-    ttft_later: list[float] = field(default_factory=list)
-    ttft_first: list[float] = field(default_factory=list)
-    wall: float = 0.0
-    hit_tokens: int = 0
-    stored_blocks: int = 0
-
-
-SIMPLE_CPU = ("SimpleCPUShimConnector", "tools.simplecpu_shim")
-
-
-def chat_pass(folder: Path, args: argparse.Namespace, trace: list[Any], name: str,
-              extra: dict[str, Any] | None, eviction: str | None,
-              connector: tuple[str, str] = ("KvshmConnector", "kvshm.integrations.vllm"),
-              ) -> ChatSide:
-    """Every turn of ``trace`` on one engine (``extra``: the connector's config, None:
-    no connector). ``eviction``: the order kvshm's CPU pool is built with (the
-    benchmark wraps the runtime's BlockPool for the pass). Hit tokens: what the
-    connector's ``update_state_after_alloc`` was told to load (both connectors' loads
-    are checked to succeed: kvshm's count of failed loads, the shim copies
-    synchronously)."""
-    import kvshm.engine.runtime as runtime
-    from kvshm.config import Eviction
-
-    side = ChatSide(name)
-    attr = "BlockPool"  # the name runtime.py builds the CPU tier with
-    built = getattr(runtime, attr)
-    if eviction is not None:
-        order = Eviction(eviction)
-
-        def pool(num_blocks: int, **kw: Any) -> Any:  # this order, whatever the config says
-            return built(num_blocks, **{**kw, "eviction": order})
-
-        setattr(runtime, attr, pool)
-    try:
-        llm = make_llm(folder, args, extra is not None, extra=extra, connector=connector)
-        try:
-            accepted = [0]
-            conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
-            if conn is not None:
-                inner = conn.update_state_after_alloc
-
-                def counted(request: Any, blocks: Any, num_external_tokens: int) -> Any:
-                    accepted[0] += num_external_tokens
-                    return inner(request, blocks, num_external_tokens)
-
-                conn.update_state_after_alloc = counted
-            # warm-up (one-time costs): under one block, so nothing is stored
-            one(llm, tokens(BLOCK - 1, 17, args.vocab - len(SPECIALS)), args, extra is not None)
-            for t in trace:
-                ttft, elapsed, _ = one(llm, list(t.prompt), args, extra is not None)
-                (side.ttft_later if t.turn else side.ttft_first).append(ttft)
-                side.wall += elapsed
-            side.hit_tokens = accepted[0]
-            if extra is not None and connector[0] == "KvshmConnector":
-                st = conn.scheduler_side.statistics()
-                assert int(st["counters"]["loads_failed"]) == 0, st["counters"]
-                side.stored_blocks = int(st["counters"]["stored_blocks"])
-        finally:
-            llm.llm_engine.engine_core.shutdown(timeout=30)
-            del llm
-            gc.collect()
-    finally:
-        setattr(runtime, attr, built)
-    return side
-
-
-def run_chat(args: argparse.Namespace) -> dict[str, Any]:
-    """No connector, kvshm unbounded, then kvshm with each order (module docstring)."""
-    from tools.chat_trace import chat_trace, distinct_blocks
-
-    trace = chat_trace(args.conversations, args.turns, BLOCK, 0, think=args.think,
-                       vocab=args.vocab)
-    distinct = distinct_blocks(trace)
-    capacity = max(1, int(distinct * args.cpu_frac))
-    longest = max(len(t.prompt) for t in trace) + args.answer_tokens
-    args.max_model_len = -(-(longest + BLOCK) // BLOCK) * BLOCK
-    sides: list[ChatSide] = []
-    with tempfile.TemporaryDirectory(prefix="bench_vllm_") as tmp:
-        folder = Path(tmp)
-        build_model(folder, args)
-        sides.append(chat_pass(folder, args, trace, "no connector", None, None))
-        sides.append(chat_pass(folder, args, trace, "unbounded", {
-            "num_cpu_blocks": distinct + 4 * args.device_blocks, "mode": args.mode}, "lru"))
-        for ev in args.evictions:
-            sides.append(chat_pass(folder, args, trace, ev, {
-                "num_cpu_blocks": capacity, "mode": args.mode}, ev))
-        if args.simplecpu:
-            kv_bytes = (2 * args.layers * args.kv_heads * 64 * BLOCK
-                        * (2 if args.dtype == "bfloat16" else 4))
-            sides.append(chat_pass(folder, args, trace, "vllm_simplecpu", {
-                "cpu_bytes_to_use": capacity * kv_bytes}, None, connector=SIMPLE_CPU))
-    return {"sides": sides, "distinct": distinct, "capacity": capacity,
-            "turns": len(trace), "args": vars(args)}
-
-
-def print_chat(res: dict[str, Any]) -> dict[str, Any]:
-    """The table; returns the JSON summary."""
-    sides: list[ChatSide] = res["sides"]
-    base, unb = sides[0], sides[1]
-    a = res["args"]
-    print(f"{res['turns']} turns ({a['conversations']} conversations x {a['turns']}), "
-          f"{res['distinct']} distinct {BLOCK}-token blocks, CPU tier {res['capacity']} "
-          f"blocks, device pool {a['device_blocks']} blocks")
-    print(f"{'pass':<14} {'TTFT 2+ median':>15} {'vs none':>8} {'mean':>8} {'vs none':>8} "
-          f"{'wall s':>7} {'hit tokens':>10} {'hit_fraction':>12}")
-    out: dict[str, Any] = {"hit_fraction": {}, "ttft_ratio": {}, "ttft_mean_ratio": {}}
-    base_t = statistics.median(base.ttft_later)
-    base_m = statistics.fmean(base.ttft_later)
-    for s in sides:
-        t = statistics.median(s.ttft_later)
-        mean = statistics.fmean(s.ttft_later)
-        frac = s.hit_tokens / unb.hit_tokens if unb.hit_tokens else None
-        shown = "" if s is base or frac is None else f"{frac:.3f}"
-        print(f"{s.name:<14} {t * 1e3:>12.0f} ms {base_t / t:>8.2f} {mean * 1e3:>5.0f} ms "
-              f"{base_m / mean:>8.2f} {s.wall:>7.1f} {s.hit_tokens:>10} {shown:>12}")
-        if s is not base and s is not unb:
-            out["hit_fraction"][s.name] = None if frac is None else round(frac, 4)
-            out["ttft_ratio"][s.name] = round(base_t / t, 3)
-            out["ttft_mean_ratio"][s.name] = round(base_m / mean, 3)
-    by = {s.name: statistics.fmean(s.ttft_later) for s in sides}
-    if "lru" in by and "depth_aged" in by:
-        out["ttft_mean_vs_lru"] = round(by["lru"] / by["depth_aged"], 3)
-    return out
-
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="end with the one-line JSON summary")
@@ -443,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         print("vLLM is not installed (see tools/vllm_install.sh)", file=sys.stderr)
         return 2
     if args.chat:
+        from tools.bench_vllm_chat import print_chat, run_chat  # imports this module
+
         summary = print_chat(run_chat(args))
         if args.json:
             print(json.dumps(summary))
