@@ -21,9 +21,11 @@ remote lookup run (the readiness keys are still asked: a manifest is never trust
 alone). An expired one is deleted (demoted: its blocks keep their ordinary TTL). A
 consumer that loaded the blocks deletes the manifest (collected); so does one that
 trusted it but fetched nothing (it held every block already, or the server no longer
-did), when its request ends. A decoder whose CPU tier holds a prefix of the hand-off
-(a shared system prompt) still fetches the rest (the manager asks the remote tier from
-the end of that hit). Every refusal is a counted miss: the request recomputes.
+did), when its request ends -- a reset or a failed rank does not end it. A decoder
+whose CPU tier holds a prefix of the hand-off (a shared system prompt) still fetches the
+rest (the manager asks the remote tier from the end of that hit, holding the hit
+meanwhile); one whose CPU tier holds all of it reads the manifest without waiting for it,
+so that its end collects it too. Every refusal is a counted miss: the request recomputes.
 
 Lifetime: a hand-off's blocks and readiness keys are put with the tier's *hold* TTL
 (``keep``; ``RemoteSpec.hold_ttl_s``, 30 min), not the ordinary one; the decoder that
@@ -347,9 +349,11 @@ class Handoffs:
         self.index.delete([key])
 
     def forget(self, rid: str) -> None:
-        """The request is gone (its publication, if any, goes on). A manifest it trusted
-        but never collected (nothing was fetched: the decoder held every block, or the
-        server no longer did) is collected now: it has served its one consumer."""
+        """The request ended (not a reset: :meth:`RemoteBook.drop` keeps the consumers;
+        its publication, if any, goes on). A manifest it trusted but never collected
+        (nothing was fetched: the decoder held every block, or the server no longer did)
+        is collected now: it has served its one consumer. One still unread is left to
+        its TTL."""
         st = self._reqs.pop(rid, None)
         if st is not None:
             self._tokens.pop(st.token, None)

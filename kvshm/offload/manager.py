@@ -191,8 +191,7 @@ class OffloadManager(JobOutcomes):
             if self.remote is None:
                 return 0
             return self.remote.lookup(rid, hashes, s, n_max, view.params)
-        if handoff and hit.end < s + n_max and self._rest_is_coming(rid, hit, hashes, s + n_max,
-                                                                     view.params):
+        if handoff and self._handoff_waits(rid, hit, hashes, s + n_max, view.params):
             return None
         if self._loads.is_loading(hit.pinned):
             self.counters.lookups_asked_again += 1
@@ -246,16 +245,27 @@ class OffloadManager(JobOutcomes):
         self._loads.enqueue(
             LoadPart(req_id, a.cpu_ids, a.gpu_ids, tuple(a.failed), num_external_tokens))
 
-    def _rest_is_coming(self, rid: str, hit: Hit, hashes: Sequence[bytes], end: int,
-                        params: Any) -> bool:
-        """A P/D hand-off's CPU hit ends before its extent's ``end`` (the decoder holds a
-        prefix, e.g. a shared system prompt): the rest is asked of the remote tier, as
-        for a CPU miss, because the manifest says the server holds it. True: ask again
-        (nothing pinned: ``find_hit`` does not pin). False: the remote part is over (fetched,
-        refused or missing) and the hit stands. An ordinary request's shorter CPU hit
-        never waits for the remote (nothing says the rest is there)."""
-        assert self.remote is not None
-        return self.remote.lookup(rid, hashes, hit.end, end - hit.end, params) is None
+    def _handoff_waits(self, rid: str, hit: Hit, hashes: Sequence[bytes], end: int,
+                       params: Any) -> bool:
+        """A P/D hand-off's CPU hit ends before its extent's end (``end``, or the
+        hashes', whichever is first: a decoder without the tail key can hit no further)
+        -- the decoder holds a prefix, e.g. a shared system prompt: the rest is asked of
+        the remote tier, as for a CPU miss, because the manifest says the server holds
+        it. True: ask again, the hit held meanwhile (``RemoteBook.hold``: the GET's
+        allocation must not evict it). False: the remote part is over (fetched, refused
+        or missing) and the hit stands. A hit covering the extent never waits; its
+        manifest is read so that the request's end collects it. An ordinary request's
+        shorter CPU hit never waits for the remote (nothing says the rest is there)."""
+        remote = self.remote
+        assert remote is not None
+        end = min(end, len(hashes))
+        if hit.end >= end:
+            remote.served(rid, hashes, params)
+            return False
+        if remote.lookup(rid, hashes, hit.end, end - hit.end, params) is None:
+            remote.hold(rid, hit.pinned)
+            return True
+        return False
 
     def _hand_over(self, pinned: list[int], taken: list[int]) -> None:
         """Phase B: the hit's pins on ``taken`` (the load's CPU ids) become the load's;

@@ -31,8 +31,14 @@ Dedup: a key is never put twice by one engine (published, queued or in flight), 
 fetched twice at once (a lookup any of whose keys another request's GET is fetching
 answers None until that GET ends, or the fetch timeout).
 
+A hand-off whose CPU hit ends short of its extent waits holding that hit
+(:meth:`RemoteBook.hold`): the GET for the rest allocates CPU blocks, and an unpinned
+local prefix could be the LRU block it evicts -- the wait would then end in a miss, worse
+than the local hit it waited on. The hold goes when the request hits, ends, or the
+lookup ends DONE.
+
 Pins: every CPU block this book pins is recorded in :meth:`RemoteBook.pinned` (queued
-PUTs, FETCHED requests); jobs record their own.
+PUTs, FETCHED requests, held prefixes); jobs record their own.
 """
 
 from __future__ import annotations
@@ -118,14 +124,18 @@ class RemoteBook:
         self._fetch_since: dict[int, float] = {}  # GET job id -> when it was planned
         self.pd = handoffs
         self._params: dict[str, dict[str, Any]] = {}  # P/D hand-offs' transfer params
+        self._held: dict[str, list[int]] = {}  # hand-offs' local prefixes, pinned
 
     # ---- queries ---------------------------------------------------------------------
 
     def pinned(self) -> list[int]:
-        """CPU ids this book pins (queued PUTs, FETCHED requests), with repeats."""
+        """CPU ids this book pins (queued PUTs, FETCHED requests, held prefixes), with
+        repeats."""
         out = self.puts.pinned()
         for st in self._reqs.values():
             out.extend(st.pinned)
+        for held in self._held.values():
+            out.extend(held)
         return out
 
     def has_pending_work(self) -> bool:
@@ -227,21 +237,48 @@ class RemoteBook:
             st.state = RemoteState.DONE
         self.release(rid)
 
+    def hold(self, rid: str, cpu_ids: Sequence[int]) -> None:
+        """A hand-off waits for the rest of its extent after a local CPU hit on
+        ``cpu_ids``: pin them until :meth:`release` (module docstring). A repeated hold
+        replaces the last one (the new pins are taken before the old go)."""
+        self.cpu.touch(cpu_ids)
+        old = self._held.pop(rid, None)
+        if old:
+            self.cpu.free(reversed(old))
+        self._held[rid] = list(cpu_ids)
+
+    def served(self, rid: str, hashes: Sequence[bytes], params: Any) -> None:
+        """A hand-off's CPU hit covers its whole extent: nothing is fetched, but its
+        manifest is still read (never waited for) so that the request's end collects it
+        once it is checked (:meth:`Handoffs.forget`); without this it stayed on the
+        server until its TTL. A name is only ever deleted after its manifest was read
+        and matched the request's own prefix."""
+        if self.pd is not None:
+            self.pd.consume(rid, params, lambda: self._keys(hashes, 0, len(hashes)))
+
     def release(self, rid: str) -> None:
-        """Drop ``rid``'s FETCHED pins (its lookup pinned what it hit meanwhile)."""
+        """Drop ``rid``'s FETCHED pins and its held prefix (its lookup pinned what it
+        hit meanwhile)."""
         st = self._reqs.get(rid)
         if st is not None and st.pinned:
             self.cpu.free(reversed(st.pinned))
             st.pinned = []
+        held = self._held.pop(rid, None)
+        if held:
+            self.cpu.free(reversed(held))
 
     def forget(self, rid: str) -> None:
-        """The request is gone: its pins go; a GET in flight completes unclaimed."""
+        """The request ended: its pins go; a GET in flight completes unclaimed; a
+        manifest it trusted is collected (:meth:`Handoffs.forget`)."""
+        self._end_lookup(rid)
+        if self.pd is not None:
+            self.pd.forget(rid)
+
+    def _end_lookup(self, rid: str) -> None:
         self.release(rid)
         st = self._reqs.pop(rid, None)
         if st is not None:
             self._tokens.pop(st.token, None)
-        if self.pd is not None:
-            self.pd.forget(rid)
 
     # ---- write path (kvshm.offload.remote_puts) ---------------------------------------
 
@@ -366,10 +403,15 @@ class RemoteBook:
             cpu.free(reversed(job.cpu_ids))
 
     def drop(self) -> None:
-        """Reset or engine failure: unpin queued PUTs and FETCHED blocks, forget every
-        lookup (GET jobs in flight complete unclaimed; their blocks are freed)."""
+        """Reset or engine failure: unpin queued PUTs, FETCHED blocks and held prefixes,
+        forget every lookup (GET jobs in flight complete unclaimed; their blocks are
+        freed). The requests go on: a manifest one of them trusted is not collected here
+        (only a request's end collects it) and its verdict is kept, so its next lookup
+        asks the server again without re-reading the manifest."""
         self.puts.drop()
         if self.pd is not None:
             self.pd.drop_all()
         for rid in list(self._reqs):
-            self.forget(rid)
+            self._end_lookup(rid)
+        for rid in list(self._held):
+            self.release(rid)

@@ -66,9 +66,10 @@ def test_a_handoff_lookup_refuses_a_bad_last_full_hash_before_any_change() -> No
     assert refs(d.cpu, [0, 1]) == [0, 0]
     d.m.check_invariants()
     # the same request with its good hashes: its CPU hit (CPU 0, 1) ends before its
-    # extent (block 2), so it first asks the server for the rest -- None, nothing pinned
+    # extent (block 2), so it first asks the server for the rest -- None, the hit held
+    # meanwhile (a GET's allocation must not evict it)
     assert d.m.lookup(RequestView("r", r.h, 12, HANDOFF), 0) is None
-    assert refs(d.cpu, [0, 1]) == [0, 0]
+    assert refs(d.cpu, [0, 1]) == [1, 1]
     d.m.check_invariants()
 
 
