@@ -50,7 +50,7 @@ from kvshm.offload.counters import ManagerCounters
 from kvshm.offload.groups import GroupSet, cdiv
 from kvshm.offload.handoff import handoff_extent, is_handoff
 from kvshm.offload.hits import Hit, assign, find_hit, guess_dests, refresh_prefix
-from kvshm.offload.inputs import for_pool
+from kvshm.offload.inputs import View, for_pool
 from kvshm.offload.invariants import Parts, check_parts, recorded_pins
 from kvshm.offload.jobs import JobTable, LoadPart
 from kvshm.offload.loads import LoadBook
@@ -157,12 +157,21 @@ class OffloadManager(JobOutcomes):
         left to compute (the model needs it for the first output token), so the hit
         covers at most ``num_tokens - 1`` tokens: the last full block of a prompt that
         ends on a block boundary is never a hit. Pins the hit; None: ask again next
-        step (no pin)."""
+        step (no pin of its own; a P/D hand-off waiting for the rest of its extent
+        holds its local prefix until it answers, ``RemoteBook.hold``)."""
         view = self._check.view(req, num_local_tokens)
         if self.cpu.refresh_gpu_hits and num_local_tokens >= self.block_size:
             # _refresh reads the engine's own hit's hashes, which view() does not check
             self._check.hashes("lookup", view.req_id, "block_hashes", view.hashes, 0,
                                min(num_local_tokens // self.block_size, len(view.hashes)))
+        tokens = self._lookup(view, num_local_tokens)
+        if tokens is not None and self.remote is not None:
+            self.remote.unhold(view.req_id)  # an answer ends a hand-off's wait
+        return tokens
+
+    def _lookup(self, view: View, num_local_tokens: int) -> int | None:
+        """:meth:`lookup` after its checks. A hand-off that answers None may hold its
+        local prefix (``RemoteBook.hold``); any answer releases that hold (the caller)."""
         self.counters.lookups += 1
         rid = view.req_id
         self._drop_hit(rid)
@@ -191,10 +200,10 @@ class OffloadManager(JobOutcomes):
             if self.remote is None:
                 return 0
             return self.remote.lookup(rid, hashes, s, n_max, view.params)
-        if handoff and self._handoff_waits(rid, hit, hashes, s + n_max, view.params):
-            return None
-        if self._loads.is_loading(hit.pinned):
+        if self._loads.is_loading(hit.pinned):  # before the remote: its DONE unpins
             self.counters.lookups_asked_again += 1
+            return None
+        if handoff and self._handoff_waits(rid, hit, hashes, s + n_max, view.params):
             return None
         self.cpu.touch(hit.pinned)
         if self.remote is not None:

@@ -35,7 +35,7 @@ A hand-off whose CPU hit ends short of its extent waits holding that hit
 (:meth:`RemoteBook.hold`): the GET for the rest allocates CPU blocks, and an unpinned
 local prefix could be the LRU block it evicts -- the wait would then end in a miss, worse
 than the local hit it waited on. The hold goes when the request hits, ends, or the
-lookup ends DONE.
+lookup answers (a hit or 0).
 
 Pins: every CPU block this book pins is recorded in :meth:`RemoteBook.pinned` (queued
 PUTs, FETCHED requests, held prefixes); jobs record their own.
@@ -247,6 +247,13 @@ class RemoteBook:
             self.cpu.free(reversed(old))
         self._held[rid] = list(cpu_ids)
 
+    def unhold(self, rid: str) -> None:
+        """``rid``'s lookup answered (a hit, or 0): its held prefix, if any, goes (a hit
+        pinned it itself first). FETCHED pins stay until :meth:`release`."""
+        held = self._held.pop(rid, None)
+        if held:
+            self.cpu.free(reversed(held))
+
     def served(self, rid: str, hashes: Sequence[bytes], params: Any) -> None:
         """A hand-off's CPU hit covers its whole extent: nothing is fetched, but its
         manifest is still read (never waited for) so that the request's end collects it
@@ -263,9 +270,7 @@ class RemoteBook:
         if st is not None and st.pinned:
             self.cpu.free(reversed(st.pinned))
             st.pinned = []
-        held = self._held.pop(rid, None)
-        if held:
-            self.cpu.free(reversed(held))
+        self.unhold(rid)
 
     def forget(self, rid: str) -> None:
         """The request ended: its pins go; a GET in flight completes unclaimed; a
