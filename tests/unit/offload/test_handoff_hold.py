@@ -19,8 +19,8 @@ from typing import Any
 import msgspec
 import pytest
 from manager_rig import BS, Req, Rig, refs
-from test_handoff_local_prefix import handoff_view, settle, wait_for_hit
-from test_handoff_tail import MANIFEST, publish, tail_of
+from test_handoff_local_prefix import q_decoder, settle, wait_for_hit
+from test_handoff_tail import MANIFEST, publish
 from test_remote_book import WORLD, HeldIndex, ack_remote, key, remote_rig, rkey, store
 
 from kvshm.config import RemoteMode
@@ -48,12 +48,7 @@ def test_a_hold_goes_when_a_lookup_answers_0() -> None:
     schedules R and computes its last tokens; phase B accepts 0. CPU 0 is back to ref 0:
     any answer ends the hold (it used to stay ref 1 for R's whole decode, a block no
     request uses that the CPU tier could never evict)."""
-    index = HeldIndex()
-    _, r, params = publish(index, 11, tail=False)
-    d = remote_rig(index)
-    assert store(d, Req("q", 5)) == [0]
-    settle(d)
-    view = handoff_view(r, params, None)
+    index, d, r, view = q_decoder(tail=False)
     assert d.m.lookup(view, 0) is None
     assert refs(d.cpu, [0]) == [1]                     # held while it waits
     assert d.m.lookup(view, 8) == 0                    # the final answer
@@ -66,12 +61,7 @@ def test_an_unaligned_lookup_answering_0_releases_the_hold() -> None:
     """As above, but R's second lookup comes with 2 local tokens (not block-aligned):
     the manager answers 0 at once (``lookups_unaligned``) -- final -- and CPU 0's hold
     goes with it (it used to stay ref 1 until R ended)."""
-    index = HeldIndex()
-    _, r, params = publish(index, 11, tail=False)
-    d = remote_rig(index)
-    assert store(d, Req("q", 5)) == [0]
-    settle(d)
-    view = handoff_view(r, params, None)
+    index, d, r, view = q_decoder(tail=False)
     assert d.m.lookup(view, 0) is None and refs(d.cpu, [0]) == [1]
     assert d.m.lookup(view, 2) == 0
     d.m.allocated("r", [d.gpu.allocate(3)], 0)
@@ -90,12 +80,7 @@ def test_a_handoff_asked_again_for_a_loading_block_keeps_what_it_fetched() -> No
     hit was 4 tokens though 8 were fetched for it. Now CPU 0, 1 stay ref 2, 1: X's
     store finds no free block (declined), and once Q2's load is done R's hit is CPU 0,
     1: 8 tokens."""
-    index = HeldIndex()
-    _, r, params = publish(index)
-    d = remote_rig(index, cpu=2)
-    assert store(d, Req("q", 5)) == [0]
-    settle(d)
-    view = handoff_view(r, params, tail_of(r))
+    index, d, r, view = q_decoder(cpu=2)
     gets: list[list[int]] = []
     while not gets:
         assert d.m.lookup(view, 0) is None
@@ -170,12 +155,7 @@ def test_a_hybrid_handoff_holds_both_groups_prefix_and_releases_it_once() -> Non
 
 def _waiting(tail: bool = True) -> tuple[HeldIndex, Rig, Req, RequestView]:
     """D stored Q (h0 in CPU 0); R's first lookup waits holding CPU 0 (ref 1)."""
-    index = HeldIndex()
-    _, r, params = publish(index, 11, tail=tail)
-    d = remote_rig(index)
-    assert store(d, Req("q", 5)) == [0]
-    settle(d)
-    view = handoff_view(r, params, tail_of(r) if tail else None)
+    index, d, r, view = q_decoder(tail=tail)
     assert d.m.lookup(view, 0) is None and refs(d.cpu, [0]) == [1]
     return index, d, r, view
 

@@ -43,6 +43,19 @@ def handoff_view(r: Req, params: dict[str, Any], tail: bytes | None) -> RequestV
     return RequestView("r", r.h, len(r.toks), {"do_remote_prefill": True, **params}, tail)
 
 
+def q_decoder(*, tail: bool = True, cpu: int = 16
+              ) -> tuple[HeldIndex, Rig, Req, RequestView]:
+    """P hands R off (with its tail or not); D (``cpu`` CPU blocks) stored Q, whose one
+    full block is R's h0, into CPU 0 (ref 0, its PUT acked). Returns the index, D, R
+    and R's hand-off view (with the tail key when ``tail``)."""
+    index = HeldIndex()
+    _, r, params = publish(index, 11, tail=tail)
+    d = remote_rig(index, cpu=cpu)
+    assert store(d, Req("q", 5)) == [0]
+    settle(d)
+    return index, d, r, handoff_view(r, params, tail_of(r) if tail else None)
+
+
 def test_a_handoff_short_cut_by_a_local_cpu_hit_fetches_the_rest() -> None:
     """D first computes Q (tokens 0..4: its one full block is h0, R's first) and stores
     it into CPU 0 (ref 0 once its write-through PUT is acked). R's first lookup finds
@@ -167,12 +180,7 @@ def test_the_get_for_the_rest_does_not_evict_the_prefix_it_extends() -> None:
     -- worse than the 4-token hit it waited on. Held, CPU 0 stays ref 1: only one block
     is free, the GET fetches h1 alone into CPU 1 (the tail is recomputed), and R's hit
     is CPU 0, 1 (8 tokens, refs 1, 1). The held pin went with the hit: no double pin."""
-    index = HeldIndex()
-    _, r, params = publish(index)
-    d = remote_rig(index, cpu=2)
-    assert store(d, Req("q", 5)) == [0]
-    settle(d)
-    view = handoff_view(r, params, tail_of(r))
+    index, d, r, view = q_decoder(cpu=2)
     assert d.m.lookup(view, 0) is None
     assert refs(d.cpu, [0]) == [1] and d.cpu.num_free == 1
     gets: list[list[int]] = []
@@ -201,12 +209,7 @@ def test_a_reset_does_not_collect_a_manifest_whose_request_goes_on() -> None:
     stays on the server (collected 0) and R's verdict is kept. Once the reset is over,
     R's next lookup asks the server again without re-reading the manifest and loads all
     three blocks; only then is the manifest collected."""
-    index = HeldIndex()
-    _, r, params = publish(index)
-    d = remote_rig(index)
-    assert store(d, Req("q", 5)) == [0]
-    settle(d)
-    view = handoff_view(r, params, tail_of(r))
+    index, d, r, view = q_decoder()
     assert d.m.lookup(view, 0) is None
     d.step()                                   # the manifest arrives: a query goes out
     assert d.m.lookup(view, 0) is None and len(index.queries) == 1
