@@ -32,10 +32,8 @@ fetched twice at once (a lookup any of whose keys another request's GET is fetch
 answers None until that GET ends, or the fetch timeout).
 
 A hand-off whose CPU hit ends short of its extent waits holding that hit
-(:meth:`RemoteBook.hold`): the GET for the rest allocates CPU blocks, and an unpinned
-local prefix could be the LRU block it evicts -- the wait would then end in a miss, worse
-than the local hit it waited on. The hold goes when the request hits, ends, or the
-lookup answers (a hit or 0).
+(:mod:`kvshm.offload.remote_pd`, the book's P/D side): the GET for the rest must not
+evict the prefix it extends.
 
 Pins: every CPU block this book pins is recorded in :meth:`RemoteBook.pinned` (queued
 PUTs, FETCHED requests, held prefixes); jobs record their own.
@@ -55,6 +53,7 @@ from kvshm.offload.groups import GroupSet
 from kvshm.offload.handoff import Handoffs, Verdict
 from kvshm.offload.jobs import JobTable, RemoteJob
 from kvshm.offload.pool import BlockPool
+from kvshm.offload.remote_pd import HandoffSide
 from kvshm.offload.remote_puts import (
     MAX_PUT_BLOCKS,
     REMOTE_HASH_BYTES,
@@ -95,7 +94,7 @@ class _Lookup:
     pinned: list[int] = field(default_factory=list)
 
 
-class RemoteBook:
+class RemoteBook(HandoffSide):
     """See the module docstring. ``ready_key(h)``: the readiness key of remote hash
     ``h`` (:func:`kvshm.remote.tier.ready_key` with the engine's fingerprint)."""
 
@@ -207,10 +206,6 @@ class RemoteBook:
                 return True
         return False
 
-    def _keys(self, hashes: Sequence[bytes], start: int, end: int) -> list[bytes]:
-        key = self._gs.key
-        return [key(hashes[p], g) for p in range(start, end) for g in range(self._gs.n)]
-
     def poll(self) -> None:
         """Apply the index's answers (a stale one, for a request gone, is counted)."""
         for token, n in self.index.answers():
@@ -237,32 +232,6 @@ class RemoteBook:
             st.state = RemoteState.DONE
         self.release(rid)
 
-    def hold(self, rid: str, cpu_ids: Sequence[int]) -> None:
-        """A hand-off waits for the rest of its extent after a local CPU hit on
-        ``cpu_ids``: pin them until :meth:`release` (module docstring). A repeated hold
-        replaces the last one (the new pins are taken before the old go)."""
-        self.cpu.touch(cpu_ids)
-        old = self._held.pop(rid, None)
-        if old:
-            self.cpu.free(reversed(old))
-        self._held[rid] = list(cpu_ids)
-
-    def unhold(self, rid: str) -> None:
-        """``rid``'s lookup answered (a hit, or 0): its held prefix, if any, goes (a hit
-        pinned it itself first). FETCHED pins stay until :meth:`release`."""
-        held = self._held.pop(rid, None)
-        if held:
-            self.cpu.free(reversed(held))
-
-    def served(self, rid: str, hashes: Sequence[bytes], params: Any) -> None:
-        """A hand-off's CPU hit covers its whole extent: nothing is fetched, but its
-        manifest is still read (never waited for) so that the request's end collects it
-        once it is checked (:meth:`Handoffs.forget`); without this it stayed on the
-        server until its TTL. A name is only ever deleted after its manifest was read
-        and matched the request's own prefix."""
-        if self.pd is not None:
-            self.pd.consume(rid, params, lambda: self._keys(hashes, 0, len(hashes)))
-
     def release(self, rid: str) -> None:
         """Drop ``rid``'s FETCHED pins and its held prefix (its lookup pinned what it
         hit meanwhile)."""
@@ -285,51 +254,12 @@ class RemoteBook:
         if st is not None:
             self._tokens.pop(st.token, None)
 
-    # ---- write path (kvshm.offload.remote_puts) ---------------------------------------
+    # ---- write path (kvshm.offload.remote_puts; P/D: kvshm.offload.remote_pd) -----------
 
     def stored(self, cpu_ids: Sequence[int], keys: Sequence[bytes],
                depths: Sequence[int]) -> None:
         """A store completed and indexed ``cpu_ids`` under ``keys`` (write-through)."""
         self.puts.stored(cpu_ids, keys, depths)
-
-    def store_dropped(self, keys: Sequence[bytes]) -> None:
-        """Finish-time stores of ``keys`` were dropped (no CPU blocks): never put. A P/D
-        publication waiting for its partial last block's goes on without it."""
-        if self.pd is not None:
-            self.pd.store_dropped(keys)
-
-    def publish(self, rid: str, keys: Sequence[bytes], num_tokens: int, tail: int = 0
-                ) -> dict[str, Any] | None:
-        """A P/D prefill request finished: its hand-off's ``kv_transfer_params``
-        (``tail``: how many of the last ``keys`` are its partial last block's)."""
-        return self.puts.publish(rid, keys, num_tokens, tail)
-
-    def publish_request(self, rid: str, hashes: Sequence[bytes], confirmed: int,
-                        tables: Sequence[Sequence[int]], tail: bytes | None,
-                        pin_tail: Callable[[Sequence[Sequence[int]], int, bytes],
-                                           list[bytes] | None]) -> None:
-        """A P/D prefill request finished (the manager's ``finished``): its hand-off
-        names its full blocks' keys, then its partial last block's when ``tail`` names
-        one of 2+ tokens (a decoder computes the last token anyway) and ``pin_tail``
-        (:func:`~kvshm.offload.side_stores.pin_tail`) could queue it. The params
-        wait for :meth:`transfer_params` (the newest 4,096 are kept)."""
-        assert self.pd is not None, "a hand-off without the hand-off book"
-        bs, gs = self.pd.block_size, self._gs
-        n = min(confirmed // bs, len(hashes))
-        keys = [gs.key(hashes[p], g) for p in range(n) for g in range(gs.n)]
-        tail_keys = None
-        full, rest = divmod(confirmed, bs)
-        if tail is not None and n == full and rest > 1:
-            tail_keys = pin_tail(tables, n, tail)
-        params = self.publish(rid, keys + (tail_keys or []), confirmed, len(tail_keys or ()))
-        if params is not None:
-            self._params[rid] = params
-        if len(self._params) > 4096:  # never asked for: keep the newest only
-            del self._params[next(iter(self._params))]
-
-    def transfer_params(self, rid: str) -> dict[str, Any] | None:
-        """A finished P/D prefill request's ``kv_transfer_params``, once."""
-        return self._params.pop(rid, None)
 
     # ---- plan and completion -------------------------------------------------------------
 
