@@ -24,8 +24,10 @@ trusted it but fetched nothing (it held every block already, or the server no lo
 did), when its request ends -- a reset or a failed rank does not end it. A decoder
 whose CPU tier holds a prefix of the hand-off (a shared system prompt) still fetches the
 rest (the manager asks the remote tier from the end of that hit, holding the hit
-meanwhile); one whose CPU tier holds all of it reads the manifest without waiting for it,
-so that its end collects it too. Every refusal is a counted miss: the request recomputes.
+meanwhile); one whose CPU tier (or engine) holds all of it reads the manifest without
+waiting for it, so that its end collects it too -- and never waits 5 s for a manifest a
+sibling (vLLM's parallel sampling shares one hand-off) already collected. Every refusal
+is a counted miss: the request recomputes.
 
 Lifetime: a hand-off's blocks and readiness keys are put with the tier's *hold* TTL
 (``keep``; ``RemoteSpec.hold_ttl_s``, 30 min), not the ordinary one; the decoder that

@@ -199,6 +199,11 @@ class OffloadManager(JobOutcomes):
         if hit is None:
             if self.remote is None:
                 return 0
+            if handoff and min(s + n_max, len(hashes)) <= s:
+                # the engine holds the whole extent: nothing to wait for (a manifest a
+                # sibling collected would cost the 5 s missing-manifest wait)
+                self.remote.served(rid, hashes, view.params)
+                return 0
             return self.remote.lookup(rid, hashes, s, n_max, view.params)
         if self._loads.is_loading(hit.pinned):  # before the remote: its DONE unpins
             self.counters.lookups_asked_again += 1

@@ -135,27 +135,48 @@ def test_a_manifest_trusted_but_never_collected_is_collected_when_the_request_en
         ) -> None:
     """R (11 tokens, handed off without its tail: full blocks h0, h1) reaches D, whose
     GPU holds both full blocks (8 local tokens): the extent after them is empty, so the
-    manifest is read and trusted (consumed 1), the hit is 0 and no GET runs. When R
+    lookup answers 0 at once (nothing to wait for) and the manifest is read in the
+    background: the next step judges and trusts it (consumed 1); no GET runs. When R
     finishes on D, the manifest is deleted and its blocks get the ordinary TTL
     (collected 1)."""
     index = HeldIndex()
     _, r, params = publish(index, 11, tail=False)
     d = remote_rig(index)
     view = handoff_view(r, params, None)
-    hit = None
-    for _ in range(4):
-        hit = d.m.lookup(view, 8)
-        if hit is not None:
-            break
-    assert hit == 0
+    assert d.m.lookup(view, 8) == 0
     assert d.m.remote is not None and d.m.remote.pd is not None
     pd = d.m.remote.pd
+    d.step()
     assert (pd.counters.consumed, pd.counters.collected) == (1, 0)
     assert MANIFEST in index.kv
     d.m.finished("r", 12, [[]])
     assert MANIFEST not in index.kv
     assert pd.counters.collected == 1
     assert f"expire {rkey(r.h[1])}" in index.log
+
+
+def test_a_decoder_holding_the_whole_extent_never_waits_for_a_manifest_gone() -> None:
+    """Hazard: *a wait for a manifest it does not need*. R's manifest is already gone
+    from the server (a sibling of R -- vLLM's parallel sampling shares one hand-off --
+    finished and collected it). R reaches D, whose GPU holds h0 and h1 (8 local tokens,
+    the whole extent): the lookup used to wait for the manifest ("ask again") and, the
+    manifest missing, go on asking for ``wait_s`` (5 s) before answering 0. Now it
+    answers 0 at once; the background read ends missing (counted) and nothing is
+    collected or pinned."""
+    index = HeldIndex()
+    _, r, params = publish(index, 11, tail=False)
+    del index.kv[MANIFEST]
+    clock = [0.0]
+    d = remote_rig(index, clock=clock)
+    assert d.m.lookup(handoff_view(r, params, None), 8) == 0
+    assert d.m.remote is not None and d.m.remote.pd is not None
+    pd = d.m.remote.pd
+    for t in (1.0, 6.0, 7.0):
+        clock[0] = t
+        d.step()
+    assert (pd.counters.consumed, pd.counters.manifest_missing) == (0, 1)
+    d.m.finished("r", 12, [[]])
+    assert pd.counters.collected == 0 and d.m.pins_held() == 0
 
 
 def wait_for_hit(d: Rig, index: HeldIndex, view: RequestView, local: int = 0) -> int:
