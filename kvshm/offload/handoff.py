@@ -26,8 +26,11 @@ whose CPU tier holds a prefix of the hand-off (a shared system prompt) still fet
 rest (the manager asks the remote tier from the end of that hit, holding the hit
 meanwhile); one whose CPU tier (or engine) holds all of it reads the manifest without
 waiting for it, so that its end collects it too -- and never waits 5 s for a manifest a
-sibling (vLLM's parallel sampling shares one hand-off) already collected. Every refusal
-is a counted miss: the request recomputes.
+sibling (vLLM's parallel sampling shares one hand-off) already collected. A sibling that
+does need the server finds the manifest in the decoder's memory of those it collected
+(the newest 8 MiB; ``pd_manifest_reused``), judged by the same checks against its own
+prefix: collection deletes the manifest, not the blocks (they keep the ordinary TTL).
+Every refusal is a counted miss: the request recomputes.
 
 Lifetime: a hand-off's blocks and readiness keys are put with the tier's *hold* TTL
 (``keep``; ``RemoteSpec.hold_ttl_s``, 30 min), not the ordinary one; the decoder that
@@ -59,6 +62,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -83,6 +87,9 @@ __all__ = ["MANIFEST_PARAM", "Handoffs", "Manifest", "PdCounters", "Verdict", "h
            "is_handoff", "manifest_key"]
 
 log = logging.getLogger("kvshm.remote")
+
+#: Bytes of collected manifests a decoder remembers for their siblings (newest first).
+COLLECTED_BYTES = 8 << 20
 
 
 @dataclass(slots=True, eq=False)
@@ -127,6 +134,10 @@ class Handoffs:
         self._waiting: dict[bytes, set[str]] = {}  # block key -> publications waiting
         self._reqs: dict[str, _Consume] = {}
         self._tokens: dict[int, str] = {}
+        # manifests collected here (key -> bytes, newest last, COLLECTED_BYTES at most):
+        # a sibling consumer of one hand-off is judged from memory, not the server
+        self._done: OrderedDict[str, bytes] = OrderedDict()
+        self._done_bytes = 0
         self._next_token = -1  # negative: never collides with the remote book's
 
     # ---- prefill side ----------------------------------------------------------------
@@ -271,6 +282,12 @@ class Handoffs:
                         self._prefix)
             self._reqs[rid] = _Consume(key, [], 0, self._clock(), Verdict.REFUSED)
             return Verdict.REFUSED
+        raw = self._done.get(key)
+        if raw is not None:  # collected here already: a sibling's, judged as it was read
+            self.counters.manifest_reused += 1
+            st = self._reqs[rid] = _Consume(key, keys(), 0, self._clock())
+            self._judge(rid, st, raw)
+            return st.verdict
         if not self.index.healthy():
             self.counters.unhealthy += 1  # no wait for a manifest nobody can read
             return Verdict.REFUSED
@@ -336,11 +353,20 @@ class Handoffs:
         cache) and the manifest goes (collected)."""
         st = self._reqs.get(rid)
         if st is not None and st.verdict is Verdict.GO and st.manifest is not None:
-            self._collect(st.key, st.manifest)
+            if self._collect(st.key, st.manifest):
+                self.counters.collected += 1
             st.manifest = None
-            self.counters.collected += 1
 
-    def _collect(self, key: str, m: Manifest) -> None:
+    def _collect(self, key: str, m: Manifest) -> bool:
+        """Demote ``m``'s blocks, delete it and remember it (False: collected here
+        already, by a sibling consumer: nothing to do)."""
+        if key in self._done:
+            return False
+        raw = msgspec.json.encode(m)
+        self._done[key] = raw
+        self._done_bytes += len(raw)
+        while self._done_bytes > COLLECTED_BYTES:
+            self._done_bytes -= len(self._done.popitem(last=False)[1])
         hashes = []
         for h in m.hashes:
             try:
@@ -349,6 +375,7 @@ class Handoffs:
                 continue
         self._demote(hashes)
         self.index.delete([key])
+        return True
 
     def forget(self, rid: str) -> None:
         """The request ended (not a reset: :meth:`RemoteBook.drop` keeps the consumers;
@@ -359,8 +386,8 @@ class Handoffs:
         st = self._reqs.pop(rid, None)
         if st is not None:
             self._tokens.pop(st.token, None)
-            if st.verdict is Verdict.GO and st.manifest is not None:
-                self._collect(st.key, st.manifest)
+            if (st.verdict is Verdict.GO and st.manifest is not None
+                    and self._collect(st.key, st.manifest)):
                 self.counters.collected += 1
 
     def drop_all(self) -> None:

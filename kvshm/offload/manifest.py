@@ -104,6 +104,7 @@ class PdCounters:
     publish_empty: int = 0
     unhealthy: int = 0
     tails_dropped: int = 0
+    manifest_reused: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """Every counter by name, ``pd_`` first."""
