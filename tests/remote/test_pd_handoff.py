@@ -300,3 +300,43 @@ async def test_a_decoder_holding_a_shared_prefix_still_fetches_the_rest(
         assert [digest(k[dst[:BLOCKS]]) for k in kd] == src
         assert (remote(ed)["pd_consumed"], remote(ed)["pd_collected"]) == (2, 2)
         await wait_for_server(lambda: not exists(valkey, p2[MANIFEST_PARAM]))
+
+
+async def test_a_sibling_after_the_collection_loads_from_memory_of_the_manifest(
+        valkey: ValkeyServer) -> None:
+    """Hazard: a sibling finds its manifest collected (vLLM's parallel sampling: the
+    children of one request share its hand-off). D loads child req-1#0 whole (8 blocks)
+    and the manifest is collected -- deleted from Valkey. D's CPU index is then dropped
+    (a reset), so child req-1#1 needs the server: D judges the manifest from its memory
+    of those it collected (pd_manifest_reused 1), fetches the 8 blocks again (ordinary
+    TTL now, still there) and loads them bit-exact. Before, req-1#1 asked Valkey for the
+    deleted manifest for 5 s, then recomputed."""
+    toks = prompt(50)
+    async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ep, gp, kp, _):
+        cp = Client(ep, gp)
+        params, table = await prefill(cp, "req-1", toks)
+        await settle_published(cp)
+        await wait_for_server(lambda: exists(valkey, params[MANIFEST_PARAM]), 20.0)
+        src = [digest(k[table[:BLOCKS]]) for k in kp]
+    async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ed, gd, kd, _):
+        for k in kd:
+            k.zero_()
+        cd = Client(ed, gd)
+        assert await decode(cd, "req-1#0", toks, params) == BLOCKS * BS
+        first = load(cd, "req-1#0", toks, BLOCKS * BS)
+        assert (await cd.loaded("req-1#0")).ok
+        cd.finish("req-1#0", first, len(toks))
+        await cd.settle()
+        await wait_for_server(lambda: not exists(valkey, params[MANIFEST_PARAM]))
+        assert await ed.reset(timeout=10.0)
+        for k in kd:
+            k.zero_()
+        t0 = time.monotonic()
+        assert await decode(cd, "req-1#1", toks, params) == BLOCKS * BS
+        assert time.monotonic() - t0 < 4.0
+        dst = load(cd, "req-1#1", toks, BLOCKS * BS)
+        assert (await cd.loaded("req-1#1")).ok
+        assert [digest(k[dst[:BLOCKS]]) for k in kd] == src
+        rd = remote(ed)
+        assert (rd["pd_manifest_reused"], rd["pd_consumed"], rd["pd_collected"],
+                rd["pd_manifest_missing"], rd["hit_blocks"]) == (1, 2, 1, 0, 2 * BLOCKS), rd
