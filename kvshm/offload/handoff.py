@@ -282,16 +282,19 @@ class Handoffs:
                         self._prefix)
             self._reqs[rid] = _Consume(key, [], 0, self._clock(), Verdict.REFUSED)
             return Verdict.REFUSED
+        own = keys()
         raw = self._done.get(key)
-        if raw is not None:  # collected here already: a sibling's, judged as it was read
+        if raw is not None and self._read(raw, own)[1]:
+            # collected here already, by a sibling: judged from memory (one that does
+            # not match this request's prefix -- a reused request id -- asks the server)
             self.counters.manifest_reused += 1
-            st = self._reqs[rid] = _Consume(key, keys(), 0, self._clock())
+            st = self._reqs[rid] = _Consume(key, own, 0, self._clock())
             self._judge(rid, st, raw)
             return st.verdict
         if not self.index.healthy():
             self.counters.unhealthy += 1  # no wait for a manifest nobody can read
             return Verdict.REFUSED
-        st = self._reqs[rid] = _Consume(key, keys(), self._ask(rid, key), self._clock())
+        st = self._reqs[rid] = _Consume(key, own, self._ask(rid, key), self._clock())
         return st.verdict
 
     def _ask(self, rid: str, key: str) -> int:
@@ -310,6 +313,25 @@ class Handoffs:
                 continue
             self._judge(rid, st, raw)
 
+    def _read(self, raw: bytes, keys: Sequence[bytes]) -> tuple[Manifest | None, bool]:
+        """Decode a manifest (None: unreadable or too long for ``keys``) and whether it
+        passes the checks against this engine and the request's own ``keys``
+        (fingerprint, world, block size, the full blocks' hashes; not the expiry)."""
+        m = None
+        if len(raw) <= MANIFEST_BASE + MANIFEST_PER_BLOCK * len(keys):
+            try:
+                m = msgspec.json.decode(raw, type=Manifest)
+            except msgspec.DecodeError:
+                pass
+        if m is None:
+            return None, False
+        full = len(m.hashes) - m.tail
+        ok = (m.version == 1 and m.fingerprint == self.fingerprint
+              and m.world == self.world and m.block_size == self.block_size
+              and 0 <= m.tail < len(m.hashes) and full <= len(keys)
+              and [self._rhash(k).hex() for k in keys[:full]] == m.hashes[:full])
+        return m, ok
+
     def _judge(self, rid: str, st: _Consume, raw: bytes | None) -> None:
         if raw is None:
             if self._clock() - st.since > self._wait:
@@ -318,17 +340,7 @@ class Handoffs:
             else:
                 st.token = self._ask(rid, st.key)
             return
-        m = None
-        if len(raw) <= MANIFEST_BASE + MANIFEST_PER_BLOCK * len(st.keys):
-            try:
-                m = msgspec.json.decode(raw, type=Manifest)
-            except msgspec.DecodeError:
-                pass
-        full = len(m.hashes) - m.tail if m is not None else 0
-        ok = (m is not None and m.version == 1 and m.fingerprint == self.fingerprint
-              and m.world == self.world and m.block_size == self.block_size
-              and 0 <= m.tail < len(m.hashes) and full <= len(st.keys)
-              and [self._rhash(k).hex() for k in st.keys[:full]] == m.hashes[:full])
+        m, ok = self._read(raw, st.keys)
         if ok and m is not None and m.expires_at < self._wall():
             st.verdict = Verdict.REFUSED
             self.counters.manifest_expired += 1

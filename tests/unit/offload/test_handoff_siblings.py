@@ -58,14 +58,16 @@ def test_a_sibling_after_the_collection_still_loads_from_the_server() -> None:
     d.m.check_invariants()
 
 
-def test_a_remembered_manifest_is_judged_against_the_sibling_s_own_prefix() -> None:
+def test_a_remembered_manifest_lets_in_no_request_of_another_prefix() -> None:
     """A request naming R's collected manifest with other tokens (X: 11 tokens from
-    100, no block in D's CPU tier; R's params) is refused by the same check a server
-    read gets (manifest_refused 1): memory lets in nothing the server would not; it
-    recomputes (0)."""
+    100, no block in D's CPU tier; R's params -- a hostile client, or a request id
+    reused for another prompt) fails the memory's check: it is not judged from memory
+    (manifest_reused 0) but asks the server, as without the memory. The manifest is gone
+    there, so X waits ``wait_s`` (5 s) and recomputes (manifest_missing 1)."""
     index = HeldIndex()
     _, r, params = publish(index)
-    d = remote_rig(index)
+    clock = [0.0]
+    d = remote_rig(index, clock=clock)
     view = handoff_view(r, params, tail_of(r))
     assert wait_for_hit(d, index, view) == 10
     d.m.allocated("r", [d.gpu.allocate(3)], 10)
@@ -74,5 +76,9 @@ def test_a_remembered_manifest_is_judged_against_the_sibling_s_own_prefix() -> N
     pd = d.m.remote.pd
     assert pd.counters.collected == 1
     other = RequestView("x", Req("x", 11, base=100).h, 11, view.kv_transfer_params, None)
+    assert d.m.lookup(other, 0) is None
+    assert pd.counters.manifest_reused == 0
+    clock[0] = 6.0
+    d.step()
     assert d.m.lookup(other, 0) == 0
-    assert (pd.counters.manifest_reused, pd.counters.manifest_refused) == (1, 1)
+    assert (pd.counters.manifest_reused, pd.counters.manifest_missing) == (0, 1)
