@@ -28,8 +28,12 @@ meanwhile); one whose CPU tier (or engine) holds all of it reads the manifest wi
 waiting for it, so that its end collects it too -- and never waits 5 s for a manifest a
 sibling (vLLM's parallel sampling shares one hand-off) already collected. A sibling that
 does need the server finds the manifest in the decoder's memory of those it collected
-(the newest 8 MiB; ``pd_manifest_reused``), judged by the same checks against its own
-prefix: collection deletes the manifest, not the blocks (they keep the ordinary TTL).
+(the newest 8 MiB; ``pd_manifest_reused``; :mod:`kvshm.offload.collected`), judged by
+the same checks against its own prefix -- one that does not match, or has expired, is
+not used: the server is asked. Collection deletes the manifest, not the blocks (they
+keep the ordinary TTL). A request that ends while its manifest is still being read
+leaves an *orphan* read, collected when it arrives if trusted (dropped after ``2 *
+wait_s``, ``pd_orphans_expired``).
 Every refusal is a counted miss: the request recomputes.
 
 Lifetime: a hand-off's blocks and readiness keys are put with the tier's *hold* TTL
@@ -54,52 +58,40 @@ loads the full blocks only. The tail is an extra: when its finish-time store is 
 for want of CPU blocks (:meth:`Handoffs.store_dropped`, from the store planner's
 ``on_dropped`` hook), the publication goes on without it rather than time out.
 
-The manifest record, its key and the consumer's hit range: :mod:`kvshm.offload.manifest`
-(re-exported here).
+The manifest record, its key, its checks and the consumer's hit range:
+:mod:`kvshm.offload.manifest` (re-exported here); the prefill side's publications:
+:mod:`kvshm.offload.handoff_publish`.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
+from kvshm.offload.collected import CollectedManifests
+from kvshm.offload.handoff_publish import Publications, _Pub
 from kvshm.offload.manifest import (
-    MANIFEST_BASE,
     MANIFEST_PARAM,
-    MANIFEST_PER_BLOCK,
     PD_PREFIX,
     Manifest,
     PdCounters,
     Verdict,
+    check_manifest,
     handoff_extent,
     is_handoff,
     manifest_key,
 )
-from kvshm.remote.tier import KEY_PREFIX, ReadyIndex, block_key
+from kvshm.remote.tier import ReadyIndex
 
 __all__ = ["MANIFEST_PARAM", "Handoffs", "Manifest", "PdCounters", "Verdict", "handoff_extent",
            "is_handoff", "manifest_key"]
 
 log = logging.getLogger("kvshm.remote")
-
-#: Bytes of collected manifests a decoder remembers for their siblings (newest first).
-COLLECTED_BYTES = 8 << 20
-
-
-@dataclass(slots=True, eq=False)
-class _Pub:
-    key: str
-    keys: list[bytes]
-    pending: set[bytes]
-    num_tokens: int
-    since: float
-    tail: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -112,7 +104,7 @@ class _Consume:
     manifest: Manifest | None = None
 
 
-class Handoffs:
+class Handoffs(Publications):
     """See the module docstring. ``remote_hash``: a CPU key's remote hash."""
 
     def __init__(self, index: ReadyIndex, fingerprint: str, world: int, block_size: int,
@@ -134,130 +126,20 @@ class Handoffs:
         self._waiting: dict[bytes, set[str]] = {}  # block key -> publications waiting
         self._reqs: dict[str, _Consume] = {}
         self._tokens: dict[int, str] = {}
-        # manifests collected here (key -> bytes, newest last, COLLECTED_BYTES at most):
-        # a sibling consumer of one hand-off is judged from memory, not the server
-        self._done: OrderedDict[str, bytes] = OrderedDict()
-        self._done_bytes = 0
+        self._done = CollectedManifests()  # for a sibling consumer of one hand-off
+        self._orphans: dict[int, _Consume] = {}  # token -> an ended request's unread read
         self._next_token = -1  # negative: never collides with the remote book's
 
-    # ---- prefill side ----------------------------------------------------------------
-
-    def publish(self, rid: str, keys: Sequence[bytes], num_tokens: int,
-                published: Callable[[bytes], bool], tail: int = 0) -> dict[str, Any] | None:
-        """Record ``rid``'s publication; its ``kv_transfer_params`` (None: not one full
-        block, nothing to hand off). ``published(k)``: whether block ``k`` is on the
-        server already. The params follow vLLM's P/D convention (a proxy forwards the
-        prefill's params to the decode engine as they are): ``do_remote_prefill`` for
-        the decoder, and the manifest's name. ``tail``: how many of the last ``keys``
-        are the partial last block's."""
-        if len(keys) <= tail:
-            self.counters.publish_empty += 1
-            return None
-        key = manifest_key(self.fingerprint, self.world, rid)
-        pending = {k for k in keys if not published(k)}
-        self._pubs[rid] = _Pub(key, list(keys), pending, num_tokens, self._clock(), tail)
-        for k in pending:
-            self._waiting.setdefault(k, set()).add(rid)
-        self.counters.published += 1
-        if not pending:
-            self._write(rid)
-        return {"do_remote_prefill": True, "do_remote_decode": False, MANIFEST_PARAM: key}
-
-    def wants(self, key: bytes) -> bool:
-        """Whether a publication waits for block ``key`` (it is put whatever the mode)."""
-        return key in self._waiting
-
-    def put_done(self, keys: Sequence[bytes], ok: bool) -> None:
-        """A PUT of ``keys`` completed on every rank (``ok``: without failure)."""
-        for k in keys:
-            for rid in self._waiting.pop(k, ()):
-                pub = self._pubs.get(rid)
-                if pub is None:
-                    continue
-                if not ok:
-                    self._fail(rid)
-                    self.counters.publish_failed += 1
-                    continue
-                pub.pending.discard(k)
-                if not pub.pending:
-                    self._write(rid)
-
-    def store_dropped(self, keys: Sequence[bytes]) -> None:
-        """Finish-time stores of ``keys`` were dropped (the CPU tier had no room): they
-        will never be put. A publication waiting for its partial last block's drops its
-        tail (``tails_dropped``) and is written as soon as its full blocks are all put
-        -- the decoder loads those and computes the rest, as without a tail key. One
-        waiting for a full block's times out as before (another request may still store
-        that block)."""
-        for k in keys:
-            for rid in list(self._waiting.get(k, ())):
-                pub = self._pubs.get(rid)
-                if pub is not None and pub.tail and k in pub.keys[len(pub.keys) - pub.tail:]:
-                    self._drop_tail(rid, pub)
-
-    def _drop_tail(self, rid: str, pub: _Pub) -> None:
-        tail = pub.keys[len(pub.keys) - pub.tail:]
-        del pub.keys[len(pub.keys) - pub.tail:]
-        pub.tail = 0
-        put = []  # another group's tail, on the server already: no manifest names it
-        for k in tail:
-            if k not in pub.pending:
-                put.append(self._rhash(k))
-                continue
-            pub.pending.discard(k)
-            rids = self._waiting.get(k)
-            if rids is not None:
-                rids.discard(rid)
-                if not rids:
-                    del self._waiting[k]
-        if put:
-            self._demote(put)
-        self.counters.tails_dropped += 1
-        if not pub.pending:
-            self._write(rid)
-
-    def _write(self, rid: str) -> None:
-        pub = self._pubs.pop(rid)
-        m = Manifest(1, self.fingerprint, self.world, self.block_size, pub.num_tokens,
-                     [self._rhash(k).hex() for k in pub.keys], self._wall() + self._ttl,
-                     pub.tail)
-        self.index.put_value(pub.key, msgspec.json.encode(m), 2 * self._ttl)
-        self.counters.manifests_written += 1
-
-    def _drop(self, rid: str) -> None:
-        pub = self._pubs.pop(rid, None)
-        if pub is None:
-            return
-        for k in pub.pending:
-            rids = self._waiting.get(k)
-            if rids is not None:
-                rids.discard(rid)
-                if not rids:
-                    del self._waiting[k]
+    # ---- decode side (the prefill side: kvshm.offload.handoff_publish) ----------------
 
     def expire(self) -> None:
-        """Drop publications whose blocks were not all put within the publish timeout."""
+        """Drop publications whose blocks were not all put within the publish timeout,
+        and orphan reads not answered within ``2 * wait_s`` (counted)."""
+        super().expire()
         now = self._clock()
-        for rid in [r for r, p in self._pubs.items()
-                    if now - p.since > self._publish_timeout]:
-            self._fail(rid)
-            self.counters.publish_timeouts += 1
-
-    def _fail(self, rid: str) -> None:
-        """A publication that will write no manifest: its blocks put so far (kept, no
-        TTL) get the ordinary TTL back, so nothing is pinned on the server for ever."""
-        pub = self._pubs.get(rid)
-        if pub is not None:
-            self._demote([self._rhash(k) for k in pub.keys])
-        self._drop(rid)
-
-    def _demote(self, hashes: Sequence[bytes]) -> None:
-        """Give blocks (every rank's shard) and their readiness keys the ordinary TTL."""
-        keys = [block_key(KEY_PREFIX, self.fingerprint, r, self.world, h)
-                for h in hashes for r in range(self.world)]
-        self.index.expire(keys + [self._ready_key(h) for h in hashes])
-
-    # ---- decode side -----------------------------------------------------------------
+        for token in [t for t, o in self._orphans.items() if now - o.since > 2 * self._wait]:
+            del self._orphans[token]  # its answer never came: left to the manifest's TTL
+            self.counters.orphans_expired += 1
 
     def consume(self, rid: str, params: Any, keys: Callable[[], list[bytes]]
                 ) -> Verdict | None:
@@ -283,19 +165,30 @@ class Handoffs:
             self._reqs[rid] = _Consume(key, [], 0, self._clock(), Verdict.REFUSED)
             return Verdict.REFUSED
         own = keys()
-        raw = self._done.get(key)
-        if raw is not None and self._read(raw, own)[1]:
-            # collected here already, by a sibling: judged from memory (one that does
-            # not match this request's prefix -- a reused request id -- asks the server)
+        if self._remembered(key, own):  # collected here already, by a sibling
             self.counters.manifest_reused += 1
             st = self._reqs[rid] = _Consume(key, own, 0, self._clock())
-            self._judge(rid, st, raw)
+            self._judge(rid, st, self._done.get(key))
             return st.verdict
         if not self.index.healthy():
             self.counters.unhealthy += 1  # no wait for a manifest nobody can read
             return Verdict.REFUSED
         st = self._reqs[rid] = _Consume(key, own, self._ask(rid, key), self._clock())
         return st.verdict
+
+    def _remembered(self, key: str, own: Sequence[bytes]) -> bool:
+        """Whether ``key``'s manifest is judged from memory: remembered, matching the
+        request's own prefix and not expired. One that does not match (a reused request
+        id, a hostile name) or has expired is not used: the server is asked, as without
+        the memory (an expired entry is forgotten: a fresh publication may follow)."""
+        raw = self._done.get(key)
+        if raw is None:
+            return False
+        m, ok = self._read(raw, own)
+        if m is not None and m.expires_at < self._wall():
+            self._done.discard(key)
+            return False
+        return ok
 
     def _ask(self, rid: str, key: str) -> int:
         token = self._next_token
@@ -305,8 +198,13 @@ class Handoffs:
         return token
 
     def poll(self) -> None:
-        """Apply the manifests that arrived; re-ask a missing one until ``wait_s``."""
+        """Apply the manifests that arrived; re-ask a missing one until ``wait_s``. One
+        read for a request that ended meanwhile (an orphan) is collected if trusted."""
         for token, raw in self.index.values():
+            orphan = self._orphans.pop(token, None)
+            if orphan is not None:
+                self._collect_orphan(orphan, raw)
+                continue
             rid = self._tokens.pop(token, None)
             st = self._reqs.get(rid) if rid is not None else None
             if rid is None or st is None or st.verdict is not Verdict.WAIT:
@@ -314,23 +212,8 @@ class Handoffs:
             self._judge(rid, st, raw)
 
     def _read(self, raw: bytes, keys: Sequence[bytes]) -> tuple[Manifest | None, bool]:
-        """Decode a manifest (None: unreadable or too long for ``keys``) and whether it
-        passes the checks against this engine and the request's own ``keys``
-        (fingerprint, world, block size, the full blocks' hashes; not the expiry)."""
-        m = None
-        if len(raw) <= MANIFEST_BASE + MANIFEST_PER_BLOCK * len(keys):
-            try:
-                m = msgspec.json.decode(raw, type=Manifest)
-            except msgspec.DecodeError:
-                pass
-        if m is None:
-            return None, False
-        full = len(m.hashes) - m.tail
-        ok = (m.version == 1 and m.fingerprint == self.fingerprint
-              and m.world == self.world and m.block_size == self.block_size
-              and 0 <= m.tail < len(m.hashes) and full <= len(keys)
-              and [self._rhash(k).hex() for k in keys[:full]] == m.hashes[:full])
-        return m, ok
+        return check_manifest(raw, keys, self.fingerprint, self.world, self.block_size,
+                              self._rhash)
 
     def _judge(self, rid: str, st: _Consume, raw: bytes | None) -> None:
         if raw is None:
@@ -370,15 +253,10 @@ class Handoffs:
             st.manifest = None
 
     def _collect(self, key: str, m: Manifest) -> bool:
-        """Demote ``m``'s blocks, delete it and remember it (False: collected here
-        already, by a sibling consumer: nothing to do)."""
-        if key in self._done:
+        """Demote ``m``'s blocks, delete it and remember it (False: this very manifest
+        was collected here already, by a sibling consumer: nothing to do)."""
+        if not self._done.add(key, msgspec.json.encode(m)):
             return False
-        raw = msgspec.json.encode(m)
-        self._done[key] = raw
-        self._done_bytes += len(raw)
-        while self._done_bytes > COLLECTED_BYTES:
-            self._done_bytes -= len(self._done.popitem(last=False)[1])
         hashes = []
         for h in m.hashes:
             try:
@@ -393,16 +271,27 @@ class Handoffs:
         """The request ended (not a reset: :meth:`RemoteBook.drop` keeps the consumers;
         its publication, if any, goes on). A manifest it trusted but never collected
         (nothing was fetched: the decoder held every block, or the server no longer did)
-        is collected now: it has served its one consumer. One still unread is left to
-        its TTL."""
+        is collected now: it has served its one consumer. One still being read becomes
+        an orphan: collected when it arrives, if trusted (dropped after ``2 * wait_s``,
+        counted)."""
         st = self._reqs.pop(rid, None)
-        if st is not None:
-            self._tokens.pop(st.token, None)
-            if (st.verdict is Verdict.GO and st.manifest is not None
-                    and self._collect(st.key, st.manifest)):
-                self.counters.collected += 1
+        if st is None:
+            return
+        if st.verdict is Verdict.WAIT and self._tokens.pop(st.token, None) is not None:
+            self._orphans[st.token] = st
+            return
+        self._tokens.pop(st.token, None)
+        if (st.verdict is Verdict.GO and st.manifest is not None
+                and self._collect(st.key, st.manifest)):
+            self.counters.collected += 1
 
-    def drop_all(self) -> None:
-        """Reset or engine failure: every pending publication is dropped (no manifest)."""
-        for rid in list(self._pubs):
-            self._drop(rid)
+    def _collect_orphan(self, st: _Consume, raw: bytes | None) -> None:
+        """An ended request's manifest arrived: collected if trusted (an expired one is
+        demoted); a missing one is left to its TTL and the janitor."""
+        m, ok = self._read(raw, st.keys) if raw is not None else (None, False)
+        if not ok or m is None or not self._collect(st.key, m):
+            return
+        if m.expires_at < self._wall():
+            self.counters.manifest_expired += 1
+        else:
+            self.counters.collected += 1

@@ -8,14 +8,15 @@ not 0, so an older decoder still reads a tail-less manifest), the key a request'
 manifest is written under (one per fingerprint, world size and request id; an unsafe
 id is replaced by its SHA-256), the ``kv_transfer_params`` entry naming it, the size
 bound under which a manifest is read at all, and the consumer's hit range
-(:func:`handoff_extent`). Also the hand-off's counters and a consumer's verdict.
+(:func:`handoff_extent`), and the checks a consumer makes before it trusts one
+(:func:`check_manifest`). Also the hand-off's counters and a consumer's verdict.
 """
 
 from __future__ import annotations
 
 import hashlib
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from enum import Enum
 from typing import Any, Final
@@ -23,7 +24,8 @@ from typing import Any, Final
 import msgspec
 
 __all__ = ["MANIFEST_BASE", "MANIFEST_PARAM", "MANIFEST_PER_BLOCK", "PD_PREFIX", "Manifest",
-           "PdCounters", "Verdict", "handoff_extent", "is_handoff", "manifest_key"]
+           "PdCounters", "Verdict", "check_manifest", "handoff_extent", "is_handoff",
+           "manifest_key"]
 
 #: A manifest larger than base + per-block x the request's blocks is refused unread.
 MANIFEST_BASE: Final = 1024
@@ -52,6 +54,31 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
     hashes: list[str]  # remote hashes, hex, prefix order (position-major over groups)
     expires_at: float  # wall clock (time.time())
     tail: int = 0
+
+
+def check_manifest(raw: bytes, keys: Sequence[bytes], fingerprint: str, world: int,
+                   block_size: int, remote_hash: Callable[[bytes], bytes]
+                   ) -> tuple[Manifest | None, bool]:
+    """Decode a manifest read for a request whose CPU keys from position 0 are ``keys``
+    (None: unreadable, or longer than the size bound for them) and whether the consumer
+    may trust it: version 1, this engine's fingerprint, world size and block size, a
+    tail count inside the list, and its full blocks' hashes exactly the request's own
+    prefix. The expiry is not checked here (an expired manifest is demoted, not just
+    refused)."""
+    m = None
+    if len(raw) <= MANIFEST_BASE + MANIFEST_PER_BLOCK * len(keys):
+        try:
+            m = msgspec.json.decode(raw, type=Manifest)
+        except msgspec.DecodeError:
+            pass
+    if m is None:
+        return None, False
+    full = len(m.hashes) - m.tail
+    ok = (m.version == 1 and m.fingerprint == fingerprint and m.world == world
+          and m.block_size == block_size and 0 <= m.tail < len(m.hashes)
+          and full <= len(keys)
+          and [remote_hash(k).hex() for k in keys[:full]] == m.hashes[:full])
+    return m, ok
 
 
 def is_handoff(params: Mapping[str, Any]) -> bool:
@@ -105,6 +132,7 @@ class PdCounters:
     unhealthy: int = 0
     tails_dropped: int = 0
     manifest_reused: int = 0
+    orphans_expired: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """Every counter by name, ``pd_`` first."""

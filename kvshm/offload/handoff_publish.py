@@ -1,0 +1,178 @@
+"""The prefill side of a P/D hand-off (:class:`Publications`, a base of
+:class:`~kvshm.offload.handoff.Handoffs`; the rules are in that module's docstring).
+
+A finished ``do_remote_decode`` request's publication waits for every block it names to
+be put and acked by every rank (:meth:`Publications.put_done`); then, and only then, its
+manifest is written (:meth:`Publications._write`): a manifest's presence means its
+blocks are there. Ordering: a failed PUT of any of its blocks, or blocks not all put
+within ``publish_timeout_s``, drop the publication and write nothing; the blocks put so
+far are demoted (the ordinary TTL, never a hold with no end). A partial last block whose
+finish-time store was dropped is left out (:meth:`Publications.store_dropped`) rather
+than let the hand-off time out. ``_waiting`` maps each pending block key to the
+publications waiting for it; both sides agree at every return.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from kvshm.offload.manifest import MANIFEST_PARAM, Manifest, PdCounters, manifest_key
+from kvshm.remote.tier import KEY_PREFIX, ReadyIndex, block_key
+
+__all__ = ["Publications"]
+
+
+@dataclass(slots=True, eq=False)
+class _Pub:
+    key: str
+    keys: list[bytes]
+    pending: set[bytes]
+    num_tokens: int
+    since: float
+    tail: int = 0
+
+
+
+class Publications:
+    """See the module docstring. :class:`~kvshm.offload.handoff.Handoffs` sets every
+    attribute below in its ``__init__``."""
+
+    index: ReadyIndex
+    fingerprint: str
+    world: int
+    block_size: int
+    counters: PdCounters
+    _rhash: Callable[[bytes], bytes]
+    _ready_key: Callable[[bytes], str]
+    _publish_timeout: float
+    _ttl: int
+    _clock: Callable[[], float]
+    _wall: Callable[[], float]
+    _pubs: dict[str, _Pub]
+    _waiting: dict[bytes, set[str]]
+
+    # ---- prefill side ----------------------------------------------------------------
+
+    def publish(self, rid: str, keys: Sequence[bytes], num_tokens: int,
+                published: Callable[[bytes], bool], tail: int = 0) -> dict[str, Any] | None:
+        """Record ``rid``'s publication; its ``kv_transfer_params`` (None: not one full
+        block, nothing to hand off). ``published(k)``: whether block ``k`` is on the
+        server already. The params follow vLLM's P/D convention (a proxy forwards the
+        prefill's params to the decode engine as they are): ``do_remote_prefill`` for
+        the decoder, and the manifest's name. ``tail``: how many of the last ``keys``
+        are the partial last block's."""
+        if len(keys) <= tail:
+            self.counters.publish_empty += 1
+            return None
+        key = manifest_key(self.fingerprint, self.world, rid)
+        pending = {k for k in keys if not published(k)}
+        self._pubs[rid] = _Pub(key, list(keys), pending, num_tokens, self._clock(), tail)
+        for k in pending:
+            self._waiting.setdefault(k, set()).add(rid)
+        self.counters.published += 1
+        if not pending:
+            self._write(rid)
+        return {"do_remote_prefill": True, "do_remote_decode": False, MANIFEST_PARAM: key}
+
+    def wants(self, key: bytes) -> bool:
+        """Whether a publication waits for block ``key`` (it is put whatever the mode)."""
+        return key in self._waiting
+
+    def put_done(self, keys: Sequence[bytes], ok: bool) -> None:
+        """A PUT of ``keys`` completed on every rank (``ok``: without failure)."""
+        for k in keys:
+            for rid in self._waiting.pop(k, ()):
+                pub = self._pubs.get(rid)
+                if pub is None:
+                    continue
+                if not ok:
+                    self._fail(rid)
+                    self.counters.publish_failed += 1
+                    continue
+                pub.pending.discard(k)
+                if not pub.pending:
+                    self._write(rid)
+
+    def store_dropped(self, keys: Sequence[bytes]) -> None:
+        """Finish-time stores of ``keys`` were dropped (the CPU tier had no room): they
+        will never be put. A publication waiting for its partial last block's drops its
+        tail (``tails_dropped``) and is written as soon as its full blocks are all put
+        -- the decoder loads those and computes the rest, as without a tail key. One
+        waiting for a full block's times out as before (another request may still store
+        that block)."""
+        for k in keys:
+            for rid in list(self._waiting.get(k, ())):
+                pub = self._pubs.get(rid)
+                if pub is not None and pub.tail and k in pub.keys[len(pub.keys) - pub.tail:]:
+                    self._drop_tail(rid, pub)
+
+    def _drop_tail(self, rid: str, pub: _Pub) -> None:
+        tail = pub.keys[len(pub.keys) - pub.tail:]
+        del pub.keys[len(pub.keys) - pub.tail:]
+        pub.tail = 0
+        put = []  # another group's tail, on the server already: no manifest names it
+        for k in tail:
+            if k not in pub.pending:
+                put.append(self._rhash(k))
+                continue
+            pub.pending.discard(k)
+            rids = self._waiting.get(k)
+            if rids is not None:
+                rids.discard(rid)
+                if not rids:
+                    del self._waiting[k]
+        if put:
+            self._demote(put)
+        self.counters.tails_dropped += 1
+        if not pub.pending:
+            self._write(rid)
+
+    def _write(self, rid: str) -> None:
+        pub = self._pubs.pop(rid)
+        m = Manifest(1, self.fingerprint, self.world, self.block_size, pub.num_tokens,
+                     [self._rhash(k).hex() for k in pub.keys], self._wall() + self._ttl,
+                     pub.tail)
+        self.index.put_value(pub.key, msgspec.json.encode(m), 2 * self._ttl)
+        self.counters.manifests_written += 1
+
+    def _drop(self, rid: str) -> None:
+        pub = self._pubs.pop(rid, None)
+        if pub is None:
+            return
+        for k in pub.pending:
+            rids = self._waiting.get(k)
+            if rids is not None:
+                rids.discard(rid)
+                if not rids:
+                    del self._waiting[k]
+
+    def expire(self) -> None:
+        """Drop publications whose blocks were not all put within the publish timeout."""
+        now = self._clock()
+        for rid in [r for r, p in self._pubs.items()
+                    if now - p.since > self._publish_timeout]:
+            self._fail(rid)
+            self.counters.publish_timeouts += 1
+
+    def _fail(self, rid: str) -> None:
+        """A publication that will write no manifest: its blocks put so far (kept, no
+        TTL) get the ordinary TTL back, so nothing is pinned on the server for ever."""
+        pub = self._pubs.get(rid)
+        if pub is not None:
+            self._demote([self._rhash(k) for k in pub.keys])
+        self._drop(rid)
+
+    def _demote(self, hashes: Sequence[bytes]) -> None:
+        """Give blocks (every rank's shard) and their readiness keys the ordinary TTL."""
+        keys = [block_key(KEY_PREFIX, self.fingerprint, r, self.world, h)
+                for h in hashes for r in range(self.world)]
+        self.index.expire(keys + [self._ready_key(h) for h in hashes])
+
+    def drop_all(self) -> None:
+        """Reset or engine failure: every pending publication is dropped (no manifest)."""
+        for rid in list(self._pubs):
+            self._drop(rid)
