@@ -57,6 +57,16 @@ async def decode(c: Client, rid: str, toks: list[int], params: dict[str, Any],
         await asyncio.sleep(0.005)
 
 
+async def serve_whole(c: Client, rid: str, toks: list[int], params: dict[str, Any]
+                      ) -> None:
+    """D hits ``rid``'s every full block from the server, loads them, and finishes it."""
+    assert await decode(c, rid, toks, params) == BLOCKS * BS
+    table = load(c, rid, toks, BLOCKS * BS)
+    assert (await c.loaded(rid)).ok
+    c.finish(rid, table, len(toks))
+    await c.settle()
+
+
 def exists(server: ValkeyServer, key: str) -> bool:
     return command(server.host, server.port, "EXISTS", key).strip() == b":1"
 
@@ -287,11 +297,7 @@ async def test_a_decoder_holding_a_shared_prefix_still_fetches_the_rest(
         for k in kd:
             k.zero_()
         cd = Client(ed, gd)
-        assert await decode(cd, "req-1", t1, p1) == BLOCKS * BS
-        first = load(cd, "req-1", t1, BLOCKS * BS)
-        assert (await cd.loaded("req-1")).ok
-        cd.finish("req-1", first, len(t1))
-        await cd.settle()
+        await serve_whole(cd, "req-1", t1, p1)
         assert remote(ed)["hit_blocks"] == BLOCKS
         assert await decode(cd, "req-2", t2, p2) == BLOCKS * BS
         assert remote(ed)["hit_blocks"] == BLOCKS + 4
@@ -322,11 +328,7 @@ async def test_a_sibling_after_the_collection_loads_from_memory_of_the_manifest(
         for k in kd:
             k.zero_()
         cd = Client(ed, gd)
-        assert await decode(cd, "req-1#0", toks, params) == BLOCKS * BS
-        first = load(cd, "req-1#0", toks, BLOCKS * BS)
-        assert (await cd.loaded("req-1#0")).ok
-        cd.finish("req-1#0", first, len(toks))
-        await cd.settle()
+        await serve_whole(cd, "req-1#0", toks, params)
         await wait_for_server(lambda: not exists(valkey, params[MANIFEST_PARAM]))
         assert await ed.reset(timeout=10.0)
         for k in kd:

@@ -19,9 +19,9 @@ from typing import Any
 import msgspec
 import pytest
 from manager_rig import BS, Req, Rig, refs
-from test_handoff_local_prefix import q_decoder, settle, wait_for_hit
+from test_handoff_local_prefix import q_decoder, wait_for_hit
 from test_handoff_tail import MANIFEST, publish
-from test_remote_book import WORLD, HeldIndex, ack_remote, key, remote_rig, rkey, store
+from test_remote_book import WORLD, HeldIndex, ack_remote, key, remote_rig, rkey, settle, store
 
 from kvshm.config import RemoteMode
 from kvshm.errors import InvalidRequest

@@ -23,20 +23,10 @@ from typing import Any
 
 from manager_rig import Req, Rig, refs
 from test_handoff_tail import MANIFEST, publish, tail_of
-from test_remote_book import WORLD, HeldIndex, ack_remote, remote_rig, rkey, store
+from test_remote_book import HeldIndex, ack_remote, remote_rig, rkey, settle, store
 
 from kvshm.ipc.protocol import RemoteOp, unpack_ids
 from kvshm.types import RequestView
-
-
-def settle(rig: Rig) -> None:
-    """Run steps, acking every remote job on both ranks, until none is left."""
-    for _ in range(4):
-        plan = rig.step()
-        for msg in plan.remote:
-            ack_remote(rig, msg)
-        if plan.store is not None:
-            rig.ack(plan.store, ranks=range(WORLD))
 
 
 def handoff_view(r: Req, params: dict[str, Any], tail: bytes | None) -> RequestView:

@@ -19,32 +19,17 @@ import msgspec
 from manager_rig import BS, REMOTE, Req, Rig, refs
 from test_handoff_local_prefix import handoff_view, wait_for_hit
 from test_handoff_tail import MANIFEST, publish, tail_of
-from test_remote_book import WORLD, HeldIndex, ack_remote, remote_rig, rkey
+from test_remote_book import WORLD, HeldIndex, remote_rig, rkey
 
 from kvshm.offload.collected import entry_size
 from kvshm.offload.handoff import MANIFEST_PARAM, Handoffs, Manifest
 from kvshm.types import RequestView
 
 
-def publish_as(index: HeldIndex, req: Req, *, tail: bool = True) -> dict[str, Any]:
-    """P (a fresh prefill rig) computes ``req`` (its rid names the manifest), stores
-    and puts every block and writes the manifest; returns its transfer params."""
-    rig = remote_rig(index)
-    n = len(req.toks)
-    g = rig.alloc(-(-n // BS), req.h)
-    plan = rig.step(req.sched(g, confirmed=n, new=True))
-    rig.m.finished(req.rid, n, [g], tail_hash=tail_of(req) if tail else None)
-    params = rig.m.transfer_params(req.rid)
-    assert params is not None
-    rig.ack(plan.store, ranks=range(WORLD))
-    for _ in range(4):
-        plan = rig.step()
-        for msg in plan.remote:
-            ack_remote(rig, msg)
-        if plan.store is not None:
-            rig.ack(plan.store, ranks=range(WORLD))
-    rig.gpu.free(reversed(g))
-    return params
+def publish_as(index: HeldIndex, req: Req) -> dict[str, Any]:
+    """P (a fresh prefill rig) hands ``req`` off (its rid names the manifest) with its
+    tail; returns its transfer params."""
+    return publish(index, req=req)[2]
 
 
 def pd_of(d: Rig) -> Handoffs:

@@ -14,7 +14,7 @@ from typing import Any
 import msgspec
 import pytest
 from manager_rig import BS, REMOTE, Req, Rig, manager_state, refs
-from test_remote_book import WORLD, HeldIndex, ack_remote, remote_rig, rkey
+from test_remote_book import WORLD, HeldIndex, ack_remote, remote_rig, rkey, settle
 
 from kvshm.errors import InvalidRequest
 from kvshm.hashing import tail_hash
@@ -31,26 +31,23 @@ def tail_of(r: Req) -> bytes:
     return tail_hash(r.h[n - 1], r.toks[n * BS:])
 
 
-def publish(index: HeldIndex, n_tokens: int = 11, *, tail: bool = True
-            ) -> tuple[Rig, Req, dict[str, Any]]:
+def publish(index: HeldIndex, n_tokens: int = 11, *, tail: bool = True,
+            req: Req | None = None) -> tuple[Rig, Req, dict[str, Any]]:
     """P computes R (GPU blocks 0, 1, 2), stores its full blocks, finishes it with the
-    tail key, stores the tail and puts everything; every job acked by both ranks."""
+    tail key, stores the tail and puts everything; every job acked by both ranks.
+    ``req``: another request than R (its id names the manifest)."""
     rig = remote_rig(index)
-    r = Req("r", n_tokens, params=REMOTE)
+    r = req if req is not None else Req("r", n_tokens, params=REMOTE)
+    n_tokens = len(r.toks)
     g = rig.alloc(-(-n_tokens // BS), r.h)
     plan = rig.step(r.sched(g, confirmed=n_tokens, new=True))
-    rig.m.finished("r", n_tokens, [g], tail_hash=tail_of(r) if tail else None)
+    rig.m.finished(r.rid, n_tokens, [g], tail_hash=tail_of(r) if tail else None)
     if tail and n_tokens % BS > 1:   # the partial block: the engine's ref and the store's
         assert refs(rig.gpu, g) == [2, 2, 2]
-    params = rig.m.transfer_params("r")
-    assert params is not None and params[MANIFEST_PARAM] == MANIFEST
+    params = rig.m.transfer_params(r.rid)
+    assert params is not None and params[MANIFEST_PARAM].endswith(f":{r.rid}")
     rig.ack(plan.store, ranks=range(WORLD))
-    for _ in range(4):
-        plan = rig.step()
-        for msg in plan.remote:
-            ack_remote(rig, msg)
-        if plan.store is not None:
-            rig.ack(plan.store, ranks=range(WORLD))
+    settle(rig)
     rig.gpu.free(reversed(g))
     return rig, r, params
 

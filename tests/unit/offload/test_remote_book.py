@@ -124,6 +124,16 @@ def ack_remote(rig: Rig, msg: Remote, oks: Sequence[bool] = (True, True)) -> Non
         rig.m.check_invariants()
 
 
+def settle(rig: Rig) -> None:
+    """Run steps, acking every remote job and store on both ranks, until none is left."""
+    for _ in range(4):
+        plan = rig.step()
+        for msg in plan.remote:
+            ack_remote(rig, msg)
+        if plan.store is not None:
+            rig.ack(plan.store, ranks=range(WORLD))
+
+
 def store(rig: Rig, req: Req, msgs: list[Remote] | None = None) -> list[int]:
     """``req`` computed all its full blocks and finished; its store acked by both ranks.
     Returns the CPU ids it was stored in; the step's remote jobs go to ``msgs``."""
