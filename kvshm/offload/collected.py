@@ -41,9 +41,6 @@ class CollectedManifests:
         self.nbytes = 0
         self._m: OrderedDict[str, bytes] = OrderedDict()
 
-    def __len__(self) -> int:
-        return len(self._m)
-
     def keys(self) -> list[str]:
         """The remembered names, oldest first."""
         return list(self._m)

@@ -32,8 +32,8 @@ does need the server finds the manifest in the decoder's memory of those it coll
 the same checks against its own prefix -- one that does not match, or has expired, is
 not used: the server is asked. Collection deletes the manifest, not the blocks (they
 keep the ordinary TTL). A request that ends while its manifest is still being read
-leaves an *orphan* read, collected when it arrives if trusted (dropped after ``2 *
-wait_s``, ``pd_orphans_expired``).
+leaves an *orphan* read, collected when it arrives if trusted; one that collects nothing
+(no answer within ``2 * wait_s``, missing, untrusted) is counted ``pd_orphans_dropped``.
 Every refusal is a counted miss: the request recomputes.
 
 Lifetime: a hand-off's blocks and readiness keys are put with the tier's *hold* TTL
@@ -139,7 +139,7 @@ class Handoffs(Publications):
         now = self._clock()
         for token in [t for t, o in self._orphans.items() if now - o.since > 2 * self._wait]:
             del self._orphans[token]  # its answer never came: left to the manifest's TTL
-            self.counters.orphans_expired += 1
+            self.counters.orphans_dropped += 1
 
     def consume(self, rid: str, params: Any, keys: Callable[[], list[bytes]]
                 ) -> Verdict | None:
@@ -287,9 +287,13 @@ class Handoffs(Publications):
 
     def _collect_orphan(self, st: _Consume, raw: bytes | None) -> None:
         """An ended request's manifest arrived: collected if trusted (an expired one is
-        demoted); a missing one is left to its TTL and the janitor."""
+        demoted); a missing or untrusted one is left to its TTL and the janitor
+        (counted), as is one a sibling collected here already."""
         m, ok = self._read(raw, st.keys) if raw is not None else (None, False)
-        if not ok or m is None or not self._collect(st.key, m):
+        if not ok or m is None:
+            self.counters.orphans_dropped += 1
+            return
+        if not self._collect(st.key, m):
             return
         if m.expires_at < self._wall():
             self.counters.manifest_expired += 1

@@ -132,7 +132,7 @@ class PdCounters:
     unhealthy: int = 0
     tails_dropped: int = 0
     manifest_reused: int = 0
-    orphans_expired: int = 0
+    orphans_dropped: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """Every counter by name, ``pd_`` first."""

@@ -140,6 +140,39 @@ def test_a_short_request_served_by_the_engine_still_collects_its_manifest() -> N
     assert pd.counters.collected == 1
 
 
+def test_an_orphan_read_that_is_never_answered_or_finds_nothing_is_dropped_counted(
+        ) -> None:
+    """Two requests served by the engine end while their manifest reads are out (as
+    above). R's answer never comes: once D's clock passes ``2 * wait_s`` (10 s) from
+    its lookup the orphan is dropped (orphans_dropped 1) and an answer arriving after
+    that is ignored -- nothing is deleted, nothing collected. X's read answers
+    "missing" (its manifest was never written): dropped at once (orphans_dropped 2).
+    No orphan is left and no pin is held."""
+    index = HeldIndex()
+    _, r, params = publish(index, 11, tail=False)
+    clock = [0.0]
+    d = remote_rig(index, clock=clock)
+    pd = pd_of(d)
+    assert d.m.lookup(handoff_view(r, params, None), 8) == 0
+    late = index.values()                   # R's answer: held back for ever
+    d.m.finished("r", 12, [[]])
+    clock[0] = 10.5
+    d.step()
+    assert pd.counters.orphans_dropped == 1 and pd._orphans == {}
+    index._values.extend(late)
+    d.step()
+    assert MANIFEST in index.kv and pd.counters.collected == 0
+    x = Req("x", 11, base=100)
+    xv = RequestView("x", x.h, 11, {"do_remote_prefill": True,
+                                    MANIFEST_PARAM: "kvshm:v1:pd:fp:2:x"}, None)
+    assert d.m.lookup(xv, 8) == 0           # the engine holds X's extent
+    d.m.finished("x", 12, [[]])
+    d.step()                                # "missing" arrives for the orphan
+    assert pd.counters.orphans_dropped == 2 and pd._orphans == {}
+    assert pd.counters.collected == 0 and d.m.pins_held() == 0
+    d.m.check_invariants()
+
+
 # ---- edge cases that held ------------------------------------------------------------
 
 
