@@ -16,7 +16,8 @@ from kvshm.demo.args import add_arguments
 def _cmd_demo(args: argparse.Namespace) -> int:
     from kvshm.demo.driver import run_demo
 
-    return run_demo(json_out=args.json, quick=args.quick, plot=args.plot, pd=args.pd)
+    return run_demo(json_out=args.json, quick=args.quick, plot=args.plot, pd=args.pd,
+                    device=args.device)
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:

@@ -180,6 +180,7 @@ def test_cuda_ipc_round_trip_in_another_process() -> None:
     t = torch.arange(GPU_BLOCKS * ROW, device="cuda").to(torch.uint8).view(GPU_BLOCKS, ROW)
     torch.cuda.synchronize()
     spec = TensorSpec(tuple(t.shape), "uint8", export_tensor(t))
+    want = int(t.sum().item())  # before the child writes row 3
     code = (
         "import sys, torch, msgspec\n"
         "from kvshm.cuda_ipc import open_tensor\n"
@@ -191,7 +192,7 @@ def test_cuda_ipc_round_trip_in_another_process() -> None:
     out = subprocess.run([sys.executable, "-c", code], input=msgspec.msgpack.encode(spec),
                          capture_output=True, timeout=120, check=True)
     total, _dev = out.stdout.decode().split()
-    assert int(total) == int(t.sum().item())
+    assert int(total) == want
     assert bool((t[3] == 7).all())
 
 

