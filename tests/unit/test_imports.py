@@ -20,9 +20,9 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 #: The shared leaves: any part may import them; they import only each other and the
-#: wire structs. ``kvshm`` itself resolves its exports lazily (by string), like _moved.
+#: wire structs. ``kvshm`` itself resolves its exports lazily (by string).
 LEAVES = {"kvshm", "kvshm.errors", "kvshm.config", "kvshm.types", "kvshm.hashing",
-          "kvshm.layout", "kvshm.shm", "kvshm.shm_budget", "kvshm.stats", "kvshm._moved",
+          "kvshm.layout", "kvshm.shm", "kvshm.shm_budget", "kvshm.stats",
           "kvshm.worker_cli",
           "kvshm.cuda_ipc",
           # the remote tier's interface (protocols, keys, header; stdlib only): the
@@ -64,7 +64,7 @@ def part_of(module: str) -> str:
         return "integrations-worker"
     if sub in ("offload", "ipc", "engine", "integrations", "demo", "remote"):
         return sub
-    return "app"  # kvshm.cli and the deprecated aliases: entry points, not a part
+    return "app"  # kvshm.cli and its commands: entry points, not a part
 
 
 def imports_of(path: Path, module: str) -> list[tuple[int, str]]:
@@ -172,17 +172,3 @@ def test_package_exports_resolve_lazily() -> None:
 
     assert kvshm.Engine.__name__ == "Engine" and kvshm.SPAWN.value == "spawn"
     assert kvshm.EngineConfig(block_size=16).world_size == 1
-
-
-@pytest.mark.parametrize("old,new", [("kvshm.manager", "kvshm.offload.manager"),
-                                     ("kvshm.pool", "kvshm.offload.pool"),
-                                     ("kvshm.protocol", "kvshm.ipc.protocol")])
-def test_old_paths_warn_and_alias_the_new_module(old: str, new: str) -> None:
-    code = (f"import warnings, importlib; warnings.simplefilter('error')\n"
-            f"try:\n    import {old}\nexcept DeprecationWarning as w:\n    print(w)\n"
-            f"warnings.simplefilter('ignore'); import {old} as a, {new} as b\n"
-            f"assert a is b, (a, b)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=120)
-    assert out.stdout.strip() == f"{old} is deprecated: import {new} (the old path goes " \
-                                 f"in kvshm 0.3)"
