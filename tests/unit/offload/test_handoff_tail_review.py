@@ -38,8 +38,8 @@ from test_remote_book import WORLD, HeldIndex, ack_remote, remote_rig
 from kvshm.config import Eviction
 from kvshm.errors import InvalidRequest
 from kvshm.hashing import tail_hash
-from kvshm.offload.handoff import MANIFEST_PARAM, Manifest, handoff_extent
-from kvshm.offload.remote import remote_hash
+from kvshm.offload.pd.manifest import MANIFEST_PARAM, Manifest, handoff_extent
+from kvshm.offload.remote_puts import remote_hash
 from kvshm.types import RequestView
 
 HANDOFF = {"do_remote_prefill": True, MANIFEST_PARAM: MANIFEST}
