@@ -48,13 +48,13 @@ from kvshm.errors import ConfigError
 from kvshm.ipc.protocol import Direction, Remote, Transfer, pack_ids
 from kvshm.offload.counters import ManagerCounters
 from kvshm.offload.groups import GroupSet, cdiv
-from kvshm.offload.handoff import handoff_extent, is_handoff
 from kvshm.offload.hits import Hit, assign, find_hit, guess_dests, refresh_prefix
 from kvshm.offload.inputs import View, for_pool
 from kvshm.offload.invariants import Parts, check_parts, recorded_pins
 from kvshm.offload.jobs import JobTable, LoadPart
 from kvshm.offload.loads import LoadBook
 from kvshm.offload.outcomes import JobOutcomes
+from kvshm.offload.pd.manifest import handoff_extent, is_handoff
 from kvshm.offload.pool import BlockPool
 from kvshm.offload.remote import RemoteBook
 from kvshm.offload.requests import ReqState, RequestTracker, is_remote

@@ -1,5 +1,5 @@
 """``kvshm janitor`` against real Valkey servers: hand-offs published by the engine's own
-:class:`~kvshm.offload.handoff.Handoffs` (blocks, headers and readiness keys put with the
+:class:`~kvshm.offload.pd.handoffs.Handoffs` (blocks, headers and readiness keys put with the
 hold TTL by the real store and index), one expired, one live, plus garbage and a manifest
 of another version; the janitor demotes exactly the expired one (its keys get the
 ordinary TTL, its manifest goes), leaves the rest as they were, changes nothing on a dry
@@ -20,7 +20,8 @@ import pytest
 from remote_rig import Rows
 
 from kvshm.cli import main
-from kvshm.offload.handoff import Handoffs, Manifest, Verdict, manifest_key
+from kvshm.offload.pd.handoffs import Handoffs
+from kvshm.offload.pd.manifest import Manifest, Verdict, manifest_key
 from kvshm.remote import KEY_PREFIX, BlockHeader, RemoteSpec, block_key, ready_key
 from kvshm.remote.janitor import handoff_keys, judge, sweep
 from kvshm.remote.server import ValkeyCluster, ValkeyServer, command, free_port, parse_reply
@@ -104,7 +105,7 @@ def publish(url: str, handoffs: dict[str, tuple[list[bytes], float]]) -> dict[st
             pd = Handoffs(index, FP, WORLD, 16, lambda k: k,
                           lambda h: ready_key(FP, WORLD, h),
                           wall=shifted(shift))
-            params = pd.publish(rid, hs, 16 * BLOCKS, lambda k: True)
+            params = pd.publications.publish(rid, hs, 16 * BLOCKS, lambda k: True)
             assert params is not None
             names[rid] = str(params["kvshm_manifest"])
     finally:
@@ -334,9 +335,9 @@ def test_the_janitor_demotes_the_keys_an_engine_demotes() -> None:
     index = _Recorder(raw)
     key: Callable[[bytes], str] = lambda h: ready_key(FP, WORLD, h)  # noqa: E731
     pd = Handoffs(index, FP, WORLD, 16, lambda k: k, key)
-    assert pd.consume("r", {"do_remote_prefill": True, "kvshm_manifest": name},
-                      lambda: list(hs)) is Verdict.WAIT
-    pd.poll()
+    assert pd.consumers.consume("r", {"do_remote_prefill": True, "kvshm_manifest": name},
+                                lambda: list(hs)) is Verdict.WAIT
+    pd.consumers.poll()
     assert pd.counters.manifest_expired == 1
     verdict, keys = judge(name, raw, lambda b: msgspec.json.decode(b, type=Manifest),
                           time.time())

@@ -1,4 +1,4 @@
-"""Prefill/decode hand-off through the remote tier (``kvshm.offload.handoff``), asyncio
+"""Prefill/decode hand-off through the remote tier (``kvshm.offload.pd``), asyncio
 API, real engines (two embedded ranks each), a real Valkey server.
 
 The prefill engine P serves a request with ``do_remote_decode``; when it finishes,
@@ -34,7 +34,7 @@ from remote_engine_rig import (
 )
 
 from kvshm.hashing import chain_hashes, chain_tail
-from kvshm.offload.handoff import MANIFEST_PARAM, Manifest
+from kvshm.offload.pd.manifest import MANIFEST_PARAM, Manifest
 from kvshm.remote.server import ValkeyServer, command
 from kvshm.types import RequestView
 

@@ -16,9 +16,11 @@ from manager_rig import BS, Req, Rig, refs
 
 from kvshm.config import RemoteMode
 from kvshm.ipc.protocol import Remote, RemoteOp, unpack_ids
-from kvshm.offload.handoff import MANIFEST_PARAM, Handoffs
 from kvshm.offload.manager import OffloadManager
-from kvshm.offload.remote import RemoteBook, remote_hash
+from kvshm.offload.pd.handoffs import Handoffs
+from kvshm.offload.pd.manifest import MANIFEST_PARAM
+from kvshm.offload.remote import RemoteBook
+from kvshm.offload.remote_puts import remote_hash
 from kvshm.types import LoadFailure
 
 WORLD = 2

@@ -1,7 +1,7 @@
 """The P/D hand-off's manifest: its wire record, its key, and the lookup range it grants.
 
 A manifest is msgspec JSON on the remote server, written by the prefill engine last,
-once every block it names was put and acked (:mod:`kvshm.offload.handoff` keeps that
+once every block it names was put and acked (:mod:`kvshm.offload.pd.handoffs` keeps that
 order and the consumer's checks). What lives here is what both ends must agree on
 byte for byte: the record's fields (unknown ones refused, the tail written only when
 not 0, so an older decoder still reads a tail-less manifest), the key a request's
