@@ -227,9 +227,6 @@ class _Stopper:
 def run_rank(name: str, rank: int, world: int, *, connect_timeout: float,
              spin_us: float, device: DeviceKind = DeviceKind.CPU) -> int:
     """One standalone rank until Shutdown, lifeline EOF or a stop signal; the exit code."""
-    import warnings
-
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     import torch
 
     from kvshm.errors import KvshmError
