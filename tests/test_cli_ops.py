@@ -123,6 +123,16 @@ async def test_ls_with_no_engine_of_ours_says_so_or_lists_others() -> None:
     assert out.startswith(("NAME", "no kvshm engines running"))
 
 
+async def test_stats_of_an_engine_not_running_says_so_and_names_kvshm_ls() -> None:
+    """``kvshm stats --name nope``: exit 1, one line saying no such engine runs and how to
+    list the ones that do."""
+    rc, out, err = await _kvshm("stats", "--name", "nope-kvshm-test")
+    assert rc == 1 and out == ""
+    assert err == ("kvshm stats: no kvshm engine named 'nope-kvshm-test' is running (nothing "
+                   "listens on the abstract socket \\0kvshm.nope-kvshm-test); `kvshm ls` "
+                   "lists the running engines\n")
+
+
 def test_engine_names_takes_listeners_only(tmp_path: Path) -> None:
     """A rank's connection carries the engine's name too, without __SO_ACCEPTCON: it
     must not add a row; other sockets and names with spaces are handled."""

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Final, Protocol, runtime_checkable
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl
 
 from kvshm.errors import ConfigError
 
@@ -127,15 +127,21 @@ class RemoteSpec:
                 f"remote URL {url!r}: expected valkey://host:port or "
                 "valkey+cluster://host1:port1,host2:port2,... (redis:// also accepted)")
         cluster = _SCHEMES[scheme.lower()]
-        split = urlsplit("x://" + rest)
-        if split.path not in ("", "/") or split.fragment:
-            raise ConfigError(f"remote URL {url!r}: unexpected path {split.path!r} (a "
+        # Split by hand, not with urlsplit: a cluster's host list ("h1:7001,[::1]:7003")
+        # is no single netloc, and a Python with the fix for CVE-2024-11168 (recent
+        # releases; backported by distributions, e.g. Debian 12's 3.11.2) refuses text
+        # before a '[' in a netloc ("Invalid IPv6 URL").
+        rest, _, fragment = rest.partition("#")
+        rest, _, query = rest.partition("?")
+        netloc, slash, path = rest.partition("/")
+        if slash + path not in ("", "/") or fragment:
+            raise ConfigError(f"remote URL {url!r}: unexpected path {slash + path!r} (a "
                               "database number is not supported)")
-        if "@" in split.netloc:
+        if "@" in netloc:
             raise ConfigError(f"remote URL {url!r}: credentials in the URL are not "
                               "supported")
         nodes: list[tuple[str, int]] = []
-        for item in split.netloc.split(","):
+        for item in netloc.split(","):
             host, colon, port = item.strip().rpartition(":")
             if not colon or not host or not port.isdigit():
                 raise ConfigError(f"remote URL {url!r}: {item!r} is not host:port")
@@ -147,7 +153,7 @@ class RemoteSpec:
             raise ConfigError(f"remote URL {url!r}: a standalone URL names one host:port "
                               "(valkey+cluster:// for several)")
         merged: dict[str, Any] = {}
-        for key, value in parse_qsl(split.query, keep_blank_values=True):
+        for key, value in parse_qsl(query, keep_blank_values=True):
             if key not in (*_INT_KNOBS, "ttl_s"):
                 raise ConfigError(f"remote URL {url!r}: unknown knob {key!r}")
             if key == "ttl_s" and value.lower() in ("", "none", "0"):
