@@ -4,7 +4,8 @@
 model in its own session and process group (like a job started from a terminal, whose
 Ctrl-C signals the whole group), its output (every process's) in a log file, and waits
 for ``/health``. :class:`Serve` speaks HTTP to it (completions, ``/metrics``), stops it
-like Ctrl-C (:meth:`Serve.interrupt`: SIGINT to the group) and says which of its
+like Ctrl-C (:meth:`Serve.interrupt`: SIGINT to the group) or like ``kill``
+(:meth:`Serve.terminate`: SIGTERM to the API server only) and says which of its
 processes are still running. On exit anything left is stopped (SIGINT, then SIGKILL to
 the group after a grace period).
 """
@@ -77,6 +78,12 @@ class Serve:
     def interrupt(self, timeout: float = STOP_TIMEOUT_S) -> int:
         """Ctrl-C: SIGINT to the whole process group; the API server's exit code."""
         os.killpg(self.proc.pid, signal.SIGINT)
+        return self.proc.wait(timeout)
+
+    def terminate(self, timeout: float = STOP_TIMEOUT_S) -> int:
+        """SIGTERM to the API server only (``kill``, systemd, ``docker stop``); its
+        exit code."""
+        self.proc.send_signal(signal.SIGTERM)
         return self.proc.wait(timeout)
 
     def group_alive(self) -> list[int]:

@@ -15,7 +15,8 @@ wait for KV space and are looked up again every step), driven over HTTP:
   ERROR, ``stats_path`` holds the last report's statistics, no kvshm segment in
   /dev/shm, no process of the server left.
 
-The graceful stop (``--shutdown-timeout 10``) is the slow test at the end.
+The graceful stop (``--shutdown-timeout 10``, SIGTERM to the API server) is the slow
+test at the end.
 """
 
 from __future__ import annotations
@@ -185,21 +186,30 @@ def test_ctrl_c_with_the_default_shutdown_timeout_leaves_one_final_line(
 
 
 @pytest.mark.slow
-def test_ctrl_c_with_shutdown_timeout_10_closes_cleanly_with_one_final_line(
+def test_sigterm_with_shutdown_timeout_10_closes_cleanly_with_one_final_line(
         tiny_llama: TinyModel, tmp_path: Path) -> None:
-    """``--shutdown-timeout 10``: vLLM lets the engine core close, kvshm writes the
-    closed statistics file; still exactly one final-statistics line, no kvshm ERROR."""
+    """``--shutdown-timeout 10`` and SIGTERM to the API server (``kill``, systemd):
+    vLLM lets the engine core close, kvshm writes the closed statistics file and its
+    ``closed`` line; still exactly one final-statistics line, no kvshm ERROR. (Ctrl-C
+    signals the engine core too; vLLM 0.32 then resets its SIGTERM handler as it leaves
+    its loop and the API server's SIGTERM often kills it before kvshm closes: the file
+    keeps the live snapshot then, the final line comes from the front end all the
+    same.)"""
     name = "serve-t28-graceful"
     with vllm_serve(tiny_llama.path, tmp_path, name=name,
                     args=("--shutdown-timeout", "10")) as s:
         s.complete(_prompt(300, 0))
         s.complete(_prompt(300, 0))
-        s.interrupt()
+        s.terminate()
+        deadline = time.monotonic() + 15
+        while s.group_alive() and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert s.group_alive() == []
         log = s.log()
         saved = json.loads(s.stats_path.read_text())
     finals = [ln for ln in log.splitlines() if "final statistics" in ln and "kvshm" in ln]
     assert len(finals) == 1, log[-6000:]
-    assert f"kvshm: engine '{name}' closed (statistics: {s.stats_path})" in log
+    assert f"kvshm: engine '{name}' closed (statistics: {s.stats_path})" in log, log[-6000:]
     assert saved["state"] == "closed" and saved["counters"]["ranks_failed"] == 0, saved
     assert saved["teardown"]["snapshot"] != "live", saved["teardown"]
     assert [ln for ln in log.splitlines()
