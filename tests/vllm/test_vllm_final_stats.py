@@ -9,7 +9,11 @@ import pytest
 
 pytest.importorskip("vllm.logger", reason="vLLM is not installed (see tools/vllm_install.sh)")
 
-from kvshm.integrations.vllm.final_stats import SnapshotSource, final_statistics
+from kvshm.integrations.vllm.final_stats import (
+    SnapshotSource,
+    final_statistics,
+    live_statistics,
+)
 
 
 def _stats(state: str, cached: int, alive: list[bool], failed: int) -> dict[str, Any]:
@@ -44,3 +48,13 @@ def test_a_rank_already_lost_in_the_snapshot_is_not_listed_as_detached() -> None
                                                                      [False, False], 1))
     assert out["counters"] == {"ranks_failed": 1}
     assert out["teardown"] == {"snapshot": "on_shutdown", "ranks_detached": [0]}
+
+
+def test_the_live_file_is_the_snapshot_as_it_is_marked_live() -> None:
+    """While the engine serves, the file holds the last report's snapshot as it is
+    (a SIGKILLed engine core leaves it so): state ready, ``teardown.snapshot`` live."""
+    snap = _stats("ready", 4, [True, False], 1)
+    out = live_statistics(snap)
+    assert out["state"] == "ready" and out["cpu_blocks_cached"] == 4
+    assert out["teardown"] == {"snapshot": "live", "ranks_detached": [1]}
+    assert "teardown" not in snap
