@@ -154,8 +154,19 @@ class SideLifecycle:
             data = self._reports.build(stats)
             self._clock.reported(now, idle)
             if self.cfg.stats_path:
-                write_json(self.cfg.stats_path, live_statistics(stats))
+                self._write_live(self.cfg.stats_path, stats)
             return data
+
+    def _write_live(self, path: str, stats: dict[str, Any]) -> None:
+        """Rewrite ``stats_path`` with a report's snapshot; a failure (a missing folder,
+        a full disk) is counted and logged once, never raised into vLLM's step."""
+        try:
+            write_json(path, live_statistics(stats))
+        except OSError as exc:
+            self.counters.stats_writes_failed += 1
+            if self.counters.stats_writes_failed == 1:
+                log.warning("kvshm: cannot write stats_path %s (%s); serving goes on "
+                            "(further failures are only counted)", path, exc)
 
     def mark_shipped(self) -> None:
         """vLLM shipped a report to its front end: the front end logs the final line."""
