@@ -233,6 +233,7 @@ class OffloadManager(JobOutcomes):
         st = self._track.reqs.get(req_id)
         if num_external_tokens == 0:
             self._drop_hit(req_id)
+            self._admit(st, 0)
             return
         if hit is None or hit.cause is not None:
             self._hits.pop(req_id, None)
@@ -240,6 +241,7 @@ class OffloadManager(JobOutcomes):
                 LoadFailure.ENGINE_FAILED if self._failed else LoadFailure.NO_PIN)
             self._loads.fail_now(req_id, guess_dests(hit, tables, num_external_tokens,
                                                      self.block_size), cause)
+            self._admit(st, num_external_tokens)
             return
         offered = hit.offered
         if num_external_tokens > offered:
@@ -247,6 +249,7 @@ class OffloadManager(JobOutcomes):
                                      f"{num_external_tokens} accepted, {offered} offered")
         k = cdiv(num_external_tokens, self.block_size)
         self._check.reach("allocated", req_id, tables, hit.start + k)
+        self._admit(st, num_external_tokens)
         a = assign(self.cpu, self._gs, hit, tables, k)
         del self._hits[req_id]
         self._hand_over(hit.pinned, a.cpu_ids)
@@ -258,6 +261,19 @@ class OffloadManager(JobOutcomes):
         self.gpu.touch(a.gpu_ids)
         self._loads.enqueue(
             LoadPart(req_id, a.cpu_ids, a.gpu_ids, tuple(a.failed), num_external_tokens))
+
+    def _admit(self, st: ReqState | None, tokens: int) -> None:
+        """Count an accepted phase B's hit tokens (after its checks passed): a request's
+        first phase B in ``hit_tokens`` -- once per request, whatever its lookups were
+        asked again -- a later one (re-admitted after a preemption) in
+        ``hit_tokens_readmitted``. A request the manager does not track counts as
+        first."""
+        if st is not None and st.admitted:
+            self.counters.hit_tokens_readmitted += tokens
+            return
+        self.counters.hit_tokens += tokens
+        if st is not None:
+            st.admitted = True
 
     def _handoff_waits(self, rid: str, hit: Hit, hashes: Sequence[bytes], end: int,
                        params: Any) -> bool:

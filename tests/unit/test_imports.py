@@ -23,6 +23,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: wire structs. ``kvshm`` itself resolves its exports lazily (by string).
 LEAVES = {"kvshm", "kvshm.errors", "kvshm.config", "kvshm.types", "kvshm.hashing",
           "kvshm.layout", "kvshm.shm", "kvshm.shm_budget", "kvshm.stats",
+          "kvshm.series",  # the table of Prometheus series (stdlib only)
           "kvshm.worker_cli",
           "kvshm.cuda_ipc",
           # the remote tier's interface (protocols, keys, header; stdlib only): the

@@ -196,12 +196,13 @@ class KvshmConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
 
     # -- statistics (scheduler side reports; vLLM aggregates, logs and exports) ----------
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """kvshm's counter increments and gauges, at most once per REPORT_PERIOD_S
-        (a report reads a whole snapshot); None on the worker side and before bind."""
+        """kvshm's report when one is due (kvshm.integrations.vllm.reports: at most
+        once a second while busy, once on going idle); None on the worker side and
+        before bind."""
         sched = self._sched
-        if sched is None or not sched.bound or not self._reporter.due():
+        if sched is None or not sched.bound:
             return None
-        return self._reporter.report(sched.statistics())
+        return self._reporter.report(sched)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None
