@@ -11,9 +11,9 @@
 # --kv-cache-memory-bytes 327680 (5 blocks of 128 tokens, 64 KiB each for the tiny
 # model's bfloat16 KV) make vLLM's device pool hold one 400-token prompt at a time:
 # the first request's prompt B evicts its prompt A from vLLM's prefix cache, kvshm
-# keeps both, and the second request's A is served from kvshm. The last line printed
-# is `kvshm_hit_tokens_total{...} 384.0`. examples/vllm_quickstart.py is the same
-# offline, with the same numbers; tests/vllm/test_quickstarts.py runs both as they are.
+# keeps both, and the second request's A is served from kvshm: /metrics then says
+# `kvshm_hit_tokens_total{...} 384.0`. examples/vllm_quickstart.py is the same offline,
+# with the same numbers; tests/vllm/test_quickstarts.py runs both as they are.
 set -euo pipefail
 MODEL=${MODEL:-/tmp/tiny-llama}
 PORT=${PORT:-8000}
