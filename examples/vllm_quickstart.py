@@ -31,7 +31,7 @@ import sys
 from vllm import LLM, SamplingParams
 from vllm.config import KVTransferConfig
 
-from kvshm.integrations.vllm import engine_stats
+from kvshm.integrations.vllm import engine_stats, hit_tokens
 
 PROMPT_A = " ".join(f"w{i}" for i in range(400))  # 400 tokens with the tiny model
 PROMPT_B = " ".join(f"w{i}" for i in range(100, 500))
@@ -46,16 +46,17 @@ def main() -> int:
     try:
         a, b = llm.generate([PROMPT_A, PROMPT_B], params)
         again = llm.generate([PROMPT_A], params)[0]
-        counters = engine_stats(llm)["counters"]
+        stats = engine_stats(llm)  # what `kvshm stats --name` prints
     finally:
         llm.llm_engine.engine_core.shutdown(timeout=30)  # vLLM 0.32's LLM has no close()
     same = again.outputs[0].text == a.outputs[0].text
     print(f"first call:  A cached {a.num_cached_tokens} tokens, "
           f"B cached {b.num_cached_tokens} tokens")
     print(f"second call: A cached {again.num_cached_tokens} tokens, same answer: {same}")
-    print(f"kvshm: {counters['lookup_hit_tokens']} hit tokens (kvshm_hit_tokens_total), "
-          f"{counters['loaded_blocks']} blocks loaded")
-    return 0 if counters["lookup_hit_tokens"] > 0 and same else 1
+    hits = hit_tokens(stats)
+    print(f"kvshm: {hits} hit tokens (kvshm_hit_tokens_total), "
+          f"{stats['counters']['loaded_blocks']} blocks loaded")
+    return 0 if hits > 0 and same else 1
 
 
 if __name__ == "__main__":  # vLLM starts its engine processes with spawn: keep the guard

@@ -194,3 +194,19 @@ def test_register_leaves_a_name_taken_by_another_in_place(
         plugin.register()
     assert KVConnectorFactory._registry["KvshmConnector"] is before
     assert "already registered with vLLM" in caplog.text
+
+
+def test_hit_tokens_reads_what_metrics_exports() -> None:
+    """``hit_tokens`` follows the metrics table's path for kvshm_hit_tokens_total, so the
+    example prints the number /metrics shows; a missing counter reads 0."""
+    from kvshm.integrations.vllm import hit_tokens
+    from kvshm.integrations.vllm.metrics import COUNTERS
+
+    stats: dict[str, Any] = {}
+    node = stats
+    *parents, leaf = COUNTERS["hit_tokens"][0]
+    for key in parents:
+        node = node.setdefault(key, {})
+    node[leaf] = 7
+    assert hit_tokens(stats) == 7
+    assert hit_tokens({}) == 0

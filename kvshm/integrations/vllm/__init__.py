@@ -13,7 +13,8 @@ module path is needed and every other setting has a default::
         kv_connector="KvshmConnector", kv_role="kv_both"))
 
 (``examples/vllm_quickstart.py`` and ``examples/vllm_serve_quickstart.sh`` show a
-kvshm hit; :func:`engine_stats` reads kvshm's counters from the ``LLM``'s process.) With
+kvshm hit; :func:`engine_stats` reads kvshm's statistics from the ``LLM``'s process,
+:func:`hit_tokens` the number ``/metrics`` calls ``kvshm_hit_tokens_total``.) With
 ``VLLM_PLUGINS`` set to a list without ``kvshm``, add
 ``"kv_connector_module_path": "kvshm.integrations.vllm"``, which loads it the old way.
 
@@ -49,7 +50,7 @@ import importlib
 from typing import Any, Final
 
 from kvshm.integrations.vllm.config import ConnectorConfig, engine_name, parse_config
-from kvshm.integrations.vllm.query import engine_stats
+from kvshm.integrations.vllm.query import engine_stats, hit_tokens
 
 __all__ = [
     "CONNECTOR_HOOKS",
@@ -59,6 +60,7 @@ __all__ = [
     "VLLM_VERSION",
     "engine_name",
     "engine_stats",
+    "hit_tokens",
     "parse_config",
 ]
 

@@ -123,8 +123,9 @@ def _scheduler_config(cfg: ConnectorConfig, vllm_config: VllmConfig,
         log.info("kvshm: set kv_transfer_config.kv_load_failure_policy='recompute' (was "
                  "%r): a block kvshm fails to load is recomputed, never an aborted "
                  "request", old)
-    cfg = resolve_size(cfg, memory_available_bytes(), available_shm_bytes())
-    check_budget(cfg, _bytes_per_block(kv_cache_config), available_shm_bytes())
+    shm = available_shm_bytes()  # one reading: the default fits what the check sees
+    cfg = resolve_size(cfg, memory_available_bytes(), shm)
+    check_budget(cfg, _bytes_per_block(kv_cache_config), shm)
     return cfg
 
 

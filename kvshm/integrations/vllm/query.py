@@ -10,12 +10,13 @@ the engine is idle.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from kvshm.errors import ConfigError
 from kvshm.integrations.vllm.config import engine_name
 
-__all__ = ["engine_stats", "kvshm_name"]
+__all__ = ["engine_stats", "hit_tokens", "kvshm_name"]
 
 
 def kvshm_name(llm: Any) -> str:
@@ -29,13 +30,24 @@ def kvshm_name(llm: Any) -> str:
 
 
 def engine_stats(llm: Any, timeout: float = 2.0) -> dict[str, Any]:
-    """The statistics ``kvshm stats --name`` prints for ``llm``'s kvshm engine.
+    """The statistics ``kvshm stats --name`` prints for ``llm``'s kvshm engine
+    (:func:`hit_tokens` reads ``kvshm_hit_tokens_total`` from them).
 
-    ``["counters"]["lookup_hit_tokens"]`` is what ``/metrics`` exports as
-    ``kvshm_hit_tokens_total``: prompt tokens served from kvshm's CPU tier.
-    ConfigError if no kvshm engine of that name runs; TimeoutError if it does not answer
-    within ``timeout`` seconds.
+    ConfigError if no kvshm engine of that name runs; TimeoutError if it does not
+    answer within ``timeout`` seconds.
     """
     from kvshm.ipc.rendezvous import query_stats
 
     return query_stats(kvshm_name(llm), timeout=timeout)
+
+
+def hit_tokens(stats: Mapping[str, Any]) -> int:
+    """Prompt tokens served from kvshm's CPU tier in ``stats`` (:func:`engine_stats`):
+    the counter ``/metrics`` exports as ``kvshm_hit_tokens_total``, read where the
+    metrics table says (``metrics.COUNTERS["hit_tokens"]``; imports vLLM)."""
+    from kvshm.integrations.vllm.metrics import COUNTERS
+
+    value: Any = stats
+    for key in COUNTERS["hit_tokens"][0]:
+        value = value.get(key, 0) if isinstance(value, Mapping) else 0
+    return int(value)
