@@ -160,11 +160,14 @@ class KvshmConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
     def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
         """False: kvshm has no per-layer work a CUDA graph would skip.
 
-        vLLM calls this while it builds its config (with full CUDA graphs on), before any
-        engine process starts: the earliest moment kvshm sees its extra config, so it is
-        checked here too (ConfigError, one line, for an unknown key or two size keys).
+        vLLM calls this while it builds its config (with full CUDA graphs on, the default
+        on CUDA; never on vLLM's CPU platform), before any engine process starts: the
+        earliest moment kvshm sees its extra config, so it is checked here too
+        (ConfigError, one line, for an unknown key or two size keys). vLLM's config is a
+        pydantic dataclass: it re-raises the ValueError as a 3-line ValidationError whose
+        second line is kvshm's.
         """
-        check_extra_config(extra_config)
+        check_extra_config(extra_config or {})
         return False
 
     @property
