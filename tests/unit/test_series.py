@@ -8,7 +8,7 @@ from dataclasses import asdict, fields
 
 from kvshm.engine.snapshot import CoreCounters
 from kvshm.offload.counters import ManagerCounters
-from kvshm.offload.manifest import PdCounters
+from kvshm.offload.pd.manifest import PdCounters
 from kvshm.offload.remote_puts import RemoteCounters
 from kvshm.series import SERIES, Kind, help_of, scalars, series_names, vllm_series
 
