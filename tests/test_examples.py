@@ -1,7 +1,7 @@
 """The vLLM quick-start's parts work as the README tells it (issue 14, point 10): the
 tiny-model builder runs offline, the ``vllm`` command of a venv made by
-tools/vllm_install.sh runs, and the README's serve line is a connector config kvshm
-accepts. The quick-start files themselves (examples/vllm_quickstart.py and
+tools/vllm_install.sh runs, and every connector config the README shows is one kvshm
+and vLLM accept. The quick-start files themselves (examples/vllm_quickstart.py and
 examples/vllm_serve_quickstart.sh) run as shipped in tests/vllm/test_quickstarts.py."""
 
 from __future__ import annotations
@@ -64,31 +64,20 @@ def test_vllm_console_script_runs() -> None:
     assert proc.stdout.strip() == f"{vllm.__version__}+cpu"
 
 
-def _readme_vllm() -> str:
-    """docs/vllm.md's offline quick start (the README's vLLM line links there)."""
-    text = (ROOT / "docs" / "vllm.md").read_text()
-    return text[text.index("### Offline, on a tiny random model"):
-                text.index("## Installing vLLM's CPU build")]
-
-
-def test_readme_serve_line_is_a_valid_connector_config() -> None:
-    """docs/vllm.md's ``vllm serve`` line: its --kv-transfer-config JSON names kvshm's
-    connector with the settings the connector requires and only extra keys it knows."""
+def test_readme_connector_configs_are_valid() -> None:
+    """Every ``--kv-transfer-config`` JSON README.md and docs/vllm.md show names kvshm's connector with
+    kv_role kv_both, is a KVTransferConfig vLLM accepts, and has only extra keys kvshm
+    knows, with good values (whatever else it sets: the one-line form needs nothing)."""
     from kvshm.integrations.vllm.config import check_extra_config
 
-    section = _readme_vllm()
-    assert "vllm serve /tmp/tiny-llama --enable-prefix-caching" in section
-    raw = section.split("--kv-transfer-config '", 1)[1].split("'", 1)[0]
-    cfg = json.loads(raw)
-    assert cfg["kv_connector"] == "KvshmConnector"
-    assert cfg["kv_connector_module_path"] == "kvshm.integrations.vllm"
-    assert (cfg["kv_role"], cfg["kv_load_failure_policy"]) == ("kv_both", "recompute")
-    extra = cfg["kv_connector_extra_config"]
-    check_extra_config(extra)  # only keys kvshm knows, good values
-    assert extra["cpu_bytes"] == 4 << 30
-    if HAVE_VLLM:
-        from vllm.config import KVTransferConfig
+    text = (ROOT / "README.md").read_text() + (ROOT / "docs" / "vllm.md").read_text()
+    raws = [part.split("'", 1)[0] for part in text.split("--kv-transfer-config '")[1:]]
+    assert raws, "the README and docs/vllm.md show no --kv-transfer-config"
+    for raw in raws:
+        cfg = json.loads(raw)
+        assert (cfg["kv_connector"], cfg["kv_role"]) == ("KvshmConnector", "kv_both"), raw
+        check_extra_config(cfg.get("kv_connector_extra_config", {}))
+        if HAVE_VLLM:
+            from vllm.config import KVTransferConfig
 
-        KVTransferConfig(**cfg)  # every field is one vLLM knows
-    assert 'if __name__ == "__main__":' in section
-    assert "kvshm stats --name serve1" in section
+            KVTransferConfig(**cfg)  # every field is one vLLM knows

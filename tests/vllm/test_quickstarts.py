@@ -197,16 +197,13 @@ def test_register_leaves_a_name_taken_by_another_in_place(
 
 
 def test_hit_tokens_reads_what_metrics_exports() -> None:
-    """``hit_tokens`` follows the metrics table's path for kvshm_hit_tokens_total, so the
-    example prints the number /metrics shows; a missing counter reads 0."""
+    """``hit_tokens`` reads the snapshot through the exporters' own flattening
+    (kvshm.series.scalars), so the example prints the number /metrics shows as
+    kvshm_hit_tokens_total; a missing counter reads 0."""
     from kvshm.integrations.vllm import hit_tokens
-    from kvshm.integrations.vllm.metrics import COUNTERS
+    from kvshm.series import scalars
 
-    stats: dict[str, Any] = {}
-    node = stats
-    *parents, leaf = COUNTERS["hit_tokens"][0]
-    for key in parents:
-        node = node.setdefault(key, {})
-    node[leaf] = 7
+    stats: dict[str, Any] = {"counters": {"hit_tokens": 7, "lookups": 9}}
+    assert scalars(stats)[0]["kvshm_hit_tokens"] == 7
     assert hit_tokens(stats) == 7
     assert hit_tokens({}) == 0

@@ -42,12 +42,9 @@ def engine_stats(llm: Any, timeout: float = 2.0) -> dict[str, Any]:
 
 
 def hit_tokens(stats: Mapping[str, Any]) -> int:
-    """Prompt tokens served from kvshm's CPU tier in ``stats`` (:func:`engine_stats`):
-    the counter ``/metrics`` exports as ``kvshm_hit_tokens_total``, read where the
-    metrics table says (``metrics.COUNTERS["hit_tokens"]``; imports vLLM)."""
-    from kvshm.integrations.vllm.metrics import COUNTERS
+    """Prompt tokens served from kvshm's tiers in ``stats`` (:func:`engine_stats`): the
+    value ``/metrics`` exports as ``kvshm_hit_tokens_total``, flattened by the same
+    :func:`kvshm.series.scalars` the exporters use; a missing counter reads 0."""
+    from kvshm.series import scalars
 
-    value: Any = stats
-    for key in COUNTERS["hit_tokens"][0]:
-        value = value.get(key, 0) if isinstance(value, Mapping) else 0
-    return int(value)
+    return scalars(stats)[0].get("kvshm_hit_tokens", 0)
