@@ -65,9 +65,9 @@ def test_vllm_console_script_runs() -> None:
 
 
 def test_readme_connector_configs_are_valid() -> None:
-    """Every ``--kv-transfer-config`` JSON README.md and docs/vllm.md show names kvshm's connector with
-    kv_role kv_both, is a KVTransferConfig vLLM accepts, and has only extra keys kvshm
-    knows, with good values (whatever else it sets: the one-line form needs nothing)."""
+    """Every ``--kv-transfer-config`` JSON README.md and docs/vllm.md show names kvshm's
+    connector with kv_role kv_both, is a KVTransferConfig vLLM accepts, and has only extra
+    keys kvshm knows, with good values (whatever else it sets: the one-line form needs nothing)."""
     from kvshm.integrations.vllm.config import check_extra_config
 
     text = (ROOT / "README.md").read_text() + (ROOT / "docs" / "vllm.md").read_text()
