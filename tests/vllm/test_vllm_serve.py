@@ -37,8 +37,8 @@ import pytest
 pytest.importorskip("vllm.entrypoints.cli.main",
                     reason="vLLM is not installed (see tools/vllm_install.sh)")
 
-from conftest import TinyModel
-from serve_rig import Serve, vllm_serve
+import tiny_llama as tiny_llama_example  # examples/ (pytest pythonpath)
+from vllm_serve_rig import Serve, vllm_serve
 
 from kvshm.series import SERIES
 
@@ -51,7 +51,8 @@ STARTS = (0, 100, 200, 300)
 
 
 def _prompt(n: int, start: int) -> str:
-    return TinyModel.prompt(n, start)
+    text: str = tiny_llama_example.prompt(n, start)
+    return text
 
 
 def _sample(fams: dict[str, Any], family: str, sample: str | None = None,
@@ -78,7 +79,7 @@ def _kvshm_segments() -> set[str]:
 
 
 @pytest.fixture(scope="module")
-def serve(tiny_llama: TinyModel, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
+def serve(tiny_llama: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Serve]:
     tmp = tmp_path_factory.mktemp("serve")
     with vllm_serve(tiny_llama.path, tmp, name=NAME,
                     kv_cache_bytes=KV_BLOCKS * BYTES_PER_BLOCK, max_model_len=1024) as s:
@@ -123,16 +124,23 @@ def test_metrics_reach_kvshm_stats_within_5s_after_the_load(serve: Serve) -> Non
         list(pool.map(lambda s: serve.complete(_prompt(PROMPT_TOKENS, s + 50),
                                                max_tokens=8), STARTS))
     t0 = time.monotonic()
-    keys = (("kvshm_pins_held", "kvshm_pins_held", lambda d: d["pins_held"]),
-            ("kvshm_jobs_in_flight", "kvshm_jobs_in_flight", lambda d: d["jobs_in_flight"]),
+    # family, its sample in /metrics, where kvshm stats has it
+    keys = (("kvshm_pins_held", "kvshm_pins_held", ("pins_held",)),
+            ("kvshm_jobs_in_flight", "kvshm_jobs_in_flight", ("jobs_in_flight",)),
             ("kvshm_stored_blocks", "kvshm_stored_blocks_total",
-             lambda d: d["counters"]["stored_blocks"]),
-            ("kvshm_hit_tokens", "kvshm_hit_tokens_total",
-             lambda d: d["counters"]["hit_tokens"]))
+             ("counters", "stored_blocks")),
+            ("kvshm_hit_tokens", "kvshm_hit_tokens_total", ("counters", "hit_tokens")))
+
+    def read(stats: dict[str, Any], path: tuple[str, ...]) -> float:
+        value: Any = stats
+        for key in path:
+            value = value[key]
+        return float(value)
+
     while True:
         fams, stats = serve.metrics(), _kvshm_stats(NAME)
         got = {fam: _sample(fams, fam, sample, engine=NAME) for fam, sample, _ in keys}
-        want = {fam: float(read(stats)) for fam, _, read in keys}
+        want = {fam: read(stats, path) for fam, _, path in keys}
         if got == want or time.monotonic() - t0 > 5.0:
             break
         time.sleep(0.1)
@@ -176,7 +184,10 @@ def test_ctrl_c_with_the_default_shutdown_timeout_leaves_one_final_line(
     errors = [ln for ln in log.splitlines()
               if re.search(r"\b(ERROR|CRITICAL)\b", ln) and "kvshm" in ln.lower()]
     assert errors == [], errors
-    assert "Traceback" not in log or "kvshm" not in log[log.index("Traceback"):], log[-6000:]
+    # no traceback through kvshm's code (vLLM's own output handler may log
+    # EngineDeadError when its engine core is SIGKILLed: not kvshm's)
+    frames = [ln for ln in log.splitlines() if 'File "' in ln and "/kvshm/" in ln]
+    assert frames == [], frames
     saved = json.loads(Path(serve.stats_path).read_text())
     assert saved["name"] == NAME and saved["counters"]["hit_tokens"] == c["hit_tokens"]
     assert saved["teardown"]["snapshot"] in {"live", "before_close", "on_shutdown",
@@ -187,7 +198,7 @@ def test_ctrl_c_with_the_default_shutdown_timeout_leaves_one_final_line(
 
 @pytest.mark.slow
 def test_sigterm_with_shutdown_timeout_10_closes_cleanly_with_one_final_line(
-        tiny_llama: TinyModel, tmp_path: Path) -> None:
+        tiny_llama: Any, tmp_path: Path) -> None:
     """``--shutdown-timeout 10`` and SIGTERM to the API server (``kill``, systemd):
     vLLM lets the engine core close, kvshm writes the closed statistics file and its
     ``closed`` line; still exactly one final-statistics line, no kvshm ERROR. (Ctrl-C
@@ -214,3 +225,4 @@ def test_sigterm_with_shutdown_timeout_10_closes_cleanly_with_one_final_line(
     assert saved["teardown"]["snapshot"] != "live", saved["teardown"]
     assert [ln for ln in log.splitlines()
             if re.search(r"\b(ERROR|CRITICAL)\b", ln) and "kvshm" in ln.lower()] == []
+    assert [ln for ln in log.splitlines() if 'File "' in ln and "/kvshm/" in ln] == []

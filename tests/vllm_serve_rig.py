@@ -7,11 +7,13 @@ for ``/health``. :class:`Serve` speaks HTTP to it (completions, ``/metrics``), s
 like Ctrl-C (:meth:`Serve.interrupt`: SIGINT to the group) or like ``kill``
 (:meth:`Serve.terminate`: SIGTERM to the API server only) and says which of its
 processes are still running. On exit anything left is stopped (SIGINT, then SIGKILL to
-the group after a grace period).
+the group after a grace period). Not a test module: imported by
+``tests/vllm/test_vllm_serve.py`` (``tests`` is on pytest's path).
 """
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -30,7 +32,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 START_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def free_port() -> int:
@@ -88,9 +90,8 @@ class Serve:
 
     def group_alive(self) -> list[int]:
         """Pids of the group's processes still running (zombies excluded)."""
-        import psutil
-
-        out = []
+        psutil = importlib.import_module("psutil")
+        out: list[int] = []
         for p in psutil.process_iter(["pid"]):
             try:
                 if os.getpgid(p.pid) == self.proc.pid and p.status() != psutil.STATUS_ZOMBIE:
