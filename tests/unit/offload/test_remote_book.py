@@ -18,7 +18,7 @@ from kvshm.config import RemoteMode
 from kvshm.ipc.protocol import Remote, RemoteOp, unpack_ids
 from kvshm.offload.manager import OffloadManager
 from kvshm.offload.pd.handoffs import Handoffs
-from kvshm.offload.pd.manifest import MANIFEST_PARAM
+from kvshm.offload.pd.manifest import MANIFEST_PARAM, manifest_key
 from kvshm.offload.remote import RemoteBook
 from kvshm.offload.remote_puts import remote_hash
 from kvshm.types import LoadFailure
@@ -401,7 +401,7 @@ def test_a_handoff_manifest_is_written_after_every_block_and_readiness_key() -> 
     plan = rig.step(p.sched(g, confirmed=9, new=True))
     rig.m.finished("p", 9, [g])
     params = rig.m.transfer_params("p")
-    assert params is not None and params[MANIFEST_PARAM] == "kvshm:v1:pd:fp:2:p"
+    assert params is not None and params[MANIFEST_PARAM] == manifest_key("fp", WORLD, "p")
     assert params["do_remote_prefill"] is True and index.log == []
     rig.ack(plan.store, ranks=(0, 1))
     (put,) = rig.step().remote
@@ -409,7 +409,7 @@ def test_a_handoff_manifest_is_written_after_every_block_and_readiness_key() -> 
     assert index.log == []
     rig.m.on_done(put.job_id, 1, True)
     rig.m.check_invariants()
-    assert index.log == [rkey(p.h[0]), rkey(p.h[1]), "kvshm:v1:pd:fp:2:p"]
+    assert index.log == [rkey(p.h[0]), rkey(p.h[1]), manifest_key("fp", WORLD, "p")]
     assert put.keep and index.kept == {rkey(p.h[0]), rkey(p.h[1])}   # hold TTL until loaded
 
 
