@@ -11,7 +11,9 @@ no intermediate bytes). A value longer than the view, shorter than the header sa
 a header that does not match the expected one is BAD (counted, never loaded); a missing
 payload or header (never stored, expired, one of the two evicted) is a MISS. The
 payload's checksum is CRC32C (hardware, the ``crc32c`` package) or zlib's CRC32 where
-that is not installed; the header names which.
+that is not installed; the header names which, and a reader accepts only its own (a
+header naming another, ``none`` included, is BAD and counted ``checksum_refused``: the
+engines sharing a server need the same one, the ``remote`` extra installs ``crc32c``).
 
 **Threads and clients.** :class:`ValkeyBlockStore` runs ``spec.threads`` threads, each
 with its own lazily connected glide_sync client (LMCache's pattern: per-thread clients,
@@ -53,7 +55,13 @@ from kvshm.remote.glide_client import (
     make_client,
     too_long,
 )
-from kvshm.remote.tier import HEADER_BYTES, BlockHeader, GetOutcome, RemoteSpec
+from kvshm.remote.tier import (
+    HEADER_BYTES,
+    BlockHeader,
+    GetOutcome,
+    RemoteSpec,
+    header_checksum_id,
+)
 
 __all__ = ["ValkeyBlockStore", "header_key", "key_slot", "make_client"]
 
@@ -80,7 +88,8 @@ class ValkeyBlockStore:
         self._closed = False
         self._n = Counters("puts", "put_ok", "put_failed", "put_refused", "gets", "hits",
                             "misses", "bad", "errors", "timeouts", "rejected",
-                            "bytes_put", "bytes_got", "invalid_calls", "clients_created")
+                            "bytes_put", "bytes_got", "invalid_calls", "clients_created",
+                            "checksum_refused")
 
     # ------------------------------------------------------------------ clients
 
@@ -199,7 +208,9 @@ class ValkeyBlockStore:
             return GetOutcome.MISS
         if int(hlen) != HEADER_BYTES or int(plen) != view.nbytes \
                 or not header.check(hbuf, view):
-            self._n.add(bad=1)
+            cid = header_checksum_id(hbuf) if int(hlen) == HEADER_BYTES else None
+            self._n.add(bad=1, checksum_refused=int(cid is not None
+                                                    and cid != header.checksum_id))
             return GetOutcome.BAD
         self._n.add(hits=1, bytes_got=view.nbytes)
         return GetOutcome.HIT
