@@ -117,14 +117,15 @@ async def test_another_model_never_reads_these_blocks(valkey: ValkeyServer) -> N
 @pytest.mark.parametrize("damage", ["corrupt", "truncate", "evict", "unchecked"])
 async def test_a_bad_or_missing_value_is_a_miss_and_the_request_recomputes(
         valkey: ValkeyServer, damage: str) -> None:
-    """After B's query was answered (all 8 present) and before its GET, rank 1's value of
-    block 3 is damaged on the server: ``corrupt`` (same length, other bytes: the header's
-    checksum fails), ``truncate`` (half the payload), ``evict`` (deleted, as a TTL or
-    volatile-lru eviction would), ``unchecked`` (one payload byte flipped and the
-    header's checksum id set to 0, ``none``, its checksum to none's: the reader checks with its own checksum
-    anyway -- before, it trusted the header's and loaded the wrong block, which the CPU
-    tier then served again). Rank 1's GET fails, so the whole GET fails; its CPU
-    blocks go back unindexed; B's lookup answers 0 (recompute), nothing is pinned."""
+    """After B's query was answered (all 8 present) and before its GET, rank 1's value
+    of block 3 is damaged on the server: ``corrupt`` (same length, other bytes: the
+    header's checksum fails), ``truncate`` (half the payload), ``evict`` (deleted, as a
+    TTL or volatile-lru eviction would), ``unchecked`` (one payload byte flipped and the
+    header's checksum id set to 0, ``none``, its checksum to none's: the reader checks
+    with its own checksum anyway -- before, it trusted the header's and loaded the wrong
+    block, which the CPU tier then served again). Rank 1's GET fails, so the whole GET
+    fails; its CPU blocks go back unindexed; B's lookup answers 0 (recompute), nothing
+    is pinned."""
     toks = prompt(4)
     async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ea, ga, _, _):
         await store_and_publish(Client(ea, ga), "w", toks)

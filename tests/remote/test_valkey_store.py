@@ -136,12 +136,12 @@ def test_a_header_naming_no_checksum_is_bad_and_never_loaded(valkey: ValkeyServe
                                                              store: ValkeyBlockStore) -> None:
     """Needs write access to the server (or a corrupting one). Block 0 is put with the
     engine's checksum; then its header's checksum id is set to 0 (``none``, which the
-    engine never writes) with none's checksum (0), and one payload byte is flipped. The reader, configured with
-    the engine's checksum, gets BAD (counted ``bad`` and ``checksum_refused``), never a
-    HIT. Block 1, written by a writer configured with ``none`` and untouched, is BAD for
-    it too; a reader configured with ``none`` (a benchmark's) reads it. Before, the
-    reader verified with whatever the header named: block 0 was a HIT, one wrong block
-    loaded (and served again from the CPU tier)."""
+    engine never writes) with none's checksum (0), and one payload byte is flipped. The
+    reader, configured with the engine's checksum, gets BAD (counted ``bad`` and
+    ``checksum_refused``), never a HIT. Block 1, written by a writer configured with
+    ``none`` and untouched, is BAD for it too; a reader configured with ``none`` (a
+    benchmark's) reads it. Before, the reader verified with whatever the header named:
+    block 0 was a HIT, one wrong block loaded (and served again from the CPU tier)."""
     src = rows(2, 21)
     hs = headers(2, 0, 1)
     bare = [BlockHeader(fingerprint=FP, block_hash=h.block_hash, rank=0, world=1,
