@@ -389,6 +389,12 @@ class ReadyIndex(Protocol):
         OOM, breaker open)."""
         ...
 
+    def restarts(self) -> int:
+        """How many times the server was seen to lose what it held (Valkey: a new
+        ``run_id``, i.e. a restart or a failover) since this index started; monotonic. A caller that
+        remembers what it put forgets it when this changes."""
+        ...
+
     def statistics(self) -> dict[str, Any]:
         """Counters (queries, answered, publishes, errors, breaker state ...)."""
         ...
