@@ -44,6 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvshm.errors import ConfigError
+from kvshm.ratelog import RateLimitedLog
 from kvshm.remote.breaker import BreakerState, CircuitBreaker
 from kvshm.remote.glide_client import (
     Counters,
@@ -66,6 +67,8 @@ from kvshm.remote.tier import (
 __all__ = ["ValkeyBlockStore", "header_key", "key_slot", "make_client"]
 
 log = logging.getLogger(__name__)
+#: Warnings a caller (or a bug) can repeat per block: one line per kind per interval.
+rlog = RateLimitedLog(log)
 
 
 class ValkeyBlockStore:
@@ -143,7 +146,7 @@ class ValkeyBlockStore:
             raw = header.pack(view)  # before the breaker: a caller's error is no outage
         except (ConfigError, TypeError, ValueError):
             self._n.add(invalid_calls=1)
-            log.warning("remote put %s: the view does not match its header", key)
+            rlog.warning("put_view", "remote put %s: the view does not match its header", key)
             return False
         breaker = self._guard(key)
         if breaker is None:
@@ -183,7 +186,8 @@ class ValkeyBlockStore:
     def _get_one(self, key: str, view: memoryview, header: BlockHeader) -> GetOutcome:
         if view.readonly or not view.c_contiguous:  # a caller's error, not an outage
             self._n.add(invalid_calls=1, errors=1)
-            log.warning("remote get %s: the view is read-only or not contiguous", key)
+            rlog.warning("get_view", "remote get %s: the view is read-only or not contiguous",
+                         key)
             return GetOutcome.ERROR
         breaker = self._guard(key)
         if breaker is None:
@@ -256,8 +260,8 @@ class ValkeyBlockStore:
     def _run_one(self, one: Callable[[int], Any], i: int, failed: Any) -> Any:
         try:
             return one(i)
-        except Exception:  # a bug here must not raise into a worker: logged
-            log.exception("remote tier: unexpected error")
+        except Exception:  # noqa: BLE001 - a bug must not raise into a worker: logged
+            rlog.error("unexpected", "remote tier: unexpected error", exc_info=True)
             self._n.add(errors=1)
             return failed
 

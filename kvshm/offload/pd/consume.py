@@ -34,10 +34,13 @@ from kvshm.offload.pd.manifest import (
     key_owner,
 )
 from kvshm.offload.pd.scope import HandoffScope
+from kvshm.ratelog import RateLimitedLog
 
 __all__ = ["Consumers"]
 
 log = logging.getLogger("kvshm.remote")
+#: A client chooses the params: one line per kind of refusal per interval.
+rlog = RateLimitedLog(log)
 
 
 @dataclass(slots=True, eq=False)
@@ -122,9 +125,10 @@ class Consumers:
             return st.verdict
         if not key.startswith(self._prefix) or len(key) > len(self._prefix) + NAME_MAX:
             self.counters.manifest_refused += 1  # another deployment's, or not a name
-            log.warning("kvshm: hand-off manifest name %.200r for request %r is not this "
-                        "deployment's (%s...): the request recomputes", key, rid,
-                        self._prefix)
+            rlog.warning("foreign_name",
+                         "kvshm: hand-off manifest name %.200r for request %r is not this "
+                         "deployment's (%s...): the request recomputes", key, rid,
+                         self._prefix)
             self._reqs[rid] = _Consume(key, [], False, 0, self._clock(), Verdict.REFUSED)
             return Verdict.REFUSED
         own, owner = keys(), key_owner(key, self._prefix) == handoff_owner(rid)
@@ -197,8 +201,9 @@ class Consumers:
                 f"fingerprint {m.fingerprint} / world {m.world} / block size "
                 f"{m.block_size}, this engine {scope.fingerprint} / {scope.world} / "
                 f"{scope.block_size}, or other block hashes")
-            log.warning("kvshm: hand-off manifest %s for request %r refused (%s); the "
-                        "request recomputes its prompt", st.key, rid, why)
+            rlog.warning("refused",
+                         "kvshm: hand-off manifest %s for request %r refused (%s); the "
+                         "request recomputes its prompt", st.key, rid, why)
             return
         st.verdict = Verdict.GO
         self.counters.consumed += 1
