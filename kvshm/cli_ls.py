@@ -129,7 +129,7 @@ def format_remote(remote: dict[str, Any]) -> str:
         f"  index:    breaker {g('index_breaker_state')} (opened {g('index_breaker_opens')}, "
         f"closed {g('index_breaker_closes')}); errors {g('index_errors')}, timeouts "
         f"{g('index_timeouts')}, rejected {g('index_rejected')}, publish failed "
-        f"{g('index_publish_failed')}",
+        f"{g('index_publish_failed')}; server restarts seen {g('server_restarts')}",
     ]
     return "\n".join(lines)
 

@@ -179,7 +179,8 @@ class RendezvousServer:
             self._counts["service_errors"] += 1
             events.append(RendezvousEvent(
                 EventKind.REFUSED, reason=f"accepting on {self.name!r} failed: "
-                                          f"{type(e).__name__}: {e}", error=e))
+                                          f"{type(e).__name__}: {e}", error=e,
+                counter="service_errors"))
 
     def _read_guarded(self, conn: Conn, events: list[RendezvousEvent]) -> None:
         """:meth:`_read_all`; an unexpected exception refuses this connection only."""
@@ -193,7 +194,7 @@ class RendezvousServer:
             self._counts["service_errors"] += 1
             events.append(RendezvousEvent(EventKind.REFUSED, rank=-1 if conn.rank is None
                                           else conn.rank, pid=conn.cred.pid, reason=why,
-                                          error=e))
+                                          error=e, counter="service_errors"))
 
     def _accept_all(self, events: list[RendezvousEvent]) -> None:
         while True:
@@ -206,7 +207,8 @@ class RendezvousServer:
             except OSError as e:  # EMFILE/ENFILE/ENOBUFS: retried on the next service()
                 self._counts["accept_errors"] += 1
                 events.append(RendezvousEvent(EventKind.REFUSED,
-                                              reason=f"accept() failed: {e}", error=e))
+                                              reason=f"accept() failed: {e}", error=e,
+                                              counter="accept_errors"))
                 return
             try:
                 conn = self._admit(sock, events)
@@ -227,7 +229,8 @@ class RendezvousServer:
             sock.close()
             self._counts["accept_errors"] += 1
             events.append(RendezvousEvent(EventKind.REFUSED,
-                                          reason=f"accepted connection unusable: {e}", error=e))
+                                          reason=f"accepted connection unusable: {e}", error=e,
+                                          counter="accept_errors"))
             return None
         if cred.uid != os.geteuid():
             sock.close()
@@ -235,7 +238,8 @@ class RendezvousServer:
             events.append(RendezvousEvent(
                 EventKind.REFUSED, pid=cred.pid,
                 reason=f"connection from uid {cred.uid} (pid {cred.pid}) refused: "
-                       f"only uid {os.geteuid()} may use {self.name!r}"))
+                       f"only uid {os.geteuid()} may use {self.name!r}",
+                counter="refused_uid"))
             return None
         self._evict_pending(events)
         self._counts["accepted"] += 1

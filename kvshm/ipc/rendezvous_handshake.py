@@ -215,7 +215,7 @@ class Handshake:
         self._counts[counter] += 1
         events.append(RendezvousEvent(EventKind.REFUSED, rank=-1 if conn.rank is None
                                       else conn.rank, pid=conn.cred.pid, reason=reason,
-                                      error=error))
+                                      error=error, counter=counter))
         self.lose(conn, events, reason)
 
     def lose(self, conn: Conn, events: list[RendezvousEvent], why: str, *,

@@ -18,6 +18,10 @@ Rules:
 * A PUT that completed on every rank without failure publishes its blocks' readiness
   keys (a reader never sees half a block), then tells the hand-offs (whose manifest
   goes last); the pins go in every case.
+* What was put (or fetched) is not put again while fresh (half the server's TTL) --
+  unless the server lost its data: a plan that finds the index's
+  :meth:`~kvshm.remote.tier.ReadyIndex.restarts` changed forgets every key it
+  remembered (``server_restarts``), so write-through refills the tier within seconds.
 
 Remote hashes: a block's hash in the remote tier is its CPU index key when that is
 :data:`REMOTE_HASH_BYTES` long, else a BLAKE2b digest of it of that length
@@ -96,6 +100,7 @@ class RemoteCounters:
     put_backpressure: int = 0
     publish_refused: int = 0
     published_blocks: int = 0
+    server_restarts: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """Every counter by name."""
@@ -159,6 +164,7 @@ class PutQueue:
         self._fresh_s = ttl_s / 2 if ttl_s is not None else float("inf")
         self._clock = clock
         self._ready_of: OrderedDict[str, bytes] = OrderedDict()  # ready key -> CPU key
+        self._restarts = index.restarts()  # the index's count this memory is valid for
 
     def pinned(self) -> list[int]:
         """CPU ids pinned by queued PUTs."""
@@ -172,6 +178,7 @@ class PutQueue:
                depths: Sequence[int]) -> None:
         """A store completed and indexed ``cpu_ids`` under ``keys``: queue write-through
         (and a hand-off's blocks in any mode)."""
+        self.forget_lost()
         every = self.mode is RemoteMode.WRITE_THROUGH
         pub = self._publisher
         for i, (c, k) in enumerate(zip(cpu_ids, keys)):
@@ -182,6 +189,7 @@ class PutQueue:
     def queue_kept(self, keys: Sequence[bytes]) -> None:
         """Queue each of ``keys`` cached here and not queued or in flight for a kept PUT
         (the hold TTL): a P/D hand-off's blocks that a publication waits for."""
+        self.forget_lost()
         for k in keys:
             c = self.cpu.get_cached(k)
             if c is not None and k not in self._put_keys:
@@ -207,6 +215,7 @@ class PutQueue:
 
     def plan(self, step: int) -> list[Remote]:
         """This step's PUT jobs (an ON_EVICT scan first, when none of its PUTs runs)."""
+        self.forget_lost()
         self.forget_refused()
         if self.mode is RemoteMode.ON_EVICT and not self._evict_puts:
             self._scan_evictable()
@@ -259,6 +268,17 @@ class PutQueue:
         server still."""
         t = self.published.get(k)
         return t is not None and self._clock() - t < self._fresh_s
+
+    def forget_lost(self) -> None:
+        """The server lost its data since the last plan (the index saw it restart):
+        nothing this engine put or fetched counts as there any more (counted once per
+        restart seen)."""
+        n = self.index.restarts()
+        if n != self._restarts:
+            self.counters.server_restarts += n - self._restarts
+            self._restarts = n
+            self.published.clear()
+            self._ready_of.clear()
 
     def forget_refused(self) -> None:
         """The readiness writes the server refused: those blocks count as unpublished

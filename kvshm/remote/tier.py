@@ -224,8 +224,9 @@ def _checksums() -> dict[int, tuple[str, Callable[[memoryview], int]]]:
     return found
 
 
-#: checksum id -> (name, function over the payload). The id is stored in each header, so
-#: a reader verifies with the writer's algorithm (or refuses one it does not have: BAD).
+#: checksum id -> (name, function over the payload). The id is stored in each header; a
+#: reader accepts only its own (:attr:`BlockHeader.checksum`): a header naming another --
+#: ``none`` above all, which only a benchmark configures on both sides -- is BAD.
 CHECKSUMS: Final = _checksums()
 _CHECKSUM_IDS: Final = {name: cid for cid, (name, _) in CHECKSUMS.items()}
 #: The checksum used when none is named: the fastest one installed (crc32c, else crc32).
@@ -243,8 +244,11 @@ HEADER_BYTES: Final = _HEADER.size
 class BlockHeader:
     """What a stored value must be to be loaded: written with the payload by
     :meth:`pack`, compared on every get by :meth:`check`. Any difference -- format
-    version, layout fingerprint, block hash, rank, world size, payload length, or the
-    payload's checksum -- makes the get :attr:`GetOutcome.BAD`."""
+    version, layout fingerprint, block hash, rank, world size, payload length, the
+    checksum algorithm (the reader's ``checksum`` is the only one it accepts: a header
+    cannot turn the check off) or the payload's checksum -- makes the get
+    :attr:`GetOutcome.BAD`. ``checksum="none"`` is for benchmarks whose writer and
+    reader are both configured so; the engine always checks."""
 
     fingerprint: str
     block_hash: bytes
@@ -270,13 +274,18 @@ class BlockHeader:
         digest = hashlib.blake2b(self.fingerprint.encode(), digest_size=16).digest()
         object.__setattr__(self, "_digest", digest)
 
+    @property
+    def checksum_id(self) -> int:
+        """The id :meth:`pack` writes and :meth:`check` accepts."""
+        return _CHECKSUM_IDS[self.checksum]
+
     def pack(self, payload: memoryview) -> bytes:
         """The header bytes for ``payload`` (:data:`HEADER_BYTES`), its checksum included.
         The payload's length must be :attr:`length`."""
         if payload.nbytes != self.length:
             raise ConfigError(f"payload is {payload.nbytes} bytes, header says "
                               f"{self.length}")
-        cid = _CHECKSUM_IDS[self.checksum]
+        cid = self.checksum_id
         return _HEADER.pack(_MAGIC, self.version, cid, len(self.block_hash), self.rank,
                             self.world, CHECKSUMS[cid][1](payload), self.length,
                             self._digest, self.block_hash)
@@ -291,9 +300,17 @@ class BlockHeader:
         if (magic != _MAGIC or version != self.version or rank != self.rank
                 or world != self.world or length != self.length or digest != self._digest
                 or hlen != len(self.block_hash) or bhash[:hlen] != self.block_hash
-                or cid not in CHECKSUMS):
+                or cid != self.checksum_id):
             return False
         return bool(CHECKSUMS[cid][1](payload) == checksum)
+
+
+def header_checksum_id(raw: bytes | memoryview) -> int | None:
+    """The checksum id a stored header names (None: not a header of this format): lets
+    a reader count a header that names another algorithm than its own."""
+    if len(raw) != HEADER_BYTES or bytes(raw[:4]) != _MAGIC:
+        return None
+    return int(raw[6])
 
 
 # ---------------------------------------------------------------------------- protocols
@@ -376,6 +393,12 @@ class ReadyIndex(Protocol):
     def refused(self) -> list[str]:
         """The readiness keys whose write failed since the last call (server error,
         OOM, breaker open)."""
+        ...
+
+    def restarts(self) -> int:
+        """How many times the server was seen to lose what it held (Valkey: a new
+        ``run_id``, i.e. a restart or a failover) since this index started; monotonic. A caller that
+        remembers what it put forgets it when this changes."""
         ...
 
     def statistics(self) -> dict[str, Any]:

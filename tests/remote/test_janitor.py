@@ -322,6 +322,9 @@ class _Recorder:
     def refused(self) -> list[str]:
         return []
 
+    def restarts(self) -> int:
+        return 0
+
     def statistics(self) -> dict[str, Any]:
         return {}
 

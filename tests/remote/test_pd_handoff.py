@@ -311,11 +311,12 @@ async def test_a_decoder_holding_a_shared_prefix_still_fetches_the_rest(
 async def test_a_sibling_after_the_collection_loads_from_memory_of_the_manifest(
         valkey: ValkeyServer) -> None:
     """Hazard: a sibling finds its manifest collected (vLLM's parallel sampling: the
-    children of one request share its hand-off). D loads child req-1#0 whole (8 blocks)
-    and the manifest is collected -- deleted from Valkey. D's CPU index is then dropped
-    (a reset), so child req-1#1 needs the server: D judges the manifest from its memory
-    of those it collected (pd_manifest_reused 1), fetches the 8 blocks again (ordinary
-    TTL now, still there) and loads them bit-exact. Before, req-1#1 asked Valkey for the
+    children of one request share its hand-off, under vLLM's ids ``<index>_<parent>``:
+    both are the hand-off's owner). D loads child 0_req-1 whole (8 blocks) and the
+    manifest is collected -- deleted from Valkey. D's CPU index is then dropped (a
+    reset), so child 1_req-1 needs the server: D judges the manifest from its memory of
+    those it collected (pd_manifest_reused 1), fetches the 8 blocks again (ordinary TTL
+    now, still there) and loads them bit-exact. Before, 1_req-1 asked Valkey for the
     deleted manifest for 5 s, then recomputed."""
     toks = prompt(50)
     async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ep, gp, kp, _):
@@ -328,16 +329,16 @@ async def test_a_sibling_after_the_collection_loads_from_memory_of_the_manifest(
         for k in kd:
             k.zero_()
         cd = Client(ed, gd)
-        await serve_whole(cd, "req-1#0", toks, params)
+        await serve_whole(cd, "0_req-1", toks, params)
         await wait_for_server(lambda: not exists(valkey, params[MANIFEST_PARAM]))
         assert await ed.reset(timeout=10.0)
         for k in kd:
             k.zero_()
         t0 = time.monotonic()
-        assert await decode(cd, "req-1#1", toks, params) == BLOCKS * BS
+        assert await decode(cd, "1_req-1", toks, params) == BLOCKS * BS
         assert time.monotonic() - t0 < 4.0
-        dst = load(cd, "req-1#1", toks, BLOCKS * BS)
-        assert (await cd.loaded("req-1#1")).ok
+        dst = load(cd, "1_req-1", toks, BLOCKS * BS)
+        assert (await cd.loaded("1_req-1")).ok
         assert [digest(k[dst[:BLOCKS]]) for k in kd] == src
         rd = remote(ed)
         assert (rd["pd_manifest_reused"], rd["pd_consumed"], rd["pd_collected"],

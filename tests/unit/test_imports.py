@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[2]
 #: The shared leaves: any part may import them; they import only each other and the
 #: wire structs. ``kvshm`` itself resolves its exports lazily (by string).
 LEAVES = {"kvshm", "kvshm.errors", "kvshm.config", "kvshm.types", "kvshm.hashing",
-          "kvshm.layout", "kvshm.shm", "kvshm.shm_budget", "kvshm.stats",
+          "kvshm.layout", "kvshm.shm", "kvshm.shm_budget", "kvshm.stats", "kvshm.ratelog",
           "kvshm.series",  # the table of Prometheus series (stdlib only)
           "kvshm.worker_cli",
           "kvshm.cuda_ipc",

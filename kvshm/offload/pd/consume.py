@@ -5,7 +5,10 @@ A lookup whose params carry ``do_remote_prefill`` and ``kvshm_manifest`` reads t
 manifest asynchronously (:meth:`Consumers.consume`: "ask again" until it arrives),
 checks it against the request's own prefix and only then lets the ordinary remote
 lookup run. A consumer that loaded the blocks collects the manifest (deletes it, its
-blocks demoted); so does one that trusted it but fetched nothing, when its request ends.
+blocks demoted); so does one that trusted it but fetched nothing, when its request ends
+-- only when it is the manifest's owner (:func:`~kvshm.offload.pd.manifest.handoff_owner`):
+any other request that matches its prefix reads the blocks as ordinary cache, and
+deletes or re-times nothing.
 """
 
 from __future__ import annotations
@@ -19,18 +22,32 @@ from typing import Any
 import msgspec
 
 from kvshm.offload.pd.collected import CollectedManifests
-from kvshm.offload.pd.manifest import MANIFEST_PARAM, PD_PREFIX, Manifest, PdCounters, Verdict
+from kvshm.offload.pd.manifest import (
+    MANIFEST_PARAM,
+    NAME_MAX,
+    PD_PREFIX,
+    Manifest,
+    PdCounters,
+    Verdict,
+    checked_hashes,
+    handoff_owner,
+    key_owner,
+)
 from kvshm.offload.pd.scope import HandoffScope
+from kvshm.ratelog import RateLimitedLog
 
 __all__ = ["Consumers"]
 
 log = logging.getLogger("kvshm.remote")
+#: A client chooses the params: one line per kind of refusal per interval.
+rlog = RateLimitedLog(log)
 
 
 @dataclass(slots=True, eq=False)
 class _Consume:
     key: str
     keys: list[bytes]  # the request's CPU keys from position 0
+    owner: bool  # the request is the owner the manifest's name names: it may collect
     token: int
     since: float
     verdict: Verdict = Verdict.WAIT
@@ -54,6 +71,10 @@ class Consumers:
       the request's own prefix; anything else is REFUSED (counted) and the request
       recomputes. A missing manifest is asked again until ``wait_s``; an answer that
       never comes at all refuses after ``2 * wait_s``.
+    * Only the manifest's owner collects it (deletes it, demotes its blocks; also an
+      expired one): a request of another owner with a GO reads the blocks and nothing
+      more (``not_owner``). A collection demotes only the entries that are the
+      request's own blocks (``checked_hashes``; the others: ``entries_unchecked``).
     * A name outside this deployment's prefix is refused unread.
     * A manifest is collected (demoted and deleted) at most once per publication: the
       memory remembers its bytes, a sibling's second collection does nothing, a new
@@ -102,23 +123,24 @@ class Consumers:
                 self._tokens.pop(st.token, None)
                 self.counters.manifest_missing += 1
             return st.verdict
-        if not key.startswith(self._prefix) or len(key) > len(self._prefix) + 120:
+        if not key.startswith(self._prefix) or len(key) > len(self._prefix) + NAME_MAX:
             self.counters.manifest_refused += 1  # another deployment's, or not a name
-            log.warning("kvshm: hand-off manifest name %.200r for request %r is not this "
-                        "deployment's (%s...): the request recomputes", key, rid,
-                        self._prefix)
-            self._reqs[rid] = _Consume(key, [], 0, self._clock(), Verdict.REFUSED)
+            rlog.warning("foreign_name",
+                         "kvshm: hand-off manifest name %.200r for request %r is not this "
+                         "deployment's (%s...): the request recomputes", key, rid,
+                         self._prefix)
+            self._reqs[rid] = _Consume(key, [], False, 0, self._clock(), Verdict.REFUSED)
             return Verdict.REFUSED
-        own = keys()
+        own, owner = keys(), key_owner(key, self._prefix) == handoff_owner(rid)
         if self._remembered(key, own):  # collected here already, by a sibling
             self.counters.manifest_reused += 1
-            st = self._reqs[rid] = _Consume(key, own, 0, self._clock())
+            st = self._reqs[rid] = _Consume(key, own, owner, 0, self._clock())
             self._judge(rid, st, self._done.get(key))
             return st.verdict
         if not self._scope.index.healthy():
             self.counters.unhealthy += 1  # no wait for a manifest nobody can read
             return Verdict.REFUSED
-        st = self._reqs[rid] = _Consume(key, own, self._ask(rid, key), self._clock())
+        st = self._reqs[rid] = _Consume(key, own, owner, self._ask(rid, key), self._clock())
         return st.verdict
 
     def _remembered(self, key: str, own: Sequence[bytes]) -> bool:
@@ -168,7 +190,7 @@ class Consumers:
         if ok and m is not None and m.expires_at < self._wall():
             st.verdict = Verdict.REFUSED
             self.counters.manifest_expired += 1
-            self._collect(st.key, m)  # demoted: its blocks get the ordinary TTL
+            self._collect(st, m)  # its owner demotes it: its blocks get the ordinary TTL
             return
         st.manifest = m if ok else None
         if not ok:
@@ -179,34 +201,35 @@ class Consumers:
                 f"fingerprint {m.fingerprint} / world {m.world} / block size "
                 f"{m.block_size}, this engine {scope.fingerprint} / {scope.world} / "
                 f"{scope.block_size}, or other block hashes")
-            log.warning("kvshm: hand-off manifest %s for request %r refused (%s); the "
-                        "request recomputes its prompt", st.key, rid, why)
+            rlog.warning("refused",
+                         "kvshm: hand-off manifest %s for request %r refused (%s); the "
+                         "request recomputes its prompt", st.key, rid, why)
             return
         st.verdict = Verdict.GO
         self.counters.consumed += 1
+        if not st.owner:
+            self.counters.not_owner += 1  # reads the blocks; never collects them
 
     def collected(self, rid: str) -> None:
         """``rid`` fetched its blocks: they get the ordinary TTL (they stay useful as
         cache) and the manifest goes (collected)."""
         st = self._reqs.get(rid)
         if st is not None and st.verdict is Verdict.GO and st.manifest is not None:
-            if self._collect(st.key, st.manifest):
+            if self._collect(st, st.manifest):
                 self.counters.collected += 1
             st.manifest = None
 
-    def _collect(self, key: str, m: Manifest) -> bool:
-        """Demote ``m``'s blocks, delete it and remember it (False: this very manifest
-        was collected here already, by a sibling consumer: nothing to do)."""
-        if not self._done.add(key, msgspec.json.encode(m)):
+    def _collect(self, st: _Consume, m: Manifest) -> bool:
+        """As ``st``'s request, the owner of trusted ``m``: demote the entries of ``m``
+        that are the request's own blocks, delete it and remember it. False, touching
+        nothing: the request is not ``m``'s owner, or this very manifest was collected
+        here already (by a sibling consumer)."""
+        if not st.owner or not self._done.add(st.key, msgspec.json.encode(m)):
             return False
-        hashes = []
-        for h in m.hashes:
-            try:
-                hashes.append(bytes.fromhex(h))
-            except ValueError:
-                continue
+        hashes, unchecked = checked_hashes(m, st.keys, self._scope.remote_hash)
+        self.counters.entries_unchecked += unchecked
         self._scope.demote(hashes)
-        self._scope.index.delete([key])
+        self._scope.index.delete([st.key])
         return True
 
     def forget(self, rid: str) -> None:
@@ -223,7 +246,7 @@ class Consumers:
             return
         self._tokens.pop(st.token, None)
         if (st.verdict is Verdict.GO and st.manifest is not None
-                and self._collect(st.key, st.manifest)):
+                and self._collect(st, st.manifest)):
             self.counters.collected += 1
 
     def _collect_orphan(self, st: _Consume, raw: bytes | None) -> None:
@@ -234,7 +257,10 @@ class Consumers:
         if not ok or m is None:
             self.counters.orphans_dropped += 1
             return
-        if not self._collect(st.key, m):
+        if not st.owner:
+            self.counters.not_owner += 1  # read, never collected by another owner
+            return
+        if not self._collect(st, m):
             return
         if m.expires_at < self._wall():
             self.counters.manifest_expired += 1

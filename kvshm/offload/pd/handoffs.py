@@ -3,7 +3,8 @@
 A P/D prefill request (``do_remote_decode``) must reach a decode engine whole. When it
 finishes, the prefill side (:class:`~kvshm.offload.pd.publish.Publications`) records a
 *publication*: its blocks' CPU keys (in prefix order) and token count, and the manifest
-key it will write, ``kvshm:v1:pd:<fingerprint>:<request>``, which the engine hands back
+key it will write, ``kvshm:v1:pd:<fingerprint>:<world>:<owner>:<request>``
+(:func:`~kvshm.offload.pd.manifest.manifest_key`), which the engine hands back
 at once as the request's ``kv_transfer_params`` (``{"kvshm_manifest": key}``). The
 manifest is written **last**: only once every one of its blocks was put and acked by
 every rank (the remote book's write path reports each ok PUT); a failed PUT, or blocks
@@ -21,7 +22,14 @@ then does the ordinary remote lookup run (the readiness keys are still asked: a 
 is never trusted alone). An expired one is deleted (demoted: its blocks keep their
 ordinary TTL). A consumer that loaded the blocks deletes the manifest (collected); so
 does one that trusted it but fetched nothing (it held every block already, or the server
-no longer did), when its request ends -- a reset or a failed rank does not end it. A
+no longer did), when its request ends -- a reset or a failed rank does not end it. Only
+the hand-off's own request does either (its *owner*,
+:func:`~kvshm.offload.pd.manifest.handoff_owner`: the prefill's request id, up to what
+vLLM adds to it -- the children of one request are its owner too); any other request
+whose prefix matches reads the blocks as ordinary cache and deletes or re-times nothing
+(``pd_not_owner``). A collection re-times only the manifest's entries that are the
+request's own blocks (a forged tail naming another hand-off's blocks is left alone,
+``pd_entries_unchecked``). A
 decoder whose CPU tier holds a prefix of the hand-off (a shared system prompt) still
 fetches the rest (the manager asks the remote tier from the end of that hit, holding the
 hit meanwhile); one whose CPU tier (or engine) holds all of it reads the manifest

@@ -135,6 +135,7 @@ class HandoffSide:
         its finish-time store or are there already. The params wait for
         :meth:`transfer_params`."""
         pubs = self.handoffs.publications
+        self._puts.forget_lost()  # before asking what is on the server already
         bs = self.handoffs.block_size
         n = min(confirmed // bs, len(hashes))
         keys = self._gs.keys(hashes, 0, n)

@@ -1,7 +1,7 @@
 """The decode side's memory of collected manifests and the empty-extent short cut, on
 real managers: a prefill rig P and a decode rig D share one :class:`HeldIndex` (BS = 4,
 two ranks). R has 11 tokens: full blocks h0, h1 and a 3-token tail; its manifest is
-``kvshm:v1:pd:fp:2:r`` (MANIFEST).
+``manifest_key("fp", 2, "r")`` (MANIFEST).
 
 The first three were found by a hostile review and failed on 24c6819: a memory that kept
 a *new* publication under a reused name from being collected, an expired memory that
@@ -66,10 +66,12 @@ def collect_r(index: HeldIndex, clock: list[float] | None = None
 
 
 def test_a_second_publication_under_a_remembered_name_is_collected_too() -> None:
-    """D loads and collects R's manifest M1 (``kvshm:v1:pd:fp:2:r``; collected 1; M1 in
-    D's ``_done``). The prefill then reuses request id "r" for another prompt X (11
-    tokens from 100): P publishes X's h0', h1', tail' (hold TTL) and M2 under the same
-    name. D's request "x" names M2: the memory does not match X's prefix, so it asks
+    """D loads and collects R's manifest M1 (``manifest_key("fp", 2, "r")``; collected
+    1; M1 in D's ``_done``). The prefill then reuses request id "r" for another prompt X
+    (11 tokens from 100): P publishes X's h0', h1', tail' (hold TTL) and M2 under the
+    same name. D's request for X (under "r" again: the proxy sends one request id to
+    both engines, so it is M2's owner) names M2: the memory does not match X's prefix,
+    so it asks
     the server (manifest_reused 0), trusts M2 (consumed 2), fetches X's three blocks
     into CPU 3, 4, 5 and loads them. M2 is collected -- deleted from the server, X's
     blocks demoted to the ordinary TTL, collected 2: the memory skips a collection only
@@ -81,12 +83,12 @@ def test_a_second_publication_under_a_remembered_name_is_collected_too() -> None
     x = Req("r", 11, base=100, params=REMOTE)       # the reused prefill request id
     params = publish_as(index, x)
     assert params[MANIFEST_PARAM] == MANIFEST and MANIFEST in index.kv
-    xv = RequestView("x", x.h, 11, {"do_remote_prefill": True, **params}, tail_of(x))
+    xv = RequestView("r", x.h, 11, {"do_remote_prefill": True, **params}, tail_of(x))
     index.log.clear()
     assert wait_for_hit(d, index, xv) == 10
     assert [d.cpu.get_cached(k) for k in (x.h[0], x.h[1], tail_of(x))] == [3, 4, 5]
     assert (pd.counters.manifest_reused, pd.counters.consumed) == (0, 2)
-    load_and_finish(d, "x", 10)
+    load_and_finish(d, "r", 10)
     assert f"expire {rkey(x.h[1])}" in index.log      # X's blocks demoted
     assert MANIFEST not in index.kv                   # M2 deleted
     assert pd.counters.collected == 2

@@ -19,11 +19,11 @@ from test_remote_book import WORLD, HeldIndex, ack_remote, remote_rig, rkey, set
 from kvshm.errors import InvalidRequest
 from kvshm.hashing import tail_hash
 from kvshm.ipc.protocol import RemoteOp, unpack_ids
-from kvshm.offload.pd.manifest import MANIFEST_PARAM, Manifest
+from kvshm.offload.pd.manifest import MANIFEST_PARAM, Manifest, manifest_key
 from kvshm.offload.remote_puts import remote_hash
 from kvshm.types import RequestView
 
-MANIFEST = "kvshm:v1:pd:fp:2:r"
+MANIFEST = manifest_key("fp", WORLD, "r")
 
 
 def tail_of(r: Req) -> bytes:
