@@ -15,11 +15,14 @@ prompt, so every arm sees the same prompts). Requests longer than ``--max-prompt
 Model: a random Llama from :func:`tools.bench_vllm.build_model`, by default 2 layers,
 hidden 256 (4 heads, head dim 64), 2 KV heads, bfloat16, vocab 4096. Why not the
 tests' tiny Llama (2 layers, hidden 128): on this 2-core CPU its 1k-token prefill
-(about 18 ms) is only 5x a 16-token request (about 3.5 ms of per-step overhead), so a
-CPU hit saves little against vLLM's fixed cost per step; hidden 256 doubles the prefill
-(about 38 ms for 1k tokens, 10x the 16-token one; 2 layers x 512 is 20x but three times
-slower, too slow for four workloads in one run). The probe's numbers are in the JSON
-(``layout``). Device pool: ``--device-blocks`` (160) blocks of 32 tokens.
+(about 18 ms) is only 5x a 16-token request (about 3.5 ms, vLLM's fixed cost per
+step), so a CPU hit saves little against that fixed cost; hidden 256 doubles the
+prefill (1k tokens: 44-56 ms of CPU over four runs, 10-12x a 16-token request's
+3.8-7.5 ms), while 2 layers x 512 (20x) is three times slower again, too slow for four
+workloads in one run. The probe's numbers (TTFT and CPU time of fresh 16-, 1024- and
+2048-token prompts) are in the JSON (``layout``). Device pool: ``--device-blocks``
+(160) blocks of 32 tokens. Run time on the shared 2-core VM: 10-12 minutes (engine
+starts, nine per workload, take about half); ``--quick`` about 7 minutes.
 
 Arms, each an in-process vLLM engine in its own process (:mod:`tools.e2e_arm`), all
 alive at once and sent the same request in turn (the order rotates by one each request,
@@ -94,7 +97,8 @@ VOCAB = 4096
 WORKLOADS = ("chat", "rag", "agentic", "scan")
 SCALES = {"chat": 0.2, "rag": 0.1, "agentic": 0.2, "scan": 0.1, "fewshot": 0.1}
 """Each workload's ``scale`` (:mod:`tools.workloads`: it multiplies the request or
-session counts) in a full run: about 60-120 requests each, 10-15 minutes in all."""
+session counts) in a full run: 32-99 requests each (chat 99, rag 64, agentic 32 of 48
+that fit, scan 94), 10-12 minutes in all."""
 QUICK_SCALE = 0.02
 QUICK_REQUESTS = 6
 FRACTIONS = {"half": 0.5, "quarter": 0.25}

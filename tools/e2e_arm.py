@@ -200,7 +200,7 @@ def _hook_lookups() -> None:
     OffloadManager._lookup = recorded  # type: ignore[method-assign]
 
 
-def probe(ns: argparse.Namespace, arm: _Arm, sizes: tuple[int, ...] = (16, 1024, 4000),
+def probe(ns: argparse.Namespace, arm: _Arm, sizes: tuple[int, ...] = (16, 1024, 2048),
           reps: int = 3) -> dict[str, float]:
     """Median TTFT and CPU time (ms) of fresh prompts of each size that fits: how much of
     a request prefill is, on this layout."""
