@@ -200,6 +200,14 @@ _REMOTE_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
                          "PUT; blocks", True),
     "put_bytes": ("bytes published to the remote tier (published blocks x bytes per "
                   "block); bytes", True),
+    "server_restarts": ("times the remote server was seen to have restarted or lost its "
+                        "data (the put memory is cleared so write-through refills it); "
+                        "restarts", False),
+    "pd_not_owner": ("P/D manifests read by a request other than the one they name (its "
+                     "blocks are read as cache, the manifest is never deleted or "
+                     "re-timed); manifests", False),
+    "pd_entries_unchecked": ("P/D manifest entries beyond the reading request's own "
+                             "blocks, left untouched; entries", False),
     "pd_published": ("P/D hand-offs started by the prefill side; hand-offs", False),
     "pd_manifests_written": ("P/D manifests written to the server; manifests", False),
     "pd_publish_failed": ("P/D hand-offs whose blocks could not all be put; hand-offs",
