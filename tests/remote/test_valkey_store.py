@@ -416,7 +416,10 @@ def test_ready_index_on_a_dead_server_answers_zero_and_never_blocks_the_caller(
             idx.query(tok, chain)
             worst = max(worst, time.perf_counter() - t0)
             assert _wait(idx.answers) == [(tok, 0)]
-        assert worst < 0.002
+        # never blocked: a call that waited for the dead server would take a whole
+        # timeout; the bound is a tenth of one, not a wall figure a loaded machine misses
+        # (2 ms failed at 2.8 ms under load 12)
+        assert worst < TIMEOUT_MS / 1000 / 10
         stats = idx.statistics()
         assert stats["breaker_opens"] == 1 and stats["timeouts"] + stats["errors"] >= 3
         # open: answered 0 without a request
