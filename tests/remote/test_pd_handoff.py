@@ -10,7 +10,6 @@ evicted blocks; a prefill killed mid-publish) -- never a hang, never a partial l
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
@@ -24,37 +23,26 @@ from engine_rig import BS, Client, embedded_engine, tokens
 from remote_engine_rig import (
     BLOCKS,
     MODEL,
+    decode,
     digest,
+    exists,
     load,
     prefill,
     prompt,
     remote,
     server_keys,
     settle_published,
+    ttl,
+    wait_for_server,
 )
 
-from kvshm.hashing import chain_hashes, chain_tail
+from kvshm.hashing import chain_hashes
 from kvshm.offload.pd.manifest import MANIFEST_PARAM, Manifest
 from kvshm.remote.server import ValkeyServer, command
 from kvshm.types import RequestView
 
 pytestmark = pytest.mark.asyncio
 HERE = Path(__file__).parent
-async def decode(c: Client, rid: str, toks: list[int], params: dict[str, Any],
-                 timeout: float = 20.0, *, tail: bool = False) -> int:
-    """D looks the request up as a P/D proxy sends it (``tail``: with its partial last
-    block's key), until it answers."""
-    hashes = chain_hashes(toks, BS)
-    view = RequestView(rid, hashes, len(toks), {"do_remote_prefill": True, **params},
-                       chain_tail(toks, BS, hashes) if tail else None)
-    deadline = time.monotonic() + timeout
-    while True:
-        hit = c.eng.lookup(view, 0)
-        if hit is not None:
-            return hit
-        assert time.monotonic() < deadline, f"{rid} never answered: {remote(c.eng)}"
-        c.step()
-        await asyncio.sleep(0.005)
 
 
 async def serve_whole(c: Client, rid: str, toks: list[int], params: dict[str, Any]
@@ -67,21 +55,6 @@ async def serve_whole(c: Client, rid: str, toks: list[int], params: dict[str, An
     await c.settle()
 
 
-def exists(server: ValkeyServer, key: str) -> bool:
-    return command(server.host, server.port, "EXISTS", key).strip() == b":1"
-
-
-def ttl(server: ValkeyServer, key: str | bytes) -> int:
-    """The key's TTL in seconds (-1: none, -2: no such key)."""
-    return int(command(server.host, server.port, "TTL", key).strip(b":\r\n"))
-
-
-async def wait_for_server(cond: Any, timeout: float = 5.0) -> None:
-    """The index writes from its own thread: wait until the server shows ``cond``."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "the server never showed it"
-        await asyncio.sleep(0.01)
 
 
 async def test_handoff_publish_then_consume_bit_exact_and_collected(

@@ -22,15 +22,18 @@ from engine_rig import BS, Client, embedded_engine
 from remote_engine_rig import (
     BLOCKS,
     MODEL,
+    decode,
     digest,
+    exists,
     load,
     prefill,
     prompt,
     remote,
     server_keys,
     settle_published,
+    ttl,
+    wait_for_server,
 )
-from test_pd_handoff import decode, exists, ttl, wait_for_server
 
 from kvshm.offload.pd.manifest import MANIFEST_PARAM, Manifest
 from kvshm.remote.server import ValkeyServer, command

@@ -145,10 +145,10 @@ async def test_a_bad_or_missing_value_is_a_miss_and_the_request_recomputes(
             head[6] = 0                                   # the header's checksum id ...
             head[12:16] = bytes(4)                        # ... and "none"'s checksum
             command(valkey.host, valkey.port, "SET", header_key(victim.decode()), bytes(head))
-            body = bytearray(command(valkey.host, valkey.port, "GET", victim)
-                             .split(b"\r\n", 1)[1][:-2])
-            body[len(body) // 2] ^= 1
-            command(valkey.host, valkey.port, "SET", victim, bytes(body))
+            flipped = bytearray(command(valkey.host, valkey.port, "GET", victim)
+                                .split(b"\r\n", 1)[1][:-2])
+            flipped[len(flipped) // 2] ^= 1
+            command(valkey.host, valkey.port, "SET", victim, bytes(flipped))
         else:
             raw = command(valkey.host, valkey.port, "GETRANGE", victim, "0", "-1")
             body = raw.split(b"\r\n", 1)[1][:-2]
