@@ -128,17 +128,6 @@ def digest(t: torch.Tensor) -> str:
     return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
 
 
-async def _write(url: str, seed: int) -> None:
-    async with embedded_engine(remote_url=url, model_id=MODEL) as (eng, gpu, ks, _):
-        table = await store_and_publish(Client(eng, gpu), "w", prompt(seed))
-        print(json.dumps({"sha256": [digest(k[table[:BLOCKS]]) for k in ks],
-                          "remote": remote(eng)}), flush=True)
-
-
-if __name__ == "__main__":
-    asyncio.run(_write(sys.argv[1], int(sys.argv[2])))
-
-
 # -- P/D hand-off helpers (test_pd_handoff, test_pd_ownership) --------------------
 
 async def decode(c: Client, rid: str, toks: list[int], params: dict[str, Any],
@@ -183,3 +172,14 @@ async def wait_for_server(cond: Any, timeout: float = 5.0) -> None:
     while not cond():
         assert time.monotonic() < deadline, "the server never showed it"
         await asyncio.sleep(0.01)
+
+
+async def _write(url: str, seed: int) -> None:
+    async with embedded_engine(remote_url=url, model_id=MODEL) as (eng, gpu, ks, _):
+        table = await store_and_publish(Client(eng, gpu), "w", prompt(seed))
+        print(json.dumps({"sha256": [digest(k[table[:BLOCKS]]) for k in ks],
+                          "remote": remote(eng)}), flush=True)
+
+
+if __name__ == "__main__":
+    asyncio.run(_write(sys.argv[1], int(sys.argv[2])))

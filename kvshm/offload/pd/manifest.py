@@ -26,9 +26,8 @@ from typing import Any, Final
 import msgspec
 
 __all__ = ["MANIFEST_BASE", "MANIFEST_PARAM", "MANIFEST_PER_BLOCK", "NAME_MAX", "PD_PREFIX",
-           "Manifest",
-           "PdCounters", "Verdict", "check_manifest", "checked_hashes", "handoff_extent",
-           "handoff_owner", "is_handoff", "key_owner", "manifest_key"]
+           "Manifest", "PdCounters", "Verdict", "check_manifest", "checked_hashes",
+           "handoff_extent", "handoff_owner", "is_handoff", "key_owner", "manifest_key"]
 
 #: A manifest larger than base + per-block x the request's blocks is refused unread.
 MANIFEST_BASE: Final = 1024
@@ -158,10 +157,11 @@ def handoff_owner(req_id: str) -> str:
     """Who a hand-off of request ``req_id`` belongs to: a digest (32 hex) of the id
     without vLLM's additions -- a parallel-sampling child's ``<index>_`` prefix (the
     children of one request share its hand-off: they are its owner too) and the
-    ``-<8 hex>`` each vLLM engine appends to a request's external id (the prefill and
-    the decode engine each append their own). Both sides apply it: the prefill writes
-    it in the manifest, a decoder compares its request's with it, so a request id
-    without these forms is compared as itself. A proxy that sends one request to both
+    ``-<8 hex>`` each vLLM engine appends to a request's external id (the prefill and the
+    decode engine each append their own; vLLM's NIXL connector strips the same). Both
+    sides apply it: the prefill writes it in the manifest's name (:func:`manifest_key`),
+    a decoder compares its request's with the name's (:func:`key_owner`), so a request
+    id without these forms is compared as itself. A proxy that sends one request to both
     engines under one request id (vLLM's example proxies: ``X-Request-Id``) has its
     decoder collect the hand-off; a request under any other id may read the blocks
     (ordinary cache) but never deletes or re-times anything."""
