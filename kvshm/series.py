@@ -230,6 +230,11 @@ _REMOTE_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
                      "reads", False),
     "pd_orphans_dropped": ("P/D manifest reads dropped with nothing collected; reads",
                            False),
+    "index_run_id_checks": ("reads of the server's run_id (a restart or lost data is "
+                            "noticed by its change); reads", False),
+    "index_run_id_errors": ("reads of the server's run_id that failed; reads", False),
+    "index_run_id_changes": ("changes of the server's run_id seen (a restart: the put "
+                             "memory is cleared); changes", False),
     "index_queries": ("readiness-index queries issued; queries", False),
     "index_answered": ("readiness-index queries answered; queries", False),
     "index_answered_zero": ("readiness-index queries answered with no key present; "
