@@ -21,8 +21,9 @@ Ordering and invariants:
 from __future__ import annotations
 
 from kvshm.offload.counters import DeclineReason, ManagerCounters
+from kvshm.offload.disk import DiskBook
 from kvshm.offload.hits import Hit
-from kvshm.offload.jobs import AckOutcome, AnyJob, JobTable, LoadJob, RemoteJob, StoreJob
+from kvshm.offload.jobs import AckOutcome, AnyJob, DiskJob, JobTable, LoadJob, RemoteJob, StoreJob
 from kvshm.offload.loads import LoadBook
 from kvshm.offload.pool import BlockPool
 from kvshm.offload.remote import RemoteBook
@@ -39,6 +40,7 @@ class JobOutcomes:
     cpu: BlockPool
     counters: ManagerCounters
     remote: RemoteBook | None
+    disk: DiskBook | None
     _jobs: JobTable
     _loads: LoadBook
     _stores: StorePlanner
@@ -69,6 +71,9 @@ class JobOutcomes:
             self._stores.complete(job, register=usable)
             if usable and self.remote is not None:
                 self.remote.stored(job.cpu_ids, job.keys, job.depths)
+        elif isinstance(job, DiskJob):
+            assert self.disk is not None, "a disk job without a disk tier"
+            self.disk.complete(job, usable and not job.abandoned)
         elif isinstance(job, RemoteJob):
             assert self.remote is not None, "a remote job without a remote tier"
             self.remote.complete(job, usable and not job.abandoned)
@@ -89,6 +94,8 @@ class JobOutcomes:
                     self.counters.jobs_abandoned += 1
                     self._fail_job(job, LoadFailure.RESET, count=False)
             self.cpu.drop_all_hashes()
+            if self.disk is not None:
+                self.disk.drop_index()
         return not self._jobs.jobs or self._jobs.only_quarantined()
 
     def rank_failed(self, rank: int) -> None:
@@ -138,3 +145,5 @@ class JobOutcomes:
         self._stores.drop_finished(decline)
         if self.remote is not None:
             self.remote.drop()
+        if self.disk is not None:
+            self.disk.drop()
