@@ -11,7 +11,8 @@ Rules kept here:
   ``finished`` do nothing, ``step`` plans nothing and records the listed requests, which
   the manager never sees for life (:mod:`~kvshm.engine.admission`).
 * ``step`` posts the plan's store before its load, to every live rank, in that order
-  (job ids increase on every rank); a remote message no rank could take fails at once
+  (job ids increase on every rank), then its remote and disk jobs; a remote or disk
+  message no rank could take fails at once
   (``on_done(.., False)``), which releases its pins.
 * A request id that is not a ``str`` is refused with ``InvalidRequest`` before anything
   changes.
@@ -29,6 +30,7 @@ from kvshm.engine.dispatch import Dispatcher
 from kvshm.engine.lifecycle import EngineState
 from kvshm.engine.snapshot import CoreCounters
 from kvshm.engine.startup import log
+from kvshm.ipc.protocol import Disk, Remote
 from kvshm.offload.manager import OffloadManager
 from kvshm.types import LoadResult, RequestView, StepInput, StepPlan
 
@@ -94,7 +96,9 @@ class SchedulerCalls:
         for t in (plan.store, plan.load):
             if t is not None:
                 self._jobs.post(t)
-        for msg in plan.remote:
+        msgs: Sequence[Remote | Disk] = (*plan.remote, *plan.disk) if plan.disk \
+            else plan.remote
+        for msg in msgs:
             for rank in self._jobs.post_remote(msg):
                 manager.on_done(msg.job_id, rank, False)  # never sent: fails, unpins
         return plan

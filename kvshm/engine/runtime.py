@@ -44,6 +44,7 @@ from kvshm.config import EngineConfig
 from kvshm.engine import startup
 from kvshm.engine.admission import Admission
 from kvshm.engine.calls import SchedulerCalls
+from kvshm.engine.disk_link import DiskLink, open_disk
 from kvshm.engine.dispatch import Dispatcher
 from kvshm.engine.lifecycle import ENDED, LIVE, EngineState
 from kvshm.engine.provision import Provisioned, check_caches, pool_size, provision
@@ -104,6 +105,7 @@ class Runtime(SchedulerCalls):
                                  on_fence=self._on_fence)
         self._jobs = Dispatcher(config.name, self._channels, self._ranks.watch, self.counters)
         self._remote = RemoteLink.none()
+        self._disk = DiskLink.none()
 
     # -- lifecycle ---------------------------------------------------------------------
     @property
@@ -115,7 +117,8 @@ class Runtime(SchedulerCalls):
         """Listen on the rendezvous (NameInUse if taken): NEW -> STARTING."""
         if self._state is not EngineState.NEW:
             raise StateError(f"engine {self.config.name!r} is {self._state.name}, not NEW")
-        self._remote = open_remote(self.config)  # ConfigError: before anything listens
+        self._disk = open_disk(self.config)  # ConfigError: before anything listens
+        self._remote = open_remote(self.config)
         self._server = RendezvousServer(self.config.name, self.config.world_size,
                                         make_ready=self._make_ready, stats=self._stats_data)
         self._state = EngineState.STARTING
@@ -257,7 +260,8 @@ class Runtime(SchedulerCalls):
                                num_cpu_blocks=cfg.num_cpu_blocks,
                                cpu_bytes_per_rank=cfg.cpu_bytes_per_rank,
                                capacity=cfg.ring_capacity,
-                               num_gpu_blocks=pool_size(self._gpu), remote=target)
+                               num_gpu_blocks=pool_size(self._gpu), remote=target,
+                               disk=self._disk.make_setups if cfg.disk_path else None)
         return self._prov.ready_plan()
 
     def _all_ready(self) -> None:
@@ -279,7 +283,8 @@ class Runtime(SchedulerCalls):
         self.manager = OffloadManager(self._cpu, self._gpu, block_size=cfg.block_size,
                                       groups=cfg.groups, world_size=cfg.world_size,
                                       mode=cfg.mode,
-                                      remote=self._remote.book_factory(prov.remote, record))
+                                      remote=self._remote.book_factory(prov.remote, record),
+                                      disk=self._disk.book_factory(record))
         self._state = EngineState.READY
         startup.log_ready(cfg, prov.num_cpu_blocks, self._bytes_per_block)
         if self._started is not None:

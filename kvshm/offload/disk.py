@@ -129,6 +129,7 @@ class DiskCounters:
     write_skipped_paused: int = 0  # plans that wrote nothing while paused
     warm_slots: int = 0  # slots indexed at start from the slabs' headers
     warm_disagreed: int = 0  # slots with a header on some rank that not every rank agrees on
+    scan_errors: int = 0  # slab files unreadable at start (started cold)
 
     def as_dict(self) -> dict[str, int]:
         """Every counter by name."""
