@@ -24,8 +24,9 @@ keeps the per-request state machine, the CPU pins and the dedup:
 
 A job not done on every rank after ``fetch_timeout_s`` ends the request's wait (DONE,
 counted); the job keeps its pins until it ends. Dedup: a lookup any of whose keys another
-request's job is fetching answers None until that job ends or times out
-(:meth:`being_fetched`).
+request's job is fetching, or another request's answered fetch is about to fetch (a
+prefix many requests share, asked in one step), answers None until that job ends or
+times out (:meth:`being_fetched`).
 
 Pins: every CPU block this object pins for a request is in :meth:`pinned` (FETCHED
 blocks); jobs record their own.
@@ -117,6 +118,7 @@ class Fetches:
         self.reqs: dict[str, Fetch] = {}
         self._fetching: dict[bytes, int] = {}  # key -> job id
         self._fetch_since: dict[int, float] = {}  # job id -> when it was planned
+        self._claimed: dict[bytes, str] = {}  # key -> the ANSWERED request to fetch it
 
     # ---- queries ---------------------------------------------------------------------
 
@@ -133,8 +135,17 @@ class Fetches:
         return any(st.state is FetchState.ANSWERED for st in self.reqs.values())
 
     def being_fetched(self, keys: Sequence[bytes]) -> bool:
-        """Whether a job not older than the fetch timeout is fetching any of ``keys``
-        (two requests may reach the same blocks from different starting positions)."""
+        """Whether a job not older than the fetch timeout is fetching any of ``keys``, or
+        another request's answered fetch will (two requests may reach the same blocks
+        from different starting positions, or in the same step)."""
+        if self._claimed:
+            reqs = self.reqs
+            for k in keys:
+                rid = self._claimed.get(k)
+                if rid is not None:
+                    st = reqs.get(rid)
+                    if st is not None and st.state is FetchState.ANSWERED:
+                        return True
         if not self._fetching:
             return False
         now = self._clock()
@@ -143,6 +154,12 @@ class Fetches:
             if job is not None and now - self._fetch_since.get(job, 0.0) <= self._fetch_timeout:
                 return True
         return False
+
+    def _unclaim(self, rid: str, st: Fetch) -> None:
+        if self._claimed:
+            for k in st.keys[:st.present]:
+                if self._claimed.get(k) == rid:
+                    del self._claimed[k]
 
     # ---- the state machine -----------------------------------------------------------
 
@@ -153,12 +170,16 @@ class Fetches:
         st = Fetch(FetchState.QUERYING, start, keys, token, self._clock())
         self.reqs[rid] = st
         if present > 0:
-            self.answered(st, present)
+            self.answered(rid, st, present)
         return st
 
-    def answered(self, st: Fetch, n: int) -> None:
-        """The source holds the first ``n`` blocks of ``st``'s keys (> 0)."""
+    def answered(self, rid: str, st: Fetch, n: int) -> None:
+        """The source holds the first ``n`` blocks of ``rid``'s fetch ``st`` (> 0):
+        claimed for it until its job is planned (or it ends)."""
         st.present, st.state = min(n, len(st.keys)), FetchState.ANSWERED
+        claimed = self._claimed
+        for k in st.keys[:st.present]:
+            claimed[k] = rid
 
     def again(self, rid: str, st: Fetch) -> int | None:
         """A later lookup of ``rid`` (its fetch ``st`` exists): None while it runs, else
@@ -194,7 +215,10 @@ class Fetches:
         """The request ended (or a reset): its pins go and its fetch is forgotten; a job
         in flight completes unclaimed. Returns the forgotten fetch."""
         self.release(rid)
-        return self.reqs.pop(rid, None)
+        st = self.reqs.pop(rid, None)
+        if st is not None:
+            self._unclaim(rid, st)
+        return st
 
     def drop(self) -> list[Fetch]:
         """Reset or engine failure: :meth:`end` every fetch; returns them."""
@@ -213,6 +237,7 @@ class Fetches:
         return out
 
     def _job(self, step: int, rid: str, st: Fetch) -> RemoteJob | None:
+        self._unclaim(rid, st)
         g = self._gs.n
         n = min(st.present, self.cpu.num_free, self._max_job)
         n -= n % g

@@ -183,7 +183,7 @@ class RemoteBook:
                 st.state = RemoteState.DONE
                 continue
             self.counters.query_hits += 1
-            self.fetches.answered(st, n)
+            self.fetches.answered(rid, st, n)
 
     def hit(self, rid: str) -> None:
         """``rid``'s lookup is a CPU hit (pinned): its remote lookup ends here -- what

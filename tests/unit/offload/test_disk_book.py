@@ -273,3 +273,21 @@ def test_warm_slots_serve_a_hit_at_once() -> None:
     assert unpack_ids(rd.slots) == [2, 3]
     rig.ack_disk(rd)
     assert rig.m.lookup(r.view(), 0) == 2 * BS
+
+
+def test_two_requests_asking_for_the_same_disk_blocks_in_one_step_read_them_once() -> None:
+    """R and S (same prompt) both miss the CPU tier before a plan: R's lookup claims the
+    disk prefix, S asks again (counted) instead of reading it a second time; the plan
+    has one READ; once it is done, both hit the same CPU blocks."""
+    rig = DiskRig()
+    a = Req("a", 9)
+    rig.on_disk(a)
+    r, s = Req("r", 9), Req("s", 9)
+    assert rig.m.lookup(r.view(), 0) is None and rig.m.lookup(s.view(), 0) is None
+    assert rig.book.counters.asked_again == 1
+    (rd,) = rig.step().disk
+    rig.ack_disk(rd)
+    assert rig.m.lookup(r.view(), 0) == 2 * BS and rig.m.lookup(s.view(), 0) == 2 * BS
+    rig.m.check_invariants()
+    assert refs(rig.cpu, unpack_ids(rd.cpu_ids)) == [2, 2]
+    assert rig.book.counters.get_jobs == 1
