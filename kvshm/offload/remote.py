@@ -174,7 +174,7 @@ class RemoteBook:
         for token, n in self.index.answers():
             rid = self._tokens.pop(token, None)
             st = self.fetches.get(rid) if rid is not None else None
-            if st is None or st.state is not RemoteState.QUERYING:
+            if rid is None or st is None or st.state is not RemoteState.QUERYING:
                 self.counters.answers_stale += 1
                 continue
             n -= n % self._gs.n  # whole positions only
