@@ -170,14 +170,14 @@ def restart_part(args: argparse.Namespace, ns: argparse.Namespace, folder: Path,
     procs = _spawn(["warm", "cold"], logs)
     try:
         procs["warm"].call("start", str(folder), ns, warm)  # the seed engine
-        for i, p in enumerate(prompts):
-            procs["warm"].call("req", i, p)
+        for i, prompt in enumerate(prompts):
+            procs["warm"].call("req", i, prompt)
         seeded = procs["warm"].call("stop").get("disk") or {}
         _progress(f"restart: the seed wrote {seeded.get('written_blocks')} blocks")
         procs["warm"].send("start", str(folder), ns, warm)
         procs["cold"].send("start", str(folder), ns, cold)
-        for p in procs.values():
-            p.recv()
+        for proc in procs.values():
+            proc.recv()
         res = _interleave(procs, ["warm", "cold"], prompts, "restart")
         stopped = {a: procs[a].call("stop") for a in procs}
     finally:
