@@ -14,8 +14,12 @@ Write-back (``plan``): the cached CPU blocks among the next ``window`` blocks th
 tier's own eviction order would reuse (:meth:`BlockPool.iter_free_from_lru`: the order
 -- depth_aged by default -- is the value; an uncached block is worth nothing, a block
 the disk holds or is writing is skipped) are pinned in the CPU pool and written to
-fresh slots (one WRITE job to every rank, at most ``max_job_blocks`` blocks; at most
-``window`` blocks in flight). Only when every rank acked ok is each slot indexed under
+fresh slots (WRITE jobs to every rank of at most ``max_job_blocks`` blocks; at most
+``max_window`` blocks in flight). The window follows the pressure: twice the cached
+blocks the CPU tier evicted since the last plan (halving each plan without evictions),
+at least ``window`` and at most ``max_window``; a scan costs about 2 us a block, so an
+idle tier scans 16, and a step whose stores evict many scans ahead as many as they
+take. Only when every rank acked ok is each slot indexed under
 its block's hash; the CPU pin goes in every case, and a written block returns to the CPU
 tier's free set as the next to reuse (``evict_first``: it was about to be evicted and
 the disk holds it now). A failed write leaves its slots unindexed (reused first); three
@@ -138,16 +142,21 @@ class DiskCounters:
 
 class DiskBook:
     """See the module docstring. ``slots``: the slot table (one record per slot, LRU);
-    ``window``: CPU free-set blocks a write-back scan looks at (default
-    ``clamp(num_blocks // 8, 16, 1024)``), also the most blocks being written at once."""
+    ``window``: the fewest CPU free-set blocks a write-back scan looks at (default 16);
+    ``max_window``: the most, also the most blocks being written at once (default
+    ``clamp(num_blocks // 4, window, 4096)``)."""
 
     def __init__(self, cpu: BlockPool, gs: GroupSet, jobs: JobTable, slots: BlockPool, *,
-                 window: int | None = None, max_job_blocks: int = MAX_DISK_BLOCKS,
+                 window: int | None = None, max_window: int | None = None,
+                 max_job_blocks: int = MAX_DISK_BLOCKS,
                  fetch_timeout_s: float = 15.0, pause_s: float = 30.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.cpu, self._gs, self._jobs, self.slots = cpu, gs, jobs, slots
         self.counters = DiskCounters()
-        self._window = window or max(16, min(cpu.num_blocks // 8, 1024))
+        self._window = window or 16
+        self._max_window = max_window or max(self._window, min(cpu.num_blocks // 4, 4096))
+        self._pressure = 0  # cached CPU blocks evicted lately (halved each plan)
+        self._evictions = cpu.evictions
         self._max_job = max(1, max_job_blocks)
         self._pause_s = pause_s
         self._clock = clock
@@ -286,11 +295,15 @@ class DiskBook:
                 self.counters.write_skipped_paused += 1
                 return []
             self._paused_until = 0.0
-        budget = self._window - self._inflight
+        evicted = self.cpu.evictions - self._evictions
+        self._evictions = self.cpu.evictions
+        self._pressure = max(evicted, self._pressure // 2)
+        budget = self._max_window - self._inflight
         if budget <= 0:
             self.counters.write_backpressure += 1
             return []
-        picks = self._candidates(budget)
+        window = min(self._max_window, max(self._window, 2 * self._pressure))
+        picks = self._candidates(window, budget)
         if not picks:
             return []
         n = min(len(picks), self.slots.num_free)
@@ -314,13 +327,13 @@ class DiskBook:
             out.append(message(job))
         return out
 
-    def _candidates(self, budget: int) -> list[tuple[int, bytes]]:
+    def _candidates(self, window: int, budget: int) -> list[tuple[int, bytes]]:
         """(CPU id, key) of the cached blocks among the next ``window`` the CPU tier would
         reuse that the disk neither holds nor is writing, at most ``budget``, in the
         order they would go."""
         picks: list[tuple[int, bytes]] = []
         cpu, writing, on_disk = self.cpu, self._writing, self.slots.cached_keys
-        for c in islice(cpu.iter_free_from_lru(), self._window):
+        for c in islice(cpu.iter_free_from_lru(), window):
             hs = cpu.block_hashes(c)
             if not hs:
                 continue
