@@ -97,6 +97,21 @@ class DiskIO(Enum):
     BUFFERED = "buffered"
 
 
+class DiskMode(Enum):
+    """Which CPU-tier blocks the local disk tier writes (``EngineConfig.disk_mode``).
+
+    * ``WRITE_BACK`` (default): those about to be evicted from the CPU tier (the cached
+      blocks its eviction order would reuse next): the disk holds what the CPU tier
+      lost.
+    * ``WRITE_THROUGH``: every block once stored, as well: the disk also holds what the
+      CPU tier holds, so an engine restarted on the slab finds it too (twice the disk
+      writes of a workload that fits the CPU tier).
+    """
+
+    WRITE_BACK = "write_back"
+    WRITE_THROUGH = "write_through"
+
+
 #: The CPU tier's eviction order unless EngineConfig says otherwise.
 DEFAULT_EVICTION: Final = Eviction.DEPTH_AGED
 
@@ -165,10 +180,11 @@ class EngineConfig:
       ``kvshm.disk.slab.slab_path``; None: no disk tier). ``disk_bytes_per_rank``: each
       slab's size (required with ``disk_path``; slots = this // the slot stride, the
       rank's row rounded up to 4 KiB plus a 4 KiB header page). ``disk_io``:
-      :class:`DiskIO`. A directory that is not writable, lacks the space or refuses
-      ``O_DIRECT`` is refused at start, in one line. The slab outlives the engine: one
-      started again under the same ``name`` and layout serves its blocks at once (warm
-      restart); ``kvshm sweep`` lists slabs of engines that are gone.
+      :class:`DiskIO`; ``disk_mode``: :class:`DiskMode`. A directory that is not
+      writable, lacks the space or refuses ``O_DIRECT`` is refused at start, in one
+      line. The slab outlives the engine: one started again under the same ``name`` and
+      layout serves its blocks at once (warm restart); ``kvshm sweep`` lists slabs of
+      engines that are gone.
     """
 
     block_size: int
@@ -190,6 +206,7 @@ class EngineConfig:
     disk_path: str | None = None
     disk_bytes_per_rank: int | None = None
     disk_io: DiskIO = DiskIO.DIRECT
+    disk_mode: DiskMode = DiskMode.WRITE_BACK
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
@@ -215,6 +232,8 @@ class EngineConfig:
     def _check_disk(self) -> None:
         if not isinstance(self.disk_io, DiskIO):
             raise ConfigError(f"disk_io must be a DiskIO, got {self.disk_io!r}")
+        if not isinstance(self.disk_mode, DiskMode):
+            raise ConfigError(f"disk_mode must be a DiskMode, got {self.disk_mode!r}")
         _positive_int("disk_bytes_per_rank", self.disk_bytes_per_rank, allow_none=True)
         if self.disk_path is None:
             if self.disk_bytes_per_rank is not None:

@@ -323,6 +323,8 @@ _DISK_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
     "writes_paused": ("times write-back paused after failed WRITEs in a row (a full or "
                       "failing disk); events", True),
     "write_skipped_paused": ("plans that wrote nothing back while paused; plans", False),
+    "write_through_dropped": ("stored blocks forgotten before their write-through (the "
+                              "queue was full); blocks", False),
     "slot_evictions": ("disk slots reused for a new block (the old one dropped); slots",
                        True),
     "warm_slots": ("disk slots indexed at start from a previous run's slabs; slots",

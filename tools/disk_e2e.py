@@ -16,7 +16,8 @@ request in turn, the order rotating by one each request.
   a fixed name) serves the first half of the trace and shuts down (a server restarted
   mid-conversations); then ``warm`` (a new engine under the same name and directory: it
   starts on the seed's slab) and ``cold`` (the same settings, a fresh directory) serve
-  the second half. Target: ``cold``'s mean TTFT on the first turn after the restart of
+  the second half, with ``disk_mode`` ``--restart-mode`` (default write_through: a
+  write-back slab lacks what the CPU tier held at the shutdown). Target: ``cold``'s mean TTFT on the first turn after the restart of
   each conversation the seed served / ``warm``'s ``>= 2``.
 
 Each part's JSON: per arm TTFT mean / p50 / p90 (ms), CPU time, hit tokens (vLLM's
@@ -63,13 +64,13 @@ def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def disk_extra(path: Path, distinct: int, ns: argparse.Namespace, name: str | None = None
-               ) -> tuple[tuple[str, Any], ...]:
+def disk_extra(path: Path, distinct: int, ns: argparse.Namespace, name: str | None = None,
+               mode: str = "write_back") -> tuple[tuple[str, Any], ...]:
     """A disk tier in ``path`` with room for every distinct block (and a margin)."""
     row = kv_bytes_per_block(ns)
     stride = PAGE + -(-row // PAGE) * PAGE
     path.mkdir(parents=True, exist_ok=True)
-    items: list[tuple[str, Any]] = [("disk_path", str(path)),
+    items: list[tuple[str, Any]] = [("disk_path", str(path)), ("disk_mode", mode),
                                     ("disk_bytes_per_rank", PAGE + stride * (distinct + 64))]
     if name is not None:
         items.append(("name", name))
@@ -143,7 +144,8 @@ def offload_part(args: argparse.Namespace, ns: argparse.Namespace, folder: Path,
                 ArmKind.KVSHM, size["distinct_blocks"] + 4 * ns.device_blocks))
             procs["disk"].send("start", str(folder), ns, ArmSpec(
                 ArmKind.KVSHM, cap, extra=disk_extra(tmp / f"disk-{name}",
-                                                     size["distinct_blocks"], ns)))
+                                                     size["distinct_blocks"], ns,
+                                                     mode=args.offload_mode)))
             for p in procs.values():
                 p.recv()
             res = _interleave(procs, arms, [list(r.prompt) for r in reqs], name)
@@ -179,9 +181,10 @@ def restart_part(args: argparse.Namespace, ns: argparse.Namespace, folder: Path,
             firsts.setdefault(r.conversation, i)
     first = sorted(firsts.values())
     warm_name = f"bench-disk-warm-{int(time.time())}"
-    warm = ArmSpec(ArmKind.KVSHM, cap, extra=disk_extra(tmp / "warm", distinct, ns, warm_name))
+    warm = ArmSpec(ArmKind.KVSHM, cap, extra=disk_extra(tmp / "warm", distinct, ns, warm_name,
+                                                       args.restart_mode))
     cold = ArmSpec(ArmKind.KVSHM, cap, extra=disk_extra(tmp / "cold", distinct, ns,
-                                                       warm_name + "-cold"))
+                                                       warm_name + "-cold", args.restart_mode))
     procs = _spawn(["warm", "cold"], logs)
     try:
         procs["warm"].call("start", str(folder), ns, warm)  # the seed engine
@@ -243,6 +246,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--parts", nargs="+", default=["offload", "restart"],
                     choices=["offload", "restart"])
     ap.add_argument("--offload-workloads", nargs="+", default=list(OFFLOAD_WORKLOADS))
+    ap.add_argument("--offload-mode", default="write_back",
+                    choices=["write_back", "write_through"], help="part (b)'s disk_mode")
+    ap.add_argument("--restart-mode", default="write_through",
+                    choices=["write_back", "write_through"],
+                    help="part (c)'s disk_mode (write_back loses what the CPU tier held at "
+                         "the shutdown)")
     ap.add_argument("--disk-dir", default=None,
                     help="where the slab files go (default: the system's temp directory)")
     ap.add_argument("--seed", type=int, default=0)

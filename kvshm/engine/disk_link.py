@@ -34,7 +34,7 @@ import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
-from kvshm.config import DiskIO, EngineConfig
+from kvshm.config import DiskIO, DiskMode, EngineConfig
 from kvshm.errors import ConfigError
 from kvshm.ipc.protocol import DiskSetup, LayoutSpec
 from kvshm.offload.disk import DiskBook, max_disk_blocks
@@ -146,9 +146,10 @@ class DiskLink:
         if self.config is None or not self.setups:
             return None
         slots, warm, disagreed, errors = self.slots, self.warm, self.disagreed, self.scan_errors
+        through = self.config.disk_mode is DiskMode.WRITE_THROUGH
 
         def make(cpu: BlockPool, gs: GroupSet, jobs: JobTable) -> DiskBook:
-            book = DiskBook(cpu, gs, jobs, BlockPool(slots),
+            book = DiskBook(cpu, gs, jobs, BlockPool(slots), write_through=through,
                             max_job_blocks=max_disk_blocks(max_record))
             book.warm(warm)
             book.counters.warm_disagreed = disagreed

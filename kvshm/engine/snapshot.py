@@ -81,6 +81,7 @@ def _disk_stats(config: EngineConfig, manager: OffloadManager | None,
     if config.disk_path is None:
         return {}
     out: dict[str, Any] = {"path": config.disk_path, "io": config.disk_io.value,
+                           "mode": config.disk_mode.value,
                            "bytes_per_rank": config.disk_bytes_per_rank}
     book = manager.disk if manager is not None else None
     if book is None:

@@ -26,6 +26,13 @@ the disk holds it now). A failed write leaves its slots unindexed (reused first)
 failed writes in a row (a full or failing disk: ENOSPC, EIO) pause write-back for
 ``pause_s`` (counted), while reads and serving go on.
 
+Write-through (``write_through``, ``EngineConfig.disk_mode``): every block a store
+indexes in the CPU tier is also remembered (not pinned: at most ``4 x max_window``, the
+oldest forgotten) and written by the next plans, before the eviction scan, if its CPU
+block still holds it then; such a block returns to the CPU tier's free set as any freed
+block does (it was not about to be evicted). The disk then holds what the CPU tier
+holds, so a restart finds it too; the eviction scan still covers the rest.
+
 Read path: the state machine of :class:`~kvshm.offload.fetches.Fetches`, shared with the
 remote tier. The manager asks the disk after the CPU tier (order CPU -> disk ->
 remote):
@@ -56,7 +63,7 @@ and FETCHED blocks); every slot pin is a job's (:meth:`check_invariants`).
 from __future__ import annotations
 
 import time
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from itertools import islice
@@ -131,6 +138,7 @@ class DiskCounters:
     write_backpressure: int = 0  # plans that wrote nothing: the in-flight cap was reached
     writes_paused: int = 0  # write-back paused after repeated failed WRITEs
     write_skipped_paused: int = 0  # plans that wrote nothing while paused
+    write_through_dropped: int = 0  # stored blocks forgotten before their write (queue full)
     warm_slots: int = 0  # slots indexed at start from the slabs' headers
     warm_disagreed: int = 0  # slots with a header on some rank that not every rank agrees on
     scan_errors: int = 0  # slab files unreadable at start (started cold)
@@ -150,6 +158,7 @@ class DiskBook:
                  window: int | None = None, max_window: int | None = None,
                  max_job_blocks: int = MAX_DISK_BLOCKS,
                  fetch_timeout_s: float = 15.0, pause_s: float = 30.0,
+                 write_through: bool = False,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.cpu, self._gs, self._jobs, self.slots = cpu, gs, jobs, slots
         self.counters = DiskCounters()
@@ -168,6 +177,9 @@ class DiskBook:
         self._inflight = 0  # blocks being written
         self._failures = 0  # failed WRITE jobs in a row
         self._paused_until = 0.0
+        self.write_through = write_through
+        self._fresh: deque[tuple[int, bytes]] = deque()  # stored, to write through
+        self._scan_jobs: set[int] = set()  # WRITE jobs of blocks about to be evicted
 
     # ---- queries ---------------------------------------------------------------------
 
@@ -289,6 +301,19 @@ class DiskBook:
         out = [message(job) for job in self.fetches.plan(step) if isinstance(job, DiskJob)]
         return out + self._write_back(step)
 
+    def stored(self, cpu_ids: Sequence[int], keys: Sequence[bytes]) -> None:
+        """A store completed and indexed ``cpu_ids`` under ``keys``: remembered for
+        write-through (nothing without it)."""
+        if not self.write_through:
+            return
+        fresh = self._fresh
+        fresh.extend(zip(cpu_ids, keys))
+        over = len(fresh) - 4 * self._max_window
+        if over > 0:
+            self.counters.write_through_dropped += over
+            for _ in range(over):
+                fresh.popleft()
+
     def _write_back(self, step: int) -> list[Disk]:
         if self._paused_until:
             if self._clock() < self._paused_until:
@@ -303,15 +328,21 @@ class DiskBook:
             self.counters.write_backpressure += 1
             return []
         window = min(self._max_window, max(self._window, 2 * self._pressure))
-        picks = self._candidates(window, budget)
-        if not picks:
-            return []
+        chosen: set[bytes] = set()
+        fresh = self._through(budget, chosen)
+        scanned = self._candidates(window, budget - len(fresh), chosen)
+        out = self._write_jobs(step, fresh, scan=False)
+        return out + self._write_jobs(step, scanned, scan=True)
+
+    def _write_jobs(self, step: int, picks: list[tuple[int, bytes]], *, scan: bool
+                    ) -> list[Disk]:
+        """WRITE jobs of ``picks`` into fresh slots (as many as there are free slots)."""
         n = min(len(picks), self.slots.num_free)
         if n < len(picks):
             self.counters.write_declined_no_slot += len(picks) - n
             picks = picks[:n]
-            if not n:
-                return []
+        if not n:
+            return []
         self.cpu.touch([c for c, _ in picks])
         slots = self.slots.allocate(n)  # the least recently used disk blocks go
         out: list[Disk] = []
@@ -320,6 +351,8 @@ class DiskBook:
             keys = [k for _, k in batch]
             job = self._jobs.new_disk(step, [c for c, _ in batch], keys, [0] * len(batch),
                                       slots[i:i + self._max_job], write=True)
+            if scan:
+                self._scan_jobs.add(job.job_id)
             self._writing.update(disk_hash(k) for k in keys)
             self._inflight += len(batch)
             self.counters.write_jobs += 1
@@ -327,19 +360,41 @@ class DiskBook:
             out.append(message(job))
         return out
 
-    def _candidates(self, window: int, budget: int) -> list[tuple[int, bytes]]:
-        """(CPU id, key) of the cached blocks among the next ``window`` the CPU tier would
-        reuse that the disk neither holds nor is writing, at most ``budget``, in the
-        order they would go."""
+    def _through(self, budget: int, chosen: set[bytes]) -> list[tuple[int, bytes]]:
+        """(CPU id, key) of the remembered stored blocks whose CPU block still holds
+        them and that the disk neither holds nor is writing, at most ``budget``."""
         picks: list[tuple[int, bytes]] = []
+        fresh, cpu = self._fresh, self.cpu
+        writing, on_disk = self._writing, self.slots.cached_keys
+        while fresh and len(picks) < budget:
+            c, k = fresh.popleft()
+            hs = cpu.block_hashes(c)
+            if not hs or hs[0] != k:
+                continue  # evicted (and reused) meanwhile
+            d = disk_hash(k)
+            if d in writing or d in on_disk or d in chosen:
+                continue
+            chosen.add(d)
+            picks.append((c, k))
+        return picks
+
+    def _candidates(self, window: int, budget: int, chosen: set[bytes]
+                    ) -> list[tuple[int, bytes]]:
+        """(CPU id, key) of the cached blocks among the next ``window`` the CPU tier would
+        reuse that the disk neither holds nor is writing (nor ``chosen``), at most
+        ``budget``, in the order they would go."""
+        picks: list[tuple[int, bytes]] = []
+        if budget <= 0:
+            return picks
         cpu, writing, on_disk = self.cpu, self._writing, self.slots.cached_keys
         for c in islice(cpu.iter_free_from_lru(), window):
             hs = cpu.block_hashes(c)
             if not hs:
                 continue
             d = disk_hash(hs[0])
-            if d in writing or d in on_disk:
+            if d in writing or d in on_disk or d in chosen:
                 continue
+            chosen.add(d)
             picks.append((c, hs[0]))
             if len(picks) >= budget:
                 break
@@ -374,7 +429,9 @@ class DiskBook:
                     self.counters.writes_paused += 1
                     self._paused_until = self._clock() + self._pause_s
         slots.free(job.slots)  # indexed: most recently used; unindexed: reused first
-        self.cpu.free(reversed(job.cpu_ids), evict_first=usable)
+        scan = job.job_id in self._scan_jobs
+        self._scan_jobs.discard(job.job_id)
+        self.cpu.free(reversed(job.cpu_ids), evict_first=usable and scan)
 
     def _read_done(self, job: DiskJob, usable: bool) -> None:
         if not usable and job.cause is LoadFailure.WORKER_FAILED:
@@ -393,6 +450,7 @@ class DiskBook:
         for rid in list(self._held):
             self.unhold(rid)
         self.fetches.drop()
+        self._fresh.clear()
 
     def drop_index(self) -> None:
         """Reset: no slot holds a block any more (slots pinned by jobs stay pinned)."""
@@ -454,6 +512,9 @@ class DiskBook:
                                      f"{s in reads}")
             if self.slots.block_hashes(s):
                 raise AssertionError(f"slot {s} is being written but carries a hash")
+        ids = {j for j, job in self._jobs.jobs.items() if isinstance(job, DiskJob) and job.put}
+        if not self._scan_jobs <= ids:
+            raise AssertionError(f"scan WRITE jobs {sorted(self._scan_jobs - ids)} are gone")
         if writing != self._writing or inflight != self._inflight:
             raise AssertionError(f"keys being written {len(self._writing)} / in flight "
                                  f"{self._inflight}, WRITE jobs say {len(writing)} / "

@@ -71,6 +71,8 @@ class JobOutcomes:
             self._stores.complete(job, register=usable)
             if usable and self.remote is not None:
                 self.remote.stored(job.cpu_ids, job.keys, job.depths)
+            if usable and self.disk is not None:
+                self.disk.stored(job.cpu_ids, job.keys)
         elif isinstance(job, DiskJob):
             assert self.disk is not None, "a disk job without a disk tier"
             self.disk.complete(job, usable and not job.abandoned)

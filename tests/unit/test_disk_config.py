@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvshm.config import DiskIO, EngineConfig
+from kvshm.config import DiskIO, DiskMode, EngineConfig
 from kvshm.engine.disk_link import slot_count, slot_stride
 from kvshm.errors import ConfigError
 from kvshm.integrations.vllm.config import check_extra_config
@@ -34,16 +34,19 @@ def test_a_disk_tier_needs_both_its_directory_and_its_size() -> None:
 
 def test_the_vllm_keys_parse_and_refuse_in_one_line() -> None:
     s = check_extra_config({"disk_path": "/d", "disk_bytes_per_rank": 2e9,
-                            "disk_io": "buffered"})
+                            "disk_io": "buffered", "disk_mode": "write_through"})
     assert (s.disk_path, s.disk_bytes_per_rank, s.disk_io) == ("/d", 2_000_000_000,
                                                                 DiskIO.BUFFERED)
+    assert s.disk_mode is DiskMode.WRITE_THROUGH
     assert check_extra_config({}).disk_path is None
     for extra, msg in [({"disk_path": "/d"}, "go together"),
                        ({"disk_bytes_per_rank": 10}, "go together"),
                        ({"disk_path": 3, "disk_bytes_per_rank": 10}, "directory path"),
                        ({"disk_path": "/d", "disk_bytes_per_rank": -1}, "must be > 0"),
                        ({"disk_path": "/d", "disk_bytes_per_rank": 9, "disk_io": "odirect"},
-                        "must be one of ['buffered', 'direct']")]:
+                        "must be one of ['buffered', 'direct']"),
+                       ({"disk_path": "/d", "disk_bytes_per_rank": 9, "disk_mode": "back"},
+                        "must be one of ['write_back', 'write_through']")]:
         with pytest.raises(ConfigError, match=msg.replace("[", r"\[").replace("]", r"\]")) \
                 as info:
             check_extra_config(extra)

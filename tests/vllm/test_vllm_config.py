@@ -134,7 +134,7 @@ def test_bad_vllm_settings(kv: dict[str, Any], match: str) -> None:
 
 PUBLIC_LIST = ("cpu_bytes, cpu_bytes_per_rank, num_cpu_blocks, mode, name, stats_path, "
                "hang_timeout_s, shutdown_timeout_s, eviction, remote_url, remote_mode, "
-               "remote_namespace, disk_path, disk_bytes_per_rank, disk_io")
+               "remote_namespace, disk_path, disk_bytes_per_rank, disk_io, disk_mode")
 
 
 def _first_line(extra: dict[Any, Any]) -> str:

@@ -36,7 +36,9 @@ on each, with its default; it is what the refusal of an unknown key lists):
   same ``PYTHONHASHSEED``, which seeds vLLM's prefix hashes).
 * ``disk_path``: a directory for the local disk tier (one slab file per rank; default:
   none), ``disk_bytes_per_rank`` (each rank's slab size in bytes; required with
-  ``disk_path``), ``disk_io``: ``"direct"`` (default, ``O_DIRECT``) or ``"buffered"``.
+  ``disk_path``), ``disk_io``: ``"direct"`` (default, ``O_DIRECT``) or ``"buffered"``;
+  ``disk_mode``: ``"write_back"`` (default: blocks about to leave the CPU tier) or
+  ``"write_through"`` (every stored block).
   The slab is named after ``name``: set ``name`` for a restarted server to serve the
   previous one's disk blocks (warm restart; the default name is new every start).
 
@@ -75,6 +77,7 @@ from kvshm.config import (
     DEFAULT_HANG_TIMEOUT_S,
     MAX_TIMEOUT_S,
     DiskIO,
+    DiskMode,
     Eviction,
     RemoteMode,
 )
@@ -139,6 +142,8 @@ PUBLIC_KEYS: Final[Mapping[str, str]] = {
                   "for a restart under the same name (default: none)"),
     "disk_bytes_per_rank": "each rank's disk slab size in bytes (required with disk_path)",
     "disk_io": "'direct' (default: O_DIRECT) or 'buffered' (the disk tier's file I/O)",
+    "disk_mode": ("'write_back' (default: blocks about to leave the CPU tier go to disk) "
+                  "or 'write_through' (every stored block, for a warm restart)"),
 }
 #: Keys accepted for tests, never listed to a user.
 INTERNAL_KEYS: Final = frozenset({"test_fail_loads"})
@@ -199,6 +204,7 @@ class ExtraSettings:
     disk_path: str | None = None
     disk_bytes_per_rank: int | None = None
     disk_io: DiskIO = DiskIO.DIRECT
+    disk_mode: DiskMode = DiskMode.WRITE_BACK
 
 
 @dataclass(frozen=True)
@@ -229,6 +235,7 @@ class ConnectorConfig:
     disk_path: str | None = None
     disk_bytes_per_rank: int | None = None
     disk_io: DiskIO = DiskIO.DIRECT
+    disk_mode: DiskMode = DiskMode.WRITE_BACK
 
     @property
     def world_size(self) -> int:
@@ -329,8 +336,8 @@ def _remote(extra: Mapping[str, Any]) -> tuple[str | None, RemoteMode, str]:
     return url, modes[mode], namespace
 
 
-def _disk(extra: Mapping[str, Any]) -> tuple[str | None, int | None, DiskIO]:
-    """(disk_path, disk_bytes_per_rank, disk_io) from the extra config."""
+def _disk(extra: Mapping[str, Any]) -> tuple[str | None, int | None, DiskIO, DiskMode]:
+    """(disk_path, disk_bytes_per_rank, disk_io, disk_mode) from the extra config."""
     path = extra.get("disk_path")
     if path is not None and (not isinstance(path, str) or not path):
         raise ConfigError(f"{_EXTRA}['disk_path'] must be a directory path, got {path!r}")
@@ -343,7 +350,12 @@ def _disk(extra: Mapping[str, Any]) -> tuple[str | None, int | None, DiskIO]:
     ios = {d.value: d for d in DiskIO}
     if io not in ios:
         raise ConfigError(f"{_EXTRA}['disk_io'] must be one of {sorted(ios)}, got {io!r}")
-    return path, per_rank, ios[io]
+    mode = extra.get("disk_mode", DiskMode.WRITE_BACK.value)
+    modes = {m.value: m for m in DiskMode}
+    if mode not in modes:
+        raise ConfigError(f"{_EXTRA}['disk_mode'] must be one of {sorted(modes)}, "
+                          f"got {mode!r}")
+    return path, per_rank, ios[io], modes[mode]
 
 
 def model_identity(vllm_config: Any, namespace: str = "") -> str:
@@ -415,7 +427,7 @@ def check_extra_config(extra: Mapping[Any, Any], world_size: int = 1) -> ExtraSe
     if fail_loads != 0:
         fail_loads = _int("test_fail_loads", fail_loads)
     url, remote_mode, namespace = _remote(extra)
-    disk_path, disk_bytes, disk_io = _disk(extra)
+    disk_path, disk_bytes, disk_io, disk_mode = _disk(extra)
     return ExtraSettings(
         size_source=source, cpu_bytes_per_rank=per_rank, num_cpu_blocks=blocks,
         mode=_mode(extra.get("mode")), name=_name(extra.get("name")), stats_path=stats_path,
@@ -425,7 +437,8 @@ def check_extra_config(extra: Mapping[Any, Any], world_size: int = 1) -> ExtraSe
                                     5.0),
         test_fail_loads=fail_loads, eviction=_eviction(extra.get("eviction")),
         remote_url=url, remote_mode=remote_mode, remote_namespace=namespace,
-        disk_path=disk_path, disk_bytes_per_rank=disk_bytes, disk_io=disk_io)
+        disk_path=disk_path, disk_bytes_per_rank=disk_bytes, disk_io=disk_io,
+        disk_mode=disk_mode)
 
 
 # --------------------------------------------------------------- vLLM's own settings
@@ -520,7 +533,8 @@ def parse_config(vllm_config: Any, infos: Sequence[GroupInfo],
         eviction=extra.eviction, remote_url=extra.remote_url, remote_mode=extra.remote_mode,
         model_id=model_identity(vllm_config, extra.remote_namespace),
         size_source=extra.size_source, disk_path=extra.disk_path,
-        disk_bytes_per_rank=extra.disk_bytes_per_rank, disk_io=extra.disk_io)
+        disk_bytes_per_rank=extra.disk_bytes_per_rank, disk_io=extra.disk_io,
+        disk_mode=extra.disk_mode)
 
 
 # ------------------------------------------------------------------- the tier's size

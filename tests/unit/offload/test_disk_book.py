@@ -24,14 +24,16 @@ class DiskRig(Rig):
     """The manager rig with a disk tier of ``slots`` slots (LRU slot table)."""
 
     def __init__(self, *, cpu: int = 4, slots: int = 4, window: int | None = None,
-                 clock: list[float] | None = None) -> None:
+                 clock: list[float] | None = None, write_through: bool = False,
+                 max_window: int | None = None) -> None:
         super().__init__(cpu=cpu, gpu=16, world_size=WORLD)
         self.slots = BlockPool(slots)
         self.now = clock if clock is not None else [0.0]
 
         def make(pool: BlockPool, gs: object, jobs: object) -> DiskBook:
             return DiskBook(pool, gs, jobs, self.slots, window=window,  # type: ignore[arg-type]
-                            clock=lambda: self.now[0], pause_s=30.0)
+                            clock=lambda: self.now[0], pause_s=30.0,
+                            write_through=write_through, max_window=max_window)
         self.m = OffloadManager(self.cpu, self.gpu, block_size=BS, world_size=WORLD,
                                 disk=make)
 
@@ -291,3 +293,20 @@ def test_two_requests_asking_for_the_same_disk_blocks_in_one_step_read_them_once
     rig.m.check_invariants()
     assert refs(rig.cpu, unpack_ids(rd.cpu_ids)) == [2, 2]
     assert rig.book.counters.get_jobs == 1
+
+
+def test_write_through_writes_every_stored_block_and_leaves_it_where_it_was() -> None:
+    """With write-through and a scan window of 1 (the eviction scan sees only the
+    uncached CPU 2 at the front), A's stored blocks CPU 0, 1 are written anyway, in one job,
+    into slots 0, 1, indexed once both ranks acked; freed normally afterwards (cached, at
+    the MRU end: they were not about to be evicted), unlike a write-back's."""
+    rig = DiskRig(cpu=4, window=1, max_window=8, write_through=True)
+    a = Req("a", 9)
+    cpu, _ = rig.store(a)
+    assert cpu == [0, 1]
+    (w,) = rig.step().disk
+    assert sorted(unpack_ids(w.cpu_ids)) == [0, 1] and unpack_ids(w.slots) == [0, 1]
+    rig.ack_disk(w)
+    assert rig.slots.num_hashes == 2 and refs(rig.cpu, cpu) == [0, 0]
+    assert list(rig.cpu.iter_free_from_lru())[:2] == [2, 3]
+    assert rig.step().disk == ()

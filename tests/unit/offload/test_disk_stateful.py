@@ -271,6 +271,17 @@ class DiskMachine(RuleBasedStateMachine):
             assert self.rig.m.pins_held() == 0 and self.rig.slots.num_pinned == 0
 
 
+class WriteThroughMachine(DiskMachine):
+    """The same with write-through: every stored block is written too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.rig = DiskRig(cpu=6, slots=10, window=4, write_through=True)
+
+
 DiskMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,
                                          deadline=None)
+WriteThroughMachine.TestCase.settings = settings(max_examples=75, stateful_step_count=40,
+                                                 deadline=None)
 TestDisk = DiskMachine.TestCase
+TestDiskWriteThrough = WriteThroughMachine.TestCase
