@@ -460,12 +460,16 @@ class SlabFile:
         exclusive lock. A file of the same spec is reused as is (its slots keep their
         blocks); any other content is re-initialised (every slot EMPTY; one log line).
         ConfigError: not enough space (names the size), O_DIRECT refused; SlabLocked:
-        another holder."""
+        another holder. A file this call created is removed again when it fails."""
         flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (_O_DIRECT if direct else 0)
+        created = not os.path.exists(path)
         try:
             fd = os.open(path, flags, 0o600)
         except OSError as exc:
-            raise ConfigError(f"slab file {path!r}: cannot open ({exc.strerror})") from exc
+            hint = (": the filesystem refuses O_DIRECT, set disk_io=buffered to use the page "
+                    "cache" if direct and exc.errno == errno.EINVAL else "")
+            raise ConfigError(f"slab file {path!r}: cannot open ({exc.strerror}){hint}") \
+                from exc
         try:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -479,6 +483,11 @@ class SlabFile:
         try:
             slab._prepare()
         except BaseException:
+            if created:  # leave no empty or half-allocated file of ours behind
+                try:
+                    os.unlink(path)
+                except OSError:
+                    pass
             slab.close()
             raise
         return slab
