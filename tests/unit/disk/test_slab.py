@@ -18,7 +18,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvshm.disk import PAGE, SlabFile, SlabLocked, SlabSpec, SlotOutcome, check_directory, scan, slab_path
+from kvshm.disk import (
+    PAGE,
+    SlabFile,
+    SlabLocked,
+    SlabSpec,
+    SlotOutcome,
+    check_directory,
+    scan,
+    slab_path,
+)
 from kvshm.disk import slab as slab_mod
 from kvshm.errors import ConfigError
 
@@ -39,7 +48,8 @@ def aligned(n: int) -> torch.Tensor:
     return raw[skip:skip + n]
 
 
-def rand_rows(sizes: tuple[int, ...], seed: int, *, page_aligned: bool = True) -> list[torch.Tensor]:
+def rand_rows(sizes: tuple[int, ...], seed: int, *,
+              page_aligned: bool = True) -> list[torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     out = []
     for n in sizes:
