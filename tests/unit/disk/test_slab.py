@@ -28,7 +28,6 @@ from kvshm.disk import (
     scan,
     slab_path,
 )
-from kvshm.disk import slab as slab_mod
 from kvshm.errors import ConfigError
 
 FP = "test-model.bf16.bs16"
@@ -264,7 +263,7 @@ def test_enospc_from_fallocate_is_a_config_error(tmp_path: Path,
     def no_space(fd: int, off: int, n: int) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(slab_mod.os, "posix_fallocate", no_space)
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
     spec = SlabSpec(FP, 0, 1, 4, PAGE)
     with pytest.raises(ConfigError, match=f"cannot allocate {spec.file_bytes} bytes"):
         SlabFile.open(str(tmp_path / "s.slab"), spec, direct=True)
@@ -342,7 +341,7 @@ def test_check_directory_refuses_a_filesystem_without_o_direct(
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
         return real_open(path, flags, *args)
 
-    monkeypatch.setattr(slab_mod.os, "open", open_no_direct)
+    monkeypatch.setattr(os, "open", open_no_direct)
     with pytest.raises(ConfigError, match="refuses O_DIRECT.*set disk_io=buffered to use "
                                           "the page cache"):
         check_directory(str(tmp_path), PAGE, direct=True)
