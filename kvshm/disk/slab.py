@@ -36,22 +36,30 @@ Byte layout (little-endian; ``PAGE`` = 4096; every offset is a multiple of ``PAG
             rest    zero
         payload: the block's rows, region after region (row_bytes), zero-padded to PAGE
 
-Writing a slot (:meth:`SlabFile.write`): first ONE vectored write of a zeroed header page
-plus the payload (the slot reads EMPTY from the moment its old header is gone), then the
-header page. A SIGKILL stops this sequence somewhere; what a later read finds:
+Writing a slot (:meth:`SlabFile.write`) is ONE vectored write of the header page and
+the payload, in ascending file order; the header carries the checksum of the payload it
+precedes. A SIGKILL stops the writer somewhere; what a later read finds:
 
-* before the first write lands: the old header and old payload, intact (a correct HIT of
-  the OLD block, which the scheduler no longer indexes for this slot: the header names
-  the old hash, so a read for the new one is BAD, never a wrong HIT);
-* after the first write, before the header: a zero header: EMPTY;
-* in the middle of the header page write: a header whose own CRC fails: BAD;
-* after it: the new header over the complete new payload: HIT.
+* the write never started: the old header over the old payload, intact: a HIT only under
+  the OLD block's hash, with its correct bytes (the scheduler no longer indexes it there:
+  a read for the new block is BAD_HEADER, never a wrong HIT);
+* the write stopped part way (a buffered write ends at a page boundary, in order: the new
+  header and a prefix of the new payload over the rest of the old one): the header's
+  checksum does not match the bytes found: BAD_CRC, never loaded;
+* the write completed (an O_DIRECT write, once submitted, completes even for a killed
+  process): the new header over the new payload: HIT.
+
+No state can pair a header with a payload it does not describe and pass the check, but
+for a checksum collision (2**-32 per torn slot; the header's own CRC guards the header).
+One write per slot, not three (invalidate, payload, header): each O_DIRECT write waits for
+the device, and at 128 KiB blocks the extra waits cost more than half the throughput.
+:meth:`SlabFile.invalidate` zeroes a header page when the scheduler drops a slot.
 
 There is no fsync per slot: a SIGKILL leaves every write that returned in the page cache
 (buffered) or on the device (O_DIRECT), in program order. A power loss may lose or
 reorder writes that were not yet durable (the device may persist the new header and not
-the payload, or the reverse); the header's payload checksum then disagrees with the bytes
-found (the chance of a random match is 2**-32), so the slot reads BAD and is never loaded.
+the payload, or the reverse, or some pages of a slot only); the header's payload checksum
+then disagrees with the bytes found, so the slot reads BAD and is never loaded.
 
 Reads (:meth:`SlabFile.read_into`) take the header page and the payload in one vectored
 read, check the header against the expected spec, slot and hash, then the checksum over
@@ -396,6 +404,12 @@ def scan(path: str, spec: SlabSpec) -> dict[int, bytes]:
 # ---------------------------------------------------------------------------- the file
 
 
+#: The counter each read outcome adds to.
+_OUTCOME_COUNTER: Final = {SlotOutcome.HIT: "reads", SlotOutcome.EMPTY: "empty",
+                           SlotOutcome.BAD_HEADER: "bad_header",
+                           SlotOutcome.BAD_CRC: "crc_mismatch"}
+
+
 class SlabLocked(ConfigError):
     """Another process (or another SlabFile here) holds the slab file's lock: two engines
     never share a slab."""
@@ -541,25 +555,29 @@ class SlabFile:
         rows = _byte_rows(rows)
         self._check(rows, block_hash)
         checksum = _checksum(_WRITE_CHECKSUM, rows)
+        head = _pack_slot_header(self.spec, self._digest, slot, block_hash, checksum,
+                                 next(self._seq))
+        bufs = self._buffers_here()
         if self._zero_copy(rows):
-            self._pwrite_all([memoryview(self._zero), *rows], off)
+            page = bufs.header  # reads land here too: zero it past the header
+            page[:] = _ZERO_PAGE
+            page[:len(head)] = head
+            self._pwrite_all([memoryview(page), *rows], off)
+            bounced = 0
         else:
-            self._count("bounce")
-            buf = self._buffers_here().bounce()
+            buf = bufs.bounce()
             buf[:PAGE] = _ZERO_PAGE
+            buf[:len(head)] = head
             at = PAGE
             for r in rows:
                 buf[at:at + r.nbytes] = r
                 at += r.nbytes
             self._pwrite_all([memoryview(buf)[:self._span()]], off)
-        page = self._buffers_here().header
-        page[:] = _ZERO_PAGE
-        head = _pack_slot_header(self.spec, self._digest, slot, block_hash, checksum,
-                                 next(self._seq))
-        page[:len(head)] = head
-        self._pwrite_all([memoryview(page)], off)
-        self._count("writes")
-        self._count("bytes_written", self.spec.row_bytes)
+            bounced = 1
+        with self._lock:
+            self.counts["writes"] += 1
+            self.counts["bytes_written"] += self.spec.row_bytes
+            self.counts["bounce"] += bounced
 
     def read_into(self, slot: int, rows: Sequence[memoryview],
                   block_hash: bytes) -> SlotOutcome:
@@ -575,7 +593,6 @@ class SlabFile:
             head: memoryview = memoryview(bufs.header)
             payload: Sequence[memoryview] = rows
         else:
-            self._count("bounce")
             buf = bufs.bounce()
             got = self._preadv_all([memoryview(buf)[:self._span()]], off)
             head = memoryview(buf)[:PAGE]
@@ -587,11 +604,11 @@ class SlabFile:
             for r in rows:
                 r[:] = memoryview(bufs.bounce())[at:at + r.nbytes]
                 at += r.nbytes
-        self._count({SlotOutcome.HIT: "reads", SlotOutcome.EMPTY: "empty",
-                     SlotOutcome.BAD_HEADER: "bad_header",
-                     SlotOutcome.BAD_CRC: "crc_mismatch"}[outcome])
-        if outcome is SlotOutcome.HIT:
-            self._count("bytes_read", self.spec.row_bytes)
+        with self._lock:
+            self.counts[_OUTCOME_COUNTER[outcome]] += 1
+            self.counts["bounce"] += payload is not rows
+            if outcome is SlotOutcome.HIT:
+                self.counts["bytes_read"] += self.spec.row_bytes
         return outcome
 
     def invalidate(self, slot: int) -> None:
