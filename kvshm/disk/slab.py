@@ -95,7 +95,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
-from typing import Final
+from typing import Final, NamedTuple
 
 from kvshm.errors import ConfigError
 from kvshm.remote.tier import CHECKSUMS, DEFAULT_CHECKSUM
@@ -332,8 +332,7 @@ class SlotOutcome(Enum):
         return self in (SlotOutcome.BAD_HEADER, SlotOutcome.BAD_CRC)
 
 
-@dataclass(frozen=True)
-class _SlotHeader:
+class _SlotHeader(NamedTuple):
     checksum_id: int
     rank: int
     world: int
