@@ -6,8 +6,8 @@ the block hash of each. A block's bytes on a rank are one row per region of the 
 pool; each slot's I/O is one vectored read or write straight between those rows and the
 file (O_DIRECT where the rows are page-aligned: :mod:`kvshm.disk.slab`).
 
-Ordering and threads: a job's slots are spread over a pool of ``threads`` threads (slots
-of several jobs interleave; each slot is one task). ``submit`` never blocks and never
+Ordering and threads: a job's slots are spread over a pool of ``threads`` threads, in
+runs of neighbouring slots (at most :data:`RUN`; runs of several jobs interleave). ``submit`` never blocks and never
 raises: a job it cannot take (closed, malformed) becomes a failed Done at once. A job's
 Done is made by the thread that finishes its last slot and waits in :meth:`poll`; the
 eventfd :meth:`notify_fd` turns readable when one is there. Before each slot a thread
@@ -39,10 +39,14 @@ from kvshm.disk import MAX_HASH_BYTES, SlabFile, SlabSpec, SlotOutcome
 from kvshm.ipc.protocol import Disk, DiskOp, DiskSetup, Done, ids_array
 from workers.host_pool import HostPool
 
-__all__ = ["THREADS", "DiskMover"]
+__all__ = ["RUN", "THREADS", "DiskMover"]
 
 #: Slot I/O threads per rank by default.
 THREADS: Final = 4
+#: Most slots of a job one thread takes at a time, in order (a job of n slots is cut into
+#: runs of ceil(n / threads), at most this many): neighbouring slots go to one thread as
+#: one stream, the threads' streams run side by side.
+RUN: Final = 8
 
 #: The outcome key of a slot that succeeded, per op.
 _GOOD: Final = {DiskOp.WRITE: "written", DiskOp.READ: SlotOutcome.HIT.value}
@@ -76,7 +80,9 @@ class DiskMover:
         self._regions: list[torch.Tensor] = list(host.regions)
         self._bases = [_view(r) for r in self._regions]
         self._row_bytes = [r.shape[1] for r in self._regions]
-        self._tasks: queue.SimpleQueue[tuple[_Job, int] | None] = queue.SimpleQueue()
+        #: (job, first slot index, end): a run of a job's slots one thread does in order.
+        self._tasks: queue.SimpleQueue[tuple[_Job, int, int] | None] = queue.SimpleQueue()
+        self._nthreads = threads
         self._done: list[Done] = []
         self._lock = threading.Lock()
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
@@ -104,8 +110,10 @@ class DiskMover:
         if not parsed.slots:
             self._finish(Done(job.job_id, self.rank, True))
             return
-        for k in range(len(parsed.slots)):
-            self._tasks.put((parsed, k))
+        n = len(parsed.slots)
+        run = max(1, min(RUN, -(-n // self._nthreads)))
+        for k in range(0, n, run):
+            self._tasks.put((parsed, k, min(n, k + run)))
 
     def set_gate(self, gate: Callable[[], bool] | None) -> None:
         """Asked before each slot's I/O (any pool thread): False = the rank was revoked,
@@ -141,7 +149,7 @@ class DiskMover:
         return out
 
     def cancel_queued(self, why: str) -> int:
-        """Fail every slot not started yet (running ones finish); how many."""
+        """Fail every slot whose run has not started (running runs finish); how many."""
         n = 0
         while True:
             try:
@@ -151,9 +159,11 @@ class DiskMover:
             if task is None:  # close()'s sentinel: put it back for a thread
                 self._tasks.put(None)
                 return n
-            n += 1
-            self._count("slots_cancelled")
-            self._slot_done(task[0], "cancelled", why)
+            job, start, end = task
+            n += end - start
+            self._count("slots_cancelled", end - start)
+            for _ in range(start, end):
+                self._slot_done(job, "cancelled", why)
 
     def close(self) -> None:
         """Stop (idempotent): queued slots fail, running ones finish, the slab closes."""
@@ -198,21 +208,22 @@ class DiskMover:
             task = self._tasks.get()
             if task is None:
                 return
-            job, k = task
-            gate = self._gate
-            if gate is not None and not gate():
-                self._count("slots_refused")
-                self._slot_done(job, "revoked", "rank revoked")
-                continue
-            try:
-                key = self._run_slot(job, k)
-            except OSError as exc:
-                self._count("io_errors")
-                key = f"io_error ({exc.strerror or exc})"
-            except Exception as exc:  # noqa: BLE001 - a bug fails this slot, not the rank
-                self._count("slot_errors")
-                key = f"error ({type(exc).__name__}: {exc})"
-            self._slot_done(job, key, "")
+            job, start, end = task
+            for k in range(start, end):
+                gate = self._gate
+                if gate is not None and not gate():
+                    self._count("slots_refused")
+                    self._slot_done(job, "revoked", "rank revoked")
+                    continue
+                try:
+                    key = self._run_slot(job, k)
+                except OSError as exc:
+                    self._count("io_errors")
+                    key = f"io_error ({exc.strerror or exc})"
+                except Exception as exc:  # noqa: BLE001 - a bug fails this slot, not the rank
+                    self._count("slot_errors")
+                    key = f"error ({type(exc).__name__}: {exc})"
+                self._slot_done(job, key, "")
 
     def _run_slot(self, job: _Job, k: int) -> str:
         i = job.ids[k]
