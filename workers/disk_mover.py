@@ -7,14 +7,14 @@ pool; each slot's I/O is one vectored read or write straight between those rows 
 file (O_DIRECT where the rows are page-aligned: :mod:`kvshm.disk.slab`).
 
 Ordering and threads: a job's slots are spread over a pool of ``threads`` threads, in
-runs of neighbouring slots (at most :data:`RUN`; runs of several jobs interleave). ``submit`` never blocks and never
-raises: a job it cannot take (closed, malformed) becomes a failed Done at once. A job's
-Done is made by the thread that finishes its last slot and waits in :meth:`poll`; the
-eventfd :meth:`notify_fd` turns readable when one is there. Before each slot a thread
-asks the gate (:meth:`set_gate`: the rank's revocation word): a revoked rank starts no
-more slot I/O. :meth:`close` stops taking jobs, fails the queued slots, waits for the
-running ones and closes the slab: after it returns, no thread of this mover touches a
-host row.
+runs of neighbouring slots (at most :data:`RUN`; runs of several jobs interleave).
+``submit`` never blocks and never raises: a job it cannot take (closed, malformed)
+becomes a failed Done at once. A job's Done is made by the thread that finishes its
+last slot and waits in :meth:`poll`; the eventfd :meth:`notify_fd` turns readable when
+one is there. Before each slot a thread asks the gate (:meth:`set_gate`: the rank's
+revocation word): a revoked rank starts no more slot I/O. :meth:`close` stops taking
+jobs, fails the queued slots, waits for the running ones and closes the slab: after it
+returns, no thread of this mover touches a host row.
 
 Outcome rule (the remote tier's): failure = miss = recompute. A job is ok only if every
 slot succeeded (WRITE: written; READ: a HIT); otherwise its Done names how many of each
@@ -47,6 +47,11 @@ THREADS: Final = 4
 #: runs of ceil(n / threads), at most this many): neighbouring slots go to one thread as
 #: one stream, the threads' streams run side by side.
 RUN: Final = 8
+
+#: Counters :meth:`DiskMover.statistics` always reports (0 until they move).
+_ALWAYS: Final = ("writes", "reads", "bytes_written", "bytes_read", "failures",
+                  "crc_mismatch", "bad_header", "empty", "io_errors", "bounce", "jobs_ok",
+                  "jobs_failed", "bad_jobs")
 
 #: The outcome key of a slot that succeeded, per op.
 _GOOD: Final = {DiskOp.WRITE: "written", DiskOp.READ: SlotOutcome.HIT.value}
@@ -143,7 +148,8 @@ class DiskMover:
         (slots that did not succeed), ``crc_mismatch``, ``bad_header``, ``empty``,
         ``io_errors``, ``bounce``, ``jobs_ok``, ``jobs_failed``, ``bad_jobs``..."""
         with self._lock:
-            out: dict[str, Any] = dict(self.counts)
+            out: dict[str, Any] = dict.fromkeys(_ALWAYS, 0)
+            out.update(self.counts)
         out.update(self._slab.counts)
         out.update(path=self._slab.path, slots=self._spec.slots, direct=self._slab.direct)
         return out
