@@ -15,7 +15,8 @@
     (temp file + rename), with the O_DIRECT choice of its own probe (``probe_o_direct``);
     skipped with a note where vLLM is not installed.
 
-  Every arm runs with 1..``--threads`` threads and keeps its best; ``--runs`` runs give
+  Every arm runs with 1..``--threads`` threads and keeps its best (the arms take turns
+  at each thread count, so machine noise hits all alike); ``--runs`` runs give
   min / median / max. All three bypass the page cache (O_DIRECT: kvshm's slab and raw
   always, vLLM's where its probe says so, reported as ``vllm_o_direct``), so a read
   measures the disk, not memory. The slab's bytes are payload bytes: its per-slot 4 KiB
@@ -243,17 +244,15 @@ class SlabArm:
 Arm = RawArm | VllmArm | SlabArm
 
 
-def _best(arm: Arm, op: str, case: Case, threads: Sequence[int]) -> tuple[float, int]:
-    """Best GB/s over the thread counts, and the count that gave it."""
-    out = []
-    for t in threads:
-        if isinstance(arm, SlabArm) and op == "read":
-            arm.pool.regions[0].zero_()
-        dt = arm.run(op, t)
-        if isinstance(arm, SlabArm) and op == "read":
-            arm.verify()
-        out.append((case.total / dt / 1e9, t))
-    return max(out)
+def _one(arm: Arm, op: str, case: Case, threads: int) -> float:
+    """GB/s of one pass of ``op`` by ``arm`` with ``threads`` threads (a slab read is
+    checked against the source bytes afterwards, untimed)."""
+    if isinstance(arm, SlabArm) and op == "read":
+        arm.pool.regions[0].zero_()
+    dt = arm.run(op, threads)
+    if isinstance(arm, SlabArm) and op == "read":
+        arm.verify()
+    return case.total / dt / 1e9
 
 
 def _spread(xs: list[float]) -> list[float]:
@@ -288,11 +287,15 @@ def part_slab(directory: str, sizes: Sequence[int], total: int, runs: int,
             used: dict[tuple[str, str], list[int]] = {}
             try:
                 for _ in range(runs):
-                    for op in OPS:
-                        for arm in arms:
-                            gbps, t = _best(arm, op, case, threads)
-                            got.setdefault((arm.name, op), []).append(gbps)
-                            used.setdefault((arm.name, op), []).append(t)
+                    for op in OPS:  # arms interleaved per thread count: drift hits all
+                        best: dict[str, tuple[float, int]] = {}
+                        for t in threads:
+                            for arm in arms:
+                                best[arm.name] = max(best.get(arm.name, (0.0, 0)),
+                                                     (_one(arm, op, case, t), t))
+                        for name, (gbps, t) in best.items():
+                            got.setdefault((name, op), []).append(gbps)
+                            used.setdefault((name, op), []).append(t)
                 stats = arms[0].statistics()  # type: ignore[union-attr]
             finally:
                 for arm in arms:
