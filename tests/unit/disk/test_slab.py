@@ -244,11 +244,11 @@ def test_slab_path_refuses_names_with_separators(tmp_path: Path) -> None:
 
 
 def test_open_without_the_space_is_refused_naming_the_size(tmp_path: Path) -> None:
-    """A slab larger than the directory's free space (read here) is refused before any
+    """A slab larger than the directory's free space (read here: twice the filesystem's
+    whole size, so no other process freeing space can make it fit) is refused before any
     allocation, and leaves no file."""
     st = os.statvfs(tmp_path)
-    free = st.f_bavail * st.f_frsize
-    slots = free // (PAGE + PAGE) + 1000
+    slots = 2 * st.f_blocks * st.f_frsize // (PAGE + PAGE)
     spec = SlabSpec(FP, 0, 1, slots, PAGE)
     path = tmp_path / "big.slab"
     with pytest.raises(ConfigError, match=f"cannot allocate {spec.file_bytes} bytes"):
