@@ -6,7 +6,7 @@ Order (each step before the next; none of it moves a block's bytes -- the worker
 1. ``Runtime.open`` (:func:`open_disk`): ``EngineConfig.disk_path`` is checked for the
    whole engine's slabs (``world x disk_bytes_per_rank``, less what this engine's slab
    files already hold): not a directory, not writable, too little space, ``O_DIRECT``
-   refused -- one line (:func:`kvshm.disk.slab.check_directory`), before anything
+   refused -- one line (:func:`kvshm.disk.check_directory`), before anything
    listens.
 2. Once every rank said hello (:meth:`DiskLink.setups`, from ``make_ready``, before
    any Ready is sent and so before any worker opens its slab): the layout fingerprint
@@ -15,7 +15,7 @@ Order (each step before the next; none of it moves a block's bytes -- the worker
    header page, over its slot stride -- its row rounded up to 4 KiB plus a 4 KiB header
    page --, the smallest over the ranks: one slot number names a block on every rank),
    and each rank's :class:`~kvshm.ipc.protocol.DiskSetup` (its own slab path). Then
-   the warm scan: every rank's slab headers are read (:func:`kvshm.disk.slab.scan`;
+   the warm scan: every rank's slab headers are read (:func:`kvshm.disk.scan`;
    checksums are checked lazily by the workers, on read) and a slot is indexed only
    where every rank's header names the same block (a torn or half-done write leaves the
    ranks disagreeing, or a header whose checksum fails on read: a miss).
@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kvshm.config import DiskIO, DiskMode, EngineConfig
+from kvshm.disk import PAGE, SlabSpec, check_directory, scan, slab_path
 from kvshm.errors import ConfigError
 from kvshm.ipc.protocol import DiskSetup, LayoutSpec
 from kvshm.offload.disk import DiskBook, max_disk_blocks
@@ -46,9 +47,6 @@ from kvshm.remote.fingerprint import layout_fingerprint
 __all__ = ["DiskLink", "open_disk", "slot_count", "slot_stride"]
 
 log = logging.getLogger("kvshm.engine.runtime")
-
-#: A slab's page: offsets and lengths are multiples of it; each slot has a header page.
-PAGE = 4096
 
 BookFactory = Callable[[BlockPool, GroupSet, JobTable], DiskBook]
 
@@ -95,9 +93,7 @@ class DiskLink:
     def path(self, rank: int) -> str:
         cfg = self.config
         assert cfg is not None and cfg.disk_path is not None
-        from kvshm.disk import slab
-
-        return slab.slab_path(cfg.disk_path, cfg.name, rank, cfg.world_size)
+        return slab_path(cfg.disk_path, cfg.name, rank, cfg.world_size)
 
     def make_setups(self, layouts: Mapping[int, LayoutSpec]) -> dict[int, DiskSetup]:
         """Every rank's DiskSetup (module docstring, step 2), then the warm scan; {}
@@ -119,14 +115,12 @@ class DiskLink:
 
     def _scan(self, rows: Mapping[int, int]) -> None:
         """Index the slots whose header names the same block on every rank."""
-        from kvshm.disk import slab
-
         world = len(self.setups)
         found: list[dict[int, bytes]] = []
         for r, setup in self.setups.items():
-            spec = slab.SlabSpec(setup.fingerprint, r, world, setup.slots, rows[r])
+            spec = SlabSpec(setup.fingerprint, r, world, setup.slots, rows[r])
             try:
-                found.append(slab.scan(setup.path, spec))
+                found.append(scan(setup.path, spec))
             except OSError as exc:
                 self.scan_errors += 1
                 log.warning("kvshm: disk slab %s unreadable (%s): starting cold", setup.path,
@@ -163,10 +157,8 @@ def open_disk(config: EngineConfig) -> DiskLink:
     directory check (ConfigError, one line)."""
     if config.disk_path is None or config.disk_bytes_per_rank is None:
         return DiskLink.none()
-    from kvshm.disk import slab
-
     link = DiskLink(config)
     held = sum(_held(link.path(r)) for r in range(config.world_size))
     need = max(0, config.world_size * config.disk_bytes_per_rank - held)
-    slab.check_directory(config.disk_path, need, direct=config.disk_io is DiskIO.DIRECT)
+    check_directory(config.disk_path, need, direct=config.disk_io is DiskIO.DIRECT)
     return link
