@@ -17,8 +17,9 @@ request in turn, the order rotating by one each request.
   mid-conversations); then ``warm`` (a new engine under the same name and directory: it
   starts on the seed's slab) and ``cold`` (the same settings, a fresh directory) serve
   the second half, with ``disk_mode`` ``--restart-mode`` (default write_through: a
-  write-back slab lacks what the CPU tier held at the shutdown). Target: ``cold``'s mean TTFT on the first turn after the restart of
-  each conversation the seed served / ``warm``'s ``>= 2``.
+  write-back slab lacks what the CPU tier held at the shutdown). Target: ``cold``'s
+  mean TTFT on the first turn after the restart of each conversation the seed served /
+  ``warm``'s ``>= 2``.
 
 Each part's JSON: per arm TTFT mean / p50 / p90 (ms), CPU time, hit tokens (vLLM's
 accepted external tokens) and the disk section's counters; the ratio, target and
@@ -50,7 +51,7 @@ from tools.bench_e2e import (
 from tools.chat_trace import Turn
 from tools.e2e_arm import ArmKind, ArmSpec, ReqResult, kv_bytes_per_block, serve
 
-__all__ = ["main", "offload_part", "restart_part"]
+__all__ = ["add_arguments", "main", "offload_part", "restart_part", "run_parts"]
 
 OFFLOAD_WORKLOADS = ("chat", "agentic")
 RESTART_WORKLOAD = "chat"
@@ -218,7 +219,7 @@ def restart_part(args: argparse.Namespace, ns: argparse.Namespace, folder: Path,
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Every part asked for; the JSON summary."""
+    """Every part asked for (``args.parts``); the JSON summary."""
     from tools.bench_vllm import build_model
 
     out: dict[str, Any] = {}
@@ -241,10 +242,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     return out
 
 
+def run_parts(args: argparse.Namespace, parts: Sequence[str], disk_dir: str
+              ) -> dict[str, Any]:
+    """:func:`run` for :mod:`tools.bench_disk`: ``parts`` among ``offload`` and
+    ``restart``, the slabs under ``disk_dir``."""
+    args.parts, args.disk_dir = list(parts), disk_dir
+    return run(finish_args(args))
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    """This part's options (:mod:`tools.bench_disk` adds them to its own)."""
-    ap.add_argument("--parts", nargs="+", default=["offload", "restart"],
-                    choices=["offload", "restart"])
+    """The options of both parts (:mod:`tools.bench_disk` adds them to its own; ``--parts``
+    and ``--disk-dir`` are :func:`main`'s)."""
     ap.add_argument("--offload-workloads", nargs="+", default=list(OFFLOAD_WORKLOADS))
     ap.add_argument("--offload-mode", default="write_back",
                     choices=["write_back", "write_through"], help="part (b)'s disk_mode")
@@ -252,8 +260,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     choices=["write_back", "write_through"],
                     help="part (c)'s disk_mode (write_back loses what the CPU tier held at "
                          "the shutdown)")
-    ap.add_argument("--disk-dir", default=None,
-                    help="where the slab files go (default: the system's temp directory)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-requests", type=int, default=0, help="first N requests (0: all)")
     ap.add_argument("--max-prompt", type=int, default=4064)
@@ -278,6 +284,10 @@ def finish_args(args: argparse.Namespace) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     ap.add_argument("--json", action="store_true", help="end with the one-line JSON summary")
+    ap.add_argument("--parts", nargs="+", default=["offload", "restart"],
+                    choices=["offload", "restart"])
+    ap.add_argument("--disk-dir", default=None,
+                    help="where the slab files go (default: the system's temp directory)")
     add_arguments(ap)
     args = finish_args(ap.parse_args(argv))
     out = run(args)
