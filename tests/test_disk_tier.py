@@ -138,7 +138,7 @@ async def test_a_corrupted_slot_is_a_miss_and_its_slots_are_dropped(tmp_path: Pa
         toks, _ = stored[0]
         target = disk_hash(chain_hashes(toks, BS)[2])
         path = tmp_path / f"kvshm-{name}.rank1-of-2.slab"
-        fp = eng._core._disk.setups[1].fingerprint  # type: ignore[attr-defined]
+        fp = eng._core._disk.setups[1].fingerprint
         slots = {h: s for s, h in scan(str(path), SlabSpec(fp, 1, 2, SLOTS, ROW)).items()}
         slot = slots[target]
         with open(path, "r+b") as f:

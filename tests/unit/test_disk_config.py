@@ -39,14 +39,16 @@ def test_the_vllm_keys_parse_and_refuse_in_one_line() -> None:
                                                                 DiskIO.BUFFERED)
     assert s.disk_mode is DiskMode.WRITE_THROUGH
     assert check_extra_config({}).disk_path is None
-    for extra, msg in [({"disk_path": "/d"}, "go together"),
-                       ({"disk_bytes_per_rank": 10}, "go together"),
-                       ({"disk_path": 3, "disk_bytes_per_rank": 10}, "directory path"),
-                       ({"disk_path": "/d", "disk_bytes_per_rank": -1}, "must be > 0"),
-                       ({"disk_path": "/d", "disk_bytes_per_rank": 9, "disk_io": "odirect"},
-                        "must be one of ['buffered', 'direct']"),
-                       ({"disk_path": "/d", "disk_bytes_per_rank": 9, "disk_mode": "back"},
-                        "must be one of ['write_back', 'write_through']")]:
+    cases: list[tuple[dict[str, object], str]] = [
+        ({"disk_path": "/d"}, "go together"),
+        ({"disk_bytes_per_rank": 10}, "go together"),
+        ({"disk_path": 3, "disk_bytes_per_rank": 10}, "directory path"),
+        ({"disk_path": "/d", "disk_bytes_per_rank": -1}, "must be > 0"),
+        ({"disk_path": "/d", "disk_bytes_per_rank": 9, "disk_io": "odirect"},
+         "must be one of ['buffered', 'direct']"),
+        ({"disk_path": "/d", "disk_bytes_per_rank": 9, "disk_mode": "back"},
+         "must be one of ['write_back', 'write_through']")]
+    for extra, msg in cases:
         with pytest.raises(ConfigError, match=msg.replace("[", r"\[").replace("]", r"\]")) \
                 as info:
             check_extra_config(extra)
