@@ -335,21 +335,6 @@ def test_register_one_group_matches_general_for_good_keys() -> None:
     assert fast[1][2][:3] == [0, 1, 2]
 
 
-@pytest.mark.parametrize("gh", [
-    {},  # no GPU block hashed: stored under the keys
-    {0: (H[0],), 1: (H[1],), 2: (H[2],)},  # each carries exactly its key
-    {0: (H[0],), 1: (H[5],)},  # block 1 re-hashed for other content: both keys indexed
-    {1: (H[1], H[6])},  # block 1 carries a second hash
-    {2: (H[5], H[2])},  # its key second
-])
-def test_register_one_group_takes_add_keys_only_where_each_block_carries_its_key(
-        gh: dict[int, tuple[Any, ...]]) -> None:
-    """The one-group check (every GPU block carries no hash or exactly its key) sends
-    the job to ``add_keys``, else to the pairs: the same index either way."""
-    fast, general = _register_both([H[0], H[1], H[2]], gh)
-    assert fast == general
-
-
 def test_register_refused_key_changes_the_same_in_both_paths() -> None:
     """FINDING (divergence): a key that is not bytes (a lazy store's key is the GPU
     pool's own ``block_hashes(b)[0]``, unchecked) makes the one-group path's

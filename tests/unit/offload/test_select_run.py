@@ -11,14 +11,49 @@ which must plan the same transfers and end in the same state."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from manager_rig import BS, Req, Rig, manager_state
-from test_store_fast_paths import H, _Cur, _state
 
-from kvshm.offload.stores import Selection
+from kvshm.offload.counters import ManagerCounters
+from kvshm.offload.groups import GroupSet
+from kvshm.offload.pool import BlockPool
+from kvshm.offload.stores import Selection, StorePlanner
+from kvshm.types import KVGroup
+
+H = [bytes([i]) * 16 for i in range(12)]
+
+
+@dataclass
+class _Cur:
+    """A request's store tracking as the planner reads it."""
+
+    tables: list[list[int]]
+    hashes: Sequence[bytes]
+    cursor: int = 0
+
+
+def _state(gpu_h: list[int | None], cached: set[int], inflight: set[int],
+           keys_inflight: set[int], loading: set[int]) -> StorePlanner:
+    """A one-group planner over a 12-block GPU pool hashed as ``gpu_h`` says (block
+    ``b`` carries ``H[gpu_h[b]]``), a CPU tier holding ``cached``, those GPU ids and
+    keys in flight and ``loading`` being loaded."""
+    gpu, cpu = BlockPool(12), BlockPool(16)
+    gpu.allocate(12)
+    for b, h in enumerate(gpu_h):
+        if h is not None:
+            gpu.add_hashes(b, [H[h]])
+    for c, h in zip(cpu.allocate(len(cached)), sorted(cached)):
+        cpu.add_hashes(c, [H[h]])
+    plan = StorePlanner(cpu, gpu, GroupSet((KVGroup.full(),), 16), 16, ManagerCounters(), 8,
+                        loading)
+    plan.inflight_gpu.update(inflight)
+    plan.inflight_keys.update(H[k] for k in keys_inflight)
+    return plan
 
 # (block, key, position): blocks and keys from a few values so that runs repeat them; a
 # key of None is the block's own hash (what the GPU block carries when it is hashed)
@@ -48,7 +83,7 @@ def test_pick_run_picks_what_walking_one_by_one_picks(
     out = []
     picked = False
     for batch in (True, False):
-        _, plan = _state(True, gpu_h, cached, inflight, keys_inflight, loading)
+        plan = _state(gpu_h, cached, inflight, keys_inflight, loading)
         curs = [_Cur([[0] * p + [b]], [H[0]] * p + [H[k]], p) for b, k, p in entries]
         sel = Selection()
         left = avail
@@ -76,7 +111,7 @@ def test_pick_run_picks_what_walking_one_by_one_picks(
 def test_pick_run_takes_a_plain_decode_run() -> None:
     """Distinct hashed blocks, nothing in flight, cached or loading: taken at once (so
     the property test above is not only exercising refusals)."""
-    _, plan = _state(True, list(range(12)), set(), set(), set(), set())
+    plan = _state(list(range(12)), set(), set(), set(), set())
     sel = Selection()
     assert plan.pick_run([3, 5, 7], [H[3], H[5], H[7]], [2, 0, 4], sel)
     assert (sel.gpu_ids, sel.groups, sel.keys, sel.depths, sel.to_touch) == \
@@ -163,9 +198,9 @@ def test_pick_run_refuses_what_one_walk_would_decline() -> None:
         ([1, 2], [1, 2], set(), {2}),  # H[2] cached
     ]
     for blocks, keys, loading, cached in cases:
-        _, plan = _state(True, gpu_h, cached, set(), set(), loading)
+        plan = _state(gpu_h, cached, set(), set(), loading)
         sel = Selection()
         assert not plan.pick_run(blocks, [H[k] for k in keys], [0] * len(blocks), sel)
         assert sel.gpu_ids == [] and not plan.inflight_gpu and not plan.inflight_keys
-    _, plan = _state(True, gpu_h, set(), set(), {2}, set())
+    plan = _state(gpu_h, set(), set(), {2}, set())
     assert not plan.pick_run([1, 2], [H[1], H[2]], [0, 0], Selection())  # H[2] in flight
