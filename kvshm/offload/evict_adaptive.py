@@ -79,7 +79,7 @@ __all__ = ["EXPERTS", "Adaptive", "Expert", "KeyedSegment", "Shadow"]
 
 PROBATION = 0
 MAIN = 1
-SHADOW_BLOCKS = 512
+SHADOW_BLOCKS = 256
 """Keys a full-capacity simulation holds at most (the sample rate follows)."""
 TIERS = (1.0, 0.75, 0.5)
 """Capacities simulated, as fractions of the tier's: the first with a spread decides."""
@@ -213,8 +213,9 @@ class Shadow:
     """A miniature simulation of one expert on sampled keys (module docstring): what
     the expert would hold with ``capacity`` keys, and ``score``, the compute its hits
     would have saved (decayed by :meth:`decay`). Keys are held in two segments like the
-    tier's, by exact key (``clock - K * depth``; ties: the deeper first) in lazy heaps
-    (an entry is live while ``held`` names its sequence number)."""
+    tier's, by exact key (``clock - K * depth``; ties: the deeper first) in lazy heaps:
+    ``held`` maps a key to its tag ``seq * 2 + segment``, and a heap entry is live
+    while its tag is the key's."""
 
     __slots__ = ("capacity", "ghost", "heaps", "held", "k", "probation", "refresh",
                  "score", "seq", "sizes")
@@ -224,7 +225,7 @@ class Shadow:
         self.probation = expert.probation
         self.refresh = expert.refresh
         self.capacity = max(1, capacity)
-        self.held: dict[BlockHash, tuple[int, int]] = {}  # key -> (segment, seq)
+        self.held: dict[BlockHash, int] = {}  # key -> tag
         self.heaps: tuple[list[tuple[int, int, int, BlockHash]], ...] = ([], [])
         self.sizes = [0, 0]
         self.ghost: dict[BlockHash, None] = {}
@@ -235,43 +236,39 @@ class Shadow:
         """``h`` was asked for (stored after a miss, or hit): a simulated hit scores
         ``cost`` and moves to main; a miss is admitted (a ghost to main), evicting
         first when full."""
-        w = self.held.get(h)
-        if w is not None:
+        held = self.held
+        tag = held.get(h)
+        if tag is not None:
             self.score += cost
-            self.sizes[w[0]] -= 1
-            self._push(h, depth, MAIN, clock)
-            return
-        seg = PROBATION
-        if h in self.ghost:
-            del self.ghost[h]
+            self.sizes[tag & 1] -= 1
             seg = MAIN
-        if len(self.held) >= self.capacity:
-            self._evict()
-        self._push(h, depth, seg, clock)
+        else:
+            seg = PROBATION
+            if h in self.ghost:
+                del self.ghost[h]
+                seg = MAIN
+            if len(held) >= self.capacity:
+                self._evict()
+        self.seq = seq = self.seq + 1
+        held[h] = tag = seq * 2 + seg
+        heap = self.heaps[seg]
+        heapq.heappush(heap, (clock - self.k * depth, -depth, tag, h))
+        n = self.sizes[seg] = self.sizes[seg] + 1
+        if len(heap) > 2 * n + 64:
+            self._compact(seg)
 
     def touch(self, h: BlockHash, depth: int, clock: int) -> None:
         """A GPU hit on ``h``: a use for an expert that counts them, no score."""
-        w = self.held.get(h)
-        if w is not None and self.refresh:
-            self.sizes[w[0]] -= 1
-            self._push(h, depth, MAIN, clock)
+        if self.refresh and h in self.held:
+            self.use(h, depth, clock, 0.0)
 
     def decay(self, factor: float) -> None:
         self.score *= factor
 
-    def _push(self, h: BlockHash, depth: int, seg: int, clock: int) -> None:
-        self.seq += 1
-        self.held[h] = (seg, self.seq)
-        heap = self.heaps[seg]
-        heapq.heappush(heap, (clock - self.k * depth, -depth, self.seq, h))
-        self.sizes[seg] += 1
-        if len(heap) > 2 * self.sizes[seg] + 64:
-            self._compact(seg)
-
     def _compact(self, seg: int) -> None:
         held = self.held
         heap = self.heaps[seg]
-        heap[:] = [e for e in heap if held.get(e[3]) == (seg, e[2])]
+        heap[:] = [e for e in heap if held.get(e[3]) == e[2]]
         heapq.heapify(heap)
 
     def _top(self, seg: int) -> int | None:
@@ -279,7 +276,7 @@ class Shadow:
         held = self.held
         while heap:
             e = heap[0]
-            if held.get(e[3]) == (seg, e[2]):
+            if held.get(e[3]) == e[2]:
                 return e[0]
             heapq.heappop(heap)
         return None
@@ -307,6 +304,8 @@ class Shadow:
             raise AssertionError(f"shadow holds {len(self.held)} > {self.capacity}")
         if sum(self.sizes) != len(self.held) or min(self.sizes) < 0:
             raise AssertionError(f"shadow sizes {self.sizes} vs {len(self.held)} held")
+        if [sum(t & 1 == s for t in self.held.values()) for s in (0, 1)] != self.sizes:
+            raise AssertionError(f"shadow sizes {self.sizes} disagree with the tags")
         if len(self.ghost) > self.capacity:
             raise AssertionError("shadow ghost over capacity")
 
@@ -409,11 +408,12 @@ class Adaptive(FreeSet):
     def extend(self, blocks: Iterable[Block]) -> None:
         """Place each block in order (a store frees its blocks tail first); the stored
         ones are fed to the simulations head first, before any is placed."""
-        blocks = blocks if isinstance(blocks, list) else list(blocks)
+        blocks = blocks if type(blocks) is list else list(blocks)
+        below = self.sample_below
         for b in reversed(blocks):
-            if b.freq == NEW:
-                h = self._sampled(b)
-                if h is not None:
+            if b.freq == NEW and b.hashes:
+                h = b.hashes[0]
+                if int.from_bytes(h[:2], "big") < below:
                     self._use(h, b.depth)
         for b in blocks:
             self._place(b)
@@ -428,12 +428,18 @@ class Adaptive(FreeSet):
         self._len += 1
 
     def remove(self, b: Block) -> None:
-        """``b`` is pinned (a hit): a use for the simulations."""
-        if b.slot != FRESH:
-            h = self._sampled(b)
-            if h is not None:
-                self._use(h, b.depth)
-        super().remove(b)
+        """``b`` is pinned (a hit): a use for the simulations; it leaves its segment
+        (FreeSet.remove, inlined: a hit pins many blocks)."""
+        if b.slot == FRESH:
+            self.fresh.remove(b)
+        else:
+            hs = b.hashes
+            if hs and int.from_bytes(hs[0][:2], "big") < self.sample_below:
+                self._use(hs[0], b.depth)
+            self.segs[b.slot & 1].unlink(b)
+            if b.freq >= 0:
+                b.freq = min(b.freq + 1, 3)
+        self._len -= 1
 
     def refresh(self, b: Block) -> None:
         """A GPU hit: a use for the experts that count them, and for the tier when
@@ -449,20 +455,23 @@ class Adaptive(FreeSet):
             super().refresh(b)
 
     def _place(self, b: Block) -> None:
-        self.clock += 1
+        self.clock = clock = self.clock + 1
         if b.freq == NEW:
             seg = PROBATION
             b.freq = 0
-            if b.hashes and b.hashes[0] in self.ghost:
-                del self.ghost[b.hashes[0]]
-                seg = MAIN
-                b.freq = 1
+            if b.hashes:
+                ghost = self.ghost
+                h = b.hashes[0]
+                if h in ghost:
+                    del ghost[h]
+                    seg = MAIN
+                    b.freq = 1
         else:
             seg = MAIN if b.freq >= 1 else PROBATION
-        self.placed[b.block_id] = self.clock
-        self.segs[seg].add(b, self.clock - self.k * b.depth)
-        self.tick += 1
-        if self.tick >= self.n:
+        self.placed[b.block_id] = clock
+        self.segs[seg].add(b, clock - self.k * b.depth)
+        self.tick = tick = self.tick + 1
+        if tick >= self.n:
             self.tick = 0
             self._choose()
 
