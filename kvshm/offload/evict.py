@@ -70,8 +70,7 @@ from kvshm.errors import ConfigError, StateError
 from kvshm.offload.blocks import FRESH, NEW, Block, FreeBlockQueue, FreeSet
 from kvshm.offload.evict_adaptive import Adaptive
 
-__all__ = ["FRESH", "NEW", "Adaptive", "DepthAged", "FreeSet", "S3Fifo", "Slru",
-           "make_free_set"]
+__all__ = ["FRESH", "NEW", "DepthAged", "FreeSet", "S3Fifo", "Slru", "make_free_set"]
 
 DEPTH_AGED_DIV = 16
 """``depth_aged``: one chain level counts as ``num_blocks // DEPTH_AGED_DIV`` ticks of
