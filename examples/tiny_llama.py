@@ -88,8 +88,8 @@ def main(argv: list[str] | None = None) -> int:
               "(bash tools/vllm_install.sh .venv/bin/python)", file=sys.stderr)
         return 1
     print(f"tiny Llama written to {folder}")
-    print(f"try: vllm serve {folder} --enable-prefix-caching --kv-transfer-config ... "
-          "(README, vLLM)")
+    print(f"try: python examples/vllm_quickstart.py {folder} "
+          "(or examples/vllm_serve_quickstart.sh)")
     return 0
 
 

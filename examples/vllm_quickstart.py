@@ -1,61 +1,62 @@
-"""kvshm as vLLM's KV connector, offline, on the tiny model: a prompt, vLLM's prefix cache
-dropped, the same prompt again -- its KV comes back from kvshm's CPU tier.
+"""kvshm as vLLM's KV connector, offline, on the tiny model: a prompt's KV comes back from
+kvshm's CPU tier after vLLM's own prefix cache lost it.
 
-Run (after ``bash tools/vllm_install.sh .venv/bin/python`` and ``pip install -e .``):
+Run from the repository root (after ``pip install -e .`` and
+``bash tools/vllm_install.sh .venv/bin/python``)::
 
     python examples/tiny_llama.py /tmp/tiny-llama
-    OMP_NUM_THREADS=1 TORCH_COMPILE_DISABLE=1 python examples/vllm_quickstart.py /tmp/tiny-llama
+    python examples/vllm_quickstart.py /tmp/tiny-llama
 
-It prints each answer's ``num_cached_tokens`` (vLLM counts the tokens kvshm loaded there
-too) and the connector's statistics (``stats_path``, written when the engine shuts
-down): ``lookup_hit_tokens`` > 0 is the CPU tier at work. While it runs, ``kvshm stats
---name quickstart`` asks the engine from another shell.
+The connector is one line, ``KVTransferConfig(kv_connector="KvshmConnector",
+kv_role="kv_both")``: every other setting has a default (the CPU tier takes a quarter
+of the available memory; the start-up log says how much). The device KV pool is made
+small on purpose (``max_model_len=512``, ``kv_cache_memory_bytes=327680``: 5 blocks of
+128 tokens, 64 KiB each for this model's bfloat16 KV), so it holds one 400-token prompt
+at a time. The first call runs prompts A and B: B evicts A from vLLM's prefix cache,
+kvshm keeps both. The second call runs A again: its three full blocks come back from
+kvshm. It prints::
+
+    first call:  A cached 0 tokens, B cached 0 tokens
+    second call: A cached 384 tokens, same answer: True
+    kvshm: 384 hit tokens (kvshm_hit_tokens_total), 3 blocks loaded
+
+``examples/vllm_serve_quickstart.sh`` is the same with ``vllm serve``;
+tests/vllm/test_quickstarts.py runs both files as they are.
 """
 
 from __future__ import annotations
 
-import json
 import sys
-import tempfile
-import time
-from pathlib import Path
 
 from vllm import LLM, SamplingParams
 from vllm.config import KVTransferConfig
 
-PROMPT = " ".join(f"w{i}" for i in range(300))  # 300 tokens with the tiny model
+from kvshm.integrations.vllm import engine_stats, hit_tokens
+
+PROMPT_A = " ".join(f"w{i}" for i in range(400))  # 400 tokens with the tiny model
+PROMPT_B = " ".join(f"w{i}" for i in range(100, 500))
 
 
 def main() -> int:
-    model = sys.argv[1] if len(sys.argv) > 1 else "tiny-llama"
-    stats_path = Path(tempfile.mkdtemp(prefix="kvshm-quickstart-")) / "stats.json"
-    llm = LLM(model=model, enable_prefix_caching=True, max_model_len=2048, enforce_eager=True,
-              kv_cache_memory_bytes=64 << 20,  # the tiny model needs little; a real one: omit
-              kv_transfer_config=KVTransferConfig(
-                  kv_connector="KvshmConnector",
-                  kv_connector_module_path="kvshm.integrations.vllm",
-                  kv_role="kv_both", kv_load_failure_policy="recompute",
-                  kv_connector_extra_config={"cpu_bytes": 1 << 30, "name": "quickstart",
-                                             "stats_path": str(stats_path)}))
+    model = sys.argv[1] if len(sys.argv) > 1 else "/tmp/tiny-llama"
+    llm = LLM(model=model, max_model_len=512, kv_cache_memory_bytes=327680,
+              kv_transfer_config=KVTransferConfig(kv_connector="KvshmConnector",
+                                                  kv_role="kv_both"))
     params = SamplingParams(max_tokens=8, temperature=0.0)
-    first = llm.generate([PROMPT], params)[0]
-    # vLLM's own prefix cache would serve the repeat; drop it. False while kvshm still
-    # stores the finished request's blocks (pinned in vLLM's pool): retry.
-    deadline = time.monotonic() + 30
-    while not llm.reset_prefix_cache():
-        if time.monotonic() > deadline:
-            print("reset_prefix_cache() stayed False for 30 s", file=sys.stderr)
-            return 1
-        llm.generate(["w1"], SamplingParams(max_tokens=1))  # steps the engine
-    second = llm.generate([PROMPT], params)[0]
-    print(f"first:  cached {first.num_cached_tokens} tokens, {first.outputs[0].text!r}")
-    print(f"second: cached {second.num_cached_tokens} tokens, {second.outputs[0].text!r}")
-    llm.llm_engine.engine_core.shutdown(timeout=30)  # writes stats_path
-    counters = json.loads(stats_path.read_text())["counters"]
-    print(f"kvshm: lookup_hit_tokens={counters['lookup_hit_tokens']}, "
-          f"stored_blocks={counters.get('stored_blocks')}, "
-          f"loaded_blocks={counters.get('loaded_blocks')}")
-    return 0 if counters["lookup_hit_tokens"] > 0 else 1
+    try:
+        a, b = llm.generate([PROMPT_A, PROMPT_B], params)
+        again = llm.generate([PROMPT_A], params)[0]
+        stats = engine_stats(llm)  # what `kvshm stats --name` prints
+    finally:
+        llm.llm_engine.engine_core.shutdown(timeout=30)  # vLLM 0.32's LLM has no close()
+    same = again.outputs[0].text == a.outputs[0].text
+    print(f"first call:  A cached {a.num_cached_tokens} tokens, "
+          f"B cached {b.num_cached_tokens} tokens")
+    print(f"second call: A cached {again.num_cached_tokens} tokens, same answer: {same}")
+    hits = hit_tokens(stats)
+    print(f"kvshm: {hits} hit tokens (kvshm_hit_tokens_total), "
+          f"{stats['counters']['loaded_blocks']} blocks loaded")
+    return 0 if hits > 0 and same else 1
 
 
 if __name__ == "__main__":  # vLLM starts its engine processes with spawn: keep the guard

@@ -23,11 +23,14 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 def _cmd_stats(args: argparse.Namespace) -> int:
     import json
 
-    from kvshm.errors import KvshmError
+    from kvshm.errors import EngineNotRunning, KvshmError
     from kvshm.ipc.rendezvous import query_stats
 
     try:
         data = query_stats(args.name, timeout=args.timeout)
+    except EngineNotRunning as exc:
+        print(f"kvshm stats: {exc}; `kvshm ls` lists the running engines", file=sys.stderr)
+        return 1
     except (KvshmError, TimeoutError) as exc:
         print(f"kvshm stats: {exc or type(exc).__name__}", file=sys.stderr)
         return 1

@@ -1,7 +1,7 @@
 """``kvshm janitor``: demote the P/D hand-off manifests no decoder collected.
 
 Scans a Valkey server (or every primary of a cluster) for hand-off manifests
-(``kvshm:v1:pd:*``), decodes each with :class:`kvshm.offload.handoff.Manifest` itself
+(``kvshm:v1:pd:*``), decodes each with :class:`kvshm.offload.pd.manifest.Manifest` itself
 (so a field the engine adds is read the same way here), and demotes every expired one
 as an engine would: its blocks and readiness keys get the ordinary TTL, then the
 manifest goes (:func:`kvshm.remote.janitor.sweep`, which states the order). Live
@@ -47,7 +47,7 @@ def add_janitor(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
 def _decode(raw: bytes) -> Any:
     import msgspec
 
-    from kvshm.offload.handoff import Manifest
+    from kvshm.offload.pd.manifest import Manifest
 
     return msgspec.json.decode(raw, type=Manifest)
 

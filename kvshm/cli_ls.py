@@ -129,7 +129,7 @@ def format_remote(remote: dict[str, Any]) -> str:
         f"  index:    breaker {g('index_breaker_state')} (opened {g('index_breaker_opens')}, "
         f"closed {g('index_breaker_closes')}); errors {g('index_errors')}, timeouts "
         f"{g('index_timeouts')}, rejected {g('index_rejected')}, publish failed "
-        f"{g('index_publish_failed')}",
+        f"{g('index_publish_failed')}; server restarts seen {g('server_restarts')}",
     ]
     return "\n".join(lines)
 
@@ -137,11 +137,13 @@ def format_remote(remote: dict[str, Any]) -> str:
 def remote_prometheus(engine: str, remote: dict[str, Any]) -> bytes:
     """Prometheus text of the ``remote`` section (empty without a remote tier): every
     integer counter as ``kvshm_remote_<name>_total``, the breaker state as
-    ``kvshm_remote_breaker_state{state=...} 1``, the URL and mode as
-    ``kvshm_remote_info{url=...,mode=...} 1``. ImportError (naming the extra) without
+    ``kvshm_remote_breaker_state{state=...}`` (1 for the current state, 0 for the
+    others), the URL and mode as ``kvshm_remote_info{url=...,mode=...} 1``; names and
+    HELP from :mod:`kvshm.series`. ImportError (naming the extra) without
     prometheus-client."""
     if not remote:
         return b""
+    from kvshm.series import BREAKER_STATES, breaker_state, help_of, scalars
     from kvshm.stats import PROMETHEUS_MISSING
 
     try:
@@ -152,21 +154,23 @@ def remote_prometheus(engine: str, remote: dict[str, Any]) -> bytes:
 
     def families() -> list[Any]:
         out: list[Any] = []
-        info = GaugeMetricFamily("kvshm_remote_info", "the remote tier: URL and mode",
+        info = GaugeMetricFamily("kvshm_remote_info", help_of("kvshm_remote_info"),
                                  labels=["engine", "url", "mode"])
         info.add_metric([engine, str(remote.get("url", "")), str(remote.get("mode", ""))], 1)
         out.append(info)
-        for key, value in sorted(remote.items()):
-            if isinstance(value, int) and not isinstance(value, bool):
-                c = CounterMetricFamily(f"kvshm_remote_{key}", f"remote tier counter {key}",
-                                        labels=["engine"])
+        counters, _ = scalars({"remote": remote})
+        for name, value in sorted(counters.items()):
+            if name.startswith("kvshm_remote_"):
+                c = CounterMetricFamily(name, help_of(name), labels=["engine"])
                 c.add_metric([engine], float(value))
                 out.append(c)
-        state = remote.get("index_breaker_state")
+        state = breaker_state({"remote": remote})
         if state is not None:
-            b = GaugeMetricFamily("kvshm_remote_breaker_state", "1 for the readiness "
-                                  "index's circuit breaker state", labels=["engine", "state"])
-            b.add_metric([engine, str(state)], 1)
+            b = GaugeMetricFamily("kvshm_remote_breaker_state",
+                                  help_of("kvshm_remote_breaker_state"),
+                                  labels=["engine", "state"])
+            for s in BREAKER_STATES:
+                b.add_metric([engine, s], float(s == state))
             out.append(b)
         return out
 

@@ -6,6 +6,7 @@ know "did kvshm refuse this" catch that one class::
     KvshmError
     +-- ConfigError (also ValueError)      bad configuration or input; nothing was started
     |   +-- NameInUse                      another scheduler already listens on that name
+    |   +-- EngineNotRunning               no engine listens on that name (kvshm stats)
     |   +-- UnsupportedPlatform            e.g. a CPU without the fences the rings rely on
     |   +-- InvalidRequest                 a scheduler call's input breaks the contract; refused
     |                                      before the manager changed anything
@@ -51,6 +52,16 @@ class NameInUse(ConfigError):
 
     def __init__(self, name: str) -> None:
         super().__init__(f"kvshm name {name!r} is already in use by another scheduler")
+        self.name = name
+
+
+class EngineNotRunning(ConfigError):
+    """Nothing listens on ``\\0kvshm.<name>``: no engine of that name is running (a
+    client asked it, e.g. for its statistics; nothing was sent)."""
+
+    def __init__(self, name: str) -> None:
+        super().__init__(f"no kvshm engine named {name!r} is running "
+                         f"(nothing listens on the abstract socket \\0kvshm.{name})")
         self.name = name
 
 

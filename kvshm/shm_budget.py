@@ -17,7 +17,8 @@ from typing import Final
 
 from kvshm.errors import ConfigError
 
-__all__ = ["SHM_DIR", "available_shm_bytes", "shm_size_text", "statvfs_free"]
+__all__ = ["SHM_DIR", "available_shm_bytes", "memory_available_bytes", "shm_size_text",
+           "statvfs_free"]
 
 #: Where POSIX shared memory lives on Linux (also ``kvshm.shm.SHM_DIR``).
 SHM_DIR: Final = "/dev/shm"
@@ -73,6 +74,17 @@ def _cgroup_headroom() -> int | None:
         if limit is not None and usage is not None and limit < _CGROUP_UNLIMITED:
             return max(0, limit - usage)
     return None
+
+
+def memory_available_bytes() -> int:
+    """Memory this process's cgroup may still take: min(MemAvailable, cgroup headroom).
+
+    Unlike :func:`available_shm_bytes` it ignores /dev/shm and keeps no margin: it is
+    the base a share is taken of (the vLLM connector's default CPU tier).
+    """
+    limit = _meminfo_available()
+    headroom = _cgroup_headroom()
+    return limit if headroom is None else min(limit, headroom)
 
 
 def available_shm_bytes() -> int:

@@ -139,37 +139,32 @@ class EngineStats:
         return cls(**kw, ranks=ranks)
 
 
-#: Snapshot fields that are levels (gauges); the byte totals are counters.
-_GAUGES: Final = ("num_cpu_blocks", "cpu_blocks_cached", "pins_held", "jobs_in_flight",
-                  "quarantined_gpu_blocks", "quarantined_cpu_blocks")
-
-
 def _families(stats: EngineStats) -> Iterator[Any]:
-    """The metric families of one snapshot (prometheus-client imported by the caller)."""
+    """The metric families of one snapshot (prometheus-client imported by the caller):
+    every scalar series of :func:`kvshm.series.scalars`, the hit rate, uptime and state,
+    and the per-rank families; names, types and HELP from :data:`kvshm.series.SERIES`."""
     from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+    from kvshm.series import help_of, scalars
+
     eng = [stats.name]
-    for key in _GAUGES:
-        g = GaugeMetricFamily(f"kvshm_{key}", key.replace("_", " "), labels=["engine"])
-        g.add_metric(eng, float(getattr(stats, key)))
+    snap = stats.as_dict()
+    snap.pop("remote", None)  # the remote section: kvshm.cli_ls.remote_prometheus
+    counters, gauges = scalars(snap)
+    for name, value in gauges.items():
+        g = GaugeMetricFamily(name, help_of(name), labels=["engine"])
+        g.add_metric(eng, value)
         yield g
-    for key in ("stored_bytes", "loaded_bytes"):
-        c = CounterMetricFamily(f"kvshm_{key}", key.replace("_", " "), labels=["engine"])
-        c.add_metric(eng, float(getattr(stats, key)))
+    for name, n in sorted(counters.items()):
+        c = CounterMetricFamily(name, help_of(name), labels=["engine"])
+        c.add_metric(eng, float(n))
         yield c
-    for key, value in sorted(stats.counters.items()):
-        c = CounterMetricFamily(f"kvshm_{key}", f"kvshm counter {key}", labels=["engine"])
-        c.add_metric(eng, float(value))
-        yield c
-    hit = GaugeMetricFamily("kvshm_hit_rate", "CPU-tier hit tokens / tokens looked up",
-                            labels=["engine"])
-    hit.add_metric(eng, stats.hit_rate)
-    yield hit
-    up = GaugeMetricFamily("kvshm_uptime_seconds", "seconds since the engine opened",
-                           labels=["engine"])
-    up.add_metric(eng, stats.uptime_s)
-    yield up
-    state = GaugeMetricFamily("kvshm_state", "1 for the engine's lifecycle state",
+    for name, value in (("kvshm_hit_rate", stats.hit_rate),
+                        ("kvshm_uptime_seconds", stats.uptime_s)):
+        g = GaugeMetricFamily(name, help_of(name), labels=["engine"])
+        g.add_metric(eng, float(value))
+        yield g
+    state = GaugeMetricFamily("kvshm_state", help_of("kvshm_state"),
                               labels=["engine", "state"])
     state.add_metric([stats.name, stats.state], 1.0)
     yield state
@@ -183,19 +178,22 @@ def _rank_families(stats: EngineStats) -> Iterator[Any]:
         HistogramMetricFamily,
     )
 
-    alive = GaugeMetricFamily("kvshm_rank_alive", "1 while the rank is not declared dead",
-                              labels=["engine", "rank"])
-    acks = CounterMetricFamily("kvshm_rank_acks", "Dones received", labels=["engine", "rank"])
-    bad = CounterMetricFamily("kvshm_rank_failed_acks", "Dones with ok=False",
-                              labels=["engine", "rank"])
+    from kvshm.series import help_of
+
+    labels = ["engine", "rank"]
+    alive = GaugeMetricFamily("kvshm_rank_alive", help_of("kvshm_rank_alive"),
+                              labels=labels)
+    acks = CounterMetricFamily("kvshm_rank_acks", help_of("kvshm_rank_acks"),
+                               labels=labels)
+    bad = CounterMetricFamily("kvshm_rank_failed_acks", help_of("kvshm_rank_failed_acks"),
+                              labels=labels)
     lat = HistogramMetricFamily("kvshm_ack_latency_seconds",
-                                "Transfer posted to Done received, per rank",
-                                labels=["engine", "rank"])
+                                help_of("kvshm_ack_latency_seconds"), labels=labels)
     for r in stats.ranks:
-        labels = [stats.name, str(r.rank)]
-        alive.add_metric(labels, float(r.alive))
-        acks.add_metric(labels, float(r.acks))
-        bad.add_metric(labels, float(r.failed_acks))
+        values = [stats.name, str(r.rank)]
+        alive.add_metric(values, float(r.alive))
+        acks.add_metric(values, float(r.acks))
+        bad.add_metric(values, float(r.failed_acks))
         hist = r.ack_latency_hist
         if hist:
             running, buckets = 0, []
@@ -203,14 +201,15 @@ def _rank_families(stats: EngineStats) -> Iterator[Any]:
                 running += n
                 le = "+Inf" if math.isinf(le_us) else repr(le_us / 1e6)
                 buckets.append((le, float(running)))
-            lat.add_metric(labels, buckets, float(hist["sum_s"]))
+            lat.add_metric(values, buckets, float(hist["sum_s"]))
     yield from (alive, acks, bad, lat)
 
 
 def to_prometheus(stats: EngineStats) -> bytes:
     """Prometheus text exposition of ``stats``: levels as gauges, every counter as a
     counter (``_total``), per-rank ack latency as a histogram (seconds), a hit-rate
-    and an uptime series. Raises ``ImportError`` naming
+    and an uptime series, HELP from :mod:`kvshm.series` (the remote section:
+    :func:`kvshm.cli_ls.remote_prometheus`). Raises ``ImportError`` naming
     ``pip install 'kvshm[prometheus]'`` without prometheus-client."""
     try:
         from prometheus_client import CollectorRegistry, generate_latest

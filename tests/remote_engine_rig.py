@@ -28,7 +28,7 @@ from engine_rig import BS, Client, embedded_engine, tokens
 
 from kvshm.engine import Engine
 from kvshm.hashing import chain_hashes, chain_tail
-from kvshm.remote.server import command, parse_reply
+from kvshm.remote.server import ValkeyServer, command, parse_reply
 from kvshm.types import RequestView, ScheduledRequest
 
 #: Full blocks of every test prompt (the prompt has one more token: the hit is all 8).
@@ -126,6 +126,52 @@ async def settle_published(c: Client) -> None:
 def digest(t: torch.Tensor) -> str:
     """SHA-256 of a tensor's bytes."""
     return hashlib.sha256(t.contiguous().numpy().tobytes()).hexdigest()
+
+
+# -- P/D hand-off helpers (test_pd_handoff, test_pd_ownership) --------------------
+
+async def decode(c: Client, rid: str, toks: list[int], params: dict[str, Any],
+                 timeout: float = 20.0, *, tail: bool = False) -> int:
+    """D looks the request up as a P/D proxy sends it (``tail``: with its partial last
+    block's key), until it answers."""
+    hashes = chain_hashes(toks, BS)
+    view = RequestView(rid, hashes, len(toks), {"do_remote_prefill": True, **params},
+                       chain_tail(toks, BS, hashes) if tail else None)
+    deadline = time.monotonic() + timeout
+    while True:
+        hit = c.eng.lookup(view, 0)
+        if hit is not None:
+            return hit
+        assert time.monotonic() < deadline, f"{rid} never answered: {remote(c.eng)}"
+        c.step()
+        await asyncio.sleep(0.005)
+
+
+async def serve_whole(c: Client, rid: str, toks: list[int], params: dict[str, Any]
+                      ) -> None:
+    """D hits ``rid``'s every full block from the server, loads them, and finishes it."""
+    assert await decode(c, rid, toks, params) == BLOCKS * BS
+    table = load(c, rid, toks, BLOCKS * BS)
+    assert (await c.loaded(rid)).ok
+    c.finish(rid, table, len(toks))
+    await c.settle()
+
+
+def exists(server: ValkeyServer, key: str) -> bool:
+    return command(server.host, server.port, "EXISTS", key).strip() == b":1"
+
+
+def ttl(server: ValkeyServer, key: str | bytes) -> int:
+    """The key's TTL in seconds (-1: none, -2: no such key)."""
+    return int(command(server.host, server.port, "TTL", key).strip(b":\r\n"))
+
+
+async def wait_for_server(cond: Any, timeout: float = 5.0) -> None:
+    """The index writes from its own thread: wait until the server shows ``cond``."""
+    deadline = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < deadline, "the server never showed it"
+        await asyncio.sleep(0.01)
 
 
 async def _write(url: str, seed: int) -> None:

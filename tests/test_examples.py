@@ -1,6 +1,8 @@
-"""The vLLM quick-start works as the README tells it (issue 14, point 10): the tiny-model
-builder runs offline, the ``vllm`` command of a venv made by tools/vllm_install.sh runs,
-and the quick-start script gets a CPU-tier hit from kvshm in a real vLLM."""
+"""The vLLM quick-start's parts work as the README tells it (issue 14, point 10): the
+tiny-model builder runs offline, the ``vllm`` command of a venv made by
+tools/vllm_install.sh runs, and every connector config the README shows is one kvshm
+and vLLM accept. The quick-start files themselves (examples/vllm_quickstart.py and
+examples/vllm_serve_quickstart.sh) run as shipped in tests/vllm/test_quickstarts.py."""
 
 from __future__ import annotations
 
@@ -62,50 +64,20 @@ def test_vllm_console_script_runs() -> None:
     assert proc.stdout.strip() == f"{vllm.__version__}+cpu"
 
 
-@pytest.mark.slow
-@pytest.mark.vllm
-@pytest.mark.skipif(not HAVE_VLLM or not HAVE_HF, reason="vLLM is not installed")
-def test_vllm_quickstart_hits_the_cpu_tier(tmp_path: Path) -> None:
-    """examples/vllm_quickstart.py, which the README shows: the repeat of a 300-token
-    prompt after vLLM's prefix cache was dropped gets its two full 128-token blocks
-    from kvshm (256 tokens), and the answers are the same. vLLM's engine runs in the
-    example's own process here (VLLM_ENABLE_V1_MULTIPROCESSING=0: ~30 s less of CI's 10
-    minutes); the multi-process engine, which a user gets by default, is what
-    tests/vllm/test_vllm_smoke.py's and test_vllm_operable.py's multi-process tests run."""
-    folder = tmp_path / "tiny"
-    _build(folder)
-    proc = _run(sys.executable, "examples/vllm_quickstart.py", str(folder), timeout=400,
-                env={"VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    lines = {ln.split(":")[0]: ln for ln in proc.stdout.splitlines() if ":" in ln}
-    assert lines["first"].startswith("first:  cached 0 tokens, ")
-    assert lines["second"].startswith("second: cached 256 tokens, ")
-    assert lines["first"].split(", ", 1)[1] == lines["second"].split(", ", 1)[1]
-    assert "kvshm: lookup_hit_tokens=256, stored_blocks=" in proc.stdout
+def test_readme_connector_configs_are_valid() -> None:
+    """Every ``--kv-transfer-config`` JSON README.md and docs/vllm.md show names kvshm's
+    connector with kv_role kv_both, is a KVTransferConfig vLLM accepts, and has only extra
+    keys kvshm knows, with good values (whatever else it sets: the one-line form needs nothing)."""
+    from kvshm.integrations.vllm.config import check_extra_config
 
+    text = (ROOT / "README.md").read_text() + (ROOT / "docs" / "vllm.md").read_text()
+    raws = [part.split("'", 1)[0] for part in text.split("--kv-transfer-config '")[1:]]
+    assert raws, "the README and docs/vllm.md show no --kv-transfer-config"
+    for raw in raws:
+        cfg = json.loads(raw)
+        assert (cfg["kv_connector"], cfg["kv_role"]) == ("KvshmConnector", "kv_both"), raw
+        check_extra_config(cfg.get("kv_connector_extra_config", {}))
+        if HAVE_VLLM:
+            from vllm.config import KVTransferConfig
 
-def _readme_vllm() -> str:
-    text = (ROOT / "README.md").read_text()
-    return text[text.index("## vLLM\n"):text.index("## Measured")]
-
-
-def test_readme_serve_line_is_a_valid_connector_config() -> None:
-    """The README's ``vllm serve`` line: its --kv-transfer-config JSON names kvshm's
-    connector with the settings the connector requires and only extra keys it knows."""
-    from kvshm.integrations.vllm.config import _KNOWN_KEYS
-
-    section = _readme_vllm()
-    assert "vllm serve /tmp/tiny-llama --enable-prefix-caching" in section
-    raw = section.split("--kv-transfer-config '", 1)[1].split("'", 1)[0]
-    cfg = json.loads(raw)
-    assert cfg["kv_connector"] == "KvshmConnector"
-    assert cfg["kv_connector_module_path"] == "kvshm.integrations.vllm"
-    assert (cfg["kv_role"], cfg["kv_load_failure_policy"]) == ("kv_both", "recompute")
-    extra = cfg["kv_connector_extra_config"]
-    assert set(extra) <= _KNOWN_KEYS and extra["cpu_bytes"] == 4 << 30
-    if HAVE_VLLM:
-        from vllm.config import KVTransferConfig
-
-        KVTransferConfig(**cfg)  # every field is one vLLM knows
-    assert 'if __name__ == "__main__":' in section
-    assert "kvshm stats --name serve1" in section
+            KVTransferConfig(**cfg)  # every field is one vLLM knows

@@ -223,7 +223,10 @@ async def _kill_story(eng: Engine, gpu: BlockPool, ks: list[torch.Tensor],
                       kill: Callable[[], None]) -> None:
     """A job of ``direction`` is outstanding on rank 1 when it is killed: the job fails
     (a load: recompute), nothing hangs, the rank is fenced by its exit, and once every
-    request has finished no pin and no quarantined block is left."""
+    request has finished no pin and no quarantined block is left: at once for the killed
+    rank's share, and as soon as the live rank has finished its copy or been fenced for
+    the rest (waited for: on a loaded machine rank 0 may still be copying when the
+    request finishes -- CI saw 12 pins held at the first look)."""
     c = Client(eng, gpu)
     toks = tokens(A_BLOCKS * BS + 1, seed=13)
     if direction == "load":
@@ -241,9 +244,10 @@ async def _kill_story(eng: Engine, gpu: BlockPool, ks: list[torch.Tensor],
         res = await asyncio.wait_for(eng.wait_loaded("b"), 5.0)
         assert not res.ok and res.cause is LoadFailure.RANK_DIED
     c.finish("b", table, 0)
+    await _until(lambda: eng.statistics().pins_held == 0 and gpu.num_pinned == 0,
+                 "the pins' release")
     st = eng.statistics()
-    assert st.state == "failed" and st.quarantined_gpu_blocks == 0 and st.pins_held == 0
-    assert gpu.num_pinned == 0
+    assert st.state == "failed" and st.quarantined_gpu_blocks == 0
 
 
 @pytest.mark.parametrize("direction", ["load", "store"])

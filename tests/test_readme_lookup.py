@@ -1,6 +1,6 @@
-"""What the README says about ``lookup`` holds on a real SPAWN engine: at least one
-prompt token is always computed, so the last full block of a prompt that ends on a
-block boundary is never a hit (issue 14, point 8)."""
+"""What docs/api.md (the Python API's page, which the README links) says about ``lookup``
+holds on a real SPAWN engine: at least one prompt token is always computed, so the last
+full block of a prompt that ends on a block boundary is never a hit (issue 14, point 8)."""
 
 from __future__ import annotations
 
@@ -26,11 +26,12 @@ async def test_last_full_block_of_a_block_aligned_prompt_is_never_a_hit() -> Non
         s.eng.finished("c", 0, [[]])
 
 
-def test_readme_states_it_where_lookup_is_described() -> None:
-    with open(os.path.join(os.path.dirname(__file__), "..", "README.md")) as f:
-        readme = f.read()
-    api = readme[readme.index("## API"):readme.index("## vLLM")]
-    assert "`lookup(req, num_local_tokens)`" in api
-    assert ("the last full block of a prompt that ends on a block boundary\nis never a hit"
-            in api)
-    assert "A 64-token prompt with 16-token blocks, all four blocks cached: hit 48" in api
+def test_the_api_page_states_it_where_lookup_is_described() -> None:
+    with open(os.path.join(os.path.dirname(__file__), "..", "docs", "api.md")) as f:
+        page = f.read()
+    calls = " ".join(page[page.index("## The calls, per step"):
+                          page.index("## `SyncClient`")].split())
+    assert "`lookup(req, num_local_tokens)`" in calls
+    assert ("the last full block of a prompt that ends on a block boundary is never a hit"
+            in calls)
+    assert "A 64-token prompt with 16-token blocks, all four blocks cached: hit 48" in calls

@@ -22,6 +22,7 @@ from kvshm import shm
 from kvshm.errors import (
     ClosedError,
     ConfigError,
+    EngineNotRunning,
     NameInUse,
     PeerDied,
     ProtocolError,
@@ -370,9 +371,14 @@ def test_stats_on_a_rank_connection_and_a_failing_stats_callback(plan: SegmentPl
         assert server.counters()["stats_errors"] == 1
 
 
-def test_query_stats_without_engine_is_config_error() -> None:
-    with pytest.raises(ConfigError, match="no kvshm engine named"):
-        query_stats(_name(), timeout=1)
+def test_query_stats_without_engine_is_engine_not_running() -> None:
+    """A typed error (a ConfigError too) that names the engine, so a CLI can say what to
+    do about it (``kvshm stats`` names ``kvshm ls``)."""
+    name = _name()
+    with pytest.raises(EngineNotRunning, match=f"no kvshm engine named '{name}' is running") \
+            as info:
+        query_stats(name, timeout=1)
+    assert isinstance(info.value, ConfigError) and info.value.name == name
 
 
 def test_connect_before_the_scheduler_listens_can_be_retried(plan: SegmentPlan) -> None:

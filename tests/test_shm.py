@@ -118,6 +118,15 @@ def test_available_shm_bytes_is_bounded_by_dev_shm() -> None:
     assert 0 < avail <= st.f_bavail * st.f_frsize
 
 
+def test_memory_available_is_the_base_of_the_shm_budget() -> None:
+    """MemAvailable (and the cgroup's headroom), without /dev/shm's cap or the margin: at
+    least what a segment may take (the vLLM connector's default tier is a share of it)."""
+    from kvshm.shm_budget import memory_available_bytes
+
+    mem = memory_available_bytes()
+    assert mem >= shm.available_shm_bytes() > 0
+
+
 def test_map_segment_smaller_than_asked_is_config_error_and_closes_fd() -> None:
     with shm.create_segment(4096, purpose="small") as seg:
         fd = os.dup(seg.fd)

@@ -4,6 +4,7 @@ side whose device caches are shared-memory tensors allocated here."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -202,6 +203,53 @@ def test_rank_without_engine_times_out_with_clear_error(
                      "--connect-timeout", "0.3"]) == 1
     assert time.monotonic() - t0 < 5
     assert f"no kvshm engine named {name!r}" in capsys.readouterr().err
+
+
+def test_parent_without_engine_says_at_once_what_it_waits_for_then_gives_up() -> None:
+    """``kvshm-workers --name X --tp 2`` with no engine: the parent's first line (written
+    before any rank starts, so before torch is imported) names the engine, the timeout
+    and the flag that changes it; each rank says it waits, then gives up with a line
+    naming the timeout; the parent exits 1."""
+    name = unique_name()
+    t0 = time.monotonic()
+    proc = spawn("--name", name, "--tp", "2", "--connect-timeout", "2")
+    assert proc.stderr is not None
+    first = proc.stderr.readline()
+    rest = proc.communicate(timeout=60)[1]
+    assert proc.returncode == 1
+    assert first == (f"kvshm-workers: starting 2 rank(s) for kvshm engine {name!r}; each "
+                     "waits up to 2 s for it (start the engine first, or pass "
+                     "--connect-timeout SECONDS)\n")
+    for rank in (0, 1):
+        assert (f"kvshm-workers[rank {rank}]: waiting for kvshm engine {name!r} (nothing "
+                f"listens on \\0kvshm.{name} yet; timeout 2 s: start the engine first, or "
+                "pass --connect-timeout SECONDS)\n") in rest
+        assert (f"kvshm-workers[rank {rank}]: error: no kvshm engine named {name!r} "
+                "appeared within 2 s") in rest
+        assert f"kvshm-workers: rank {rank} exited with code 1\n" in rest
+    assert "gave up (--connect-timeout 2; " in rest
+    assert time.monotonic() - t0 < 60
+
+
+def test_waiting_rank_prints_a_progress_line_each_interval(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """The per-rank form in-process, nobody listening, the interval shortened to 0.4 s
+    (10 s in production): "still waiting" lines come while it waits, with the time
+    waited and the timeout, and stop at the timeout line."""
+    import workers.loop
+
+    monkeypatch.setattr(workers.loop, "PROGRESS_S", 0.4)
+    name = unique_name()
+    assert cli_main(["--name", name, "--rank", "0", "--world-size", "1",
+                     "--connect-timeout", "1.5"]) == 1
+    lines = capsys.readouterr().err.splitlines()
+    progress = [i for i, line in enumerate(lines) if "still waiting" in line]
+    assert len(progress) >= 2, lines
+    for i in progress:
+        assert re.fullmatch(rf"kvshm-workers\[rank 0\]: still waiting for kvshm engine "
+                            rf"'{name}' to appear \(\d+ s of 1\.5 s\)", lines[i]), lines[i]
+    assert "waiting for kvshm engine" in lines[0] and "no kvshm engine named" in lines[-1]
+    assert progress[-1] < len(lines) - 1
 
 
 def test_rank_refused_by_engine_exits_1(capsys: pytest.CaptureFixture[str]) -> None:

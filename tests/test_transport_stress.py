@@ -2,7 +2,9 @@
 
 * torn reads: another process moves a ring position 10**6 times (across the 2**32
   boundary); every load this side makes must be monotonic and every record intact.
-  A control run with ``struct.pack_into`` stores shows the detector does see tearing.
+  A control shows the detector does see a torn store: a writer stores the same word
+  byte by byte and, at every carry, holds the half-written value until the reader has
+  loaded it (a handshake, so the tear is seen whatever the machine's load).
 * lost wake-ups: a writer publishes at random instants relative to the reader's park
   handshake; no wake-up may be left to the 1 s poll timeout (``rescues == 0``), and the
   worst wake-up latency is printed. 10**4 races here, 10**5 in the ``slow`` variant.
@@ -14,6 +16,7 @@
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import multiprocessing as mp
 import random
 import struct
@@ -71,21 +74,50 @@ def position_writer(fd: int, size: int, updates: int) -> None:
             pass
 
 
-def packinto_writer(fd: int, size: int, updates: int) -> None:
-    """The control: the same head word, stored with struct.pack_into (zero-fill first)."""
+HEAD_AT = 128  # cmd.head's byte offset in the segment (kvshm.ipc.ring_pair's layout)
+
+
+def wait_loads(loads: Any, n: int, deadline: float) -> None:
+    """Spin (yielding the CPU) until the reader has completed ``n`` more loads of the head
+    than now. The one that completes the count ``now + 2`` began after the count read
+    here, so after every store this process made before calling."""
+    target = loads.value + n
+    while loads.value < target:
+        if time.monotonic() > deadline:
+            raise SystemExit("the reader stopped loading the head")
+        time.sleep(0)
+
+
+def tearing_writer(fd: int, size: int, updates: int, loads: Any) -> None:
+    """The control: the head word stored byte by byte, low byte first, as a torn store
+    would land. Where the low byte wraps (a carry into the next byte, every 32 updates),
+    the writer holds the half-written word -- new low byte, old high bytes: a value below
+    the old one -- until the reader has loaded the old value and then the torn one."""
     seg = map_segment(fd, size)
+    deadline = time.monotonic() + 50
     for v in range(1, updates + 1):
-        struct.pack_into("<Q", seg.buf, 128, START + 8 * v)
+        new = (START + 8 * v).to_bytes(8, "little")
+        if seg.buf[HEAD_AT] > new[0]:  # this store carries: tear it where it is seen
+            wait_loads(loads, 2, deadline)  # the reader has the old value
+            seg.buf[HEAD_AT] = new[0]
+            wait_loads(loads, 2, deadline)  # ... and has loaded the torn one
+            seg.buf[HEAD_AT + 1:HEAD_AT + 8] = new[1:]
+        else:
+            struct.pack_into("<Q", seg.buf, HEAD_AT, START + 8 * v)
 
 
-def watch_head(rings: RingPair, updates: int, consume: bool) -> tuple[int, int, int]:
-    """Load cmd.head until it stops moving; returns (loads, non-monotonic, records)."""
+def watch_head(rings: RingPair, updates: int, consume: bool,
+               loads_out: Any = None) -> tuple[int, int, int]:
+    """Load cmd.head until it stops moving; returns (loads, non-monotonic, records).
+    ``loads_out`` (a shared counter) gets the number of completed loads after each."""
     ring = rings.cmd
     last, loads, anomalies, seq = ring.head, 0, 0, 0
     deadline = time.monotonic() + 60
     while time.monotonic() < deadline:
         head = ring.head
         loads += 1
+        if loads_out is not None:
+            loads_out.value = loads
         if head < last:
             anomalies += 1
         last = max(last, head)
@@ -117,17 +149,28 @@ def test_torn_read_stress_positions_are_never_torn(seg: Segment) -> None:
     rings.close()
 
 
-def test_torn_read_detector_sees_pack_into_tearing(seg: Segment) -> None:
-    """Control: the same detector catches ``struct.pack_into`` stores tearing."""
-    updates = 3 * 10**5
+def test_torn_read_detector_sees_every_torn_store(seg: Segment) -> None:
+    """Control: the detector the stress test relies on (``watch_head``: a load below an
+    earlier one) catches a torn head store every time the reader loads one.
+
+    It used to let ``struct.pack_into`` (which stores byte by byte) race the reader and
+    asserted that some tear was seen: that needs both processes on a CPU at the same
+    nanoseconds, which a loaded machine does not give (it failed with 0 tears under load
+    and passed alone). Here the writer holds each torn value until the reader has loaded
+    it (a handshake on a shared load counter), so the number of tears the reader is shown
+    is fixed -- one per carry out of the low byte -- and the detector must count each."""
+    updates = 2000
+    carries = sum((START + 8 * v) & 0xFF == 0 for v in range(1, updates + 1))
+    loads_seen = CTX.RawValue(ctypes.c_uint64, 0)
     rings = RingPair.init(seg.buf, CAP, CAP, start_pos=START)
-    proc = run_child(packinto_writer, seg.fd, seg.size, updates)
+    proc = run_child(tearing_writer, seg.fd, seg.size, updates, loads_seen)
     try:
-        loads, anomalies, _ = watch_head(rings, updates, consume=False)
+        loads, anomalies, _ = watch_head(rings, updates, consume=False, loads_out=loads_seen)
     finally:
         finish(proc)
-    print(f"pack_into control: {loads} loads, {anomalies} non-monotonic")
-    assert anomalies > 0
+    print(f"torn-store control: {loads} loads, {anomalies} non-monotonic, {carries} torn")
+    assert carries == updates // 32
+    assert anomalies >= carries
     rings.close()
 
 

@@ -15,6 +15,8 @@ import argparse
 import gc
 import statistics
 import tempfile
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,55 @@ class ChatSide:
 SIMPLE_CPU = ("SimpleCPUShimConnector", "tools.simplecpu_shim")
 
 
+@contextmanager
+def cpu_pool_built_by(factory: Callable[..., Any] | None) -> Iterator[None]:
+    """While open, kvshm's engine runtime builds its CPU tier with ``factory`` (called
+    as ``BlockPool(num_blocks, **kw)`` is; None: unchanged). Benchmark-only: the shipped
+    runtime always builds a plain :class:`~kvshm.offload.pool.BlockPool`."""
+    import kvshm.engine.runtime as runtime
+
+    attr = "BlockPool"  # the name runtime.py builds the CPU tier with
+    built = getattr(runtime, attr)
+    if factory is not None:
+        setattr(runtime, attr, factory)
+    try:
+        yield
+    finally:
+        setattr(runtime, attr, built)
+
+
+def pool_with_order(eviction: str) -> Callable[..., Any]:
+    """A CPU-tier factory for :func:`cpu_pool_built_by`: kvshm's ``BlockPool`` with
+    the order ``eviction`` (a :class:`kvshm.config.Eviction` value), whatever the
+    engine's config says."""
+    from kvshm.config import Eviction
+    from kvshm.offload.pool import BlockPool
+
+    order = Eviction(eviction)
+
+    def pool(num_blocks: int, **kw: Any) -> Any:
+        return BlockPool(num_blocks, **{**kw, "eviction": order})
+
+    return pool
+
+
+def count_accepted(llm: Any) -> list[int]:
+    """A one-item list whose item grows by the tokens the engine's connector is told to
+    load (``update_state_after_alloc``'s ``num_external_tokens``); stays 0 without a
+    connector."""
+    accepted = [0]
+    conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
+    if conn is not None:
+        inner = conn.update_state_after_alloc
+
+        def counted(request: Any, blocks: Any, num_external_tokens: int) -> Any:
+            accepted[0] += num_external_tokens
+            return inner(request, blocks, num_external_tokens)
+
+        conn.update_state_after_alloc = counted
+    return accepted
+
+
 def chat_pass(folder: Path, args: argparse.Namespace, trace: list[Any], name: str,
               extra: dict[str, Any] | None, eviction: str | None,
               connector: tuple[str, str] = ("KvshmConnector", "kvshm.integrations.vllm"),
@@ -48,32 +99,13 @@ def chat_pass(folder: Path, args: argparse.Namespace, trace: list[Any], name: st
     connector's ``update_state_after_alloc`` was told to load (both connectors' loads
     are checked to succeed: kvshm's count of failed loads, the shim copies
     synchronously)."""
-    import kvshm.engine.runtime as runtime
-    from kvshm.config import Eviction
-
     side = ChatSide(name)
-    attr = "BlockPool"  # the name runtime.py builds the CPU tier with
-    built = getattr(runtime, attr)
-    if eviction is not None:
-        order = Eviction(eviction)
-
-        def pool(num_blocks: int, **kw: Any) -> Any:  # this order, whatever the config says
-            return built(num_blocks, **{**kw, "eviction": order})
-
-        setattr(runtime, attr, pool)
-    try:
+    factory = None if eviction is None else pool_with_order(eviction)
+    with cpu_pool_built_by(factory):
         llm = make_llm(folder, args, extra is not None, extra=extra, connector=connector)
         try:
-            accepted = [0]
+            accepted = count_accepted(llm)
             conn = llm.llm_engine.engine_core.engine_core.scheduler.connector
-            if conn is not None:
-                inner = conn.update_state_after_alloc
-
-                def counted(request: Any, blocks: Any, num_external_tokens: int) -> Any:
-                    accepted[0] += num_external_tokens
-                    return inner(request, blocks, num_external_tokens)
-
-                conn.update_state_after_alloc = counted
             # warm-up (one-time costs): under one block, so nothing is stored
             one(llm, tokens(BLOCK - 1, 17, args.vocab - len(SPECIALS)), args, extra is not None)
             for t in trace:
@@ -89,8 +121,6 @@ def chat_pass(folder: Path, args: argparse.Namespace, trace: list[Any], name: st
             llm.llm_engine.engine_core.shutdown(timeout=30)
             del llm
             gc.collect()
-    finally:
-        setattr(runtime, attr, built)
     return side
 
 

@@ -11,14 +11,26 @@ contenders' scheduler sides over its ``BlockPool``.
   step and waits for its Dones: untimed).
 
 Every hook of a contender is called through :meth:`Rig.timed`, which adds its wall time
-to that contender's clock for the current step. Request arrivals and growth go through
-the ``KVCacheManager`` exactly once, between the two contenders' hooks.
+to that contender's clock for the current step, per hook (``update_output``,
+``finished``, ``lookup`` -- kvshm's ``on_new_request`` included --, ``allocated``,
+``build``). Request arrivals and growth go through the ``KVCacheManager`` exactly once,
+between the two contenders' hooks.
+
+kvshm's service thread (:mod:`kvshm.integrations.vllm.service`: it pumps the client
+after 20 ms without a hook) runs during the step's untimed work (the harness, the
+worker): its CPU time is charged to kvshm, as the hook ``service``, read from the
+thread's own CPU clock (``pthread_getcpuclockid``) at every :meth:`Rig.take_clock`. It
+never runs inside a timed hook: :meth:`Rig.timed` holds the side's hook lock around
+either contender's hook (taken before the clock starts), so the thread, which only
+tries the lock, skips rather than stealing the GIL from a timed vLLM hook, and a kvshm
+hook never waits for a pump on its own clock.
 """
 
 from __future__ import annotations
 
 import itertools
 import os
+import threading
 import time
 from collections.abc import Callable
 from types import SimpleNamespace as NS
@@ -47,13 +59,15 @@ from kvshm.integrations.vllm.scheduler import SchedulerSide
 from kvshm.types import KVGroup, StoreMode
 from workers.worker import Worker
 
-__all__ = ["BS", "Rig", "SameWorkError"]
+__all__ = ["BS", "HOOKS", "Rig", "SameWorkError"]
 
 BS = 16  # tokens per block (both contenders and vLLM's pool)
 ROW = 64  # bytes of one block in the kvshm worker's KV region (copies are not timed)
 PAGE = 2 * 1 * 8 * 2  # K+V x 1 head x head size 8 x fp16: the spec's page bytes
 T = TypeVar("T")
 _names = itertools.count()
+#: The per-hook clocks of a step, both contenders (``service``: kvshm's thread only)
+HOOKS = ("update_output", "finished", "lookup", "allocated", "build", "service")
 
 
 class SameWorkError(AssertionError):
@@ -75,9 +89,12 @@ def _vllm_config(max_model_len: int) -> Any:
 
 class Rig:
     """See the module docstring. ``gpu_blocks`` / ``cpu_blocks``: usable blocks of the
-    GPU pool and of each contender's CPU tier."""
+    GPU pool and of each contender's CPU tier. ``clock``: what a hook is timed with
+    (wall time by default; ``time.thread_time`` counts only this thread's CPU time, which
+    other work on a loaded machine does not inflate)."""
 
-    def __init__(self, gpu_blocks: int, cpu_blocks: int, max_model_len: int = 4096) -> None:
+    def __init__(self, gpu_blocks: int, cpu_blocks: int, max_model_len: int = 4096,
+                 clock: Callable[[], float] = time.perf_counter) -> None:
         init_none_hash(sha256)
         self.hasher = get_request_block_hasher(BS, sha256)
         n = gpu_blocks + 1  # vLLM's null block
@@ -109,7 +126,12 @@ class Rig:
             self.worker.service()
             self.side.update_output()
             time.sleep(0.001)
-        self.clock = {"kvshm": 0.0, "vllm": 0.0}
+        self._lock = self.side.guard.lock
+        self._now = clock
+        self._service_clock = _thread_clock(f"kvshm-service-{name}")
+        self._service_last = 0.0
+        self._service_cpu = self._service_time()
+        self.clock = _zero_clock()
         self.work = {c: {"stored": 0, "loaded": 0, "hit_tokens": 0} for c in self.clock}
         self._vllm_out = KVConnectorOutput()
         self._kvshm_step = 0
@@ -119,15 +141,39 @@ class Rig:
         self.worker.close()
 
     # ---- timing ---------------------------------------------------------------------
-    def timed(self, who: str, fn: Callable[..., T], *args: Any) -> T:
-        t = time.perf_counter()
-        out = fn(*args)
-        self.clock[who] += time.perf_counter() - t
+    def timed(self, who: str, hook: str, fn: Callable[..., T], *args: Any) -> T:
+        """``fn(*args)`` on ``who``'s clock for ``hook``, the side's hook lock held
+        around it (taken before the clock starts: see the module docstring)."""
+        now = self._now
+        with self._lock:
+            t = now()
+            out = fn(*args)
+            dt = now() - t
+        self.clock[who][hook] += dt
         return out
 
-    def take_clock(self) -> dict[str, float]:
-        out, self.clock = self.clock, {"kvshm": 0.0, "vllm": 0.0}
+    def _service_time(self) -> float:
+        """The service thread's CPU seconds so far (the last reading once it ended)."""
+        if self._service_clock is not None:
+            try:
+                self._service_last = time.clock_gettime(self._service_clock)
+            except OSError:  # the thread ended (shutdown): its clock went with it
+                self._service_clock = None
+        return self._service_last
+
+    def take_clock(self) -> dict[str, dict[str, float]]:
+        """The step's clocks (contender -> hook -> seconds), kvshm's service thread's
+        CPU time since the last call charged as its ``service``; the clocks restart."""
+        now = self._service_time()
+        out, self.clock = self.clock, _zero_clock()
+        out["kvshm"]["service"] += now - self._service_cpu
+        self._service_cpu = now
         return out
+
+    def service_pumps(self) -> int:
+        """Pumps kvshm's service thread made so far."""
+        svc = self.side.service_thread
+        return 0 if svc is None else svc.pumps
 
     # ---- requests -------------------------------------------------------------------
     def request(self, rid: str, prompt: list[int]) -> Request:
@@ -140,10 +186,11 @@ class Rig:
         hits: dict[str, int] = {}
         for who in order:
             if who == "kvshm":
-                self.timed(who, self.side.on_new_request, r)
-                hit, _ = self.timed(who, self.side.lookup, r, local)
+                self.timed(who, "lookup", self.side.on_new_request, r)
+                hit, _ = self.timed(who, "lookup", self.side.lookup, r, local)
             else:
-                hit, _ = self.timed(who, self.vllm.get_num_new_matched_tokens, r, local)
+                hit, _ = self.timed(who, "lookup", self.vllm.get_num_new_matched_tokens, r,
+                                    local)
             hits[who] = hit or 0
         if len(set(hits.values())) != 1:
             raise SameWorkError(f"request {r.request_id}: CPU hits {hits} (local hit "
@@ -165,18 +212,20 @@ class Rig:
         for who in order:
             if who == "kvshm":
                 # KvshmConnector.update_state_after_alloc's body, as vLLM calls it
-                self.timed(who, lambda: self.side.allocated(r, blocks.get_block_ids(), ext))
+                self.timed(who, "allocated",
+                           lambda: self.side.allocated(r, blocks.get_block_ids(), ext))
             else:
-                self.timed(who, self.vllm.update_state_after_alloc, r, blocks, ext)
+                self.timed(who, "allocated", self.vllm.update_state_after_alloc, r, blocks,
+                           ext)
         r.num_computed_tokens = local + ext
 
     def finish(self, r: Request, order: tuple[str, ...]) -> None:
         ids = self.kvm.get_block_ids(r.request_id)
         for who in order:
             if who == "kvshm":
-                self.timed(who, self.side.finished, r, ids)
+                self.timed(who, "finished", self.side.finished, r, ids)
             else:
-                self.timed(who, self.vllm.request_finished_all_groups, r, ids)
+                self.timed(who, "finished", self.vllm.request_finished_all_groups, r, ids)
         self.kvm.free(r)
 
     # ---- the step -------------------------------------------------------------------
@@ -204,9 +253,9 @@ class Rig:
         metas: dict[str, Any] = {}
         for who in order:
             if who == "kvshm":
-                metas[who] = self.timed(who, self.side.build, so)
+                metas[who] = self.timed(who, "build", self.side.build, so)
             else:
-                metas[who] = self.timed(who, self.vllm.build_connector_meta, so)
+                metas[who] = self.timed(who, "build", self.vllm.build_connector_meta, so)
         loaded: dict[str, set[str]] = {}
         vm = metas.get("vllm")
         if vm is not None:
@@ -253,9 +302,10 @@ class Rig:
         """Both ``update_connector_output`` (the previous step's completions)."""
         for who in order:
             if who == "kvshm":
-                self.timed(who, self.side.update_output)
+                self.timed(who, "update_output", self.side.update_output)
             else:
-                self.timed(who, self.vllm.update_connector_output, self._vllm_out)
+                self.timed(who, "update_output", self.vllm.update_connector_output,
+                           self._vllm_out)
         self._vllm_out = KVConnectorOutput()
 
     def kvshm_totals(self) -> None:
@@ -266,3 +316,15 @@ class Rig:
         c = m.counters
         self.work["kvshm"]["stored"] = c.stores_planned_blocks
         self.work["kvshm"]["loaded"] = c.loaded_blocks
+
+
+def _zero_clock() -> dict[str, dict[str, float]]:
+    return {who: dict.fromkeys(HOOKS, 0.0) for who in ("kvshm", "vllm")}
+
+
+def _thread_clock(name: str) -> int | None:
+    """The CPU clock id of the live thread called ``name`` (None: no such thread)."""
+    for t in threading.enumerate():
+        if t.name == name and t.ident is not None:
+            return time.pthread_getcpuclockid(t.ident)
+    return None

@@ -2,11 +2,12 @@
 
 Two forms of one command line:
 
-* parent: ``kvshm-workers --name NAME --tp 2 [--pp 1] [--device cpu]`` starts one child
-  per rank (the per-rank form below), forwards SIGTERM/SIGINT to them, and exits once
-  all have: 0 if every rank exited 0, else the first failing rank's code (128 + signal
-  for a rank killed by a signal). Children get ``PR_SET_PDEATHSIG`` = SIGTERM, so they
-  stop if the parent is killed.
+* parent: ``kvshm-workers --name NAME --tp 2 [--pp 1] [--device cpu]`` says at once what
+  it starts and how long the ranks wait, starts one child per rank (the per-rank form
+  below), forwards SIGTERM/SIGINT to them, and exits once all have: 0 if every rank
+  exited 0, else the first failing rank's code (128 + signal for a rank killed by a
+  signal). Children get ``PR_SET_PDEATHSIG`` = SIGTERM, so they stop if the parent is
+  killed.
 * per rank: ``python -m workers --name NAME --rank R --world-size W [--device cuda]``
   (what :class:`kvshm.engine.launcher.Launcher` spawns) runs one standalone
   :class:`~workers.worker.Worker` (``regions=None``: the device caches arrive in Ready:
@@ -14,14 +15,19 @@ Two forms of one command line:
   see :mod:`kvshm.cuda_ipc`; a rank started for the other device is refused).
 
 A rank connects (retrying while nobody listens on the name) and waits for Ready up to
-``--connect-timeout`` seconds, then loops: drain commands, begin every step it has seen in
-ascending order and submit its loads and stores at once (no fences: the serving process
-plans stores only for blocks whose compute has finished), send Dones as copies finish.
+``--connect-timeout`` seconds -- saying at once what it waits for when nobody listens
+yet, and every :data:`PROGRESS_S` seconds how long it has waited -- then loops: drain
+commands, begin every step it has seen in ascending order and submit its loads and
+stores at once (no fences: the serving process plans stores only for blocks whose
+compute has finished), send Dones as copies finish.
 Idle, it spins ``--spin-us`` then parks in poll() on the cmd doorbell, the lifeline, the
 copy engine's completion eventfd and a signal wake-up pipe -- no busy waiting.
 
-Each rank prints, on stderr: ``connected to kvshm engine 'NAME'``, ``ready``, and at the
-end ``detached (the engine closed)`` / ``detached (signal SIGTERM)`` or ``error: ...``.
+Each rank prints, on stderr: ``waiting for kvshm engine 'NAME' (timeout ...)`` if nobody
+listens at its first try, then ``still waiting ...`` every 10 s until ``connected to kvshm
+engine 'NAME'``, ``ready``, and at the end ``detached (the engine closed)`` / ``detached
+(signal SIGTERM)`` or ``error: ...`` (``no kvshm engine named 'NAME' appeared within ...``
+when the wait timed out).
 
 Exit codes: 0 after the engine's Shutdown (it closed) or SIGTERM/SIGINT; 1 when the
 engine died (lifeline EOF without a Shutdown: SIGKILL, a crash) or for a runtime error
@@ -44,17 +50,19 @@ from types import FrameType
 from typing import TYPE_CHECKING, Final
 
 from kvshm.types import DeviceKind
-from kvshm.worker_cli import add_arguments, rank_argv
+from kvshm.worker_cli import Flag, add_arguments, rank_argv
 from workers.phases import LINKED, DetachReason, Phase
 
 if TYPE_CHECKING:  # torch is imported only by a rank, never by the parent or --help
     from workers.worker import Worker
 
-__all__ = ["cli_main", "run_parent", "run_rank"]
+__all__ = ["PROGRESS_S", "WaitProgress", "cli_main", "run_parent", "run_rank"]
 
 PROG: Final = "kvshm-workers"
 #: Longest park between services (the copy thread, doorbells and signals wake it sooner).
 PARK_S: Final = 1.0
+#: Seconds between two "still waiting" lines of a rank waiting for its engine's Ready.
+PROGRESS_S: Final = 10.0
 _PR_SET_PDEATHSIG: Final = 1
 _STOP_SIGNALS: Final = (signal.SIGTERM, signal.SIGINT)
 
@@ -160,6 +168,9 @@ def run_parent(name: str, world: int, *, connect_timeout: float, spin_us: float,
                 except ProcessLookupError:  # pragma: no cover - exited meanwhile
                     pass
 
+    _line(f"{PROG}: starting {world} rank(s) for kvshm engine {name!r}; each waits up to "
+          f"{connect_timeout:g} s for it (start the engine first, or pass "
+          f"{Flag.CONNECT_TIMEOUT.value} SECONDS)")
     old = {sig: signal.signal(sig, forward) for sig in _STOP_SIGNALS}
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -227,9 +238,6 @@ class _Stopper:
 def run_rank(name: str, rank: int, world: int, *, connect_timeout: float,
              spin_us: float, device: DeviceKind = DeviceKind.CPU) -> int:
     """One standalone rank until Shutdown, lifeline EOF or a stop signal; the exit code."""
-    import warnings
-
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy")
     import torch
 
     from kvshm.errors import KvshmError
@@ -310,10 +318,36 @@ def _serve(worker: Worker, stopper: _Stopper, connect_timeout: float) -> int:
     return 1
 
 
+class WaitProgress:
+    """When a waiting rank prints its next "still waiting" line: first ``interval`` seconds
+    after ``start``, then every ``interval`` seconds (monotonic clock). A late check (a
+    stopped, then resumed process) prints one line, not one per interval missed, and the
+    next is due on the next multiple of ``interval`` after ``start``."""
+
+    def __init__(self, start: float, interval: float = PROGRESS_S) -> None:
+        if not interval > 0:
+            raise ValueError(f"interval must be > 0, got {interval}")
+        self._start, self._interval = start, interval
+        self._next = start + interval
+
+    def due(self, now: float) -> bool:
+        """True (once per interval) when a line is due at ``now``."""
+        if now < self._next:
+            return False
+        beats = (now - self._start) // self._interval
+        self._next = self._start + (beats + 1) * self._interval
+        return True
+
+
 def _await_ready(worker: Worker, stopper: _Stopper, timeout: float) -> bool:
-    """Connect and wait for Ready; False if a stop signal came first. TimeoutError."""
-    deadline = time.monotonic() + timeout
+    """Connect and wait for Ready; False if a stop signal came first. TimeoutError.
+    Prints the waiting line at once when nobody listens on the name yet, and a progress
+    line every :data:`PROGRESS_S` seconds while it waits (not connected, or no Ready)."""
+    t0 = time.monotonic()
+    deadline = t0 + timeout
+    progress = WaitProgress(t0, PROGRESS_S)
     poller_fds = [stopper.fd]
+    first = True
     while True:
         was_new = worker.phase is Phase.NEW
         worker.service()
@@ -322,11 +356,17 @@ def _await_ready(worker: Worker, stopper: _Stopper, timeout: float) -> bool:
                          f"(rank {worker.rank} of {worker.world_size})")
         if worker.phase not in (Phase.NEW, Phase.CONNECTING):
             return True
+        if first and worker.phase is Phase.NEW:
+            _say(worker, _waiting_message(worker, timeout))
+        first = False
         if stopper.signum:
             return False
-        left = deadline - time.monotonic()
+        now = time.monotonic()
+        left = deadline - now
         if left <= 0:
             raise TimeoutError(_timeout_message(worker, timeout))
+        if progress.due(now):
+            _say(worker, _progress_message(worker, now - t0, timeout))
         lifeline = worker.lifeline_fd()
         fds = poller_fds if lifeline is None else [*poller_fds, lifeline]
         nap = min(left, 0.05 if worker.phase is Phase.NEW else PARK_S)
@@ -334,9 +374,24 @@ def _await_ready(worker: Worker, stopper: _Stopper, timeout: float) -> bool:
         stopper.drain()
 
 
+def _waiting_message(worker: Worker, timeout: float) -> str:
+    return (f"waiting for kvshm engine {worker.name!r} (nothing listens on "
+            f"\\0kvshm.{worker.name} yet; timeout {timeout:g} s: start the engine first, "
+            f"or pass {Flag.CONNECT_TIMEOUT.value} SECONDS)")
+
+
+def _progress_message(worker: Worker, waited: float, timeout: float) -> str:
+    what = (f"for kvshm engine {worker.name!r} to appear" if worker.phase is Phase.NEW
+            else f"for kvshm engine {worker.name!r}'s Ready: it waits for all "
+                 f"{worker.world_size} ranks")
+    return f"still waiting {what} ({waited:.0f} s of {timeout:g} s)"
+
+
 def _timeout_message(worker: Worker, timeout: float) -> str:
+    give_up = (f"gave up ({Flag.CONNECT_TIMEOUT.value} {timeout:g}; start the engine "
+               f"first, or wait longer with a larger {Flag.CONNECT_TIMEOUT.value})")
     if worker.phase is Phase.NEW:
-        return (f"no kvshm engine named {worker.name!r} appeared within {timeout:g}s "
-                f"(nothing listens on \\0kvshm.{worker.name})")
-    return (f"kvshm engine {worker.name!r} sent no Ready within {timeout:g}s: it waits for "
-            f"all {worker.world_size} ranks (are the others running?)")
+        return (f"no kvshm engine named {worker.name!r} appeared within {timeout:g} s "
+                f"(nothing listens on \\0kvshm.{worker.name}); {give_up}")
+    return (f"kvshm engine {worker.name!r} sent no Ready within {timeout:g} s: it waits for "
+            f"all {worker.world_size} ranks (are the others running?); {give_up}")

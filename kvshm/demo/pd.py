@@ -25,6 +25,7 @@ the demo. The pieces (:class:`Side`, :func:`prefill`, :func:`handoff`,
 from __future__ import annotations
 
 import asyncio
+import ctypes
 import hashlib
 import json
 import random
@@ -171,8 +172,13 @@ def recompute(d: Side, model: ToyModel, toks: list[int]) -> tuple[torch.Tensor, 
 
 
 def digest(logits: torch.Tensor) -> str:
-    """SHA-256 of a logits tensor's bytes (bit-exact comparison across processes)."""
-    return hashlib.sha256(logits.contiguous().numpy().tobytes()).hexdigest()
+    """SHA-256 of a logits tensor's bytes (bit-exact comparison across processes).
+
+    The bytes are read straight from a contiguous CPU copy's memory, not through
+    ``Tensor.numpy()``: the demo's path needs nothing beyond torch (numpy is a declared
+    dependency, see pyproject.toml, but only to keep torch's import quiet)."""
+    t = logits.detach().to("cpu").contiguous()
+    return hashlib.sha256(ctypes.string_at(t.data_ptr(), t.nbytes)).hexdigest()
 
 
 # ---------------------------------------------------------------------- the prefill role

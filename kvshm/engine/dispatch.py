@@ -30,10 +30,12 @@ from kvshm.errors import ConfigError
 from kvshm.ipc.protocol import Direction, Done, Remote, Transfer
 from kvshm.ipc.sched_channel import SchedulerChannel
 from kvshm.offload.manager import OffloadManager
+from kvshm.ratelog import RateLimitedLog
 
 __all__ = ["Dispatcher"]
 
 _log = logging.getLogger("kvshm.engine.runtime")  # one logger name for the whole runtime
+_rlog = RateLimitedLog(_log)  # per-job errors: one line per kind per interval
 
 
 class Dispatcher:
@@ -78,8 +80,9 @@ class Dispatcher:
             except ConfigError as exc:
                 refused.append(rank)
                 self._counters.remote_post_refused += 1
-                _log.error("kvshm %s: remote job %d refused by rank %d's ring: %s; the job "
-                           "fails (a miss)", self._name, msg.job_id, rank, exc)
+                _rlog.error("remote_post", "kvshm %s: remote job %d refused by rank %d's "
+                            "ring: %s; the job fails (a miss)", self._name, msg.job_id,
+                            rank, exc)
         posted = sum(1 for c in self._channels.values() if not c.closed) - len(refused)
         if posted > 0:
             self._remote[msg.job_id] = posted

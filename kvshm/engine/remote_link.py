@@ -18,10 +18,11 @@ from dataclasses import dataclass
 from kvshm.config import EngineConfig
 from kvshm.ipc.protocol import RemoteSetup
 from kvshm.offload.groups import GroupSet
-from kvshm.offload.handoff import Handoffs
 from kvshm.offload.jobs import JobTable
+from kvshm.offload.pd.handoffs import Handoffs
 from kvshm.offload.pool import BlockPool
-from kvshm.offload.remote import RemoteBook, max_job_blocks, remote_hash
+from kvshm.offload.remote import RemoteBook
+from kvshm.offload.remote_puts import max_job_blocks, remote_hash
 from kvshm.remote.tier import ReadyIndex, RemoteSpec, ready_key
 from kvshm.remote.valkey_index import ValkeyReadyIndex
 

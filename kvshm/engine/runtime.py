@@ -240,7 +240,7 @@ class Runtime(SchedulerCalls):
                                fenced=ev.peer_closed, notify=False)
             else:
                 self.counters.refused += 1
-                self._refusals.record(ev.reason)
+                self._refusals.record(ev.reason, ev.counter or "refused")
         if notify:
             self._notify()
 

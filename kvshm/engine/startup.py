@@ -9,7 +9,10 @@ rendezvous recorded (a worker started with the wrong ``--tp`` is refused there, 
 engine's log and the error say why, not only the worker).
 
 :class:`Refusals` keeps the last :data:`KEEP` refusal reasons (bounded: a client that
-retries forever cannot grow it) and logs each at WARNING as it happens.
+retries forever cannot grow it) and logs them at WARNING as they happen, one line per
+kind of refusal per :data:`~kvshm.ratelog.INTERVAL_S` (a flood of rogue connections
+must not fill a pipe nobody drains and block the scheduler in ``write(2)``; the next
+line of a kind says how many were not logged).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from typing import Final
 
 from kvshm.config import EngineConfig
 from kvshm.errors import KvshmError
+from kvshm.ratelog import RateLimitedLog
 from kvshm.stats import EngineStats
 
 __all__ = ["KEEP", "Refusals", "StartTimeout", "log", "log_closed", "log_opened",
@@ -52,11 +56,13 @@ class Refusals:
     def __init__(self, name: str) -> None:
         self._name = name
         self._reasons: deque[str] = deque(maxlen=KEEP)
+        self.log = RateLimitedLog(log)
 
-    def record(self, reason: str) -> None:
-        """Keep ``reason`` and log it (WARNING)."""
+    def record(self, reason: str, kind: str = "refused") -> None:
+        """Keep ``reason`` and log it (WARNING; rate-limited per ``kind``, the
+        rendezvous counter it was counted under)."""
         self._reasons.append(reason)
-        log.warning("kvshm engine %r: %s", self._name, reason)
+        self.log.warning(kind, "kvshm engine %r: %s", self._name, reason)
 
     def reasons(self) -> tuple[str, ...]:
         """The kept reasons, oldest first."""

@@ -10,6 +10,7 @@ Three channels, each with one encoder and one typed decoder per direction (reuse
 building a decoder costs far more than decoding):
 
 * ``cmd`` ring, scheduler -> worker: :data:`CmdMsg` = Transfer | Flush | Shutdown | Remote
+  | Disk
 * ``done`` ring, worker -> scheduler: :data:`DoneMsg` = Done
 * rendezvous socket, both ways: :data:`ControlMsg` = Hello | Ready | StatsRequest | Stats
   | Shutdown | Goodbye
@@ -121,6 +122,27 @@ class TensorSpec(msgspec.Struct, array_like=True, frozen=True, gc=False):
     cuda: CudaIpc | None = None
 
 
+class DiskOp(IntEnum):
+    """Which way a :class:`Disk` job moves a block: WRITE is CPU tier -> this rank's slab
+    file (write-back of a block the CPU tier is about to evict), READ the reverse (into
+    fresh CPU rows nothing else uses)."""
+
+    WRITE = 0
+    READ = 1
+
+
+class DiskSetup(msgspec.Struct, array_like=True, frozen=True, gc=False):
+    """The local disk tier of one rank (in ``Ready``): the path of its slab file, the
+    number of slots the scheduler hands out in it, the layout fingerprint every slot
+    header carries, and whether the rank reads and writes it with ``O_DIRECT`` (False only
+    where the user asked for buffered I/O)."""
+
+    path: str
+    slots: int
+    fingerprint: str
+    direct: bool = True
+
+
 class RemoteSetup(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """The remote tier a worker connects to (in ``Ready``): its URL (the knobs included,
     ``kvshm.remote.tier.RemoteSpec`` parses it) and the layout fingerprint every key and
@@ -156,6 +178,7 @@ class Ready(_Msg, tag=2, frozen=True, array_like=True, gc=False):
     host_bytes: int
     device_caches: tuple[TensorSpec, ...] = ()
     remote: RemoteSetup | None = None
+    disk: DiskSetup | None = None
 
 
 class StatsRequest(_Msg, tag=3, frozen=True, array_like=True, gc=False):
@@ -223,7 +246,23 @@ class Remote(_Msg, tag=10, frozen=True, array_like=True, gc=False):
     keep: bool = False
 
 
-CmdMsg = Transfer | Flush | Shutdown | Remote
+class Disk(_Msg, tag=11, frozen=True, array_like=True, gc=False):
+    """Move CPU rows ``cpu_ids[i]`` to or from slot ``slots[i]`` of the rank's slab file
+    (``Ready.disk``) under block ``hashes[i]`` (``hash_len`` bytes each, concatenated).
+    Runs on arrival (no step, no fence): the scheduler posts a WRITE only for rows whose
+    store every rank acked, into slots no job reads, and a READ only from slots no job
+    writes, into rows nothing else uses. A READ whose slot header or checksum does not
+    match fails the job (failure = miss = recompute); the scheduler drops its slots."""
+
+    job_id: int
+    op: DiskOp
+    cpu_ids: bytes
+    slots: bytes
+    hashes: bytes
+    hash_len: int
+
+
+CmdMsg = Transfer | Flush | Shutdown | Remote | Disk
 DoneMsg = Done
 ControlMsg = Hello | Ready | StatsRequest | Stats | Shutdown | Goodbye
 

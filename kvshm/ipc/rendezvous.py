@@ -38,9 +38,11 @@ the listener and on every connection; nothing polls or spins.
 
 Beside this module: :mod:`kvshm.ipc.rendezvous_conns` keeps the connections (the poll
 set, the pending ones oldest first, the ranks'); :mod:`kvshm.ipc.rendezvous_events` has
-the event and ``make_ready`` types, re-exported here;
-:mod:`kvshm.ipc.rendezvous_handshake` what is done with each accepted message (the Hello
-checks, Ready, stats answers, refusals: a base of the server). Worker side:
+the event and ``make_ready`` types, re-exported here; the server holds a
+:class:`~kvshm.ipc.rendezvous_handshake.Handshake` (its own object, with its own state:
+the Hellos, the peers' pids, the lost ranks, the lifecycle) that decides what each
+accepted message does: the Hello checks, Ready, stats answers, refusals and losses; the
+server keeps the sockets, the listener and the service loop. Worker side:
 :class:`~kvshm.ipc.rendezvous_client.RendezvousClient` and
 :func:`~kvshm.ipc.rendezvous_client.query_stats`, re-exported here too.
 """
@@ -51,7 +53,6 @@ import os
 import socket
 from collections import Counter
 from collections.abc import Callable, Mapping
-from types import MappingProxyType
 from typing import TYPE_CHECKING, Any, Final
 
 from kvshm.errors import (
@@ -91,7 +92,7 @@ __all__ = [
 _MAX_INBOUND: Final = 1 << 16
 
 
-class RendezvousServer(Handshake):
+class RendezvousServer:
     """Scheduler side of the rendezvous (see the module docstring for the order of work).
 
     ``stats()`` returns the plain-data snapshot sent in answer to a ``StatsRequest``.
@@ -104,22 +105,19 @@ class RendezvousServer(Handshake):
             raise ConfigError(f"world_size must be an int >= 1, got {world_size!r}")
         self.name = name
         self.world_size = world_size
-        self._make_ready = make_ready
-        self._stats = stats
         self._listener = listen(name, backlog=max(64, 4 * world_size))
         self._table = ConnTable(self._listener.fileno(), world_size)
-        self._hellos: dict[int, Hello] = {}
-        self._pids: dict[int, int] = {}
-        self._lost: set[int] = set()
         self._counts: Counter[str] = Counter()
-        self._state = ServerState.WAITING
+        self._handshake = Handshake(name, world_size, self._table, self._counts,
+                                    make_ready=make_ready, stats=stats)
         self._on_events: Callable[[list[RendezvousEvent]], None] | None = None
 
     # ------------------------------------------------------------------ queries
 
     @property
     def state(self) -> ServerState:
-        return self._state
+        """The handshake's lifecycle (WAITING, READY, READY_FAILED, CLOSED)."""
+        return self._handshake.state
 
     @property
     def pending_cap(self) -> int:
@@ -140,17 +138,15 @@ class RendezvousServer(Handshake):
 
     def peer_pid(self, rank: int) -> int:
         """pid of the process that said hello as ``rank`` (SO_PEERCRED; kept after loss)."""
-        try:
-            return self._pids[rank]
-        except KeyError:
-            raise StateError(f"rank {rank} has not said hello on {self.name!r}") from None
+        return self._handshake.peer_pid(rank)
 
     def hellos(self) -> Mapping[int, Hello]:
         """Accepted Hellos by rank (read-only view)."""
-        return MappingProxyType(self._hellos)
+        return self._handshake.hellos()
 
     def lost_ranks(self) -> frozenset[int]:
-        return frozenset(self._lost)
+        """Ranks lost so far (never refilled)."""
+        return self._handshake.lost_ranks()
 
     def counters(self) -> dict[str, int]:
         """accepted, accept_errors, refused_uid, refused_pending_cap, refused_version,
@@ -163,7 +159,7 @@ class RendezvousServer(Handshake):
 
     def service(self) -> list[RendezvousEvent]:
         """Do every piece of pending work without waiting; the events, in order."""
-        if self._state is ServerState.CLOSED:
+        if self.state is ServerState.CLOSED:
             raise ClosedError(f"rendezvous {self.name!r} is closed")
         events: list[RendezvousEvent] = []
         for fd in self._table.ready():
@@ -171,8 +167,7 @@ class RendezvousServer(Handshake):
                 self._accept_guarded(events)
             elif (conn := self._table.get(fd)) is not None:
                 self._read_guarded(conn, events)
-        if self._state is ServerState.WAITING and len(self._hellos) == self.world_size:
-            self._send_ready(events)
+        self._handshake.ready_when_complete(events)
         return events
 
     def _accept_guarded(self, events: list[RendezvousEvent]) -> None:
@@ -184,7 +179,8 @@ class RendezvousServer(Handshake):
             self._counts["service_errors"] += 1
             events.append(RendezvousEvent(
                 EventKind.REFUSED, reason=f"accepting on {self.name!r} failed: "
-                                          f"{type(e).__name__}: {e}", error=e))
+                                          f"{type(e).__name__}: {e}", error=e,
+                counter="service_errors"))
 
     def _read_guarded(self, conn: Conn, events: list[RendezvousEvent]) -> None:
         """:meth:`_read_all`; an unexpected exception refuses this connection only."""
@@ -193,12 +189,12 @@ class RendezvousServer(Handshake):
         except Exception as e:  # noqa: BLE001 - must not lose the events collected so far
             why = f"internal error on this connection: {type(e).__name__}: {e}"
             if conn.sock.fileno() >= 0:
-                self._refuse(conn, events, "service_errors", why, e)
+                self._handshake.refuse(conn, events, "service_errors", why, e)
                 return
             self._counts["service_errors"] += 1
             events.append(RendezvousEvent(EventKind.REFUSED, rank=-1 if conn.rank is None
                                           else conn.rank, pid=conn.cred.pid, reason=why,
-                                          error=e))
+                                          error=e, counter="service_errors"))
 
     def _accept_all(self, events: list[RendezvousEvent]) -> None:
         while True:
@@ -211,7 +207,8 @@ class RendezvousServer(Handshake):
             except OSError as e:  # EMFILE/ENFILE/ENOBUFS: retried on the next service()
                 self._counts["accept_errors"] += 1
                 events.append(RendezvousEvent(EventKind.REFUSED,
-                                              reason=f"accept() failed: {e}", error=e))
+                                              reason=f"accept() failed: {e}", error=e,
+                                              counter="accept_errors"))
                 return
             try:
                 conn = self._admit(sock, events)
@@ -232,7 +229,8 @@ class RendezvousServer(Handshake):
             sock.close()
             self._counts["accept_errors"] += 1
             events.append(RendezvousEvent(EventKind.REFUSED,
-                                          reason=f"accepted connection unusable: {e}", error=e))
+                                          reason=f"accepted connection unusable: {e}", error=e,
+                                          counter="accept_errors"))
             return None
         if cred.uid != os.geteuid():
             sock.close()
@@ -240,7 +238,8 @@ class RendezvousServer(Handshake):
             events.append(RendezvousEvent(
                 EventKind.REFUSED, pid=cred.pid,
                 reason=f"connection from uid {cred.uid} (pid {cred.pid}) refused: "
-                       f"only uid {os.geteuid()} may use {self.name!r}"))
+                       f"only uid {os.geteuid()} may use {self.name!r}",
+                counter="refused_uid"))
             return None
         self._evict_pending(events)
         self._counts["accepted"] += 1
@@ -256,7 +255,7 @@ class RendezvousServer(Handshake):
                 self._read_guarded(conn, events)
         while table.pending_full():
             oldest = table.pop_oldest_pending()
-            self._refuse(oldest, events, "refused_pending_cap",
+            self._handshake.refuse(oldest, events, "refused_pending_cap",
                          f"{table.pending_cap} connections to {self.name!r} have not said "
                          f"Hello: the oldest (pid {oldest.cred.pid}) is closed to admit a "
                          "new one")
@@ -267,29 +266,29 @@ class RendezvousServer(Handshake):
             if dg is None:
                 return
             if dg.eof:
-                self._lose(conn, events, "connection closed (EOF)", peer_closed=True)
+                self._handshake.lose(conn, events, "connection closed (EOF)", peer_closed=True)
                 return
             if dg.truncated:
-                self._refuse(conn, events, "refused_protocol",
+                self._handshake.refuse(conn, events, "refused_protocol",
                              f"message larger than {_MAX_INBOUND} bytes")
                 return
             try:
                 msg = decode_control(dg.data)
             except VersionMismatch as e:
-                self._refuse(conn, events, "refused_version", str(e), e)
+                self._handshake.refuse(conn, events, "refused_version", str(e), e)
                 return
             except ProtocolError as e:
-                self._refuse(conn, events, "refused_protocol", str(e), e)
+                self._handshake.refuse(conn, events, "refused_protocol", str(e), e)
                 return
             if isinstance(msg, Hello):
-                self._on_hello(conn, msg, events)
+                self._handshake.on_hello(conn, msg, events)
             elif isinstance(msg, StatsRequest):
-                self._answer_stats(conn, events)
+                self._handshake.answer_stats(conn, events)
             elif isinstance(msg, Goodbye) and conn.rank is not None and msg.rank == conn.rank:
                 conn.farewell = msg.reason or "the worker closed"
                 self._counts["goodbyes"] += 1
             else:
-                self._refuse(conn, events, "refused_protocol",
+                self._handshake.refuse(conn, events, "refused_protocol",
                              f"unexpected {type(msg).__name__} from pid {conn.cred.pid}")
 
     # ------------------------------------------------------------------ asyncio
@@ -298,7 +297,7 @@ class RendezvousServer(Handshake):
                on_events: Callable[[list[RendezvousEvent]], None]) -> None:
         """Drive :meth:`service` from ``loop`` (add_reader on the listener and every
         connection); ``on_events`` gets each non-empty batch, on the loop's thread."""
-        if self._state is ServerState.CLOSED:
+        if self.state is ServerState.CLOSED:
             raise ClosedError(f"rendezvous {self.name!r} is closed")
         if self._table.attached:
             raise StateError(f"rendezvous {self.name!r} is already attached to a loop")
@@ -312,7 +311,7 @@ class RendezvousServer(Handshake):
         self._on_events = None
 
     def _on_readable(self) -> None:
-        if self._state is ServerState.CLOSED or self._on_events is None:
+        if self.state is ServerState.CLOSED or self._on_events is None:
             return
         events = self.service()
         if events:
@@ -320,12 +319,12 @@ class RendezvousServer(Handshake):
 
     def close(self) -> None:
         """Close every connection (workers see EOF) and the listener (idempotent)."""
-        if self._state is ServerState.CLOSED:
+        if self.state is ServerState.CLOSED:
             return
         self.detach()
         self._table.close_all()
         self._listener.close()
-        self._state = ServerState.CLOSED
+        self._handshake.close()
 
     def __enter__(self) -> RendezvousServer:
         return self

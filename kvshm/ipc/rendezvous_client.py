@@ -31,7 +31,7 @@ from typing import Any, Final
 
 from kvshm.errors import (
     ClosedError,
-    ConfigError,
+    EngineNotRunning,
     KvshmError,
     PeerDied,
     ProtocolError,
@@ -277,16 +277,16 @@ def _close_all(fds: list[int]) -> None:
 def query_stats(name: str, timeout: float = 2.0) -> dict[str, Any]:
     """Ask the engine named ``name`` for its statistics.
 
-    ConfigError if no engine listens on that name; UntrustedPeer if the listener runs as
-    another uid (nothing is sent to it); TimeoutError if it does not answer within
-    ``timeout`` seconds; PeerDied if it closes the connection (e.g. it refused this uid).
+    EngineNotRunning (a ConfigError) if no engine listens on that name; UntrustedPeer if
+    the listener runs as another uid (nothing is sent to it); TimeoutError if it does not
+    answer within ``timeout`` seconds; PeerDied if it closes the connection (e.g. it
+    refused this uid).
     """
     with RendezvousClient(name) as client:
         try:
             client.connect_nowait()
         except PeerDied:
-            raise ConfigError(f"no kvshm engine named {name!r} is running "
-                              f"(nothing listens on the abstract socket \\0kvshm.{name})") from None
+            raise EngineNotRunning(name) from None
         client.send(StatsRequest())
         deadline = time.monotonic() + timeout
         while True:

@@ -44,7 +44,9 @@ class RendezvousEvent:
     a fence. False when this server closed the connection itself (a refused message, a
     Ready it could not send): the rank may still be copying. ``farewell`` (RANK_LOST
     only): the reason the rank's ``Goodbye`` gave before its EOF -- its host closed the
-    worker (a clean departure, not a death); "" if it said none.
+    worker (a clean departure, not a death); "" if it said none. ``counter`` (REFUSED
+    only): the server's counter the refusal was counted under (``refused_protocol``
+    ...): a stable kind, where ``reason`` varies with the peer.
     """
 
     kind: EventKind
@@ -54,3 +56,4 @@ class RendezvousEvent:
     error: BaseException | None = None
     peer_closed: bool = False
     farewell: str = ""
+    counter: str = ""

@@ -1,35 +1,22 @@
-"""What the rendezvous server does with each accepted message, and how it drops a peer.
+"""The rendezvous handshake: which Hellos are accepted, when Ready goes out, who is lost.
 
-:class:`Handshake` is a base of :class:`~kvshm.ipc.rendezvous.RendezvousServer` (one
-object: it declares the server's attributes it uses and holds none of its own). Its
-rules, which the server's :meth:`~kvshm.ipc.rendezvous.RendezvousServer.service` order
-relies on:
-
-* A Hello is accepted only on a connection that is not a rank's yet, for this world
-  size, a rank in range, not connected (a duplicate) and never lost, and only while
-  the server is WAITING; otherwise the connection is refused (closed without a reply,
-  counted by cause). An accepted Hello promotes the connection to its rank's (never
-  evicted) and records the Hello and the peer's pid.
-* ``make_ready`` is called once (the state leaves WAITING before the call, so a raise
-  cannot repeat it); every rank then gets its Ready and fds, or, when ``make_ready``
-  failed or missed a rank, every rank connection is closed (READY_FAILED).
-* A stats query is answered on any connection; a stats bug or an oversized snapshot
-  answers an error instead; an asker that does not read its answers is dropped
-  (``stats_dropped``), a rank never is.
-* Refusing a rank's connection loses the rank (``RANK_LOST``, once per rank; a lost
-  rank's slot is never refilled).
+:class:`Handshake` is an object the :class:`~kvshm.ipc.rendezvous.RendezvousServer`
+holds. The server keeps the sockets (the listener, the connection table it hands in)
+and the service loop; the handshake decides what each accepted message does and owns
+what that decides: the accepted Hellos, the peers' pids, the lost ranks and the
+lifecycle (:class:`ServerState`). Its rules and invariants are in the class docstring.
 """
 
 from __future__ import annotations
 
 import errno
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from enum import Enum
 from types import MappingProxyType
 from typing import Any
 
-from kvshm.errors import ConfigError, KvshmError, PeerDied, VersionMismatch
+from kvshm.errors import ConfigError, KvshmError, PeerDied, StateError, VersionMismatch
 from kvshm.ipc.fdpass import encode_control, send_datagram
 from kvshm.ipc.protocol import Hello, Stats, check_version
 from kvshm.ipc.rendezvous_conns import Conn, ConnTable
@@ -39,7 +26,7 @@ __all__ = ["Handshake", "ServerState"]
 
 
 class ServerState(Enum):
-    """Lifecycle of a :class:`RendezvousServer`."""
+    """Lifecycle of a rendezvous (:attr:`Handshake.state`)."""
 
     WAITING = "waiting"            # collecting Hellos
     READY = "ready"                # Ready sent to every rank
@@ -48,19 +35,85 @@ class ServerState(Enum):
 
 
 class Handshake:
-    """Base of the rendezvous server: Hello checks, Ready, stats answers, refusals (the
-    module docstring states the rules). The attributes are the server's."""
+    """Hello checks, Ready, stats answers, refusals and losses of one rendezvous.
 
-    name: str
-    world_size: int
-    _make_ready: MakeReady
-    _stats: Callable[[], dict[str, Any]]
-    _table: ConnTable
-    _hellos: dict[int, Hello]
-    _pids: dict[int, int]
-    _lost: set[int]
-    _counts: Counter[str]
-    _state: ServerState
+    Owns the accepted Hellos by rank, each rank's peer pid (kept after its loss), the
+    lost ranks and the lifecycle state. Handed the server's connection table (it
+    promotes accepted connections to ranks and closes refused ones) and the server's
+    counters (it counts each outcome there; :meth:`RendezvousServer.counters
+    <kvshm.ipc.rendezvous.RendezvousServer.counters>` lists them).
+
+    Invariants, at every return:
+
+    * A Hello is accepted only on a connection that is not a rank's yet, for this world
+      size, a rank in range, not connected (a duplicate) and never lost, and only while
+      WAITING; otherwise the connection is refused (closed without a reply, counted by
+      cause). An accepted Hello promotes the connection to its rank's (never evicted)
+      and records the Hello and the peer's pid.
+    * ``hellos`` holds exactly the ranks that said Hello and are not lost; a lost rank
+      is in ``lost`` for good and its slot is never refilled (no restarts).
+    * ``make_ready`` is called at most once: :meth:`ready_when_complete` leaves WAITING
+      before the call, so a raise cannot repeat it. Every rank then gets its Ready and
+      fds (READY), or, when ``make_ready`` failed or missed a rank, every rank
+      connection is closed (READY_FAILED).
+    * A stats query is answered on any connection; a stats bug or an oversized snapshot
+      answers an error instead; an asker that does not read its answers is dropped
+      (``stats_dropped``), a rank never is.
+    * Refusing a rank's connection loses the rank (``RANK_LOST``, once per rank).
+    """
+
+    def __init__(self, name: str, world_size: int, table: ConnTable, counts: Counter[str],
+                 *, make_ready: MakeReady, stats: Callable[[], dict[str, Any]]) -> None:
+        self.name = name
+        self.world_size = world_size
+        self._table = table
+        self._counts = counts
+        self._make_ready = make_ready
+        self._stats = stats
+        self._hellos: dict[int, Hello] = {}
+        self._pids: dict[int, int] = {}
+        self._lost: set[int] = set()
+        self._state = ServerState.WAITING
+
+    # ------------------------------------------------------------------ views
+
+    @property
+    def state(self) -> ServerState:
+        """Where the rendezvous stands."""
+        return self._state
+
+    def hellos(self) -> Mapping[int, Hello]:
+        """Accepted Hellos by rank, lost ranks excluded (read-only view)."""
+        return MappingProxyType(self._hellos)
+
+    def lost_ranks(self) -> frozenset[int]:
+        """Ranks lost so far (never refilled)."""
+        return frozenset(self._lost)
+
+    def peer_pid(self, rank: int) -> int:
+        """pid of the process that said hello as ``rank`` (SO_PEERCRED; kept after loss)."""
+        try:
+            return self._pids[rank]
+        except KeyError:
+            raise StateError(f"rank {rank} has not said hello on {self.name!r}") from None
+
+    # ------------------------------------------------------------------ messages
+
+    def on_hello(self, conn: Conn, hello: Hello, events: list[RendezvousEvent]) -> None:
+        """Accept ``hello`` on ``conn`` (HELLO) or refuse the connection (REFUSED)."""
+        try:
+            check_version(hello.version)
+        except VersionMismatch as e:
+            self.refuse(conn, events, "refused_version", str(e), e)
+            return
+        problem = self._hello_problem(conn, hello)
+        if problem is not None:
+            self.refuse(conn, events, *problem)
+            return
+        self._table.promote(conn, hello.rank)  # a rank: never evicted
+        self._hellos[hello.rank] = hello
+        self._pids[hello.rank] = conn.cred.pid
+        events.append(RendezvousEvent(EventKind.HELLO, rank=hello.rank, pid=conn.cred.pid))
 
     def _hello_problem(self, conn: Conn, hello: Hello) -> tuple[str, str] | None:
         """(counter, reason) if this Hello must be refused, else None."""
@@ -85,22 +138,9 @@ class Handshake:
             return "refused_hello", f"rendezvous {self.name!r} is {self._state.value}"
         return None
 
-    def _on_hello(self, conn: Conn, hello: Hello, events: list[RendezvousEvent]) -> None:
-        try:
-            check_version(hello.version)
-        except VersionMismatch as e:
-            self._refuse(conn, events, "refused_version", str(e), e)
-            return
-        problem = self._hello_problem(conn, hello)
-        if problem is not None:
-            self._refuse(conn, events, *problem)
-            return
-        self._table.promote(conn, hello.rank)  # a rank: never evicted
-        self._hellos[hello.rank] = hello
-        self._pids[hello.rank] = conn.cred.pid
-        events.append(RendezvousEvent(EventKind.HELLO, rank=hello.rank, pid=conn.cred.pid))
-
-    def _answer_stats(self, conn: Conn, events: list[RendezvousEvent]) -> None:
+    def answer_stats(self, conn: Conn, events: list[RendezvousEvent]) -> None:
+        """Answer a ``StatsRequest`` on ``conn`` (an error snapshot if ``stats`` raised or
+        its answer is too large); a non-rank asker that does not read is closed."""
         try:
             data = encode_control(Stats(data=self._stats()))
         except Exception as e:  # noqa: BLE001 - a stats bug must not take the scheduler down
@@ -121,12 +161,19 @@ class Handshake:
                 self._table.close(conn)
             return
         except PeerDied:
-            self._lose(conn, events, "connection closed while answering stats",
-                       peer_closed=True)
+            self.lose(conn, events, "connection closed while answering stats",
+                      peer_closed=True)
             return
         self._counts["stats_served"] += 1
 
-    def _send_ready(self, events: list[RendezvousEvent]) -> None:
+    # ------------------------------------------------------------------ Ready
+
+    def ready_when_complete(self, events: list[RendezvousEvent]) -> None:
+        """Once every rank said Hello (and only while WAITING): call ``make_ready`` and
+        send each rank its Ready and fds (ALL_READY), or fail every rank (READY_FAILED).
+        A rank whose Ready cannot be sent is lost after ALL_READY."""
+        if self._state is not ServerState.WAITING or len(self._hellos) < self.world_size:
+            return
         self._state = ServerState.READY  # make_ready is called once, even if it raises
         try:
             plan = self._make_ready(MappingProxyType(dict(self._hellos)))
@@ -147,7 +194,7 @@ class Handshake:
                 lost.append((conn, f"could not send Ready: {e or type(e).__name__}"))
         events.append(RendezvousEvent(EventKind.ALL_READY))
         for conn, why in lost:
-            self._lose(conn, events, why)
+            self.lose(conn, events, why)
 
     def _fail_ready(self, events: list[RendezvousEvent], error: Exception) -> None:
         self._state = ServerState.READY_FAILED
@@ -159,17 +206,22 @@ class Handshake:
                                       reason=f"rendezvous {self.name!r} failed: {why}",
                                       error=error))
 
-    def _refuse(self, conn: Conn, events: list[RendezvousEvent], counter: str, reason: str,
-                error: BaseException | None = None) -> None:
-        """Close ``conn`` without a reply; a rank's connection is also RANK_LOST."""
+    # ------------------------------------------------------------------ endings
+
+    def refuse(self, conn: Conn, events: list[RendezvousEvent], counter: str, reason: str,
+               error: BaseException | None = None) -> None:
+        """Close ``conn`` without a reply, counted under ``counter`` (REFUSED); a rank's
+        connection is also RANK_LOST."""
         self._counts[counter] += 1
         events.append(RendezvousEvent(EventKind.REFUSED, rank=-1 if conn.rank is None
                                       else conn.rank, pid=conn.cred.pid, reason=reason,
-                                      error=error))
-        self._lose(conn, events, reason)
+                                      error=error, counter=counter))
+        self.lose(conn, events, reason)
 
-    def _lose(self, conn: Conn, events: list[RendezvousEvent], why: str, *,
-              peer_closed: bool = False) -> None:
+    def lose(self, conn: Conn, events: list[RendezvousEvent], why: str, *,
+             peer_closed: bool = False) -> None:
+        """Close ``conn``; a rank's is RANK_LOST once (``peer_closed``: the worker closed
+        its end, see :class:`~kvshm.ipc.rendezvous_events.RendezvousEvent`)."""
         rank = conn.rank
         self._table.close(conn)
         if rank is None or rank in self._lost:
@@ -180,3 +232,7 @@ class Handshake:
         events.append(RendezvousEvent(EventKind.RANK_LOST, rank=rank, pid=conn.cred.pid,
                                       reason=why, peer_closed=peer_closed,
                                       farewell=conn.farewell if peer_closed else ""))
+
+    def close(self) -> None:
+        """The server closed: the lifecycle ends (CLOSED)."""
+        self._state = ServerState.CLOSED

@@ -45,7 +45,14 @@ class ManagerCounters:
     """Monotonic counters of the manager (never reset, not even by ``reset()``)."""
 
     lookups: int = 0
+    #: tokens offered by lookup answers, every answer counted (a request that waits for
+    #: the serving engine's KV space is looked up again every step): not what was used
     lookup_hit_tokens: int = 0
+    #: tokens the serving engine accepted from a hit, once per request: at its first
+    #: phase B (``allocated``), what vLLM counts as ``external_prefix_cache_hits``
+    hit_tokens: int = 0
+    #: tokens accepted by a request's later phase B (re-admitted after a preemption)
+    hit_tokens_readmitted: int = 0
     lookups_asked_again: int = 0
     lookups_unaligned: int = 0
     loads_planned: int = 0

@@ -60,3 +60,9 @@ class GroupSet:
     def key(self, h: BlockHash, g: int) -> bytes:
         """CPU index key of hash ``h`` in group ``g``."""
         return h + self._suffix[g] if g else h
+
+    def keys(self, hashes: Sequence[BlockHash], start: int, end: int) -> list[bytes]:
+        """CPU index keys of positions ``start..end``, position-major (every group's key
+        of a position before the next position's: the order of a remote job's keys)."""
+        key, n = self.key, self.n
+        return [key(hashes[p], g) for p in range(start, end) for g in range(n)]

@@ -24,7 +24,7 @@ import msgspec
 from kvshm.errors import ConfigError, InvalidRequest
 from kvshm.hashing import BlockHash
 from kvshm.offload.counters import ManagerCounters
-from kvshm.offload.handoff import is_handoff
+from kvshm.offload.pd.manifest import is_handoff
 from kvshm.offload.validate import NOT_SEQUENCES, InputCheck, Tables, describe
 from kvshm.types import GpuBlocks, ScheduledRequest
 

@@ -48,13 +48,13 @@ from kvshm.errors import ConfigError
 from kvshm.ipc.protocol import Direction, Remote, Transfer, pack_ids
 from kvshm.offload.counters import ManagerCounters
 from kvshm.offload.groups import GroupSet, cdiv
-from kvshm.offload.handoff import handoff_extent, is_handoff
 from kvshm.offload.hits import Hit, assign, find_hit, guess_dests, refresh_prefix
 from kvshm.offload.inputs import View, for_pool
 from kvshm.offload.invariants import Parts, check_parts, recorded_pins
 from kvshm.offload.jobs import JobTable, LoadPart
 from kvshm.offload.loads import LoadBook
 from kvshm.offload.outcomes import JobOutcomes
+from kvshm.offload.pd.manifest import handoff_extent, is_handoff
 from kvshm.offload.pool import BlockPool
 from kvshm.offload.remote import RemoteBook
 from kvshm.offload.requests import ReqState, RequestTracker, is_remote
@@ -233,6 +233,7 @@ class OffloadManager(JobOutcomes):
         st = self._track.reqs.get(req_id)
         if num_external_tokens == 0:
             self._drop_hit(req_id)
+            self._admit(st, 0)
             return
         if hit is None or hit.cause is not None:
             self._hits.pop(req_id, None)
@@ -240,6 +241,7 @@ class OffloadManager(JobOutcomes):
                 LoadFailure.ENGINE_FAILED if self._failed else LoadFailure.NO_PIN)
             self._loads.fail_now(req_id, guess_dests(hit, tables, num_external_tokens,
                                                      self.block_size), cause)
+            self._admit(st, num_external_tokens)
             return
         offered = hit.offered
         if num_external_tokens > offered:
@@ -247,6 +249,7 @@ class OffloadManager(JobOutcomes):
                                      f"{num_external_tokens} accepted, {offered} offered")
         k = cdiv(num_external_tokens, self.block_size)
         self._check.reach("allocated", req_id, tables, hit.start + k)
+        self._admit(st, num_external_tokens)
         a = assign(self.cpu, self._gs, hit, tables, k)
         del self._hits[req_id]
         self._hand_over(hit.pinned, a.cpu_ids)
@@ -258,6 +261,19 @@ class OffloadManager(JobOutcomes):
         self.gpu.touch(a.gpu_ids)
         self._loads.enqueue(
             LoadPart(req_id, a.cpu_ids, a.gpu_ids, tuple(a.failed), num_external_tokens))
+
+    def _admit(self, st: ReqState | None, tokens: int) -> None:
+        """Count an accepted phase B's hit tokens (after its checks passed): a request's
+        first phase B in ``hit_tokens`` -- once per request, whatever its lookups were
+        asked again -- a later one (re-admitted after a preemption) in
+        ``hit_tokens_readmitted``. A request the manager does not track counts as
+        first."""
+        if st is not None and st.admitted:
+            self.counters.hit_tokens_readmitted += tokens
+            return
+        self.counters.hit_tokens += tokens
+        if st is not None:
+            st.admitted = True
 
     def _handoff_waits(self, rid: str, hit: Hit, hashes: Sequence[bytes], end: int,
                        params: Any) -> bool:
@@ -371,7 +387,7 @@ class OffloadManager(JobOutcomes):
 
     def transfer_params(self, req_id: str) -> dict[str, Any] | None:
         """The ``kv_transfer_params`` of a P/D prefill request that just finished (its
-        hand-off's manifest: :mod:`kvshm.offload.handoff`), once; None otherwise."""
+        hand-off's manifest: :mod:`kvshm.offload.pd`), once; None otherwise."""
         return None if self.remote is None else self.remote.transfer_params(req_id)
 
     def _forget(self, req_id: str) -> ReqState | None:

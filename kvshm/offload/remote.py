@@ -7,7 +7,7 @@ this book; the bytes move on the workers as :class:`~kvshm.offload.jobs.RemoteJo
 
 Write path (:mod:`kvshm.offload.remote_puts`): blocks are put after their store
 completed on every rank (write-through) or as they near eviction (``ON_EVICT``); a
-completed PUT publishes their readiness keys. P/D hand-offs: :mod:`kvshm.offload.handoff`.
+completed PUT publishes their readiness keys. P/D hand-offs: :mod:`kvshm.offload.pd`.
 
 Read path, for a request whose CPU-tier hit is 0 (an ordinary CPU hit never waits for
 the remote), or a P/D hand-off whose CPU hit ends short of its extent (its manifest says
@@ -31,9 +31,13 @@ Dedup: a key is never put twice by one engine (published, queued or in flight), 
 fetched twice at once (a lookup any of whose keys another request's GET is fetching
 answers None until that GET ends, or the fetch timeout).
 
-A hand-off whose CPU hit ends short of its extent waits holding that hit
-(:mod:`kvshm.offload.remote_pd`, the book's P/D side): the GET for the rest must not
-evict the prefix it extends.
+The book's P/D side is an object it holds when the engine hands off
+(:class:`~kvshm.offload.pd.side.HandoffSide`, ``side``; the seam between this book and
+:mod:`kvshm.offload.pd`): a hand-off's lookup waits for its manifest there first, and
+one whose CPU hit ends short of its extent waits holding that hit (the GET for the rest
+must not evict the prefix it extends). The book passes the manager's P/D calls
+(``hold``, ``unhold``, ``served``, ``publish_request``, ``transfer_params``,
+``store_dropped``) on to it.
 
 Pins: every CPU block this book pins is recorded in :meth:`RemoteBook.pinned` (queued
 PUTs, FETCHED requests, held prefixes); jobs record their own.
@@ -50,23 +54,21 @@ from typing import Any
 from kvshm.config import Eviction, RemoteMode
 from kvshm.ipc.protocol import Remote, RemoteOp
 from kvshm.offload.groups import GroupSet
-from kvshm.offload.handoff import Handoffs, Verdict
 from kvshm.offload.jobs import JobTable, RemoteJob
+from kvshm.offload.pd.handoffs import Handoffs
+from kvshm.offload.pd.manifest import Verdict
+from kvshm.offload.pd.side import HandoffSide
 from kvshm.offload.pool import BlockPool
-from kvshm.offload.remote_pd import HandoffSide
 from kvshm.offload.remote_puts import (
     MAX_PUT_BLOCKS,
-    REMOTE_HASH_BYTES,
     PutQueue,
     RemoteCounters,
-    max_job_blocks,
     message,
     remote_hash,
 )
 from kvshm.remote.tier import ReadyIndex
 
-__all__ = ["MAX_PUT_BLOCKS", "REMOTE_HASH_BYTES", "RemoteBook", "RemoteCounters",
-           "RemoteState", "max_job_blocks", "remote_hash"]
+__all__ = ["RemoteBook", "RemoteState"]
 
 
 class RemoteState(Enum):
@@ -94,9 +96,11 @@ class _Lookup:
     pinned: list[int] = field(default_factory=list)
 
 
-class RemoteBook(HandoffSide):
+class RemoteBook:
     """See the module docstring. ``ready_key(h)``: the readiness key of remote hash
-    ``h`` (:func:`kvshm.remote.tier.ready_key` with the engine's fingerprint)."""
+    ``h`` (:func:`kvshm.remote.tier.ready_key` with the engine's fingerprint);
+    ``handoffs``: the engine's P/D hand-offs (None: it hands nothing off), held through
+    the book's P/D ``side``."""
 
     def __init__(self, cpu: BlockPool, gs: GroupSet, jobs: JobTable, index: ReadyIndex,
                  ready_key: Callable[[bytes], str], *, mode: RemoteMode,
@@ -114,7 +118,8 @@ class RemoteBook(HandoffSide):
         self.counters = RemoteCounters()
         self._max_job = max_job_blocks
         self.puts = PutQueue(cpu, jobs, index, ready_key, self.counters, mode=mode,
-                             evict_window=evict_window, handoffs=handoffs,
+                             evict_window=evict_window,
+                             publisher=None if handoffs is None else handoffs.publications,
                              max_job_blocks=max_job_blocks, ttl_s=ttl_s, clock=clock)
         self._reqs: dict[str, _Lookup] = {}
         self._tokens: dict[int, str] = {}
@@ -122,8 +127,7 @@ class RemoteBook(HandoffSide):
         self._fetching: dict[bytes, int] = {}  # key -> GET job id
         self._fetch_since: dict[int, float] = {}  # GET job id -> when it was planned
         self.pd = handoffs
-        self._params: dict[str, dict[str, Any]] = {}  # P/D hand-offs' transfer params
-        self._held: dict[str, list[int]] = {}  # hand-offs' local prefixes, pinned
+        self.side = None if handoffs is None else HandoffSide(cpu, gs, self.puts, handoffs)
 
     # ---- queries ---------------------------------------------------------------------
 
@@ -133,8 +137,8 @@ class RemoteBook(HandoffSide):
         out = self.puts.pinned()
         for st in self._reqs.values():
             out.extend(st.pinned)
-        for held in self._held.values():
-            out.extend(held)
+        if self.side is not None:
+            out.extend(self.side.pinned())
         return out
 
     def has_pending_work(self) -> bool:
@@ -150,13 +154,12 @@ class RemoteBook(HandoffSide):
         end ``start``): None while its remote lookup runs, else 0 (the blocks, once
         fetched, are an ordinary CPU hit). ``n_max``: blocks after
         ``start`` the hit may cover. A P/D hand-off (``params``) waits for its
-        manifest first (:mod:`kvshm.offload.handoff`)."""
+        manifest first (:mod:`kvshm.offload.pd.consume`)."""
         self.poll()
         st = self._reqs.get(rid)
         if st is None:
-            if self.pd is not None:
-                verdict = self.pd.consume(rid, params, lambda: self._keys(hashes, 0,
-                                                                          len(hashes)))
+            if self.side is not None:
+                verdict = self.side.consume(rid, hashes, params)
                 if verdict is Verdict.WAIT:
                     return None
                 if verdict is Verdict.REFUSED:
@@ -182,7 +185,7 @@ class RemoteBook(HandoffSide):
         if not self.index.healthy():
             self.counters.skipped_unhealthy += 1
             return 0
-        keys = self._keys(hashes, start, end)
+        keys = self._gs.keys(hashes, start, end)
         if self._being_fetched(keys):  # wait for it, as long as its own request would
             self.counters.asked_again += 1
             return None
@@ -243,10 +246,11 @@ class RemoteBook(HandoffSide):
 
     def forget(self, rid: str) -> None:
         """The request ended: its pins go; a GET in flight completes unclaimed; a
-        manifest it trusted is collected (:meth:`Handoffs.forget`)."""
+        manifest it trusted is collected (:meth:`HandoffSide.forget
+        <kvshm.offload.pd.side.HandoffSide.forget>`)."""
         self._end_lookup(rid)
-        if self.pd is not None:
-            self.pd.forget(rid)
+        if self.side is not None:
+            self.side.forget(rid)
 
     def _end_lookup(self, rid: str) -> None:
         self.release(rid)
@@ -254,7 +258,7 @@ class RemoteBook(HandoffSide):
         if st is not None:
             self._tokens.pop(st.token, None)
 
-    # ---- write path (kvshm.offload.remote_puts; P/D: kvshm.offload.remote_pd) -----------
+    # ---- write path (kvshm.offload.remote_puts) ------------------------------------------
 
     def stored(self, cpu_ids: Sequence[int], keys: Sequence[bytes],
                depths: Sequence[int]) -> None:
@@ -266,9 +270,8 @@ class RemoteBook(HandoffSide):
     def plan(self, step: int) -> list[Remote]:
         """This step's remote jobs: GETs for answered lookups, then PUTs."""
         self.poll()
-        if self.pd is not None:
-            self.pd.poll()
-            self.pd.expire()
+        if self.side is not None:
+            self.side.tick()
         out: list[Remote] = []
         for rid, st in self._reqs.items():
             if st.state is RemoteState.ANSWERED:
@@ -332,8 +335,8 @@ class RemoteBook(HandoffSide):
         if mine:
             assert st is not None
             st.state, st.pinned = RemoteState.FETCHED, list(job.cpu_ids)
-            if self.pd is not None:
-                self.pd.collected(job.req_id)
+            if self.side is not None:
+                self.side.collected(job.req_id)
         else:
             cpu.free(reversed(job.cpu_ids))
 
@@ -344,9 +347,45 @@ class RemoteBook(HandoffSide):
         (only a request's end collects it) and its verdict is kept, so its next lookup
         asks the server again without re-reading the manifest."""
         self.puts.drop()
-        if self.pd is not None:
-            self.pd.drop_all()
         for rid in list(self._reqs):
             self._end_lookup(rid)
-        for rid in list(self._held):
-            self.release(rid)
+        if self.side is not None:
+            self.side.drop()
+
+    # ---- the manager's P/D calls, passed to the side (kvshm.offload.pd.side) ------------
+
+    def hold(self, rid: str, cpu_ids: Sequence[int]) -> None:
+        """:meth:`HandoffSide.hold <kvshm.offload.pd.side.HandoffSide.hold>`."""
+        assert self.side is not None, "a hold without the hand-offs"
+        self.side.hold(rid, cpu_ids)
+
+    def unhold(self, rid: str) -> None:
+        """:meth:`HandoffSide.unhold <kvshm.offload.pd.side.HandoffSide.unhold>` (nothing
+        without hand-offs)."""
+        if self.side is not None:
+            self.side.unhold(rid)
+
+    def served(self, rid: str, hashes: Sequence[bytes], params: Any) -> None:
+        """:meth:`HandoffSide.served <kvshm.offload.pd.side.HandoffSide.served>`."""
+        if self.side is not None:
+            self.side.served(rid, hashes, params)
+
+    def store_dropped(self, keys: Sequence[bytes]) -> None:
+        """:meth:`HandoffSide.store_dropped <kvshm.offload.pd.side.HandoffSide.store_dropped>`
+        (nothing without hand-offs)."""
+        if self.side is not None:
+            self.side.store_dropped(keys)
+
+    def publish_request(self, rid: str, hashes: Sequence[bytes], confirmed: int,
+                        tables: Sequence[Sequence[int]], tail: bytes | None,
+                        pin_tail: Callable[[Sequence[Sequence[int]], int, bytes],
+                                           list[bytes] | None]) -> None:
+        """:meth:`HandoffSide.publish_request
+        <kvshm.offload.pd.side.HandoffSide.publish_request>`."""
+        assert self.side is not None, "a hand-off without the hand-offs"
+        self.side.publish_request(rid, hashes, confirmed, tables, tail, pin_tail)
+
+    def transfer_params(self, rid: str) -> dict[str, Any] | None:
+        """:meth:`HandoffSide.transfer_params
+        <kvshm.offload.pd.side.HandoffSide.transfer_params>` (None without hand-offs)."""
+        return None if self.side is None else self.side.transfer_params(rid)

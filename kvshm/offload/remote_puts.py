@@ -13,11 +13,15 @@ Rules:
   would reuse, scanned by a plan with no such PUT in flight: the PUT's pin takes a block
   out of the eviction order and its release puts it back as recently used, a second
   chance once per block (published blocks are skipped by later scans), like CLOCK.
-* A P/D hand-off's blocks are put whatever the mode, with the hold TTL (``keep``: a job
-  is all kept or all ordinary).
+* A P/D hand-off's blocks (those its :class:`Publisher` wants) are put whatever the
+  mode, with the hold TTL (``keep``: a job is all kept or all ordinary).
 * A PUT that completed on every rank without failure publishes its blocks' readiness
   keys (a reader never sees half a block), then tells the hand-offs (whose manifest
   goes last); the pins go in every case.
+* What was put (or fetched) is not put again while fresh (half the server's TTL) --
+  unless the server lost its data: a plan that finds the index's
+  :meth:`~kvshm.remote.tier.ReadyIndex.restarts` changed forgets every key it
+  remembered (``server_restarts``), so write-through refills the tier within seconds.
 
 Remote hashes: a block's hash in the remote tier is its CPU index key when that is
 :data:`REMOTE_HASH_BYTES` long, else a BLAKE2b digest of it of that length
@@ -32,17 +36,16 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, fields
 from itertools import islice
-from typing import Any, Final
+from typing import Final, Protocol
 
 from kvshm.config import RemoteMode
 from kvshm.ipc.protocol import Remote, RemoteOp, pack_ids
-from kvshm.offload.handoff import Handoffs
 from kvshm.offload.jobs import JobTable, RemoteJob
 from kvshm.offload.pool import BlockPool
 from kvshm.remote.tier import ReadyIndex
 
 __all__ = ["MAX_PUT_BLOCKS", "MAX_PUT_JOBS", "PUBLISHED_MEMORY", "REMOTE_HASH_BYTES",
-           "PutQueue", "RemoteCounters", "max_job_blocks", "message", "remote_hash"]
+           "Publisher", "PutQueue", "RemoteCounters", "max_job_blocks", "message", "remote_hash"]
 
 #: Most blocks one PUT job moves (several jobs go out in one step when more are queued).
 MAX_PUT_BLOCKS: Final = 128
@@ -97,6 +100,7 @@ class RemoteCounters:
     put_backpressure: int = 0
     publish_refused: int = 0
     published_blocks: int = 0
+    server_restarts: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """Every counter by name."""
@@ -116,6 +120,21 @@ def message(job: RemoteJob, op: RemoteOp) -> Remote:
     return Remote(job.job_id, op, pack_ids(job.cpu_ids), hashes, REMOTE_HASH_BYTES, job.keep)
 
 
+class Publisher(Protocol):
+    """What the write path tells a P/D hand-off's prefill side (the seam to
+    :class:`kvshm.offload.pd.publish.Publications`, which the queue is handed and never
+    imports): which blocks a publication waits for, and each PUT's outcome -- reported
+    after the PUT's readiness keys, so that a manifest is always written last."""
+
+    def wants(self, key: bytes) -> bool:
+        """Whether a publication waits for block ``key`` (put whatever the mode)."""
+        ...
+
+    def put_done(self, keys: Sequence[bytes], ok: bool) -> None:
+        """A PUT of ``keys`` completed on every rank (``ok``: without failure)."""
+        ...
+
+
 class PutQueue:
     """See the module docstring. Shares the book's counters; ``published`` is also the
     read path's memory of keys fetched from the server (never put back)."""
@@ -123,7 +142,7 @@ class PutQueue:
     def __init__(self, cpu: BlockPool, jobs: JobTable, index: ReadyIndex,
                  ready_key: Callable[[bytes], str], counters: RemoteCounters, *,
                  mode: RemoteMode, evict_window: int | None = None,
-                 handoffs: Handoffs | None = None, max_job_blocks: int = MAX_PUT_BLOCKS,
+                 publisher: Publisher | None = None, max_job_blocks: int = MAX_PUT_BLOCKS,
                  ttl_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.cpu, self._jobs, self.index = cpu, jobs, index
@@ -136,7 +155,7 @@ class PutQueue:
         self._max_inflight = max(self._batch, cpu.num_blocks // 4)
         self._inflight = 0
         self._evict_puts = 0  # ON_EVICT PUT jobs in flight
-        self.pd = handoffs
+        self._publisher = publisher
         self._puts: list[_Put] = []
         self._put_keys: set[bytes] = set()  # queued or in flight
         # key -> when it was published; an entry older than half the server's TTL no
@@ -145,6 +164,7 @@ class PutQueue:
         self._fresh_s = ttl_s / 2 if ttl_s is not None else float("inf")
         self._clock = clock
         self._ready_of: OrderedDict[str, bytes] = OrderedDict()  # ready key -> CPU key
+        self._restarts = index.restarts()  # the index's count this memory is valid for
 
     def pinned(self) -> list[int]:
         """CPU ids pinned by queued PUTs."""
@@ -158,25 +178,22 @@ class PutQueue:
                depths: Sequence[int]) -> None:
         """A store completed and indexed ``cpu_ids`` under ``keys``: queue write-through
         (and a hand-off's blocks in any mode)."""
+        self.forget_lost()
         every = self.mode is RemoteMode.WRITE_THROUGH
-        pd = self.pd
+        pub = self._publisher
         for i, (c, k) in enumerate(zip(cpu_ids, keys)):
-            keep = pd is not None and pd.wants(k)
+            keep = pub is not None and pub.wants(k)
             if every or keep:
                 self._queue(c, k, depths[i] if i < len(depths) else 0, keep)
 
-    def publish(self, rid: str, keys: Sequence[bytes], num_tokens: int, tail: int = 0
-                ) -> dict[str, Any] | None:
-        """A P/D prefill request finished: its hand-off's ``kv_transfer_params``. Its
-        blocks cached here but not on the server are queued for a PUT now; the others
-        come from its finish-time store (:meth:`stored`) or are there already."""
-        assert self.pd is not None, "publish without hand-offs"
-        params = self.pd.publish(rid, keys, num_tokens, self.is_published, tail)
+    def queue_kept(self, keys: Sequence[bytes]) -> None:
+        """Queue each of ``keys`` cached here and not queued or in flight for a kept PUT
+        (the hold TTL): a P/D hand-off's blocks that a publication waits for."""
+        self.forget_lost()
         for k in keys:
             c = self.cpu.get_cached(k)
-            if c is not None and self.pd.wants(k) and k not in self._put_keys:
+            if c is not None and k not in self._put_keys:
                 self._queue(c, k, 0, True)
-        return params
 
     def _queue(self, c: int, k: bytes, depth: int, keep: bool = False) -> None:
         if k in self._put_keys or self.is_published(k):
@@ -198,6 +215,7 @@ class PutQueue:
 
     def plan(self, step: int) -> list[Remote]:
         """This step's PUT jobs (an ON_EVICT scan first, when none of its PUTs runs)."""
+        self.forget_lost()
         self.forget_refused()
         if self.mode is RemoteMode.ON_EVICT and not self._evict_puts:
             self._scan_evictable()
@@ -240,8 +258,8 @@ class PutQueue:
                 self.counters.published_blocks += len(job.keys)
             else:
                 self.counters.put_failed_blocks += len(job.keys)
-            if self.pd is not None:  # after the readiness keys: the manifest goes last
-                self.pd.put_done(job.keys, usable)
+            if self._publisher is not None:  # after the readiness keys: manifests go last
+                self._publisher.put_done(job.keys, usable)
         finally:
             self.cpu.free(reversed(job.cpu_ids))
 
@@ -250,6 +268,17 @@ class PutQueue:
         server still."""
         t = self.published.get(k)
         return t is not None and self._clock() - t < self._fresh_s
+
+    def forget_lost(self) -> None:
+        """The server lost its data since the last plan (the index saw it restart):
+        nothing this engine put or fetched counts as there any more (counted once per
+        restart seen)."""
+        n = self.index.restarts()
+        if n != self._restarts:
+            self.counters.server_restarts += n - self._restarts
+            self._restarts = n
+            self.published.clear()
+            self._ready_of.clear()
 
     def forget_refused(self) -> None:
         """The readiness writes the server refused: those blocks count as unpublished

@@ -61,10 +61,13 @@ class ReqState:
     """Store tracking of one request. ``tables[g]``: its GPU ids per group as known;
     ``cursor``: next position to consider; ``start``: where a restarted cursor begins
     (after the GPU hit and loaded blocks; ``do_remote_decode`` ignores it and starts at
-    0); ``tracked``: its blocks are stored eagerly. The store planner walks it as a
+    0); ``tracked``: its blocks are stored eagerly; ``admitted``: phase B (``allocated``)
+    has run for it once (a later phase B is a re-admission, e.g. after a preemption:
+    its hit is counted apart). The store planner walks it as a
     :class:`~kvshm.offload.stores.Cursor`."""
 
-    __slots__ = ("cursor", "hashes", "remote", "req_id", "start", "tables", "tracked")
+    __slots__ = ("admitted", "cursor", "hashes", "remote", "req_id", "start", "tables",
+                 "tracked")
 
     def __init__(self, req_id: str, ngroups: int) -> None:
         self.req_id = req_id
@@ -74,6 +77,7 @@ class ReqState:
         self.start = 0
         self.remote = False
         self.tracked = False
+        self.admitted = False
 
 
 def is_remote(params: Mapping[str, Any] | None) -> bool:

@@ -1,6 +1,6 @@
 """The P/D janitor: demote the hand-off manifests nobody collected (``kvshm janitor``).
 
-A P/D hand-off (:mod:`kvshm.offload.handoff`) keeps its blocks and readiness keys with
+A P/D hand-off (:mod:`kvshm.offload.pd.handoffs`) keeps its blocks and readiness keys with
 the tier's *hold* TTL until a decoder collects them; a manifest nobody collects is
 demoted today only by the next engine that happens to read it. :func:`sweep` does it for
 a whole server or cluster, on demand:
@@ -50,7 +50,7 @@ from kvshm.remote.tier import KEY_PREFIX, RemoteSpec, block_key, ready_key
 __all__ = ["MANIFEST_VERSION", "PD_PREFIX", "Decoder", "HandoffRecord", "JanitorReport",
            "handoff_keys", "judge", "sweep"]
 
-#: The prefix of every hand-off manifest's name (``kvshm.offload.handoff.manifest_key``).
+#: The prefix of every hand-off manifest's name (``kvshm.offload.pd.manifest.manifest_key``).
 PD_PREFIX: Final = f"{KEY_PREFIX}:pd"
 #: The manifest version kvshm writes and demotes; any other is unreadable here.
 MANIFEST_VERSION: Final = 1

@@ -29,7 +29,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Final, Protocol, runtime_checkable
-from urllib.parse import parse_qsl, urlsplit
+from urllib.parse import parse_qsl
 
 from kvshm.errors import ConfigError
 
@@ -127,15 +127,21 @@ class RemoteSpec:
                 f"remote URL {url!r}: expected valkey://host:port or "
                 "valkey+cluster://host1:port1,host2:port2,... (redis:// also accepted)")
         cluster = _SCHEMES[scheme.lower()]
-        split = urlsplit("x://" + rest)
-        if split.path not in ("", "/") or split.fragment:
-            raise ConfigError(f"remote URL {url!r}: unexpected path {split.path!r} (a "
+        # Split by hand, not with urlsplit: a cluster's host list ("h1:7001,[::1]:7003")
+        # is no single netloc, and a Python with the fix for CVE-2024-11168 (recent
+        # releases; backported by distributions, e.g. Debian 12's 3.11.2) refuses text
+        # before a '[' in a netloc ("Invalid IPv6 URL").
+        rest, _, fragment = rest.partition("#")
+        rest, _, query = rest.partition("?")
+        netloc, slash, path = rest.partition("/")
+        if slash + path not in ("", "/") or fragment:
+            raise ConfigError(f"remote URL {url!r}: unexpected path {slash + path!r} (a "
                               "database number is not supported)")
-        if "@" in split.netloc:
+        if "@" in netloc:
             raise ConfigError(f"remote URL {url!r}: credentials in the URL are not "
                               "supported")
         nodes: list[tuple[str, int]] = []
-        for item in split.netloc.split(","):
+        for item in netloc.split(","):
             host, colon, port = item.strip().rpartition(":")
             if not colon or not host or not port.isdigit():
                 raise ConfigError(f"remote URL {url!r}: {item!r} is not host:port")
@@ -147,7 +153,7 @@ class RemoteSpec:
             raise ConfigError(f"remote URL {url!r}: a standalone URL names one host:port "
                               "(valkey+cluster:// for several)")
         merged: dict[str, Any] = {}
-        for key, value in parse_qsl(split.query, keep_blank_values=True):
+        for key, value in parse_qsl(query, keep_blank_values=True):
             if key not in (*_INT_KNOBS, "ttl_s"):
                 raise ConfigError(f"remote URL {url!r}: unknown knob {key!r}")
             if key == "ttl_s" and value.lower() in ("", "none", "0"):
@@ -218,8 +224,9 @@ def _checksums() -> dict[int, tuple[str, Callable[[memoryview], int]]]:
     return found
 
 
-#: checksum id -> (name, function over the payload). The id is stored in each header, so
-#: a reader verifies with the writer's algorithm (or refuses one it does not have: BAD).
+#: checksum id -> (name, function over the payload). The id is stored in each header; a
+#: reader accepts only its own (:attr:`BlockHeader.checksum`): a header naming another --
+#: ``none`` above all, which only a benchmark configures on both sides -- is BAD.
 CHECKSUMS: Final = _checksums()
 _CHECKSUM_IDS: Final = {name: cid for cid, (name, _) in CHECKSUMS.items()}
 #: The checksum used when none is named: the fastest one installed (crc32c, else crc32).
@@ -237,8 +244,11 @@ HEADER_BYTES: Final = _HEADER.size
 class BlockHeader:
     """What a stored value must be to be loaded: written with the payload by
     :meth:`pack`, compared on every get by :meth:`check`. Any difference -- format
-    version, layout fingerprint, block hash, rank, world size, payload length, or the
-    payload's checksum -- makes the get :attr:`GetOutcome.BAD`."""
+    version, layout fingerprint, block hash, rank, world size, payload length, the
+    checksum algorithm (the reader's ``checksum`` is the only one it accepts: a header
+    cannot turn the check off) or the payload's checksum -- makes the get
+    :attr:`GetOutcome.BAD`. ``checksum="none"`` is for benchmarks whose writer and
+    reader are both configured so; the engine always checks."""
 
     fingerprint: str
     block_hash: bytes
@@ -264,13 +274,18 @@ class BlockHeader:
         digest = hashlib.blake2b(self.fingerprint.encode(), digest_size=16).digest()
         object.__setattr__(self, "_digest", digest)
 
+    @property
+    def checksum_id(self) -> int:
+        """The id :meth:`pack` writes and :meth:`check` accepts."""
+        return _CHECKSUM_IDS[self.checksum]
+
     def pack(self, payload: memoryview) -> bytes:
         """The header bytes for ``payload`` (:data:`HEADER_BYTES`), its checksum included.
         The payload's length must be :attr:`length`."""
         if payload.nbytes != self.length:
             raise ConfigError(f"payload is {payload.nbytes} bytes, header says "
                               f"{self.length}")
-        cid = _CHECKSUM_IDS[self.checksum]
+        cid = self.checksum_id
         return _HEADER.pack(_MAGIC, self.version, cid, len(self.block_hash), self.rank,
                             self.world, CHECKSUMS[cid][1](payload), self.length,
                             self._digest, self.block_hash)
@@ -285,9 +300,17 @@ class BlockHeader:
         if (magic != _MAGIC or version != self.version or rank != self.rank
                 or world != self.world or length != self.length or digest != self._digest
                 or hlen != len(self.block_hash) or bhash[:hlen] != self.block_hash
-                or cid not in CHECKSUMS):
+                or cid != self.checksum_id):
             return False
         return bool(CHECKSUMS[cid][1](payload) == checksum)
+
+
+def header_checksum_id(raw: bytes | memoryview) -> int | None:
+    """The checksum id a stored header names (None: not a header of this format): lets
+    a reader count a header that names another algorithm than its own."""
+    if len(raw) != HEADER_BYTES or bytes(raw[:4]) != _MAGIC:
+        return None
+    return int(raw[6])
 
 
 # ---------------------------------------------------------------------------- protocols
@@ -370,6 +393,12 @@ class ReadyIndex(Protocol):
     def refused(self) -> list[str]:
         """The readiness keys whose write failed since the last call (server error,
         OOM, breaker open)."""
+        ...
+
+    def restarts(self) -> int:
+        """How many times the server was seen to lose what it held (Valkey: a new
+        ``run_id``, i.e. a restart or a failover) since this index started; monotonic. A caller that
+        remembers what it put forgets it when this changes."""
         ...
 
     def statistics(self) -> dict[str, Any]:

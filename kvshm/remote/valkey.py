@@ -11,7 +11,9 @@ no intermediate bytes). A value longer than the view, shorter than the header sa
 a header that does not match the expected one is BAD (counted, never loaded); a missing
 payload or header (never stored, expired, one of the two evicted) is a MISS. The
 payload's checksum is CRC32C (hardware, the ``crc32c`` package) or zlib's CRC32 where
-that is not installed; the header names which.
+that is not installed; the header names which, and a reader accepts only its own (a
+header naming another, ``none`` included, is BAD and counted ``checksum_refused``: the
+engines sharing a server need the same one, the ``remote`` extra installs ``crc32c``).
 
 **Threads and clients.** :class:`ValkeyBlockStore` runs ``spec.threads`` threads, each
 with its own lazily connected glide_sync client (LMCache's pattern: per-thread clients,
@@ -42,6 +44,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from kvshm.errors import ConfigError
+from kvshm.ratelog import RateLimitedLog
 from kvshm.remote.breaker import BreakerState, CircuitBreaker
 from kvshm.remote.glide_client import (
     Counters,
@@ -53,11 +56,19 @@ from kvshm.remote.glide_client import (
     make_client,
     too_long,
 )
-from kvshm.remote.tier import HEADER_BYTES, BlockHeader, GetOutcome, RemoteSpec
+from kvshm.remote.tier import (
+    HEADER_BYTES,
+    BlockHeader,
+    GetOutcome,
+    RemoteSpec,
+    header_checksum_id,
+)
 
 __all__ = ["ValkeyBlockStore", "header_key", "key_slot", "make_client"]
 
 log = logging.getLogger(__name__)
+#: Warnings a caller (or a bug) can repeat per block: one line per kind per interval.
+rlog = RateLimitedLog(log)
 
 
 class ValkeyBlockStore:
@@ -80,7 +91,8 @@ class ValkeyBlockStore:
         self._closed = False
         self._n = Counters("puts", "put_ok", "put_failed", "put_refused", "gets", "hits",
                             "misses", "bad", "errors", "timeouts", "rejected",
-                            "bytes_put", "bytes_got", "invalid_calls", "clients_created")
+                            "bytes_put", "bytes_got", "invalid_calls", "clients_created",
+                            "checksum_refused")
 
     # ------------------------------------------------------------------ clients
 
@@ -134,7 +146,7 @@ class ValkeyBlockStore:
             raw = header.pack(view)  # before the breaker: a caller's error is no outage
         except (ConfigError, TypeError, ValueError):
             self._n.add(invalid_calls=1)
-            log.warning("remote put %s: the view does not match its header", key)
+            rlog.warning("put_view", "remote put %s: the view does not match its header", key)
             return False
         breaker = self._guard(key)
         if breaker is None:
@@ -174,7 +186,8 @@ class ValkeyBlockStore:
     def _get_one(self, key: str, view: memoryview, header: BlockHeader) -> GetOutcome:
         if view.readonly or not view.c_contiguous:  # a caller's error, not an outage
             self._n.add(invalid_calls=1, errors=1)
-            log.warning("remote get %s: the view is read-only or not contiguous", key)
+            rlog.warning("get_view", "remote get %s: the view is read-only or not contiguous",
+                         key)
             return GetOutcome.ERROR
         breaker = self._guard(key)
         if breaker is None:
@@ -199,7 +212,9 @@ class ValkeyBlockStore:
             return GetOutcome.MISS
         if int(hlen) != HEADER_BYTES or int(plen) != view.nbytes \
                 or not header.check(hbuf, view):
-            self._n.add(bad=1)
+            cid = header_checksum_id(hbuf) if int(hlen) == HEADER_BYTES else None
+            self._n.add(bad=1, checksum_refused=int(cid is not None
+                                                    and cid != header.checksum_id))
             return GetOutcome.BAD
         self._n.add(hits=1, bytes_got=view.nbytes)
         return GetOutcome.HIT
@@ -245,8 +260,8 @@ class ValkeyBlockStore:
     def _run_one(self, one: Callable[[int], Any], i: int, failed: Any) -> Any:
         try:
             return one(i)
-        except Exception:  # a bug here must not raise into a worker: logged
-            log.exception("remote tier: unexpected error")
+        except Exception:  # noqa: BLE001 - a bug must not raise into a worker: logged
+            rlog.error("unexpected", "remote tier: unexpected error", exc_info=True)
             self._n.add(errors=1)
             return failed
 

@@ -13,20 +13,41 @@ one :class:`~kvshm.remote.breaker.CircuitBreaker`; while it is open nothing is s
 
 Ordering: one round's commands run in queue order (readiness keys before the manifest
 queued after them: a manifest is written last).
+
+A server that lost its data is noticed: while the breaker is closed, the thread reads
+the server's ``run_id`` (``INFO server``; a cluster's, every primary's) at most every
+:data:`RUN_ID_EVERY_S`, before a round or, idle once it has a client, on its own (an
+engine whose puts are all skipped as already there sends nothing else). A change (a
+restart, a failover) bumps :meth:`ValkeyReadyIndex.restarts`, and the engine forgets
+what it believes it put, so write-through refills the tier.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
+import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Final
 
-from kvshm.remote.breaker import CircuitBreaker
+from kvshm.remote.breaker import BreakerState, CircuitBreaker
 from kvshm.remote.glide_client import Counters, expiry_of, glide_module, header_key, make_client
+from kvshm.remote.resp import info_field
 from kvshm.remote.tier import RemoteSpec
 
-__all__ = ["ValkeyReadyIndex"]
+__all__ = ["RUN_ID_EVERY_S", "ValkeyReadyIndex", "run_ids"]
+
+#: The server's run_id is read at most this often (seconds), before a round.
+RUN_ID_EVERY_S: Final = 1.0
+
+
+def run_ids(reply: Any) -> frozenset[str]:
+    """The ``run_id`` s of an ``INFO server`` reply: one server's bytes, or a cluster's
+    node -> bytes (empty: none found)."""
+    parts = reply.values() if isinstance(reply, dict) else [reply]
+    found = (info_field(p if isinstance(p, bytes) else str(p).encode(), "run_id")
+             for p in parts)
+    return frozenset(r for r in found if r)
 
 
 class ValkeyReadyIndex:
@@ -34,7 +55,8 @@ class ValkeyReadyIndex:
     and ``query`` enqueue, ``answers`` pops what the background thread finished."""
 
     def __init__(self, spec: RemoteSpec, *, breaker_threshold: int = 3,
-                 breaker_backoff_s: float = 0.25, breaker_max_backoff_s: float = 5.0) -> None:
+                 breaker_backoff_s: float = 0.25, breaker_max_backoff_s: float = 5.0,
+                 run_id_every_s: float = RUN_ID_EVERY_S) -> None:
         self.spec = spec
         self._glide = glide_module()
         self._ttl = expiry_of(self._glide, spec)
@@ -50,7 +72,12 @@ class ValkeyReadyIndex:
         self._n = Counters("queries", "answered", "answered_zero", "keys_queried",
                             "keys_present", "published", "publish_failed", "errors",
                             "timeouts", "rejected", "round_trips", "clients_created",
-                            "values_set", "values_got", "values_dropped")
+                            "values_set", "values_got", "values_dropped",
+                            "run_id_checks", "run_id_errors", "run_id_changes")
+        self._run_id_every = run_id_every_s
+        self._run_ids: frozenset[str] = frozenset()  # the last seen; empty: none yet
+        self._run_id_at = -float("inf")
+        self._restarts = 0
         self._closed = False
         self._thread = threading.Thread(target=self._run, name="kvshm-remote-index",
                                         daemon=True)
@@ -99,6 +126,9 @@ class ValkeyReadyIndex:
             out, self._refused = self._refused, []
         return out
 
+    def restarts(self) -> int:
+        return self._restarts
+
     def values(self) -> list[tuple[int, bytes | None]]:
         with self._lock:
             out, self._values = self._values, []
@@ -113,8 +143,11 @@ class ValkeyReadyIndex:
         client: Any = None
         gen_opens = 0
         while True:
-            op = self._q.get()
-            ops = [op]
+            try:  # idle with a client: wake to read the run_id (a server restarted meanwhile)
+                ops = [self._q.get(timeout=None if client is None
+                                   else max(self._run_id_every, 0.05))]
+            except queue.Empty:
+                ops = []
             while True:  # drain: one round trip for everything queued meanwhile
                 try:
                     ops.append(self._q.get_nowait())
@@ -136,6 +169,7 @@ class ValkeyReadyIndex:
                     client = make_client(self.spec)
                     gen_opens = self.breaker.opens
                     self._n.add(clients_created=1)
+                self._check_run_id(client)
                 ok = True
                 if queries or publishes:  # an empty batch is an error to glide
                     ok = self._round(client, queries, publishes)
@@ -145,6 +179,8 @@ class ValkeyReadyIndex:
                     others = kept
                 if others:
                     self._values_round(client, others)
+            elif client is not None and not stop:
+                self._check_run_id(client)
             if stop:
                 break
         if client is not None:
@@ -152,6 +188,34 @@ class ValkeyReadyIndex:
                 client.close()
             except Exception:  # noqa: BLE001 - closing: nothing to do
                 pass
+
+    def _check_run_id(self, client: Any) -> None:
+        """Read the server's run_id(s) if due and the breaker is closed (a failure only
+        counts: the rounds feed the breaker). A set other than the last one seen is a
+        server that may have lost its data: :meth:`restarts` goes up by one."""
+        now = time.monotonic()
+        if now - self._run_id_at < self._run_id_every \
+                or self.breaker.state is not BreakerState.CLOSED:
+            return
+        self._run_id_at = now
+        g = self._glide
+        try:
+            if self.spec.cluster:
+                reply = client.info([g.InfoSection.SERVER], route=g.AllPrimaries())
+            else:
+                reply = client.info([g.InfoSection.SERVER])
+        except Exception:  # noqa: BLE001 - counted; the next check reads it again
+            self._n.add(run_id_errors=1)
+            return
+        ids = run_ids(reply)
+        self._n.add(run_id_checks=1)
+        if not ids:
+            self._n.add(run_id_errors=1)
+            return
+        if self._run_ids and ids != self._run_ids:
+            self._restarts += 1  # one writer (this thread); an int read is atomic
+            self._n.add(run_id_changes=1)
+        self._run_ids = ids
 
     def _round(self, client: Any, queries: list[tuple[int, Sequence[str]]],
                publishes: list[tuple[str, bool]]) -> bool:

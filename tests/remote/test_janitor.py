@@ -1,5 +1,5 @@
 """``kvshm janitor`` against real Valkey servers: hand-offs published by the engine's own
-:class:`~kvshm.offload.handoff.Handoffs` (blocks, headers and readiness keys put with the
+:class:`~kvshm.offload.pd.handoffs.Handoffs` (blocks, headers and readiness keys put with the
 hold TTL by the real store and index), one expired, one live, plus garbage and a manifest
 of another version; the janitor demotes exactly the expired one (its keys get the
 ordinary TTL, its manifest goes), leaves the rest as they were, changes nothing on a dry
@@ -20,7 +20,8 @@ import pytest
 from remote_rig import Rows
 
 from kvshm.cli import main
-from kvshm.offload.handoff import Handoffs, Manifest, Verdict, manifest_key
+from kvshm.offload.pd.handoffs import Handoffs
+from kvshm.offload.pd.manifest import Manifest, Verdict, manifest_key
 from kvshm.remote import KEY_PREFIX, BlockHeader, RemoteSpec, block_key, ready_key
 from kvshm.remote.janitor import handoff_keys, judge, sweep
 from kvshm.remote.server import ValkeyCluster, ValkeyServer, command, free_port, parse_reply
@@ -35,6 +36,9 @@ TTL = 60  # the ordinary TTL (the engines' URL says ttl_s=60)
 HOLD = 3600  # the hold TTL of a hand-off's blocks
 MANIFEST_TTL = 600  # Handoffs' default: the manifest key lives 2x that
 CALM = {"request_timeout_ms": 5000, "connect_timeout_ms": 5000}
+# the same as URL knobs, for the janitor's command line: its default 500 ms connect
+# timeout is a production value, and a loaded CI machine missed it to a local server
+CALM_Q = "&".join(f"{k}={v}" for k, v in CALM.items())
 
 
 def call(host: str, port: int, *args: str | bytes) -> Any:
@@ -104,7 +108,7 @@ def publish(url: str, handoffs: dict[str, tuple[list[bytes], float]]) -> dict[st
             pd = Handoffs(index, FP, WORLD, 16, lambda k: k,
                           lambda h: ready_key(FP, WORLD, h),
                           wall=shifted(shift))
-            params = pd.publish(rid, hs, 16 * BLOCKS, lambda k: True)
+            params = pd.publications.publish(rid, hs, 16 * BLOCKS, lambda k: True)
             assert params is not None
             names[rid] = str(params["kvshm_manifest"])
     finally:
@@ -154,9 +158,9 @@ def test_demotes_the_expired_manifest_only(valkey: ValkeyServer,
                                            capsys: pytest.CaptureFixture[str]) -> None:
     node = Node([valkey])
     names, garbage, v2 = seed(valkey.url, node)
-    report = run_json("--url", f"{valkey.url}?ttl_s={TTL}", capsys=capsys)
+    report = run_json("--url", f"{valkey.url}?ttl_s={TTL}&{CALM_Q}", capsys=capsys)
     blocks = BLOCKS * WORLD
-    assert report == {"url": f"{valkey.url}?ttl_s={TTL}", "dry_run": False, "scanned": 4,
+    assert report == {"url": f"{valkey.url}?ttl_s={TTL}&{CALM_Q}", "dry_run": False, "scanned": 4,
                       "live": 1, "expired": 1, "demoted": 1, "unreadable": 2,
                       "unreadable_deleted": 0, "vanished": 0, "failed": 0,
                       # each shard and its header; the readiness keys (no header)
@@ -164,7 +168,7 @@ def test_demotes_the_expired_manifest_only(valkey: ValkeyServer,
     assert_demoted_old_only(node, names)
     assert node.get(garbage) == b"{not json" and node.get(v2) is not None
     # a second run finds nothing left to do
-    again = run_json("--url", f"{valkey.url}?ttl_s={TTL}", capsys=capsys)
+    again = run_json("--url", f"{valkey.url}?ttl_s={TTL}&{CALM_Q}", capsys=capsys)
     assert (again["scanned"], again["expired"], again["live"], again["unreadable"]) == \
         (3, 0, 1, 2)
 
@@ -174,17 +178,17 @@ def test_dry_run_changes_nothing_and_text_output(valkey: ValkeyServer,
     node = Node([valkey])
     names, garbage, v2 = seed(valkey.url, node)
     before = {k: node.get(k) for k in (*names.values(), garbage, v2)}
-    report = run_json("--url", valkey.url, "--dry-run", "--delete-unreadable",
-                      capsys=capsys)
+    url = f"{valkey.url}?{CALM_Q}"
+    report = run_json("--url", url, "--dry-run", "--delete-unreadable", capsys=capsys)
     assert (report["scanned"], report["expired"], report["demoted"], report["live"],
             report["unreadable"], report["unreadable_deleted"], report["keys_given_ttl"]) \
         == (4, 1, 0, 1, 2, 0, 0)
     assert {k: node.get(k) for k in before} == before
     for k in every_key(hashes(0)) + every_key(hashes(100)):
         assert HOLD - 60 < node.ttl(k) <= HOLD, k
-    assert main(["janitor", "--url", valkey.url, "--dry-run"]) == 0
+    assert main(["janitor", "--url", url, "--dry-run"]) == 0
     out = capsys.readouterr().out
-    assert out == (f"kvshm janitor {valkey.url}: 4 hand-off manifests scanned: 1 expired "
+    assert out == (f"kvshm janitor {url}: 4 hand-off manifests scanned: 1 expired "
                    "(would be demoted), 1 live, 2 unreadable (left alone), 0 gone "
                    "meanwhile [dry run: nothing changed]\n")
 
@@ -197,7 +201,7 @@ def test_delete_unreadable_and_fingerprint_filter(valkey: ValkeyServer,
     node(other, "SET", other, b"junk", "EX", "1200")
     not_a_string = manifest_key(FP, WORLD, "hash")
     node(not_a_string, "HSET", not_a_string, "f", "v")
-    report = run_json("--url", f"{valkey.url}?ttl_s={TTL}", "--fingerprint", FP,
+    report = run_json("--url", f"{valkey.url}?ttl_s={TTL}&{CALM_Q}", "--fingerprint", FP,
                       "--delete-unreadable", capsys=capsys)
     assert (report["scanned"], report["demoted"], report["unreadable"],
             report["unreadable_deleted"]) == (5, 1, 3, 2)
@@ -244,10 +248,10 @@ def test_subprocess_console_entry(valkey: ValkeyServer) -> None:
     node = Node([valkey])
     names, _, _ = seed(valkey.url, node)
     cmd = [sys.executable, "-m", "kvshm.cli", "janitor", "--url"]
-    done = subprocess.run([*cmd, f"{valkey.url}?ttl_s={TTL}"], capture_output=True,
+    done = subprocess.run([*cmd, f"{valkey.url}?ttl_s={TTL}&{CALM_Q}"], capture_output=True,
                           text=True, timeout=60)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith(f"kvshm janitor {valkey.url}?ttl_s={TTL}: 4 hand-off "
+    assert done.stdout.startswith(f"kvshm janitor {valkey.url}?ttl_s={TTL}&{CALM_Q}: 4 hand-off "
                                   "manifests scanned: 1 expired (1 demoted, 15 keys")
     assert_demoted_old_only(node, names)
     dead = subprocess.run([*cmd, f"valkey://127.0.0.1:{free_port()}"], capture_output=True,
@@ -264,7 +268,7 @@ def test_a_cluster_is_scanned_on_every_primary(valkey_cluster: ValkeyCluster,
     names = publish(valkey_cluster.url, handoffs)
     owners = {node.of(n).port for n in names.values()}
     assert len(owners) == 3, owners  # the manifests live on every primary
-    report = run_json("--url", f"{valkey_cluster.url}?ttl_s={TTL}", capsys=capsys)
+    report = run_json("--url", f"{valkey_cluster.url}?ttl_s={TTL}&{CALM_Q}", capsys=capsys)
     assert (report["scanned"], report["expired"], report["demoted"], report["live"]) == \
         (16, 8, 8, 8)
     for i in range(8):
@@ -318,6 +322,9 @@ class _Recorder:
     def refused(self) -> list[str]:
         return []
 
+    def restarts(self) -> int:
+        return 0
+
     def statistics(self) -> dict[str, Any]:
         return {}
 
@@ -334,9 +341,9 @@ def test_the_janitor_demotes_the_keys_an_engine_demotes() -> None:
     index = _Recorder(raw)
     key: Callable[[bytes], str] = lambda h: ready_key(FP, WORLD, h)  # noqa: E731
     pd = Handoffs(index, FP, WORLD, 16, lambda k: k, key)
-    assert pd.consume("r", {"do_remote_prefill": True, "kvshm_manifest": name},
-                      lambda: list(hs)) is Verdict.WAIT
-    pd.poll()
+    assert pd.consumers.consume("r", {"do_remote_prefill": True, "kvshm_manifest": name},
+                                lambda: list(hs)) is Verdict.WAIT
+    pd.consumers.poll()
     assert pd.counters.manifest_expired == 1
     verdict, keys = judge(name, raw, lambda b: msgspec.json.decode(b, type=Manifest),
                           time.time())

@@ -1,4 +1,4 @@
-"""Prefill/decode hand-off through the remote tier (``kvshm.offload.handoff``), asyncio
+"""Prefill/decode hand-off through the remote tier (``kvshm.offload.pd``), asyncio
 API, real engines (two embedded ranks each), a real Valkey server.
 
 The prefill engine P serves a request with ``do_remote_decode``; when it finishes,
@@ -10,13 +10,11 @@ evicted blocks; a prefill killed mid-publish) -- never a hang, never a partial l
 
 from __future__ import annotations
 
-import asyncio
 import json
 import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import pytest
@@ -24,66 +22,27 @@ from engine_rig import BS, Client, embedded_engine, tokens
 from remote_engine_rig import (
     BLOCKS,
     MODEL,
+    decode,
     digest,
+    exists,
     load,
     prefill,
     prompt,
     remote,
+    serve_whole,
     server_keys,
     settle_published,
+    ttl,
+    wait_for_server,
 )
 
-from kvshm.hashing import chain_hashes, chain_tail
-from kvshm.offload.handoff import MANIFEST_PARAM, Manifest
+from kvshm.hashing import chain_hashes
+from kvshm.offload.pd.manifest import MANIFEST_PARAM, Manifest
 from kvshm.remote.server import ValkeyServer, command
 from kvshm.types import RequestView
 
 pytestmark = pytest.mark.asyncio
 HERE = Path(__file__).parent
-async def decode(c: Client, rid: str, toks: list[int], params: dict[str, Any],
-                 timeout: float = 20.0, *, tail: bool = False) -> int:
-    """D looks the request up as a P/D proxy sends it (``tail``: with its partial last
-    block's key), until it answers."""
-    hashes = chain_hashes(toks, BS)
-    view = RequestView(rid, hashes, len(toks), {"do_remote_prefill": True, **params},
-                       chain_tail(toks, BS, hashes) if tail else None)
-    deadline = time.monotonic() + timeout
-    while True:
-        hit = c.eng.lookup(view, 0)
-        if hit is not None:
-            return hit
-        assert time.monotonic() < deadline, f"{rid} never answered: {remote(c.eng)}"
-        c.step()
-        await asyncio.sleep(0.005)
-
-
-async def serve_whole(c: Client, rid: str, toks: list[int], params: dict[str, Any]
-                      ) -> None:
-    """D hits ``rid``'s every full block from the server, loads them, and finishes it."""
-    assert await decode(c, rid, toks, params) == BLOCKS * BS
-    table = load(c, rid, toks, BLOCKS * BS)
-    assert (await c.loaded(rid)).ok
-    c.finish(rid, table, len(toks))
-    await c.settle()
-
-
-def exists(server: ValkeyServer, key: str) -> bool:
-    return command(server.host, server.port, "EXISTS", key).strip() == b":1"
-
-
-def ttl(server: ValkeyServer, key: str | bytes) -> int:
-    """The key's TTL in seconds (-1: none, -2: no such key)."""
-    return int(command(server.host, server.port, "TTL", key).strip(b":\r\n"))
-
-
-async def wait_for_server(cond: Any, timeout: float = 5.0) -> None:
-    """The index writes from its own thread: wait until the server shows ``cond``."""
-    deadline = time.monotonic() + timeout
-    while not cond():
-        assert time.monotonic() < deadline, "the server never showed it"
-        await asyncio.sleep(0.01)
-
-
 async def test_handoff_publish_then_consume_bit_exact_and_collected(
         valkey: ValkeyServer) -> None:
     """P publishes 8 blocks and, last, the manifest; until a decoder loads them the
@@ -311,11 +270,12 @@ async def test_a_decoder_holding_a_shared_prefix_still_fetches_the_rest(
 async def test_a_sibling_after_the_collection_loads_from_memory_of_the_manifest(
         valkey: ValkeyServer) -> None:
     """Hazard: a sibling finds its manifest collected (vLLM's parallel sampling: the
-    children of one request share its hand-off). D loads child req-1#0 whole (8 blocks)
-    and the manifest is collected -- deleted from Valkey. D's CPU index is then dropped
-    (a reset), so child req-1#1 needs the server: D judges the manifest from its memory
-    of those it collected (pd_manifest_reused 1), fetches the 8 blocks again (ordinary
-    TTL now, still there) and loads them bit-exact. Before, req-1#1 asked Valkey for the
+    children of one request share its hand-off, under vLLM's ids ``<index>_<parent>``:
+    both are the hand-off's owner). D loads child 0_req-1 whole (8 blocks) and the
+    manifest is collected -- deleted from Valkey. D's CPU index is then dropped (a
+    reset), so child 1_req-1 needs the server: D judges the manifest from its memory of
+    those it collected (pd_manifest_reused 1), fetches the 8 blocks again (ordinary TTL
+    now, still there) and loads them bit-exact. Before, 1_req-1 asked Valkey for the
     deleted manifest for 5 s, then recomputed."""
     toks = prompt(50)
     async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ep, gp, kp, _):
@@ -328,16 +288,16 @@ async def test_a_sibling_after_the_collection_loads_from_memory_of_the_manifest(
         for k in kd:
             k.zero_()
         cd = Client(ed, gd)
-        await serve_whole(cd, "req-1#0", toks, params)
+        await serve_whole(cd, "0_req-1", toks, params)
         await wait_for_server(lambda: not exists(valkey, params[MANIFEST_PARAM]))
         assert await ed.reset(timeout=10.0)
         for k in kd:
             k.zero_()
         t0 = time.monotonic()
-        assert await decode(cd, "req-1#1", toks, params) == BLOCKS * BS
+        assert await decode(cd, "1_req-1", toks, params) == BLOCKS * BS
         assert time.monotonic() - t0 < 4.0
-        dst = load(cd, "req-1#1", toks, BLOCKS * BS)
-        assert (await cd.loaded("req-1#1")).ok
+        dst = load(cd, "1_req-1", toks, BLOCKS * BS)
+        assert (await cd.loaded("1_req-1")).ok
         assert [digest(k[dst[:BLOCKS]]) for k in kd] == src
         rd = remote(ed)
         assert (rd["pd_manifest_reused"], rd["pd_consumed"], rd["pd_collected"],

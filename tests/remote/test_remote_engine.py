@@ -33,6 +33,7 @@ from remote_engine_rig import (
 )
 
 from kvshm.hashing import chain_hashes
+from kvshm.remote.glide_client import header_key
 from kvshm.remote.server import ValkeyCluster, ValkeyServer, command
 from kvshm.types import RequestView
 
@@ -113,14 +114,18 @@ async def test_another_model_never_reads_these_blocks(valkey: ValkeyServer) -> N
         assert remote(eb)["query_misses"] == 1
 
 
-@pytest.mark.parametrize("damage", ["corrupt", "truncate", "evict"])
+@pytest.mark.parametrize("damage", ["corrupt", "truncate", "evict", "unchecked"])
 async def test_a_bad_or_missing_value_is_a_miss_and_the_request_recomputes(
         valkey: ValkeyServer, damage: str) -> None:
-    """After B's query was answered (all 8 present) and before its GET, rank 1's value of
-    block 3 is damaged on the server: ``corrupt`` (same length, other bytes: the header's
-    checksum fails), ``truncate`` (half the payload), ``evict`` (deleted, as a TTL or
-    volatile-lru eviction would). Rank 1's GET fails, so the whole GET fails; its CPU
-    blocks go back unindexed; B's lookup answers 0 (recompute), nothing is pinned."""
+    """After B's query was answered (all 8 present) and before its GET, rank 1's value
+    of block 3 is damaged on the server: ``corrupt`` (same length, other bytes: the
+    header's checksum fails), ``truncate`` (half the payload), ``evict`` (deleted, as a
+    TTL or volatile-lru eviction would), ``unchecked`` (one payload byte flipped and the
+    header's checksum id set to 0, ``none``, its checksum to none's: the reader checks
+    with its own checksum anyway -- before, it trusted the header's and loaded the wrong
+    block, which the CPU tier then served again). Rank 1's GET fails, so the whole GET
+    fails; its CPU blocks go back unindexed; B's lookup answers 0 (recompute), nothing
+    is pinned."""
     toks = prompt(4)
     async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ea, ga, _, _):
         await store_and_publish(Client(ea, ga), "w", toks)
@@ -134,6 +139,16 @@ async def test_a_bad_or_missing_value_is_a_miss_and_the_request_recomputes(
         await wait_for(lambda: remote(eb)["index_answered"] == 1, "the index's answer")
         if damage == "evict":
             command(valkey.host, valkey.port, "DEL", victim)
+        elif damage == "unchecked":
+            head = bytearray(command(valkey.host, valkey.port, "GET", header_key(victim.decode()))
+                             .split(b"\r\n", 1)[1][:-2])
+            head[6] = 0                                   # the header's checksum id ...
+            head[12:16] = bytes(4)                        # ... and "none"'s checksum
+            command(valkey.host, valkey.port, "SET", header_key(victim.decode()), bytes(head))
+            flipped = bytearray(command(valkey.host, valkey.port, "GET", victim)
+                                .split(b"\r\n", 1)[1][:-2])
+            flipped[len(flipped) // 2] ^= 1
+            command(valkey.host, valkey.port, "SET", victim, bytes(flipped))
         else:
             raw = command(valkey.host, valkey.port, "GETRANGE", victim, "0", "-1")
             body = raw.split(b"\r\n", 1)[1][:-2]

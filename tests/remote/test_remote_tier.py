@@ -12,7 +12,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvshm.errors import ConfigError
 from kvshm.remote import KEY_PREFIX, BlockHeader, RemoteSpec, block_key, ready_key
 from kvshm.remote.breaker import BreakerState, CircuitBreaker
-from kvshm.remote.tier import CHECKSUMS, HEADER_BYTES
+from kvshm.remote.tier import CHECKSUMS, HEADER_BYTES, header_checksum_id
 from kvshm.remote.valkey import header_key, key_slot
 
 # ---------------------------------------------------------------------------- URLs
@@ -112,16 +112,22 @@ def test_a_header_checks_every_field_and_the_payload() -> None:
     assert not _header().check(b"\x00" * HEADER_BYTES, payload)
 
 
-def test_the_checksum_named_in_the_header_is_the_one_verified() -> None:
-    """A reader verifies with the writer's algorithm (stored in the header), so readers
-    and writers with different defaults still agree."""
+def test_the_reader_accepts_only_its_own_checksum() -> None:
+    """The checksum is the reader's choice: a header naming another algorithm is refused
+    whatever its payload -- ``none`` above all (a writer, or anyone who can write to the
+    server, cannot turn the check off). Two sides configured alike agree, ``none`` with
+    ``none`` included (a benchmark's)."""
     payload = memoryview(b"x" * 4096)
-    for name in ("crc32", "crc32c"):
-        if name not in {n for n, _ in CHECKSUMS.values()}:
-            continue
-        raw = _header(length=4096, checksum=name).pack(payload)
-        for reader in ("crc32", "none"):
-            assert _header(length=4096, checksum=reader).check(raw, payload)
+    names = sorted(n for n, _ in CHECKSUMS.values())
+    assert {"none", "crc32"} <= set(names)
+    for writer in names:
+        raw = _header(length=4096, checksum=writer).pack(payload)
+        assert header_checksum_id(raw) == _header(checksum=writer).checksum_id
+        for reader in names:
+            assert _header(length=4096, checksum=reader).check(raw, payload) is (
+                reader == writer), (writer, reader)
+    assert header_checksum_id(b"XXXX" + bytes(HEADER_BYTES - 4)) is None
+    assert header_checksum_id(b"KVB1") is None
     with pytest.raises(ConfigError, match="not available"):
         _header(checksum="md5")
     with pytest.raises(ConfigError, match="payload is 3 bytes"):

@@ -18,7 +18,7 @@ from kvshm.engine.snapshot import CoreCounters
 from kvshm.engine.supervision import RankWatch
 from kvshm.errors import ConfigError
 from kvshm.ipc.protocol import Done, Remote, RemoteOp, pack_ids
-from kvshm.offload.remote import REMOTE_HASH_BYTES, max_job_blocks
+from kvshm.offload.remote_puts import REMOTE_HASH_BYTES, max_job_blocks
 
 
 class Chan(SimpleNamespace):

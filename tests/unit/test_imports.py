@@ -20,9 +20,10 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 #: The shared leaves: any part may import them; they import only each other and the
-#: wire structs. ``kvshm`` itself resolves its exports lazily (by string), like _moved.
+#: wire structs. ``kvshm`` itself resolves its exports lazily (by string).
 LEAVES = {"kvshm", "kvshm.errors", "kvshm.config", "kvshm.types", "kvshm.hashing",
-          "kvshm.layout", "kvshm.shm", "kvshm.shm_budget", "kvshm.stats", "kvshm._moved",
+          "kvshm.layout", "kvshm.shm", "kvshm.shm_budget", "kvshm.stats", "kvshm.ratelog",
+          "kvshm.series",  # the table of Prometheus series (stdlib only)
           "kvshm.worker_cli",
           "kvshm.cuda_ipc",
           # the remote tier's interface (protocols, keys, header; stdlib only): the
@@ -64,7 +65,7 @@ def part_of(module: str) -> str:
         return "integrations-worker"
     if sub in ("offload", "ipc", "engine", "integrations", "demo", "remote"):
         return sub
-    return "app"  # kvshm.cli and the deprecated aliases: entry points, not a part
+    return "app"  # kvshm.cli and its commands: entry points, not a part
 
 
 def imports_of(path: Path, module: str) -> list[tuple[int, str]]:
@@ -124,6 +125,76 @@ def test_the_static_check_can_fail(tmp_path: Path) -> None:
     assert {"torch", "engine"} <= found & FORBIDDEN["offload"]
 
 
+#: The P/D package (``kvshm.offload.pd``) inside offload: it imports the rest of offload
+#: one way. The rest of offload reaches it only through this seam: pd module -> the
+#: offload modules (outside pd) that may import it; None: any (stateless: the manifest
+#: record and the pure predicates on a request's params). The remote book holds the P/D
+#: side (composition); no other pd module is imported from offload.
+PD = "kvshm.offload.pd"
+PD_SEAM: dict[str, set[str] | None] = {
+    f"{PD}.manifest": None,
+    f"{PD}.handoffs": {"kvshm.offload.remote"},
+    f"{PD}.side": {"kvshm.offload.remote"},
+}
+#: pd modules that import nothing else of offload (the seam's stateless part included).
+PD_LEAVES = {f"{PD}.manifest", f"{PD}.collected"}
+
+
+def _in_pd(module: str) -> bool:
+    return module == PD or module.startswith(PD + ".")
+
+
+def _offload_imports(module: str) -> set[str]:
+    """The kvshm.offload modules ``module`` imports."""
+    return {t for _, t in imports_of(ALL[module], module) if t.startswith("kvshm.offload.")}
+
+
+def test_the_pd_package_exists_with_its_seam() -> None:
+    assert all(m in ALL for m in PD_SEAM.keys() | PD_LEAVES)
+
+
+@pytest.mark.parametrize("module", sorted(m for m in ALL if part_of(m) == "offload"
+                                          and not _in_pd(m)))
+def test_offload_reaches_pd_only_through_the_seam(module: str) -> None:
+    def allowed(target: str) -> bool:
+        importers = PD_SEAM.get(target, set())
+        return importers is None or module in importers
+
+    bad = sorted(t for t in _offload_imports(module) if _in_pd(t) and not allowed(t))
+    assert not bad, f"{module} imports pd modules outside the seam: {bad}"
+
+
+@pytest.mark.parametrize("module", sorted(m for m in ALL if _in_pd(m)))
+def test_pd_imports_offload_one_way(module: str) -> None:
+    """A pd module imports no offload module that imports pd back (no cycle through the
+    seam); its leaves import nothing of offload outside pd's leaves."""
+    outside = {t for t in _offload_imports(module) if not _in_pd(t)}
+    back = sorted(t for t in outside if t in ALL and any(_in_pd(u)
+                                                          for u in _offload_imports(t)))
+    assert not back, f"{module} imports what imports pd: {back}"
+    if module in PD_LEAVES:
+        assert _offload_imports(module) <= PD_LEAVES, module
+
+
+def test_the_seam_checks_can_fail(tmp_path: Path) -> None:
+    """A planted offload -> pd import outside the seam is seen (the scanner resolves
+    ``from kvshm.offload.pd import consume`` to the submodule)."""
+    bad = tmp_path / "m.py"
+    bad.write_text("from kvshm.offload.pd import consume\nfrom kvshm.offload.pd.side import "
+                   "HandoffSide\n")
+    found = {t for _, t in imports_of(bad, "kvshm.offload.stores")}
+    assert {f"{PD}.consume", f"{PD}.side"} <= found
+    assert f"{PD}.consume" not in PD_SEAM and "kvshm.offload.stores" not in (
+        PD_SEAM[f"{PD}.side"] or set())
+
+
+def test_the_pd_manifest_loads_no_other_offload_module() -> None:
+    """What the manager and its input checks import of pd loads nothing else of it."""
+    mods = loaded_by(f"{PD}.manifest")
+    assert {m for m in mods if m.startswith("kvshm.offload.")} - _BARE_PACKAGES == {
+        f"{PD}.manifest"}
+
+
 PROBE = """
 import importlib, json, sys
 importlib.import_module(sys.argv[1])
@@ -138,7 +209,7 @@ def loaded_by(module: str) -> set[str]:
 
 
 #: Package modules whose ``__init__`` is a docstring (importing a submodule loads them).
-_BARE_PACKAGES = {"kvshm.ipc", "kvshm.offload", "kvshm.integrations"}
+_BARE_PACKAGES = {"kvshm.ipc", "kvshm.offload", "kvshm.offload.pd", "kvshm.integrations"}
 
 
 def _kvshm_parts(mods: set[str]) -> set[str]:
@@ -172,17 +243,3 @@ def test_package_exports_resolve_lazily() -> None:
 
     assert kvshm.Engine.__name__ == "Engine" and kvshm.SPAWN.value == "spawn"
     assert kvshm.EngineConfig(block_size=16).world_size == 1
-
-
-@pytest.mark.parametrize("old,new", [("kvshm.manager", "kvshm.offload.manager"),
-                                     ("kvshm.pool", "kvshm.offload.pool"),
-                                     ("kvshm.protocol", "kvshm.ipc.protocol")])
-def test_old_paths_warn_and_alias_the_new_module(old: str, new: str) -> None:
-    code = (f"import warnings, importlib; warnings.simplefilter('error')\n"
-            f"try:\n    import {old}\nexcept DeprecationWarning as w:\n    print(w)\n"
-            f"warnings.simplefilter('ignore'); import {old} as a, {new} as b\n"
-            f"assert a is b, (a, b)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=120)
-    assert out.stdout.strip() == f"{old} is deprecated: import {new} (the old path goes " \
-                                 f"in kvshm 0.3)"

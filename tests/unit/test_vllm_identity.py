@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kvshm.errors import ConfigError
-from kvshm.integrations.vllm.config import _remote, model_identity
+from kvshm.integrations.vllm.config import check_extra_config, model_identity
 
 
 class HfConfig(SimpleNamespace):
@@ -46,4 +46,4 @@ def test_equal_deployments_share_it_and_a_namespace_separates_them() -> None:
 
 def test_a_bad_namespace_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="remote_namespace"):
-        _remote({"remote_namespace": 7}, vllm_config())
+        check_extra_config({"remote_namespace": 7})

@@ -1,8 +1,11 @@
 """The vLLM connector's configuration: every refusal is a clear ConfigError, early.
 
-Most checks run on :func:`parse_config` directly (plain attribute objects stand in for
-vLLM's config; this part needs no vLLM); the last ones start a real in-process vLLM
-engine with a bad setting and check that start-up fails with kvshm's message.
+Most checks run on :func:`parse_config` and its parts directly (plain attribute objects
+stand in for vLLM's config; this part needs no vLLM): the one-line refusals of an
+unknown key (with the closest public key, never an internal one) and of two size keys,
+the default size (a quarter of available memory, capped by /dev/shm, per rank) and the
+failure policy kvshm sets. The last ones start a real in-process vLLM engine with a bad
+setting and check that start-up fails with kvshm's message, first line first.
 """
 
 from __future__ import annotations
@@ -19,12 +22,21 @@ import pytest
 from kvshm.config import DEFAULT_EVICTION, EngineConfig, Eviction
 from kvshm.errors import ConfigError
 from kvshm.integrations.vllm.config import (
+    INTERNAL_KEYS,
+    PUBLIC_KEYS,
+    SIZE_KEYS,
     ConnectorConfig,
     GroupInfo,
     GroupKindName,
+    SizeSource,
+    adopt_failure_policy,
     check_budget,
+    check_extra_config,
+    default_cpu_bytes_per_rank,
     engine_name,
     parse_config,
+    resolve_size,
+    tier_text,
 )
 from kvshm.types import KVGroup, StoreMode
 
@@ -58,6 +70,7 @@ def test_defaults() -> None:
     assert cfg.name == "kvshm-6a8085bf-9c3d-48d5-a288-ddcede77aaaa"
     assert (cfg.world_size, cfg.block_size, cfg.mode) == (4, 32, StoreMode.EAGER)
     assert cfg.cpu_bytes_per_rank == GIB // 4  # server-wide budget split over ranks
+    assert cfg.size_source is SizeSource.CPU_BYTES
     assert cfg.groups == (KVGroup.full(),)
     assert cfg.stats_path is None and cfg.test_fail_loads == 0
     assert cfg.hang_timeout_s == 10.0 and cfg.shutdown_timeout_s == 5.0  # as EngineConfig
@@ -66,9 +79,12 @@ def test_defaults() -> None:
 
 def test_extra_config_values() -> None:
     cfg = _parse(_vllm_config({"cpu_bytes_per_rank": 3e9, "mode": "lazy", "name": "n.1",
-                               "stats_path": "/tmp/s.json", "num_cpu_blocks": 7,
+                               "stats_path": "/tmp/s.json",
                                "hang_timeout_s": 2, "test_fail_loads": 1}))
-    assert cfg.cpu_bytes_per_rank == 3_000_000_000 and cfg.num_cpu_blocks == 7
+    assert cfg.cpu_bytes_per_rank == 3_000_000_000 and cfg.num_cpu_blocks is None
+    assert cfg.size_source is SizeSource.CPU_BYTES_PER_RANK
+    blocks = _parse(_vllm_config({"num_cpu_blocks": 7}))
+    assert (blocks.num_cpu_blocks, blocks.cpu_bytes_per_rank) == (7, None)
     assert cfg.mode is StoreMode.LAZY and cfg.name == "n.1"
     assert cfg.hang_timeout_s == 2.0 and cfg.test_fail_loads == 1
     assert cfg.eviction is DEFAULT_EVICTION  # not given: kvshm's default order
@@ -77,7 +93,6 @@ def test_extra_config_values() -> None:
 
 
 @pytest.mark.parametrize(("extra", "match"), [
-    ({}, "needs the CPU tier's size"),
     ({"cpu_bytes": 0}, r"'cpu_bytes'\] must be > 0"),
     ({"cpu_bytes": -5}, r"'cpu_bytes'\] must be > 0"),
     ({"cpu_bytes": 1.5}, "must be a positive integer"),
@@ -85,7 +100,6 @@ def test_extra_config_values() -> None:
     ({"cpu_bytes": True}, "must be a positive integer"),
     ({"cpu_bytes_per_rank": 0}, r"'cpu_bytes_per_rank'\] must be > 0"),
     ({"num_cpu_blocks": -1}, r"'num_cpu_blocks'\] must be > 0"),
-    ({"cpu_bytes": GIB, "cpu_bytes_per_rank": GIB}, "not both"),
     ({"cpu_bytes": GIB, "mode": "sometimes"}, "'mode'.*'eager', 'lazy'"),
     ({"cpu_bytes": GIB, "name": "has space"}, r"'name'\] must be 1-80"),
     ({"cpu_bytes": GIB, "name": "x" * 81}, r"'name'\] must be 1-80"),
@@ -95,7 +109,7 @@ def test_extra_config_values() -> None:
     ({"cpu_bytes": GIB, "shutdown_timeout_s": float("nan")}, "'shutdown_timeout_s'"),
     ({"cpu_bytes": GIB, "test_fail_loads": -1}, "'test_fail_loads'"),
     ({"cpu_bytes": GIB, "eviction": "mru"}, r"'eviction'\] must be one of \['depth_aged', 'lru', "),
-    ({"cpu_bytes": GIB, "cpu_byte": 1}, r"unknown kv_connector_extra_config keys \['cpu_byte'\]"),
+    ({"cpu_bytes": GIB, "cpu_byte": 1}, r"^kvshm: unknown key 'cpu_byte'"),
 ])
 def test_bad_extra_config(extra: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
@@ -110,11 +124,139 @@ def test_budget_smaller_than_ranks() -> None:
 @pytest.mark.parametrize(("kv", "match"), [
     ({"kv_role": "kv_producer"}, "kv_role='kv_both'"),
     ({"kv_role": "kv_consumer"}, "kv_role='kv_both'"),
-    ({"kv_load_failure_policy": "fail"}, "kv_load_failure_policy='recompute'"),
 ])
 def test_bad_vllm_settings(kv: dict[str, Any], match: str) -> None:
     with pytest.raises(ConfigError, match=match):
         _parse(_vllm_config(**kv))
+
+
+# ----------------------------------------------- first-run errors: keys, sizes, policy
+
+PUBLIC_LIST = ("cpu_bytes, cpu_bytes_per_rank, num_cpu_blocks, mode, name, stats_path, "
+               "hang_timeout_s, shutdown_timeout_s, eviction, remote_url, remote_mode, "
+               "remote_namespace")
+
+
+def _first_line(extra: dict[Any, Any]) -> str:
+    with pytest.raises(ConfigError) as info:
+        _parse(_vllm_config(extra))
+    return str(info.value).splitlines()[0]
+
+
+@pytest.mark.parametrize(("typo", "hint"), [
+    ("cpu_byte", "cpu_bytes"),
+    ("cpu_bytes_per_ranks", "cpu_bytes_per_rank"),
+    ("num_cpu_block", "num_cpu_blocks"),
+    ("hang_timeout", "hang_timeout_s"),
+    ("evict", "eviction"),
+    ("stat_path", "stats_path"),
+])
+def test_typo_is_one_line_with_the_closest_public_key(typo: str, hint: str) -> None:
+    """The whole message is one line: the key, its closest public key, every public key
+    (and none of the internal ones)."""
+    with pytest.raises(ConfigError) as info:
+        _parse(_vllm_config({typo: 1}))
+    msg = str(info.value)
+    assert msg == (f"kvshm: unknown key {typo!r} in kv_connector_extra_config; did you mean "
+                   f"{hint!r}? (keys: {PUBLIC_LIST})")
+    for key in INTERNAL_KEYS:
+        assert key not in msg
+
+
+def test_public_keys_table_is_what_the_refusal_lists() -> None:
+    """The table has a line (meaning, default) for each key the parser reads; internal
+    keys are apart from it and still accepted."""
+    assert ", ".join(PUBLIC_KEYS) == PUBLIC_LIST
+    assert all(isinstance(v, str) and v for v in PUBLIC_KEYS.values())
+    assert not INTERNAL_KEYS & set(PUBLIC_KEYS)
+    assert _parse(_vllm_config({"test_fail_loads": 2})).test_fail_loads == 2
+
+
+def test_unknown_keys_without_a_close_match_and_several() -> None:
+    assert _first_line({"zzz": 1}) == (
+        f"kvshm: unknown key 'zzz' in kv_connector_extra_config (keys: {PUBLIC_LIST})")
+    assert _first_line({"mod": 1, "cpu_byte": 2, "zzz": 3}) == (
+        "kvshm: unknown keys 'cpu_byte', 'mod', 'zzz' in kv_connector_extra_config; did you "
+        f"mean 'cpu_bytes', 'mode'? (keys: {PUBLIC_LIST})")
+    # an internal key is never offered as a correction
+    assert "test_fail_loads'?" not in _first_line({"test_fail_load": 1})
+
+
+def test_unknown_key_is_refused_before_a_bad_value_or_vllm_setting() -> None:
+    """The key check runs first: a typo next to a bad value, or with a vLLM setting kvshm
+    refuses, is reported as the typo."""
+    assert _first_line({"cpu_bytes": -1, "mdoe": "x"}).startswith(
+        "kvshm: unknown key 'mdoe' in kv_connector_extra_config; did you mean 'mode'?")
+    with pytest.raises(ConfigError, match="^kvshm: unknown key 'nmae'"):
+        _parse(_vllm_config({"nmae": "x"}, kv_role="kv_producer"))
+
+
+@pytest.mark.parametrize(("first", "second"), [
+    ("cpu_bytes", "cpu_bytes_per_rank"),
+    ("cpu_bytes", "num_cpu_blocks"),
+    ("cpu_bytes_per_rank", "num_cpu_blocks"),
+])
+def test_two_size_keys_are_refused_in_one_line(first: str, second: str) -> None:
+    assert SIZE_KEYS.index(first) < SIZE_KEYS.index(second)
+    with pytest.raises(ConfigError) as info:
+        _parse(_vllm_config({second: 64, first: 64 << 20}))
+    assert str(info.value) == (f"kvshm: kv_connector_extra_config sets both {first!r} and "
+                               f"{second!r}; keep one (each sizes the CPU tier)")
+
+
+def test_all_three_size_keys_name_the_first_two() -> None:
+    assert _first_line({k: 1 << 20 for k in SIZE_KEYS}) == (
+        "kvshm: kv_connector_extra_config sets both 'cpu_bytes' and 'cpu_bytes_per_rank'; "
+        "keep one (each sizes the CPU tier)")
+
+
+def test_extra_config_checks_without_vllm() -> None:
+    """``check_extra_config`` (what ``requires_piecewise_for_cudagraph`` runs at vLLM's
+    config time) refuses what parse_config refuses about the extra config alone."""
+    assert check_extra_config({}).size_source is SizeSource.DEFAULT
+    assert check_extra_config({"cpu_bytes": GIB}, 4).cpu_bytes_per_rank == GIB // 4
+    with pytest.raises(ConfigError, match="^kvshm: unknown key 'cpu_byte'"):
+        check_extra_config({"cpu_byte": 1})
+    with pytest.raises(ConfigError, match="'mode'"):
+        check_extra_config({"mode": "later"})
+    with pytest.raises(ConfigError, match="must be a JSON object"):
+        check_extra_config([("cpu_bytes", 1)])  # type: ignore[arg-type]
+
+
+def test_no_size_key_is_the_default_resolved_on_the_scheduler_side() -> None:
+    """No size key: both sizes stay None (the worker side never sizes the tier) until
+    resolve_size takes a quarter of available memory, at most what /dev/shm can take,
+    split over the ranks; the start-up text says it is the default."""
+    cfg = _parse(_vllm_config({}, tp=2))
+    assert cfg.size_source is SizeSource.DEFAULT
+    assert (cfg.cpu_bytes_per_rank, cfg.num_cpu_blocks) == (None, None)
+    roomy = resolve_size(cfg, memory_available=16 * GIB, shm_available=32 * GIB)
+    assert roomy.cpu_bytes_per_rank == 2 * GIB  # 16 GiB / 4, over 2 ranks
+    assert roomy.size_source is SizeSource.DEFAULT
+    tight = resolve_size(cfg, memory_available=16 * GIB, shm_available=GIB)
+    assert tight.cpu_bytes_per_rank == GIB // 2  # capped by /dev/shm
+    assert tier_text(roomy) == (
+        "CPU tier of 2.00 GiB per rank (default: 25% of available memory, at most free "
+        "/dev/shm, over 2 rank(s); set kv_connector_extra_config['cpu_bytes'] to choose)")
+    with pytest.raises(ConfigError, match=r"no memory for the default CPU tier.*'cpu_bytes'"):
+        resolve_size(cfg, memory_available=16 * GIB, shm_available=0)
+    explicit = _parse(_vllm_config({"cpu_bytes": GIB}))
+    assert resolve_size(explicit, 0, 0) is explicit
+    assert tier_text(explicit) == "CPU tier of 1.00 GiB per rank"
+    assert default_cpu_bytes_per_rank(4, 8 * GIB, 1 << 50) == GIB // 2
+    with pytest.raises(ConfigError, match=r"\(the default: 25% of available memory\) "
+                                          r"cannot hold one KV block"):
+        check_budget(resolve_size(cfg, 4000, 1 << 40), 1 << 20, 1 << 40)
+
+
+@pytest.mark.parametrize(("policy", "replaced"), [("fail", "fail"), ("recompute", None)])
+def test_failure_policy_is_set_to_recompute(policy: str, replaced: str | None) -> None:
+    """vLLM's default 'fail' (indistinguishable from a 'fail' the user wrote) becomes
+    'recompute'; parse_config no longer refuses it (the worker side sees vLLM's value)."""
+    vc = _vllm_config(kv_load_failure_policy=policy)
+    _parse(vc)
+    assert adopt_failure_policy(vc.kv_transfer_config) == replaced
+    assert vc.kv_transfer_config.kv_load_failure_policy == "recompute"
 
 
 def test_prefix_caching_off_and_context_parallel() -> None:
@@ -175,6 +317,23 @@ def test_engine_name_is_safe_deterministic_and_short() -> None:
         engine_name("")
 
 
+def test_kvshm_name_of_an_llm() -> None:
+    """``engine_stats`` asks the engine the connector named: ``name`` if set, else
+    ``kvshm-<engine_id>``; an LLM without a kv_transfer_config is refused."""
+    from kvshm.integrations.vllm.query import kvshm_name
+
+    def llm(kvt: Any) -> SimpleNamespace:
+        return SimpleNamespace(llm_engine=SimpleNamespace(
+            vllm_config=SimpleNamespace(kv_transfer_config=kvt)))
+
+    vc = _vllm_config({})
+    assert kvshm_name(llm(vc.kv_transfer_config)) == (
+        "kvshm-6a8085bf-9c3d-48d5-a288-ddcede77aaaa")
+    assert kvshm_name(llm(_vllm_config({"name": "qs"}).kv_transfer_config)) == "qs"
+    with pytest.raises(ConfigError, match="no kv_transfer_config"):
+        kvshm_name(llm(None))
+
+
 # ----------------------------------------------------------------- with a real vLLM engine
 
 LLMFactory = Callable[..., AbstractContextManager[Any]]
@@ -186,8 +345,6 @@ needs_vllm = pytest.mark.skipif(
 
 @needs_vllm
 @pytest.mark.parametrize(("kv_overrides", "extra", "match"), [
-    ({"kv_load_failure_policy": "fail"}, {"cpu_bytes": 64 << 20},
-     "kv_load_failure_policy='recompute'"),
     ({}, {"cpu_bytes": 1 << 50}, "does not fit"),
     ({}, {"cpu_bytes": 64 << 20, "mode": "later"}, "'mode'"),
 ])
@@ -203,3 +360,33 @@ def test_vllm_start_fails_clearly(make_llm: LLMFactory, kv_overrides: dict[str, 
         chain.append(exc)
         exc = exc.__cause__ or exc.__context__
     assert any(isinstance(e, ConfigError) and re.search(match, str(e)) for e in chain), chain
+
+
+@needs_vllm
+def test_vllm_start_with_a_typo_fails_with_the_line_on_top(make_llm: LLMFactory) -> None:
+    """A typo in kv_connector_extra_config makes ``LLM(...)`` raise kvshm's ConfigError
+    whose message's first line names the key and the correction (in-process engine:
+    the exception reaches the caller as raised; a multi-process engine logs it in the
+    process that built the connector and vLLM raises its own "initialization failed")."""
+    with pytest.raises(ConfigError) as info:
+        with make_llm("KvshmConnector", module="kvshm.integrations.vllm", cpu_byte=1 << 26):
+            pass
+    assert str(info.value).splitlines()[0] == (
+        "kvshm: unknown key 'cpu_byte' in kv_connector_extra_config; did you mean "
+        f"'cpu_bytes'? (keys: {PUBLIC_LIST})")
+
+
+@needs_vllm
+def test_requires_piecewise_hook_checks_the_extra_config() -> None:
+    """vLLM calls ``requires_piecewise_for_cudagraph(extra_config)`` while it builds its
+    config (full CUDA graphs on), before it starts a process: kvshm checks its keys
+    there; a good config answers False (no per-layer work to keep out of graphs)."""
+    from kvshm.integrations.vllm.connector import KvshmConnector
+
+    assert KvshmConnector.requires_piecewise_for_cudagraph({}) is False
+    assert KvshmConnector.requires_piecewise_for_cudagraph({"cpu_bytes": GIB}) is False
+    with pytest.raises(ConfigError, match="^kvshm: unknown key 'cpu_byte'.*'cpu_bytes'"):
+        KvshmConnector.requires_piecewise_for_cudagraph({"cpu_byte": GIB})
+    with pytest.raises(ConfigError, match="sets both 'cpu_bytes' and 'num_cpu_blocks'"):
+        KvshmConnector.requires_piecewise_for_cudagraph({"cpu_bytes": GIB,
+                                                         "num_cpu_blocks": 8})

@@ -5,8 +5,9 @@ kvshm's CPU tier is not), the same prompt again -> vLLM reports the prefix cache
 the logprobs are *bitwise* equal to the cold run (a restore that is off by one bit, or
 loads the wrong block, moves them). Then the same under pressure (80-block device pool,
 8 concurrent requests, several rounds), in lazy mode, in bfloat16, with a copy failure
-injected on a load (vLLM must recompute those blocks: no token counted as cached, the
-output still exact), and with the engine core and worker in their own processes.
+injected on a load under vLLM's default failure policy, which kvshm turns into
+"recompute" (vLLM must recompute those blocks: no token counted as cached, the output
+still exact), and with the engine core and worker in their own processes.
 
 Each engine is module-scoped and shared by the tests that need its configuration; its
 teardown checks the statistics file written at shutdown (zero pins, nothing in flight),
@@ -266,16 +267,23 @@ class TestLazy:
 
 
 class TestLoadFailure:
+    """vLLM's default kv_load_failure_policy ('fail', what the one-line config gets):
+    kvshm sets 'recompute' before vLLM's scheduler reads it."""
+
     @pytest.fixture(scope="class")
     @classmethod
     def eng(cls, make_llm: LLMFactory,
             tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
         yield from _engine(make_llm, tmp_path_factory.mktemp("faulty"), test_fail_loads=1,
-                           failed_jobs_ok=True)
+                           failed_jobs_ok=True,
+                           kv_overrides={"kv_load_failure_policy": "fail"})
 
     def test_failed_load_is_recomputed_exactly(self, eng: Engine) -> None:
         """The first load's copy fails on the worker: vLLM recomputes the request (nothing
-        counted as cached) and the output is exact; the next restore loads normally."""
+        counted as cached, not aborted) and the output is exact; the next restore loads
+        normally."""
+        scheduler = eng.llm.llm_engine.engine_core.engine_core.scheduler
+        assert scheduler.recompute_kv_load_failures is True
         prompt = _prompt(PROMPT_TOKENS, 90)
         cold = eng.generate([prompt])[0]
         eng.reset_device_cache()

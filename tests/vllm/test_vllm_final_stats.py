@@ -1,15 +1,25 @@
-"""The statistics file's rules (issue 14, point 4): the READY snapshot from before the
-teardown, with the final state, and a ``teardown`` record that hides nothing."""
+"""The statistics file's rules (issue 14, point 4; issue 28): the READY snapshot from
+before the teardown, with the final state, and a ``teardown`` record that hides
+nothing; while serving, the live snapshot, whose write never fails vLLM's step."""
 
 from __future__ import annotations
 
+import logging
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 pytest.importorskip("vllm.logger", reason="vLLM is not installed (see tools/vllm_install.sh)")
 
-from kvshm.integrations.vllm.final_stats import SnapshotSource, final_statistics
+from kvshm.integrations.vllm.config import ConnectorConfig
+from kvshm.integrations.vllm.final_stats import (
+    SnapshotSource,
+    final_statistics,
+    live_statistics,
+)
+from kvshm.integrations.vllm.scheduler import SchedulerSide
+from kvshm.types import KVGroup, StoreMode
 
 
 def _stats(state: str, cached: int, alive: list[bool], failed: int) -> dict[str, Any]:
@@ -44,3 +54,28 @@ def test_a_rank_already_lost_in_the_snapshot_is_not_listed_as_detached() -> None
                                                                      [False, False], 1))
     assert out["counters"] == {"ranks_failed": 1}
     assert out["teardown"] == {"snapshot": "on_shutdown", "ranks_detached": [0]}
+
+
+def test_the_live_file_is_the_snapshot_as_it_is_marked_live() -> None:
+    """While the engine serves, the file holds the last report's snapshot as it is
+    (a SIGKILLed engine core leaves it so): state ready, ``teardown.snapshot`` live."""
+    snap = _stats("ready", 4, [True, False], 1)
+    out = live_statistics(snap)
+    assert out["state"] == "ready" and out["cpu_blocks_cached"] == 4
+    assert out["teardown"] == {"snapshot": "live", "ranks_detached": [1]}
+    assert "teardown" not in snap
+
+
+def test_a_live_write_that_fails_is_counted_and_logged_once_not_raised(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The live rewrite runs inside vLLM's step: a stats_path in a missing folder must
+    not fail the step; it is counted and warned about once."""
+    cfg = ConnectorConfig("unit", 1, 1, 16, (KVGroup.full(),), StoreMode.EAGER, None, 64,
+                          str(tmp_path / "missing" / "s.json"), 30.0, 5.0, 0)
+    side = SchedulerSide(cfg)
+    with caplog.at_level(logging.WARNING, logger="kvshm.vllm"):
+        side._write_live(str(cfg.stats_path), _stats("ready", 1, [True], 0))
+        side._write_live(str(cfg.stats_path), _stats("ready", 1, [True], 0))
+    assert side.counters.stats_writes_failed == 2
+    assert [r.levelno for r in caplog.records if "stats_path" in r.getMessage()] == [
+        logging.WARNING]

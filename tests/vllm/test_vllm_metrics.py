@@ -1,6 +1,8 @@
-"""kvshm's counters in vLLM's KV-connector statistics (issue 14, point 2): the stats
-object aggregates and reduces as vLLM uses it, the reporter turns snapshots into
-increments, and the Prometheus hook registers and fills ``kvshm_*`` series."""
+"""kvshm's counters in vLLM's KV-connector statistics (issue 14, point 2; issue 28): the
+stats object aggregates and reduces as vLLM uses it, reports carry increments (at most
+once a second while busy, once on going idle), the Prometheus hook registers the
+series of kvshm.series with its HELP, labelled by the kvshm engine's name, and the
+front end logs each engine's final-statistics line once."""
 
 from __future__ import annotations
 
@@ -17,68 +19,108 @@ pytest.importorskip(
     reason="vLLM is not installed (see tools/vllm_install.sh)",
 )
 
+import logging
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 from kvshm.integrations.vllm.connector import KvshmConnector
+from kvshm.integrations.vllm.final_stats import FinalLines
 from kvshm.integrations.vllm.metrics import (
     ACK_BUCKETS_S,
     KvshmConnectorStats,
     KvshmPromMetrics,
-    StatsReporter,
+    engine_labels,
     replay_values,
 )
+from kvshm.integrations.vllm.reports import ReportBuilder, ReportClock
+from kvshm.series import SERIES, vllm_series
 
 
 def _snapshot(hit: int, stored: int, cached: int, pins: int = 0) -> dict[str, Any]:
-    """The parts of ``SchedulerSide.statistics()`` the reporter reads."""
-    return {"counters": {"lookup_hit_tokens": hit, "stored_blocks": stored,
-                         "loaded_blocks": 1, "jobs_failed": 0, "loads_failed": 0,
-                         "ranks_failed": 0},
+    """The parts of ``SchedulerSide.statistics()`` a report reads."""
+    return {"counters": {"hit_tokens": hit, "lookup_hit_tokens": 10 * hit,
+                         "stored_blocks": stored, "loaded_blocks": 1, "jobs_failed": 0,
+                         "loads_failed": 0, "ranks_failed": 0},
             "stored_bytes": stored * 100, "loaded_bytes": 100, "pins_held": pins,
             "cpu_blocks_cached": cached, "num_cpu_blocks": 8, "jobs_in_flight": 0}
 
 
-def test_reporter_sends_increments_and_gauge_levels() -> None:
-    rep = StatsReporter(period_s=1.0)
-    assert rep.due(now=0.0)
-    first = rep.report(_snapshot(hit=64, stored=3, cached=3, pins=2), now=0.0)
-    assert first.data == {"hit_tokens": 64, "stored_blocks": 3, "loaded_blocks": 1,
-                          "stored_bytes": 300, "loaded_bytes": 100, "jobs_failed": 0,
-                          "loads_failed": 0, "ranks_failed": 0, "ranks_left": 0,
-                          "pins_held": 2,
-                          "cpu_blocks_cached": 3, "num_cpu_blocks": 8,
-                          "jobs_in_flight": 0}
-    assert not rep.due(now=0.5) and rep.due(now=1.0)
-    second = rep.report(_snapshot(hit=96, stored=4, cached=4), now=1.0)
-    assert (second.data["hit_tokens"], second.data["stored_blocks"],
-            second.data["loaded_blocks"], second.data["cpu_blocks_cached"]) == (32, 1, 0, 4)
+def test_reports_carry_increments_and_gauge_levels() -> None:
+    """The first report carries the totals so far, the next one the increments; gauges
+    are levels; only vLLM's /metrics series travel (lookup_hit_tokens does not)."""
+    rep = ReportBuilder()
+    first = rep.build(_snapshot(hit=64, stored=3, cached=3, pins=2))
+    assert first["counters"]["kvshm_hit_tokens"] == 64
+    assert first["counters"]["kvshm_stored_bytes"] == 300
+    assert "kvshm_lookup_hit_tokens" not in first["counters"]
+    assert first["gauges"]["kvshm_pins_held"] == 2
+    assert first["gauges"]["kvshm_cpu_tier_occupancy"] == 3 / 8
+    assert "breaker" not in first
+    second = rep.build(_snapshot(hit=96, stored=4, cached=4))
+    assert (second["counters"]["kvshm_hit_tokens"], second["counters"]["kvshm_stored_blocks"],
+            second["counters"]["kvshm_loaded_blocks"],
+            second["gauges"]["kvshm_cpu_blocks_cached"]) == (32, 1, 0, 4)
+
+
+def test_report_clock_once_a_period_while_busy_and_once_on_going_idle() -> None:
+    clock = ReportClock(period_s=1.0)
+    assert clock.should_report(0.0, idle=False)
+    clock.reported(0.0, idle=False)
+    assert not clock.should_report(0.5, idle=False)
+    assert clock.should_report(0.6, idle=True)  # gone idle: at once, not in 0.4 s
+    clock.reported(0.6, idle=True)
+    assert not clock.should_report(5.0, idle=True)  # nothing new while idle
+    assert not clock.should_report(1.2, idle=False)  # busy again, period not over
+    assert clock.should_report(1.3, idle=True)  # ... and idle again: its last state
 
 
 def test_stats_aggregate_sum_counters_keep_latest_gauges_and_reduce() -> None:
-    a = KvshmConnectorStats(data={"hit_tokens": 64, "stored_blocks": 3, "pins_held": 2,
-                                  "cpu_blocks_cached": 3, "num_cpu_blocks": 8})
-    b = KvshmConnectorStats(data={"hit_tokens": 32, "stored_blocks": 1, "pins_held": 0,
-                                  "cpu_blocks_cached": 4, "num_cpu_blocks": 8})
+    shipped: list[int] = []
+    a = KvshmConnectorStats(data={"counters": {"kvshm_hit_tokens": 64,
+                                               "kvshm_stored_blocks": 3},
+                                  "gauges": {"kvshm_pins_held": 2,
+                                             "kvshm_cpu_tier_occupancy": 0.375}},
+                            on_ship=lambda: shipped.append(1))
+    b = KvshmConnectorStats(data={"counters": {"kvshm_hit_tokens": 32,
+                                               "kvshm_stored_blocks": 1},
+                                  "gauges": {"kvshm_pins_held": 0,
+                                             "kvshm_cpu_tier_occupancy": 0.5},
+                                  "breaker": "open"})
     both = a.aggregate(b)
-    assert both.data == {"hit_tokens": 96, "stored_blocks": 4, "pins_held": 0,
-                         "cpu_blocks_cached": 4, "num_cpu_blocks": 8}
-    assert a.data["hit_tokens"] == 64  # aggregate builds a new object
+    assert both.data["counters"] == {"kvshm_hit_tokens": 96, "kvshm_stored_blocks": 4}
+    assert both.data["gauges"] == {"kvshm_pins_held": 0, "kvshm_cpu_tier_occupancy": 0.5}
+    assert both.data["breaker"] == "open"
+    assert a.data["counters"]["kvshm_hit_tokens"] == 64  # aggregate builds a new object
     assert both.reduce() == {"hit_tokens": 96, "stored_blocks": 4, "pins_held": 0,
-                             "cpu_blocks_cached": 4, "num_cpu_blocks": 8,
                              "cpu_tier_occupancy": 0.5}
-    other = KVConnectorStats(data={"hit_tokens": 1000})  # another connector's report
-    assert a.aggregate(other).data == a.data
+    other = KVConnectorStats(data={"counters": {"kvshm_hit_tokens": 1000}})
+    assert a.aggregate(other).data == a.data  # another connector's report
+    assert both.to_dict() is both.data and shipped == [1]  # shipping tells the side
     assert not both.is_empty()
     both.reset()
     assert both.is_empty() and both.reduce() == {}
 
 
 def test_the_connector_class_builds_its_stats_and_prom_metrics() -> None:
-    stats = KvshmConnector.build_kv_connector_stats({"hit_tokens": 5})
-    assert isinstance(stats, KvshmConnectorStats) and stats.data == {"hit_tokens": 5}
+    stats = KvshmConnector.build_kv_connector_stats({"counters": {"kvshm_hit_tokens": 5}})
+    assert isinstance(stats, KvshmConnectorStats)
+    assert stats.data == {"counters": {"kvshm_hit_tokens": 5}}
     empty = KvshmConnector.build_kv_connector_stats(None)
     assert isinstance(empty, KvshmConnectorStats) and empty.is_empty()
+
+
+def test_engine_labels_are_the_kvshm_engine_names() -> None:
+    def cfg(extra: dict[str, Any], dp: int = 1) -> Any:
+        kvt = SimpleNamespace(engine_id="abc", kv_connector_extra_config=extra)
+        return SimpleNamespace(kv_transfer_config=kvt,
+                               parallel_config=SimpleNamespace(data_parallel_size=dp))
+
+    assert engine_labels(cfg({"name": "serve1"}), [0]) == {0: "serve1"}
+    assert engine_labels(cfg({}), [0]) == {0: "kvshm-abc"}
+    assert engine_labels(cfg({}, dp=2), [0, 1]) == {0: "kvshm-abc_dp0", 1: "kvshm-abc_dp1"}
+    assert engine_labels(SimpleNamespace(kv_transfer_config=None), [3]) == {3: "3"}
 
 
 def _metric_types(reg: CollectorRegistry) -> dict[type[Any], type[Any]]:
@@ -100,35 +142,102 @@ def _series(reg: CollectorRegistry) -> dict[str, float]:
     return out
 
 
-def test_prom_metrics_register_kvshm_series_and_observe_per_engine() -> None:
-    reg = CollectorRegistry()
-    labels: dict[int, list[object]] = {0: ["m", "0"], 1: ["m", "1"]}
-    vllm_config = SimpleNamespace(kv_transfer_config=None)  # all the base class reads
+def _prom(reg: CollectorRegistry, names: dict[int, str],
+          remote: bool = False) -> KvshmPromMetrics:
+    """KvshmPromMetrics as vLLM's front end builds it, for engines ``names`` (index ->
+    kvshm name), registering in ``reg``."""
+    extra = {"remote_url": "valkey://127.0.0.1:1"} if remote else {}
+    vllm_config = SimpleNamespace(kv_transfer_config=SimpleNamespace(
+        engine_id="x", kv_connector_extra_config={"name": "unused", **extra}),
+        parallel_config=SimpleNamespace(data_parallel_size=len(names)))
+    labels: dict[int, list[object]] = {i: ["m", str(i)] for i in names}
     prom = KvshmConnector.build_prom_metrics(vllm_config,  # type: ignore[arg-type]
                                              _metric_types(reg), ["model_name", "engine"],
                                              labels)
     assert isinstance(prom, KvshmPromMetrics)
-    first = {"hit_tokens": 64, "stored_blocks": 3, "stored_bytes": 300, "jobs_failed": 0,
-             "pins_held": 2, "cpu_blocks_cached": 3, "num_cpu_blocks": 8}
-    prom.observe(first, engine_idx=0)
-    prom.observe({"hit_tokens": 32, "pins_held": 0, "cpu_blocks_cached": 4,
-                  "num_cpu_blocks": 8}, engine_idx=0)
-    prom.observe({"hit_tokens": 7}, engine_idx=1)
+    prom.engine_names = dict(names)
+    prom._values = {i: ["m", n] for i, n in names.items()}
+    prom._frontend = FinalLines()
+    return prom
+
+
+def test_prom_metrics_register_kvshm_series_and_observe_per_engine() -> None:
+    """The series of kvshm.series.vllm_series, with the table's HELP, labelled by the
+    kvshm engine's name; counters add the increments, gauges take the last level."""
+    reg = CollectorRegistry()
+    labels: dict[int, list[object]] = {0: ["m", "0"]}
+    vllm_config = SimpleNamespace(kv_transfer_config=SimpleNamespace(
+        engine_id="x", kv_connector_extra_config={"name": "serve1"}),
+        parallel_config=SimpleNamespace(data_parallel_size=1))
+    prom = KvshmConnector.build_prom_metrics(vllm_config,  # type: ignore[arg-type]
+                                             _metric_types(reg), ["model_name", "engine"],
+                                             labels)
+    assert isinstance(prom, KvshmPromMetrics) and prom.engine_names == {0: "serve1"}
+    prom._frontend = FinalLines()
+    prom.observe({"counters": {"kvshm_hit_tokens": 64, "kvshm_stored_blocks": 3,
+                               "kvshm_stored_bytes": 300, "kvshm_jobs_failed": 0},
+                  "gauges": {"kvshm_pins_held": 2, "kvshm_cpu_blocks_cached": 3,
+                             "kvshm_cpu_tier_occupancy": 0.375}}, engine_idx=0)
+    prom.observe({"counters": {"kvshm_hit_tokens": 32},
+                  "gauges": {"kvshm_pins_held": 0, "kvshm_cpu_tier_occupancy": 0.5}},
+                 engine_idx=0)
     got = _series(reg)
-    e0, e1 = '{engine="0",model_name="m"}', '{engine="1",model_name="m"}'
+    e0 = '{engine="serve1",model_name="m"}'
     assert got[f"kvshm_hit_tokens_total{e0}"] == 96.0
-    assert got[f"kvshm_hit_tokens_total{e1}"] == 7.0
     assert got[f"kvshm_stored_blocks_total{e0}"] == 3.0
     assert got[f"kvshm_stored_bytes_total{e0}"] == 300.0
-    assert got[f"kvshm_jobs_failed_total{e0}"] == 0.0
     assert got[f"kvshm_pins_held{e0}"] == 0.0
-    assert got[f"kvshm_cpu_blocks_cached{e0}"] == 4.0
+    assert got[f"kvshm_cpu_blocks_cached{e0}"] == 3.0
     assert got[f"kvshm_cpu_tier_occupancy{e0}"] == 0.5
-    assert got[f"kvshm_cpu_tier_occupancy{e1}"] == 0.0  # engine 1 reported no gauge
-    names = {k.split("{")[0] for k in got}
-    assert {"kvshm_loaded_blocks_total", "kvshm_loaded_bytes_total",
-            "kvshm_loads_failed_total", "kvshm_ranks_failed_total",
-            "kvshm_num_cpu_blocks", "kvshm_jobs_in_flight"} <= names
+    assert "kvshm_remote_breaker_state" not in {k.split("{")[0] for k in got}
+    text = generate_latest(reg).decode()
+    fams = {f.name: f for f in text_string_to_metric_families(text)
+            if f.name.startswith("kvshm_") and not f.name.endswith("_created")}
+    assert set(fams) == {s.name for s in vllm_series(remote=False)}
+    for f in fams.values():  # the table's HELP, not "kvshm counter X"
+        assert f.documentation == SERIES[f.name].help, f.name
+
+
+def test_prom_metrics_per_engine_and_the_remote_breaker() -> None:
+    reg = CollectorRegistry()
+    prom = _prom(reg, {0: "a", 1: "b"}, remote=True)
+    prom.observe({"counters": {"kvshm_hit_tokens": 7, "kvshm_remote_hit_blocks": 2},
+                  "breaker": "open"}, engine_idx=1)
+    got = _series(reg)
+    assert got['kvshm_hit_tokens_total{engine="b",model_name="m"}'] == 7.0
+    assert got['kvshm_remote_hit_blocks_total{engine="b",model_name="m"}'] == 2.0
+    assert got['kvshm_remote_breaker_state{engine="b",model_name="m",state="open"}'] == 1
+    assert got['kvshm_remote_breaker_state{engine="b",model_name="m",state="closed"}'] == 0
+
+
+def test_the_front_end_logs_each_engines_final_line_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The front end sums the reports it received and, at its exit, logs one
+    final-statistics line per engine that reported (the engine core may be SIGKILLed
+    by then)."""
+    final = FinalLines()
+    final.observe("e1", {"counters": {"kvshm_hit_tokens": 64, "kvshm_lookups": 3},
+                         "gauges": {"kvshm_pins_held": 5}})
+    final.observe("e1", {"counters": {"kvshm_hit_tokens": 32},
+                         "gauges": {"kvshm_pins_held": 0, "kvshm_jobs_in_flight": 0}})
+    with caplog.at_level(logging.INFO, logger="kvshm.vllm"):
+        final.at_exit()
+        final.at_exit()  # a second call: still one line
+        # the engine core's close, in another process, with its reports shipped: the
+        # front end logs; in this process (in-process vLLM) it logs once, exactly
+        assert not final.at_close("e2", {"counters": {"hit_tokens": 1}}, shipped=True)
+        assert final.at_close("e3", {"counters": {"hit_tokens": 2}}, shipped=False)
+        final.observe("e4", {"counters": {"kvshm_hit_tokens": 4}})
+        assert final.at_close("e4", {"counters": {"hit_tokens": 5}}, shipped=True)
+        final.at_exit()
+    lines = [r.getMessage() for r in caplog.records if "final statistics" in r.getMessage()]
+    assert len(lines) == 3, lines
+    assert lines[0].startswith("kvshm: engine 'e1' final statistics (vLLM's front end")
+    assert lines[0].endswith("hit_tokens=96 lookups=3 pins_held=0 jobs_in_flight=0")
+    assert lines[1].startswith("kvshm: engine 'e3' final statistics (at its close): "
+                               "hit_tokens=2 ")
+    assert lines[2].startswith("kvshm: engine 'e4' final statistics (at its close): "
+                               "hit_tokens=5 ")
 
 
 def _hist(counts: dict[int, int], sum_s: float) -> dict[str, Any]:
@@ -142,20 +251,20 @@ def _hist(counts: dict[int, int], sum_s: float) -> dict[str, Any]:
 def test_reporter_sends_each_ranks_ack_latency_increments() -> None:
     """Per rank, the bucket counts and the sum since the last report; a rank with no new
     ack is left out, and so is the key when no rank acked."""
-    rep = StatsReporter(period_s=0.0)
+    rep = ReportBuilder()
     snap = _snapshot(hit=0, stored=0, cached=0)
     snap["ranks"] = [{"rank": 0, "ack_latency_hist": _hist({2: 3}, 120e-6)},
                      {"rank": 1, "ack_latency_hist": _hist({}, 0.0)}]
-    first = rep.report(snap, now=0.0).data["ack_latency"]
+    first = rep.build(snap)["ack_latency"]
     assert list(first) == ["0"] and first["0"]["counts"][2] == 3
     assert first["0"]["sum_s"] == pytest.approx(120e-6)
     snap["ranks"] = [{"rank": 0, "ack_latency_hist": _hist({2: 3, 4: 1}, 320e-6)},
                      {"rank": 1, "ack_latency_hist": _hist({0: 2}, 10e-6)}]
-    second = rep.report(snap, now=1.0).data["ack_latency"]
+    second = rep.build(snap)["ack_latency"]
     assert second["0"]["counts"] == [0, 0, 0, 0, 1] + [0] * 11
     assert second["0"]["sum_s"] == pytest.approx(200e-6)
     assert second["1"]["counts"][0] == 2
-    assert "ack_latency" not in rep.report(snap, now=2.0).data
+    assert "ack_latency" not in rep.build(snap)
     both = KvshmConnectorStats(data={"ack_latency": first}).aggregate(
         KvshmConnectorStats(data={"ack_latency": second}))
     assert both.data["ack_latency"]["0"]["counts"][2] == 3
@@ -168,9 +277,7 @@ def test_prom_ack_latency_histogram_per_rank_has_exact_buckets() -> None:
     """``kvshm_ack_latency_seconds{rank=...}`` on kvshm's bounds: cumulative bucket
     counts and _count exact; _sum exact for an interval within one bucket."""
     reg = CollectorRegistry()
-    prom = KvshmConnector.build_prom_metrics(
-        SimpleNamespace(kv_transfer_config=None),  # type: ignore[arg-type]
-        _metric_types(reg), ["model_name", "engine"], {0: ["m", "0"]})
+    prom = _prom(reg, {0: "0"})
     prom.observe({"ack_latency": {"1": _hist({2: 3}, 3 * 40e-6)}}, engine_idx=0)
     prom.observe({"ack_latency": {"1": _hist({0: 1, 15: 2}, 5e-6 + 6.0)}}, engine_idx=0)
     got = _series(reg)

@@ -1,17 +1,22 @@
-"""kvshm as a vLLM KV connector, loaded by module path (vLLM is optional).
+"""kvshm as a vLLM KV connector (vLLM is optional).
 
-::
+One line enables it: kvshm's package registers ``KvshmConnector`` with vLLM through the
+``vllm.general_plugins`` entry point (:mod:`~kvshm.integrations.vllm.plugin`), so no
+module path is needed and every other setting has a default::
+
+    vllm serve MODEL --kv-transfer-config '{"kv_connector":"KvshmConnector","kv_role":"kv_both"}'
 
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
-    llm = LLM(model=..., enable_prefix_caching=True, kv_transfer_config=KVTransferConfig(
-        kv_connector="KvshmConnector",
-        kv_connector_module_path="kvshm.integrations.vllm",
-        kv_role="kv_both",
-        kv_load_failure_policy="recompute",
-        kv_connector_extra_config={"cpu_bytes": 8 << 30},
-    ))
+    llm = LLM(model=..., kv_transfer_config=KVTransferConfig(
+        kv_connector="KvshmConnector", kv_role="kv_both"))
+
+(``examples/vllm_quickstart.py`` and ``examples/vllm_serve_quickstart.sh`` show a
+kvshm hit; :func:`engine_stats` reads kvshm's statistics from the ``LLM``'s process,
+:func:`hit_tokens` the number ``/metrics`` calls ``kvshm_hit_tokens_total``.) With
+``VLLM_PLUGINS`` set to a list without ``kvshm``, add
+``"kv_connector_module_path": "kvshm.integrations.vllm"``, which loads it the old way.
 
 Importing this module does not import vLLM: ``KvshmConnector`` and ``KvshmMetadata``
 are resolved on first attribute access (PEP 562), which imports
@@ -45,6 +50,7 @@ import importlib
 from typing import Any, Final
 
 from kvshm.integrations.vllm.config import ConnectorConfig, engine_name, parse_config
+from kvshm.integrations.vllm.query import engine_stats, hit_tokens
 
 __all__ = [
     "CONNECTOR_HOOKS",
@@ -53,6 +59,8 @@ __all__ = [
     "KvshmMetadata",
     "VLLM_VERSION",
     "engine_name",
+    "engine_stats",
+    "hit_tokens",
     "parse_config",
 ]
 
@@ -70,6 +78,7 @@ CONNECTOR_HOOKS: Final = (
     "update_connector_output",
     "request_finished",
     "request_finished_all_groups",
+    "requires_piecewise_for_cudagraph",
     "take_events",
     "has_pending_push_work",
     "reset_cache",

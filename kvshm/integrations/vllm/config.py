@@ -4,12 +4,17 @@ Pure Python (no vLLM import): :func:`parse_config` reads the vLLM settings it ne
 through plain attributes, so it can be tested without vLLM. Every refusal is a
 :class:`~kvshm.errors.ConfigError` that names the setting, the value and what to do.
 
-``kv_connector_extra_config`` keys (anything else is refused, to catch typos):
+``kv_connector_extra_config`` keys: every one is optional (:data:`PUBLIC_KEYS` has a line
+on each, with its default; it is what the refusal of an unknown key lists):
 
 * ``cpu_bytes`` (server-wide, split evenly over the TP x PP ranks) or
-  ``cpu_bytes_per_rank`` or ``num_cpu_blocks`` (exact; wins over the byte budgets):
-  the CPU tier's size. One of them is required: kvshm reserves this much shared memory
-  per rank with ``posix_fallocate`` up front, so it never guesses.
+  ``cpu_bytes_per_rank`` or ``num_cpu_blocks`` (exact): the CPU tier's size, reserved
+  in shared memory with ``posix_fallocate`` up front. At most one of them (two are
+  refused: they would disagree). None: the default, :data:`DEFAULT_MEMORY_SHARE` (a
+  quarter) of the memory available to this host's processes (``MemAvailable``, lowered
+  to the memory cgroup's headroom), at most what /dev/shm can still take less a margin
+  (:func:`kvshm.shm_budget.available_shm_bytes`), split evenly over the ranks; resolved
+  once, by the scheduler side (:func:`resolve_size`), and shown in its start-up line.
 * ``mode``: ``"eager"`` (default; blocks are stored once computed) or ``"lazy"``
   (stored as they near eviction from vLLM's free queue; one KV group only).
 * ``name``: the rendezvous name; default ``kvshm-`` + ``kv_transfer_config.engine_id``
@@ -19,6 +24,7 @@ through plain attributes, so it can be tested without vLLM. Every refusal is a
   shutdown.
 * ``hang_timeout_s``, ``shutdown_timeout_s``: finite positive numbers (defaults 10 --
   ``kvshm.config.DEFAULT_HANG_TIMEOUT_S`` -- and 5).
+* ``eviction``: the CPU tier's eviction order (default ``kvshm.config.DEFAULT_EVICTION``).
 * ``remote_url``: a remote tier shared by every engine that names it
   (``valkey://host:port`` or ``valkey+cluster://h1:p1,h2:p2``; ``kvshm valkey`` runs
   one); ``remote_mode``: ``"write_through"`` (default) or ``"on_evict"``. The layout
@@ -28,18 +34,29 @@ through plain attributes, so it can be tested without vLLM. Every refusal is a
   cannot tell apart, e.g. fine-tunes published under one name), so two engines share
   blocks only when all are equal (and vLLM's block hashes agree: start both with the
   same ``PYTHONHASHSEED``, which seeds vLLM's prefix hashes).
-* ``test_fail_loads``: a test hook: each worker rank fails the copy of the first N load
-  jobs it is sent (the copy engine raises; nothing is copied). Default 0.
 
-vLLM settings the connector requires: ``kv_role="kv_both"``,
-``kv_load_failure_policy="recompute"`` (vLLM 0.32's default ``"fail"`` aborts a request
-whose load failed instead of recomputing it), prefix caching on, no decode or prefill
+Internal keys (:data:`INTERNAL_KEYS`: accepted, never listed to a user):
+``test_fail_loads``, a test hook: each worker rank fails the copy of the first N load
+jobs it is sent (the copy engine raises; nothing is copied). Default 0.
+
+An unknown key is refused with one line naming the closest public key
+(:func:`check_extra_keys`); the checks that need no vLLM object
+(:func:`check_extra_config`) also run from the connector's
+``requires_piecewise_for_cudagraph``, which vLLM calls while it builds its config when
+CUDA graphs are on, before any process starts.
+
+vLLM settings: ``kv_role="kv_both"`` (required); ``kv_load_failure_policy``: kvshm sets
+``"recompute"`` on the scheduler side before vLLM's scheduler reads it
+(:func:`adopt_failure_policy`; vLLM 0.32's default ``"fail"`` would abort a request
+whose load failed instead of recomputing it); prefix caching on, no decode or prefill
 context parallelism, KV groups that are full or sliding-window attention with one
 block size equal to the hash block size.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import hashlib
 import json
 import re
@@ -60,22 +77,63 @@ from kvshm.remote.tier import RemoteSpec
 from kvshm.types import KVGroup, StoreMode
 
 __all__ = [
+    "DEFAULT_MEMORY_SHARE",
+    "INTERNAL_KEYS",
+    "PUBLIC_KEYS",
+    "SIZE_KEYS",
     "ConnectorConfig",
+    "ExtraSettings",
     "GroupInfo",
     "GroupKindName",
+    "SizeSource",
+    "adopt_failure_policy",
     "check_budget",
+    "check_extra_config",
+    "check_extra_keys",
+    "default_cpu_bytes_per_rank",
     "engine_name",
     "parse_config",
+    "resolve_size",
     "tier_text",
 ]
 
 _NAME_MAX: Final = 80
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
-_KNOWN_KEYS: Final = frozenset({
-    "cpu_bytes", "cpu_bytes_per_rank", "num_cpu_blocks", "mode", "name", "stats_path",
-    "hang_timeout_s", "shutdown_timeout_s", "test_fail_loads", "eviction",
-    "remote_url", "remote_mode", "remote_namespace",
-})
+_EXTRA: Final = "kv_connector_extra_config"
+
+#: Share of the memory available to this host's processes that the CPU tier takes when
+#: no size key is set (then capped by what /dev/shm can take; split over the ranks).
+DEFAULT_MEMORY_SHARE: Final = 0.25
+_SHARE_TEXT: Final = f"{DEFAULT_MEMORY_SHARE:.0%}"
+
+#: The keys a user may set, each with one line: what it does and its default. The
+#: refusal of an unknown key lists these, and only these.
+PUBLIC_KEYS: Final[Mapping[str, str]] = {
+    "cpu_bytes": (f"the CPU tier's size in bytes for the whole server, split evenly over "
+                  f"the TP x PP ranks (default: {_SHARE_TEXT} of available memory, at most "
+                  f"free /dev/shm less a margin)"),
+    "cpu_bytes_per_rank": "the CPU tier's size in bytes for each rank (instead of cpu_bytes)",
+    "num_cpu_blocks": "the CPU tier's size in KV blocks, exact (instead of cpu_bytes)",
+    "mode": ("'eager' (default: store blocks once computed) or 'lazy' (store them as "
+             "they near eviction; one KV group only)"),
+    "name": ("the name `kvshm stats --name` takes (default: kvshm-<engine_id>, new every "
+             "start)"),
+    "stats_path": "a file the final statistics (JSON) are written to at shutdown (default: none)",
+    "hang_timeout_s": (f"seconds a rank with work pending may complete nothing before it is "
+                       f"declared hung (default {DEFAULT_HANG_TIMEOUT_S:g})"),
+    "shutdown_timeout_s": "seconds shutdown waits for the worker ranks (default 5)",
+    "eviction": (f"the CPU tier's eviction order, one of {[e.value for e in Eviction]} "
+                 f"(default {DEFAULT_EVICTION.value!r})"),
+    "remote_url": ("a remote tier shared by the engines that name it, valkey://host:port "
+                   "or valkey+cluster://h1:p1,h2:p2 (default: none)"),
+    "remote_mode": "'write_through' (default) or 'on_evict': when blocks go to the remote tier",
+    "remote_namespace": ("a string that keeps deployments kvshm cannot tell apart from "
+                         "sharing remote blocks (default: empty)"),
+}
+#: Keys accepted for tests, never listed to a user.
+INTERNAL_KEYS: Final = frozenset({"test_fail_loads"})
+#: The keys that size the CPU tier; at most one may be set.
+SIZE_KEYS: Final = ("cpu_bytes", "cpu_bytes_per_rank", "num_cpu_blocks")
 
 
 class GroupKindName(Enum):
@@ -85,6 +143,15 @@ class GroupKindName(Enum):
     SLIDING_WINDOW = "sliding_window"
     RECURRENT = "recurrent"  # Mamba and other state-space layers
     OTHER = "other"
+
+
+class SizeSource(Enum):
+    """Which setting sized the CPU tier (the size key's name, or the default)."""
+
+    CPU_BYTES = "cpu_bytes"
+    CPU_BYTES_PER_RANK = "cpu_bytes_per_rank"
+    NUM_CPU_BLOCKS = "num_cpu_blocks"
+    DEFAULT = "default"
 
 
 @dataclass(frozen=True)
@@ -99,8 +166,35 @@ class GroupInfo:
 
 
 @dataclass(frozen=True)
+class ExtraSettings:
+    """``kv_connector_extra_config`` validated on its own (no vLLM object needed).
+
+    Invariant: at most one of ``cpu_bytes_per_rank`` and ``num_cpu_blocks`` is set, and
+    ``size_source`` says which key set it (DEFAULT: neither).
+    """
+
+    size_source: SizeSource
+    cpu_bytes_per_rank: int | None
+    num_cpu_blocks: int | None
+    mode: StoreMode
+    name: str | None
+    stats_path: str | None
+    hang_timeout_s: float
+    shutdown_timeout_s: float
+    test_fail_loads: int
+    eviction: Eviction
+    remote_url: str | None
+    remote_mode: RemoteMode
+    remote_namespace: str
+
+
+@dataclass(frozen=True)
 class ConnectorConfig:
-    """Everything both sides of the connector need, validated."""
+    """Everything both sides of the connector need, validated.
+
+    With ``size_source`` DEFAULT both sizes are None until the scheduler side, the only
+    side that sizes the tier, fills ``cpu_bytes_per_rank`` in (:func:`resolve_size`).
+    """
 
     name: str
     tp: int
@@ -118,6 +212,7 @@ class ConnectorConfig:
     remote_url: str | None = None
     remote_mode: RemoteMode = RemoteMode.WRITE_THROUGH
     model_id: str = ""
+    size_source: SizeSource = SizeSource.CPU_BYTES
 
     @property
     def world_size(self) -> int:
@@ -142,15 +237,39 @@ def engine_name(engine_id: str) -> str:
     return f"{name[:_NAME_MAX - 17]}-{digest}"
 
 
+# ------------------------------------------------------------------ the extra config
+
+
+def check_extra_keys(extra: Mapping[Any, Any]) -> None:
+    """Refuse unknown keys and more than one size key, each in one line.
+
+    The line names the unknown key(s), the closest public key (``difflib``) and every
+    public key; internal keys are accepted but never suggested or listed.
+    """
+    unknown = sorted((k for k in extra if k not in PUBLIC_KEYS and k not in INTERNAL_KEYS),
+                     key=repr)
+    if unknown:
+        keys = ", ".join(PUBLIC_KEYS)
+        hints = [m[0] for k in unknown if isinstance(k, str)
+                 for m in [difflib.get_close_matches(k, PUBLIC_KEYS, n=1)] if m]
+        hint = f"; did you mean {', '.join(map(repr, hints))}?" if hints else ""
+        what = "key" if len(unknown) == 1 else "keys"
+        raise ConfigError(f"kvshm: unknown {what} {', '.join(map(repr, unknown))} in "
+                          f"{_EXTRA}{hint} (keys: {keys})")
+    sizes = [k for k in SIZE_KEYS if extra.get(k) is not None]
+    if len(sizes) > 1:
+        raise ConfigError(f"kvshm: {_EXTRA} sets both {sizes[0]!r} and {sizes[1]!r}; keep "
+                          f"one (each sizes the CPU tier)")
+
+
 def _int(key: str, value: object) -> int:
     """A positive integer (an integral float such as ``1e9`` from JSON is accepted)."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(f"kv_connector_extra_config[{key!r}] must be a positive integer, "
-                          f"got {value!r}")
+        raise ConfigError(f"{_EXTRA}[{key!r}] must be a positive integer, got {value!r}")
     if value <= 0:
-        raise ConfigError(f"kv_connector_extra_config[{key!r}] must be > 0, got {value}")
+        raise ConfigError(f"{_EXTRA}[{key!r}] must be > 0, got {value}")
     return value
 
 
@@ -159,8 +278,8 @@ def _seconds(key: str, value: object, default: float) -> float:
         return default
     if (isinstance(value, bool) or not isinstance(value, (int, float))
             or not 0 < value <= MAX_TIMEOUT_S):
-        raise ConfigError(f"kv_connector_extra_config[{key!r}] must be a positive number "
-                          f"of seconds (> 0, at most a day), got {value!r}")
+        raise ConfigError(f"{_EXTRA}[{key!r}] must be a positive number of seconds (> 0, "
+                          f"at most a day), got {value!r}")
     return float(value)
 
 
@@ -171,29 +290,27 @@ def _eviction(value: object) -> Eviction:
     for e in Eviction:
         if value == e.value:
             return e
-    raise ConfigError(f"kv_connector_extra_config['eviction'] must be one of "
-                      f"{[e.value for e in Eviction]}, got {value!r}")
+    raise ConfigError(f"{_EXTRA}['eviction'] must be one of {[e.value for e in Eviction]}, "
+                      f"got {value!r}")
 
 
-def _remote(extra: Mapping[str, Any], vllm_config: Any) -> tuple[str | None, RemoteMode,
-                                                                   str]:
-    """(remote_url, remote_mode, model_id) from the extra config and the model config."""
+def _remote(extra: Mapping[str, Any]) -> tuple[str | None, RemoteMode, str]:
+    """(remote_url, remote_mode, remote_namespace) from the extra config."""
     url = extra.get("remote_url")
     if url is not None:
         if not isinstance(url, str):
-            raise ConfigError(f"kv_connector_extra_config['remote_url'] must be a URL "
-                              f"string, got {url!r}")
+            raise ConfigError(f"{_EXTRA}['remote_url'] must be a URL string, got {url!r}")
         RemoteSpec.parse(url)
     mode = extra.get("remote_mode", RemoteMode.WRITE_THROUGH.value)
     modes = {m.value: m for m in RemoteMode}
     if mode not in modes:
-        raise ConfigError(f"kv_connector_extra_config['remote_mode'] must be one of "
-                          f"{sorted(modes)}, got {mode!r}")
+        raise ConfigError(f"{_EXTRA}['remote_mode'] must be one of {sorted(modes)}, "
+                          f"got {mode!r}")
     namespace = extra.get("remote_namespace", "")
     if not isinstance(namespace, str) or len(namespace) > 100:
-        raise ConfigError(f"kv_connector_extra_config['remote_namespace'] must be a string "
-                          f"of at most 100 characters, got {namespace!r}")
-    return url, modes[mode], model_identity(vllm_config, namespace)
+        raise ConfigError(f"{_EXTRA}['remote_namespace'] must be a string of at most 100 "
+                          f"characters, got {namespace!r}")
+    return url, modes[mode], namespace
 
 
 def model_identity(vllm_config: Any, namespace: str = "") -> str:
@@ -219,32 +336,64 @@ def _mode(value: object) -> StoreMode:
     for m in StoreMode:
         if value == m.value:
             return m
-    raise ConfigError(f"kv_connector_extra_config['mode'] must be one of "
-                      f"{[m.value for m in StoreMode]}, got {value!r}")
+    raise ConfigError(f"{_EXTRA}['mode'] must be one of {[m.value for m in StoreMode]}, "
+                      f"got {value!r}")
 
 
-def _budget(extra: Mapping[str, Any], world_size: int) -> tuple[int | None, int | None]:
-    """(cpu_bytes_per_rank, num_cpu_blocks) from the extra config."""
+def _budget(extra: Mapping[str, Any], world_size: int) -> tuple[SizeSource, int | None,
+                                                                 int | None]:
+    """(size_source, cpu_bytes_per_rank, num_cpu_blocks); at most one size key is set
+    (:func:`check_extra_keys` ran first)."""
     blocks = extra.get("num_cpu_blocks")
+    if blocks is not None:
+        return SizeSource.NUM_CPU_BLOCKS, None, _int("num_cpu_blocks", blocks)
     per_rank = extra.get("cpu_bytes_per_rank")
-    total = extra.get("cpu_bytes")
-    if blocks is None and per_rank is None and total is None:
-        raise ConfigError("kvshm needs the CPU tier's size: set kv_connector_extra_config"
-                          "['cpu_bytes'] (server-wide bytes, split over the TP x PP ranks), "
-                          "['cpu_bytes_per_rank'] or ['num_cpu_blocks']")
-    if per_rank is not None and total is not None:
-        raise ConfigError("set either kv_connector_extra_config['cpu_bytes'] or "
-                          "['cpu_bytes_per_rank'], not both")
-    n = _int("num_cpu_blocks", blocks) if blocks is not None else None
     if per_rank is not None:
-        return _int("cpu_bytes_per_rank", per_rank), n
-    if total is not None:
-        total_b = _int("cpu_bytes", total)
-        if total_b < world_size:
-            raise ConfigError(f"kv_connector_extra_config['cpu_bytes']={total_b} is less "
-                              f"than one byte for each of the {world_size} ranks")
-        return total_b // world_size, n
-    return None, n
+        return SizeSource.CPU_BYTES_PER_RANK, _int("cpu_bytes_per_rank", per_rank), None
+    total = extra.get("cpu_bytes")
+    if total is None:
+        return SizeSource.DEFAULT, None, None
+    total_b = _int("cpu_bytes", total)
+    if total_b < world_size:
+        raise ConfigError(f"{_EXTRA}['cpu_bytes']={total_b} is less than one byte for each "
+                          f"of the {world_size} ranks")
+    return SizeSource.CPU_BYTES, total_b // world_size, None
+
+
+def _name(value: object) -> str | None:
+    if value is not None and (not isinstance(value, str)
+                              or not re.fullmatch(r"[A-Za-z0-9._-]{1,80}", value)):
+        raise ConfigError(f"{_EXTRA}['name'] must be 1-80 characters of [A-Za-z0-9._-], "
+                          f"got {value!r}")
+    return value
+
+
+def check_extra_config(extra: Mapping[Any, Any], world_size: int = 1) -> ExtraSettings:
+    """Validate ``kv_connector_extra_config`` alone: keys first (one line for an unknown
+    or a second size key), then every value. Needs no vLLM object."""
+    if not isinstance(extra, Mapping):
+        raise ConfigError(f"kvshm: {_EXTRA} must be a JSON object, got {extra!r}")
+    check_extra_keys(extra)
+    source, per_rank, blocks = _budget(extra, world_size)
+    stats_path = extra.get("stats_path")
+    if stats_path is not None and (not isinstance(stats_path, str) or not stats_path):
+        raise ConfigError(f"{_EXTRA}['stats_path'] must be a file path, got {stats_path!r}")
+    fail_loads = extra.get("test_fail_loads", 0)
+    if fail_loads != 0:
+        fail_loads = _int("test_fail_loads", fail_loads)
+    url, remote_mode, namespace = _remote(extra)
+    return ExtraSettings(
+        size_source=source, cpu_bytes_per_rank=per_rank, num_cpu_blocks=blocks,
+        mode=_mode(extra.get("mode")), name=_name(extra.get("name")), stats_path=stats_path,
+        hang_timeout_s=_seconds("hang_timeout_s", extra.get("hang_timeout_s"),
+                                DEFAULT_HANG_TIMEOUT_S),
+        shutdown_timeout_s=_seconds("shutdown_timeout_s", extra.get("shutdown_timeout_s"),
+                                    5.0),
+        test_fail_loads=fail_loads, eviction=_eviction(extra.get("eviction")),
+        remote_url=url, remote_mode=remote_mode, remote_namespace=namespace)
+
+
+# --------------------------------------------------------------- vLLM's own settings
 
 
 def _groups(infos: Sequence[GroupInfo], hash_block_size: int | None) -> tuple[int,
@@ -283,11 +432,6 @@ def _check_vllm(vllm_config: Any) -> None:
     if role != "kv_both":
         raise ConfigError(f"kvshm needs kv_transfer_config.kv_role='kv_both' (it stores "
                           f"and loads), got {role!r}")
-    policy = getattr(kvt, "kv_load_failure_policy", None)
-    if policy != "recompute":
-        raise ConfigError(f"kvshm needs kv_transfer_config.kv_load_failure_policy="
-                          f"'recompute' (a failed CPU load must be recomputed; 'fail' aborts "
-                          f"the request), got {policy!r}")
     if not getattr(vllm_config.cache_config, "enable_prefix_caching", False):
         raise ConfigError("kvshm needs prefix caching (enable_prefix_caching=True): it "
                           "stores and finds blocks by their prefix hashes")
@@ -299,49 +443,77 @@ def _check_vllm(vllm_config: Any) -> None:
                               f"({attr}={size})")
 
 
+def adopt_failure_policy(kv_transfer_config: Any) -> str | None:
+    """Set ``kv_load_failure_policy`` to ``"recompute"``; the value it replaced, or None
+    if it already was.
+
+    vLLM 0.32 cannot tell a ``"fail"`` the user wrote from its default, and kvshm is a
+    cache: a block it fails to load must be recomputed, never abort the request. Called
+    by the scheduler-side connector, which vLLM's scheduler builds before it reads the
+    policy (vllm/v1/core/sched/scheduler.py: ``create_connector`` at line 176, the
+    policy read at 183); the workers never read it.
+    """
+    old = getattr(kv_transfer_config, "kv_load_failure_policy", None)
+    if old == "recompute":
+        return None
+    kv_transfer_config.kv_load_failure_policy = "recompute"
+    return str(old)
+
+
 def parse_config(vllm_config: Any, infos: Sequence[GroupInfo],
                  hash_block_size: int | None) -> ConnectorConfig:
-    """Validate vLLM's settings and the extra config; the connector's configuration."""
+    """Validate the extra config (keys first), then vLLM's settings; the connector's
+    configuration."""
     kvt = vllm_config.kv_transfer_config
     if kvt is None:
         raise ConfigError("kvshm's connector needs a kv_transfer_config")
-    _check_vllm(vllm_config)
-    extra = dict(getattr(kvt, "kv_connector_extra_config", None) or {})
-    unknown = sorted(set(extra) - _KNOWN_KEYS)
-    if unknown:
-        raise ConfigError(f"unknown kv_connector_extra_config keys {unknown}; kvshm knows "
-                          f"{sorted(_KNOWN_KEYS)}")
     par = vllm_config.parallel_config
     tp, pp = int(par.tensor_parallel_size), int(par.pipeline_parallel_size)
-    per_rank, blocks = _budget(extra, tp * pp)
+    extra = check_extra_config(getattr(kvt, "kv_connector_extra_config", None) or {},
+                               tp * pp)
+    _check_vllm(vllm_config)
     bs, groups = _groups(infos, hash_block_size)
-    mode = _mode(extra.get("mode"))
-    if mode is StoreMode.LAZY and len(groups) != 1:
+    if extra.mode is StoreMode.LAZY and len(groups) != 1:
         raise ConfigError(f"mode='lazy' supports one KV cache group; the model has "
                           f"{len(groups)}")
-    name = extra.get("name")
-    if name is None:
-        name = engine_name(str(kvt.engine_id))
-    elif not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9._-]{1,80}", name):
-        raise ConfigError(f"kv_connector_extra_config['name'] must be 1-80 characters of "
-                          f"[A-Za-z0-9._-], got {name!r}")
-    stats_path = extra.get("stats_path")
-    if stats_path is not None and (not isinstance(stats_path, str) or not stats_path):
-        raise ConfigError(f"kv_connector_extra_config['stats_path'] must be a file path, "
-                          f"got {stats_path!r}")
-    fail_loads = extra.get("test_fail_loads", 0)
-    if fail_loads != 0:
-        fail_loads = _int("test_fail_loads", fail_loads)
-    url, remote_mode, model_id = _remote(extra, vllm_config)
+    name = extra.name if extra.name is not None else engine_name(str(kvt.engine_id))
     return ConnectorConfig(
-        name=name, tp=tp, pp=pp, block_size=bs, groups=groups, mode=mode,
-        cpu_bytes_per_rank=per_rank, num_cpu_blocks=blocks, stats_path=stats_path,
-        hang_timeout_s=_seconds("hang_timeout_s", extra.get("hang_timeout_s"),
-                                DEFAULT_HANG_TIMEOUT_S),
-        shutdown_timeout_s=_seconds("shutdown_timeout_s", extra.get("shutdown_timeout_s"),
-                                    5.0),
-        test_fail_loads=fail_loads, eviction=_eviction(extra.get("eviction")),
-        remote_url=url, remote_mode=remote_mode, model_id=model_id)
+        name=name, tp=tp, pp=pp, block_size=bs, groups=groups, mode=extra.mode,
+        cpu_bytes_per_rank=extra.cpu_bytes_per_rank, num_cpu_blocks=extra.num_cpu_blocks,
+        stats_path=extra.stats_path, hang_timeout_s=extra.hang_timeout_s,
+        shutdown_timeout_s=extra.shutdown_timeout_s, test_fail_loads=extra.test_fail_loads,
+        eviction=extra.eviction, remote_url=extra.remote_url, remote_mode=extra.remote_mode,
+        model_id=model_identity(vllm_config, extra.remote_namespace),
+        size_source=extra.size_source)
+
+
+# ------------------------------------------------------------------- the tier's size
+
+
+def default_cpu_bytes_per_rank(world_size: int, memory_available: int,
+                               shm_available: int) -> int:
+    """The default CPU tier per rank: :data:`DEFAULT_MEMORY_SHARE` of
+    ``memory_available`` (``kvshm.shm_budget.memory_available_bytes``), at most
+    ``shm_available`` (``available_shm_bytes``: free /dev/shm less a margin), split
+    evenly over ``world_size`` ranks (they share this host's memory)."""
+    total = min(int(memory_available * DEFAULT_MEMORY_SHARE), max(0, shm_available))
+    return max(0, total) // world_size
+
+
+def resolve_size(cfg: ConnectorConfig, memory_available: int,
+                 shm_available: int) -> ConnectorConfig:
+    """``cfg`` with the default size filled in (size_source DEFAULT), else ``cfg``.
+
+    ConfigError, naming the size keys, if the default leaves no byte for a rank.
+    """
+    if cfg.size_source is not SizeSource.DEFAULT:
+        return cfg
+    per_rank = default_cpu_bytes_per_rank(cfg.world_size, memory_available, shm_available)
+    if per_rank <= 0:
+        raise ConfigError(f"kvshm: no memory for the default CPU tier ({_SHARE_TEXT} of "
+                          f"{memory_available} bytes available, at most {shm_available} "
+                          f"bytes of /dev/shm); set {_EXTRA}['cpu_bytes']")
+    return dataclasses.replace(cfg, cpu_bytes_per_rank=per_rank)
 
 
 def check_budget(cfg: ConnectorConfig, bytes_per_block: int, available_bytes: int) -> None:
@@ -358,9 +530,11 @@ def check_budget(cfg: ConnectorConfig, bytes_per_block: int, available_bytes: in
         need = cfg.num_cpu_blocks * bytes_per_block
         what = f"num_cpu_blocks={cfg.num_cpu_blocks} ({need} bytes per rank)"
     else:
-        assert cfg.cpu_bytes_per_rank is not None
+        assert cfg.cpu_bytes_per_rank is not None, "resolve_size runs before check_budget"
         need = cfg.cpu_bytes_per_rank
         what = f"a CPU budget of {need} bytes per rank"
+        if cfg.size_source is SizeSource.DEFAULT:
+            what += f" (the default: {_SHARE_TEXT} of available memory)"
         if need < bytes_per_block:
             raise ConfigError(f"{what} cannot hold one KV block of {bytes_per_block} bytes; "
                               "raise cpu_bytes")
@@ -371,9 +545,14 @@ def check_budget(cfg: ConnectorConfig, bytes_per_block: int, available_bytes: in
 
 
 def tier_text(c: ConnectorConfig) -> str:
-    """The CPU tier's size as configured, for the start-up line."""
+    """The CPU tier's size as configured, for the start-up line (says when it is the
+    default, and how it was chosen)."""
     if c.num_cpu_blocks is not None:
         return f"CPU tier of {c.num_cpu_blocks} blocks"
-    if c.cpu_bytes_per_rank is not None:
-        return f"CPU tier of {c.cpu_bytes_per_rank / (1 << 30):.2f} GiB per rank"
-    return "CPU tier sized by the engine"
+    if c.cpu_bytes_per_rank is None:
+        return "CPU tier sized by the engine"
+    size = f"CPU tier of {c.cpu_bytes_per_rank / (1 << 30):.2f} GiB per rank"
+    if c.size_source is SizeSource.DEFAULT:
+        size += (f" (default: {_SHARE_TEXT} of available memory, at most free /dev/shm, "
+                 f"over {c.world_size} rank(s); set {_EXTRA}['cpu_bytes'] to choose)")
+    return size

@@ -19,6 +19,7 @@ per KV group (full and sliding-window groups of one block size are supported).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -41,8 +42,11 @@ from kvshm.integrations.vllm.config import (
     ConnectorConfig,
     GroupInfo,
     GroupKindName,
+    adopt_failure_policy,
     check_budget,
+    check_extra_config,
     parse_config,
+    resolve_size,
 )
 from kvshm.integrations.vllm.logs import route_kvshm_logs
 from kvshm.integrations.vllm.metrics import (
@@ -54,6 +58,7 @@ from kvshm.integrations.vllm.records import StepMeta
 from kvshm.integrations.vllm.scheduler import SchedulerSide
 from kvshm.integrations.vllm.worker import WorkerSide
 from kvshm.shm import available_shm_bytes
+from kvshm.shm_budget import memory_available_bytes
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -72,6 +77,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 __all__ = ["KvshmConnector", "KvshmMetadata", "connector_config"]
+
+log = logging.getLogger("kvshm.vllm")
 
 # Spec classes that are full attention for kvshm: KV for every token, kept in place.
 _FULL_SPECS = ("FullAttentionSpec", "MLAAttentionSpec")
@@ -106,6 +113,22 @@ def _bytes_per_block(kv_cache_config: KVCacheConfig) -> int:
     return sum(int(t.size) // n for t in kv_cache_config.kv_cache_tensors) if n > 0 else 0
 
 
+def _scheduler_config(cfg: ConnectorConfig, vllm_config: VllmConfig,
+                      kv_cache_config: KVCacheConfig) -> ConnectorConfig:
+    """The scheduler side's part of start-up, in order: the failure policy set before
+    vLLM's scheduler reads it, the default size resolved (this side alone sizes the
+    tier), the budget checked against this host."""
+    old = adopt_failure_policy(vllm_config.kv_transfer_config)
+    if old is not None:
+        log.info("kvshm: set kv_transfer_config.kv_load_failure_policy='recompute' (was "
+                 "%r): a block kvshm fails to load is recomputed, never an aborted "
+                 "request", old)
+    shm = available_shm_bytes()  # one reading: the default fits what the check sees
+    cfg = resolve_size(cfg, memory_available_bytes(), shm)
+    check_budget(cfg, _bytes_per_block(kv_cache_config), shm)
+    return cfg
+
+
 def _rank(vllm_config: VllmConfig) -> int:
     """This worker's rank among the engine's TP x PP workers (pp-major)."""
     from vllm.distributed.parallel_state import get_pp_group, get_tp_group
@@ -128,10 +151,24 @@ class KvshmConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
         self._worker: WorkerSide | None = None
         self._reporter = StatsReporter()
         if role == KVConnectorRole.SCHEDULER:
-            check_budget(self._cfg, _bytes_per_block(kv_cache_config), available_shm_bytes())
+            self._cfg = _scheduler_config(self._cfg, vllm_config, kv_cache_config)
             self._sched = SchedulerSide(self._cfg, KvshmMetadata)
         else:
             self._worker = WorkerSide(self._cfg)
+
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        """False: kvshm has no per-layer work a CUDA graph would skip.
+
+        vLLM calls this while it builds its config (with full CUDA graphs on, the default
+        on CUDA; never on vLLM's CPU platform), before any engine process starts: the
+        earliest moment kvshm sees its extra config, so it is checked here too
+        (ConfigError, one line, for an unknown key or two size keys). vLLM's config is a
+        pydantic dataclass: it re-raises the ValueError as a 3-line ValidationError whose
+        second line is kvshm's.
+        """
+        check_extra_config(extra_config or {})
+        return False
 
     @property
     def requires_kv_delivery(self) -> bool:
@@ -196,12 +233,13 @@ class KvshmConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
 
     # -- statistics (scheduler side reports; vLLM aggregates, logs and exports) ----------
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
-        """kvshm's counter increments and gauges, at most once per REPORT_PERIOD_S
-        (a report reads a whole snapshot); None on the worker side and before bind."""
+        """kvshm's report when one is due (kvshm.integrations.vllm.reports: at most
+        once a second while busy, once on going idle); None on the worker side and
+        before bind."""
         sched = self._sched
-        if sched is None or not sched.bound or not self._reporter.due():
+        if sched is None or not sched.bound:
             return None
-        return self._reporter.report(sched.statistics())
+        return self._reporter.report(sched)
 
     @classmethod
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None

@@ -19,16 +19,42 @@ every rank attached, as close to the shutdown as possible, in this order of pref
 Its ``state`` is replaced by the state after ``close`` (``closed``), its ``connector``
 counters by the final ones, and ``teardown`` says which snapshot it is and which ranks
 had already detached (nothing is hidden: a rank lost before the window shows as lost).
+
+While the engine serves, the file is rewritten with each statistics report (at most once
+a second while busy, once when it goes idle: :mod:`~kvshm.integrations.vllm.reports`),
+``teardown.snapshot`` = ``live`` (:func:`live_statistics`): vLLM's default
+``shutdown_timeout`` of 0 SIGKILLs the engine core before the connector's shutdown can
+write it, and the file then holds the last report's statistics instead of nothing.
+
+The final-statistics line (:data:`FINAL_LINE`, :func:`final_line`): one INFO line per
+engine with the counters an operator reads first, logged once (:class:`FinalLines`, one
+per process, remembers what it logged):
+
+* by the scheduler side's shutdown, from the statistics the file gets, when its reports
+  did not reach vLLM's stat loggers or reached them in this same process;
+* else by vLLM's front end (the API server) when its process exits, from the sums of
+  the reports it received: vLLM's default ``shutdown_timeout`` of 0 SIGKILLs the engine
+  core right after asking it to stop, so only the front end, the process that kills,
+  is sure to log anything after that.
 """
 
 from __future__ import annotations
 
+import atexit
 import enum
 import json
+import logging
 import os
+import threading
+import time
+from dataclasses import dataclass, field
 from typing import Any, Final
 
-__all__ = ["DETACH_WINDOW_S", "SnapshotSource", "final_statistics", "write_json"]
+__all__ = ["DETACH_WINDOW_S", "FINAL_COUNTERS", "FINAL_GAUGES", "FINAL_LINE", "FINAL_LINES",
+           "FinalLines", "SnapshotSource", "final_line", "final_statistics",
+           "live_statistics", "write_json"]
+
+log = logging.getLogger("kvshm.vllm")
 
 #: How long before the connector's shutdown a rank may detach and still count as part
 #: of vLLM's shutdown (vLLM's multi-process Worker takes ~5 s to exit).
@@ -42,6 +68,25 @@ class SnapshotSource(enum.Enum):
     ON_SHUTDOWN = "on_shutdown"  # rule 2
     BEFORE_WORKERS_DETACHED = "before_workers_detached"  # rule 3
     AFTER_CLOSE = "after_close"  # no READY snapshot applies: the engine as it ended
+    LIVE = "live"  # written while serving; a file still saying so: no clean close
+
+
+#: The final-statistics line's format (``log.info(FINAL_LINE, name, source, values)``).
+FINAL_LINE: Final = "kvshm: engine %r final statistics (%s): %s"
+#: The families the line shows, in this order (:mod:`kvshm.series` names).
+FINAL_COUNTERS: Final = ("kvshm_hit_tokens", "kvshm_lookups", "kvshm_loaded_blocks",
+                         "kvshm_loaded_bytes", "kvshm_stored_blocks", "kvshm_stored_bytes",
+                         "kvshm_loads_failed", "kvshm_jobs_failed", "kvshm_ranks_failed")
+FINAL_GAUGES: Final = ("kvshm_cpu_blocks_cached", "kvshm_num_cpu_blocks",
+                       "kvshm_pins_held", "kvshm_jobs_in_flight")
+
+
+def final_line(counters: dict[str, int], gauges: dict[str, float]) -> str:
+    """The values of the final-statistics line: ``hit_tokens=256 lookups=3 ...``
+    (family names without ``kvshm_``; a family missing from both dicts is left out)."""
+    parts = [f"{k[6:]}={counters[k]}" for k in FINAL_COUNTERS if k in counters]
+    parts += [f"{k[6:]}={int(gauges[k])}" for k in FINAL_GAUGES if k in gauges]
+    return " ".join(parts)
 
 
 def _dead_ranks(stats: dict[str, Any]) -> list[int]:
@@ -63,6 +108,86 @@ def final_statistics(snapshot: dict[str, Any] | None, source: SnapshotSource,
         out["connector"] = after_close["connector"]
     gone = [r for r in _dead_ranks(after_close) if r not in _dead_ranks(snapshot)]
     out["teardown"] = {"snapshot": source.value, "ranks_detached": gone}
+    return out
+
+
+@dataclass
+class _Seen:
+    """What this process's front end received from one engine: counter sums, latest
+    gauges, when; whether its line was logged here."""
+
+    counters: dict[str, int] = field(default_factory=dict)
+    gauges: dict[str, float] = field(default_factory=dict)
+    last: float = 0.0
+    logged: bool = False
+
+
+class FinalLines:
+    """This process's final-statistics lines (:data:`FINAL_LINES`; module docstring):
+    the front end's view of each engine (:meth:`observe`), the scheduler side's line at
+    its close (:meth:`at_close`), and the front end's lines at exit (:meth:`at_exit`,
+    registered by :meth:`arm`). A line is logged once per engine and process."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: dict[str, _Seen] = {}
+        self._armed = False
+
+    def arm(self) -> None:
+        """Register :meth:`at_exit` to run when the process exits (once)."""
+        with self._lock:
+            if not self._armed:
+                self._armed = True
+                atexit.register(self.at_exit)
+
+    def observe(self, name: str, data: dict[str, Any]) -> None:
+        """Add one report (:mod:`~kvshm.integrations.vllm.reports`) of engine ``name``."""
+        with self._lock:
+            seen = self._seen.setdefault(name, _Seen())
+            for key, n in (data.get("counters") or {}).items():
+                seen.counters[key] = seen.counters.get(key, 0) + int(n)
+            seen.gauges.update(data.get("gauges") or {})
+            seen.last = time.monotonic()
+
+    def at_close(self, name: str, stats: dict[str, Any], shipped: bool) -> bool:
+        """The scheduler side closed engine ``name`` with final statistics ``stats``:
+        log its line unless its reports were ``shipped`` to a front end in another
+        process (which logs it). True when it was logged here."""
+        from kvshm.series import scalars
+
+        with self._lock:
+            seen = self._seen.get(name)
+            if shipped and seen is None:
+                return False
+            self._seen.setdefault(name, _Seen()).logged = True
+        counters, gauges = scalars(stats)
+        log.info(FINAL_LINE, name, "at its close", final_line(counters, gauges))
+        return True
+
+    def at_exit(self) -> None:
+        """Log the line of every engine this front end saw and did not log yet."""
+        with self._lock:
+            todo = [(n, s) for n, s in self._seen.items() if not s.logged]
+            for _, seen in todo:
+                seen.logged = True
+        now = time.monotonic()
+        for name, seen in todo:
+            log.info(FINAL_LINE, name, f"vLLM's front end at its exit; the engine's last "
+                     f"report came {now - seen.last:.1f} s before",
+                     final_line(seen.counters, seen.gauges))
+
+
+#: This process's final-statistics lines.
+FINAL_LINES: Final = FinalLines()
+
+
+def live_statistics(snapshot: dict[str, Any]) -> dict[str, Any]:
+    """The file's content while the engine serves: ``snapshot`` as it is, marked
+    ``teardown.snapshot`` = ``live`` (replaced by :func:`final_statistics` at a clean
+    close)."""
+    out = dict(snapshot)
+    out["teardown"] = {"snapshot": SnapshotSource.LIVE.value,
+                       "ranks_detached": _dead_ranks(snapshot)}
     return out
 
 

@@ -1,36 +1,40 @@
-"""kvshm's counters in vLLM's KV-connector statistics (its log line and ``/metrics``).
+"""kvshm's series in vLLM's KV-connector statistics (its log line and ``/metrics``).
 
 vLLM 0.32 asks the scheduler-side connector for ``get_kv_connector_stats()`` after every
-step's output, aggregates it with the workers' (``KVConnectorStats.aggregate``), ships the
-``data`` dict to its stat loggers, rebuilds it there with the connector class's
-``build_kv_connector_stats`` (the periodic log line uses ``reduce``) and hands it to the
-object ``build_prom_metrics`` returned (``observe``, once per engine and interval).
+step's output; with vLLM's stats on (``vllm serve``'s default) it ships the result's
+``to_dict()`` to its stat loggers in the front end's process (the API server), rebuilds
+it there with the connector class's ``build_kv_connector_stats`` (the periodic ``KV
+Transfer metrics:`` log line uses ``reduce``) and hands it to the object
+``build_prom_metrics`` returned (``observe``, once per engine and report). What a report
+carries and when the scheduler side builds one:
+:mod:`~kvshm.integrations.vllm.reports`.
 
-What travels (:class:`KvshmConnectorStats`'s ``data``, JSON-able):
+:class:`KvshmConnectorStats` aggregates reports as vLLM does (counters add up, gauges and
+the breaker state keep the later report's value, histogram increments add up bucket by
+bucket); ``to_dict`` -- which vLLM calls only to ship a report -- tells the scheduler
+side that its reports reach a front end.
 
-* the *increments* since the previous report of the counters in :data:`COUNTERS`
-  (summed by ``aggregate``: two reports of one interval add up);
-* the *current value* of the gauges in :data:`GAUGES` (``aggregate`` keeps the later
-  report's value: a gauge is a level, not an amount);
-* ``ack_latency``: per rank (``"0"``, ``"1"``, ...), the *increments* of its ack-latency
-  histogram -- ``counts`` per bucket of :data:`kvshm.stats.LATENCY_BUCKETS_US` (the last
-  one +Inf) and ``sum_s`` -- summed bucket by bucket by ``aggregate``.
+:class:`KvshmPromMetrics` (in the front end) registers the series of
+:func:`kvshm.series.vllm_series` -- names, types and HELP from :mod:`kvshm.series`, the
+same as ``kvshm stats --prometheus`` -- labelled ``model_name`` (vLLM's) and
+``engine`` = the kvshm engine's name, as ``kvshm stats --name`` takes it (not vLLM's
+engine index). The ack-latency histogram ``kvshm_ack_latency_seconds`` has a ``rank``
+label and kvshm's bucket bounds; kvshm keeps bucket counts, not samples, so each
+increment is replayed as that many observations of one value inside its bucket: the
+bucket counts and ``_count`` are exact, ``_sum`` exact when an interval's samples fall in
+one bucket and otherwise near it (each bucket replays the interval's mean, clamped into
+the bucket).
 
-Only the scheduler side reports (the workers' counters are in ``kvshm stats``), and at
-most once per :data:`REPORT_PERIOD_S`: a report reads a whole statistics snapshot.
-Prometheus series (:class:`KvshmPromMetrics`, every one labelled like vLLM's own):
-``kvshm_<counter>_total`` counters and ``kvshm_<gauge>`` gauges, plus
-``kvshm_cpu_tier_occupancy`` (cached / capacity, 0..1) and the histogram
-``kvshm_ack_latency_seconds`` with a ``rank`` label, on kvshm's own bucket bounds.
-kvshm keeps bucket counts, not samples, so each increment is replayed as that many
-observations of one value inside its bucket: the bucket counts and ``_count`` are exact;
-``_sum`` is exact when an interval's samples fall in one bucket and otherwise near it
-(each bucket replays the interval's mean latency, clamped into the bucket).
+The front end also keeps the sums of the reports it received
+(:data:`~kvshm.integrations.vllm.final_stats.FINAL_LINES`), from which it logs each
+engine's final-statistics line when its process exits: vLLM's default
+``shutdown_timeout`` of 0 SIGKILLs the engine core at once, so the line must come from
+the process that survives.
 """
 
 from __future__ import annotations
 
-import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -41,40 +45,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import (
     PromMetricT,
 )
 
+from kvshm.integrations.vllm.config import engine_name
+from kvshm.integrations.vllm.final_stats import FINAL_LINES
+from kvshm.integrations.vllm.logs import route_kvshm_logs
+from kvshm.integrations.vllm.reports import Hist
+from kvshm.series import BREAKER_STATES, Kind, Series, vllm_series
 from kvshm.stats import LATENCY_BUCKETS_US
 
-__all__ = ["ACK_BUCKETS_S", "COUNTERS", "GAUGES", "REPORT_PERIOD_S", "KvshmConnectorStats",
-           "KvshmPromMetrics", "StatsReporter"]
+__all__ = ["ACK_BUCKETS_S", "REDUCED", "KvshmConnectorStats", "KvshmPromMetrics",
+           "StatsReporter", "engine_labels", "replay_values"]
 
-#: name in ``data`` -> (where it is read in ``SchedulerSide.statistics()``, help text)
-COUNTERS: Final[dict[str, tuple[tuple[str, ...], str]]] = {
-    "hit_tokens": (("counters", "lookup_hit_tokens"), "tokens offered from the CPU tier"),
-    "stored_blocks": (("counters", "stored_blocks"), "blocks stored to the CPU tier"),
-    "loaded_blocks": (("counters", "loaded_blocks"), "blocks loaded from the CPU tier"),
-    "stored_bytes": (("stored_bytes",), "bytes stored to the CPU tier"),
-    "loaded_bytes": (("loaded_bytes",), "bytes loaded from the CPU tier"),
-    "jobs_failed": (("counters", "jobs_failed"), "transfer jobs that failed"),
-    "loads_failed": (("counters", "loads_failed"), "request loads that failed"),
-    "ranks_failed": (("counters", "ranks_failed"), "worker ranks declared dead"),
-    "ranks_left": (("counters", "ranks_left"), "worker ranks that left cleanly (Goodbye)"),
-}
-
-#: name in ``data`` -> (where it is read, help text)
-GAUGES: Final[dict[str, tuple[tuple[str, ...], str]]] = {
-    "pins_held": (("pins_held",), "pins held on GPU and CPU blocks"),
-    "cpu_blocks_cached": (("cpu_blocks_cached",), "blocks cached in the CPU tier"),
-    "num_cpu_blocks": (("num_cpu_blocks",), "capacity of the CPU tier in blocks"),
-    "jobs_in_flight": (("jobs_in_flight",), "transfer jobs not yet acked"),
-}
-
-#: The most often the scheduler side builds a report (seconds).
-REPORT_PERIOD_S: Final = 1.0
 #: ``kvshm_ack_latency_seconds``'s bucket upper bounds (+Inf is implied).
 ACK_BUCKETS_S: Final = tuple(b / 1e6 for b in LATENCY_BUCKETS_US)
-#: Key of the per-rank ack-latency increments in the reported ``data``.
-ACK_KEY: Final = "ack_latency"
-
-Hist = dict[str, Any]  # {"counts": [per bucket, +Inf last], "sum_s": float}
+#: What ``reduce`` gives vLLM's periodic log line (the interval's increments and the
+#: latest gauges), by family.
+REDUCED: Final = ("kvshm_hit_tokens", "kvshm_lookups", "kvshm_stored_blocks",
+                  "kvshm_loaded_blocks", "kvshm_stored_bytes", "kvshm_loaded_bytes",
+                  "kvshm_jobs_failed", "kvshm_loads_failed", "kvshm_pins_held",
+                  "kvshm_jobs_in_flight")
 
 
 def _hist_add(a: Hist | None, b: Hist) -> Hist:
@@ -83,17 +71,6 @@ def _hist_add(a: Hist | None, b: Hist) -> Hist:
         return {"counts": list(b["counts"]), "sum_s": float(b["sum_s"])}
     return {"counts": [int(x) + int(y) for x, y in zip(a["counts"], b["counts"])],
             "sum_s": float(a["sum_s"]) + float(b["sum_s"])}
-
-
-def _rank_hists(stats: dict[str, Any]) -> dict[str, Hist]:
-    """Each rank's ack-latency histogram so far (``counts``, ``sum_s``), by rank label."""
-    out: dict[str, Hist] = {}
-    for r in stats.get("ranks") or ():
-        hist = r.get("ack_latency_hist") if isinstance(r, dict) else None
-        if isinstance(hist, dict) and "counts" in hist:
-            out[str(r.get("rank", len(out)))] = {"counts": [int(c) for c in hist["counts"]],
-                                                 "sum_s": float(hist.get("sum_s", 0.0))}
-    return out
 
 
 def replay_values(counts: list[int], sum_s: float) -> list[tuple[float, int]]:
@@ -117,16 +94,38 @@ def replay_values(counts: list[int], sum_s: float) -> list[tuple[float, int]]:
     return out
 
 
-def _read(stats: dict[str, Any], path: tuple[str, ...]) -> int:
-    value: Any = stats
-    for key in path:
-        value = value.get(key, 0) if isinstance(value, dict) else 0
-    return int(value)
+def aggregate_data(mine: dict[str, Any], theirs: dict[str, Any]) -> dict[str, Any]:
+    """Two reports of one interval as one: counters add up, gauges and the breaker
+    state take ``theirs`` where it has them, histogram increments add up."""
+    out = dict(mine)
+    counters = dict(mine.get("counters") or {})
+    for key, n in (theirs.get("counters") or {}).items():
+        counters[key] = int(counters.get(key, 0)) + int(n)
+    out["counters"] = counters
+    out["gauges"] = {**(mine.get("gauges") or {}), **(theirs.get("gauges") or {})}
+    if "breaker" in theirs:
+        out["breaker"] = theirs["breaker"]
+    if theirs.get("ack_latency"):
+        acks: dict[str, Hist] = dict(mine.get("ack_latency") or {})
+        for rank, hist in theirs["ack_latency"].items():
+            acks[rank] = _hist_add(acks.get(rank), hist)
+        out["ack_latency"] = acks
+    return out
 
 
 @dataclass
 class KvshmConnectorStats(KVConnectorStats):  # type: ignore[misc, unused-ignore]
-    """Counter increments and gauge values (see the module docstring)."""
+    """One report (``data``: :mod:`~kvshm.integrations.vllm.reports`). ``on_ship``
+    (set by :class:`StatsReporter`, kept by ``aggregate``) runs when vLLM ships it."""
+
+    on_ship: Callable[[], None] | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """The payload vLLM sends to its stat loggers; vLLM 0.32 calls this only to
+        send it (``Scheduler.make_stats``, stats on), so it also runs ``on_ship``."""
+        if self.on_ship is not None:
+            self.on_ship()
+        return self.data
 
     def reset(self) -> None:
         self.data = {}
@@ -135,78 +134,57 @@ class KvshmConnectorStats(KVConnectorStats):  # type: ignore[misc, unused-ignore
         return not self.data
 
     def aggregate(self, other: KVConnectorStats) -> KvshmConnectorStats:
-        """Counters add up, gauges take ``other``'s value where it has one; a report of
-        another connector (a MultiConnector's neighbour) contributes nothing."""
-        out = dict(self.data)
-        theirs = other.data if isinstance(other, KvshmConnectorStats) else {}
-        for key in COUNTERS:
-            if key in theirs:
-                out[key] = int(out.get(key, 0)) + int(theirs[key])
-        for key in GAUGES:
-            if key in theirs:
-                out[key] = int(theirs[key])
-        if theirs.get(ACK_KEY):
-            mine: dict[str, Hist] = dict(out.get(ACK_KEY) or {})
-            for rank, hist in theirs[ACK_KEY].items():
-                mine[rank] = _hist_add(mine.get(rank), hist)
-            out[ACK_KEY] = mine
-        return KvshmConnectorStats(data=out)
+        """See :func:`aggregate_data`; a report of another connector (a
+        MultiConnector's neighbour) contributes nothing."""
+        if not isinstance(other, KvshmConnectorStats):
+            return KvshmConnectorStats(data=dict(self.data), on_ship=self.on_ship)
+        return KvshmConnectorStats(data=aggregate_data(self.data, other.data),
+                                   on_ship=self.on_ship or other.on_ship)
 
     def reduce(self) -> dict[str, int | float]:
-        """The interval's values for vLLM's log line, with the CPU tier's occupancy."""
-        out: dict[str, int | float] = {k: int(self.data[k])
-                                       for k in (*COUNTERS, *GAUGES) if k in self.data}
-        cap = int(self.data.get("num_cpu_blocks", 0))
-        if cap > 0:
-            out["cpu_tier_occupancy"] = round(
-                int(self.data.get("cpu_blocks_cached", 0)) / cap, 4)
+        """The interval's values of :data:`REDUCED` for vLLM's log line, and the CPU
+        tier's occupancy."""
+        counters = self.data.get("counters") or {}
+        gauges = self.data.get("gauges") or {}
+        out: dict[str, int | float] = {}
+        for key in REDUCED:
+            if key in counters:
+                out[key[6:]] = int(counters[key])
+            elif key in gauges:
+                out[key[6:]] = int(gauges[key])
+        if "kvshm_cpu_tier_occupancy" in gauges:
+            out["cpu_tier_occupancy"] = round(float(gauges["kvshm_cpu_tier_occupancy"]), 4)
         return out
 
 
 class StatsReporter:
-    """Turns statistics snapshots into :class:`KvshmConnectorStats` increments.
+    """The connector's ``get_kv_connector_stats``: the scheduler side's report (when one
+    is due, :meth:`SchedulerSide.report`) as :class:`KvshmConnectorStats`, whose shipping
+    tells the side (``mark_shipped``) that vLLM's front end logs its final statistics."""
 
-    The first report carries the counters' totals so far (nothing was reported before);
-    a counter that went down (never, as the engine's only grow) reports 0.
-    """
+    def report(self, side: Any) -> KvshmConnectorStats | None:
+        """``side``: a bound :class:`~kvshm.integrations.vllm.scheduler.SchedulerSide`."""
+        data = side.report()
+        if data is None:
+            return None
+        return KvshmConnectorStats(data=data, on_ship=side.mark_shipped)
 
-    def __init__(self, period_s: float = REPORT_PERIOD_S) -> None:
-        self._period = period_s
-        self._last: dict[str, int] = {k: 0 for k in COUNTERS}
-        self._last_hist: dict[str, Hist] = {}
-        self._due = 0.0
 
-    def due(self, now: float | None = None) -> bool:
-        """True when a report may be built now (at most one per period)."""
-        return (time.monotonic() if now is None else now) >= self._due
-
-    def report(self, stats: dict[str, Any], now: float | None = None) -> KvshmConnectorStats:
-        """The increments since the last report and the gauges' values in ``stats``."""
-        self._due = (time.monotonic() if now is None else now) + self._period
-        data: dict[str, Any] = {}
-        for key, (path, _) in COUNTERS.items():
-            value = _read(stats, path)
-            data[key] = max(0, value - self._last[key])
-            self._last[key] = value
-        for key, (path, _) in GAUGES.items():
-            data[key] = _read(stats, path)
-        acks = self._hist_increments(_rank_hists(stats))
-        if acks:
-            data[ACK_KEY] = acks
-        return KvshmConnectorStats(data=data)
-
-    def _hist_increments(self, now: dict[str, Hist]) -> dict[str, Hist]:
-        """Each rank's bucket increments since the last report (ranks with none left out)."""
-        out: dict[str, Hist] = {}
-        for rank, hist in now.items():
-            last = self._last_hist.get(rank)
-            counts = hist["counts"] if last is None else [
-                max(0, c - p) for c, p in zip(hist["counts"], last["counts"])]
-            sum_s = hist["sum_s"] - (0.0 if last is None else last["sum_s"])
-            self._last_hist[rank] = hist
-            if any(counts):
-                out[rank] = {"counts": counts, "sum_s": max(0.0, sum_s)}
-        return out
+def engine_labels(vllm_config: Any, engine_indexes: list[int]) -> dict[int, str]:
+    """The kvshm engine name of each of vLLM's engine indexes: the ``name`` of
+    ``kv_connector_extra_config``, else ``kvshm-<engine_id>`` (vLLM appends
+    ``_dp<rank>`` to the id of each data-parallel engine); the index itself when vLLM's
+    configuration has no KV transfer config."""
+    kvt = getattr(vllm_config, "kv_transfer_config", None)
+    if kvt is None:
+        return {i: str(i) for i in engine_indexes}
+    name = (getattr(kvt, "kv_connector_extra_config", None) or {}).get("name")
+    if isinstance(name, str) and name:
+        return {i: name for i in engine_indexes}
+    par = getattr(vllm_config, "parallel_config", None)
+    dp = int(getattr(par, "data_parallel_size", 1) or 1) > 1
+    base = str(kvt.engine_id)
+    return {i: engine_name(f"{base}_dp{i}" if dp else base) for i in engine_indexes}
 
 
 def _unregister_stale() -> None:
@@ -221,48 +199,73 @@ def _unregister_stale() -> None:
 
 
 class KvshmPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc, unused-ignore]
-    """kvshm's Prometheus series, registered once per engine label set."""
+    """kvshm's ``/metrics`` series (module docstring); built in vLLM's front end."""
 
     def __init__(self, vllm_config: Any, metric_types: dict[type[PromMetric],
                                                              type[PromMetricT]],
                  labelnames: list[str], per_engine_labelvalues: dict[int, list[object]]
                  ) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        route_kvshm_logs()  # the front end's process: its final line goes to vLLM's log
         _unregister_stale()
-        self._counters = {k: self._per_engine(self._counter_cls, f"kvshm_{k}", text)
-                          for k, (_, text) in COUNTERS.items()}
-        self._gauges = {k: self._per_engine(self._gauge_cls, f"kvshm_{k}", text)
-                        for k, (_, text) in GAUGES.items()}
-        self._occupancy = self._per_engine(
-            self._gauge_cls, "kvshm_cpu_tier_occupancy",
-            "fraction of the CPU tier's blocks that hold cached KV (0..1)")
-        hist_cls: Any = self._histogram_cls
-        self._ack: Any = hist_cls(
-            name="kvshm_ack_latency_seconds",
-            documentation="kvshm: per-rank time from posting a transfer job to its ack",
-            labelnames=[*self._labelnames, "rank"], buckets=list(ACK_BUCKETS_S))
+        names = engine_labels(vllm_config, list(per_engine_labelvalues))
+        self.engine_names = names
+        where = (labelnames.index("engine") if "engine" in labelnames else None)
+        self._values: dict[int, list[object]] = {}
+        for idx, values in per_engine_labelvalues.items():
+            mine = list(values)
+            if where is not None:
+                mine[where] = names[idx]
+            self._values[idx] = mine
+        extra = getattr(getattr(vllm_config, "kv_transfer_config", None),
+                        "kv_connector_extra_config", None) or {}
+        self.series = vllm_series(remote=bool(extra.get("remote_url")))
+        self._metrics: dict[str, Any] = {s.name: self._register(s) for s in self.series}
+        self._frontend = FINAL_LINES
+        self._frontend.arm()
 
-    def _per_engine(self, cls: Any, name: str, text: str) -> dict[int, Any]:
-        metric = cls(name=name, documentation=f"kvshm: {text}",
-                     labelnames=self._labelnames)
-        return {idx: metric.labels(*values)
-                for idx, values in self.per_engine_labelvalues.items()}
+    def _register(self, s: Series) -> Any:
+        """Register ``s``; a series without labels of its own gets each engine's child
+        now, so it reads 0 before the first report (rank and state children come with
+        their first value)."""
+        cls: Any = {Kind.COUNTER: self._counter_cls, Kind.GAUGE: self._gauge_cls,
+                    Kind.HISTOGRAM: self._histogram_cls}[s.kind]
+        kw: dict[str, Any] = {}
+        if s.kind is Kind.HISTOGRAM:
+            kw["buckets"] = list(ACK_BUCKETS_S)
+        metric = cls(name=s.name, documentation=s.help,
+                     labelnames=[*self._labelnames, *s.labels], **kw)
+        if not s.labels:
+            for values in self._values.values():
+                metric.labels(*values)
+        return metric
 
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
-        """Add the counters' increments, set the gauges (keys absent: untouched)."""
+        """Add the counters' increments, set the gauges and the breaker state, replay the
+        histogram increments (absent keys: untouched)."""
         data = transfer_stats_data
-        for key, series in self._counters.items():
-            if int(data.get(key, 0)) > 0:
-                series[engine_idx].inc(int(data[key]))
-        for key, series in self._gauges.items():
-            if key in data:
-                series[engine_idx].set(int(data[key]))
-        cap = int(data.get("num_cpu_blocks", 0))
-        if cap > 0:
-            self._occupancy[engine_idx].set(int(data.get("cpu_blocks_cached", 0)) / cap)
-        labels = self.per_engine_labelvalues.get(engine_idx, [])
-        for rank, hist in (data.get(ACK_KEY) or {}).items():
-            ack = self._ack.labels(*labels, str(rank))
+        labels = self._values.get(engine_idx, [])
+        metrics = self._metrics
+        for key, n in (data.get("counters") or {}).items():
+            if key in metrics and int(n) > 0:
+                metrics[key].labels(*labels).inc(int(n))
+        for key, value in (data.get("gauges") or {}).items():
+            if key in metrics:
+                metrics[key].labels(*labels).set(float(value))
+        state = data.get("breaker")
+        if state is not None and "kvshm_remote_breaker_state" in metrics:
+            gauge = metrics["kvshm_remote_breaker_state"]
+            for s in BREAKER_STATES:
+                gauge.labels(*labels, s).set(float(s == state))
+        ack = metrics.get("kvshm_ack_latency_seconds")
+        for rank, hist in (data.get("ack_latency") or {}).items():
+            if ack is None:
+                break
+            child = ack.labels(*labels, str(rank))
             for value, times in replay_values(list(hist["counts"]), float(hist["sum_s"])):
                 for _ in range(times):
-                    ack.observe(value)
+                    child.observe(value)
+        name = self.engine_names.get(engine_idx)
+        if name is not None:
+            self._frontend.observe(name, data)
+

@@ -52,3 +52,4 @@ class SchedulerCounters:
     lookups_after_failed_load: int = 0  # answered 0: that request recomputes instead
     requests_refused: int = 0  # calls kvshm refused (InvalidRequest): that request goes without
     steps: int = 0
+    stats_writes_failed: int = 0  # live rewrites of stats_path that raised OSError

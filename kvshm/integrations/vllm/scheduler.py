@@ -71,6 +71,7 @@ from kvshm.errors import InvalidRequest
 from kvshm.integrations.vllm.config import ConnectorConfig
 from kvshm.integrations.vllm.listing import Listing
 from kvshm.integrations.vllm.records import SchedulerCounters, StepMeta
+from kvshm.integrations.vllm.reports import ReportBuilder, ReportClock
 from kvshm.integrations.vllm.service import HookGuard, ServiceThread, guarded
 from kvshm.integrations.vllm.side_lifecycle import SideLifecycle
 from kvshm.integrations.vllm.tails import request_tail_hash
@@ -110,6 +111,11 @@ class SchedulerSide(SideLifecycle):
         # the one from before the pump that saw READY end
         self._ready_snap: tuple[float, dict[str, Any]] | None = None
         self._left_ready: tuple[float, dict[str, Any]] | None = None
+        # statistics reports to vLLM (side_lifecycle.report) and whether they reach
+        # vLLM's front end (then it logs the final-statistics line)
+        self._reports = ReportBuilder()
+        self._clock = ReportClock()
+        self._shipped = False
 
     # -- phase A / B ---------------------------------------------------------------------
     @guarded

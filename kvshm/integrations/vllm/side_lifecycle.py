@@ -12,10 +12,18 @@ Ordering and invariants:
   (:mod:`~kvshm.integrations.vllm.service`); it keeps the latest READY statistics and the
   ones from before the pump that saw READY end, so a shutdown after the workers left
   still writes what the engine did.
+* ``report`` (vLLM's ``get_kv_connector_stats``, under the lock) builds a statistics
+  report when :class:`~kvshm.integrations.vllm.reports.ReportClock` says one is due --
+  at most once a second while busy, once when the side goes idle (no request it knows
+  of, no kvshm work pending) -- and rewrites ``stats_path`` with the same snapshot
+  (``live``), so a SIGKILLed engine core leaves its last report's statistics there.
 * ``shutdown`` stops and joins the service thread first, then (under the lock) drains
   the jobs in flight for at most ``shutdown_timeout_s``, takes the snapshot the file
   carries (:mod:`~kvshm.integrations.vllm.final_stats`), closes the client and writes
-  ``stats_path``; a second call does nothing.
+  ``stats_path``; it logs the final-statistics line unless its reports were shipped to
+  vLLM's front end in another process (``mark_shipped``; that process, which outlives
+  this one, logs it: ``final_stats.FinalLines``), then the ``closed`` line; a second
+  call does nothing.
 """
 
 from __future__ import annotations
@@ -33,11 +41,14 @@ from kvshm.integrations.vllm.blocks import VllmGpuBlocks
 from kvshm.integrations.vllm.config import ConnectorConfig, tier_text
 from kvshm.integrations.vllm.final_stats import (
     DETACH_WINDOW_S,
+    FINAL_LINES,
     SnapshotSource,
     final_statistics,
+    live_statistics,
     write_json,
 )
 from kvshm.integrations.vllm.records import SchedulerCounters
+from kvshm.integrations.vllm.reports import ReportBuilder, ReportClock
 from kvshm.integrations.vllm.service import HookGuard, ServiceThread
 
 __all__ = ["SNAPSHOT_MAX_AGE_S", "SideLifecycle"]
@@ -60,6 +71,10 @@ class SideLifecycle:
     _closed: bool
     _ready_snap: tuple[float, dict[str, Any]] | None
     _left_ready: tuple[float, dict[str, Any]] | None
+    _requests: dict[str, Any]
+    _reports: ReportBuilder
+    _clock: ReportClock
+    _shipped: bool
 
     def _absorb(self, results: Sequence[Any]) -> None:
         raise NotImplementedError
@@ -124,10 +139,44 @@ class SideLifecycle:
         if ready and client.state is not EngineState.READY and self._ready_snap is not None:
             self._left_ready = (time.monotonic(), self._ready_snap[1])
 
+    def report(self) -> dict[str, Any] | None:
+        """``get_kv_connector_stats``: a report's data when one is due (module
+        docstring), else None; None before ``bind`` and after ``shutdown``."""
+        with self.guard:
+            client = self._client
+            if client is None or self._closed:
+                return None
+            now = time.monotonic()
+            idle = not self._requests and not client.has_pending_work()
+            if not self._clock.should_report(now, idle):
+                return None
+            stats = self.statistics()
+            data = self._reports.build(stats)
+            self._clock.reported(now, idle)
+            if self.cfg.stats_path:
+                self._write_live(self.cfg.stats_path, stats)
+            return data
+
+    def _write_live(self, path: str, stats: dict[str, Any]) -> None:
+        """Rewrite ``stats_path`` with a report's snapshot; a failure (a missing folder,
+        a full disk) is counted and logged once, never raised into vLLM's step."""
+        try:
+            write_json(path, live_statistics(stats))
+        except OSError as exc:
+            self.counters.stats_writes_failed += 1
+            if self.counters.stats_writes_failed == 1:
+                log.warning("kvshm: cannot write stats_path %s (%s); serving goes on "
+                            "(further failures are only counted)", path, exc)
+
+    def mark_shipped(self) -> None:
+        """vLLM shipped a report to its front end: the front end logs the final line."""
+        self._shipped = True
+
     def shutdown(self) -> None:
         """Stop the service thread, let jobs in flight finish (up to
-        ``shutdown_timeout_s``), close the client, write ``stats_path`` (idempotent).
-        The statistics written are taken before anything is torn down
+        ``shutdown_timeout_s``), close the client, write ``stats_path``, log the final
+        line (unless the front end logs it) and the ``closed`` line (idempotent). The
+        statistics written are taken before anything is torn down
         (:mod:`~kvshm.integrations.vllm.final_stats`)."""
         if self._service is not None:
             self._service.stop()
@@ -141,6 +190,7 @@ class SideLifecycle:
             stats = final_statistics(snap, source, self.statistics())
         if self.cfg.stats_path:
             write_json(self.cfg.stats_path, stats)
+        FINAL_LINES.at_close(self.cfg.name, stats, self._shipped)
         log.info("kvshm: engine %r closed (statistics: %s)", self.cfg.name,
                  self.cfg.stats_path or "not written; set stats_path")
 

@@ -1,7 +1,7 @@
 """The partial last block's key of a vLLM request, for P/D hand-offs.
 
 vLLM hashes full blocks only; a P/D hand-off also carries the prompt's partial last
-block (:mod:`kvshm.offload.handoff`), keyed by :func:`kvshm.hashing.tail_hash` of the last
+block (:mod:`kvshm.offload.pd`), keyed by :func:`kvshm.hashing.tail_hash` of the last
 full block's vLLM hash and the remaining token ids -- the prefill side computes it when
 the request finishes, the decode side when it looks the request up; both see the same
 prompt, so both derive the same key. The parent hash already covers the prefix's extra

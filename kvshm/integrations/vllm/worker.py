@@ -151,7 +151,9 @@ class WorkerSide:
         """Close the Worker (idempotent)."""
         worker, self._worker = self._worker, None
         if worker is not None:
-            log.info("kvshm: worker rank %d closing: %s", self.rank, self.statistics_of(worker))
+            # DEBUG: the engine's final-statistics line is the one an operator reads
+            log.debug("kvshm: worker rank %d closing: %s", self.rank,
+                      self.statistics_of(worker))
             worker.close()
 
     def statistics(self) -> dict[str, Any]:

@@ -47,6 +47,12 @@ def drain(r: Ring) -> list[bytes]:
 
 
 def test_geometry_and_min_capacity() -> None:
+    """The segment size is the control block plus both rings, the done ring starting on
+    a 128-byte line. min_capacity(n) is twice the largest Transfer over n GPU blocks (a
+    record may take at most half a ring, so it fits at any offset), never below
+    MIN_RING_CAPACITY. A capacity that is not a multiple of 8, or below the minimum, and
+    a negative block count are ConfigError: a bad geometry is refused before a segment
+    exists."""
     assert segment_size(4096, 8192) == CONTROL_SIZE + 4096 + 8192
     assert segment_size(4104, 4096) == CONTROL_SIZE + 4224 + 4096  # done ring 128-aligned
     assert min_capacity(0) == MIN_RING_CAPACITY
@@ -60,6 +66,9 @@ def test_geometry_and_min_capacity() -> None:
 
 
 def test_largest_transfer_fits_min_capacity() -> None:
+    """The ring min_capacity(n) sizes takes a Transfer of n ids at every offset the
+    previous records leave (seven in a row, each read back by a fresh attach): a
+    capacity computed for the largest plan never refuses it."""
     from kvshm.ipc import protocol as p
 
     n = 5000
@@ -83,6 +92,9 @@ def test_largest_transfer_fits_min_capacity() -> None:
 
 
 def test_init_validates_buffer_and_start(seg: Segment) -> None:
+    """init refuses a buffer too small for the geometry, a read-only one and a start
+    position that is not 8-aligned (ConfigError): the scheduler never formats a segment
+    its worker could not use."""
     with pytest.raises(ConfigError):
         RingPair.init(bytearray(100), CAP, CAP)
     with pytest.raises(ConfigError):
@@ -92,6 +104,10 @@ def test_init_validates_buffer_and_start(seg: Segment) -> None:
 
 
 def test_attach_rejects_bad_magic_version_geometry(seg: Segment) -> None:
+    """attach validates before it trusts: an unformatted segment (zero magic), another
+    layout version, a capacity larger than the segment or not a legal one, and a buffer
+    too small for the control block are ProtocolError naming the ring and the offset --
+    a worker never reads rings from a segment it does not understand."""
     with pytest.raises(ProtocolError) as e:
         RingPair.attach(seg.buf)  # never formatted: zero magic
     assert e.value.ring == "control" and e.value.offset == 0
@@ -119,6 +135,9 @@ def test_attach_rejects_bad_magic_version_geometry(seg: Segment) -> None:
 def test_refuses_unfenced_platforms(
     monkeypatch: pytest.MonkeyPatch, seg: Segment, machine: str
 ) -> None:
+    """On a weakly ordered CPU (ARM, POWER, RISC-V) the ring's fence-free store order is
+    not enough: init and attach refuse with UnsupportedPlatform naming the machine,
+    instead of running with torn reads."""
     monkeypatch.setattr(platform, "machine", lambda: machine)
     with pytest.raises(UnsupportedPlatform, match=machine):
         RingPair.init(seg.buf, CAP, CAP)
@@ -127,6 +146,8 @@ def test_refuses_unfenced_platforms(
 
 
 def test_empty_ring(pair: tuple[RingPair, RingPair]) -> None:
+    """A fresh ring is empty: no records, a commit releases 0 bytes, and publishing nothing
+    reports that nothing was published (no doorbell to ring)."""
     _, w = pair
     assert w.cmd.is_empty()
     assert w.cmd.read_available() == []
@@ -135,6 +156,9 @@ def test_empty_ring(pair: tuple[RingPair, RingPair]) -> None:
 
 
 def test_exactly_full_then_room_again(pair: tuple[RingPair, RingPair]) -> None:
+    """Four 1024-byte records fill the 4096-byte ring exactly (head - tail == capacity):
+    even an empty record is refused then. Reading does not free space -- the views point
+    into the ring until commit_read -- and after the commit the writer has room again."""
     s, w = pair
     rec = bytes(1016)  # header 8 + 1016 = 1024: four fill the 4096-byte ring exactly
     for i in range(4):
@@ -151,6 +175,9 @@ def test_exactly_full_then_room_again(pair: tuple[RingPair, RingPair]) -> None:
 
 
 def test_oversize_refused_at_sender(pair: tuple[RingPair, RingPair]) -> None:
+    """A payload above max_payload (capacity // 2 - 8) is refused at the writer with
+    ConfigError and nothing written; one of exactly max_payload fits at every offset
+    once the ring has drained -- so a writer never waits for room that cannot appear."""
     s, w = pair
     limit = s.cmd.max_payload()
     assert limit == CAP // 2 - 8
@@ -166,6 +193,9 @@ def test_oversize_refused_at_sender(pair: tuple[RingPair, RingPair]) -> None:
 
 
 def test_batch_publish_is_one_head_store(pair: tuple[RingPair, RingPair]) -> None:
+    """Staged records are invisible until publish, which makes them all visible with one
+    head store; the reader sees every one and releases them with one tail store.
+    write_many stops at the first record that does not fit, returning how many went in."""
     s, w = pair
     for i in range(5):
         assert s.cmd.stage(bytes([i]) * (i + 1))
@@ -183,6 +213,10 @@ def test_batch_publish_is_one_head_store(pair: tuple[RingPair, RingPair]) -> Non
 
 @pytest.mark.parametrize("start", [0, 2**32 - 1024, 2**62 - 4096])
 def test_wrap_around_many_laps_random_sizes(seg: Segment, start: int) -> None:
+    """200 laps of random-sized batches (0 to max_payload bytes, SKIP records at the end of
+    each lap), read at random moments, starting near 0, near 2**32 and near 2**62: every
+    record comes out once, in order and intact, and the ring ends empty -- positions are
+    u64 byte counts that never wrap in practice."""
     s = RingPair.init(seg.buf, CAP, CAP, start_pos=start)
     w = RingPair.attach(seg.buf)
     rnd = random.Random(start + 7)
@@ -209,6 +243,9 @@ def test_wrap_around_many_laps_random_sizes(seg: Segment, start: int) -> None:
 
 
 def test_zero_copy_views_point_into_the_segment(pair: tuple[RingPair, RingPair]) -> None:
+    """read_available hands out views into the shared segment itself, not copies: a byte
+    changed in the segment shows in the view (which is why a view must not outlive
+    commit_read)."""
     s, w = pair
     s.done.try_write(b"hello")
     (view,) = w.done.read_available()
@@ -225,6 +262,10 @@ def test_zero_copy_views_point_into_the_segment(pair: tuple[RingPair, RingPair])
 def test_corrupt_length_is_protocol_error_and_breaks_the_ring(
     pair: tuple[RingPair, RingPair],
 ) -> None:
+    """A record whose length runs past the ring: the records before it are still delivered,
+    then every read raises the same ProtocolError naming the ring and the offset, and
+    the ring is marked broken -- a corrupt ring is never read past, and the process is
+    not taken down."""
     s, w = pair
     s.cmd.try_write(b"good")
     pos = s.cmd.head
@@ -243,6 +284,9 @@ def test_corrupt_length_is_protocol_error_and_breaks_the_ring(
 
 @pytest.mark.parametrize("word", [0, (ring_mod._SKIP << 32) | 8, 0xDEADBEEF_00000010])
 def test_garbled_headers_are_protocol_errors(pair: tuple[RingPair, RingPair], word: int) -> None:
+    """A header that is zero, a SKIP that does not run to the end of the ring, or one of
+    an unknown kind is ProtocolError naming the ring and offset: zeroed or garbled
+    memory never decodes as a record."""
     s, w = pair
     s.done.try_write(b"12345678")
     q = memoryview(s._mv)[CONTROL_SIZE + CAP : CONTROL_SIZE + 2 * CAP].cast("Q")
@@ -254,6 +298,8 @@ def test_garbled_headers_are_protocol_errors(pair: tuple[RingPair, RingPair], wo
 
 
 def test_impossible_head_is_protocol_error(pair: tuple[RingPair, RingPair]) -> None:
+    """A head more than a ring's worth ahead of the tail (a writer that broke the protocol,
+    or corrupt memory) is ProtocolError, not a read of stale data."""
     s, w = pair
     ctl = memoryview(s._mv)[:CONTROL_SIZE].cast("Q")
     ctl[128 // 8] = CAP + 8  # cmd.head: more than a ring's worth ahead of the tail
@@ -263,6 +309,10 @@ def test_impossible_head_is_protocol_error(pair: tuple[RingPair, RingPair]) -> N
 
 
 def test_heartbeat_state_progress_and_park_tokens(pair: tuple[RingPair, RingPair]) -> None:
+    """The worker's control words reach the scheduler's view of the same segment: the
+    heartbeat counts up, the worker state and progress stamp are what it stored. Both
+    rings start parked ('ring me'); each park takes a fresh, larger token (so a writer
+    rings once per sleep) and unpark clears it."""
     s, w = pair
     assert s.heartbeat == 0 and s.worker_state.name == "UNSET"
     assert [w.beat() for _ in range(3)] == [1, 2, 3]
@@ -280,6 +330,9 @@ def test_heartbeat_state_progress_and_park_tokens(pair: tuple[RingPair, RingPair
 
 
 def test_close_is_idempotent_and_releases_views(seg: Segment) -> None:
+    """close may be called twice and releases every view of the mapping: the segment's
+    buffer can then be closed (a view left behind would raise BufferError and keep the
+    mapping alive)."""
     rp = RingPair.init(seg.buf, CAP, CAP)
     rp.close()
     rp.close()

@@ -1,4 +1,4 @@
-"""A hand-off's held local prefix (``RemoteBook.hold``: a decoder waiting for the rest
+"""A hand-off's held local prefix (``HandoffSide.hold``: a decoder waiting for the rest
 of its extent pins the CPU hit it extends) and the end of that hold, narrated with exact
 block ids and ref counts on real managers: a prefill manager P and a decode manager D
 share one :class:`HeldIndex` (BS = 4, two ranks). R has 11 tokens: full blocks h0, h1
@@ -26,15 +26,17 @@ from test_remote_book import WORLD, HeldIndex, ack_remote, key, remote_rig, rkey
 from kvshm.config import RemoteMode
 from kvshm.errors import InvalidRequest
 from kvshm.ipc.protocol import unpack_ids
-from kvshm.offload.handoff import MANIFEST_PARAM, Handoffs, Manifest
 from kvshm.offload.manager import OffloadManager
-from kvshm.offload.remote import RemoteBook, remote_hash
+from kvshm.offload.pd.handoffs import Handoffs
+from kvshm.offload.pd.manifest import MANIFEST_PARAM, Manifest
+from kvshm.offload.remote import RemoteBook
+from kvshm.offload.remote_puts import remote_hash
 from kvshm.types import KVGroup, RequestView
 
 
 def _held(d: Rig) -> dict[str, list[int]]:
-    assert d.m.remote is not None
-    return dict(d.m.remote._held)
+    assert d.m.remote is not None and d.m.remote.side is not None
+    return d.m.remote.side.holds()
 
 
 def test_a_hold_goes_when_a_lookup_answers_0() -> None:

@@ -1,6 +1,6 @@
 """A P/D decoder that already holds part of a hand-off locally, narrated with exact
 block ids and ref counts on real managers (``kvshm.offload.manager.lookup`` and
-``kvshm.offload.handoff``): a prefill manager P and a decode manager D share one held
+``kvshm.offload.pd``): a prefill manager P and a decode manager D share one held
 readiness index (:class:`HeldIndex`, the test answers its queries).
 
 BS = 4, two ranks. R has 11 tokens: full blocks h0, h1 and a 3-token tail. P publishes

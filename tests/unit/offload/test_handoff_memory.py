@@ -1,7 +1,7 @@
 """The decode side's memory of collected manifests and the empty-extent short cut, on
 real managers: a prefill rig P and a decode rig D share one :class:`HeldIndex` (BS = 4,
 two ranks). R has 11 tokens: full blocks h0, h1 and a 3-token tail; its manifest is
-``kvshm:v1:pd:fp:2:r`` (MANIFEST).
+``manifest_key("fp", 2, "r")`` (MANIFEST).
 
 The first three were found by a hostile review and failed on 24c6819: a memory that kept
 a *new* publication under a reused name from being collected, an expired memory that
@@ -21,8 +21,9 @@ from test_handoff_local_prefix import handoff_view, wait_for_hit
 from test_handoff_tail import MANIFEST, publish, tail_of
 from test_remote_book import WORLD, HeldIndex, remote_rig, rkey
 
-from kvshm.offload.collected import entry_size
-from kvshm.offload.handoff import MANIFEST_PARAM, Handoffs, Manifest
+from kvshm.offload.pd.collected import entry_size
+from kvshm.offload.pd.handoffs import Handoffs
+from kvshm.offload.pd.manifest import MANIFEST_PARAM, Manifest
 from kvshm.types import RequestView
 
 
@@ -65,10 +66,12 @@ def collect_r(index: HeldIndex, clock: list[float] | None = None
 
 
 def test_a_second_publication_under_a_remembered_name_is_collected_too() -> None:
-    """D loads and collects R's manifest M1 (``kvshm:v1:pd:fp:2:r``; collected 1; M1 in
-    D's ``_done``). The prefill then reuses request id "r" for another prompt X (11
-    tokens from 100): P publishes X's h0', h1', tail' (hold TTL) and M2 under the same
-    name. D's request "x" names M2: the memory does not match X's prefix, so it asks
+    """D loads and collects R's manifest M1 (``manifest_key("fp", 2, "r")``; collected
+    1; M1 in D's ``_done``). The prefill then reuses request id "r" for another prompt X
+    (11 tokens from 100): P publishes X's h0', h1', tail' (hold TTL) and M2 under the
+    same name. D's request for X (under "r" again: the proxy sends one request id to
+    both engines, so it is M2's owner) names M2: the memory does not match X's prefix,
+    so it asks
     the server (manifest_reused 0), trusts M2 (consumed 2), fetches X's three blocks
     into CPU 3, 4, 5 and loads them. M2 is collected -- deleted from the server, X's
     blocks demoted to the ordinary TTL, collected 2: the memory skips a collection only
@@ -80,12 +83,12 @@ def test_a_second_publication_under_a_remembered_name_is_collected_too() -> None
     x = Req("r", 11, base=100, params=REMOTE)       # the reused prefill request id
     params = publish_as(index, x)
     assert params[MANIFEST_PARAM] == MANIFEST and MANIFEST in index.kv
-    xv = RequestView("x", x.h, 11, {"do_remote_prefill": True, **params}, tail_of(x))
+    xv = RequestView("r", x.h, 11, {"do_remote_prefill": True, **params}, tail_of(x))
     index.log.clear()
     assert wait_for_hit(d, index, xv) == 10
     assert [d.cpu.get_cached(k) for k in (x.h[0], x.h[1], tail_of(x))] == [3, 4, 5]
     assert (pd.counters.manifest_reused, pd.counters.consumed) == (0, 2)
-    load_and_finish(d, "x", 10)
+    load_and_finish(d, "r", 10)
     assert f"expire {rkey(x.h[1])}" in index.log      # X's blocks demoted
     assert MANIFEST not in index.kv                   # M2 deleted
     assert pd.counters.collected == 2
@@ -104,7 +107,7 @@ def test_an_expired_remembered_manifest_does_not_shut_out_a_fresh_publication() 
     d, r, view = collect_r(index)
     pd = pd_of(d)
     later = time.time() + 601.0
-    pd._wall = lambda: later
+    pd.consumers._wall = lambda: later
     r_again = Req("r", 11, params=REMOTE)
     params = publish_as(index, r_again)
     # P writes M2 at D's "now" minus 1 s: it expires 599 s from now
@@ -158,7 +161,7 @@ def test_an_orphan_read_that_is_never_answered_or_finds_nothing_is_dropped_count
     d.m.finished("r", 12, [[]])
     clock[0] = 10.5
     d.step()
-    assert pd.counters.orphans_dropped == 1 and pd._orphans == {}
+    assert pd.counters.orphans_dropped == 1 and pd.consumers._orphans == {}
     index._values.extend(late)
     d.step()
     assert MANIFEST in index.kv and pd.counters.collected == 0
@@ -168,7 +171,7 @@ def test_an_orphan_read_that_is_never_answered_or_finds_nothing_is_dropped_count
     assert d.m.lookup(xv, 8) == 0           # the engine holds X's extent
     d.m.finished("x", 12, [[]])
     d.step()                                # "missing" arrives for the orphan
-    assert pd.counters.orphans_dropped == 2 and pd._orphans == {}
+    assert pd.counters.orphans_dropped == 2 and pd.consumers._orphans == {}
     assert pd.counters.collected == 0 and d.m.pins_held() == 0
     d.m.check_invariants()
 
@@ -209,7 +212,7 @@ def test_a_sibling_served_by_the_engine_is_judged_from_memory_without_the_server
     assert (pd.counters.consumed, pd.counters.manifest_reused) == (2, 1)
     d.m.finished("r-1", 12, [[]])
     assert pd.counters.collected == 1 and d.m.pins_held() == 0
-    assert pd._tokens == {} and "r-1" not in pd._reqs
+    assert pd.consumers._tokens == {} and "r-1" not in pd.consumers._reqs
 
 
 def test_memory_path_with_an_unhealthy_index_recomputes_without_a_query() -> None:
@@ -235,7 +238,7 @@ def test_empty_extent_after_the_engine_failed_or_unaligned_reads_nothing() -> No
     _, r, params = publish(index, 11, tail=False)
     d = remote_rig(index)
     assert d.m.lookup(handoff_view(r, params, None), 7) == 0
-    assert index.values() == [] and pd_of(d)._reqs == {}
+    assert index.values() == [] and pd_of(d).consumers._reqs == {}
 
 
 def test_empty_extent_of_a_non_handoff_is_not_served() -> None:
@@ -246,7 +249,7 @@ def test_empty_extent_of_a_non_handoff_is_not_served() -> None:
     d = remote_rig(index)
     v = RequestView("r", r.h, 11, dict(params, do_remote_prefill=False), None)
     assert d.m.lookup(v, 8) == 0
-    assert index.values() == [] and pd_of(d)._reqs == {}
+    assert index.values() == [] and pd_of(d).consumers._reqs == {}
 
 
 def test_done_bytes_matches_the_memory_after_eviction(monkeypatch: Any) -> None:
@@ -255,14 +258,14 @@ def test_done_bytes_matches_the_memory_after_eviction(monkeypatch: Any) -> None:
     index = HeldIndex()
     d, _, _ = collect_r(index)
     pd = pd_of(d)
-    one = pd._done.nbytes
-    monkeypatch.setattr(pd._done, "limit", one + one // 2)
+    one = pd.consumers._done.nbytes
+    monkeypatch.setattr(pd.consumers._done, "limit", one + one // 2)
     x = Req("x", 11, base=100, params=REMOTE)
     params = publish_as(index, x)
     xv = RequestView("x", x.h, 11, {"do_remote_prefill": True, **params}, tail_of(x))
     assert wait_for_hit(d, index, xv) == 10
     load_and_finish(d, "x", 10)
     key = params[MANIFEST_PARAM]
-    raw = pd._done.get(key)
-    assert pd._done.keys() == [key] and raw is not None
-    assert pd._done.nbytes == entry_size(key, raw)
+    raw = pd.consumers._done.get(key)
+    assert pd.consumers._done.keys() == [key] and raw is not None
+    assert pd.consumers._done.nbytes == entry_size(key, raw)

@@ -1,4 +1,4 @@
-"""The P/D hand-off's partial last block (``kvshm.offload.handoff``), narrated with exact
+"""The P/D hand-off's partial last block (``kvshm.offload.pd``), narrated with exact
 block ids and ref counts on real managers: a prefill manager P and a decode manager D
 share one held readiness index (:class:`HeldIndex`, the test answers its queries).
 
@@ -19,11 +19,11 @@ from test_remote_book import WORLD, HeldIndex, ack_remote, remote_rig, rkey, set
 from kvshm.errors import InvalidRequest
 from kvshm.hashing import tail_hash
 from kvshm.ipc.protocol import RemoteOp, unpack_ids
-from kvshm.offload.handoff import MANIFEST_PARAM, Manifest
-from kvshm.offload.remote import remote_hash
+from kvshm.offload.pd.manifest import MANIFEST_PARAM, Manifest, manifest_key
+from kvshm.offload.remote_puts import remote_hash
 from kvshm.types import RequestView
 
-MANIFEST = "kvshm:v1:pd:fp:2:r"
+MANIFEST = manifest_key("fp", WORLD, "r")
 
 
 def tail_of(r: Req) -> bytes:

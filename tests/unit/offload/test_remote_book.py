@@ -16,9 +16,11 @@ from manager_rig import BS, Req, Rig, refs
 
 from kvshm.config import RemoteMode
 from kvshm.ipc.protocol import Remote, RemoteOp, unpack_ids
-from kvshm.offload.handoff import MANIFEST_PARAM, Handoffs
 from kvshm.offload.manager import OffloadManager
-from kvshm.offload.remote import RemoteBook, remote_hash
+from kvshm.offload.pd.handoffs import Handoffs
+from kvshm.offload.pd.manifest import MANIFEST_PARAM, manifest_key
+from kvshm.offload.remote import RemoteBook
+from kvshm.offload.remote_puts import remote_hash
 from kvshm.types import LoadFailure
 
 WORLD = 2
@@ -38,6 +40,7 @@ class HeldIndex:
         self.refuse: list[str] = []  # readiness writes the "server" refused (to report)
         self.kv: dict[str, bytes] = {}
         self._values: list[tuple[int, bytes | None]] = []
+        self.lost = 0  # times "the server" lost its data (restarts())
 
     def publish(self, keys: Sequence[str], *, keep: bool = False) -> None:
         self.kept.update(keys if keep else ())
@@ -66,6 +69,9 @@ class HeldIndex:
     def refused(self) -> list[str]:
         out, self.refuse = self.refuse, []
         return out
+
+    def restarts(self) -> int:
+        return self.lost
 
     def query(self, token: int, keys: Sequence[str]) -> None:
         self.queries.append((token, list(keys)))
@@ -399,7 +405,7 @@ def test_a_handoff_manifest_is_written_after_every_block_and_readiness_key() -> 
     plan = rig.step(p.sched(g, confirmed=9, new=True))
     rig.m.finished("p", 9, [g])
     params = rig.m.transfer_params("p")
-    assert params is not None and params[MANIFEST_PARAM] == "kvshm:v1:pd:fp:2:p"
+    assert params is not None and params[MANIFEST_PARAM] == manifest_key("fp", WORLD, "p")
     assert params["do_remote_prefill"] is True and index.log == []
     rig.ack(plan.store, ranks=(0, 1))
     (put,) = rig.step().remote
@@ -407,7 +413,7 @@ def test_a_handoff_manifest_is_written_after_every_block_and_readiness_key() -> 
     assert index.log == []
     rig.m.on_done(put.job_id, 1, True)
     rig.m.check_invariants()
-    assert index.log == [rkey(p.h[0]), rkey(p.h[1]), "kvshm:v1:pd:fp:2:p"]
+    assert index.log == [rkey(p.h[0]), rkey(p.h[1]), manifest_key("fp", WORLD, "p")]
     assert put.keep and index.kept == {rkey(p.h[0]), rkey(p.h[1])}   # hold TTL until loaded
 
 
@@ -557,6 +563,37 @@ def test_a_block_is_put_again_once_the_server_may_have_dropped_it() -> None:
     now[0] = 60.0
     store(rig, Req("c", 9))
     assert len(rig.step().remote) == 1
+
+
+def test_a_server_that_lost_its_data_has_every_block_put_again() -> None:
+    """TTL 3600 s: A's blocks are published at t=0 and would count as on the server
+    until t=1800. At t=10 the index reports that the server lost its data (a restart:
+    a new run_id). The next store of that content puts it again at once (counted
+    server_restarts 1) rather than skipping it as a duplicate for half an hour; a
+    second store after that PUT skips it again (the memory is rebuilt)."""
+    index = HeldIndex()
+    now = [0.0]
+    rig = remote_rig(index, clock=now, ttl_s=3600)
+    store(rig, Req("a", 9))
+    (put,) = rig.step().remote
+    ack_remote(rig, put)
+    rig.cpu.drop_all_hashes()
+    now[0] = 5.0
+    store(rig, Req("b", 9))
+    assert rig.step().remote == ()                      # a duplicate: skipped
+    rig.cpu.drop_all_hashes()
+    now[0] = 10.0
+    index.lost += 1
+    store(rig, Req("c", 9))
+    (again,) = rig.step().remote
+    assert again.op is RemoteOp.PUT and len(unpack_ids(again.cpu_ids)) == 2
+    assert rig.m.remote is not None and rig.m.remote.counters.server_restarts == 1
+    ack_remote(rig, again)
+    rig.cpu.drop_all_hashes()
+    store(rig, Req("d", 9))
+    assert rig.step().remote == ()
+    assert rig.m.remote.counters.server_restarts == 1
+    rig.m.check_invariants()
 
 
 def test_a_readiness_write_the_server_refused_is_not_remembered() -> None:

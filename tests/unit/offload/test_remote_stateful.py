@@ -29,8 +29,8 @@ from test_remote_book import WORLD, HeldIndex, remote_rig, rkey
 
 from kvshm.hashing import chain_tail
 from kvshm.ipc.protocol import Remote, RemoteOp, Transfer
-from kvshm.offload.handoff import Manifest
-from kvshm.offload.remote import remote_hash
+from kvshm.offload.pd.manifest import Manifest
+from kvshm.offload.remote_puts import remote_hash
 from kvshm.types import RequestView
 
 PROMPTS = [Req(f"p{i}", 4 * (1 + i % 3) + 1, base=100 * i) for i in range(6)]

@@ -1,6 +1,7 @@
-"""Review of the P/D hand-off's partial last block (``kvshm.offload.handoff``): the
-findings, each narrated with exact block ids and ref counts on real managers (a prefill
-manager P and a decode manager D over one :class:`HeldIndex`; BS = 4, two ranks).
+"""Hazards of the P/D hand-off's partial last block (:mod:`kvshm.offload.pd.handoffs`)
+and of the hand-off lookup's input, each narrated with exact block ids and ref counts on
+real managers (a prefill manager P and a decode manager D over one :class:`HeldIndex`;
+BS = 4, two ranks). Each test failed before the fix it names:
 
 1. A hand-off lookup reads hashes the lookup check never looked at: the manifest check
    reads every hash from position 0, and the hand-off extent reaches the last full
@@ -38,8 +39,8 @@ from test_remote_book import WORLD, HeldIndex, ack_remote, remote_rig
 from kvshm.config import Eviction
 from kvshm.errors import InvalidRequest
 from kvshm.hashing import tail_hash
-from kvshm.offload.handoff import MANIFEST_PARAM, Manifest, handoff_extent
-from kvshm.offload.remote import remote_hash
+from kvshm.offload.pd.manifest import MANIFEST_PARAM, Manifest, handoff_extent
+from kvshm.offload.remote_puts import remote_hash
 from kvshm.types import RequestView
 
 HANDOFF = {"do_remote_prefill": True, MANIFEST_PARAM: MANIFEST}

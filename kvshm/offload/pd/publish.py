@@ -1,27 +1,23 @@
-"""The prefill side of a P/D hand-off (:class:`Publications`, a base of
-:class:`~kvshm.offload.handoff.Handoffs`; the rules are in that module's docstring).
+"""The prefill side of a P/D hand-off: publications, whose manifests are written last
+(the protocol: :mod:`kvshm.offload.pd.handoffs`).
 
 A finished ``do_remote_decode`` request's publication waits for every block it names to
-be put and acked by every rank (:meth:`Publications.put_done`); then, and only then, its
-manifest is written (:meth:`Publications._write`): a manifest's presence means its
-blocks are there. Ordering: a failed PUT of any of its blocks, or blocks not all put
-within ``publish_timeout_s``, drop the publication and write nothing; the blocks put so
-far are demoted (the ordinary TTL, never a hold with no end). A partial last block whose
-finish-time store was dropped is left out (:meth:`Publications.store_dropped`) rather
-than let the hand-off time out. ``_waiting`` maps each pending block key to the
-publications waiting for it; both sides agree at every return.
+be put and acked by every rank (:meth:`Publications.put_done`, from the write path);
+then, and only then, its manifest is written: a manifest's presence means its blocks
+are there.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
-from kvshm.offload.manifest import MANIFEST_PARAM, Manifest, PdCounters, manifest_key
-from kvshm.remote.tier import KEY_PREFIX, ReadyIndex, block_key
+from kvshm.offload.pd.manifest import MANIFEST_PARAM, Manifest, PdCounters, manifest_key
+from kvshm.offload.pd.scope import HandoffScope
 
 __all__ = ["Publications"]
 
@@ -36,26 +32,34 @@ class _Pub:
     tail: int = 0
 
 
-
 class Publications:
-    """See the module docstring. :class:`~kvshm.offload.handoff.Handoffs` sets every
-    attribute below in its ``__init__``."""
+    """The pending publications of one engine (the prefill side).
 
-    index: ReadyIndex
-    fingerprint: str
-    world: int
-    block_size: int
-    counters: PdCounters
-    _rhash: Callable[[bytes], bytes]
-    _ready_key: Callable[[bytes], str]
-    _publish_timeout: float
-    _ttl: int
-    _clock: Callable[[], float]
-    _wall: Callable[[], float]
-    _pubs: dict[str, _Pub]
-    _waiting: dict[bytes, set[str]]
+    Owns each pending publication (its manifest key, its blocks' keys in prefix order,
+    those not put yet, its token count and tail) and ``_waiting``, each pending block
+    key -> the publications waiting for it; both agree at every return. Counts into the
+    hand-offs' shared :class:`~kvshm.offload.pd.manifest.PdCounters`.
 
-    # ---- prefill side ----------------------------------------------------------------
+    Ordering: a manifest is written only once every block it names was put by every
+    rank; a failed PUT of any of its blocks, or blocks not all put within
+    ``publish_timeout_s``, drop the publication and write nothing -- the blocks put so
+    far are demoted (the ordinary TTL, never a hold with no end). A partial last block
+    whose finish-time store was dropped is left out (:meth:`store_dropped`) rather than
+    let the hand-off time out. A written manifest expires ``manifest_ttl_s`` after it
+    was written (wall clock) and lives twice that on the server.
+    """
+
+    def __init__(self, scope: HandoffScope, counters: PdCounters, *,
+                 publish_timeout_s: float = 30.0, manifest_ttl_s: int = 600,
+                 clock: Callable[[], float] = time.monotonic,
+                 wall: Callable[[], float] = time.time) -> None:
+        self._scope = scope
+        self.counters = counters
+        self._publish_timeout = publish_timeout_s
+        self._ttl = manifest_ttl_s
+        self._clock, self._wall = clock, wall
+        self._pubs: dict[str, _Pub] = {}
+        self._waiting: dict[bytes, set[str]] = {}  # block key -> publications waiting
 
     def publish(self, rid: str, keys: Sequence[bytes], num_tokens: int,
                 published: Callable[[bytes], bool], tail: int = 0) -> dict[str, Any] | None:
@@ -68,7 +72,8 @@ class Publications:
         if len(keys) <= tail:
             self.counters.publish_empty += 1
             return None
-        key = manifest_key(self.fingerprint, self.world, rid)
+        scope = self._scope
+        key = manifest_key(scope.fingerprint, scope.world, rid)
         pending = {k for k in keys if not published(k)}
         self._pubs[rid] = _Pub(key, list(keys), pending, num_tokens, self._clock(), tail)
         for k in pending:
@@ -117,26 +122,30 @@ class Publications:
         put = []  # another group's tail, on the server already: no manifest names it
         for k in tail:
             if k not in pub.pending:
-                put.append(self._rhash(k))
+                put.append(self._scope.remote_hash(k))
                 continue
             pub.pending.discard(k)
-            rids = self._waiting.get(k)
-            if rids is not None:
-                rids.discard(rid)
-                if not rids:
-                    del self._waiting[k]
+            self._unwait(k, rid)
         if put:
-            self._demote(put)
+            self._scope.demote(put)
         self.counters.tails_dropped += 1
         if not pub.pending:
             self._write(rid)
 
+    def _unwait(self, k: bytes, rid: str) -> None:
+        rids = self._waiting.get(k)
+        if rids is not None:
+            rids.discard(rid)
+            if not rids:
+                del self._waiting[k]
+
     def _write(self, rid: str) -> None:
         pub = self._pubs.pop(rid)
-        m = Manifest(1, self.fingerprint, self.world, self.block_size, pub.num_tokens,
-                     [self._rhash(k).hex() for k in pub.keys], self._wall() + self._ttl,
-                     pub.tail)
-        self.index.put_value(pub.key, msgspec.json.encode(m), 2 * self._ttl)
+        scope = self._scope
+        m = Manifest(1, scope.fingerprint, scope.world, scope.block_size, pub.num_tokens,
+                     [scope.remote_hash(k).hex() for k in pub.keys],
+                     self._wall() + self._ttl, pub.tail)
+        scope.index.put_value(pub.key, msgspec.json.encode(m), 2 * self._ttl)
         self.counters.manifests_written += 1
 
     def _drop(self, rid: str) -> None:
@@ -144,11 +153,7 @@ class Publications:
         if pub is None:
             return
         for k in pub.pending:
-            rids = self._waiting.get(k)
-            if rids is not None:
-                rids.discard(rid)
-                if not rids:
-                    del self._waiting[k]
+            self._unwait(k, rid)
 
     def expire(self) -> None:
         """Drop publications whose blocks were not all put within the publish timeout."""
@@ -163,14 +168,8 @@ class Publications:
         TTL) get the ordinary TTL back, so nothing is pinned on the server for ever."""
         pub = self._pubs.get(rid)
         if pub is not None:
-            self._demote([self._rhash(k) for k in pub.keys])
+            self._scope.demote([self._scope.remote_hash(k) for k in pub.keys])
         self._drop(rid)
-
-    def _demote(self, hashes: Sequence[bytes]) -> None:
-        """Give blocks (every rank's shard) and their readiness keys the ordinary TTL."""
-        keys = [block_key(KEY_PREFIX, self.fingerprint, r, self.world, h)
-                for h in hashes for r in range(self.world)]
-        self.index.expire(keys + [self._ready_key(h) for h in hashes])
 
     def drop_all(self) -> None:
         """Reset or engine failure: every pending publication is dropped (no manifest)."""

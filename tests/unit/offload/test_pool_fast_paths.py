@@ -1,4 +1,4 @@
-"""Hostile review of the CPU pool's fast paths (``free``'s one pass with undo,
+"""The CPU pool's fast paths (``free``'s one pass with undo,
 ``allocate``'s ``take``, ``add_keys``, the int-or-dict index entries): each is run
 against the general path it shortcuts -- the pre-change code, re-implemented here on
 the pool's own primitives -- on the same operation sequence, for every eviction order,
@@ -224,10 +224,10 @@ def test_free_refused_midway_undoes_its_decrements(eviction: Eviction) -> None:
     pool.check_invariants()
 
 
-# ---- findings ------------------------------------------------------------------------
+# ---- edge cases the fast paths once got wrong -----------------------------------------
 
 def test_add_keys_non_int_id_midway_changes_nothing() -> None:
-    """FINDING: ``add_keys`` promises 'everything is checked first: ConfigError and nothing
+    """Hazard: ``add_keys`` promises 'everything is checked first: ConfigError and nothing
     changed', but checks ids only by ``min``/``max``: an id of another numeric type inside
     the range (``1.0``) passes, and the loop indexes ``ids[0]`` before ``blocks[1.0]``
     raises TypeError -- a refused call that changed the index (and not ConfigError)."""
@@ -336,7 +336,7 @@ def test_register_one_group_matches_general_for_good_keys() -> None:
 
 
 def test_register_refused_key_changes_the_same_in_both_paths() -> None:
-    """FINDING (divergence): a key that is not bytes (a lazy store's key is the GPU
+    """Hazard (the two paths diverged): a key that is not bytes (a lazy store's key is the GPU
     pool's own ``block_hashes(b)[0]``, unchecked) makes the one-group path's
     ``add_keys`` refuse the whole job (nothing indexed), while the general path
     ``add_hashes`` pair by pair indexes the blocks before it and then refuses: the two

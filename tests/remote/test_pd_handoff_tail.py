@@ -1,7 +1,8 @@
-"""Review of the P/D hand-off's partial last block against a real Valkey server and real
-engines (two embedded ranks each; BS = 4, 8 full blocks per prompt): the findings of
-``tests/unit/offload/test_handoff_tail_review.py`` where a server changes the picture,
-and the edge counts checked sound.
+"""The P/D hand-off's partial last block against a real Valkey server and real engines
+(two embedded ranks each; BS = 4, 8 full blocks per prompt): the hazards of
+``tests/unit/offload/test_handoff_tail_hazards.py`` where a server changes the picture --
+a malformed hash beside a good neighbour, manifests readable by the previous release, a
+tail hand-off after the decoder's own prefix hit.
 
 Rule: D either loads exactly P's KV (same SHA-256 per rank and block) or recomputes;
 never a hang, a bad request never takes its neighbours down.
@@ -20,7 +21,7 @@ from remote_engine_rig import BLOCKS, MODEL, digest, prefill, remote, settle_pub
 
 from kvshm.errors import InvalidRequest
 from kvshm.hashing import chain_hashes, chain_tail
-from kvshm.offload.handoff import MANIFEST_PARAM, Manifest
+from kvshm.offload.pd.manifest import MANIFEST_PARAM, Manifest
 from kvshm.remote.server import ValkeyServer, command
 from kvshm.types import RequestView, ScheduledRequest
 

@@ -1,15 +1,17 @@
 """The P/D hand-off's manifest: its wire record, its key, and the lookup range it grants.
 
 A manifest is msgspec JSON on the remote server, written by the prefill engine last,
-once every block it names was put and acked (:mod:`kvshm.offload.handoff` keeps that
+once every block it names was put and acked (:mod:`kvshm.offload.pd.handoffs` keeps that
 order and the consumer's checks). What lives here is what both ends must agree on
 byte for byte: the record's fields (unknown ones refused, the tail written only when
 not 0, so an older decoder still reads a tail-less manifest), the key a request's
-manifest is written under (one per fingerprint, world size and request id; an unsafe
-id is replaced by its SHA-256), the ``kv_transfer_params`` entry naming it, the size
-bound under which a manifest is read at all, and the consumer's hit range
-(:func:`handoff_extent`), and the checks a consumer makes before it trusts one
-(:func:`check_manifest`). Also the hand-off's counters and a consumer's verdict.
+manifest is written under (one per fingerprint, world size and request id, an
+unambiguous encoding of the id: :func:`manifest_key`), the request a manifest belongs
+to (:func:`handoff_owner`), the ``kv_transfer_params`` entry naming it, the size bound
+under which a manifest is read at all, the consumer's hit range
+(:func:`handoff_extent`), the checks a consumer makes before it trusts one
+(:func:`check_manifest`) and the entries a collection may touch
+(:func:`checked_hashes`). Also the hand-off's counters and a consumer's verdict.
 """
 
 from __future__ import annotations
@@ -23,9 +25,9 @@ from typing import Any, Final
 
 import msgspec
 
-__all__ = ["MANIFEST_BASE", "MANIFEST_PARAM", "MANIFEST_PER_BLOCK", "PD_PREFIX", "Manifest",
-           "PdCounters", "Verdict", "check_manifest", "handoff_extent", "is_handoff",
-           "manifest_key"]
+__all__ = ["MANIFEST_BASE", "MANIFEST_PARAM", "MANIFEST_PER_BLOCK", "NAME_MAX", "PD_PREFIX",
+           "Manifest", "PdCounters", "Verdict", "check_manifest", "checked_hashes",
+           "handoff_extent", "handoff_owner", "is_handoff", "key_owner", "manifest_key"]
 
 #: A manifest larger than base + per-block x the request's blocks is refused unread.
 MANIFEST_BASE: Final = 1024
@@ -34,7 +36,20 @@ MANIFEST_PER_BLOCK: Final = 80
 #: The ``kv_transfer_params`` key naming a manifest.
 MANIFEST_PARAM: Final = "kvshm_manifest"
 _SAFE = re.compile(r"^[A-Za-z0-9._=-]{1,120}$")
+#: Marks a request id written as its SHA-256 in a manifest's name: outside ``_SAFE``'s
+#: alphabet, so no id written as itself can ever equal a hashed one.
+_HASHED = "#"
+#: What :func:`handoff_owner` returns: 32 lowercase hex.
+_OWNER = re.compile(r"^[0-9a-f]{32}$")
 PD_PREFIX: Final = "kvshm:v1:pd"
+#: The longest manifest name after its deployment's ``<prefix>:<fingerprint>:<world>:``
+#: (an owner, ``:`` and a request id of 120 characters at most); a longer one is refused
+#: unread.
+NAME_MAX: Final = 32 + 1 + 120
+#: vLLM's parallel sampling names its children ``<index>_<parent id>``.
+_VLLM_CHILD = re.compile(r"^[0-9]+_")
+#: vLLM makes each request's internal id ``<external id>-<8 hex>`` (random per engine).
+_VLLM_SUFFIX = re.compile(r"-[0-9a-f]{8}$")
 
 
 class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_defaults=True):
@@ -44,7 +59,9 @@ class Manifest(msgspec.Struct, frozen=True, forbid_unknown_fields=True, omit_def
     compared (a consumer without that block's key simply does not find it). Written only
     when not 0, so a manifest without a tail reads as before the field existed (a
     decoder of the previous release, which refuses unknown fields, still trusts it;
-    one with a tail it refuses: it would compare the tail key as a full block's)."""
+    one with a tail it refuses: it would compare the tail key as a full block's). Whose
+    it is, its name says (:func:`manifest_key`), so the record is the same for every
+    release that reads it."""
 
     version: int
     fingerprint: str
@@ -81,6 +98,21 @@ def check_manifest(raw: bytes, keys: Sequence[bytes], fingerprint: str, world: i
     return m, ok
 
 
+def checked_hashes(m: Manifest, keys: Sequence[bytes],
+                   remote_hash: Callable[[bytes], bytes]) -> tuple[list[bytes], int]:
+    """The remote hashes of the entries of a trusted ``m`` that are the request's own
+    (``keys``: its CPU keys from position 0, its partial last block's included when it
+    has one), and how many entries are not: the full blocks (checked by
+    :func:`check_manifest`), then each tail entry equal to the request's own key at its
+    place. A collection re-times only these: a tail entry naming anything else (another
+    hand-off's blocks, in a forged manifest) is never touched."""
+    full = len(m.hashes) - m.tail
+    own = [remote_hash(k) for k in keys[:len(m.hashes)]]
+    out = own[:full]
+    out += [h for h, e in zip(own[full:], m.hashes[full:]) if h.hex() == e]
+    return out, len(m.hashes) - len(out)
+
+
 def is_handoff(params: Mapping[str, Any]) -> bool:
     """Whether a lookup's ``kv_transfer_params`` are a P/D decode request's (kvshm's)."""
     return bool(params.get("do_remote_prefill")) and isinstance(params.get(MANIFEST_PARAM), str)
@@ -101,10 +133,40 @@ def handoff_extent(hashes: Sequence[bytes], tail: bytes | None, num_tokens: int,
 
 
 def manifest_key(fingerprint: str, world: int, req_id: str) -> str:
-    """``kvshm:v1:pd:<fingerprint>:<world>:<request>`` (a request id outside
-    ``[A-Za-z0-9._=-]{1,120}`` is replaced by its SHA-256)."""
-    rid = req_id if _SAFE.match(req_id) else hashlib.sha256(req_id.encode()).hexdigest()
-    return f"{PD_PREFIX}:{fingerprint}:{world}:{rid}"
+    """``kvshm:v1:pd:<fingerprint>:<world>:<owner>:<request>``: the request's
+    :func:`handoff_owner`, then the request id -- one of ``[A-Za-z0-9._=-]{1,120}`` as
+    itself, any other as ``#`` and its SHA-256 (hex). Unambiguous: ``#`` is outside the
+    first alphabet, so two request ids never share a name (an id equal to another's
+    SHA-256 hex is written as itself, without the ``#``)."""
+    rid = req_id if _SAFE.match(req_id) else \
+        _HASHED + hashlib.sha256(req_id.encode()).hexdigest()
+    return f"{PD_PREFIX}:{fingerprint}:{world}:{handoff_owner(req_id)}:{rid}"
+
+
+def key_owner(key: str, prefix: str) -> str | None:
+    """The owner a manifest name under ``prefix`` (``kvshm:v1:pd:<fingerprint>:<world>:``)
+    names (:func:`manifest_key`); None when it names none (another form: a name
+    written before owners were, or not kvshm's)."""
+    owner, sep, rid = key[len(prefix):].partition(":")
+    if not key.startswith(prefix) or not sep or not rid or not _OWNER.match(owner):
+        return None
+    return owner
+
+
+def handoff_owner(req_id: str) -> str:
+    """Who a hand-off of request ``req_id`` belongs to: a digest (32 hex) of the id
+    without vLLM's additions -- a parallel-sampling child's ``<index>_`` prefix (the
+    children of one request share its hand-off: they are its owner too) and the
+    ``-<8 hex>`` each vLLM engine appends to a request's external id (the prefill and the
+    decode engine each append their own; vLLM's NIXL connector strips the same). Both
+    sides apply it: the prefill writes it in the manifest's name (:func:`manifest_key`),
+    a decoder compares its request's with the name's (:func:`key_owner`), so a request
+    id without these forms is compared as itself. A proxy that sends one request to both
+    engines under one request id (vLLM's example proxies: ``X-Request-Id``) has its
+    decoder collect the hand-off; a request under any other id may read the blocks
+    (ordinary cache) but never deletes or re-times anything."""
+    base = _VLLM_SUFFIX.sub("", _VLLM_CHILD.sub("", req_id, count=1), count=1)
+    return hashlib.blake2b(base.encode(), digest_size=16).hexdigest()
 
 
 class Verdict(Enum):
@@ -133,6 +195,8 @@ class PdCounters:
     tails_dropped: int = 0
     manifest_reused: int = 0
     orphans_dropped: int = 0
+    not_owner: int = 0
+    entries_unchecked: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """Every counter by name, ``pd_`` first."""

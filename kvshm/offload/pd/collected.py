@@ -4,7 +4,7 @@ The children of one request under vLLM's parallel sampling share its hand-off: t
 to load the blocks collects the manifest, and a later sibling that needs the server
 would find it gone. :class:`CollectedManifests` keeps the bytes of what this engine
 collected so that such a sibling is judged from memory -- by the same checks as a read
-from the server (:func:`kvshm.offload.manifest.check_manifest`), never trusted for a
+from the server (:func:`kvshm.offload.pd.manifest.check_manifest`), never trusted for a
 request whose prefix does not match, nor once expired.
 
 Invariants: ``nbytes`` is the sum of :func:`entry_size` over the entries (keys, values

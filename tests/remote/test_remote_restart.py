@@ -1,0 +1,98 @@
+"""A remote server that lost its data is noticed: real engines (two embedded ranks each)
+and a real Valkey server, restarted empty under load.
+
+An engine remembers the blocks it put (and fetched) and does not put them again while
+they should still be on the server (half its TTL, 30 min by default). The readiness
+index reads the server's ``run_id`` at most every second; a new one (a restart, a
+failover) makes the engine forget that memory (``server_restarts``), so write-through
+refills the tier within seconds (issue 31: after a standalone Valkey restarted empty,
+18,635 puts were skipped as duplicates and the remote hit count stayed flat).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from engine_rig import BS, Client, embedded_engine
+from remote_engine_rig import BLOCKS, MODEL, ask, prompt, remote, server_keys, store_and_publish
+
+from kvshm.remote.server import ValkeyServer
+from kvshm.remote.tier import RemoteSpec
+from kvshm.remote.valkey_index import ValkeyReadyIndex
+
+
+@pytest.mark.asyncio
+async def test_a_restarted_server_is_refilled_within_seconds(valkey: ValkeyServer) -> None:
+    """Writer A serves 4 prompts (write-through: 32 blocks put and published). The
+    server is SIGKILLed and started again on its port, empty. A goes on serving the same
+    prompts, round after round; each round its CPU tier is dropped first (under load
+    its blocks would be evicted), so it stores them again. A reader B asks for the 4
+    prompts after each round. Within a few seconds A has noticed the new run_id
+    (server_restarts 1), put the blocks again and B hits all 4 prompts from the server.
+    Before, A skipped every re-put as a duplicate for ``ttl_s / 2`` and B never hit."""
+    toks = [prompt(60 + i) for i in range(4)]
+    async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ea, ga, _, _):
+        ca = Client(ea, ga)
+        for i, t in enumerate(toks):
+            await store_and_publish(ca, f"w{i}", t)
+        valkey.kill()
+        valkey.start()
+        assert server_keys(valkey.host, valkey.port) == []               # empty
+        t0 = time.monotonic()
+        async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (eb, gb, _, _):
+            cb = Client(eb, gb)
+            for rnd in range(1, 1000):
+                assert await ea.reset(timeout=10.0)
+                for i, t in enumerate(toks):                              # A's load
+                    table, _ = ca.compute(f"w{rnd}-{i}", t)
+                    ca.finish(f"w{rnd}-{i}", table, len(t))
+                await ca.settle()
+                hits = [await ask(cb, f"r{rnd}-{i}", t) for i, t in enumerate(toks)]
+                if hits == [BLOCKS * BS] * len(toks):
+                    break
+                ra = remote(ea)
+                assert time.monotonic() - t0 < 15.0, (hits, {
+                    k: ra.get(k) for k in ("put_skipped_duplicate", "put_blocks",
+                                           "server_restarts", "index_run_id_checks")})
+                await asyncio.sleep(0.1)
+            took = time.monotonic() - t0
+            rb = remote(eb)
+        ra = remote(ea)
+    assert took < 15.0
+    print(f"remote hits back {took:.1f} s after the restart")
+    assert (ra["server_restarts"], ra["index_run_id_changes"]) == (1, 1), ra
+    assert rb["server_restarts"] == 0 and rb["hit_blocks"] == len(toks) * BLOCKS, rb
+
+
+def test_the_index_counts_a_new_run_id_once(valkey: ValkeyServer) -> None:
+    """The index alone: a first read of the run_id is no restart; the same server read
+    again is none either; after a restart (a new run_id) ``restarts()`` is 1, and it
+    stays 1 while the server runs on."""
+    idx = ValkeyReadyIndex(RemoteSpec.parse(valkey.url), run_id_every_s=0.0)
+    try:
+        def round_trip(token: int) -> None:
+            idx.query(token, ["kvshm:v1:fp:ready/1:00"])
+            deadline = time.monotonic() + 10.0
+            while not idx.answers():
+                assert time.monotonic() < deadline, idx.statistics()
+                time.sleep(0.01)
+
+        round_trip(1)
+        round_trip(2)
+        assert idx.restarts() == 0 and idx.statistics()["run_id_checks"] >= 2
+        valkey.kill()
+        valkey.start()
+        deadline = time.monotonic() + 20.0
+        token = 3
+        while idx.restarts() == 0:
+            assert time.monotonic() < deadline, idx.statistics()
+            round_trip(token)
+            token += 1
+            time.sleep(0.05)
+        for t in range(token, token + 3):
+            round_trip(t)
+        assert idx.restarts() == 1 and idx.statistics()["run_id_changes"] == 1
+    finally:
+        idx.close()

@@ -1,0 +1,52 @@
+"""kvshm.series, the one table of kvshm's Prometheus series (issue 28, point 4): every
+counter the engine, its remote book and hand-offs keep has a one-line HELP that says
+what it counts and in which unit; what vLLM's ``/metrics`` carries is a part of it."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, fields
+
+from kvshm.engine.snapshot import CoreCounters
+from kvshm.offload.counters import ManagerCounters
+from kvshm.offload.pd.manifest import PdCounters
+from kvshm.offload.remote_puts import RemoteCounters
+from kvshm.series import SERIES, Kind, help_of, scalars, series_names, vllm_series
+
+
+def test_every_counter_of_the_engine_and_remote_book_is_described() -> None:
+    keys = [f"kvshm_{k}" for k in asdict(CoreCounters())]
+    keys += [f"kvshm_{k}" for k in ManagerCounters().as_dict()]
+    keys += [f"kvshm_remote_{f.name}" for f in fields(RemoteCounters)]
+    keys += [f"kvshm_remote_{k}" for k in PdCounters().as_dict()]
+    assert [k for k in keys if k not in SERIES] == []
+    for s in SERIES.values():
+        head, _, unit = s.help.rpartition("; ")
+        assert head and unit and "\n" not in s.help, s.name  # "what; unit", one line
+    assert "no description" in help_of("kvshm_from_a_newer_engine")
+
+
+def test_vllm_series_are_a_part_and_remote_ones_only_with_a_remote_tier() -> None:
+    local = vllm_series(remote=False)
+    assert {s.name for s in local} >= {"kvshm_hit_tokens", "kvshm_lookups",
+                                       "kvshm_stored_blocks", "kvshm_loaded_bytes",
+                                       "kvshm_pins_held", "kvshm_jobs_in_flight",
+                                       "kvshm_cpu_tier_occupancy",
+                                       "kvshm_ack_latency_seconds"}
+    assert not any(s.remote for s in local)
+    both = vllm_series(remote=True)
+    assert "kvshm_remote_breaker_state" in {s.name for s in both}
+    names = series_names(local)
+    assert {"kvshm_hit_tokens_total", "kvshm_ack_latency_seconds_bucket"} <= names
+    assert SERIES["kvshm_hit_tokens"].kind is Kind.COUNTER
+
+
+def test_scalars_flatten_a_snapshot_by_family_name() -> None:
+    counters, gauges = scalars({"counters": {"hit_tokens": 64, "stored_blocks": 3},
+                                "stored_bytes": 300, "num_cpu_blocks": 8,
+                                "cpu_blocks_cached": 2, "pins_held": 1,
+                                "remote": {"hit_blocks": 4, "url": "valkey://x",
+                                           "index_breaker_state": "open"}})
+    assert counters["kvshm_hit_tokens"] == 64 and counters["kvshm_stored_bytes"] == 300
+    assert counters["kvshm_remote_hit_blocks"] == 4
+    assert "kvshm_remote_url" not in counters
+    assert gauges["kvshm_cpu_tier_occupancy"] == 0.25 and gauges["kvshm_pins_held"] == 1
