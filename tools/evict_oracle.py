@@ -164,7 +164,7 @@ def belady_cost(accesses: Sequence[Access], capacity: int, cost_of: CostOf) -> O
                 heapq.heappop(heap)
                 continue
             w = worth(rec[0], rec[1], now)
-            if w <= _bound(heap):
+            if (w, neg_seq) <= _bound(heap):  # by worth, then pushed last: the rule's order
                 return w, h
             heapq.heapreplace(heap, (w, neg_seq, h))
 
@@ -197,11 +197,14 @@ def belady_cost(accesses: Sequence[Access], capacity: int, cost_of: CostOf) -> O
     return Outcome(blocks, saved)
 
 
-def _bound(heap: list[tuple[float, int, BlockHash]]) -> float:
-    """A lower bound of every key but the top's: the smaller of its children's."""
+def _bound(heap: list[tuple[float, int, BlockHash]]) -> tuple[float, int]:
+    """A lower bound of every entry but the top's, as (key, -seq): the smaller of its
+    children's (compared whole, so a tie in worth goes to the one pushed last, as the
+    rule says; comparing keys alone returned the top on a tie with a later push)."""
     if len(heap) < 2:
-        return float("inf")
-    return heap[1][0] if len(heap) < 3 else min(heap[1][0], heap[2][0])
+        return (float("inf"), 0)
+    kids = heap[1:3]
+    return min((k, s) for k, s, _ in kids)
 
 
 def oracle(plain: Outcome, weighted: Outcome) -> Outcome:
