@@ -211,10 +211,18 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{label}: a = {f.a * 1e6:.4f} us/token, b = {f.b * 1e9:.4f} ns/token/position, "
           f"half = {f.half:.0f} positions, worst residual {f.worst_residual:.1%}")
     if args.json:
-        print(json.dumps({"model": label, "chunk": chunk, "starts": starts,
-                          "seconds": [round(t, 6) for t in secs], "a": f.a, "b": f.b,
-                          "half": round(f.half), "worst_residual": round(f.worst_residual, 4)}))
+        print(json.dumps(summary(label, f)))
     return 0
+
+
+def summary(label: str, f: Fit) -> dict[str, object]:
+    """The JSON line. ``half`` is null where the fit's slope is not positive: timings
+    that do not grow with position (a loaded machine, or chunks too short to see
+    attention) have no half-way position, and the run still reports what it measured."""
+    half = round(f.half) if f.b > 0 and math.isfinite(f.half) else None
+    return {"model": label, "chunk": f.chunk, "starts": f.starts,
+            "seconds": [round(t, 9) for t in f.seconds], "a": f.a, "b": f.b,
+            "half": half, "worst_residual": round(f.worst_residual, 4)}
 
 
 if __name__ == "__main__":
