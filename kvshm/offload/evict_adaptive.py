@@ -41,13 +41,15 @@ capacity scaled by the same rate, so each simulation holds at most about
 ``SHADOW_BLOCKS`` keys. They see what the tier sees: a block stored (a miss), a block
 pinned again (a hit), a GPU hit (a refresh). A store's blocks are fed head first and a
 simulated victim is chosen before the new key is admitted, as the tier allocates before
-it stores. Every ``num_blocks`` placements the order compares the decayed scores
-(x ``DECAY`` per period) of the full-capacity simulations; while they are within
-``SPREAD`` of each other (nothing evicted has been asked for again yet) it reads the
-0.75 and then the 0.5 ones, which diverge a turnover earlier. It hands the tier to the
-best expert when that one leads the current one by more than ``HYSTERESIS``; a switch
-re-keys every free block under the new ``K`` from its placement clock (O(free blocks),
-at most once per ``num_blocks`` placements: O(1) amortized).
+it stores. Every ``num_blocks`` placements the order reads the decayed scores
+(x ``DECAY`` per period) of the full-capacity simulations, then the 0.75 and the 0.5
+ones, which diverge a turnover earlier: the first whose best expert leads the current
+one by more than ``HYSTERESIS`` and by at least ``MIN_LEAD`` sampled hits' worth of
+compute hands the tier to it, unless a larger simulation scores that expert below the
+current one (a smaller one may settle what a larger one leans to or cannot tell yet,
+never overrule it). A switch re-keys every free block under the new ``K`` from its
+placement clock (O(free blocks), at most once per ``num_blocks`` placements: O(1)
+amortized).
 
 Cost: placing, pinning and taking a block are O(1) but for opening a slot (a heap push:
 O(log S), S the occupied slots, amortized over the ``num_blocks // 16`` placements a
@@ -85,10 +87,11 @@ TIERS = (1.0, 0.75, 0.5)
 """Capacities simulated, as fractions of the tier's: the first with a spread decides."""
 DECAY = 0.9
 """Scores are multiplied by this every period (a memory of about ten turnovers)."""
-SPREAD = 0.02
-"""Scores closer than this (relative) carry no information yet."""
 HYSTERESIS = 0.05
 """A challenger must save this much more (relative) than the current expert."""
+MIN_LEAD = 8
+"""... and at least this many sampled hits of a chain's first block more (a handful of
+sampled hits is noise: on agentic traffic a lead of 3 sent the tier to ``heads``)."""
 SLOTS_PER_TURNOVER = 16
 """Slot width: ``num_blocks // SLOTS_PER_TURNOVER`` keys."""
 
@@ -364,22 +367,30 @@ class Adaptive(FreeSet):
         self.refresh_on = e.refresh
 
     def _choose(self) -> None:
-        """End of a period: the first tier whose scores have spread picks the best
-        expert; the tier is handed over past the hysteresis; every score decays."""
+        """End of a period: the tier goes to :meth:`_challenger` if there is one;
+        every score decays."""
         self.decisions += 1
-        scores = [s.score for s in self.tiers[0]]
-        for tier in self.tiers[1:]:
-            top = max(scores)
-            if top > 0 and (top - min(scores)) / top >= SPREAD:
-                break
-            scores = [s.score for s in tier]
-        best = max(range(len(scores)), key=scores.__getitem__)
-        if best != self.cur and scores[best] > scores[self.cur] * (1 + HYSTERESIS):
+        best = self._challenger([[s.score for s in tier] for tier in self.tiers])
+        if best is not None:
             self._adopt(best)
             self._rekey()
             self.switches += 1
         for s in self.shadows:
             s.decay(DECAY)
+
+    def _challenger(self, tiers: list[list[float]]) -> int | None:
+        """The expert to hand the tier to, or None (module docstring): tiers largest
+        first; the first whose best leads the current expert past ``HYSTERESIS`` and
+        ``MIN_LEAD`` wins, if no larger tier scores it below the current one."""
+        cur = self.cur
+        need = MIN_LEAD * block_cost(0, self.block_tokens, self.half)
+        for t, scores in enumerate(tiers):
+            best = max(range(len(scores)), key=scores.__getitem__)
+            mine, theirs = scores[cur], scores[best]
+            if theirs > mine * (1 + HYSTERESIS) and theirs - mine >= need \
+                    and all(larger[best] >= larger[cur] for larger in tiers[:t]):
+                return best
+        return None
 
     def _rekey(self) -> None:
         """Every free block again under the current ``K`` (slot order kept within a new
