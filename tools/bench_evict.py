@@ -1,9 +1,9 @@
-"""The CPU tier's eviction orders on five workloads, through the real OffloadManager.
+"""The CPU tier's eviction orders on six workloads, through the real OffloadManager.
 
 ``python -m tools.bench_evict [--json] [--quick] [--seed N] [--workloads ...]
 [--fracs ...] [--orders ...] [--half TOKENS]``
 
-Workloads: :mod:`tools.workloads` (chat, rag, agentic, fewshot, scan; their seeds and
+Workloads: :mod:`tools.workloads` (chat, chat_sync, rag, agentic, fewshot, scan; their seeds and
 parameters are in the JSON). Each is replayed one request at a time in arrival order;
 the toy engine plays vLLM's part on a ``BlockPool`` GPU pool with plain LRU (vLLM's own
 prefix cache; ``max(256, 1.25 x the largest request)`` blocks): its GPU hit (the longest
@@ -39,13 +39,17 @@ Targets (issue 29): the default within 0.02 of the best fixed order on every row
 mean ``default_share`` >= 0.8. ``--quick``: every workload at a fifth of its size (a
 test's run; its pools are too small for the targets to mean anything).
 
-Measured (``adaptive``, the default; seeds 0 / 1 / 2; 30-50 s each on a shared 2-core
-machine): mean ``default_share`` 0.925 / 0.924 / 0.935 (the best fixed order per row by
-hindsight: 0.931 / 0.929 / 0.933); within 0.02 of the best fixed order on 17 / 17 / 18
-of the 18 rows. The rows it misses: chat_sync at 0.25 on seed 0 (0.377 against
-``deepest`` 0.418: the simulations at that size take a turnover longer to agree) and
-agentic at 0.25 on seed 1 (0.542 against ``lru`` 0.607: plain LRU beats every expert
-there, and the simulations' per-window scores send the tier to ``probation`` and back).
+Measured (``adaptive``, the default; ``python -m tools.bench_evict --json --seed S`` for
+S = 0 / 1 / 2; 43-83 s each on a shared 2-core machine): mean ``default_share`` 0.932 /
+0.923 / 0.936 (the best fixed order per row by hindsight: 0.931 / 0.929 / 0.933);
+within 0.02 of the best fixed order on 18 / 17 / 18 of the 18 rows (``max_gap`` 0.019 /
+0.091 / 0.009). The row it misses: agentic at 0.25 on seed 1, 0.516 against ``lru``
+0.607 (``lru_refresh`` 0.574; the order held on ``recency`` alone gets 0.572): plain
+LRU, which no expert runs, is best there, and the simulations, fed by the tier's own
+misses, score ``probation`` level with ``recency`` at full size where the tier run as
+``probation`` gets 0.435, so the tier goes to it and back. A fifth expert for plain LRU
+lifted that row to 0.546 and cost agentic seed 0 and chat seed 2 at 0.25 0.02-0.03
+each, so it is not in.
 """
 
 from __future__ import annotations
