@@ -201,6 +201,11 @@ class Shards:
         finally:
             self._refresh_lock.release()
 
+    def current(self) -> frozenset[str] | None:
+        """The shards of the slot map read last (None: none read yet, or standalone)."""
+        slots = self._slots
+        return None if slots is None else frozenset(slots)
+
     def states(self) -> dict[str, str]:
         with self._lock:
             return {k: b.state.value for k, b in self.breakers.items()}

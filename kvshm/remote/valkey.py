@@ -5,24 +5,32 @@ its :func:`~kvshm.remote.tier.block_key` and its :class:`~kvshm.remote.tier.Bloc
 under :func:`header_key` (``{<key>}h``: the braces make the header hash to the payload's
 slot, so a cluster keeps them on one node).
 
-**Batches.** A call is cut into parts (:meth:`ValkeyBlockStore._parts`): the blocks of
-one shard (the server; in a cluster, one primary), at most :data:`PART_BYTES` of payload
-each. A part is one request, one round trip: a put is one non-atomic pipeline of ``SET
-key <row> EX ttl`` and ``SET {key}h <header> EX ttl`` per block (each row goes out
-zero-copy from the caller's view); a get is one ``MGET {k0}h k0 {k1}h k1 ...`` that lands
-each header in a small buffer and each payload directly in the caller's view (glide's
-``buffers=``: no intermediate bytes; in a cluster glide splits it per slot, all on the
-part's one primary). The parts of a call run in parallel over the threads; a call of
-one part runs on the caller's thread. Every block is then judged on its own: a value
-longer than its view fails glide's whole ``MGET``, so that part is read again one block
-per request (``split_retries``) to find which; a missing block is a MISS and a bad one
-BAD, the others of the part HIT. A value longer than the view, shorter than the header
-says, or a header that does not match the expected one is BAD (counted, never loaded); a missing
-payload or header (never stored, expired, one of the two evicted) is a MISS. The
-payload's checksum is CRC32C (hardware, the ``crc32c`` package) or zlib's CRC32 where
-that is not installed; the header names which, and a reader accepts only its own (a
-header naming another, ``none`` included, is BAD and counted ``checksum_refused``: the
-engines sharing a server need the same one, the ``remote`` extra installs ``crc32c``).
+**Batches.** A call is cut into parts (:meth:`ValkeyBlockStore._parts`) of at most
+:data:`PART_BYTES` of payload each. A part is one request, one round trip: a put is one
+non-atomic pipeline of ``SET key <row> EX ttl`` and ``SET {key}h <header> EX ttl`` per
+block (each row goes out zero-copy from the caller's view); a get is one ``MGET {k0}h k0
+{k1}h k1 ...`` that lands each header in a small buffer and each payload directly in the
+caller's view (glide's ``buffers=``: no intermediate bytes). The parts of a call run in
+parallel over the threads; a call of one part runs on the caller's thread. Every block
+is then judged on its own: a value longer than its view fails glide's whole ``MGET``, so
+that part is read again one block per request (``split_retries``) to find which; a
+missing block is a MISS and a bad one BAD, the others of the part HIT.
+
+In a cluster a part is one hash slot's blocks (a block's two keys share a slot; a
+batch's blocks rarely do), so a cluster moves one block a round trip, the requests in
+parallel over the threads. Measured: letting glide route one multi-slot ``MGET`` per
+primary works on a healthy cluster, but after a primary was SIGKILLed the parts of the
+*live* primaries timed out too, round after round, for more than 9 s (past the
+replica's takeover), where single-slot requests keep the other shards' blocks HIT
+throughout (``tests/remote/test_valkey_cluster.py``).
+
+A value longer than the view, shorter than the header says, or a header that does not
+match the expected one is BAD (counted, never loaded); a missing payload or header
+(never stored, expired, one of the two evicted) is a MISS. The payload's checksum is
+CRC32C (hardware, the ``crc32c`` package) or zlib's CRC32 where that is not installed;
+the header names which, and a reader accepts only its own (a header naming another,
+``none`` included, is BAD and counted ``checksum_refused``: the engines sharing a
+server need the same one, the ``remote`` extra installs ``crc32c``).
 
 **Threads and clients.** :class:`ValkeyBlockStore` runs ``spec.threads`` threads, each
 with its own lazily connected glide_sync client (per-thread clients, a
@@ -148,15 +156,17 @@ class ValkeyBlockStore:
 
     def _parts(self, keys: Sequence[str], views: Sequence[memoryview],
                idx: Sequence[int]) -> list[tuple[CircuitBreaker, list[int]]]:
-        """``idx`` in requests: grouped by shard (a cluster primary; the one server),
-        each group cut into runs of at most :data:`PART_BYTES` of payload (at least one
-        block), in the caller's order within a part. One part = one request = one round
-        trip; the parts of a call run in parallel over the threads."""
-        groups: dict[str, list[int]] = {}
-        for i in idx:
-            groups.setdefault(self._shards.shard_of(keys[i]), []).append(i)
+        """``idx`` in requests: the one server's blocks (a cluster: each slot's, so in
+        practice one block a request) cut into runs of at most :data:`PART_BYTES` of
+        payload (at least one block), in the caller's order within a part. One part =
+        one request = one round trip; the parts of a call run in parallel over the
+        threads."""
+        groups: dict[tuple[str, int], list[int]] = {}
+        for i in idx:  # a cluster: one slot a part (see the module)
+            slot = key_slot(keys[i]) if self.spec.cluster else 0
+            groups.setdefault((self._shards.shard_of(keys[i]), slot), []).append(i)
         parts: list[tuple[CircuitBreaker, list[int]]] = []
-        for shard, members in groups.items():
+        for (shard, _), members in groups.items():
             breaker = self._shards.breaker(shard)
             run: list[int] = []
             size = 0
