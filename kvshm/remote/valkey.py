@@ -85,7 +85,7 @@ __all__ = ["PART_BYTES", "ValkeyBlockStore", "header_key", "key_slot", "make_cli
 
 #: Most payload bytes one request (a part of a call) carries: small blocks share a
 #: round trip, large ones spread over the threads.
-PART_BYTES: Final = 4 << 20
+PART_BYTES: Final = 1 << 20
 
 log = logging.getLogger(__name__)
 #: Warnings a caller (or a bug) can repeat per block: one line per kind per interval.
@@ -214,26 +214,30 @@ class ValkeyBlockStore:
             return [False] * n
         self._n.add(puts=n)
         out = [False] * n
-        raws: list[bytes | None] = [None] * n
-        for i in range(n):
+        expiry = self._hold if keep else self._ttl
+
+        def put(breaker: CircuitBreaker, part: list[int]) -> list[bool]:
+            return self._put_part(breaker, part, keys, views, header, expiry)
+        self._run_parts(self._parts(keys, views, range(n)), put, out)
+        self._n.add(put_failed=out.count(False))
+        return out
+
+    def _put_part(self, breaker: CircuitBreaker, part: list[int], keys: Sequence[str],
+                  views: Sequence[memoryview], header: Sequence[BlockHeader],
+                  expiry: Any) -> list[bool]:
+        raws: dict[int, bytes] = {}
+        for i in part:  # the checksums, on this part's thread
             try:
                 raws[i] = header[i].pack(views[i])  # a caller's error is no outage
             except (ConfigError, TypeError, ValueError):
                 self._n.add(invalid_calls=1)
                 rlog.warning("put_view", "remote put %s: the view does not match its "
                              "header", keys[i])
-        ok = [i for i in range(n) if raws[i] is not None]
-        expiry = self._hold if keep else self._ttl
-
-        def put(breaker: CircuitBreaker, part: list[int]) -> list[bool]:
-            return self._put_part(breaker, part, keys, views, raws, expiry)
-        self._run_parts(self._parts(keys, views, ok), put, out)
-        self._n.add(put_failed=out.count(False))
-        return out
-
-    def _put_part(self, breaker: CircuitBreaker, part: list[int], keys: Sequence[str],
-                  views: Sequence[memoryview], raws: Sequence[bytes | None],
-                  expiry: Any) -> list[bool]:
+        if len(raws) < len(part):
+            good = [i for i in part if i in raws]
+            done = dict(zip(good, self._put_part(breaker, good, keys, views, header, expiry)
+                            if good else [], strict=True))
+            return [done.get(i, False) for i in part]
         if not self._allow(breaker, len(part)):
             return [False] * len(part)
         g = self._glide
@@ -347,10 +351,10 @@ class ValkeyBlockStore:
             out[0] = self._run_one(one, 0, failed)
             rest = self._fan_out(n - 1, lambda i: one(i + 1), failed) if n > 1 else []
             return [out[0], *rest]
-        threads = min(self.spec.threads, n)
-        if threads == 1:  # one request: on the caller's thread, no hand-off
+        if n == 1:  # one request: on the caller's thread, no hand-off
             out[0] = self._run_one(one, 0, failed)
             return out
+        threads = min(self.spec.threads, n)
 
         def chunk(t: int) -> None:
             for i in range(t, n, threads):
