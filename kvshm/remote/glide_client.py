@@ -148,6 +148,7 @@ class Shards:
         self._refresh_lock = threading.Lock()
         self.breakers: dict[str, CircuitBreaker] = {}
         self._slots: list[str] | None = None
+        self._current: frozenset[str] | None = None  # the shards of _slots
         self._known: list[tuple[str, int]] = list(spec.nodes)
         self._last_refresh = -1e9
         self.refreshes = 0
@@ -195,6 +196,7 @@ class Shards:
                     for node in (primary, *replicas):
                         known.add((node[0].decode(), int(node[1])))
                 self._slots = slots
+                self._current = frozenset(slots)
                 self._known = sorted(known)
                 self.refreshes += 1
                 return
@@ -203,8 +205,7 @@ class Shards:
 
     def current(self) -> frozenset[str] | None:
         """The shards of the slot map read last (None: none read yet, or standalone)."""
-        slots = self._slots
-        return None if slots is None else frozenset(slots)
+        return self._current
 
     def states(self) -> dict[str, str]:
         with self._lock:
