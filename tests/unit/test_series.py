@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, fields
 
+import pytest
+
 from kvshm.engine.snapshot import CoreCounters
 from kvshm.offload.counters import ManagerCounters
 from kvshm.offload.pd.manifest import PdCounters
@@ -50,3 +52,22 @@ def test_scalars_flatten_a_snapshot_by_family_name() -> None:
     assert counters["kvshm_remote_hit_blocks"] == 4
     assert "kvshm_remote_url" not in counters
     assert gauges["kvshm_cpu_tier_occupancy"] == 0.25 and gauges["kvshm_pins_held"] == 1
+
+
+def test_every_integer_counter_of_the_readiness_index_is_described() -> None:
+    """The index's statistics reach ``kvshm stats`` as ``index_<key>`` (engine snapshot):
+    each integer one needs a HELP line (a standalone and a cluster index; no server is
+    contacted: the clients connect lazily and nothing is queued)."""
+    pytest.importorskip("glide_sync")
+    from kvshm.remote.tier import RemoteSpec
+    from kvshm.remote.valkey_index import ValkeyReadyIndex
+
+    for url in ("valkey://127.0.0.1:1", "valkey+cluster://127.0.0.1:1"):
+        idx = ValkeyReadyIndex(RemoteSpec.parse(url))
+        try:
+            stats = idx.statistics()
+        finally:
+            idx.close()
+        keys = [f"kvshm_remote_index_{k}" for k, v in stats.items()
+                if isinstance(v, int) and not isinstance(v, bool)]
+        assert [k for k in keys if k not in SERIES] == []
