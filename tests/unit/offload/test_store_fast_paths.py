@@ -108,11 +108,14 @@ def test_one_group_finish_pin_equals_the_general_pin(
 @given(pairs=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 5), st.integers(0, 9)),
                       max_size=12),
        pre=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 5)), max_size=4),
-       with_depths=st.booleans())
+       with_depths=st.booleans(), events=st.booleans())
 def test_add_keys_equals_add_hashes_one_by_one(
         pairs: list[tuple[int, int, int]], pre: list[tuple[int, int]],
-        with_depths: bool) -> None:
-    pools = [BlockPool(8, enable_events=True, eviction=Eviction.DEPTH_AGED) for _ in range(2)]
+        with_depths: bool, events: bool) -> None:
+    """Without events and with depths, a completion's usual call (distinct new keys on
+    unhashed blocks) takes the bulk path; the rest the per-block loop."""
+    pools = [BlockPool(8, enable_events=events, eviction=Eviction.DEPTH_AGED)
+             for _ in range(2)]
     for pool in pools:
         pool.allocate(8)
         for b, h in pre:
@@ -128,6 +131,32 @@ def test_add_keys_equals_add_hashes_one_by_one(
             pools[1].set_depth(b, d)
     got = [([(pool.block_hashes(b), pool._blocks[b].depth) for b in range(8)],
             [pool.get_cached(h) for h in H], pool.take_events()) for pool in pools]
+    assert got[0] == got[1]
+    for pool in pools:
+        pool.check_invariants()
+
+
+@pytest.mark.parametrize(("pre", "ids", "keys"), [
+    ([(0, 1)], [2, 3], [1, 2]),  # key 1 is already block 0's: the index keeps 0 first
+    ([], [2, 2], [1, 2]),  # block 2 twice: it carries both keys
+    ([], [2, 3], [1, 1]),  # key 1 twice: blocks 2 and 3 both carry it
+    ([(2, 5)], [2, 3], [1, 2]),  # block 2 carries a hash already
+])
+def test_add_keys_bulk_path_declines_what_it_cannot_do_alike(
+        pre: list[tuple[int, int]], ids: list[int], keys: list[int]) -> None:
+    """Each case the bulk path must leave to the per-block loop, without events and
+    with depths: the same index, hashes and depths as add_hashes one by one."""
+    pools = [BlockPool(8) for _ in range(2)]
+    for pool in pools:
+        pool.allocate(8)
+        for b, h in pre:
+            pool.add_hashes(b, [H[h]])
+    pools[0].add_keys(ids, [H[k] for k in keys], [7] * len(ids))
+    for b, k in zip(ids, keys):
+        pools[1].add_hashes(b, [H[k]])
+        pools[1].set_depth(b, 7)
+    got = [([(pool.block_hashes(b), pool._blocks[b].depth) for b in range(8)],
+            [pool.get_cached(h) for h in H]) for pool in pools]
     assert got[0] == got[1]
     for pool in pools:
         pool.check_invariants()
