@@ -409,7 +409,7 @@ class StorePlanner:
             ghs = self._hashes_of(gpu_ids)
             # each GPU block carries no hash or exactly its key: (k,) per key from zip
             if ghs.count(()) + sum(map(eq, ghs, zip(keys))) == len(ghs):
-                cpu.add_keys(cpu_ids, keys, depth_list)
+                cpu.index.add_keys(cpu_ids, keys, depth_list)
                 self.counters.stored_blocks += len(cpu_ids)
                 return
         key_of = self.gs.key

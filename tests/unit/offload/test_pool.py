@@ -342,7 +342,7 @@ def test_check_invariants_names_the_broken_rule() -> None:
     with pytest.raises(AssertionError, match="index"):
         q.check_invariants()
     r = BlockPool(4)
-    r._index[H[1]] = {2: None}  # index entry the block does not carry
+    r.index.entries[H[1]] = {2: None}  # index entry the block does not carry
     with pytest.raises(AssertionError, match="entries"):
         r.check_invariants()
 

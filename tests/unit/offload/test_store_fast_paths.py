@@ -211,7 +211,7 @@ def test_index_entry_is_the_id_until_a_second_block_shares_the_hash() -> None:
     pool = BlockPool(4)
     a, b, c = pool.allocate(3)
     pool.add_keys([a], [H[0]])
-    assert pool._index[H[0]] == a and pool.get_cached(H[0]) == a
+    assert pool.index.entries[H[0]] == a and pool.get_cached(H[0]) == a
     pool.add_hashes(b, [H[0]])
     pool.add_keys([c], [H[0]])
     assert pool.cached_run([H[0]], 0, 1) == [a] and pool.num_hashes == 1
@@ -243,7 +243,7 @@ def test_allocate_takes_what_popleft_one_by_one_takes(
                 b = self._queue.popleft()
                 if b.hashes:
                     self.evictions += 1
-                    self._unindex(b)
+                    self.index.unindex(b)
                 b.ref_cnt = 1
                 out.append(b.block_id)
             return out
