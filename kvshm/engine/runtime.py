@@ -70,7 +70,8 @@ from kvshm.engine.supervision import Supervisor
 from kvshm.errors import ConfigError, StateError, TransportError, WorkerDied
 from kvshm.ipc import protocol
 from kvshm.ipc.protocol import Hello
-from kvshm.ipc.rendezvous import EventKind, RendezvousEvent, RendezvousServer
+from kvshm.ipc.rendezvous import RendezvousServer
+from kvshm.ipc.rendezvous_events import EventKind, RendezvousEvent
 from kvshm.ipc.ring_pair import RevokeReason
 from kvshm.ipc.sched_channel import SchedulerChannel
 from kvshm.offload.manager import OffloadManager

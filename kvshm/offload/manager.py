@@ -54,7 +54,7 @@ from kvshm.offload.groups import GroupSet, cdiv
 from kvshm.offload.hits import Hit, assign, find_hit, guess_dests, refresh_prefix
 from kvshm.offload.inputs import View, for_pool
 from kvshm.offload.invariants import Parts, check_parts, recorded_pins
-from kvshm.offload.jobs import JobTable, LoadPart
+from kvshm.offload.jobs import JobTable, LoadPart, Selection
 from kvshm.offload.loads import LoadBook
 from kvshm.offload.outcomes import JobOutcomes
 from kvshm.offload.pd.manifest import handoff_extent, is_handoff
@@ -62,7 +62,7 @@ from kvshm.offload.pool import BlockPool
 from kvshm.offload.remote import RemoteBook
 from kvshm.offload.requests import ReqState, RequestTracker, is_remote
 from kvshm.offload.side_stores import lazy_scan, pin_tail
-from kvshm.offload.stores import Selection, StorePlanner
+from kvshm.offload.stores import StorePlanner
 from kvshm.types import (
     GpuBlocks,
     KVGroup,

@@ -38,16 +38,15 @@ from kvshm.errors import ConfigError, PoolExhausted
 from kvshm.hashing import BlockHash
 from kvshm.offload.blocks import (
     Block,
-    BlockRemoved,
-    BlockStored,
     FreeBlockQueue,
+    FreeSet,
     PoolEvent,
     check_pool,
 )
-from kvshm.offload.evict import FreeSet, make_free_set
+from kvshm.offload.evict import make_free_set
 from kvshm.offload.pool_index import HashIndex
 
-__all__ = ["BlockPool", "BlockRemoved", "BlockStored", "PoolEvent"]
+__all__ = ["BlockPool"]
 
 
 class BlockPool:

@@ -49,7 +49,7 @@ from kvshm.offload.jobs import Cand, Selection, StoreJob
 from kvshm.offload.pool import BlockPool
 from kvshm.types import GpuBlocks
 
-__all__ = ["Cand", "Cursor", "Selection", "StorePlanner"]
+__all__ = ["Cursor", "StorePlanner"]
 
 
 class Cursor(Protocol):

@@ -52,7 +52,6 @@ from kvshm.remote.glide_client import (
     expiry_of,
     glide_module,
     header_key,
-    key_slot,
     make_client,
     too_long,
 )
@@ -64,7 +63,7 @@ from kvshm.remote.tier import (
     header_checksum_id,
 )
 
-__all__ = ["ValkeyBlockStore", "header_key", "key_slot", "make_client"]
+__all__ = ["ValkeyBlockStore"]
 
 log = logging.getLogger(__name__)
 #: Warnings a caller (or a bug) can repeat per block: one line per kind per interval.

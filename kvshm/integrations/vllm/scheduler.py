@@ -78,8 +78,7 @@ from kvshm.integrations.vllm.tails import request_tail_hash
 from kvshm.ipc.protocol import unpack_ids
 from kvshm.types import RequestView, ScheduledRequest, StepInput, StepPlan, no_new_blocks
 
-# StepMeta and SchedulerCounters live in records.py; re-exported here, where they were.
-__all__ = ["SchedulerCounters", "SchedulerSide", "StepMeta"]
+__all__ = ["SchedulerSide"]
 
 log = logging.getLogger("kvshm.vllm")
 

@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvshm.errors import ConfigError, PoolExhausted, StateError
-from kvshm.offload.blocks import Block, FreeBlockQueue
-from kvshm.offload.pool import BlockPool, BlockRemoved, BlockStored
+from kvshm.offload.blocks import Block, BlockRemoved, BlockStored, FreeBlockQueue
+from kvshm.offload.pool import BlockPool
 
 H = [bytes([i]) * 16 for i in range(16)]
 

@@ -18,8 +18,9 @@ from kvshm.offload.blocks import Block, FreeBlockQueue
 from kvshm.offload.counters import ManagerCounters
 from kvshm.offload.evict import DepthAged
 from kvshm.offload.groups import GroupSet
+from kvshm.offload.jobs import Selection
 from kvshm.offload.pool import BlockPool
-from kvshm.offload.stores import Selection, StorePlanner
+from kvshm.offload.stores import StorePlanner
 from kvshm.types import KVGroup
 
 H = [bytes([i]) * 16 for i in range(12)]
