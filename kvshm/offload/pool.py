@@ -238,8 +238,12 @@ class BlockPool:
     # ---- the hash index (self.index) ---------------------------------------------
 
     def block_hashes(self, block_id: int) -> tuple[BlockHash, ...]:
-        """The hashes ``block_id`` is indexed under, in the order added; () if none."""
-        return self.index.block_hashes(block_id)
+        """The hashes ``block_id`` is indexed under, in the order added; () if none (the
+        ``GpuBlocks`` read a store makes per block: the record read here, no hand-over)."""
+        blocks = self._blocks
+        if not 0 <= block_id < len(blocks):
+            raise ConfigError(f"unknown block id {block_id!r} (pool has {len(blocks)} blocks)")
+        return blocks[block_id].hashes
 
     def add_hashes(self, block_id: int, hashes: Iterable[BlockHash]) -> None:
         """:meth:`HashIndex.add_hashes`: index ``block_id`` under each hash."""
