@@ -25,6 +25,8 @@ CASES: dict[str, tuple[list[str], set[str]]] = {
     "bench_acks": (["--requests", "20", "--blocks", "2", "--row", "4096", "--inflight", "4"],
                    {"ack_p50_ms", "ack_p99_ms", "ack_p999_ms", "ack_max_ms",
                     "max_stall_gap_ms", "jobs", "wall_s"}),
+    "bench_disk": (["--part", "slab", "--sizes", "128K,256K", "--total-mib", "2", "--runs",
+                    "2", "--threads", "2", "--no-vllm"], {"slab"}),
 }
 
 
@@ -47,6 +49,8 @@ def test_benchmark_runs_and_ends_with_its_json_line(tool: str) -> None:
         assert all(v > 0 for v in summary["us_per_step"].values())
     elif tool == "bench_copy":
         assert summary["cpu_ratio_block"] > 0 and summary["cpu_ratio_frag"] > 0
+    elif tool == "bench_disk":
+        _check_bench_disk(summary["slab"], vllm=False)
     elif tool == "bench_acks":
         # a store and a load a request; requests stepping together may share a job
         assert 20 <= summary["jobs"] <= 40
@@ -55,3 +59,25 @@ def test_benchmark_runs_and_ends_with_its_json_line(tool: str) -> None:
         assert set(summary["rtt_us"]) == {f"{c}_{m}" for c in ("kvshm", "zmq", "mp")
                                           for m in ("cold", "hot")}
         assert all(v > 0 for v in summary["events_per_s"].values())
+
+
+def _check_bench_disk(slab: dict[str, Any], *, vllm: bool) -> None:
+    assert set(slab) >= {"128KiB", "256KiB", "targets", "threads", "vllm_o_direct"}
+    for size in ("128KiB", "256KiB"):
+        for op in ("write", "read"):
+            row = slab[size][op]
+            assert 0 < row["slab"][0] <= row["slab"][1] <= row["slab"][2]
+            assert row["raw"][0] > 0 and row["slab_vs_raw"][1] > 0
+            assert (row["vllm"] is not None) is vllm
+        assert slab[size]["bounce"] == 0  # page-aligned host rows: zero-copy O_DIRECT
+    assert len(slab["targets"]) == (8 if vllm else 4)
+
+
+@pytest.mark.vllm
+def test_bench_disk_measures_vllms_fs_tier_too() -> None:
+    """Part (a) with vLLM's own fs tier calls on the same blocks (8 s of vLLM import)."""
+    pytest.importorskip("vllm.v1.kv_offload.tiering.fs.io")
+    summary = _run("bench_disk", ["--sizes", "128K,256K", "--total-mib", "2", "--runs", "1",
+                                  "--threads", "1"])
+    _check_bench_disk(summary["slab"], vllm=True)
+    assert isinstance(summary["slab"]["vllm_o_direct"], bool)  # its own O_DIRECT probe

@@ -6,13 +6,13 @@ methods that service the link, so the public per-step API stays in one short mod
 
 State (single-threaded, like the Worker): ``_phase`` (:class:`~workers.phases.Phase`),
 ``_session`` (None until Ready), ``_client`` (the rendezvous socket: the lifeline),
-``_queue`` (Transfers per direction, Flushes, Remote jobs), ``_dones`` (every Done passes
+``_queue`` (Transfers per direction, Flushes, Remote and Disk jobs), ``_dones`` (every Done passes
 through it once: :mod:`workers.done_book`), ``_gate`` (the revocation word, read before
 any copy starts and before any Done is published).
 
 Ordering of one pump (:meth:`WorkerLink._pump`): revocation word first (nothing more
 happens once set), then the heartbeat, the lifeline, the ring's commands, the Remote
-jobs that arrived (they run on arrival), then the Dones of finished work, then an EOF
+and Disk jobs that arrived (they run on arrival), then the Dones of finished work, then an EOF
 seen on the lifeline (so the commands that came before it are handled first).
 """
 
@@ -74,6 +74,8 @@ class WorkerLink:
         if self._session is not None:
             self._gate = RevocationGate(self._session)
             self._session.engine.set_gate(self._gate.may_copy)
+            if self._session.disk is not None:
+                self._session.disk.set_gate(self._gate.may_copy)
             self._phase = Phase.READY
         elif self._client is not None:
             self._phase = Phase.CONNECTING
@@ -95,6 +97,7 @@ class WorkerLink:
             self._lost(exc)
             return
         self._run_remote()
+        self._run_disk()
         self._collect()
         if not alive:
             self._lost(PeerDied(f"kvshm scheduler {self.name!r} closed the connection"))
@@ -135,10 +138,11 @@ class WorkerLink:
             pass
 
     def _collect(self) -> None:
-        """Finished copies and remote jobs -> the book; send."""
+        """Finished copies, remote and disk jobs -> the book; send."""
         assert self._session is not None
-        mover = self._session.remote
-        self._report(self._session.engine.poll() + (mover.poll() if mover else []))
+        mover, disk = self._session.remote, self._session.disk
+        self._report(self._session.engine.poll() + (mover.poll() if mover else [])
+                     + (disk.poll() if disk else []))
 
     def _run_remote(self) -> None:
         """Remote jobs run on arrival (:mod:`workers.remote_mover`); without a remote
@@ -153,6 +157,21 @@ class WorkerLink:
                 continue
             self._dones.started(job.job_id)
             mover.submit(job)
+
+    def _run_disk(self) -> None:
+        """Disk jobs run on arrival (:mod:`workers.disk_mover`); without a disk tier in
+        Ready, with a slab that did not open here, or once revoked, each fails at once."""
+        assert self._session is not None
+        disk = self._session.disk
+        for job in self._queue.take_disk():
+            if disk is None or self._check_revoked():
+                self._counts["disk_jobs_refused"] += 1
+                why = (f"rank {self.rank} revoked" if disk is not None
+                       else self._session.disk_error or "no disk tier")
+                self._record([Done(job.job_id, self.rank, False, f"DiskError: {why}")])
+                continue
+            self._dones.started(job.job_id)
+            disk.submit(job)
 
     def _record(self, dones: list[Done], *, local: bool = True) -> list[Done]:
         """Into the book (outbox only while linked); see :mod:`workers.done_book`."""
@@ -178,6 +197,7 @@ class WorkerLink:
     def _fail_queued(self, why: str) -> None:
         ids = [t.job_id for t in self._queue.take_all()]
         ids += [r.job_id for r in self._queue.take_remote()]
+        ids += [d.job_id for d in self._queue.take_disk()]
         failed = [Done(i, self.rank, False, f"CopyError: rank {self.rank} {why}") for i in ids]
         if failed:
             self._counts["jobs_failed_unrun"] += len(failed)
@@ -194,6 +214,8 @@ class WorkerLink:
         self._session.engine.cancel_queued()
         if self._session.remote is not None:
             self._session.remote.cancel_queued("rank revoked")
+        if self._session.disk is not None:
+            self._session.disk.cancel_queued("rank revoked")
         self._detach(DetachReason.REVOKED, RankRevoked(
             f"kvshm scheduler {self.name!r} declared rank {self.rank} dead "
             f"({why.name.lower()}); this rank does no more work for it"))

@@ -13,7 +13,9 @@ CUDA IPC by :mod:`kvshm.cuda_ipc`; each must be on the device the worker was sta
 for, ``SessionOptions.device``), checks the layout against ``Ready.layout``, maps the ring
 segment, the host pool, builds the :class:`~kvshm.ipc.worker_channel.WorkerChannel` (lifeline = the
 rendezvous socket) and the copy engine (CUDA for a CUDA layout, else CPU), whose
-completion eventfd the channel watches, so a finished copy wakes a parked receive.
+completion eventfd the channel watches, so a finished copy wakes a parked receive; then
+the remote-tier and disk-tier movers where Ready names those tiers (a tier that cannot be
+opened here is no mover plus the reason: its jobs fail, the session stands).
 
 fd ownership: every fd of the ``Ready`` is owned by the session from the call on. Each is
 either consumed by exactly one object (segment, host pool, channel, device tensor) or
@@ -46,6 +48,7 @@ from kvshm.shm import Segment, map_segment, tensor_from_fd
 from kvshm.types import DeviceKind
 from workers.copy_engine import CopyEngine
 from workers.cpu_copy import CpuCopyEngine, FaultInjection
+from workers.disk_mover import DiskMover
 from workers.host_pool import HostPool
 from workers.remote_mover import RemoteMover
 
@@ -83,6 +86,10 @@ class Session:
     remote: RemoteMover | None = None
     #: Why Ready named a remote tier but there is no mover (every remote job fails).
     remote_error: str | None = None
+    #: The disk-tier mover (this rank's slab file), where Ready names a disk tier.
+    disk: DiskMover | None = None
+    #: Why Ready named a disk tier but there is no mover (every Disk job fails).
+    disk_error: str | None = None
 
     def close_link(self) -> None:
         """Close the channel (worker state STOPPED, eventfds) and the ring segment."""
@@ -102,11 +109,15 @@ class Session:
         self.close_link()
         if self.remote is not None:
             self.remote.close()  # its running job ends first: no thread touches a row
+        if self.disk is not None:
+            self.disk.close()  # likewise its running slots; then the slab closes
         self.engine.close()
         self.notify_fd = None
         self.host.close()
         if self.remote is not None:
             self.remote.release()
+        if self.disk is not None:
+            self.disk.release()
 
     def channel_stats(self) -> ChannelStats | None:
         """The channel's counters (the last snapshot once the link is closed)."""
@@ -202,6 +213,7 @@ def open_session(ready: Ready, fds: Sequence[int], *, layout: KVLayout | None,
     seg: Segment | None = None
     host: HostPool | None = None
     channel: WorkerChannel | None = None
+    disk: DiskMover | None = None
     try:
         want = ready_fd_count(ready)
         if len(fds) != want:
@@ -229,8 +241,14 @@ def open_session(ready: Ready, fds: Sequence[int], *, layout: KVLayout | None,
         mover, remote_error = _make_mover(ready, host, world_size)
         if mover is not None:
             channel.watch(mover.notify_fd())
+        disk, disk_error = _make_disk(ready, host, world_size)
+        if disk is not None:
+            channel.watch(disk.notify_fd())
     except BaseException:
         owned.close_rest()
+        if disk is not None:
+            disk.close()
+            disk.release()
         if channel is not None:
             channel.close()
         if host is not None:
@@ -239,7 +257,7 @@ def open_session(ready: Ready, fds: Sequence[int], *, layout: KVLayout | None,
             seg.close()
         raise
     return Session(ready, dev, host, engine, notify_fd, channel, seg, remote=mover,
-                   remote_error=remote_error)
+                   remote_error=remote_error, disk=disk, disk_error=disk_error)
 
 
 def _make_mover(ready: Ready, host: HostPool,
@@ -257,6 +275,19 @@ def _make_mover(ready: Ready, host: HostPool,
     except (ImportError, KvshmError) as exc:
         return None, f"{type(exc).__name__}: {exc}"
     return RemoteMover(ready.rank, world_size, ready.remote, host, store), None
+
+
+def _make_disk(ready: Ready, host: HostPool,
+               world_size: int) -> tuple[DiskMover | None, str | None]:
+    """The disk-tier mover if Ready names a disk tier, else (None, None). Where its slab
+    cannot be opened here (no space, O_DIRECT refused, another engine holds it) there is
+    none and the reason is returned: every Disk job then fails (failure = miss)."""
+    if ready.disk is None:
+        return None, None
+    try:
+        return DiskMover(ready.rank, world_size, ready.disk, host), None
+    except (KvshmError, OSError) as exc:
+        return None, f"{type(exc).__name__}: {exc}"
 
 
 class Connector:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection, Iterable
 
-from kvshm.ipc.protocol import Direction, Flush, Remote, Shutdown, Transfer, unpack_ids
+from kvshm.ipc.protocol import Direction, Disk, Flush, Remote, Shutdown, Transfer, unpack_ids
 
 __all__ = ["StepQueue"]
 
@@ -25,14 +25,16 @@ class StepQueue:
         self._flush: dict[int, set[int]] = {}
         #: Remote jobs, in arrival order: they run on arrival (no step, no fence).
         self.remote: list[Remote] = []
+        #: Disk jobs, in arrival order: they run on arrival too.
+        self.disk: list[Disk] = []
 
     def __len__(self) -> int:
         return sum(map(len, self._q.values()))
 
     def intake(self, msgs: Iterable[object], counts: Counter[str]) -> bool:
-        """Queue the Transfers, Flushes and Remote jobs of ``msgs``, in order, counting
-        each kind (``transfers``, ``flushes``, ``remote_jobs``, ``shutdowns``,
-        ``ignored_messages``); True if a Shutdown was among them."""
+        """Queue the Transfers, Flushes, Remote and Disk jobs of ``msgs``, in order,
+        counting each kind (``transfers``, ``flushes``, ``remote_jobs``, ``disk_jobs``,
+        ``shutdowns``, ``ignored_messages``); True if a Shutdown was among them."""
         shutdown = False
         for msg in msgs:
             if isinstance(msg, Transfer):
@@ -44,6 +46,9 @@ class StepQueue:
             elif isinstance(msg, Remote):
                 counts["remote_jobs"] += 1
                 self.remote.append(msg)
+            elif isinstance(msg, Disk):
+                counts["disk_jobs"] += 1
+                self.disk.append(msg)
             elif isinstance(msg, Shutdown):
                 counts["shutdowns"] += 1
                 shutdown = True
@@ -100,4 +105,9 @@ class StepQueue:
     def take_remote(self) -> list[Remote]:
         """Remove and return the queued Remote jobs, in arrival order."""
         out, self.remote = self.remote, []
+        return out
+
+    def take_disk(self) -> list[Disk]:
+        """Remove and return the queued Disk jobs, in arrival order."""
+        out, self.disk = self.disk, []
         return out

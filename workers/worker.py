@@ -24,6 +24,8 @@ Per engine step: ``begin_step(step, flush_ids)``, ``submit_loads(step, after)``,
   jobs are finished (copy engine ``wait``) before the call returns.
 * A ``Remote`` job (CPU rows <-> the remote tier) runs on arrival, on the session's
   :class:`~workers.remote_mover.RemoteMover`; its Done takes the same path as a copy's.
+  A ``Disk`` job (CPU rows <-> this rank's slab file) likewise, on the session's
+  :class:`~workers.disk_mover.DiskMover`.
 * Every ``Done`` goes over the ``done`` ring *and* is returned once locally by
   :meth:`poll` (or by :meth:`wait` for the jobs it names): :mod:`workers.done_book`.
 * ``Shutdown``: DRAINING; a :meth:`poll` that finds nothing running and nothing queued
@@ -142,6 +144,9 @@ class Worker(WorkerLink):
             if self._session.remote is not None or self._session.remote_error:
                 out["remote"] = (self._session.remote.statistics() if self._session.remote
                                  else {"error": self._session.remote_error})
+            if self._session.disk is not None or self._session.disk_error:
+                out["disk"] = (self._session.disk.statistics() if self._session.disk
+                               else {"error": self._session.disk_error})
         return out
 
     # ------------------------------------------------------------------ per step

@@ -377,7 +377,9 @@ class Runtime:
                 self._attach_channel(rank, chan)
         cfg = self.config
         self._bytes_per_block = sum(r.ready.layout.bytes_per_block for r in prov.ranks.values())
-        self._cpu = BlockPool(prov.num_cpu_blocks, eviction=cfg.eviction)
+        # block_tokens: the adaptive order weighs a block by its tokens' prefill compute
+        self._cpu = BlockPool(prov.num_cpu_blocks, eviction=cfg.eviction,
+                              block_tokens=cfg.block_size)
         record = min(c.max_record for c in self._channels.values())
         self.manager = OffloadManager(self._cpu, self._gpu, block_size=cfg.block_size,
                                       groups=cfg.groups, world_size=cfg.world_size,

@@ -22,7 +22,8 @@ one of the orders of :mod:`kvshm.offload.evict` instead; uncached and ``evict_fi
 blocks are still taken first, and only blocks at ref 0 are ever taken.
 :meth:`refresh` counts a GPU-side reuse of cached blocks (the manager calls it for the
 engine's own prefix hit where :attr:`BlockPool.refresh_gpu_hits`); :meth:`set_depth`
-tells the orders a block's position in its prefix chain.
+tells the orders a block's position in its prefix chain, and ``block_tokens`` (tokens
+per block, 16 unless given) weighs the ``adaptive`` order's cost model.
 
 Cost: every operation is O(1) per block named (plus O(hashes) per block); nothing scans
 the pool except :meth:`drop_all_hashes` (O(hashed blocks)) and :meth:`check_invariants`.
@@ -56,18 +57,19 @@ class BlockPool:
 
     def __init__(self, num_blocks: int, *, enable_events: bool = False,
                  eviction: Eviction = Eviction.LRU,
-                 refresh_gpu_hits: bool | None = None) -> None:
+                 refresh_gpu_hits: bool | None = None, block_tokens: int = 16) -> None:
         if num_blocks < 1:
             raise ConfigError(f"num_blocks must be >= 1, got {num_blocks}")
         if not isinstance(eviction, Eviction):
             raise ConfigError(f"eviction must be an Eviction, got {eviction!r}")
         self._blocks = [Block(i) for i in range(num_blocks)]
-        self._queue: FreeBlockQueue | FreeSet = make_free_set(eviction, self._blocks,
-                                                              num_blocks)
+        self._queue: FreeBlockQueue | FreeSet = make_free_set(
+            eviction, self._blocks, num_blocks, block_tokens=block_tokens)
         self.eviction = eviction
-        self.refresh_gpu_hits = (eviction is Eviction.LRU_REFRESH
+        self.refresh_gpu_hits = (eviction in (Eviction.LRU_REFRESH, Eviction.ADAPTIVE)
                                  if refresh_gpu_hits is None else refresh_gpu_hits)
-        """The manager calls :meth:`refresh` for the engine's own prefix hits."""
+        """The manager calls :meth:`refresh` for the engine's own prefix hits (by
+        default for the orders that read them: ``lru_refresh``, ``adaptive``)."""
         self._events: list[PoolEvent] = []
         self.index = HashIndex(self._blocks, self._events if enable_events else None)
         self.evictions = 0

@@ -46,6 +46,10 @@ FORBIDDEN: dict[str, set[str]] = {
     # the remote tier (Valkey): leaves and its client packages; workers and engine use it
     "remote": {"ipc", "offload", "engine", "workers", "integrations", "demo", "app",
                "vllm", "torch"},
+    # the local disk tier's slab files (stdlib, leaves, the remote tier's checksum table):
+    # the workers move bytes with it, the scheduler side scans and checks directories
+    "disk": {"ipc", "offload", "engine", "workers", "integrations", "demo", "app", "vllm",
+             "torch", "remote"},
 }
 
 
@@ -63,7 +67,7 @@ def part_of(module: str) -> str:
     sub = rest.split(".")[0]
     if sub == "integrations" and module.endswith(".worker"):
         return "integrations-worker"
-    if sub in ("offload", "ipc", "engine", "integrations", "demo", "remote"):
+    if sub in ("offload", "ipc", "engine", "integrations", "demo", "remote", "disk"):
         return sub
     return "app"  # kvshm.cli and its commands: entry points, not a part
 
@@ -103,7 +107,7 @@ def test_the_parts_exist() -> None:
     """The table names real modules (a rename must not make it vacuous)."""
     parts = {part_of(m) for m in ALL}
     assert {"ipc", "offload", "workers", "engine", "integrations", "leaf",
-            "protocol", "remote"} <= parts
+            "protocol", "remote", "disk"} <= parts
     assert all(m in ALL for m in LEAVES - {"kvshm.worker_cli"})
 
 
@@ -229,7 +233,15 @@ def test_the_embedded_worker_loads_only_ipc_and_leaves() -> None:
     mods = loaded_by("workers.worker")
     assert "vllm" not in mods
     assert not [m for m in mods if m.split(".")[0] in ("glide", "glide_sync", "redis")]
-    assert _kvshm_parts(mods) <= {"workers", "ipc", "protocol", "leaf", "remote"}
+    assert _kvshm_parts(mods) <= {"workers", "ipc", "protocol", "leaf", "remote", "disk"}
+
+
+def test_the_disk_tier_loads_no_torch_and_no_transport() -> None:
+    """kvshm.disk (the slab format, scan, check_directory) is stdlib plus leaves: the
+    scheduler side may call it without loading torch or the worker side."""
+    mods = loaded_by("kvshm.disk")
+    assert not {"torch", "asyncio", "vllm"} & mods
+    assert _kvshm_parts(mods) <= {"disk", "leaf"}
 
 
 def test_the_scheduler_side_loads_neither_workers_nor_vllm() -> None:

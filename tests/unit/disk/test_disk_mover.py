@@ -1,0 +1,143 @@
+"""workers.disk_mover.DiskMover in one process: real host pools (memfd), real slab files
+under tmp_path, real threads. Its counters (the numbers a rank reports under
+``statistics()["disk"]``), and every way a job fails without touching the disk: a
+malformed job, a revoked rank (the gate), a closed mover."""
+
+from __future__ import annotations
+
+import hashlib
+import select
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvshm.disk import PAGE, SlabSpec
+from kvshm.ipc.protocol import Disk, DiskOp, DiskSetup, Done, LayoutSpec, RegionSpec, pack_ids
+from workers.disk_mover import DiskMover
+from workers.host_pool import HostPool
+
+FP = "mover-test.fp16.bs16"
+BLOCKS = 16
+
+
+def pool(region_bytes: tuple[int, ...], seed: int) -> HostPool:
+    spec = LayoutSpec(tuple(RegionSpec(b, BLOCKS, "uint8") for b in region_bytes))
+    p = HostPool.for_tests(spec, BLOCKS, pin=False)
+    g = torch.Generator().manual_seed(seed)
+    for r in p.regions:
+        r.copy_(torch.randint(0, 256, tuple(r.shape), dtype=torch.uint8, generator=g))
+    return p
+
+
+def hashes(n: int) -> list[bytes]:
+    return [hashlib.sha256(bytes([k])).digest() for k in range(n)]
+
+
+def job(job_id: int, op: DiskOp, rows: list[int], slots: list[int], hs: list[bytes],
+        hash_len: int | None = None) -> Disk:
+    return Disk(job_id, op, pack_ids(rows), pack_ids(slots), b"".join(hs),
+                len(hs[0]) if hash_len is None else hash_len)
+
+
+def wait(mover: DiskMover, n: int = 1) -> list[Done]:
+    got: list[Done] = []
+    while len(got) < n:
+        ready, _, _ = select.select([mover.notify_fd()], [], [], 10.0)
+        assert ready, f"only {got} of {n} Dones"
+        got += mover.poll()
+    return got
+
+
+@pytest.fixture
+def movers() -> Iterator[list[DiskMover]]:
+    made: list[DiskMover] = []
+    yield made
+    for m in made:
+        m.close()
+        m.release()
+
+
+def make(movers: list[DiskMover], tmp_path: Path, p: HostPool, **kw: int) -> DiskMover:
+    m = DiskMover(0, 1, DiskSetup(str(tmp_path / "m.slab"), 8, FP, True), p, **kw)
+    movers.append(m)
+    return m
+
+
+@pytest.mark.parametrize("regions,bounced", [((PAGE, 2 * PAGE), False), ((1000, 3000), True)],
+                         ids=["aligned", "unaligned"])
+def test_round_trip_and_counters(tmp_path: Path, movers: list[DiskMover],
+                                 regions: tuple[int, ...], bounced: bool) -> None:
+    src = pool(regions, seed=1)
+    m = make(movers, tmp_path, src, threads=3)
+    hs = hashes(6)
+    m.submit(job(1, DiskOp.WRITE, [0, 1, 2, 3, 4, 5], [7, 6, 5, 0, 1, 2], hs))
+    assert wait(m) == [Done(1, 0, True)]
+    m.submit(job(2, DiskOp.READ, [10, 11, 12, 13, 14, 15], [7, 6, 5, 0, 1, 2], hs))
+    assert wait(m) == [Done(2, 0, True)]
+    for r in src.regions:
+        assert torch.equal(r[10:16], r[0:6])
+    st = m.statistics()
+    assert st["writes"] == st["reads"] == 6 and st["failures"] == 0
+    assert st["bytes_written"] == st["bytes_read"] == 6 * sum(regions)
+    assert (st["bounce"] == 12) is bounced and (st["bounce"] == 0) is not bounced
+    assert st["jobs_ok"] == 2 and st["direct"] is True and st["slots"] == 8
+
+
+def test_a_bad_slot_fails_the_read_naming_crc_and_header(tmp_path: Path,
+                                                        movers: list[DiskMover]) -> None:
+    p = pool((PAGE,), seed=2)
+    m = make(movers, tmp_path, p)
+    hs = hashes(3)
+    m.submit(job(1, DiskOp.WRITE, [0, 1, 2], [0, 1, 2], hs))
+    assert wait(m)[0].ok
+    off = SlabSpec(FP, 0, 1, 8, PAGE).slot_offset(1) + PAGE + 100
+    with open(tmp_path / "m.slab", "r+b") as f:
+        f.seek(off)
+        f.write(b"\xff\x00\xff")
+    m.submit(job(2, DiskOp.READ, [5, 6, 7, 8], [0, 1, 2, 3], [hs[0], hs[1], hs[0], hs[0]]))
+    [done] = wait(m)
+    assert not done.ok
+    assert done.error == "DiskError: READ of 4 slot(s): 1 ok, 1 crc, 1 empty, 1 header"
+    st = m.statistics()
+    assert st["crc_mismatch"] == st["bad_header"] == st["empty"] == 1
+    assert st["failures"] == 3 and st["jobs_failed"] == 1
+
+
+@pytest.mark.parametrize("bad,why", [
+    (Disk(1, DiskOp.WRITE, pack_ids([0, 1]), pack_ids([0]), b"x" * 64, 32), "2 rows but 1 slots"),
+    (Disk(1, DiskOp.WRITE, pack_ids([0]), pack_ids([0]), b"x" * 65, 65), "hash_len 65"),
+    (Disk(1, DiskOp.WRITE, pack_ids([0]), pack_ids([0]), b"", 0), "hash_len 0"),
+    (Disk(1, DiskOp.READ, pack_ids([BLOCKS]), pack_ids([0]), b"x" * 8, 8), "CPU row out of range"),
+    (Disk(1, DiskOp.READ, pack_ids([0]), pack_ids([8]), b"x" * 8, 8), "slot out of range"),
+    (Disk(1, DiskOp.READ, b"\x00\x01\x02", pack_ids([0]), b"x" * 8, 8), "not a multiple of 4"),
+])
+def test_a_malformed_job_fails_at_once_with_the_reason(tmp_path: Path, movers: list[DiskMover],
+                                                        bad: Disk, why: str) -> None:
+    m = make(movers, tmp_path, pool((PAGE,), seed=3))
+    m.submit(bad)
+    [done] = wait(m)
+    assert not done.ok and why in done.error and done.error.startswith("DiskError: ")
+    assert m.statistics()["bad_jobs"] == 1 and m.statistics().get("writes", 0) == 0
+
+
+def test_a_revoked_rank_touches_no_slot(tmp_path: Path, movers: list[DiskMover]) -> None:
+    m = make(movers, tmp_path, pool((PAGE,), seed=4))
+    m.set_gate(lambda: False)
+    m.submit(job(1, DiskOp.WRITE, [0, 1], [0, 1], hashes(2)))
+    [done] = wait(m)
+    assert not done.ok and "2 revoked" in done.error and "rank revoked" in done.error
+    st = m.statistics()
+    assert st.get("writes", 0) == 0 and st["slots_refused"] == 2
+
+
+def test_a_closed_mover_refuses_jobs_and_an_empty_job_is_ok(tmp_path: Path,
+                                                           movers: list[DiskMover]) -> None:
+    m = make(movers, tmp_path, pool((PAGE,), seed=5))
+    m.submit(Disk(1, DiskOp.READ, b"", b"", b"", 32))
+    assert wait(m) == [Done(1, 0, True)]
+    m.close()
+    m.submit(job(2, DiskOp.WRITE, [0], [0], hashes(1)))
+    assert m.poll() == [Done(2, 0, False, "DiskError: mover closed")]
+    assert m.statistics()["jobs_refused"] == 1

@@ -1,0 +1,352 @@
+"""kvshm.disk.slab: the slab file format on this machine's disk (real files under
+pytest's tmp_path, real O_DIRECT and buffered I/O, real torch tensors as rows): round
+trips bit-exact with one and two regions, zero-copy vs bounce, scan, every way a slot
+reads as a miss (empty, torn, another block, a corrupted payload), the open's refusals
+(no space, another holder) and check_directory's four refusals."""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import logging
+import os
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from kvshm.disk import (
+    PAGE,
+    SlabFile,
+    SlabLocked,
+    SlabSpec,
+    SlotOutcome,
+    check_directory,
+    scan,
+    slab_path,
+)
+from kvshm.errors import ConfigError
+
+FP = "test-model.bf16.bs16"
+H_A, H_B = b"\xaa" * 32, b"\xbb" * 32
+
+
+def view(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous uint8 tensor (as the disk mover makes)."""
+    assert t.dtype is torch.uint8 and t.is_contiguous()
+    return memoryview((ctypes.c_char * t.numel()).from_address(t.data_ptr())).cast("B")
+
+
+def aligned(n: int) -> torch.Tensor:
+    """``n`` bytes at a PAGE-aligned address (a slice of a larger tensor)."""
+    raw = torch.zeros(n + PAGE, dtype=torch.uint8)
+    skip = (-raw.data_ptr()) % PAGE
+    return raw[skip:skip + n]
+
+
+def rand_rows(sizes: tuple[int, ...], seed: int, *,
+              page_aligned: bool = True) -> list[torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for n in sizes:
+        t = aligned(n) if page_aligned else torch.empty(n + 1, dtype=torch.uint8)[1:]
+        t.copy_(torch.randint(0, 256, (n,), dtype=torch.uint8, generator=g))
+        out.append(t)
+    return out
+
+
+def blank(sizes: tuple[int, ...], *, page_aligned: bool = True) -> list[torch.Tensor]:
+    return [aligned(n) if page_aligned else torch.zeros(n + 1, dtype=torch.uint8)[1:]
+            for n in sizes]
+
+
+@pytest.fixture
+def slab(tmp_path: Path) -> Iterator[SlabFile]:
+    s = SlabFile.open(str(tmp_path / "s.slab"), SlabSpec(FP, 0, 1, 8, 3 * PAGE), direct=True)
+    yield s
+    s.close()
+
+
+@pytest.mark.parametrize("direct", [True, False])
+@pytest.mark.parametrize("sizes", [(3 * PAGE,), (PAGE, 2 * PAGE)], ids=["1region", "2regions"])
+def test_round_trip_is_bit_exact(tmp_path: Path, sizes: tuple[int, ...], direct: bool) -> None:
+    spec = SlabSpec(FP, 1, 2, 6, sum(sizes))
+    src = rand_rows(sizes, seed=1)
+    with_path = str(tmp_path / "s.slab")
+    s = SlabFile.open(with_path, spec, direct=direct)
+    try:
+        s.write(4, [view(t) for t in src], H_A)
+        dst = blank(sizes)
+        assert s.read_into(4, [view(t) for t in dst], H_A) is SlotOutcome.HIT
+        assert all(torch.equal(a, b) for a, b in zip(src, dst))
+        assert s.counts["bounce"] == 0 and s.counts["writes"] == 1 and s.counts["reads"] == 1
+        assert s.counts["bytes_read"] == s.counts["bytes_written"] == sum(sizes)
+    finally:
+        s.close()
+    assert os.path.getsize(with_path) == spec.file_bytes == PAGE + 6 * (PAGE + sum(sizes))
+
+
+def test_unaligned_rows_go_through_the_bounce_buffer_and_are_counted(slab: SlabFile) -> None:
+    """Rows at odd addresses or of odd lengths cannot be O_DIRECT buffers: the bytes
+    travel through the one bounce buffer, still bit-exact, each slot counted once."""
+    sizes = (1000, 3 * PAGE - 1000)
+    src = rand_rows(sizes, seed=2, page_aligned=False)
+    slab.write(0, [view(t) for t in src], H_A)
+    assert slab.counts["bounce"] == 1
+    dst = blank(sizes, page_aligned=False)
+    assert slab.read_into(0, [view(t) for t in dst], H_A) is SlotOutcome.HIT
+    assert all(torch.equal(a, b) for a, b in zip(src, dst))
+    assert slab.counts["bounce"] == 2
+    # and aligned reads of that slot take no bounce
+    whole = blank((3 * PAGE,))
+    assert slab.read_into(0, [view(whole[0])], H_A) is SlotOutcome.HIT
+    assert torch.equal(whole[0], torch.cat(src)) and slab.counts["bounce"] == 2
+
+
+def test_a_bounce_read_that_misses_leaves_the_rows_alone(slab: SlabFile) -> None:
+    slab.write(1, [view(rand_rows((3 * PAGE,), seed=3)[0])], H_A)
+    dst = torch.full((3 * PAGE + 1,), 7, dtype=torch.uint8)[1:]
+    assert slab.read_into(1, [view(dst)], H_B) is SlotOutcome.BAD_HEADER
+    assert bool((dst == 7).all())
+
+
+def test_scan_finds_exactly_the_written_slots_and_ignores_another_spec(tmp_path: Path) -> None:
+    path = str(tmp_path / "s.slab")
+    spec = SlabSpec(FP, 0, 2, 10, PAGE)
+    s = SlabFile.open(path, spec, direct=True)
+    try:
+        row = rand_rows((PAGE,), seed=4)[0]
+        for slot, h in ((2, H_A), (7, H_B), (9, b"\x01" * 8)):
+            s.write(slot, [view(row)], h)
+        s.invalidate(9)
+    finally:
+        s.close()
+    assert scan(path, spec) == {2: H_A, 7: H_B}
+    for other in (SlabSpec("other-model", 0, 2, 10, PAGE), SlabSpec(FP, 1, 2, 10, PAGE),
+                  SlabSpec(FP, 0, 2, 10, 2 * PAGE), SlabSpec(FP, 0, 2, 11, PAGE)):
+        assert scan(path, other) == {}
+    assert scan(str(tmp_path / "absent.slab"), spec) == {}
+
+
+def test_reopen_keeps_the_slots_and_another_spec_reinitialises(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = str(tmp_path / "s.slab")
+    spec = SlabSpec(FP, 0, 1, 4, PAGE)
+    row = rand_rows((PAGE,), seed=5)[0]
+    with_a = SlabFile.open(path, spec, direct=True)
+    with_a.write(3, [view(row)], H_A)
+    with_a.close()
+    again = SlabFile.open(path, spec, direct=True)
+    got = blank((PAGE,))[0]
+    assert again.read_into(3, [view(got)], H_A) is SlotOutcome.HIT and torch.equal(got, row)
+    again.close()
+    other = SlabSpec("another-model", 0, 1, 4, PAGE)
+    with caplog.at_level(logging.WARNING, logger="kvshm.disk.slab"):
+        s = SlabFile.open(path, other, direct=True)
+    s.close()
+    assert [r.message for r in caplog.records if "re-initialising" in r.message]
+    assert scan(path, spec) == {} and scan(path, other) == {}
+    s = SlabFile.open(path, spec, direct=True)  # back to the first spec: nothing left
+    try:
+        assert s.read_into(3, [view(got)], H_A) is SlotOutcome.EMPTY
+    finally:
+        s.close()
+
+
+def _flip(path: str, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x01]))
+
+
+def test_a_corrupted_payload_byte_is_bad_crc_and_a_corrupted_header_bad_header(
+        slab: SlabFile) -> None:
+    row = rand_rows((3 * PAGE,), seed=6)[0]
+    slab.write(2, [view(row)], H_A)
+    slab.write(5, [view(row)], H_A)
+    off2, off5 = slab.spec.slot_offset(2), slab.spec.slot_offset(5)
+    _flip(slab.path, off2 + PAGE + 5000)
+    _flip(slab.path, off5 + 40)  # inside the header: its own CRC fails
+    got = blank((3 * PAGE,))[0]
+    assert slab.read_into(2, [view(got)], H_A) is SlotOutcome.BAD_CRC
+    assert slab.read_into(5, [view(got)], H_A) is SlotOutcome.BAD_HEADER
+    assert slab.read_into(0, [view(got)], H_A) is SlotOutcome.EMPTY
+    assert slab.counts["crc_mismatch"] == 1 and slab.counts["bad_header"] == 1
+    assert slab.counts["empty"] == 1 and slab.counts["reads"] == 0
+
+
+def test_a_header_copied_into_another_slot_is_not_that_slots(slab: SlabFile) -> None:
+    row = rand_rows((3 * PAGE,), seed=7)[0]
+    slab.write(1, [view(row)], H_A)
+    with open(slab.path, "r+b") as f:  # copy slot 1 (header and payload) over slot 6
+        f.seek(slab.spec.slot_offset(1))
+        whole = f.read(slab.spec.slot_stride)
+        f.seek(slab.spec.slot_offset(6))
+        f.write(whole)
+    got = blank((3 * PAGE,))[0]
+    assert slab.read_into(6, [view(got)], H_A) is SlotOutcome.BAD_HEADER
+
+
+def test_torn_writes_never_read_as_a_hit(slab: SlabFile) -> None:
+    """The states a write can stop in (module docstring), made by hand on the file:
+    (1) the new block's payload landed behind a zeroed header (killed before the header
+    write): EMPTY; (2) a power loss kept block A's header but B's payload: BAD_CRC for
+    A, BAD_HEADER for B; (3) half a header page: BAD_HEADER."""
+    a, b = rand_rows((3 * PAGE,), seed=8)[0], rand_rows((3 * PAGE,), seed=9)[0]
+    off = slab.spec.slot_offset(3)
+    slab.write(3, [view(a)], H_A)
+    with open(slab.path, "r+b") as f:
+        f.seek(off)
+        f.write(bytes(PAGE) + b.numpy().tobytes())
+    got = blank((3 * PAGE,))[0]
+    assert slab.read_into(3, [view(got)], H_B) is SlotOutcome.EMPTY
+    assert slab.read_into(3, [view(got)], H_A) is SlotOutcome.EMPTY
+
+    slab.write(3, [view(a)], H_A)
+    with open(slab.path, "r+b") as f:
+        f.seek(off + PAGE)
+        f.write(b.numpy().tobytes())
+    assert slab.read_into(3, [view(got)], H_A) is SlotOutcome.BAD_CRC
+    assert slab.read_into(3, [view(got)], H_B) is SlotOutcome.BAD_HEADER
+
+    slab.write(3, [view(b)], H_B)
+    with open(slab.path, "r+b") as f:
+        f.seek(off + 64)
+        f.write(bytes(64))
+    assert slab.read_into(3, [view(got)], H_B) is SlotOutcome.BAD_HEADER
+
+
+def test_bad_input_is_a_config_error(slab: SlabFile) -> None:
+    row = rand_rows((3 * PAGE,), seed=10)[0]
+    with pytest.raises(ConfigError, match="out of range"):
+        slab.write(8, [view(row)], H_A)
+    with pytest.raises(ConfigError, match="rows hold"):
+        slab.write(0, [view(row[:PAGE])], H_A)
+    with pytest.raises(ConfigError, match="block hash"):
+        slab.write(0, [view(row)], b"x" * 65)
+
+
+def test_a_second_opener_is_refused(slab: SlabFile) -> None:
+    with pytest.raises(SlabLocked, match="in use by another engine"):
+        SlabFile.open(slab.path, slab.spec, direct=True)
+
+
+def test_slab_path_refuses_names_with_separators(tmp_path: Path) -> None:
+    assert slab_path(str(tmp_path), "eng-1", 1, 2).endswith("kvshm-eng-1.rank1-of-2.slab")
+    for bad in ("a/b", "..", ".", "", "x\0y"):
+        with pytest.raises(ConfigError, match="cannot name a slab file"):
+            slab_path(str(tmp_path), bad, 0, 1)
+
+
+def test_open_without_the_space_is_refused_naming_the_size(tmp_path: Path) -> None:
+    """A slab larger than the directory's free space (read here: twice the filesystem's
+    whole size, so no other process freeing space can make it fit) is refused before any
+    allocation, and leaves no file."""
+    st = os.statvfs(tmp_path)
+    slots = 2 * st.f_blocks * st.f_frsize // (PAGE + PAGE)
+    spec = SlabSpec(FP, 0, 1, slots, PAGE)
+    path = tmp_path / "big.slab"
+    with pytest.raises(ConfigError, match=f"cannot allocate {spec.file_bytes} bytes"):
+        SlabFile.open(str(path), spec, direct=True)
+    assert not path.exists()
+
+
+def test_enospc_from_fallocate_is_a_config_error(tmp_path: Path,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """The space went between the check and the allocation: posix_fallocate's ENOSPC
+    (faked at the syscall seam) is the same one-line refusal."""
+    def no_space(fd: int, off: int, n: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "posix_fallocate", no_space)
+    spec = SlabSpec(FP, 0, 1, 4, PAGE)
+    with pytest.raises(ConfigError, match=f"cannot allocate {spec.file_bytes} bytes"):
+        SlabFile.open(str(tmp_path / "s.slab"), spec, direct=True)
+    assert not (tmp_path / "s.slab").exists()
+
+
+# ---------------------------------------------------------------------------- check_directory
+
+
+def test_check_directory_passes_and_leaves_nothing(tmp_path: Path) -> None:
+    check_directory(str(tmp_path), PAGE, direct=True)
+    check_directory(str(tmp_path), PAGE, direct=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_check_directory_refuses_a_file(tmp_path: Path) -> None:
+    f = tmp_path / "f"
+    f.write_text("x")
+    with pytest.raises(ConfigError, match="is not a directory"):
+        check_directory(str(f), PAGE, direct=True)
+    with pytest.raises(ConfigError, match="is not a directory"):
+        check_directory(str(tmp_path / "missing"), PAGE, direct=True)
+
+
+@pytest.fixture
+def read_only_dir(tmp_path: Path) -> Iterator[Path]:
+    """A directory nobody can create files in: immutable (root ignores mode bits), or
+    mode 0500 for other users."""
+    d = tmp_path / "ro"
+    d.mkdir()
+    if os.geteuid() == 0:
+        chattr = shutil.which("chattr")
+        if chattr is None or subprocess.run([chattr, "+i", str(d)],
+                                            capture_output=True).returncode != 0:
+            pytest.skip("root without chattr +i: no way to make a read-only directory")
+        yield d
+        subprocess.run([chattr, "-i", str(d)], check=True)
+    else:
+        d.chmod(0o500)
+        yield d
+        d.chmod(0o700)
+
+
+def test_check_directory_refuses_a_read_only_directory(read_only_dir: Path) -> None:
+    with pytest.raises(ConfigError, match="is not writable"):
+        check_directory(str(read_only_dir), PAGE, direct=True)
+
+
+def test_check_directory_refuses_too_little_space_saying_needed_and_free(tmp_path: Path) -> None:
+    st = os.statvfs(tmp_path)
+    need = st.f_bavail * st.f_frsize + (1 << 40)
+    with pytest.raises(ConfigError, match=rf"needs {need} bytes, \d+ are free"):
+        check_directory(str(tmp_path), need, direct=True)
+
+
+def test_check_directory_counts_the_reused_slab_as_free(tmp_path: Path) -> None:
+    path = tmp_path / "s.slab"
+    with open(path, "wb") as f:
+        os.posix_fallocate(f.fileno(), 0, 1 << 20)
+    st = os.statvfs(tmp_path)
+    need = st.f_bavail * st.f_frsize + (1 << 19)
+    with pytest.raises(ConfigError, match="not enough free space"):
+        check_directory(str(tmp_path), need, direct=True)
+    check_directory(str(tmp_path), need, direct=True, reuse_path=str(path))
+
+
+def test_check_directory_refuses_a_filesystem_without_o_direct(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A filesystem that refuses O_DIRECT (open returns EINVAL, as overlayfs does; faked
+    at the syscall seam): refused with the buffered hint, unless buffered I/O was asked."""
+    real_open = os.open
+
+    def open_no_direct(path: str, flags: int, *args: int) -> int:
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(os, "open", open_no_direct)
+    with pytest.raises(ConfigError, match="refuses O_DIRECT.*set disk_io=buffered to use "
+                                          "the page cache"):
+        check_directory(str(tmp_path), PAGE, direct=True)
+    check_directory(str(tmp_path), PAGE, direct=False)
+    with pytest.raises(ConfigError, match="disk_io=buffered"):
+        SlabFile.open(str(tmp_path / "s.slab"), SlabSpec(FP, 0, 1, 2, PAGE), direct=True)
+    monkeypatch.undo()
+    assert list(tmp_path.iterdir()) == []

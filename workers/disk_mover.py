@@ -1,0 +1,289 @@
+"""A worker's disk-tier jobs: its CPU rows <-> slots of its slab file, on a few threads.
+
+A :class:`~kvshm.ipc.protocol.Disk` job names CPU rows, slots of this rank's slab file
+(:class:`~kvshm.disk.SlabFile`, opened from ``Ready.disk`` when the mover is made) and
+the block hash of each. A block's bytes on a rank are one row per region of the host
+pool; each slot's I/O is one vectored read or write straight between those rows and the
+file (O_DIRECT where the rows are page-aligned: :mod:`kvshm.disk.slab`).
+
+Ordering and threads: a job's slots are spread over a pool of ``threads`` threads, in
+runs of neighbouring slots (at most :data:`RUN`; runs of several jobs interleave).
+``submit`` never blocks and never raises: a job it cannot take (closed, malformed)
+becomes a failed Done at once. A job's Done is made by the thread that finishes its
+last slot and waits in :meth:`poll`; the eventfd :meth:`notify_fd` turns readable when
+one is there. Before each slot a thread asks the gate (:meth:`set_gate`: the rank's
+revocation word): a revoked rank starts no more slot I/O. :meth:`close` stops taking
+jobs, fails the queued slots, waits for the running ones and closes the slab: after it
+returns, no thread of this mover touches a host row.
+
+Outcome rule (the remote tier's): failure = miss = recompute. A job is ok only if every
+slot succeeded (WRITE: written; READ: a HIT); otherwise its Done names how many of each
+outcome (``crc`` and ``header`` for a READ whose slot is BAD, which is never loaded) and
+the scheduler treats the whole job as failed.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import queue
+import threading
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import torch
+
+from kvshm.disk import MAX_HASH_BYTES, SlabFile, SlabSpec, SlotOutcome
+from kvshm.ipc.protocol import Disk, DiskOp, DiskSetup, Done, ids_array
+from workers.host_pool import HostPool
+
+__all__ = ["RUN", "THREADS", "DiskMover"]
+
+#: Slot I/O threads per rank by default.
+THREADS: Final = 4
+#: Most slots of a job one thread takes at a time, in order (a job of n slots is cut into
+#: runs of ceil(n / threads), at most this many): neighbouring slots go to one thread as
+#: one stream, the threads' streams run side by side.
+RUN: Final = 8
+
+#: Counters :meth:`DiskMover.statistics` always reports (0 until they move).
+_ALWAYS: Final = ("writes", "reads", "bytes_written", "bytes_read", "failures",
+                  "crc_mismatch", "bad_header", "empty", "io_errors", "bounce", "jobs_ok",
+                  "jobs_failed", "bad_jobs")
+
+#: The outcome key of a slot that succeeded, per op.
+_GOOD: Final = {DiskOp.WRITE: "written", DiskOp.READ: SlotOutcome.HIT.value}
+
+
+@dataclass
+class _Job:
+    """One Disk job in flight: its slots' outcomes, counted as threads finish them."""
+
+    msg: Disk
+    ids: list[int]
+    slots: list[int]
+    hashes: list[bytes]
+    remaining: int
+    tally: Counter[str] = field(default_factory=Counter)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+class DiskMover:
+    """See the module docstring. Raises ConfigError (or SlabLocked) from the slab's open:
+    the caller then fails every Disk job with the reason."""
+
+    def __init__(self, rank: int, world: int, setup: DiskSetup, host: HostPool, *,
+                 threads: int = THREADS) -> None:
+        if threads < 1:
+            raise ValueError(f"threads must be >= 1, got {threads}")
+        self.rank, self.world = rank, world
+        self._host = host
+        self._spec = SlabSpec(setup.fingerprint, rank, world, setup.slots, host.bytes_per_block)
+        self._slab = SlabFile.open(setup.path, self._spec, direct=setup.direct)
+        self._regions: list[torch.Tensor] = list(host.regions)
+        self._bases = [_view(r) for r in self._regions]
+        self._row_bytes = [r.shape[1] for r in self._regions]
+        #: (job, first slot index, end): a run of a job's slots one thread does in order.
+        self._tasks: queue.SimpleQueue[tuple[_Job, int, int] | None] = queue.SimpleQueue()
+        self._nthreads = threads
+        self._done: list[Done] = []
+        self._lock = threading.Lock()
+        self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._gate: Callable[[], bool] | None = None
+        self._closed = False
+        self.counts: Counter[str] = Counter()
+        self._threads = [threading.Thread(target=self._loop, name=f"kvshm-disk-r{rank}-{i}",
+                                          daemon=True) for i in range(threads)]
+        for t in self._threads:
+            t.start()
+
+    # ------------------------------------------------------------------ worker thread
+
+    def submit(self, job: Disk) -> None:
+        """Queue ``job``'s slots (never blocks or raises: a job that cannot run is a
+        failed Done at once)."""
+        try:
+            if self._closed:
+                raise _Refused("mover closed")
+            parsed = self._parse(job)
+        except Exception as exc:  # noqa: BLE001 - a bad job fails, the rank goes on
+            self._count("bad_jobs" if not self._closed else "jobs_refused")
+            self._finish(Done(job.job_id, self.rank, False, f"DiskError: {exc}"))
+            return
+        if not parsed.slots:
+            self._finish(Done(job.job_id, self.rank, True))
+            return
+        n = len(parsed.slots)
+        run = max(1, min(RUN, -(-n // self._nthreads)))
+        for k in range(0, n, run):
+            self._tasks.put((parsed, k, min(n, k + run)))
+
+    def set_gate(self, gate: Callable[[], bool] | None) -> None:
+        """Asked before each slot's I/O (any pool thread): False = the rank was revoked,
+        the slot is not touched and its job fails."""
+        self._gate = gate
+
+    def poll(self) -> list[Done]:
+        """The Dones of the jobs finished since the last call, in finishing order; with
+        nothing finished it returns without a syscall."""
+        if not self._done:
+            return []
+        try:
+            os.eventfd_read(self._efd)
+        except BlockingIOError:
+            pass
+        with self._lock:
+            out, self._done = self._done, []
+        return out
+
+    def notify_fd(self) -> int:
+        """Readable while a Done waits in :meth:`poll`."""
+        return self._efd
+
+    def statistics(self) -> dict[str, Any]:
+        """The mover's and the slab's counters in one flat dict, plus where the slab is:
+        ``writes``, ``reads`` (HITs), ``bytes_written``, ``bytes_read``, ``failures``
+        (slots that did not succeed), ``crc_mismatch``, ``bad_header``, ``empty``,
+        ``io_errors``, ``bounce``, ``jobs_ok``, ``jobs_failed``, ``bad_jobs``..."""
+        with self._lock:
+            out: dict[str, Any] = dict.fromkeys(_ALWAYS, 0)
+            out.update(self.counts)
+        out.update(self._slab.counts)
+        out.update(path=self._slab.path, slots=self._spec.slots, direct=self._slab.direct)
+        return out
+
+    def cancel_queued(self, why: str) -> int:
+        """Fail every slot whose run has not started (running runs finish); how many."""
+        n = 0
+        while True:
+            try:
+                task = self._tasks.get_nowait()
+            except queue.Empty:
+                return n
+            if task is None:  # close()'s sentinel: put it back for a thread
+                self._tasks.put(None)
+                return n
+            job, start, end = task
+            n += end - start
+            self._count("slots_cancelled", end - start)
+            for _ in range(start, end):
+                self._slot_done(job, "cancelled", why)
+
+    def close(self) -> None:
+        """Stop (idempotent): queued slots fail, running ones finish, the slab closes."""
+        if self._closed:
+            return
+        self._closed = True
+        self.cancel_queued("mover closed")
+        for _ in self._threads:
+            self._tasks.put(None)
+        for t in self._threads:
+            t.join()
+        self.cancel_queued("mover closed")
+        self._slab.close()
+        self._bases = []
+        self._regions = []
+
+    def release(self) -> None:
+        """Close the notify fd (after :meth:`close` and a last :meth:`poll`)."""
+        if self._efd >= 0:
+            os.close(self._efd)
+            self._efd = -1
+
+    # ------------------------------------------------------------------ pool threads
+
+    def _parse(self, job: Disk) -> _Job:
+        ids, slots = list(ids_array(job.cpu_ids)), list(ids_array(job.slots))
+        n, hl = len(ids), job.hash_len
+        if len(slots) != n:
+            raise _Refused(f"{n} rows but {len(slots)} slots")
+        if not 0 < hl <= MAX_HASH_BYTES or len(job.hashes) != n * hl:
+            raise _Refused(f"{n} rows but {len(job.hashes)} hash bytes (hash_len {hl})")
+        if any(i >= self._host.num_cpu_blocks for i in ids):
+            raise _Refused(f"CPU row out of range [0, {self._host.num_cpu_blocks})")
+        if any(s >= self._spec.slots for s in slots):
+            raise _Refused(f"slot out of range [0, {self._spec.slots})")
+        DiskOp(job.op)  # ValueError for an op this side does not know
+        hashes = [job.hashes[k * hl:(k + 1) * hl] for k in range(n)]
+        return _Job(job, ids, slots, hashes, n)
+
+    def _loop(self) -> None:
+        while True:
+            task = self._tasks.get()
+            if task is None:
+                return
+            job, start, end = task
+            for k in range(start, end):
+                gate = self._gate
+                if gate is not None and not gate():
+                    self._count("slots_refused")
+                    self._slot_done(job, "revoked", "rank revoked")
+                    continue
+                try:
+                    key = self._run_slot(job, k)
+                except OSError as exc:
+                    self._count("io_errors")
+                    key = f"io_error ({exc.strerror or exc})"
+                except Exception as exc:  # noqa: BLE001 - a bug fails this slot, not the rank
+                    self._count("slot_errors")
+                    key = f"error ({type(exc).__name__}: {exc})"
+                self._slot_done(job, key, "")
+
+    def _run_slot(self, job: _Job, k: int) -> str:
+        i = job.ids[k]
+        rows = [base[i * n:(i + 1) * n] for base, n in zip(self._bases, self._row_bytes)]
+        if job.msg.op == DiskOp.WRITE:
+            self._slab.write(job.slots[k], rows, job.hashes[k])
+            return "written"
+        return self._slab.read_into(job.slots[k], rows, job.hashes[k]).value
+
+    def _slot_done(self, job: _Job, key: str, why: str) -> None:
+        with job.lock:
+            job.tally[key] += 1
+            if why:
+                job.tally[f"why:{why}"] = 1
+            job.remaining -= 1
+            last = job.remaining == 0
+        if last:
+            self._finish(self._done_of(job))
+
+    def _done_of(self, job: _Job) -> Done:
+        op = DiskOp(job.msg.op)
+        n = len(job.slots)
+        good = job.tally[_GOOD[op]]
+        self._count("failures", n - good)
+        if good == n:
+            return Done(job.msg.job_id, self.rank, True)
+        parts = [f"{v} {k}" for k, v in sorted(job.tally.items())
+                 if k != _GOOD[op] and not k.startswith("why:")]
+        why = [k[4:] for k in job.tally if k.startswith("why:")]
+        tail = f" ({'; '.join(why)})" if why else ""
+        return Done(job.msg.job_id, self.rank, False,
+                    f"DiskError: {op.name} of {n} slot(s): {good} ok, "
+                    f"{', '.join(parts)}{tail}")
+
+    def _finish(self, done: Done) -> None:
+        with self._lock:
+            self._done.append(done)
+            self.counts["jobs_ok" if done.ok else "jobs_failed"] += 1
+        if self._efd >= 0:
+            os.eventfd_write(self._efd, 1)
+
+    def _count(self, key: str, n: int = 1) -> None:
+        if n:
+            with self._lock:
+                self.counts[key] += n
+
+
+class _Refused(Exception):
+    """A Disk job that cannot run as given (its Done says why)."""
+
+
+def _view(region: torch.Tensor) -> memoryview:
+    """A writable flat byte view of a contiguous uint8 region tensor, without numpy. The
+    mover keeps the tensor (hence the mapping) alive while the view is used."""
+    assert region.dtype is torch.uint8 and region.is_contiguous()
+    buf = (ctypes.c_char * region.numel()).from_address(region.data_ptr())
+    return memoryview(buf).cast("B")
