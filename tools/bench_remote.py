@@ -62,9 +62,10 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+from kvshm.remote.glide_client import make_client
 from kvshm.remote.server import ValkeyServer
 from kvshm.remote.tier import KEY_PREFIX, BlockHeader, GetOutcome, RemoteSpec, block_key
-from kvshm.remote.valkey import ValkeyBlockStore, make_client
+from kvshm.remote.valkey import ValkeyBlockStore
 from workers.remote_mover import batch_blocks
 
 FP = "bench.remote.bs16"

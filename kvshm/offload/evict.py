@@ -11,7 +11,7 @@ that only blocks at ref 0 are ever in the free set, so a pinned or in-flight blo
 never a victim. Blocks reaching ref 0 without hashes, or with ``evict_first``, go to a
 ``fresh`` queue that every order empties first, as LRU does. Their base,
 :class:`~kvshm.offload.blocks.FreeSet` (with ``FRESH`` and ``NEW``), lives next to the
-queue in :mod:`kvshm.offload.blocks` and is re-exported here.
+queue in :mod:`kvshm.offload.blocks`.
 
 The orders (:class:`kvshm.config.Eviction`). ``python -m tools.bench_evict`` measures
 each on six workloads (:mod:`tools.workloads`) at a quarter, half and three quarters of
@@ -70,7 +70,7 @@ from kvshm.errors import ConfigError, StateError
 from kvshm.offload.blocks import FRESH, NEW, Block, FreeBlockQueue, FreeSet
 from kvshm.offload.evict_adaptive import Adaptive
 
-__all__ = ["FRESH", "NEW", "DepthAged", "FreeSet", "S3Fifo", "Slru", "make_free_set"]
+__all__ = ["DepthAged", "S3Fifo", "Slru", "make_free_set"]
 
 DEPTH_AGED_DIV = 16
 """``depth_aged``: one chain level counts as ``num_blocks // DEPTH_AGED_DIV`` ticks of

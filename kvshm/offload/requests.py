@@ -39,7 +39,8 @@ from typing import Any
 from kvshm.hashing import BlockHash
 from kvshm.offload.groups import GroupSet
 from kvshm.offload.inputs import CallCheck
-from kvshm.offload.stores import Selection, StorePlanner
+from kvshm.offload.jobs import Selection
+from kvshm.offload.stores import StorePlanner
 from kvshm.types import ScheduledRequest, no_new_blocks
 
 __all__ = ["ADMIT", "DIRTY", "EXTEND", "NEVER", "Change", "ReqState", "RequestTracker",

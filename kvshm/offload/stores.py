@@ -49,7 +49,7 @@ from kvshm.offload.jobs import Cand, Selection, StoreJob
 from kvshm.offload.pool import BlockPool
 from kvshm.types import GpuBlocks
 
-__all__ = ["Cand", "Cursor", "Selection", "StorePlanner"]
+__all__ = ["Cursor", "StorePlanner"]
 
 
 class Cursor(Protocol):
@@ -409,7 +409,7 @@ class StorePlanner:
             ghs = self._hashes_of(gpu_ids)
             # each GPU block carries no hash or exactly its key: (k,) per key from zip
             if ghs.count(()) + sum(map(eq, ghs, zip(keys))) == len(ghs):
-                cpu.add_keys(cpu_ids, keys, depth_list)
+                cpu.index.add_keys(cpu_ids, keys, depth_list)
                 self.counters.stored_blocks += len(cpu_ids)
                 return
         key_of = self.gs.key

@@ -81,7 +81,7 @@ from kvshm.remote.tier import (
     header_checksum_id,
 )
 
-__all__ = ["PART_BYTES", "ValkeyBlockStore", "header_key", "key_slot", "make_client"]
+__all__ = ["PART_BYTES", "ValkeyBlockStore"]
 
 #: Most payload bytes one request (a part of a call) carries: small blocks share a
 #: round trip, large ones spread over the threads.

@@ -12,9 +12,11 @@ from typing import Any
 
 from remote_rig import Rows
 
-from kvshm.remote import KEY_PREFIX, BlockHeader, GetOutcome, RemoteSpec, block_key
-from kvshm.remote.server import ValkeyCluster, ValkeyServer, command, parse_reply
-from kvshm.remote.valkey import PART_BYTES, ValkeyBlockStore, header_key, key_slot
+from kvshm.remote.glide_client import header_key, key_slot
+from kvshm.remote.resp import command, parse_reply
+from kvshm.remote.server import ValkeyCluster, ValkeyServer
+from kvshm.remote.tier import KEY_PREFIX, BlockHeader, GetOutcome, RemoteSpec, block_key
+from kvshm.remote.valkey import PART_BYTES, ValkeyBlockStore
 
 ROW = 128 << 10  # a TP-8 rank's shard of a block: the size batching is for
 FP = "tiny-llama.bf16.bs16.nhd"

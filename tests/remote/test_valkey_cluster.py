@@ -13,9 +13,11 @@ from typing import Any
 import pytest
 from remote_rig import Rows as RowsT
 
-from kvshm.remote import KEY_PREFIX, BlockHeader, GetOutcome, RemoteSpec, block_key, ready_key
-from kvshm.remote.server import ValkeyCluster, ValkeyServer, command, parse_reply
-from kvshm.remote.valkey import ValkeyBlockStore, key_slot
+from kvshm.remote.glide_client import key_slot
+from kvshm.remote.resp import command, parse_reply
+from kvshm.remote.server import ValkeyCluster, ValkeyServer
+from kvshm.remote.tier import KEY_PREFIX, BlockHeader, GetOutcome, RemoteSpec, block_key, ready_key
+from kvshm.remote.valkey import ValkeyBlockStore
 from kvshm.remote.valkey_index import ValkeyReadyIndex
 
 ROW = 256 << 10

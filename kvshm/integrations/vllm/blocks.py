@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from kvshm.errors import ConfigError
-from kvshm.types import BlockHash
+from kvshm.hashing import BlockHash
 
 __all__ = ["VllmGpuBlocks", "kv_regions", "plain_hash"]
 

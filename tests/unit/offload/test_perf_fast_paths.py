@@ -15,7 +15,8 @@ from kvshm.config import Eviction
 from kvshm.engine.facade import Facade
 from kvshm.errors import ConfigError
 from kvshm.integrations.vllm.blocks import VllmGpuBlocks, plain_hash
-from kvshm.offload.evict import FRESH, DepthAged
+from kvshm.offload.blocks import FRESH
+from kvshm.offload.evict import DepthAged
 from kvshm.offload.groups import GroupSet
 from kvshm.offload.hits import Hit, assign, find_hit
 from kvshm.offload.pool import BlockPool

@@ -21,8 +21,9 @@ from manager_rig import BS, Req, Rig, manager_state
 
 from kvshm.offload.counters import ManagerCounters
 from kvshm.offload.groups import GroupSet
+from kvshm.offload.jobs import Selection
 from kvshm.offload.pool import BlockPool
-from kvshm.offload.stores import Selection, StorePlanner
+from kvshm.offload.stores import StorePlanner
 from kvshm.types import KVGroup
 
 H = [bytes([i]) * 16 for i in range(12)]

@@ -18,8 +18,9 @@ from kvshm.offload.blocks import Block, FreeBlockQueue
 from kvshm.offload.counters import ManagerCounters
 from kvshm.offload.evict import DepthAged
 from kvshm.offload.groups import GroupSet
+from kvshm.offload.jobs import Selection
 from kvshm.offload.pool import BlockPool
-from kvshm.offload.stores import Selection, StorePlanner
+from kvshm.offload.stores import StorePlanner
 from kvshm.types import KVGroup
 
 H = [bytes([i]) * 16 for i in range(12)]
@@ -211,7 +212,7 @@ def test_index_entry_is_the_id_until_a_second_block_shares_the_hash() -> None:
     pool = BlockPool(4)
     a, b, c = pool.allocate(3)
     pool.add_keys([a], [H[0]])
-    assert pool._index[H[0]] == a and pool.get_cached(H[0]) == a
+    assert pool.index.entries[H[0]] == a and pool.get_cached(H[0]) == a
     pool.add_hashes(b, [H[0]])
     pool.add_keys([c], [H[0]])
     assert pool.cached_run([H[0]], 0, 1) == [a] and pool.num_hashes == 1
@@ -243,7 +244,7 @@ def test_allocate_takes_what_popleft_one_by_one_takes(
                 b = self._queue.popleft()
                 if b.hashes:
                     self.evictions += 1
-                    self._unindex(b)
+                    self.index.unindex(b)
                 b.ref_cnt = 1
                 out.append(b.block_id)
             return out
