@@ -24,7 +24,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     import json
 
     from kvshm.errors import EngineNotRunning, KvshmError
-    from kvshm.ipc.rendezvous import query_stats
+    from kvshm.ipc.rendezvous_client import query_stats
 
     try:
         data = query_stats(args.name, timeout=args.timeout)

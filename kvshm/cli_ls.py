@@ -78,7 +78,7 @@ def _disk_cell(disk: dict[str, Any]) -> str:
 def list_engines(timeout: float = 1.0) -> list[EngineRow]:
     """Every engine :func:`engine_names` finds, with its statistics (``timeout`` each)."""
     from kvshm.errors import KvshmError
-    from kvshm.ipc.rendezvous import query_stats
+    from kvshm.ipc.rendezvous_client import query_stats
 
     rows = []
     for name in engine_names():

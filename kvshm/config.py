@@ -61,10 +61,14 @@ class Eviction(Enum):
     """Which cached block the CPU tier reuses first when it is full
     (:mod:`kvshm.offload.evict` has each order and its cost: O(1) per operation, but
     ``DEPTH_AGED`` pays a heap push when a block opens a new age slot; none ever takes
-    a pinned block). Measured on a capacity-bound chat trace
-    by ``python -m tools.bench_evict``.
+    a pinned block). Measured on six workloads at three capacities by
+    ``python -m tools.bench_evict``.
 
-    * ``DEPTH_AGED`` (default): LRU where a block one level deeper in its prefix chain
+    * ``ADAPTIVE`` (default): cost-aware and adaptive
+      (:mod:`kvshm.offload.evict_adaptive`): sampled simulations of recency,
+      heads-first and probation orders score the prefill compute each would save; the
+      tier follows the best.
+    * ``DEPTH_AGED``: LRU where a block one level deeper in its prefix chain
       counts as ``num_blocks // 16`` blocks older, so a full tier drops tails before
       heads and still ages out what nobody uses.
     * ``LRU``: least recently stored or hit first (vLLM's CPU offload does this).
@@ -81,6 +85,7 @@ class Eviction(Enum):
     DEEPEST = "deepest"
     SLRU = "slru"
     S3FIFO = "s3fifo"
+    ADAPTIVE = "adaptive"
 
 
 class DiskIO(Enum):
@@ -113,7 +118,7 @@ class DiskMode(Enum):
 
 
 #: The CPU tier's eviction order unless EngineConfig says otherwise.
-DEFAULT_EVICTION: Final = Eviction.DEPTH_AGED
+DEFAULT_EVICTION: Final = Eviction.ADAPTIVE
 
 
 def default_name() -> str:

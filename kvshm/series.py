@@ -262,6 +262,13 @@ _REMOTE_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
                           False),
     "index_clients_created": ("connections the readiness index opened; connections",
                               False),
+    "index_keys_shard_down": ("readiness keys answered absent because their cluster "
+                              "shard was down (its breaker open or its batch failed); "
+                              "keys", False),
+    "index_values_shard_down": ("values (P/D manifests) read as missing because their "
+                                "cluster shard was down; values", False),
+    "index_slot_map_refreshes": ("cluster slot maps the readiness index read (after a "
+                                 "shard's breaker opened); reads", False),
     "index_values_set": ("values (P/D manifests) the index wrote; values", False),
     "index_values_got": ("values (P/D manifests) the index read; values", False),
     "index_values_dropped": ("values read that nobody waited for any more; values",

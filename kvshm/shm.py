@@ -47,20 +47,9 @@ from kvshm.shm_budget import available_shm_bytes, shm_size_text, statvfs_free
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
 
-__all__ = [
-    "SHM_DIR",
-    "SHM_PREFIX",
-    "Segment",
-    "available_shm_bytes",
-    "create_segment",
-    "dtype_from_name",
-    "dtype_name",
-    "map_segment",
-    "segment_of",
-    "shared_tensor",
-    "sweep",
-    "tensor_from_fd",
-]
+__all__ = ["SHM_DIR", "SHM_PREFIX", "Segment", "create_segment", "dtype_from_name",
+           "dtype_name", "map_segment", "segment_of", "shared_tensor", "sweep",
+           "tensor_from_fd"]
 
 #: Where POSIX shared memory lives on Linux.
 SHM_DIR: Final = shm_budget.SHM_DIR

@@ -7,7 +7,7 @@ cgroup's headroom (v2 ``memory.max - memory.current`` or v1 ``limit - usage``; a
 of 2**60 or more is none), less a margin of ``min(256 MiB, limit // 8)``: a small
 /dev/shm (Docker's 64 MiB) stays usable while a large machine keeps room for everything
 else. Read on every call (nothing cached: the answer changes as segments come and go).
-Re-exported by :mod:`kvshm.shm`, whose :func:`~kvshm.shm.create_segment` checks it first.
+Imported from here only; :func:`~kvshm.shm.create_segment` checks it first.
 """
 
 from __future__ import annotations

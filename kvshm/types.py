@@ -26,10 +26,9 @@ from kvshm.errors import ConfigError
 from kvshm.hashing import BlockHash
 from kvshm.ipc.protocol import Disk, Remote, Transfer
 
-__all__ = [
-    "BlockHash", "DeviceKind", "GpuBlocks", "GroupKind", "KVGroup", "LoadFailure", "LoadResult",
-    "RequestView", "ScheduledRequest", "StepInput", "StepPlan", "StoreMode", "no_new_blocks",
-]
+__all__ = ["DeviceKind", "GpuBlocks", "GroupKind", "KVGroup", "LoadFailure", "LoadResult",
+           "RequestView", "ScheduledRequest", "StepInput", "StepPlan", "StoreMode",
+           "no_new_blocks"]
 
 
 class DeviceKind(Enum):

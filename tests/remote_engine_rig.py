@@ -28,7 +28,8 @@ from engine_rig import BS, Client, embedded_engine, tokens
 
 from kvshm.engine import Engine
 from kvshm.hashing import chain_hashes, chain_tail
-from kvshm.remote.server import ValkeyServer, command, parse_reply
+from kvshm.remote.resp import command, parse_reply
+from kvshm.remote.server import ValkeyServer
 from kvshm.types import RequestView, ScheduledRequest
 
 #: Full blocks of every test prompt (the prompt has one more token: the hit is all 8).

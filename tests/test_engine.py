@@ -231,3 +231,18 @@ async def test_the_configured_eviction_order_runs_the_cpu_tier() -> None:
         assert eng._core._cpu is not None and eng._core._cpu.eviction is Eviction.LRU
         st = eng.statistics()
         assert (st.eviction, st.evictions) == ("lru", 0)
+
+
+async def test_the_default_order_weighs_blocks_by_the_engines_block_size() -> None:
+    """The engine's CPU pool runs the default order with the configured tokens per
+    block (BS = 4 here, not the pool's 16 when none is given): the adaptive order's cost
+    model prices a block by its tokens' positions, so a wrong size skews every choice."""
+    from kvshm.config import DEFAULT_EVICTION, Eviction
+    from kvshm.offload.evict_adaptive import Adaptive
+
+    assert DEFAULT_EVICTION is Eviction.ADAPTIVE
+    async with spawned_engine() as (eng, _, _):
+        cpu = eng._core._cpu
+        assert cpu is not None and cpu.eviction is Eviction.ADAPTIVE
+        assert isinstance(cpu._queue, Adaptive) and cpu._queue.block_tokens == BS
+        assert eng.statistics().eviction == "adaptive"

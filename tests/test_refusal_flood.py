@@ -21,7 +21,7 @@ import time
 import uuid
 from pathlib import Path
 
-from kvshm.ipc.rendezvous import query_stats
+from kvshm.ipc.rendezvous_client import query_stats
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent

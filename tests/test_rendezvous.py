@@ -39,14 +39,10 @@ from kvshm.ipc.protocol import (
     Stats,
     StatsRequest,
 )
-from kvshm.ipc.rendezvous import (
-    EventKind,
-    RendezvousClient,
-    RendezvousEvent,
-    RendezvousServer,
-    ServerState,
-    query_stats,
-)
+from kvshm.ipc.rendezvous import RendezvousServer
+from kvshm.ipc.rendezvous_client import RendezvousClient, query_stats
+from kvshm.ipc.rendezvous_events import EventKind, RendezvousEvent
+from kvshm.ipc.rendezvous_handshake import ServerState
 
 SEG_BYTES = 4096
 
@@ -56,7 +52,7 @@ SEG_BYTES = 4096
 WORKER = textwrap.dedent("""
     import json, os, select, sys
     from kvshm.ipc.protocol import Hello
-    from kvshm.ipc.rendezvous import RendezvousClient
+    from kvshm.ipc.rendezvous_client import RendezvousClient
     from kvshm.shm import map_segment
     name, rank, world, version, mode = sys.argv[1:6]
     client = RendezvousClient(name)
@@ -510,7 +506,8 @@ async def test_rank_lost_within_milliseconds_of_sigkill_via_asyncio(
 SCHEDULER = textwrap.dedent("""
     import os, select, sys
     from kvshm.ipc.protocol import PROTOCOL_VERSION, LayoutSpec, Ready
-    from kvshm.ipc.rendezvous import RendezvousServer, EventKind
+    from kvshm.ipc.rendezvous import RendezvousServer
+    from kvshm.ipc.rendezvous_events import EventKind
     from kvshm.shm import create_segment
     segs = []
     def make_ready(hellos):

@@ -29,13 +29,9 @@ from kvshm.ipc.fdpass import (
     send_datagram,
 )
 from kvshm.ipc.protocol import PROTOCOL_VERSION, Hello, LayoutSpec, Ready, Stats, StatsRequest
-from kvshm.ipc.rendezvous import (
-    EventKind,
-    RendezvousClient,
-    RendezvousEvent,
-    RendezvousServer,
-    query_stats,
-)
+from kvshm.ipc.rendezvous import RendezvousServer
+from kvshm.ipc.rendezvous_client import RendezvousClient, query_stats
+from kvshm.ipc.rendezvous_events import EventKind, RendezvousEvent
 from workers.session import Connector, SessionOptions
 from workers.worker import DetachReason, Phase, Worker
 

@@ -13,7 +13,7 @@ import textwrap
 import pytest
 import torch
 
-from kvshm import shm
+from kvshm import shm, shm_budget
 from kvshm.errors import ConfigError
 
 
@@ -88,7 +88,7 @@ def test_segment_contents_shared_with_child_process() -> None:
 
 def test_oversize_request_is_config_error_naming_sizes() -> None:
     before = _open_fds()
-    too_big = shm.available_shm_bytes() + (1 << 20)
+    too_big = shm_budget.available_shm_bytes() + (1 << 20)
     with pytest.raises(ConfigError, match=r"needs \d+ bytes .* only \d+ bytes .*/dev/shm"):
         shm.create_segment(too_big, purpose="oversize")
     assert _open_fds() == before
@@ -114,7 +114,7 @@ def test_nonpositive_size_is_config_error(size: int) -> None:
 
 def test_available_shm_bytes_is_bounded_by_dev_shm() -> None:
     st = os.statvfs(shm.SHM_DIR)
-    avail = shm.available_shm_bytes()
+    avail = shm_budget.available_shm_bytes()
     assert 0 < avail <= st.f_bavail * st.f_frsize
 
 
@@ -124,7 +124,7 @@ def test_memory_available_is_the_base_of_the_shm_budget() -> None:
     from kvshm.shm_budget import memory_available_bytes
 
     mem = memory_available_bytes()
-    assert mem >= shm.available_shm_bytes() > 0
+    assert mem >= shm_budget.available_shm_bytes() > 0
 
 
 def test_map_segment_smaller_than_asked_is_config_error_and_closes_fd() -> None:

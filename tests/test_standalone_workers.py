@@ -17,7 +17,7 @@ from worker_rig import Sched, rank_lost_error, transfer, unique_name
 
 from kvshm.errors import WorkerDied
 from kvshm.ipc.protocol import Direction, Shutdown
-from kvshm.ipc.rendezvous import EventKind
+from kvshm.ipc.rendezvous_events import EventKind
 from kvshm.shm import shared_tensor
 from kvshm.types import DeviceKind
 from kvshm.worker_cli import Flag, rank_argv

@@ -14,7 +14,7 @@ from worker_rig import Sched, rank_lost_error, transfer, unique_name
 
 from kvshm.errors import ConfigError, PeerDied, ProtocolError
 from kvshm.ipc.protocol import Direction, Done, Flush, Shutdown, Transfer, pack_ids
-from kvshm.ipc.rendezvous import EventKind
+from kvshm.ipc.rendezvous_events import EventKind
 from kvshm.shm import shared_tensor
 from workers.copy_engine import CpuFence
 from workers.cpu_copy import FaultInjection

@@ -18,7 +18,8 @@ import torch
 from kvshm.engine.provision import Provisioned, provision
 from kvshm.errors import WorkerDied
 from kvshm.ipc.protocol import CmdMsg, Direction, Done, Hello, Ready, Transfer, pack_ids
-from kvshm.ipc.rendezvous import EventKind, RendezvousEvent, RendezvousServer
+from kvshm.ipc.rendezvous import RendezvousServer
+from kvshm.ipc.rendezvous_events import EventKind, RendezvousEvent
 from kvshm.ipc.sched_channel import SchedulerChannel
 
 

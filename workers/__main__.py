@@ -10,8 +10,9 @@ from workers.loop import cli_main
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Console-script entry point; returns the exit code."""
-    return cli_main(argv)
+    """Console-script entry point; returns the exit code (a rank's process ends at once
+    after its clean close instead: :func:`workers.loop.exit_at_once`)."""
+    return cli_main(argv, exit_rank_at_once=True)
 
 
 if __name__ == "__main__":

@@ -38,12 +38,14 @@ stderr; 2 for bad usage (``--device cuda`` where no CUDA device is visible, too)
 from __future__ import annotations
 
 import argparse
+import atexit
 import ctypes
 import os
 import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from types import FrameType
@@ -56,7 +58,7 @@ from workers.phases import LINKED, DetachReason, Phase
 if TYPE_CHECKING:  # torch is imported only by a rank, never by the parent or --help
     from workers.worker import Worker
 
-__all__ = ["PROGRESS_S", "WaitProgress", "cli_main", "run_parent", "run_rank"]
+__all__ = ["PROGRESS_S", "WaitProgress", "cli_main", "exit_at_once", "run_parent", "run_rank"]
 
 PROG: Final = "kvshm-workers"
 #: Longest park between services (the copy thread, doorbells and signals wake it sooner).
@@ -106,8 +108,10 @@ def _world_size(args: argparse.Namespace) -> int:
     return world
 
 
-def cli_main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``kvshm-workers`` and ``python -m workers``; returns the exit code."""
+def cli_main(argv: Sequence[str] | None = None, *, exit_rank_at_once: bool = False) -> int:
+    """Entry point of ``kvshm-workers`` and ``python -m workers``; returns the exit code.
+    ``exit_rank_at_once`` (the console script's, never an in-process caller's): a rank's
+    process ends through :func:`exit_at_once` after its clean close."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
@@ -120,8 +124,38 @@ def cli_main(argv: Sequence[str] | None = None) -> int:
     if args.rank is None:
         return run_parent(args.name, world, connect_timeout=args.connect_timeout,
                           spin_us=args.spin_us, device=device)
-    return run_rank(args.name, args.rank, world, connect_timeout=args.connect_timeout,
+    code = run_rank(args.name, args.rank, world, connect_timeout=args.connect_timeout,
                     spin_us=args.spin_us, device=device)
+    if exit_rank_at_once:
+        exit_at_once(code)
+    return code
+
+
+def exit_at_once(code: int) -> None:
+    """End a rank's process now with ``code``, skipping the interpreter's teardown (1.3 -
+    1.5 s on an idle 2-core machine, 2.3 - 2.9 s at load 9: unloading torch's and its
+    dependencies' modules; measured by timestamps: docs/operations.md, exit codes), or return
+    (the caller exits normally) where that is not safe.
+
+    Called only after :func:`run_rank` returned, so every resource a rank holds is
+    released in order first: the worker closed (queued copies failed, running ones
+    finished and their threads joined; the remote mover's thread joined and its Valkey
+    clients closed; ``Goodbye`` sent and the link's socket closed), the signal handlers
+    and wake-up pipe restored and closed. A rank owns no shared-memory name (the engine
+    creates and unlinks every segment), so nothing on disk or in /dev/shm outlives it.
+    What is left is done here: the ``atexit`` handlers run (``logging``'s flush among
+    them), then stdout and stderr are flushed. Not safe, so a normal exit: another
+    non-daemon thread still alive (the interpreter would wait for it)."""
+    if any(t.is_alive() and not t.daemon for t in threading.enumerate()
+           if t is not threading.main_thread()):
+        return
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # closed or a broken pipe: nothing more to say
+            pass
+    os._exit(code)
 
 
 def _device(name: str) -> DeviceKind:

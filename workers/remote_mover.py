@@ -7,7 +7,8 @@ fingerprint, the rank and the hash, and every value carries a
 loaded). A block's bytes on a rank are one row per region of the host pool; with one
 region the row itself is the value (no copy: the store reads or fills the row in place),
 with several the rows are gathered into (PUT) or scattered from (GET) a staging buffer of
-at most :data:`BATCH` blocks.
+one call's blocks (:func:`batch_blocks`: 32, or 16 MiB of smaller blocks). The store
+moves a call's blocks in one round trip per part (see :mod:`kvshm.remote.valkey`).
 
 Ordering and threads: jobs run in arrival order on one thread (the store spreads each
 batch over its own client threads). ``submit`` never blocks and never raises: a job it
@@ -38,10 +39,20 @@ from kvshm.ipc.protocol import Done, Remote, RemoteOp, RemoteSetup, ids_array
 from kvshm.remote.tier import KEY_PREFIX, BlockHeader, BlockStore, GetOutcome, block_key
 from workers.host_pool import HostPool
 
-__all__ = ["BATCH", "RemoteMover"]
+__all__ = ["BATCH", "BATCH_BYTES", "RemoteMover", "batch_blocks"]
 
-#: Most blocks one ``put_many``/``get_many_into`` call moves (bounds the staging buffer).
+#: Fewest blocks one ``put_many``/``get_many_into`` call may move (see :func:`batch_blocks`).
 BATCH: Final = 32
+#: Smaller blocks go this many bytes to a call (the store cuts a call into one-round-trip
+#: parts and runs them over its threads: more small blocks per call fill them all).
+BATCH_BYTES: Final = 16 << 20
+
+
+def batch_blocks(bytes_per_block: int) -> int:
+    """Most blocks one store call moves: :data:`BATCH`, or more for blocks smaller than
+    ``BATCH_BYTES / BATCH`` (bounds the staging buffer at ``max(BATCH x block,
+    BATCH_BYTES)``)."""
+    return max(BATCH, BATCH_BYTES // max(1, bytes_per_block))
 
 
 class RemoteMover:
@@ -55,7 +66,8 @@ class RemoteMover:
         self._store = store
         self._rows: list[torch.Tensor] = list(host.regions)  # [num_cpu_blocks, bytes] each
         self._bpb = host.bytes_per_block
-        self._staging: torch.Tensor | None = None  # [BATCH, bytes_per_block], several regions
+        self._batch = batch_blocks(self._bpb)
+        self._staging: torch.Tensor | None = None  # [_batch, bytes_per_block], several regions
         self._jobs: queue.SimpleQueue[Remote | None] = queue.SimpleQueue()
         self._done: list[Done] = []
         self._lock = threading.Lock()
@@ -172,8 +184,8 @@ class RemoteMover:
                         f"RemoteError: CPU row out of range [0, {self._host.num_cpu_blocks})")
         hashes = [job.hashes[k * hl:(k + 1) * hl] for k in range(n)]
         tally: Counter[str] = Counter()
-        for start in range(0, n, BATCH):
-            part = slice(start, start + BATCH)
+        for start in range(0, n, self._batch):
+            part = slice(start, start + self._batch)
             if job.op is RemoteOp.PUT:
                 self._put(list(ids[part]), hashes[part], tally, job.keep)
             else:
@@ -199,7 +211,7 @@ class RemoteMover:
         if len(self._rows) == 1:
             return [_view(self._rows[0][i]) for i in ids]
         if self._staging is None:
-            self._staging = torch.empty((BATCH, self._bpb), dtype=torch.uint8)
+            self._staging = torch.empty((self._batch, self._bpb), dtype=torch.uint8)
         return [_view(self._staging[k]) for k in range(len(ids))]
 
     def _put(self, ids: list[int], hashes: list[bytes], tally: Counter[str],

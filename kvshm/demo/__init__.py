@@ -3,3 +3,5 @@
 ``kvshm.demo.model`` needs torch; ``kvshm.demo.trace`` does not. Nothing is imported
 here, so importing ``kvshm.demo`` is free.
 """
+
+__all__: list[str] = []  # nothing imported here (see above)

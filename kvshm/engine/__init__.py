@@ -22,7 +22,8 @@ one thread (the event loop's for ``Engine``, the caller's for ``SyncClient``), a
 that failed is fenced before its quarantined pins are released.
 """
 
-from kvshm.engine.api import ATTACH, SPAWN, Engine, EngineState, SyncClient, WorkerMode
+from kvshm.engine.api import ATTACH, SPAWN, Engine, SyncClient, WorkerMode
+from kvshm.engine.lifecycle import EngineState
 from kvshm.engine.startup import StartTimeout
 
 __all__ = ["ATTACH", "SPAWN", "Engine", "EngineState", "StartTimeout", "SyncClient",

@@ -35,7 +35,7 @@ from kvshm.engine.runtime import Runtime
 from kvshm.errors import StateError
 from kvshm.types import GpuBlocks, LoadFailure, LoadResult
 
-__all__ = ["ATTACH", "SPAWN", "Engine", "EngineState", "SyncClient", "WorkerMode"]
+__all__ = ["ATTACH", "SPAWN", "Engine", "SyncClient", "WorkerMode"]
 
 
 class WorkerMode(Enum):

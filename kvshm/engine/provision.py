@@ -51,7 +51,8 @@ from kvshm.ipc.ring_pair import RingPair, segment_size
 from kvshm.ipc.sched_channel import SchedulerChannel
 from kvshm.layout import KVLayout, host_pool_plan, reconcile
 from kvshm.remote.fingerprint import RemoteTarget
-from kvshm.shm import Segment, available_shm_bytes, create_segment, dtype_name, segment_of
+from kvshm.shm import Segment, create_segment, dtype_name, segment_of
+from kvshm.shm_budget import available_shm_bytes
 from kvshm.types import DeviceKind, GpuBlocks
 
 __all__ = ["Provisioned", "RankResources", "cache_device", "check_caches", "device_layout",

@@ -12,10 +12,27 @@ and hang check). It does no waiting of its own: events come in through :meth:`pu
 Lifecycle: :class:`~kvshm.engine.lifecycle.EngineState` (the diagram is drawn there);
 this class makes every transition.
 
+One idea, kept whole: the runtime is the scheduler side of one engine -- its lifecycle,
+its events and the scheduler's calls (``lookup``, ``allocated``, ``step``, ``finished``
+and the queries beside them) -- because every call is gated by the state the lifecycle
+moves (no manager before READY, nothing planned once FAILED, requests admitted before
+READY kept out) and every event feeds the manager the calls plan with. Split in two, the
+calls would read the lifecycle's records without owning them, or pay a call per request
+on the hot path to ask; so the class is as long as that idea needs. Its parts that are
+ideas of their own are objects it holds: the rendezvous server, the channels, the
+dispatcher, the supervisor, the admission of early requests, the manager.
+
 Rules kept here:
 
-* Before READY there is no manager; the scheduler's calls (a base class,
-  :mod:`~kvshm.engine.calls`, with their own rules) then plan nothing.
+* Before READY there is no manager: ``lookup`` answers 0, ``allocated`` and
+  ``finished`` do nothing, ``step`` plans nothing and records the listed requests, which
+  the manager never sees for life (:mod:`~kvshm.engine.admission`).
+* ``step`` posts the plan's store before its load, to every live rank, in that order
+  (job ids increase on every rank), then its remote and disk jobs; a remote or disk
+  message no rank could take fails at once
+  (``on_done(.., False)``), which releases its pins.
+* A request id that is not a ``str`` is refused with ``InvalidRequest`` before anything
+  changes.
 * Events are applied in arrival order; in attached mode ``on_change`` runs once after
   each batch (rendezvous events, a ring's Dones, a verdict), never in the middle of one.
 * Each batch of ``Done`` goes to ``OffloadManager.on_done`` through the dispatcher; the
@@ -33,6 +50,7 @@ Rules kept here:
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
@@ -42,8 +60,7 @@ import torch
 
 from kvshm.config import EngineConfig
 from kvshm.engine import startup
-from kvshm.engine.admission import Admission
-from kvshm.engine.calls import SchedulerCalls
+from kvshm.engine.admission import Admission, check_id
 from kvshm.engine.disk_link import DiskLink, open_disk
 from kvshm.engine.dispatch import Dispatcher
 from kvshm.engine.lifecycle import ENDED, LIVE, EngineState
@@ -54,22 +71,24 @@ from kvshm.engine.startup import Refusals, StartTimeout, log, start_timeout_erro
 from kvshm.engine.supervision import Supervisor
 from kvshm.errors import ConfigError, StateError, TransportError, WorkerDied
 from kvshm.ipc import protocol
-from kvshm.ipc.protocol import Hello
-from kvshm.ipc.rendezvous import EventKind, RendezvousEvent, RendezvousServer
+from kvshm.ipc.protocol import Disk, Hello, Remote
+from kvshm.ipc.rendezvous import RendezvousServer
+from kvshm.ipc.rendezvous_events import EventKind, RendezvousEvent
 from kvshm.ipc.ring_pair import RevokeReason
 from kvshm.ipc.sched_channel import SchedulerChannel
 from kvshm.offload.manager import OffloadManager
 from kvshm.offload.pool import BlockPool
 from kvshm.remote.fingerprint import RemoteTarget
 from kvshm.stats import EngineStats
-from kvshm.types import GpuBlocks
+from kvshm.types import GpuBlocks, LoadResult, RequestView, StepInput, StepPlan
 
 __all__ = ["Runtime"]
 
 _READY = EngineState.READY
+_DEBUG = logging.DEBUG
 
 
-class Runtime(SchedulerCalls):
+class Runtime:
     """See the module docstring. ``spawned``: kvshm started the workers (pidfds)."""
 
     def __init__(self, config: EngineConfig, *, gpu_blocks: GpuBlocks,
@@ -189,6 +208,93 @@ class Runtime(SchedulerCalls):
         if self._started is not None:
             self._started.set()
 
+    # -- the scheduler's calls -----------------------------------------------------------
+    def lookup(self, req: RequestView, num_local_tokens: int) -> int | None:
+        """Phase A; 0 until READY, once FAILED, and for a request kept out of the manager
+        (:mod:`~kvshm.engine.admission`: ``allocated`` ignores it too)."""
+        rid = req.req_id
+        if type(rid) is not str:
+            check_id("lookup", rid)  # InvalidRequest unless a str subclass
+        manager = self.manager
+        pre = self._admission.pre_ready  # kept_out, inlined (a call per lookup)
+        if manager is None or self._state is not _READY or (pre and rid in pre):
+            self.counters.lookups_not_ready += 1
+            return 0
+        hit = manager.lookup(req, num_local_tokens)
+        if hit is not None:
+            counters = self.counters
+            more = req.num_tokens - num_local_tokens
+            if more > 0:
+                counters.lookup_tokens += more
+            if hit > 0:
+                counters.lookups_hit += 1
+        if log.isEnabledFor(_DEBUG):
+            log.debug("kvshm engine %r: lookup %r: %s CPU hit token(s) beyond %d local",
+                      self.config.name, rid, hit, num_local_tokens)
+        return hit
+
+    def allocated(self, req_id: str, gpu_block_ids: Sequence[Sequence[int]],
+                  num_external_tokens: int) -> None:
+        """Phase B (ignored before READY: every lookup then returned 0)."""
+        if type(req_id) is not str:
+            check_id("allocated", req_id)
+        manager = self.manager
+        pre = self._admission.pre_ready
+        if manager is None or (pre and req_id in pre):
+            return
+        manager.allocated(req_id, gpu_block_ids, num_external_tokens)
+
+    def step(self, inp: StepInput) -> StepPlan:
+        """Build this step's plan and post its transfers to every live rank."""
+        manager = self.manager
+        if manager is None:
+            self._admission.before_ready(inp)
+            return StepPlan(inp.step)
+        plan = manager.build_step(self._admission.admitted(inp))
+        self._admission.stepped(inp)
+        for t in (plan.store, plan.load):
+            if t is not None:
+                self._jobs.post(t)
+        msgs: Sequence[Remote | Disk] = (*plan.remote, *plan.disk) if plan.disk \
+            else plan.remote
+        for msg in msgs:
+            for rank in self._jobs.post_remote(msg):
+                manager.on_done(msg.job_id, rank, False)  # never sent: fails, unpins
+        return plan
+
+    def finished(self, req_id: str, num_confirmed_tokens: int,
+                 gpu_block_ids: Sequence[Sequence[int]], *,
+                 tail_hash: bytes | None = None) -> bool:
+        """The request is done; always False (pins, not delayed frees)."""
+        if type(req_id) is not str:
+            check_id("finished", req_id)
+        if (self._admission.pre_ready and self._admission.finish(req_id)
+                or self.manager is None):
+            return False
+        return self.manager.finished(req_id, num_confirmed_tokens, gpu_block_ids,
+                                     tail_hash=tail_hash)
+
+    def transfer_params(self, req_id: str) -> dict[str, Any] | None:
+        """A finished P/D prefill request's ``kv_transfer_params`` (once), else None."""
+        return None if self.manager is None else self.manager.transfer_params(req_id)
+
+    def reset(self) -> bool:
+        """Drop the CPU index; True once nothing is in flight."""
+        return self.manager is None or self.manager.reset()
+
+    def has_pending_work(self) -> bool:
+        """True while any job is queued, in flight or not yet acked by every live rank."""
+        return self.manager is not None and self.manager.has_pending_work()
+
+    def jobs_in_flight(self) -> int:
+        """Jobs posted and not yet acked by every live rank."""
+        return 0 if self.manager is None else self.manager.num_jobs_in_flight
+
+    def take_load_results(self) -> list[LoadResult]:
+        """Load outcomes decided since the last call, each exactly once: the manager's
+        queue is the only one (nothing is copied on the way)."""
+        return [] if self.manager is None else self.manager.take_load_results()
+
     # -- event intake ------------------------------------------------------------------
     def pump(self) -> None:
         """Sync mode: service the rendezvous, drain every done ring, check for hangs.
@@ -278,7 +384,9 @@ class Runtime(SchedulerCalls):
                 self._attach_channel(rank, chan)
         cfg = self.config
         self._bytes_per_block = sum(r.ready.layout.bytes_per_block for r in prov.ranks.values())
-        self._cpu = BlockPool(prov.num_cpu_blocks, eviction=cfg.eviction)
+        # block_tokens: the adaptive order weighs a block by its tokens' prefill compute
+        self._cpu = BlockPool(prov.num_cpu_blocks, eviction=cfg.eviction,
+                              block_tokens=cfg.block_size)
         record = min(c.max_record for c in self._channels.values())
         self.manager = OffloadManager(self._cpu, self._gpu, block_size=cfg.block_size,
                                       groups=cfg.groups, world_size=cfg.world_size,

@@ -20,3 +20,5 @@ bytes are written (the publish store comes last), and a side that goes to sleep 
 the ring after announcing it, so no record is lost between a producer's check and the
 consumer's park; see docs/design.md, "Ordering rules".
 """
+
+__all__: list[str] = []  # no names of its own: each is imported from its module above

@@ -38,13 +38,13 @@ the listener and on every connection; nothing polls or spins.
 
 Beside this module: :mod:`kvshm.ipc.rendezvous_conns` keeps the connections (the poll
 set, the pending ones oldest first, the ranks'); :mod:`kvshm.ipc.rendezvous_events` has
-the event and ``make_ready`` types, re-exported here; the server holds a
+the event and ``make_ready`` types; the server holds a
 :class:`~kvshm.ipc.rendezvous_handshake.Handshake` (its own object, with its own state:
 the Hellos, the peers' pids, the lost ranks, the lifecycle) that decides what each
 accepted message does: the Hello checks, Ready, stats answers, refusals and losses; the
 server keeps the sockets, the listener and the service loop. Worker side:
 :class:`~kvshm.ipc.rendezvous_client.RendezvousClient` and
-:func:`~kvshm.ipc.rendezvous_client.query_stats`, re-exported here too.
+:func:`~kvshm.ipc.rendezvous_client.query_stats`.
 """
 
 from __future__ import annotations
@@ -69,24 +69,14 @@ from kvshm.ipc.fdpass import (
     recv_datagram,
 )
 from kvshm.ipc.protocol import Goodbye, Hello, StatsRequest
-from kvshm.ipc.rendezvous_client import RendezvousClient, query_stats
 from kvshm.ipc.rendezvous_conns import Conn, ConnTable
-from kvshm.ipc.rendezvous_events import AllReadyPlan, EventKind, MakeReady, RendezvousEvent
+from kvshm.ipc.rendezvous_events import EventKind, MakeReady, RendezvousEvent
 from kvshm.ipc.rendezvous_handshake import Handshake, ServerState
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import asyncio
 
-__all__ = [
-    "AllReadyPlan",
-    "EventKind",
-    "MakeReady",
-    "RendezvousClient",
-    "RendezvousEvent",
-    "RendezvousServer",
-    "ServerState",
-    "query_stats",
-]
+__all__ = ["RendezvousServer"]
 
 #: Largest message a worker may send (a Hello with a big layout is a few KiB).
 _MAX_INBOUND: Final = 1 << 16

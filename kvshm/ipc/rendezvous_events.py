@@ -4,8 +4,7 @@ its owner.
 :meth:`~kvshm.ipc.rendezvous.RendezvousServer.service` returns
 :class:`RendezvousEvent` s (one :class:`EventKind` each, in the order they happened);
 once every rank has said Hello it calls the owner's :data:`MakeReady` exactly once for
-each rank's Ready and fds. Re-exported by :mod:`kvshm.ipc.rendezvous`, where callers
-import them.
+each rank's Ready and fds. Callers import them from here.
 """
 
 from __future__ import annotations

@@ -15,3 +15,5 @@ pinned (CPU) or listed as a load destination / store source (GPU) until every ra
 acked the job that touches it, or the rank is proven gone; it is never handed out again
 before. ``kvshm.offload.invariants.check_parts`` states the bookkeeping in full.
 """
+
+__all__: list[str] = []  # no names of its own: each is imported from its module

@@ -10,11 +10,11 @@ Invariant: a block is in the queue iff its ``prev`` and ``next`` are both set; t
 sentinel records (block_id -1 and -2) bound the list so no operation special-cases an
 empty queue or the ends.
 
-Also here, for :mod:`kvshm.offload.pool` (which re-exports the events): the pool's events
+Also here, for :mod:`kvshm.offload.pool`: the pool's events
 (:class:`BlockStored`, :class:`BlockRemoved`), the shape of its index entries
 (:data:`IndexEntry`) and its O(pool) invariant check (:func:`check_pool`); and the base of
 the eviction orders of :mod:`kvshm.offload.evict` (:class:`FreeSet`: the fresh queue and
-the bookkeeping they share; evict re-exports it).
+the bookkeeping they share).
 """
 
 from __future__ import annotations

@@ -11,17 +11,21 @@ that only blocks at ref 0 are ever in the free set, so a pinned or in-flight blo
 never a victim. Blocks reaching ref 0 without hashes, or with ``evict_first``, go to a
 ``fresh`` queue that every order empties first, as LRU does. Their base,
 :class:`~kvshm.offload.blocks.FreeSet` (with ``FRESH`` and ``NEW``), lives next to the
-queue in :mod:`kvshm.offload.blocks` and is re-exported here.
+queue in :mod:`kvshm.offload.blocks`.
 
-The orders (:class:`kvshm.config.Eviction`; ``python -m tools.bench_evict`` measures them
-through the real manager on the chat trace of :mod:`tools.chat_trace`, 64 conversations
-x 6 turns, a CPU tier of half the distinct blocks: hit fraction lru 0.47, lru_refresh
-0.47, deepest 0.79, slru 0.67, s3fifo 0.60, depth_aged 0.74, Belady's MIN 0.91;
-depth_aged is the only order at or above LRU on every variant tried -- exponential think
-times, a long stream of 512-1024 conversations, a quarter of the blocks):
+The orders (:class:`kvshm.config.Eviction`). ``python -m tools.bench_evict`` measures
+each on six workloads (:mod:`tools.workloads`) at a quarter, half and three quarters of
+their distinct blocks: no fixed order is best on all of them (LRU on chat and agent
+sessions that come back soon, ``deepest`` when every conversation is open at once,
+``s3fifo`` / ``slru`` on shared documents, templates and scans), so the default is
+:class:`~kvshm.offload.evict_adaptive.Adaptive` (``adaptive``, its own module), which
+simulates a few of them on a sample of the keys and follows the one that saves the
+most prefill compute. The fixed orders here:
 
-* :class:`DepthAged` (``depth_aged``, the CPU tier's default): LRU where one level
-  deeper in a prefix chain counts as ``num_blocks // 16`` blocks' worth of being older.
+* :class:`DepthAged` (``depth_aged``, the default before ``adaptive``; on the chat
+  trace of :mod:`tools.chat_trace` it kept 0.74 of the hit tokens, LRU 0.47): LRU
+  where one level deeper in a prefix chain counts as ``num_blocks // 16`` blocks' worth
+  of being older.
   A block's key is ``clock - K * depth`` (``clock``: +1 each time a cached block joins
   the set, ``depth``: its position in its request's block sequence); the smallest key
   goes first. Under a capacity squeeze every chain keeps its head and loses its tail (a
@@ -64,8 +68,9 @@ from collections.abc import Iterable
 from kvshm.config import Eviction
 from kvshm.errors import ConfigError, StateError
 from kvshm.offload.blocks import FRESH, NEW, Block, FreeBlockQueue, FreeSet
+from kvshm.offload.evict_adaptive import Adaptive
 
-__all__ = ["FRESH", "NEW", "DepthAged", "FreeSet", "S3Fifo", "Slru", "make_free_set"]
+__all__ = ["DepthAged", "S3Fifo", "Slru", "make_free_set"]
 
 DEPTH_AGED_DIV = 16
 """``depth_aged``: one chain level counts as ``num_blocks // DEPTH_AGED_DIV`` ticks of
@@ -300,9 +305,10 @@ class S3Fifo(FreeSet):
         _check_slots(self.q.index(q), blocks, "queue")
 
 
-def make_free_set(eviction: Eviction, blocks: Iterable[Block],
-                  num_blocks: int) -> FreeBlockQueue | FreeSet:
-    """The free set of ``eviction`` holding ``blocks`` (uncached, taken in order)."""
+def make_free_set(eviction: Eviction, blocks: Iterable[Block], num_blocks: int, *,
+                  block_tokens: int = 16) -> FreeBlockQueue | FreeSet:
+    """The free set of ``eviction`` holding ``blocks`` (uncached, taken in order);
+    ``block_tokens`` (tokens per block) weighs the ``adaptive`` order's cost model."""
     fs: FreeSet
     if eviction is Eviction.LRU or eviction is Eviction.LRU_REFRESH:
         return FreeBlockQueue(blocks)
@@ -315,6 +321,8 @@ def make_free_set(eviction: Eviction, blocks: Iterable[Block],
         fs = Slru(protected_max=max(1, num_blocks * 4 // 5))
     elif eviction is Eviction.S3FIFO:
         fs = S3Fifo(small_frac=0.1, ghost_max=num_blocks)
+    elif eviction is Eviction.ADAPTIVE:
+        fs = Adaptive(num_blocks, block_tokens=block_tokens)
     else:
         raise ConfigError(f"unknown eviction order {eviction!r}")
     for b in blocks:

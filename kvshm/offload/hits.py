@@ -50,13 +50,13 @@ def find_hit(cpu: BlockPool, gs: GroupSet, hashes: Sequence[BlockHash], start: i
     if n <= 0:
         return None
     if gs.single:  # one full-attention group: the keys are the hashes themselves
-        run = cpu.cached_run(hashes, start, start + n)
+        run = cpu.index.cached_run(hashes, start, start + n)
         if not run:
             return None
         end = start + len(run)
         # one list is both the group's row and the pins: neither is ever mutated
         return Hit(start, end, [run], run, _seen(hashes, start, end))  # type: ignore[list-item]
-    get = cpu.get_cached
+    get = cpu.index.get_cached
     key = gs.key
     full_rows: list[list[int]] = []
     end = start + n
@@ -175,7 +175,7 @@ def assign(cpu: BlockPool, gs: GroupSet, hit: Hit, tables: Sequence[Sequence[int
 def refresh_prefix(cpu: BlockPool, gs: GroupSet, hashes: Sequence[BlockHash], s: int) -> None:
     """The engine's own prefix hit ``[0, s)`` reused these blocks: refresh their CPU
     copies, tail first (the head ends up evicted last). O(s)."""
-    get = cpu.get_cached
+    get = cpu.index.get_cached
     key = gs.key
     ids: list[int] = []
     for p in range(min(s, len(hashes)) - 1, -1, -1):

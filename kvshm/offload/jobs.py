@@ -24,7 +24,7 @@ parts' business.
 
 A store is selected first (:mod:`kvshm.offload.stores`): :class:`Cand` per block, into
 one step's :class:`Selection`, whose lists become the :class:`StoreJob`'s (both live here,
-next to the job they make; ``kvshm.offload.stores`` re-exports them).
+next to the job they make).
 
 Job ids come from one counter shared by stores and loads, starting at 1, strictly
 increasing and never reset (workers and adapters may compare them).

@@ -13,7 +13,9 @@ engine step makes them (docs/design.md, "The scheduler-side contract"):
 4. ``on_done``: acks; a job completes when every rank acked or is dead.
 5. ``finished``: pins the request's unstored full blocks for the next store.
 6. ``reset`` / ``rank_failed`` / ``has_pending_work`` / ``check_invariants`` (acks,
-   completions, reset and rank death: :mod:`kvshm.offload.outcomes`, a base class).
+   completions, reset and rank death are decided by the manager's
+   :class:`~kvshm.offload.outcomes.JobOutcomes`, ``self.outcomes``; the manager's
+   methods hand them over in one line).
 
 Every call above checks its whole input before it changes anything (the rules:
 :mod:`kvshm.offload.validate`; one check per call: :mod:`kvshm.offload.inputs`): bad
@@ -29,8 +31,9 @@ reused while any rank may still copy into it, so ``StepPlan.flush`` is always em
 
 Parts: the manager keeps the phase-A hits (:mod:`kvshm.offload.hits`) and orders the
 calls; the records live in its parts, each owning its pins once handed over: the job
-table and ack state (:mod:`kvshm.offload.jobs`), load bookkeeping from phase B to outcome
-(:mod:`kvshm.offload.loads`), store selection and in-flight marks
+table and ack state (:mod:`kvshm.offload.jobs`), held by the job outcomes with the
+failed and abandoned states (:mod:`kvshm.offload.outcomes`), load bookkeeping from
+phase B to outcome (:mod:`kvshm.offload.loads`), store selection and in-flight marks
 (:mod:`kvshm.offload.stores`), per-request tables and cursors
 (:mod:`kvshm.offload.requests`), KV groups and index keys (:mod:`kvshm.offload.groups`).
 
@@ -52,7 +55,7 @@ from kvshm.offload.groups import GroupSet, cdiv
 from kvshm.offload.hits import Hit, assign, find_hit, guess_dests, refresh_prefix
 from kvshm.offload.inputs import View, for_pool
 from kvshm.offload.invariants import Parts, check_parts, recorded_pins
-from kvshm.offload.jobs import JobTable, LoadPart
+from kvshm.offload.jobs import JobTable, LoadPart, Selection
 from kvshm.offload.loads import LoadBook
 from kvshm.offload.outcomes import JobOutcomes
 from kvshm.offload.pd.manifest import handoff_extent, is_handoff
@@ -60,7 +63,7 @@ from kvshm.offload.pool import BlockPool
 from kvshm.offload.remote import RemoteBook
 from kvshm.offload.requests import ReqState, RequestTracker, is_remote
 from kvshm.offload.side_stores import lazy_scan, pin_tail
-from kvshm.offload.stores import Selection, StorePlanner
+from kvshm.offload.stores import StorePlanner
 from kvshm.types import (
     GpuBlocks,
     KVGroup,
@@ -78,7 +81,7 @@ __all__ = ["OffloadManager"]
 _EMPTY: frozenset[int] = frozenset()
 
 
-class OffloadManager(JobOutcomes):
+class OffloadManager:
     """See the module docstring. ``lazy_window``: GPU free-queue blocks a lazy step
     looks at from the LRU end (LAZY mode needs a single KV group). ``hash_bytes``: the
     exact length of the engine's block hashes (default: ``gpu.hash_bytes`` where the pool
@@ -108,18 +111,19 @@ class OffloadManager(JobOutcomes):
         self.block_size = block_size
         self.mode = mode
         self._eager = mode is StoreMode.EAGER
-        self._jobs = JobTable(world_size, self.counters)
+        jobs = JobTable(world_size, self.counters)
         self._loads = LoadBook(cpu, gpu, self.counters)
         self._stores = StorePlanner(cpu, gpu, self._gs, block_size, self.counters, lazy_window,
                                   self._loads.dst.counts)
         self._track = RequestTracker(self._gs, block_size, self._eager, self._stores)
         self._hits: dict[str, Hit] = {}
-        self.remote = None if remote is None else remote(cpu, self._gs, self._jobs)
+        self.remote = None if remote is None else remote(cpu, self._gs, jobs)
         if self.remote is not None:  # a P/D publication learns of a dropped tail store
             self._stores.on_dropped = self.remote.store_dropped
-        self.disk = None if disk is None else disk(cpu, self._gs, self._jobs)
-        self._failed = False
-        self._abandoned = 0
+        self.disk = None if disk is None else disk(cpu, self._gs, jobs)
+        self.outcomes = JobOutcomes(jobs, cpu, self._loads, self._stores, self.remote,
+                                    self.counters, self._tombstone_hits, disk=self.disk)
+        self._jobs = jobs
 
     # ---- small queries -------------------------------------------------------------
 
@@ -130,7 +134,7 @@ class OffloadManager(JobOutcomes):
     @property
     def failed(self) -> bool:
         """True once a rank was declared dead: no lookups hit, nothing is planned."""
-        return self._failed
+        return self.outcomes.failed
 
     @property
     def num_jobs_in_flight(self) -> int:
@@ -140,7 +144,7 @@ class OffloadManager(JobOutcomes):
     def has_pending_work(self) -> bool:
         """Anything queued, in flight or not yet reported: keep stepping. Jobs that wait
         only for a revoked, unfenced rank do not count: nothing will move them."""
-        jobs = bool(self._jobs.jobs) and not self._jobs.only_quarantined()
+        jobs = self.outcomes.has_pending_work()
         remote = self.remote is not None and self.remote.has_pending_work()
         remote = remote or (self.disk is not None and self.disk.has_pending_work())
         return bool(jobs or remote or self._loads.pending() or self._stores.finish_queue)
@@ -154,6 +158,38 @@ class OffloadManager(JobOutcomes):
         """CPU plus GPU pins the manager holds (from its own records)."""
         cpu, gpu = recorded_pins(self._parts())
         return sum(cpu.values()) + sum(gpu.values())
+
+    # ---- outcomes (decided by self.outcomes) ---------------------------------------
+
+    def on_done(self, job_id: int, rank: int, ok: bool) -> None:
+        """One rank's ack (:meth:`JobOutcomes.on_done`)."""
+        self.outcomes.on_done(job_id, rank, ok)
+
+    def reset(self) -> bool:
+        """Drop the CPU index, abandon every job in flight; True once nothing is in
+        flight (:meth:`JobOutcomes.reset`)."""
+        return self.outcomes.reset()
+
+    def rank_failed(self, rank: int) -> None:
+        """``rank`` was declared dead: every job fails, nothing more is planned; its
+        unacked blocks are quarantined (:meth:`JobOutcomes.rank_failed`)."""
+        self.outcomes.rank_failed(rank)
+
+    def rank_fenced(self, rank: int) -> None:
+        """``rank`` can touch no block any more (:meth:`JobOutcomes.rank_fenced`)."""
+        self.outcomes.rank_fenced(rank)
+
+    def quarantined_blocks(self) -> tuple[int, int]:
+        """(GPU, CPU) blocks pinned only because a revoked rank is not fenced yet."""
+        return self.outcomes.quarantined_blocks()
+
+    def _tombstone_hits(self, cause: LoadFailure) -> None:
+        """Release every pending phase-A hit's pins; its phase B fails with ``cause``
+        (handed to the outcomes, which call it on reset and rank death)."""
+        for rid, hit in list(self._hits.items()):
+            if hit.cause is None:
+                self.cpu.free(reversed(hit.pinned))
+                self._hits[rid] = Hit(hit.start, hit.end, [], [], (), cause)
 
     # ---- phase A / B ---------------------------------------------------------------
 
@@ -193,7 +229,8 @@ class OffloadManager(JobOutcomes):
             return 0
         s = num_local_tokens // bs
         st.start = s
-        if self._failed or self._abandoned:
+        out = self.outcomes
+        if out.failed or out.abandoned:
             return 0
         if s and self.cpu.refresh_gpu_hits:
             refresh_prefix(self.cpu, self._gs, view.hashes, s)
@@ -254,7 +291,7 @@ class OffloadManager(JobOutcomes):
         if hit is None or hit.cause is not None:
             self._hits.pop(req_id, None)
             cause = hit.cause if hit is not None and hit.cause is not None else (
-                LoadFailure.ENGINE_FAILED if self._failed else LoadFailure.NO_PIN)
+                LoadFailure.ENGINE_FAILED if self.outcomes.failed else LoadFailure.NO_PIN)
             self._loads.fail_now(req_id, guess_dests(hit, tables, num_external_tokens,
                                                      self.block_size), cause)
             self._admit(st, num_external_tokens)
@@ -343,9 +380,10 @@ class OffloadManager(JobOutcomes):
         store = load = None
         remote: tuple[Remote, ...] = ()
         disk: tuple[Disk, ...] = ()
-        if not self._failed:
+        out = self.outcomes
+        if not out.failed:
             dirty = self._track.apply(changes)
-            if not self._abandoned:
+            if not out.abandoned:
                 store = self._plan_stores(step, alloc, dirty)
                 load = self._loads.plan(step, self._jobs)
                 if self.remote is not None:
@@ -394,10 +432,11 @@ class OffloadManager(JobOutcomes):
         req_id, confirmed, tables, hashes, tail = self._check.finished(
             req_id, num_confirmed_tokens, gpu_block_ids, block_hashes, tail_hash)
         st = self._track.reqs.get(req_id)
-        if st is not None and not self._failed:
+        failed = self.outcomes.failed
+        if st is not None and not failed:
             self._track.check_finish(st, confirmed, tables, hashes, self._check)
         st = self._forget(req_id)
-        if st is not None and not self._failed:
+        if st is not None and not failed:
             self._track.finish(st, confirmed, tables, hashes)
             if st.remote and self.remote is not None and self.remote.pd is not None:
                 self.remote.publish_request(req_id, st.hashes, confirmed, tables, tail,
@@ -430,6 +469,6 @@ class OffloadManager(JobOutcomes):
     def _parts(self) -> Parts:
         return Parts(cpu=self.cpu, gpu=self.gpu, world_size=self.world_size, hits=self._hits,
                      jobs=self._jobs, loads=self._loads, stores=self._stores,
-                     failed=self._failed, abandoned=self._abandoned,
+                     failed=self.outcomes.failed, abandoned=self.outcomes.abandoned,
                      remote_pins=(() if self.remote is None else tuple(self.remote.pinned()))
                      + (() if self.disk is None else tuple(self.disk.pinned())))

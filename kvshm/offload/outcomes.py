@@ -1,8 +1,12 @@
 """Job outcomes: a rank's acks, a job's completion, reset and rank death.
 
-:class:`JobOutcomes` is the part of :class:`~kvshm.offload.manager.OffloadManager` that
-ends jobs; the manager inherits it (one object, no extra call per ack). It reads and
-writes the manager's own records, declared below; it owns none of them.
+:class:`JobOutcomes` is the component of :class:`~kvshm.offload.manager.OffloadManager`
+that ends jobs. It holds the job table (the manager and its books add jobs to it; only
+the outcomes end them), and owns the two states that stop the manager planning:
+``failed`` (a rank was declared dead) and ``abandoned`` (jobs a ``reset`` abandoned that
+have not completed yet). It is handed the CPU pool, the load and store books and the
+remote book it releases pins through, and a callback that turns the manager's phase-A
+hits into tombstones (the hits stay the manager's).
 
 Ordering and invariants:
 
@@ -11,18 +15,22 @@ Ordering and invariants:
   did not fail, was not abandoned and no rank died (``usable``).
 * A failed load is reported once, at its first failed ack; its pins stay until it
   completes (pins outlive failure).
-* ``reset`` abandons every job in flight: no new job is planned until the last one
-  completed (``_abandoned`` counts them down in ``_complete``).
-* ``rank_failed`` fails every job and drops the index; the jobs the dead rank had not
-  acked keep their pins -- quarantined -- until ``rank_fenced``: a block a rank may
-  still touch is never handed out again.
+* ``reset`` abandons every job in flight: ``abandoned`` counts the abandoned jobs not
+  yet completed, so it is 0 exactly when none is left; the manager plans no new job
+  while it is not 0.
+* ``rank_failed`` sets ``failed`` for good, fails every job, tombstones every pending
+  hit and drops the index; the jobs the dead rank had not acked keep their pins --
+  quarantined -- until ``rank_fenced``: a block a rank may still touch is never handed
+  out again.
+* ``failed`` and ``abandoned`` are written only here; the manager reads them.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from kvshm.offload.counters import DeclineReason, ManagerCounters
 from kvshm.offload.disk import DiskBook
-from kvshm.offload.hits import Hit
 from kvshm.offload.jobs import AckOutcome, AnyJob, DiskJob, JobTable, LoadJob, RemoteJob, StoreJob
 from kvshm.offload.loads import LoadBook
 from kvshm.offload.pool import BlockPool
@@ -34,41 +42,47 @@ __all__ = ["JobOutcomes"]
 
 
 class JobOutcomes:
-    """Acks, completions, reset and rank death of the manager's jobs (see the module
-    docstring); a base of ``OffloadManager``, which sets every attribute below."""
+    """Acks, completions, reset and rank death of the jobs in ``jobs`` (see the module
+    docstring). ``drop_hits(cause)``: release every pending phase-A hit's pins and leave
+    a tombstone failing with ``cause`` (the manager's hits)."""
 
-    cpu: BlockPool
-    counters: ManagerCounters
-    remote: RemoteBook | None
-    disk: DiskBook | None
-    _jobs: JobTable
-    _loads: LoadBook
-    _stores: StorePlanner
-    _hits: dict[str, Hit]
-    _failed: bool
-    _abandoned: int
+    def __init__(self, jobs: JobTable, cpu: BlockPool, loads: LoadBook,
+                 stores: StorePlanner, remote: RemoteBook | None,
+                 counters: ManagerCounters,
+                 drop_hits: Callable[[LoadFailure], None],
+                 disk: DiskBook | None = None) -> None:
+        self.jobs = jobs
+        self.cpu = cpu
+        self.loads = loads
+        self.stores = stores
+        self.remote = remote
+        self.disk = disk
+        self.counters = counters
+        self._drop_hits = drop_hits
+        self.failed = False
+        self.abandoned = 0
 
     def on_done(self, job_id: int, rank: int, ok: bool) -> None:
         """One rank's ack. Unknown jobs and repeated or unexpected ranks are counted
         (``acks_unknown`` / ``acks_duplicate``) and ignored."""
-        out = self._jobs.ack(job_id, rank, ok, LoadFailure.WORKER_FAILED)
+        out = self.jobs.ack(job_id, rank, ok, LoadFailure.WORKER_FAILED)
         if out is not None:
             self._apply(out)
 
     def _apply(self, out: AckOutcome) -> None:
         job = out.job
         if job.failed and isinstance(job, LoadJob):
-            self._loads.report(job)
+            self.loads.report(job)
         if out.complete:
             self._complete(job)
 
     def _complete(self, job: AnyJob) -> None:
         """Every rank acked or is dead: release the job's pins (and index a store)."""
         if job.abandoned:
-            self._abandoned -= 1
-        usable = not job.failed and not self._failed
+            self.abandoned -= 1
+        usable = not job.failed and not self.failed
         if isinstance(job, StoreJob):
-            self._stores.complete(job, register=usable)
+            self.stores.complete(job, register=usable)
             if usable and self.remote is not None:
                 self.remote.stored(job.cpu_ids, job.keys, job.depths)
             if usable and self.disk is not None:
@@ -80,25 +94,25 @@ class JobOutcomes:
             assert self.remote is not None, "a remote job without a remote tier"
             self.remote.complete(job, usable and not job.abandoned)
         else:
-            self._loads.complete(job)
+            self.loads.complete(job)
 
     def reset(self) -> bool:
         """Drop the CPU index; abandon every job in flight (its completion releases refs
         without indexing; no new job is planned until they are all done). True once
         nothing is in flight (jobs that wait only for a revoked, unfenced rank do not
         count: nothing will move them, and the engine is FAILED anyway)."""
-        if not self._failed:
+        if not self.failed:
             self._drop_pending(LoadFailure.RESET, DeclineReason.RESET)
-            for job in self._jobs.jobs.values():
+            for job in self.jobs.jobs.values():
                 if not job.abandoned:
                     job.abandoned = True
-                    self._abandoned += 1
+                    self.abandoned += 1
                     self.counters.jobs_abandoned += 1
                     self._fail_job(job, LoadFailure.RESET, count=False)
             self.cpu.drop_all_hashes()
             if self.disk is not None:
                 self.disk.drop_index()
-        return not self._jobs.jobs or self._jobs.only_quarantined()
+        return not self.jobs.jobs or self.jobs.only_quarantined()
 
     def rank_failed(self, rank: int) -> None:
         """``rank`` was declared dead (it may still be running a copy): every job fails
@@ -106,12 +120,12 @@ class JobOutcomes:
         nothing is planned. The jobs ``rank`` has not acked keep their pins -- those
         blocks are *quarantined* -- until :meth:`rank_fenced`: a block a rank may still
         touch is never handed out again."""
-        first = not self._failed
-        self._failed = True
-        for job in self._jobs.revoke_rank(rank):
+        first = not self.failed
+        self.failed = True
+        for job in self.jobs.revoke_rank(rank):
             self._fail_job(job, LoadFailure.RANK_DIED, count=False)
         if first:
-            for job in self._jobs.jobs.values():
+            for job in self.jobs.jobs.values():
                 self._fail_job(job, LoadFailure.RANK_DIED, count=True)
             self._drop_pending(LoadFailure.RANK_DIED, DeclineReason.ENGINE_FAILED)
             self.cpu.drop_all_hashes()
@@ -121,30 +135,32 @@ class JobOutcomes:
         closed after its last copy): the jobs it had not acked count as acked by it, so
         their pins go once the other ranks are done. Implies :meth:`rank_failed`."""
         self.rank_failed(rank)
-        for out in self._jobs.fence_rank(rank):
+        for out in self.jobs.fence_rank(rank):
             self._apply(out)
 
     def quarantined_blocks(self) -> tuple[int, int]:
         """(GPU, CPU) blocks pinned only because a revoked rank is not fenced yet."""
-        gpu, cpu = self._jobs.quarantined()
+        gpu, cpu = self.jobs.quarantined()
         return len(gpu), len(cpu)
+
+    def has_pending_work(self) -> bool:
+        """A job in flight that something will still move (jobs that wait only for a
+        revoked, unfenced rank do not count)."""
+        return bool(self.jobs.jobs) and not self.jobs.only_quarantined()
 
     def _fail_job(self, job: AnyJob, cause: LoadFailure, *, count: bool) -> None:
         """Mark ``job`` failed (``count``: as a failed job; an abandoned one is not)."""
         if job.fail(cause) and count:
             self.counters.jobs_failed += 1
         if isinstance(job, LoadJob):
-            self._loads.report(job)
+            self.loads.report(job)
 
     def _drop_pending(self, cause: LoadFailure, decline: DeclineReason) -> None:
         """Release every phase-A pin (tombstones), fail every queued load, drop queued
         finish-time stores."""
-        for rid, hit in list(self._hits.items()):
-            if hit.cause is None:
-                self.cpu.free(reversed(hit.pinned))
-                self._hits[rid] = Hit(hit.start, hit.end, [], [], (), cause)
-        self._loads.drop_queued(cause)
-        self._stores.drop_finished(decline)
+        self._drop_hits(cause)
+        self.loads.drop_queued(cause)
+        self.stores.drop_finished(decline)
         if self.remote is not None:
             self.remote.drop()
         if self.disk is not None:

@@ -22,7 +22,8 @@ one of the orders of :mod:`kvshm.offload.evict` instead; uncached and ``evict_fi
 blocks are still taken first, and only blocks at ref 0 are ever taken.
 :meth:`refresh` counts a GPU-side reuse of cached blocks (the manager calls it for the
 engine's own prefix hit where :attr:`BlockPool.refresh_gpu_hits`); :meth:`set_depth`
-tells the orders a block's position in its prefix chain.
+tells the orders a block's position in its prefix chain, and ``block_tokens`` (tokens
+per block, 16 unless given) weighs the ``adaptive`` order's cost model.
 
 Cost: every operation is O(1) per block named (plus O(hashes) per block); nothing scans
 the pool except :meth:`drop_all_hashes` (O(hashed blocks)) and :meth:`check_invariants`.
@@ -30,7 +31,7 @@ the pool except :meth:`drop_all_hashes` (O(hashed blocks)) and :meth:`check_inva
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, KeysView, Sequence
 from typing import NoReturn
 
 from kvshm.config import Eviction
@@ -38,40 +39,39 @@ from kvshm.errors import ConfigError, PoolExhausted
 from kvshm.hashing import BlockHash
 from kvshm.offload.blocks import (
     Block,
-    BlockRemoved,
-    BlockStored,
     FreeBlockQueue,
-    IndexEntry,
+    FreeSet,
     PoolEvent,
     check_pool,
 )
-from kvshm.offload.evict import FreeSet, make_free_set
+from kvshm.offload.evict import make_free_set
 from kvshm.offload.pool_index import HashIndex
 
-__all__ = ["BlockPool", "BlockRemoved", "BlockStored", "PoolEvent"]
+__all__ = ["BlockPool"]
 
 
-class BlockPool(HashIndex):
-    """Ref-counted blocks ``0 .. num_blocks-1``, a free queue and a hash index (the
-    index's calls and invariants: :mod:`kvshm.offload.pool_index`, a base class)."""
+class BlockPool:
+    """Ref-counted blocks ``0 .. num_blocks-1``, a free queue and a hash index
+    (``self.index``: its calls and invariants, :mod:`kvshm.offload.pool_index`; the
+    pool's methods of the same names hand over to it in one line)."""
 
     def __init__(self, num_blocks: int, *, enable_events: bool = False,
                  eviction: Eviction = Eviction.LRU,
-                 refresh_gpu_hits: bool | None = None) -> None:
+                 refresh_gpu_hits: bool | None = None, block_tokens: int = 16) -> None:
         if num_blocks < 1:
             raise ConfigError(f"num_blocks must be >= 1, got {num_blocks}")
         if not isinstance(eviction, Eviction):
             raise ConfigError(f"eviction must be an Eviction, got {eviction!r}")
         self._blocks = [Block(i) for i in range(num_blocks)]
-        self._queue: FreeBlockQueue | FreeSet = make_free_set(eviction, self._blocks,
-                                                              num_blocks)
+        self._queue: FreeBlockQueue | FreeSet = make_free_set(
+            eviction, self._blocks, num_blocks, block_tokens=block_tokens)
         self.eviction = eviction
-        self.refresh_gpu_hits = (eviction is Eviction.LRU_REFRESH
+        self.refresh_gpu_hits = (eviction in (Eviction.LRU_REFRESH, Eviction.ADAPTIVE)
                                  if refresh_gpu_hits is None else refresh_gpu_hits)
-        """The manager calls :meth:`refresh` for the engine's own prefix hits."""
-        self._index: dict[BlockHash, IndexEntry] = {}
-        self._enable_events = enable_events
+        """The manager calls :meth:`refresh` for the engine's own prefix hits (by
+        default for the orders that read them: ``lru_refresh``, ``adaptive``)."""
         self._events: list[PoolEvent] = []
+        self.index = HashIndex(self._blocks, self._events if enable_events else None)
         self.evictions = 0
         """Cached blocks whose hashes ``allocate`` dropped to reuse them."""
         self.exhausted = 0
@@ -95,11 +95,11 @@ class BlockPool(HashIndex):
     @property
     def num_hashes(self) -> int:
         """Distinct hashes in the index (what a lookup can hit)."""
-        return len(self._index)
+        return len(self.index.entries)
 
     def __repr__(self) -> str:
         return (f"BlockPool(num_blocks={self.num_blocks}, free={self.num_free}, "
-                f"hashes={len(self._index)})")
+                f"hashes={len(self.index.entries)})")
 
     # ---- reference counts ----------------------------------------------------------
 
@@ -126,7 +126,7 @@ class BlockPool(HashIndex):
         for b in blocks:
             if b.hashes:
                 self.evictions += 1
-                self._unindex(b)
+                self.index.unindex(b)
             b.ref_cnt = 1
         return [b.block_id for b in blocks]
 
@@ -209,7 +209,7 @@ class BlockPool(HashIndex):
             wanted[b.block_id] = k
 
     def ref_cnt(self, block_id: int) -> int:
-        return self._get(block_id).ref_cnt
+        return self.index.block(block_id).ref_cnt
 
     def refresh(self, ids: Iterable[int]) -> None:
         """The blocks were reused elsewhere (their GPU copies hit): each cached one at
@@ -237,16 +237,60 @@ class BlockPool(HashIndex):
         for b in self._queue:
             yield b.block_id
 
+    # ---- the hash index (self.index) ---------------------------------------------
+
+    def block_hashes(self, block_id: int) -> tuple[BlockHash, ...]:
+        """The hashes ``block_id`` is indexed under, in the order added; () if none (the
+        ``GpuBlocks`` read a store makes per block: the record read here, no hand-over)."""
+        blocks = self._blocks
+        if not 0 <= block_id < len(blocks):
+            raise ConfigError(f"unknown block id {block_id!r} (pool has {len(blocks)} blocks)")
+        return blocks[block_id].hashes
+
+    def add_hashes(self, block_id: int, hashes: Iterable[BlockHash]) -> None:
+        """:meth:`HashIndex.add_hashes`: index ``block_id`` under each hash."""
+        self.index.add_hashes(block_id, hashes)
+
+    def add_keys(self, ids: Sequence[int], keys: Sequence[BlockHash],
+                 depths: Sequence[int] | None = None) -> None:
+        """:meth:`HashIndex.add_keys`: a store's completion, one call."""
+        self.index.add_keys(ids, keys, depths)
+
+    def remove_hashes(self, block_id: int) -> None:
+        """Drop every hash of ``block_id`` (BlockRemoved); it stays where it is."""
+        self.index.remove_hashes(block_id)
+
+    def get_cached(self, h: BlockHash) -> int | None:
+        """The earliest registered block still carrying ``h``, or None."""
+        return self.index.get_cached(h)
+
+    def cached_run(self, hashes: Sequence[BlockHash], start: int, end: int) -> list[int]:
+        """:meth:`HashIndex.cached_run`: the cached blocks of a run of hashes."""
+        return self.index.cached_run(hashes, start, end)
+
+    def is_cached(self, h: BlockHash) -> bool:
+        return h in self.index.entries
+
+    @property
+    def cached_keys(self) -> KeysView[BlockHash]:
+        """A live view of the indexed hashes (:attr:`HashIndex.cached_keys`)."""
+        return self.index.entries.keys()
+
+    def drop_all_hashes(self) -> None:
+        """Make every block uncached (reset): :meth:`HashIndex.drop_all_hashes`."""
+        self.index.drop_all_hashes()
+
     # ---- events and checks ---------------------------------------------------------
 
     def take_events(self) -> list[PoolEvent]:
         """Events since the last call, oldest first (always empty without
         ``enable_events``)."""
-        events, self._events = self._events, []
+        events = self._events[:]  # the list itself is the index's too: emptied in place
+        self._events.clear()
         return events
 
     def check_invariants(self) -> None:
         """O(pool) consistency check for tests; AssertionError names what is wrong
         (:func:`kvshm.offload.blocks.check_pool`)."""
         check_pool(self._blocks, self._queue.check_links(limit=len(self._blocks)),
-                   self._index, self.num_free)
+                   self.index.entries, self.num_free)

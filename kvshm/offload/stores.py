@@ -35,6 +35,9 @@ Cost: a step touches only requests whose confirmed tokens crossed their cursor's
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Container, Sequence
+from functools import partial
+from itertools import repeat
+from operator import eq
 from typing import Protocol
 
 from kvshm.config import Eviction
@@ -46,7 +49,7 @@ from kvshm.offload.jobs import Cand, Selection, StoreJob
 from kvshm.offload.pool import BlockPool
 from kvshm.types import GpuBlocks
 
-__all__ = ["Cand", "Cursor", "Selection", "StorePlanner"]
+__all__ = ["Cursor", "StorePlanner"]
 
 
 class Cursor(Protocol):
@@ -61,6 +64,12 @@ class Cursor(Protocol):
 
 
 _NO_IDS: frozenset[int] = frozenset()
+
+
+def _each(block_hashes: Callable[[int], tuple[BlockHash, ...]],
+          ids: list[int]) -> list[tuple[BlockHash, ...]]:
+    """``block_hashes`` of each id (a pool without a bulk read)."""
+    return list(map(block_hashes, ids))
 
 
 class StorePlanner:
@@ -83,6 +92,10 @@ class StorePlanner:
         # (the sets and dicts change in place; the index view is live)
         self._hot = (load_dst, self.inflight_gpu, self.inflight_keys, cpu.cached_keys,
                      gpu.block_hashes, counters.declined)
+        #: ``gpu.block_hashes`` of many ids in one call (a pool's own bulk read, e.g.
+        #: ``VllmGpuBlocks.block_hashes_of``, where it has one)
+        self._hashes_of: Callable[[list[int]], list[tuple[BlockHash, ...]]] = getattr(
+            gpu, "block_hashes_of", None) or partial(_each, gpu.block_hashes)
         self.finish_queue: list[Cand] = []
         #: told the keys of finish-time stores dropped for want of CPU blocks (never
         #: stored, so never put): a P/D publication waiting for one of them learns it
@@ -191,6 +204,35 @@ class StorePlanner:
             p += 1
         st.cursor = p
         return avail
+
+    def pick_run(self, blocks: list[int], keys: list[bytes], depths: list[int],
+                 sel: Selection) -> bool:
+        """Select ``(blocks[i], keys[i])`` at position ``depths[i]`` for every ``i`` at
+        once, in order, and return True -- exactly when :meth:`walk` (one full-attention
+        group), given each as its request's only position to walk with its hash known
+        and CPU blocks for all, would pick every one: the blocks and keys are distinct,
+        none is in flight, cached or a pending load's destination, and each GPU block
+        carries its key or no hash. Else False with nothing changed (the caller walks
+        them one by one). The tests of a pick are set operations in C; only the GPU
+        hashes are read block by block."""
+        n = len(blocks)
+        load_dst, inflight_gpu, inflight_keys, cached, _, _ = self._hot
+        if (len(set(blocks)) != n or len(set(keys)) != n
+                or not inflight_gpu.isdisjoint(blocks) or not inflight_keys.isdisjoint(keys)
+                or not cached.isdisjoint(keys)
+                or load_dst and any(map(load_dst.__contains__, blocks))):
+            return False
+        for gh, h in zip(self._hashes_of(blocks), keys):
+            if gh and h not in gh:
+                return False
+        inflight_gpu.update(blocks)
+        inflight_keys.update(keys)
+        sel.gpu_ids += blocks
+        sel.groups += repeat(0, n)
+        sel.keys += keys
+        sel.depths += depths
+        sel.to_touch += blocks
+        return True
 
     def _walk_groups(self, st: Cursor, ready: int, avail: int, alloc: Collection[int],
                      sel: Selection) -> int:
@@ -364,11 +406,10 @@ class StorePlanner:
         depth_list = depths if cpu.eviction is not Eviction.LRU else None
         gh_of = self.gpu.block_hashes
         if self.gs.single:
-            for gh, k in zip(map(gh_of, gpu_ids), keys):
-                if gh and (gh[0] != k or len(gh) > 1):
-                    break
-            else:
-                cpu.add_keys(cpu_ids, keys, depth_list)
+            ghs = self._hashes_of(gpu_ids)
+            # each GPU block carries no hash or exactly its key: (k,) per key from zip
+            if ghs.count(()) + sum(map(eq, ghs, zip(keys))) == len(ghs):
+                cpu.index.add_keys(cpu_ids, keys, depth_list)
                 self.counters.stored_blocks += len(cpu_ids)
                 return
         key_of = self.gs.key

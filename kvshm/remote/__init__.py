@@ -30,18 +30,4 @@ answers at once without touching the network). The scheduler never waits on the
 remote: a :class:`ReadyIndex` answers through ``answers()``, polled.
 """
 
-from __future__ import annotations
-
-from kvshm.remote.tier import (
-    KEY_PREFIX,
-    BlockHeader,
-    BlockStore,
-    GetOutcome,
-    ReadyIndex,
-    RemoteSpec,
-    block_key,
-    ready_key,
-)
-
-__all__ = ["KEY_PREFIX", "BlockHeader", "BlockStore", "GetOutcome", "ReadyIndex",
-           "RemoteSpec", "block_key", "ready_key"]
+__all__: list[str] = []  # no names of its own: the interface is kvshm.remote.tier's

@@ -148,6 +148,7 @@ class Shards:
         self._refresh_lock = threading.Lock()
         self.breakers: dict[str, CircuitBreaker] = {}
         self._slots: list[str] | None = None
+        self._current: frozenset[str] | None = None  # the shards of _slots
         self._known: list[tuple[str, int]] = list(spec.nodes)
         self._last_refresh = -1e9
         self.refreshes = 0
@@ -195,11 +196,16 @@ class Shards:
                     for node in (primary, *replicas):
                         known.add((node[0].decode(), int(node[1])))
                 self._slots = slots
+                self._current = frozenset(slots)
                 self._known = sorted(known)
                 self.refreshes += 1
                 return
         finally:
             self._refresh_lock.release()
+
+    def current(self) -> frozenset[str] | None:
+        """The shards of the slot map read last (None: none read yet, or standalone)."""
+        return self._current
 
     def states(self) -> dict[str, str]:
         with self._lock:

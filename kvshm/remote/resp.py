@@ -6,7 +6,6 @@ readiness checks, the tests. :func:`command` sends one command and reads until o
 reply is in (:func:`_complete`: simple, error, integer, bulk and aggregate types; RESP3
 scalars are framed too), or the server closes; :func:`parse_reply` decodes a RESP2 reply,
 returning an error reply as a :class:`ServerReplyError` value, never raising it.
-Re-exported by :mod:`kvshm.remote.server`.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ ADDSLOTSRANGE``, ``MEET``, ``REPLICATE``), no ``valkey-cli`` needed.
 
 The server dies with the process that started it (``PR_SET_PDEATHSIG``), so a killed
 test run leaves no server behind. The control-command client (:func:`command`,
-:func:`parse_reply`) is :mod:`kvshm.remote.resp`, re-exported here.
+:func:`parse_reply`) is :mod:`kvshm.remote.resp`.
 """
 
 from __future__ import annotations
@@ -32,11 +32,10 @@ from pathlib import Path
 from typing import Final
 
 from kvshm.errors import ConfigError, MissingExtra, ServerStartError
-from kvshm.remote.resp import ServerReplyError, command, info_field, parse_reply
+from kvshm.remote.resp import command, info_field
 
-__all__ = ["POLICY", "ServerReplyError", "ValkeyCluster", "ValkeyServer", "command",
-           "free_port", "info_field", "make_cluster", "node_id", "parse_reply", "serve",
-           "valkey_binary", "wait_cluster_ok"]
+__all__ = ["POLICY", "ValkeyCluster", "ValkeyServer", "free_port", "make_cluster",
+           "node_id", "serve", "valkey_binary", "wait_cluster_ok"]
 
 #: The maxmemory policy kvshm's servers run with: evict only keys with a TTL, LRU first.
 POLICY: Final = "volatile-lru"

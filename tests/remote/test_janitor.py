@@ -22,10 +22,12 @@ from remote_rig import Rows
 from kvshm.cli import main
 from kvshm.offload.pd.handoffs import Handoffs
 from kvshm.offload.pd.manifest import Manifest, Verdict, manifest_key
-from kvshm.remote import KEY_PREFIX, BlockHeader, RemoteSpec, block_key, ready_key
+from kvshm.remote.glide_client import header_key, key_slot
 from kvshm.remote.janitor import handoff_keys, judge, sweep
-from kvshm.remote.server import ValkeyCluster, ValkeyServer, command, free_port, parse_reply
-from kvshm.remote.valkey import ValkeyBlockStore, header_key, key_slot
+from kvshm.remote.resp import command, parse_reply
+from kvshm.remote.server import ValkeyCluster, ValkeyServer, free_port
+from kvshm.remote.tier import KEY_PREFIX, BlockHeader, RemoteSpec, block_key, ready_key
+from kvshm.remote.valkey import ValkeyBlockStore
 from kvshm.remote.valkey_index import ValkeyReadyIndex
 
 FP = "tiny-llama.bf16.bs16.nhd"

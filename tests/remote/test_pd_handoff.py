@@ -38,7 +38,8 @@ from remote_engine_rig import (
 
 from kvshm.hashing import chain_hashes
 from kvshm.offload.pd.manifest import MANIFEST_PARAM, Manifest
-from kvshm.remote.server import ValkeyServer, command
+from kvshm.remote.resp import command
+from kvshm.remote.server import ValkeyServer
 from kvshm.types import RequestView
 
 pytestmark = pytest.mark.asyncio

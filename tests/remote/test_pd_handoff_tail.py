@@ -22,7 +22,8 @@ from remote_engine_rig import BLOCKS, MODEL, digest, prefill, remote, settle_pub
 from kvshm.errors import InvalidRequest
 from kvshm.hashing import chain_hashes, chain_tail
 from kvshm.offload.pd.manifest import MANIFEST_PARAM, Manifest
-from kvshm.remote.server import ValkeyServer, command
+from kvshm.remote.resp import command
+from kvshm.remote.server import ValkeyServer
 from kvshm.types import RequestView, ScheduledRequest
 
 pytestmark = pytest.mark.asyncio

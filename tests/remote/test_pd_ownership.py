@@ -36,7 +36,8 @@ from remote_engine_rig import (
 )
 
 from kvshm.offload.pd.manifest import MANIFEST_PARAM, Manifest
-from kvshm.remote.server import ValkeyServer, command
+from kvshm.remote.resp import command
+from kvshm.remote.server import ValkeyServer
 
 pytestmark = pytest.mark.asyncio
 

@@ -34,7 +34,8 @@ from remote_engine_rig import (
 
 from kvshm.hashing import chain_hashes
 from kvshm.remote.glide_client import header_key
-from kvshm.remote.server import ValkeyCluster, ValkeyServer, command
+from kvshm.remote.resp import command
+from kvshm.remote.server import ValkeyCluster, ValkeyServer
 from kvshm.types import RequestView
 
 pytestmark = pytest.mark.asyncio

@@ -13,7 +13,8 @@ import torch
 
 from kvshm.hashing import chain_hashes
 from kvshm.ipc.protocol import Done, LayoutSpec, RegionSpec, Remote, RemoteOp, RemoteSetup, pack_ids
-from kvshm.remote.server import ValkeyServer, command, parse_reply
+from kvshm.remote.resp import command, parse_reply
+from kvshm.remote.server import ValkeyServer
 from kvshm.remote.tier import KEY_PREFIX, RemoteSpec, block_key
 from kvshm.remote.valkey import ValkeyBlockStore
 from workers.host_pool import HostPool

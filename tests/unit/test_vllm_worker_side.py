@@ -4,7 +4,7 @@ worker side is plain kvshm code fed StepMeta records)."""
 from __future__ import annotations
 
 from kvshm.integrations.vllm.config import ConnectorConfig
-from kvshm.integrations.vllm.scheduler import StepMeta
+from kvshm.integrations.vllm.records import StepMeta
 from kvshm.integrations.vllm.worker import WorkerSide
 from kvshm.types import KVGroup, StoreMode
 

@@ -365,17 +365,43 @@ def test_vllm_start_fails_clearly(make_llm: LLMFactory, kv_overrides: dict[str, 
 
 
 @needs_vllm
-def test_vllm_start_with_a_typo_fails_with_the_line_on_top(make_llm: LLMFactory) -> None:
+@pytest.mark.parametrize("multiprocess", [False, True], ids=["in_process", "multi_process"])
+def test_vllm_start_with_a_typo_fails_with_the_line_on_top(make_llm: LLMFactory,
+                                                           multiprocess: bool) -> None:
     """A typo in kv_connector_extra_config makes ``LLM(...)`` raise kvshm's ConfigError
-    whose message's first line names the key and the correction (in-process engine:
-    the exception reaches the caller as raised; a multi-process engine logs it in the
-    process that built the connector and vLLM raises its own "initialization failed")."""
+    whose message's first line names the key and the correction, in both of vLLM's
+    modes. Multi-process, vLLM builds the connector only in EngineCore and its workers and
+    raises its own "Engine core initialization failed" after their tracebacks; kvshm's
+    plugin checks the extra config where vLLM turns its arguments into a config, in the
+    caller's process, so the typo is what the caller gets, before any process starts."""
     with pytest.raises(ConfigError) as info:
-        with make_llm("KvshmConnector", module="kvshm.integrations.vllm", cpu_byte=1 << 26):
+        with make_llm("KvshmConnector", module="kvshm.integrations.vllm",
+                      multiprocess=multiprocess, cpu_byte=1 << 26):
             pass
     assert str(info.value).splitlines()[0] == (
         "kvshm: unknown key 'cpu_byte' in kv_connector_extra_config; did you mean "
         f"'cpu_bytes'? (keys: {PUBLIC_LIST})")
+
+
+@needs_vllm
+def test_the_front_end_check_leaves_other_connectors_alone() -> None:
+    """The wrapper around ``EngineArgs.create_engine_config`` checks only configs that
+    name kvshm: another connector's extra config (with keys kvshm does not know) passes
+    through untouched, and installing it twice wraps once."""
+    import vllm.engine.arg_utils as arg_utils
+
+    from kvshm.integrations.vllm import plugin
+
+    assert plugin.check_before_engine_start() is True
+    wrapped = arg_utils.EngineArgs.create_engine_config
+    assert plugin.check_before_engine_start() is True
+    assert arg_utils.EngineArgs.create_engine_config is wrapped
+    assert plugin._kvshm_extra_config({"kv_connector": "OffloadingConnector",
+                                       "kv_connector_extra_config": {"x": 1}}) is None
+    assert plugin._kvshm_extra_config({"kv_connector": "KvshmConnector",
+                                       "kv_connector_module_path": "my.fork",
+                                       "kv_connector_extra_config": {"x": 1}}) is None
+    assert plugin._kvshm_extra_config({"kv_connector": "KvshmConnector"}) == {}
 
 
 @needs_vllm

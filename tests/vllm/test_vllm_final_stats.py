@@ -74,8 +74,8 @@ def test_a_live_write_that_fails_is_counted_and_logged_once_not_raised(
                           str(tmp_path / "missing" / "s.json"), 30.0, 5.0, 0)
     side = SchedulerSide(cfg)
     with caplog.at_level(logging.WARNING, logger="kvshm.vllm"):
-        side._write_live(str(cfg.stats_path), _stats("ready", 1, [True], 0))
-        side._write_live(str(cfg.stats_path), _stats("ready", 1, [True], 0))
+        side.life._write_live(str(cfg.stats_path), _stats("ready", 1, [True], 0))
+        side.life._write_live(str(cfg.stats_path), _stats("ready", 1, [True], 0))
     assert side.counters.stats_writes_failed == 2
     assert [r.levelno for r in caplog.records if "stats_path" in r.getMessage()] == [
         logging.WARNING]

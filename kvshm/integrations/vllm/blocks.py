@@ -14,8 +14,9 @@ scheduler thread only: the pool is not thread-safe):
   kvshm qualifies plain hashes per group itself. The stripped primary is cached per block
   id with the hash object it came from: a call returns the cached tuple while the block
   still carries that very object (vLLM's hashes are immutable bytes, replaced, never
-  changed in place), so the store path's two calls per block build no bytes. A block
-  with secondary hashes is built each time (rare: hybrid hash sizes). Where vLLM's
+  changed in place), so the store path's two calls per block build no bytes
+  (``block_hashes_of`` answers many ids in one call). A block with secondary hashes is
+  built each time (rare: hybrid hash sizes). Where vLLM's
   ``KVCacheBlock.block_hash`` is the plain property over its ``_block_hash`` slot (checked
   once, on the pool's first block), the slot is read directly: the property call was a
   third of the call's cost on the store path.
@@ -40,7 +41,7 @@ from typing import Any
 import torch
 
 from kvshm.errors import ConfigError
-from kvshm.types import BlockHash
+from kvshm.hashing import BlockHash
 
 __all__ = ["VllmGpuBlocks", "kv_regions", "plain_hash"]
 
@@ -107,6 +108,17 @@ class VllmGpuBlocks:
         self._plain_of[block_id] = primary
         self._plain[block_id] = out
         return out
+
+    def block_hashes_of(self, ids: Iterable[int]) -> list[tuple[BlockHash, ...]]:
+        """:meth:`block_hashes` of each id, in one call: a block whose cached tuple is
+        current (it still carries the hash object it was built from, or none was ever
+        built and it carries none) is answered from the cache inline, any other by
+        :meth:`block_hashes` (the store path's bulk reads: a selected run, a completed
+        store)."""
+        if self._secondary or not self._slot:
+            return list(map(self.block_hashes, ids))
+        blocks, plain_of, plain, one = self._blocks, self._plain_of, self._plain, self.block_hashes
+        return [plain[b] if plain_of[b] is blocks[b]._block_hash else one(b) for b in ids]
 
     def iter_free_from_lru(self) -> Iterator[int]:
         """Ref-0 block ids, the next to be evicted first."""

@@ -57,8 +57,7 @@ from kvshm.integrations.vllm.metrics import (
 from kvshm.integrations.vllm.records import StepMeta
 from kvshm.integrations.vllm.scheduler import SchedulerSide
 from kvshm.integrations.vllm.worker import WorkerSide
-from kvshm.shm import available_shm_bytes
-from kvshm.shm_budget import memory_available_bytes
+from kvshm.shm_budget import available_shm_bytes, memory_available_bytes
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

@@ -326,8 +326,9 @@ class Listing:
         table = (self._no_new if nb is None
                  else (tuple(nb[0]),) if len(nb) == 1 else tables(nb))
         confirmed = r.num_computed_tokens - r.num_output_placeholders
-        w = self._int((confirmed // self._block_size + 1) * self._block_size)
-        self.next_look[rid] = w
+        bs = self._block_size
+        w = (confirmed // bs + 1) * bs
+        w = self.next_look[rid] = self._ints.setdefault(w, w)  # _int, inlined
         out.append(ScheduledRequest(rid, r.block_hashes, r.num_tokens, table, False,
                                     confirmed, False, r.kv_transfer_params))
         return w

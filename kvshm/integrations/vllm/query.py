@@ -36,7 +36,7 @@ def engine_stats(llm: Any, timeout: float = 2.0) -> dict[str, Any]:
     ConfigError if no kvshm engine of that name runs; TimeoutError if it does not
     answer within ``timeout`` seconds.
     """
-    from kvshm.ipc.rendezvous import query_stats
+    from kvshm.ipc.rendezvous_client import query_stats
 
     return query_stats(kvshm_name(llm), timeout=timeout)
 

@@ -48,8 +48,9 @@ Threads: every hook runs under one lock (:class:`~kvshm.integrations.vllm.servic
 and a service thread started in :meth:`SchedulerSide.bind` pumps the client under that
 lock while vLLM is idle, so ``kvshm stats --name`` answers an idle engine within about
 20 ms (:mod:`~kvshm.integrations.vllm.service` states the invariant). :meth:`shutdown`
-stops and joins it before anything else (bind, the thread, shutdown and statistics: a
-base class, :mod:`~kvshm.integrations.vllm.side_lifecycle`). The file written to
+stops and joins it before anything else (bind, the thread, shutdown and statistics: the
+side's lifecycle, ``side.life``, :mod:`~kvshm.integrations.vllm.side_lifecycle`; the
+side's methods of the same names hand over to it in one line). The file written to
 ``stats_path``: :mod:`~kvshm.integrations.vllm.final_stats`.
 
 Ordering within ``build``: the client's load results are absorbed first
@@ -71,19 +72,17 @@ from kvshm.errors import InvalidRequest
 from kvshm.integrations.vllm.config import ConnectorConfig
 from kvshm.integrations.vllm.listing import Listing
 from kvshm.integrations.vllm.records import SchedulerCounters, StepMeta
-from kvshm.integrations.vllm.reports import ReportBuilder, ReportClock
 from kvshm.integrations.vllm.service import HookGuard, ServiceThread, guarded
 from kvshm.integrations.vllm.side_lifecycle import SideLifecycle
 from kvshm.integrations.vllm.tails import request_tail_hash
 from kvshm.ipc.protocol import unpack_ids
 from kvshm.types import RequestView, ScheduledRequest, StepInput, StepPlan, no_new_blocks
 
-# StepMeta and SchedulerCounters live in records.py; re-exported here, where they were.
-__all__ = ["SchedulerCounters", "SchedulerSide", "StepMeta"]
+__all__ = ["SchedulerSide"]
 
 log = logging.getLogger("kvshm.vllm")
 
-class SchedulerSide(SideLifecycle):
+class SchedulerSide:
     """See the module docstring. ``meta_cls`` builds the step metadata (vLLM's
     ``KVConnectorMetadata`` subclass of :class:`StepMeta`)."""
 
@@ -91,7 +90,6 @@ class SchedulerSide(SideLifecycle):
                  meta_cls: Callable[..., StepMeta] = StepMeta) -> None:
         self.cfg = cfg
         self._meta_cls = meta_cls
-        self._client: SyncClient | None = None
         self._requests: dict[str, Any] = {}
         self._announced: set[str] = set()
         self._load_failed: set[str] = set()
@@ -101,21 +99,48 @@ class SchedulerSide(SideLifecycle):
         # loads vLLM expects but kvshm refused in phase B -> destinations to recompute
         self._refused_loads: dict[str, tuple[int, ...]] = {}
         self._step = 0
-        self._closed = False
         self.counters = SchedulerCounters()
         self._lister = Listing(cfg, self._requests, self._announced, self.counters,
                                self._no_new)
         self.guard = HookGuard()
-        self._service: ServiceThread | None = None
-        # (when taken, statistics) of the service thread: the latest while READY, and
-        # the one from before the pump that saw READY end
-        self._ready_snap: tuple[float, dict[str, Any]] | None = None
-        self._left_ready: tuple[float, dict[str, Any]] | None = None
-        # statistics reports to vLLM (side_lifecycle.report) and whether they reach
-        # vLLM's front end (then it logs the final-statistics line)
-        self._reports = ReportBuilder()
-        self._clock = ReportClock()
-        self._shipped = False
+        self.life = SideLifecycle(cfg, self.guard, self.counters, self._requests,
+                                  self._absorb)
+
+    # -- lifecycle (self.life) -------------------------------------------------------------
+    @property
+    def client(self) -> SyncClient:
+        """The kvshm client (StateError before ``bind``)."""
+        return self.life.client
+
+    @property
+    def bound(self) -> bool:
+        """True once ``bind`` created the client."""
+        return self.life.bound_client is not None
+
+    @property
+    def service_thread(self) -> ServiceThread | None:
+        """The idle-time service thread (None before ``bind``)."""
+        return self.life.service_thread
+
+    def bind(self, gpu_block_pool: Any) -> None:
+        """``bind_gpu_block_pool``: create the client, start the service thread."""
+        self.life.bind(gpu_block_pool)
+
+    def report(self) -> dict[str, Any] | None:
+        """``get_kv_connector_stats``: a statistics report when one is due."""
+        return self.life.report()
+
+    def mark_shipped(self) -> None:
+        """vLLM shipped a report to its front end: the front end logs the final line."""
+        self.life.mark_shipped()
+
+    def shutdown(self) -> None:
+        """Stop the service thread, drain, close, write ``stats_path`` (idempotent)."""
+        self.life.shutdown()
+
+    def statistics(self) -> dict[str, Any]:
+        """The engine's statistics plus the connector's counters, JSON-able."""
+        return self.life.statistics()
 
     # -- phase A / B ---------------------------------------------------------------------
     @guarded
@@ -142,7 +167,7 @@ class SchedulerSide(SideLifecycle):
         tail = (request_tail_hash(request, request.num_tokens, self.cfg.block_size)
                 if params and params.get("do_remote_prefill") else None)
         view = RequestView(rid, request.block_hashes, request.num_tokens, params, tail)
-        client = self._client or self.client  # the property raises before bind
+        client = self.life.bound_client or self.client  # the property raises before bind
         try:
             hit = client.lookup(view, num_computed_tokens)
         except InvalidRequest as exc:
@@ -163,7 +188,8 @@ class SchedulerSide(SideLifecycle):
         """``update_state_after_alloc``: the request's whole per-group tables."""
         rid = request.request_id
         try:
-            (self._client or self.client).allocated(rid, block_ids, num_external_tokens)
+            client = self.life.bound_client or self.client
+            client.allocated(rid, block_ids, num_external_tokens)
         except InvalidRequest as exc:
             self._refuse(rid, exc)
             self.client.allocated(rid, self._no_new, 0)  # releases the lookup's pin
@@ -276,7 +302,7 @@ class SchedulerSide(SideLifecycle):
         for the proxy to pass to the decode engine."""
         rid = request.request_id
         confirmed = request.num_computed_tokens - request.num_output_placeholders
-        client = self._client or self.client
+        client = self.life.bound_client or self.client
         try:
             params = request.kv_transfer_params
             tail = (request_tail_hash(request, confirmed, self.cfg.block_size)
@@ -305,9 +331,10 @@ class SchedulerSide(SideLifecycle):
     @guarded
     def has_pending_work(self) -> bool:
         """``has_pending_push_work``: jobs not yet acked by every rank."""
-        if self._client is None or self._closed:
+        client = self.life.bound_client
+        if client is None or self.life.closed:
             return False
-        return self._client.has_pending_work()
+        return client.has_pending_work()
 
     @guarded
     def reset(self) -> bool:

@@ -1,13 +1,20 @@
 """The vLLM scheduler side's lifecycle: bind, the idle-time service thread, shutdown and
 statistics.
 
-:class:`SideLifecycle` is a base of :class:`~kvshm.integrations.vllm.scheduler.SchedulerSide`
-(one object); it reads and sets the side's records declared below.
+:class:`SideLifecycle` is a component the vLLM scheduler side
+(:class:`~kvshm.integrations.vllm.scheduler.SchedulerSide`) holds as ``side.life``. It owns
+the kvshm client (None before ``bind``), the service thread, the closed flag, the
+service thread's READY snapshots and the statistics reports' clock and builder. It is
+handed the side's hook lock and connector counters (shared, the side's), a read-only view
+of the requests the side knows of (to tell when the side is idle) and the side's
+``absorb`` (what to do with the client's load results; always called under the lock).
 
 Ordering and invariants:
 
 * ``bind`` creates the client and starts the service thread under the hooks' lock, once;
-  until then every hook that needs the client raises ``StateError`` (``client``).
+  until then every hook that needs the client raises ``StateError`` (``client``);
+  ``bound_client`` is None until then, then the client for good (the side's hooks read
+  it directly: one attribute read, no call).
 * The service thread pumps only under the lock and only while the hooks are idle
   (:mod:`~kvshm.integrations.vllm.service`); it keeps the latest READY statistics and the
   ones from before the pump that saw READY end, so a shutdown after the workers left
@@ -30,7 +37,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
 from kvshm.config import EngineConfig
@@ -60,35 +67,40 @@ SNAPSHOT_MAX_AGE_S: Final = 1.0
 
 
 class SideLifecycle:
-    """See the module docstring; ``SchedulerSide`` sets every attribute below and
-    implements ``_absorb`` (the client's load results, under the lock)."""
+    """See the module docstring. ``requests``: the side's live requests (read only
+    here); ``absorb``: the side's handling of the client's load results."""
 
-    cfg: ConnectorConfig
-    counters: SchedulerCounters
-    guard: HookGuard
-    _client: SyncClient | None
-    _service: ServiceThread | None
-    _closed: bool
-    _ready_snap: tuple[float, dict[str, Any]] | None
-    _left_ready: tuple[float, dict[str, Any]] | None
-    _requests: dict[str, Any]
-    _reports: ReportBuilder
-    _clock: ReportClock
-    _shipped: bool
-
-    def _absorb(self, results: Sequence[Any]) -> None:
-        raise NotImplementedError
+    def __init__(self, cfg: ConnectorConfig, guard: HookGuard, counters: SchedulerCounters,
+                 requests: Mapping[str, Any],
+                 absorb: Callable[[Sequence[Any]], None]) -> None:
+        self.cfg = cfg
+        self.guard = guard
+        self.counters = counters
+        self._requests = requests
+        self._absorb = absorb
+        self.bound_client: SyncClient | None = None
+        self.closed = False
+        self._service: ServiceThread | None = None
+        # (when taken, statistics) of the service thread: the latest while READY, and
+        # the one from before the pump that saw READY end
+        self._ready_snap: tuple[float, dict[str, Any]] | None = None
+        self._left_ready: tuple[float, dict[str, Any]] | None = None
+        # statistics reports to vLLM and whether they reach vLLM's front end (then it
+        # logs the final-statistics line)
+        self._reports = ReportBuilder()
+        self._clock = ReportClock()
+        self._shipped = False
 
     @property
     def client(self) -> SyncClient:
         """The kvshm client (StateError before ``bind``)."""
-        if self._client is None:
+        if self.bound_client is None:
             raise StateError("kvshm's scheduler side has no GPU block pool bound yet")
-        return self._client
+        return self.bound_client
 
     def bind(self, gpu_block_pool: Any) -> None:
         """Create the client around vLLM's pool (once; vLLM's ``bind_gpu_block_pool``)."""
-        if self._client is not None:
+        if self.bound_client is not None:
             raise StateError("bind_gpu_block_pool called twice")
         c = self.cfg
         hash_bs = getattr(gpu_block_pool, "hash_block_size", c.block_size)
@@ -106,7 +118,7 @@ class SideLifecycle:
                              disk_bytes_per_rank=c.disk_bytes_per_rank, disk_io=c.disk_io,
                              disk_mode=c.disk_mode)
         with self.guard:
-            self._client = SyncClient(econf, gpu_blocks=VllmGpuBlocks(gpu_block_pool))
+            self.bound_client = SyncClient(econf, gpu_blocks=VllmGpuBlocks(gpu_block_pool))
             self._service = ServiceThread(self.guard, self._idle_pump, c.name)
             self._service.start()
         log.info("kvshm: engine %r is waiting for %d worker rank(s) (%s mode, %s); "
@@ -116,7 +128,7 @@ class SideLifecycle:
     @property
     def bound(self) -> bool:
         """True once ``bind`` created the client."""
-        return self._client is not None
+        return self.bound_client is not None
 
     @property
     def service_thread(self) -> ServiceThread | None:
@@ -129,8 +141,8 @@ class SideLifecycle:
         are refreshed only when a hook ran since or they are older than
         :data:`SNAPSHOT_MAX_AGE_S` (a snapshot sorts every rank's latency window; an
         idle engine with nothing pending does not change)."""
-        client = self._client
-        if client is None or self._closed or client.state not in LIVE:
+        client = self.bound_client
+        if client is None or self.closed or client.state not in LIVE:
             return
         ready = client.state is EngineState.READY
         now = time.monotonic()
@@ -145,8 +157,8 @@ class SideLifecycle:
         """``get_kv_connector_stats``: a report's data when one is due (module
         docstring), else None; None before ``bind`` and after ``shutdown``."""
         with self.guard:
-            client = self._client
-            if client is None or self._closed:
+            client = self.bound_client
+            if client is None or self.closed:
                 return None
             now = time.monotonic()
             idle = not self._requests and not client.has_pending_work()
@@ -183,12 +195,13 @@ class SideLifecycle:
         if self._service is not None:
             self._service.stop()
         with self.guard:
-            if self._closed or self._client is None:
-                self._closed = True
+            client = self.bound_client
+            if self.closed or client is None:
+                self.closed = True
                 return
-            self._closed = True
-            snap, source = self._drain_and_snapshot(self._client)
-            self._client.close()
+            self.closed = True
+            snap, source = self._drain_and_snapshot(client)
+            client.close()
             stats = final_statistics(snap, source, self.statistics())
         if self.cfg.stats_path:
             write_json(self.cfg.stats_path, stats)

@@ -15,3 +15,5 @@ stateless :mod:`.manifest` (the record and the pure predicates on a request's
 ``kv_transfer_params``) is importable from anywhere; :mod:`.manifest` and
 :mod:`.collected` import nothing from offload.
 """
+
+__all__: list[str] = []  # no names of its own: each is imported from its module above

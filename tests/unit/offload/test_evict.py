@@ -1,7 +1,7 @@
 """The CPU tier's eviction orders (kvshm/offload/evict.py) in a BlockPool.
 
-A narrated test through the real manager shows ``depth_aged`` (the default) keeping a
-shared prefix that LRU loses; unit tests pin down each order's choices with exact ids;
+A narrated test through the real manager shows ``depth_aged`` keeping a shared prefix
+that LRU loses; unit tests pin down each order's choices with exact ids;
 a Hypothesis state machine per order checks what every order must keep: a pinned block
 is never taken, uncached and ``evict_first`` blocks are taken before the others, the
 counts add up, and the pool's own check passes after every operation.
@@ -76,15 +76,18 @@ def test_depth_aged_keeps_a_shared_prefix_that_lru_loses(eviction: Eviction) -> 
     rig.m.check_invariants()
 
 
-def test_the_default_order_is_depth_aged_and_configurable() -> None:
-    assert DEFAULT_EVICTION is Eviction.DEPTH_AGED
-    assert EngineConfig(block_size=16).eviction is Eviction.DEPTH_AGED
+def test_the_default_order_is_adaptive_and_configurable() -> None:
+    assert DEFAULT_EVICTION is Eviction.ADAPTIVE
+    assert EngineConfig(block_size=16).eviction is Eviction.ADAPTIVE
     assert EngineConfig(block_size=16, eviction=Eviction.LRU).eviction is Eviction.LRU
     with pytest.raises(ConfigError, match="eviction must be an Eviction"):
         EngineConfig(block_size=16, eviction="lru")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="eviction must be an Eviction"):
         BlockPool(4, eviction="lru")  # type: ignore[arg-type]
     assert BlockPool(4).eviction is Eviction.LRU  # a bare pool (a GPU pool) keeps LRU
+    # the orders that read the engine's own GPU hits get them by default
+    assert BlockPool(4, eviction=Eviction.ADAPTIVE).refresh_gpu_hits
+    assert not BlockPool(4, eviction=Eviction.DEPTH_AGED).refresh_gpu_hits
 
 
 def _cached(pool: BlockPool, depths: list[int]) -> list[int]:
@@ -281,3 +284,4 @@ test_pool_depth_aged = _machine(Eviction.DEPTH_AGED).TestCase
 test_pool_deepest = _machine(Eviction.DEEPEST).TestCase
 test_pool_slru = _machine(Eviction.SLRU).TestCase
 test_pool_s3fifo = _machine(Eviction.S3FIFO).TestCase
+test_pool_adaptive = _machine(Eviction.ADAPTIVE).TestCase

@@ -413,7 +413,7 @@ class InvalidTrafficMachine(RuleBasedStateMachine):
         acked, so the model's stay in flight; everything is drained only where nothing
         could be planned otherwise (jobs abandoned by a reset, a full CPU tier)."""
         self.canaries += 1
-        if self.m._abandoned:
+        if self.m.outcomes.abandoned:
             self._ack_all()
         base = 50_000 + 10 * self.canaries
         toks = list(range(base, base + CANARY_BLOCKS * BS + 1))

@@ -438,7 +438,7 @@ def test_vllm_adapter_maps_refusals_to_no_offload() -> None:
     side = SchedulerSide(ConnectorConfig("unit", 1, 1, BS, (KVGroup.full(),), StoreMode.EAGER,
                                          None, 8, None, 30.0, 5.0, 0))
     client = ManagerClient(m)
-    side._client = client  # type: ignore[assignment]
+    side.life.bound_client = client  # type: ignore[assignment]
 
     def request(rid: str, hashes: list[Any], computed: int) -> Any:
         r = NS(request_id=rid, block_hashes=hashes, num_tokens=9, num_computed_tokens=computed,
@@ -498,7 +498,7 @@ def test_vllm_adapter_refused_phase_b_with_tokens_becomes_a_failed_load() -> Non
     m = OffloadManager(cpu, gpu, block_size=BS)
     side = SchedulerSide(ConnectorConfig("unit", 1, 1, BS, (KVGroup.full(),), StoreMode.EAGER,
                                          None, 8, None, 10.0, 5.0, 0))
-    side._client = ManagerClient(m)  # type: ignore[assignment]
+    side.life.bound_client = ManagerClient(m)  # type: ignore[assignment]
     hashes = chain_hashes(list(range(9)), BS)
     r = NS(request_id="r", block_hashes=hashes, num_tokens=9, num_computed_tokens=0,
            num_output_placeholders=0, kv_transfer_params=None)

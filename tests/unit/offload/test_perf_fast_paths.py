@@ -15,7 +15,8 @@ from kvshm.config import Eviction
 from kvshm.engine.facade import Facade
 from kvshm.errors import ConfigError
 from kvshm.integrations.vllm.blocks import VllmGpuBlocks, plain_hash
-from kvshm.offload.evict import FRESH, DepthAged
+from kvshm.offload.blocks import FRESH
+from kvshm.offload.evict import DepthAged
 from kvshm.offload.groups import GroupSet
 from kvshm.offload.hits import Hit, assign, find_hit
 from kvshm.offload.pool import BlockPool
@@ -191,6 +192,33 @@ def test_vllm_blocks_read_the_slot_only_where_it_is_the_property(cls: type) -> N
     assert gpu.block_hashes(1) == want and gpu.block_hashes(1) is gpu.block_hashes(1)
     blocks[1]._block_hash = b"b" * 36  # re-hashed: a new object, a new answer
     assert gpu.block_hashes(1) == (plain_hash(blocks[1].block_hash),)
+
+
+@pytest.mark.parametrize("cls", [_SlotBlock, _OtherBlock])
+def test_vllm_blocks_bulk_read_answers_what_one_by_one_answers(cls: type) -> None:
+    """``block_hashes_of`` against ``block_hashes`` per id, through re-hashes, a hash
+    dropped, blocks never read, and secondary hashes appearing."""
+    blocks = [cls(i, None if i % 3 == 0 else bytes([i]) * 36) for i in range(6)]
+    pool = _Pool(blocks)
+    secondary: dict[int, list[bytes]] = {}
+    pool.cached_block_hashes_by_block = secondary  # type: ignore[attr-defined]
+    gpu = VllmGpuBlocks(pool)
+    ids = [5, 0, 1, 1, 4, 2, 3]
+
+    def one_by_one() -> list[tuple[bytes, ...]]:
+        return [gpu.block_hashes(b) for b in ids]
+
+    assert gpu.block_hashes_of(ids) == one_by_one()  # nothing cached yet
+    gpu.block_hashes(1)
+    assert gpu.block_hashes_of(ids) == one_by_one()  # 1 from the cache
+    blocks[1]._block_hash = b"z" * 36  # re-hashed
+    blocks[2]._block_hash = None  # freed and reset
+    blocks[3]._block_hash = b"y" * 36  # hashed for the first time
+    assert gpu.block_hashes_of(ids) == one_by_one()
+    secondary[4] = [b"s" * 36]
+    assert gpu.block_hashes_of(ids) == one_by_one()
+    assert gpu.block_hashes_of([4])[0] == (plain_hash(blocks[4].block_hash),
+                                           plain_hash(b"s" * 36))
 
 
 def test_facade_calls_only_the_after_hooks_a_face_overrides() -> None:

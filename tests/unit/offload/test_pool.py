@@ -9,8 +9,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvshm.errors import ConfigError, PoolExhausted, StateError
-from kvshm.offload.blocks import Block, FreeBlockQueue
-from kvshm.offload.pool import BlockPool, BlockRemoved, BlockStored
+from kvshm.offload.blocks import Block, BlockRemoved, BlockStored, FreeBlockQueue
+from kvshm.offload.pool import BlockPool
 
 H = [bytes([i]) * 16 for i in range(16)]
 
@@ -342,7 +342,7 @@ def test_check_invariants_names_the_broken_rule() -> None:
     with pytest.raises(AssertionError, match="index"):
         q.check_invariants()
     r = BlockPool(4)
-    r._index[H[1]] = {2: None}  # index entry the block does not carry
+    r.index.entries[H[1]] = {2: None}  # index entry the block does not carry
     with pytest.raises(AssertionError, match="entries"):
         r.check_invariants()
 

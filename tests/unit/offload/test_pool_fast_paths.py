@@ -37,7 +37,7 @@ def _old_allocate(pool: BlockPool, n: int) -> list[int]:
         b = q.popleft()
         if b.hashes:
             pool.evictions += 1
-            pool._unindex(b)
+            pool.index.unindex(b)
         b.ref_cnt = 1
         out.append(b.block_id)
     return out

@@ -18,8 +18,9 @@ from kvshm.offload.blocks import Block, FreeBlockQueue
 from kvshm.offload.counters import ManagerCounters
 from kvshm.offload.evict import DepthAged
 from kvshm.offload.groups import GroupSet
+from kvshm.offload.jobs import Selection
 from kvshm.offload.pool import BlockPool
-from kvshm.offload.stores import Selection, StorePlanner
+from kvshm.offload.stores import StorePlanner
 from kvshm.types import KVGroup
 
 H = [bytes([i]) * 16 for i in range(12)]
@@ -108,11 +109,14 @@ def test_one_group_finish_pin_equals_the_general_pin(
 @given(pairs=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 5), st.integers(0, 9)),
                       max_size=12),
        pre=st.lists(st.tuples(st.integers(0, 7), st.integers(0, 5)), max_size=4),
-       with_depths=st.booleans())
+       with_depths=st.booleans(), events=st.booleans())
 def test_add_keys_equals_add_hashes_one_by_one(
         pairs: list[tuple[int, int, int]], pre: list[tuple[int, int]],
-        with_depths: bool) -> None:
-    pools = [BlockPool(8, enable_events=True, eviction=Eviction.DEPTH_AGED) for _ in range(2)]
+        with_depths: bool, events: bool) -> None:
+    """Without events and with depths, a completion's usual call (distinct new keys on
+    unhashed blocks) takes the bulk path; the rest the per-block loop."""
+    pools = [BlockPool(8, enable_events=events, eviction=Eviction.DEPTH_AGED)
+             for _ in range(2)]
     for pool in pools:
         pool.allocate(8)
         for b, h in pre:
@@ -128,6 +132,32 @@ def test_add_keys_equals_add_hashes_one_by_one(
             pools[1].set_depth(b, d)
     got = [([(pool.block_hashes(b), pool._blocks[b].depth) for b in range(8)],
             [pool.get_cached(h) for h in H], pool.take_events()) for pool in pools]
+    assert got[0] == got[1]
+    for pool in pools:
+        pool.check_invariants()
+
+
+@pytest.mark.parametrize(("pre", "ids", "keys"), [
+    ([(0, 1)], [2, 3], [1, 2]),  # key 1 is already block 0's: the index keeps 0 first
+    ([], [2, 2], [1, 2]),  # block 2 twice: it carries both keys
+    ([], [2, 3], [1, 1]),  # key 1 twice: blocks 2 and 3 both carry it
+    ([(2, 5)], [2, 3], [1, 2]),  # block 2 carries a hash already
+])
+def test_add_keys_bulk_path_declines_what_it_cannot_do_alike(
+        pre: list[tuple[int, int]], ids: list[int], keys: list[int]) -> None:
+    """Each case the bulk path must leave to the per-block loop, without events and
+    with depths: the same index, hashes and depths as add_hashes one by one."""
+    pools = [BlockPool(8) for _ in range(2)]
+    for pool in pools:
+        pool.allocate(8)
+        for b, h in pre:
+            pool.add_hashes(b, [H[h]])
+    pools[0].add_keys(ids, [H[k] for k in keys], [7] * len(ids))
+    for b, k in zip(ids, keys):
+        pools[1].add_hashes(b, [H[k]])
+        pools[1].set_depth(b, 7)
+    got = [([(pool.block_hashes(b), pool._blocks[b].depth) for b in range(8)],
+            [pool.get_cached(h) for h in H]) for pool in pools]
     assert got[0] == got[1]
     for pool in pools:
         pool.check_invariants()
@@ -182,7 +212,7 @@ def test_index_entry_is_the_id_until_a_second_block_shares_the_hash() -> None:
     pool = BlockPool(4)
     a, b, c = pool.allocate(3)
     pool.add_keys([a], [H[0]])
-    assert pool._index[H[0]] == a and pool.get_cached(H[0]) == a
+    assert pool.index.entries[H[0]] == a and pool.get_cached(H[0]) == a
     pool.add_hashes(b, [H[0]])
     pool.add_keys([c], [H[0]])
     assert pool.cached_run([H[0]], 0, 1) == [a] and pool.num_hashes == 1
@@ -214,7 +244,7 @@ def test_allocate_takes_what_popleft_one_by_one_takes(
                 b = self._queue.popleft()
                 if b.hashes:
                     self.evictions += 1
-                    self._unindex(b)
+                    self.index.unindex(b)
                 b.ref_cnt = 1
                 out.append(b.block_id)
             return out

@@ -1,0 +1,247 @@
+"""The ``adaptive`` eviction order (kvshm/offload/evict_adaptive.py) in a BlockPool.
+
+Behaviour: a burst of one-off long prompts does not flush a hot set of shared templates
+(LRU loses all of them), and a tier that learned to keep chain heads hands over to
+recency once the traffic turns to conversations whose tails come back (``deepest``
+keeps the heads and loses the tails). Mechanics: the miniature simulations score the
+compute a hit saves and admit, evict and remember ghosts as the tier does; a hand-over
+re-keys every free block; bad parameters are refused. A Hypothesis state machine runs
+the pool's operations with forced hand-overs in between and checks the pool's and the
+order's invariants after each one.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import rule
+from test_evict import PoolMachine
+
+from kvshm.config import Eviction
+from kvshm.errors import ConfigError
+from kvshm.offload.evict_adaptive import (
+    EXPERTS,
+    MIN_LEAD,
+    SHADOW_BLOCKS,
+    Adaptive,
+    Expert,
+    Shadow,
+)
+from kvshm.offload.evict_cost import block_cost
+from kvshm.offload.pool import BlockPool
+
+
+def _key(*parts: object) -> bytes:
+    return hashlib.sha256(repr(parts).encode()).digest()[:16]
+
+
+def _request(pool: BlockPool, keys: list[bytes]) -> int:
+    """What the manager does for one request over the chain ``keys``: pin and free the
+    cached prefix (a hit), then store the rest (allocate, index with depths, free tail
+    first). Returns the hit blocks."""
+    hits = pool.cached_run(keys, 0, len(keys))
+    if hits:
+        pool.touch(hits)
+        pool.free(hits[::-1])
+    new = [k for k in range(len(hits), len(keys)) if not pool.is_cached(keys[k])]
+    if new:
+        ids = pool.allocate(len(new))
+        pool.add_keys(ids, [keys[k] for k in new], new)
+        pool.free(ids[::-1])
+    return len(hits)
+
+
+def _fs(pool: BlockPool) -> Adaptive:
+    fs = pool._queue
+    assert isinstance(fs, Adaptive)
+    return fs
+
+
+TEMPLATES = [[_key("t", t, i) for i in range(12)] for t in range(8)]
+
+
+def _templates_and_scans(pool: BlockPool, rounds: int = 30) -> int:
+    """Few-shot traffic on 8 templates of 12 blocks (96 blocks, a 256-block pool), each
+    request a template and a 2-block one-off query; after every 40 requests a burst of
+    4 one-off prompts of 80 blocks (320: more than the pool). Returns the template
+    blocks still cached after the last burst."""
+    rng = random.Random(0)
+    q = 0
+    for _ in range(rounds):
+        for _ in range(40):
+            q += 1
+            _request(pool, TEMPLATES[rng.randrange(8)] + [_key("q", q, i) for i in range(2)])
+        for _ in range(4):
+            q += 1
+            _request(pool, [_key("scan", q, i) for i in range(80)])
+    pool.check_invariants()
+    return sum(pool.is_cached(k) for t in TEMPLATES for k in t)
+
+
+@pytest.mark.parametrize(("eviction", "at_least", "at_most"),
+                         [(Eviction.ADAPTIVE, 77, 96), (Eviction.LRU, 0, 0)])
+def test_a_scan_does_not_flush_the_hot_set(eviction: Eviction, at_least: int,
+                                           at_most: int) -> None:
+    """After 30 bursts the adaptive order still holds at least 80 % of the templates
+    (it hands the tier to an expert that takes the deep one-off blocks first); LRU
+    holds none of them."""
+    pool = BlockPool(256, eviction=eviction)
+    assert at_least <= _templates_and_scans(pool) <= at_most
+
+
+def _conversations(pool: BlockPool, *, n: int = 60, skip: int = 20) -> float:
+    """Conversations on one shared 8-block system prompt, three open at a time in turn,
+    6 turns each adding 6 blocks; a finished one never comes back. Returns the share of
+    the history beyond the shared head (the tails) that hits, over the conversations
+    from ``skip`` on."""
+    head = [_key("sys", i) for i in range(8)]
+    history: dict[int, list[bytes]] = {}
+    live: list[tuple[int, int]] = []
+    nxt = asked = hit = 0
+    while nxt < n or live:
+        while len(live) < 3 and nxt < n:
+            history[nxt] = list(head)
+            live.append((nxt, 0))
+            nxt += 1
+        c, t = live.pop(0)
+        chain = history[c] + [_key("c", c, t, i) for i in range(6)]
+        got = _request(pool, chain)
+        if t and c >= skip:
+            asked += len(history[c]) - len(head)
+            hit += max(0, got - len(head))
+        history[c] = chain
+        if t + 1 < 6:
+            live.append((c, t + 1))
+    pool.check_invariants()
+    return hit / asked
+
+
+def test_a_shared_head_is_not_kept_at_the_price_of_every_tail() -> None:
+    """The scan traffic above leaves the adaptive tier keeping heads; once the traffic
+    is conversations, it hands over to an expert that keeps the live tails: nearly
+    every tail hits, where ``deepest`` (heads first, no learning) keeps the shared
+    head and the finished conversations' heads and loses most tails."""
+    pool = BlockPool(256, eviction=Eviction.ADAPTIVE)
+    _templates_and_scans(pool)
+    assert _fs(pool).expert.name.startswith("heads")
+    switches = _fs(pool).switches
+    assert _conversations(pool) >= 0.95
+    assert not _fs(pool).expert.name.startswith("heads")
+    assert _fs(pool).switches > switches
+    deepest = BlockPool(256, eviction=Eviction.DEEPEST)
+    _templates_and_scans(deepest)
+    assert _conversations(deepest) < 0.5
+
+
+def test_a_hand_over_rekeys_every_free_block() -> None:
+    """Under ``recency`` the victims go least recently placed first; handed to
+    ``heads``, the same free blocks go deepest first."""
+    pool = BlockPool(8, eviction=Eviction.ADAPTIVE)
+    ids = pool.allocate(4)
+    for b, d in zip(ids, [3, 0, 2, 1]):
+        pool.add_keys([b], [_key(b)], [d])
+        pool.free([b])
+    fs = _fs(pool)
+    assert fs.expert.name == "recency"
+    assert [b.block_id for b in fs][-4:] == ids  # after the 4 uncached blocks
+    fs._adopt(1)
+    fs._rekey()
+    pool.check_invariants()
+    assert fs.expert.name == "heads"
+    pool.allocate(4)  # the uncached ones
+    assert pool.allocate(4) == [ids[0], ids[2], ids[3], ids[1]]  # depth 3, 2, 1, 0
+
+
+def test_a_shadow_scores_saved_compute_admits_after_evicting_and_remembers_ghosts() -> None:
+    sh = Shadow(Expert("p", 0.0, 0.1, False), num_blocks=4, capacity=2)
+    sh.use(b"a", 0, 1, 1.0)
+    sh.use(b"b", 3, 2, 1.0)
+    assert sh.score == 0.0
+    sh.use(b"a", 0, 3, block_cost(0, 16))  # a hit scores its block's compute, to main
+    assert sh.score == block_cost(0, 16) and sh.sizes == [1, 1]
+    sh.use(b"c", 5, 4, 1.0)  # full: probation (b) goes first, c is admitted
+    assert set(sh.held) == {b"a", b"c"} and b"b" in sh.ghost
+    sh.use(b"b", 3, 5, 1.0)  # a ghost comes back to main
+    assert sh.held[b"b"] & 1 == 1 and b"b" not in sh.ghost
+    sh.check()
+    sh.decay(0.5)
+    assert sh.score == block_cost(0, 16) / 2
+
+
+def test_a_shadow_counts_gpu_hits_only_for_an_expert_that_does() -> None:
+    for refresh in (True, False):
+        sh = Shadow(Expert("r", 0.0, None, refresh), num_blocks=2, capacity=2)
+        sh.use(b"a", 0, 1, 1.0)
+        sh.use(b"b", 0, 2, 1.0)
+        sh.touch(b"a", 0, 3)  # a GPU hit on a
+        sh.use(b"c", 0, 4, 1.0)  # the least recent goes
+        assert (b"a" in sh.held) is refresh
+
+
+def test_the_simulations_are_sampled_to_a_bounded_size() -> None:
+    small = Adaptive(64)
+    assert small.sample_below == 65536 and small.tiers[0][0].capacity == 64
+    big = Adaptive(64 * SHADOW_BLOCKS)
+    assert big.sample_below == 65536 // 64
+    assert [t[0].capacity for t in big.tiers] == [SHADOW_BLOCKS, SHADOW_BLOCKS * 3 // 4,
+                                                  SHADOW_BLOCKS // 2]
+    assert len(big.shadows) == 3 * len(EXPERTS)
+
+
+@pytest.mark.parametrize("kw", [{"num_blocks": 0}, {"num_blocks": 4, "block_tokens": 0},
+                                {"num_blocks": 4, "half": 0.0},
+                                {"num_blocks": 4, "experts": ()},
+                                {"num_blocks": 4, "start": len(EXPERTS)}])
+def test_bad_parameters_are_refused(kw: dict[str, object]) -> None:
+    with pytest.raises(ConfigError, match="bad Adaptive parameters"):
+        Adaptive(**kw)  # type: ignore[arg-type]
+
+
+# scores per tier (full, 0.75, 0.5 of the capacity) for recency, heads, heads_probation,
+# probation; the tier runs recency (values recorded from bench_evict's runs).
+LEANS_THEN_SETTLED = [[1856, 1941, 1941, 1856], [831, 1870, 1817, 831], [135, 1148, 825, 135]]
+DISAGREES = [[2000, 1941, 1941, 1856], [831, 1870, 1817, 831], [135, 1148, 825, 135]]
+A_FEW_HITS = [[289, 289, 289, 289], [289, 289, 289, 289], [161, 207, 207, 0]]
+CLEAR = [[2409, 3143, 3143, 2409], [1199, 2789, 2633, 1319], [668, 1815, 1376, 752]]
+
+
+@pytest.mark.parametrize(("tiers", "want"), [
+    (LEANS_THEN_SETTLED, 1), (DISAGREES, None), (A_FEW_HITS, None), (CLEAR, 1)])
+def test_a_hand_over_needs_a_clear_lead_no_larger_simulation_contradicts(
+        tiers: list[list[float]], want: int | None) -> None:
+    """The full-capacity simulation leaning to ``heads`` by 4.6 % (under the 5 %
+    hysteresis) is settled by the 0.75 one (2.25x): hand over (chat_sync at a quarter
+    capacity, seed 0, one period earlier than reading the first tier with any spread
+    did: 0.377 -> 0.413 of the unbounded tier's saved compute). Where the full one
+    prefers the current expert, no smaller one overrules it; a lead of three sampled
+    hits (under ``MIN_LEAD``) is noise; a clear lead in the full one hands over."""
+    fs = Adaptive(4096, block_tokens=16)
+    assert fs.expert.name == "recency" and 207 - 161 < MIN_LEAD * block_cost(0, 16)
+    assert fs._challenger(tiers) == want
+
+
+class AdaptiveMachine(PoolMachine):
+    """The pool state machine of test_evict (a model of refs, hashes and the
+    take-first blocks) on the adaptive order, plus hand-overs at any point."""
+
+    eviction = Eviction.ADAPTIVE
+
+    @rule(i=st.integers(0, len(EXPERTS) - 1))
+    def hand_over(self, i: int) -> None:
+        fs = _fs(self.pool)
+        fs._adopt(i)
+        fs._rekey()
+
+    @rule()
+    def end_period(self) -> None:
+        _fs(self.pool)._choose()
+
+
+AdaptiveMachine.TestCase.settings = settings(
+    max_examples=80, stateful_step_count=50, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow])
+test_adaptive_machine = AdaptiveMachine.TestCase

@@ -1,0 +1,152 @@
+"""JobOutcomes alone (kvshm.offload.outcomes): acks, completion, reset and rank death
+over a real job table, real CPU and GPU ``BlockPool``s and the real load and store books,
+without an ``OffloadManager``. Each test builds its jobs the way the manager's parts do
+(pins taken, store marks set) and checks what an outcome releases, indexes and reports.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvshm.offload.counters import ManagerCounters
+from kvshm.offload.groups import GroupSet
+from kvshm.offload.jobs import JobTable, LoadPart, StoreJob
+from kvshm.offload.loads import LoadBook
+from kvshm.offload.outcomes import JobOutcomes
+from kvshm.offload.pool import BlockPool
+from kvshm.offload.stores import StorePlanner
+from kvshm.types import KVGroup, LoadFailure
+
+BS = 4
+
+
+def key(i: int) -> bytes:
+    return i.to_bytes(8, "little") * 4
+
+
+@dataclass
+class Parts:
+    """The outcomes and the parts they act on; ``dropped``: the causes ``drop_hits``
+    was called with."""
+
+    world_size: int = 1
+    dropped: list[LoadFailure] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.counters = ManagerCounters()
+        self.cpu = BlockPool(8)
+        self.gpu = BlockPool(8)
+        self.jobs = JobTable(self.world_size, self.counters)
+        self.loads = LoadBook(self.cpu, self.gpu, self.counters)
+        self.stores = StorePlanner(self.cpu, self.gpu, GroupSet((KVGroup.full(),), BS), BS,
+                                   self.counters, 16, self.loads.dst.counts)
+        self.out = JobOutcomes(self.jobs, self.cpu, self.loads, self.stores, None,
+                               self.counters, self.dropped.append)
+
+    def store(self, n: int) -> StoreJob:
+        """A store job of ``n`` fresh GPU -> fresh CPU blocks, pinned and marked."""
+        gpu, cpu = self.gpu.allocate(n), self.cpu.allocate(n)
+        keys = [key(g) for g in gpu]
+        self.stores.inflight_gpu.update(gpu)
+        self.stores.inflight_keys.update(keys)
+        return self.jobs.new_store(1, gpu, cpu, groups=[0] * n, keys=keys, n_eager=n)
+
+    def load(self, req_id: str, n: int) -> int:
+        """A load job of ``n`` CPU -> GPU blocks for ``req_id``; its id."""
+        part = LoadPart(req_id, self.cpu.allocate(n), self.gpu.allocate(n), (), n * BS)
+        self.loads.enqueue(part)
+        t = self.loads.plan(1, self.jobs)
+        assert t is not None
+        return t.job_id
+
+    def pinned(self) -> tuple[int, int]:
+        return self.cpu.num_pinned, self.gpu.num_pinned
+
+
+def test_a_store_completes_only_once_every_rank_acked_then_indexes_and_unpins() -> None:
+    p = Parts(world_size=2)
+    job = p.store(2)
+    p.out.on_done(job.job_id, 0, True)
+    assert p.pinned() == (2, 2) and p.cpu.num_hashes == 0
+    p.out.on_done(job.job_id, 1, True)
+    assert p.pinned() == (0, 0)
+    assert [p.cpu.get_cached(k) for k in job.keys] == job.cpu_ids
+    assert not p.jobs.jobs and not p.stores.inflight_keys
+
+
+def test_a_failed_store_releases_its_pins_without_indexing() -> None:
+    p = Parts()
+    job = p.store(2)
+    p.out.on_done(job.job_id, 0, False)
+    assert p.pinned() == (0, 0) and p.cpu.num_hashes == 0
+    assert p.counters.jobs_failed == 1
+
+
+def test_unknown_and_repeated_acks_are_counted_and_ignored() -> None:
+    p = Parts(world_size=2)
+    job = p.store(1)
+    p.out.on_done(999, 0, True)
+    p.out.on_done(job.job_id, 0, True)
+    p.out.on_done(job.job_id, 0, True)
+    assert p.counters.acks_unknown == 1 and p.counters.acks_duplicate == 1
+    assert job.job_id in p.jobs.jobs
+
+
+def test_a_failed_load_is_reported_at_its_first_failed_ack_and_keeps_its_pins() -> None:
+    p = Parts(world_size=2)
+    job_id = p.load("r", 2)
+    p.out.on_done(job_id, 0, False)
+    (res,) = p.loads.take_results()
+    assert not res.ok and res.cause is LoadFailure.WORKER_FAILED
+    assert p.pinned() == (2, 2)  # pins outlive failure
+    p.out.on_done(job_id, 1, True)
+    assert p.loads.take_results() == [] and p.pinned() == (0, 0)
+
+
+def test_reset_abandons_in_flight_jobs_and_counts_them_down_to_zero() -> None:
+    p = Parts()
+    store, load = p.store(1), p.load("r", 1)
+    assert p.out.reset() is False
+    assert p.dropped == [LoadFailure.RESET]
+    assert p.out.abandoned == 2 and p.counters.jobs_abandoned == 2
+    assert p.counters.jobs_failed == 0  # abandoned jobs are not failed jobs
+    (res,) = p.loads.take_results()
+    assert res.cause is LoadFailure.RESET
+    p.out.on_done(store.job_id, 0, True)
+    assert p.out.abandoned == 1 and p.cpu.num_hashes == 0  # an abandoned store indexes nothing
+    p.out.on_done(load, 0, True)
+    assert p.out.abandoned == 0 and p.out.reset() is True and p.pinned() == (0, 0)
+
+
+def test_reset_drops_the_cpu_index() -> None:
+    p = Parts()
+    job = p.store(1)
+    p.out.on_done(job.job_id, 0, True)
+    assert p.cpu.num_hashes == 1
+    assert p.out.reset() is True
+    assert p.cpu.num_hashes == 0
+
+
+def test_rank_death_fails_every_job_and_quarantines_the_dead_ranks_blocks_until_fenced() -> None:
+    p = Parts(world_size=2)
+    job = p.store(2)
+    p.out.on_done(job.job_id, 0, True)
+    p.out.rank_failed(1)
+    assert p.out.failed and p.dropped == [LoadFailure.RANK_DIED]
+    assert p.out.quarantined_blocks() == (2, 2) and p.pinned() == (2, 2)
+    assert not p.out.has_pending_work()  # nothing will move a quarantined job
+    assert p.out.reset() is True  # the engine is failed: reset waits for nothing
+    p.out.rank_fenced(1)
+    assert p.out.quarantined_blocks() == (0, 0) and p.pinned() == (0, 0)
+    assert p.cpu.num_hashes == 0  # a store completed after a rank died indexes nothing
+
+
+def test_rank_death_is_decided_once() -> None:
+    p = Parts(world_size=2)
+    p.load("r", 1)
+    p.out.rank_failed(0)
+    p.out.rank_failed(1)
+    assert p.dropped == [LoadFailure.RANK_DIED]
+    assert p.counters.jobs_failed == 1
+    (res,) = p.loads.take_results()
+    assert res.cause is LoadFailure.RANK_DIED
