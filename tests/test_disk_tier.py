@@ -6,8 +6,9 @@ disk and come back from it.
 Covered: a round trip through the disk bit-exact on both ranks; a corrupted slot is a
 miss (the request recomputes) and its slots are dropped; a directory without the space
 is refused at start in one line; an engine started again under the same name serves a
-hit from the previous engine's slab (warm restart); a worker SIGKILLed while blocks are
-being written leaves no slot that a restarted engine loads with a wrong byte.
+hit from the previous engine's slab (warm restart); a worker, or the scheduler's whole
+process, SIGKILLed while blocks are being written leaves no slot that a restarted engine
+loads with a wrong byte.
 """
 
 from __future__ import annotations
@@ -218,3 +219,68 @@ async def test_a_worker_killed_mid_write_leaves_no_wrong_byte_after_restart(
             for r in range(2):
                 assert torch.equal(got[r], rows[r][:hit // BS]), (i, r)
         assert hits > 0 and disk(eng)["warm_slots"] > 0
+
+
+def _slabs_free(directory: Path, timeout: float = 30.0) -> None:
+    """Wait until no process holds a slab's lock (the dead scheduler's workers exit on
+    their lifeline's EOF)."""
+    import fcntl
+    import time
+
+    deadline = time.monotonic() + timeout
+    for path in directory.glob("*.slab"):
+        while True:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                assert time.monotonic() < deadline, f"{path} still locked"
+                time.sleep(0.05)
+            finally:
+                os.close(fd)
+
+
+async def test_a_scheduler_killed_mid_write_leaves_no_wrong_byte_after_restart(
+        tmp_path: Path) -> None:
+    """The scheduler's process (tests/disk_sched_proc.py) is SIGKILLed while write-back
+    runs; its workers go with it. An engine started again under the same name loads, for
+    every prompt the dead one stored, either nothing or the exact rows computed."""
+    import subprocess
+    import sys
+
+    name = default_name()
+    disk_dir, out = tmp_path / "disk", tmp_path / "rows"
+    disk_dir.mkdir()
+    out.mkdir()
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
+    proc = subprocess.Popen([sys.executable, str(root / "tests" / "disk_sched_proc.py"),
+                             name, str(disk_dir), str(out)], stdout=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "GO"
+        await asyncio.sleep(random.Random(7).random() * 0.02)
+    finally:
+        proc.kill()
+        proc.wait(30)
+    _slabs_free(disk_dir)
+    saved = sorted(out.glob("*.pt"), key=lambda p: int(p.stem))
+    async with spawned_engine(name=name, **disk_cfg(disk_dir)) as (eng, gpu, ks):
+        c = Client(eng, gpu)
+        assert disk(eng)["warm_slots"] > 0
+        hits = 0
+        for path in saved:
+            i = int(path.stem)
+            toks = tokens(4 * BS + 1, seed=60 + i)
+            rows = torch.load(path)
+            hit = await lookup(c, f"r{i}", toks)
+            if not hit:
+                eng.finished(f"r{i}", 0, [[]])
+                continue
+            hits += 1
+            got = await load(c, ks, f"r{i}", toks, hit)
+            for r in range(2):
+                assert torch.equal(got[r], rows[r][:hit // BS]), (i, r)
+        assert hits > 0, disk(eng)
