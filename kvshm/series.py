@@ -8,7 +8,8 @@ series carries the label ``engine`` = the kvshm engine's name (``kvshm stats --n
 takes it); vLLM's ``/metrics`` adds vLLM's ``model_name``.
 
 Names: ``kvshm_<key>`` for an engine counter or snapshot field (a counter's sample is
-``kvshm_<key>_total``), ``kvshm_remote_<key>`` for the remote tier's section. HELP lines
+``kvshm_<key>_total``), ``kvshm_remote_<key>`` for the remote tier's section,
+``kvshm_disk_<key>`` for the disk tier's (:data:`DISK_GAUGES` are gauges). HELP lines
 say what the series counts and its unit, in one line each. A counter this table does not
 describe (an engine newer than this table) is still exported by ``kvshm stats
 --prometheus``, with a HELP that says so (:func:`help_of`); tests keep the table complete
@@ -26,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
-__all__ = ["BREAKER_STATES", "SERIES", "Kind", "Series", "breaker_state", "help_of",
+__all__ = ["BREAKER_STATES", "DISK_GAUGES", "SERIES", "Kind", "Series", "breaker_state", "help_of",
            "scalars", "series_names", "vllm_series"]
 
 
@@ -42,7 +43,8 @@ class Kind(enum.Enum):
 class Series:
     """One series family: ``name`` (``kvshm_...``; a counter's sample adds ``_total``),
     its type, HELP, extra labels beyond ``engine``, and whether vLLM's ``/metrics``
-    carries it too (``remote``: only with a remote tier configured)."""
+    carries it too (``remote``: only with a remote tier configured; ``disk``: only with
+    a disk tier)."""
 
     name: str
     kind: Kind
@@ -50,6 +52,7 @@ class Series:
     labels: tuple[str, ...] = ()
     vllm: bool = False
     remote: bool = False
+    disk: bool = False
 
     def samples(self) -> tuple[str, ...]:
         """The sample names Prometheus' text format gives this family."""
@@ -138,6 +141,14 @@ _ENGINE_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
     "remote_acks": ("acks of remote-tier jobs from the ranks; acks", False),
     "remote_post_refused": ("remote-tier posts no rank's ring could hold (failed at "
                             "once); posts", False),
+    "disk_jobs": ("disk-tier jobs (READ and WRITE) posted to the ranks; jobs", False),
+    "disk_read_bad_crc": ("disk READs a rank failed because a slot's payload checksum "
+                          "did not match (a miss; the slots are dropped); acks", False),
+    "disk_read_bad_header": ("disk READs a rank failed because a slot's header was torn "
+                             "or named another block (a miss; the slots are dropped); "
+                             "acks", False),
+    "disk_failed_other": ("disk jobs a rank failed for another reason (an I/O error, a "
+                          "full disk); acks", False),
 }
 
 # Snapshot fields (``EngineStats``): key -> (kind, HELP, in vLLM's /metrics).
@@ -269,6 +280,69 @@ _REMOTE_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
 }
 
 
+#: The disk tier's section (``EngineStats.disk``) that are gauges: key -> HELP.
+DISK_GAUGES: Final[dict[str, str]] = {
+    "slots": "slots of each rank's disk slab (the disk tier's capacity); blocks",
+    "slots_used": "disk slots holding an indexed block; blocks",
+    "slots_pinned": "disk slots being read or written by a job; blocks",
+    "quarantined_slots": ("disk slots pinned only because a rank declared dead is not "
+                          "fenced yet; blocks"),
+    "bytes_per_rank": "the configured size of each rank's disk slab; bytes",
+}
+
+# The disk tier's counters (``EngineStats.disk``): key -> (HELP, in vLLM's /metrics).
+_DISK_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
+    "lookups": ("lookups the disk tier was asked after a CPU-tier miss or short hit; "
+                "lookups", True),
+    "lookup_hits": ("disk lookups that found a prefix to read; lookups", True),
+    "lookup_misses": ("disk lookups that found nothing; lookups", False),
+    "asked_again": ("disk lookups answered 'ask again' while another request's READ "
+                    "fetched the same blocks; lookups", False),
+    "fetch_timeouts": ("disk READs not done in time (the request goes without them); "
+                       "reads", False),
+    "get_jobs": ("READ jobs (disk tier to CPU tier) posted; jobs", False),
+    "get_blocks": ("blocks in READ jobs; blocks", True),
+    "get_failed_jobs": ("READ jobs that failed on a rank (a miss: recomputed); jobs", True),
+    "get_failed_blocks": ("blocks of failed READ jobs; blocks", False),
+    "get_declined_cpu_full": ("disk hits not read: no free CPU-tier block; lookups",
+                              False),
+    "get_declined_gone": ("disk hits not read: the slots lost their blocks before the "
+                          "READ; lookups", False),
+    "get_capped": ("disk hits cut to one command's worth of blocks; lookups", False),
+    "hit_blocks": ("blocks read from the disk tier into the CPU tier; blocks", True),
+    "read_bytes": ("bytes read from the disk tier (hit blocks x bytes per block over every "
+                   "rank); bytes", True),
+    "dropped_slots": ("disk slots dropped from the index after a failed READ (suspect); "
+                      "slots", True),
+    "write_jobs": ("WRITE jobs (CPU tier to disk tier) posted; jobs", False),
+    "write_blocks": ("blocks in WRITE jobs; blocks", False),
+    "written_blocks": ("blocks written to the disk tier by every rank and indexed; "
+                       "blocks", True),
+    "write_bytes": ("bytes written to the disk tier (written blocks x bytes per block "
+                    "over every rank); bytes", True),
+    "write_failed_jobs": ("WRITE jobs that failed on a rank (the slots stay unindexed); "
+                          "jobs", True),
+    "write_failed_blocks": ("blocks of failed WRITE jobs; blocks", False),
+    "write_declined_no_slot": ("CPU blocks not written back: every disk slot was pinned; "
+                               "blocks", True),
+    "write_backpressure": ("plans that wrote nothing back: the in-flight write cap was "
+                           "reached; plans", False),
+    "writes_paused": ("times write-back paused after failed WRITEs in a row (a full or "
+                      "failing disk); events", True),
+    "write_skipped_paused": ("plans that wrote nothing back while paused; plans", False),
+    "write_through_dropped": ("stored blocks forgotten before their write-through (the "
+                              "queue was full); blocks", False),
+    "slot_evictions": ("disk slots reused for a new block (the old one dropped); slots",
+                       True),
+    "warm_slots": ("disk slots indexed at start from a previous run's slabs; slots",
+                   False),
+    "warm_disagreed": ("disk slots at start whose headers did not agree on every rank "
+                       "(not indexed); slots", False),
+    "scan_errors": ("slab files that could not be read at start (started cold); files",
+                    False),
+}
+
+
 def _table() -> tuple[Series, ...]:
     out = [Series(f"kvshm_{k}", Kind.COUNTER, h, vllm=v)
            for k, (h, v) in _ENGINE_COUNTERS.items()]
@@ -302,6 +376,13 @@ def _table() -> tuple[Series, ...]:
         Series("kvshm_remote_info", Kind.GAUGE, "the remote tier's URL and mode (labels); "
                "always 1", labels=("url", "mode"), remote=True),
     ]
+    out += [Series(f"kvshm_disk_{k}", Kind.COUNTER, h, vllm=v, disk=True)
+            for k, (h, v) in _DISK_COUNTERS.items()]
+    out += [Series(f"kvshm_disk_{k}", Kind.GAUGE, h, vllm=True, disk=True)
+            for k, h in DISK_GAUGES.items()]
+    out.append(Series("kvshm_disk_occupancy", Kind.GAUGE, "fraction of the disk tier's "
+                      "slots holding an indexed block (slots_used / slots); 0..1",
+                      vllm=True, disk=True))
     return tuple(out)
 
 
@@ -317,9 +398,11 @@ def help_of(name: str) -> str:
                                          "description for (a newer engine)")
 
 
-def vllm_series(remote: bool) -> tuple[Series, ...]:
-    """The families vLLM's ``/metrics`` carries (the remote ones with a remote tier)."""
-    return tuple(s for s in SERIES.values() if s.vllm and (remote or not s.remote))
+def vllm_series(remote: bool, disk: bool = False) -> tuple[Series, ...]:
+    """The families vLLM's ``/metrics`` carries (the remote ones with a remote tier, the
+    disk ones with a disk tier)."""
+    return tuple(s for s in SERIES.values() if s.vllm and (remote or not s.remote)
+                 and (disk or not s.disk))
 
 
 def series_names(series: Iterable[Series]) -> set[str]:
@@ -338,7 +421,8 @@ def _int(value: Any) -> int | None:
 def scalars(stats: Mapping[str, Any]) -> tuple[dict[str, int], dict[str, float]]:
     """(counters, gauges) of one snapshot (``EngineStats.as_dict()``), keyed by family
     name: every engine counter, the snapshot's counters and gauges, the CPU tier's
-    occupancy, and the remote section's integer counters (``kvshm_remote_<key>``). Keys
+    occupancy, the remote section's integer counters (``kvshm_remote_<key>``) and the disk
+    section's counters and gauges (``kvshm_disk_<key>``, its occupancy). Keys
     the table does not know are kept (``help_of`` describes them as unknown)."""
     counters: dict[str, int] = {}
     gauges: dict[str, float] = {}
@@ -359,6 +443,19 @@ def scalars(stats: Mapping[str, Any]) -> tuple[dict[str, int], dict[str, float]]
         n = _int(value)
         if n is not None:
             counters[f"kvshm_remote_{key}"] = n
+    disk = stats.get("disk") or {}
+    for key, value in disk.items():
+        n = _int(value)
+        if n is None:
+            continue
+        if key in DISK_GAUGES:
+            gauges[f"kvshm_disk_{key}"] = float(n)
+        else:
+            counters[f"kvshm_disk_{key}"] = n
+    if disk:
+        slots = _int(disk.get("slots", 0)) or 0
+        used = _int(disk.get("slots_used", 0)) or 0
+        gauges["kvshm_disk_occupancy"] = used / slots if slots > 0 else 0.0
     return counters, gauges
 
 

@@ -116,6 +116,10 @@ class EngineStats:
     #: (queries, hits, GET / PUT jobs and blocks, failures), hit and put bytes, and the
     #: readiness index's counters and breaker state (``index_*``)
     remote: dict[str, Any] = field(default_factory=dict)
+    #: the local disk tier ({} without one): its directory, I/O mode, slots (total,
+    #: used, pinned, quarantined), the disk book's counters (reads, writes, failures,
+    #: declined write-backs, warm slots) and read / write bytes
+    disk: dict[str, Any] = field(default_factory=dict)
 
     @property
     def hit_rate(self) -> float:

@@ -1,6 +1,6 @@
 """Plain data exchanged between a serving engine and kvshm's scheduler side.
 
-A leaf module: it imports only :mod:`kvshm.ipc.protocol` (for ``Transfer`` and ``Remote``),
+A leaf module: it imports only :mod:`kvshm.ipc.protocol` (``Transfer``, ``Remote``, ``Disk``),
 :mod:`kvshm.hashing` (for ``BlockHash``) and :mod:`kvshm.errors`, all leaves.
 Nothing here has behaviour beyond small constructors and validation of its own fields.
 
@@ -24,7 +24,7 @@ import msgspec
 
 from kvshm.errors import ConfigError
 from kvshm.hashing import BlockHash
-from kvshm.ipc.protocol import Remote, Transfer
+from kvshm.ipc.protocol import Disk, Remote, Transfer
 
 __all__ = ["DeviceKind", "GpuBlocks", "GroupKind", "KVGroup", "LoadFailure", "LoadResult",
            "RequestView", "ScheduledRequest", "StepInput", "StepPlan", "StoreMode",
@@ -223,7 +223,8 @@ class StepPlan:
     queue. ``load_jobs``: every load job not yet acked by
     every rank -> its request ids. ``failed_loads``: loads that failed on the scheduler
     side and never reached a worker -> destination GPU ids (their ``LoadResult`` is queued
-    too). ``remote``: remote-tier jobs (PUT / GET) to post to every rank.
+    too). ``remote``: remote-tier jobs (PUT / GET) to post to every rank; ``disk``:
+    disk-tier jobs (WRITE / READ, :mod:`kvshm.offload.disk`), likewise.
     """
 
     step: int
@@ -233,3 +234,4 @@ class StepPlan:
     load_jobs: Mapping[int, tuple[str, ...]] = field(default_factory=lambda: _NO_JOBS)
     failed_loads: Mapping[str, tuple[int, ...]] = field(default_factory=lambda: _NO_FAILED)
     remote: tuple[Remote, ...] = ()
+    disk: tuple[Disk, ...] = ()

@@ -77,7 +77,7 @@ def _check_bench_disk(slab: dict[str, Any], *, vllm: bool) -> None:
 def test_bench_disk_measures_vllms_fs_tier_too() -> None:
     """Part (a) with vLLM's own fs tier calls on the same blocks (8 s of vLLM import)."""
     pytest.importorskip("vllm.v1.kv_offload.tiering.fs.io")
-    summary = _run("bench_disk", ["--sizes", "128K,256K", "--total-mib", "2", "--runs", "1",
-                                  "--threads", "1"])
+    summary = _run("bench_disk", ["--part", "slab", "--sizes", "128K,256K", "--total-mib",
+                                  "2", "--runs", "1", "--threads", "1"])
     _check_bench_disk(summary["slab"], vllm=True)
     assert isinstance(summary["slab"]["vllm_o_direct"], bool)  # its own O_DIRECT probe

@@ -48,13 +48,13 @@ async def test_ls_lists_a_running_engine_with_pid_state_world_and_tier() -> None
         assert rc == 0, err
         lines = out.splitlines()
         assert lines[0].split() == ["NAME", "PID", "STATE", "WORLD", "CPU", "TIER",
-                                    "CACHED", "UPTIME"]
+                                    "CACHED", "UPTIME", "DISK", "TIER"]
         mine = [ln for ln in lines if ln.startswith(eng.name + " ")]
         assert len(mine) == 1, out
         gib = 64 * 2 * ROW / 2**30
         assert mine[0].split()[:9] == [eng.name, str(os.getpid()), "ready", "2", "64",
                                        "blocks", "/", f"{gib:.2f}", "GiB"]
-        assert mine[0].split()[9] == "3"
+        assert mine[0].split()[9] == "3" and mine[0].split()[-1] == "-"  # no disk tier
     assert eng.name not in engine_names()
 
 

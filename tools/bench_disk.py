@@ -1,6 +1,6 @@
 """The local disk tier's benchmark (issue 32), one part per ``--part``.
 
-``python -m tools.bench_disk --json`` (all parts built so far). Parts:
+``python -m tools.bench_disk --json`` (all parts). Parts:
 
 * ``slab`` (a): slot write and read GB/s of the worker's disk mover
   (:class:`workers.disk_mover.DiskMover` over a :class:`kvshm.disk.SlabFile`, jobs of
@@ -28,8 +28,15 @@
 Last line with ``--json``: ``{"slab": {"128KiB": {"write": {"slab": [min, med, max],
 "raw": [...], "vllm": [...] | null, "slab_vs_raw": [...], "slab_vs_vllm": [...] | null},
 "read": {...}}, "2MiB": {...}, "threads": {...}, "vllm_o_direct": bool | null,
-"targets": {name: bool}}}`` (GB/s and ratios; room is left for ``"e2e"`` and
-``"restart"``, parts (b) and (c)).
+"targets": {name: bool}}, "e2e": {...}, "restart": {...}}`` (GB/s and ratios; parts (b)
+and (c): :mod:`tools.disk_e2e`'s ``offload`` and ``restart``).
+
+* ``e2e`` (b) and ``restart`` (c): vLLM end to end, :mod:`tools.disk_e2e` (its options
+  are this tool's: ``--quick``, ``--offload-mode``, ``--restart-mode``, the model's
+  shape; the slabs go under ``--dir``). (b): the chat and agentic workloads with the CPU
+  tier at a quarter of the distinct blocks, without and with a disk tier holding the
+  rest; target mean TTFT >= 1.5x. (c): an engine restarted mid-conversations on the
+  previous one's slab against a cold start; target first-turn TTFT >= 2x.
 """
 
 from __future__ import annotations
@@ -54,8 +61,9 @@ from kvshm.ipc.protocol import Disk, DiskOp, DiskSetup, LayoutSpec, RegionSpec, 
 from workers.disk_mover import DiskMover
 from workers.host_pool import HostPool
 
-#: The parts this tool knows (``--part``); parts (b) ``e2e`` and (c) ``restart`` come later.
-PARTS = ("slab",)
+#: The parts this tool knows (``--part``): (a) ``slab``, (b) ``e2e`` and (c) ``restart``
+#: (:mod:`tools.disk_e2e`: vLLM end to end).
+PARTS = ("slab", "e2e", "restart")
 KIB = 1024
 OPS = ("write", "read")
 
@@ -382,6 +390,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--threads", type=int, default=4, help="try 1..N threads per arm")
     ap.add_argument("--job", type=int, default=32, help="blocks per Disk job (slab arm)")
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's fs tier")
+    from tools import disk_e2e
+
+    disk_e2e.add_arguments(ap)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     parts = args.part or list(PARTS)
@@ -392,6 +403,14 @@ def main(argv: list[str] | None = None) -> int:
                         list(range(1, args.threads + 1)), args.job, not args.no_vllm)
         _print_slab(res, sizes)
         summary["slab"] = res
+    e2e = [name for part, name in (("e2e", "offload"), ("restart", "restart"))
+           if part in parts]
+    if e2e:
+        out = disk_e2e.run_parts(args, e2e, args.dir)
+        if "offload" in out:
+            summary["e2e"] = out["offload"]
+        if "restart" in out:
+            summary["restart"] = out["restart"]
     if args.json:
         print(json.dumps(summary))
     return 0

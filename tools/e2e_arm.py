@@ -64,6 +64,8 @@ class ArmSpec:
     num_cpu_blocks: int = 0
     eviction: str | None = None
     record: bool = False
+    #: more ``kv_connector_extra_config`` items of a kvshm arm (e.g. a disk tier)
+    extra: tuple[tuple[str, Any], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -99,6 +101,7 @@ class _Arm:
             extra = {"num_cpu_blocks": spec.num_cpu_blocks, "mode": ns.mode}
             if spec.eviction is not None:
                 extra["eviction"] = spec.eviction
+            extra.update(spec.extra)
         elif spec.kind is ArmKind.VLLM:
             extra = {"cpu_bytes_to_use": spec.num_cpu_blocks * kv_bytes_per_block(ns)}
             connector = SIMPLE_CPU
@@ -160,7 +163,7 @@ class _Arm:
             c = st["counters"]
             out.update(stored_blocks=int(c["stored_blocks"]),
                        loaded_blocks=int(c["loaded_blocks"]),
-                       loads_failed=int(c["loads_failed"]))
+                       loads_failed=int(c["loads_failed"]), disk=st.get("disk") or {})
         try:
             self.llm.llm_engine.engine_core.shutdown(timeout=30)
         finally:

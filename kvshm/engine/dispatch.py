@@ -11,7 +11,8 @@ batches of ``Done`` that come back to :meth:`OffloadManager.on_done
   that job only (counted in ``done_errors``, logged once per exception type); every
   other Done of the batch is still applied. The load outcomes stay in the manager's
   queue (nothing here copies them).
-* A Remote job (:meth:`post_remote`) follows the plan's transfers, in plan order.
+* A Remote or Disk job (:meth:`post_remote`) follows the plan's transfers, in plan
+  order.
 * Each Done is progress for its rank's hang clock (:meth:`RankWatch.acked
   <kvshm.engine.supervision.RankWatch.acked>`) and carries its job's ack latency while
   acks are still owed: a job's post time is kept for as many Dones as ranks it went to,
@@ -27,7 +28,7 @@ from collections.abc import Mapping
 from kvshm.engine.snapshot import CoreCounters
 from kvshm.engine.supervision import RankWatch
 from kvshm.errors import ConfigError
-from kvshm.ipc.protocol import Direction, Done, Remote, Transfer
+from kvshm.ipc.protocol import Direction, Disk, Done, Remote, Transfer
 from kvshm.ipc.sched_channel import SchedulerChannel
 from kvshm.offload.manager import OffloadManager
 from kvshm.ratelog import RateLimitedLog
@@ -49,7 +50,8 @@ class Dispatcher:
         self._watch = watch
         self._counters = counters
         self._posted: dict[int, tuple[float, int]] = {}  # job id -> (post time, acks owed)
-        self._remote: dict[int, int] = {}  # remote job id -> Dones still due
+        self._remote: dict[int, int] = {}  # remote or disk job id -> Dones still due
+        self._disk: set[int] = set()  # the disk jobs among them
         self._logged: set[str] = set()
 
     def post(self, t: Transfer) -> None:
@@ -65,12 +67,13 @@ class Dispatcher:
         else:
             self._counters.load_jobs += 1
 
-    def post_remote(self, msg: Remote) -> list[int]:
-        """Post a remote-tier job to every live rank; the ranks that refused it (a
-        record the ring can never hold: the caller fails the job for them, nothing
-        raises). Not on the hang clock and not in the ack-latency histogram: it waits
-        on a network server with its own deadlines, not on the rank's copy engine; its
-        Done is no progress for the rank's stall clock either (:meth:`apply`)."""
+    def post_remote(self, msg: Remote | Disk) -> list[int]:
+        """Post a remote-tier or disk-tier job to every live rank; the ranks that refused
+        it (a record the ring can never hold: the caller fails the job for them, nothing
+        raises). Not on the hang clock and not in the ack-latency histogram: it waits on
+        a network server (or the rank's slab I/O) with its own deadlines, not on the
+        rank's copy engine; its Done is no progress for the rank's stall clock either
+        (:meth:`apply`)."""
         refused: list[int] = []
         for rank, chan in self._channels.items():
             if chan.closed:
@@ -86,13 +89,19 @@ class Dispatcher:
         posted = sum(1 for c in self._channels.values() if not c.closed) - len(refused)
         if posted > 0:
             self._remote[msg.job_id] = posted
-        self._counters.remote_jobs += 1
+        if isinstance(msg, Disk):
+            self._counters.disk_jobs += 1
+            if posted > 0:
+                self._disk.add(msg.job_id)
+        else:
+            self._counters.remote_jobs += 1
         return refused
 
     def forget_posted(self) -> None:
         """Drop every post time (a verdict: the remaining acks will not all come)."""
         self._posted.clear()
         self._remote.clear()
+        self._disk.clear()
 
     def apply(self, rank: int, dones: list[Done], manager: OffloadManager | None) -> None:
         """Apply a batch of Dones from ``rank`` (to ``manager`` once there is one), then
@@ -105,8 +114,11 @@ class Dispatcher:
                 due = remote.get(d.job_id) if remote else None
                 if due is not None:  # no progress of the rank's copies (hang clock)
                     self._counters.remote_acks += 1
+                    if not d.ok and d.job_id in self._disk:
+                        self._disk_failed(d)
                     if due <= 1:
                         del remote[d.job_id]
+                        self._disk.discard(d.job_id)
                     else:
                         remote[d.job_id] = due - 1
                 else:
@@ -118,6 +130,17 @@ class Dispatcher:
         chan = self._channels.get(rank)
         if chan is not None and not chan.closed and chan.overflow_depth:
             chan.flush_overflow()
+
+    def _disk_failed(self, done: Done) -> None:
+        """Count a disk job a rank failed, by what its error names (the worker's slot
+        outcome: a checksum mismatch, a bad header, or anything else)."""
+        why = done.error.lower()
+        if "crc" in why or "checksum" in why:
+            self._counters.disk_read_bad_crc += 1
+        elif "header" in why:
+            self._counters.disk_read_bad_header += 1
+        else:
+            self._counters.disk_failed_other += 1
 
     def _done_failed(self, rank: int, done: Done, exc: Exception,
                      manager: OffloadManager | None) -> None:

@@ -29,7 +29,7 @@ touches CPU block bytes, and the memory goes with the last worker mapping.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +39,7 @@ from kvshm.errors import ConfigError
 from kvshm.ipc.doorbell import create_eventfd
 from kvshm.ipc.protocol import (
     PROTOCOL_VERSION,
+    DiskSetup,
     Hello,
     LayoutSpec,
     Ready,
@@ -327,11 +328,15 @@ def provision(hellos: Mapping[int, Hello], *, world_size: int,
               device_caches: Sequence[Sequence[torch.Tensor]] | None,
               num_cpu_blocks: int | None, cpu_bytes_per_rank: int | None,
               capacity: int | None = None, num_gpu_blocks: int | None = None,
-              remote: RemoteTarget | None = None) -> Provisioned:
+              remote: RemoteTarget | None = None,
+              disk: Callable[[Mapping[int, LayoutSpec]], Mapping[int, DiskSetup]] | None = None
+              ) -> Provisioned:
     """Create every rank's resources (all or nothing: on error nothing is left open).
 
     ``remote``: the engine's remote tier; every Ready then names it with the layout
-    fingerprint of all ranks (``Provisioned.remote``).
+    fingerprint of all ranks (``Provisioned.remote``). ``disk``: each rank's disk tier
+    from every rank's layout (:meth:`kvshm.engine.disk_link.DiskLink.make_setups`), in
+    its Ready.
 
     ``capacity``: the configured ring capacity (checked against the largest rank's
     block count), or None for the default. ``num_gpu_blocks``: the engine's GPU pool
@@ -349,12 +354,13 @@ def provision(hellos: Mapping[int, Hello], *, world_size: int,
     budget = available_shm_bytes() - world_size * seg_bytes
     n = reconcile(list(layouts.values()), cpu_bytes_per_rank, num_cpu_blocks, budget)
     setup = None if remote is None else remote.setup(layouts)
+    disks = {} if disk is None else disk(layouts)
     done: dict[int, RankResources] = {}
     try:
         for rank, spec in layouts.items():
             caches = () if hellos[rank].layout is not None or device_caches is None \
                 else device_caches[rank]
-            done[rank] = _one_rank(rank, spec, n, capacity, caches, setup)
+            done[rank] = _one_rank(rank, spec, n, capacity, caches, setup, disks.get(rank))
     except BaseException:
         Provisioned(n, done).close()
         raise
@@ -362,7 +368,8 @@ def provision(hellos: Mapping[int, Hello], *, world_size: int,
 
 
 def _one_rank(rank: int, spec: LayoutSpec, n: int, capacity: int,
-              caches: Sequence[torch.Tensor], remote: RemoteSetup | None) -> RankResources:
+              caches: Sequence[torch.Tensor], remote: RemoteSetup | None,
+              disk: DiskSetup | None = None) -> RankResources:
     offsets, host_bytes = host_pool_plan(spec, n)
     ring_seg = create_segment(segment_size(capacity, capacity), purpose=f"rings-r{rank}")
     opened: list[int] = []
@@ -381,5 +388,5 @@ def _one_rank(rank: int, spec: LayoutSpec, n: int, capacity: int,
         raise
     rings = RingPair.init(ring_seg.buf, capacity, capacity)
     ready = Ready(PROTOCOL_VERSION, rank, spec, n, capacity, capacity, offsets, host_bytes,
-                  specs, remote)
+                  specs, remote, disk)
     return RankResources(rank, ready, ring_seg, host_seg, opened[0], opened[1], dev_fds, rings)

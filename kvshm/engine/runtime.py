@@ -28,7 +28,8 @@ Rules kept here:
   ``finished`` do nothing, ``step`` plans nothing and records the listed requests, which
   the manager never sees for life (:mod:`~kvshm.engine.admission`).
 * ``step`` posts the plan's store before its load, to every live rank, in that order
-  (job ids increase on every rank); a remote message no rank could take fails at once
+  (job ids increase on every rank), then its remote and disk jobs; a remote or disk
+  message no rank could take fails at once
   (``on_done(.., False)``), which releases its pins.
 * A request id that is not a ``str`` is refused with ``InvalidRequest`` before anything
   changes.
@@ -60,6 +61,7 @@ import torch
 from kvshm.config import EngineConfig
 from kvshm.engine import startup
 from kvshm.engine.admission import Admission, check_id
+from kvshm.engine.disk_link import DiskLink, open_disk
 from kvshm.engine.dispatch import Dispatcher
 from kvshm.engine.lifecycle import ENDED, LIVE, EngineState
 from kvshm.engine.provision import Provisioned, check_caches, pool_size, provision
@@ -69,7 +71,7 @@ from kvshm.engine.startup import Refusals, StartTimeout, log, start_timeout_erro
 from kvshm.engine.supervision import Supervisor
 from kvshm.errors import ConfigError, StateError, TransportError, WorkerDied
 from kvshm.ipc import protocol
-from kvshm.ipc.protocol import Hello
+from kvshm.ipc.protocol import Disk, Hello, Remote
 from kvshm.ipc.rendezvous import RendezvousServer
 from kvshm.ipc.rendezvous_events import EventKind, RendezvousEvent
 from kvshm.ipc.ring_pair import RevokeReason
@@ -122,6 +124,7 @@ class Runtime:
                                  on_fence=self._on_fence)
         self._jobs = Dispatcher(config.name, self._channels, self._ranks.watch, self.counters)
         self._remote = RemoteLink.none()
+        self._disk = DiskLink.none()
 
     # -- lifecycle ---------------------------------------------------------------------
     @property
@@ -133,7 +136,8 @@ class Runtime:
         """Listen on the rendezvous (NameInUse if taken): NEW -> STARTING."""
         if self._state is not EngineState.NEW:
             raise StateError(f"engine {self.config.name!r} is {self._state.name}, not NEW")
-        self._remote = open_remote(self.config)  # ConfigError: before anything listens
+        self._disk = open_disk(self.config)  # ConfigError: before anything listens
+        self._remote = open_remote(self.config)
         self._server = RendezvousServer(self.config.name, self.config.world_size,
                                         make_ready=self._make_ready, stats=self._stats_data)
         self._state = EngineState.STARTING
@@ -251,7 +255,9 @@ class Runtime:
         for t in (plan.store, plan.load):
             if t is not None:
                 self._jobs.post(t)
-        for msg in plan.remote:
+        msgs: Sequence[Remote | Disk] = (*plan.remote, *plan.disk) if plan.disk \
+            else plan.remote
+        for msg in msgs:
             for rank in self._jobs.post_remote(msg):
                 manager.on_done(msg.job_id, rank, False)  # never sent: fails, unpins
         return plan
@@ -360,7 +366,8 @@ class Runtime:
                                num_cpu_blocks=cfg.num_cpu_blocks,
                                cpu_bytes_per_rank=cfg.cpu_bytes_per_rank,
                                capacity=cfg.ring_capacity,
-                               num_gpu_blocks=pool_size(self._gpu), remote=target)
+                               num_gpu_blocks=pool_size(self._gpu), remote=target,
+                               disk=self._disk.make_setups if cfg.disk_path else None)
         return self._prov.ready_plan()
 
     def _all_ready(self) -> None:
@@ -384,7 +391,8 @@ class Runtime:
         self.manager = OffloadManager(self._cpu, self._gpu, block_size=cfg.block_size,
                                       groups=cfg.groups, world_size=cfg.world_size,
                                       mode=cfg.mode,
-                                      remote=self._remote.book_factory(prov.remote, record))
+                                      remote=self._remote.book_factory(prov.remote, record),
+                                      disk=self._disk.book_factory(record))
         self._state = EngineState.READY
         startup.log_ready(cfg, prov.num_cpu_blocks, self._bytes_per_block)
         if self._started is not None:

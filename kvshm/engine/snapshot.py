@@ -39,7 +39,11 @@ class CoreCounters:
     lookup_tokens: int = 0  # tokens asked for beyond the GPU's own hit (answered lookups)
     lookups_hit: int = 0  # answered lookups with a CPU-tier hit
     remote_jobs: int = 0  # remote-tier jobs (PUT / GET) posted
-    remote_acks: int = 0  # their Dones (no progress for the hang clock)
+    remote_acks: int = 0  # their Dones and the disk jobs' (no progress for the hang clock)
+    disk_jobs: int = 0  # disk-tier jobs (WRITE / READ) posted
+    disk_read_bad_crc: int = 0  # failed disk Dones naming a payload checksum mismatch
+    disk_read_bad_header: int = 0  # ... naming a torn or foreign slot header
+    disk_failed_other: int = 0  # ... any other failure (I/O error, full disk)
     remote_post_refused: int = 0  # (rank, job) posts a ring could never hold: failed
 
 
@@ -66,7 +70,27 @@ def build_stats(config: EngineConfig, state: str, manager: OffloadManager | None
         counters=merged, ranks=list(ranks), uptime_s=uptime_s, pid=os.getpid(),
         eviction=(cpu.eviction if cpu is not None else config.eviction).value,
         evictions=cpu.evictions if cpu is not None else 0,
-        remote=_remote_stats(config, manager, bytes_per_block))
+        remote=_remote_stats(config, manager, bytes_per_block),
+        disk=_disk_stats(config, manager, bytes_per_block))
+
+
+def _disk_stats(config: EngineConfig, manager: OffloadManager | None,
+                bytes_per_block: int) -> dict[str, Any]:
+    """The disk tier's section: its directory and I/O mode, the book's occupancy and
+    counters, read and written bytes ({} without a disk tier)."""
+    if config.disk_path is None:
+        return {}
+    out: dict[str, Any] = {"path": config.disk_path, "io": config.disk_io.value,
+                           "mode": config.disk_mode.value,
+                           "bytes_per_rank": config.disk_bytes_per_rank}
+    book = manager.disk if manager is not None else None
+    if book is None:
+        return out
+    out.update(book.statistics())
+    out["quarantined_slots"] = book.quarantined_slots()
+    out["read_bytes"] = book.counters.hit_blocks * bytes_per_block
+    out["write_bytes"] = book.counters.written_blocks * bytes_per_block
+    return out
 
 
 def _remote_stats(config: EngineConfig, manager: OffloadManager | None,

@@ -78,9 +78,11 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
     # -- sending -------------------------------------------------------------------
     def _sent(self, msg: protocol.CmdMsg) -> int:
         """1 for a Transfer (counted in :attr:`outstanding`: the hang clock). A Remote
-        job is not: it waits on a network server, with its own deadlines; its id is
-        kept so that its Done does not count as a Transfer's answer."""
-        if isinstance(msg, protocol.Remote):
+        job is not: it waits on a network server, with its own deadlines; nor is a Disk
+        job (a rank's slab I/O, on its own threads, bounded by the scheduler's read
+        timeout and write cap); their ids are kept so that their Dones do not count as
+        a Transfer's answer."""
+        if isinstance(msg, (protocol.Remote, protocol.Disk)):
             self._remote_ids.add(msg.job_id)
             return 0
         return isinstance(msg, protocol.Transfer)

@@ -15,7 +15,9 @@ closed after its last copy -- counts it as acked, and the pins go.
 Two kinds share that ack state (:class:`Job`): a :class:`StoreJob` (GPU -> CPU, its
 in-flight marks kept by :mod:`kvshm.offload.stores`) and a :class:`LoadJob` (CPU -> GPU,
 its requests' bookkeeping kept by :mod:`kvshm.offload.loads`); a third, :class:`RemoteJob`
-(CPU tier <-> remote tier, kept by :mod:`kvshm.offload.remote`), pins CPU blocks only.
+(CPU tier <-> remote tier, kept by :mod:`kvshm.offload.remote`), pins CPU blocks only;
+its kind :class:`DiskJob` (CPU tier <-> disk slabs, :mod:`kvshm.offload.disk`) also pins
+the slots it reads or writes.
 The table only counts
 acks; what a failure or completion means for the blocks is the manager's and those
 parts' business.
@@ -39,8 +41,8 @@ from kvshm.errors import ConfigError
 from kvshm.offload.counters import ManagerCounters
 from kvshm.types import LoadFailure
 
-__all__ = ["AckOutcome", "AnyJob", "Cand", "Job", "JobTable", "LoadJob", "LoadPart", "RemoteJob",
-           "Selection", "StoreJob"]
+__all__ = ["AckOutcome", "AnyJob", "Cand", "DiskJob", "Job", "JobTable", "LoadJob", "LoadPart",
+           "RemoteJob", "Selection", "StoreJob"]
 
 
 @dataclass(slots=True, eq=False)
@@ -163,6 +165,18 @@ class RemoteJob(Job):
     keep: bool = False  # a PUT without TTL (a P/D hand-off's blocks)
 
 
+@dataclass(slots=True, eq=False, kw_only=True)
+class DiskJob(RemoteJob):
+    """CPU tier <-> this engine's disk slabs (kept by :mod:`kvshm.offload.disk`): a
+    WRITE (``put``: indexed CPU blocks, only read, into fresh slots) or a READ (fresh
+    CPU blocks, unindexed until the job completes without failure, from indexed slots).
+    ``slots[i]`` is the slot of ``cpu_ids[i]`` on every rank; each is pinned in the
+    disk's slot table until the job completes (a rank declared dead keeps them
+    quarantined until it is fenced, like the CPU ids)."""
+
+    slots: list[int]
+
+
 AnyJob: TypeAlias = StoreJob | LoadJob | RemoteJob
 """A job of either kind, as the table holds it (``isinstance`` tells them apart)."""
 
@@ -227,6 +241,15 @@ class JobTable:
         job_id, waiting = self._next()
         job = RemoteJob(job_id, step, [], cpu_ids, waiting, put=put, keys=keys,
                         depths=depths, req_id=req_id, keep=keep)
+        self.jobs[job_id] = job
+        return job
+
+    def new_disk(self, step: int, cpu_ids: list[int], keys: list[bytes], depths: list[int],
+                 slots: list[int], *, write: bool, req_id: str = "") -> DiskJob:
+        """Register a disk-tier job waiting for every live rank."""
+        job_id, waiting = self._next()
+        job = DiskJob(job_id, step, [], cpu_ids, waiting, put=write, keys=keys,
+                      depths=depths, req_id=req_id, slots=slots)
         self.jobs[job_id] = job
         return job
 

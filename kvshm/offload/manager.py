@@ -48,8 +48,9 @@ from functools import partial
 from typing import Any
 
 from kvshm.errors import ConfigError
-from kvshm.ipc.protocol import Direction, Remote, Transfer, pack_ids
+from kvshm.ipc.protocol import Direction, Disk, Remote, Transfer, pack_ids
 from kvshm.offload.counters import ManagerCounters
+from kvshm.offload.disk import DiskBook
 from kvshm.offload.groups import GroupSet, cdiv
 from kvshm.offload.hits import Hit, assign, find_hit, guess_dests, refresh_prefix
 from kvshm.offload.inputs import View, for_pool
@@ -86,13 +87,16 @@ class OffloadManager:
     exact length of the engine's block hashes (default: ``gpu.hash_bytes`` where the pool
     has one, else any length in ``kvshm.offload.validate.HASH_LEN_RANGE``). ``remote``:
     builds the remote tier's book from the manager's pool, groups and job table
-    (:mod:`kvshm.offload.remote`); None: no remote tier."""
+    (:mod:`kvshm.offload.remote`); None: no remote tier. ``disk``: likewise the local
+    disk tier's book (:mod:`kvshm.offload.disk`), asked after the CPU tier and before
+    the remote one."""
 
     def __init__(self, cpu: BlockPool, gpu: GpuBlocks, *, block_size: int,
                  groups: Sequence[KVGroup] = (KVGroup.full(),), world_size: int = 1,
                  mode: StoreMode = StoreMode.EAGER, lazy_window: int = 256,
                  hash_bytes: int | None = None,
-                 remote: Callable[[BlockPool, GroupSet, JobTable], RemoteBook] | None = None
+                 remote: Callable[[BlockPool, GroupSet, JobTable], RemoteBook] | None = None,
+                 disk: Callable[[BlockPool, GroupSet, JobTable], DiskBook] | None = None
                  ) -> None:
         self._gs = GroupSet(groups, block_size)
         if mode is StoreMode.LAZY and self._gs.n != 1:
@@ -116,8 +120,9 @@ class OffloadManager:
         self.remote = None if remote is None else remote(cpu, self._gs, jobs)
         if self.remote is not None:  # a P/D publication learns of a dropped tail store
             self._stores.on_dropped = self.remote.store_dropped
+        self.disk = None if disk is None else disk(cpu, self._gs, jobs)
         self.outcomes = JobOutcomes(jobs, cpu, self._loads, self._stores, self.remote,
-                                    self.counters, self._tombstone_hits)
+                                    self.counters, self._tombstone_hits, disk=self.disk)
         self._jobs = jobs
 
     # ---- small queries -------------------------------------------------------------
@@ -141,6 +146,7 @@ class OffloadManager:
         only for a revoked, unfenced rank do not count: nothing will move them."""
         jobs = self.outcomes.has_pending_work()
         remote = self.remote is not None and self.remote.has_pending_work()
+        remote = remote or (self.disk is not None and self.disk.has_pending_work())
         return bool(jobs or remote or self._loads.pending() or self._stores.finish_queue)
 
     def take_load_results(self) -> list[LoadResult]:
@@ -201,8 +207,11 @@ class OffloadManager:
             self._check.hashes("lookup", view.req_id, "block_hashes", view.hashes, 0,
                                min(num_local_tokens // self.block_size, len(view.hashes)))
         tokens = self._lookup(view, num_local_tokens)
-        if tokens is not None and self.remote is not None:
-            self.remote.unhold(view.req_id)  # an answer ends a hand-off's wait
+        if tokens is not None:
+            if self.remote is not None:
+                self.remote.unhold(view.req_id)  # an answer ends a hand-off's wait
+            if self.disk is not None:
+                self.disk.unhold(view.req_id)  # ... and a disk read's
         return tokens
 
     def _lookup(self, view: View, num_local_tokens: int) -> int | None:
@@ -233,7 +242,10 @@ class OffloadManager:
             hashes, n_max = handoff_extent(hashes, view.tail, view.num_tokens, bs, s)
             cap = view.num_tokens - 1 - num_local_tokens
         hit = find_hit(self.cpu, self._gs, hashes, s, n_max)
+        disk = None if handoff else self.disk
         if hit is None:
+            if disk is not None and disk.lookup(rid, hashes, s, n_max) is None:
+                return None  # the disk reads the blocks: an ordinary CPU hit next time
             if self.remote is None:
                 return 0
             if handoff and min(s + n_max, len(hashes)) <= s:
@@ -247,9 +259,13 @@ class OffloadManager:
             return None
         if handoff and self._handoff_waits(rid, hit, hashes, s + n_max, view.params):
             return None
+        if disk is not None and disk.extend(rid, hashes, hit, s + n_max):
+            return None  # the disk reads what follows the hit, held meanwhile
         self.cpu.touch(hit.pinned)
         if self.remote is not None:
             self.remote.hit(rid)  # what it fetched for rid is pinned by the hit now
+        if disk is not None:
+            disk.hit(rid)
         self._hits[rid] = hit
         tokens = (hit.end - s) * bs
         if cap and tokens > cap:
@@ -363,6 +379,7 @@ class OffloadManager:
             self._forget(rid)
         store = load = None
         remote: tuple[Remote, ...] = ()
+        disk: tuple[Disk, ...] = ()
         out = self.outcomes
         if not out.failed:
             dirty = self._track.apply(changes)
@@ -371,10 +388,12 @@ class OffloadManager:
                 load = self._loads.plan(step, self._jobs)
                 if self.remote is not None:
                     remote = tuple(self.remote.plan(step))
+                if self.disk is not None:
+                    disk = tuple(self.disk.plan(step))
         failed_loads = self._loads.take_failed()
         jobs = self._loads.listed_jobs(self._jobs)
         return StepPlan(step=step, store=store, load=load, load_jobs=jobs,
-                        failed_loads=failed_loads, remote=remote)
+                        failed_loads=failed_loads, remote=remote, disk=disk)
 
     def _plan_stores(self, step: int, alloc: frozenset[int],
                      dirty: list[ScheduledRequest]) -> Transfer | None:
@@ -435,6 +454,8 @@ class OffloadManager:
         self._loads.cancel(req_id)
         if self.remote is not None:
             self.remote.forget(req_id)
+        if self.disk is not None:
+            self.disk.forget(req_id)
         return self._track.forget(req_id)
 
     # ---- checks ----------------------------------------------------------------------
@@ -442,9 +463,12 @@ class OffloadManager:
     def check_invariants(self) -> None:
         """O(everything) consistency check for tests; AssertionError names the fault."""
         check_parts(self._parts())
+        if self.disk is not None:
+            self.disk.check_invariants()
 
     def _parts(self) -> Parts:
         return Parts(cpu=self.cpu, gpu=self.gpu, world_size=self.world_size, hits=self._hits,
                      jobs=self._jobs, loads=self._loads, stores=self._stores,
                      failed=self.outcomes.failed, abandoned=self.outcomes.abandoned,
-                     remote_pins=() if self.remote is None else tuple(self.remote.pinned()))
+                     remote_pins=(() if self.remote is None else tuple(self.remote.pinned()))
+                     + (() if self.disk is None else tuple(self.disk.pinned())))

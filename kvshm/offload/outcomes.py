@@ -30,7 +30,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kvshm.offload.counters import DeclineReason, ManagerCounters
-from kvshm.offload.jobs import AckOutcome, AnyJob, JobTable, LoadJob, RemoteJob, StoreJob
+from kvshm.offload.disk import DiskBook
+from kvshm.offload.jobs import AckOutcome, AnyJob, DiskJob, JobTable, LoadJob, RemoteJob, StoreJob
 from kvshm.offload.loads import LoadBook
 from kvshm.offload.pool import BlockPool
 from kvshm.offload.remote import RemoteBook
@@ -48,12 +49,14 @@ class JobOutcomes:
     def __init__(self, jobs: JobTable, cpu: BlockPool, loads: LoadBook,
                  stores: StorePlanner, remote: RemoteBook | None,
                  counters: ManagerCounters,
-                 drop_hits: Callable[[LoadFailure], None]) -> None:
+                 drop_hits: Callable[[LoadFailure], None],
+                 disk: DiskBook | None = None) -> None:
         self.jobs = jobs
         self.cpu = cpu
         self.loads = loads
         self.stores = stores
         self.remote = remote
+        self.disk = disk
         self.counters = counters
         self._drop_hits = drop_hits
         self.failed = False
@@ -82,6 +85,11 @@ class JobOutcomes:
             self.stores.complete(job, register=usable)
             if usable and self.remote is not None:
                 self.remote.stored(job.cpu_ids, job.keys, job.depths)
+            if usable and self.disk is not None:
+                self.disk.stored(job.cpu_ids, job.keys)
+        elif isinstance(job, DiskJob):
+            assert self.disk is not None, "a disk job without a disk tier"
+            self.disk.complete(job, usable and not job.abandoned)
         elif isinstance(job, RemoteJob):
             assert self.remote is not None, "a remote job without a remote tier"
             self.remote.complete(job, usable and not job.abandoned)
@@ -102,6 +110,8 @@ class JobOutcomes:
                     self.counters.jobs_abandoned += 1
                     self._fail_job(job, LoadFailure.RESET, count=False)
             self.cpu.drop_all_hashes()
+            if self.disk is not None:
+                self.disk.drop_index()
         return not self.jobs.jobs or self.jobs.only_quarantined()
 
     def rank_failed(self, rank: int) -> None:
@@ -153,3 +163,5 @@ class JobOutcomes:
         self.stores.drop_finished(decline)
         if self.remote is not None:
             self.remote.drop()
+        if self.disk is not None:
+            self.disk.drop()

@@ -9,7 +9,8 @@ Write path (:mod:`kvshm.offload.remote_puts`): blocks are put after their store
 completed on every rank (write-through) or as they near eviction (``ON_EVICT``); a
 completed PUT publishes their readiness keys. P/D hand-offs: :mod:`kvshm.offload.pd`.
 
-Read path, for a request whose CPU-tier hit is 0 (an ordinary CPU hit never waits for
+Read path (the state machine is :class:`~kvshm.offload.fetches.Fetches`, shared with the
+disk tier), for a request whose CPU-tier hit is 0 (an ordinary CPU hit never waits for
 the remote), or a P/D hand-off whose CPU hit ends short of its extent (its manifest says
 the server holds the rest: the manager asks for the blocks after the hit):
 
@@ -47,12 +48,11 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any
 
-from kvshm.config import Eviction, RemoteMode
+from kvshm.config import RemoteMode
 from kvshm.ipc.protocol import Remote, RemoteOp
+from kvshm.offload.fetches import WAITING, Fetches, FetchState
 from kvshm.offload.groups import GroupSet
 from kvshm.offload.jobs import JobTable, RemoteJob
 from kvshm.offload.pd.handoffs import Handoffs
@@ -71,29 +71,9 @@ from kvshm.remote.tier import ReadyIndex
 __all__ = ["RemoteBook", "RemoteState"]
 
 
-class RemoteState(Enum):
-    """Where one request's remote lookup stands (module docstring, read path)."""
-
-    QUERYING = "querying"
-    ANSWERED = "answered"
-    FETCHING = "fetching"
-    FETCHED = "fetched"
-    DONE = "done"
-
-
-@dataclass(slots=True, eq=False)
-class _Lookup:
-    """One request's remote lookup: ``keys`` (CPU index keys, position-major from
-    block ``start``), the answer's length in blocks, the GET job, the FETCHED pins."""
-
-    state: RemoteState
-    start: int
-    keys: list[bytes]
-    token: int
-    since: float
-    present: int = 0
-    job_id: int = 0
-    pinned: list[int] = field(default_factory=list)
+RemoteState = FetchState
+"""Where one request's remote lookup stands (the shared read path's states,
+:class:`~kvshm.offload.fetches.FetchState`)."""
 
 
 class RemoteBook:
@@ -113,19 +93,17 @@ class RemoteBook:
         self._ready_key = ready_key
         self.mode = mode
         self._timeout = answer_timeout_s
-        self._fetch_timeout = fetch_timeout_s
         self._clock = clock
         self.counters = RemoteCounters()
-        self._max_job = max_job_blocks
         self.puts = PutQueue(cpu, jobs, index, ready_key, self.counters, mode=mode,
                              evict_window=evict_window,
                              publisher=None if handoffs is None else handoffs.publications,
                              max_job_blocks=max_job_blocks, ttl_s=ttl_s, clock=clock)
-        self._reqs: dict[str, _Lookup] = {}
+        self.fetches = Fetches(cpu, gs, self.counters, self._new_get,
+                               fetch_timeout_s=fetch_timeout_s, max_job_blocks=max_job_blocks,
+                               clock=clock)
         self._tokens: dict[int, str] = {}
         self._next_token = 1
-        self._fetching: dict[bytes, int] = {}  # key -> GET job id
-        self._fetch_since: dict[int, float] = {}  # GET job id -> when it was planned
         self.pd = handoffs
         self.side = None if handoffs is None else HandoffSide(cpu, gs, self.puts, handoffs)
 
@@ -135,16 +113,14 @@ class RemoteBook:
         """CPU ids this book pins (queued PUTs, FETCHED requests, held prefixes), with
         repeats."""
         out = self.puts.pinned()
-        for st in self._reqs.values():
-            out.extend(st.pinned)
+        out.extend(self.fetches.pinned())
         if self.side is not None:
             out.extend(self.side.pinned())
         return out
 
     def has_pending_work(self) -> bool:
         """PUTs queued or GETs answered but not planned: the next plan has work."""
-        return self.puts.pending() or any(st.state is RemoteState.ANSWERED
-                                       for st in self._reqs.values())
+        return self.puts.pending() or self.fetches.pending()
 
     # ---- read path ---------------------------------------------------------------------
 
@@ -156,7 +132,7 @@ class RemoteBook:
         ``start`` the hit may cover. A P/D hand-off (``params``) waits for its
         manifest first (:mod:`kvshm.offload.pd.consume`)."""
         self.poll()
-        st = self._reqs.get(rid)
+        st = self.fetches.get(rid)
         if st is None:
             if self.side is not None:
                 verdict = self.side.consume(rid, hashes, params)
@@ -165,17 +141,13 @@ class RemoteBook:
                 if verdict is Verdict.REFUSED:
                     return 0
             return self._begin(rid, hashes, start, n_max)
-        waited = self._clock() - st.since
-        if st.state is RemoteState.QUERYING and waited > self._timeout:
+        if st.state is RemoteState.QUERYING and self._clock() - st.since > self._timeout:
             self.counters.query_timeouts += 1
             self._tokens.pop(st.token, None)
             st.state = RemoteState.DONE
-        elif st.state is RemoteState.FETCHING and waited > self._fetch_timeout:
-            self.counters.fetch_timeouts += 1  # the job keeps its pins until it ends
-            st.state = RemoteState.DONE
-        if st.state in (RemoteState.QUERYING, RemoteState.ANSWERED, RemoteState.FETCHING):
+        if self.fetches.again(rid, st) is None:
             return None
-        self.release(rid)
+        self.unhold(rid)
         return 0
 
     def _begin(self, rid: str, hashes: Sequence[bytes], start: int, n_max: int) -> int | None:
@@ -186,35 +158,23 @@ class RemoteBook:
             self.counters.skipped_unhealthy += 1
             return 0
         keys = self._gs.keys(hashes, start, end)
-        if self._being_fetched(keys):  # wait for it, as long as its own request would
+        if self.fetches.being_fetched(keys):  # wait for it, as long as its own request would
             self.counters.asked_again += 1
             return None
         token = self._next_token
         self._next_token += 1
         self._tokens[token] = rid
-        self._reqs[rid] = _Lookup(RemoteState.QUERYING, start, keys, token, self._clock())
+        self.fetches.begin(rid, start, keys, token=token)
         self.counters.queries += 1
         self.index.query(token, [self._ready_key(remote_hash(k)) for k in keys])
         return None
-
-    def _being_fetched(self, keys: Sequence[bytes]) -> bool:
-        """Whether a GET not older than the fetch timeout is fetching any of ``keys``
-        (two requests may reach the same blocks from different starting positions)."""
-        if not self._fetching:
-            return False
-        now = self._clock()
-        for k in keys:
-            job = self._fetching.get(k)
-            if job is not None and now - self._fetch_since.get(job, 0.0) <= self._fetch_timeout:
-                return True
-        return False
 
     def poll(self) -> None:
         """Apply the index's answers (a stale one, for a request gone, is counted)."""
         for token, n in self.index.answers():
             rid = self._tokens.pop(token, None)
-            st = self._reqs.get(rid) if rid is not None else None
-            if st is None or st.state is not RemoteState.QUERYING:
+            st = self.fetches.get(rid) if rid is not None else None
+            if rid is None or st is None or st.state is not RemoteState.QUERYING:
                 self.counters.answers_stale += 1
                 continue
             n -= n % self._gs.n  # whole positions only
@@ -223,25 +183,21 @@ class RemoteBook:
                 st.state = RemoteState.DONE
                 continue
             self.counters.query_hits += 1
-            st.present, st.state = min(n, len(st.keys)), RemoteState.ANSWERED
+            self.fetches.answered(rid, st, n)
 
     def hit(self, rid: str) -> None:
         """``rid``'s lookup is a CPU hit (pinned): its remote lookup ends here -- what
         it fetched is released, a query or GET still running goes on unclaimed."""
-        st = self._reqs.get(rid)
-        if st is not None and st.state in (RemoteState.QUERYING, RemoteState.ANSWERED,
-                                           RemoteState.FETCHING):
+        st = self.fetches.get(rid)
+        if st is not None and st.state in WAITING:
             self._tokens.pop(st.token, None)
-            st.state = RemoteState.DONE
-        self.release(rid)
+        self.fetches.hit(rid)
+        self.unhold(rid)
 
     def release(self, rid: str) -> None:
         """Drop ``rid``'s FETCHED pins and its held prefix (its lookup pinned what it
         hit meanwhile)."""
-        st = self._reqs.get(rid)
-        if st is not None and st.pinned:
-            self.cpu.free(reversed(st.pinned))
-            st.pinned = []
+        self.fetches.release(rid)
         self.unhold(rid)
 
     def forget(self, rid: str) -> None:
@@ -253,8 +209,8 @@ class RemoteBook:
             self.side.forget(rid)
 
     def _end_lookup(self, rid: str) -> None:
-        self.release(rid)
-        st = self._reqs.pop(rid, None)
+        self.unhold(rid)
+        st = self.fetches.end(rid)
         if st is not None:
             self._tokens.pop(st.token, None)
 
@@ -272,34 +228,12 @@ class RemoteBook:
         self.poll()
         if self.side is not None:
             self.side.tick()
-        out: list[Remote] = []
-        for rid, st in self._reqs.items():
-            if st.state is RemoteState.ANSWERED:
-                msg = self._get_job(step, rid, st)
-                if msg is not None:
-                    out.append(msg)
-        return out + self.puts.plan(step)
+        gets = [message(job, RemoteOp.GET) for job in self.fetches.plan(step)]
+        return gets + self.puts.plan(step)
 
-    def _get_job(self, step: int, rid: str, st: _Lookup) -> Remote | None:
-        n = min(st.present, self.cpu.num_free, self._max_job)
-        n -= n % self._gs.n
-        if n < st.present and n == self._max_job - self._max_job % self._gs.n:
-            self.counters.get_capped += 1  # one command's worth: the rest is recomputed
-        if n <= 0:
-            self.counters.get_declined_cpu_full += 1
-            st.state = RemoteState.DONE
-            return None
-        keys = st.keys[:n]
-        depths = [st.start + i // self._gs.n for i in range(n)]
-        job = self._jobs.new_remote(step, self.cpu.allocate(n), keys, depths, put=False,
-                                    req_id=rid)
-        for k in keys:
-            self._fetching[k] = job.job_id
-        self._fetch_since[job.job_id] = self._clock()
-        st.state, st.job_id, st.since = RemoteState.FETCHING, job.job_id, self._clock()
-        self.counters.get_jobs += 1
-        self.counters.get_blocks += n
-        return message(job, RemoteOp.GET)
+    def _new_get(self, step: int, cpu_ids: list[int], keys: list[bytes], depths: list[int],
+                 rid: str) -> RemoteJob:
+        return self._jobs.new_remote(step, cpu_ids, keys, depths, put=False, req_id=rid)
 
     def complete(self, job: RemoteJob, usable: bool) -> None:
         """``job`` is done on every rank (it left the job table). ``usable``: it did
@@ -310,35 +244,11 @@ class RemoteBook:
             self._get_done(job, usable)
 
     def _get_done(self, job: RemoteJob, usable: bool) -> None:
-        for k in job.keys:
-            if self._fetching.get(k) == job.job_id:
-                del self._fetching[k]
-        self._fetch_since.pop(job.job_id, None)
-        st = self._reqs.get(job.req_id)
-        mine = (st is not None and st.job_id == job.job_id
-                and st.state is RemoteState.FETCHING)  # not timed out meanwhile
-        if not usable:
-            self.counters.get_failed_jobs += 1
-            self.counters.get_failed_blocks += len(job.cpu_ids)
-            self.cpu.free(reversed(job.cpu_ids))
-            if mine:
-                assert st is not None
-                st.state = RemoteState.DONE
-            return
-        cpu = self.cpu
-        for c, k, d in zip(job.cpu_ids, job.keys, job.depths):
-            cpu.add_hashes(c, (k,))
-            if cpu.eviction is not Eviction.LRU:
-                cpu.set_depth(c, d)
-        self.puts.remember(job.keys)
-        self.counters.hit_blocks += len(job.cpu_ids)
-        if mine:
-            assert st is not None
-            st.state, st.pinned = RemoteState.FETCHED, list(job.cpu_ids)
-            if self.side is not None:
-                self.side.collected(job.req_id)
-        else:
-            cpu.free(reversed(job.cpu_ids))
+        mine = self.fetches.complete(job, usable)
+        if usable:
+            self.puts.remember(job.keys)
+        if mine and self.side is not None:
+            self.side.collected(job.req_id)
 
     def drop(self) -> None:
         """Reset or engine failure: unpin queued PUTs, FETCHED blocks and held prefixes,
@@ -347,7 +257,7 @@ class RemoteBook:
         (only a request's end collects it) and its verdict is kept, so its next lookup
         asks the server again without re-reading the manifest."""
         self.puts.drop()
-        for rid in list(self._reqs):
+        for rid in list(self.fetches.reqs):
             self._end_lookup(rid)
         if self.side is not None:
             self.side.drop()

@@ -10,9 +10,18 @@ import pytest
 
 from kvshm.engine.snapshot import CoreCounters
 from kvshm.offload.counters import ManagerCounters
+from kvshm.offload.disk import DiskCounters
 from kvshm.offload.pd.manifest import PdCounters
 from kvshm.offload.remote_puts import RemoteCounters
-from kvshm.series import SERIES, Kind, help_of, scalars, series_names, vllm_series
+from kvshm.series import (
+    DISK_GAUGES,
+    SERIES,
+    Kind,
+    help_of,
+    scalars,
+    series_names,
+    vllm_series,
+)
 
 
 def test_every_counter_of_the_engine_and_remote_book_is_described() -> None:
@@ -20,6 +29,9 @@ def test_every_counter_of_the_engine_and_remote_book_is_described() -> None:
     keys += [f"kvshm_{k}" for k in ManagerCounters().as_dict()]
     keys += [f"kvshm_remote_{f.name}" for f in fields(RemoteCounters)]
     keys += [f"kvshm_remote_{k}" for k in PdCounters().as_dict()]
+    keys += [f"kvshm_disk_{k}" for k in DiskCounters().as_dict()]
+    keys += [f"kvshm_disk_{k}" for k in ("slot_evictions", "read_bytes", "write_bytes",
+                                         *DISK_GAUGES)]
     assert [k for k in keys if k not in SERIES] == []
     for s in SERIES.values():
         head, _, unit = s.help.rpartition("; ")
@@ -52,6 +64,21 @@ def test_scalars_flatten_a_snapshot_by_family_name() -> None:
     assert counters["kvshm_remote_hit_blocks"] == 4
     assert "kvshm_remote_url" not in counters
     assert gauges["kvshm_cpu_tier_occupancy"] == 0.25 and gauges["kvshm_pins_held"] == 1
+
+
+def test_the_disk_section_flattens_to_counters_gauges_and_its_occupancy() -> None:
+    """The disk tier's section: occupancy, slot gauges and counters under kvshm_disk_*;
+    its text keys (path, I/O mode) are no series; vLLM carries its series only with a
+    disk tier."""
+    counters, gauges = scalars({"disk": {"path": "/x", "io": "direct", "slots": 8,
+                                         "slots_used": 2, "slots_pinned": 1,
+                                         "written_blocks": 5, "read_bytes": 1024}})
+    disk = {k: v for k, v in counters.items() if k.startswith("kvshm_disk_")}
+    assert disk == {"kvshm_disk_written_blocks": 5, "kvshm_disk_read_bytes": 1024}
+    assert gauges["kvshm_disk_occupancy"] == 0.25 and gauges["kvshm_disk_slots"] == 8.0
+    assert gauges["kvshm_disk_slots_pinned"] == 1.0 and "kvshm_disk_path" not in gauges
+    assert not any(s.disk for s in vllm_series(remote=True))
+    assert "kvshm_disk_occupancy" in {s.name for s in vllm_series(remote=False, disk=True)}
 
 
 def test_every_integer_counter_of_the_readiness_index_is_described() -> None:

@@ -134,7 +134,7 @@ def test_bad_vllm_settings(kv: dict[str, Any], match: str) -> None:
 
 PUBLIC_LIST = ("cpu_bytes, cpu_bytes_per_rank, num_cpu_blocks, mode, name, stats_path, "
                "hang_timeout_s, shutdown_timeout_s, eviction, remote_url, remote_mode, "
-               "remote_namespace")
+               "remote_namespace, disk_path, disk_bytes_per_rank, disk_io, disk_mode")
 
 
 def _first_line(extra: dict[Any, Any]) -> str:
@@ -150,6 +150,8 @@ def _first_line(extra: dict[Any, Any]) -> str:
     ("hang_timeout", "hang_timeout_s"),
     ("evict", "eviction"),
     ("stat_path", "stats_path"),
+    ("disk_pth", "disk_path"),
+    ("disk_bytes", "disk_bytes_per_rank"),
 ])
 def test_typo_is_one_line_with_the_closest_public_key(typo: str, hint: str) -> None:
     """The whole message is one line: the key, its closest public key, every public key

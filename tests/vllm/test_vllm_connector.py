@@ -4,7 +4,8 @@ The check that matters: a prompt, ``reset_prefix_cache()`` (vLLM's own cache is 
 kvshm's CPU tier is not), the same prompt again -> vLLM reports the prefix cached and
 the logprobs are *bitwise* equal to the cold run (a restore that is off by one bit, or
 loads the wrong block, moves them). Then the same under pressure (80-block device pool,
-8 concurrent requests, several rounds), in lazy mode, in bfloat16, with a copy failure
+8 concurrent requests, several rounds), through the disk tier (a CPU tier too small to
+keep the prompt), in lazy mode, in bfloat16, with a copy failure
 injected on a load under vLLM's default failure policy, which kvshm turns into
 "recompute" (vLLM must recompute those blocks: no token counted as cached, the output
 still exact), and with the engine core and worker in their own processes.
@@ -118,11 +119,12 @@ def _drain(llm: Any, max_steps: int = 500) -> None:
 
 
 def _engine(make_llm: LLMFactory, tmp: Path, *, multiprocess: bool = False,
-            failed_jobs_ok: bool = False, **kw: Any) -> Iterator[Engine]:
+            failed_jobs_ok: bool = False, cpu_bytes: int | None = CPU_BYTES,
+            **kw: Any) -> Iterator[Engine]:
     """Build an engine, yield it, then check the final statistics and /dev/shm."""
     stats_path = tmp / "kvshm-stats.json"
     before = _shm_entries()
-    with make_llm(CONNECTOR, module=MODULE, multiprocess=multiprocess, cpu_bytes=CPU_BYTES,
+    with make_llm(CONNECTOR, module=MODULE, multiprocess=multiprocess, cpu_bytes=cpu_bytes,
                   stats_path=str(stats_path), **kw) as llm:
         expected = engine_name(llm.llm_engine.vllm_config.kv_transfer_config.engine_id)
         yield Engine(llm, stats_path, not multiprocess)
@@ -132,6 +134,7 @@ def _engine(make_llm: LLMFactory, tmp: Path, *, multiprocess: bool = False,
     assert final["pins_held"] == 0, final
     assert final["jobs_in_flight"] == 0, final
     assert final["counters"]["jobs_failed"] == 0 or failed_jobs_ok, final
+    assert final["disk"].get("slots_pinned", 0) == 0, final["disk"]
     assert _shm_entries() - before == set()
 
 
@@ -404,6 +407,37 @@ class TestMultiProcess:
         hot = eng.generate([prompt])[0]
         assert hot.num_cached_tokens == 3 * BLOCK
         assert _signature(hot) == _signature(cold)
+
+
+class TestDiskTier:
+    """A CPU tier of 4 blocks and a disk tier: each prompt has 3 full blocks, so the next
+    two prompts evict it from the CPU tier, and it is written to disk before it goes.
+    A prompt, two others, ``reset_prefix_cache()`` (vLLM's cache is gone, and kvshm's
+    CPU tier lost the prompt), the same prompt again: its first lookup asks again while
+    the disk reads it, vLLM reports the prefix cached, the logprobs are bitwise equal."""
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def eng(cls, make_llm: LLMFactory,
+            tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engine]:
+        tmp = tmp_path_factory.mktemp("disk")
+        yield from _engine(make_llm, tmp, cpu_bytes=None, num_cpu_blocks=4,
+                           disk_path=str(tmp), disk_bytes_per_rank=32 << 20)
+
+    def test_a_prompt_evicted_to_disk_is_restored_bitwise_exact(self, eng: Engine) -> None:
+        prompt = _prompt(PROMPT_TOKENS, 50)
+        cold = eng.generate([prompt])[0]
+        assert not cold.num_cached_tokens and eng.stats()["num_cpu_blocks"] == 4
+        for start in (150, 250):
+            eng.generate([_prompt(PROMPT_TOKENS, start)])
+        disk: dict[str, Any] = eng.stats()["disk"]
+        assert disk["written_blocks"] >= 3 and disk["io"] == "direct", disk
+        eng.reset_device_cache()
+        hot = eng.generate([prompt])[0]
+        assert hot.num_cached_tokens == 3 * BLOCK, hot.num_cached_tokens
+        assert _signature(hot) == _signature(cold)
+        disk = eng.stats()["disk"]
+        assert disk["hit_blocks"] >= 3 and disk["get_failed_jobs"] == 0, disk
 
 
 @pytest.mark.slow

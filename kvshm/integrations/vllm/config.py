@@ -34,6 +34,13 @@ on each, with its default; it is what the refusal of an unknown key lists):
   cannot tell apart, e.g. fine-tunes published under one name), so two engines share
   blocks only when all are equal (and vLLM's block hashes agree: start both with the
   same ``PYTHONHASHSEED``, which seeds vLLM's prefix hashes).
+* ``disk_path``: a directory for the local disk tier (one slab file per rank; default:
+  none), ``disk_bytes_per_rank`` (each rank's slab size in bytes; required with
+  ``disk_path``), ``disk_io``: ``"direct"`` (default, ``O_DIRECT``) or ``"buffered"``;
+  ``disk_mode``: ``"write_back"`` (default: blocks about to leave the CPU tier) or
+  ``"write_through"`` (every stored block).
+  The slab is named after ``name``: set ``name`` for a restarted server to serve the
+  previous one's disk blocks (warm restart; the default name is new every start).
 
 Internal keys (:data:`INTERNAL_KEYS`: accepted, never listed to a user):
 ``test_fail_loads``, a test hook: each worker rank fails the copy of the first N load
@@ -69,6 +76,8 @@ from kvshm.config import (
     DEFAULT_EVICTION,
     DEFAULT_HANG_TIMEOUT_S,
     MAX_TIMEOUT_S,
+    DiskIO,
+    DiskMode,
     Eviction,
     RemoteMode,
 )
@@ -129,6 +138,12 @@ PUBLIC_KEYS: Final[Mapping[str, str]] = {
     "remote_mode": "'write_through' (default) or 'on_evict': when blocks go to the remote tier",
     "remote_namespace": ("a string that keeps deployments kvshm cannot tell apart from "
                          "sharing remote blocks (default: empty)"),
+    "disk_path": ("a directory for the local disk tier, one slab file per rank, kept "
+                  "for a restart under the same name (default: none)"),
+    "disk_bytes_per_rank": "each rank's disk slab size in bytes (required with disk_path)",
+    "disk_io": "'direct' (default: O_DIRECT) or 'buffered' (the disk tier's file I/O)",
+    "disk_mode": ("'write_back' (default: blocks about to leave the CPU tier go to disk) "
+                  "or 'write_through' (every stored block, for a warm restart)"),
 }
 #: Keys accepted for tests, never listed to a user.
 INTERNAL_KEYS: Final = frozenset({"test_fail_loads"})
@@ -186,6 +201,10 @@ class ExtraSettings:
     remote_url: str | None
     remote_mode: RemoteMode
     remote_namespace: str
+    disk_path: str | None = None
+    disk_bytes_per_rank: int | None = None
+    disk_io: DiskIO = DiskIO.DIRECT
+    disk_mode: DiskMode = DiskMode.WRITE_BACK
 
 
 @dataclass(frozen=True)
@@ -213,6 +232,10 @@ class ConnectorConfig:
     remote_mode: RemoteMode = RemoteMode.WRITE_THROUGH
     model_id: str = ""
     size_source: SizeSource = SizeSource.CPU_BYTES
+    disk_path: str | None = None
+    disk_bytes_per_rank: int | None = None
+    disk_io: DiskIO = DiskIO.DIRECT
+    disk_mode: DiskMode = DiskMode.WRITE_BACK
 
     @property
     def world_size(self) -> int:
@@ -313,6 +336,28 @@ def _remote(extra: Mapping[str, Any]) -> tuple[str | None, RemoteMode, str]:
     return url, modes[mode], namespace
 
 
+def _disk(extra: Mapping[str, Any]) -> tuple[str | None, int | None, DiskIO, DiskMode]:
+    """(disk_path, disk_bytes_per_rank, disk_io, disk_mode) from the extra config."""
+    path = extra.get("disk_path")
+    if path is not None and (not isinstance(path, str) or not path):
+        raise ConfigError(f"{_EXTRA}['disk_path'] must be a directory path, got {path!r}")
+    size = extra.get("disk_bytes_per_rank")
+    per_rank = None if size is None else _int("disk_bytes_per_rank", size)
+    if (path is None) != (per_rank is None):
+        raise ConfigError(f"{_EXTRA}: 'disk_path' and 'disk_bytes_per_rank' go together "
+                          f"(the disk tier's directory and each rank's slab size)")
+    io = extra.get("disk_io", DiskIO.DIRECT.value)
+    ios = {d.value: d for d in DiskIO}
+    if io not in ios:
+        raise ConfigError(f"{_EXTRA}['disk_io'] must be one of {sorted(ios)}, got {io!r}")
+    mode = extra.get("disk_mode", DiskMode.WRITE_BACK.value)
+    modes = {m.value: m for m in DiskMode}
+    if mode not in modes:
+        raise ConfigError(f"{_EXTRA}['disk_mode'] must be one of {sorted(modes)}, "
+                          f"got {mode!r}")
+    return path, per_rank, ios[io], modes[mode]
+
+
 def model_identity(vllm_config: Any, namespace: str = "") -> str:
     """What the layout fingerprint covers of the model (at most 400 characters): name,
     revision, dtype, quantization, a digest of the HF config, KV cache dtype, and the
@@ -382,6 +427,7 @@ def check_extra_config(extra: Mapping[Any, Any], world_size: int = 1) -> ExtraSe
     if fail_loads != 0:
         fail_loads = _int("test_fail_loads", fail_loads)
     url, remote_mode, namespace = _remote(extra)
+    disk_path, disk_bytes, disk_io, disk_mode = _disk(extra)
     return ExtraSettings(
         size_source=source, cpu_bytes_per_rank=per_rank, num_cpu_blocks=blocks,
         mode=_mode(extra.get("mode")), name=_name(extra.get("name")), stats_path=stats_path,
@@ -390,7 +436,9 @@ def check_extra_config(extra: Mapping[Any, Any], world_size: int = 1) -> ExtraSe
         shutdown_timeout_s=_seconds("shutdown_timeout_s", extra.get("shutdown_timeout_s"),
                                     5.0),
         test_fail_loads=fail_loads, eviction=_eviction(extra.get("eviction")),
-        remote_url=url, remote_mode=remote_mode, remote_namespace=namespace)
+        remote_url=url, remote_mode=remote_mode, remote_namespace=namespace,
+        disk_path=disk_path, disk_bytes_per_rank=disk_bytes, disk_io=disk_io,
+        disk_mode=disk_mode)
 
 
 # --------------------------------------------------------------- vLLM's own settings
@@ -484,7 +532,9 @@ def parse_config(vllm_config: Any, infos: Sequence[GroupInfo],
         shutdown_timeout_s=extra.shutdown_timeout_s, test_fail_loads=extra.test_fail_loads,
         eviction=extra.eviction, remote_url=extra.remote_url, remote_mode=extra.remote_mode,
         model_id=model_identity(vllm_config, extra.remote_namespace),
-        size_source=extra.size_source)
+        size_source=extra.size_source, disk_path=extra.disk_path,
+        disk_bytes_per_rank=extra.disk_bytes_per_rank, disk_io=extra.disk_io,
+        disk_mode=extra.disk_mode)
 
 
 # ------------------------------------------------------------------- the tier's size

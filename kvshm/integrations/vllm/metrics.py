@@ -219,7 +219,8 @@ class KvshmPromMetrics(KVConnectorPromMetrics):  # type: ignore[misc, unused-ign
             self._values[idx] = mine
         extra = getattr(getattr(vllm_config, "kv_transfer_config", None),
                         "kv_connector_extra_config", None) or {}
-        self.series = vllm_series(remote=bool(extra.get("remote_url")))
+        self.series = vllm_series(remote=bool(extra.get("remote_url")),
+                                  disk=bool(extra.get("disk_path")))
         self._metrics: dict[str, Any] = {s.name: self._register(s) for s in self.series}
         self._frontend = FINAL_LINES
         self._frontend.arm()

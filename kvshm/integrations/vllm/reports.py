@@ -36,9 +36,9 @@ __all__ = ["REPORT_PERIOD_S", "ReportBuilder", "ReportClock", "VLLM_COUNTERS",
 REPORT_PERIOD_S: Final = 1.0
 #: Counter and gauge families a report carries (vLLM's ``/metrics`` ones; the
 #: histogram travels as ``ack_latency``, the breaker's state as ``breaker``).
-VLLM_COUNTERS: Final = tuple(s.name for s in vllm_series(remote=True)
+VLLM_COUNTERS: Final = tuple(s.name for s in vllm_series(remote=True, disk=True)
                              if s.kind is Kind.COUNTER)
-VLLM_GAUGES: Final = tuple(s.name for s in vllm_series(remote=True)
+VLLM_GAUGES: Final = tuple(s.name for s in vllm_series(remote=True, disk=True)
                            if s.kind is Kind.GAUGE and not s.labels)
 
 Hist = dict[str, Any]  # {"counts": [per bucket, +Inf last], "sum_s": float}

@@ -1,0 +1,108 @@
+"""The disk tier in the ``kvshm`` command: its section of ``kvshm stats`` as text
+(:func:`format_disk`) and the slab files ``kvshm sweep --disk-path DIR`` lists
+(:func:`gone_slabs`, :func:`remove_slabs`).
+
+A slab file is ``kvshm-<engine>.rank<r>-of-<world>.slab`` (``kvshm.disk.slab.slab_path``).
+One whose engine no longer listens on this machine (``kvshm ls`` does not list it) is
+*gone*, but not garbage: it is the warm-restart cache of an engine started again under
+the same name. Sweep lists such files and keeps them unless asked to remove them
+(``--remove-slabs``); a file whose lock a process still holds (a worker that outlived
+its engine) is never removed.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Final
+
+__all__ = ["SlabFileRow", "format_disk", "gone_slabs", "remove_slabs"]
+
+_SLAB_RE: Final = re.compile(r"^kvshm-(?P<engine>[A-Za-z0-9._-]+)\.rank(?P<rank>\d+)"
+                             r"-of-(?P<world>\d+)\.slab$")
+
+
+@dataclass(frozen=True)
+class SlabFileRow:
+    """One slab file: its path, engine, rank, world size and bytes on disk."""
+
+    path: str
+    engine: str
+    rank: int
+    world: int
+    bytes: int
+
+
+def _mib(n: Any) -> str:
+    return f"{n / 2**20:.1f} MiB" if isinstance(n, int) else "?"
+
+
+def format_disk(disk: dict[str, Any]) -> str:
+    """``kvshm stats --disk``: the ``disk`` section of an engine's statistics
+    (``EngineStats.disk``) as a few lines; "no disk tier" when it is empty."""
+    if not disk:
+        return "no disk tier"
+
+    def g(key: str) -> Any:
+        return disk.get(key, "?")
+
+    lines = [f"disk tier: {g('path')} ({g('io')} I/O, {_mib(disk.get('bytes_per_rank'))} "
+             f"per rank)"]
+    if "slots" not in disk:  # the engine is not READY yet
+        return "\n".join(lines)
+    lines += [
+        f"  slots: {g('slots_used')} used / {g('slots')} (pinned {g('slots_pinned')}, "
+        f"quarantined {g('quarantined_slots')}, warm at start {g('warm_slots')})",
+        f"  reads: {g('lookup_hits')} hits / {g('lookups')} lookups, {g('hit_blocks')} "
+        f"blocks ({_mib(disk.get('read_bytes'))}); failed: {g('get_failed_jobs')} jobs, "
+        f"{g('dropped_slots')} slots dropped",
+        f"  writes: {g('written_blocks')} blocks ({_mib(disk.get('write_bytes'))}); "
+        f"failed: {g('write_failed_jobs')} jobs; declined (no slot): "
+        f"{g('write_declined_no_slot')}; paused: {g('writes_paused')}",
+    ]
+    return "\n".join(lines)
+
+
+def _slabs(directory: str) -> list[SlabFileRow]:
+    out: list[SlabFileRow] = []
+    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
+        m = _SLAB_RE.match(entry.name)
+        if m is None or not entry.is_file(follow_symlinks=False):
+            continue
+        st = entry.stat(follow_symlinks=False)
+        out.append(SlabFileRow(entry.path, m["engine"], int(m["rank"]), int(m["world"]),
+                               st.st_blocks * 512))
+    return out
+
+
+def gone_slabs(directory: str, live: set[str]) -> list[SlabFileRow]:
+    """The slab files in ``directory`` whose engine is not in ``live`` (the running
+    engines' names), sorted by name. OSError for an unreadable directory."""
+    return [r for r in _slabs(directory) if r.engine not in live]
+
+
+def remove_slabs(rows: list[SlabFileRow]) -> list[tuple[SlabFileRow, str]]:
+    """Remove each file that no process holds locked; (row, what happened) each:
+    "removed", "in use" (its lock is held) or the error."""
+    out: list[tuple[SlabFileRow, str]] = []
+    for r in rows:
+        try:
+            fd = os.open(r.path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as exc:
+            out.append((r, exc.strerror or str(exc)))
+            continue
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                out.append((r, "in use"))
+                continue
+            os.unlink(r.path)  # under its lock: no worker holds it
+            out.append((r, "removed"))
+        except OSError as exc:
+            out.append((r, exc.strerror or str(exc)))
+        finally:
+            os.close(fd)
+    return out

@@ -1,0 +1,164 @@
+"""The engine's link to its local disk tier: the directory check, each rank's slab, the
+warm index, and what builds the manager's disk book.
+
+Order (each step before the next; none of it moves a block's bytes -- the workers do):
+
+1. ``Runtime.open`` (:func:`open_disk`): ``EngineConfig.disk_path`` is checked for the
+   whole engine's slabs (``world x disk_bytes_per_rank``, less what this engine's slab
+   files already hold): not a directory, not writable, too little space, ``O_DIRECT``
+   refused -- one line (:func:`kvshm.disk.check_directory`), before anything
+   listens.
+2. Once every rank said hello (:meth:`DiskLink.setups`, from ``make_ready``, before
+   any Ready is sent and so before any worker opens its slab): the layout fingerprint
+   of all ranks (:func:`kvshm.remote.fingerprint.layout_fingerprint`, as the remote tier
+   builds it), the slot count (every rank's ``disk_bytes_per_rank`` less the file
+   header page, over its slot stride -- its row rounded up to 4 KiB plus a 4 KiB header
+   page --, the smallest over the ranks: one slot number names a block on every rank),
+   and each rank's :class:`~kvshm.ipc.protocol.DiskSetup` (its own slab path). Then
+   the warm scan: every rank's slab headers are read (:func:`kvshm.disk.scan`;
+   checksums are checked lazily by the workers, on read) and a slot is indexed only
+   where every rank's header names the same block (a torn or half-done write leaves the
+   ranks disagreeing, or a header whose checksum fails on read: a miss).
+3. READY (:meth:`DiskLink.book_factory`): the manager's
+   :class:`~kvshm.offload.disk.DiskBook` over a fresh LRU slot table, the warm slots
+   indexed as most recently used.
+
+The slab files stay after the engine closes: they are the next start's warm cache
+(``kvshm sweep`` lists those of engines that are gone).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+from kvshm.config import DiskIO, DiskMode, EngineConfig
+from kvshm.disk import PAGE, SlabSpec, check_directory, scan, slab_path
+from kvshm.errors import ConfigError
+from kvshm.ipc.protocol import DiskSetup, LayoutSpec
+from kvshm.offload.disk import DiskBook, max_disk_blocks
+from kvshm.offload.groups import GroupSet
+from kvshm.offload.jobs import JobTable
+from kvshm.offload.pool import BlockPool
+from kvshm.remote.fingerprint import layout_fingerprint
+
+__all__ = ["DiskLink", "open_disk", "slot_count", "slot_stride"]
+
+log = logging.getLogger("kvshm.engine.runtime")
+
+BookFactory = Callable[[BlockPool, GroupSet, JobTable], DiskBook]
+
+
+def slot_stride(row_bytes: int) -> int:
+    """Bytes one slot takes in a slab: a header page plus the row rounded up to a page."""
+    return PAGE + -(-row_bytes // PAGE) * PAGE
+
+
+def slot_count(bytes_per_rank: int, rows: Mapping[int, int]) -> int:
+    """Slots every rank's slab of at most ``bytes_per_rank`` bytes holds (``rows``: rank
+    -> row bytes): the file header page, then whole slots."""
+    return min((bytes_per_rank - PAGE) // slot_stride(r) for r in rows.values())
+
+
+def _held(path: str) -> int:
+    try:
+        return os.stat(path).st_blocks * 512
+    except OSError:
+        return 0
+
+
+@dataclass
+class DiskLink:
+    """The engine's disk tier (``config`` None: none) and, from ``make_ready`` on, its
+    ranks' setups and the warm index (slot -> disk hash)."""
+
+    config: EngineConfig | None
+    setups: dict[int, DiskSetup] = field(default_factory=dict)
+    warm: dict[int, bytes] = field(default_factory=dict)
+    disagreed: int = 0
+    scan_errors: int = 0
+
+    @classmethod
+    def none(cls) -> DiskLink:
+        """No disk tier."""
+        return cls(None)
+
+    @property
+    def slots(self) -> int:
+        """Slots of every rank's slab (0 before :meth:`make_setups` or without a tier)."""
+        return next(iter(self.setups.values())).slots if self.setups else 0
+
+    def path(self, rank: int) -> str:
+        cfg = self.config
+        assert cfg is not None and cfg.disk_path is not None
+        return slab_path(cfg.disk_path, cfg.name, rank, cfg.world_size)
+
+    def make_setups(self, layouts: Mapping[int, LayoutSpec]) -> dict[int, DiskSetup]:
+        """Every rank's DiskSetup (module docstring, step 2), then the warm scan; {}
+        without a disk tier. ConfigError: the slab size holds no slot of a rank's row."""
+        cfg = self.config
+        if cfg is None or cfg.disk_path is None or cfg.disk_bytes_per_rank is None:
+            return {}
+        rows = {r: spec.bytes_per_block for r, spec in layouts.items()}
+        slots = slot_count(cfg.disk_bytes_per_rank, rows)
+        if slots < 1:
+            need = PAGE + max(slot_stride(r) for r in rows.values())
+            raise ConfigError(f"disk_bytes_per_rank={cfg.disk_bytes_per_rank} holds no "
+                              f"slot: one block's slab takes {need} bytes")
+        fp = layout_fingerprint(cfg.model_id, cfg.block_size, cfg.groups, layouts)
+        direct = cfg.disk_io is DiskIO.DIRECT
+        self.setups = {r: DiskSetup(self.path(r), slots, fp, direct) for r in sorted(layouts)}
+        self._scan(rows)
+        return self.setups
+
+    def _scan(self, rows: Mapping[int, int]) -> None:
+        """Index the slots whose header names the same block on every rank."""
+        world = len(self.setups)
+        found: list[dict[int, bytes]] = []
+        for r, setup in self.setups.items():
+            spec = SlabSpec(setup.fingerprint, r, world, setup.slots, rows[r])
+            try:
+                found.append(scan(setup.path, spec))
+            except OSError as exc:
+                self.scan_errors += 1
+                log.warning("kvshm: disk slab %s unreadable (%s): starting cold", setup.path,
+                            exc)
+                found.append({})
+        first, rest = found[0], found[1:]
+        agreed = {s: h for s, h in first.items() if all(f.get(s) == h for f in rest)}
+        every = set(first).union(*rest) if rest else set(first)
+        self.warm, self.disagreed = agreed, len(every) - len(agreed)
+        if agreed:
+            log.info("kvshm: disk tier warm: %d of %d slots hold blocks from a previous "
+                     "run", len(agreed), self.slots)
+
+    def book_factory(self, max_record: int) -> BookFactory | None:
+        """What builds the manager's disk book (None without a disk tier);
+        ``max_record``: the largest command every rank's ring takes (bounds a job)."""
+        if self.config is None or not self.setups:
+            return None
+        slots, warm, disagreed, errors = self.slots, self.warm, self.disagreed, self.scan_errors
+        through = self.config.disk_mode is DiskMode.WRITE_THROUGH
+
+        def make(cpu: BlockPool, gs: GroupSet, jobs: JobTable) -> DiskBook:
+            book = DiskBook(cpu, gs, jobs, BlockPool(slots), write_through=through,
+                            max_job_blocks=max_disk_blocks(max_record))
+            book.warm(warm)
+            book.counters.warm_disagreed = disagreed
+            book.counters.scan_errors = errors
+            return book
+        return make
+
+
+def open_disk(config: EngineConfig) -> DiskLink:
+    """The engine's disk link (no tier where ``config.disk_path`` is None), after the
+    directory check (ConfigError, one line)."""
+    if config.disk_path is None or config.disk_bytes_per_rank is None:
+        return DiskLink.none()
+    link = DiskLink(config)
+    held = sum(_held(link.path(r)) for r in range(config.world_size))
+    need = max(0, config.world_size * config.disk_bytes_per_rank - held)
+    check_directory(config.disk_path, need, direct=config.disk_io is DiskIO.DIRECT)
+    return link

@@ -1,0 +1,297 @@
+"""The read path a lower tier shares: fetch blocks into fresh CPU blocks for a request,
+then let its next lookup find them as an ordinary CPU hit.
+
+One :class:`Fetches` is held by each lower tier's book (the remote tier's
+:class:`~kvshm.offload.remote.RemoteBook`, the disk tier's
+:class:`~kvshm.offload.disk.DiskBook`); the book decides what is present (a remote query
+answered later, the disk's slot index at once) and makes the job's message, this object
+keeps the per-request state machine, the CPU pins and the dedup:
+
+1. The book starts a request's fetch: QUERYING (an answer is still to come) or, with
+   the present prefix known, ANSWERED (:meth:`begin`, :meth:`answered`). Lookups answer
+   None ("ask again") meanwhile.
+2. :meth:`plan` allocates that many CPU blocks and has the book register the job
+   (``make``: a :class:`~kvshm.offload.jobs.RemoteJob` or its disk kind); FETCHING. A CPU
+   pool with no room, or a source that no longer holds the blocks (``available``): DONE
+   (counted).
+3. The job completed on every rank without failure (:meth:`complete`): the blocks are
+   indexed in the CPU tier (keys and depths from the job) and stay pinned for the
+   request (FETCHED) until its next lookup, which finds an ordinary CPU hit and pins it
+   itself (:meth:`hit`). A failed job frees its blocks unindexed: DONE, and the request is
+   not fetched for again (failure = miss = recompute). A job whose request has moved on
+   (it timed out, ended, was reset) frees its blocks: they are indexed, so a later lookup
+   may still hit them.
+
+A job not done on every rank after ``fetch_timeout_s`` ends the request's wait (DONE,
+counted); the job keeps its pins until it ends. Dedup: a lookup any of whose keys another
+request's job is fetching, or another request's answered fetch is about to fetch (a
+prefix many requests share, asked in one step), answers None until that job ends or
+times out (:meth:`being_fetched`).
+
+Pins: every CPU block this object pins for a request is in :meth:`pinned` (FETCHED
+blocks); jobs record their own.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Protocol
+
+from kvshm.config import Eviction
+from kvshm.offload.groups import GroupSet
+from kvshm.offload.jobs import RemoteJob
+from kvshm.offload.pool import BlockPool
+
+__all__ = ["Fetch", "FetchCounters", "FetchState", "Fetches", "MakeJob"]
+
+
+class FetchState(Enum):
+    """Where one request's fetch from a lower tier stands (module docstring)."""
+
+    QUERYING = "querying"
+    ANSWERED = "answered"
+    FETCHING = "fetching"
+    FETCHED = "fetched"
+    DONE = "done"
+
+
+#: The states in which the request's lookups answer None.
+WAITING = frozenset((FetchState.QUERYING, FetchState.ANSWERED, FetchState.FETCHING))
+
+
+@dataclass(slots=True, eq=False)
+class Fetch:
+    """One request's fetch: ``keys`` (CPU index keys, position-major from block
+    ``start``), the answer's length in blocks, the job, the FETCHED pins; ``token``: the
+    book's handle for an answer still to come (0: none)."""
+
+    state: FetchState
+    start: int
+    keys: list[bytes]
+    token: int
+    since: float
+    present: int = 0
+    job_id: int = 0
+    pinned: list[int] = field(default_factory=list)
+
+
+class FetchCounters(Protocol):
+    """The counters a :class:`Fetches` keeps, on its book's counter record (the
+    remote tier's names: a disk READ is that tier's GET)."""
+
+    asked_again: int
+    fetch_timeouts: int
+    get_jobs: int
+    get_blocks: int
+    get_failed_jobs: int
+    get_failed_blocks: int
+    get_declined_cpu_full: int
+    get_capped: int
+    hit_blocks: int
+
+
+#: Registers the job of a planned fetch: (step, CPU ids, keys, depths, request id).
+MakeJob = Callable[[int, list[int], list[bytes], list[int], str], RemoteJob]
+
+
+def _all(keys: Sequence[bytes], n: int) -> int:
+    return n
+
+
+class Fetches:
+    """See the module docstring. ``make`` registers a planned fetch's job in the job
+    table; ``available(keys, n)``: how many of the first ``n`` keys the source still
+    holds when the job is planned (default: all of them)."""
+
+    def __init__(self, cpu: BlockPool, gs: GroupSet, counters: FetchCounters, make: MakeJob,
+                 *, fetch_timeout_s: float, max_job_blocks: int,
+                 clock: Callable[[], float] = time.monotonic,
+                 available: Callable[[Sequence[bytes], int], int] = _all) -> None:
+        self.cpu, self._gs, self.counters = cpu, gs, counters
+        self._make, self._available = make, available
+        self._fetch_timeout = fetch_timeout_s
+        self._max_job = max_job_blocks
+        self._clock = clock
+        self.reqs: dict[str, Fetch] = {}
+        self._fetching: dict[bytes, int] = {}  # key -> job id
+        self._fetch_since: dict[int, float] = {}  # job id -> when it was planned
+        self._claimed: dict[bytes, str] = {}  # key -> the ANSWERED request to fetch it
+
+    # ---- queries ---------------------------------------------------------------------
+
+    def get(self, rid: str) -> Fetch | None:
+        return self.reqs.get(rid)
+
+    def pinned(self) -> Iterator[int]:
+        """CPU ids pinned for FETCHED requests, with repeats."""
+        for st in self.reqs.values():
+            yield from st.pinned
+
+    def pending(self) -> bool:
+        """A fetch is answered but not planned: the next plan has work."""
+        return any(st.state is FetchState.ANSWERED for st in self.reqs.values())
+
+    def being_fetched(self, keys: Sequence[bytes]) -> bool:
+        """Whether a job not older than the fetch timeout is fetching any of ``keys``, or
+        another request's answered fetch will (two requests may reach the same blocks
+        from different starting positions, or in the same step)."""
+        if self._claimed:
+            reqs = self.reqs
+            for k in keys:
+                rid = self._claimed.get(k)
+                if rid is not None:
+                    st = reqs.get(rid)
+                    if st is not None and st.state is FetchState.ANSWERED:
+                        return True
+        if not self._fetching:
+            return False
+        now = self._clock()
+        for k in keys:
+            job = self._fetching.get(k)
+            if job is not None and now - self._fetch_since.get(job, 0.0) <= self._fetch_timeout:
+                return True
+        return False
+
+    def _unclaim(self, rid: str, st: Fetch) -> None:
+        if self._claimed:
+            for k in st.keys[:st.present]:
+                if self._claimed.get(k) == rid:
+                    del self._claimed[k]
+
+    # ---- the state machine -----------------------------------------------------------
+
+    def begin(self, rid: str, start: int, keys: list[bytes], *, token: int = 0,
+              present: int = 0) -> Fetch:
+        """Start ``rid``'s fetch of ``keys`` (from block ``start``): QUERYING, or
+        ANSWERED when ``present`` > 0 (the source answered at once)."""
+        st = Fetch(FetchState.QUERYING, start, keys, token, self._clock())
+        self.reqs[rid] = st
+        if present > 0:
+            self.answered(rid, st, present)
+        return st
+
+    def answered(self, rid: str, st: Fetch, n: int) -> None:
+        """The source holds the first ``n`` blocks of ``rid``'s fetch ``st`` (> 0):
+        claimed for it until its job is planned (or it ends)."""
+        st.present, st.state = min(n, len(st.keys)), FetchState.ANSWERED
+        claimed = self._claimed
+        for k in st.keys[:st.present]:
+            claimed[k] = rid
+
+    def again(self, rid: str, st: Fetch) -> int | None:
+        """A later lookup of ``rid`` (its fetch ``st`` exists): None while it runs, else
+        0 after releasing its FETCHED pins (the caller found, or will find, the blocks as
+        a CPU hit). A job past the fetch timeout ends the wait (counted)."""
+        if (st.state is FetchState.FETCHING
+                and self._clock() - st.since > self._fetch_timeout):
+            self.counters.fetch_timeouts += 1  # the job keeps its pins until it ends
+            st.state = FetchState.DONE
+        if st.state in WAITING:
+            return None
+        self.release(rid)
+        return 0
+
+    def hit(self, rid: str) -> Fetch | None:
+        """``rid``'s lookup is a CPU hit (pinned): its fetch ends here -- what it fetched
+        is released, a job still running goes on unclaimed. Returns the fetch (the book
+        drops an answer it still waits for)."""
+        st = self.reqs.get(rid)
+        if st is not None and st.state in WAITING:
+            st.state = FetchState.DONE
+        self.release(rid)
+        return st
+
+    def release(self, rid: str) -> None:
+        """Drop ``rid``'s FETCHED pins (its lookup pinned what it hit meanwhile)."""
+        st = self.reqs.get(rid)
+        if st is not None and st.pinned:
+            self.cpu.free(reversed(st.pinned))
+            st.pinned = []
+
+    def end(self, rid: str) -> Fetch | None:
+        """The request ended (or a reset): its pins go and its fetch is forgotten; a job
+        in flight completes unclaimed. Returns the forgotten fetch."""
+        self.release(rid)
+        st = self.reqs.pop(rid, None)
+        if st is not None:
+            self._unclaim(rid, st)
+        return st
+
+    def drop(self) -> list[Fetch]:
+        """Reset or engine failure: :meth:`end` every fetch; returns them."""
+        return [st for rid in list(self.reqs) if (st := self.end(rid)) is not None]
+
+    # ---- plan and completion ---------------------------------------------------------
+
+    def plan(self, step: int) -> list[RemoteJob]:
+        """This step's jobs, one per ANSWERED fetch that the CPU tier has room for."""
+        out: list[RemoteJob] = []
+        for rid, st in self.reqs.items():
+            if st.state is FetchState.ANSWERED:
+                job = self._job(step, rid, st)
+                if job is not None:
+                    out.append(job)
+        return out
+
+    def _job(self, step: int, rid: str, st: Fetch) -> RemoteJob | None:
+        self._unclaim(rid, st)
+        g = self._gs.n
+        n = min(st.present, self.cpu.num_free, self._max_job)
+        n -= n % g
+        if n < st.present and n == self._max_job - self._max_job % g:
+            self.counters.get_capped += 1  # one command's worth: the rest is recomputed
+        if n <= 0:
+            self.counters.get_declined_cpu_full += 1
+            st.state = FetchState.DONE
+            return None
+        n = self._available(st.keys, n)
+        n -= n % g
+        if n <= 0:  # the book counted why
+            st.state = FetchState.DONE
+            return None
+        keys = st.keys[:n]
+        depths = [st.start + i // g for i in range(n)]
+        job = self._make(step, self.cpu.allocate(n), keys, depths, rid)
+        for k in keys:
+            self._fetching[k] = job.job_id
+        now = self._clock()
+        self._fetch_since[job.job_id] = now
+        st.state, st.job_id, st.since = FetchState.FETCHING, job.job_id, now
+        self.counters.get_jobs += 1
+        self.counters.get_blocks += n
+        return job
+
+    def complete(self, job: RemoteJob, usable: bool) -> bool:
+        """``job`` is done on every rank (it left the job table). ``usable``: it did not
+        fail and its result may be used (not abandoned, the engine not failed). True when
+        its blocks went to its request (FETCHED)."""
+        for k in job.keys:
+            if self._fetching.get(k) == job.job_id:
+                del self._fetching[k]
+        self._fetch_since.pop(job.job_id, None)
+        st = self.reqs.get(job.req_id)
+        mine = (st is not None and st.job_id == job.job_id
+                and st.state is FetchState.FETCHING)  # not timed out meanwhile
+        cpu = self.cpu
+        if not usable:
+            self.counters.get_failed_jobs += 1
+            self.counters.get_failed_blocks += len(job.cpu_ids)
+            cpu.free(reversed(job.cpu_ids))
+            if mine:
+                assert st is not None
+                st.state = FetchState.DONE
+            return False
+        for c, k, d in zip(job.cpu_ids, job.keys, job.depths):
+            cpu.add_hashes(c, (k,))
+            if cpu.eviction is not Eviction.LRU:
+                cpu.set_depth(c, d)
+        self.counters.hit_blocks += len(job.cpu_ids)
+        if mine:
+            assert st is not None
+            st.state, st.pinned = FetchState.FETCHED, list(job.cpu_ids)
+            return True
+        cpu.free(reversed(job.cpu_ids))
+        return False

@@ -1,0 +1,42 @@
+"""A SPAWN engine with a disk tier in its own process, for the test that SIGKILLs the
+scheduler mid-write: ``python tests/disk_sched_proc.py NAME DISK_DIR OUT_DIR``.
+
+tp=2 over :func:`engine_rig.shards`, a CPU tier of 8 blocks and a disk tier in
+``DISK_DIR``. It stores 12 prompts of 4 full blocks (17 tokens, seeds 60..71), saving
+each prompt's rows of both ranks to ``OUT_DIR/<i>.pt`` before it finishes it, prints
+``GO`` after the sixth (write-back is running by then), and keeps stepping until it is
+killed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import torch
+from engine_rig import BS, Client, spawned_engine, tokens
+
+SLOTS = 64
+DISK = 4096 + SLOTS * 2 * 4096
+
+
+async def main(name: str, disk_dir: str, out: str) -> None:
+    async with spawned_engine(name=name, num_cpu_blocks=8, disk_path=disk_dir,
+                              disk_bytes_per_rank=DISK) as (eng, gpu, ks):
+        c = Client(eng, gpu)
+        for i in range(12):
+            toks = tokens(4 * BS + 1, seed=60 + i)
+            table, _ = c.compute(f"k{i}", toks)
+            torch.save([k[table].clone() for k in ks], f"{out}/{i}.pt")
+            c.finish(f"k{i}", table, len(toks))
+            c.step()
+            await asyncio.sleep(0.002)
+            if i == 5:
+                print("GO", flush=True)
+        while True:
+            c.step()
+            await asyncio.sleep(0.001)
+
+
+if __name__ == "__main__":
+    asyncio.run(main(sys.argv[1], sys.argv[2], sys.argv[3]))

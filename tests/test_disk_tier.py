@@ -1,0 +1,286 @@
+"""The local disk tier end to end: a SPAWN engine (tp=2, real ``kvshm-workers``
+processes, real shared memory, real slab files on this machine's disk with O_DIRECT)
+whose CPU tier is too small for what it stores, so the blocks it evicts go down to the
+disk and come back from it.
+
+Covered: a round trip through the disk bit-exact on both ranks; a corrupted slot is a
+miss (the request recomputes) and its slots are dropped; a directory without the space
+is refused at start in one line; an engine started again under the same name serves a
+hit from the previous engine's slab (warm restart); a worker, or the scheduler's whole
+process, SIGKILLed while blocks are being written leaves no slot that a restarted engine
+loads with a wrong byte.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import random
+import signal
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from engine_rig import BS, ROW, Client, spawned_engine, tokens
+
+from kvshm.config import default_name
+from kvshm.disk import PAGE, SlabSpec, scan
+from kvshm.engine import Engine
+from kvshm.errors import ConfigError
+from kvshm.hashing import chain_hashes
+from kvshm.offload.disk import disk_hash
+from kvshm.types import RequestView, ScheduledRequest
+
+#: Slots of each rank's slab (a 1 KiB row takes an 8 KiB slot).
+SLOTS = 64
+DISK = PAGE + SLOTS * 2 * PAGE
+
+
+def disk_cfg(tmp: Path, **kw: Any) -> dict[str, Any]:
+    return dict(num_cpu_blocks=8, disk_path=str(tmp), disk_bytes_per_rank=DISK, **kw)
+
+
+async def store(c: Client, rid: str, toks: list[int], ks: Sequence[torch.Tensor]
+                ) -> list[torch.Tensor]:
+    """Compute, store and finish ``rid``; returns each rank's rows of its full blocks as
+    they were computed (what any later load must reproduce)."""
+    table, _ = c.compute(rid, toks)
+    rows = [k[table].clone() for k in ks]
+    c.finish(rid, table, len(toks))
+    await c.settle()
+    c.gpu.drop_all_hashes()
+    return rows
+
+
+async def drain(c: Client, steps: int = 6) -> None:
+    """A few empty steps (write-back happens at plans), each settled."""
+    for _ in range(steps):
+        c.step()
+        await c.settle()
+
+
+async def lookup(c: Client, rid: str, toks: list[int], timeout: float = 20.0) -> int:
+    """Ask until the engine answers (None: the disk is reading), stepping meanwhile."""
+    view = RequestView(rid, chain_hashes(toks, BS), len(toks))
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while True:
+        hit = c.eng.lookup(view, 0)
+        if hit is not None:
+            return hit
+        assert loop.time() < deadline, "the disk read never ended"
+        c.step()
+        await asyncio.sleep(0.005)
+
+
+async def load(c: Client, ks: Sequence[torch.Tensor], rid: str, toks: list[int], hit: int
+               ) -> list[torch.Tensor]:
+    """Accept ``hit`` tokens, load them; each rank's rows of the loaded blocks."""
+    hashes = chain_hashes(toks, BS)
+    table = c.gpu.allocate(len(toks) // BS)
+    c.eng.allocated(rid, [table], hit)
+    c.step(ScheduledRequest(rid, hashes, len(toks), (tuple(table),), new_or_resumed=True,
+                            num_confirmed_tokens=0))
+    res = await c.loaded(rid)
+    assert res.ok, res
+    out = [k[table[:hit // BS]].clone() for k in ks]
+    c.finish(rid, table, 0)
+    return out
+
+
+async def fill(c: Client, ks: Sequence[torch.Tensor], n: int, seed: int
+               ) -> list[tuple[list[int], list[torch.Tensor]]]:
+    """Store ``n`` prompts of 4 full blocks each (17 tokens); the CPU tier holds 2."""
+    out = []
+    for i in range(n):
+        toks = tokens(4 * BS + 1, seed=seed + i)
+        out.append((toks, await store(c, f"f{seed}.{i}", toks, ks)))
+        await drain(c, 2)
+    return out
+
+
+def disk(eng: Engine) -> dict[str, Any]:
+    return eng.statistics().disk
+
+
+async def test_blocks_evicted_from_the_cpu_tier_come_back_from_disk_bit_exact(
+        tmp_path: Path) -> None:
+    """Four prompts of 4 blocks through a CPU tier of 8: the first two are evicted, and
+    written to disk before they go. Looking the first one up asks again while both
+    ranks read its 4 slots into fresh CPU blocks, then hits 16 tokens; the load brings
+    back each rank's exact rows."""
+    async with spawned_engine(**disk_cfg(tmp_path)) as (eng, gpu, ks):
+        c = Client(eng, gpu)
+        stored = await fill(c, ks, 4, seed=10)
+        d = disk(eng)
+        assert d["written_blocks"] >= 8 and d["slots"] == SLOTS, d
+        toks, rows = stored[0]
+        assert eng.lookup(RequestView("a", chain_hashes(toks, BS), len(toks)), 0) is None
+        hit = await lookup(c, "a", toks)
+        assert hit == 4 * BS
+        got = await load(c, ks, "a", toks, hit)
+        for r in range(2):
+            assert torch.equal(got[r], rows[r]), f"rank {r}"
+        d = disk(eng)
+        assert d["hit_blocks"] == 4 and d["get_failed_jobs"] == 0
+        assert d["read_bytes"] == 4 * 2 * ROW
+
+
+async def test_a_corrupted_slot_is_a_miss_and_its_slots_are_dropped(tmp_path: Path) -> None:
+    """One byte of one of prompt 0's slots is flipped in rank 1's slab: the READ fails
+    on rank 1 (its checksum), the lookup ends with 0 (recompute), the job's 4 slots
+    leave the index and the failure is counted by name."""
+    name = default_name()
+    async with spawned_engine(name=name, **disk_cfg(tmp_path)) as (eng, gpu, ks):
+        c = Client(eng, gpu)
+        stored = await fill(c, ks, 4, seed=20)
+        toks, _ = stored[0]
+        target = disk_hash(chain_hashes(toks, BS)[2])
+        path = tmp_path / f"kvshm-{name}.rank1-of-2.slab"
+        fp = eng._core._disk.setups[1].fingerprint
+        slots = {h: s for s, h in scan(str(path), SlabSpec(fp, 1, 2, SLOTS, ROW)).items()}
+        slot = slots[target]
+        with open(path, "r+b") as f:
+            off = PAGE + slot * 2 * PAGE + PAGE + 100  # inside the payload
+            f.seek(off)
+            b = f.read(1)
+            f.seek(off)
+            f.write(bytes([b[0] ^ 0xFF]))
+        assert await lookup(c, "a", toks) == 0
+        d = disk(eng)
+        assert (d["get_failed_jobs"], d["dropped_slots"]) == (1, 4), d
+        assert eng.statistics().counters["disk_read_bad_crc"] == 1
+
+
+async def test_a_directory_without_the_space_is_refused_at_start_in_one_line(
+        tmp_path: Path) -> None:
+    with pytest.raises(ConfigError) as info:
+        async with spawned_engine(num_cpu_blocks=8, disk_path=str(tmp_path),
+                                  disk_bytes_per_rank=1 << 60):
+            pass
+    msg = str(info.value)
+    assert "not enough free space" in msg and "\n" not in msg
+
+
+async def test_a_restarted_engine_serves_the_previous_ones_slab_at_once(
+        tmp_path: Path) -> None:
+    """Engine 1 writes prompt 0's blocks down and closes; engine 2, started under the
+    same name and layout, indexes every slot whose header agrees on both ranks before
+    its first step, and prompt 0's first lookup is read from the slab: the exact rows
+    engine 1 computed."""
+    name = default_name()
+    async with spawned_engine(name=name, **disk_cfg(tmp_path)) as (eng, gpu, ks):
+        c = Client(eng, gpu)
+        stored = await fill(c, ks, 4, seed=30)
+        written = disk(eng)["written_blocks"]
+    async with spawned_engine(name=name, **disk_cfg(tmp_path)) as (eng, gpu, ks):
+        c = Client(eng, gpu)
+        d = disk(eng)
+        assert d["warm_slots"] == min(written, SLOTS) and d["warm_disagreed"] == 0, d
+        toks, rows = stored[0]
+        hit = await lookup(c, "a", toks)
+        assert hit == 4 * BS
+        got = await load(c, ks, "a", toks, hit)
+        for r in range(2):
+            assert torch.equal(got[r], rows[r]), f"rank {r}"
+
+
+async def test_a_worker_killed_mid_write_leaves_no_wrong_byte_after_restart(
+        tmp_path: Path) -> None:
+    """Rank 1 is SIGKILLed while the write-back of many blocks runs. An engine started
+    again under the same name loads, for every prompt, either nothing (a slot the ranks
+    disagree on, or whose checksum fails, is a miss) or the exact rows computed."""
+    name = default_name()
+    rng = random.Random(5)
+    async with spawned_engine(name=name, **disk_cfg(tmp_path)) as (eng, gpu, ks):
+        c = Client(eng, gpu)
+        stored = await fill(c, ks, 6, seed=40)
+        for i in range(6, 12):  # more stores: write-back runs while rank 1 dies
+            toks = tokens(4 * BS + 1, seed=40 + i)
+            table, _ = c.compute(f"k{i}", toks)
+            stored.append((toks, [k[table].clone() for k in ks]))
+            c.finish(f"k{i}", table, len(toks))
+            c.step()
+            await asyncio.sleep(rng.random() * 0.002)
+        os.kill(eng.statistics().ranks[1].pid, signal.SIGKILL)
+        await asyncio.sleep(0.5)
+    async with spawned_engine(name=name, **disk_cfg(tmp_path)) as (eng, gpu, ks):
+        c = Client(eng, gpu)
+        hits = 0
+        for i, (toks, rows) in enumerate(stored):
+            hit = await lookup(c, f"r{i}", toks)
+            if not hit:
+                eng.finished(f"r{i}", 0, [[]])
+                continue
+            hits += 1
+            got = await load(c, ks, f"r{i}", toks, hit)
+            for r in range(2):
+                assert torch.equal(got[r], rows[r][:hit // BS]), (i, r)
+        assert hits > 0 and disk(eng)["warm_slots"] > 0
+
+
+def _slabs_free(directory: Path, timeout: float = 30.0) -> None:
+    """Wait until no process holds a slab's lock (the dead scheduler's workers exit on
+    their lifeline's EOF)."""
+    import fcntl
+    import time
+
+    deadline = time.monotonic() + timeout
+    for path in directory.glob("*.slab"):
+        while True:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                assert time.monotonic() < deadline, f"{path} still locked"
+                time.sleep(0.05)
+            finally:
+                os.close(fd)
+
+
+async def test_a_scheduler_killed_mid_write_leaves_no_wrong_byte_after_restart(
+        tmp_path: Path) -> None:
+    """The scheduler's process (tests/disk_sched_proc.py) is SIGKILLed while write-back
+    runs; its workers go with it. An engine started again under the same name loads, for
+    every prompt the dead one stored, either nothing or the exact rows computed."""
+    import subprocess
+    import sys
+
+    name = default_name()
+    disk_dir, out = tmp_path / "disk", tmp_path / "rows"
+    disk_dir.mkdir()
+    out.mkdir()
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
+    proc = subprocess.Popen([sys.executable, str(root / "tests" / "disk_sched_proc.py"),
+                             name, str(disk_dir), str(out)], stdout=subprocess.PIPE,
+                            text=True, env=env)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "GO"
+        await asyncio.sleep(random.Random(7).random() * 0.02)
+    finally:
+        proc.kill()
+        proc.wait(30)
+    _slabs_free(disk_dir)
+    saved = sorted(out.glob("*.pt"), key=lambda p: int(p.stem))
+    async with spawned_engine(name=name, **disk_cfg(disk_dir)) as (eng, gpu, ks):
+        c = Client(eng, gpu)
+        assert disk(eng)["warm_slots"] > 0
+        hits = 0
+        for path in saved:
+            i = int(path.stem)
+            toks = tokens(4 * BS + 1, seed=60 + i)
+            rows = torch.load(path)
+            hit = await lookup(c, f"r{i}", toks)
+            if not hit:
+                eng.finished(f"r{i}", 0, [[]])
+                continue
+            hits += 1
+            got = await load(c, ks, f"r{i}", toks, hit)
+            for r in range(2):
+                assert torch.equal(got[r], rows[r][:hit // BS]), (i, r)
+        assert hits > 0, disk(eng)

@@ -1,0 +1,312 @@
+"""The local disk tier's scheduler side (``kvshm.offload.disk``), narrated with exact
+block ids, slot ids and ref counts, on the real manager, CPU pool and slot table.
+
+The workers are played by the test: it acks each Disk job per rank (ok or not). The
+bytes moving between host rows and slab slots are tested with real workers in
+``tests/test_disk_tier.py``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from manager_rig import BS, Req, Rig, refs
+
+from kvshm.ipc.protocol import Disk, DiskOp, unpack_ids
+from kvshm.offload.disk import DiskBook, disk_hash
+from kvshm.offload.manager import OffloadManager
+from kvshm.offload.pool import BlockPool
+
+WORLD = 2
+
+
+class DiskRig(Rig):
+    """The manager rig with a disk tier of ``slots`` slots (LRU slot table)."""
+
+    def __init__(self, *, cpu: int = 4, slots: int = 4, window: int | None = None,
+                 clock: list[float] | None = None, write_through: bool = False,
+                 max_window: int | None = None) -> None:
+        super().__init__(cpu=cpu, gpu=16, world_size=WORLD)
+        self.slots = BlockPool(slots)
+        self.now = clock if clock is not None else [0.0]
+
+        def make(pool: BlockPool, gs: object, jobs: object) -> DiskBook:
+            return DiskBook(pool, gs, jobs, self.slots, window=window,  # type: ignore[arg-type]
+                            clock=lambda: self.now[0], pause_s=30.0,
+                            write_through=write_through, max_window=max_window)
+        self.m = OffloadManager(self.cpu, self.gpu, block_size=BS, world_size=WORLD,
+                                disk=make)
+
+    @property
+    def book(self) -> DiskBook:
+        assert self.m.disk is not None
+        return self.m.disk
+
+    def store(self, req: Req) -> tuple[list[int], tuple[Disk, ...]]:
+        """``req`` computed all its full blocks and finished; its store acked by both
+        ranks. Returns its CPU ids and the disk jobs of the storing step."""
+        g = self.alloc(len(req.h), req.h)
+        p = self.step(req.sched(g, confirmed=len(req.toks), new=True))
+        assert p.store is not None
+        self.ack(p.store, ranks=range(WORLD))
+        self.m.finished(req.rid, len(req.toks), [g])
+        self.gpu.free(reversed(g))
+        return unpack_ids(p.store.dst_ids), p.disk
+
+    def ack_disk(self, msg: Disk, oks: Sequence[bool] = (True, True)) -> None:
+        for rank, ok in enumerate(oks):
+            self.m.on_done(msg.job_id, rank, ok)
+            self.m.check_invariants()
+
+    def on_disk(self, req: Req) -> None:
+        """Write every block of ``req`` to the disk (stored, written back, acked), then
+        drop the CPU copies (as if evicted)."""
+        self.store(req)
+        for msg in self.step().disk:
+            self.ack_disk(msg)
+        for h in req.h:
+            c = self.cpu.get_cached(h)
+            if c is not None:
+                self.cpu.remove_hashes(c)
+        self.m.check_invariants()
+
+
+def test_a_block_about_to_be_evicted_is_written_back_and_indexed_only_after_every_rank_acked(
+) -> None:
+    """A stores 2 blocks into CPU 0, 1 (freed tail first: the CPU tier would reuse 2, 3,
+    then 1, then 0). With a write-back window of 3, the next plan writes only CPU 1 --
+    the one cached block among the next three victims -- into fresh slot 0: CPU 1 is
+    pinned (ref 1) and slot 0 pinned without a hash (a slot being written is never
+    read). Rank 0's ack indexes nothing; rank 1's indexes slot 0 under A's second
+    block, unpins both, and CPU 1 goes back as the next block to reuse (the disk holds
+    it now). Later plans do not write it again."""
+    rig = DiskRig(window=3)
+    a = Req("a", 9)
+    cpu, disk = rig.store(a)
+    assert cpu == [0, 1] and disk == ()                         # still being stored then
+    assert list(rig.cpu.iter_free_from_lru()) == [2, 3, 1, 0]
+    (w,) = rig.step().disk
+    assert w.op is DiskOp.WRITE and unpack_ids(w.cpu_ids) == [1] and unpack_ids(w.slots) == [0]
+    assert w.hashes == disk_hash(a.h[1]) and w.hash_len == 32
+    assert refs(rig.cpu, [0, 1]) == [0, 1] and rig.slots.ref_cnt(0) == 1
+    assert rig.slots.block_hashes(0) == ()
+    rig.m.on_done(w.job_id, 0, True)
+    rig.m.check_invariants()
+    assert rig.slots.num_hashes == 0 and refs(rig.cpu, [1]) == [1]
+    rig.m.on_done(w.job_id, 1, True)
+    rig.m.check_invariants()
+    assert rig.slots.get_cached(disk_hash(a.h[1])) == 0 and rig.slots.ref_cnt(0) == 0
+    assert refs(rig.cpu, [0, 1]) == [0, 0] and rig.cpu.get_cached(a.h[1]) == 1
+    assert next(rig.cpu.iter_free_from_lru()) == 1
+    assert rig.step().disk == () and rig.book.counters.written_blocks == 1
+
+
+def test_a_cpu_miss_the_disk_holds_is_read_into_fresh_blocks_then_an_ordinary_hit() -> None:
+    """A's 2 blocks are on disk (slots 0, 1) and gone from the CPU tier. R (same tokens)
+    misses the CPU tier: its lookup asks the disk and says "ask again"; the next plan
+    READs slots 0, 1 into fresh CPU blocks (ref 1, no hash; the slots pinned). Rank 0's
+    ack indexes nothing; rank 1's indexes both, held for R (ref 1), and unpins the
+    slots (still indexed). R's next lookup is an ordinary 8-token CPU hit: its own pin
+    (ref 1) once the read's goes."""
+    rig = DiskRig()
+    a = Req("a", 9)
+    rig.on_disk(a)
+    assert rig.slots.num_hashes == 2 and rig.cpu.num_hashes == 0
+    r = Req("r", 9)
+    assert rig.m.lookup(r.view(), 0) is None
+    (rd,) = rig.step().disk
+    assert rd.op is DiskOp.READ and sorted(unpack_ids(rd.slots)) == [0, 1]
+    got = unpack_ids(rd.cpu_ids)
+    assert unpack_ids(rd.slots) == [rig.slots.get_cached(disk_hash(h)) for h in a.h]
+    assert refs(rig.cpu, got) == [1, 1] and rig.cpu.num_hashes == 0
+    assert [rig.slots.ref_cnt(s) for s in (0, 1)] == [1, 1]
+    assert rig.m.lookup(r.view(), 0) is None                     # being read
+    rig.m.on_done(rd.job_id, 0, True)
+    rig.m.check_invariants()
+    assert rig.cpu.num_hashes == 0
+    rig.m.on_done(rd.job_id, 1, True)
+    rig.m.check_invariants()
+    assert [rig.cpu.get_cached(h) for h in a.h] == got and refs(rig.cpu, got) == [1, 1]
+    assert [rig.slots.ref_cnt(s) for s in (0, 1)] == [0, 0] and rig.slots.num_hashes == 2
+    assert rig.m.lookup(r.view(), 0) == 2 * BS
+    rig.m.check_invariants()
+    assert refs(rig.cpu, got) == [1, 1]                          # the hit's pin only
+    assert rig.book.counters.hit_blocks == 2 and rig.book.counters.get_jobs == 1
+
+
+def test_a_partial_cpu_hit_holds_its_prefix_while_the_disk_reads_the_rest() -> None:
+    """A's 3 blocks are on disk; the CPU tier still holds the first two (CPU 0, 1) but
+    lost the third. R's lookup finds a 2-block CPU hit that ends short of the 3 the
+    prompt allows: the disk holds the third, so the lookup says "ask again" holding CPU
+    0, 1 (ref 1: the READ's allocation must not evict the prefix it extends). Once the
+    READ is done on both ranks, R's next lookup hits all 12 tokens and the hold goes
+    (each block: the hit's own pin)."""
+    rig = DiskRig(cpu=5, slots=4)
+    a = Req("a", 13)
+    cpu, _ = rig.store(a)
+    for msg in rig.step().disk:
+        rig.ack_disk(msg)
+    assert rig.slots.num_hashes == 3
+    rig.cpu.remove_hashes(cpu[2])
+    r = Req("r", 13)
+    assert rig.m.lookup(r.view(), 0) is None
+    assert refs(rig.cpu, cpu[:2]) == [1, 1]                      # held
+    (rd,) = rig.step().disk
+    assert rd.op is DiskOp.READ and unpack_ids(rd.slots) == [
+        rig.slots.get_cached(disk_hash(a.h[2]))]
+    rig.ack_disk(rd)
+    assert rig.m.lookup(r.view(), 0) == 3 * BS
+    rig.m.check_invariants()
+    assert refs(rig.cpu, cpu[:2]) == [1, 1]
+    assert refs(rig.cpu, unpack_ids(rd.cpu_ids)) == [1]
+
+
+def test_a_failed_read_drops_its_slots_and_the_request_recomputes() -> None:
+    """Rank 1 fails R's READ (a header or CRC mismatch): the CPU blocks stay pinned until
+    rank 0 acked too, then go back unindexed; slots 0, 1 are suspect: dropped from the
+    index (ref 0, no hash). R's lookup says 0 (recompute), counted."""
+    rig = DiskRig()
+    a = Req("a", 9)
+    rig.on_disk(a)
+    r = Req("r", 9)
+    assert rig.m.lookup(r.view(), 0) is None
+    (rd,) = rig.step().disk
+    got = unpack_ids(rd.cpu_ids)
+    rig.m.on_done(rd.job_id, 1, False)
+    rig.m.check_invariants()
+    assert refs(rig.cpu, got) == [1, 1]                          # rank 0 may still read
+    rig.m.on_done(rd.job_id, 0, True)
+    rig.m.check_invariants()
+    assert refs(rig.cpu, got) == [0, 0] and rig.cpu.num_hashes == 0
+    assert rig.slots.num_hashes == 0 and [rig.slots.ref_cnt(s) for s in (0, 1)] == [0, 0]
+    assert rig.m.lookup(r.view(), 0) == 0
+    c = rig.book.counters
+    assert (c.get_failed_jobs, c.get_failed_blocks, c.dropped_slots) == (1, 2, 2)
+
+
+def test_a_slot_being_read_is_never_reused_by_a_write() -> None:
+    """Two slots, both holding A's blocks and both being read for R (pinned). B's blocks
+    then near eviction: the write-back finds no free slot, writes nothing and counts the
+    declined blocks; once the READ is done, the next plan writes B's blocks over the
+    least recently used slots."""
+    rig = DiskRig(cpu=4, slots=2)
+    a = Req("a", 9)
+    rig.on_disk(a)
+    r = Req("r", 9)
+    assert rig.m.lookup(r.view(), 0) is None
+    (rd,) = rig.step().disk
+    assert rd.op is DiskOp.READ
+    b = Req("b", 9, base=100)
+    rig.store(b)
+    assert rig.step().disk == () and rig.book.counters.write_declined_no_slot == 2
+    assert [rig.slots.ref_cnt(s) for s in (0, 1)] == [1, 1]
+    rig.ack_disk(rd)
+    writes = [m for m in rig.step().disk if m.op is DiskOp.WRITE]
+    assert sorted(s for m in writes for s in unpack_ids(m.slots)) == [0, 1]
+
+
+def test_a_rank_declared_dead_during_a_write_quarantines_its_slot_and_row_until_fenced(
+) -> None:
+    """Rank 1 is declared dead while CPU 1 is written into slot 0: the job fails at once,
+    but rank 1 may still be writing, so after rank 0's ack slot 0 and CPU 1 stay pinned
+    (quarantined, counted); rank 1's fence releases both, slot 0 unindexed."""
+    rig = DiskRig(window=3)
+    rig.store(Req("a", 9))
+    (w,) = rig.step().disk
+    rig.m.rank_failed(1)
+    rig.m.check_invariants()
+    rig.m.on_done(w.job_id, 0, True)
+    rig.m.check_invariants()
+    assert rig.slots.ref_cnt(0) == 1 and refs(rig.cpu, [1]) == [1]
+    assert rig.book.quarantined_slots() == 1 and rig.m.quarantined_blocks() == (0, 1)
+    rig.m.rank_fenced(1)
+    rig.m.check_invariants()
+    assert rig.slots.ref_cnt(0) == 0 and rig.slots.num_hashes == 0
+    assert refs(rig.cpu, [1]) == [0] and rig.book.quarantined_slots() == 0
+
+
+def test_three_failed_writes_pause_write_back_and_reads_go_on() -> None:
+    """A disk that fails every WRITE (full: ENOSPC): after three failed jobs in a row,
+    write-back pauses for 30 s (counted; plans write nothing), while a READ of what the
+    disk already holds still runs; after the pause it tries again."""
+    now = [0.0]
+    rig = DiskRig(cpu=8, slots=8, clock=now)
+    a = Req("a", 9)
+    rig.on_disk(a)
+    b = Req("b", 17, base=100)
+    rig.store(b)
+    for _ in range(3):
+        (w,) = rig.step().disk
+        assert w.op is DiskOp.WRITE
+        rig.ack_disk(w, (False, True))
+    c = rig.book.counters
+    assert (c.write_failed_jobs, c.writes_paused) == (3, 1)
+    assert rig.step().disk == () and c.write_skipped_paused == 1
+    r = Req("r", 9)
+    assert rig.m.lookup(r.view(), 0) is None
+    (rd,) = rig.step().disk
+    assert rd.op is DiskOp.READ
+    now[0] = 31.0
+    rig.ack_disk(rd)
+    assert any(m.op is DiskOp.WRITE for m in rig.step().disk)
+
+
+def test_reset_forgets_every_slot() -> None:
+    """A reset drops the disk index with the CPU one (the engine's KV may mean something
+    else now): a later lookup misses both."""
+    rig = DiskRig()
+    a = Req("a", 9)
+    rig.on_disk(a)
+    assert rig.m.reset() and rig.slots.num_hashes == 0
+    assert rig.m.lookup(Req("r", 9).view(), 0) == 0
+
+
+def test_warm_slots_serve_a_hit_at_once() -> None:
+    """Slots 2 and 3 indexed at start from the slabs' headers (a restarted engine): R's
+    first lookup reads them; then it is an ordinary CPU hit."""
+    rig = DiskRig()
+    a = Req("a", 9)
+    rig.book.warm({2: disk_hash(a.h[0]), 3: disk_hash(a.h[1])})
+    rig.m.check_invariants()
+    assert rig.book.counters.warm_slots == 2 and rig.slots.num_hashes == 2
+    r = Req("r", 9)
+    assert rig.m.lookup(r.view(), 0) is None
+    (rd,) = rig.step().disk
+    assert unpack_ids(rd.slots) == [2, 3]
+    rig.ack_disk(rd)
+    assert rig.m.lookup(r.view(), 0) == 2 * BS
+
+
+def test_two_requests_asking_for_the_same_disk_blocks_in_one_step_read_them_once() -> None:
+    """R and S (same prompt) both miss the CPU tier before a plan: R's lookup claims the
+    disk prefix, S asks again (counted) instead of reading it a second time; the plan
+    has one READ; once it is done, both hit the same CPU blocks."""
+    rig = DiskRig()
+    a = Req("a", 9)
+    rig.on_disk(a)
+    r, s = Req("r", 9), Req("s", 9)
+    assert rig.m.lookup(r.view(), 0) is None and rig.m.lookup(s.view(), 0) is None
+    assert rig.book.counters.asked_again == 1
+    (rd,) = rig.step().disk
+    rig.ack_disk(rd)
+    assert rig.m.lookup(r.view(), 0) == 2 * BS and rig.m.lookup(s.view(), 0) == 2 * BS
+    rig.m.check_invariants()
+    assert refs(rig.cpu, unpack_ids(rd.cpu_ids)) == [2, 2]
+    assert rig.book.counters.get_jobs == 1
+
+
+def test_write_through_writes_every_stored_block_and_leaves_it_where_it_was() -> None:
+    """With write-through and a scan window of 1 (the eviction scan sees only the
+    uncached CPU 2 at the front), A's stored blocks CPU 0, 1 are written anyway, in one job,
+    into slots 0, 1, indexed once both ranks acked; freed normally afterwards (cached, at
+    the MRU end: they were not about to be evicted), unlike a write-back's."""
+    rig = DiskRig(cpu=4, window=1, max_window=8, write_through=True)
+    a = Req("a", 9)
+    cpu, _ = rig.store(a)
+    assert cpu == [0, 1]
+    (w,) = rig.step().disk
+    assert sorted(unpack_ids(w.cpu_ids)) == [0, 1] and unpack_ids(w.slots) == [0, 1]
+    rig.ack_disk(w)
+    assert rig.slots.num_hashes == 2 and refs(rig.cpu, cpu) == [0, 0]
+    assert list(rig.cpu.iter_free_from_lru())[:2] == [2, 3]
+    assert rig.step().disk == ()

@@ -1,0 +1,61 @@
+"""The disk tier in the ``kvshm`` command (``kvshm.cli_disk``): ``kvshm sweep
+--disk-path`` lists the slab files of engines that are not running and keeps them (the
+warm-restart cache) unless asked to remove them, never one whose lock a process holds;
+``kvshm stats --disk`` prints the section as text."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+from pathlib import Path
+
+import pytest
+
+from kvshm.cli import main
+from kvshm.cli_disk import format_disk, gone_slabs, remove_slabs
+
+
+def _slab(d: Path, engine: str, rank: int = 0, world: int = 1) -> Path:
+    p = d / f"kvshm-{engine}.rank{rank}-of-{world}.slab"
+    p.write_bytes(b"\0" * 8192)
+    return p
+
+
+def test_slabs_of_engines_not_running_are_listed_and_kept(tmp_path: Path,
+                                                          capsys: pytest.CaptureFixture[str]
+                                                          ) -> None:
+    gone = _slab(tmp_path, "old-engine.v1", 1, 2)
+    live = _slab(tmp_path, "live")
+    (tmp_path / "notes.txt").write_text("not a slab")
+    rows = gone_slabs(str(tmp_path), {"live"})
+    assert [(r.path, r.engine, r.rank, r.world) for r in rows] == [
+        (str(gone), "old-engine.v1", 1, 2)]
+    assert main(["sweep", "--dry-run", "--disk-path", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert f"kept {gone}" in out and "--remove-slabs" in out and str(live) in out
+    assert gone.exists() and live.exists()  # live: no engine of that name runs here either
+
+
+def test_remove_slabs_removes_only_what_no_process_holds(tmp_path: Path) -> None:
+    free, held = _slab(tmp_path, "a"), _slab(tmp_path, "b")
+    fd = os.open(held, os.O_RDONLY)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    try:
+        got = remove_slabs(gone_slabs(str(tmp_path), set()))
+    finally:
+        os.close(fd)
+    assert [(r.engine, what) for r, what in got] == [("a", "removed"), ("b", "in use")]
+    assert not free.exists() and held.exists()
+
+
+def test_the_disk_section_as_text() -> None:
+    assert format_disk({}) == "no disk tier"
+    text = format_disk({"path": "/d", "io": "direct", "bytes_per_rank": 1 << 30, "slots": 9,
+                        "slots_used": 4, "slots_pinned": 1, "quarantined_slots": 0,
+                        "warm_slots": 2, "lookups": 5, "lookup_hits": 3, "hit_blocks": 6,
+                        "read_bytes": 6 << 20, "get_failed_jobs": 0, "dropped_slots": 0,
+                        "written_blocks": 4, "write_bytes": 4 << 20,
+                        "write_failed_jobs": 0, "write_declined_no_slot": 0,
+                        "writes_paused": 0})
+    assert text.splitlines()[0] == "disk tier: /d (direct I/O, 1024.0 MiB per rank)"
+    assert "4 used / 9" in text and "3 hits / 5 lookups, 6 blocks (6.0 MiB)" in text

@@ -1,0 +1,64 @@
+"""The disk tier's settings: ``EngineConfig.disk_path`` / ``disk_bytes_per_rank`` /
+``disk_io`` and the vLLM connector's extra-config keys of the same names, each refusal a
+ConfigError of one line naming the setting; the slot count rule of the engine's disk
+link (a slab holds its file header page, then whole slots of a header page plus the
+row rounded up to 4 KiB)."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvshm.config import DiskIO, DiskMode, EngineConfig
+from kvshm.engine.disk_link import slot_count, slot_stride
+from kvshm.errors import ConfigError
+from kvshm.integrations.vllm.config import check_extra_config
+from kvshm.types import KVGroup
+
+
+def test_a_disk_tier_needs_both_its_directory_and_its_size() -> None:
+    cfg = EngineConfig(block_size=16, disk_path="/tmp", disk_bytes_per_rank=1 << 20)
+    assert cfg.disk_io is DiskIO.DIRECT
+    with pytest.raises(ConfigError, match="disk_path needs disk_bytes_per_rank"):
+        EngineConfig(block_size=16, disk_path="/tmp")
+    with pytest.raises(ConfigError, match="disk_bytes_per_rank is set but disk_path"):
+        EngineConfig(block_size=16, disk_bytes_per_rank=1 << 20)
+    with pytest.raises(ConfigError, match="disk_bytes_per_rank must be > 0"):
+        EngineConfig(block_size=16, disk_path="/tmp", disk_bytes_per_rank=0)
+    with pytest.raises(ConfigError, match="disk_io must be a DiskIO"):
+        EngineConfig(block_size=16, disk_path="/tmp", disk_bytes_per_rank=1,
+                     disk_io="direct")  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="full-attention KV groups only"):
+        EngineConfig(block_size=16, disk_path="/tmp", disk_bytes_per_rank=1 << 20,
+                     groups=(KVGroup.full(), KVGroup.sliding_window(64)))
+
+
+def test_the_vllm_keys_parse_and_refuse_in_one_line() -> None:
+    s = check_extra_config({"disk_path": "/d", "disk_bytes_per_rank": 2e9,
+                            "disk_io": "buffered", "disk_mode": "write_through"})
+    assert (s.disk_path, s.disk_bytes_per_rank, s.disk_io) == ("/d", 2_000_000_000,
+                                                                DiskIO.BUFFERED)
+    assert s.disk_mode is DiskMode.WRITE_THROUGH
+    assert check_extra_config({}).disk_path is None
+    cases: list[tuple[dict[str, object], str]] = [
+        ({"disk_path": "/d"}, "go together"),
+        ({"disk_bytes_per_rank": 10}, "go together"),
+        ({"disk_path": 3, "disk_bytes_per_rank": 10}, "directory path"),
+        ({"disk_path": "/d", "disk_bytes_per_rank": -1}, "must be > 0"),
+        ({"disk_path": "/d", "disk_bytes_per_rank": 9, "disk_io": "odirect"},
+         "must be one of ['buffered', 'direct']"),
+        ({"disk_path": "/d", "disk_bytes_per_rank": 9, "disk_mode": "back"},
+         "must be one of ['write_back', 'write_through']")]
+    for extra, msg in cases:
+        with pytest.raises(ConfigError, match=msg.replace("[", r"\[").replace("]", r"\]")) \
+                as info:
+            check_extra_config(extra)
+        assert "\n" not in str(info.value)
+
+
+def test_slots_are_whole_slots_after_the_file_header_on_every_rank() -> None:
+    """A 128 KiB row takes 132 KiB a slot; a 1 MiB + 4 KiB slab holds 7 of them (the
+    file header page first); a 5000-byte row rounds up to 8 KiB + the header page;
+    every rank gets the smallest count of any rank."""
+    assert slot_stride(128 << 10) == 132 << 10 and slot_stride(5000) == 12 << 10
+    assert slot_count((1 << 20) + 4096, {0: 128 << 10}) == 7
+    assert slot_count(1 << 20, {0: 5000, 1: 128 << 10}) == 7  # rank 1: 7, rank 0: 85

@@ -1,0 +1,42 @@
+"""``python -m tools.bench_disk --part e2e --part restart --quick --json`` runs end to end
+against the installed vLLM (engine processes per arm, a minute or two on 2 cores: marked
+slow): its last line carries part (b)'s rows (the CPU tier alone, with a disk tier, and
+unbounded; the disk arm wrote blocks) and part (c)'s (a warm engine indexed the seed's
+slab at start, a cold one did not). No timing is asserted."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm.distributed.kv_transfer.kv_connector.v1.base")
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow]
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_quick_run_ends_with_both_parts(tmp_path: Path) -> None:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    out = subprocess.run([sys.executable, "-m", "tools.bench_disk", "--part", "e2e", "--part",
+                          "restart", "--quick", "--offload-workloads", "chat", "--dir",
+                          str(tmp_path), "--json"], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=900, check=False)
+    assert out.returncode == 0, out.stderr[-4000:]
+    summary: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert set(summary) == {"e2e", "restart"}
+    chat = summary["e2e"]["workloads"]["chat"]
+    assert set(chat["arms"]) == {"cpu", "disk", "unbounded"}
+    assert chat["arms"]["disk"]["disk"]["written_blocks"] > 0
+    assert chat["mean_ratio"] > 0 and isinstance(chat["met"], bool)
+    restart = summary["restart"]
+    assert restart["arms"]["warm"]["disk"]["warm_slots"] > 0
+    assert restart["arms"]["cold"]["disk"]["warm_slots"] == 0
+    assert restart["first_turn_ratio"] >= 0 and isinstance(restart["met"], bool)
+    assert not list(tmp_path.glob("disk_e2e_*"))  # the slabs went with the run
