@@ -168,8 +168,7 @@ class DiskMover:
             job, start, end = task
             n += end - start
             self._count("slots_cancelled", end - start)
-            for _ in range(start, end):
-                self._slot_done(job, "cancelled", why)
+            self._slots_done(job, Counter(cancelled=end - start), why)
 
     def close(self) -> None:
         """Stop (idempotent): queued slots fail, running ones finish, the slab closes."""
@@ -215,36 +214,39 @@ class DiskMover:
             if task is None:
                 return
             job, start, end = task
-            for k in range(start, end):
-                gate = self._gate
-                if gate is not None and not gate():
-                    self._count("slots_refused")
-                    self._slot_done(job, "revoked", "rank revoked")
-                    continue
-                try:
-                    key = self._run_slot(job, k)
-                except OSError as exc:
-                    self._count("io_errors")
-                    key = f"io_error ({exc.strerror or exc})"
-                except Exception as exc:  # noqa: BLE001 - a bug fails this slot, not the rank
-                    self._count("slot_errors")
-                    key = f"error ({type(exc).__name__}: {exc})"
-                self._slot_done(job, key, "")
+            gate = self._gate
+            if gate is not None and not gate():
+                self._count("slots_refused", end - start)
+                self._slots_done(job, Counter(revoked=end - start), "rank revoked")
+                continue
+            try:
+                keys = self._run(job, start, end)
+            except Exception as exc:  # noqa: BLE001 - a bug fails these slots, not the rank
+                self._count("slot_errors", end - start)
+                keys = [f"error ({type(exc).__name__}: {exc})"] * (end - start)
+            errors = sum(k.startswith("io_error") for k in keys)
+            self._count("io_errors", errors)
+            self._slots_done(job, Counter(keys), "")
 
-    def _run_slot(self, job: _Job, k: int) -> str:
-        i = job.ids[k]
-        rows = [base[i * n:(i + 1) * n] for base, n in zip(self._bases, self._row_bytes)]
+    def _run(self, job: _Job, start: int, end: int) -> list[str]:
+        """Slots ``start..end-1`` of ``job`` in one slab call (neighbouring slots share a
+        vectored read or write): each slot's outcome key."""
+        rows = [[base[i * n:(i + 1) * n] for base, n in zip(self._bases, self._row_bytes)]
+                for i in job.ids[start:end]]
+        slots, hashes = job.slots[start:end], job.hashes[start:end]
         if job.msg.op == DiskOp.WRITE:
-            self._slab.write(job.slots[k], rows, job.hashes[k])
-            return "written"
-        return self._slab.read_into(job.slots[k], rows, job.hashes[k]).value
+            return ["written" if err is None else f"io_error ({err.strerror or err})"
+                    for err in self._slab.write_many(slots, rows, hashes)]
+        return [got.value if isinstance(got, SlotOutcome)
+                else f"io_error ({got.strerror or got})"
+                for got in self._slab.read_many(slots, rows, hashes)]
 
-    def _slot_done(self, job: _Job, key: str, why: str) -> None:
+    def _slots_done(self, job: _Job, keys: Counter[str], why: str) -> None:
         with job.lock:
-            job.tally[key] += 1
+            job.tally.update(keys)
             if why:
                 job.tally[f"why:{why}"] = 1
-            job.remaining -= 1
+            job.remaining -= sum(keys.values())
             last = job.remaining == 0
         if last:
             self._finish(self._done_of(job))
