@@ -7,12 +7,15 @@ pool; each slot's I/O is one vectored read or write straight between those rows 
 file (O_DIRECT where the rows are page-aligned: :mod:`kvshm.disk.slab`).
 
 Ordering and threads: a job's slots are spread over a pool of ``threads`` threads, in
-runs of neighbouring slots (at most :data:`RUN`; runs of several jobs interleave).
+runs of consecutive entries (at most :data:`RUN`; runs of several jobs interleave); a
+thread hands its run to the slab in one call, which moves neighbouring slots (slot
+numbers k, k + 1, ...) in one vectored read or write.
 ``submit`` never blocks and never raises: a job it cannot take (closed, malformed)
 becomes a failed Done at once. A job's Done is made by the thread that finishes its
 last slot and waits in :meth:`poll`; the eventfd :meth:`notify_fd` turns readable when
-one is there. Before each slot a thread asks the gate (:meth:`set_gate`: the rank's
-revocation word): a revoked rank starts no more slot I/O. :meth:`close` stops taking
+one is there. Before each run a thread asks the gate (:meth:`set_gate`: the rank's
+revocation word): a revoked rank starts no more slot I/O (a run already started
+finishes, as a single slot's I/O did). :meth:`close` stops taking
 jobs, fails the queued slots, waits for the running ones and closes the slab: after it
 returns, no thread of this mover touches a host row.
 
@@ -121,8 +124,8 @@ class DiskMover:
             self._tasks.put((parsed, k, min(n, k + run)))
 
     def set_gate(self, gate: Callable[[], bool] | None) -> None:
-        """Asked before each slot's I/O (any pool thread): False = the rank was revoked,
-        the slot is not touched and its job fails."""
+        """Asked before each run's I/O (any pool thread): False = the rank was revoked,
+        the run's slots are not touched and their job fails."""
         self._gate = gate
 
     def poll(self) -> list[Done]:

@@ -38,7 +38,11 @@ Byte layout (little-endian; ``PAGE`` = 4096; every offset is a multiple of ``PAG
 
 Writing a slot (:meth:`SlabFile.write`) is ONE vectored write of the header page and
 the payload, in ascending file order; the header carries the checksum of the payload it
-precedes. A SIGKILL stops the writer somewhere; what a later read finds:
+precedes. :meth:`SlabFile.write_many` writes neighbouring slots (a group: at most
+:data:`GROUP_SLOTS` slots, :data:`GROUP_BYTES` bytes) in one vectored write, each slot's
+header page right before its own payload, so the slots of a group that stops part way
+are, in file order, whole new slots, at most one slot torn as below, and untouched old
+ones. A SIGKILL stops the writer somewhere; what a later read finds of one slot:
 
 * the write never started: the old header over the old payload, intact: a HIT only under
   the OLD block's hash, with its correct bytes (the scheduler no longer indexes it there:
@@ -62,8 +66,10 @@ the payload, or the reverse, or some pages of a slot only); the header's payload
 then disagrees with the bytes found, so the slot reads BAD and is never loaded.
 
 Reads (:meth:`SlabFile.read_into`) take the header page and the payload in one vectored
-read, check the header against the expected spec, slot and hash, then the checksum over
-the payload (lazily: :func:`scan` never reads payloads). With O_DIRECT, reads and writes
+read (:meth:`SlabFile.read_many`: a group of neighbouring slots in one), check each
+header against the expected spec, slot and hash, then the checksum over its payload
+(lazily: :func:`scan` never reads payloads). Grouping is for the device: fewer, larger
+requests (docs/disk.md, "Slab I/O", has the figures). With O_DIRECT, reads and writes
 go straight between the file and the caller's rows when every row's address and length
 are multiples of PAGE; otherwise through one PAGE-aligned bounce buffer per thread
 (counted as ``bounce``). On the direct path a read that is not a HIT may have overwritten

@@ -28,7 +28,6 @@ from kvshm.disk import (
     scan,
     slab_path,
 )
-from kvshm.disk import slab as slab_module
 from kvshm.errors import ConfigError
 
 FP = "test-model.bf16.bs16"
@@ -123,7 +122,7 @@ def _spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[tuple[int, int]]:
         calls.append((len(bufs), off))
         return int(real(fd, bufs, off))
 
-    monkeypatch.setattr(slab_module.os, name, spy)
+    monkeypatch.setattr(os, name, spy)
     return calls
 
 
