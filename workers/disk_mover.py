@@ -42,7 +42,7 @@ from kvshm.disk import MAX_HASH_BYTES, SlabFile, SlabSpec, SlotOutcome
 from kvshm.ipc.protocol import Disk, DiskOp, DiskSetup, Done, ids_array
 from workers.host_pool import HostPool
 
-__all__ = ["RUN", "THREADS", "DiskMover"]
+__all__ = ["RUN", "RUN_BYTES", "THREADS", "DiskMover"]
 
 #: Slot I/O threads per rank by default.
 THREADS: Final = 4
@@ -50,6 +50,9 @@ THREADS: Final = 4
 #: runs of ceil(n / threads), at most this many): neighbouring slots go to one thread as
 #: one stream, the threads' streams run side by side.
 RUN: Final = 8
+#: Most payload bytes in one run (at least one slot): large slots go one per run, so the
+#: threads share a job's tail evenly instead of one thread finishing a long run alone.
+RUN_BYTES: Final = 1 << 20
 
 #: Counters :meth:`DiskMover.statistics` always reports (0 until they move).
 _ALWAYS: Final = ("writes", "reads", "bytes_written", "bytes_read", "failures",
@@ -119,7 +122,7 @@ class DiskMover:
             self._finish(Done(job.job_id, self.rank, True))
             return
         n = len(parsed.slots)
-        run = max(1, min(RUN, -(-n // self._nthreads)))
+        run = max(1, min(RUN, -(-n // self._nthreads), RUN_BYTES // self._spec.row_bytes))
         for k in range(0, n, run):
             self._tasks.put((parsed, k, min(n, k + run)))
 
