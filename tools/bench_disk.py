@@ -15,9 +15,14 @@
     (temp file + rename), with the O_DIRECT choice of its own probe (``probe_o_direct``);
     skipped with a note where vLLM is not installed.
 
-  Every arm runs with 1..``--threads`` threads and keeps its best (the arms take turns
-  at each thread count, so machine noise hits all alike); ``--runs`` runs give
-  min / median / max. All three bypass the page cache (O_DIRECT: kvshm's slab and raw
+  Every arm runs with 1..``--threads`` threads (the slab arm: ``--mover-threads`` if
+  given) and keeps its best (the arms take turns at each thread count, so machine noise
+  hits all alike); ``--runs`` runs give min / median / max. All arms move the same
+  blocks between the same memory (``--memory pool``, the default: the raw and vLLM arms
+  write from and read into the slab arm's host-pool region; ``--memory anon`` gives them
+  private anonymous maps instead) and the same file system; before each write the
+  source memory holds the blocks, before each read the destination is zeroed and after
+  it checked (untimed). All three bypass the page cache (O_DIRECT: kvshm's slab and raw
   always, vLLM's where its probe says so, reported as ``vllm_o_direct``), so a read
   measures the disk, not memory. The slab's bytes are payload bytes: its per-slot 4 KiB
   header page is extra I/O it pays.
@@ -26,10 +31,11 @@
   128 KiB and >= 1.0 x vLLM elsewhere.
 
 Last line with ``--json``: ``{"slab": {"128KiB": {"write": {"slab": [min, med, max],
-"raw": [...], "vllm": [...] | null, "slab_vs_raw": [...], "slab_vs_vllm": [...] | null},
-"read": {...}}, "2MiB": {...}, "threads": {...}, "vllm_o_direct": bool | null,
-"targets": {name: bool}}}`` (GB/s and ratios; room is left for ``"e2e"`` and
-``"restart"``, parts (b) and (c)).
+"raw": [...], "vllm": [...] | null, "slab_vs_raw": [...], "slab_vs_vllm": [...] | null,
+"best_threads": {arm: median}, "by_threads": {arm: {threads: [min, med, max]}}},
+"read": {...}}, "2MiB": {...}, "threads": [...], "mover_threads": [...], "memory":
+"pool" | "anon", "vllm_o_direct": bool | null, "targets": {name: bool}}}`` (GB/s and
+ratios; room is left for ``"e2e"`` and ``"restart"``, parts (b) and (c)).
 """
 
 from __future__ import annotations
