@@ -20,12 +20,13 @@
   hits all alike); ``--runs`` runs give min / median / max. All arms move the same
   blocks between the same memory (``--memory pool``, the default: the raw and vLLM arms
   write from and read into the slab arm's host-pool region; ``--memory anon`` gives them
-  private anonymous maps instead) and the same file system; before each write the
-  source memory holds the blocks, before each read the destination is zeroed and after
-  it checked (untimed). All three bypass the page cache (O_DIRECT: kvshm's slab and raw
-  always, vLLM's where its probe says so, reported as ``vllm_o_direct``), so a read
-  measures the disk, not memory. The slab's bytes are payload bytes: its per-slot 4 KiB
-  header page is extra I/O it pays.
+  private anonymous maps instead) and the same file system (``--scatter`` puts the
+  slab's blocks in shuffled slots: the case where no slots of a job are neighbours);
+  before each write the source memory holds the blocks, before each read the
+  destination is zeroed and after it checked (untimed). All three bypass the page cache
+  (O_DIRECT: kvshm's slab and raw always, vLLM's where its probe says so, reported as
+  ``vllm_o_direct``), so a read measures the disk, not memory. The slab's bytes are
+  payload bytes: its per-slot 4 KiB header page is extra I/O it pays.
 
   Targets: slab >= 0.8 x raw each way at both sizes; slab >= 1.5 x vLLM on stores at
   128 KiB and >= 1.0 x vLLM elsewhere.
@@ -34,8 +35,9 @@ Last line with ``--json``: ``{"slab": {"128KiB": {"write": {"slab": [min, med, m
 "raw": [...], "vllm": [...] | null, "slab_vs_raw": [...], "slab_vs_vllm": [...] | null,
 "best_threads": {arm: median}, "by_threads": {arm: {threads: [min, med, max]}}},
 "read": {...}}, "2MiB": {...}, "threads": [...], "mover_threads": [...], "memory":
-"pool" | "anon", "vllm_o_direct": bool | null, "targets": {name: bool}}}`` (GB/s and
-ratios; room is left for ``"e2e"`` and ``"restart"``, parts (b) and (c)).
+"pool" | "anon", "scatter": bool, "vllm_o_direct": bool | null, "targets": {name:
+bool}}}`` (GB/s and ratios; room is left for ``"e2e"`` and ``"restart"``, parts (b) and
+(c)).
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import ctypes
 import json
 import mmap
 import os
+import random
 import select
 import shutil
 import statistics
@@ -201,8 +204,13 @@ class SlabArm:
 
     name = "slab"
 
-    def __init__(self, case: Case, pool: HostPool, job: int) -> None:
+    def __init__(self, case: Case, pool: HostPool, job: int, *, scatter: bool = False) -> None:
         self.case, self.job, self.pool = case, job, pool
+        #: Block i's slot: i, or (``scatter``) a fixed shuffle, so no two blocks of a job
+        #: are likely neighbours on disk (each slot then moves in a call of its own).
+        self.slots = list(range(case.n))
+        if scatter:
+            random.Random(0).shuffle(self.slots)
         self.setup = DiskSetup(os.path.join(case.directory, "slab.kvslab"), case.n,
                                "bench-disk.fp", True)
         self.hashes = [i.to_bytes(8, "little") * 4 for i in range(case.n)]
@@ -225,7 +233,7 @@ class SlabArm:
         t0 = time.perf_counter()
         for k, part in enumerate(jobs):
             ids = list(part)
-            mover.submit(Disk(k, dop, pack_ids(ids), pack_ids(ids),
+            mover.submit(Disk(k, dop, pack_ids(ids), pack_ids([self.slots[i] for i in ids]),
                               b"".join(self.hashes[i] for i in ids), 32))
         left = len(jobs)
         while left:
@@ -297,12 +305,14 @@ def _size_name(block: int) -> str:
 def part_slab(directory: str, sizes: Sequence[int], total: int, runs: int,
               threads: Sequence[int], job: int, with_vllm: bool,
               memory: Memory = Memory.POOL,
-              mover_threads: Sequence[int] | None = None) -> dict[str, Any]:
+              mover_threads: Sequence[int] | None = None,
+              scatter: bool = False) -> dict[str, Any]:
     """Part (a): see the module docstring. ``mover_threads``: the slab arm's thread
-    counts (default: ``threads``)."""
+    counts (default: ``threads``); ``scatter``: the slab's blocks in shuffled slots."""
     slab_threads = list(mover_threads or threads)
     out: dict[str, Any] = {"threads": list(threads), "mover_threads": slab_threads,
-                           "memory": memory.value, "vllm_o_direct": None}
+                           "memory": memory.value, "scatter": scatter,
+                           "vllm_o_direct": None}
     if with_vllm:
         try:
             import vllm.v1.kv_offload.tiering.fs.io  # noqa: F401
@@ -322,7 +332,7 @@ def part_slab(directory: str, sizes: Sequence[int], total: int, runs: int,
             else:
                 wbuf, rbuf = memoryview(anon[0]), memoryview(anon[1])
             case = Case(d, block, n, src, wbuf, rbuf)
-            arms: list[Arm] = [SlabArm(case, pool, job), RawArm(case)]
+            arms: list[Arm] = [SlabArm(case, pool, job, scatter=scatter), RawArm(case)]
             if with_vllm:
                 arms.append(VllmArm(case))
                 out["vllm_o_direct"] = arms[-1].o_direct  # type: ignore[union-attr]
@@ -437,6 +447,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--memory", choices=[m.value for m in Memory], default=Memory.POOL.value,
                     help="the raw and vLLM arms' memory: the slab's host pool (default) or "
                          "anonymous mappings")
+    ap.add_argument("--scatter", action="store_true",
+                    help="the slab's blocks in shuffled slots (no neighbours to group)")
     ap.add_argument("--job", type=int, default=32, help="blocks per Disk job (slab arm)")
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's fs tier")
     args = ap.parse_args(argv)
@@ -449,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
                         list(range(1, args.threads + 1)), args.job, not args.no_vllm,
                         Memory(args.memory),
                         [int(x) for x in args.mover_threads.split(",")]
-                        if args.mover_threads else None)
+                        if args.mover_threads else None, args.scatter)
         _print_slab(res, sizes)
         summary["slab"] = res
     if args.json:
