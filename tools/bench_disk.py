@@ -15,21 +15,29 @@
     (temp file + rename), with the O_DIRECT choice of its own probe (``probe_o_direct``);
     skipped with a note where vLLM is not installed.
 
-  Every arm runs with 1..``--threads`` threads and keeps its best (the arms take turns
-  at each thread count, so machine noise hits all alike); ``--runs`` runs give
-  min / median / max. All three bypass the page cache (O_DIRECT: kvshm's slab and raw
-  always, vLLM's where its probe says so, reported as ``vllm_o_direct``), so a read
-  measures the disk, not memory. The slab's bytes are payload bytes: its per-slot 4 KiB
-  header page is extra I/O it pays.
+  Every arm runs with 1..``--threads`` threads (the slab arm: ``--mover-threads`` if
+  given) and keeps its best (the arms take turns at each thread count, so machine noise
+  hits all alike); ``--runs`` runs give min / median / max. All arms move the same
+  blocks between the same memory (``--memory pool``, the default: the raw and vLLM arms
+  write from and read into the slab arm's host-pool region; ``--memory anon`` gives them
+  private anonymous maps instead) and the same file system (``--scatter`` puts the
+  slab's blocks in shuffled slots: the case where no slots of a job are neighbours);
+  before each write the source memory holds the blocks, before each read the
+  destination is zeroed and after it checked (untimed). All three bypass the page cache
+  (O_DIRECT: kvshm's slab and raw always, vLLM's where its probe says so, reported as
+  ``vllm_o_direct``), so a read measures the disk, not memory. The slab's bytes are
+  payload bytes: its per-slot 4 KiB header page is extra I/O it pays.
 
   Targets: slab >= 0.8 x raw each way at both sizes; slab >= 1.5 x vLLM on stores at
   128 KiB and >= 1.0 x vLLM elsewhere.
 
 Last line with ``--json``: ``{"slab": {"128KiB": {"write": {"slab": [min, med, max],
-"raw": [...], "vllm": [...] | null, "slab_vs_raw": [...], "slab_vs_vllm": [...] | null},
-"read": {...}}, "2MiB": {...}, "threads": {...}, "vllm_o_direct": bool | null,
-"targets": {name: bool}}, "e2e": {...}, "restart": {...}}`` (GB/s and ratios; parts (b)
-and (c): :mod:`tools.disk_e2e`'s ``offload`` and ``restart``).
+"raw": [...], "vllm": [...] | null, "slab_vs_raw": [...], "slab_vs_vllm": [...] | null,
+"best_threads": {arm: median}, "by_threads": {arm: {threads: [min, med, max]}}},
+"read": {...}}, "2MiB": {...}, "threads": [...], "mover_threads": [...], "memory":
+"pool" | "anon", "scatter": bool, "vllm_o_direct": bool | null, "targets": {name:
+bool}}, "e2e": {...}, "restart": {...}}`` (GB/s and ratios; parts (b) and (c):
+:mod:`tools.disk_e2e`'s ``offload`` and ``restart``).
 
 * ``e2e`` (b) and ``restart`` (c): vLLM end to end, :mod:`tools.disk_e2e` (its options
   are this tool's: ``--quick``, ``--offload-mode``, ``--restart-mode``, the model's
@@ -42,9 +50,11 @@ and (c): :mod:`tools.disk_e2e`'s ``offload`` and ``restart``).
 from __future__ import annotations
 
 import argparse
+import ctypes
 import json
 import mmap
 import os
+import random
 import select
 import shutil
 import statistics
@@ -53,6 +63,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any
 
 import torch
@@ -71,15 +82,30 @@ OPS = ("write", "read")
 # ---------------------------------------------------------------------------- arms
 
 
+class Memory(Enum):
+    """Which memory the raw and vLLM arms move bytes from and to (the slab arm always uses
+    its host pool's rows: shared memory, as in a worker)."""
+
+    #: The slab arm's host-pool region itself: every arm moves the same bytes between the
+    #: same memory and the same file system (the default: the comparison the targets mean).
+    POOL = "pool"
+    #: Private anonymous mappings (a side measurement: O_DIRECT into 4 KiB shared-memory
+    #: pages makes more, smaller device requests than into fresh anonymous pages).
+    ANON = "anon"
+
+
 @dataclass
 class Case:
-    """One block size's buffers and files: ``n`` blocks of ``block`` bytes."""
+    """One block size's buffers and files: ``n`` blocks of ``block`` bytes. ``src`` holds
+    the blocks' bytes (random); ``wbuf`` / ``rbuf`` are what the raw and vLLM arms write
+    from and read into (the pool's region, or anonymous mappings: :class:`Memory`)."""
 
     directory: str
     block: int
     n: int
-    src: mmap.mmap  # page-aligned source bytes (random), n * block
-    dst: mmap.mmap  # page-aligned destination, n * block
+    src: mmap.mmap
+    wbuf: memoryview
+    rbuf: memoryview
 
     @property
     def total(self) -> int:
@@ -127,7 +153,7 @@ class RawArm:
 
     def run(self, op: str, threads: int) -> float:
         c, fd = self.case, self.fd
-        src, dst = memoryview(c.src), memoryview(c.dst)
+        src, dst = c.wbuf, c.rbuf
 
         def write(part: range) -> None:
             for i in part:
@@ -167,7 +193,7 @@ class VllmArm:
         c = self.case
         if op == "write":
             self._fresh()
-        view = memoryview(c.src if op == "write" else c.dst)
+        view = c.wbuf if op == "write" else c.rbuf
         call = self.io.batch_store_block if op == "write" else self.io.batch_load_block
 
         def batch(part: range) -> None:
@@ -186,12 +212,13 @@ class SlabArm:
 
     name = "slab"
 
-    def __init__(self, case: Case, job: int) -> None:
-        self.case, self.job = case, job
-        spec = LayoutSpec((RegionSpec(case.block, case.n, "uint8"),))
-        self.pool = HostPool.for_tests(spec, case.n, pin=False)
-        src = torch.frombuffer(case.src, dtype=torch.uint8).view(case.n, case.block)
-        self.pool.regions[0].copy_(src)
+    def __init__(self, case: Case, pool: HostPool, job: int, *, scatter: bool = False) -> None:
+        self.case, self.job, self.pool = case, job, pool
+        #: Block i's slot: i, or (``scatter``) a fixed shuffle, so no two blocks of a job
+        #: are likely neighbours on disk (each slot then moves in a call of its own).
+        self.slots = list(range(case.n))
+        if scatter:
+            random.Random(0).shuffle(self.slots)
         self.setup = DiskSetup(os.path.join(case.directory, "slab.kvslab"), case.n,
                                "bench-disk.fp", True)
         self.hashes = [i.to_bytes(8, "little") * 4 for i in range(case.n)]
@@ -214,7 +241,7 @@ class SlabArm:
         t0 = time.perf_counter()
         for k, part in enumerate(jobs):
             ids = list(part)
-            mover.submit(Disk(k, dop, pack_ids(ids), pack_ids(ids),
+            mover.submit(Disk(k, dop, pack_ids(ids), pack_ids([self.slots[i] for i in ids]),
                               b"".join(self.hashes[i] for i in ids), 32))
         left = len(jobs)
         while left:
@@ -224,12 +251,6 @@ class SlabArm:
                     raise RuntimeError(f"slab {op} job failed: {done.error}")
                 left -= 1
         return time.perf_counter() - t0
-
-    def verify(self) -> None:
-        """After a read: the pool's rows are the source bytes (the read really read)."""
-        src = torch.frombuffer(self.case.src, dtype=torch.uint8).view(self.case.n, -1)
-        if not torch.equal(self.pool.regions[0], src):
-            raise RuntimeError("slab read back different bytes")
 
     def statistics(self) -> dict[str, Any]:
         return self._mover.statistics() if self._mover is not None else {}
@@ -243,7 +264,6 @@ class SlabArm:
     def close(self) -> None:
         if self._mover is not None:
             self._close_mover()
-        self.pool.close()
 
 
 # ---------------------------------------------------------------------------- part (a)
@@ -253,14 +273,33 @@ Arm = RawArm | VllmArm | SlabArm
 
 
 def _one(arm: Arm, op: str, case: Case, threads: int) -> float:
-    """GB/s of one pass of ``op`` by ``arm`` with ``threads`` threads (a slab read is
-    checked against the source bytes afterwards, untimed)."""
-    if isinstance(arm, SlabArm) and op == "read":
-        arm.pool.regions[0].zero_()
+    """GB/s of one pass of ``op`` by ``arm`` with ``threads`` threads. Untimed around it:
+    before a write the source memory holds the blocks, before a read the destination is
+    zeroed, after a read it is checked against the blocks (every arm really read)."""
+    into = _tensor(arm.pool.regions[0] if isinstance(arm, SlabArm) else None,
+                   case.wbuf if op == "write" else case.rbuf, case)
+    if op == "write":
+        into.copy_(_tensor(None, memoryview(case.src), case))
+    else:
+        into.zero_()
     dt = arm.run(op, threads)
-    if isinstance(arm, SlabArm) and op == "read":
-        arm.verify()
+    if op == "read" and not torch.equal(into, _tensor(None, memoryview(case.src), case)):
+        raise RuntimeError(f"{arm.name} read back different bytes")
     return case.total / dt / 1e9
+
+
+def _region_view(region: torch.Tensor) -> memoryview:
+    """A writable flat byte view over a contiguous uint8 tensor's memory (the tensor must
+    outlive it)."""
+    buf = (ctypes.c_char * region.numel()).from_address(region.data_ptr())
+    return memoryview(buf).cast("B")
+
+
+def _tensor(region: torch.Tensor | None, view: memoryview, case: Case) -> torch.Tensor:
+    """``region``, else ``view`` as an (n, block) uint8 tensor over the same memory."""
+    if region is not None:
+        return region
+    return torch.frombuffer(view, dtype=torch.uint8).view(case.n, case.block)
 
 
 def _spread(xs: list[float]) -> list[float]:
@@ -272,9 +311,16 @@ def _size_name(block: int) -> str:
 
 
 def part_slab(directory: str, sizes: Sequence[int], total: int, runs: int,
-              threads: Sequence[int], job: int, with_vllm: bool) -> dict[str, Any]:
-    """Part (a): see the module docstring."""
-    out: dict[str, Any] = {"threads": list(threads), "vllm_o_direct": None}
+              threads: Sequence[int], job: int, with_vllm: bool,
+              memory: Memory = Memory.POOL,
+              mover_threads: Sequence[int] | None = None,
+              scatter: bool = False) -> dict[str, Any]:
+    """Part (a): see the module docstring. ``mover_threads``: the slab arm's thread
+    counts (default: ``threads``); ``scatter``: the slab's blocks in shuffled slots."""
+    slab_threads = list(mover_threads or threads)
+    out: dict[str, Any] = {"threads": list(threads), "mover_threads": slab_threads,
+                           "memory": memory.value, "scatter": scatter,
+                           "vllm_o_direct": None}
     if with_vllm:
         try:
             import vllm.v1.kv_offload.tiering.fs.io  # noqa: F401
@@ -284,23 +330,35 @@ def part_slab(directory: str, sizes: Sequence[int], total: int, runs: int,
     for block in sizes:
         n = max(1, total // block)
         with tempfile.TemporaryDirectory(prefix="kvshm-bench-disk-", dir=directory) as d:
-            src, dst = mmap.mmap(-1, n * block), mmap.mmap(-1, n * block)
+            src = mmap.mmap(-1, n * block)
             src[:] = os.urandom(n * block)
-            case = Case(d, block, n, src, dst)
-            arms: list[Arm] = [SlabArm(case, job), RawArm(case)]
+            pool = HostPool.for_tests(LayoutSpec((RegionSpec(block, n, "uint8"),)), n,
+                                      pin=False)
+            anon = [mmap.mmap(-1, n * block) for _ in range(2)]
+            if memory is Memory.POOL:
+                wbuf = rbuf = _region_view(pool.regions[0])
+            else:
+                wbuf, rbuf = memoryview(anon[0]), memoryview(anon[1])
+            case = Case(d, block, n, src, wbuf, rbuf)
+            arms: list[Arm] = [SlabArm(case, pool, job, scatter=scatter), RawArm(case)]
             if with_vllm:
                 arms.append(VllmArm(case))
                 out["vllm_o_direct"] = arms[-1].o_direct  # type: ignore[union-attr]
             got: dict[tuple[str, str], list[float]] = {}
             used: dict[tuple[str, str], list[int]] = {}
+            each: dict[tuple[str, str, int], list[float]] = {}
             try:
                 for _ in range(runs):
                     for op in OPS:  # arms interleaved per thread count: drift hits all
                         best: dict[str, tuple[float, int]] = {}
-                        for t in threads:
+                        for k in range(max(len(threads), len(slab_threads))):
                             for arm in arms:
-                                best[arm.name] = max(best.get(arm.name, (0.0, 0)),
-                                                     (_one(arm, op, case, t), t))
+                                ts = slab_threads if isinstance(arm, SlabArm) else threads
+                                if k < len(ts):
+                                    gbps = _one(arm, op, case, ts[k])
+                                    each.setdefault((arm.name, op, ts[k]), []).append(gbps)
+                                    best[arm.name] = max(best.get(arm.name, (0.0, 0)),
+                                                         (gbps, ts[k]))
                         for name, (gbps, t) in best.items():
                             got.setdefault((name, op), []).append(gbps)
                             used.setdefault((name, op), []).append(t)
@@ -308,9 +366,13 @@ def part_slab(directory: str, sizes: Sequence[int], total: int, runs: int,
             finally:
                 for arm in arms:
                     arm.close()
-                src.close()
-                dst.close()
+                del arms, wbuf, rbuf, case, anon  # the views go with them; the maps with GC
+                pool.close()
         out[_size_name(block)] = _summary(got, used, runs, with_vllm, stats)
+        for op in OPS:
+            out[_size_name(block)][op]["by_threads"] = {
+                name: {t: _spread(xs) for (a, o, t), xs in each.items() if a == name and o == op}
+                for name in dict.fromkeys(a for a, _, _ in each)}
     out["targets"] = _targets(out, sizes, with_vllm)
     return out
 
@@ -388,6 +450,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--total-mib", type=int, default=256, help="MiB of blocks per size")
     ap.add_argument("--runs", type=int, default=3)
     ap.add_argument("--threads", type=int, default=4, help="try 1..N threads per arm")
+    ap.add_argument("--mover-threads", default=None,
+                    help="the slab arm's thread counts, e.g. 4,8,16 (default: 1..--threads)")
+    ap.add_argument("--memory", choices=[m.value for m in Memory], default=Memory.POOL.value,
+                    help="the raw and vLLM arms' memory: the slab's host pool (default) or "
+                         "anonymous mappings")
+    ap.add_argument("--scatter", action="store_true",
+                    help="the slab's blocks in shuffled slots (no neighbours to group)")
     ap.add_argument("--job", type=int, default=32, help="blocks per Disk job (slab arm)")
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's fs tier")
     from tools import disk_e2e
@@ -400,7 +469,10 @@ def main(argv: list[str] | None = None) -> int:
     if "slab" in parts:
         sizes = _sizes(args.sizes)
         res = part_slab(args.dir, sizes, args.total_mib << 20, args.runs,
-                        list(range(1, args.threads + 1)), args.job, not args.no_vllm)
+                        list(range(1, args.threads + 1)), args.job, not args.no_vllm,
+                        Memory(args.memory),
+                        [int(x) for x in args.mover_threads.split(",")]
+                        if args.mover_threads else None, args.scatter)
         _print_slab(res, sizes)
         summary["slab"] = res
     e2e = [name for part, name in (("e2e", "offload"), ("restart", "restart"))

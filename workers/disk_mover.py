@@ -7,12 +7,15 @@ pool; each slot's I/O is one vectored read or write straight between those rows 
 file (O_DIRECT where the rows are page-aligned: :mod:`kvshm.disk.slab`).
 
 Ordering and threads: a job's slots are spread over a pool of ``threads`` threads, in
-runs of neighbouring slots (at most :data:`RUN`; runs of several jobs interleave).
+runs of consecutive entries (at most :data:`RUN`; runs of several jobs interleave); a
+thread hands its run to the slab in one call, which moves neighbouring slots (slot
+numbers k, k + 1, ...) in one vectored read or write.
 ``submit`` never blocks and never raises: a job it cannot take (closed, malformed)
 becomes a failed Done at once. A job's Done is made by the thread that finishes its
 last slot and waits in :meth:`poll`; the eventfd :meth:`notify_fd` turns readable when
-one is there. Before each slot a thread asks the gate (:meth:`set_gate`: the rank's
-revocation word): a revoked rank starts no more slot I/O. :meth:`close` stops taking
+one is there. Before each run a thread asks the gate (:meth:`set_gate`: the rank's
+revocation word): a revoked rank starts no more slot I/O (a run already started
+finishes, as a single slot's I/O did). :meth:`close` stops taking
 jobs, fails the queued slots, waits for the running ones and closes the slab: after it
 returns, no thread of this mover touches a host row.
 
@@ -39,7 +42,7 @@ from kvshm.disk import MAX_HASH_BYTES, SlabFile, SlabSpec, SlotOutcome
 from kvshm.ipc.protocol import Disk, DiskOp, DiskSetup, Done, ids_array
 from workers.host_pool import HostPool
 
-__all__ = ["RUN", "THREADS", "DiskMover"]
+__all__ = ["RUN", "RUN_BYTES", "THREADS", "DiskMover"]
 
 #: Slot I/O threads per rank by default.
 THREADS: Final = 4
@@ -47,6 +50,9 @@ THREADS: Final = 4
 #: runs of ceil(n / threads), at most this many): neighbouring slots go to one thread as
 #: one stream, the threads' streams run side by side.
 RUN: Final = 8
+#: Most payload bytes in one run (at least one slot): large slots go one per run, so the
+#: threads share a job's tail evenly instead of one thread finishing a long run alone.
+RUN_BYTES: Final = 1 << 20
 
 #: Counters :meth:`DiskMover.statistics` always reports (0 until they move).
 _ALWAYS: Final = ("writes", "reads", "bytes_written", "bytes_read", "failures",
@@ -116,13 +122,13 @@ class DiskMover:
             self._finish(Done(job.job_id, self.rank, True))
             return
         n = len(parsed.slots)
-        run = max(1, min(RUN, -(-n // self._nthreads)))
+        run = max(1, min(RUN, -(-n // self._nthreads), RUN_BYTES // self._spec.row_bytes))
         for k in range(0, n, run):
             self._tasks.put((parsed, k, min(n, k + run)))
 
     def set_gate(self, gate: Callable[[], bool] | None) -> None:
-        """Asked before each slot's I/O (any pool thread): False = the rank was revoked,
-        the slot is not touched and its job fails."""
+        """Asked before each run's I/O (any pool thread): False = the rank was revoked,
+        the run's slots are not touched and their job fails."""
         self._gate = gate
 
     def poll(self) -> list[Done]:
@@ -168,8 +174,7 @@ class DiskMover:
             job, start, end = task
             n += end - start
             self._count("slots_cancelled", end - start)
-            for _ in range(start, end):
-                self._slot_done(job, "cancelled", why)
+            self._slots_done(job, Counter(cancelled=end - start), why)
 
     def close(self) -> None:
         """Stop (idempotent): queued slots fail, running ones finish, the slab closes."""
@@ -215,36 +220,39 @@ class DiskMover:
             if task is None:
                 return
             job, start, end = task
-            for k in range(start, end):
-                gate = self._gate
-                if gate is not None and not gate():
-                    self._count("slots_refused")
-                    self._slot_done(job, "revoked", "rank revoked")
-                    continue
-                try:
-                    key = self._run_slot(job, k)
-                except OSError as exc:
-                    self._count("io_errors")
-                    key = f"io_error ({exc.strerror or exc})"
-                except Exception as exc:  # noqa: BLE001 - a bug fails this slot, not the rank
-                    self._count("slot_errors")
-                    key = f"error ({type(exc).__name__}: {exc})"
-                self._slot_done(job, key, "")
+            gate = self._gate
+            if gate is not None and not gate():
+                self._count("slots_refused", end - start)
+                self._slots_done(job, Counter(revoked=end - start), "rank revoked")
+                continue
+            try:
+                keys = self._run(job, start, end)
+            except Exception as exc:  # noqa: BLE001 - a bug fails these slots, not the rank
+                self._count("slot_errors", end - start)
+                keys = [f"error ({type(exc).__name__}: {exc})"] * (end - start)
+            errors = sum(k.startswith("io_error") for k in keys)
+            self._count("io_errors", errors)
+            self._slots_done(job, Counter(keys), "")
 
-    def _run_slot(self, job: _Job, k: int) -> str:
-        i = job.ids[k]
-        rows = [base[i * n:(i + 1) * n] for base, n in zip(self._bases, self._row_bytes)]
+    def _run(self, job: _Job, start: int, end: int) -> list[str]:
+        """Slots ``start..end-1`` of ``job`` in one slab call (neighbouring slots share a
+        vectored read or write): each slot's outcome key."""
+        rows = [[base[i * n:(i + 1) * n] for base, n in zip(self._bases, self._row_bytes)]
+                for i in job.ids[start:end]]
+        slots, hashes = job.slots[start:end], job.hashes[start:end]
         if job.msg.op == DiskOp.WRITE:
-            self._slab.write(job.slots[k], rows, job.hashes[k])
-            return "written"
-        return self._slab.read_into(job.slots[k], rows, job.hashes[k]).value
+            return ["written" if err is None else f"io_error ({err.strerror or err})"
+                    for err in self._slab.write_many(slots, rows, hashes)]
+        return [got.value if isinstance(got, SlotOutcome)
+                else f"io_error ({got.strerror or got})"
+                for got in self._slab.read_many(slots, rows, hashes)]
 
-    def _slot_done(self, job: _Job, key: str, why: str) -> None:
+    def _slots_done(self, job: _Job, keys: Counter[str], why: str) -> None:
         with job.lock:
-            job.tally[key] += 1
+            job.tally.update(keys)
             if why:
                 job.tally[f"why:{why}"] = 1
-            job.remaining -= 1
+            job.remaining -= sum(keys.values())
             last = job.remaining == 0
         if last:
             self._finish(self._done_of(job))

@@ -38,7 +38,11 @@ Byte layout (little-endian; ``PAGE`` = 4096; every offset is a multiple of ``PAG
 
 Writing a slot (:meth:`SlabFile.write`) is ONE vectored write of the header page and
 the payload, in ascending file order; the header carries the checksum of the payload it
-precedes. A SIGKILL stops the writer somewhere; what a later read finds:
+precedes. :meth:`SlabFile.write_many` writes neighbouring slots (a group: at most
+:data:`GROUP_SLOTS` slots, :data:`GROUP_BYTES` bytes) in one vectored write, each slot's
+header page right before its own payload, so the slots of a group that stops part way
+are, in file order, whole new slots, at most one slot torn as below, and untouched old
+ones. A SIGKILL stops the writer somewhere; what a later read finds of one slot:
 
 * the write never started: the old header over the old payload, intact: a HIT only under
   the OLD block's hash, with its correct bytes (the scheduler no longer indexes it there:
@@ -62,8 +66,10 @@ the payload, or the reverse, or some pages of a slot only); the header's payload
 then disagrees with the bytes found, so the slot reads BAD and is never loaded.
 
 Reads (:meth:`SlabFile.read_into`) take the header page and the payload in one vectored
-read, check the header against the expected spec, slot and hash, then the checksum over
-the payload (lazily: :func:`scan` never reads payloads). With O_DIRECT, reads and writes
+read (:meth:`SlabFile.read_many`: a group of neighbouring slots in one), check each
+header against the expected spec, slot and hash, then the checksum over its payload
+(lazily: :func:`scan` never reads payloads). Grouping is for the device: fewer, larger
+requests (docs/disk.md, "Slab I/O", has the figures). With O_DIRECT, reads and writes
 go straight between the file and the caller's rows when every row's address and length
 are multiples of PAGE; otherwise through one PAGE-aligned bounce buffer per thread
 (counted as ``bounce``). On the direct path a read that is not a HIT may have overwritten
@@ -92,7 +98,7 @@ import threading
 import time
 import zlib
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from typing import Final, NamedTuple
@@ -115,6 +121,12 @@ MAX_HASH_BYTES: Final = 64
 _MAX_FP_TEXT: Final = 2048
 #: Most buffers in one preadv/pwritev (Linux IOV_MAX is 1024; one is the header page).
 _IOV_MAX: Final = 1000
+#: Most neighbouring slots one vectored read or write moves (their header pages are one
+#: per-thread buffer of this many pages).
+GROUP_SLOTS: Final = 16
+#: Most bytes (header pages and payloads) one vectored read or write of neighbouring slots
+#: moves; a slot larger than this is a group of its own.
+GROUP_BYTES: Final = 16 << 20
 
 _FILE_MAGIC: Final = b"KVSHMSLB"
 _SLOT_MAGIC: Final = b"KVSLOT01"
@@ -421,7 +433,14 @@ class _Buffers:
     def __init__(self, stride: int) -> None:
         self._stride = stride
         self.header = _aligned_page()
+        self._heads: mmap.mmap | None = None
         self._bounce: mmap.mmap | None = None
+
+    def heads(self) -> memoryview:
+        """GROUP_SLOTS header pages, one per slot of a group (made on first need)."""
+        if self._heads is None:
+            self._heads = mmap.mmap(-1, GROUP_SLOTS * PAGE)
+        return memoryview(self._heads)
 
     def bounce(self) -> mmap.mmap:
         if self._bounce is None:
@@ -431,7 +450,7 @@ class _Buffers:
     def close(self) -> None:
         """Unmap (a buffer still exported -- a view kept alive by a traceback -- is left
         to the garbage collector)."""
-        for m in (self.header, self._bounce):
+        for m in (self.header, self._heads, self._bounce):
             if m is not None:
                 try:
                     m.close()
@@ -550,70 +569,157 @@ class SlabFile:
         """Store ``rows`` (the block's rows, region order, ``row_bytes`` in all) in
         ``slot`` under ``block_hash``, torn-write safe (module docstring). OSError on an
         I/O error (the slot then reads EMPTY or BAD, never a HIT of these rows)."""
-        off = self.spec.slot_offset(slot)
-        rows = _byte_rows(rows)
-        self._check(rows, block_hash)
-        checksum = _checksum(_WRITE_CHECKSUM, rows)
-        head = _pack_slot_header(self.spec, self._digest, slot, block_hash, checksum,
-                                 next(self._seq))
-        bufs = self._buffers_here()
-        if self._zero_copy(rows):
-            page = bufs.header  # reads land here too: zero it past the header
-            page[:] = _ZERO_PAGE
-            page[:len(head)] = head
-            self._pwrite_all([memoryview(page), *rows], off)
-            bounced = 0
-        else:
-            buf = bufs.bounce()
-            buf[:PAGE] = _ZERO_PAGE
-            buf[:len(head)] = head
-            at = PAGE
-            for r in rows:
-                buf[at:at + r.nbytes] = r
-                at += r.nbytes
-            self._pwrite_all([memoryview(buf)[:self._span()]], off)
-            bounced = 1
-        with self._lock:
-            self.counts["writes"] += 1
-            self.counts["bytes_written"] += self.spec.row_bytes
-            self.counts["bounce"] += bounced
+        err = self.write_many([slot], [rows], [block_hash])[0]
+        if err is not None:
+            raise err
 
     def read_into(self, slot: int, rows: Sequence[memoryview],
                   block_hash: bytes) -> SlotOutcome:
         """Read ``slot`` into ``rows`` if it holds ``block_hash`` of this spec with an
         intact payload (HIT); otherwise EMPTY / BAD_HEADER / BAD_CRC (counted), where the
         direct path may have changed ``rows`` (module docstring). OSError on I/O errors."""
-        off = self.spec.slot_offset(slot)
-        rows = _byte_rows(rows)
-        self._check(rows, block_hash)
-        bufs = self._buffers_here()
-        if self._zero_copy(rows):
-            got = self._preadv_all([memoryview(bufs.header), *rows], off)
-            head: memoryview = memoryview(bufs.header)
-            payload: Sequence[memoryview] = rows
-        else:
-            buf = bufs.bounce()
-            got = self._preadv_all([memoryview(buf)[:self._span()]], off)
-            head = memoryview(buf)[:PAGE]
-            payload = [memoryview(buf)[PAGE:PAGE + self.spec.row_bytes]]
-        outcome = self._verify(head, payload, slot, block_hash,
-                               whole=got >= PAGE + self.spec.row_bytes)
-        if outcome is SlotOutcome.HIT and payload is not rows:
-            at = PAGE
-            for r in rows:
-                r[:] = memoryview(bufs.bounce())[at:at + r.nbytes]
-                at += r.nbytes
+        got = self.read_many([slot], [rows], [block_hash])[0]
+        if isinstance(got, OSError):
+            raise got
+        return got
+
+    def write_many(self, slots: Sequence[int], rows: Sequence[Sequence[memoryview]],
+                   hashes: Sequence[bytes]) -> list[OSError | None]:
+        """Store block k (``rows[k]``, as :meth:`write`) in ``slots[k]`` under
+        ``hashes[k]``, in order. Neighbouring slots (``slots[k + 1] == slots[k] + 1``)
+        whose rows need no bounce go in one vectored write (a group: at most
+        :data:`GROUP_SLOTS` slots and :data:`GROUP_BYTES` bytes), each slot's header page
+        right before its payload, so a torn group is a run of whole slots, at most one
+        torn slot (BAD_CRC) and untouched ones (module docstring). Per block: None
+        (written) or the OSError of its group. ConfigError for bad input, before any I/O."""
+        byte_rows = self._checked(slots, rows, hashes)
+        out: list[OSError | None] = []
+        done = bounced = 0
+        for a, b, direct in self._groups(slots, byte_rows):
+            try:
+                if direct:
+                    self._write_group(slots[a:b], byte_rows[a:b], hashes[a:b])
+                else:
+                    self._write_bounced(slots[a], byte_rows[a], hashes[a])
+                    bounced += 1
+                out += [None] * (b - a)
+                done += b - a
+            except OSError as exc:
+                out += [exc] * (b - a)
         with self._lock:
-            self.counts[_OUTCOME_COUNTER[outcome]] += 1
-            self.counts["bounce"] += payload is not rows
-            if outcome is SlotOutcome.HIT:
-                self.counts["bytes_read"] += self.spec.row_bytes
-        return outcome
+            self.counts["writes"] += done
+            self.counts["bytes_written"] += done * self.spec.row_bytes
+            self.counts["bounce"] += bounced
+        return out
+
+    def read_many(self, slots: Sequence[int], rows: Sequence[Sequence[memoryview]],
+                  hashes: Sequence[bytes]) -> list[SlotOutcome | OSError]:
+        """Read ``slots[k]`` into ``rows[k]`` if it holds ``hashes[k]`` (each as
+        :meth:`read_into`; neighbouring slots in one vectored read, grouped as
+        :meth:`write_many` groups them). Per block: its outcome (counted), or the OSError
+        of its group. ConfigError for bad input, before any I/O."""
+        byte_rows = self._checked(slots, rows, hashes)
+        out: list[SlotOutcome | OSError] = []
+        bounced = 0
+        for a, b, direct in self._groups(slots, byte_rows):
+            try:
+                if direct:
+                    out += self._read_group(slots[a:b], byte_rows[a:b], hashes[a:b])
+                else:
+                    out.append(self._read_bounced(slots[a], byte_rows[a], hashes[a]))
+                    bounced += 1
+            except OSError as exc:
+                out += [exc] * (b - a)
+        tally = Counter(_OUTCOME_COUNTER[o] for o in out if isinstance(o, SlotOutcome))
+        with self._lock:
+            self.counts.update(tally)
+            self.counts["bounce"] += bounced
+            self.counts["bytes_read"] += tally["reads"] * self.spec.row_bytes
+        return out
 
     def invalidate(self, slot: int) -> None:
         """Make ``slot`` read EMPTY (its header page zeroed)."""
         self._pwrite_all([memoryview(self._zero)], self.spec.slot_offset(slot))
         self._count("invalidations")
+
+    # ------------------------------------------------------------------ groups
+
+    def _groups(self, slots: Sequence[int],
+                rows: Sequence[list[memoryview]]) -> Iterator[tuple[int, int, bool]]:
+        """``(a, b, direct)``: blocks ``a..b-1`` go in one I/O; ``direct``: straight
+        between their rows and the file (neighbouring slots, within the group limits),
+        else one block through the bounce buffer."""
+        n = len(slots)
+        stride = self.spec.slot_stride
+        # Neighbouring slots are neighbouring bytes only without padding between them.
+        joinable = self.spec.row_bytes % PAGE == 0
+        most = max(1, min(GROUP_SLOTS, GROUP_BYTES // stride)) if joinable else 1
+        a = 0
+        while a < n:
+            if not self._zero_copy(rows[a]):
+                yield a, a + 1, False
+                a += 1
+                continue
+            b, iovs = a + 1, 1 + len(rows[a])
+            while (b < n and b - a < most and slots[b] == slots[b - 1] + 1
+                   and iovs + 1 + len(rows[b]) <= _IOV_MAX and self._zero_copy(rows[b])):
+                iovs += 1 + len(rows[b])
+                b += 1
+            yield a, b, True
+            a = b
+
+    def _write_group(self, slots: Sequence[int], rows: Sequence[list[memoryview]],
+                     hashes: Sequence[bytes]) -> None:
+        heads = self._buffers_here().heads()
+        iovs: list[memoryview] = []
+        for j, (slot, r, h) in enumerate(zip(slots, rows, hashes)):
+            head = _pack_slot_header(self.spec, self._digest, slot, h,
+                                     _checksum(_WRITE_CHECKSUM, r), next(self._seq))
+            page = heads[j * PAGE:(j + 1) * PAGE]  # reads land here too: zero past the header
+            page[:] = _ZERO_PAGE
+            page[:len(head)] = head
+            iovs.append(page)
+            iovs += r
+        self._pwrite_all(iovs, self.spec.slot_offset(slots[0]))
+
+    def _read_group(self, slots: Sequence[int], rows: Sequence[list[memoryview]],
+                    hashes: Sequence[bytes]) -> list[SlotOutcome]:
+        heads = self._buffers_here().heads()
+        iovs: list[memoryview] = []
+        for j, r in enumerate(rows):
+            iovs.append(heads[j * PAGE:(j + 1) * PAGE])
+            iovs += r
+        got = self._preadv_all(iovs, self.spec.slot_offset(slots[0]))
+        stride, need = self.spec.slot_stride, PAGE + self.spec.row_bytes
+        return [self._verify(heads[j * PAGE:(j + 1) * PAGE], r, slot, h,
+                             whole=got >= j * stride + need)
+                for j, (slot, r, h) in enumerate(zip(slots, rows, hashes))]
+
+    def _write_bounced(self, slot: int, rows: list[memoryview], block_hash: bytes) -> None:
+        head = _pack_slot_header(self.spec, self._digest, slot, block_hash,
+                                 _checksum(_WRITE_CHECKSUM, rows), next(self._seq))
+        buf = self._buffers_here().bounce()
+        buf[:PAGE] = _ZERO_PAGE
+        buf[:len(head)] = head
+        at = PAGE
+        for r in rows:
+            buf[at:at + r.nbytes] = r
+            at += r.nbytes
+        self._pwrite_all([memoryview(buf)[:self._span()]], self.spec.slot_offset(slot))
+
+    def _read_bounced(self, slot: int, rows: list[memoryview],
+                      block_hash: bytes) -> SlotOutcome:
+        """One slot through the bounce buffer; the rows change only on a HIT."""
+        view = memoryview(self._buffers_here().bounce())
+        got = self._preadv_all([view[:self._span()]], self.spec.slot_offset(slot))
+        outcome = self._verify(view[:PAGE], [view[PAGE:PAGE + self.spec.row_bytes]], slot,
+                               block_hash, whole=got >= PAGE + self.spec.row_bytes)
+        if outcome is SlotOutcome.HIT:
+            at = PAGE
+            for r in rows:
+                r[:] = view[at:at + r.nbytes]
+                at += r.nbytes
+        return outcome
 
     # ------------------------------------------------------------------ helpers
 
@@ -629,15 +735,29 @@ class SlabFile:
             return SlotOutcome.BAD_CRC
         return SlotOutcome.HIT
 
-    def _check(self, rows: Sequence[memoryview], block_hash: bytes) -> None:
+    def _checked(self, slots: Sequence[int], rows: Sequence[Sequence[memoryview]],
+                 hashes: Sequence[bytes]) -> list[list[memoryview]]:
+        """Every block's rows as flat byte views, after checking the whole call: open,
+        as many rows as slots and hashes, slots in range, hashes 1..MAX_HASH_BYTES,
+        ``row_bytes`` per block (ConfigError, before any I/O)."""
         if self._fd < 0:
             raise ConfigError(f"slab file {self.path!r} is closed")
-        if not 0 < len(block_hash) <= MAX_HASH_BYTES:
-            raise ConfigError(f"block hash must be 1..{MAX_HASH_BYTES} bytes, "
-                              f"got {len(block_hash)}")
-        total = sum(r.nbytes for r in rows)
-        if total != self.spec.row_bytes:
-            raise ConfigError(f"rows hold {total} bytes, the slab's slots {self.spec.row_bytes}")
+        if not len(slots) == len(rows) == len(hashes):
+            raise ConfigError(f"{len(slots)} slots, {len(rows)} rows and {len(hashes)} "
+                              "hashes: one each per block")
+        out = []
+        for slot, r, h in zip(slots, rows, hashes):
+            self.spec.slot_offset(slot)
+            if not 0 < len(h) <= MAX_HASH_BYTES:
+                raise ConfigError(f"block hash must be 1..{MAX_HASH_BYTES} bytes, "
+                                  f"got {len(h)}")
+            flat = _byte_rows(r)
+            total = sum(v.nbytes for v in flat)
+            if total != self.spec.row_bytes:
+                raise ConfigError(f"rows hold {total} bytes, the slab's slots "
+                                  f"{self.spec.row_bytes}")
+            out.append(flat)
+        return out
 
     def _zero_copy(self, rows: Sequence[memoryview]) -> bool:
         """Whether ``rows`` can be the I/O buffers themselves: always with buffered I/O;

@@ -85,10 +85,14 @@ def test_round_trip_and_counters(tmp_path: Path, movers: list[DiskMover],
     assert st["jobs_ok"] == 2 and st["direct"] is True and st["slots"] == 8
 
 
+@pytest.mark.parametrize("threads", [1, 4], ids=["one-run", "runs-of-one"])
 def test_a_bad_slot_fails_the_read_naming_crc_and_header(tmp_path: Path,
-                                                        movers: list[DiskMover]) -> None:
+                                                        movers: list[DiskMover],
+                                                        threads: int) -> None:
+    """Slots 0-3 read as one vectored read (one thread: one run) or one each: the same
+    outcomes per slot, the bad ones never HITs."""
     p = pool((PAGE,), seed=2)
-    m = make(movers, tmp_path, p)
+    m = make(movers, tmp_path, p, threads=threads)
     hs = hashes(3)
     m.submit(job(1, DiskOp.WRITE, [0, 1, 2], [0, 1, 2], hs))
     assert wait(m)[0].ok

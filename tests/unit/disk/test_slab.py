@@ -113,6 +113,88 @@ def test_a_bounce_read_that_misses_leaves_the_rows_alone(slab: SlabFile) -> None
     assert bool((dst == 7).all())
 
 
+def _spy(monkeypatch: pytest.MonkeyPatch, name: str) -> list[tuple[int, int]]:
+    """Record (buffers, offset) of every ``os.<name>`` call the slab makes (the real call
+    still runs)."""
+    real, calls = getattr(os, name), []
+
+    def spy(fd: int, bufs: list[memoryview], off: int) -> int:
+        calls.append((len(bufs), off))
+        return int(real(fd, bufs, off))
+
+    monkeypatch.setattr(os, name, spy)
+    return calls
+
+
+@pytest.mark.parametrize("direct", [True, False])
+def test_neighbouring_slots_move_in_one_vectored_call_each_way(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct: bool) -> None:
+    """Blocks in slots 2, 3, 4 (neighbours), 6 and 1 with one unaligned block (slot 6):
+    one write and one read for 2-4 (a header page and two rows per slot), one bounced
+    I/O for 6, one for 1; every block bit-exact, counted once."""
+    spec = SlabSpec(FP, 0, 1, 8, 3 * PAGE)
+    s = SlabFile.open(str(tmp_path / "g.slab"), spec, direct=direct)
+    slots, hs = [2, 3, 4, 6, 1], [bytes([k]) * 32 for k in range(1, 6)]
+    sizes = (PAGE, 2 * PAGE)
+    src = [rand_rows(sizes, seed=k, page_aligned=slot != 6) for k, slot in enumerate(slots)]
+    dst = [blank(sizes, page_aligned=slot != 6) for slot in slots]
+    writes, reads = _spy(monkeypatch, "pwritev"), _spy(monkeypatch, "preadv")
+    try:
+        assert s.write_many(slots, [[view(t) for t in b] for b in src], hs) == [None] * 5
+        got = s.read_many(slots, [[view(t) for t in b] for b in dst], hs)
+        assert got == [SlotOutcome.HIT] * 5
+        for a, b in zip(src, dst):
+            assert all(torch.equal(x, y) for x, y in zip(a, b))
+        bounced = 0 if not direct else 1
+        assert s.counts["writes"] == s.counts["reads"] == 5
+        assert s.counts["bounce"] == 2 * bounced
+    finally:
+        s.close()
+    group = [(9, spec.slot_offset(2))]
+    six = [(1 if direct else 3, spec.slot_offset(6))]
+    one = [(3, spec.slot_offset(1))]
+    assert writes == group + six + one and reads == group + six + one
+
+
+def test_a_group_write_torn_part_way_reads_whole_slots_one_bad_and_the_old(
+        tmp_path: Path, slab: SlabFile) -> None:
+    """A write of slots 0-3 in one call that stopped inside slot 2's payload (made by
+    copying that prefix of the same write on another file): slots 0 and 1 are the new
+    blocks, slot 2 BAD_CRC, slot 3 still the old block -- never a wrong HIT."""
+    old = [rand_rows((3 * PAGE,), seed=20 + k)[0] for k in range(4)]
+    new = [rand_rows((3 * PAGE,), seed=30 + k)[0] for k in range(4)]
+    h_old, h_new = [bytes([1, k]) * 16 for k in range(4)], [bytes([2, k]) * 16 for k in range(4)]
+    assert slab.write_many(range(4), [[view(t)] for t in old], h_old) == [None] * 4
+    other = SlabFile.open(str(tmp_path / "other.slab"), slab.spec, direct=True)
+    try:
+        other.write_many(range(4), [[view(t)] for t in new], h_new)
+    finally:
+        other.close()
+    start, stop = slab.spec.slot_offset(0), slab.spec.slot_offset(2) + PAGE + 5 * 1024
+    with open(tmp_path / "other.slab", "rb") as f:
+        f.seek(start)
+        prefix = f.read(stop - start)
+    with open(slab.path, "r+b") as f:
+        f.seek(start)
+        f.write(prefix)
+    got = [blank((3 * PAGE,))[0] for _ in range(4)]
+    out = slab.read_many(range(4), [[view(t)] for t in got], h_new)
+    assert out == [SlotOutcome.HIT, SlotOutcome.HIT, SlotOutcome.BAD_CRC,
+                   SlotOutcome.BAD_HEADER]
+    assert torch.equal(got[0], new[0]) and torch.equal(got[1], new[1])
+    assert slab.read_into(3, [view(got[3])], h_old[3]) is SlotOutcome.HIT
+    assert torch.equal(got[3], old[3])
+
+
+def test_many_calls_check_the_whole_call_before_any_io(slab: SlabFile) -> None:
+    row = rand_rows((3 * PAGE,), seed=11)[0]
+    with pytest.raises(ConfigError, match="one each per block"):
+        slab.write_many([0, 1], [[view(row)]], [H_A, H_B])
+    with pytest.raises(ConfigError, match="out of range"):
+        slab.read_many([0, 8], [[view(row)], [view(row)]], [H_A, H_B])
+    assert slab.counts["writes"] == slab.counts["reads"] == 0
+
+
 def test_scan_finds_exactly_the_written_slots_and_ignores_another_spec(tmp_path: Path) -> None:
     path = str(tmp_path / "s.slab")
     spec = SlabSpec(FP, 0, 2, 10, PAGE)
