@@ -4,7 +4,9 @@ slab bit-exact (page-aligned rows: zero-copy O_DIRECT; odd rows: the bounce buff
 slot whose payload was corrupted fails its READ naming the CRC; a rank without a disk
 tier, or whose slab another process holds, fails Disk jobs with the reason. And the
 slab file against other processes: its lock refuses a second process (and dies with its
-holder), and a writer SIGKILLed mid-write never leaves a slot that reads as a wrong HIT."""
+holder), and a writer SIGKILLed mid-write never leaves a slot that reads as a wrong HIT.
+And an embedded worker (in this process, as vLLM's): its Disk Dones reach the scheduler
+as the jobs finish, with no further call from its host (the mover publisher)."""
 
 from __future__ import annotations
 
@@ -271,3 +273,40 @@ def test_a_writer_killed_mid_write_never_leaves_a_wrong_hit(
             s.close()
     assert len(outcomes) == 6
     assert os.path.getsize(path) == spec.file_bytes
+
+
+def test_an_embedded_workers_disk_done_reaches_the_scheduler_without_another_call(
+        tmp_path: Path) -> None:
+    """An embedded worker (vLLM's: it runs only inside its host's hooks) takes a Disk
+    WRITE and a Disk READ off the ring in one call and is then never called again: each
+    Done still reaches the scheduler's ``done`` ring within a few seconds, published by
+    the worker's mover publisher as the job finishes (before it, they waited for the
+    host's next call: a disk hit cost vLLM extra engine steps). The READ's Done comes
+    only after its rows hold the slot's bytes."""
+    from workers.worker import Phase, Worker
+
+    setup = DiskSetup(str(tmp_path / "r0.slab"), 16, FP, True)
+    sched = DiskSched(1, lambda r: setup, num_cpu_blocks=64)
+    region = torch.randint(0, 256, (NB, 4096), dtype=torch.uint8)
+    worker = Worker.attach(sched.name, 0, 1, [region])
+    try:
+        sched.wait_for(lambda: worker.phase is Phase.READY, tick=worker.service, what="READY")
+        assert worker._session is not None  # the host rows, to check bytes
+        rows = worker._session.host.regions[0]
+        rows[0:4].copy_(torch.randint(0, 256, (4, 4096), dtype=torch.uint8))
+        want = rows[0:4].clone()
+        hs = hashes(4)
+        sched.post(disk_job(1, DiskOp.WRITE, [0, 1, 2, 3], [2, 3, 4, 5], hs))
+        sched.wait_for(lambda: worker.statistics()["counters"].get("jobs_submitted", 0) >= 1,
+                       tick=worker.service, what="the WRITE taken off the ring")
+        assert sched.collect([1], timeout=10)[0][1].ok  # no worker call in between
+        sched.post(disk_job(2, DiskOp.READ, [10, 11, 12, 13], [2, 3, 4, 5], hs))
+        sched.wait_for(lambda: worker.statistics()["counters"].get("jobs_submitted", 0) >= 2,
+                       tick=worker.service, what="the READ taken off the ring")
+        assert sched.collect([2], timeout=10)[0][2].ok
+        assert torch.equal(rows[10:14], want)
+        stats = worker.statistics()["counters"]
+        assert stats["dones_published_on_finish"] >= 1 and stats["publisher_wakeups"] >= 1
+    finally:
+        worker.close()
+        sched.close()

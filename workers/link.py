@@ -10,6 +10,14 @@ State (single-threaded, like the Worker): ``_phase`` (:class:`~workers.phases.Ph
 through it once: :mod:`workers.done_book`), ``_gate`` (the revocation word, read before
 any copy starts and before any Done is published).
 
+Threads: the state is the host thread's, with one exception. An embedded worker (its
+host hands it the KV regions) with a remote or disk tier runs a
+:class:`~workers.mover_publisher.MoverPublisher` from Ready on: its thread publishes the
+movers' Dones as soon as a job finishes (:meth:`WorkerLink._publish_movers`), not at
+the host's next call. ``_lock`` (re-entrant) serialises the two: every public method of
+the Worker and every publisher flush hold it, so the ``done`` ring keeps one producer
+at a time and the book is never touched by two threads at once.
+
 Ordering of one pump (:meth:`WorkerLink._pump`): revocation word first (nothing more
 happens once set), then the heartbeat, the lifeline, the ring's commands, the Remote
 and Disk jobs that arrived (they run on arrival), then the Dones of finished work, then an EOF
@@ -18,8 +26,11 @@ seen on the lifeline (so the commands that came before it are handled first).
 
 from __future__ import annotations
 
+import functools
+import threading
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Concatenate, ParamSpec, TypeVar
 
 from kvshm.errors import (
     ConfigError,
@@ -32,12 +43,28 @@ from kvshm.ipc.protocol import Done
 from kvshm.ipc.rendezvous_client import RendezvousClient
 from kvshm.layout import KVLayout
 from workers.done_book import DoneBook
+from workers.mover_publisher import MoverPublisher
 from workers.phases import LINKED, DetachReason, Phase
 from workers.revocation import RevocationGate, close_lifeline_when_idle
 from workers.session import Connector, Session, SessionOptions
 from workers.step_queue import StepQueue
 
-__all__ = ["WorkerLink"]
+__all__ = ["WorkerLink", "locked"]
+
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+_L = TypeVar("_L", bound="WorkerLink")
+
+
+def locked(method: Callable[Concatenate[_L, _P], _R]) -> Callable[Concatenate[_L, _P], _R]:
+    """Run a Worker method under the worker's lock (see the module docstring)."""
+
+    @functools.wraps(method)
+    def wrapper(self: _L, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        with self._lock:
+            return method(self, *args, **kwargs)
+
+    return wrapper
 
 
 class WorkerLink:
@@ -58,6 +85,9 @@ class WorkerLink:
         self._counts: Counter[str] = Counter()
         self._dones = DoneBook(self._counts)
         self._gate: RevocationGate | None = None
+        self._lock = threading.RLock()
+        self._embedded = layout is not None
+        self._publisher: MoverPublisher | None = None
 
     # ------------------------------------------------------------------ connecting
 
@@ -77,8 +107,39 @@ class WorkerLink:
             if self._session.disk is not None:
                 self._session.disk.set_gate(self._gate.may_copy)
             self._phase = Phase.READY
+            self._start_publisher()
         elif self._client is not None:
             self._phase = Phase.CONNECTING
+
+    def _start_publisher(self) -> None:
+        """Embedded, with a remote or disk mover: publish their Dones on finish."""
+        session = self._session
+        assert session is not None
+        fds = [m.notify_fd() for m in (session.remote, session.disk) if m is not None]
+        if self._embedded and fds:
+            self._publisher = MoverPublisher(fds, self._publish_movers,
+                                             name=f"kvshm-publish-r{self.rank}")
+
+    def _stop_publisher(self) -> None:
+        """Stop the publisher thread (never with ``_lock`` held: it may wait for it)."""
+        publisher, self._publisher = self._publisher, None
+        if publisher is not None:
+            publisher.stop()
+            self._counts.update({f"publisher_{k}": v for k, v in publisher.counts.items()})
+
+    def _publish_movers(self) -> None:
+        """The publisher thread's flush: the movers' finished jobs -> the book -> the
+        ``done`` ring, under the lock; nothing once the worker left READY/DRAINING (the
+        host's calls then collect them locally)."""
+        with self._lock:
+            session = self._session
+            if self._phase not in LINKED or session is None:
+                return
+            mover, disk = session.remote, session.disk
+            dones = (mover.poll() if mover else []) + (disk.poll() if disk else [])
+            if dones:
+                self._counts["dones_published_on_finish"] += len(dones)
+                self._report(dones)
 
     # ------------------------------------------------------------------ the link
 

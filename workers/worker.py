@@ -64,7 +64,7 @@ from kvshm.layout import KVLayout
 from kvshm.types import DeviceKind
 from workers.copy_engine import CopyJob, Fence, describe_error
 from workers.cpu_copy import FaultInjection
-from workers.link import WorkerLink
+from workers.link import WorkerLink, locked
 from workers.phases import LINKED, DetachReason, Phase
 from workers.revocation import close_lifeline_when_idle
 from workers.session import SessionOptions
@@ -79,9 +79,11 @@ COPY_POLL_S: Final = 0.001
 
 
 class Worker(WorkerLink):
-    """One rank's worker; build it with :meth:`attach`. Single-threaded: every method
-    must be called from one thread (the host engine's, or the standalone loop). Its
-    state and the link's servicing are :class:`~workers.link.WorkerLink`'s."""
+    """One rank's worker; build it with :meth:`attach`. Every method must be called from
+    one thread (the host engine's, or the standalone loop); each holds the worker's lock,
+    which it shares only with the mover publisher of an embedded worker
+    (:mod:`workers.link`). Its state and the link's servicing are
+    :class:`~workers.link.WorkerLink`'s."""
 
     @classmethod
     def attach(cls, name: str, rank: int, world_size: int,
@@ -124,10 +126,12 @@ class Worker(WorkerLink):
         return self._client.fileno() if self._client is not None and self._client.connected \
             else None
 
+    @locked
     def queued_steps(self) -> list[int]:
         """Distinct steps of the Transfers waiting to be submitted, ascending."""
         return self._queue.steps()
 
+    @locked
     def statistics(self) -> dict[str, Any]:
         """Plain-data snapshot: phase, counters, and the channel's and copy engine's."""
         out: dict[str, Any] = {
@@ -137,6 +141,9 @@ class Worker(WorkerLink):
             "queued": len(self._queue), "inflight": len(self._dones.inflight),
             "outbox": len(self._dones.outbox),
             "counters": dict(self._counts, connect_retries=self._connector.attempts)}
+        if self._publisher is not None:
+            out["counters"].update((f"publisher_{k}", v)
+                                   for k, v in self._publisher.counts.items())
         if self._session is not None:
             chan = self._session.channel_stats()
             out["channel"] = chan.as_dict() if chan is not None else None
@@ -151,6 +158,7 @@ class Worker(WorkerLink):
 
     # ------------------------------------------------------------------ per step
 
+    @locked
     def service(self) -> None:
         """Progress without waiting: connect / poll for Ready / pump the link."""
         if self._phase in (Phase.NEW, Phase.CONNECTING):
@@ -161,6 +169,7 @@ class Worker(WorkerLink):
             self._collect()
             close_lifeline_when_idle(self._client, self._dones.inflight)
 
+    @locked
     def begin_step(self, step: int, flush_ids: Iterable[int] = ()) -> None:
         """Step ``step`` begins; its Flush'ed jobs (ring and ``flush_ids``) finish first."""
         self.service()
@@ -173,14 +182,17 @@ class Worker(WorkerLink):
         if ids and self._phase in LINKED:
             self._flush_wait(ids)
 
+    @locked
     def submit_loads(self, step: int, after: Fence | None = None) -> None:
         """Submit the queued loads of ``step`` (and earlier), ordered after ``after``."""
         self._submit(Direction.LOAD, step, after)
 
+    @locked
     def submit_stores(self, step: int, after: Fence | None = None) -> None:
         """Submit the queued stores of ``step`` (and earlier), ordered after ``after``."""
         self._submit(Direction.STORE, step, after)
 
+    @locked
     def poll(self) -> list[Done]:
         """Dones of finished jobs not yet returned (each once); already sent over the ring."""
         self.service()
@@ -188,6 +200,7 @@ class Worker(WorkerLink):
             self._maybe_drained()
         return self._dones.take_local()
 
+    @locked
     def wait(self, job_ids: Collection[int], timeout: float | None = None) -> list[Done]:
         """Block until the named jobs already submitted have finished (or ``timeout``);
         their Dones (each once: :meth:`poll` will not return them again). Ids of jobs not
@@ -200,6 +213,7 @@ class Worker(WorkerLink):
             out += self._report(self._session.engine.wait(pending, timeout), local=False)
         return out
 
+    @locked
     def wait_for_work(self, timeout: float) -> None:
         """Standalone loops: block until a command, a finished copy, a lifeline message or
         a watched fd (:meth:`watch`), or ``timeout`` s; then service. Spins ``spin_us``
@@ -220,6 +234,7 @@ class Worker(WorkerLink):
             return
         self.service()
 
+    @locked
     def watch(self, fd: int) -> None:
         """Also wake :meth:`wait_for_work` when ``fd`` is readable (READY only)."""
         if self._session is not None and self._session.channel is not None:
@@ -230,6 +245,11 @@ class Worker(WorkerLink):
         Dones not yet returned are dropped (counted). A linked worker closed by its host
         (not detached by a fault) says ``Goodbye`` once its copies are done, just before
         its EOF: the scheduler takes that as a clean departure, not a death."""
+        self._stop_publisher()  # before the lock: its thread may be waiting for it
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self._phase is Phase.CLOSED:
             return
         farewell = self.detach_reason is None and self._phase in LINKED

@@ -40,6 +40,7 @@ class SchedulerCounters:
     lookups: int = 0
     lookups_skipped: int = 0  # skip_reading_prefix_cache (e.g. prompt logprobs)
     lookups_asked_again: int = 0
+    lookups_answered_after_pump: int = 0  # "ask again" turned into an answer by a pump
     lookup_hit_tokens: int = 0
     loads_ok: int = 0
     loaded_tokens: int = 0  # tokens of successful loads (a hit offered again is not counted)

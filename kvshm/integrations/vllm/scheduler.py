@@ -8,7 +8,11 @@ import), around a kvshm :class:`~kvshm.engine.SyncClient`, which is created in
 * ``get_num_new_matched_tokens`` -> :meth:`lookup`: ``(hit, True)`` for a hit (an
   async load), ``(0, False)`` on a miss or when the request skips reading the prefix
   cache (vLLM asserts a positive count for async loads), ``(None, False)`` to be asked
-  again (another request is loading part of this prefix right now).
+  again (another request is loading part of this prefix right now, or the disk tier
+  reads it). Before answering "ask again" it pumps the client once and asks again: a
+  disk read whose Done the worker published since the step's last pump (a worker's
+  mover publisher sends it the moment the read ends) is a CPU hit at once, so a disk
+  hit costs one engine step, not two.
 * ``update_state_after_alloc`` -> :meth:`allocated` (whole tables, local hit first).
 * ``build_connector_meta`` -> :meth:`build`: the step's ``StepInput`` from the
   ``SchedulerOutput``, then ``SyncClient.step``; the metadata carries only the step,
@@ -58,7 +62,7 @@ Ordering within ``build``: the client's load results are absorbed first
 requests are forgotten, then the listing is built and ``SyncClient.step`` runs without
 pumping again (``service=False``); loads kvshm refused in phase B join the metadata's
 ``failed_loads`` exactly once. A step pumps twice: ``update_connector_output`` and
-``build``.
+``build`` (plus once per lookup that would answer "ask again").
 """
 
 from __future__ import annotations
@@ -170,6 +174,11 @@ class SchedulerSide:
         client = self.life.bound_client or self.client  # the property raises before bind
         try:
             hit = client.lookup(view, num_computed_tokens)
+            if hit is None:  # a Done since the step's last pump may answer it: pump, ask again
+                self._absorb(client.poll())
+                hit = client.lookup(view, num_computed_tokens)
+                if hit is not None:
+                    counters.lookups_answered_after_pump += 1
         except InvalidRequest as exc:
             self._refuse(rid, exc)
             return 0, False

@@ -513,3 +513,68 @@ def test_vllm_adapter_refused_phase_b_with_tokens_becomes_a_failed_load() -> Non
     assert meta.failed_loads == {"r": (4,)}                    # blocks 0-1 of the table
     assert side.build(so).failed_loads == {}                  # reported once
     m.check_invariants()
+
+
+class LateDoneClient(ManagerClient):
+    """A client whose ``poll`` first applies Dones that "arrived on the ring" since the
+    last pump (``late``: job ids, rank 0, ok): a worker that published them between two
+    of the scheduler's hooks."""
+
+    def __init__(self, m: OffloadManager) -> None:
+        super().__init__(m)
+        self.late: list[int] = []
+        self.polls = 0
+
+    def poll(self) -> list[LoadResult]:
+        self.polls += 1
+        for job in self.late:
+            self.m.on_done(job, 0, True)
+        self.late = []
+        return super().poll()
+
+
+def test_vllm_lookup_pumps_before_asking_again() -> None:
+    """R's lookup finds its prefix pinned by A's load still in flight, which would answer
+    "ask again" (vLLM then skips R for this whole step). The load's Done is already in
+    the ring (the worker published it after the step's last pump): the side pumps once
+    and asks again, so R gets its hit in this schedule, not the next step's (the same
+    path a disk read's Done takes: issue 32's disk hit cost an extra step per pump)."""
+    from types import SimpleNamespace as NS
+
+    from kvshm.integrations.vllm.config import ConnectorConfig
+    from kvshm.integrations.vllm.scheduler import SchedulerSide
+    from kvshm.types import StoreMode
+
+    cpu, gpu = BlockPool(8), BlockPool(16)
+    m = OffloadManager(cpu, gpu, block_size=BS)
+    side = SchedulerSide(ConnectorConfig("unit", 1, 1, BS, (KVGroup.full(),), StoreMode.EAGER,
+                                         None, 8, None, 30.0, 5.0, 0))
+    client = LateDoneClient(m)
+    side.life.bound_client = client  # type: ignore[assignment]
+    hashes = chain_hashes(list(range(9)), BS)
+
+    def request(rid: str, computed: int) -> Any:
+        r = NS(request_id=rid, block_hashes=hashes, num_tokens=9, num_computed_tokens=computed,
+               num_output_placeholders=0, kv_transfer_params=None)
+        side.on_new_request(r)
+        return r
+
+    def step(new: list[Any]) -> None:
+        side.build(NS(scheduled_new_reqs=new, preempted_req_ids=set(), finished_req_ids=set(),
+                      scheduled_cached_reqs=NS(req_ids=[], resumed_req_ids=set(),
+                                               new_block_ids=[], num_computed_tokens=[])))
+
+    g, gg = request("g", 8), gpu.allocate(3)
+    step([NS(req_id="g", block_ids=([*gg],), num_computed_tokens=8)])
+    m.on_done(next(iter(m._jobs.jobs)), 0, True)              # g's blocks stored
+    side.finished(g, [gg])
+    a, ga = request("a", 0), gpu.allocate(3)
+    assert side.lookup(a, 0) == (8, True)
+    side.allocated(a, [ga], 8)
+    step([NS(req_id="a", block_ids=([*ga],), num_computed_tokens=0)])
+    load = next(iter(m._jobs.jobs))                            # A's load, in flight
+    r = request("r", 0)
+    polls = client.polls
+    client.late = [load]                                       # its Done is in the ring
+    assert side.lookup(r, 0) == (8, True)
+    assert client.polls == polls + 1 and side.counters.lookups_answered_after_pump == 1
