@@ -78,9 +78,8 @@ class Block:
 
 class FreeBlockQueue:
     """Doubly linked queue of blocks, LRU end first; every operation is O(1).
-    ``size``: the blocks queued (``len()``); ``head`` / ``tail``: the sentinels. Outside
-    this class only :class:`kvshm.offload.evict.DepthAged`'s inlined copies of
-    :meth:`append` and :meth:`remove` (its hot paths) touch them."""
+    ``size``: the blocks queued (``len()``); ``head`` / ``tail``: the sentinels, touched
+    only by this class."""
 
     __slots__ = ("head", "size", "tail")
 

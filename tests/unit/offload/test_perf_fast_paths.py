@@ -1,7 +1,6 @@
 """The hot paths' shortcuts (issue 15, "O(changed) per step") answer exactly what the
 general paths answer: the one-group hit search and phase-B pairing, ``cached_run``, the
-one-pass ``free``, ``add_hashes``' single-key path, DepthAged's inlined ``append`` and
-``remove``, VllmGpuBlocks' slot read, and the facade's skipped no-op after-hooks."""
+one-pass ``free``, ``add_hashes``' single-key path, VllmGpuBlocks' slot read, and the facade's skipped no-op after-hooks."""
 
 from __future__ import annotations
 
@@ -11,12 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvshm.config import Eviction
 from kvshm.engine.facade import Facade
 from kvshm.errors import ConfigError
 from kvshm.integrations.vllm.blocks import VllmGpuBlocks, plain_hash
-from kvshm.offload.blocks import FRESH
-from kvshm.offload.evict import DepthAged
 from kvshm.offload.groups import GroupSet
 from kvshm.offload.hits import Hit, assign, find_hit
 from kvshm.offload.pool import BlockPool
@@ -110,50 +106,6 @@ def test_add_hashes_single_key_path() -> None:
     with pytest.raises(ConfigError):
         pool.add_hashes(7, [H[2]])
     pool.check_invariants()
-
-
-@settings(max_examples=100, deadline=None)
-@given(ops=st.lists(st.tuples(st.sampled_from(["free", "take"]), st.integers(0, 15),
-                              st.integers(0, 5)), max_size=60))
-def test_depth_aged_inlined_paths_keep_the_order(ops: list[tuple[str, int, int]]) -> None:
-    """Against a DepthAged whose append and remove are the base class's (no inlining)."""
-
-    class Plain(DepthAged):
-        def append(self, b: Any) -> None:
-            self._place(b)
-            self._len += 1
-
-        def extend(self, blocks: Any) -> None:
-            for b in blocks:
-                self.append(b)
-
-        def remove(self, b: Any) -> None:
-            if b.slot == FRESH:
-                self.fresh.remove(b)
-            else:
-                self._unlink(b)
-            self._len -= 1
-
-    pools = [BlockPool(16, eviction=Eviction.DEPTH_AGED) for _ in range(2)]
-    fs = pools[1]._queue
-    assert isinstance(fs, DepthAged)
-    plain = Plain(k=fs.k, slot_width=fs.width)
-    plain.fresh = fs.fresh
-    plain._len = len(fs)
-    pools[1]._queue = plain
-    for op, i, depth in ops:
-        for pool in pools:
-            if op == "free" and pool.ref_cnt(i) == 0:
-                pool.touch([i])
-            elif op == "free":
-                pool.add_hashes(i, [H[i]])
-                pool.set_depth(i, depth)
-                pool.free([i])
-            elif pool.num_free:
-                pool.touch([next(pool.iter_free_from_lru())])
-        assert list(pools[0].iter_free_from_lru()) == list(pools[1].iter_free_from_lru())
-    for pool in pools:
-        pool.check_invariants()
 
 
 class _SlotBlock:

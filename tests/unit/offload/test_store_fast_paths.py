@@ -1,7 +1,6 @@
 """The store path's shortcuts (issue 15) decide exactly what the general paths decide:
 the one-group walk and finish-time pin against the general ones, ``BlockPool.add_keys``
-against ``add_hashes`` + ``set_depth`` one by one, ``FreeBlockQueue.extend`` against ``append``
-and ``DepthAged.extend`` against its ``append``."""
+against ``add_hashes`` + ``set_depth`` one by one, ``FreeBlockQueue.extend`` against ``append``."""
 
 from __future__ import annotations
 
@@ -16,7 +15,6 @@ from kvshm.config import Eviction
 from kvshm.errors import ConfigError
 from kvshm.offload.blocks import Block, FreeBlockQueue
 from kvshm.offload.counters import ManagerCounters
-from kvshm.offload.evict import DepthAged
 from kvshm.offload.groups import GroupSet
 from kvshm.offload.jobs import Selection
 from kvshm.offload.pool import BlockPool
@@ -189,23 +187,6 @@ def test_queue_extend_equals_append() -> None:
         q.extend([bs[5], bs[1]])
     assert [b.block_id for b in q] == [0, 1, 2, 3, 4, 5] and len(q) == 6
     q.check_links(limit=10)
-
-
-@settings(max_examples=100, deadline=None)
-@given(depths=st.lists(st.integers(0, 40), max_size=30), cut=st.integers(0, 30))
-def test_depth_aged_extend_equals_append(depths: list[int], cut: int) -> None:
-    sets = [DepthAged(k=3, slot_width=3) for _ in range(2)]
-    blocks = [[Block(i) for i in range(len(depths))] for _ in range(2)]
-    for bl in blocks:
-        for b, d in zip(bl, depths):
-            b.depth = d
-    sets[0].extend(blocks[0][:cut])
-    sets[0].extend(blocks[0][cut:])
-    for b in blocks[1]:
-        sets[1].append(b)
-    assert ([b.block_id for b in sets[0]] == [b.block_id for b in sets[1]]
-            and sets[0].clock == sets[1].clock and len(sets[0]) == len(sets[1]))
-    sets[0].check_links(limit=100)
 
 
 def test_index_entry_is_the_id_until_a_second_block_shares_the_hash() -> None:
