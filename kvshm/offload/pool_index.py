@@ -70,16 +70,12 @@ class HashIndex:
                               "blocks)")
         b = blocks[block_id]
         have = b.hashes
-        new: list[BlockHash]
-        if type(hashes) is list and len(hashes) == 1 and type(hashes[0]) is bytes:
-            new = [] if hashes[0] in have else hashes  # a store's usual single key
-        else:
-            new = []
-            for h in hashes:
-                if not isinstance(h, bytes):
-                    raise ConfigError(f"block hash must be bytes, got {type(h).__name__}")
-                if h not in have and h not in new:
-                    new.append(h)
+        new: list[BlockHash] = []
+        for h in hashes:
+            if not isinstance(h, bytes):
+                raise ConfigError(f"block hash must be bytes, got {type(h).__name__}")
+            if h not in have and h not in new:
+                new.append(h)
         if not new:
             return
         index = self.entries

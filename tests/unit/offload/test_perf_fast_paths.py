@@ -1,6 +1,6 @@
 """The hot paths' shortcuts (issue 15, "O(changed) per step") answer exactly what the
 general paths answer: the one-group hit search and phase-B pairing, ``cached_run``, the
-one-pass ``free``, ``add_hashes``' single-key path, VllmGpuBlocks' slot read, and the facade's skipped no-op after-hooks."""
+one-pass ``free`` and VllmGpuBlocks' slot read."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from kvshm.engine.facade import Facade
 from kvshm.errors import ConfigError
 from kvshm.integrations.vllm.blocks import VllmGpuBlocks, plain_hash
 from kvshm.offload.groups import GroupSet
@@ -93,21 +92,6 @@ def test_one_pass_free_refuses_as_before_and_changes_nothing() -> None:
     pool.check_invariants()
 
 
-def test_add_hashes_single_key_path() -> None:
-    pool = BlockPool(4, enable_events=True)
-    (b,) = pool.allocate(1)
-    pool.add_hashes(b, [H[0]])
-    pool.add_hashes(b, [H[0]])  # already carried: no change, no event
-    pool.add_hashes(b, (H[1], H[0]))
-    assert pool.block_hashes(b) == (H[0], H[1])
-    assert [e.hashes for e in pool.take_events()] == [(H[0],), (H[1],)]
-    with pytest.raises(ConfigError):
-        pool.add_hashes(b, ["x"])  # type: ignore[list-item]
-    with pytest.raises(ConfigError):
-        pool.add_hashes(7, [H[2]])
-    pool.check_invariants()
-
-
 class _SlotBlock:
     __slots__ = ("_block_hash", "block_id")
 
@@ -173,15 +157,3 @@ def test_vllm_blocks_bulk_read_answers_what_one_by_one_answers(cls: type) -> Non
                                            plain_hash(b"s" * 36))
 
 
-def test_facade_calls_only_the_after_hooks_a_face_overrides() -> None:
-    class Quiet(Facade):
-        pass
-
-    class Loud(Facade):
-        def _after_step(self) -> None:
-            pass
-
-    core: Any = object()
-    q, loud = Quiet(core), Loud(core)
-    assert not (q._hooks_allocated or q._hooks_step or q._hooks_finished)
-    assert loud._hooks_step and not (loud._hooks_allocated or loud._hooks_finished)
