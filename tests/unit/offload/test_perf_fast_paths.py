@@ -1,6 +1,6 @@
 """The hot paths' shortcuts (issue 15, "O(changed) per step") answer exactly what the
-general paths answer: the one-group hit search and phase-B pairing, ``cached_run``, the
-one-pass ``free`` and VllmGpuBlocks' slot read."""
+general paths answer: the one-group hit search and phase-B pairing, ``cached_run`` and
+VllmGpuBlocks' slot read."""
 
 from __future__ import annotations
 
@@ -69,27 +69,6 @@ def test_cached_run_is_get_cached_up_to_the_first_miss() -> None:
     assert pool.cached_run(seq, 1, 2) == [ids[1]]
     assert pool.cached_run(seq, 2, 4) == []
     assert pool.cached_run(seq, 3, 4) == [pool.get_cached(H[2])]
-
-
-def test_one_pass_free_refuses_as_before_and_changes_nothing() -> None:
-    pool = BlockPool(4)
-    a, b = pool.allocate(2)
-    pool.free([b])
-    with pytest.raises(ConfigError, match=f"free of block {b} at ref 0"):
-        pool.free([b])
-    with pytest.raises(ConfigError, match=f"free of block {b} 1 time"):
-        pool.free([a, b])
-    with pytest.raises(ConfigError, match=f"free of block {a} 2 time"):
-        pool.free([a, a])
-    with pytest.raises(ConfigError, match="unknown block id 9"):
-        pool.free([a, 9])
-    with pytest.raises(ConfigError, match="unknown block id -1"):
-        pool.free(iter([a, -1]))
-    assert pool.ref_cnt(a) == 1 and pool.ref_cnt(b) == 0
-    pool.touch([a])
-    pool.free(reversed([a, a]))  # repeats within the ref count are fine
-    assert pool.ref_cnt(a) == 0
-    pool.check_invariants()
 
 
 class _SlotBlock:

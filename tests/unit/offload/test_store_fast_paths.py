@@ -13,7 +13,6 @@ from hypothesis import strategies as st
 
 from kvshm.config import Eviction
 from kvshm.errors import ConfigError
-from kvshm.offload.blocks import Block, FreeBlockQueue
 from kvshm.offload.counters import ManagerCounters
 from kvshm.offload.groups import GroupSet
 from kvshm.offload.jobs import Selection
@@ -135,32 +134,6 @@ def test_add_keys_equals_add_hashes_one_by_one(
         pool.check_invariants()
 
 
-@pytest.mark.parametrize(("pre", "ids", "keys"), [
-    ([(0, 1)], [2, 3], [1, 2]),  # key 1 is already block 0's: the index keeps 0 first
-    ([], [2, 2], [1, 2]),  # block 2 twice: it carries both keys
-    ([], [2, 3], [1, 1]),  # key 1 twice: blocks 2 and 3 both carry it
-    ([(2, 5)], [2, 3], [1, 2]),  # block 2 carries a hash already
-])
-def test_add_keys_bulk_path_declines_what_it_cannot_do_alike(
-        pre: list[tuple[int, int]], ids: list[int], keys: list[int]) -> None:
-    """Each case the bulk path must leave to the per-block loop, without events and
-    with depths: the same index, hashes and depths as add_hashes one by one."""
-    pools = [BlockPool(8) for _ in range(2)]
-    for pool in pools:
-        pool.allocate(8)
-        for b, h in pre:
-            pool.add_hashes(b, [H[h]])
-    pools[0].add_keys(ids, [H[k] for k in keys], [7] * len(ids))
-    for b, k in zip(ids, keys):
-        pools[1].add_hashes(b, [H[k]])
-        pools[1].set_depth(b, 7)
-    got = [([(pool.block_hashes(b), pool._blocks[b].depth) for b in range(8)],
-            [pool.get_cached(h) for h in H]) for pool in pools]
-    assert got[0] == got[1]
-    for pool in pools:
-        pool.check_invariants()
-
-
 def test_add_keys_refuses_before_any_change() -> None:
     pool = BlockPool(4, enable_events=True)
     a, b = pool.allocate(2)
@@ -175,18 +148,6 @@ def test_add_keys_refuses_before_any_change() -> None:
     assert pool.num_hashes == 0 and pool.take_events() == []
     pool.add_keys([], [])
     pool.check_invariants()
-
-
-def test_queue_extend_equals_append() -> None:
-    bs = [Block(i) for i in range(6)]
-    q = FreeBlockQueue(bs[:2])
-    q.extend(bs[2:5])
-    assert [b.block_id for b in q] == [0, 1, 2, 3, 4] and len(q) == 5
-    q.check_links(limit=10)
-    with pytest.raises(Exception, match="already in the free queue"):
-        q.extend([bs[5], bs[1]])
-    assert [b.block_id for b in q] == [0, 1, 2, 3, 4, 5] and len(q) == 6
-    q.check_links(limit=10)
 
 
 def test_index_entry_is_the_id_until_a_second_block_shares_the_hash() -> None:
@@ -210,64 +171,3 @@ def test_index_entry_is_the_id_until_a_second_block_shares_the_hash() -> None:
     pool.check_invariants()
 
 
-@settings(max_examples=100, deadline=None)
-@given(ev=st.sampled_from(list(Eviction)), ops=st.lists(
-    st.tuples(st.sampled_from(["free", "alloc"]), st.integers(0, 11), st.integers(0, 5)),
-    max_size=40))
-def test_allocate_takes_what_popleft_one_by_one_takes(
-        ev: Eviction, ops: list[tuple[str, int, int]]) -> None:
-    """``allocate``'s one ``take`` against a pool whose free set pops one at a time."""
-
-    class OneByOne(BlockPool):
-        def allocate(self, n: int) -> list[int]:
-            out = []
-            for _ in range(min(n, self.num_free)):
-                b = self._queue.popleft()
-                if b.hashes:
-                    self.evictions += 1
-                    self.index.unindex(b)
-                b.ref_cnt = 1
-                out.append(b.block_id)
-            return out
-
-    pools = [BlockPool(12, eviction=ev, enable_events=True),
-             OneByOne(12, eviction=ev, enable_events=True)]
-    held: list[list[int]] = [[], []]
-    for op, i, d in ops:
-        got = []
-        for pool, mine in zip(pools, held):
-            if op == "alloc":
-                got.append(pool.allocate(min(1 + i % 4, pool.num_free)))
-                mine.extend(got[-1])
-            elif mine:
-                b = mine.pop(i % len(mine))
-                pool.add_keys([b], [H[i]], [d])
-                pool.free([b])
-        assert got[:1] == got[1:] and held[0] == held[1]
-        assert list(pools[0].iter_free_from_lru()) == list(pools[1].iter_free_from_lru())
-        assert pools[0].take_events() == pools[1].take_events()
-    for pool in pools:
-        pool.check_invariants()
-    with pytest.raises(Exception, match="take 13"):
-        pools[0]._queue.take(13)
-
-
-def test_one_pass_free_undoes_its_decrements_when_refused() -> None:
-    pool = BlockPool(4, eviction=Eviction.DEPTH_AGED)
-    a, b, c = pool.allocate(3)
-    pool.touch([a])
-    pool.add_keys([a, b], [H[0], H[1]])
-    pool.free([c])
-    with pytest.raises(ConfigError, match=f"free of block {a} 3 time"):
-        pool.free([b, a, a, a])
-    with pytest.raises(ConfigError, match="unknown block id 99"):
-        pool.free([a, c, 99])  # an unknown id is named before a block at ref 0
-    with pytest.raises(ConfigError, match=f"free of block {c} 1 time"):
-        pool.free(reversed([c, b, a]))
-    with pytest.raises(TypeError):
-        pool.free([a, "x"])  # type: ignore[list-item]
-    assert [pool.ref_cnt(i) for i in (a, b, c)] == [2, 1, 0] and pool.num_free == 2
-    pool.check_invariants()
-    pool.free([a, b, a])
-    assert pool.num_free == 4
-    pool.check_invariants()
