@@ -225,53 +225,6 @@ def test_add_keys_non_int_id_midway_changes_nothing() -> None:
 
 # ---- phase B's hand-over ------------------------------------------------------------
 
-class _Holder:
-    """What ``OffloadManager._hand_over`` reads of its manager: the CPU pool."""
-
-    def __init__(self, cpu: BlockPool) -> None:
-        self.cpu = cpu
-
-
-def _general_hand_over(cpu: BlockPool, pinned: list[int], taken: list[int]) -> None:
-    cpu.touch(taken)
-    cpu.free(reversed(pinned))
-
-
-@pytest.mark.parametrize("eviction", ORDERS, ids=lambda e: e.value)
-@settings(max_examples=200, deadline=None)
-@given(data=st.data())
-def test_hand_over_matches_touch_then_free(eviction: Eviction, data: st.DataObject) -> None:
-    from kvshm.offload.manager import OffloadManager
-
-    pools = [BlockPool(N, enable_events=True, eviction=eviction) for _ in range(2)]
-    hashed = data.draw(st.lists(st.integers(0, N - 1), unique=True, min_size=1))
-    extra = data.draw(st.lists(st.integers(0, N - 1), max_size=3))  # other pins
-    pinned = data.draw(st.lists(st.sampled_from(hashed), min_size=1, max_size=6))
-    how = data.draw(st.sampled_from(["prefix", "shuffled", "subset"]))
-    k = data.draw(st.integers(0, len(pinned)))
-    if how == "prefix":
-        taken = pinned[:k]
-    elif how == "shuffled":
-        taken = data.draw(st.permutations(pinned[:k]))
-    else:
-        taken = data.draw(st.lists(st.sampled_from(pinned), max_size=k))
-    order = data.draw(st.permutations(range(N)))
-    for cpu in pools:
-        cpu.allocate(N)
-        for d, i in enumerate(hashed):
-            cpu.add_keys([i], [H[i]], [d])
-        cpu.touch(extra)
-        cpu.free([i for i in order])  # ref 0 (or the extra pins), in a drawn order
-        cpu.touch(pinned)  # phase A's pins
-        cpu.take_events()
-    OffloadManager._hand_over(_Holder(pools[0]), list(pinned), list(taken))  # type: ignore[arg-type]
-    _general_hand_over(pools[1], list(pinned), list(taken))
-    assert _state(pools[0]) == _state(pools[1])
-    assert pools[0].take_events() == pools[1].take_events()
-    for cpu in pools:
-        cpu.check_invariants()
-
-
 # ---- a store's completion: add_keys (one group) against the pairs one by one ---------
 
 class _Gpu:
