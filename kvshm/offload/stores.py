@@ -275,49 +275,13 @@ class StorePlanner:
 
     def pin_finished(self, st: Cursor, ready: int) -> int:
         """Finish-time: touch and queue ``st``'s unstored candidates ``[cursor, ready)``
-        (no CPU limit; the next steps send them). Returns how many were queued. One
-        full-attention group is classified inline (:meth:`_pin_one_group`)."""
-        if self.gs.single:
-            picks = self._pin_one_group(st, ready)
-        else:
-            picks = self._pin_groups(st, ready)
+        (no CPU limit; the next steps send them). Returns how many were queued."""
+        picks = self._pin_groups(st, ready)
         st.cursor = max(st.cursor, ready)
         if picks:
             self.gpu.touch([c.gpu_id for c in picks])
             self.finish_queue.extend(picks)
         return len(picks)
-
-    def _pin_one_group(self, st: Cursor, ready: int) -> list[Cand]:
-        """:meth:`_pin_groups` for ``gs.single``, :meth:`classify` inlined (the key is
-        the plain hash; no window): the same decisions and counts, marked as taken."""
-        picks: list[Cand] = []
-        table, hashes = st.tables[0], st.hashes
-        nh = len(hashes)
-        load_dst, inflight_gpu, inflight_keys, cached, gh_of, declined = self._hot
-        for p in range(st.cursor, ready):
-            b = table[p]
-            if b in load_dst or b in inflight_gpu:
-                declined[DeclineReason.IN_FLIGHT] += 1
-                continue
-            gh = gh_of(b)
-            h = hashes[p] if p < nh else None
-            if h is None:
-                if not gh:
-                    declined[DeclineReason.UNHASHED] += 1
-                    continue
-                h = gh[0]
-            elif gh and h not in gh:
-                declined[DeclineReason.HASH_MISMATCH] += 1
-                continue
-            if h in inflight_keys:
-                declined[DeclineReason.IN_FLIGHT] += 1
-            elif h in cached:
-                declined[DeclineReason.ALREADY_CACHED] += 1
-            else:
-                inflight_gpu.add(b)
-                inflight_keys.add(h)
-                picks.append(Cand(b, 0, h, p))
-        return picks
 
     def _pin_groups(self, st: Cursor, ready: int) -> list[Cand]:
         """Classify and mark ``st``'s candidates ``[cursor, ready)`` of every group."""

@@ -1,5 +1,5 @@
 """The store path's shortcuts (issue 15) decide exactly what the general paths decide:
-the one-group walk and finish-time pin against the general ones, ``BlockPool.add_keys``
+the one-group walk against the general one, ``BlockPool.add_keys``
 against ``add_hashes`` + ``set_depth`` one by one, ``FreeBlockQueue.extend`` against ``append``."""
 
 from __future__ import annotations
@@ -75,29 +75,6 @@ def test_one_group_walk_equals_the_general_walk(
             left = plan.walk(cur, ready, left, (), sel)
         out.append((left, cur.cursor, sel.gpu_ids, sel.groups, sel.keys, sel.depths,
                     sel.to_touch, sorted(plan.inflight_gpu), sorted(plan.inflight_keys),
-                    plan.counters.as_dict()))
-    assert out[0] == out[1]
-
-
-@settings(max_examples=300, deadline=None)
-@given(gpu_h=st.lists(st.one_of(st.none(), st.integers(0, 11)), min_size=12, max_size=12),
-       seq=st.lists(st.integers(0, 11), max_size=10), cached=st.sets(st.integers(0, 11)),
-       inflight=st.sets(st.integers(0, 11)), keys_inflight=st.sets(st.integers(0, 11)),
-       loading=st.sets(st.integers(0, 11)), order=st.permutations(list(range(12))),
-       cursor=st.integers(0, 4), ready=st.integers(0, 12))
-def test_one_group_finish_pin_equals_the_general_pin(
-        gpu_h: list[int | None], seq: list[int], cached: set[int], inflight: set[int],
-        keys_inflight: set[int], loading: set[int], order: list[int], cursor: int,
-        ready: int) -> None:
-    """``pin_finished``: the one-group shortcut queues, marks, touches and counts what
-    the general classification does (GPU refs included), and moves the cursor alike."""
-    out = []
-    for single in (True, False):
-        gpu, plan = _state(single, gpu_h, cached, inflight, keys_inflight, loading)
-        cur = _Cur([order], [H[i] for i in seq], cursor)
-        n = plan.pin_finished(cur, ready)
-        out.append((n, cur.cursor, list(plan.finish_queue), sorted(plan.inflight_gpu),
-                    sorted(plan.inflight_keys), [gpu.ref_cnt(b) for b in range(12)],
                     plan.counters.as_dict()))
     assert out[0] == out[1]
 
