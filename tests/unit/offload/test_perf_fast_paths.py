@@ -1,74 +1,15 @@
 """The hot paths' shortcuts (issue 15, "O(changed) per step") answer exactly what the
-general paths answer: the one-group hit search and phase-B pairing, ``cached_run`` and
-VllmGpuBlocks' slot read."""
+general paths answer: VllmGpuBlocks' slot read and bulk read."""
 
 from __future__ import annotations
 
 from typing import Any
 
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
-from kvshm.errors import ConfigError
 from kvshm.integrations.vllm.blocks import VllmGpuBlocks, plain_hash
-from kvshm.offload.groups import GroupSet
-from kvshm.offload.hits import Hit, assign, find_hit
-from kvshm.offload.pool import BlockPool
-from kvshm.types import KVGroup
 
 H = [bytes([i]) * 16 for i in range(24)]
-
-
-def _general(gs: GroupSet) -> GroupSet:
-    """The same groups, with the one-group shortcut switched off."""
-    out = GroupSet(gs.groups, 16)
-    out.single = False
-    return out
-
-
-def _fields(hit: Hit | None) -> Any:
-    if hit is None:
-        return None
-    return hit.start, hit.end, hit.cpu, hit.pinned, tuple(hit.hashes), hit.cause
-
-
-@settings(max_examples=200, deadline=None)
-@given(cached=st.sets(st.integers(0, 23)), seq=st.lists(st.integers(0, 23), max_size=12),
-       start=st.integers(0, 12), cap=st.integers(0, 12), k=st.integers(1, 12))
-def test_one_group_hit_and_assignment_equal_the_general_path(
-        cached: set[int], seq: list[int], start: int, cap: int, k: int) -> None:
-    pool = BlockPool(32)
-    ids = pool.allocate(len(cached))
-    for b, h in zip(ids, sorted(cached)):
-        pool.add_hashes(b, [H[h]])
-    gs = GroupSet((KVGroup.full(),), 16)
-    assert gs.single
-    hashes = [H[i] for i in seq]
-    fast, slow = find_hit(pool, gs, hashes, start, cap), find_hit(pool, _general(gs), hashes,
-                                                                  start, cap)
-    assert _fields(fast) == _fields(slow)
-    if fast is None or slow is None:
-        return
-    k = min(k, fast.end - fast.start)
-    table = [[100 + p for p in range(fast.end + 2)]]
-    one, other = assign(pool, gs, fast, table, k), assign(pool, _general(gs), slow, table, k)
-    assert (one.cpu_ids, one.gpu_ids, one.failed) == (other.cpu_ids, other.gpu_ids,
-                                                      other.failed)
-    with pytest.raises(ConfigError):
-        assign(pool, gs, fast, [table[0][:fast.start + k - 1]], k)
-
-
-def test_cached_run_is_get_cached_up_to_the_first_miss() -> None:
-    pool = BlockPool(8)
-    ids = pool.allocate(3)
-    for b, h in zip(ids, H):
-        pool.add_hashes(b, [h])
-    seq = [H[0], H[1], H[5], H[2]]
-    assert pool.cached_run(seq, 0, 4) == [ids[0], ids[1]]
-    assert pool.cached_run(seq, 1, 2) == [ids[1]]
-    assert pool.cached_run(seq, 2, 4) == []
-    assert pool.cached_run(seq, 3, 4) == [pool.get_cached(H[2])]
 
 
 class _SlotBlock:
