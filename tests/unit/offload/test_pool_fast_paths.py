@@ -171,41 +171,6 @@ def test_pool_fast_paths_match_the_general_paths(eviction: Eviction, size: int,
             assert _core(new) == _core(before), op  # (exhausted counts a refusal)
 
 
-@pytest.mark.parametrize("eviction", ORDERS, ids=lambda e: e.value)
-def test_int_entry_to_dict_and_back_keeps_earliest_registered(eviction: Eviction) -> None:
-    """Two blocks under one hash (int -> dict), the first evicted (dict of one), a third
-    added, the second removed: get_cached always names the earliest still carrying it."""
-    pool = BlockPool(4, eviction=eviction)
-    a, b, c, d = pool.allocate(4)
-    pool.add_keys([a], [H[0]])
-    assert pool.get_cached(H[0]) == a
-    pool.add_keys([b, b], [H[0], H[0]])
-    assert pool.get_cached(H[0]) == a and pool.block_hashes(b) == (H[0],)
-    pool.remove_hashes(a)
-    assert pool.get_cached(H[0]) == b and pool.cached_run(H, 0, 2) == [b]
-    pool.add_hashes(c, [H[0]])
-    pool.remove_hashes(b)
-    assert pool.get_cached(H[0]) == c
-    pool.free([c, d])
-    assert pool.allocate(1) == [d]  # uncached first, every order
-    assert pool.allocate(1) == [c] and pool.get_cached(H[0]) is None
-    pool.check_invariants()
-    assert [pool.ref_cnt(i) for i in range(4)] == [1, 1, 1, 1]
-
-
-def test_block_zero_as_an_int_entry_is_a_hit() -> None:
-    """An int entry 0 (block 0) is falsy: every reader must still answer it."""
-    pool = BlockPool(2)
-    assert pool.allocate(1) == [0]
-    pool.add_keys([0], [H[1]])
-    assert pool.get_cached(H[1]) == 0
-    assert pool.cached_run(H, 1, 3) == [0]
-    assert pool.is_cached(H[1]) and H[1] in pool.cached_keys
-    pool.drop_all_hashes()
-    assert pool.get_cached(H[1]) is None
-    pool.check_invariants()
-
-
 # ---- edge cases the fast paths once got wrong -----------------------------------------
 
 def test_add_keys_non_int_id_midway_changes_nothing() -> None:
