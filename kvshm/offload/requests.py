@@ -315,57 +315,17 @@ class RequestTracker:
     def select(self, dirty: list[ScheduledRequest], alloc: Collection[int], avail: int,
                sel: Selection) -> int:
         """Walk each changed request's confirmed blocks into ``sel``, in order; returns
-        what is left of ``avail`` CPU blocks. A run of requests in a row that each have
-        exactly one position to walk (a decode step's usual change, one full-attention
-        group) is offered to :meth:`StorePlanner.pick_run
-        <kvshm.offload.stores.StorePlanner.pick_run>` first, which selects the whole run
-        at once when every walk would pick its block; else the run is walked request by
-        request. Either way the same blocks are picked in the same order."""
+        what is left of ``avail`` CPU blocks."""
         bs = self.bs
         reqs, walk = self.reqs, self.plan.walk
-        single = self.gs.single
-        run: list[tuple[ScheduledRequest, ReqState, int]] = []
         for r in dirty:
             st = reqs[r.req_id]
-            st.hashes = hashes = r.block_hashes
+            st.hashes = r.block_hashes
             tables = st.tables
             shortest = len(tables[0]) if len(tables) == 1 else min(map(len, tables))
             ready = r.num_confirmed_tokens // bs
             if shortest < ready:
                 ready = shortest
-            p = st.cursor
-            if single and ready == p + 1 and p < len(hashes):
-                run.append((r, st, ready))
-                continue
-            if run:
-                avail = self._select_run(run, alloc, avail, sel)
-                run = []
-            avail = walk(st, ready, avail, alloc, sel)
-            self._walked(r, st, ready)
-        if run:
-            avail = self._select_run(run, alloc, avail, sel)
-        return avail
-
-    def _select_run(self, run: list[tuple[ScheduledRequest, ReqState, int]],
-                    alloc: Collection[int], avail: int, sel: Selection) -> int:
-        """:meth:`select` for ``run``: requests with one position to walk each (its
-        cursor, ``ready - 1``), all at once where the planner takes them, else one by
-        one."""
-        n = len(run)
-        if n > 1 and avail >= n:
-            blocks = [st.tables[0][st.cursor] for _, st, _ in run]
-            keys = [st.hashes[st.cursor] for _, st, _ in run]
-            depths = [st.cursor for _, st, _ in run]
-            if self.plan.pick_run(blocks, keys, depths, sel):
-                watch, stalled = self.watch, self.stalled
-                for r, st, ready in run:
-                    st.cursor = ready
-                    watch[r.req_id] = ready + 1
-                    if stalled:
-                        stalled.pop(r.req_id, None)
-                return avail - n
-        walk = self.plan.walk
-        for r, st, ready in run:
             avail = walk(st, ready, avail, alloc, sel)
             self._walked(r, st, ready)
         return avail

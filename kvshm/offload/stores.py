@@ -36,7 +36,6 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Container, Sequence
 from functools import partial
-from itertools import repeat
 from operator import eq
 from typing import Protocol
 
@@ -204,35 +203,6 @@ class StorePlanner:
             p += 1
         st.cursor = p
         return avail
-
-    def pick_run(self, blocks: list[int], keys: list[bytes], depths: list[int],
-                 sel: Selection) -> bool:
-        """Select ``(blocks[i], keys[i])`` at position ``depths[i]`` for every ``i`` at
-        once, in order, and return True -- exactly when :meth:`walk` (one full-attention
-        group), given each as its request's only position to walk with its hash known
-        and CPU blocks for all, would pick every one: the blocks and keys are distinct,
-        none is in flight, cached or a pending load's destination, and each GPU block
-        carries its key or no hash. Else False with nothing changed (the caller walks
-        them one by one). The tests of a pick are set operations in C; only the GPU
-        hashes are read block by block."""
-        n = len(blocks)
-        load_dst, inflight_gpu, inflight_keys, cached, _, _ = self._hot
-        if (len(set(blocks)) != n or len(set(keys)) != n
-                or not inflight_gpu.isdisjoint(blocks) or not inflight_keys.isdisjoint(keys)
-                or not cached.isdisjoint(keys)
-                or load_dst and any(map(load_dst.__contains__, blocks))):
-            return False
-        for gh, h in zip(self._hashes_of(blocks), keys):
-            if gh and h not in gh:
-                return False
-        inflight_gpu.update(blocks)
-        inflight_keys.update(keys)
-        sel.gpu_ids += blocks
-        sel.groups += repeat(0, n)
-        sel.keys += keys
-        sel.depths += depths
-        sel.to_touch += blocks
-        return True
 
     def _walk_groups(self, st: Cursor, ready: int, avail: int, alloc: Collection[int],
                      sel: Selection) -> int:
