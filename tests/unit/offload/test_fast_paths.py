@@ -1,21 +1,39 @@
-"""The hand-inlined fast paths that stay, each against the general path it shortcuts
-(issue 30 point 5: a fast path stays only where ``tools.bench_vs_vllm``'s realistic
-trace shows it worth >= 5 % of kvshm's step at 1k or 4k running requests).
+"""The hand-inlined fast paths that stay, each against the general path it shortcuts.
 
-Measured by routing that one path to its general path (``--clock cpu --traces realistic
---sizes 1000,4000 --no-chat``, one run per invocation, alternated with unchanged runs);
-worth = the rise of kvshm's step µs over vLLM's in the same run (both contenders run
-interleaved, so the machine's load cancels), against the adjacent unchanged runs,
-median over the runs, phases all / changed:
+Issue 30 point 5: a fast path stays only where ``tools.bench_vs_vllm``'s realistic trace
+shows it worth >= 5 % of kvshm's step at 1k or 4k running requests. Each path was
+routed, alone, to its general path (monkeypatched; ``--clock cpu --traces realistic
+--sizes 1000,4000 --no-chat --runs 1`` per invocation, alternated with unchanged runs;
+2 cores shared with other work). Worth = the rise of kvshm's step µs *over vLLM's in
+the same run* (both contenders run interleaved, so load cancels: the unchanged runs'
+quotient still spread +-5 %), against the adjacent unchanged runs; median over the
+runs (2, the listing 4) per phase, then the mean of the phases all / changed:
 
-* the one-group store walk (``StorePlanner.walk`` with ``classify``, ``mark`` and
-  ``Selection.add`` inlined): +11 % / +5 % at 1k, +17 % / +13 % at 4k (2 runs).
+=====================================  ======  ======
+path (switched off)                    1k      4k
+=====================================  ======  ======
+one-group store walk (KEPT)            +6.3 %  +13.0 %
+one-group completion (add_keys)        +4.1 %  +3.2 %
+listing's ``_known`` shortcut          +3.6 %  -2.9 %
+VllmGpuBlocks' slot read               +3.5 %  +1.7 %
+VllmGpuBlocks' bulk read               +3.3 %  +0.8 %
+FreeBlockQueue's inlined ``extend``    +3.3 %  -1.3 %
+one-pass ``free`` with undo            +2.7 %  -2.2 %
+free set's ``take``                    +2.0 %  -4.6 %
+facade's skipped no-op after-hooks     +1.8 %  -3.1 %
+phase-B pin hand-over                  -2.1 %  +2.8 %
+one-group hit search / pairing         -1.3 %  +2.9 %
+one-group finish-time pin              -2.2 %  +1.1 %
+decode step's one-pass check           -0.6 %  -3.6 %
+``pick_run``                           -2.0 %  -1.5 %
+``add_keys``' bulk update              -2.8 %  -3.1 %
+``add_hashes``' single-key branch      -1.1 %  -2.3 %
+=====================================  ======  ======
 
-Not measured, kept: the hash index's int-or-dict entries (an entry is the block id
-itself until a second block carries the hash: a data layout, not a branch that can be
-routed to another path).
-
-Every other fast path measured under 5 % and was folded back into its general path.
+All but the walk were folded back. ``DepthAged``'s inlined ``extend`` / ``remove`` are
+not on that path (the default order is adaptive): worth 0, folded. Not measured, kept:
+the hash index's int-or-dict entries (an entry is the block id itself until a second
+block carries the hash: a data layout, not a branch that can be switched off).
 """
 
 from __future__ import annotations
