@@ -35,6 +35,8 @@ Cost: a step touches only requests whose confirmed tokens crossed their cursor's
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Container, Sequence
+from functools import partial
+from operator import eq
 from typing import Protocol
 
 from kvshm.config import Eviction
@@ -63,6 +65,12 @@ class Cursor(Protocol):
 _NO_IDS: frozenset[int] = frozenset()
 
 
+def _each(block_hashes: Callable[[int], tuple[BlockHash, ...]],
+          ids: list[int]) -> list[tuple[BlockHash, ...]]:
+    """``block_hashes`` of each id (a pool without a bulk read)."""
+    return list(map(block_hashes, ids))
+
+
 class StorePlanner:
     """Owns the in-flight marks and the finish-time queue; see the module docstring.
     ``load_dst``: the GPU ids pending loads write (owned by
@@ -83,6 +91,10 @@ class StorePlanner:
         # (the sets and dicts change in place; the index view is live)
         self._hot = (load_dst, self.inflight_gpu, self.inflight_keys, cpu.cached_keys,
                      gpu.block_hashes, counters.declined)
+        #: ``gpu.block_hashes`` of many ids in one call (a pool's own bulk read, e.g.
+        #: ``VllmGpuBlocks.block_hashes_of``, where it has one)
+        self._hashes_of: Callable[[list[int]], list[tuple[BlockHash, ...]]] = getattr(
+            gpu, "block_hashes_of", None) or partial(_each, gpu.block_hashes)
         self.finish_queue: list[Cand] = []
         #: told the keys of finish-time stores dropped for want of CPU blocks (never
         #: stored, so never put): a P/D publication waiting for one of them learns it
@@ -321,11 +333,19 @@ class StorePlanner:
     def _register(self, gpu_ids: list[int], cpu_ids: list[int], groups: list[int],
                   keys: list[bytes], depths: list[int]) -> None:
         """Index each CPU block under its key, then the GPU block's other hashes (as
-        qualified keys); set the depths (not for plain LRU). Every key is checked
-        before any is indexed (a refused job indexes nothing)."""
+        qualified keys); set the depths (not for plain LRU). Where no GPU block carries
+        a hash besides its key (the usual case: one group, the block hashed as stored)
+        this is one :meth:`BlockPool.add_keys` call; else the pairs one by one."""
         cpu = self.cpu
         depth_list = depths if cpu.eviction is not Eviction.LRU else None
         gh_of = self.gpu.block_hashes
+        if self.gs.single:
+            ghs = self._hashes_of(gpu_ids)
+            # each GPU block carries no hash or exactly its key: (k,) per key from zip
+            if ghs.count(()) + sum(map(eq, ghs, zip(keys))) == len(ghs):
+                cpu.index.add_keys(cpu_ids, keys, depth_list)
+                self.counters.stored_blocks += len(cpu_ids)
+                return
         key_of = self.gs.key
         pairs: list[tuple[int, list[bytes]]] = []
         for c, b, g, k in zip(cpu_ids, gpu_ids, groups, keys):
@@ -335,7 +355,7 @@ class StorePlanner:
                 if q != k:
                     hs.append(q)
             pairs.append((c, hs))
-        for _, hs in pairs:  # every key checked before any is indexed
+        for _, hs in pairs:  # every key checked before any is indexed, as add_keys does
             for h in hs:
                 if not isinstance(h, bytes):
                     raise ConfigError(f"block hash must be bytes, got {type(h).__name__}")
