@@ -42,8 +42,12 @@ next look is the request's next look (it is updated wherever a next look changes
 a request whose next look changed elsewhere leaves the mirror), so both list exactly
 what asking :attr:`Listing.next_look` for every request would list.
 
-Every flagged request goes to :meth:`Listing._changed`, as the reference listing
-(``mirror=False``) does.
+The fast path: a flagged request that was announced, is not resumed and is known (and
+has no ids appended on an engine with sliding-window groups) goes straight to
+:meth:`Listing._known`, which builds its record, as :meth:`Listing._changed` does after
+its guards (~140 such requests a step at 1k running when every request is listed);
+every other case goes to ``_changed``. The reference listing (``mirror=False``) always
+calls ``_changed``.
 
 Duck-typed over vLLM's objects (no vLLM import). The listing reads the scheduler
 side's live requests and adds to its announced set; it changes nothing else there.
@@ -145,9 +149,17 @@ class Listing:
         if self._mirror and self._aligned(ids, nbs, comps):
             looks = self._looks
             flagged = self._flagged(nbs, comps)
+            # _changed's common case without its call (module docstring, "the fast path")
+            announced, requests, sw = self._announced, self._requests, self._sw
             for i in flagged:
-                looks[i] = self._changed(ids[i], nbs[i], comps[i], looks[i], out, alloc,
-                                         state, resumed)
+                rid, nb = ids[i], nbs[i]
+                r = (requests.get(rid) if rid in announced
+                     and (nb is None or rid not in resumed) else None)
+                if r is None or (sw and nb is not None):
+                    looks[i] = self._changed(rid, nb, comps[i], looks[i], out, alloc,
+                                             state, resumed)
+                else:
+                    looks[i] = self._known(rid, r, nb, out)
             looked = len(flagged)
         else:
             looked = self._walk(ids, nbs, comps, out, alloc, state, resumed)
@@ -229,6 +241,8 @@ class Listing:
         gone = self._gone
         j = misses = looked = 0
         hinted = len(ids)  # less one per dict probe below
+        fast = self._mirror  # the reference (no mirror) asks _changed for every request
+        announced, requests, sw = self._announced, self._requests, self._sw
         for rid, nb, computed in zip(ids, nbs, comps):
             if j < n_prev and prev_ids[j] is rid:
                 w = prev_looks[j]
@@ -250,7 +264,12 @@ class Listing:
                 keep(w)
                 continue
             looked += 1
-            keep(self._changed(rid, nb, computed, w, out, alloc, state, resumed))
+            r = (requests.get(rid) if fast and rid in announced
+                 and (nb is None or rid not in resumed) else None)
+            if r is None or (sw and nb is not None):
+                keep(self._changed(rid, nb, computed, w, out, alloc, state, resumed))
+            else:  # _changed's common case, without its guards (module docstring)
+                keep(self._known(rid, r, nb, out))
         if self._mirror:
             self._remirror(ids, looks, 2 * hinted >= len(ids))
         return looked
@@ -303,7 +322,7 @@ class Listing:
     def _known(self, rid: str, r: Any, nb: Any, out: list[ScheduledRequest]) -> int:
         """List announced, known request ``r`` (not resumed) with the ids ``nb``
         appended (None: none); returns and records its next look. The one place such a
-        record is built (:meth:`_changed` calls it)."""
+        record is built (the fast paths and :meth:`_changed` call it)."""
         table = (self._no_new if nb is None
                  else (tuple(nb[0]),) if len(nb) == 1 else tables(nb))
         confirmed = r.num_computed_tokens - r.num_output_placeholders
