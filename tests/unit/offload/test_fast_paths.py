@@ -39,8 +39,9 @@ Only the walk passes alone. Folding all the others cost, against the tree before
 same quotient, 4 alternated pairs), +12.0 % / +15.9 % (all / changed) at 1k and
 +10.9 % / +13.0 % at 4k: over issue 30's "within 5 % of before". So the folds measured
 nearest 5 % were restored (the one-group
-completion, the listing's shortcut, the two vLLM reads): with them back, -3.1 % /
-+1.2 % at 1k and +5.1 % / +6.0 % at 4k against before (3 pairs). ``DepthAged``'s
+completion, the listing's shortcut, the two vLLM reads): with them back, +0.2 % /
++4.9 % at 1k and +4.9 % / +12.8 % at 4k against before (6 pairs: the changed phase at
+4k is still over; the next candidates are the hit search, finish pin and pick_run). ``DepthAged``'s
 inlined ``extend`` / ``remove`` are not on that path (the default order is adaptive):
 worth 0, folded. Not measured, kept: the hash index's int-or-dict entries (an entry
 is the block id itself until a second block carries the hash: a data layout, not a
