@@ -66,7 +66,7 @@ import heapq
 from collections.abc import Iterable
 
 from kvshm.config import Eviction
-from kvshm.errors import ConfigError, StateError
+from kvshm.errors import ConfigError
 from kvshm.offload.blocks import FRESH, NEW, Block, FreeBlockQueue, FreeSet
 from kvshm.offload.evict_adaptive import Adaptive
 
@@ -111,38 +111,6 @@ class DepthAged(FreeSet):
         b.slot = s
         q.append(b)
 
-    def extend(self, blocks: Iterable[Block]) -> None:
-        """:meth:`append` each block in order, the loop's invariants and the clock in
-        locals (the hot path: a store's completion frees its CPU blocks in one call;
-        -12 % against the clock and length kept on ``self``)."""
-        cw, k, w = self.clock_weight, self.k, self.width
-        get = self.slots.get
-        clock = self.clock
-        n = 0
-        try:
-            for b in blocks:
-                clock += 1
-                s = (cw * clock - k * b.depth) // w
-                q = get(s)
-                if q is None:  # a new slot: _place opens it (and counts the tick itself)
-                    self.clock = clock - 1
-                    self._place(b)
-                else:  # q.append(b), inlined
-                    if b.prev is not None or b.next is not None:
-                        raise StateError(f"{b!r} is already in the free queue")
-                    tail = q.tail
-                    left = tail.prev
-                    assert left is not None, "queue link broken"
-                    b.slot = s
-                    b.prev = left
-                    b.next = tail
-                    left.next = tail.prev = b
-                    q.size += 1
-                n += 1
-        finally:
-            self.clock = clock
-            self._len += n
-
     def _unlink(self, b: Block) -> None:
         q = self.slots[b.slot]
         q.remove(b)
@@ -150,22 +118,12 @@ class DepthAged(FreeSet):
             del self.slots[b.slot]
             self.spare.append(q)
 
-    def remove(self, b: Block) -> None:  # the base's, without the hit count
-        s = b.slot
-        if s == FRESH:
+    def remove(self, b: Block) -> None:
+        """The base's, without the hit count."""
+        if b.slot == FRESH:
             self.fresh.remove(b)
-        else:  # _unlink and q.remove(b), inlined
-            prev, nxt = b.prev, b.next
-            if prev is None or nxt is None:
-                raise StateError(f"{b!r} is not in the free queue")
-            q = self.slots[s]
-            prev.next = nxt
-            nxt.prev = prev
-            b.prev = b.next = None
-            q.size -= 1
-            if not q.size:
-                del self.slots[s]
-                self.spare.append(q)
+        else:
+            self._unlink(b)
         self._len -= 1
 
     def _victim(self) -> Block:
