@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -173,6 +175,11 @@ async def test_server_killed_mid_put_and_mid_get_no_hang_then_back(
     toks, other = prompt(5), prompt(6)
     async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ea, ga, _, _):
         ca = Client(ea, ga)
+        # The server is frozen (SIGSTOP) before the store, so the PUT that follows it is
+        # surely in flight when the SIGKILL lands: a batched PUT is one round trip, and a
+        # free server could finish it between two polls of this loop.
+        assert valkey.pid is not None
+        os.kill(valkey.pid, signal.SIGSTOP)
         table, _ = ca.compute("w", toks)
         ca.finish("w", table, len(toks))
         while remote(ea)["put_jobs"] == 0:                     # the store, then the PUT
