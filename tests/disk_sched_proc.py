@@ -3,7 +3,8 @@ scheduler mid-write: ``python tests/disk_sched_proc.py NAME DISK_DIR OUT_DIR``.
 
 tp=2 over :func:`engine_rig.shards`, a CPU tier of 8 blocks and a disk tier in
 ``DISK_DIR``. It stores 12 prompts of 4 full blocks (17 tokens, seeds 60..71), saving
-each prompt's rows of both ranks to ``OUT_DIR/<i>.pt`` before it finishes it, prints
+each prompt's rows of both ranks to ``OUT_DIR/<i>.pt`` (by rename: whole or absent)
+before it finishes it, prints
 ``GO`` after the sixth (write-back is running by then), and keeps stepping until it is
 killed.
 """
@@ -11,6 +12,7 @@ killed.
 from __future__ import annotations
 
 import asyncio
+import os
 import sys
 
 import torch
@@ -27,7 +29,10 @@ async def main(name: str, disk_dir: str, out: str) -> None:
         for i in range(12):
             toks = tokens(4 * BS + 1, seed=60 + i)
             table, _ = c.compute(f"k{i}", toks)
-            torch.save([k[table].clone() for k in ks], f"{out}/{i}.pt")
+            # atomically (rename): a SIGKILL mid-save leaves no truncated <i>.pt, and
+            # prompt i is finished (stored) only after its file exists
+            torch.save([k[table].clone() for k in ks], f"{out}/{i}.pt.tmp")
+            os.replace(f"{out}/{i}.pt.tmp", f"{out}/{i}.pt")
             c.finish(f"k{i}", table, len(toks))
             c.step()
             await asyncio.sleep(0.002)
