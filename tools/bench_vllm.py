@@ -30,8 +30,9 @@ part of the next prompt, the engine generates ``--answer-tokens`` 1 token), one 
 at a time. The CPU tier holds ``--cpu-frac`` (0.5) of the trace's distinct blocks
 (``num_cpu_blocks``). Passes, one engine at a time: no connector, kvshm with an unbounded
 tier (the denominator of ``hit_fraction``), then kvshm with each ``--evictions`` order
-(default ``lru depth_aged``; the benchmark makes the engine's CPU pool use that order,
-as ``EngineConfig(eviction=...)`` asks), and with ``--simplecpu`` vLLM's own
+(default ``lru adaptive``: plain LRU and kvshm's default order; the benchmark makes the
+engine's CPU pool use that order, as ``EngineConfig(eviction=...)`` asks), and with
+``--simplecpu`` vLLM's own
 ``SimpleCPUOffloadConnector`` at the same capacity (its scheduler side unchanged, a
 synchronous CPU copy worker: :mod:`tools.simplecpu_shim`; the passes are in
 :mod:`tools.bench_vllm_chat`). Reported per pass: median
@@ -39,7 +40,8 @@ TTFT of turns 2+, wall time, CPU-hit tokens and ``hit_fraction`` (hit tokens ove
 unbounded tier's).
 Last line: ``{"hit_fraction": {"<pass>": ..}, "ttft_ratio": {"<pass>": <no connector /
 that pass, median TTFT of turns 2+>}, "ttft_mean_ratio": {..the same of the means},
-"ttft_mean_vs_lru": <lru / depth_aged mean TTFT of turns 2+>}``.
+"ttft_mean_vs_lru": <lru / the last other ``--evictions`` order's mean TTFT of turns
+2+>}``.
 """
 
 from __future__ import annotations
@@ -283,7 +285,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--simplecpu", action="store_true",
                     help="--chat: also vLLM's SimpleCPUOffloadConnector (its scheduler "
                     "side unchanged, a synchronous CPU copy worker: tools/simplecpu_shim)")
-    ap.add_argument("--evictions", nargs="+", default=["lru", "depth_aged"],
+    ap.add_argument("--evictions", nargs="+", default=["lru", "adaptive"],
                     help="--chat: the CPU tier's orders to run (kvshm.config.Eviction values)")
     ap.add_argument("--first-tokens", type=int, default=1024)
     ap.add_argument("--user-tokens", type=int, default=256)

@@ -178,6 +178,7 @@ def print_chat(res: dict[str, Any]) -> dict[str, Any]:
             out["ttft_ratio"][s.name] = round(base_t / t, 3)
             out["ttft_mean_ratio"][s.name] = round(base_m / mean, 3)
     by = {s.name: statistics.fmean(s.ttft_later) for s in sides}
-    if "lru" in by and "depth_aged" in by:
-        out["ttft_mean_vs_lru"] = round(by["lru"] / by["depth_aged"], 3)
+    others = [name for name in a["evictions"] if name != "lru" and name in by]
+    if "lru" in by and others:
+        out["ttft_mean_vs_lru"] = round(by["lru"] / by[others[-1]], 3)
     return out

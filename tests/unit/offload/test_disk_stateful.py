@@ -25,7 +25,8 @@ from dataclasses import dataclass, field
 from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
-from manager_rig import BS, Req
+from manager_rig import Req
+from requests_model import Requests
 from test_disk_book import WORLD, DiskRig
 
 from kvshm.ipc.protocol import Direction, Disk, DiskOp, Transfer, unpack_ids
@@ -52,9 +53,7 @@ class DiskMachine(RuleBasedStateMachine):
         self.out: list[Posted] = []
         self.cpu_bytes: list[dict[int, bytes | None]] = [{} for _ in range(WORLD)]
         self.slot_bytes: list[dict[int, bytes | None]] = [{} for _ in range(WORLD)]
-        self.live: set[str] = set()
-        self.hits: dict[str, int] = {}
-        self.tables: dict[str, list[int]] = {}
+        self.reqs = Requests(self.rig)
         self.failed = False
         self.revoked: set[int] = set()
         self.n = 0
@@ -139,27 +138,16 @@ class DiskMachine(RuleBasedStateMachine):
     def lookup(self, i: int, n: int) -> None:
         req = PROMPTS[i]
         rid = f"l{i}.{n}"
-        if rid in self.tables:
+        if rid in self.reqs.tables:
             return
-        self.live.add(rid)
         hit = self.rig.m.lookup(Req(rid, len(req.toks), base=req.toks[0]).view(), 0)
         self.rig.m.check_invariants()
-        if hit:
-            self.hits[rid] = hit
-        else:
-            self.hits.pop(rid, None)
+        self.reqs.looked_up(rid, hit or None)
 
-    @precondition(lambda self: self.hits)
+    @precondition(lambda self: self.reqs.hits)
     @rule(data=st.data())
     def accept(self, data: st.DataObject) -> None:
-        rid = data.draw(st.sampled_from(sorted(self.hits)))
-        hit = self.hits.pop(rid)
-        n = -(-hit // BS)
-        if self.rig.gpu.num_free < n:
-            return
-        self.tables[rid] = self.rig.gpu.allocate(n)
-        self.rig.m.allocated(rid, [self.tables[rid]], hit)
-        self.rig.m.check_invariants()
+        self.reqs.accept(data.draw(st.sampled_from(sorted(self.reqs.hits))))
 
     @rule()
     def step(self) -> None:
@@ -190,17 +178,10 @@ class DiskMachine(RuleBasedStateMachine):
             self.out = [p for p in self.out if len(p.acks) < WORLD]
             self.rig.m.check_invariants()
 
-    @precondition(lambda self: self.live)
+    @precondition(lambda self: self.reqs.live)
     @rule(data=st.data())
     def finish(self, data: st.DataObject) -> None:
-        rid = data.draw(st.sampled_from(sorted(self.live)))
-        self.live.discard(rid)
-        self.hits.pop(rid, None)
-        self.rig.m.finished(rid, 0, [[]])
-        table = self.tables.pop(rid, None)
-        if table is not None:
-            self.rig.gpu.free(reversed(table))
-        self.rig.m.check_invariants()
+        self.reqs.finish(data.draw(st.sampled_from(sorted(self.reqs.live))))
 
     @rule(now=st.integers(0, 4))
     def reset(self, now: int) -> None:
@@ -262,10 +243,7 @@ class DiskMachine(RuleBasedStateMachine):
                     self.rig.m.on_done(p.msg.job_id, rank, True)
         if self.revoked:
             self.rig.m.rank_fenced(1)
-        for rid in list(self.live):
-            self.rig.m.finished(rid, 0, [[]])
-        for table in self.tables.values():
-            self.rig.gpu.free(reversed(table))
+        self.reqs.finish_all()
         self.rig.m.check_invariants()
         if not self.rig.m.has_pending_work():
             assert self.rig.m.pins_held() == 0 and self.rig.slots.num_pinned == 0
@@ -277,6 +255,7 @@ class WriteThroughMachine(DiskMachine):
     def __init__(self) -> None:
         super().__init__()
         self.rig = DiskRig(cpu=6, slots=10, window=4, write_through=True)
+        self.reqs = Requests(self.rig)
 
 
 DiskMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40,

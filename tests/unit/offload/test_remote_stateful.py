@@ -25,6 +25,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from manager_rig import BS, REMOTE, Req
+from requests_model import Requests
 from test_remote_book import WORLD, HeldIndex, remote_rig, rkey
 
 from kvshm.hashing import chain_tail
@@ -48,10 +49,8 @@ class RemoteMachine(RuleBasedStateMachine):
         self.out: list[tuple[Remote | Transfer, dict[int, bool]]] = []  # posted, acks so far
         self.put_ok: set[str] = set()  # readiness keys whose PUT every rank acked ok
         self.get_ok: set[bytes] = set()  # foreign keys a GET fetched, every rank ok
-        self.live: set[str] = set()
+        self.reqs = Requests(self.rig)  # lookups' and decoders' hits and GPU tables
         self.handoffs: dict[str, tuple[Req, dict[str, Any]]] = {}  # published, params
-        self.hits: dict[str, int] = {}  # decoders' last hits, not yet accepted
-        self.tables: dict[str, list[int]] = {}  # decoders' GPU tables (loads)
         self.failed = False
         self.n = 0
 
@@ -107,37 +106,26 @@ class RemoteMachine(RuleBasedStateMachine):
         rid = data.draw(st.sampled_from(sorted(self.handoffs)))
         r, params = self.handoffs[rid]
         cid = f"d{rid}"
-        if cid in self.tables:
+        if cid in self.reqs.tables:
             return
-        self.live.add(cid)
         view = RequestView(cid, r.h, len(r.toks), {"do_remote_prefill": True, **params},
                            chain_tail(r.toks, BS, r.h) if tail else None)
         hit = self.rig.m.lookup(view, 0)
         self.rig.m.check_invariants()
-        if hit is not None:
-            assert 0 <= hit <= len(r.toks) - 1
-            self.hits[cid] = hit
-        else:
-            self.hits.pop(cid, None)
+        assert hit is None or 0 <= hit <= len(r.toks) - 1
+        self.reqs.looked_up(cid, hit)
 
-    @precondition(lambda self: self.hits)
+    @precondition(lambda self: self.reqs.hits)
     @rule(data=st.data())
     def accept(self, data: st.DataObject) -> None:
         """Phase B of a decoder's last hit: a GPU table, the load planned next step."""
-        cid = data.draw(st.sampled_from(sorted(self.hits)))
-        hit = self.hits.pop(cid)
-        n = -(-hit // BS)
-        if self.rig.gpu.num_free < n:
-            return
-        self.tables[cid] = self.rig.gpu.allocate(n)
-        self.rig.m.allocated(cid, [self.tables[cid]], hit)
-        self.rig.m.check_invariants()
+        self.reqs.accept(data.draw(st.sampled_from(sorted(self.reqs.hits))))
 
     @rule(i=st.integers(0, len(PROMPTS) + len(FOREIGN) - 1), n=st.integers(0, 3))
     def lookup(self, i: int, n: int) -> None:
         req = (PROMPTS + FOREIGN)[i]
         rid = f"l{i}.{n}"
-        self.live.add(rid)
+        self.reqs.live.add(rid)
         self.rig.m.lookup(Req(rid, len(req.toks), base=req.toks[0]).view(), 0)
         self.rig.m.check_invariants()
 
@@ -189,17 +177,10 @@ class RemoteMachine(RuleBasedStateMachine):
         else:
             self.get_ok.update(FOREIGN_KEYS[h] for h in hashes if h in FOREIGN_KEYS)
 
-    @precondition(lambda self: self.live)
+    @precondition(lambda self: self.reqs.live)
     @rule(data=st.data())
     def finish(self, data: st.DataObject) -> None:
-        rid = data.draw(st.sampled_from(sorted(self.live)))
-        self.live.discard(rid)
-        self.hits.pop(rid, None)
-        self.rig.m.finished(rid, 0, [[]])
-        table = self.tables.pop(rid, None)
-        if table is not None:
-            self.rig.gpu.free(reversed(table))
-        self.rig.m.check_invariants()
+        self.reqs.finish(data.draw(st.sampled_from(sorted(self.reqs.live))))
 
     @rule(i=st.integers(0, 20))
     def evict_on_server(self, i: int) -> None:
@@ -246,11 +227,7 @@ class RemoteMachine(RuleBasedStateMachine):
             for rank in range(WORLD):
                 if rank not in acks:
                     self.rig.m.on_done(msg.job_id, rank, True)
-        for rid in list(self.live):
-            self.rig.m.finished(rid, 0, [[]])
-        for table in self.tables.values():
-            self.rig.gpu.free(reversed(table))
-        self.rig.m.check_invariants()
+        self.reqs.finish_all()
         if not self.rig.m.has_pending_work():
             assert self.rig.m.pins_held() == 0
 
