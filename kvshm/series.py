@@ -147,8 +147,11 @@ _ENGINE_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
     "disk_read_bad_header": ("disk READs a rank failed because a slot's header was torn "
                              "or named another block (a miss; the slots are dropped); "
                              "acks", False),
-    "disk_failed_other": ("disk jobs a rank failed for another reason (an I/O error, a "
-                          "full disk); acks", False),
+    "disk_failed_no_space": ("disk WRITEs a rank failed because the disk was full or over "
+                             "quota (ENOSPC, EDQUOT: the slots are not indexed; three in a "
+                             "row pause write-back); acks", False),
+    "disk_failed_other": ("disk jobs a rank failed for another reason (an I/O error); "
+                          "acks", False),
 }
 
 # Snapshot fields (``EngineStats``): key -> (kind, HELP, in vLLM's /metrics).

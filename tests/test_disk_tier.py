@@ -8,7 +8,9 @@ miss (the request recomputes) and its slots are dropped; a directory without the
 is refused at start in one line; an engine started again under the same name serves a
 hit from the previous engine's slab (warm restart); a worker, or the scheduler's whole
 process, SIGKILLed while blocks are being written leaves no slot that a restarted engine
-loads with a wrong byte.
+loads with a wrong byte; a disk that fills up while the engine runs (a real ENOSPC on
+the workers' writes, in a size-limited tmpfs of a private mount namespace) stops the tier
+taking blocks while serving goes on.
 """
 
 from __future__ import annotations
@@ -16,7 +18,9 @@ from __future__ import annotations
 import asyncio
 import os
 import random
+import shutil
 import signal
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -284,3 +288,61 @@ async def test_a_scheduler_killed_mid_write_leaves_no_wrong_byte_after_restart(
             for r in range(2):
                 assert torch.equal(got[r], rows[r][:hit // BS]), (i, r)
         assert hits > 0, disk(eng)
+
+
+def test_a_disk_that_fills_up_stops_the_tier_taking_blocks_and_serving_goes_on(
+        tmp_path: Path) -> None:
+    """ENOSPC while running, end to end (tests/disk_full_proc.py in a private mount
+    namespace over a 2 MiB tmpfs, ``disk_io=buffered``; tp=2 SPAWN workers). A slab is
+    preallocated, so its writes meet ENOSPC only where the filesystem does not keep the
+    allocation -- copy-on-write or thin-provisioned storage, where an overwrite needs new
+    blocks: the script gives back its slots' allocation (``PUNCH_HOLE``) to stand for
+    that; the ENOSPC is then the kernel's own, on the workers' real ``pwritev``. Prompts
+    0-3 go down to disk while there is room; another file then fills the filesystem;
+    prompts 4-11's WRITEs fail with ENOSPC on the ranks. Asserted: each failed WRITE is
+    named a full disk (``disk_failed_no_space``), its slots are never indexed, three in a
+    row pause write-back and the tier takes no block after (``writes_paused``,
+    ``write_skipped_paused``, ``write_jobs`` still); serving goes on: the CPU tier's
+    prompts are CPU hits, the evicted unwritten ones are misses (recompute), the ones
+    written before the disk filled come back from it; no pin, pinned slot or quarantined
+    row is left and the engine stays READY."""
+    import json
+    import subprocess
+
+    if shutil.which("unshare") is None:
+        pytest.skip("no unshare(1) here: cannot mount a private size-limited tmpfs")
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": os.pathsep.join([str(root), str(root / "tests")])}
+    mount = 'mount -t tmpfs -o size=2m kvshm-full "$0" || exit 77; exec "$@"'
+    cmd = ["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", mount,
+           str(tmp_path), sys.executable, str(root / "tests" / "disk_full_proc.py"),
+           str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    if proc.returncode in (1, 77) and not proc.stdout:
+        if "kvshm" not in proc.stderr:  # unshare or mount refused, nothing of ours ran
+            pytest.skip(f"no private tmpfs here: {proc.stderr.strip()[-200:]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    before, full, after = got["before"]["disk"], got["full"]["disk"], got["after"]["disk"]
+    assert before["written_blocks"] == 16 and before["write_failed_jobs"] == 0, before
+    assert got["ballast"] > 0
+    # the full disk: WRITEs fail naming it, index nothing, and pause write-back
+    assert full["write_failed_jobs"] >= 3 and full["writes_paused"] == 1, full
+    assert got["full"]["counters"]["disk_failed_no_space"] >= 3, got["full"]["counters"]
+    assert got["full"]["counters"]["disk_failed_other"] == 0
+    assert full["written_blocks"] == before["written_blocks"]
+    assert full["slots_used"] == before["slots_used"] == 16 and full["slot_evictions"] == 0
+    assert full["write_skipped_paused"] > 0
+    assert after["write_jobs"] == full["write_jobs"]  # the tier takes no more blocks
+    assert after["write_skipped_paused"] > full["write_skipped_paused"]
+    # serving goes on: CPU hits, misses that recompute, disk hits of what was written
+    hits = {int(k): v for k, v in got["hits"].items()}
+    assert hits[11] == hits[10] == 4 * BS
+    assert all(hits[i] == 0 for i in range(4, 10)), hits
+    assert all(hits[i] == 4 * BS for i in range(4)), hits
+    assert after["hit_blocks"] == 16 and after["get_failed_jobs"] == 0
+    # nothing leaked
+    assert got["after"]["state"] == "ready" and got["after"]["pins_held"] == 0
+    assert after["slots_pinned"] == 0 and after["quarantined_slots"] == 0
+    assert got["after"]["quarantined_cpu_blocks"] == 0

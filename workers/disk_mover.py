@@ -12,12 +12,12 @@ thread hands its run to the slab in one call, which moves neighbouring slots (sl
 numbers k, k + 1, ...) in one vectored read or write.
 ``submit`` never blocks and never raises: a job it cannot take (closed, malformed)
 becomes a failed Done at once. A job's Done is made by the thread that finishes its
-last slot and waits in :meth:`poll`; the eventfd :meth:`notify_fd` turns readable when
-one is there. Before each run a thread asks the gate (:meth:`set_gate`: the rank's
-revocation word): a revoked rank starts no more slot I/O (a run already started
-finishes, as a single slot's I/O did). :meth:`close` stops taking
-jobs, fails the queued slots, waits for the running ones and closes the slab: after it
-returns, no thread of this mover touches a host row.
+last slot and waits in the mover's :class:`~workers.done_outbox.DoneOutbox` until
+:meth:`poll`; its eventfd :meth:`notify_fd` turns readable when one is there. Before
+each run a thread asks the gate (:meth:`set_gate`: the rank's revocation word): a revoked
+rank starts no more slot I/O (a run already started finishes, as a single slot's I/O
+did). :meth:`close` stops taking jobs, fails the queued slots, waits for the running
+ones and closes the slab: after it returns, no thread of this mover touches a host row.
 
 Outcome rule (the remote tier's): failure = miss = recompute. A job is ok only if every
 slot succeeded (WRITE: written; READ: a HIT); otherwise its Done names how many of each
@@ -28,7 +28,6 @@ the scheduler treats the whole job as failed.
 from __future__ import annotations
 
 import ctypes
-import os
 import queue
 import threading
 from collections import Counter
@@ -40,6 +39,7 @@ import torch
 
 from kvshm.disk import MAX_HASH_BYTES, SlabFile, SlabSpec, SlotOutcome
 from kvshm.ipc.protocol import Disk, DiskOp, DiskSetup, Done, ids_array
+from workers.done_outbox import DoneOutbox
 from workers.host_pool import HostPool
 
 __all__ = ["RUN", "RUN_BYTES", "THREADS", "DiskMover"]
@@ -94,9 +94,8 @@ class DiskMover:
         #: (job, first slot index, end): a run of a job's slots one thread does in order.
         self._tasks: queue.SimpleQueue[tuple[_Job, int, int] | None] = queue.SimpleQueue()
         self._nthreads = threads
-        self._done: list[Done] = []
-        self._lock = threading.Lock()
-        self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._outbox = DoneOutbox()
+        self._lock = threading.Lock()  # the counters
         self._gate: Callable[[], bool] | None = None
         self._closed = False
         self.counts: Counter[str] = Counter()
@@ -133,20 +132,12 @@ class DiskMover:
 
     def poll(self) -> list[Done]:
         """The Dones of the jobs finished since the last call, in finishing order; with
-        nothing finished it returns without a syscall."""
-        if not self._done:
-            return []
-        try:
-            os.eventfd_read(self._efd)
-        except BlockingIOError:
-            pass
-        with self._lock:
-            out, self._done = self._done, []
-        return out
+        nothing finished it returns without a syscall (:class:`DoneOutbox`)."""
+        return self._outbox.take()
 
     def notify_fd(self) -> int:
         """Readable while a Done waits in :meth:`poll`."""
-        return self._efd
+        return self._outbox.fd()
 
     def statistics(self) -> dict[str, Any]:
         """The mover's and the slab's counters in one flat dict, plus where the slab is:
@@ -193,9 +184,7 @@ class DiskMover:
 
     def release(self) -> None:
         """Close the notify fd (after :meth:`close` and a last :meth:`poll`)."""
-        if self._efd >= 0:
-            os.close(self._efd)
-            self._efd = -1
+        self._outbox.close()
 
     # ------------------------------------------------------------------ pool threads
 
@@ -273,11 +262,8 @@ class DiskMover:
                     f"{', '.join(parts)}{tail}")
 
     def _finish(self, done: Done) -> None:
-        with self._lock:
-            self._done.append(done)
-            self.counts["jobs_ok" if done.ok else "jobs_failed"] += 1
-        if self._efd >= 0:
-            os.eventfd_write(self._efd, 1)
+        self._count("jobs_ok" if done.ok else "jobs_failed")
+        self._outbox.put(done)
 
     def _count(self, key: str, n: int = 1) -> None:
         if n:

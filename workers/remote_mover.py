@@ -12,9 +12,10 @@ moves a call's blocks in one round trip per part (see :mod:`kvshm.remote.valkey`
 
 Ordering and threads: jobs run in arrival order on one thread (the store spreads each
 batch over its own client threads). ``submit`` never blocks and never raises: a job it
-cannot take becomes a failed Done at once. A finished job's Done waits in :meth:`poll`;
-the eventfd :meth:`notify_fd` turns readable when one is there (the worker's channel
-watches it, so a parked standalone loop wakes). :meth:`close` stops taking jobs, fails
+cannot take becomes a failed Done at once. A finished job's Done waits in the mover's
+:class:`~workers.done_outbox.DoneOutbox` until :meth:`poll`; its eventfd
+:meth:`notify_fd` turns readable when one is there (the worker's channel watches it, so
+a parked standalone loop wakes). :meth:`close` stops taking jobs, fails
 the queued ones, waits for the running one (every store call has a deadline) and closes
 the store: after it returns, no thread of this mover touches a host row.
 
@@ -26,7 +27,6 @@ each outcome, and the scheduler treats the whole job as failed.
 from __future__ import annotations
 
 import ctypes
-import os
 import queue
 import threading
 from collections import Counter
@@ -37,6 +37,7 @@ import torch
 
 from kvshm.ipc.protocol import Done, Remote, RemoteOp, RemoteSetup, ids_array
 from kvshm.remote.tier import KEY_PREFIX, BlockHeader, BlockStore, GetOutcome, block_key
+from workers.done_outbox import DoneOutbox
 from workers.host_pool import HostPool
 
 __all__ = ["BATCH", "BATCH_BYTES", "RemoteMover", "batch_blocks"]
@@ -69,9 +70,7 @@ class RemoteMover:
         self._batch = batch_blocks(self._bpb)
         self._staging: torch.Tensor | None = None  # [_batch, bytes_per_block], several regions
         self._jobs: queue.SimpleQueue[Remote | None] = queue.SimpleQueue()
-        self._done: list[Done] = []
-        self._lock = threading.Lock()
-        self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._outbox = DoneOutbox()
         self._closed = False
         self.counts: Counter[str] = Counter()
         self._thread = threading.Thread(target=self._loop, name=f"kvshm-remote-r{rank}",
@@ -90,20 +89,13 @@ class RemoteMover:
     def poll(self) -> list[Done]:
         """The Dones of the jobs finished since the last call, in finishing order. Called
         on every pump: with nothing finished it returns without a syscall (a Done added
-        after this read leaves the eventfd readable, so the next wait wakes for it)."""
-        if not self._done:
-            return []
-        try:
-            os.eventfd_read(self._efd)
-        except BlockingIOError:
-            pass
-        with self._lock:
-            out, self._done = self._done, []
-        return out
+        after this read leaves the eventfd readable, so the next wait wakes for it:
+        :class:`DoneOutbox`)."""
+        return self._outbox.take()
 
     def notify_fd(self) -> int:
         """Readable while a Done waits in :meth:`poll`."""
-        return self._efd
+        return self._outbox.fd()
 
     def statistics(self) -> dict[str, Any]:
         return {"mover": dict(self.counts), "store": self._store.statistics()}
@@ -138,9 +130,7 @@ class RemoteMover:
 
     def release(self) -> None:
         """Close the notify fd (after :meth:`close` and a last :meth:`poll`)."""
-        if self._efd >= 0:
-            os.close(self._efd)
-            self._efd = -1
+        self._outbox.close()
 
     # ------------------------------------------------------------------ mover thread
 
@@ -164,11 +154,8 @@ class RemoteMover:
             self._finish(done)
 
     def _finish(self, done: Done) -> None:
-        with self._lock:
-            self._done.append(done)
         self.counts["jobs_ok" if done.ok else "jobs_failed"] += 1
-        if self._efd >= 0:
-            os.eventfd_write(self._efd, 1)
+        self._outbox.put(done)
 
     def _run(self, job: Remote) -> Done:
         ids = ids_array(job.cpu_ids)

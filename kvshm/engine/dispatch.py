@@ -21,9 +21,12 @@ batches of ``Done`` that come back to :meth:`OffloadManager.on_done
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
 import time
 from collections.abc import Mapping
+from typing import Final
 
 from kvshm.engine.snapshot import CoreCounters
 from kvshm.engine.supervision import RankWatch
@@ -34,6 +37,10 @@ from kvshm.offload.manager import OffloadManager
 from kvshm.ratelog import RateLimitedLog
 
 __all__ = ["Dispatcher"]
+
+#: What a rank's failed disk job names when the disk is full or over quota: the
+#: strerror of the ENOSPC / EDQUOT its write got (lowercase, as matched).
+_NO_SPACE: Final = (os.strerror(errno.ENOSPC).lower(), os.strerror(errno.EDQUOT).lower())
 
 _log = logging.getLogger("kvshm.engine.runtime")  # one logger name for the whole runtime
 _rlog = RateLimitedLog(_log)  # per-job errors: one line per kind per interval
@@ -133,12 +140,15 @@ class Dispatcher:
 
     def _disk_failed(self, done: Done) -> None:
         """Count a disk job a rank failed, by what its error names (the worker's slot
-        outcome: a checksum mismatch, a bad header, or anything else)."""
+        outcome: a checksum mismatch, a bad header, a full disk -- the strerror of ENOSPC
+        or EDQUOT the worker's write got --, or anything else)."""
         why = done.error.lower()
         if "crc" in why or "checksum" in why:
             self._counters.disk_read_bad_crc += 1
         elif "header" in why:
             self._counters.disk_read_bad_header += 1
+        elif _NO_SPACE[0] in why or _NO_SPACE[1] in why:
+            self._counters.disk_failed_no_space += 1
         else:
             self._counters.disk_failed_other += 1
 

@@ -43,7 +43,8 @@ class CoreCounters:
     disk_jobs: int = 0  # disk-tier jobs (WRITE / READ) posted
     disk_read_bad_crc: int = 0  # failed disk Dones naming a payload checksum mismatch
     disk_read_bad_header: int = 0  # ... naming a torn or foreign slot header
-    disk_failed_other: int = 0  # ... any other failure (I/O error, full disk)
+    disk_failed_no_space: int = 0  # ... naming a full disk or quota (ENOSPC, EDQUOT)
+    disk_failed_other: int = 0  # ... any other failure (an I/O error)
     remote_post_refused: int = 0  # (rank, job) posts a ring could never hold: failed
 
 
