@@ -127,6 +127,7 @@ def _arm_row(res: list[ReqResult], reqs: list[Turn], stopped: dict[str, Any]
                                             "hit_blocks", "get_failed_jobs", "warm_slots",
                                             "write_declined_no_slot", "writes_paused")}
     row["loads_failed"] = stopped.get("loads_failed", 0)
+    row["ask_again"] = stopped.get("ask_again") or {}  # lookups a lower tier made wait
     return row
 
 

@@ -27,6 +27,7 @@ import argparse
 import enum
 import gc
 import os
+import statistics
 import sys
 import time
 import traceback
@@ -92,6 +93,8 @@ class _Arm:
         self.ns = ns
         self.clock = NextUse({})
         self.asks: dict[int, tuple[bytes, ...]] = {}
+        self.waits: list[tuple[int, float]] = []  # per answer after "ask again"s
+        self._nones, self._first_none = 0, 0.0
         self.stack = ExitStack()
         factory = oracle_pool(self.clock) if spec.kind is ArmKind.ORACLE else None
         self.stack.enter_context(cpu_pool_built_by(factory))
@@ -136,6 +139,29 @@ class _Arm:
                 self.asks.setdefault(self.req, hashes)
             self.clock.now = self.req
 
+    def on_answer(self, hit: int | None, t: float) -> None:
+        """A lookup answered ``hit`` at ``t``: the "ask again" answers before an answer
+        (a lower tier's read) and the wall time they took are kept per answer."""
+        if hit is None:
+            if not self._nones:
+                self._first_none = t
+            self._nones += 1
+        elif self._nones:
+            self.waits.append((self._nones, t - self._first_none))
+            self._nones = 0
+
+    def ask_again(self) -> dict[str, float]:
+        """How the lookups that asked again ended: answers, "ask again" answers per
+        answer (mean), wall ms from the first "ask again" to the answer (mean, p50, p90)."""
+        if not self.waits:
+            return {"answers": 0}
+        ms = sorted(w * 1e3 for _, w in self.waits)
+        return {"answers": len(ms),
+                "asks_mean": round(statistics.fmean(n for n, _ in self.waits), 2),
+                "wait_ms_mean": round(statistics.fmean(ms), 3),
+                "wait_ms_p50": round(ms[len(ms) // 2], 3),
+                "wait_ms_p90": round(ms[int(len(ms) * 0.9)], 3)}
+
     def request(self, i: int, prompt: list[int]) -> ReqResult:
         self.req = i
         self.clock.now = i - 1
@@ -156,7 +182,8 @@ class _Arm:
 
     def stop(self) -> dict[str, Any]:
         """Shut the engine down; kvshm's counters (loads must not have failed)."""
-        out: dict[str, Any] = {"asks": self.asks, "num_cpu_blocks": self.cpu_blocks()}
+        out: dict[str, Any] = {"asks": self.asks, "num_cpu_blocks": self.cpu_blocks(),
+                               "ask_again": self.ask_again()}
         conn = self.llm.llm_engine.engine_core.engine_core.scheduler.connector
         if self.connected and self.spec.kind is not ArmKind.VLLM:
             st = conn.scheduler_side.statistics()
@@ -195,8 +222,10 @@ def _hook_lookups() -> None:
             s = num_local_tokens // bs
             n_max = max(0, (view.num_tokens - 1 - num_local_tokens) // bs)
             asked = tuple(bytes(h) for h in view.hashes[s:s + n_max])
+            t = time.perf_counter()
             result = inner(self, view, num_local_tokens)
             arm.on_lookup(asked)
+            arm.on_answer(result, t)
             return result
         return inner(self, view, num_local_tokens)
 
@@ -207,7 +236,6 @@ def probe(ns: argparse.Namespace, arm: _Arm, sizes: tuple[int, ...] = (16, 1024,
           reps: int = 3) -> dict[str, float]:
     """Median TTFT and CPU time (ms) of fresh prompts of each size that fits: how much of
     a request prefill is, on this layout."""
-    import statistics
 
     out: dict[str, float] = {}
     for n in sizes:

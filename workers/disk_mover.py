@@ -7,7 +7,8 @@ pool; each slot's I/O is one vectored read or write straight between those rows 
 file (O_DIRECT where the rows are page-aligned: :mod:`kvshm.disk.slab`).
 
 Ordering and threads: a job's slots are spread over a pool of ``threads`` threads, in
-runs of consecutive entries (at most :data:`RUN`; runs of several jobs interleave); a
+runs of consecutive entries (at most :data:`RUN`; runs of several jobs interleave; a
+queued READ run goes before every queued WRITE run: :class:`_Runs`); a
 thread hands its run to the slab in one call, which moves neighbouring slots (slot
 numbers k, k + 1, ...) in one vectored read or write.
 ``submit`` never blocks and never raises: a job it cannot take (closed, malformed)
@@ -28,12 +29,11 @@ the scheduler treats the whole job as failed.
 from __future__ import annotations
 
 import ctypes
-import queue
 import threading
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Final
+from typing import Any, Final, TypeAlias
 
 import torch
 
@@ -42,7 +42,7 @@ from kvshm.ipc.protocol import Disk, DiskOp, DiskSetup, Done, ids_array
 from workers.done_outbox import DoneOutbox
 from workers.host_pool import HostPool
 
-__all__ = ["RUN", "RUN_BYTES", "THREADS", "DiskMover"]
+__all__ = ["RUN", "RUN_BYTES", "THREADS", "WRITE_RUN", "DiskMover"]
 
 #: Slot I/O threads per rank by default.
 THREADS: Final = 4
@@ -50,6 +50,10 @@ THREADS: Final = 4
 #: runs of ceil(n / threads), at most this many): neighbouring slots go to one thread as
 #: one stream, the threads' streams run side by side.
 RUN: Final = 8
+#: Most slots of a WRITE job one thread takes at a time (a job is not spread over the
+#: threads first: write-back waits for no one, and each run a thread takes costs the
+#: host's Python thread a GIL hand-off, which on a busy host delays its forward).
+WRITE_RUN: Final = 16
 #: Most payload bytes in one run (at least one slot): large slots go one per run, so the
 #: threads share a job's tail evenly instead of one thread finishing a long run alone.
 RUN_BYTES: Final = 1 << 20
@@ -92,7 +96,7 @@ class DiskMover:
         self._bases = [_view(r) for r in self._regions]
         self._row_bytes = [r.shape[1] for r in self._regions]
         #: (job, first slot index, end): a run of a job's slots one thread does in order.
-        self._tasks: queue.SimpleQueue[tuple[_Job, int, int] | None] = queue.SimpleQueue()
+        self._tasks = _Runs()
         self._nthreads = threads
         self._outbox = DoneOutbox()
         self._lock = threading.Lock()  # the counters
@@ -121,7 +125,11 @@ class DiskMover:
             self._finish(Done(job.job_id, self.rank, True))
             return
         n = len(parsed.slots)
-        run = max(1, min(RUN, -(-n // self._nthreads), RUN_BYTES // self._spec.row_bytes))
+        most = RUN_BYTES // self._spec.row_bytes
+        if parsed.msg.op == DiskOp.WRITE:  # write-back: whole groups, fewest GIL hand-offs
+            run = max(1, min(WRITE_RUN, most))
+        else:  # a request waits: spread over the threads
+            run = max(1, min(RUN, -(-n // self._nthreads), most))
         for k in range(0, n, run):
             self._tasks.put((parsed, k, min(n, k + run)))
 
@@ -154,18 +162,11 @@ class DiskMover:
     def cancel_queued(self, why: str) -> int:
         """Fail every slot whose run has not started (running runs finish); how many."""
         n = 0
-        while True:
-            try:
-                task = self._tasks.get_nowait()
-            except queue.Empty:
-                return n
-            if task is None:  # close()'s sentinel: put it back for a thread
-                self._tasks.put(None)
-                return n
-            job, start, end = task
+        for job, start, end in self._tasks.take_all():
             n += end - start
             self._count("slots_cancelled", end - start)
             self._slots_done(job, Counter(cancelled=end - start), why)
+        return n
 
     def close(self) -> None:
         """Stop (idempotent): queued slots fail, running ones finish, the slab closes."""
@@ -173,8 +174,7 @@ class DiskMover:
             return
         self._closed = True
         self.cancel_queued("mover closed")
-        for _ in self._threads:
-            self._tasks.put(None)
+        self._tasks.stop(len(self._threads))
         for t in self._threads:
             t.join()
         self.cancel_queued("mover closed")
@@ -269,6 +269,54 @@ class DiskMover:
         if n:
             with self._lock:
                 self.counts[key] += n
+
+
+_Run: TypeAlias = tuple[_Job, int, int]
+"""A run of a job's slots one thread does in order: (job, first slot index, end)."""
+
+
+class _Runs:
+    """The runs waiting for a pool thread: every READ run before any WRITE run, each kind
+    in arrival order. A READ is a request waiting for its blocks (the scheduler answers
+    "ask again" until it ends); a WRITE is write-back, which may wait: a read posted
+    behind a burst of write-back starts at the next free thread, not after the burst.
+    :meth:`stop` hands each of ``n`` threads a None (after every queued run)."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._reads: deque[_Run] = deque()
+        self._writes: deque[_Run] = deque()
+        self._stops = 0
+
+    def put(self, run: _Run) -> None:
+        with self._cv:
+            (self._reads if run[0].msg.op == DiskOp.READ else self._writes).append(run)
+            self._cv.notify()
+
+    def get(self) -> _Run | None:
+        """The next run (blocks until there is one), or None once stopped."""
+        with self._cv:
+            while not (self._reads or self._writes or self._stops):
+                self._cv.wait()
+            if self._reads:
+                return self._reads.popleft()
+            if self._writes:
+                return self._writes.popleft()
+            self._stops -= 1
+            return None
+
+    def take_all(self) -> list[_Run]:
+        """Every queued run, removed (reads first)."""
+        with self._cv:
+            out = [*self._reads, *self._writes]
+            self._reads.clear()
+            self._writes.clear()
+            return out
+
+    def stop(self, n: int) -> None:
+        with self._cv:
+            self._stops += n
+            self._cv.notify_all()
 
 
 class _Refused(Exception):

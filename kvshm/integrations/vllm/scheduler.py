@@ -12,7 +12,12 @@ import), around a kvshm :class:`~kvshm.engine.SyncClient`, which is created in
   reads it). Before answering "ask again" it pumps the client once and asks again: a
   disk read whose Done the worker published since the step's last pump (a worker's
   mover publisher sends it the moment the read ends) is a CPU hit at once, so a disk
-  hit costs one engine step, not two.
+  hit costs one engine step, not two. With a disk tier, a request that asked again at
+  an earlier step (its read is posted) and is still waiting, while every live request
+  waits likewise (the step would run nothing), sleeps and pumps up to
+  :data:`READ_WAIT_S` for the read's Done before it answers: the read then ends within
+  this lookup (the sleep leaves the GIL to the workers' I/O threads, which a spinning
+  engine loop starves) instead of costing more empty steps.
 * ``update_state_after_alloc`` -> :meth:`allocated` (whole tables, local hit first).
 * ``build_connector_meta`` -> :meth:`build`: the step's ``StepInput`` from the
   ``SchedulerOutput``, then ``SyncClient.step``; the metadata carries only the step,
@@ -68,8 +73,9 @@ pumping again (``service=False``); loads kvshm refused in phase B join the metad
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Final
 
 from kvshm.engine import EngineState, SyncClient
 from kvshm.errors import InvalidRequest
@@ -85,6 +91,14 @@ from kvshm.types import RequestView, ScheduledRequest, StepInput, StepPlan, no_n
 __all__ = ["SchedulerSide"]
 
 log = logging.getLogger("kvshm.vllm")
+
+#: With a disk tier: the most a lookup waits, sleeping, for a disk read that an earlier
+#: step posted for its request, before it answers "ask again" (the read's Done then
+#: makes it a CPU hit in this step instead of a later one); only while no other request
+#: could run (:meth:`SchedulerSide._may_wait`).
+READ_WAIT_S: Final = 0.010
+#: How long each sleep of that wait is (then the client is pumped and asked again).
+READ_WAIT_SLICE_S: Final = 0.0005
 
 class SchedulerSide:
     """See the module docstring. ``meta_cls`` builds the step metadata (vLLM's
@@ -103,6 +117,9 @@ class SchedulerSide:
         # loads vLLM expects but kvshm refused in phase B -> destinations to recompute
         self._refused_loads: dict[str, tuple[int, ...]] = {}
         self._step = 0
+        #: requests answered "ask again" -> the step of the first such answer
+        self._waiting: dict[str, int] = {}
+        self._read_wait_s = READ_WAIT_S if cfg.disk_path else 0.0
         self.counters = SchedulerCounters()
         self._lister = Listing(cfg, self._requests, self._announced, self.counters,
                                self._no_new)
@@ -179,17 +196,49 @@ class SchedulerSide:
                 hit = client.lookup(view, num_computed_tokens)
                 if hit is not None:
                     counters.lookups_answered_after_pump += 1
+                elif self._read_wait_s and self._may_wait(rid):
+                    hit = self._wait_read(client, view, num_computed_tokens)
         except InvalidRequest as exc:
             self._refuse(rid, exc)
             return 0, False
         if hit is None:
             counters.lookups_asked_again += 1
+            if self._read_wait_s:
+                self._waiting.setdefault(rid, self._step)
             return None, False
+        if self._waiting:
+            self._waiting.pop(rid, None)
         if hit > 0:
             counters.lookup_hit_tokens += hit
             log.debug("kvshm: request %s: %d token(s) from the CPU tier", rid, hit)
             return hit, True
         return 0, False
+
+    def _may_wait(self, rid: str) -> bool:
+        """``rid`` asked again at an earlier step (its read was posted by that step's
+        build) and every live request is in the same state: nothing would run in this
+        step, so a wait delays no one."""
+        waiting = self._waiting
+        return waiting.get(rid, self._step) < self._step and len(waiting) >= len(self._requests)
+
+    def _wait_read(self, client: SyncClient, view: RequestView, num_computed_tokens: int
+                   ) -> int | None:
+        """See :meth:`_may_wait`: sleep (the GIL free for the workers' I/O threads) and
+        pump in slices of :data:`READ_WAIT_SLICE_S`, at most ``_read_wait_s`` in all; the
+        lookup's answer, None if the read did not end in time (asked again at the next
+        step)."""
+        deadline = time.monotonic() + self._read_wait_s
+        counters = self.counters
+        counters.lookups_waited += 1
+        while time.monotonic() < deadline:
+            time.sleep(READ_WAIT_SLICE_S)
+            self._absorb(client.poll())
+            hit = client.lookup(view, num_computed_tokens)
+            if hit is not None:
+                counters.lookups_answered_after_wait += 1
+                return hit
+        counters.lookup_waits_timed_out += 1
+        return None
 
     @guarded
     def allocated(self, request: Any, block_ids: Sequence[Sequence[int]],
@@ -332,6 +381,7 @@ class SchedulerSide:
         lookup and ``_absorb`` add them only for a known request); an unknown id left in
         the listing's mirror only makes the next listing take its walk (exact)."""
         self._lister.forget(rid)
+        self._waiting.pop(rid, None)
         self._requests.pop(rid, None)
         self._announced.discard(rid)
         self._load_failed.discard(rid)

@@ -578,3 +578,116 @@ def test_vllm_lookup_pumps_before_asking_again() -> None:
     client.late = [load]                                       # its Done is in the ring
     assert side.lookup(r, 0) == (8, True)
     assert client.polls == polls + 1 and side.counters.lookups_answered_after_pump == 1
+
+
+class ReadClient:
+    """The scheduler side's client at the process seam: its lookup answers None ("a
+    disk read in flight") until ``polls_to_answer`` pumps have run, then ``hit``."""
+
+    def __init__(self, polls_to_answer: int, hit: int = 8) -> None:
+        from kvshm.engine import EngineState
+
+        self.state = EngineState.READY
+        self.polls = 0
+        self.answer_after = polls_to_answer
+        self.hit = hit
+
+    def lookup(self, view: Any, num_computed_tokens: int) -> int | None:
+        return self.hit if self.polls >= self.answer_after else None
+
+    def poll(self) -> list[LoadResult]:
+        self.polls += 1
+        return []
+
+    def step(self, step_input: Any, *, service: bool = True) -> Any:
+        from kvshm.types import StepPlan
+
+        return StepPlan(step_input.step)
+
+
+def _read_side(client: ReadClient, disk: bool) -> Any:
+    from kvshm.integrations.vllm.config import ConnectorConfig
+    from kvshm.integrations.vllm.scheduler import SchedulerSide
+    from kvshm.types import StoreMode
+
+    cfg = ConnectorConfig("unit", 1, 1, BS, (KVGroup.full(),), StoreMode.EAGER, None, 8,
+                          None, 30.0, 5.0, 0, disk_path="/nonexistent" if disk else None)
+    side = SchedulerSide(cfg)
+    side.life.bound_client = client  # type: ignore[assignment]
+    return side
+
+
+def _read_request(side: Any, rid: str) -> Any:
+    from types import SimpleNamespace as NS
+
+    r = NS(request_id=rid, block_hashes=chain_hashes(list(range(9)), BS), num_tokens=9,
+           num_computed_tokens=0, num_output_placeholders=0, kv_transfer_params=None)
+    side.on_new_request(r)
+    return r
+
+
+def _empty_step(side: Any) -> None:
+    from types import SimpleNamespace as NS
+
+    side.build(NS(scheduled_new_reqs=[], preempted_req_ids=set(), finished_req_ids=set(),
+                  scheduled_cached_reqs=NS(req_ids=[], resumed_req_ids=set(),
+                                           new_block_ids=[], num_computed_tokens=[])))
+
+
+def test_vllm_lookup_waits_for_a_disk_read_posted_at_an_earlier_step_when_idle() -> None:
+    """A disk hit: the first lookup asks again (the READ goes out with this step's
+    build); the next step's lookup, with nothing else to run, sleeps and pumps until the
+    read's Done arrives and answers the hit in the same call -- not after more empty
+    steps."""
+    client = ReadClient(polls_to_answer=5)
+    side = _read_side(client, disk=True)
+    a = _read_request(side, "a")
+    assert side.lookup(a, 0) == (None, False)  # the read is not posted yet: no wait
+    assert client.polls == 1 and side.counters.lookups_waited == 0
+    _empty_step(side)
+    assert side.lookup(a, 0) == (8, True)
+    assert client.polls == 5
+    c = side.counters
+    assert (c.lookups_waited, c.lookups_answered_after_wait, c.lookup_waits_timed_out) == \
+        (1, 1, 0)
+
+
+def test_vllm_lookup_never_waits_while_another_request_could_run() -> None:
+    """The same read, but another live request is not waiting on a lower tier: its step
+    must not be delayed, so the lookup asks again at once."""
+    client = ReadClient(polls_to_answer=50)
+    side = _read_side(client, disk=True)
+    a = _read_request(side, "a")
+    _read_request(side, "b")  # live, not asked again
+    assert side.lookup(a, 0) == (None, False)
+    _empty_step(side)
+    polls = client.polls
+    assert side.lookup(a, 0) == (None, False)
+    assert client.polls == polls + 1 and side.counters.lookups_waited == 0
+
+
+def test_vllm_lookup_wait_is_bounded_and_absent_without_a_disk_tier() -> None:
+    """A read that does not end within READ_WAIT_S: the lookup asks again after the wait
+    (counted); without a disk tier the lookup never waits at all."""
+    import time
+
+    from kvshm.integrations.vllm.scheduler import READ_WAIT_S
+
+    client = ReadClient(polls_to_answer=10**9)
+    side = _read_side(client, disk=True)
+    a = _read_request(side, "a")
+    side.lookup(a, 0)
+    _empty_step(side)
+    t0 = time.monotonic()
+    assert side.lookup(a, 0) == (None, False)
+    assert READ_WAIT_S <= time.monotonic() - t0 < READ_WAIT_S + 1.0
+    assert side.counters.lookup_waits_timed_out == 1
+
+    client = ReadClient(polls_to_answer=10**9)
+    side = _read_side(client, disk=False)
+    a = _read_request(side, "a")
+    side.lookup(a, 0)
+    _empty_step(side)
+    polls = client.polls
+    assert side.lookup(a, 0) == (None, False)
+    assert client.polls == polls + 1 and side.counters.lookups_waited == 0
