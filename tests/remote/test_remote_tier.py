@@ -14,6 +14,7 @@ from kvshm.remote.breaker import BreakerState, CircuitBreaker
 from kvshm.remote.glide_client import header_key, key_slot
 from kvshm.remote.tier import (
     CHECKSUMS,
+    GIL_FREE_BYTES,
     HEADER_BYTES,
     KEY_PREFIX,
     BlockHeader,
@@ -140,6 +141,33 @@ def test_the_reader_accepts_only_its_own_checksum() -> None:
         _header(checksum="md5")
     with pytest.raises(ConfigError, match="payload is 3 bytes"):
         _header().pack(memoryview(b"abc"))
+
+
+def test_a_blocks_crc32c_keeps_the_gil_below_gil_free_bytes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CRC32C of a block under ``GIL_FREE_BYTES`` asks the library to keep the GIL
+    (mode 0), of a larger one to release it (mode 1). The library's default released it
+    from 32 KiB: in vLLM's process, whose main thread steps in Python, each release of a
+    hand-off's 32 KiB blocks cost a re-acquisition of up to the 5 ms switch interval, the
+    "busy engine starves its hand-off" of issue 31. The header checks the same."""
+    crc32c = pytest.importorskip("crc32c")
+    cid = next(c for c, (name, _) in CHECKSUMS.items() if name == "crc32c")
+    modes: list[tuple[int, int]] = []
+    real = crc32c.crc32c
+
+    def spy(data: memoryview, value: int = 0, gil_release_mode: int = -1) -> int:
+        modes.append((memoryview(data).nbytes, gil_release_mode))
+        return int(real(data, value, gil_release_mode))
+    monkeypatch.setattr(crc32c, "crc32c", spy)
+    for n in (32 << 10, (GIL_FREE_BYTES - 1), GIL_FREE_BYTES, 2 << 20):
+        payload = memoryview(bytes(n))
+        header = _header(length=n, checksum="crc32c")
+        assert header.check(header.pack(payload), payload)
+        assert CHECKSUMS[cid][1](payload) == real(payload) & 0xFFFF_FFFF
+    assert modes == [(n, int(n >= GIL_FREE_BYTES)) for n in (
+        32 << 10, 32 << 10, 32 << 10, GIL_FREE_BYTES - 1, GIL_FREE_BYTES - 1,
+        GIL_FREE_BYTES - 1, GIL_FREE_BYTES, GIL_FREE_BYTES, GIL_FREE_BYTES, 2 << 20,
+        2 << 20, 2 << 20)]
 
 
 # ---------------------------------------------------------------------------- breaker

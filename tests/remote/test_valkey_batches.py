@@ -10,8 +10,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from remote_rig import Rows
 
+from kvshm.errors import ConfigError
 from kvshm.remote.glide_client import header_key, key_slot
 from kvshm.remote.resp import command, parse_reply
 from kvshm.remote.server import ValkeyCluster, ValkeyServer
@@ -70,6 +72,27 @@ def test_a_batch_is_one_round_trip_a_part_and_lands_bit_exact(valkey: ValkeyServ
         assert all(call(valkey, "TTL", k) > 0 for k in (keys[0], header_key(keys[63])))
     finally:
         store.close()
+
+
+def test_part_bytes_zero_is_one_request_a_block(valkey: ValkeyServer) -> None:
+    """``part_bytes=0`` -- the path before batching, ``tools.bench_remote``'s ``single``
+    arm -- moves 8 blocks in 8 MGETs, each block still checked and bit-exact; a
+    negative or non-int ``part_bytes`` is a ConfigError."""
+    store = ValkeyBlockStore(RemoteSpec.parse(valkey.url, ttl_s=600, **CALM), part_bytes=0)
+    try:
+        hs = headers(8)
+        keys = keys_of(hs)
+        src, dst = Rows(8, 5, row=ROW), Rows(8, row=ROW)
+        assert store.put_many(keys, src.views, hs) == [True] * 8
+        mget0 = calls(valkey, "mget")
+        assert store.get_many_into(keys, dst.views, hs) == [GetOutcome.HIT] * 8
+        assert calls(valkey, "mget") - mget0 == 8
+        assert src == dst
+    finally:
+        store.close()
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ConfigError, match="part_bytes"):
+            ValkeyBlockStore(RemoteSpec.parse(valkey.url), part_bytes=bad)  # type: ignore[arg-type]
 
 
 def test_one_corrupted_and_one_missing_block_spoil_only_themselves(
