@@ -312,7 +312,10 @@ def run_workload(procs: dict[str, Proc], folder: str, ns: argparse.Namespace,
         (dump / f"{name}.json").write_text(json.dumps({
             "req_ids": [r.req_id for r in reqs], "prompt_tokens": [len(p) for p in prompts],
             "asks": [len(asks.get(i, ())) for i in range(len(prompts))],
-            "arms": {a: [[r.ttft, r.cpu, r.elapsed, r.hit_tokens] for r in results[a]]
+            "columns": ["ttft", "cpu", "elapsed", "hit_tokens", "steps", "idle_steps",
+                        "hooks"],
+            "arms": {a: [[r.ttft, r.cpu, r.elapsed, r.hit_tokens, r.steps, r.idle_steps,
+                          dict(r.hooks)] for r in results[a]]
                      for a in names}}))
     return rows(per, caps, blocks, mismatches)
 
