@@ -9,7 +9,9 @@ pool; the connector only tells it when. Hook by hook:
 * ``bind_connector_metadata`` -> :meth:`bind`: ``begin_step(step, flush)``; remembers
   new load jobs' request ids and destinations from the metadata.
 * ``start_load_kv`` -> ``submit_loads`` (after the forward is launched: on a GPU
-  ordered after it with a CUDA event; on the CPU the forward has already run).
+  ordered after it with a CUDA event; on the CPU the forward has already run, and the
+  Worker's CPU copy engine copies the loads right there, in this thread:
+  ``inline_loads``, :mod:`workers.cpu_copy`).
 * ``wait_for_save`` -> ``submit_stores`` (after the step's compute, same ordering).
 * ``get_finished`` -> :meth:`finished_loads`: ``poll`` the Worker (on a CPU device
   first waiting, at most ``CPU_LOAD_WAIT_S``, for the loads this rank submitted: vLLM
@@ -152,8 +154,9 @@ class WorkerSide:
 
             fault = FaultInjection(fail_job_ids=self._fail)
         self.rank = rank
+        # on the CPU the request waits for its load: copy it in the caller (no hand-off)
         self._worker = _Worker.attach(self.cfg.name, rank, self.cfg.world_size, self._regions,
-                                     kv_outer=False, fault=fault)
+                                     kv_outer=False, fault=fault, inline_loads=not self._cuda)
         nbytes = sum(int(r.shape[1]) for r in self._regions)
         log.info("kvshm: worker rank %d/%d attached to %r: %d region(s), %d bytes per block",
                  rank, self.cfg.world_size, self.cfg.name, len(self._regions), nbytes)
