@@ -68,6 +68,12 @@ throughput, hits and kvshm's stored blocks), ``access_mismatches``,
 ``answer_mismatches`` (first output token differing from ``none``'s: reported, not
 asserted) and, at half, ``targets``. ``--quick``: tiny workloads (a shape check, no
 meaningful ratios).
+
+``--dump DIR``: per workload, every request on every arm (``columns``: TTFT, CPU time,
+time until idle, hit tokens, engine steps until the first token, those of them that
+scheduled no token -- a load in flight -- and seconds in each connector hook, ``s.``
+scheduler side, ``w.`` worker side: :class:`tools.e2e_arm.StepProbe`): where a hit's
+time goes, request by request, against vLLM's connector.
 """
 
 from __future__ import annotations
@@ -464,8 +470,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--logs", default="", help="keep the arms' logs in this folder")
     ap.add_argument("--dump", default="",
-                    help="write each request's TTFT, time and hit tokens per arm to "
-                    "DUMP/<workload>.json")
+                    help="write each request's TTFT, CPU time, time, hit tokens, engine "
+                    "steps to the first token (and those that scheduled no token) and "
+                    "seconds per connector hook, per arm, to DUMP/<workload>.json")
     args = ap.parse_args(argv)
     args.scale = dict(args.scale)
     if args.quick:
