@@ -366,3 +366,47 @@ def test_host_pool_from_fd_checks_plan_and_size() -> None:
         assert pool.pinned == torch.cuda.is_available()
         assert pool.bytes_per_block == layout.bytes_per_block
     assert pool.closed and pool.regions == ()
+
+
+@pytest.mark.parametrize("inline", [True, False])
+def test_inline_loads_copy_in_the_caller_while_the_copy_thread_is_held(inline: bool) -> None:
+    """``inline_loads``: an unfenced load is copied by ``submit`` itself, so it is done
+    (byte-exact, its Done ready for ``poll``) when ``submit`` returns even while the one
+    copy thread is held by a store waiting for its fence; the store still goes to the
+    thread and lands once the fence is set. Without ``inline_loads`` the load waits
+    behind the store on the thread."""
+    layout = make_layout(rank_tensors(3))
+    with HostPool.for_tests(layout, NUM_CPU) as host, \
+            CpuCopyEngine(0, layout, host, inline_loads=inline) as eng:
+        for i, r in enumerate(host.regions):
+            r[7].fill_(0x30 + i)
+        fence = CpuFence()
+        eng.submit(CopyJob.from_ids(1, Direction.STORE, [4], [9]), after=fence)
+        eng.submit(CopyJob.from_ids(2, Direction.LOAD, [7], [5]))
+        ready = eng.poll()
+        if inline:
+            assert [(d.job_id, d.ok) for d in ready] == [(2, True)]
+            for dev, hst in zip(layout.regions, host.regions):
+                assert torch.equal(dev[5], hst[7])
+        else:
+            assert ready == []
+        fence.set()
+        ids = [1] if inline else [1, 2]  # an inline load's Done went out through poll
+        done = eng.wait(ids, timeout=WAIT_S)
+        assert sorted(d.job_id for d in done if d.ok) == ids
+        for dev, hst in zip(layout.regions, host.regions):
+            assert torch.equal(hst[9], dev[4]) and torch.equal(dev[5], hst[7])
+        assert eng.stats()["jobs_outstanding"] == 0
+
+
+def test_inline_loads_leave_a_fenced_load_to_the_thread() -> None:
+    """A load with a fence (it must wait for a reader) is never copied inline."""
+    layout = make_layout(rank_tensors(4))
+    with HostPool.for_tests(layout, NUM_CPU) as host, \
+            CpuCopyEngine(0, layout, host, inline_loads=True) as eng:
+        fence = CpuFence()
+        eng.submit(CopyJob.from_ids(1, Direction.LOAD, [2], [3]), after=fence)
+        assert eng.poll() == []
+        fence.set()
+        (done,) = eng.wait([1], timeout=WAIT_S)
+        assert done.ok

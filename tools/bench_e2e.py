@@ -68,6 +68,12 @@ throughput, hits and kvshm's stored blocks), ``access_mismatches``,
 ``answer_mismatches`` (first output token differing from ``none``'s: reported, not
 asserted) and, at half, ``targets``. ``--quick``: tiny workloads (a shape check, no
 meaningful ratios).
+
+``--dump DIR``: per workload, every request on every arm (``columns``: TTFT, CPU time,
+time until idle, hit tokens, engine steps until the first token, those of them that
+scheduled no token -- a load in flight -- and seconds in each connector hook, ``s.``
+scheduler side, ``w.`` worker side: :class:`tools.e2e_arm.StepProbe`): where a hit's
+time goes, request by request, against vLLM's connector.
 """
 
 from __future__ import annotations
@@ -312,7 +318,10 @@ def run_workload(procs: dict[str, Proc], folder: str, ns: argparse.Namespace,
         (dump / f"{name}.json").write_text(json.dumps({
             "req_ids": [r.req_id for r in reqs], "prompt_tokens": [len(p) for p in prompts],
             "asks": [len(asks.get(i, ())) for i in range(len(prompts))],
-            "arms": {a: [[r.ttft, r.cpu, r.elapsed, r.hit_tokens] for r in results[a]]
+            "columns": ["ttft", "cpu", "elapsed", "hit_tokens", "steps", "idle_steps",
+                        "hooks"],
+            "arms": {a: [[r.ttft, r.cpu, r.elapsed, r.hit_tokens, r.steps, r.idle_steps,
+                          dict(r.hooks)] for r in results[a]]
                      for a in names}}))
     return rows(per, caps, blocks, mismatches)
 
@@ -461,8 +470,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     ap.add_argument("--logs", default="", help="keep the arms' logs in this folder")
     ap.add_argument("--dump", default="",
-                    help="write each request's TTFT, time and hit tokens per arm to "
-                    "DUMP/<workload>.json")
+                    help="write each request's TTFT, CPU time, time, hit tokens, engine "
+                    "steps to the first token (and those that scheduled no token) and "
+                    "seconds per connector hook, per arm, to DUMP/<workload>.json")
     args = ap.parse_args(argv)
     args.scale = dict(args.scale)
     if args.quick:

@@ -81,6 +81,13 @@ class ReqResult:
     elapsed: float
     hit_tokens: int
     token: int
+    steps: int = 0
+    """Engine steps until the first token (``generate``: a one-token request)."""
+    idle_steps: int = 0
+    """... of which scheduled no token (a load in flight: ``WAITING_FOR_REMOTE_KVS``)."""
+    hooks: tuple[tuple[str, float], ...] = ()
+    """Seconds in each connector hook until the first token (``s.`` scheduler side,
+    ``w.`` worker side), where any."""
 
 
 class _Arm:
@@ -116,15 +123,18 @@ class _Arm:
             self.stack.close()
             raise
         self.accepted = count_accepted(self.llm)
+        self.probe = StepProbe(self.llm, self.connected)
         self.gen_cpu = 0.0
         generate = self.llm.generate
 
         def timed(*a: Any, **kw: Any) -> Any:  # one output token: it returns at the first
             c0 = time.process_time()
+            self.probe.begin()
             try:
                 return generate(*a, **kw)
             finally:
                 self.gen_cpu = time.process_time() - c0
+                self.probe.end()
 
         self.llm.generate = timed
         # warm-up (one-time costs): under one block, so nothing is stored
@@ -168,8 +178,10 @@ class _Arm:
         before = self.accepted[0]
         ttft, elapsed, answer = one(self.llm, prompt, self.ns, self.connected)
         self.clock.now = i
+        pr = self.probe
         return ReqResult(ttft, self.gen_cpu, elapsed, self.accepted[0] - before,
-                         answer[0] if answer else -1)
+                         answer[0] if answer else -1, pr.steps, pr.idle_steps,
+                         tuple(sorted(pr.hooks.items())))
 
     def cpu_blocks(self) -> int:
         """The CPU-tier blocks the engine's connector actually has."""
@@ -201,6 +213,73 @@ class _Arm:
         return out
 
 
+SCHEDULER_HOOKS = ("get_num_new_matched_tokens", "update_state_after_alloc",
+                   "build_connector_meta", "update_connector_output",
+                   "request_finished", "request_finished_all_groups",
+                   "get_kv_connector_stats")
+WORKER_HOOKS = ("bind_connector_metadata", "start_load_kv", "wait_for_save",
+                "get_finished", "get_block_ids_with_load_errors",
+                "clear_connector_metadata", "get_kv_connector_stats")
+
+
+class StepProbe:
+    """Counts an engine's steps (and those that scheduled no token) and times its
+    connector's hooks while ``generate`` runs (between :meth:`begin` and :meth:`end`):
+    where a request's time goes before its first token. Benchmark instrumentation:
+    it wraps the in-process engine's ``step_fn``, ``schedule`` and the connectors'
+    hook methods on their instances."""
+
+    def __init__(self, llm: Any, connected: bool) -> None:
+        self.on = False
+        self.steps = 0
+        self.idle_steps = 0
+        self.hooks: dict[str, float] = {}
+        core = llm.llm_engine.engine_core.engine_core
+        step_fn, schedule = core.step_fn, core.scheduler.schedule
+
+        def counted_step() -> Any:
+            if self.on:
+                self.steps += 1
+            return step_fn()
+
+        def counted_schedule(*a: Any, **kw: Any) -> Any:
+            out = schedule(*a, **kw)
+            if self.on and not out.total_num_scheduled_tokens:
+                self.idle_steps += 1
+            return out
+
+        core.step_fn = counted_step
+        core.scheduler.schedule = counted_schedule
+        if connected:
+            from vllm.distributed.kv_transfer.kv_transfer_state import get_kv_transfer_group
+
+            self._wrap(core.scheduler.connector, "s.", SCHEDULER_HOOKS)
+            self._wrap(get_kv_transfer_group(), "w.", WORKER_HOOKS)
+
+    def _wrap(self, obj: Any, prefix: str, names: tuple[str, ...]) -> None:
+        for name in names:
+            inner = getattr(obj, name, None)
+            if inner is not None:
+                setattr(obj, name, self._timed(prefix + name, inner))
+
+    def _timed(self, key: str, inner: Any) -> Any:
+        def timed(*a: Any, **kw: Any) -> Any:
+            if not self.on:
+                return inner(*a, **kw)
+            t0 = time.perf_counter()
+            try:
+                return inner(*a, **kw)
+            finally:
+                self.hooks[key] = self.hooks.get(key, 0.0) + time.perf_counter() - t0
+        return timed
+
+    def begin(self) -> None:
+        self.on, self.steps, self.idle_steps, self.hooks = True, 0, 0, {}
+
+    def end(self) -> None:
+        self.on = False
+
+
 def kv_bytes_per_block(ns: argparse.Namespace) -> int:
     """Bytes of one block's K and V over every layer (the layout of
     :func:`tools.bench_vllm.make_llm`: head dim 64)."""
@@ -221,7 +300,7 @@ def _hook_lookups() -> None:
         if arm is not None and num_local_tokens % bs == 0:
             s = num_local_tokens // bs
             n_max = max(0, (view.num_tokens - 1 - num_local_tokens) // bs)
-            asked = tuple(bytes(h) for h in view.hashes[s:s + n_max])
+            asked = tuple(view.hashes[s:s + n_max])  # vLLM's hashes are bytes
             t = time.perf_counter()
             result = inner(self, view, num_local_tokens)
             arm.on_lookup(asked)

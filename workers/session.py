@@ -68,6 +68,8 @@ class SessionOptions:
     #: A standalone worker's ``--device`` (where the engine's caches must live); None for
     #: an embedded worker, which brings its own layout.
     device: DeviceKind | None = None
+    #: The CPU copy engine copies unfenced loads in the caller (``CpuCopyEngine``).
+    inline_loads: bool = False
 
 
 @dataclass
@@ -197,7 +199,8 @@ def _make_engine(rank: int, layout: KVLayout, host: HostPool,
         from workers.cuda_copy import CudaCopyEngine
 
         return CudaCopyEngine(rank, layout, host), None
-    engine = CpuCopyEngine(rank, layout, host, num_threads=opts.copy_threads, fault=opts.fault)
+    engine = CpuCopyEngine(rank, layout, host, num_threads=opts.copy_threads, fault=opts.fault,
+                           inline_loads=opts.inline_loads)
     return engine, engine.notify_fd()
 
 

@@ -3,7 +3,8 @@ vLLM (nine engine processes, four workloads, minutes on 2 cores: marked slow): i
 line has issue 29's shape (per workload a ``half`` and a ``quarter`` row with each
 arm's ceiling share and the ratios to vLLM's connector, the targets at half), the
 seeds and sizes to repeat it, and every kvshm-based arm saw the lookups the recording
-pass saw. No timing is asserted."""
+pass saw; ``--dump`` writes each request's TTFT, hits, engine steps and connector hook
+times per arm. No timing is asserted."""
 
 from __future__ import annotations
 
@@ -53,8 +54,9 @@ def _check_row(row: dict[str, Any], half: bool) -> None:
 
 def test_quick_run_ends_with_the_issue_json_shape(tmp_path: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    dump = tmp_path / "dump"
     out = subprocess.run([sys.executable, "-m", "tools.bench_e2e", "--quick", "--json",
-                          "--logs", str(tmp_path)], cwd=ROOT, env=env,
+                          "--logs", str(tmp_path), "--dump", str(dump)], cwd=ROOT, env=env,
                          capture_output=True, text=True, timeout=1500, check=False)
     assert out.returncode == 0, out.stderr[-4000:]
     summary: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
@@ -73,3 +75,22 @@ def test_quick_run_ends_with_the_issue_json_shape(tmp_path: Path) -> None:
         assert rows["half"]["arms"]["unbounded"] == rows["quarter"]["arms"]["unbounded"]
     assert summary["layout"]["ttft_1024_ms"] > summary["layout"]["ttft_16_ms"] > 0
     assert isinstance(summary["targets_met"], bool)
+    for name in names:
+        _check_dump(json.loads((dump / f"{name}.json").read_text()),
+                    summary["sizes"][name]["requests"])
+
+
+def _check_dump(d: dict[str, Any], n: int) -> None:
+    """Every arm, every request: a step or more to the first token (no fewer than the
+    steps that scheduled nothing), hook seconds only where a connector is."""
+    assert d["columns"] == ["ttft", "cpu", "elapsed", "hit_tokens", "steps", "idle_steps",
+                            "hooks"]
+    assert len(d["arms"]) == 8 and len(d["prompt_tokens"]) == n
+    for arm, reqs in d["arms"].items():
+        assert len(reqs) == n
+        for ttft, _, _, hits, steps, idle, hooks in reqs:
+            assert ttft > 0 and steps >= 1 + idle and hits >= 0
+            assert bool(hooks) == (arm != "none"), (arm, hooks)
+            assert all(v >= 0 for v in hooks.values())
+        if arm.startswith("kvshm"):
+            assert any("s.build_connector_meta" in r[6] for r in reqs)

@@ -192,6 +192,47 @@ class TestFp32SmallPool:
         assert after["loads_failed"] == before.get("loads_failed", 0)
 
 
+    def test_a_load_is_reported_in_the_step_it_ran(self, eng: Engine,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+        """On a CPU device the load is copied in ``start_load_kv`` (inline) and
+        ``get_finished`` reports it in the same step, so a CPU hit costs one engine
+        step with no token scheduled (the load), then the prefill: two steps to the
+        first token, as with a synchronous copy. Each copy is slowed to 20 ms (timing
+        control at the copy engine's seam): a load left to the copy thread and
+        reported whenever it is done keeps the request in ``WAITING_FOR_REMOTE_KVS``
+        for every step the engine runs meanwhile (65 measured)."""
+        from workers.cpu_copy import CpuCopyEngine
+
+        prompt = _prompt(PROMPT_TOKENS, 3331)
+        cold = eng.generate([prompt])[0]
+        eng.reset_device_cache()
+        real = CpuCopyEngine._copy
+
+        def slow(self: CpuCopyEngine, job: Any) -> int:
+            time.sleep(0.02)
+            return real(self, job)
+
+        monkeypatch.setattr(CpuCopyEngine, "_copy", slow)
+        core = eng.llm.llm_engine.engine_core.engine_core
+        inner = core.step_fn
+        steps = [0]
+
+        def counted() -> Any:
+            steps[0] += 1
+            return inner()
+
+        core.step_fn = counted
+        try:
+            hot = eng.llm.generate([prompt], _params(1), use_tqdm=False)[0]
+        finally:
+            core.step_fn = inner
+        _drain(eng.llm)
+        assert hot.num_cached_tokens == 3 * BLOCK
+        toks, lps = _signature(cold)
+        assert _signature(hot) == (toks[:1], lps[:1])
+        assert steps[0] == 2, f"{steps[0]} engine steps to the first token"
+        assert _kvshm_connector().worker_side.counters.load_waits_timed_out == 0
+
     def test_reset_connector_drops_the_cpu_tier(self, eng: Engine) -> None:
         """``reset_prefix_cache(reset_connector=True)`` empties kvshm's index too: the
         same prompt is then computed from scratch (and stored again)."""

@@ -74,6 +74,12 @@ def test_report_clock_once_a_period_while_busy_and_once_on_going_idle() -> None:
     assert not clock.should_report(5.0, idle=True)  # nothing new while idle
     assert not clock.should_report(1.2, idle=False)  # busy again, period not over
     assert clock.should_report(1.3, idle=True)  # ... and idle again: its last state
+    clock.reported(1.3, idle=True)
+    # busy again long after: the first busy report a period later, not in the step
+    # that schedules the first request (the idle report holds the state until then)
+    assert not clock.should_report(10.0, idle=False)
+    assert not clock.should_report(10.9, idle=False)
+    assert clock.should_report(11.0, idle=False)
 
 
 def test_stats_aggregate_sum_counters_keep_latest_gauges_and_reduce() -> None:

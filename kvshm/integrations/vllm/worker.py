@@ -9,9 +9,14 @@ pool; the connector only tells it when. Hook by hook:
 * ``bind_connector_metadata`` -> :meth:`bind`: ``begin_step(step, flush)``; remembers
   new load jobs' request ids and destinations from the metadata.
 * ``start_load_kv`` -> ``submit_loads`` (after the forward is launched: on a GPU
-  ordered after it with a CUDA event; on the CPU the forward has already run).
+  ordered after it with a CUDA event; on the CPU the forward has already run, and the
+  Worker's CPU copy engine copies the loads right there, in this thread:
+  ``inline_loads``, :mod:`workers.cpu_copy`).
 * ``wait_for_save`` -> ``submit_stores`` (after the step's compute, same ordering).
-* ``get_finished`` -> :meth:`finished_loads`: ``poll`` the Worker; the request ids of
+* ``get_finished`` -> :meth:`finished_loads`: ``poll`` the Worker (on a CPU device
+  first waiting, at most ``CPU_LOAD_WAIT_S``, for the loads this rank submitted: vLLM
+  calls it right after ``start_load_kv``, and a load reported now costs the request one
+  engine step, not one per step until the copy thread finishes); the request ids of
   every load job this rank finished (ok or not), plus every request of the metadata's
   scheduler-side failures. vLLM counts a request as loaded once every rank reported it.
 * ``get_block_ids_with_load_errors`` -> :meth:`load_errors`: destinations of failed
@@ -46,11 +51,17 @@ from kvshm.integrations.vllm.config import ConnectorConfig
 from kvshm.integrations.vllm.records import StepMeta
 
 if TYPE_CHECKING:
+    from kvshm.ipc.protocol import Done
     from workers.worker import Worker
 
 __all__ = ["FailLoadIds", "WorkerCounters", "WorkerSide"]
 
 log = logging.getLogger("kvshm.vllm")
+
+CPU_LOAD_WAIT_S = 0.05
+"""How long ``get_finished`` waits for a CPU device's submitted loads
+(:meth:`WorkerSide._wait_loads`): a load of a few hundred 32-token blocks copies in
+about a millisecond; the bound only keeps a stuck copy from stalling the engine."""
 
 
 def _gone(worker: Worker) -> bool:
@@ -99,6 +110,8 @@ class WorkerCounters:
     dones_unknown: int = 0
     loads_orphaned: int = 0  # the Worker detached before their Done: reported failed
     failed_requests: int = 0  # reported as failed_recving (several KV groups)
+    load_waits: int = 0  # get_finished waited for this rank's loads (CPU device)
+    load_waits_timed_out: int = 0  # ... and some were still running at the deadline
 
 
 class WorkerSide:
@@ -141,8 +154,9 @@ class WorkerSide:
 
             fault = FaultInjection(fail_job_ids=self._fail)
         self.rank = rank
+        # on the CPU the request waits for its load: copy it in the caller (no hand-off)
         self._worker = _Worker.attach(self.cfg.name, rank, self.cfg.world_size, self._regions,
-                                     kv_outer=False, fault=fault)
+                                     kv_outer=False, fault=fault, inline_loads=not self._cuda)
         nbytes = sum(int(r.shape[1]) for r in self._regions)
         log.info("kvshm: worker rank %d/%d attached to %r: %d region(s), %d bytes per block",
                  rank, self.cfg.world_size, self.cfg.name, len(self._regions), nbytes)
@@ -215,7 +229,10 @@ class WorkerSide:
         done: set[str] = set()
         worker = self._worker
         if worker is not None:
-            for d in worker.poll():
+            dones = worker.poll()
+            if self._job_reqs and not self._cuda:
+                dones += self._wait_loads(worker, {d.job_id for d in dones})
+            for d in dones:
                 self._on_done(d.job_id, d.ok, done)
             if self._job_reqs and _gone(worker):
                 for job in list(self._job_reqs):
@@ -229,6 +246,28 @@ class WorkerSide:
                 self.counters.scheduler_failed_loads += 1
             self._sched_failed.clear()
         return done or None
+
+    def _wait_loads(self, worker: Worker, have: set[int]) -> list[Done]:
+        """CPU device: wait (at most :data:`CPU_LOAD_WAIT_S`) for the load jobs this
+        rank has submitted and not yet reported, so this step reports them.
+
+        vLLM calls ``get_finished`` right after ``start_load_kv``; on the CPU the copy
+        thread has rarely finished by then, and each engine step that follows (the
+        request waits in ``WAITING_FOR_REMOTE_KVS``, a busy loop holding the GIL the
+        copy thread needs between its memmoves) adds to the request's time to first
+        token: measured 2-40 idle steps a load on a loaded 2-core machine, where a
+        synchronous copy takes exactly one. Waiting releases the GIL to the copy
+        thread; a load still running at the deadline is reported by a later step (as
+        before; counted ``load_waits_timed_out``). Jobs queued for a later step are
+        not waited for (``Worker.wait`` ignores them)."""
+        pending = [j for j in self._job_reqs if j not in have]
+        if not pending:
+            return []
+        self.counters.load_waits += 1
+        got = worker.wait(pending, CPU_LOAD_WAIT_S)
+        if len(got) < len(pending):
+            self.counters.load_waits_timed_out += 1
+        return got
 
     def _on_done(self, job_id: int, ok: bool, done: set[str]) -> None:
         reqs = self._job_reqs.pop(job_id, None)
