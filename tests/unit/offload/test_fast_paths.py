@@ -1,12 +1,12 @@
 """The hand-inlined fast paths, each against the general path it shortcuts: the
 one-group store walk and finish-time pin; ``pick_run`` (a decode step's one-position
 walks selected at once); the decode step's one-pass check of a listed request
-(``RequestTracker._decode_step``); the one-group hit search (``cached_run``) and
-phase-B assignment; phase B's pin hand-over; a store's one-group completion
-(``add_keys`` in one call after one bulk read of the GPU hashes,
-``VllmGpuBlocks.block_hashes_of``) and ``add_keys``' bulk update; the pool's one-pass
-``free``, the free set's ``take``, ``FreeBlockQueue.extend``'s inlined links,
-``add_hashes``' single-key branch; ``VllmGpuBlocks``' slot read; the hash index's
+(``RequestTracker._decode_step``); the one-group hit search (``cached_run``) and phase-B
+assignment; phase B's pin hand-over; a store's one-group completion (``add_keys`` in one
+call after one bulk read of the GPU hashes, ``VllmGpuBlocks.block_hashes_of``) and
+``add_keys``' bulk update; the pool's one-pass ``free``, the free set's ``take``,
+``FreeBlockQueue.extend``'s inlined links, ``add_hashes``' single-key branch;
+``VllmGpuBlocks``' slot read; the facade's skipped no-op after-hooks; the hash index's
 int-or-dict entries. (The vLLM listing's ``_known`` shortcut also stays; its reference
 comparison is ``tests/vllm/test_vllm_listing_changed.py``.)
 
@@ -43,12 +43,12 @@ Each alone is within that noise, but they add up: with all but the first four fo
 back (merge 2426734) the step was, against 0812158 (median of three invocations per
 tree, interleaved, ``--clock cpu``), +20 % / +36 % (realistic, all / changed) at 4k and
 ``tools.bench_manager`` +16 % at 1k; with them restored every cell is back within 5 %
-(``docs/benchmarks.md``, "Issue 30: the step against the tree before"). So every path
-on the step stays, as the two goals together require; folded for good are only the
-facade's skipped no-op after-hooks (three calls a request) and ``DepthAged``'s inlined
-``extend`` / ``remove`` (not on the default order's path). Not measured, kept: the hash
-index's int-or-dict entries (an entry is the block id itself until a second block
-carries the hash: a data layout, not a branch that can be switched off).
+(``docs/benchmarks.md``, "Issue 30: the step against the tree before"). So every path on
+the step stays, as the two goals together require; folded for good are only
+``DepthAged``'s inlined ``extend`` / ``remove`` (not on the default order's path). Not
+measured, kept: the hash index's int-or-dict entries (an entry is the block id itself
+until a second block carries the hash: a data layout, not a branch that can be switched
+off).
 """
 
 from __future__ import annotations
@@ -64,6 +64,8 @@ from hypothesis import strategies as st
 from manager_rig import BS, Req, Rig, manager_state
 
 from kvshm.config import Eviction
+from kvshm.engine import SyncClient
+from kvshm.engine.facade import Facade
 from kvshm.errors import ConfigError, InvalidRequest, PoolExhausted, StateError
 from kvshm.integrations.vllm.blocks import VllmGpuBlocks, plain_hash
 from kvshm.offload.blocks import Block, FreeBlockQueue
@@ -1110,3 +1112,29 @@ def test_add_keys_bulk_path_declines_what_it_cannot_do_alike(
     assert got[0] == got[1]
     for pool in pools:
         pool.check_invariants()
+
+
+# ---- the facade's skipped no-op after-hooks ------------------------------------------
+
+def test_facade_calls_only_the_after_hooks_a_face_overrides() -> None:
+    """A face that leaves an after-hook as the base's no-op is not called for it (the
+    vLLM side's ``SyncClient`` overrides none); one it overrides is."""
+    calls: list[str] = []
+
+    class Quiet(Facade):
+        pass
+
+    class Loud(Facade):
+        def _after_step(self) -> None:
+            calls.append("step")
+
+    core: Any = NS(step=lambda inp: "plan", state=None)
+    q, loud = Quiet(core), Loud(core)
+    assert not (q._hooks_allocated or q._hooks_step or q._hooks_finished)
+    assert loud._hooks_step and not (loud._hooks_allocated or loud._hooks_finished)
+    plan: Any = loud.step(None, service=False)  # type: ignore[arg-type]
+    assert plan == "plan"
+    assert calls == ["step"]
+    sync = SyncClient.__new__(SyncClient)
+    Facade.__init__(sync, core)
+    assert not (sync._hooks_allocated or sync._hooks_step or sync._hooks_finished)
