@@ -17,7 +17,7 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 
 CASES: dict[str, tuple[list[str], set[str]]] = {
-    "bench_manager": (["--steps", "3", "--warmup", "1"],
+    "bench_manager": (["--steps", "3", "--warmup", "1", "--clock", "cpu"],
                       {"us_per_step", "us_per_unchanged_request"}),
     "bench_copy": (["--reps", "1", "--no-index"], {"cpu_ratio_block", "cpu_ratio_frag", "cuda"}),
     "bench_ipc": (["--n", "200", "--m", "2000", "--warmup", "20", "--rounds", "1"],

@@ -1,6 +1,6 @@
 """Scheduler-side cost per step of the OffloadManager at 1k / 4k / 16k running requests.
 
-``python -m tools.bench_manager [--json] [--steps N]``
+``python -m tools.bench_manager [--json] [--steps N] [--clock wall|cpu]``
 
 A synthetic decode-style trace: every running request is listed in every ``StepInput``
 (as vLLM lists every running request in a decode step), and the *same* work changes per
@@ -36,6 +36,7 @@ import statistics
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvshm.offload.manager import OffloadManager
@@ -87,7 +88,8 @@ class Req:
 class Trace:
     """Drives one manager through the synthetic trace at ``n`` running requests."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, clock: Callable[[], float] = time.perf_counter) -> None:
+        self.clock = clock
         self.cpu = BlockPool(CPU_BLOCKS)
         self.gpu = BlockPool(n * 16 + 8192)
         self.m = OffloadManager(self.cpu, self.gpu, block_size=BS)
@@ -136,10 +138,10 @@ class Trace:
         m = self.m
         self.step_no += 1
         spent = 0.0
-        t = time.perf_counter()
+        t = self.clock()
         for job in self.acks:
             m.on_done(job, 0, True)
-        spent += time.perf_counter() - t
+        spent += self.clock() - t
         self.acks = []
         spent += self._finish_some()
         spent += self._arrive()
@@ -148,16 +150,16 @@ class Trace:
         self.ready.clear()
         for r in arrived:
             self.running[r.rid] = r
-        t = time.perf_counter()
+        t = self.clock()
         listing = [r.listing() for r in self.running.values()]
-        self.build_s = time.perf_counter() - t
+        self.build_s = self.clock() - t
         inp = StepInput(self.step_no, listing)
         if self.floor_probe:
-            self.floor_s = _bare_read(listing)
-        t = time.perf_counter()
+            self.floor_s = _bare_read(listing, self.clock)
+        t = self.clock()
         plan = m.build_step(inp)
         results = m.take_load_results()
-        spent += time.perf_counter() - t
+        spent += self.clock() - t
         for tr in (plan.store, plan.load):
             if tr is not None:
                 self.acks.append(tr.job_id)
@@ -176,9 +178,9 @@ class Trace:
         for _ in range(FINISHES):
             rid = next(iter(self.running))
             r = self.running.pop(rid)
-            t = time.perf_counter()
+            t = self.clock()
             self.m.finished(rid, r.confirmed, [r.table])
-            spent += time.perf_counter() - t
+            spent += self.clock() - t
             self.gpu.free(reversed(r.table))
         return spent
 
@@ -190,14 +192,14 @@ class Trace:
             hashes = prefix + [_h(3, self.n_rid)]
             ntok = (PREFIX_BLOCKS + 1) * BS + 5
             view = RequestView(rid, hashes, ntok)
-            t = time.perf_counter()
+            t = self.clock()
             hit = self.m.lookup(view, 0)
-            spent += time.perf_counter() - t
+            spent += self.clock() - t
             assert hit == PREFIX_BLOCKS * BS, (rid, hit)
             table = self.gpu.allocate(PREFIX_BLOCKS + 2)
-            t = time.perf_counter()
+            t = self.clock()
             self.m.allocated(rid, [table], hit)
-            spent += time.perf_counter() - t
+            spent += self.clock() - t
             self.loading[rid] = Req(rid, hashes, table, 0, ntok)
         return spent
 
@@ -232,22 +234,22 @@ class Trace:
             r.confirmed = (PREFIX_BLOCKS + 1) * BS
 
 
-def _bare_read(listing: list[ScheduledRequest]) -> float:
+def _bare_read(listing: list[ScheduledRequest], clock: Callable[[], float]) -> float:
     """Seconds a loop takes that only reads the fields an unchanged request's check
     needs: the floor any consumer of the listing pays (cache misses included)."""
-    t = time.perf_counter()
+    t = clock()
     for r in listing:
         r.req_id  # noqa: B018 - the reads are the point
         r.new_or_resumed  # noqa: B018
         r.preempted  # noqa: B018
         r.new_block_ids  # noqa: B018
         r.num_confirmed_tokens  # noqa: B018
-    return time.perf_counter() - t
+    return clock() - t
 
 
-def _measure(n: int, steps: int, warmup: int,
-             floor: bool) -> tuple[list[float], list[float], Trace]:
-    trace = Trace(n)
+def _measure(n: int, steps: int, warmup: int, floor: bool,
+             clock: Callable[[], float]) -> tuple[list[float], list[float], Trace]:
+    trace = Trace(n, clock)
     trace.floor_probe = floor
     for _ in range(warmup):
         trace.step()
@@ -264,9 +266,10 @@ def _measure(n: int, steps: int, warmup: int,
     return samples, builds, trace
 
 
-def run_size(n: int, steps: int, warmup: int) -> dict[str, float]:
-    samples, builds, trace = _measure(n, steps, warmup, floor=False)
-    floor, _, _ = _measure(n, max(steps // 2, 10), warmup, floor=True)
+def run_size(n: int, steps: int, warmup: int,
+             clock: Callable[[], float] = time.perf_counter) -> dict[str, float]:
+    samples, builds, trace = _measure(n, steps, warmup, False, clock)
+    floor, _, _ = _measure(n, max(steps // 2, 10), warmup, True, clock)
     c = trace.m.counters
     return {"median": statistics.median(samples), "p90": sorted(samples)[int(len(samples) * 0.9)],
             "floor": statistics.median(floor), "build": statistics.median(builds),
@@ -278,8 +281,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", action="store_true", help="print the JSON summary line")
     ap.add_argument("--steps", type=int, default=120, help="measured steps per size")
     ap.add_argument("--warmup", type=int, default=30, help="unmeasured steps per size")
+    ap.add_argument("--clock", choices=("wall", "cpu"), default="wall",
+                    help="time by wall time (default) or this thread's CPU time (which "
+                         "other work on a loaded machine inflates less)")
     args = ap.parse_args(argv)
-    results = {n: run_size(n, args.steps, args.warmup) for n in SIZES}
+    clock = time.thread_time if args.clock == "cpu" else time.perf_counter
+    results = {n: run_size(n, args.steps, args.warmup, clock) for n in SIZES}
     print(f"{'running':>8} {'median us/step':>15} {'p90 us/step':>12} {'read floor':>11} "
           f"{'listing':>9} {'stored':>8} {'loaded':>8}")
     for n, r in results.items():

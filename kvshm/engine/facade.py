@@ -17,7 +17,8 @@ Ordering of every guarded call:
    ``tools.bench_vs_vllm``), and they inline the guard's state test;
 2. the runtime call;
 3. the after-hook, only when the runtime call returned: ``Engine`` publishes the load
-   results that are now due to its waiters; ``SyncClient`` leaves them for ``poll``.
+   results that are now due to its waiters; ``SyncClient`` leaves them for ``poll`` (a
+   face that does not override a hook does not call it).
 
 Every call runs on the one thread that owns the runtime.
 """
@@ -49,6 +50,11 @@ class Facade:
 
     def __init__(self, core: Runtime) -> None:
         self._core = core
+        cls = type(self)
+        # the after-hooks a face overrides (the base ones do nothing and are not called)
+        self._hooks_allocated = cls._after_allocated is not Facade._after_allocated
+        self._hooks_step = cls._after_step is not Facade._after_step
+        self._hooks_finished = cls._after_finished is not Facade._after_finished
 
     @property
     def state(self) -> EngineState:
@@ -86,7 +92,8 @@ class Facade:
         if state is _CLOSING or state is _CLOSED:  # _enter(service=False), inlined
             raise self._ended_error()
         core.allocated(req_id, gpu_block_ids, num_external_tokens)
-        self._after_allocated(req_id, num_external_tokens)
+        if self._hooks_allocated:
+            self._after_allocated(req_id, num_external_tokens)
 
     def step(self, step_input: StepInput, *, service: bool = True) -> StepPlan:
         """Plan and post this step's transfers; never blocks, never raises on a full ring.
@@ -100,7 +107,8 @@ class Facade:
         """
         self._enter(service=service)
         plan = self._core.step(step_input)
-        self._after_step()
+        if self._hooks_step:
+            self._after_step()
         return plan
 
     def finished(self, req_id: str, num_confirmed_tokens: int,
@@ -115,7 +123,8 @@ class Facade:
         if state is _CLOSING or state is _CLOSED:  # _enter(service=False), inlined
             raise self._ended_error()
         out = core.finished(req_id, num_confirmed_tokens, gpu_block_ids, tail_hash=tail_hash)
-        self._after_finished(req_id)
+        if self._hooks_finished:
+            self._after_finished(req_id)
         return out
 
     def transfer_params(self, req_id: str) -> dict[str, Any] | None:

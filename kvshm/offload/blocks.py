@@ -123,8 +123,22 @@ class FreeBlockQueue:
     def extend(self, blocks: Iterable[Block]) -> None:
         """:meth:`append` each block in order (the first is taken first among them).
         StateError for a block already queued, the blocks before it appended."""
-        for b in blocks:
-            self.append(b)
+        tail = self.tail
+        left = tail.prev
+        assert left is not None, "queue link broken"
+        n = 0
+        try:
+            for b in blocks:
+                if b.prev is not None or b.next is not None:
+                    raise StateError(f"{b!r} is already in the free queue")
+                b.prev = left
+                left.next = b
+                left = b
+                n += 1
+        finally:
+            left.next = tail
+            tail.prev = left
+            self.size += n
 
     def appendleft(self, b: Block) -> None:
         """Add ``b`` at the LRU end (taken next)."""
@@ -158,6 +172,27 @@ class FreeBlockQueue:
         first.prev = first.next = None
         self.size -= 1
         return first
+
+    def take(self, n: int) -> list[Block]:
+        """:meth:`popleft` ``n`` times, in one call (``n`` at most the size: StateError
+        and nothing taken otherwise); the blocks in the order taken."""
+        if not 0 <= n <= self.size:
+            raise StateError(f"take {n} from a free queue of {self.size}")
+        head = self.head
+        out: list[Block] = []
+        add = out.append
+        node = head.next
+        for _ in range(n):
+            assert node is not None, "queue link broken"
+            add(node)
+            nxt = node.next
+            node.prev = node.next = None
+            node = nxt
+        assert node is not None, "queue link broken"
+        head.next = node
+        node.prev = head
+        self.size -= n
+        return out
 
     def __iter__(self) -> Iterator[Block]:
         """Blocks from the LRU end. The caller may unlink the block just yielded (e.g.
@@ -253,6 +288,20 @@ class FreeSet:
         b.freq = NEW
         b.depth = 0
         return b
+
+    def take(self, n: int) -> list[Block]:
+        """:meth:`popleft` ``n`` times, in one call (fresh blocks in one cut); ``n`` at
+        most the length (StateError and nothing taken otherwise)."""
+        if not 0 <= n <= self._len:
+            raise StateError(f"take {n} from a free set of {self._len}")
+        out = self.fresh.take(min(n, self.fresh.size))
+        for _ in range(n - len(out)):
+            out.append(self._victim())
+        for b in out:
+            b.freq = NEW
+            b.depth = 0
+        self._len -= n
+        return out
 
     def refresh(self, b: Block) -> None:
         """``b`` (at ref 0, cached) was reused elsewhere: count it as a hit (one freed

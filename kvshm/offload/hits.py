@@ -49,6 +49,13 @@ def find_hit(cpu: BlockPool, gs: GroupSet, hashes: Sequence[BlockHash], start: i
     n = min(len(hashes) - start, max_blocks)
     if n <= 0:
         return None
+    if gs.single:  # one full-attention group: the keys are the hashes themselves
+        run = cpu.index.cached_run(hashes, start, start + n)
+        if not run:
+            return None
+        end = start + len(run)
+        # one list is both the group's row and the pins: neither is ever mutated
+        return Hit(start, end, [run], run, _seen(hashes, start, end))  # type: ignore[list-item]
     get = cpu.index.get_cached
     key = gs.key
     full_rows: list[list[int]] = []
@@ -133,6 +140,13 @@ def assign(cpu: BlockPool, gs: GroupSet, hit: Hit, tables: Sequence[Sequence[int
     manager checks that first, as InvalidRequest).
     """
     end = hit.start + k
+    if gs.single:  # every position of the one full group has its CPU block
+        t = tables[0]
+        if len(t) < end:
+            raise ConfigError(f"group 0 table has {len(t)} blocks, phase B needs {end}")
+        row = hit.cpu[0]
+        return Assignment(row[:k] if k < len(row) else list(row),  # type: ignore[arg-type]
+                          list(t[hit.start:end]), [])
     for g in range(gs.n):
         if len(tables[g]) < end:
             raise ConfigError(

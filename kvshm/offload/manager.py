@@ -352,8 +352,14 @@ class OffloadManager:
 
     def _hand_over(self, pinned: list[int], taken: list[int]) -> None:
         """Phase B: the hit's pins on ``taken`` (the load's CPU ids) become the load's;
-        the rest of ``pinned`` is released tail-first (a touch then a free of a pinned
-        block changes neither its ref count nor its queue place)."""
+        the rest of ``pinned`` is released tail-first. One full-attention group takes a
+        prefix of ``pinned`` in order: those pins move without a pool call (a touch then
+        a free of a pinned block changes neither its ref count nor its queue place)."""
+        k = len(taken)
+        if pinned[:k] == taken:
+            if k < len(pinned):
+                self.cpu.free(reversed(pinned[k:]))
+            return
         self.cpu.touch(taken)
         self.cpu.free(reversed(pinned))
 

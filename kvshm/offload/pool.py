@@ -32,6 +32,7 @@ the pool except :meth:`drop_all_hashes` (O(hashed blocks)) and :meth:`check_inva
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, KeysView, Sequence
+from typing import NoReturn
 
 from kvshm.config import Eviction
 from kvshm.errors import ConfigError, PoolExhausted
@@ -121,8 +122,7 @@ class BlockPool:
         if n > len(self._queue):
             self.exhausted += 1
             raise PoolExhausted(n, len(self._queue))
-        pop = self._queue.popleft
-        blocks = [pop() for _ in range(n)]  # the victims are chosen before any is unindexed
+        blocks = self._queue.take(n)  # the victims are chosen before any is unindexed
         for b in blocks:
             if b.hashes:
                 self.evictions += 1
@@ -146,26 +146,53 @@ class BlockPool:
         are taken before later ones at either end. Freeing below 0 or an unknown id:
         ConfigError before any change.
 
-        Every id is resolved and checked before any ref changes; the cached blocks
-        reaching 0 join the MRU end in one ``extend``, after the decrements."""
-        blocks = self._resolve(ids)
-        if any(b.ref_cnt < 1 for b in blocks) or len(set(map(id, blocks))) != len(blocks):
-            self._check_freeable(blocks)  # raises what is wrong (a repeat may be fine)
+        One pass resolves, checks and decrements (a repeat sees its earlier decrement);
+        the first id that fails undoes the pass's decrements and :meth:`_refuse_free`
+        raises what checking first names. The cached blocks reaching 0 join the MRU
+        end in one ``extend`` (the order of one ``append`` each), after the pass."""
+        all_blocks = self._blocks
+        n = len(all_blocks)
+        ids = ids if type(ids) is list else list(ids)
         to_mru: list[Block] = []
         to_lru: list[Block] = []
-        for b in blocks:
-            b.ref_cnt -= 1
-            if not b.ref_cnt:
-                if evict_first or not b.hashes:
-                    to_lru.append(b)
-                else:
-                    to_mru.append(b)
+        done = 0
+        try:
+            for i in ids:
+                if not 0 <= i < n:
+                    break
+                b = all_blocks[i]
+                r = b.ref_cnt - 1
+                if r < 0:
+                    break
+                b.ref_cnt = r
+                done += 1
+                if not r:
+                    if evict_first or not b.hashes:
+                        to_lru.append(b)
+                    else:
+                        to_mru.append(b)
+        finally:
+            if done != len(ids):  # refused (or a bad id type): nothing changes
+                for i in ids[:done]:
+                    all_blocks[i].ref_cnt += 1
+        if done != len(ids):
+            self._refuse_free(ids)
         if to_mru:
             self._queue.extend(to_mru)
         if to_lru:
             appendleft = self._queue.appendleft
             for b in reversed(to_lru):
                 appendleft(b)
+
+    def _refuse_free(self, ids: list[int]) -> NoReturn:
+        """The ConfigError of a refused :meth:`free` (refs as before the call): the
+        first unknown id, else the first block freed more often than its ref."""
+        n = len(self._blocks)
+        for i in ids:
+            if not 0 <= i < n:
+                raise ConfigError(f"unknown block id {i!r} (pool has {n} blocks)")
+        self._check_freeable([self._blocks[i] for i in ids])
+        raise AssertionError("free refused with every id freeable")
 
     @staticmethod
     def _check_freeable(blocks: list[Block]) -> None:

@@ -26,12 +26,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, KeysView, Sequence
 from itertools import repeat
+from operator import attrgetter
 
 from kvshm.errors import ConfigError
 from kvshm.hashing import BlockHash
 from kvshm.offload.blocks import Block, BlockRemoved, BlockStored, IndexEntry, PoolEvent
 
 __all__ = ["HashIndex"]
+
+_HASHES = attrgetter("hashes")
 
 
 class HashIndex:
@@ -67,12 +70,16 @@ class HashIndex:
                               "blocks)")
         b = blocks[block_id]
         have = b.hashes
-        new: list[BlockHash] = []
-        for h in hashes:
-            if not isinstance(h, bytes):
-                raise ConfigError(f"block hash must be bytes, got {type(h).__name__}")
-            if h not in have and h not in new:
-                new.append(h)
+        new: list[BlockHash]
+        if type(hashes) is list and len(hashes) == 1 and type(hashes[0]) is bytes:
+            new = [] if hashes[0] in have else hashes  # a store's usual single key
+        else:
+            new = []
+            for h in hashes:
+                if not isinstance(h, bytes):
+                    raise ConfigError(f"block hash must be bytes, got {type(h).__name__}")
+                if h not in have and h not in new:
+                    new.append(h)
         if not new:
             return
         index = self.entries
@@ -117,6 +124,8 @@ class HashIndex:
         fused = depths is not None and len(depths) == len(ids)  # else set after
         if fused and depths is not None:
             dep = depths
+            if events is None and self._add_new_keys(ids, keys, depths):
+                return
         for c, k, d in zip(ids, keys, dep):
             b = blocks[c]
             if fused:
@@ -136,6 +145,25 @@ class HashIndex:
         if depths and not fused:
             for c, d in zip(ids, depths):
                 blocks[c].depth = d
+
+    def _add_new_keys(self, ids: Sequence[int], keys: Sequence[BlockHash],
+                      depths: Sequence[int]) -> bool:
+        """:meth:`add_keys`' usual case, a store's completion without events, in bulk:
+        when the ids and keys are distinct, no key is indexed and no block carries a
+        hash, each block gets its key and depth and the index its entries in one
+        ``update`` (what the calls one by one do then); else False, nothing changed."""
+        index = self.entries
+        n = len(ids)
+        if (len(set(keys)) != n or len(set(ids)) != n or not index.keys().isdisjoint(keys)):
+            return False
+        blocks = list(map(self._blocks.__getitem__, ids))
+        if any(map(_HASHES, blocks)):
+            return False
+        for b, k, d in zip(blocks, keys, depths):
+            b.hashes = (k,)
+            b.depth = d
+        index.update(zip(keys, ids))
+        return True
 
     def remove_hashes(self, block_id: int) -> None:
         """Drop every hash of ``block_id`` (BlockRemoved); it stays where it is."""

@@ -147,7 +147,9 @@ class RequestTracker:
                 nb = r.new_block_ids
                 q = r.num_confirmed_tokens // bs
                 if q >= w or q < 0 or nb is not no_new and nb != no_new:
-                    out.append(self._check_change(check.listed(r), w, check, seen))
+                    kind = self._decode_step(r, nb, q, w, seen, check)
+                    out.append((r, kind) if kind else
+                               self._check_change(check.listed(r), w, check, seen))
         except (TypeError, AttributeError) as exc:
             raise check.malformed(requests, r, exc) from exc
         return out
@@ -179,6 +181,56 @@ class RequestTracker:
             if ready > cursor:
                 check.hashes("build_step", rid, "block_hashes", hashes, cursor, ready)
         return r, ADMIT
+
+    def _decode_step(self, r: Any, nb: Any, q: int, w: int, seen: set[str],
+                     check: CallCheck) -> int:
+        """The change of a decode step, checked in one pass: a plain ``ScheduledRequest``
+        of one KV group with one id appended or none (``nb`` is the shared "no new
+        blocks" table), and either no block newly confirmed (``q < w``, an id appended:
+        ``EXTEND``) or the next one (``q == w``, a tracked request whose walk reads one
+        hash: ``DIRTY``, with ``EXTEND`` if an id was appended). Returns 0 for any other
+        shape or value: the caller then runs the full checks (:meth:`CallCheck.listed`,
+        :meth:`_check_change`), so this never refuses and never accepts what they would
+        refuse -- every test :meth:`CallCheck.listed` makes of such a request is made
+        here (``q >= 0`` is ``confirmed >= 0``; ``len(hashes) * bs <= num_tokens``
+        implies ``num_tokens >= 0``; both flags are known to be exactly False)."""
+        if q > w or type(r) is not ScheduledRequest or check.n_groups != 1:
+            return 0
+        b: Any = 0
+        grow = nb is not self._no_new
+        if grow:
+            if type(nb) is not tuple or len(nb) != 1:
+                return 0
+            t = nb[0]
+            if type(t) is not tuple or len(t) != 1:
+                return 0
+            b = t[0]
+        rid, hashes, num_tokens, params = (r.req_id, r.block_hashes, r.num_tokens,
+                                           r.kv_transfer_params)
+        if not (type(rid) is str and type(num_tokens) is int
+                and type(r.num_confirmed_tokens) is int and q >= 0
+                and (type(hashes) is list or type(hashes) is tuple)
+                and (params is None or type(params) is dict)
+                and len(hashes) * self.bs <= num_tokens
+                and type(b) is int and 0 <= b < check.num_gpu_blocks and rid not in seen):
+            return 0
+        if q < w:  # an id appended, no block confirmed
+            if not grow:
+                return 0
+            seen.add(rid)
+            return EXTEND
+        st = self.reqs[rid]
+        lo = st.cursor
+        if not st.tracked or len(st.tables) != 1:
+            return 0
+        hi = min(q, len(st.tables[0]) + grow, len(hashes))
+        if hi - lo != 1:
+            return 0
+        h = hashes[lo]
+        if type(h) is not bytes or not check.hash_min <= len(h) <= check.hash_max:
+            return 0
+        seen.add(rid)
+        return EXTEND | DIRTY if grow else DIRTY
 
     def _check_change(self, r: ScheduledRequest, w: int, check: CallCheck,
                       seen: set[str]) -> Change:
@@ -263,17 +315,57 @@ class RequestTracker:
     def select(self, dirty: list[ScheduledRequest], alloc: Collection[int], avail: int,
                sel: Selection) -> int:
         """Walk each changed request's confirmed blocks into ``sel``, in order; returns
-        what is left of ``avail`` CPU blocks."""
+        what is left of ``avail`` CPU blocks. A run of requests in a row that each have
+        exactly one position to walk (a decode step's usual change, one full-attention
+        group) is offered to :meth:`StorePlanner.pick_run
+        <kvshm.offload.stores.StorePlanner.pick_run>` first, which selects the whole run
+        at once when every walk would pick its block; else the run is walked request by
+        request. Either way the same blocks are picked in the same order."""
         bs = self.bs
         reqs, walk = self.reqs, self.plan.walk
+        single = self.gs.single
+        run: list[tuple[ScheduledRequest, ReqState, int]] = []
         for r in dirty:
             st = reqs[r.req_id]
-            st.hashes = r.block_hashes
+            st.hashes = hashes = r.block_hashes
             tables = st.tables
             shortest = len(tables[0]) if len(tables) == 1 else min(map(len, tables))
             ready = r.num_confirmed_tokens // bs
             if shortest < ready:
                 ready = shortest
+            p = st.cursor
+            if single and ready == p + 1 and p < len(hashes):
+                run.append((r, st, ready))
+                continue
+            if run:
+                avail = self._select_run(run, alloc, avail, sel)
+                run = []
+            avail = walk(st, ready, avail, alloc, sel)
+            self._walked(r, st, ready)
+        if run:
+            avail = self._select_run(run, alloc, avail, sel)
+        return avail
+
+    def _select_run(self, run: list[tuple[ScheduledRequest, ReqState, int]],
+                    alloc: Collection[int], avail: int, sel: Selection) -> int:
+        """:meth:`select` for ``run``: requests with one position to walk each (its
+        cursor, ``ready - 1``), all at once where the planner takes them, else one by
+        one."""
+        n = len(run)
+        if n > 1 and avail >= n:
+            blocks = [st.tables[0][st.cursor] for _, st, _ in run]
+            keys = [st.hashes[st.cursor] for _, st, _ in run]
+            depths = [st.cursor for _, st, _ in run]
+            if self.plan.pick_run(blocks, keys, depths, sel):
+                watch, stalled = self.watch, self.stalled
+                for r, st, ready in run:
+                    st.cursor = ready
+                    watch[r.req_id] = ready + 1
+                    if stalled:
+                        stalled.pop(r.req_id, None)
+                return avail - n
+        walk = self.plan.walk
+        for r, st, ready in run:
             avail = walk(st, ready, avail, alloc, sel)
             self._walked(r, st, ready)
         return avail

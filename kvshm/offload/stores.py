@@ -36,6 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Collection, Container, Sequence
 from functools import partial
+from itertools import repeat
 from operator import eq
 from typing import Protocol
 
@@ -204,6 +205,35 @@ class StorePlanner:
         st.cursor = p
         return avail
 
+    def pick_run(self, blocks: list[int], keys: list[bytes], depths: list[int],
+                 sel: Selection) -> bool:
+        """Select ``(blocks[i], keys[i])`` at position ``depths[i]`` for every ``i`` at
+        once, in order, and return True -- exactly when :meth:`walk` (one full-attention
+        group), given each as its request's only position to walk with its hash known
+        and CPU blocks for all, would pick every one: the blocks and keys are distinct,
+        none is in flight, cached or a pending load's destination, and each GPU block
+        carries its key or no hash. Else False with nothing changed (the caller walks
+        them one by one). The tests of a pick are set operations in C; only the GPU
+        hashes are read block by block."""
+        n = len(blocks)
+        load_dst, inflight_gpu, inflight_keys, cached, _, _ = self._hot
+        if (len(set(blocks)) != n or len(set(keys)) != n
+                or not inflight_gpu.isdisjoint(blocks) or not inflight_keys.isdisjoint(keys)
+                or not cached.isdisjoint(keys)
+                or load_dst and any(map(load_dst.__contains__, blocks))):
+            return False
+        for gh, h in zip(self._hashes_of(blocks), keys):
+            if gh and h not in gh:
+                return False
+        inflight_gpu.update(blocks)
+        inflight_keys.update(keys)
+        sel.gpu_ids += blocks
+        sel.groups += repeat(0, n)
+        sel.keys += keys
+        sel.depths += depths
+        sel.to_touch += blocks
+        return True
+
     def _walk_groups(self, st: Cursor, ready: int, avail: int, alloc: Collection[int],
                      sel: Selection) -> int:
         """:meth:`walk` for any groups: every group of a position, then the position."""
@@ -245,13 +275,49 @@ class StorePlanner:
 
     def pin_finished(self, st: Cursor, ready: int) -> int:
         """Finish-time: touch and queue ``st``'s unstored candidates ``[cursor, ready)``
-        (no CPU limit; the next steps send them). Returns how many were queued."""
-        picks = self._pin_groups(st, ready)
+        (no CPU limit; the next steps send them). Returns how many were queued. One
+        full-attention group is classified inline (:meth:`_pin_one_group`)."""
+        if self.gs.single:
+            picks = self._pin_one_group(st, ready)
+        else:
+            picks = self._pin_groups(st, ready)
         st.cursor = max(st.cursor, ready)
         if picks:
             self.gpu.touch([c.gpu_id for c in picks])
             self.finish_queue.extend(picks)
         return len(picks)
+
+    def _pin_one_group(self, st: Cursor, ready: int) -> list[Cand]:
+        """:meth:`_pin_groups` for ``gs.single``, :meth:`classify` inlined (the key is
+        the plain hash; no window): the same decisions and counts, marked as taken."""
+        picks: list[Cand] = []
+        table, hashes = st.tables[0], st.hashes
+        nh = len(hashes)
+        load_dst, inflight_gpu, inflight_keys, cached, gh_of, declined = self._hot
+        for p in range(st.cursor, ready):
+            b = table[p]
+            if b in load_dst or b in inflight_gpu:
+                declined[DeclineReason.IN_FLIGHT] += 1
+                continue
+            gh = gh_of(b)
+            h = hashes[p] if p < nh else None
+            if h is None:
+                if not gh:
+                    declined[DeclineReason.UNHASHED] += 1
+                    continue
+                h = gh[0]
+            elif gh and h not in gh:
+                declined[DeclineReason.HASH_MISMATCH] += 1
+                continue
+            if h in inflight_keys:
+                declined[DeclineReason.IN_FLIGHT] += 1
+            elif h in cached:
+                declined[DeclineReason.ALREADY_CACHED] += 1
+            else:
+                inflight_gpu.add(b)
+                inflight_keys.add(h)
+                picks.append(Cand(b, 0, h, p))
+        return picks
 
     def _pin_groups(self, st: Cursor, ready: int) -> list[Cand]:
         """Classify and mark ``st``'s candidates ``[cursor, ready)`` of every group."""

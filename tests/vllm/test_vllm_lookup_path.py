@@ -5,8 +5,9 @@ scheduler-side contract": each layer does one thing a reader can name).
 request on the benchmark's lockstep rig (:mod:`tools.vs_vllm_rig`: vLLM's real
 ``KVCacheManager`` and ``Request``, kvshm's scheduler side over a real ``SyncClient``
 with one embedded worker); the Python frames between the hook and the hash index's
-``get_cached`` (where a lookup first reads the CPU tier) must be exactly the documented
-path. A layer added or removed fails here, naming the frames."""
+``cached_run`` (where a lookup of one full-attention group reads the CPU tier, the
+whole run in one call) must be exactly the documented path. A layer added or removed
+fails here, naming the frames."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ PATH = [
     "OffloadManager.lookup",  # validate the view
     "OffloadManager._lookup",  # the hit: search, pin, record
     "find_hit",  # the longest hit in the CPU tier
-    "HashIndex.get_cached",  # one index probe
+    "HashIndex.cached_run",  # the index probes, the whole run in one call
 ]
 
 
@@ -40,24 +41,24 @@ def test_a_lookup_passes_exactly_the_documented_layers(monkeypatch: pytest.Monke
     from tools.vs_vllm_rig import Rig
 
     seen: list[list[str]] = []
-    real = HashIndex.get_cached
+    real = HashIndex.cached_run
     hook = KvshmConnector.get_num_new_matched_tokens.__code__
 
-    def spy(self: HashIndex, *args: Any) -> int | None:
+    def spy(self: HashIndex, *args: Any) -> list[int]:
         names: list[str] = []
         f = sys._getframe(0)
         while f is not None and f.f_code is not hook:
             names.append(f.f_code.co_qualname)
             f = f.f_back  # type: ignore[assignment]
-        assert f is not None, f"get_cached reached without the hook: {names}"
+        assert f is not None, f"cached_run reached without the hook: {names}"
         names.append(f.f_code.co_qualname)
-        names[0] = "HashIndex.get_cached"  # this spy stands in for it
+        names[0] = "HashIndex.cached_run"  # this spy stands in for it
         seen.append(names[::-1])
         return real(self, *args)
 
     rig = Rig(gpu_blocks=64, cpu_blocks=64)
     try:
-        monkeypatch.setattr(HashIndex, "get_cached", spy)
+        monkeypatch.setattr(HashIndex, "cached_run", spy)
         r = rig.request("r0", list(range(4 * 16 + 1)))
         rig.side.on_new_request(r)
         # the hook's own code, its connector holding only what it reads
@@ -67,5 +68,4 @@ def test_a_lookup_passes_exactly_the_documented_layers(monkeypatch: pytest.Monke
         monkeypatch.undo()
         rig.close()
     assert hit == (0, False)  # nothing stored yet: a miss, after the whole path
-    assert seen and seen[0] == PATH  # the first probe (one per position looked up)
-    assert all(path == PATH for path in seen)
+    assert seen == [PATH]  # one call for the whole run
