@@ -98,18 +98,18 @@ def test_part_bytes_zero_is_one_request_a_block(valkey: ValkeyServer) -> None:
 
 def test_large_blocks_are_read_one_a_request_small_ones_batched(
         valkey: ValkeyServer) -> None:
-    """A GET of 8 blocks of ``GET_ALONE_BYTES`` (1 MiB; a TP-1 rank's 2 MiB block is
-    past it) is 8 MGETs, one a block -- measured faster than 4 MiB parts at 2 MiB --
-    while 8 blocks of half that share 4 MiB parts (1 MGET). Each large block is still
+    """A GET of 8 blocks of ``GET_ALONE_BYTES`` (2 MiB: a TP-1 rank's block) is 8
+    MGETs, one a block -- measured faster than 4 MiB parts at 2 MiB -- while 8 blocks
+    of half that share 4 MiB parts (2 MGETs). Each large block is still
     checked alone: one with a
     flipped payload byte is BAD and one whose header is deleted a MISS, both counted,
     the others HIT bit-exact. A negative or non-int ``get_alone_bytes`` is a
     ConfigError."""
     big, small = GET_ALONE_BYTES, GET_ALONE_BYTES // 2
-    assert PART_BYTES // big == 4 and PART_BYTES // small == 8
+    assert PART_BYTES // big == 2 and PART_BYTES // small == 4
     store = ValkeyBlockStore(RemoteSpec.parse(valkey.url, ttl_s=600, **CALM))
     try:
-        for row, mgets in ((small, 1), (big, 8)):
+        for row, mgets in ((small, 2), (big, 8)):
             hs = [BlockHeader(fingerprint=f"{FP}.{row}", block_hash=h.block_hash, rank=0,
                               world=1, length=row) for h in headers(8, row)]
             keys = keys_of(hs)
