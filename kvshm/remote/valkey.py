@@ -95,7 +95,7 @@ __all__ = ["GET_ALONE_BYTES", "PART_BYTES", "ValkeyBlockStore"]
 PART_BYTES: Final = 4 << 20
 #: Blocks of at least this many payload bytes are read one a request (a GET part of one
 #: block; puts still share parts). Measured (``tools.bench_remote``, 2 ranks x 4
-#: threads): at 2 MiB one block a request beat the 4 MiB parts (2 blocks) in 6 of 6
+#: threads): at 2 MiB one block a request beat the 4 MiB parts (2 blocks) in 9 of 9
 #: runs (by 2-56 %); at 1 MiB neither won twice (parts ahead by 4-9 % in 3 runs, behind
 #: by 2-6 % in 3 others), at 512 KiB they were even: there the parts stay (fewer
 #: requests and wake-ups). See docs/benchmarks.md's remote section.
