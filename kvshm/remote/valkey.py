@@ -10,7 +10,9 @@ slot, so a cluster keeps them on one node).
 non-atomic pipeline of ``SET key <row> EX ttl`` and ``SET {key}h <header> EX ttl`` per
 block (each row goes out zero-copy from the caller's view); a get is one ``MGET {k0}h k0
 {k1}h k1 ...`` that lands each header in a small buffer and each payload directly in the
-caller's view (glide's ``buffers=``: no intermediate bytes). The parts of a call run in
+caller's view (glide's ``buffers=``: no intermediate bytes), except that a block of
+:data:`GET_ALONE_BYTES` or more is read alone (one ``MGET {k}h k`` a block: measured
+faster for large blocks, see the constant). The parts of a call run in
 parallel over the threads; a call of one part runs on the caller's thread. Every block
 is then judged on its own: a value longer than its view fails glide's whole ``MGET``, so
 that part is read again one block per request (``split_retries``) to find which; a
@@ -86,11 +88,18 @@ from kvshm.remote.tier import (
     header_checksum_id,
 )
 
-__all__ = ["PART_BYTES", "ValkeyBlockStore"]
+__all__ = ["GET_ALONE_BYTES", "PART_BYTES", "ValkeyBlockStore"]
 
 #: Most payload bytes one request (a part of a call) carries: small blocks share a
 #: round trip, large ones spread over the threads.
 PART_BYTES: Final = 4 << 20
+#: Blocks of at least this many payload bytes are read one a request (a GET part of one
+#: block; puts still share parts). Measured (``tools.bench_remote``, 2 ranks x 4
+#: threads): at 2 MiB one block a request beat the 4 MiB parts (2 blocks) in 9 of 9
+#: runs (by 2-56 %); at 1 MiB neither won twice (parts ahead by 4-9 % in 3 runs, behind
+#: by 2-6 % in 3 others), at 512 KiB they were even: there the parts stay (fewer
+#: requests and wake-ups). See docs/benchmarks.md's remote section.
+GET_ALONE_BYTES: Final = 2 << 20
 
 log = logging.getLogger(__name__)
 #: Warnings a caller (or a bug) can repeat per block: one line per kind per interval.
@@ -101,16 +110,20 @@ class ValkeyBlockStore:
     """The worker side on Valkey (see the module). ``breaker_*``: consecutive failures
     that open a shard's breaker, and its first and longest backoff. ``part_bytes``: most
     payload bytes a request (:data:`PART_BYTES`; 0: one block a request, the path before
-    batching, which ``tools.bench_remote`` measures against)."""
+    batching, which ``tools.bench_remote`` measures against). ``get_alone_bytes``: a
+    block of at least this many bytes is read one a request (:data:`GET_ALONE_BYTES`;
+    0: every GET one block a request)."""
 
     def __init__(self, spec: RemoteSpec, *, breaker_threshold: int = 3,
                  breaker_backoff_s: float = 0.25, breaker_max_backoff_s: float = 5.0,
-                 part_bytes: int = PART_BYTES) -> None:
-        if isinstance(part_bytes, bool) or not isinstance(part_bytes, int) \
-                or part_bytes < 0:
-            raise ConfigError(f"part_bytes must be an int >= 0, got {part_bytes!r}")
+                 part_bytes: int = PART_BYTES,
+                 get_alone_bytes: int = GET_ALONE_BYTES) -> None:
+        for name, value in (("part_bytes", part_bytes), ("get_alone_bytes", get_alone_bytes)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
         self.spec = spec
         self.part_bytes = part_bytes
+        self.get_alone_bytes = get_alone_bytes
         self._glide = glide_module()
         self._ttl = expiry_of(self._glide, spec)
         self._hold = self._glide.ExpirySet(self._glide.ExpiryType.SEC, spec.hold_ttl_s)
@@ -169,10 +182,12 @@ class ValkeyBlockStore:
     # ------------------------------------------------------------------ parts
 
     def _parts(self, keys: Sequence[str], views: Sequence[memoryview],
-               idx: Sequence[int]) -> list[tuple[CircuitBreaker, list[int]]]:
+               idx: Sequence[int], alone: int | None = None,
+               ) -> list[tuple[CircuitBreaker, list[int]]]:
         """``idx`` in requests: the one server's blocks (a cluster: each slot's, so in
         practice one block a request) cut into runs of at most ``part_bytes`` of
-        payload (at least one block), in the caller's order within a part. One part =
+        payload (at least one block), in the caller's order within a part; a block of
+        ``alone`` bytes or more (None: no such limit) is a part of its own. One part =
         one request = one round trip; the parts of a call run in parallel over the
         threads."""
         groups: dict[tuple[str, int], list[int]] = {}
@@ -185,11 +200,15 @@ class ValkeyBlockStore:
             run: list[int] = []
             size = 0
             for i in members:
-                if run and size + views[i].nbytes > self.part_bytes:
+                big = alone is not None and views[i].nbytes >= alone
+                if run and (big or size + views[i].nbytes > self.part_bytes):
                     parts.append((breaker, run))
                     run, size = [], 0
                 run.append(i)
                 size += views[i].nbytes
+                if big:
+                    parts.append((breaker, run))
+                    run, size = [], 0
             if run:
                 parts.append((breaker, run))
         return parts
@@ -286,9 +305,10 @@ class ValkeyBlockStore:
 
     def get_many_into(self, keys: Sequence[str], views: Sequence[memoryview],
                       header: Sequence[BlockHeader]) -> list[GetOutcome]:
-        """One ``MGET h0 p0 h1 p1 ...`` per part (see :meth:`_parts`): each header lands
-        in a small buffer, each payload in its caller's view; then every block is
-        checked on its own (a bad or missing block is BAD or MISS, the others HIT)."""
+        """One ``MGET h0 p0 h1 p1 ...`` per part (see :meth:`_parts`; a block of
+        ``get_alone_bytes`` or more is a part alone): each header lands in a small
+        buffer, each payload in its caller's view; then every block is checked on its
+        own (a bad or missing block is BAD or MISS, the others HIT)."""
         n = len(keys)
         if self._closed or len(views) != n or len(header) != n:
             self._n.add(invalid_calls=1, errors=n)
@@ -306,7 +326,7 @@ class ValkeyBlockStore:
 
         def get(breaker: CircuitBreaker, part: list[int]) -> list[GetOutcome]:
             return self._get_part(breaker, part, keys, views, header)
-        self._run_parts(self._parts(keys, views, ok), get, out)
+        self._run_parts(self._parts(keys, views, ok, self.get_alone_bytes), get, out)
         return out
 
     def _get_part(self, breaker: CircuitBreaker, part: list[int], keys: Sequence[str],

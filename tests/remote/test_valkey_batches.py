@@ -1,7 +1,8 @@
 """Batched remote I/O of the Valkey block store against real servers (standalone and the
 6-process cluster): a call of many small blocks is one round trip per part of
 ``PART_BYTES`` (one MGET, one pipeline of SETs, counted by the server's own command
-statistics; in a cluster one request per hash slot), every block of a batch is still
+statistics; in a cluster one request per hash slot; a GET of blocks of ``GET_ALONE_BYTES``
+or more one MGET a block), every block of a batch is still
 judged on its own (one corrupted value and one missing key among good ones are exactly
 one BAD and one MISS), and the bytes land bit-exact in the caller's rows, across the
 shards of a cluster too."""
@@ -18,7 +19,7 @@ from kvshm.remote.glide_client import header_key, key_slot
 from kvshm.remote.resp import command, parse_reply
 from kvshm.remote.server import ValkeyCluster, ValkeyServer
 from kvshm.remote.tier import KEY_PREFIX, BlockHeader, GetOutcome, RemoteSpec, block_key
-from kvshm.remote.valkey import PART_BYTES, ValkeyBlockStore
+from kvshm.remote.valkey import GET_ALONE_BYTES, PART_BYTES, ValkeyBlockStore
 
 ROW = 128 << 10  # a TP-8 rank's shard of a block: the size batching is for
 FP = "tiny-llama.bf16.bs16.nhd"
@@ -29,9 +30,9 @@ def call(server: ValkeyServer, *args: str | bytes) -> Any:
     return parse_reply(command(server.host, server.port, *args))
 
 
-def headers(n: int) -> list[BlockHeader]:
+def headers(n: int, row: int = ROW) -> list[BlockHeader]:
     return [BlockHeader(fingerprint=FP, block_hash=i.to_bytes(16, "big"), rank=0, world=1,
-                        length=ROW) for i in range(n)]
+                        length=row) for i in range(n)]
 
 
 def keys_of(hs: list[BlockHeader]) -> list[str]:
@@ -93,6 +94,52 @@ def test_part_bytes_zero_is_one_request_a_block(valkey: ValkeyServer) -> None:
     for bad in (-1, 1.5, True):
         with pytest.raises(ConfigError, match="part_bytes"):
             ValkeyBlockStore(RemoteSpec.parse(valkey.url), part_bytes=bad)  # type: ignore[arg-type]
+
+
+def test_large_blocks_are_read_one_a_request_small_ones_batched(
+        valkey: ValkeyServer) -> None:
+    """A GET of 8 blocks of ``GET_ALONE_BYTES`` (2 MiB: a TP-1 rank's block) is 8
+    MGETs, one a block -- measured faster than 4 MiB parts at 2 MiB -- while 8 blocks
+    of half that share 4 MiB parts (2 MGETs). Each large block is still
+    checked alone: one with a
+    flipped payload byte is BAD and one whose header is deleted a MISS, both counted,
+    the others HIT bit-exact. A negative or non-int ``get_alone_bytes`` is a
+    ConfigError."""
+    big, small = GET_ALONE_BYTES, GET_ALONE_BYTES // 2
+    assert PART_BYTES // big == 2 and PART_BYTES // small == 4
+    store = ValkeyBlockStore(RemoteSpec.parse(valkey.url, ttl_s=600, **CALM))
+    try:
+        for row, mgets in ((small, 2), (big, 8)):
+            hs = [BlockHeader(fingerprint=f"{FP}.{row}", block_hash=h.block_hash, rank=0,
+                              world=1, length=row) for h in headers(8, row)]
+            keys = keys_of(hs)
+            src, dst = Rows(8, row, row=row), Rows(8, row=row)
+            assert store.put_many(keys, src.views, hs) == [True] * 8
+            mget0 = calls(valkey, "mget")
+            assert store.get_many_into(keys, dst.views, hs) == [GetOutcome.HIT] * 8
+            assert calls(valkey, "mget") - mget0 == mgets, row
+            assert src == dst
+        bad, gone = 2, 5
+        payload = bytearray(call(valkey, "GET", keys[bad]))
+        payload[big - 1] ^= 0x80
+        call(valkey, "SET", keys[bad], bytes(payload))
+        call(valkey, "DEL", header_key(keys[gone]))
+        before = store.statistics()
+        dst = Rows(8, row=big)
+        out = store.get_many_into(keys, dst.views, hs)
+        want = [GetOutcome.HIT] * 8
+        want[bad], want[gone] = GetOutcome.BAD, GetOutcome.MISS
+        assert out == want
+        assert all(dst[i] == src[i] for i in range(8) if i not in (bad, gone))
+        after = store.statistics()
+        assert {k: after[k] - before[k] for k in ("hits", "bad", "misses")} == \
+            {"hits": 6, "bad": 1, "misses": 1}
+    finally:
+        store.close()
+    for wrong in (-1, 2.0, True):
+        with pytest.raises(ConfigError, match="get_alone_bytes"):
+            ValkeyBlockStore(RemoteSpec.parse(valkey.url),
+                             get_alone_bytes=wrong)  # type: ignore[arg-type]
 
 
 def test_one_corrupted_and_one_missing_block_spoil_only_themselves(
