@@ -179,3 +179,20 @@ async def spawned_engine(**cfg: object) -> AsyncIterator[Spawned]:
                              device_caches=[[k] for k in ks]) as eng:
         yield Spawned(eng, gpu, ks)
 
+
+
+def host_round(w: Worker) -> None:
+    """One round of an embedded rank's host hooks, in a host's order: every queued
+    step's jobs (begin, loads, stores), then a poll for Dones."""
+    for step in w.queued_steps():
+        w.begin_step(step)
+        w.submit_loads(step)
+        w.submit_stores(step)
+    w.poll()
+
+
+async def host_forever(w: Worker) -> None:
+    """Play an embedded rank's host on this loop until cancelled (a round every 2 ms)."""
+    while True:
+        host_round(w)
+        await asyncio.sleep(0.002)

@@ -31,7 +31,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from engine_rig import BS, GPU_BLOCKS, Client, config, shards, tokens
+from engine_rig import BS, GPU_BLOCKS, Client, config, host_forever, host_round, shards, tokens
 
 from kvshm.disk import PAGE
 from kvshm.engine import ATTACH, Engine, EngineState
@@ -70,11 +70,7 @@ def _rank1_host(name: str, k: torch.Tensor, wfd: int) -> None:
     DiskMover.poll = poll  # type: ignore[method-assign]
     w = Worker.attach(name, 1, 2, [k])
     while True:
-        for step in w.queued_steps():
-            w.begin_step(step)
-            w.submit_loads(step)
-            w.submit_stores(step)
-        w.poll()
+        host_round(w)
         time.sleep(0.002)
 
 
@@ -103,17 +99,7 @@ async def test_a_rank_killed_while_its_publisher_sends_fails_its_jobs_and_leaks_
     child.start()
     os.close(wfd)
     rank0 = Worker.attach(name, 0, 2, [ks[0]])
-
-    async def drive0() -> None:
-        while True:
-            for step in rank0.queued_steps():
-                rank0.begin_step(step)
-                rank0.submit_loads(step)
-                rank0.submit_stores(step)
-            rank0.poll()
-            await asyncio.sleep(0.002)
-
-    task = asyncio.get_running_loop().create_task(drive0())
+    task = asyncio.get_running_loop().create_task(host_forever(rank0))
     eng = await launch
     try:
         c = Client(eng, gpu)

@@ -31,6 +31,7 @@ from engine_rig import (
     EmbeddedRanks,
     config,
     embedded_engine,
+    host_forever,
     shards,
     tokens,
 )
@@ -296,17 +297,7 @@ async def test_rank_killed_mid_job_embedded_host_process_exits(direction: str) -
         target=_host_embedded_rank1, args=(name, ks[1], direction), daemon=True)
     child.start()
     rank0 = Worker.attach(name, 0, 2, [ks[0]])
-
-    async def drive0() -> None:
-        while True:
-            for step in rank0.queued_steps():
-                rank0.begin_step(step)
-                rank0.submit_loads(step)
-                rank0.submit_stores(step)
-            rank0.poll()
-            await asyncio.sleep(0.002)
-
-    task = asyncio.get_running_loop().create_task(drive0())
+    task = asyncio.get_running_loop().create_task(host_forever(rank0))
     eng = await launch
     try:
         await _kill_story(eng, gpu, ks, direction, lambda: None,
