@@ -1,6 +1,6 @@
 """The CPU tier's eviction orders on six workloads, through the real OffloadManager.
 
-``python -m tools.bench_evict [--json] [--quick] [--seed N] [--workloads ...]
+``python -m tools.bench_evict [--json] [--quick] [--e2e] [--seed N] [--workloads ...]
 [--fracs ...] [--orders ...] [--half TOKENS]``
 
 Workloads: :mod:`tools.workloads` (chat, chat_sync, rag, agentic, fewshot, scan; their seeds and
@@ -39,6 +39,14 @@ Targets (issue 29): the default within 0.02 of the best fixed order on every row
 mean ``default_share`` >= 0.8. ``--quick``: every workload at a fifth of its size (a
 test's run; its pools are too small for the targets to mean anything).
 
+``--e2e``: the workloads as :mod:`tools.bench_e2e` sends them to vLLM instead
+(:func:`e2e_workload`: its scales, 32-token blocks, 4096-token vocabulary, prompts over
+its ``--max-prompt`` left out, each request answered with one token, so it leaves only
+its prompt's blocks behind) and the toy engine's pool at its 160 device blocks: the
+end-to-end benchmark's CPU-tier accesses, replayed offline in seconds (its ``oracle``
+arm replays Belady's order from the same accesses recorded in vLLM). Default
+workloads: that benchmark's four.
+
 Measured (``adaptive``, the default; ``python -m tools.bench_evict --json --seed S`` for
 S = 0 / 1 / 2; 43-83 s each on a shared 2-core machine): mean ``default_share`` 0.932 /
 0.923 / 0.936 (the best fixed order per row by hindsight: 0.931 / 0.929 / 0.933);
@@ -60,7 +68,7 @@ import statistics
 import sys
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 from kvshm.config import DEFAULT_EVICTION, Eviction
@@ -74,6 +82,8 @@ from tools.evict_oracle import Access, CostOf, Outcome, belady, belady_cost, ora
 from tools.workloads import WORKLOADS, Workload, make
 
 FRACS = (0.25, 0.5, 0.75)
+E2E_DEVICE_BLOCKS = 160
+"""``--e2e``: the toy engine's pool, ``tools.bench_e2e``'s ``--device-blocks`` default."""
 
 
 @dataclass
@@ -199,6 +209,27 @@ ORDERS: tuple[tuple[str, Eviction, bool | None], ...] = (
 """Every order the bench runs, by its report name."""
 
 
+def e2e_workload(name: str, seed: int) -> Workload:
+    """``name`` as ``tools.bench_e2e`` builds it at its default arguments (its
+    :func:`~tools.bench_e2e.load`), every answer dropped: the engine there answers one
+    token, whose block (if it completes one) carries the model's token, never the
+    trace's, so no later request asks for it. ``arrivals`` are the request indices (this
+    bench uses only the order)."""
+    from tools.bench_e2e import load, parse  # sets the vLLM process variables: lazily
+
+    reqs, size = load(name, parse(["--seed", str(seed)]))
+    trace = [replace(r, answer=()) for r in reqs]
+    params = {"e2e": True, "scale": size["scale"], "block_size": trace[0].block_size,
+              "dropped_too_long": size["dropped_too_long"], **size["params"]}
+    return Workload(name, seed, params, trace, [float(i) for i in range(len(trace))])
+
+
+def _e2e_names() -> list[str]:
+    from tools.bench_e2e import WORKLOADS as E2E
+
+    return list(E2E)
+
+
 def gpu_blocks_for(wl: Workload) -> int:
     """The toy engine's GPU pool: 256 blocks, or 1.25 x the largest request's."""
     bs = wl.requests[0].block_size
@@ -211,14 +242,15 @@ def _frac(x: float, of: float) -> float:
 
 
 def bench_workload(wl: Workload, *, fracs: Sequence[float], orders: Sequence[str],
-                   half: float, manager: bool = False,
-                   check_every: int = 0) -> list[dict[str, object]]:
-    """Every row of one workload (module docstring)."""
+                   half: float, manager: bool = False, check_every: int = 0,
+                   gpu_blocks: int | None = None) -> list[dict[str, object]]:
+    """Every row of one workload (module docstring); ``gpu_blocks``: the toy engine's
+    pool (None: :func:`gpu_blocks_for`)."""
     trace = wl.requests
     bs = trace[0].block_size
     cost_of = partial(block_cost, block_size=bs, half=half)
     distinct = distinct_blocks(trace)
-    gpu = gpu_blocks_for(wl)
+    gpu = gpu_blocks_for(wl) if gpu_blocks is None else gpu_blocks
     ub = replay(trace, gpu_blocks=gpu, cpu=BlockPool(distinct + gpu), cost_of=cost_of)
     ub_o = unbounded(ub.accesses, cost_of)
     assert ub_o.blocks == ub.hit_blocks, "the unbounded run and its model disagree"
@@ -294,18 +326,20 @@ def summary(rows: Sequence[dict[str, object]]) -> dict[str, object]:
 
 def run(args: argparse.Namespace) -> dict[str, object]:
     scale = 0.2 if args.quick else 1.0
-    names = args.workloads or list(WORKLOADS)
+    names = args.workloads or (_e2e_names() if args.e2e else list(WORKLOADS))
     orders = args.orders or [n for n, _, _ in ORDERS]
     t0 = time.perf_counter()
     rows: list[dict[str, object]] = []
     described = []
     for name in names:
-        wl = make(name, args.seed, scale=scale)
+        wl = e2e_workload(name, args.seed) if args.e2e else make(name, args.seed, scale=scale)
         described.append(wl.describe())
         rows.extend(bench_workload(wl, fracs=args.fracs, orders=orders, half=args.half,
-                                   manager=args.manager, check_every=args.check_every))
+                                   manager=args.manager, check_every=args.check_every,
+                                   gpu_blocks=E2E_DEVICE_BLOCKS if args.e2e else None))
     return {"default": DEFAULT_EVICTION.value, "half": args.half, "seed": args.seed,
-            "scale": scale, "workloads": described, "rows": rows,
+            "scale": None if args.e2e else scale, "e2e": args.e2e, "workloads": described,
+            "rows": rows,
             "summary": summary(rows), "seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -334,6 +368,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--json", action="store_true")
     ap.add_argument("--quick", action="store_true", help="every workload at 1/5 size")
+    ap.add_argument("--e2e", action="store_true",
+                    help="the workloads and device pool of tools.bench_e2e (its sizes)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workloads", nargs="*", default=[], choices=list(WORKLOADS))
     ap.add_argument("--fracs", nargs="*", type=float, default=list(FRACS))

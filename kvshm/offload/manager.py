@@ -203,8 +203,11 @@ class OffloadManager:
         holds its local prefix until it answers, ``RemoteBook.hold``)."""
         view = self._check.view(req, num_local_tokens)
         if self.cpu.refresh_gpu_hits and num_local_tokens >= self.block_size:
-            # _refresh reads the engine's own hit's hashes, which view() does not check
-            self._check.hashes("lookup", view.req_id, "block_hashes", view.hashes, 0,
+            # refresh_prefix reads the engine's own hit's hashes, which view() does not
+            # check: those it has not read for this request yet
+            st = self._track.reqs.get(view.req_id)
+            self._check.hashes("lookup", view.req_id, "block_hashes", view.hashes,
+                               0 if st is None else st.refreshed,
                                min(num_local_tokens // self.block_size, len(view.hashes)))
         tokens = self._lookup(view, num_local_tokens)
         if tokens is not None:
@@ -232,8 +235,10 @@ class OffloadManager:
         out = self.outcomes
         if out.failed or out.abandoned:
             return 0
-        if s and self.cpu.refresh_gpu_hits:
-            refresh_prefix(self.cpu, self._gs, view.hashes, s)
+        if s > st.refreshed and self.cpu.refresh_gpu_hits:
+            # once a wait: a request the engine cannot admit yet is looked up every step
+            refresh_prefix(self.cpu, self._gs, view.hashes, st.refreshed, s)
+            st.refreshed = s
         hashes, n_max = view.hashes, (view.num_tokens - 1 - num_local_tokens) // bs
         cap = 0  # a P/D hand-off's hit may end inside a block: num_tokens - 1 at most
         handoff = (view.params is not None and self.remote is not None
@@ -321,12 +326,13 @@ class OffloadManager:
         asked again -- a later one (re-admitted after a preemption) in
         ``hit_tokens_readmitted``. A request the manager does not track counts as
         first."""
-        if st is not None and st.admitted:
-            self.counters.hit_tokens_readmitted += tokens
-            return
-        self.counters.hit_tokens += tokens
         if st is not None:
+            st.refreshed = 0  # a later lookup (a re-admission) is a new use of the prefix
+            if st.admitted:
+                self.counters.hit_tokens_readmitted += tokens
+                return
             st.admitted = True
+        self.counters.hit_tokens += tokens
 
     def _handoff_waits(self, rid: str, hit: Hit, hashes: Sequence[bytes], end: int,
                        params: Any) -> bool:

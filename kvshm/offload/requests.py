@@ -64,11 +64,13 @@ class ReqState:
     (after the GPU hit and loaded blocks; ``do_remote_decode`` ignores it and starts at
     0); ``tracked``: its blocks are stored eagerly; ``admitted``: phase B (``allocated``)
     has run for it once (a later phase B is a re-admission, e.g. after a preemption:
-    its hit is counted apart). The store planner walks it as a
-    :class:`~kvshm.offload.stores.Cursor`."""
+    its hit is counted apart); ``refreshed``: the engine's own prefix blocks whose CPU
+    copies its lookups since its last phase B have refreshed (a request that waits is
+    looked up every step: each block is refreshed once a wait, not once a step). The
+    store planner walks it as a :class:`~kvshm.offload.stores.Cursor`."""
 
-    __slots__ = ("admitted", "cursor", "hashes", "remote", "req_id", "start", "tables",
-                 "tracked")
+    __slots__ = ("admitted", "cursor", "hashes", "refreshed", "remote", "req_id", "start",
+                 "tables", "tracked")
 
     def __init__(self, req_id: str, ngroups: int) -> None:
         self.req_id = req_id
@@ -79,6 +81,7 @@ class ReqState:
         self.remote = False
         self.tracked = False
         self.admitted = False
+        self.refreshed = 0
 
 
 def is_remote(params: Mapping[str, Any] | None) -> bool:

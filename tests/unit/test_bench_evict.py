@@ -3,7 +3,8 @@ and saved-compute fractions, both offline limits, the default's gap and share pe
 and their summary; the direct replay of recorded accesses gives exactly the hits the
 real manager gives. No timing is asserted; two rankings are, each by a wide margin when
 this test was written (the quick chat_sync row at 0.5: LRU 0.38 < deepest 0.71 and
-the oracle 0.87)."""
+the oracle 0.87). ``--e2e`` replays tools.bench_e2e's requests: the same prompts, no
+answer blocks, its 160-block device pool."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import pytest
 
 from kvshm.config import DEFAULT_EVICTION
 from kvshm.offload.evict_cost import ATTN_HALF_TOKENS
-from tools.bench_evict import ORDERS, bench_workload, main
+from tools.bench_evict import E2E_DEVICE_BLOCKS, ORDERS, bench_workload, e2e_workload, main
 from tools.workloads import make
 
 NAMES = {n for n, _, _ in ORDERS}
@@ -53,3 +54,21 @@ def test_the_direct_replay_gives_the_managers_hits() -> None:
     managed = bench_workload(wl, manager=True, check_every=5, **kw)  # type: ignore[arg-type]
     assert [r["hit_fraction"] for r in direct] == [r["hit_fraction"] for r in managed]
     assert [r["saved_fraction"] for r in direct] == [r["saved_fraction"] for r in managed]
+
+
+def test_e2e_replays_bench_e2es_prompts_with_its_device_pool(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from tools.bench_e2e import load, parse
+
+    reqs, size = load("agentic", parse([]))
+    wl = e2e_workload("agentic", 0)
+    assert [r.prompt for r in wl.requests] == [r.prompt for r in reqs]
+    assert all(r.answer == () and r.block_size == 32 for r in wl.requests)
+    assert wl.params["scale"] == size["scale"] and len(wl.requests) == size["requests"]
+    assert main(["--e2e", "--json", "--workloads", "agentic", "--fracs", "0.5"]) == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["e2e"] and [r["workload"] for r in out["rows"]] == ["agentic"]
+    row = out["rows"][0]
+    assert row["gpu_blocks"] == E2E_DEVICE_BLOCKS
+    assert row["distinct"] == size["distinct_blocks"]
+    assert row["capacity"] == int(size["distinct_blocks"] * 0.5)

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
-from manager_rig import BS, Req, Rig, pairs
+from manager_rig import BS, Req, Rig, hashes, pairs
 
 from kvshm.config import DEFAULT_EVICTION, EngineConfig, Eviction
 from kvshm.errors import ConfigError, PoolExhausted
@@ -88,6 +88,35 @@ def test_the_default_order_is_adaptive_and_configurable() -> None:
     # the orders that read the engine's own GPU hits get them by default
     assert BlockPool(4, eviction=Eviction.ADAPTIVE).refresh_gpu_hits
     assert not BlockPool(4, eviction=Eviction.DEPTH_AGED).refresh_gpu_hits
+
+
+@pytest.mark.parametrize("eviction", [Eviction.LRU_REFRESH, Eviction.ADAPTIVE])
+def test_a_waiting_request_refreshes_the_engines_prefix_once_per_admission(
+        eviction: Eviction) -> None:
+    """The engine's own prefix hit refreshes the CPU copies of its blocks once while the
+    request waits: its lookup is asked again every step it is not admitted, and a
+    refresh at each would make a waiting prefix ever younger (and cost ~6 us a block in
+    ``adaptive``'s simulations). A lookup after its phase B (a re-admission) is a new
+    use and refreshes again.
+
+    An 8-block tier: ``d``'s prefix P0, P1 in blocks 0, 1, then X0, X1 in 2, 3, each
+    freed tail first. The engine holds P0, P1; ``d`` is looked up: P1, P0 are refreshed
+    (victims 3, 2, 1, 0). Y is stored (block 4). ``d`` is looked up again while it
+    waits: P0, P1 stay older than Y (victims 3, 2, 1, 0, 4). Admitted in between, the
+    second lookup refreshes them again: younger than Y (3, 2, 4, 1, 0)."""
+    d = Req("d", 3 * BS + 1)
+    for readmitted, victims in ((False, [3, 2, 1, 0, 4]), (True, [3, 2, 4, 1, 0])):
+        rig = Rig(cpu=8, gpu=16, eviction=eviction)
+        assert rig.seed_cpu(*d.h[:2]) == [0, 1]
+        assert rig.seed_cpu(*hashes(2 * BS, base=1000)) == [2, 3]
+        assert rig.m.lookup(d.view(), 2 * BS) == 0   # refreshes 1, then 0
+        assert rig.seed_cpu(*hashes(BS, base=2000)) == [4]
+        if readmitted:
+            rig.m.allocated("d", [[]], 0)            # admitted; later preempted
+        assert rig.m.lookup(d.view(), 2 * BS) == 0   # still waiting / a new use
+        rig.m.check_invariants()
+        rig.cpu.allocate(3)                          # the uncached blocks first
+        assert rig.cpu.allocate(5) == victims, readmitted
 
 
 def _cached(pool: BlockPool, depths: list[int]) -> list[int]:
