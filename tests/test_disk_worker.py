@@ -310,3 +310,36 @@ def test_an_embedded_workers_disk_done_reaches_the_scheduler_without_another_cal
     finally:
         worker.close()
         sched.close()
+
+
+def test_an_embedded_worker_starts_disk_jobs_as_they_arrive_without_a_host_call(
+        tmp_path: Path) -> None:
+    """An embedded worker with a disk tier whose host makes no call at all once it is
+    READY (vLLM's scheduler waiting inside a lookup for a READ it just posted: the
+    worker's hooks run only after the lookup returns): a Disk WRITE and then a Disk READ
+    posted to its ring are taken off the ring by the mover publisher as they arrive,
+    run, and their Dones reach the scheduler; the READ's rows hold the slot's bytes.
+    Before, a Disk job waited on the ring for the host's next connector hook."""
+    from workers.worker import Phase, Worker
+
+    setup = DiskSetup(str(tmp_path / "r0.slab"), 16, FP, True)
+    sched = DiskSched(1, lambda r: setup, num_cpu_blocks=64)
+    region = torch.randint(0, 256, (NB, 4096), dtype=torch.uint8)
+    worker = Worker.attach(sched.name, 0, 1, [region])
+    try:
+        sched.wait_for(lambda: worker.phase is Phase.READY, tick=worker.service, what="READY")
+        assert worker._session is not None  # the host rows, to check bytes
+        rows = worker._session.host.regions[0]
+        rows[0:4].copy_(torch.randint(0, 256, (4, 4096), dtype=torch.uint8))
+        want = rows[0:4].clone()
+        hs = hashes(4)
+        sched.post(disk_job(1, DiskOp.WRITE, [0, 1, 2, 3], [2, 3, 4, 5], hs))
+        assert sched.collect([1], timeout=10)[0][1].ok  # no worker call from here on
+        sched.post(disk_job(2, DiskOp.READ, [10, 11, 12, 13], [2, 3, 4, 5], hs))
+        assert sched.collect([2], timeout=10)[0][2].ok
+        assert torch.equal(rows[10:14], want)
+        assert worker.statistics()["counters"]["jobs_taken_on_arrival"] == 2
+    finally:
+        worker.close()
+        sched.close()
+    assert worker.statistics()["counters"]["publisher_command_wakeups"] >= 2

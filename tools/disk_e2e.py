@@ -128,6 +128,7 @@ def _arm_row(res: list[ReqResult], reqs: list[Turn], stopped: dict[str, Any]
                                             "write_declined_no_slot", "writes_paused")}
     row["loads_failed"] = stopped.get("loads_failed", 0)
     row["ask_again"] = stopped.get("ask_again") or {}  # lookups a lower tier made wait
+    row["lookup_waits"] = stopped.get("lookup_waits") or {}  # the vLLM side's counters
     return row
 
 

@@ -298,8 +298,12 @@ class DiskBook:
 
     def plan(self, step: int) -> list[Disk]:
         """This step's disk jobs: READs for answered lookups, then write-back."""
-        out = [message(job) for job in self.fetches.plan(step) if isinstance(job, DiskJob)]
-        return out + self._write_back(step)
+        return self.plan_reads(step) + self._write_back(step)
+
+    def plan_reads(self, step: int) -> list[Disk]:
+        """READs for the lookups answered since the last plan (the manager calls it from
+        a lookup too, so that a READ is posted at once, not at the next step)."""
+        return [message(job) for job in self.fetches.plan(step) if isinstance(job, DiskJob)]
 
     def stored(self, cpu_ids: Sequence[int], keys: Sequence[bytes]) -> None:
         """A store completed and indexed ``cpu_ids`` under ``keys``: remembered for

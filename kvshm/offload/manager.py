@@ -124,6 +124,7 @@ class OffloadManager:
         self.outcomes = JobOutcomes(jobs, cpu, self._loads, self._stores, self.remote,
                                     self.counters, self._tombstone_hits, disk=self.disk)
         self._jobs = jobs
+        self._last_step = 0  # the step of the latest build_step (reads planned between)
 
     # ---- small queries -------------------------------------------------------------
 
@@ -374,6 +375,7 @@ class OffloadManager:
         """Track the listed requests and plan this step's store and load. The whole
         input is checked first (InvalidRequest: nothing changed)."""
         step, requests, gone, alloc = self._check.step_input(inp)
+        self._last_step = step
         changes = self._track.prepare(requests, set(gone) if gone else (), self._check)
         for rid in gone:
             self._forget(rid)
@@ -394,6 +396,17 @@ class OffloadManager:
         jobs = self._loads.listed_jobs(self._jobs)
         return StepPlan(step=step, store=store, load=load, load_jobs=jobs,
                         failed_loads=failed_loads, remote=remote, disk=disk)
+
+    def plan_reads(self) -> list[Disk]:
+        """The disk READs of the lookups answered since the last ``build_step``, planned
+        now (:meth:`DiskBook.plan_reads`: fresh CPU blocks allocated, slots pinned, jobs
+        in the job table under the latest step's number) so that the caller posts them
+        from the lookup itself; ``[]`` without a disk tier, once failed or abandoned.
+        What this leaves unplanned (no CPU room yet) the next ``build_step`` plans."""
+        disk, out = self.disk, self.outcomes
+        if disk is None or out.failed or out.abandoned or not disk.has_pending_work():
+            return []
+        return disk.plan_reads(self._last_step)
 
     def _plan_stores(self, step: int, alloc: frozenset[int],
                      dirty: list[ScheduledRequest]) -> Transfer | None:
