@@ -255,12 +255,11 @@ class Runtime:
             return StepPlan(inp.step)
         plan = manager.build_step(self._admission.admitted(inp))
         self._admission.stepped(inp)
+        self._post_reads(plan.disk)  # before the store: WRITEs of the rows it reuses
         for t in (plan.store, plan.load):
             if t is not None:
                 self._jobs.post(t)
-        msgs: Sequence[Remote | Disk] = (*plan.remote, *plan.disk) if plan.disk \
-            else plan.remote
-        self._post_reads(msgs)
+        self._post_reads(plan.remote)
         return plan
 
     def _post_reads(self, msgs: Sequence[Remote | Disk]) -> None:

@@ -386,12 +386,13 @@ class OffloadManager:
         if not out.failed:
             dirty = self._track.apply(changes)
             if not out.abandoned:
-                store = self._plan_stores(step, alloc, dirty)
+                victims: list[tuple[int, bytes]] = []
+                store = self._plan_stores(step, alloc, dirty, victims)
                 load = self._loads.plan(step, self._jobs)
                 if self.remote is not None:
                     remote = tuple(self.remote.plan(step))
-                if self.disk is not None:
-                    disk = tuple(self.disk.plan(step))
+                if self.disk is not None:  # the store's victims first: posted before it
+                    disk = (*self.disk.write_victims(step, victims), *self.disk.plan(step))
         failed_loads = self._loads.take_failed()
         jobs = self._loads.listed_jobs(self._jobs)
         return StepPlan(step=step, store=store, load=load, load_jobs=jobs,
@@ -408,8 +409,10 @@ class OffloadManager:
             return []
         return disk.plan_reads(self._last_step)
 
-    def _plan_stores(self, step: int, alloc: frozenset[int],
-                     dirty: list[ScheduledRequest]) -> Transfer | None:
+    def _plan_stores(self, step: int, alloc: frozenset[int], dirty: list[ScheduledRequest],
+                     victims: list[tuple[int, bytes]]) -> Transfer | None:
+        """The step's store job; the cached CPU blocks its allocation evicts are appended
+        to ``victims`` when a disk tier may write them down (``DiskBook.write_victims``)."""
         sel = Selection()
         plan = self._stores
         avail = plan.take_finished(self.cpu.num_free, bool(self._jobs.jobs), sel)
@@ -420,7 +423,7 @@ class OffloadManager:
         n = len(sel.gpu_ids)
         if not n:
             return None
-        cpu_ids = self.cpu.allocate(n)
+        cpu_ids = self.cpu.allocate(n, victims if self.disk is not None else None)
         if sel.to_touch:
             self.gpu.touch(sel.to_touch)
         job = self._jobs.new_store(step, sel.gpu_ids, cpu_ids, groups=sel.groups,
