@@ -61,6 +61,8 @@ def format_disk(disk: dict[str, Any]) -> str:
         f"  writes: {g('written_blocks')} blocks ({_mib(disk.get('write_bytes'))}); "
         f"failed: {g('write_failed_jobs')} jobs; declined (no slot): "
         f"{g('write_declined_no_slot')}; paused: {g('writes_paused')}",
+        f"  evicted from the CPU tier: {g('evicted_on_disk')} on disk, "
+        f"{g('evicted_written')} written down at eviction, {g('evicted_lost')} lost",
     ]
     return "\n".join(lines)
 

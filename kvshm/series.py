@@ -335,6 +335,12 @@ _DISK_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
     "write_skipped_paused": ("plans that wrote nothing back while paused; plans", False),
     "write_through_dropped": ("stored blocks forgotten before their write-through (the "
                               "queue was full); blocks", False),
+    "evicted_on_disk": ("cached CPU blocks evicted that the disk held or was writing; "
+                        "blocks", False),
+    "evicted_written": ("cached CPU blocks evicted before write-back reached them, written "
+                        "down before their reuse; blocks", True),
+    "evicted_lost": ("cached CPU blocks evicted with no disk copy (no free slot, or "
+                     "writing paused); blocks", True),
     "slot_evictions": ("disk slots reused for a new block (the old one dropped); slots",
                        True),
     "warm_slots": ("disk slots indexed at start from a previous run's slabs; slots",

@@ -224,7 +224,9 @@ class StepPlan:
     every rank -> its request ids. ``failed_loads``: loads that failed on the scheduler
     side and never reached a worker -> destination GPU ids (their ``LoadResult`` is queued
     too). ``remote``: remote-tier jobs (PUT / GET) to post to every rank; ``disk``:
-    disk-tier jobs (WRITE / READ, :mod:`kvshm.offload.disk`), likewise.
+    disk-tier jobs (WRITE / READ, :mod:`kvshm.offload.disk`), likewise, posted in order
+    and *before* ``store``: they may write down CPU blocks the store reuses, and a rank
+    copies into a row only after the WRITEs it received earlier that read it.
     """
 
     step: int

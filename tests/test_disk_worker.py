@@ -310,3 +310,79 @@ def test_an_embedded_workers_disk_done_reaches_the_scheduler_without_another_cal
     finally:
         worker.close()
         sched.close()
+
+
+def test_an_embedded_worker_starts_disk_jobs_as_they_arrive_without_a_host_call(
+        tmp_path: Path) -> None:
+    """An embedded worker with a disk tier whose host makes no call at all once it is
+    READY (vLLM's scheduler waiting inside a lookup for a READ it just posted: the
+    worker's hooks run only after the lookup returns): a Disk WRITE and then a Disk READ
+    posted to its ring are taken off the ring by the mover publisher as they arrive,
+    run, and their Dones reach the scheduler; the READ's rows hold the slot's bytes.
+    Before, a Disk job waited on the ring for the host's next connector hook."""
+    from workers.worker import Phase, Worker
+
+    setup = DiskSetup(str(tmp_path / "r0.slab"), 16, FP, True)
+    sched = DiskSched(1, lambda r: setup, num_cpu_blocks=64)
+    region = torch.randint(0, 256, (NB, 4096), dtype=torch.uint8)
+    worker = Worker.attach(sched.name, 0, 1, [region])
+    try:
+        sched.wait_for(lambda: worker.phase is Phase.READY, tick=worker.service, what="READY")
+        assert worker._session is not None  # the host rows, to check bytes
+        rows = worker._session.host.regions[0]
+        rows[0:4].copy_(torch.randint(0, 256, (4, 4096), dtype=torch.uint8))
+        want = rows[0:4].clone()
+        hs = hashes(4)
+        sched.post(disk_job(1, DiskOp.WRITE, [0, 1, 2, 3], [2, 3, 4, 5], hs))
+        assert sched.collect([1], timeout=10)[0][1].ok  # no worker call from here on
+        sched.post(disk_job(2, DiskOp.READ, [10, 11, 12, 13], [2, 3, 4, 5], hs))
+        assert sched.collect([2], timeout=10)[0][2].ok
+        assert torch.equal(rows[10:14], want)
+        assert worker.statistics()["counters"]["jobs_taken_on_arrival"] == 2
+    finally:
+        worker.close()
+        sched.close()
+    assert worker.statistics()["counters"]["publisher_command_wakeups"] >= 2
+
+
+def test_a_store_into_rows_a_write_still_reads_runs_after_that_write(tmp_path: Path) -> None:
+    """The row fence in a worker process: the scheduler hands CPU rows 0-47 to a new
+    store while the WRITE of their old blocks, posted just before it (as a victim's
+    write-down is), is still queued behind a write-back burst of 192 other rows. The
+    rank's store copy waits for that WRITE (whose runs move up): the slots hold the
+    rows' old bytes -- read back through other rows, every CRC matching, and loaded to
+    device blocks 0-47: their original bytes -- and the store succeeds. Without the
+    fence the store overwrites rows the WRITE has not read yet."""
+    caches = random_caches(CACHES["aligned"])
+    n = 48
+    setup = DiskSetup(str(tmp_path / "r0.slab"), 5 * n, FP, True)
+    sched = DiskSched(1, lambda r: setup, device_caches=[caches], num_cpu_blocks=6 * n)
+    proc = spawn(sched.name, 1)
+    try:
+        sched.wait_for(sched.ready, timeout=60, what="Ready")
+        orig = [c.clone() for c in caches]
+        hs = hashes(n, salt=9)
+        sched.post(transfer(1, 1, Direction.STORE, range(n), range(n)))
+        assert sched.collect([1], timeout=60)[0][1].ok
+        burst = list(range(2 * n, 6 * n))                            # 4 jobs of 48
+        for k in range(4):
+            sched.post(disk_job(10 + k, DiskOp.WRITE, burst[k * n:(k + 1) * n],
+                                list(range((k + 1) * n, (k + 2) * n)), hashes(n, salt=k)))
+        sched.post(disk_job(3, DiskOp.WRITE, list(range(n)), list(range(n)), hs))
+        src = [*range(n, NB), *range(n - (NB - n))]                # other device blocks
+        sched.post(transfer(2, 4, Direction.STORE, src, range(n)))
+        done = sched.collect([10, 11, 12, 13, 3, 4], timeout=60)[0]
+        assert all(d.ok for d in done.values())
+        back = list(range(n, 2 * n))
+        sched.post(disk_job(5, DiskOp.READ, back, list(range(n)), hs))
+        assert sched.collect([5], timeout=60)[0][5].ok             # every CRC matched
+        sched.post(transfer(3, 6, Direction.LOAD, back, range(n)))
+        assert sched.collect([6], timeout=60)[0][6].ok
+        for c, o in zip(caches, orig):
+            assert torch.equal(c[0:n].view(torch.uint8), o[0:n].view(torch.uint8))
+        stop(sched, proc)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        sched.close()

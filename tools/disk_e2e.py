@@ -123,11 +123,11 @@ def _arm_row(res: list[ReqResult], reqs: list[Turn], stopped: dict[str, Any]
     row = {k: round(v, 3) if isinstance(v, float) else v
            for k, v in stats(res, reqs).items()}
     disk = stopped.get("disk") or {}
-    row["disk"] = {k: disk.get(k) for k in ("slots", "slots_used", "written_blocks",
-                                            "hit_blocks", "get_failed_jobs", "warm_slots",
-                                            "write_declined_no_slot", "writes_paused")}
+    row["disk"] = {k: v for k, v in disk.items() if k != "path"}  # the disk book's counters
+    row["counters"] = stopped.get("counters") or {}  # the engine's (stores, evictions ...)
     row["loads_failed"] = stopped.get("loads_failed", 0)
     row["ask_again"] = stopped.get("ask_again") or {}  # lookups a lower tier made wait
+    row["lookup_waits"] = stopped.get("lookup_waits") or {}  # the vLLM side's counters
     return row
 
 
@@ -208,6 +208,11 @@ def restart_part(args: argparse.Namespace, ns: argparse.Namespace, folder: Path,
     for a in rows:
         rows[a]["first_turn_mean_ms"] = round(
             statistics.fmean(res[a][i].ttft for i in first) * 1e3, 3) if first else None
+    turns = [{"prompt_tokens": len(after[i].prompt),
+              **{a: {"ttft_ms": round(res[a][i].ttft * 1e3, 2), "hit": res[a][i].hit_tokens,
+                     "steps": res[a][i].steps, "idle_steps": res[a][i].idle_steps,
+                     "hooks_ms": {k: round(v * 1e3, 2) for k, v in res[a][i].hooks}}
+                 for a in ("warm", "cold")}} for i in first]
     cold_ms, warm_ms = rows["cold"]["first_turn_mean_ms"], rows["warm"]["first_turn_mean_ms"]
     ratio = cold_ms / warm_ms if cold_ms and warm_ms else 0.0
     _progress(f"restart: first turns after the restart: cold {cold_ms} ms, warm {warm_ms} ms:"
@@ -215,6 +220,7 @@ def restart_part(args: argparse.Namespace, ns: argparse.Namespace, folder: Path,
     return {"workload": RESTART_WORKLOAD, "cpu_blocks": cap, "size": size,
             "seed_requests": half, "replayed_requests": len(after),
             "first_turns": len(first), "seed_disk": seeded, "arms": rows,
+            "first_turn_rows": turns,  # per first turn: where each arm's time went
             "first_turn_ratio": round(ratio, 3), "target": TARGET_RESTART,
             "met": ratio >= TARGET_RESTART}
 

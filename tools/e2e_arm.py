@@ -202,7 +202,12 @@ class _Arm:
             c = st["counters"]
             out.update(stored_blocks=int(c["stored_blocks"]),
                        loaded_blocks=int(c["loaded_blocks"]),
-                       loads_failed=int(c["loads_failed"]), disk=st.get("disk") or {})
+                       loads_failed=int(c["loads_failed"]), disk=st.get("disk") or {},
+                       counters={k: v for k, v in c.items() if isinstance(v, int)})
+            conn_c = st.get("connector") or {}
+            out["lookup_waits"] = {k: conn_c.get(k, 0) for k in (
+                "lookups_asked_again", "lookups_answered_after_pump", "lookups_waited",
+                "lookups_answered_after_wait", "lookup_waits_timed_out")}
         try:
             self.llm.llm_engine.engine_core.shutdown(timeout=30)
         finally:

@@ -20,6 +20,16 @@ rank starts no more slot I/O (a run already started finishes, as a single slot's
 did). :meth:`close` stops taking jobs, fails the queued slots, waits for the running
 ones and closes the slab: after it returns, no thread of this mover touches a host row.
 
+Row fence: the scheduler may hand a CPU block to a store or a READ while a WRITE it
+posted just before still reads the block's old bytes down to the slab (a victim
+written before its reuse: :mod:`kvshm.offload.disk`). On each rank, a job that writes a
+CPU row runs only after every WRITE received before it that reads the row: a READ
+whose rows a WRITE still reads waits (its runs are queued once those WRITEs end, whose
+queued runs move up with the READs meanwhile; counted ``reads_fenced``), and the
+worker's store copy asks :meth:`wait_rows` first. Rows are registered when a WRITE is
+submitted and released when its last slot is done (ok or not), so the fence never
+outlives the job.
+
 Outcome rule (the remote tier's): failure = miss = recompute. A job is ok only if every
 slot succeeded (WRITE: written; READ: a HIT); otherwise its Done names how many of each
 outcome (``crc`` and ``header`` for a READ whose slot is BAD, which is never loaded) and
@@ -30,8 +40,9 @@ from __future__ import annotations
 
 import ctypes
 import threading
+import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias
 
@@ -78,6 +89,9 @@ class _Job:
     remaining: int
     tally: Counter[str] = field(default_factory=Counter)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    rows: frozenset[int] = frozenset()  # a WRITE's CPU rows (the row fence)
+    waits: set[int] = field(default_factory=set)  # a fenced READ: the WRITEs (by id) first
+    runs: list[tuple[int, int]] = field(default_factory=list)  # a fenced READ's runs
 
 
 class DiskMover:
@@ -103,6 +117,9 @@ class DiskMover:
         self._gate: Callable[[], bool] | None = None
         self._closed = False
         self.counts: Counter[str] = Counter()
+        self._rows_cv = threading.Condition()  # the row fence: the two below
+        self._writes: dict[int, _Job] = {}  # WRITEs not finished, by id(job)
+        self._fenced: list[_Job] = []  # READs waiting for earlier WRITEs of their rows
         self._threads = [threading.Thread(target=self._loop, name=f"kvshm-disk-r{rank}-{i}",
                                           daemon=True) for i in range(threads)]
         for t in self._threads:
@@ -126,12 +143,71 @@ class DiskMover:
             return
         n = len(parsed.slots)
         most = RUN_BYTES // self._spec.row_bytes
-        if parsed.msg.op == DiskOp.WRITE:  # write-back: whole groups, fewest GIL hand-offs
+        write = parsed.msg.op == DiskOp.WRITE
+        if write:  # write-back: whole groups, fewest GIL hand-offs
             run = max(1, min(WRITE_RUN, most))
         else:  # a request waits: spread over the threads
             run = max(1, min(RUN, -(-n // self._nthreads), most))
-        for k in range(0, n, run):
-            self._tasks.put((parsed, k, min(n, k + run)))
+        runs = [(k, min(n, k + run)) for k in range(0, n, run)]
+        with self._rows_cv:  # register or fence before any run can start
+            if write:
+                parsed.rows = frozenset(parsed.ids)
+                self._writes[id(parsed)] = parsed
+            else:
+                ids = set(parsed.ids)
+                first = [w for w in self._writes.values() if not w.rows.isdisjoint(ids)]
+                if first:
+                    parsed.waits, parsed.runs = {id(w) for w in first}, runs
+                    self._fenced.append(parsed)
+                    self._tasks.promote({id(w) for w in first})
+                    self._count("reads_fenced")
+                    return
+        for start, end in runs:
+            self._tasks.put((parsed, start, end))
+
+    def wait_rows(self, ids: Collection[int], timeout: float) -> bool:
+        """Block until no WRITE submitted so far still reads any of the CPU rows ``ids``
+        (their queued runs move up meanwhile), or ``timeout`` s: False then. What a
+        store copy into those rows asks first (module docstring)."""
+        want = set(ids)
+        deadline = time.monotonic() + timeout
+        with self._rows_cv:
+            waited = False
+            while True:
+                first = {id(w) for w in self._writes.values() if not w.rows.isdisjoint(want)}
+                if not first:
+                    if waited:
+                        self._count("copies_fenced")
+                    return True
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    self._count("fence_timeouts")
+                    return False
+                if not waited:
+                    self._tasks.promote(first)
+                    waited = True
+                self._rows_cv.wait(left)
+
+    def _write_ended(self, job: _Job) -> None:
+        """``job`` (a WRITE) finished: its rows are free; READs fenced on it only are
+        queued (failed once the mover is closed)."""
+        ready: list[_Job] = []
+        with self._rows_cv:
+            if self._writes.pop(id(job), None) is None:
+                return
+            key = id(job)
+            keep: list[_Job] = []
+            for r in self._fenced:
+                r.waits.discard(key)
+                (keep if r.waits else ready).append(r)
+            self._fenced = keep
+            self._rows_cv.notify_all()
+        for r in ready:
+            if self._closed:
+                self._slots_done(r, Counter(cancelled=len(r.slots)), "mover closed")
+                continue
+            for start, end in r.runs:
+                self._tasks.put((r, start, end))
 
     def set_gate(self, gate: Callable[[], bool] | None) -> None:
         """Asked before each run's I/O (any pool thread): False = the rank was revoked,
@@ -166,6 +242,12 @@ class DiskMover:
             n += end - start
             self._count("slots_cancelled", end - start)
             self._slots_done(job, Counter(cancelled=end - start), why)
+        with self._rows_cv:
+            fenced, self._fenced = self._fenced, []
+        for job in fenced:
+            n += len(job.slots)
+            self._count("slots_cancelled", len(job.slots))
+            self._slots_done(job, Counter(cancelled=len(job.slots)), why)
         return n
 
     def close(self) -> None:
@@ -244,6 +326,8 @@ class DiskMover:
             job.remaining -= sum(keys.values())
             last = job.remaining == 0
         if last:
+            if job.rows:
+                self._write_ended(job)
             self._finish(self._done_of(job))
 
     def _done_of(self, job: _Job) -> Done:
@@ -292,6 +376,15 @@ class _Runs:
         with self._cv:
             (self._reads if run[0].msg.op == DiskOp.READ else self._writes).append(run)
             self._cv.notify()
+
+    def promote(self, jobs: Collection[int]) -> None:
+        """Move the queued WRITE runs of ``jobs`` (by ``id``) behind the queued READ runs:
+        a READ or a copy waits for them (the row fence)."""
+        with self._cv:
+            up = [r for r in self._writes if id(r[0]) in jobs]
+            if up:
+                self._writes = deque(r for r in self._writes if id(r[0]) not in jobs)
+                self._reads.extend(up)
 
     def get(self) -> _Run | None:
         """The next run (blocks until there is one), or None once stopped."""

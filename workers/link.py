@@ -27,6 +27,7 @@ seen on the lifeline (so the commands that came before it are handled first).
 from __future__ import annotations
 
 import functools
+import os
 import threading
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -43,7 +44,7 @@ from kvshm.ipc.protocol import Done
 from kvshm.ipc.rendezvous_client import RendezvousClient
 from kvshm.layout import KVLayout
 from workers.done_book import DoneBook
-from workers.mover_publisher import MoverPublisher
+from workers.mover_publisher import Armed, CommandWatch, MoverPublisher
 from workers.phases import LINKED, DetachReason, Phase
 from workers.revocation import RevocationGate, close_lifeline_when_idle
 from workers.session import Connector, Session, SessionOptions
@@ -117,7 +118,11 @@ class WorkerLink:
         assert session is not None
         fds = [m.notify_fd() for m in (session.remote, session.disk) if m is not None]
         if self._embedded and fds:
-            self._publisher = MoverPublisher(fds, self._publish_movers,
+            commands = None
+            if session.disk is not None and session.channel is not None:
+                commands = CommandWatch(os.dup(session.channel.watch_fd()),
+                                        self._arm_commands, self._take_commands)
+            self._publisher = MoverPublisher(fds, self._publish_movers, commands=commands,
                                              name=f"kvshm-publish-r{self.rank}")
 
     def _stop_publisher(self) -> None:
@@ -140,6 +145,39 @@ class WorkerLink:
             if dones:
                 self._counts["dones_published_on_finish"] += len(dones)
                 self._report(dones)
+
+    def _arm_commands(self) -> Armed:
+        """The publisher thread, before it waits: arm the ``cmd`` ring's doorbell
+        (OFF once the worker left READY/DRAINING: the channel is closed or closing)."""
+        with self._lock:
+            chan = self._session.channel if self._session is not None else None
+            if self._phase not in LINKED or chan is None:
+                return Armed.OFF
+            return Armed.PENDING if chan.arm() else Armed.ARMED
+
+    def _take_commands(self) -> None:
+        """The publisher thread, after the ``cmd`` ring rang: queue its commands (in
+        ring order, as the host's pump would) and start their Disk and Remote jobs now
+        (copies wait for the host's hooks); the revocation word is read first, as in
+        :meth:`_pump`."""
+        with self._lock:
+            chan = self._session.channel if self._session is not None else None
+            if self._phase not in LINKED or chan is None:
+                return
+            chan.disarm()
+            if self._check_revoked():
+                return
+            try:
+                self._handle(chan.receive_nowait())
+            except TransportError as exc:
+                self._lost(exc)
+                return
+            n = len(self._queue.disk) + len(self._queue.remote)
+            if n:
+                self._counts["jobs_taken_on_arrival"] += n
+                self._run_remote()
+                self._run_disk()
+                self._send()  # a job refused at once is a failed Done
 
     # ------------------------------------------------------------------ the link
 

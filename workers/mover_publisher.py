@@ -22,6 +22,16 @@ Invariants:
 * No lost wake-up: the eventfds are drained *before* ``flush`` polls the movers, so a
   Done finished after the drain makes its eventfd readable again.
 
+With a disk tier the thread also takes the commands off the ``cmd`` ring as they arrive
+(``commands``, a :class:`CommandWatch`): before each wait it arms the ring's doorbell
+(:meth:`~kvshm.ipc.worker_channel.WorkerChannel.arm`: the scheduler rings the next post),
+and after each wake-up ``take`` queues what came and starts its Disk and Remote jobs on
+their movers at once -- a READ posted while the host runs no connector hook (vLLM's
+scheduler waiting in a lookup for that very read) starts then, not at the next hook.
+Copies still run at the host's hooks (``take`` only queues them, in ring order). ``arm``
+and ``take`` hold the worker's lock (the ``cmd`` ring keeps one consumer at a time);
+``arm`` answering :attr:`Armed.OFF` (the worker left the link) ends the watch.
+
 Teardown: :meth:`stop` (idempotent) wakes the thread and joins it; call it without the
 worker's lock held (the thread may be waiting for it) and before the movers' eventfds
 are closed. Every wake-up and every ``flush`` that raised is counted.
@@ -34,21 +44,46 @@ import select
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
 
-__all__ = ["MoverPublisher"]
+__all__ = ["Armed", "CommandWatch", "MoverPublisher"]
+
+
+class Armed(Enum):
+    """What arming the ``cmd`` ring's doorbell found."""
+
+    ARMED = "armed"  # the ring is empty; the next post rings ``fd``
+    PENDING = "pending"  # commands wait already: take them without sleeping
+    OFF = "off"  # the worker left the link: stop watching
+
+
+@dataclass(frozen=True, slots=True)
+class CommandWatch:
+    """The ``cmd`` ring, watched by the publisher thread: ``fd`` (the publisher's own
+    duplicate of the ring's doorbell eventfd, closed by :meth:`MoverPublisher.stop`),
+    ``arm`` and ``take`` (both under the worker's lock; see the module docstring)."""
+
+    fd: int
+    arm: Callable[[], Armed]
+    take: Callable[[], None]
 
 
 class MoverPublisher:
     """One thread waiting on ``fds`` (the movers' eventfds), calling ``flush`` after each
     wake-up (see the module docstring). Starts at once."""
 
-    def __init__(self, fds: Sequence[int], flush: Callable[[], None], *, name: str) -> None:
+    def __init__(self, fds: Sequence[int], flush: Callable[[], None], *, name: str,
+                 commands: CommandWatch | None = None) -> None:
         self._fds = list(fds)
         self._flush = flush
+        self._commands = commands
         self._stop_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-        #: ``wakeups`` and ``flush_errors``, both present from the start (a reader on
+        #: ``wakeups``, ``flush_errors``, ``command_wakeups`` (the ``cmd`` ring rang or
+        #: held commands) and ``take_errors``, all present from the start (a reader on
         #: another thread never sees the dict grow)
-        self.counts: Counter[str] = Counter(wakeups=0, flush_errors=0)
+        self.counts: Counter[str] = Counter(wakeups=0, flush_errors=0, command_wakeups=0,
+                                            take_errors=0)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
         self._thread.start()
 
@@ -61,22 +96,45 @@ class MoverPublisher:
         self._thread.join()
         os.close(self._stop_fd)
         self._stop_fd = -1
+        if self._commands is not None:
+            os.close(self._commands.fd)
 
     def _loop(self) -> None:
         poller = select.poll()
         for fd in (*self._fds, self._stop_fd):
             poller.register(fd, select.POLLIN)
+        cmd = self._commands
+        if cmd is not None:
+            poller.register(cmd.fd, select.POLLIN)
         while True:
-            ready = {fd for fd, _ in poller.poll()}
+            armed = Armed.OFF if cmd is None else self._arm(cmd)
+            if armed is Armed.OFF and cmd is not None:
+                poller.unregister(cmd.fd)  # the link is gone: movers only from here on
+                cmd = None
+            ready = {fd for fd, _ in poller.poll(0 if armed is Armed.PENDING else None)}
             if self._stop_fd in ready:
                 return
             self.counts["wakeups"] += 1
             for fd in ready:
-                _drain(fd)
+                if cmd is None or fd != cmd.fd:  # arm drains the doorbell itself
+                    _drain(fd)
+            if cmd is not None and (armed is Armed.PENDING or cmd.fd in ready):
+                self.counts["command_wakeups"] += 1
+                try:
+                    cmd.take()
+                except Exception:  # noqa: BLE001 - counted; the host's next hook pumps
+                    self.counts["take_errors"] += 1
             try:
                 self._flush()
             except Exception:  # noqa: BLE001 - counted; the host's next call reports too
                 self.counts["flush_errors"] += 1
+
+    def _arm(self, cmd: CommandWatch) -> Armed:
+        try:
+            return cmd.arm()
+        except Exception:  # noqa: BLE001 - counted; the host's hooks still pump the ring
+            self.counts["take_errors"] += 1
+            return Armed.OFF
 
 
 def _drain(fd: int) -> None:

@@ -73,6 +73,9 @@ __all__ = ["DetachReason", "Phase", "Worker"]
 
 #: Default bound of a Flush wait in begin_step.
 FLUSH_TIMEOUT_S: Final = 60.0
+#: Longest a store copy waits for the disk WRITEs that still read its CPU rows (the row
+#: fence of :mod:`workers.disk_mover`); past it the store fails (a miss, recomputed).
+FENCE_TIMEOUT_S: Final = 5.0
 #: The longest :meth:`Worker.wait_for_work` parks while copies run on an engine that has no
 #: completion fd to wake it (CUDA: its events are polled), in seconds (poll()'s 1 ms tick).
 COPY_POLL_S: Final = 0.001
@@ -297,6 +300,14 @@ class Worker(WorkerLink):
         except ProtocolError as exc:
             self._counts["bad_transfers"] += 1
             self._record([Done(t.job_id, self.rank, False, describe_error(exc))])
+            return
+        disk = self._session.disk
+        if (disk is not None and job.direction is Direction.STORE
+                and not disk.wait_rows(job.dst_ids.tolist(), FENCE_TIMEOUT_S)):
+            self._counts["stores_fence_timed_out"] += 1
+            self._record([Done(t.job_id, self.rank, False,
+                               f"CopyError: rank {self.rank}: a disk WRITE still reads "
+                               f"the store's CPU rows after {FENCE_TIMEOUT_S:g} s")])
             return
         self._dones.started(t.job_id)
         self._session.engine.submit(job, after)

@@ -221,7 +221,10 @@ class Runtime:
             self.counters.lookups_not_ready += 1
             return 0
         hit = manager.lookup(req, num_local_tokens)
-        if hit is not None:
+        if hit is None:
+            if manager.disk is not None:
+                self._post_reads(manager.plan_reads())
+        else:
             counters = self.counters
             more = req.num_tokens - num_local_tokens
             if more > 0:
@@ -252,15 +255,22 @@ class Runtime:
             return StepPlan(inp.step)
         plan = manager.build_step(self._admission.admitted(inp))
         self._admission.stepped(inp)
+        self._post_reads(plan.disk)  # before the store: WRITEs of the rows it reuses
         for t in (plan.store, plan.load):
             if t is not None:
                 self._jobs.post(t)
-        msgs: Sequence[Remote | Disk] = (*plan.remote, *plan.disk) if plan.disk \
-            else plan.remote
+        self._post_reads(plan.remote)
+        return plan
+
+    def _post_reads(self, msgs: Sequence[Remote | Disk]) -> None:
+        """Post remote and disk jobs to every live rank (a step's, or a lookup's READs:
+        with a disk tier a lookup that answers "ask again" for a disk hit posts its READ
+        at once, and a worker that watches its ring starts it before the next step)."""
+        manager = self.manager
+        assert manager is not None
         for msg in msgs:
             for rank in self._jobs.post_remote(msg):
                 manager.on_done(msg.job_id, rank, False)  # never sent: fails, unpins
-        return plan
 
     def finished(self, req_id: str, num_confirmed_tokens: int,
                  gpu_block_ids: Sequence[Sequence[int]], *,

@@ -18,7 +18,7 @@ import msgspec
 from kvshm.errors import ConfigError, WouldBlock
 from kvshm.ipc import protocol
 from kvshm.ipc.channel import MAX_ERROR_CHARS, ChannelEndpoint, ChannelStats
-from kvshm.ipc.doorbell import PARK_TIMEOUT_S, Parker
+from kvshm.ipc.doorbell import PARK_TIMEOUT_S, Parker, full_fence
 from kvshm.ipc.ring_pair import RingPair, WorkerState
 
 __all__ = ["WorkerChannel"]
@@ -163,6 +163,35 @@ class WorkerChannel(ChannelEndpoint[protocol.Done, protocol.CmdMsg]):
     def unwatch(self, fd: int) -> None:
         """Undo :meth:`watch` (idempotent)."""
         self._parker.unwatch(fd)
+
+    def watch_fd(self) -> int:
+        """The ``cmd`` doorbell's eventfd: what a helper thread that waits for commands
+        beside a host that never parks polls after :meth:`arm` (it never reads it)."""
+        return self._rx_bell.fd
+
+    def arm(self) -> bool:
+        """A helper thread asks to be rung for the next command (an embedded worker's
+        mover publisher, :mod:`workers.mover_publisher`): drain the doorbell, store a
+        fresh park token, fence, re-check -- the park handshake of
+        :mod:`kvshm.ipc.doorbell` without the sleep. True when commands already wait
+        (the token is withdrawn: nothing will ring). Only for a channel whose owner never
+        parks in :meth:`receive` (the two would share the token); the caller serialises
+        it with every other call on this channel and calls :meth:`disarm` once awake.
+        ClosedError after close."""
+        self._check_open()
+        ring = self.rings.cmd
+        self._rx_bell.drain()
+        ring.park()
+        full_fence()  # the token store before the re-check (module doc of doorbell)
+        if ring.is_empty():
+            return False
+        ring.unpark()
+        return True
+
+    def disarm(self) -> None:
+        """Withdraw :meth:`arm`'s token (awake: the scheduler need not ring)."""
+        self._check_open()
+        self.rings.cmd.unpark()
 
     def beat(self) -> int:
         """Bump the heartbeat in the control block; returns the new count."""

@@ -26,6 +26,20 @@ the disk holds it now). A failed write leaves its slots unindexed (reused first)
 failed writes in a row (a full or failing disk: ENOSPC, EIO) pause write-back for
 ``pause_s`` (counted), while reads and serving go on.
 
+Write-down of victims (every mode): a CPU block the tier evicts to make room -- for a
+store (the manager's plan) or for a READ (:meth:`_allocate_read`) -- whose block the
+disk neither holds nor is writing is written down by a WRITE job of its own
+(:meth:`write_victims`) in the same call, before the block is reused: the WRITE pins
+the CPU block beside its new owner (ref 2) and is posted *before* the store or READ
+that overwrites its rows (``StepPlan.disk`` goes out before ``StepPlan.store``; a
+lookup's READs after their victims' WRITEs), and each rank runs a copy or READ into a
+row only after every WRITE it received earlier that reads the row
+(:mod:`workers.disk_mover`'s row fence). So no cached block leaves the CPU tier
+unwritten while write-back has not reached it: the scan is the early, spread-out
+write; this is the last chance. Counted: ``evicted_on_disk`` (the disk had it),
+``evicted_written`` (written down now), ``evicted_lost`` (not: write-back paused, or
+no free slot). A remote GET's allocation is not covered (no disk victims there).
+
 Write-through (``write_through``, ``EngineConfig.disk_mode``): every block a store
 indexes in the CPU tier is also remembered (not pinned: at most ``4 x max_window``, the
 oldest forgotten) and written by the next plans, before the eviction scan, if its CPU
@@ -139,6 +153,9 @@ class DiskCounters:
     writes_paused: int = 0  # write-back paused after repeated failed WRITEs
     write_skipped_paused: int = 0  # plans that wrote nothing while paused
     write_through_dropped: int = 0  # stored blocks forgotten before their write (queue full)
+    evicted_on_disk: int = 0  # cached CPU blocks evicted that the disk held or was writing
+    evicted_written: int = 0  # ... that it did not: written down before their reuse
+    evicted_lost: int = 0  # ... and could not be written (paused, no free slot)
     warm_slots: int = 0  # slots indexed at start from the slabs' headers
     warm_disagreed: int = 0  # slots with a header on some rank that not every rank agrees on
     scan_errors: int = 0  # slab files unreadable at start (started cold)
@@ -171,7 +188,8 @@ class DiskBook:
         self._clock = clock
         self.fetches = Fetches(cpu, gs, self.counters, self._new_read,
                                fetch_timeout_s=fetch_timeout_s, max_job_blocks=self._max_job,
-                               clock=clock, available=self._available)
+                               clock=clock, available=self._available,
+                               allocate=self._allocate_read)
         self._held: dict[str, list[int]] = {}  # request -> CPU hit held while it reads
         self._writing: set[bytes] = set()  # disk hashes being written
         self._inflight = 0  # blocks being written
@@ -180,6 +198,7 @@ class DiskBook:
         self.write_through = write_through
         self._fresh: deque[tuple[int, bytes]] = deque()  # stored, to write through
         self._scan_jobs: set[int] = set()  # WRITE jobs of blocks about to be evicted
+        self._victims: list[tuple[int, bytes]] = []  # evicted by READs, not yet written
 
     # ---- queries ---------------------------------------------------------------------
 
@@ -286,6 +305,11 @@ class DiskBook:
             self.counters.get_declined_gone += 1
         return got
 
+    def _allocate_read(self, n: int) -> list[int]:
+        """A READ's fresh CPU blocks; the cached ones it evicts wait in ``_victims`` for
+        :meth:`plan_reads` to write them down (before the READ is posted)."""
+        return self.cpu.allocate(n, self._victims)
+
     def _new_read(self, step: int, cpu_ids: list[int], keys: list[bytes], depths: list[int],
                   rid: str) -> RemoteJob:
         slots = self._present(keys)
@@ -298,8 +322,40 @@ class DiskBook:
 
     def plan(self, step: int) -> list[Disk]:
         """This step's disk jobs: READs for answered lookups, then write-back."""
-        out = [message(job) for job in self.fetches.plan(step) if isinstance(job, DiskJob)]
-        return out + self._write_back(step)
+        return self.plan_reads(step) + self._write_back(step)
+
+    def plan_reads(self, step: int) -> list[Disk]:
+        """READs for the lookups answered since the last plan (the manager calls it from
+        a lookup too, so that a READ is posted at once, not at the next step), each
+        preceded by the WRITEs of the cached blocks its allocation evicted (post them in
+        this order)."""
+        reads = [message(job) for job in self.fetches.plan(step) if isinstance(job, DiskJob)]
+        victims, self._victims = self._victims, []
+        return self.write_victims(step, victims) + reads
+
+    def write_victims(self, step: int, victims: Sequence[tuple[int, bytes]]) -> list[Disk]:
+        """WRITE jobs of ``victims`` (CPU id, key: the cached blocks an allocation just
+        evicted; the ids now belong to a store or READ planned in the same call) that
+        the disk neither holds nor is writing, pinned here until written. Post them
+        before the job that reuses their rows: each rank runs it after them (module
+        docstring). Never raises: a block without a free slot, or while write-back is
+        paused, is lost (counted)."""
+        if not victims:
+            return []
+        c = self.counters
+        writing, on_disk = self._writing, self.slots.cached_keys
+        picks = [(cid, k) for cid, k in victims
+                 if disk_hash(k) not in writing and disk_hash(k) not in on_disk]
+        c.evicted_on_disk += len(victims) - len(picks)
+        if not picks:
+            return []
+        if self._paused_until and self._clock() < self._paused_until:
+            c.evicted_lost += len(picks)
+            return []
+        n = min(len(picks), self.slots.num_free)  # what _write_jobs takes
+        c.evicted_written += n
+        c.evicted_lost += len(picks) - n
+        return self._write_jobs(step, picks, scan=False)
 
     def stored(self, cpu_ids: Sequence[int], keys: Sequence[bytes]) -> None:
         """A store completed and indexed ``cpu_ids`` under ``keys``: remembered for

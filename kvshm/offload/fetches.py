@@ -104,14 +104,18 @@ def _all(keys: Sequence[bytes], n: int) -> int:
 class Fetches:
     """See the module docstring. ``make`` registers a planned fetch's job in the job
     table; ``available(keys, n)``: how many of the first ``n`` keys the source still
-    holds when the job is planned (default: all of them)."""
+    holds when the job is planned (default: all of them); ``allocate(n)``: takes the
+    job's fresh CPU blocks (default ``cpu.allocate``; the disk tier's also writes down
+    the cached blocks it evicts)."""
 
     def __init__(self, cpu: BlockPool, gs: GroupSet, counters: FetchCounters, make: MakeJob,
                  *, fetch_timeout_s: float, max_job_blocks: int,
                  clock: Callable[[], float] = time.monotonic,
-                 available: Callable[[Sequence[bytes], int], int] = _all) -> None:
+                 available: Callable[[Sequence[bytes], int], int] = _all,
+                 allocate: Callable[[int], list[int]] | None = None) -> None:
         self.cpu, self._gs, self.counters = cpu, gs, counters
         self._make, self._available = make, available
+        self._allocate = allocate or cpu.allocate
         self._fetch_timeout = fetch_timeout_s
         self._max_job = max_job_blocks
         self._clock = clock
@@ -254,7 +258,7 @@ class Fetches:
             return None
         keys = st.keys[:n]
         depths = [st.start + i // g for i in range(n)]
-        job = self._make(step, self.cpu.allocate(n), keys, depths, rid)
+        job = self._make(step, self._allocate(n), keys, depths, rid)
         for k in keys:
             self._fetching[k] = job.job_id
         now = self._clock()

@@ -124,6 +124,7 @@ class OffloadManager:
         self.outcomes = JobOutcomes(jobs, cpu, self._loads, self._stores, self.remote,
                                     self.counters, self._tombstone_hits, disk=self.disk)
         self._jobs = jobs
+        self._last_step = 0  # the step of the latest build_step (reads planned between)
 
     # ---- small queries -------------------------------------------------------------
 
@@ -380,6 +381,7 @@ class OffloadManager:
         """Track the listed requests and plan this step's store and load. The whole
         input is checked first (InvalidRequest: nothing changed)."""
         step, requests, gone, alloc = self._check.step_input(inp)
+        self._last_step = step
         changes = self._track.prepare(requests, set(gone) if gone else (), self._check)
         for rid in gone:
             self._forget(rid)
@@ -390,19 +392,33 @@ class OffloadManager:
         if not out.failed:
             dirty = self._track.apply(changes)
             if not out.abandoned:
-                store = self._plan_stores(step, alloc, dirty)
+                victims: list[tuple[int, bytes]] = []
+                store = self._plan_stores(step, alloc, dirty, victims)
                 load = self._loads.plan(step, self._jobs)
                 if self.remote is not None:
                     remote = tuple(self.remote.plan(step))
-                if self.disk is not None:
-                    disk = tuple(self.disk.plan(step))
+                if self.disk is not None:  # the store's victims first: posted before it
+                    disk = (*self.disk.write_victims(step, victims), *self.disk.plan(step))
         failed_loads = self._loads.take_failed()
         jobs = self._loads.listed_jobs(self._jobs)
         return StepPlan(step=step, store=store, load=load, load_jobs=jobs,
                         failed_loads=failed_loads, remote=remote, disk=disk)
 
-    def _plan_stores(self, step: int, alloc: frozenset[int],
-                     dirty: list[ScheduledRequest]) -> Transfer | None:
+    def plan_reads(self) -> list[Disk]:
+        """The disk READs of the lookups answered since the last ``build_step``, planned
+        now (:meth:`DiskBook.plan_reads`: fresh CPU blocks allocated, slots pinned, jobs
+        in the job table under the latest step's number) so that the caller posts them
+        from the lookup itself; ``[]`` without a disk tier, once failed or abandoned.
+        What this leaves unplanned (no CPU room yet) the next ``build_step`` plans."""
+        disk, out = self.disk, self.outcomes
+        if disk is None or out.failed or out.abandoned or not disk.has_pending_work():
+            return []
+        return disk.plan_reads(self._last_step)
+
+    def _plan_stores(self, step: int, alloc: frozenset[int], dirty: list[ScheduledRequest],
+                     victims: list[tuple[int, bytes]]) -> Transfer | None:
+        """The step's store job; the cached CPU blocks its allocation evicts are appended
+        to ``victims`` when a disk tier may write them down (``DiskBook.write_victims``)."""
         sel = Selection()
         plan = self._stores
         avail = plan.take_finished(self.cpu.num_free, bool(self._jobs.jobs), sel)
@@ -413,7 +429,7 @@ class OffloadManager:
         n = len(sel.gpu_ids)
         if not n:
             return None
-        cpu_ids = self.cpu.allocate(n)
+        cpu_ids = self.cpu.allocate(n, victims if self.disk is not None else None)
         if sel.to_touch:
             self.gpu.touch(sel.to_touch)
         job = self._jobs.new_store(step, sel.gpu_ids, cpu_ids, groups=sel.groups,

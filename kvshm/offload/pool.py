@@ -114,9 +114,12 @@ class BlockPool:
             add(blocks[i])
         return out
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, evicted: list[tuple[int, BlockHash]] | None = None
+                 ) -> list[int]:
         """Take ``n`` blocks from the LRU end, all or nothing; each returned block has
-        ref 1 and no hashes (a cached block loses its hashes: BlockRemoved)."""
+        ref 1 and no hashes (a cached block loses its hashes: BlockRemoved).
+        ``evicted``: where given, each cached block taken is appended as (block id, its
+        first hash), in the order taken (what a lower tier may still write down)."""
         if n < 0:
             raise ConfigError(f"cannot allocate {n} blocks")
         if n > len(self._queue):
@@ -126,6 +129,8 @@ class BlockPool:
         for b in blocks:
             if b.hashes:
                 self.evictions += 1
+                if evicted is not None:
+                    evicted.append((b.block_id, b.hashes[0]))
                 self.index.unindex(b)
             b.ref_cnt = 1
         return [b.block_id for b in blocks]

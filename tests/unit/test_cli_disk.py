@@ -56,6 +56,8 @@ def test_the_disk_section_as_text() -> None:
                         "read_bytes": 6 << 20, "get_failed_jobs": 0, "dropped_slots": 0,
                         "written_blocks": 4, "write_bytes": 4 << 20,
                         "write_failed_jobs": 0, "write_declined_no_slot": 0,
-                        "writes_paused": 0})
+                        "writes_paused": 0, "evicted_on_disk": 7, "evicted_written": 2,
+                        "evicted_lost": 1})
     assert text.splitlines()[0] == "disk tier: /d (direct I/O, 1024.0 MiB per rank)"
     assert "4 used / 9" in text and "3 hits / 5 lookups, 6 blocks (6.0 MiB)" in text
+    assert "7 on disk, 2 written down at eviction, 1 lost" in text

@@ -454,8 +454,9 @@ class TestDiskTier:
     """A CPU tier of 4 blocks and a disk tier: each prompt has 3 full blocks, so the next
     two prompts evict it from the CPU tier, and it is written to disk before it goes.
     A prompt, two others, ``reset_prefix_cache()`` (vLLM's cache is gone, and kvshm's
-    CPU tier lost the prompt), the same prompt again: its first lookup asks again while
-    the disk reads it, vLLM reports the prefix cached, the logprobs are bitwise equal."""
+    CPU tier lost the prompt), the same prompt again: its first lookup posts the READ and
+    waits for it or finds it done at its pump (no "ask again"), vLLM reports the prefix
+    cached, the logprobs are bitwise equal."""
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -474,11 +475,21 @@ class TestDiskTier:
         disk: dict[str, Any] = eng.stats()["disk"]
         assert disk["written_blocks"] >= 3 and disk["io"] == "direct", disk
         eng.reset_device_cache()
+        before = eng.stats()["connector"]
         hot = eng.generate([prompt])[0]
         assert hot.num_cached_tokens == 3 * BLOCK, hot.num_cached_tokens
         assert _signature(hot) == _signature(cold)
-        disk = eng.stats()["disk"]
+        stats = eng.stats()
+        disk = stats["disk"]
         assert disk["hit_blocks"] >= 3 and disk["get_failed_jobs"] == 0, disk
+        # the first lookup posted the READ, the worker started it on arrival, and the
+        # lookup (the only request: nothing else to run) waited for it -- or found it
+        # done at its one pump before waiting (a read of 3 slots may end that soon): a
+        # hit at once either way, never "ask again"
+        after = stats["connector"]
+        assert after["lookups_asked_again"] == before["lookups_asked_again"], after
+        answered = ("lookups_answered_after_wait", "lookups_answered_after_pump")
+        assert sum(after[k] for k in answered) > sum(before[k] for k in answered), after
 
 
 @pytest.mark.slow

@@ -41,7 +41,7 @@ class SchedulerCounters:
     lookups_skipped: int = 0  # skip_reading_prefix_cache (e.g. prompt logprobs)
     lookups_asked_again: int = 0
     lookups_answered_after_pump: int = 0  # "ask again" turned into an answer by a pump
-    lookups_waited: int = 0  # lookups that waited for a disk read posted at an earlier step
+    lookups_waited: int = 0  # lookups that waited for a posted disk read (its own or earlier)
     lookups_answered_after_wait: int = 0  # ... and were answered within the wait
     lookup_waits_timed_out: int = 0  # ... and were not (asked again)
     lookup_hit_tokens: int = 0

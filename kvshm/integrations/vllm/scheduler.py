@@ -12,12 +12,14 @@ import), around a kvshm :class:`~kvshm.engine.SyncClient`, which is created in
   reads it). Before answering "ask again" it pumps the client once and asks again: a
   disk read whose Done the worker published since the step's last pump (a worker's
   mover publisher sends it the moment the read ends) is a CPU hit at once, so a disk
-  hit costs one engine step, not two. With a disk tier, a request that asked again at
-  an earlier step (its read is posted) and is still waiting, while every live request
-  waits likewise (the step would run nothing), sleeps and pumps up to
-  :data:`READ_WAIT_S` for the read's Done before it answers: the read then ends within
-  this lookup (the sleep leaves the GIL to the workers' I/O threads, which a spinning
-  engine loop starves) instead of costing more empty steps.
+  hit costs one engine step, not two. With a disk tier, the lookup that first answers
+  "ask again" for a disk hit has posted its READ (``SyncClient.lookup``), and the
+  worker's mover publisher starts it on arrival; a request that waits for a read while
+  every other live request waits likewise (the step would run nothing) sleeps and pumps
+  up to :data:`READ_WAIT_S` for the read's Done before it answers -- from its first
+  lookup on: the read then ends within this lookup (the sleep leaves the GIL to the
+  workers' I/O threads, which a spinning engine loop starves) instead of costing empty
+  steps.
 * ``update_state_after_alloc`` -> :meth:`allocated` (whole tables, local hit first).
 * ``build_connector_meta`` -> :meth:`build`: the step's ``StepInput`` from the
   ``SchedulerOutput``, then ``SyncClient.step``; the metadata carries only the step,
@@ -215,11 +217,11 @@ class SchedulerSide:
         return 0, False
 
     def _may_wait(self, rid: str) -> bool:
-        """``rid`` asked again at an earlier step (its read was posted by that step's
-        build) and every live request is in the same state: nothing would run in this
-        step, so a wait delays no one."""
+        """Every other live request asked again too (``rid``'s READ was posted by its
+        first "ask again" lookup, and a worker with a disk tier starts it on arrival):
+        nothing would run in this step, so a wait delays no one."""
         waiting = self._waiting
-        return waiting.get(rid, self._step) < self._step and len(waiting) >= len(self._requests)
+        return len(waiting) + (rid not in waiting) >= len(self._requests)
 
     def _wait_read(self, client: SyncClient, view: RequestView, num_computed_tokens: int
                    ) -> int | None:

@@ -1,12 +1,15 @@
 """workers.disk_mover.DiskMover in one process: real host pools (memfd), real slab files
 under tmp_path, real threads. Its counters (the numbers a rank reports under
 ``statistics()["disk"]``), and every way a job fails without touching the disk: a
-malformed job, a revoked rank (the gate), a closed mover."""
+malformed job, a revoked rank (the gate), a closed mover. And the row fence: a READ into
+a row that an earlier WRITE still reads waits for it."""
 
 from __future__ import annotations
 
 import hashlib
 import select
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -145,3 +148,43 @@ def test_a_closed_mover_refuses_jobs_and_an_empty_job_is_ok(tmp_path: Path,
     m.submit(job(2, DiskOp.WRITE, [0], [0], hashes(1)))
     assert m.poll() == [Done(2, 0, False, "DiskError: mover closed")]
     assert m.statistics()["jobs_refused"] == 1
+
+
+def test_a_read_into_a_row_a_write_still_reads_waits_for_that_write(
+        tmp_path: Path, movers: list[DiskMover]) -> None:
+    """The row fence: WRITE row 0 -> slot 5 is held in the gate (the first run asks it,
+    and it waits for the test); a READ of slot 6 into the same row 0, submitted after,
+    does not start (``reads_fenced``) -- on 3 threads it would otherwise overwrite row
+    0 before the WRITE copies it -- and ``wait_rows`` on row 0 times out. Once the
+    WRITE goes on, slot 5 holds row 0's old bytes and row 0 slot 6's."""
+    p = pool((PAGE,), seed=3)
+    m = make(movers, tmp_path, p, threads=3)
+    hs = hashes(2)
+    old0, row1 = p.regions[0][0].clone(), p.regions[0][1].clone()
+    m.submit(job(1, DiskOp.WRITE, [1], [6], [hs[1]]))              # slot 6 := row 1
+    assert wait(m) == [Done(1, 0, True)]
+    go, held = threading.Event(), threading.Event()
+    calls = [0]
+
+    def gate() -> bool:
+        calls[0] += 1
+        if calls[0] == 1:
+            held.set()
+            assert go.wait(10)
+        return True
+
+    m.set_gate(gate)
+    m.submit(job(2, DiskOp.WRITE, [0], [5], [hs[0]]))
+    assert held.wait(10)
+    m.submit(job(3, DiskOp.READ, [0], [6], [hs[1]]))
+    assert m.statistics()["reads_fenced"] == 1
+    assert not m.wait_rows([0], 0.05) and m.wait_rows([2, 3], 0.05)
+    time.sleep(0.05)
+    assert m.poll() == [] and torch.equal(p.regions[0][0], old0)
+    go.set()
+    assert sorted(wait(m, 2), key=lambda d: d.job_id) == [Done(2, 0, True), Done(3, 0, True)]
+    assert torch.equal(p.regions[0][0], row1) and m.wait_rows([0], 0.0)
+    m.submit(job(4, DiskOp.READ, [2], [5], [hs[0]]))                # slot 5: row 0's old
+    assert wait(m) == [Done(4, 0, True)] and torch.equal(p.regions[0][2], old0)
+    st = m.statistics()
+    assert (st["fence_timeouts"], st["reads_fenced"]) == (1, 1)

@@ -310,3 +310,73 @@ def test_write_through_writes_every_stored_block_and_leaves_it_where_it_was() ->
     assert rig.slots.num_hashes == 2 and refs(rig.cpu, cpu) == [0, 0]
     assert list(rig.cpu.iter_free_from_lru())[:2] == [2, 3]
     assert rig.step().disk == ()
+
+
+def test_a_block_evicted_before_write_back_reached_it_is_written_down_before_its_reuse(
+) -> None:
+    """Write-back may not reach a block before an allocation takes it (here a window of
+    1 that scans only uncached CPU 2). A's 2 blocks sit in CPU 0, 1 (reuse order 2, 3,
+    1, 0). B's store of 3 blocks takes CPU 2, 3 and 1 -- A's second block, on no disk:
+    the same step writes it down, a WRITE of CPU 1 into slot 0 under A's second hash,
+    posted before the store (``plan.disk`` goes out first; each rank's store waits for
+    it). CPU 1 carries both pins: the store's and the WRITE's (ref 2 until the store's
+    ack, 1 after it). Both ranks' WRITE acks index slot 0 under A's second block and
+    unpin CPU 1, which keeps B's third block. R (A's tokens) then hits CPU 0 and asks
+    the disk for slot 0: the READ's fresh block is CPU 3 (B's second block, on no
+    disk), so the plan is the WRITE of CPU 3 into slot 1, then the READ of slot 0 into
+    CPU 3 (ref 2: the READ's and the WRITE's)."""
+    rig = DiskRig(cpu=4, slots=8, window=1, max_window=1)
+    a, b = Req("a", 9), Req("b", 13, base=500)
+    assert rig.store(a) == ([0, 1], ())
+    assert rig.step().disk == ()                                 # window 1: only CPU 2
+    g = rig.alloc(3, b.h)
+    p = rig.step(b.sched(g, confirmed=len(b.toks), new=True))
+    assert p.store is not None and unpack_ids(p.store.dst_ids) == [2, 3, 1]
+    (w,) = p.disk
+    assert (w.op, unpack_ids(w.cpu_ids), unpack_ids(w.slots)) == (DiskOp.WRITE, [1], [0])
+    assert w.hashes == disk_hash(a.h[1]) and rig.cpu.get_cached(a.h[1]) is None
+    assert refs(rig.cpu, [0, 1, 2, 3]) == [0, 2, 1, 1] and rig.slots.ref_cnt(0) == 1
+    rig.ack(p.store, ranks=range(WORLD))
+    rig.m.finished(b.rid, len(b.toks), [g])
+    rig.gpu.free(reversed(g))
+    rig.m.check_invariants()
+    assert refs(rig.cpu, [0, 1, 2, 3]) == [0, 1, 0, 0] and rig.cpu.get_cached(b.h[2]) == 1
+    rig.ack_disk(w)
+    assert rig.slots.get_cached(disk_hash(a.h[1])) == 0 and rig.slots.ref_cnt(0) == 0
+    assert refs(rig.cpu, [0, 1, 2, 3]) == [0, 0, 0, 0] and rig.cpu.get_cached(b.h[2]) == 1
+    c = rig.book.counters
+    assert (c.evicted_written, c.evicted_lost, c.written_blocks) == (1, 0, 1)
+
+    r = Req("r", 9)
+    assert rig.m.lookup(r.view(), 0) is None                     # CPU 0 held, slot 0 next
+    w2, rd = rig.step().disk
+    assert (w2.op, unpack_ids(w2.cpu_ids), unpack_ids(w2.slots)) == (DiskOp.WRITE, [3], [1])
+    assert w2.hashes == disk_hash(b.h[1])
+    assert (rd.op, unpack_ids(rd.cpu_ids), unpack_ids(rd.slots)) == (DiskOp.READ, [3], [0])
+    assert refs(rig.cpu, [0, 1, 2, 3]) == [1, 0, 0, 2] and c.evicted_written == 2
+    rig.ack_disk(rd)
+    rig.ack_disk(w2)
+    assert rig.slots.get_cached(disk_hash(b.h[1])) == 1
+    assert rig.m.lookup(r.view(), 0) == 2 * BS
+    rig.m.check_invariants()
+    assert refs(rig.cpu, [0, 1, 2, 3]) == [1, 0, 0, 1]           # the hit's pins only
+
+
+def test_a_victim_without_a_free_slot_is_lost_and_counted() -> None:
+    """Every slot pinned by a READ in flight (X's 2 blocks, the disk's 2 slots): B's
+    store evicts a cached block with no slot to write it into -- no WRITE, counted
+    lost; the store goes on."""
+    rig = DiskRig(cpu=4, slots=2)
+    x = Req("x", 9, base=900)
+    rig.on_disk(x)                                               # slots 0, 1 hold X
+    assert rig.m.lookup(Req("rx", 9, base=900).view(), 0) is None
+    (rd,) = rig.step().disk                                      # slot 0 pinned: no free
+    assert rd.op is DiskOp.READ and rig.slots.num_free == 0
+    a, b = Req("a", 9), Req("b", 13, base=500)
+    rig.store(a)
+    lost = rig.book.counters.evicted_lost
+    g = rig.alloc(3, b.h)
+    p = rig.step(b.sched(g, confirmed=len(b.toks), new=True))
+    assert p.store is not None and all(m.op is not DiskOp.WRITE for m in p.disk)
+    assert rig.book.counters.evicted_lost > lost
+    rig.m.check_invariants()

@@ -13,6 +13,10 @@ exactly once; the slot table's invariants; every slot pin a disk job's). Checked
 
 * no slot is both indexed and being written, and no slot is read while a WRITE of it
   is in flight nor written while a READ of it is (the jobs as posted);
+* the ranks keep the row fence (``workers.disk_mover``): a store or READ into a CPU
+  row runs on a rank only after the WRITEs posted before it that read the row (the
+  model runs those first), and the disk jobs of a step are posted before its store --
+  the WRITE of a block the store's allocation evicted goes down with the old bytes;
 * every indexed slot holds its block on every rank, and every indexed CPU block holds
   its block on every rank (no wrong byte through either tier);
 * once every job is acked and every request finished, nothing is pinned.
@@ -62,6 +66,7 @@ class DiskMachine(RuleBasedStateMachine):
 
     def _post_plan(self, plan_store: Transfer | None, plan_load: Transfer | None,
                    disk: tuple[Disk, ...]) -> None:
+        self._post_disk(disk)  # before the store, as the runtime posts them
         for t in (plan_store, plan_load):
             if t is None:
                 continue
@@ -70,6 +75,8 @@ class DiskMachine(RuleBasedStateMachine):
             if t.direction is Direction.STORE and isinstance(job, StoreJob):
                 pairs = [(c, -1, k) for c, k in zip(job.cpu_ids, job.keys)]
             self.out.append(Posted(t, pairs))
+
+    def _post_disk(self, disk: tuple[Disk, ...]) -> None:
         for msg in disk:
             hs = [msg.hashes[i:i + 32] for i in range(0, len(msg.hashes), 32)]
             pairs = list(zip(unpack_ids(msg.cpu_ids), unpack_ids(msg.slots), hs))
@@ -88,8 +95,16 @@ class DiskMachine(RuleBasedStateMachine):
         self._post_plan(plan.store, plan.load, plan.disk)
 
     def _ack(self, p: Posted, rank: int, ok: bool) -> None:
-        """Rank ``rank`` runs ``p`` (the model's bytes move) and acks it."""
+        """Rank ``rank`` runs ``p`` (the model's bytes move) and acks it; a job that
+        writes CPU rows runs the WRITEs posted before it that read them first (ok: the
+        row fence lets them end before the copy)."""
         msg = p.msg
+        if not (isinstance(msg, Disk) and msg.op is DiskOp.WRITE):
+            rows = {c for c, _, _ in p.pairs}
+            for q in self.out[:self.out.index(p)]:
+                if (isinstance(q.msg, Disk) and q.msg.op is DiskOp.WRITE
+                        and rank not in q.acks and rows & {c for c, _, _ in q.pairs}):
+                    self._ack(q, rank, True)
         if isinstance(msg, Disk) and msg.op is DiskOp.READ and ok:
             ok = all(self.slot_bytes[rank].get(s) == KEYS.get(k, k) or
                      self.slot_bytes[rank].get(s) == k for _, s, k in p.pairs)
@@ -123,8 +138,7 @@ class DiskMachine(RuleBasedStateMachine):
             for rank in range(WORLD):
                 if rank not in self.revoked:
                     self._ack(p, rank, True)
-            if len(p.acks) == WORLD:
-                self.out.remove(p)
+            self.out = [q for q in self.out if len(q.acks) < WORLD]
         self.rig.m.finished(rid, len(r.toks), [g])
         self.rig.gpu.free(reversed(g))
         self.rig.m.check_invariants()
@@ -162,8 +176,7 @@ class DiskMachine(RuleBasedStateMachine):
         if not waiting:
             return
         self._ack(p, data.draw(st.sampled_from(waiting)), ok)
-        if len(p.acks) == WORLD:
-            del self.out[k]
+        self.out = [q for q in self.out if len(q.acks) < WORLD]
         self.rig.m.check_invariants()
 
     @rule()
