@@ -34,15 +34,16 @@ import select
 import threading
 from collections import Counter
 from collections.abc import Callable, Sequence
+from typing import Any
 
 __all__ = ["MoverPublisher"]
 
 
 class MoverPublisher:
     """One thread waiting on ``fds`` (the movers' eventfds), calling ``flush`` after each
-    wake-up (see the module docstring). Starts at once."""
+    wake-up (see the module docstring; its result is ignored). Starts at once."""
 
-    def __init__(self, fds: Sequence[int], flush: Callable[[], None], *, name: str) -> None:
+    def __init__(self, fds: Sequence[int], flush: Callable[[], Any], *, name: str) -> None:
         self._fds = list(fds)
         self._flush = flush
         self._stop_fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
