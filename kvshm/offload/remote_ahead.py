@@ -6,15 +6,19 @@ other, that is two rounds of the index's thread and at least two engine steps; o
 busy engine each wake-up of that thread can wait up to the GIL's switch interval.
 :class:`AskAhead` lets the remote book send the readiness query *with* each manifest
 read (the same drain of the index's queue: one wake-up, one batch of rounds) and use
-its answer when the manifest is trusted.
+its answer when the manifest is trusted. The index reads the manifest first and the
+readiness keys after it in that batch (:meth:`ValkeyReadyIndex._round
+<kvshm.remote.valkey_index.ValkeyReadyIndex._round>`): a manifest found means its
+readiness keys were written before it, so the answer that came with it is full but for
+an eviction.
 
 Rules (safety first: the answer is used only when it can change nothing):
 
 * An answer is used only for exactly the keys it asked (the fetch range of the lookup
   that is trusted now) and only when every key was present. Anything less (an answer
-  still in flight, another range, a shorter prefix: e.g. the manifest was written
-  between the two commands, after the readiness keys were asked) is thrown away and the
-  book asks the ordinary way, as without this object.
+  still in flight, another range, a shorter prefix: e.g. an answer from a read before
+  the manifest existed, or blocks evicted meanwhile) is thrown away and the book asks
+  the ordinary way, as without this object.
 * A present readiness key says every rank stored that block when it was read; so does
   the ordinary query's answer, which is also read before the GET. Using one read a
   round earlier trusts nothing more: the GET still checks every block's header and

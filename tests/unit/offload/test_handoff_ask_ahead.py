@@ -49,9 +49,10 @@ def test_the_answer_that_came_with_the_manifest_plans_the_get_without_a_second_q
 
 
 def test_a_short_answer_beside_the_manifest_is_thrown_away_and_asked_again() -> None:
-    """The race the rule guards: the readiness query beside the manifest read is
-    answered while R's readiness keys are not there (0 present; here they are taken
-    from the "server" for that answer only). When the manifest is trusted that short
+    """What the rule guards: the readiness query beside the manifest read is
+    answered while R's readiness keys are not there (0 present: an answer read before
+    the manifest existed, or keys evicted; here they are taken from the "server" for
+    that answer only). When the manifest is trusted that short
     answer is not used -- R does not give up its hand-off for a stale 0 -- the ordinary
     query goes out, finds all three, and the GET fetches them: 10 tokens hit."""
     index = HeldIndex()
