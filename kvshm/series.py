@@ -178,6 +178,10 @@ _SNAPSHOT: Final[dict[str, tuple[Kind, str, bool]]] = {
 # The remote tier's section (``EngineStats.remote``): key -> (HELP, in vLLM's /metrics).
 _REMOTE_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
     "queries": ("remote lookups sent to the readiness index; queries", True),
+    "queries_ahead": ("hand-off readiness queries sent with the manifest's read; "
+                      "queries", False),
+    "ahead_used": ("hand-offs fetched on the answer that came with their manifest (no "
+                   "second round); lookups", False),
     "query_hits": ("remote lookups answered with at least one block present; queries",
                    True),
     "query_misses": ("remote lookups answered with no block present; queries", False),

@@ -14,9 +14,12 @@ Threads: the state is the host thread's, with one exception. An embedded worker 
 host hands it the KV regions) with a remote or disk tier runs a
 :class:`~workers.mover_publisher.MoverPublisher` from Ready on: its thread publishes the
 movers' Dones as soon as a job finishes (:meth:`WorkerLink._publish_movers`), not at
-the host's next call. ``_lock`` (re-entrant) serialises the two: every public method of
-the Worker and every publisher flush hold it, so the ``done`` ring keeps one producer
-at a time and the book is never touched by two threads at once.
+the host's next call. A remote mover's own thread publishes first
+(:meth:`WorkerLink._publish_from_mover`, right after the job: no thread wake-up on the
+way, each of which may wait up to the switch interval for the GIL in a busy vLLM
+process); the publisher takes what it could not. ``_lock`` (re-entrant) serialises
+them: every public method of the Worker and every flush hold it, so the ``done`` ring
+keeps one producer at a time and the book is never touched by two threads at once.
 
 Ordering of one pump (:meth:`WorkerLink._pump`): revocation word first (nothing more
 happens once set), then the heartbeat, the lifeline, the ring's commands, the Remote
@@ -124,6 +127,21 @@ class WorkerLink:
                                         self._arm_commands, self._take_commands)
             self._publisher = MoverPublisher(fds, self._publish_movers, commands=commands,
                                              name=f"kvshm-publish-r{self.rank}")
+            if session.remote is not None:
+                session.remote.on_finish(self._publish_from_mover)
+
+    def _publish_from_mover(self) -> bool:
+        """The remote mover's thread, right after a job finished: publish its Done now
+        (:meth:`_publish_movers`) if the lock is free. Never waits for the lock: the host
+        may hold it while closing the mover, which joins that thread; a Done left is the
+        publisher's (its eventfd is readable) or the host's next call's. True when it
+        published."""
+        if not self._lock.acquire(blocking=False):
+            return False
+        try:
+            return self._publish_movers()
+        finally:
+            self._lock.release()
 
     def _stop_publisher(self) -> None:
         """Stop the publisher thread (never with ``_lock`` held: it may wait for it)."""
@@ -132,19 +150,21 @@ class WorkerLink:
             publisher.stop()
             self._counts.update({f"publisher_{k}": v for k, v in publisher.counts.items()})
 
-    def _publish_movers(self) -> None:
-        """The publisher thread's flush: the movers' finished jobs -> the book -> the
-        ``done`` ring, under the lock; nothing once the worker left READY/DRAINING (the
-        host's calls then collect them locally)."""
+    def _publish_movers(self) -> bool:
+        """A flush (the publisher thread's, or a remote mover's): the movers' finished
+        jobs -> the book -> the ``done`` ring, under the lock; nothing once the worker
+        left READY/DRAINING (the host's calls then collect them locally). True when it
+        took any Done."""
         with self._lock:
             session = self._session
             if self._phase not in LINKED or session is None:
-                return
+                return False
             mover, disk = session.remote, session.disk
             dones = (mover.poll() if mover else []) + (disk.poll() if disk else [])
             if dones:
                 self._counts["dones_published_on_finish"] += len(dones)
                 self._report(dones)
+            return bool(dones)
 
     def _arm_commands(self) -> Armed:
         """The publisher thread, before it waits: arm the ``cmd`` ring's doorbell

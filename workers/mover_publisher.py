@@ -46,6 +46,7 @@ from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
+from typing import Any
 
 __all__ = ["Armed", "CommandWatch", "MoverPublisher"]
 
@@ -71,9 +72,9 @@ class CommandWatch:
 
 class MoverPublisher:
     """One thread waiting on ``fds`` (the movers' eventfds), calling ``flush`` after each
-    wake-up (see the module docstring). Starts at once."""
+    wake-up (see the module docstring; its result is ignored). Starts at once."""
 
-    def __init__(self, fds: Sequence[int], flush: Callable[[], None], *, name: str,
+    def __init__(self, fds: Sequence[int], flush: Callable[[], Any], *, name: str,
                  commands: CommandWatch | None = None) -> None:
         self._fds = list(fds)
         self._flush = flush

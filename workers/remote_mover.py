@@ -19,6 +19,15 @@ a parked standalone loop wakes). :meth:`close` stops taking jobs, fails
 the queued ones, waits for the running one (every store call has a deadline) and closes
 the store: after it returns, no thread of this mover touches a host row.
 
+Publishing on finish: a hook set with :meth:`RemoteMover.on_finish` runs on the mover
+thread right after each job's Done entered the outbox (an embedded worker publishes it
+from there: :meth:`~workers.link.WorkerLink._publish_from_mover`). The thread holds the
+GIL then anyway (it just judged the blocks), so the Done reaches the ``done`` ring
+without waking another thread: on a process whose other thread keeps running Python
+(vLLM stepping) each wake-up can wait up to the switch interval for the GIL. The hook
+must never block (the host may be closing this mover, which joins the thread); a Done it
+does not publish stays in the outbox for :meth:`poll` (its eventfd is readable).
+
 Outcome rule (the remote tier's): failure = miss = recompute. A job is ok only if every
 block was stored (PUT) or every block was a HIT (GET); otherwise its Done says how many of
 each outcome, and the scheduler treats the whole job as failed.
@@ -30,7 +39,7 @@ import ctypes
 import queue
 import threading
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, Final
 
 import torch
@@ -73,6 +82,7 @@ class RemoteMover:
         self._outbox = DoneOutbox()
         self._closed = False
         self.counts: Counter[str] = Counter()
+        self._on_finish: Callable[[], bool] | None = None
         self._thread = threading.Thread(target=self._loop, name=f"kvshm-remote-r{rank}",
                                         daemon=True)
         self._thread.start()
@@ -96,6 +106,14 @@ class RemoteMover:
     def notify_fd(self) -> int:
         """Readable while a Done waits in :meth:`poll`."""
         return self._outbox.fd()
+
+    def on_finish(self, hook: Callable[[], bool] | None) -> None:
+        """Run ``hook`` on the mover thread after each job's Done entered the outbox
+        (None: no hook). It returns whether it published the Done (counted
+        ``published_on_mover`` / ``publish_deferred``); it must never block (see the
+        module docstring); an exception is counted (``finish_hook_errors``), the Done
+        stays in the outbox."""
+        self._on_finish = hook
 
     def statistics(self) -> dict[str, Any]:
         return {"mover": dict(self.counts), "store": self._store.statistics()}
@@ -152,6 +170,19 @@ class RemoteMover:
                 done = Done(job.job_id, self.rank, False,
                             f"RemoteError: {type(exc).__name__}: {exc}")
             self._finish(done)
+            self._publish()
+
+    def _publish(self) -> None:
+        """The finish hook, if any, on this thread (see :meth:`on_finish`)."""
+        hook = self._on_finish
+        if hook is None:
+            return
+        try:
+            published = hook()
+        except Exception:  # noqa: BLE001 - counted; the Done waits in the outbox
+            self.counts["finish_hook_errors"] += 1
+            return
+        self.counts["published_on_mover" if published else "publish_deferred"] += 1
 
     def _finish(self, done: Done) -> None:
         self.counts["jobs_ok" if done.ok else "jobs_failed"] += 1

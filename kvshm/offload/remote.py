@@ -15,7 +15,11 @@ the remote), or a P/D hand-off whose CPU hit ends short of its extent (its manif
 the server holds the rest: the manager asks for the blocks after the hit):
 
 1. :meth:`lookup` queries the readiness keys of the blocks after the local hit and
-   answers None ("ask again"); QUERYING.
+   answers None ("ask again"); QUERYING. A P/D hand-off sends that query with each read
+   of its manifest (:mod:`kvshm.offload.remote_ahead`): once the manifest is trusted,
+   an answer that found every block present makes the fetch ANSWERED at once (one
+   round of the index's thread instead of two); any shorter answer is thrown away and
+   the query asked now.
 2. The answer (polled on each lookup and plan) gives the present prefix; 0: DONE.
 3. The next :meth:`plan` allocates that many CPU blocks and makes a GET job; FETCHING
    (lookups answer None). A CPU pool with no room: DONE (counted).
@@ -59,6 +63,7 @@ from kvshm.offload.pd.handoffs import Handoffs
 from kvshm.offload.pd.manifest import Verdict
 from kvshm.offload.pd.side import HandoffSide
 from kvshm.offload.pool import BlockPool
+from kvshm.offload.remote_ahead import AskAhead
 from kvshm.offload.remote_puts import (
     MAX_PUT_BLOCKS,
     PutQueue,
@@ -106,6 +111,7 @@ class RemoteBook:
         self._next_token = 1
         self.pd = handoffs
         self.side = None if handoffs is None else HandoffSide(cpu, gs, self.puts, handoffs)
+        self.ahead = AskAhead()  # a hand-off's readiness query sent with its manifest read
 
     # ---- queries ---------------------------------------------------------------------
 
@@ -134,13 +140,17 @@ class RemoteBook:
         self.poll()
         st = self.fetches.get(rid)
         if st is None:
+            ahead = False
             if self.side is not None:
                 verdict = self.side.consume(rid, hashes, params)
                 if verdict is Verdict.WAIT:
+                    self._ask_ahead(rid, hashes, start, n_max)
                     return None
                 if verdict is Verdict.REFUSED:
+                    self.ahead.forget(rid)
                     return 0
-            return self._begin(rid, hashes, start, n_max)
+                ahead = verdict is Verdict.GO
+            return self._begin(rid, hashes, start, n_max, ahead=ahead)
         if st.state is RemoteState.QUERYING and self._clock() - st.since > self._timeout:
             self.counters.query_timeouts += 1
             self._tokens.pop(st.token, None)
@@ -150,28 +160,60 @@ class RemoteBook:
         self.unhold(rid)
         return 0
 
-    def _begin(self, rid: str, hashes: Sequence[bytes], start: int, n_max: int) -> int | None:
+    def _range(self, hashes: Sequence[bytes], start: int, n_max: int) -> list[bytes]:
+        """The CPU keys a lookup from block ``start`` would fetch (empty: none)."""
         end = min(start + n_max, len(hashes))
-        if end <= start:
+        return self._gs.keys(hashes, start, end) if end > start else []
+
+    def _query(self, keys: Sequence[bytes]) -> int:
+        """Send the readiness query of ``keys``; its token."""
+        token = self._next_token
+        self._next_token += 1
+        self.index.query(token, [self._ready_key(remote_hash(k)) for k in keys])
+        return token
+
+    def _begin(self, rid: str, hashes: Sequence[bytes], start: int, n_max: int, *,
+               ahead: bool = False) -> int | None:
+        """Start ``rid``'s fetch: the readiness query, or with ``ahead`` (a trusted
+        hand-off) the answer its manifest read brought when that one covers the whole
+        range (:mod:`kvshm.offload.remote_ahead`)."""
+        keys = self._range(hashes, start, n_max)
+        if not keys:
+            self.ahead.forget(rid)
             return 0
         if not self.index.healthy():
+            self.ahead.forget(rid)
             self.counters.skipped_unhealthy += 1
             return 0
-        keys = self._gs.keys(hashes, start, end)
         if self.fetches.being_fetched(keys):  # wait for it, as long as its own request would
             self.counters.asked_again += 1
             return None
-        token = self._next_token
-        self._next_token += 1
+        if ahead and self.ahead.take(rid, keys):
+            self.counters.ahead_used += 1
+            self.counters.query_hits += 1
+            self.fetches.begin(rid, start, keys, present=len(keys))
+            return None
+        self.ahead.forget(rid)
+        token = self._query(keys)
         self._tokens[token] = rid
         self.fetches.begin(rid, start, keys, token=token)
         self.counters.queries += 1
-        self.index.query(token, [self._ready_key(remote_hash(k)) for k in keys])
         return None
+
+    def _ask_ahead(self, rid: str, hashes: Sequence[bytes], start: int, n_max: int) -> None:
+        """``rid``'s manifest is being read: send the readiness query of its fetch
+        range with it, unless one is in flight or answered in full
+        (:class:`~kvshm.offload.remote_ahead.AskAhead`)."""
+        keys = self._range(hashes, start, n_max)
+        if keys and self.ahead.wants(rid, keys) and self.index.healthy():
+            self.ahead.asked(rid, self._query(keys), keys)
+            self.counters.queries_ahead += 1
 
     def poll(self) -> None:
         """Apply the index's answers (a stale one, for a request gone, is counted)."""
         for token, n in self.index.answers():
+            if self.ahead.answered(token, n - n % self._gs.n):  # whole positions only
+                continue
             rid = self._tokens.pop(token, None)
             st = self.fetches.get(rid) if rid is not None else None
             if rid is None or st is None or st.state is not RemoteState.QUERYING:
@@ -209,6 +251,7 @@ class RemoteBook:
             self.side.forget(rid)
 
     def _end_lookup(self, rid: str) -> None:
+        self.ahead.forget(rid)
         self.unhold(rid)
         st = self.fetches.end(rid)
         if st is not None:

@@ -79,6 +79,8 @@ class RemoteCounters:
     """Monotonic counters of the remote book (``EngineStats.remote``)."""
 
     queries: int = 0
+    queries_ahead: int = 0
+    ahead_used: int = 0
     query_hits: int = 0
     query_misses: int = 0
     query_timeouts: int = 0

@@ -6,8 +6,8 @@ in a cluster one per primary, see :meth:`ValkeyReadyIndex._shard_client`)
 takes everything queued since its last round -- readiness keys to publish, prefix
 queries, small values (hand-off manifests) to set, get, delete or expire -- and sends it
 in pipelined, non-atomic batches, one per shard (the server; in a cluster, each primary,
-from the slot map of :class:`~kvshm.remote.glide_client.Shards`), the small values in a
-second such round. Nothing here blocks its caller: ``publish``, ``query``,
+from the slot map of :class:`~kvshm.remote.glide_client.Shards`), the small-value writes
+in a second such round. Nothing here blocks its caller: ``publish``, ``query``,
 ``put_value``, ``get_value``, ``delete`` and ``expire`` enqueue; ``answers`` and
 ``values`` pop what the thread finished.
 
@@ -22,8 +22,12 @@ only while every shard's breaker refuses, so lookups do not even ask. (A shard t
 died costs each round its request deadline until its breaker opens: the shards' batches
 run one after the other.)
 
-Ordering: one round's commands run in queue order (readiness keys before the manifest
-queued after them: a manifest is written last).
+Ordering: a drain's small-value reads (manifests), then its readiness writes and
+queries go in one batch per shard, in that order (a readiness key asked with a manifest
+read is read after it); its small-value writes follow in a second round, only after the
+readiness writes succeeded (a manifest is written last, never after readiness keys
+the server refused). A drain that writes or deletes a value keeps every small-value
+command in that second round, in queue order (a read queued after a write sees it).
 
 A server that lost its data is noticed: while the breaker is closed, the thread reads
 the server's ``run_id`` (``INFO server``; a cluster's, every primary's) at most every
@@ -217,7 +221,12 @@ class ValkeyReadyIndex:
             queries = [(tok, keys) for kind, tok, keys in work if kind == "query"]
             publishes = [(k, kind == "keep") for kind, _, keys in work
                          if kind in ("publish", "keep") for k in keys]
-            others = [o for o in work if o[0] in ("set", "get", "delete", "expire")]
+            # reads go with the readiness round unless a value is written or deleted in
+            # this drain (a read queued after it must see it: then all keep their order)
+            early = not any(o[0] in ("set", "delete") for o in work)
+            gets = [(tok, keys[0]) for kind, tok, keys in work if kind == "get" and early]
+            others = [o for o in work if o[0] in ("set", "delete", "expire")
+                      or (o[0] == "get" and not early)]
             if work:
                 if client is None or (not self.spec.cluster
                                       and self.breaker.opens != gen_opens):
@@ -231,8 +240,8 @@ class ValkeyReadyIndex:
                     self._n.add(clients_created=1)
                 self._check_run_id(client)
                 ok = True
-                if queries or publishes:  # an empty batch is an error to glide
-                    ok = self._round(client, queries, publishes)
+                if queries or publishes or gets:  # an empty batch is an error to glide
+                    ok = self._round(client, queries, publishes, gets)
                 if not ok:  # a manifest goes last: not after readiness the server refused
                     kept = [o for o in others if o[0] != "set"]
                     self._n.add(values_dropped=len(others) - len(kept))
@@ -280,15 +289,23 @@ class ValkeyReadyIndex:
         self._run_ids = ids
 
     def _round(self, client: Any, queries: list[tuple[int, Sequence[str]]],
-               publishes: list[tuple[str, bool]]) -> bool:
-        """Readiness writes and queries: one batch per shard (the server; each cluster
-        primary), each under its shard's breaker. A key of a shard that is down (its
-        breaker refuses, or its batch failed) is absent to the queries and its write is
-        refused (goes to :meth:`refused`); the other shards' keys answer as usual.
-        False if a write failed."""
-        cmds: list[tuple[str, str, bool]] = [("set", k, keep) for k, keep in publishes]
+               publishes: list[tuple[str, bool]], gets: list[tuple[int, str]]) -> bool:
+        """Small-value reads (hand-off manifests), readiness writes and queries, in
+        that order: one batch per shard (the server; each cluster primary), each under
+        its shard's breaker. The reads go first so that a readiness key asked with a
+        manifest read is read after it (the prefill side writes the manifest after the
+        readiness keys: a manifest found means its keys were there), and in the same
+        batch: one round trip, and one wait for the GIL after it, where two rounds took
+        two. A key of a shard that is down (its breaker refuses, or its batch failed)
+        is absent to the queries, None to the reads, and its write is refused (goes to
+        :meth:`refused`); the other shards' keys answer as usual. False if a write
+        failed."""
+        cmds: list[tuple[str, str, bool]] = [("get", k, False) for _, k in gets]
+        cmds += [("set", k, keep) for k, keep in publishes]
         cmds += [("exists", k, False) for _, keys in queries for k in keys]
         replies = self._per_shard(client, cmds)
+        read, replies = replies[:len(gets)], replies[len(gets):]
+        self._got([tok for tok, _ in gets], read)
         pub, rest = replies[:len(publishes)], replies[len(publishes):]
         bad = [k for (k, _), r in zip(publishes, pub, strict=True) if r not in ("OK", b"OK")]
         self._n.add(published=len(publishes) - len(bad), publish_failed=len(bad),
@@ -420,8 +437,11 @@ class ValkeyReadyIndex:
         return not keys
 
     def _values_round(self, client: Any, ops: list[tuple[str, int, Sequence[Any]]]) -> None:
-        """Small values (hand-off manifests): SET with their own TTL, GET, DEL, EXPIRE;
-        one round trip per shard. A GET of a shard that is down is None (a miss)."""
+        """Small values (hand-off manifests), after the readiness round, in queue
+        order: SET with their own TTL, DEL, EXPIRE, and GETs queued with a SET or DEL
+        (else they went with the readiness round: :meth:`_round`); one round trip per
+        shard.
+        A GET of a shard that is down is None (a miss)."""
         cmds: list[tuple[str, Any, Any]] = []
         gets: list[tuple[int, int]] = []  # (token, its command's position)
         for kind, arg, items in ops:
@@ -433,13 +453,18 @@ class ValkeyReadyIndex:
             else:  # expire, delete: one command per key (keys may span shards)
                 cmds += [(kind, k, arg) for k in items]
         replies = self._per_shard(client, cmds)
-        got = [(tok, r if isinstance(r, bytes) else None)
-               for tok, at in gets for r in (replies[at],)]
         self._n.add(values_set=sum(1 for c, r in zip(cmds, replies, strict=True)
-                                   if c[0] == "setv" and r is not _DOWN),
-                    values_got=sum(1 for _, at in gets if replies[at] is not _DOWN),
-                    values_shard_down=sum(1 for _, at in gets if replies[at] is _DOWN))
-        self._put_values(got)
+                                   if c[0] == "setv" and r is not _DOWN))
+        self._got([tok for tok, _ in gets], [replies[at] for _, at in gets])
+
+    def _got(self, tokens: list[int], replies: list[Any]) -> None:
+        """The small-value reads' answers: a value, or None (no such key; a shard that
+        was down, counted)."""
+        if tokens:
+            self._n.add(values_got=sum(1 for r in replies if r is not _DOWN),
+                        values_shard_down=sum(1 for r in replies if r is _DOWN))
+            self._put_values([(tok, r if isinstance(r, bytes) else None)
+                              for tok, r in zip(tokens, replies, strict=True)])
 
     def _put_values(self, items: list[tuple[int, bytes | None]]) -> None:
         with self._lock:

@@ -246,6 +246,38 @@ def test_ready_index_answers_the_longest_present_prefix_in_one_round_trip(
         idx.close()
 
 
+def test_a_manifest_read_and_a_readiness_query_go_in_one_batch_the_read_first(
+        valkey: ValkeyServer) -> None:
+    """A decoder's manifest read and the readiness query sent with it (queued together,
+    as a hand-off's lookup does) are one batch: one round trip, so one wait for the GIL
+    after it (before: a readiness round, then a values round: two). To make both land in
+    one drain, the index's thread is held at the end of an earlier round (it waits for
+    the answers' lock, held here) while they are queued."""
+    idx = ValkeyReadyIndex(RemoteSpec.parse(valkey.url, ttl_s=60, **CALM))
+    try:
+        chain = [ready_key(FP, 2, i.to_bytes(16, "big")) for i in range(4)]
+        idx.publish(chain)
+        idx.put_value("kvshm:v1:pd:fp:2:r", b"manifest", 60)
+        _wait(lambda: idx.statistics()["values_set"] == 1)
+        before = idx.statistics()["round_trips"]
+        with idx._lock:  # the thread finishes query 6's round, then waits for this lock
+            idx.query(6, chain[:1])
+            _wait(lambda: idx.statistics()["round_trips"] == before + 1)
+            idx.get_value(7, "kvshm:v1:pd:fp:2:r")
+            idx.query(8, chain)
+        assert _wait(idx.values) == [(7, b"manifest")]
+        answers: list[tuple[int, int]] = []
+
+        def both() -> bool:
+            answers.extend(idx.answers())
+            return len(answers) == 2
+        _wait(both)
+        assert sorted(answers) == [(6, 1), (8, 4)]
+        assert idx.statistics()["round_trips"] == before + 2
+    finally:
+        idx.close()
+
+
 def test_ready_index_small_values_alone_are_no_error_and_a_probe_closes_the_breaker(
         valkey: ValkeyServer) -> None:
     """Manifest traffic with no query or publish queued (a decoder's GET, a DEL, an

@@ -219,11 +219,13 @@ def test_a_reset_does_not_collect_a_manifest_whose_request_goes_on() -> None:
     forgets its lookups and unpins CPU 0 (held, ref 1 -> 0), but R goes on -- the manifest
     stays on the server (collected 0) and R's verdict is kept. Once the reset is over,
     R's next lookup asks the server again without re-reading the manifest and loads all
-    three blocks; only then is the manifest collected."""
+    three blocks; only then is the manifest collected. (The readiness query sent with
+    the manifest read is still unanswered when it is trusted: a second, ordinary query
+    goes out.)"""
     index, d, r, view = q_decoder()
-    assert d.m.lookup(view, 0) is None
+    assert d.m.lookup(view, 0) is None and len(index.queries) == 1  # asked ahead
     d.step()                                   # the manifest arrives: a query goes out
-    assert d.m.lookup(view, 0) is None and len(index.queries) == 1
+    assert d.m.lookup(view, 0) is None and len(index.queries) == 2
     assert d.m.remote is not None and d.m.remote.pd is not None
     pd = d.m.remote.pd
     assert pd.counters.consumed == 1 and refs(d.cpu, [0]) == [1]
