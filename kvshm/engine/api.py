@@ -341,6 +341,12 @@ class SyncClient(Facade):
         self._enter()
         return self._core.reset()
 
+    def settle(self) -> None:
+        """Do the CPU tier's deferred eviction bookkeeping now (``BlockPool.settle``):
+        for a host's idle time, e.g. while its forward runs. No I/O, no state guard;
+        evictions are the same whether or not it is called."""
+        self._core.settle()
+
     def has_pending_work(self) -> bool:
         """True while any job is not yet acked by every rank."""
         self._enter()
