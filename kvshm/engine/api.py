@@ -246,6 +246,7 @@ class Engine(Facade):
         loop = asyncio.get_running_loop()
         self._core.tick(loop.time())
         self._publish()
+        self._core.settle()  # the eviction order's deferred simulations, between requests
         if not self._ended:
             self._ticker = loop.call_later(_TICK_S, self._tick)
 
