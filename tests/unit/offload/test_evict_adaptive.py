@@ -295,7 +295,8 @@ def test_a_lookup_logs_the_simulations_work_and_a_settle_applies_it() -> None:
     pool.settle()
     fs = _fs(pool)
     before = [s.score for s in fs.shadows]
-    pool.refresh([pool.get_cached(k) for k in reversed(keys[:4])])
+    ids = [pool.get_cached(k) for k in reversed(keys[:4])]
+    pool.refresh([b for b in ids if b is not None])
     _request(pool, keys)  # a hit on every block
     assert fs.pending == 4 + 8  # 4 GPU hits, 8 pinned
     assert [s.score for s in fs.shadows] == before
