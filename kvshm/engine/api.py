@@ -246,6 +246,7 @@ class Engine(Facade):
         loop = asyncio.get_running_loop()
         self._core.tick(loop.time())
         self._publish()
+        self._core.settle()  # the eviction order's deferred simulations, between requests
         if not self._ended:
             self._ticker = loop.call_later(_TICK_S, self._tick)
 
@@ -340,6 +341,12 @@ class SyncClient(Facade):
         """Drop the CPU index; False until nothing is in flight (call again later)."""
         self._enter()
         return self._core.reset()
+
+    def settle(self) -> None:
+        """Do the CPU tier's deferred eviction bookkeeping now (``BlockPool.settle``):
+        for a host's idle time, e.g. while its forward runs. No I/O, no state guard;
+        evictions are the same whether or not it is called."""
+        self._core.settle()
 
     def has_pending_work(self) -> bool:
         """True while any job is not yet acked by every rank."""

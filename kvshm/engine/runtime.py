@@ -296,6 +296,11 @@ class Runtime:
         """True while any job is queued, in flight or not yet acked by every live rank."""
         return self.manager is not None and self.manager.has_pending_work()
 
+    def settle(self) -> None:
+        """The CPU tier's deferred eviction bookkeeping, now (``OffloadManager.settle``)."""
+        if self.manager is not None:
+            self.manager.settle()
+
     def jobs_in_flight(self) -> int:
         """Jobs posted and not yet acked by every live rank."""
         return 0 if self.manager is None else self.manager.num_jobs_in_flight

@@ -310,6 +310,11 @@ class FreeSet:
         self._take_as_hit(b)
         self._place(b)
 
+    def settle(self) -> None:
+        """Do the bookkeeping the order deferred off the hooks' path (none here;
+        ``adaptive``'s simulations): the host calls it when nothing waits on it. It
+        never changes what the order evicts, only when its bookkeeping runs."""
+
     def __iter__(self) -> Iterator[Block]:
         """Blocks in victim order as far as the order knows it without changing anything
         (fresh first). The caller may remove the block just yielded."""

@@ -51,12 +51,28 @@ never overrule it). A switch re-keys every free block under the new ``K`` from i
 placement clock (O(free blocks), at most once per ``num_blocks`` placements: O(1)
 amortized).
 
+Deferred simulation (the simulations are off the hooks' path). A sampled event is not
+simulated when it happens: it is appended to a log (``(key, depth, clock, kind)``, one
+tuple, about 0.1 us) and :meth:`Adaptive.settle` replays the log into every simulation,
+in order. The host calls ``settle`` when nothing waits on it (vLLM's scheduler side:
+its service thread's pump, while the forward runs or the engine idles,
+``BlockPool.settle``); the order itself settles before anything reads a simulation --
+before each decision (:meth:`Adaptive._choose`), before :meth:`Adaptive.check_links`
+-- and when the log holds more than ``max_pending`` events (memory stays bounded where
+no host settles). Ordering invariant: the simulations are read only by the decision,
+the decision only after a settle, and a settle applies every logged event in the order
+they were logged, each with the clock it was logged at; so every simulation sees the
+same events in the same order as if each were applied at once, and every decision --
+hence every eviction -- is the same as the immediate version's (``max_pending=0``;
+``tests/unit/offload/test_evict_adaptive.py`` compares eviction sequences). What the
+tier itself does -- placing, refreshing, pinning, taking a block -- is never deferred.
+
 Cost: placing, pinning and taking a block are O(1) but for opening a slot (a heap push:
 O(log S), S the occupied slots, amortized over the ``num_blocks // 16`` placements a
 slot spans when ``K = 0``, and over a turnover per chain level when ``K > 0``); each
-sampled event adds twelve simulation steps on heaps of at most ``SHADOW_BLOCKS`` keys
-(O(1)); a decision is O(experts) and a switch O(free blocks) once per ``num_blocks``
-placements.
+sampled event adds a log entry on the hook's path and, at the next settle, twelve
+simulation steps on heaps of at most ``SHADOW_BLOCKS`` keys (O(1)); a decision is
+O(experts) and a switch O(free blocks) once per ``num_blocks`` placements.
 
 Invariants (:meth:`Adaptive.check_links`, called by ``BlockPool.check_invariants``):
 every free cached block is in exactly one slot of one segment and its ``slot`` encodes
@@ -94,6 +110,11 @@ MIN_LEAD = 8
 sampled hits is noise: on agentic traffic a lead of 3 sent the tier to ``heads``)."""
 SLOTS_PER_TURNOVER = 16
 """Slot width: ``num_blocks // SLOTS_PER_TURNOVER`` keys."""
+MAX_PENDING = 65536
+"""Logged simulation events past which the order settles at once (module docstring)."""
+USE = 0
+TOUCH = 1
+"""Kinds of logged events: a use (stored or hit: scores), a GPU hit (a touch)."""
 
 
 @dataclass(frozen=True)
@@ -318,13 +339,14 @@ class Adaptive(FreeSet):
 
     def __init__(self, num_blocks: int, *, block_tokens: int = 16,
                  half: float = ATTN_HALF_TOKENS, experts: Sequence[Expert] = EXPERTS,
-                 start: int = 0) -> None:
+                 start: int = 0, max_pending: int = MAX_PENDING) -> None:
         super().__init__()
         if num_blocks < 1 or block_tokens < 1 or half <= 0 or not experts \
-                or not 0 <= start < len(experts):
+                or not 0 <= start < len(experts) or max_pending < 0:
             raise ConfigError(f"bad Adaptive parameters: num_blocks={num_blocks}, "
                               f"block_tokens={block_tokens}, half={half}, "
-                              f"{len(experts)} experts, start={start}")
+                              f"{len(experts)} experts, start={start}, "
+                              f"max_pending={max_pending}")
         self.n = num_blocks
         self.experts = tuple(experts)
         self.block_tokens = block_tokens
@@ -341,6 +363,12 @@ class Adaptive(FreeSet):
         self.tiers = [[Shadow(e, num_blocks, max(1, round(num_blocks * t * scale)))
                        for e in self.experts] for t in TIERS]
         self.shadows = [s for tier in self.tiers for s in tier]
+        self.max_pending = max_pending
+        """Log length past which an event settles at once (0: every event at once)."""
+        self._pending: list[tuple[BlockHash, int, int, int]] = []
+        """Simulation events not applied yet: (key, depth, clock, USE or TOUCH)."""
+        self.settled = 0
+        """Logged events applied to the simulations so far."""
         self.tick = 0
         self.switches = 0
         """Times the tier was handed to another expert."""
@@ -369,6 +397,7 @@ class Adaptive(FreeSet):
     def _choose(self) -> None:
         """End of a period: the tier goes to :meth:`_challenger` if there is one;
         every score decays."""
+        self.settle()  # the decision reads every event logged before it
         self.decisions += 1
         best = self._challenger([[s.score for s in tier] for tier in self.tiers])
         if best is not None:
@@ -409,10 +438,37 @@ class Adaptive(FreeSet):
         return h if int.from_bytes(h[:2], "big") < self.sample_below else None
 
     def _use(self, h: BlockHash, depth: int) -> None:
-        cost = block_cost(depth, self.block_tokens, self.half)
-        clock = self.clock
-        for s in self.shadows:
-            s.use(h, depth, clock, cost)
+        """Log a use of sampled key ``h`` (applied at the next :meth:`settle`)."""
+        pend = self._pending
+        pend.append((h, depth, self.clock, USE))
+        if len(pend) > self.max_pending:
+            self.settle()
+
+    def settle(self) -> None:
+        """Apply every logged event to every simulation, in the order logged (module
+        docstring: the ordering invariant). O(events x simulations)."""
+        pend = self._pending
+        if not pend:
+            return
+        self._pending = []
+        self.settled += len(pend)
+        bt, half = self.block_tokens, self.half
+        shadows = self.shadows
+        refreshing = [s for s in shadows if s.refresh]
+        for h, depth, clock, kind in pend:
+            if kind == USE:
+                cost = block_cost(depth, bt, half)
+                for s in shadows:
+                    s.use(h, depth, clock, cost)
+            else:
+                for s in refreshing:
+                    if h in s.held:
+                        s.use(h, depth, clock, 0.0)
+
+    @property
+    def pending(self) -> int:
+        """Logged events not applied yet."""
+        return len(self._pending)
 
     # ---- the free-set interface ----------------------------------------------------
 
@@ -460,8 +516,10 @@ class Adaptive(FreeSet):
             return
         h = self._sampled(b)
         if h is not None:
-            for s in self.shadows:
-                s.touch(h, b.depth, self.clock)
+            pend = self._pending
+            pend.append((h, b.depth, self.clock, TOUCH))
+            if len(pend) > self.max_pending:
+                self.settle()
         if self.refresh_on:
             super().refresh(b)
 
@@ -516,6 +574,7 @@ class Adaptive(FreeSet):
         seg.check(q, blocks)
 
     def check_links(self, limit: int) -> list[Block]:
+        self.settle()
         out = super().check_links(limit)
         for seg in self.segs:
             seg.check_heap()

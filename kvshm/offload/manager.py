@@ -142,6 +142,11 @@ class OffloadManager:
         """Jobs not yet acked by every live rank (abandoned ones included)."""
         return len(self._jobs)
 
+    def settle(self) -> None:
+        """The CPU tier's deferred eviction bookkeeping, now (``BlockPool.settle``): for
+        a host's idle time, never needed for correctness."""
+        self.cpu.settle()
+
     def has_pending_work(self) -> bool:
         """Anything queued, in flight or not yet reported: keep stepping. Jobs that wait
         only for a revoked, unfenced rank do not count: nothing will move them."""

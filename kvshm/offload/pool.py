@@ -225,6 +225,14 @@ class BlockPool:
             if b.ref_cnt == 0 and b.hashes:
                 queue.refresh(b)
 
+    def settle(self) -> None:
+        """The eviction order's deferred bookkeeping, now (:meth:`FreeSet.settle`): call it
+        off the serving path (an idle pump); what the pool evicts is the same either
+        way."""
+        q = self._queue
+        if isinstance(q, FreeSet):
+            q.settle()
+
     def set_depth(self, block_id: int, depth: int) -> None:
         """``block_id`` holds position ``depth`` of its prefix chain (read by the
         depth-aware orders when the block is next freed)."""

@@ -99,6 +99,27 @@ def test_the_service_thread_absorbs_results_under_the_lock_while_idle(
     assert service is not None and service.alive and service.errors == 0
 
 
+def test_the_service_thread_settles_the_eviction_order_under_the_lock_while_idle(
+        bound: tuple[SideLifecycle, Absorbed]) -> None:
+    """Each idle pump ends with the client's ``settle`` (the adaptive order's simulations,
+    deferred off the hooks), under the hooks' lock."""
+    life, _ = bound
+    client = life.bound_client
+    assert client is not None
+    settles: list[bool] = []
+    real = client.settle
+
+    def recorded() -> None:
+        settles.append(life.guard.lock._is_owned())  # type: ignore[attr-defined]
+        real()
+
+    client.settle = recorded  # type: ignore[method-assign]
+    deadline = time.monotonic() + 10
+    while len(settles) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(settles) >= 2 and all(settles)
+
+
 def test_an_idle_side_reports_once_and_rewrites_the_stats_file(
         bound: tuple[SideLifecycle, Absorbed]) -> None:
     life, _ = bound

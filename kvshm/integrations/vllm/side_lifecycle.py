@@ -137,7 +137,10 @@ class SideLifecycle:
         return self._service
 
     def _idle_pump(self) -> None:
-        """The service thread's pump (under the guard): ``poll`` and absorb; remembers
+        """The service thread's pump (under the guard): ``poll`` and absorb, then
+        ``settle`` (the CPU tier's eviction bookkeeping the hooks deferred: the pump runs
+        while the forward does or the engine idles, so it is off every request's path
+        to its first token); remembers
         the READY statistics from before a pump that saw the engine leave READY. They
         are refreshed when older than :data:`SNAPSHOT_MAX_AGE_S`, and when a hook ran
         since and the side knows of no request (as every pump after a hook did before:
@@ -158,6 +161,7 @@ class SideLifecycle:
                       or (last >= snap[0] and not self._requests)):
             self._ready_snap = (now, self.statistics())
         self._absorb(client.poll())
+        client.settle()  # the eviction order's simulations, off the hooks' path
         if ready and client.state is not EngineState.READY and self._ready_snap is not None:
             self._left_ready = (time.monotonic(), self._ready_snap[1])
 

@@ -25,6 +25,7 @@ from kvshm.config import Eviction
 from kvshm.errors import ConfigError
 from kvshm.offload.evict_adaptive import (
     EXPERTS,
+    MAX_PENDING,
     MIN_LEAD,
     SHADOW_BLOCKS,
     Adaptive,
@@ -195,7 +196,8 @@ def test_the_simulations_are_sampled_to_a_bounded_size() -> None:
 @pytest.mark.parametrize("kw", [{"num_blocks": 0}, {"num_blocks": 4, "block_tokens": 0},
                                 {"num_blocks": 4, "half": 0.0},
                                 {"num_blocks": 4, "experts": ()},
-                                {"num_blocks": 4, "start": len(EXPERTS)}])
+                                {"num_blocks": 4, "start": len(EXPERTS)},
+                                {"num_blocks": 4, "max_pending": -1}])
 def test_bad_parameters_are_refused(kw: dict[str, object]) -> None:
     with pytest.raises(ConfigError, match="bad Adaptive parameters"):
         Adaptive(**kw)  # type: ignore[arg-type]
@@ -224,6 +226,85 @@ def test_a_hand_over_needs_a_clear_lead_no_larger_simulation_contradicts(
     assert fs._challenger(tiers) == want
 
 
+def _deferred_vs_immediate(pool: BlockPool, rng: random.Random, *, settle: bool) -> list[
+        tuple[object, ...]]:
+    """Scan-heavy few-shot traffic, then conversations on a shared head (the two
+    workloads above, shortened), with GPU hits on a random prefix of each chain before
+    its request (``pool.refresh``, as the manager's lookup does) and, where ``settle``,
+    a host's settle at random points. Returns, after every request, the free set's
+    victim order, the expert in charge and the periods ended."""
+    out: list[tuple[object, ...]] = []
+    fs = _fs(pool)
+    when = random.Random(rng.random())  # the host's settles: apart from the traffic's
+
+    def request(chain: list[bytes]) -> None:
+        gpu = rng.randrange(len(chain) + 1)
+        ids = [pool.get_cached(k) for k in chain[:gpu]]
+        pool.refresh([b for b in reversed(ids) if b is not None])
+        _request(pool, chain)
+        if settle and when.random() < 0.3:
+            pool.settle()
+        out.append((tuple(b.block_id for b in fs), fs.cur, fs.decisions))
+
+    q = 0
+    for _ in range(6):
+        for _ in range(30):
+            q += 1
+            request(TEMPLATES[rng.randrange(8)] + [_key("q", q, i) for i in range(2)])
+        for _ in range(3):
+            q += 1
+            request([_key("scan", q, i) for i in range(80)])
+    head = [_key("sys", i) for i in range(8)]
+    history = {c: list(head) for c in range(40)}
+    for t in range(6):
+        for c in range(40):
+            history[c] = history[c] + [_key("c", c, t, i) for i in range(6)]
+            request(history[c])
+    pool.check_invariants()
+    return out
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_deferred_simulations_evict_exactly_as_immediate_ones(seed: int) -> None:
+    """The simulations' log (settled by the host at random points, by the order before
+    each decision, and whenever it outgrows ``max_pending``) leaves every decision and
+    every victim as applying each event at once does (``max_pending=0``): the same
+    victim order after every request, the same hand-overs, the same scores."""
+    runs = []
+    for max_pending, settle in ((0, False), (MAX_PENDING, False), (MAX_PENDING, True),
+                                (5, False)):
+        pool = BlockPool(256, eviction=Eviction.ADAPTIVE)
+        _fs(pool).max_pending = max_pending
+        seq = _deferred_vs_immediate(pool, random.Random(seed), settle=settle)
+        fs = _fs(pool)
+        assert fs.pending == 0  # check_invariants settled
+        runs.append((seq, fs.switches, [s.score for s in fs.shadows],
+                     [sorted(s.held.items()) for s in fs.shadows]))
+    immediate = runs[0]
+    assert immediate[1] >= 2  # the traffic hands the tier over: the decisions matter
+    for run in runs[1:]:
+        assert run == immediate
+
+
+def test_a_lookup_logs_the_simulations_work_and_a_settle_applies_it() -> None:
+    """A GPU hit and a pin only log their simulation events (the hooks' path); the
+    scores move at ``settle``."""
+    pool = BlockPool(64, eviction=Eviction.ADAPTIVE)
+    keys = [_key("k", i) for i in range(8)]
+    _request(pool, keys)
+    pool.settle()
+    fs = _fs(pool)
+    before = [s.score for s in fs.shadows]
+    ids = [pool.get_cached(k) for k in reversed(keys[:4])]
+    pool.refresh([b for b in ids if b is not None])
+    _request(pool, keys)  # a hit on every block
+    assert fs.pending == 4 + 8  # 4 GPU hits, 8 pinned
+    assert [s.score for s in fs.shadows] == before
+    pool.settle()
+    assert fs.pending == 0 and fs.settled == 8 + 12  # the stores, then these
+    assert all(s.score > b for s, b in zip(fs.shadows, before))
+
+
 class AdaptiveMachine(PoolMachine):
     """The pool state machine of test_evict (a model of refs, hashes and the
     take-first blocks) on the adaptive order, plus hand-overs at any point."""
@@ -239,6 +320,11 @@ class AdaptiveMachine(PoolMachine):
     @rule()
     def end_period(self) -> None:
         _fs(self.pool)._choose()
+
+    @rule()
+    def settle(self) -> None:
+        self.pool.settle()
+        assert _fs(self.pool).pending == 0
 
 
 AdaptiveMachine.TestCase.settings = settings(
