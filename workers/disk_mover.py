@@ -203,7 +203,8 @@ class DiskMover:
             self._fenced = keep
             self._rows_cv.notify_all()
         for r in ready:
-            if self._closed:
+            if self._closed:  # cancel_queued no longer sees it: count it here
+                self._count("slots_cancelled", len(r.slots))
                 self._slots_done(r, Counter(cancelled=len(r.slots)), "mover closed")
                 continue
             for start, end in r.runs:

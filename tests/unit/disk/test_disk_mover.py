@@ -188,3 +188,39 @@ def test_a_read_into_a_row_a_write_still_reads_waits_for_that_write(
     assert wait(m) == [Done(4, 0, True)] and torch.equal(p.regions[0][2], old0)
     st = m.statistics()
     assert (st["fence_timeouts"], st["reads_fenced"]) == (1, 1)
+
+
+def test_a_read_fenced_on_a_write_that_close_cancels_is_counted_cancelled(
+        tmp_path: Path, movers: list[DiskMover]) -> None:
+    """One thread: WRITE 1 (slot 5) holds it in the gate, WRITE 2 (row 0) is queued and
+    READ 3 into row 0 waits for it (``reads_fenced`` 1). ``close`` cancels WRITE 2; its
+    end releases READ 3 into a closed mover, which fails it as cancelled too: both
+    slots are counted in ``slots_cancelled`` (the READ was out of the fenced list, so
+    ``cancel_queued`` never saw it), and both jobs' Dones say not ok."""
+    m = make(movers, tmp_path, pool((4096,), seed=9), threads=1)
+    go, held = threading.Event(), threading.Event()
+    calls = [0]
+
+    def gate() -> bool:
+        calls[0] += 1
+        if calls[0] == 1:
+            held.set()
+            assert go.wait(10)
+        return True
+
+    m.set_gate(gate)
+    hs = hashes(3)
+    m.submit(job(1, DiskOp.WRITE, [5], [1], [hs[0]]))
+    assert held.wait(10)
+    m.submit(job(2, DiskOp.WRITE, [0], [2], [hs[1]]))
+    m.submit(job(3, DiskOp.READ, [0], [3], [hs[2]]))
+    assert m.statistics()["reads_fenced"] == 1
+    closer = threading.Thread(target=m.close)
+    closer.start()
+    closer.join(0.3)
+    go.set()
+    closer.join(10)
+    assert not closer.is_alive()
+    dones = {d.job_id: d for d in m.poll()}
+    assert not dones[2].ok and not dones[3].ok
+    assert m.statistics()["slots_cancelled"] == 2
