@@ -30,7 +30,9 @@ their movers at once -- a READ posted while the host runs no connector hook (vLL
 scheduler waiting in a lookup for that very read) starts then, not at the next hook.
 Copies still run at the host's hooks (``take`` only queues them, in ring order). ``arm``
 and ``take`` hold the worker's lock (the ``cmd`` ring keeps one consumer at a time);
-``arm`` answering :attr:`Armed.OFF` (the worker left the link) ends the watch.
+``arm`` answering :attr:`Armed.OFF` (the worker left the link), or raising, and a
+``take`` that raises (counted in ``take_errors``) end the watch: the host's hooks pump the
+ring from then on, and the thread never spins on commands it cannot take.
 
 Teardown: :meth:`stop` (idempotent) wakes the thread and joins it; call it without the
 worker's lock held (the thread may be waiting for it) and before the movers' eventfds
@@ -123,8 +125,13 @@ class MoverPublisher:
                 self.counts["command_wakeups"] += 1
                 try:
                     cmd.take()
-                except Exception:  # noqa: BLE001 - counted; the host's next hook pumps
+                except Exception:  # noqa: BLE001 - counted; the host's hooks pump from here
                     self.counts["take_errors"] += 1
+                    # the ring may still hold what failed: arm() would answer PENDING
+                    # again and this thread would spin on the worker's lock; stop
+                    # watching it (the host's next hook takes the commands)
+                    poller.unregister(cmd.fd)
+                    cmd = None
             try:
                 self._flush()
             except Exception:  # noqa: BLE001 - counted; the host's next call reports too
