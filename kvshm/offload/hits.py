@@ -172,15 +172,13 @@ def assign(cpu: BlockPool, gs: GroupSet, hit: Hit, tables: Sequence[Sequence[int
     return out
 
 
-def refresh_prefix(cpu: BlockPool, gs: GroupSet, hashes: Sequence[BlockHash], lo: int,
-                   s: int) -> None:
-    """The engine's own prefix hit ``[0, s)`` reused these blocks: refresh the CPU
-    copies of ``[lo, s)`` (the rest were refreshed before), tail first (the head ends up
-    evicted last). O(s - lo)."""
+def refresh_prefix(cpu: BlockPool, gs: GroupSet, hashes: Sequence[BlockHash], s: int) -> None:
+    """The engine's own prefix hit ``[0, s)`` reused these blocks: refresh their CPU
+    copies, tail first (the head ends up evicted last). O(s)."""
     get = cpu.index.get_cached
     key = gs.key
     ids: list[int] = []
-    for p in range(min(s, len(hashes)) - 1, lo - 1, -1):
+    for p in range(min(s, len(hashes)) - 1, -1, -1):
         for g in range(gs.n):
             b = get(key(hashes[p], g))
             if b is not None:

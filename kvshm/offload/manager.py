@@ -242,8 +242,10 @@ class OffloadManager:
         if out.failed or out.abandoned:
             return 0
         if s > st.refreshed and self.cpu.refresh_gpu_hits:
-            # once a wait: a request the engine cannot admit yet is looked up every step
-            refresh_prefix(self.cpu, self._gs, view.hashes, st.refreshed, s)
+            # once a wait: a request the engine cannot admit yet is looked up every step.
+            # A hit that grew is refreshed whole, tail first, so its head stays the
+            # last to go (refreshing only the new tail would age the head below it)
+            refresh_prefix(self.cpu, self._gs, view.hashes, s)
             st.refreshed = s
         hashes, n_max = view.hashes, (view.num_tokens - 1 - num_local_tokens) // bs
         cap = 0  # a P/D hand-off's hit may end inside a block: num_tokens - 1 at most

@@ -66,7 +66,7 @@ class ReqState:
     has run for it once (a later phase B is a re-admission, e.g. after a preemption:
     its hit is counted apart); ``refreshed``: the engine's own prefix blocks whose CPU
     copies its lookups since its last phase B have refreshed (a request that waits is
-    looked up every step: each block is refreshed once a wait, not once a step). The
+    looked up every step: its prefix is refreshed once a wait, again only when it grew). The
     store planner walks it as a :class:`~kvshm.offload.stores.Cursor`."""
 
     __slots__ = ("admitted", "cursor", "hashes", "refreshed", "remote", "req_id", "start",

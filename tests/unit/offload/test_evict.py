@@ -119,6 +119,30 @@ def test_a_waiting_request_refreshes_the_engines_prefix_once_per_admission(
         assert rig.cpu.allocate(5) == victims, readmitted
 
 
+
+@pytest.mark.parametrize("eviction", [Eviction.LRU_REFRESH, Eviction.ADAPTIVE])
+def test_a_waiting_request_whose_prefix_hit_grew_refreshes_it_whole_head_last(
+        eviction: Eviction) -> None:
+    """A waiting request's own prefix hit grows from one block to three: the second
+    lookup refreshes the whole prefix tail first, so its head stays the last to go (a
+    refresh of only the new blocks would leave the head older than its tail, and an
+    evicted head makes the whole kept tail unusable).
+
+    An 8-block tier: P0, P2 in blocks 0, 1 (freed tail first; P1 and P3 are not in the
+    tier, so no lookup finds a CPU hit), X in 2: victims 1, 0, 2. Lookup with one local
+    block refreshes P0 (1, 2, 0); with three it refreshes P2, then P0: victims 2, 1, 0
+    (a refresh of the new blocks alone would give 2, 0, 1)."""
+    d = Req("d", 4 * BS + 1)
+    rig = Rig(cpu=8, gpu=16, eviction=eviction)
+    assert rig.seed_cpu(d.h[0], d.h[2]) == [0, 1]
+    assert rig.seed_cpu(*hashes(BS, base=1000)) == [2]
+    assert rig.m.lookup(d.view(), BS) == 0
+    assert rig.m.lookup(d.view(), 3 * BS) == 0
+    rig.m.check_invariants()
+    rig.cpu.allocate(5)                              # the uncached blocks first
+    assert rig.cpu.allocate(3) == [2, 1, 0]
+
+
 def _cached(pool: BlockPool, depths: list[int]) -> list[int]:
     """Allocate one block per depth, index it and free them all in one call in the
     given order (as a store's completion frees tail first)."""
