@@ -10,6 +10,7 @@ as the jobs finish, with no further call from its host (the mover publisher)."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import mmap
 import os
@@ -20,6 +21,7 @@ import sys
 import time
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 import pytest
@@ -29,6 +31,9 @@ from worker_rig import Sched, transfer
 from kvshm.disk import PAGE, SlabFile, SlabSpec, SlotOutcome, scan
 from kvshm.ipc.protocol import Direction, Disk, DiskOp, DiskSetup, Hello, Ready, Shutdown, pack_ids
 from kvshm.shm import shared_tensor
+
+if TYPE_CHECKING:
+    from workers.worker import Worker
 
 NB = 64  # device blocks per rank
 FP = "disk-test-model.fp32.bs16"
@@ -275,14 +280,11 @@ def test_a_writer_killed_mid_write_never_leaves_a_wrong_hit(
     assert os.path.getsize(path) == spec.file_bytes
 
 
-def test_an_embedded_workers_disk_done_reaches_the_scheduler_without_another_call(
-        tmp_path: Path) -> None:
-    """An embedded worker (vLLM's: it runs only inside its host's hooks) takes a Disk
-    WRITE and a Disk READ off the ring in one call and is then never called again: each
-    Done still reaches the scheduler's ``done`` ring within a few seconds, published by
-    the worker's mover publisher as the job finishes (before it, they waited for the
-    host's next call: a disk hit cost vLLM extra engine steps). The READ's Done comes
-    only after its rows hold the slot's bytes."""
+@contextlib.contextmanager
+def embedded_disk_worker(tmp_path: Path) -> Iterator[tuple[DiskSched, Worker, torch.Tensor]]:
+    """A scheduler with a 16-slot disk tier and one embedded rank attached in this
+    process, READY: yields the scheduler, the worker and its host rows (rows 0-3 set to
+    random bytes); closes both after."""
     from workers.worker import Phase, Worker
 
     setup = DiskSetup(str(tmp_path / "r0.slab"), 16, FP, True)
@@ -294,6 +296,21 @@ def test_an_embedded_workers_disk_done_reaches_the_scheduler_without_another_cal
         assert worker._session is not None  # the host rows, to check bytes
         rows = worker._session.host.regions[0]
         rows[0:4].copy_(torch.randint(0, 256, (4, 4096), dtype=torch.uint8))
+        yield sched, worker, rows
+    finally:
+        worker.close()
+        sched.close()
+
+
+def test_an_embedded_workers_disk_done_reaches_the_scheduler_without_another_call(
+        tmp_path: Path) -> None:
+    """An embedded worker (vLLM's: it runs only inside its host's hooks) takes a Disk
+    WRITE and a Disk READ off the ring in one call and is then never called again: each
+    Done still reaches the scheduler's ``done`` ring within a few seconds, published by
+    the worker's mover publisher as the job finishes (before it, they waited for the
+    host's next call: a disk hit cost vLLM extra engine steps). The READ's Done comes
+    only after its rows hold the slot's bytes."""
+    with embedded_disk_worker(tmp_path) as (sched, worker, rows):
         want = rows[0:4].clone()
         hs = hashes(4)
         sched.post(disk_job(1, DiskOp.WRITE, [0, 1, 2, 3], [2, 3, 4, 5], hs))
@@ -307,9 +324,6 @@ def test_an_embedded_workers_disk_done_reaches_the_scheduler_without_another_cal
         assert torch.equal(rows[10:14], want)
         stats = worker.statistics()["counters"]
         assert stats["dones_published_on_finish"] >= 1 and stats["publisher_wakeups"] >= 1
-    finally:
-        worker.close()
-        sched.close()
 
 
 def test_an_embedded_worker_starts_disk_jobs_as_they_arrive_without_a_host_call(
@@ -320,17 +334,7 @@ def test_an_embedded_worker_starts_disk_jobs_as_they_arrive_without_a_host_call(
     posted to its ring are taken off the ring by the mover publisher as they arrive,
     run, and their Dones reach the scheduler; the READ's rows hold the slot's bytes.
     Before, a Disk job waited on the ring for the host's next connector hook."""
-    from workers.worker import Phase, Worker
-
-    setup = DiskSetup(str(tmp_path / "r0.slab"), 16, FP, True)
-    sched = DiskSched(1, lambda r: setup, num_cpu_blocks=64)
-    region = torch.randint(0, 256, (NB, 4096), dtype=torch.uint8)
-    worker = Worker.attach(sched.name, 0, 1, [region])
-    try:
-        sched.wait_for(lambda: worker.phase is Phase.READY, tick=worker.service, what="READY")
-        assert worker._session is not None  # the host rows, to check bytes
-        rows = worker._session.host.regions[0]
-        rows[0:4].copy_(torch.randint(0, 256, (4, 4096), dtype=torch.uint8))
+    with embedded_disk_worker(tmp_path) as (sched, worker, rows):
         want = rows[0:4].clone()
         hs = hashes(4)
         sched.post(disk_job(1, DiskOp.WRITE, [0, 1, 2, 3], [2, 3, 4, 5], hs))
@@ -339,9 +343,6 @@ def test_an_embedded_worker_starts_disk_jobs_as_they_arrive_without_a_host_call(
         assert sched.collect([2], timeout=10)[0][2].ok
         assert torch.equal(rows[10:14], want)
         assert worker.statistics()["counters"]["jobs_taken_on_arrival"] == 2
-    finally:
-        worker.close()
-        sched.close()
     assert worker.statistics()["counters"]["publisher_command_wakeups"] >= 2
 
 

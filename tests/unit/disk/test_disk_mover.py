@@ -53,6 +53,23 @@ def wait(mover: DiskMover, n: int = 1) -> list[Done]:
     return got
 
 
+class FirstRunHeld:
+    """A mover gate that holds the first run that asks it until ``go`` is set (``held``
+    says it is held), and lets every later run through: one job occupies a thread while
+    the test queues others behind it."""
+
+    def __init__(self) -> None:
+        self.go, self.held = threading.Event(), threading.Event()
+        self._calls = 0
+
+    def __call__(self) -> bool:
+        self._calls += 1
+        if self._calls == 1:
+            self.held.set()
+            assert self.go.wait(10)
+        return True
+
+
 @pytest.fixture
 def movers() -> Iterator[list[DiskMover]]:
     made: list[DiskMover] = []
@@ -163,25 +180,16 @@ def test_a_read_into_a_row_a_write_still_reads_waits_for_that_write(
     old0, row1 = p.regions[0][0].clone(), p.regions[0][1].clone()
     m.submit(job(1, DiskOp.WRITE, [1], [6], [hs[1]]))              # slot 6 := row 1
     assert wait(m) == [Done(1, 0, True)]
-    go, held = threading.Event(), threading.Event()
-    calls = [0]
-
-    def gate() -> bool:
-        calls[0] += 1
-        if calls[0] == 1:
-            held.set()
-            assert go.wait(10)
-        return True
-
+    gate = FirstRunHeld()
     m.set_gate(gate)
     m.submit(job(2, DiskOp.WRITE, [0], [5], [hs[0]]))
-    assert held.wait(10)
+    assert gate.held.wait(10)
     m.submit(job(3, DiskOp.READ, [0], [6], [hs[1]]))
     assert m.statistics()["reads_fenced"] == 1
     assert not m.wait_rows([0], 0.05) and m.wait_rows([2, 3], 0.05)
     time.sleep(0.05)
     assert m.poll() == [] and torch.equal(p.regions[0][0], old0)
-    go.set()
+    gate.go.set()
     assert sorted(wait(m, 2), key=lambda d: d.job_id) == [Done(2, 0, True), Done(3, 0, True)]
     assert torch.equal(p.regions[0][0], row1) and m.wait_rows([0], 0.0)
     m.submit(job(4, DiskOp.READ, [2], [5], [hs[0]]))                # slot 5: row 0's old
@@ -198,27 +206,18 @@ def test_a_read_fenced_on_a_write_that_close_cancels_is_counted_cancelled(
     slots are counted in ``slots_cancelled`` (the READ was out of the fenced list, so
     ``cancel_queued`` never saw it), and both jobs' Dones say not ok."""
     m = make(movers, tmp_path, pool((4096,), seed=9), threads=1)
-    go, held = threading.Event(), threading.Event()
-    calls = [0]
-
-    def gate() -> bool:
-        calls[0] += 1
-        if calls[0] == 1:
-            held.set()
-            assert go.wait(10)
-        return True
-
+    gate = FirstRunHeld()
     m.set_gate(gate)
     hs = hashes(3)
     m.submit(job(1, DiskOp.WRITE, [5], [1], [hs[0]]))
-    assert held.wait(10)
+    assert gate.held.wait(10)
     m.submit(job(2, DiskOp.WRITE, [0], [2], [hs[1]]))
     m.submit(job(3, DiskOp.READ, [0], [3], [hs[2]]))
     assert m.statistics()["reads_fenced"] == 1
     closer = threading.Thread(target=m.close)
     closer.start()
     closer.join(0.3)
-    go.set()
+    gate.go.set()
     closer.join(10)
     assert not closer.is_alive()
     dones = {d.job_id: d for d in m.poll()}
