@@ -138,6 +138,49 @@ def _engine(make_llm: LLMFactory, tmp: Path, *, multiprocess: bool = False,
     assert _shm_entries() - before == set()
 
 
+def _watch_recomputes(eng: Engine, monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The request ids vLLM's scheduler reschedules after a failed synchronous load
+    (what its ``_handle_invalid_blocks`` returns: their tokens of this step are dropped
+    and the failed blocks recomputed). A failed synchronous load was scheduled as cached
+    (``num_cached_tokens`` counts the hit), so this is where the recompute shows."""
+    sched = eng.llm.llm_engine.engine_core.engine_core.scheduler
+    inner = sched._handle_invalid_blocks
+    seen: list[str] = []
+
+    def watched(*a: Any, **kw: Any) -> Any:
+        out = inner(*a, **kw)
+        seen.extend(sorted(out))
+        return out
+
+    monkeypatch.setattr(sched, "_handle_invalid_blocks", watched)
+    return seen
+
+
+def _first_token_steps(eng: Engine, prompt: str) -> tuple[Any, tuple[int, int]]:
+    """Generate one token of ``prompt``: its output and the engine steps it took (and
+    those of them that scheduled no token), counted on the in-process engine core."""
+    core = eng.llm.llm_engine.engine_core.engine_core
+    inner, schedule = core.step_fn, core.scheduler.schedule
+    steps, idle = [0], [0]
+
+    def counted() -> Any:
+        steps[0] += 1
+        return inner()
+
+    def counted_schedule(*a: Any, **kw: Any) -> Any:
+        out = schedule(*a, **kw)
+        idle[0] += not out.total_num_scheduled_tokens
+        return out
+
+    core.step_fn, core.scheduler.schedule = counted, counted_schedule
+    try:
+        out = eng.llm.generate([prompt], _params(1), use_tqdm=False)[0]
+    finally:
+        core.step_fn, core.scheduler.schedule = inner, schedule
+    _drain(eng.llm)
+    return out, (steps[0], idle[0])
+
+
 def _restore_round_trip(eng: Engine, start: int = 0) -> dict[str, Any]:
     """Cold prompt, device cache reset, same prompt: cached through kvshm, exact."""
     prompt = _prompt(PROMPT_TOKENS, start)
@@ -192,15 +235,17 @@ class TestFp32SmallPool:
         assert after["loads_failed"] == before.get("loads_failed", 0)
 
 
-    def test_a_load_is_reported_in_the_step_it_ran(self, eng: Engine,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
-        """On a CPU device the load is copied in ``start_load_kv`` (inline) and
-        ``get_finished`` reports it in the same step, so a CPU hit costs one engine
-        step with no token scheduled (the load), then the prefill: two steps to the
-        first token, as with a synchronous copy. Each copy is slowed to 20 ms (timing
-        control at the copy engine's seam): a load left to the copy thread and
-        reported whenever it is done keeps the request in ``WAITING_FOR_REMOTE_KVS``
-        for every step the engine runs meanwhile (65 measured)."""
+    def test_a_cpu_hit_is_computed_in_the_step_that_loads_it(
+            self, eng: Engine, monkeypatch: pytest.MonkeyPatch) -> None:
+        """On a CPU device (one KV cache group) a hit is a synchronous load: the lookup
+        answers ``(hit, False)``, vLLM schedules the prefill in the same step and calls
+        ``start_load_kv`` before its forward, where the worker copies the load inline:
+        one engine step to the first token, with a token scheduled in it -- as a cold
+        request. Before, a hit was an asynchronous load: a step with no token
+        scheduled (the load), then the prefill (two steps). Each copy is slowed to 20
+        ms (timing control at the copy engine's seam): the forward must still read the
+        loaded blocks (the logprobs are exact), and the request is never reported in
+        ``finished_recving`` (vLLM asserts a running request is not)."""
         from workers.cpu_copy import CpuCopyEngine
 
         prompt = _prompt(PROMPT_TOKENS, 3331)
@@ -213,25 +258,15 @@ class TestFp32SmallPool:
             return real(self, job)
 
         monkeypatch.setattr(CpuCopyEngine, "_copy", slow)
-        core = eng.llm.llm_engine.engine_core.engine_core
-        inner = core.step_fn
-        steps = [0]
-
-        def counted() -> Any:
-            steps[0] += 1
-            return inner()
-
-        core.step_fn = counted
-        try:
-            hot = eng.llm.generate([prompt], _params(1), use_tqdm=False)[0]
-        finally:
-            core.step_fn = inner
-        _drain(eng.llm)
+        before = eng.stats()["connector"]["lookups_sync"]
+        hot, steps = _first_token_steps(eng, prompt)
         assert hot.num_cached_tokens == 3 * BLOCK
         toks, lps = _signature(cold)
         assert _signature(hot) == (toks[:1], lps[:1])
-        assert steps[0] == 2, f"{steps[0]} engine steps to the first token"
-        assert _kvshm_connector().worker_side.counters.load_waits_timed_out == 0
+        assert steps == (1, 0), f"{steps} (steps, idle steps) to the first token"
+        assert eng.stats()["connector"]["lookups_sync"] == before + 1
+        wstats = _kvshm_connector().worker_side.counters
+        assert wstats.sync_loads_late == 0 and wstats.sync_load_waits >= 1
 
     def test_reset_connector_drops_the_cpu_tier(self, eng: Engine) -> None:
         """``reset_prefix_cache(reset_connector=True)`` empties kvshm's index too: the
@@ -322,23 +357,26 @@ class TestLoadFailure:
                            failed_jobs_ok=True,
                            kv_overrides={"kv_load_failure_policy": "fail"})
 
-    def test_failed_load_is_recomputed_exactly(self, eng: Engine) -> None:
-        """The first load's copy fails on the worker: vLLM recomputes the request (nothing
-        counted as cached, not aborted) and the output is exact; the next restore loads
-        normally."""
+    def test_failed_load_is_recomputed_exactly(self, eng: Engine,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+        """The first load's copy fails on the worker: vLLM recomputes the request (its
+        failed blocks reported, the request rescheduled, not aborted) and the output is
+        exact; the next restore loads normally."""
         scheduler = eng.llm.llm_engine.engine_core.engine_core.scheduler
         assert scheduler.recompute_kv_load_failures is True
         prompt = _prompt(PROMPT_TOKENS, 90)
         cold = eng.generate([prompt])[0]
         eng.reset_device_cache()
+        recomputed = _watch_recomputes(eng, monkeypatch)
         failed = eng.generate([prompt])[0]
-        assert not failed.num_cached_tokens
+        assert len(recomputed) == 1 and recomputed[0].startswith(failed.request_id)
         assert _signature(failed) == _signature(cold)
         stats = eng.stats()
         assert stats["counters"]["loads_failed"] == 1
         assert stats["counters"]["jobs_failed"] == 1
         assert stats["connector"]["loads_failed"] == 1
-        assert stats["connector"]["lookups_after_failed_load"] >= 1
+        # a synchronous load's request runs on: vLLM recomputes it without a new lookup
+        assert stats["connector"]["lookups_after_failed_load"] == 0
         wstats = _kvshm_connector().worker_side.statistics()["connector"]
         assert wstats["loads_failed"] == 1
         assert wstats["error_blocks"] == 3
@@ -374,8 +412,9 @@ class TestWorkerGone:
             start_loads()
 
         monkeypatch.setattr(side, "start_loads", close_then_start)
+        recomputed = _watch_recomputes(eng, monkeypatch)
         hot = eng.generate([prompt])[0]
-        assert not hot.num_cached_tokens
+        assert len(recomputed) == 1 and recomputed[0].startswith(hot.request_id)
         assert _signature(hot) == _signature(cold)
         assert side.statistics()["connector"]["loads_orphaned"] == 1
         stats = eng.stats()
@@ -418,8 +457,9 @@ class TestSchedulerSideLoadFailure:
             allocated(request, block_ids, n_ext)
 
         monkeypatch.setattr(sched, "allocated", lose_worker_then_allocate)
+        recomputed = _watch_recomputes(eng, monkeypatch)
         hot = eng.generate([prompt])[0]
-        assert not hot.num_cached_tokens
+        assert len(recomputed) == 1 and recomputed[0].startswith(hot.request_id)
         assert _signature(hot) == _signature(cold)
         wstats = worker_side.statistics()["connector"]
         assert wstats["scheduler_failed_loads"] == 1 and wstats["error_blocks"] == 3
@@ -456,7 +496,8 @@ class TestDiskTier:
     A prompt, two others, ``reset_prefix_cache()`` (vLLM's cache is gone, and kvshm's
     CPU tier lost the prompt), the same prompt again: its first lookup posts the READ and
     waits for it or finds it done at its pump (no "ask again"), vLLM reports the prefix
-    cached, the logprobs are bitwise equal."""
+    cached, the logprobs are bitwise equal. The disk hit, once read, is a CPU hit loaded
+    synchronously: one engine step to the first token."""
 
     @pytest.fixture(scope="class")
     @classmethod
@@ -490,6 +531,27 @@ class TestDiskTier:
         assert after["lookups_asked_again"] == before["lookups_asked_again"], after
         answered = ("lookups_answered_after_wait", "lookups_answered_after_pump")
         assert sum(after[k] for k in answered) > sum(before[k] for k in answered), after
+
+    def test_a_disk_hit_costs_no_engine_step_of_its_own(self, eng: Engine) -> None:
+        """The lookup waits for its READ (the only request: nothing else could run),
+        then answers the hit as a synchronous load (``(hit, False)``): the first token
+        comes in the first engine step, which schedules the prefill -- as a cold
+        request, where an asynchronous load cost a step with no token first (2 steps,
+        1 idle)."""
+        prompt = _prompt(PROMPT_TOKENS, 350)
+        cold = eng.generate([prompt])[0]
+        for start in (450, 550):
+            eng.generate([_prompt(PROMPT_TOKENS, start)])
+        eng.reset_device_cache()
+        before = eng.stats()
+        hot, steps = _first_token_steps(eng, prompt)
+        after = eng.stats()
+        assert after["disk"]["hit_blocks"] - before["disk"]["hit_blocks"] == 3, after["disk"]
+        assert hot.num_cached_tokens == 3 * BLOCK
+        toks, lps = _signature(cold)
+        assert _signature(hot) == (toks[:1], lps[:1])
+        assert steps == (1, 0), f"{steps} (steps, idle steps) to the first token"
+        assert after["connector"]["lookups_sync"] == before["connector"]["lookups_sync"] + 1
 
 
 @pytest.mark.slow

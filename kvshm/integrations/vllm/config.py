@@ -236,6 +236,12 @@ class ConnectorConfig:
     disk_bytes_per_rank: int | None = None
     disk_io: DiskIO = DiskIO.DIRECT
     disk_mode: DiskMode = DiskMode.WRITE_BACK
+    #: Hits are loaded synchronously, in the step that computes the request: a CPU
+    #: device (its worker copies a load inline in ``start_load_kv``, which vLLM calls
+    #: before the forward of a step with synchronous loads) with one KV cache group
+    #: (a failed synchronous load reaches vLLM as block ids, which it maps back to
+    #: requests only with one group). See :func:`sync_loads_for`.
+    sync_loads: bool = False
 
     @property
     def world_size(self) -> int:
@@ -534,7 +540,23 @@ def parse_config(vllm_config: Any, infos: Sequence[GroupInfo],
         model_id=model_identity(vllm_config, extra.remote_namespace),
         size_source=extra.size_source, disk_path=extra.disk_path,
         disk_bytes_per_rank=extra.disk_bytes_per_rank, disk_io=extra.disk_io,
-        disk_mode=extra.disk_mode)
+        disk_mode=extra.disk_mode, sync_loads=sync_loads_for(vllm_config, groups))
+
+
+def sync_loads_for(vllm_config: Any, groups: Sequence[KVGroup]) -> bool:
+    """``ConnectorConfig.sync_loads``: a CPU device and one KV cache group.
+
+    vLLM 0.32 runs a synchronous load (``get_num_new_matched_tokens`` answering
+    ``(hit, False)``) in the step that schedules the request's prefill and calls
+    ``start_load_kv`` before that step's forward; a CPU device's worker copies the load
+    there, inline, so the blocks are in place when the forward reads them, and the hit
+    costs no engine step of its own (an asynchronous load costs one: the request waits
+    in ``WAITING_FOR_REMOTE_KVS`` for a step that reports it). On a GPU the copy runs on
+    a stream after the forward's launch: asynchronous. With several KV cache groups a
+    failed load must reach vLLM per request (``failed_recving``), which vLLM honours
+    only for asynchronous loads."""
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
+    return str(device) == "cpu" and len(groups) == 1
 
 
 # ------------------------------------------------------------------- the tier's size

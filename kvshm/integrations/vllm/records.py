@@ -24,6 +24,11 @@ class StepMeta:
     such a job fail reports these as load errors). ``failed_loads``: loads that failed
     on the scheduler side and reach no worker -> destination ids (every rank reports
     them in the step it receives them). ``flush``: job ids to finish before compute.
+    ``sync_reqs``: requests whose load this step planned (or failed) and which vLLM
+    computes in this same step (a synchronous load, ``ConnectorConfig.sync_loads``):
+    each rank has their load jobs finished before the forward (``start_load_kv``) and
+    never reports them in ``finished_recving`` (vLLM asserts a request it runs is not
+    there); a failure reaches vLLM as block ids only.
     """
 
     step: int
@@ -31,6 +36,7 @@ class StepMeta:
     load_dsts: dict[int, tuple[int, ...]] = field(default_factory=dict)
     failed_loads: dict[str, tuple[int, ...]] = field(default_factory=dict)
     flush: tuple[int, ...] = ()
+    sync_reqs: tuple[str, ...] = ()
 
 
 @dataclass
@@ -45,6 +51,8 @@ class SchedulerCounters:
     lookups_answered_after_wait: int = 0  # ... and were answered within the wait
     lookup_waits_timed_out: int = 0  # ... and were not (asked again)
     lookup_hit_tokens: int = 0
+    lookups_sync: int = 0  # hits answered as synchronous loads (no load step of their own)
+    sync_loads_unplanned: int = 0  # ... accepted but not planned: failed (recomputed)
     loads_ok: int = 0
     loaded_tokens: int = 0  # tokens of successful loads (a hit offered again is not counted)
     loads_failed: int = 0

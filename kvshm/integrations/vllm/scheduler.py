@@ -6,8 +6,13 @@ import), around a kvshm :class:`~kvshm.engine.SyncClient`, which is created in
 ``GpuBlocks``. Hook by hook:
 
 * ``get_num_new_matched_tokens`` -> :meth:`lookup`: ``(hit, True)`` for a hit (an
-  async load), ``(0, False)`` on a miss or when the request skips reading the prefix
-  cache (vLLM asserts a positive count for async loads), ``(None, False)`` to be asked
+  async load) -- ``(hit, False)``, a synchronous load, with ``cfg.sync_loads`` (a CPU
+  device, one KV cache group; not for a P/D hand-off, ``do_remote_prefill``): vLLM
+  then computes the request in the step that loads it, and the worker copies the load
+  before that step's forward, so a hit costs no engine step of its own (the requests
+  go out in the step's ``StepMeta.sync_reqs``) --, ``(0, False)`` on a miss or when
+  the request skips reading the prefix cache (vLLM asserts a positive count for async
+  loads), ``(None, False)`` to be asked
   again (another request is loading part of this prefix right now, or the disk tier
   reads it). Before answering "ask again" it pumps the client once and asks again: a
   disk read whose Done the worker published since the step's last pump (a worker's
@@ -122,6 +127,9 @@ class SchedulerSide:
         #: requests answered "ask again" -> the step of the first such answer
         self._waiting: dict[str, int] = {}
         self._read_wait_s = READ_WAIT_S if cfg.disk_path else 0.0
+        # synchronous loads accepted in phase B since the last build -> the blocks vLLM
+        # expects them to fill
+        self._sync_now: dict[str, tuple[int, ...]] = {}
         self.counters = SchedulerCounters()
         self._lister = Listing(cfg, self._requests, self._announced, self.counters,
                                self._no_new)
@@ -213,8 +221,16 @@ class SchedulerSide:
         if hit > 0:
             counters.lookup_hit_tokens += hit
             log.debug("kvshm: request %s: %d token(s) from the CPU tier", rid, hit)
+            if self._is_sync(params):
+                counters.lookups_sync += 1
+                return hit, False
             return hit, True
         return 0, False
+
+    def _is_sync(self, params: Any) -> bool:
+        """A hit of this request is answered as a synchronous load (the module
+        docstring): ``cfg.sync_loads`` and not a P/D hand-off."""
+        return self.cfg.sync_loads and not (params and params.get("do_remote_prefill"))
 
     def _may_wait(self, rid: str) -> bool:
         """Every other live request asked again too (``rid``'s READ was posted by its
@@ -247,6 +263,8 @@ class SchedulerSide:
                   num_external_tokens: int) -> None:
         """``update_state_after_alloc``: the request's whole per-group tables."""
         rid = request.request_id
+        if num_external_tokens and self._is_sync(request.kv_transfer_params):
+            self._sync_now[rid] = self._expected_dsts(request, block_ids, num_external_tokens)
         try:
             client = self.life.bound_client or self.client
             client.allocated(rid, block_ids, num_external_tokens)
@@ -302,8 +320,27 @@ class SchedulerSide:
         if self._refused_loads:
             failed.update(self._refused_loads)
             self._refused_loads.clear()
+        sync: tuple[str, ...] = ()
+        if self._sync_now:
+            sync = self._sync_reqs(plan, failed)
         return self._meta_cls(self._step, dict(plan.load_jobs), load_dsts, failed,
-                              tuple(plan.flush))
+                              tuple(plan.flush), sync)
+
+    def _sync_reqs(self, plan: StepPlan, failed: dict[str, tuple[int, ...]]
+                   ) -> tuple[str, ...]:
+        """This step's synchronous loads (``StepMeta.sync_reqs``). vLLM computes them in
+        this step's forward, so each must be in this step's load job or in ``failed``
+        (vLLM then recomputes its blocks): one that is in neither (the manager planned
+        no load: a failed engine) is failed here with the blocks vLLM expects
+        (counted ``sync_loads_unplanned``), never left for the forward to read."""
+        planned = set(plan.load_jobs.get(plan.load.job_id, ())) if plan.load else set()
+        out = tuple(self._sync_now)
+        for rid, dsts in self._sync_now.items():
+            if rid not in planned and rid not in failed:
+                self.counters.sync_loads_unplanned += 1
+                failed[rid] = dsts
+        self._sync_now.clear()
+        return out
 
     def _plan(self, reqs: list[ScheduledRequest], alloc: set[int]) -> StepPlan:
         """``SyncClient.step`` over the listing without the refused requests; a listing
@@ -384,6 +421,7 @@ class SchedulerSide:
         the listing's mirror only makes the next listing take its walk (exact)."""
         self._lister.forget(rid)
         self._waiting.pop(rid, None)
+        self._sync_now.pop(rid, None)
         self._requests.pop(rid, None)
         self._announced.discard(rid)
         self._load_failed.discard(rid)

@@ -12,6 +12,15 @@ pool; the connector only tells it when. Hook by hook:
   ordered after it with a CUDA event; on the CPU the forward has already run, and the
   Worker's CPU copy engine copies the loads right there, in this thread:
   ``inline_loads``, :mod:`workers.cpu_copy`).
+* Synchronous loads (``StepMeta.sync_reqs``, a CPU device: vLLM calls
+  ``start_load_kv`` before the forward of a step that has them): after submitting,
+  :meth:`start_loads` waits for this step's load jobs that carry them (at most
+  ``cfg.hang_timeout_s``; an inline copy is already done), so the forward reads loaded
+  blocks; their requests are never reported in ``finished_recving`` (vLLM runs them:
+  it asserts a running request is not there), a failure goes out as block ids only
+  (one KV cache group). A job that has not finished by then (it never arrived, or its
+  copy hangs) is reported as failed blocks at once (counted ``sync_loads_late``):
+  vLLM recomputes them.
 * ``wait_for_save`` -> ``submit_stores`` (after the step's compute, same ordering).
 * ``get_finished`` -> :meth:`finished_loads`: ``poll`` the Worker (on a CPU device
   first waiting, at most ``CPU_LOAD_WAIT_S``, for the loads this rank submitted: vLLM
@@ -112,6 +121,8 @@ class WorkerCounters:
     failed_requests: int = 0  # reported as failed_recving (several KV groups)
     load_waits: int = 0  # get_finished waited for this rank's loads (CPU device)
     load_waits_timed_out: int = 0  # ... and some were still running at the deadline
+    sync_load_waits: int = 0  # start_load_kv waited for a step's synchronous loads
+    sync_loads_late: int = 0  # ... a job not done by the deadline: its blocks failed
 
 
 class WorkerSide:
@@ -132,6 +143,10 @@ class WorkerSide:
         self._failed_reqs: set[str] = set()
         self.per_request_failures = False  # several KV groups: see the module docstring
         self._fail = FailLoadIds(cfg.test_fail_loads) if cfg.test_fail_loads else None
+        # requests loaded synchronously whose load this rank has not reported yet
+        self._sync: set[str] = set()
+        # Dones that start_loads collected (synchronous loads) for this step's report
+        self._early: list[Done] = []
         self._cuda = False
         self.rank = -1
         self.counters = WorkerCounters()
@@ -197,6 +212,8 @@ class WorkerSide:
                 self._fail.offer(job)
         if meta.failed_loads:
             self._sched_failed.update(meta.failed_loads)
+        if meta.sync_reqs:
+            self._sync.update(meta.sync_reqs)
         if self._worker is not None:
             self._worker.begin_step(meta.step, tuple(meta.flush))
 
@@ -204,6 +221,37 @@ class WorkerSide:
         """``start_load_kv``: submit this step's loads."""
         if self._worker is not None and self._meta is not None:
             self._worker.submit_loads(self._meta.step, after=self._fence())
+            if self._meta.sync_reqs:
+                self._wait_sync(self._worker, self._meta)
+
+    def _wait_sync(self, worker: Worker, meta: StepMeta) -> None:
+        """Synchronous loads (module docstring): this step's jobs that carry one are
+        finished before the forward; their Dones are reported by this step's
+        ``get_finished``. A job still unfinished at the deadline is failed here: its
+        blocks go out as load errors (vLLM recomputes them) and its late Done reports
+        nothing more."""
+        from kvshm.ipc import protocol
+
+        sync = set(meta.sync_reqs)
+        jobs = [j for j in meta.load_dsts if sync.intersection(meta.load_jobs.get(j, ()))]
+        if not jobs:
+            return
+        self.counters.sync_load_waits += 1
+        got = worker.wait(jobs, self.cfg.hang_timeout_s)
+        self._early += got
+        if len(got) == len(jobs):
+            return
+        have, gone = {d.job_id for d in got}, _gone(worker)
+        for job in jobs:
+            if job in have:
+                continue
+            if gone:  # no Done will ever come (finished_loads' orphans)
+                self.counters.loads_orphaned += 1
+            else:
+                self.counters.sync_loads_late += 1
+                log.warning("kvshm: rank %d: synchronous load job %d not done before the "
+                            "forward; its blocks are recomputed", self.rank, job)
+            self._early.append(protocol.Done(job, self.rank, False, "CopyError: late"))
 
     def submit_stores(self) -> None:
         """``wait_for_save``: submit this step's stores, after its compute."""
@@ -230,6 +278,8 @@ class WorkerSide:
         worker = self._worker
         if worker is not None:
             dones = worker.poll()
+            if self._early:
+                dones, self._early = self._early + dones, []
             if self._job_reqs and not self._cuda:
                 dones += self._wait_loads(worker, {d.job_id for d in dones})
             for d in dones:
@@ -239,8 +289,12 @@ class WorkerSide:
                     self.counters.loads_orphaned += 1
                     self._on_done(job, False, done)
         if self._sched_failed:
+            sync = self._sync
             for rid, dsts in self._sched_failed.items():
-                done.add(rid)
+                if rid in sync:  # vLLM runs it: block ids only
+                    sync.discard(rid)
+                else:
+                    done.add(rid)
                 self._failed_reqs.add(rid)
                 self._errors.update(dsts)
                 self.counters.scheduler_failed_loads += 1
@@ -278,7 +332,12 @@ class WorkerSide:
             if not ok and dsts:
                 self.counters.dones_unknown += 1
             return  # a store job (the scheduler side handles those)
-        done.update(reqs)
+        sync = self._sync
+        if sync:
+            done.update(r for r in reqs if r not in sync)
+            sync.difference_update(reqs)
+        else:
+            done.update(reqs)
         if ok:
             self.counters.loads_done += 1
             return
