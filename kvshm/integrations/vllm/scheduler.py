@@ -21,7 +21,8 @@ import), around a kvshm :class:`~kvshm.engine.SyncClient`, which is created in
   "ask again" for a disk hit has posted its READ (``SyncClient.lookup``), and the
   worker's mover publisher starts it on arrival; a request that waits for a read while
   every other live request waits likewise (the step would run nothing) sleeps and pumps
-  up to :data:`READ_WAIT_S` for the read's Done before it answers -- from its first
+  for the read's Done (at most :data:`READ_WAIT_S` plus :data:`READ_WAIT_PER_BLOCK_S`
+  a block it may read, capped at :data:`READ_WAIT_MAX_S`) before it answers -- from its first
   lookup on: the read then ends within this lookup (the sleep leaves the GIL to the
   workers' I/O threads, which a spinning engine loop starves) instead of costing empty
   steps.
@@ -99,11 +100,24 @@ __all__ = ["SchedulerSide"]
 
 log = logging.getLogger("kvshm.vllm")
 
-#: With a disk tier: the most a lookup waits, sleeping, for a disk read that an earlier
-#: step posted for its request, before it answers "ask again" (the read's Done then
-#: makes it a CPU hit in this step instead of a later one); only while no other request
-#: could run (:meth:`SchedulerSide._may_wait`).
+#: With a disk tier: how long a lookup may wait, sleeping, for the disk read posted for
+#: its request before it answers "ask again" (the read's Done then makes it a CPU hit in
+#: this step instead of a later one); only while no other request could run
+#: (:meth:`SchedulerSide._may_wait`). The bound grows with the read: this base, plus
+#: :data:`READ_WAIT_PER_BLOCK_S` for each block the request could still hit, at most
+#: :data:`READ_WAIT_MAX_S` (:meth:`SchedulerSide._read_wait_for`). The wait ends at the
+#: read's Done and delays no admitted request, so the bound only limits a stuck read
+#: and how long a request that arrives meanwhile waits for its admission. A timed-out
+#: wait costs an engine step that spins in Python (starving the read's I/O threads of
+#: the GIL) and a second wait: at a fixed 10 ms, 27 and 30 of 40-70 chat waits timed
+#: out on the loaded 2-core dev VM (docs/disk.md, runs G).
 READ_WAIT_S: Final = 0.010
+#: What the wait's bound grows by per block the request could read: a generous
+#: allowance (a 32-128 KiB slot reads in 0.04-0.14 ms on an idle host), for a host
+#: whose cores the forward and other engines share.
+READ_WAIT_PER_BLOCK_S: Final = 0.001
+#: The wait's bound, at most.
+READ_WAIT_MAX_S: Final = 0.050
 #: How long each sleep of that wait is (then the client is pumped and asked again).
 READ_WAIT_SLICE_S: Final = 0.0005
 
@@ -239,13 +253,20 @@ class SchedulerSide:
         waiting = self._waiting
         return len(waiting) + (rid not in waiting) >= len(self._requests)
 
+    def _read_wait_for(self, view: RequestView, num_computed_tokens: int) -> float:
+        """The bound of a lookup's wait for its disk read (:data:`READ_WAIT_S`): the
+        base, plus :data:`READ_WAIT_PER_BLOCK_S` per block of the request past its local
+        hit (the most its read can hold), at most :data:`READ_WAIT_MAX_S`."""
+        blocks = max(0, len(view.block_hashes) - num_computed_tokens // self.cfg.block_size)
+        return min(READ_WAIT_MAX_S, self._read_wait_s + blocks * READ_WAIT_PER_BLOCK_S)
+
     def _wait_read(self, client: SyncClient, view: RequestView, num_computed_tokens: int
                    ) -> int | None:
         """See :meth:`_may_wait`: sleep (the GIL free for the workers' I/O threads) and
-        pump in slices of :data:`READ_WAIT_SLICE_S`, at most ``_read_wait_s`` in all; the
-        lookup's answer, None if the read did not end in time (asked again at the next
-        step)."""
-        deadline = time.monotonic() + self._read_wait_s
+        pump in slices of :data:`READ_WAIT_SLICE_S`, at most :meth:`_read_wait_for` in
+        all; the lookup's answer, None if the read did not end in time (asked again at
+        the next step)."""
+        deadline = time.monotonic() + self._read_wait_for(view, num_computed_tokens)
         counters = self.counters
         counters.lookups_waited += 1
         while time.monotonic() < deadline:

@@ -662,20 +662,70 @@ def test_vllm_lookup_never_waits_while_another_request_could_run() -> None:
     assert client.polls == polls + 1 and side.counters.lookups_waited == 0
 
 
-def test_vllm_lookup_wait_is_bounded_and_absent_without_a_disk_tier() -> None:
-    """A read that does not end within READ_WAIT_S: the lookup asks again after the wait
-    (counted); without a disk tier the lookup never waits at all."""
+class TimedReadClient(ReadClient):
+    """A :class:`ReadClient` whose read ends ``after_s`` seconds after its first lookup
+    (timing control at the process seam)."""
+
+    def __init__(self, after_s: float, hit: int = 8) -> None:
+        super().__init__(10**9, hit)
+        self.after_s = after_s
+        self.t0: float | None = None
+
+    def lookup(self, view: Any, num_computed_tokens: int) -> int | None:
+        import time
+
+        if self.t0 is None:
+            self.t0 = time.monotonic()
+        return self.hit if time.monotonic() - self.t0 >= self.after_s else None
+
+
+def test_vllm_lookup_wait_grows_with_the_blocks_it_may_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The wait's bound is READ_WAIT_S plus READ_WAIT_PER_BLOCK_S per block the request
+    could still hit, at most READ_WAIT_MAX_S: the request's 2 full blocks, with 20 ms a
+    block allowed (bound min(50, 10 + 2 x 20) = 50 ms; 30 ms past a 1-block local hit),
+    and a read that ends 25 ms after the lookup: answered within the first lookup's wait
+    -- at a fixed READ_WAIT_S (10 ms) it timed out and the request was asked again (an
+    engine step, then a second wait)."""
     import time
 
-    from kvshm.integrations.vllm.scheduler import READ_WAIT_S
+    from kvshm.integrations.vllm import scheduler
+
+    monkeypatch.setattr(scheduler, "READ_WAIT_PER_BLOCK_S", 0.020)
+    client = TimedReadClient(after_s=0.025)
+    side = _read_side(client, disk=True)
+    a = _read_request(side, "a")
+    assert side._read_wait_for(_view(a), 0) == scheduler.READ_WAIT_MAX_S == 0.050
+    assert side._read_wait_for(_view(a), BS) == pytest.approx(0.010 + 0.020)
+    t0 = time.monotonic()
+    assert side.lookup(a, 0) == (8, True)
+    assert 0.025 <= time.monotonic() - t0
+    c = side.counters
+    assert (c.lookups_waited, c.lookups_answered_after_wait, c.lookup_waits_timed_out,
+            c.lookups_asked_again) == (1, 1, 0, 0)
+
+
+def _view(r: Any) -> Any:
+    from kvshm.types import RequestView
+
+    return RequestView(r.request_id, r.block_hashes, r.num_tokens, None, None)
+
+
+def test_vllm_lookup_wait_is_bounded_and_absent_without_a_disk_tier() -> None:
+    """A read that does not end within the wait's bound (READ_WAIT_S plus 1 ms for each
+    of the request's 2 full blocks: 12 ms): the lookup asks again after the wait (counted);
+    without a disk tier the lookup never waits at all."""
+    import time
 
     client = ReadClient(polls_to_answer=10**9)
     side = _read_side(client, disk=True)
     a = _read_request(side, "a")
+    bound = side._read_wait_for(_view(a), 0)
+    assert bound == pytest.approx(0.012)
     for waits in (1, 2):  # the first lookup and the next step's each wait, bounded
         t0 = time.monotonic()
         assert side.lookup(a, 0) == (None, False)
-        assert READ_WAIT_S <= time.monotonic() - t0 < READ_WAIT_S + 1.0
+        assert bound <= time.monotonic() - t0 < bound + 1.0
         assert side.counters.lookup_waits_timed_out == waits
         _empty_step(side)
 
