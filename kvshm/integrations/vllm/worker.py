@@ -9,9 +9,10 @@ pool; the connector only tells it when. Hook by hook:
 * ``bind_connector_metadata`` -> :meth:`bind`: ``begin_step(step, flush)``; remembers
   new load jobs' request ids and destinations from the metadata.
 * ``start_load_kv`` -> ``submit_loads`` (after the forward is launched: on a GPU
-  ordered after it with a CUDA event; on the CPU the forward has already run, and the
-  Worker's CPU copy engine copies the loads right there, in this thread:
-  ``inline_loads``, :mod:`workers.cpu_copy`).
+  ordered after it with a CUDA event; on the CPU the forward has already run -- or,
+  in a step with synchronous loads, is about to run --, and the Worker's CPU copy
+  engine copies the loads right there, in this thread: ``inline_loads``,
+  :mod:`workers.cpu_copy`).
 * Synchronous loads (``StepMeta.sync_reqs``, a CPU device: vLLM calls
   ``start_load_kv`` before the forward of a step that has them): after submitting,
   :meth:`start_loads` waits for this step's load jobs that carry them (at most
@@ -259,8 +260,9 @@ class WorkerSide:
             self._worker.submit_stores(self._meta.step, after=self._fence())
 
     def _fence(self) -> Any:
-        """A CUDA event on the current stream (GPU); None on the CPU, whose forward has
-        already finished when vLLM calls these hooks."""
+        """A CUDA event on the current stream (GPU); None on the CPU, whose forward runs
+        in this thread (finished before these hooks, or, for a step's synchronous loads,
+        not begun)."""
         if not self._cuda:
             return None
         from workers.cuda_copy import CudaFence
