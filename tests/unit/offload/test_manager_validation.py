@@ -737,3 +737,40 @@ def test_vllm_lookup_wait_is_bounded_and_absent_without_a_disk_tier() -> None:
     polls = client.polls
     assert side.lookup(a, 0) == (None, False)
     assert client.polls == polls + 1 and side.counters.lookups_waited == 0
+
+
+class UnplannedClient(ReadClient):
+    """A client whose hit is accepted in phase B but whose step plans no load for it
+    (what a failed engine's ``build_step`` does): the process seam's answer."""
+
+    def __init__(self) -> None:
+        super().__init__(polls_to_answer=0)
+
+    def allocated(self, req_id: str, block_ids: Any, num_external_tokens: int) -> None:
+        return None
+
+
+def test_vllm_sync_load_left_unplanned_is_failed_with_the_blocks_vllm_expects() -> None:
+    """A synchronous load (``ConnectorConfig.sync_loads``): vLLM computes the request in
+    the step that loads it, so a load the step did not plan must never be left for the
+    forward to read. The lookup answers ``(8, False)``; phase B gets tables [[10, 11,
+    12]] for 8 tokens (2 blocks of 4); the step plans no load: the metadata lists the
+    request in ``sync_reqs`` and fails it with blocks (10, 11) -- the worker reports
+    them as load errors and vLLM recomputes -- counted ``sync_loads_unplanned``."""
+    import dataclasses
+
+    client = UnplannedClient()
+    side = _read_side(client, disk=False)
+    side.cfg = dataclasses.replace(side.cfg, sync_loads=True)
+    a = _read_request(side, "a")
+    assert side.lookup(a, 0) == (8, False)
+    side.allocated(a, [[10, 11, 12]], 8)
+    from types import SimpleNamespace as NS
+
+    meta = side.build(NS(scheduled_new_reqs=[], preempted_req_ids=set(),
+                         finished_req_ids=set(),
+                         scheduled_cached_reqs=NS(req_ids=[], resumed_req_ids=set(),
+                                                  new_block_ids=[], num_computed_tokens=[])))
+    assert meta.sync_reqs == ("a",)
+    assert meta.failed_loads == {"a": (10, 11)}
+    assert side.counters.sync_loads_unplanned == 1 and side.counters.lookups_sync == 1
