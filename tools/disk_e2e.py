@@ -14,12 +14,16 @@ request in turn, the order rotating by one each request.
   ``ceiling_ratio``). Target: ``cpu``'s mean TTFT / ``disk``'s ``>= 1.5``.
 * ``restart`` (part c), on ``chat``: a ``seed`` engine (CPU tier at a quarter, disk tier,
   a fixed name) serves the first half of the trace and shuts down (a server restarted
-  mid-conversations); then ``warm`` (a new engine under the same name and directory: it
-  starts on the seed's slab) and ``cold`` (the same settings, a fresh directory) serve
-  the second half, with ``disk_mode`` ``--restart-mode`` (default write_through: a
-  write-back slab lacks what the CPU tier held at the shutdown). Target: ``cold``'s
-  mean TTFT on the first turn after the restart of each conversation the seed served /
-  ``warm``'s ``>= 2``.
+  mid-conversations). With ``--restart-seed answers`` (the default) it leaves behind what
+  a generating server leaves: each turn's prompt *and* its answer (``Turn.tokens``,
+  prefilled -- the engines here answer one token, so an answer's KV exists only if it is
+  computed); with ``prompts``, each prompt only (the answers are never cached: the next
+  turn computes the whole previous answer again, in both arms). Then ``warm`` (a new
+  engine under the same name and directory: it starts on the seed's slab) and ``cold``
+  (the same settings, a fresh directory) serve the second half, with ``disk_mode``
+  ``--restart-mode`` (default write_through: a write-back slab lacks what the CPU tier
+  held at the shutdown). Target: ``cold``'s mean TTFT on the first turn after the
+  restart of each conversation the seed served / ``warm``'s ``>= 2``.
 
 Each part's JSON: per arm TTFT mean / p50 / p90 (ms), CPU time, hit tokens (vLLM's
 accepted external tokens) and the disk section's counters; the ratio, target and
@@ -168,6 +172,15 @@ def offload_part(args: argparse.Namespace, ns: argparse.Namespace, folder: Path,
     return out
 
 
+def seed_tokens(turn: Turn, mode: str, size: dict[str, Any]) -> list[int]:
+    """What the restart's seed engine is sent for ``turn`` (``--restart-seed``): the
+    prompt, or the prompt and its answer (what a generating server leaves cached), cut
+    to the workload's longest prompt so the engine's length limit holds."""
+    if mode == "prompts":
+        return list(turn.prompt)
+    return list(turn.tokens[:max(len(turn.prompt), size["max_prompt_tokens"])])
+
+
 def restart_part(args: argparse.Namespace, ns: argparse.Namespace, folder: Path, tmp: Path,
                  logs: Path) -> dict[str, Any]:
     """Part (c): a warm restart on the seed engine's slab against a cold start."""
@@ -191,7 +204,7 @@ def restart_part(args: argparse.Namespace, ns: argparse.Namespace, folder: Path,
     try:
         procs["warm"].call("start", str(folder), ns, warm)  # the seed engine
         for i, r in enumerate(before):
-            procs["warm"].call("req", i, list(r.prompt))
+            procs["warm"].call("req", i, seed_tokens(r, args.restart_seed, size))
         seeded = procs["warm"].call("stop").get("disk") or {}
         _progress(f"restart: the seed served {half} requests, wrote "
                   f"{seeded.get('written_blocks')} blocks")
@@ -218,7 +231,8 @@ def restart_part(args: argparse.Namespace, ns: argparse.Namespace, folder: Path,
     _progress(f"restart: first turns after the restart: cold {cold_ms} ms, warm {warm_ms} ms:"
               f" {ratio:.2f}x")
     return {"workload": RESTART_WORKLOAD, "cpu_blocks": cap, "size": size,
-            "seed_requests": half, "replayed_requests": len(after),
+            "seed_requests": half, "seed_serves": args.restart_seed,
+            "replayed_requests": len(after),
             "first_turns": len(first), "seed_disk": seeded, "arms": rows,
             "first_turn_rows": turns,  # per first turn: where each arm's time went
             "first_turn_ratio": round(ratio, 3), "target": TARGET_RESTART,
@@ -267,6 +281,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     choices=["write_back", "write_through"],
                     help="part (c)'s disk_mode (write_back loses what the CPU tier held at "
                          "the shutdown)")
+    ap.add_argument("--restart-seed", default="answers", choices=["answers", "prompts"],
+                    help="part (c): the seed engine computes each turn's prompt and answer "
+                         "(what a generating server caches), or the prompts only")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--max-requests", type=int, default=0, help="first N requests (0: all)")
     ap.add_argument("--max-prompt", type=int, default=4064)
