@@ -127,6 +127,10 @@ class ValkeyBlockStore:
         self._glide = glide_module()
         self._ttl = expiry_of(self._glide, spec)
         self._hold = self._glide.ExpirySet(self._glide.ExpiryType.SEC, spec.hold_ttl_s)
+        # MSETEX's expiry arguments (none: no TTL)
+        self._ttl_args = ["EX", str(spec.ttl_s)] if spec.ttl_s is not None else []
+        self._hold_args = ["EX", str(spec.hold_ttl_s)]
+        self._msetex = True  # until a server says it has no MSETEX
         self._shards = Shards(spec, lambda: CircuitBreaker(
             breaker_threshold, breaker_backoff_s, breaker_max_backoff_s))
         # the caller's thread runs a call's first share of parts, the pool the others
@@ -140,7 +144,7 @@ class ValkeyBlockStore:
         self._n = Counters("puts", "put_ok", "put_failed", "put_refused", "gets", "hits",
                             "misses", "bad", "errors", "timeouts", "rejected",
                             "bytes_put", "bytes_got", "invalid_calls", "clients_created",
-                            "checksum_refused", "split_retries")
+                            "checksum_refused", "split_retries", "msetex_unsupported")
 
     # ------------------------------------------------------------------ clients
 
@@ -239,25 +243,28 @@ class ValkeyBlockStore:
 
     def put_many(self, keys: Sequence[str], views: Sequence[memoryview],
                  header: Sequence[BlockHeader], *, keep: bool = False) -> list[bool]:
-        """Each block's payload and header as two ``SET ... EX`` in one pipeline per
-        part (one round trip per part, see :meth:`_parts`); True = both stored."""
+        """Each part's blocks (see :meth:`_parts`) in one request, one round trip: one
+        ``MSETEX`` of every block's header and payload (the pipeline of ``SET``s on a
+        server without it, see :meth:`_put_part`); True = both stored."""
         n = len(keys)
         if self._closed or len(views) != n or len(header) != n:
             self._n.add(invalid_calls=1, put_failed=n)
             return [False] * n
         self._n.add(puts=n)
         out = [False] * n
-        expiry = self._hold if keep else self._ttl
 
         def put(breaker: CircuitBreaker, part: list[int]) -> list[bool]:
-            return self._put_part(breaker, part, keys, views, header, expiry)
+            return self._put_part(breaker, part, keys, views, header, keep)
         self._run_parts(self._parts(keys, views, range(n)), put, out)
         self._n.add(put_failed=out.count(False))
         return out
 
     def _put_part(self, breaker: CircuitBreaker, part: list[int], keys: Sequence[str],
                   views: Sequence[memoryview], header: Sequence[BlockHeader],
-                  expiry: Any) -> list[bool]:
+                  keep: bool) -> list[bool]:
+        """One part: the headers (checksums) on this thread, then one ``MSETEX`` --
+        while the server knows it (Valkey 9.1+) -- else one pipeline of two ``SET``s a
+        block. A block whose view does not match its header is refused alone."""
         raws: dict[int, bytes] = {}
         for i in part:  # the checksums, on this part's thread
             try:
@@ -268,12 +275,64 @@ class ValkeyBlockStore:
                              "header", keys[i])
         if len(raws) < len(part):
             good = [i for i in part if i in raws]
-            done = dict(zip(good, self._put_part(breaker, good, keys, views, header, expiry)
+            done = dict(zip(good, self._put_part(breaker, good, keys, views, header, keep)
                             if good else [], strict=True))
             return [done.get(i, False) for i in part]
         if not self._allow(breaker, len(part)):
             return [False] * len(part)
+        if self._msetex:
+            out = self._put_msetex(breaker, part, keys, views, raws, keep)
+            if out is not None:
+                return out
+        return self._put_pipeline(breaker, part, keys, views, raws, keep)
+
+    def _put_msetex(self, breaker: CircuitBreaker, part: list[int], keys: Sequence[str],
+                    views: Sequence[memoryview], raws: dict[int, bytes],
+                    keep: bool) -> list[bool] | None:
+        """``MSETEX 2n {k0}h <h0> k0 <row0> ... EX ttl``: one command for the part (one
+        dispatch on the server and one command for glide to build, where the pipeline
+        costs two a block; atomic: every key of the part or none). None: the server
+        does not know MSETEX (older than Valkey 9.1): from now on every put uses the
+        pipeline (counted ``msetex_unsupported``)."""
         g = self._glide
+        args: list[str | bytes | memoryview] = ["MSETEX", str(2 * len(part))]
+        for i in part:
+            args += (header_key(keys[i]), raws[i], keys[i], views[i])
+        args += self._hold_args if keep else self._ttl_args
+        try:
+            if self.spec.cluster:  # one slot a part: to that slot's primary
+                batch = g.ClusterBatch(is_atomic=False).custom_command(args)
+                route = g.SlotKeyRoute(g.SlotType.PRIMARY, keys[part[0]])
+                result = self._client().exec(batch, raise_on_error=False,
+                                             options=g.ClusterBatchOptions(route=route))
+            else:
+                batch = g.Batch(is_atomic=False).custom_command(args)
+                result = self._client().exec(batch, raise_on_error=False)
+        except Exception as exc:  # noqa: BLE001 - failure = miss: counted, never raised
+            self._failed(breaker, exc, len(part))
+            return [False] * len(part)
+        breaker.success()
+        reply = result[0] if result and len(result) == 1 else result
+        if reply == 1:
+            self._n.add(put_ok=len(part), bytes_put=sum(views[i].nbytes for i in part))
+            return [True] * len(part)
+        if isinstance(reply, g.RequestError) and "unknown command" in str(reply).lower():
+            self._msetex = False
+            self._n.add(msetex_unsupported=1)
+            log.info("remote tier: the server has no MSETEX (Valkey < 9.1): puts go as "
+                     "a pipeline of SETs")
+            return None
+        self._n.add(put_refused=len(part))  # a reply error, e.g. OOM: the whole part
+        log.debug("remote put refused: %s", reply)
+        return [False] * len(part)
+
+    def _put_pipeline(self, breaker: CircuitBreaker, part: list[int], keys: Sequence[str],
+                      views: Sequence[memoryview], raws: dict[int, bytes],
+                      keep: bool) -> list[bool]:
+        """One non-atomic pipeline of ``SET key <row> EX ttl`` and ``SET {key}h <header>
+        EX ttl`` a block (a server without MSETEX); each block judged on its own."""
+        g = self._glide
+        expiry = self._hold if keep else self._ttl
         batch = (g.ClusterBatch if self.spec.cluster else g.Batch)(is_atomic=False)
         for i in part:
             batch.set(keys[i], views[i], expiry=expiry)

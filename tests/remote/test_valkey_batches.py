@@ -1,8 +1,9 @@
 """Batched remote I/O of the Valkey block store against real servers (standalone and the
 6-process cluster): a call of many small blocks is one round trip per part of
-``PART_BYTES`` (one MGET, one pipeline of SETs, counted by the server's own command
-statistics; in a cluster one request per hash slot; a GET of blocks of ``GET_ALONE_BYTES``
-or more one MGET a block), every block of a batch is still
+``PART_BYTES`` (one MGET, one MSETEX of every header and payload -- a pipeline of SETs on
+a server without MSETEX --, counted by the server's own command statistics; in a cluster
+one request per hash slot; a GET of blocks of ``GET_ALONE_BYTES`` or more one MGET a
+block), every block of a batch is still
 judged on its own (one corrupted value and one missing key among good ones are exactly
 one BAD and one MISS), and the bytes land bit-exact in the caller's rows, across the
 shards of a cluster too."""
@@ -49,10 +50,10 @@ def calls(server: ValkeyServer, name: str) -> int:
 
 
 def test_a_batch_is_one_round_trip_a_part_and_lands_bit_exact(valkey: ValkeyServer) -> None:
-    """One part's worth of 128 KiB blocks (PART_BYTES: 32 of them) is one pipeline of
-    SETs and one MGET of all their headers and payloads; 64 blocks are two of each (not
-    64: one per block before batching). Every block is a HIT, the rows equal the source
-    bit for bit, and every key has its TTL."""
+    """One part's worth of 128 KiB blocks (PART_BYTES: 32 of them) is one MSETEX and
+    one MGET of all their headers and payloads (no SET at all); 64 blocks are two of
+    each (not 64: one per block before batching). Every block is a HIT, the rows equal
+    the source bit for bit, and every key has its TTL."""
     per = PART_BYTES // ROW
     assert per >= 8 and 64 % per == 0
     store = ValkeyBlockStore(RemoteSpec.parse(valkey.url, ttl_s=600, **CALM))
@@ -61,18 +62,48 @@ def test_a_batch_is_one_round_trip_a_part_and_lands_bit_exact(valkey: ValkeyServ
         keys = keys_of(hs)
         src, dst = Rows(64, 7, row=ROW), Rows(64, row=ROW)
         assert store.put_many(keys[:per], src.views[:per], hs[:per]) == [True] * per
-        assert calls(valkey, "set") == 2 * per
+        assert (calls(valkey, "msetex"), calls(valkey, "set")) == (1, 0)
         mget0 = calls(valkey, "mget")
         assert store.get_many_into(keys[:per], dst.views[:per], hs[:per]) == \
             [GetOutcome.HIT] * per
         assert calls(valkey, "mget") - mget0 == 1
         assert store.put_many(keys, src.views, hs) == [True] * 64
+        assert calls(valkey, "msetex") == 1 + 64 // per
         assert store.get_many_into(keys, dst.views, hs) == [GetOutcome.HIT] * 64
         assert calls(valkey, "mget") - mget0 == 1 + 64 // per
         assert src == dst
         assert all(call(valkey, "TTL", k) > 0 for k in (keys[0], header_key(keys[63])))
     finally:
         store.close()
+
+
+def test_a_server_without_msetex_gets_the_pipeline_of_sets(tmp_path: Any) -> None:
+    """A server older than Valkey 9.1 has no MSETEX (here: renamed away, so the server
+    answers "unknown command" as an old one does). The first put learns it from that
+    answer and moves its part again as a pipeline of two SETs a block -- nothing lost,
+    counted ``msetex_unsupported`` once -- and every later put goes straight to the
+    pipeline (no second MSETEX). The blocks and headers come back HIT, bit-exact, with
+    their TTL."""
+    server = ValkeyServer(maxmemory="256mb", workdir=tmp_path,
+                          extra_args=["--rename-command", "MSETEX", ""]).start()
+    store = ValkeyBlockStore(RemoteSpec.parse(server.url, ttl_s=600, **CALM))
+    try:
+        hs = headers(40)
+        keys = keys_of(hs)
+        src, dst = Rows(40, 13, row=ROW), Rows(40, row=ROW)
+        assert store.put_many(keys[:8], src.views[:8], hs[:8]) == [True] * 8
+        assert calls(server, "set") == 16
+        assert store.put_many(keys[8:], src.views[8:], hs[8:]) == [True] * 32
+        assert calls(server, "set") == 80
+        stats = store.statistics()
+        assert (stats["msetex_unsupported"], stats["put_ok"], stats["put_refused"],
+                stats["errors"]) == (1, 40, 0, 0)
+        assert store.get_many_into(keys, dst.views, hs) == [GetOutcome.HIT] * 40
+        assert src == dst
+        assert all(call(server, "TTL", k) > 0 for k in (keys[39], header_key(keys[0])))
+    finally:
+        store.close()
+        server.close()
 
 
 def test_part_bytes_zero_is_one_request_a_block(valkey: ValkeyServer) -> None:
