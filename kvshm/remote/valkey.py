@@ -6,17 +6,20 @@ under :func:`header_key` (``{<key>}h``: the braces make the header hash to the p
 slot, so a cluster keeps them on one node).
 
 **Batches.** A call is cut into parts (:meth:`ValkeyBlockStore._parts`) of at most
-:data:`PART_BYTES` of payload each. A part is one request, one round trip: a put is one
+:data:`PART_BYTES` (a put) or :data:`GET_PART_BYTES` (a get) of payload each. A part is
+one request, one round trip: a put is one ``MSETEX 2n {k0}h <header> k0 <row> ... EX
+ttl`` -- every block's header and payload in one command, atomic, each row zero-copy
+from the caller's view -- or, on a server without MSETEX (older than Valkey 9.1), one
 non-atomic pipeline of ``SET key <row> EX ttl`` and ``SET {key}h <header> EX ttl`` per
-block (each row goes out zero-copy from the caller's view); a get is one ``MGET {k0}h k0
-{k1}h k1 ...`` that lands each header in a small buffer and each payload directly in the
-caller's view (glide's ``buffers=``: no intermediate bytes), except that a block of
-:data:`GET_ALONE_BYTES` or more is read alone (one ``MGET {k}h k`` a block: measured
-faster for large blocks, see the constant). The parts of a call run in
-parallel over the threads; a call of one part runs on the caller's thread. Every block
-is then judged on its own: a value longer than its view fails glide's whole ``MGET``, so
-that part is read again one block per request (``split_retries``) to find which; a
-missing block is a MISS and a bad one BAD, the others of the part HIT.
+block; a get is one ``MGET {k0}h k0 {k1}h k1 ...`` that lands each header in a small
+buffer and each payload directly in the caller's view (glide's ``buffers=``: no
+intermediate bytes), except that a block of :data:`GET_ALONE_BYTES` or more is read
+alone (one ``MGET {k}h k`` a block: measured faster for large blocks, see the
+constant). The parts of a call run in parallel over the threads; a call of one part
+runs on the caller's thread. Every block is then judged on its own: a value longer than
+its view fails glide's whole ``MGET``, so that part is read again one block per request
+(``split_retries``) to find which; a missing block is a MISS and a bad one BAD, the
+others of the part HIT.
 
 In a cluster a part is one hash slot's blocks (a block's two keys share a slot; a
 batch's blocks rarely do), so a cluster moves one block a round trip, the requests in
@@ -88,11 +91,19 @@ from kvshm.remote.tier import (
     header_checksum_id,
 )
 
-__all__ = ["GET_ALONE_BYTES", "PART_BYTES", "ValkeyBlockStore"]
+__all__ = ["GET_ALONE_BYTES", "GET_PART_BYTES", "PART_BYTES", "ValkeyBlockStore"]
 
-#: Most payload bytes one request (a part of a call) carries: small blocks share a
+#: Most payload bytes one put request (a part of a call) carries: small blocks share a
 #: round trip, large ones spread over the threads.
 PART_BYTES: Final = 4 << 20
+#: Most payload bytes one GET request carries. Smaller than a put's: a GET part's blocks
+#: are checked (CRC32C) on its thread holding the GIL, right after they landed, so a
+#: small part checks its rows while they are still in cache and holds the GIL for a few
+#: blocks, not 32, while the other threads' replies wait for it. Measured
+#: (``tools.bench_remote``'s arms at 128 KiB, 2 ranks x 4 threads on the 2-core VM, load
+#: 9 - 11, 11 - 13 interleaved rounds): 1 MiB parts 0.79 - 0.99 of the raw client's best,
+#: 4 MiB parts 0.62 - 0.65 in the same runs (see docs/benchmarks.md).
+GET_PART_BYTES: Final = 1 << 20
 #: Blocks of at least this many payload bytes are read one a request (a GET part of one
 #: block; puts still share parts). Measured (``tools.bench_remote``, 2 ranks x 4
 #: threads): at 2 MiB one block a request beat the 4 MiB parts (2 blocks) in 9 of 9
@@ -110,19 +121,22 @@ class ValkeyBlockStore:
     """The worker side on Valkey (see the module). ``breaker_*``: consecutive failures
     that open a shard's breaker, and its first and longest backoff. ``part_bytes``: most
     payload bytes a request (:data:`PART_BYTES`; 0: one block a request, the path before
-    batching, which ``tools.bench_remote`` measures against). ``get_alone_bytes``: a
-    block of at least this many bytes is read one a request (:data:`GET_ALONE_BYTES`;
+    batching, which ``tools.bench_remote`` measures against); ``get_part_bytes``: the
+    same for a GET (:data:`GET_PART_BYTES`; 0: one block a request). ``get_alone_bytes``:
+    a block of at least this many bytes is read one a request (:data:`GET_ALONE_BYTES`;
     0: every GET one block a request)."""
 
     def __init__(self, spec: RemoteSpec, *, breaker_threshold: int = 3,
                  breaker_backoff_s: float = 0.25, breaker_max_backoff_s: float = 5.0,
-                 part_bytes: int = PART_BYTES,
+                 part_bytes: int = PART_BYTES, get_part_bytes: int = GET_PART_BYTES,
                  get_alone_bytes: int = GET_ALONE_BYTES) -> None:
-        for name, value in (("part_bytes", part_bytes), ("get_alone_bytes", get_alone_bytes)):
+        for name, value in (("part_bytes", part_bytes), ("get_part_bytes", get_part_bytes),
+                            ("get_alone_bytes", get_alone_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
         self.spec = spec
         self.part_bytes = part_bytes
+        self.get_part_bytes = get_part_bytes
         self.get_alone_bytes = get_alone_bytes
         self._glide = glide_module()
         self._ttl = expiry_of(self._glide, spec)
@@ -186,10 +200,10 @@ class ValkeyBlockStore:
     # ------------------------------------------------------------------ parts
 
     def _parts(self, keys: Sequence[str], views: Sequence[memoryview],
-               idx: Sequence[int], alone: int | None = None,
+               idx: Sequence[int], limit: int, alone: int | None = None,
                ) -> list[tuple[CircuitBreaker, list[int]]]:
         """``idx`` in requests: the one server's blocks (a cluster: each slot's, so in
-        practice one block a request) cut into runs of at most ``part_bytes`` of
+        practice one block a request) cut into runs of at most ``limit`` bytes of
         payload (at least one block), in the caller's order within a part; a block of
         ``alone`` bytes or more (None: no such limit) is a part of its own. One part =
         one request = one round trip; the parts of a call run in parallel over the
@@ -205,7 +219,7 @@ class ValkeyBlockStore:
             size = 0
             for i in members:
                 big = alone is not None and views[i].nbytes >= alone
-                if run and (big or size + views[i].nbytes > self.part_bytes):
+                if run and (big or size + views[i].nbytes > limit):
                     parts.append((breaker, run))
                     run, size = [], 0
                 run.append(i)
@@ -255,7 +269,7 @@ class ValkeyBlockStore:
 
         def put(breaker: CircuitBreaker, part: list[int]) -> list[bool]:
             return self._put_part(breaker, part, keys, views, header, keep)
-        self._run_parts(self._parts(keys, views, range(n)), put, out)
+        self._run_parts(self._parts(keys, views, range(n), self.part_bytes), put, out)
         self._n.add(put_failed=out.count(False))
         return out
 
@@ -385,7 +399,8 @@ class ValkeyBlockStore:
 
         def get(breaker: CircuitBreaker, part: list[int]) -> list[GetOutcome]:
             return self._get_part(breaker, part, keys, views, header)
-        self._run_parts(self._parts(keys, views, ok, self.get_alone_bytes), get, out)
+        self._run_parts(self._parts(keys, views, ok, self.get_part_bytes,
+                                    self.get_alone_bytes), get, out)
         return out
 
     def _get_part(self, breaker: CircuitBreaker, part: list[int], keys: Sequence[str],
