@@ -45,7 +45,7 @@ def test_the_step_reads_the_lifeline_in_begin_step_only() -> None:
         assert [(d.job_id, d.ok) for d in got] == [(1, True)]
         assert w.phase is Phase.READY
         w.begin_step(2)
-        assert w.phase is Phase.DETACHED and w.detach_reason is DetachReason.PEER_DIED
+        assert (w.phase, w.detach_reason) == (Phase.DETACHED, DetachReason.PEER_DIED)
 
 
 def _ready_pair() -> tuple[SyncClient, Worker]:
