@@ -239,7 +239,11 @@ class CompletionTracker:
             self._lock.notify_all()
 
     def take_ready(self) -> list[Done]:
-        """Remove and return finished jobs at each lane's head, in submission order."""
+        """Remove and return finished jobs at each lane's head, in submission order.
+        Nothing outstanding: [] without the lock (only the owner adds jobs, so an
+        empty book stays empty while it looks)."""
+        if not self._by_seq:
+            return []
         out: list[tuple[int, Done]] = []
         with self._lock:
             for lane in self._lanes.values():

@@ -159,6 +159,8 @@ class CpuCopyEngine:
         self._tracker = CompletionTracker()
         self._queue: queue.SimpleQueue[_Item | None] = queue.SimpleQueue()
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
+        self._rung = 0  # eventfd rings so far (:meth:`poll`)
+        self._drained = 0  # ... as of the last drain
         self._closing = threading.Event()
         self._cancel_upto = -1  # items with seq <= this fail instead of starting
         self._gate: Callable[[], bool] | None = None
@@ -201,9 +203,15 @@ class CpuCopyEngine:
     def poll(self) -> list[Done]:
         """Finished jobs not yet reported, FIFO per direction; never waits.
 
-        Drains :meth:`notify_fd` first, so a job finishing meanwhile rings it again.
+        Drains :meth:`notify_fd` first, so a job finishing meanwhile rings it again --
+        only when a job finished since the last drain (``_rung``, counted after each
+        ring: a ring whose count is not yet visible is drained by the next poll, and
+        its fd stays readable until then, so no wake-up is lost): the read is a syscall,
+        and one that finds nothing hands the GIL to the copy threads for nothing.
         """
-        if not self._closed:
+        rung = self._rung
+        if rung != self._drained and not self._closed:
+            self._drained = rung
             try:
                 os.eventfd_read(self._efd)
             except BlockingIOError:
@@ -257,6 +265,9 @@ class CpuCopyEngine:
         self._tracker.finish(seq, done, nbytes=nbytes, pairs=pairs)
         if not self._closed:
             os.eventfd_write(self._efd, 1)
+            # after the ring (see poll); two threads may merge their increments: the
+            # count still moves past any value a drain has seen, which is all poll asks
+            self._rung += 1
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:

@@ -201,16 +201,24 @@ class WorkerLink:
 
     # ------------------------------------------------------------------ the link
 
-    def _pump(self) -> None:
+    def _pump(self, *, lifeline: bool = True) -> None:
+        """One pump (the module docstring's order). Without ``lifeline`` the rendezvous
+        socket is not read (no Shutdown, Stats or EOF from it this time): the step's
+        calls after ``begin_step`` (:meth:`~workers.worker.Worker.submit_loads` and the
+        rest, ``Worker._tend``) read it once a step, not once a call -- each read is a
+        syscall that hands the GIL to the copy threads, which a busy host then waits
+        for."""
         session, client = self._session, self._client
         assert session is not None and session.channel is not None and client is not None
         chan = session.channel
         if self._check_revoked():
             return
+        alive = True
         try:
             chan.beat()
-            alive = client.check_alive()
-            self._handle(client.take_messages())
+            if lifeline:
+                alive, msgs = client.take_lifeline()
+                self._handle(msgs)
             self._handle(chan.receive_nowait())
         except TransportError as exc:
             self._lost(exc)

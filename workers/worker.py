@@ -14,9 +14,12 @@ Per engine step: ``begin_step(step, flush_ids)``, ``submit_loads(step, after)``,
 ``submit_stores(step, after)``, ``poll()``. Rules:
 
 * Every call first services the link without waiting: beats the heartbeat (the scheduler
-  tells an idle embedded worker from a hung one by it), checks the lifeline, drains the
-  ``cmd`` ring into per-direction queues, collects finished copies and sends their
-  ``Done``s (a full ``done`` ring keeps them in an outbox, retried on every call).
+  tells an idle embedded worker from a hung one by it), drains the ``cmd`` ring into
+  per-direction queues, collects finished copies and sends their ``Done``s (a full
+  ``done`` ring keeps them in an outbox, retried on every call). :meth:`begin_step`,
+  :meth:`service` and :meth:`wait_for_work` also read the lifeline (the rendezvous
+  socket: Shutdown, Stats, EOF); the step's other calls do not (one socket read a
+  step: each is a syscall that can hand the GIL to the copy threads).
 * A Transfer runs only once its step has begun: ``submit_*(step)`` submits the queued
   jobs of that direction with ``job.step <= min(step, last begun step)``, in arrival
   order (async scheduling may put step N+1's jobs in the ring during step N).
@@ -174,6 +177,17 @@ class Worker(WorkerLink):
             self._collect()
             close_lifeline_when_idle(self._client, self._dones.inflight)
 
+    def _tend(self) -> None:
+        """The service of the step's calls after :meth:`begin_step` (``submit_*``,
+        :meth:`poll`, :meth:`wait`): linked, a pump without the lifeline
+        (:meth:`~workers.link.WorkerLink._pump`; :meth:`begin_step` and :meth:`service`
+        read it), so an engine step reads the rendezvous socket once, not four times;
+        otherwise the full :meth:`service` (connecting, a detached worker's collect)."""
+        if self._phase in LINKED:
+            self._pump(lifeline=False)
+        else:
+            self.service()
+
     @locked
     def begin_step(self, step: int, flush_ids: Iterable[int] = ()) -> None:
         """Step ``step`` begins; its Flush'ed jobs (ring and ``flush_ids``) finish first."""
@@ -200,7 +214,7 @@ class Worker(WorkerLink):
     @locked
     def poll(self) -> list[Done]:
         """Dones of finished jobs not yet returned (each once); already sent over the ring."""
-        self.service()
+        self._tend()
         if self._phase is Phase.DRAINING:
             self._maybe_drained()
         return self._dones.take_local()
@@ -210,7 +224,7 @@ class Worker(WorkerLink):
         """Block until the named jobs already submitted have finished (or ``timeout``);
         their Dones (each once: :meth:`poll` will not return them again). Ids of jobs not
         submitted yet (queued for a later step) or unknown are ignored."""
-        self.service()
+        self._tend()
         ids = set(job_ids)
         out = self._dones.take_local(ids)
         pending = ids & self._dones.inflight
@@ -279,7 +293,7 @@ class Worker(WorkerLink):
     # ------------------------------------------------------------------ jobs
 
     def _submit(self, direction: Direction, step: int, after: Fence | None) -> None:
-        self.service()
+        self._tend()
         if self._phase not in LINKED:
             self._counts["submits_not_ready" if self._phase in (Phase.NEW, Phase.CONNECTING)
                          else "submits_detached"] += 1

@@ -332,9 +332,14 @@ class SyncClient(Facade):
             self._core.pump()
         self._core.raise_if_start_failed()
 
-    def poll(self) -> list[LoadResult]:
-        """Service, drain, and return the load results that arrived since the last call."""
-        self._enter()
+    def poll(self, *, rendezvous: bool = True) -> list[LoadResult]:
+        """Service, drain, and return the load results that arrived since the last call.
+        ``rendezvous=False``: the done rings and the hang check only, not the
+        rendezvous's sockets (``Runtime.pump``): for a host's second pump of a step,
+        whose first pump read them (each read is a syscall, and one in a process with
+        copy threads can cost it the GIL)."""
+        self._enter(service=False)
+        self._core.pump(rendezvous=rendezvous)
         return self._core.take_load_results()
 
     def reset(self) -> bool:
@@ -348,9 +353,11 @@ class SyncClient(Facade):
         evictions are the same whether or not it is called."""
         self._core.settle()
 
-    def has_pending_work(self) -> bool:
-        """True while any job is not yet acked by every rank."""
-        self._enter()
+    def has_pending_work(self, *, rendezvous: bool = True) -> bool:
+        """True while any job is not yet acked by every rank (after a pump; without the
+        rendezvous with ``rendezvous=False``, as :meth:`poll`)."""
+        self._enter(service=False)
+        self._core.pump(rendezvous=rendezvous)
         return self._core.has_pending_work()
 
     def close(self) -> None:

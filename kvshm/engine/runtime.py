@@ -311,13 +311,17 @@ class Runtime:
         return [] if self.manager is None else self.manager.take_load_results()
 
     # -- event intake ------------------------------------------------------------------
-    def pump(self) -> None:
+    def pump(self, *, rendezvous: bool = True) -> None:
         """Sync mode: service the rendezvous, drain every done ring, check for hangs.
         A channel's overflow is flushed before its receive only when it has one (the
         flush does nothing else); while READY the hang check runs without :meth:`tick`'s
-        other tests (they act only outside READY)."""
+        other tests (they act only outside READY). ``rendezvous=False`` while READY
+        leaves the rendezvous (its sockets: a rank's EOF or Goodbye, a stats query) to
+        the next pump that services it: a host that pumps several times a step reads
+        them once (``SyncClient.poll``); in any other state (the handshake, a drain) it
+        is serviced regardless."""
         state = self._state
-        if self._server is not None and (state is _READY or state in LIVE):
+        if self._server is not None and (rendezvous if state is _READY else state in LIVE):
             events = self._server.service()
             if events:
                 self._on_events(events, notify=False)

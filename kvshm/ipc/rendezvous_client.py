@@ -187,6 +187,18 @@ class RendezvousClient:
         self._inbox = deque(kept)
         return out
 
+    def take_lifeline(self) -> tuple[bool, list[ControlMsg]]:
+        """:meth:`check_alive` and :meth:`take_messages` in one read of the socket (one
+        ``poll`` syscall, not two): whether the scheduler side is still there, and the
+        messages other than Ready that arrived (those before an EOF included)."""
+        self._pump()
+        out: list[ControlMsg] = []
+        if self._inbox:
+            out = [msg for msg, _ in self._inbox if not isinstance(msg, Ready)]
+            self._inbox = deque((msg, fds) for msg, fds in self._inbox
+                                if isinstance(msg, Ready))
+        return not self._eof, out
+
     def fileno(self) -> int:
         """The lifeline: readable on a message or once the scheduler is gone."""
         return self._connected_sock().fileno()

@@ -74,8 +74,9 @@ Ordering within ``build``: the client's load results are absorbed first
 (``SyncClient.poll``: the build's one pump of the rings and the rendezvous), finished
 requests are forgotten, then the listing is built and ``SyncClient.step`` runs without
 pumping again (``service=False``); loads kvshm refused in phase B join the metadata's
-``failed_loads`` exactly once. A step pumps twice: ``update_connector_output`` and
-``build`` (plus once per lookup that would answer "ask again").
+``failed_loads`` exactly once. A step pumps twice: ``update_connector_output`` (the done
+rings only, ``SyncClient.poll(rendezvous=False)``) and ``build`` (the rendezvous too;
+plus once per lookup that would answer "ask again").
 """
 
 from __future__ import annotations
@@ -390,8 +391,9 @@ class SchedulerSide:
     # -- completions, finish, reset ------------------------------------------------------
     @guarded
     def update_output(self) -> None:
-        """``update_connector_output``: collect the client's load results."""
-        self._absorb(self.client.poll())
+        """``update_connector_output``: collect the client's load results (the done
+        rings only: the step's ``build`` and the service thread read the rendezvous)."""
+        self._absorb(self.client.poll(rendezvous=False))
 
     def _absorb(self, results: Sequence[Any]) -> None:
         for res in results:

@@ -173,7 +173,8 @@ class SideLifecycle:
             if client is None or self.closed:
                 return None
             now = time.monotonic()
-            idle = not self._requests and not client.has_pending_work()
+            # the acks drained, not the rendezvous: the step's build read it
+            idle = not self._requests and not client.has_pending_work(rendezvous=False)
             if not self._clock.should_report(now, idle):
                 return None
             stats = self.statistics()
