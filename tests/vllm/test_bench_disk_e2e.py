@@ -39,4 +39,19 @@ def test_quick_run_ends_with_both_parts(tmp_path: Path) -> None:
     assert restart["arms"]["warm"]["disk"]["warm_slots"] > 0
     assert restart["arms"]["cold"]["disk"]["warm_slots"] == 0
     assert restart["first_turn_ratio"] >= 0 and isinstance(restart["met"], bool)
+    assert restart["seed_serves"] == "answers"
     assert not list(tmp_path.glob("disk_e2e_*"))  # the slabs went with the run
+
+
+def test_the_restart_seed_leaves_each_answer_behind_within_the_length_limit() -> None:
+    """The restart's seed is sent what a generating server computes: a turn's prompt and
+    its answer (the next turn of the conversation starts with both), cut to the
+    workload's longest prompt (the engines' length limit is built from it); with
+    ``prompts``, the prompt alone."""
+    from tools.chat_trace import Turn
+    from tools.disk_e2e import seed_tokens
+
+    turn = Turn("r0", 0, 0, prompt=(1, 2, 3), answer=(4, 5, 6, 7))
+    assert seed_tokens(turn, "answers", {"max_prompt_tokens": 100}) == [1, 2, 3, 4, 5, 6, 7]
+    assert seed_tokens(turn, "answers", {"max_prompt_tokens": 5}) == [1, 2, 3, 4, 5]
+    assert seed_tokens(turn, "prompts", {"max_prompt_tokens": 100}) == [1, 2, 3]
