@@ -145,6 +145,10 @@ class SchedulerSide:
         # synchronous loads accepted in phase B since the last build -> the blocks vLLM
         # expects them to fill
         self._sync_now: dict[str, tuple[int, ...]] = {}
+        # request -> the local (vLLM prefix cache) hit its last positive lookup was given:
+        # where the blocks kvshm's load fills start (vLLM calls update_state_after_alloc
+        # before it sets the request's num_computed_tokens, which reads 0 there)
+        self._local_hit: dict[str, int] = {}
         self.counters = SchedulerCounters()
         self._lister = Listing(cfg, self._requests, self._announced, self.counters,
                                self._no_new)
@@ -235,6 +239,7 @@ class SchedulerSide:
             self._waiting.pop(rid, None)
         if hit > 0:
             counters.lookup_hit_tokens += hit
+            self._local_hit[rid] = num_computed_tokens
             log.debug("kvshm: request %s: %d token(s) from the CPU tier", rid, hit)
             if self._is_sync(params):
                 counters.lookups_sync += 1
@@ -300,9 +305,15 @@ class SchedulerSide:
     def _expected_dsts(self, request: Any, block_ids: Sequence[Sequence[int]],
                        n_ext: int) -> tuple[int, ...]:
         """The GPU blocks vLLM expects a refused load to fill (it recomputes them):
-        after the local hit, ``cdiv(n_ext, block_size)`` per group, ints only."""
+        after the local hit the lookup was given (not ``request.num_computed_tokens``:
+        still 0 when vLLM allocates, so the local hit's own blocks -- maybe shared with
+        a running request -- would be reported, and the unloaded ones counted computed),
+        ``cdiv(n_ext, block_size)`` per group, ints only."""
         bs = self.cfg.block_size
-        start = int(getattr(request, "num_computed_tokens", 0)) // bs
+        local = self._local_hit.get(request.request_id)
+        if local is None:
+            local = int(getattr(request, "num_computed_tokens", 0))
+        start = local // bs
         end = start + -(-n_ext // bs)
         out = [b for t in block_ids for b in list(t)[start:end]
                if isinstance(b, int) and not isinstance(b, bool) and b >= 0]
@@ -445,6 +456,7 @@ class SchedulerSide:
         self._lister.forget(rid)
         self._waiting.pop(rid, None)
         self._sync_now.pop(rid, None)
+        self._local_hit.pop(rid, None)
         self._requests.pop(rid, None)
         self._announced.discard(rid)
         self._load_failed.discard(rid)

@@ -774,3 +774,32 @@ def test_vllm_sync_load_left_unplanned_is_failed_with_the_blocks_vllm_expects() 
     assert meta.sync_reqs == ("a",)
     assert meta.failed_loads == {"a": (10, 11)}
     assert side.counters.sync_loads_unplanned == 1 and side.counters.lookups_sync == 1
+
+
+def test_vllm_failed_sync_load_names_the_blocks_after_the_local_hit() -> None:
+    """Hazard: a failed load reported with the local hit's blocks. vLLM calls
+    ``update_state_after_alloc`` before it sets the request's ``num_computed_tokens``
+    (it reads 0 there), so counting the local hit from the request named the prefix
+    cache's own block: request a has a 4-token local hit (block 9, maybe shared with a
+    running request) and a 4-token kvshm hit (block 10); its load is left unplanned.
+    Reporting (9,) would make vLLM recompute whoever shares block 9 and count block 10,
+    never loaded, as computed; the metadata must fail (10,): the blocks after the local
+    hit the lookup was given."""
+    import dataclasses
+    from types import SimpleNamespace as NS
+
+    client = UnplannedClient()
+    client.hit = 4
+    side = _read_side(client, disk=False)
+    side.cfg = dataclasses.replace(side.cfg, sync_loads=True)
+    a = _read_request(side, "a")
+    assert side.lookup(a, 4) == (4, False)
+    assert a.num_computed_tokens == 0  # as vLLM leaves it until after the allocation
+    side.allocated(a, [[9, 10, 11]], 4)
+    meta = side.build(NS(scheduled_new_reqs=[], preempted_req_ids=set(),
+                         finished_req_ids=set(),
+                         scheduled_cached_reqs=NS(req_ids=[], resumed_req_ids=set(),
+                                                  new_block_ids=[], num_computed_tokens=[])))
+    assert meta.sync_reqs == ("a",)
+    assert meta.failed_loads == {"a": (10,)}
+    assert side.counters.sync_loads_unplanned == 1
