@@ -161,6 +161,7 @@ class CpuCopyEngine:
         self._efd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
         self._rung = 0  # eventfd rings so far (:meth:`poll`)
         self._drained = 0  # ... as of the last drain
+        self._rung_lock = threading.Lock()  # publishers on several threads: no lost count
         self._closing = threading.Event()
         self._cancel_upto = -1  # items with seq <= this fail instead of starting
         self._gate: Callable[[], bool] | None = None
@@ -265,9 +266,11 @@ class CpuCopyEngine:
         self._tracker.finish(seq, done, nbytes=nbytes, pairs=pairs)
         if not self._closed:
             os.eventfd_write(self._efd, 1)
-            # after the ring (see poll); two threads may merge their increments: the
-            # count still moves past any value a drain has seen, which is all poll asks
-            self._rung += 1
+            # after the ring (see poll), under a lock: the inline caller and the copy
+            # threads publish concurrently, and a lost increment could leave the count
+            # equal to a drain's while the fd is readable (a parked loop would spin)
+            with self._rung_lock:
+                self._rung += 1
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
