@@ -28,7 +28,9 @@ pool; the connector only tells it when. Hook by hook:
   calls it right after ``start_load_kv``, and a load reported now costs the request one
   engine step, not one per step until the copy thread finishes); the request ids of
   every load job this rank finished (ok or not), plus every request of the metadata's
-  scheduler-side failures. vLLM counts a request as loaded once every rank reported it.
+  scheduler-side failures -- a synchronous load's request left out (vLLM runs it; its
+  failure goes out as block ids). vLLM counts a request as loaded once every rank
+  reported it.
 * ``get_block_ids_with_load_errors`` -> :meth:`load_errors`: destinations of failed
   jobs and scheduler-side failures, reported no later than the request's id.
 * ``get_transfer_results`` -> :meth:`take_failed_requests` as ``failed_recving`` with
