@@ -626,10 +626,11 @@ def _read_request(side: Any, rid: str) -> Any:
     return r
 
 
-def _empty_step(side: Any) -> None:
+def _empty_step(side: Any) -> Any:
+    """``build_connector_meta`` of a step that schedules nothing new; its metadata."""
     from types import SimpleNamespace as NS
 
-    side.build(NS(scheduled_new_reqs=[], preempted_req_ids=set(), finished_req_ids=set(),
+    return side.build(NS(scheduled_new_reqs=[], preempted_req_ids=set(), finished_req_ids=set(),
                   scheduled_cached_reqs=NS(req_ids=[], resumed_req_ids=set(),
                                            new_block_ids=[], num_computed_tokens=[])))
 
@@ -750,6 +751,18 @@ class UnplannedClient(ReadClient):
         return None
 
 
+def _sync_side(hit: int) -> Any:
+    """A scheduler side with synchronous loads whose client answers ``hit`` tokens and
+    plans no load for them (:class:`UnplannedClient`)."""
+    import dataclasses
+
+    client = UnplannedClient()
+    client.hit = hit
+    side = _read_side(client, disk=False)
+    side.cfg = dataclasses.replace(side.cfg, sync_loads=True)
+    return side
+
+
 def test_vllm_sync_load_left_unplanned_is_failed_with_the_blocks_vllm_expects() -> None:
     """A synchronous load (``ConnectorConfig.sync_loads``): vLLM computes the request in
     the step that loads it, so a load the step did not plan must never be left for the
@@ -757,20 +770,11 @@ def test_vllm_sync_load_left_unplanned_is_failed_with_the_blocks_vllm_expects() 
     12]] for 8 tokens (2 blocks of 4); the step plans no load: the metadata lists the
     request in ``sync_reqs`` and fails it with blocks (10, 11) -- the worker reports
     them as load errors and vLLM recomputes -- counted ``sync_loads_unplanned``."""
-    import dataclasses
-
-    client = UnplannedClient()
-    side = _read_side(client, disk=False)
-    side.cfg = dataclasses.replace(side.cfg, sync_loads=True)
+    side = _sync_side(8)
     a = _read_request(side, "a")
     assert side.lookup(a, 0) == (8, False)
     side.allocated(a, [[10, 11, 12]], 8)
-    from types import SimpleNamespace as NS
-
-    meta = side.build(NS(scheduled_new_reqs=[], preempted_req_ids=set(),
-                         finished_req_ids=set(),
-                         scheduled_cached_reqs=NS(req_ids=[], resumed_req_ids=set(),
-                                                  new_block_ids=[], num_computed_tokens=[])))
+    meta = _empty_step(side)
     assert meta.sync_reqs == ("a",)
     assert meta.failed_loads == {"a": (10, 11)}
     assert side.counters.sync_loads_unplanned == 1 and side.counters.lookups_sync == 1
@@ -785,21 +789,12 @@ def test_vllm_failed_sync_load_names_the_blocks_after_the_local_hit() -> None:
     Reporting (9,) would make vLLM recompute whoever shares block 9 and count block 10,
     never loaded, as computed; the metadata must fail (10,): the blocks after the local
     hit the lookup was given."""
-    import dataclasses
-    from types import SimpleNamespace as NS
-
-    client = UnplannedClient()
-    client.hit = 4
-    side = _read_side(client, disk=False)
-    side.cfg = dataclasses.replace(side.cfg, sync_loads=True)
+    side = _sync_side(4)
     a = _read_request(side, "a")
     assert side.lookup(a, 4) == (4, False)
     assert a.num_computed_tokens == 0  # as vLLM leaves it until after the allocation
     side.allocated(a, [[9, 10, 11]], 4)
-    meta = side.build(NS(scheduled_new_reqs=[], preempted_req_ids=set(),
-                         finished_req_ids=set(),
-                         scheduled_cached_reqs=NS(req_ids=[], resumed_req_ids=set(),
-                                                  new_block_ids=[], num_computed_tokens=[])))
+    meta = _empty_step(side)
     assert meta.sync_reqs == ("a",)
     assert meta.failed_loads == {"a": (10,)}
     assert side.counters.sync_loads_unplanned == 1
