@@ -17,7 +17,7 @@ import time
 
 import torch
 from engine_rig import GPU_BLOCKS, ROW, config
-from test_cpu_copy import WAIT_S, collect, make_layout, rank_tensors
+from test_cpu_copy import WAIT_S, collect, drained_by_polls, make_layout, rank_tensors
 from test_worker import STORE, linked
 from worker_rig import transfer
 
@@ -116,12 +116,3 @@ def test_the_notify_fd_is_readable_exactly_while_a_finish_is_unreported() -> Non
     finally:
         host.close()
 
-
-def drained_by_polls(eng: CpuCopyEngine, fd: int) -> bool:
-    """Some poll (of a few, 1 ms apart) leaves ``fd`` unreadable and reports no job."""
-    for _ in range(200):
-        assert eng.poll() == []
-        if select.select([fd], [], [], 0)[0] == []:
-            return True
-        time.sleep(0.001)
-    return False
