@@ -7,7 +7,8 @@ pool; each slot's I/O is one vectored read or write straight between those rows 
 file (O_DIRECT where the rows are page-aligned: :mod:`kvshm.disk.slab`).
 
 Ordering and threads: a job's slots are spread over a pool of ``threads`` threads, in
-runs of consecutive entries (at most :data:`RUN`; runs of several jobs interleave; a
+runs of consecutive entries (at most :data:`RUN`, except that a READ keeps a stretch of
+neighbouring slots in one run: :func:`read_runs`; runs of several jobs interleave; a
 queued READ run goes before every queued WRITE run: :class:`_Runs`); a
 thread hands its run to the slab in one call, which moves neighbouring slots (slot
 numbers k, k + 1, ...) in one vectored read or write.
@@ -42,7 +43,7 @@ import ctypes
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeAlias
 
@@ -53,7 +54,7 @@ from kvshm.ipc.protocol import Disk, DiskOp, DiskSetup, Done, ids_array
 from workers.done_outbox import DoneOutbox
 from workers.host_pool import HostPool
 
-__all__ = ["RUN", "RUN_BYTES", "THREADS", "WRITE_RUN", "DiskMover"]
+__all__ = ["RUN", "RUN_BYTES", "THREADS", "WRITE_RUN", "DiskMover", "read_runs"]
 
 #: Slot I/O threads per rank by default.
 THREADS: Final = 4
@@ -146,9 +147,10 @@ class DiskMover:
         write = parsed.msg.op == DiskOp.WRITE
         if write:  # write-back: whole groups, fewest GIL hand-offs
             run = max(1, min(WRITE_RUN, most))
-        else:  # a request waits: spread over the threads
+            runs = [(k, min(n, k + run)) for k in range(0, n, run)]
+        else:  # a request waits: spread over the threads, neighbours kept together
             run = max(1, min(RUN, -(-n // self._nthreads), most))
-        runs = [(k, min(n, k + run)) for k in range(0, n, run)]
+            runs = read_runs(parsed.slots, run, max(1, most))
         with self._rows_cv:  # register or fence before any run can start
             if write:
                 parsed.rows = frozenset(parsed.ids)
@@ -354,6 +356,25 @@ class DiskMover:
         if n:
             with self._lock:
                 self.counts[key] += n
+
+
+def read_runs(slots: Sequence[int], run: int, most: int) -> list[tuple[int, int]]:
+    """A READ's runs ``(start, end)`` over its entries, in order: a run of scattered
+    slots ends after ``run`` entries (the threads share them, each slot its own I/O), a
+    stretch of neighbouring slots (k, k + 1, ... or k, k - 1, ...: write-back writes a
+    chain deepest block first) stays in one run up to ``most`` entries
+    (the slab reads it in one vectored read: one thread and one GIL hand-off instead of
+    several threads each paying one, on a disk the stretch's bytes keep busy anyway).
+    A run ends only where a stretch does, or at ``most``."""
+    out: list[tuple[int, int]] = []
+    a = 0
+    for k in range(1, len(slots)):
+        if k - a >= most or (k - a >= run and abs(slots[k] - slots[k - 1]) != 1):
+            out.append((a, k))
+            a = k
+    if slots:
+        out.append((a, len(slots)))
+    return out
 
 
 _Run: TypeAlias = tuple[_Job, int, int]

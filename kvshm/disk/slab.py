@@ -621,7 +621,7 @@ class SlabFile:
         byte_rows = self._checked(slots, rows, hashes)
         out: list[SlotOutcome | OSError] = []
         bounced = 0
-        for a, b, direct in self._groups(slots, byte_rows):
+        for a, b, direct in self._groups(slots, byte_rows, descending=True):
             try:
                 if direct:
                     out += self._read_group(slots[a:b], byte_rows[a:b], hashes[a:b])
@@ -644,11 +644,14 @@ class SlabFile:
 
     # ------------------------------------------------------------------ groups
 
-    def _groups(self, slots: Sequence[int],
-                rows: Sequence[list[memoryview]]) -> Iterator[tuple[int, int, bool]]:
+    def _groups(self, slots: Sequence[int], rows: Sequence[list[memoryview]], *,
+                descending: bool = False) -> Iterator[tuple[int, int, bool]]:
         """``(a, b, direct)``: blocks ``a..b-1`` go in one I/O; ``direct``: straight
         between their rows and the file (neighbouring slots, within the group limits),
-        else one block through the bounce buffer."""
+        else one block through the bounce buffer. ``descending`` (reads): slots k, k - 1,
+        ... are neighbours too (write-back writes a chain deepest block first, so a
+        request reads its blocks in falling slot order; :meth:`_read_group` reads such a
+        group in file order)."""
         n = len(slots)
         stride = self.spec.slot_stride
         # Neighbouring slots are neighbouring bytes only without padding between them.
@@ -661,7 +664,8 @@ class SlabFile:
                 a += 1
                 continue
             b, iovs = a + 1, 1 + len(rows[a])
-            while (b < n and b - a < most and slots[b] == slots[b - 1] + 1
+            step = -1 if descending and b < n and slots[b] == slots[a] - 1 else 1
+            while (b < n and b - a < most and slots[b] == slots[b - 1] + step
                    and iovs + 1 + len(rows[b]) <= _IOV_MAX and self._zero_copy(rows[b])):
                 iovs += 1 + len(rows[b])
                 b += 1
@@ -684,6 +688,8 @@ class SlabFile:
 
     def _read_group(self, slots: Sequence[int], rows: Sequence[list[memoryview]],
                     hashes: Sequence[bytes]) -> list[SlotOutcome]:
+        if len(slots) > 1 and slots[1] < slots[0]:  # a falling group: read in file order
+            return self._read_group(slots[::-1], rows[::-1], hashes[::-1])[::-1]
         heads = self._buffers_here().heads()
         iovs: list[memoryview] = []
         for j, r in enumerate(rows):

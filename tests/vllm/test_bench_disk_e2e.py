@@ -55,3 +55,27 @@ def test_the_restart_seed_leaves_each_answer_behind_within_the_length_limit() ->
     assert seed_tokens(turn, "answers", {"max_prompt_tokens": 100}) == [1, 2, 3, 4, 5, 6, 7]
     assert seed_tokens(turn, "answers", {"max_prompt_tokens": 5}) == [1, 2, 3, 4, 5]
     assert seed_tokens(turn, "prompts", {"max_prompt_tokens": 100}) == [1, 2, 3]
+
+
+def test_part_b_runs_at_the_e2e_benchmarks_scales_and_part_c_at_its_own() -> None:
+    """Part (b)'s workloads default to ``tools.bench_e2e.BENCH_SCALES`` (the e2e
+    benchmark's own sizes), ``--scale NAME=FRACTION`` overrides one, and part (c) keeps
+    ``SCALES``' chat whatever ``--scale`` says; ``--quick`` makes both tiny."""
+    import argparse
+
+    from tools.bench_e2e import BENCH_SCALES, QUICK_SCALE, SCALES
+    from tools.disk_e2e import add_arguments, finish_args, restart_args
+
+    ap = argparse.ArgumentParser()
+    add_arguments(ap)
+    args = finish_args(ap.parse_args([]))
+    assert args.scale == {"chat": BENCH_SCALES["chat"], "agentic": BENCH_SCALES["agentic"]}
+    assert restart_args(args).scale == {"chat": SCALES["chat"]}
+    args = finish_args(ap.parse_args(["--scale", "chat=0.3"]))
+    assert args.scale["chat"] == 0.3 and args.scale["agentic"] == BENCH_SCALES["agentic"]
+    assert restart_args(args).scale == {"chat": SCALES["chat"]}
+    args = finish_args(ap.parse_args(["--quick"]))
+    assert set(args.scale.values()) == {QUICK_SCALE}
+    assert restart_args(args).scale == {"chat": QUICK_SCALE}
+    with pytest.raises(SystemExit):
+        ap.parse_args(["--scale", "chat"])

@@ -2,7 +2,8 @@
 under tmp_path, real threads. Its counters (the numbers a rank reports under
 ``statistics()["disk"]``), and every way a job fails without touching the disk: a
 malformed job, a revoked rank (the gate), a closed mover. And the row fence: a READ into
-a row that an earlier WRITE still reads waits for it."""
+a row that an earlier WRITE still reads waits for it. And how a READ is cut into runs:
+neighbouring slots stay in one run (one thread, one vectored read)."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ import torch
 
 from kvshm.disk import PAGE, SlabSpec
 from kvshm.ipc.protocol import Disk, DiskOp, DiskSetup, Done, LayoutSpec, RegionSpec, pack_ids
-from workers.disk_mover import DiskMover
+from workers.disk_mover import DiskMover, read_runs
 from workers.host_pool import HostPool
 
 FP = "mover-test.fp16.bs16"
@@ -223,3 +224,40 @@ def test_a_read_fenced_on_a_write_that_close_cancels_is_counted_cancelled(
     dones = {d.job_id: d for d in m.poll()}
     assert not dones[2].ok and not dones[3].ok
     assert m.statistics()["slots_cancelled"] == 2
+
+
+def test_a_reads_neighbouring_slots_stay_in_one_run_and_scattered_ones_are_shared() -> None:
+    """``read_runs``: a stretch of neighbouring slots is one run (up to ``most``
+    entries); scattered slots are cut every ``run`` entries; a run ends where a stretch
+    does; every entry is in exactly one run, in order."""
+    assert read_runs(list(range(16)), 4, 28) == [(0, 16)]
+    assert read_runs(list(range(60)), 8, 28) == [(0, 28), (28, 56), (56, 60)]
+    assert read_runs([1, 5, 9, 13, 20, 30, 40, 50], 2, 28) == [(0, 2), (2, 4), (4, 6), (6, 8)]
+    assert read_runs([1, 2, 3, 10, 11, 12, 13, 14, 30], 2, 28) == [(0, 3), (3, 8), (8, 9)]
+    assert read_runs([7, 3], 1, 1) == [(0, 1), (1, 2)]
+    assert read_runs([3], 4, 28) == [(0, 1)]
+    assert read_runs([], 4, 28) == []
+
+
+def test_a_read_of_neighbouring_slots_is_one_thread_and_bit_exact(
+        tmp_path: Path, movers: list[DiskMover]) -> None:
+    """A READ of eight neighbouring slots on a four-thread mover goes to the slab as one
+    run (one thread reads all eight); the rows come back bit-exact."""
+    src = pool((PAGE, 2 * PAGE), seed=3)
+    m = make(movers, tmp_path, src, threads=4)
+    hs = hashes(8)
+    m.submit(job(1, DiskOp.WRITE, list(range(8)), list(range(8)), hs))
+    assert wait(m) == [Done(1, 0, True)]
+    seen: list[tuple[int, int, str]] = []
+    inner = m._run
+
+    def run(j: object, start: int, end: int) -> list[str]:
+        seen.append((start, end, threading.current_thread().name))
+        return inner(j, start, end)  # type: ignore[arg-type]
+
+    m._run = run  # type: ignore[method-assign,assignment]
+    m.submit(job(2, DiskOp.READ, list(range(8, 16)), list(range(8)), hs))
+    assert wait(m) == [Done(2, 0, True)]
+    assert [(a, b) for a, b, _ in seen] == [(0, 8)]
+    for r in src.regions:
+        assert torch.equal(r[8:16], r[0:8])
