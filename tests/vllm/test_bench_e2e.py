@@ -24,7 +24,8 @@ pytestmark = [pytest.mark.vllm, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 ROW_KEYS = {"capacity_blocks", "vllm_cpu_blocks", "ceiling_share", "vllm_ceiling_share",
             "oracle_ceiling_share", "mean_ratio_vs_vllm", "p50_ratio_vs_vllm",
-            "p90_ratio_vs_vllm", "cpu_ceiling_share", "cpu_mean_ratio_vs_vllm",
+            "p90_ratio_vs_vllm", "ratio_interval", "unbounded_ratio_vs_vllm",
+            "cpu_ceiling_share", "cpu_mean_ratio_vs_vllm",
             "hit_fraction", "arms", "access_mismatches", "answer_mismatches"}
 ARM_KEYS = {"mean_ms", "p50_ms", "p90_ms", "cpu_mean_ms", "cpu_p50_ms", "wall_s", "tok_s",
             "req_s", "hit_tokens", "stored_blocks"}
@@ -42,6 +43,11 @@ def _check_row(row: dict[str, Any], half: bool) -> None:
     assert row["arms"]["kvshm"]["stored_blocks"] >= 0
     assert row["vllm_cpu_blocks"] == row["capacity_blocks"] > 0
     assert row["mean_ratio_vs_vllm"] > 0 and row["p50_ratio_vs_vllm"] > 0
+    lo, hi = row["ratio_interval"]["mean"]  # the paired bootstrap brackets the mean ratio
+    assert 0 < lo <= row["mean_ratio_vs_vllm"] + 0.001 and row["mean_ratio_vs_vllm"] <= hi + 0.001
+    lo, hi = row["ratio_interval"]["p50"]  # (a median of a few requests may not be inside)
+    assert 0 < lo <= hi
+    assert row["unbounded_ratio_vs_vllm"]["mean"] > 0 < row["unbounded_ratio_vs_vllm"]["p50"]
     assert set(row["hit_fraction"]) == {"vllm", "kvshm", "oracle"}
     assert set(row["cpu_ceiling_share"]) == {"vllm", "kvshm", "oracle"}
     assert set(row["access_mismatches"]) == {"kvshm", "oracle"}
