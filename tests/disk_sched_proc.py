@@ -20,7 +20,7 @@ import torch
 from engine_rig import BS, Client, spawned_engine, tokens
 
 from kvshm.hashing import chain_hashes
-from kvshm.offload.disk import disk_hash
+from kvshm.offload.disk_writes import disk_hash
 
 SLOTS = 64
 DISK = 4096 + SLOTS * 2 * 4096

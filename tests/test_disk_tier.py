@@ -34,7 +34,7 @@ from kvshm.disk import PAGE, SlabSpec, scan
 from kvshm.engine import Engine
 from kvshm.errors import ConfigError
 from kvshm.hashing import chain_hashes
-from kvshm.offload.disk import disk_hash
+from kvshm.offload.disk_writes import disk_hash
 from kvshm.types import RequestView, ScheduledRequest
 
 #: Slots of each rank's slab (a 1 KiB row takes an 8 KiB slot).

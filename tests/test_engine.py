@@ -244,5 +244,5 @@ async def test_the_default_order_weighs_blocks_by_the_engines_block_size() -> No
     async with spawned_engine() as (eng, _, _):
         cpu = eng._core._cpu
         assert cpu is not None and cpu.eviction is Eviction.ADAPTIVE
-        assert isinstance(cpu._queue, Adaptive) and cpu._queue.block_tokens == BS
+        assert isinstance(cpu._queue, Adaptive) and cpu._queue.panel.block_tokens == BS
         assert eng.statistics().eviction == "adaptive"

@@ -27,9 +27,9 @@ written before its reuse: :mod:`kvshm.offload.disk`). On each rank, a job that w
 CPU row runs only after every WRITE received before it that reads the row: a READ
 whose rows a WRITE still reads waits (its runs are queued once those WRITEs end, whose
 queued runs move up with the READs meanwhile; counted ``reads_fenced``), and the
-worker's store copy asks :meth:`wait_rows` first. Rows are registered when a WRITE is
-submitted and released when its last slot is done (ok or not), so the fence never
-outlives the job.
+worker's store copy and the remote mover's GET ask :meth:`wait_rows` first. Rows are
+registered when a WRITE is submitted and released when its last slot is done (ok or
+not), so the fence never outlives the job.
 
 Outcome rule (the remote tier's): failure = miss = recompute. A job is ok only if every
 slot succeeded (WRITE: written; READ: a HIT); otherwise its Done names how many of each
@@ -54,7 +54,12 @@ from kvshm.ipc.protocol import Disk, DiskOp, DiskSetup, Done, ids_array
 from workers.done_outbox import DoneOutbox
 from workers.host_pool import HostPool
 
-__all__ = ["RUN", "RUN_BYTES", "THREADS", "WRITE_RUN", "DiskMover", "read_runs"]
+__all__ = ["FENCE_TIMEOUT_S", "RUN", "RUN_BYTES", "THREADS", "WRITE_RUN", "DiskMover",
+           "read_runs"]
+
+#: Longest a store copy or a remote GET waits for the disk WRITEs that still read its CPU
+#: rows (:meth:`DiskMover.wait_rows`); past it the job fails (a miss, recomputed).
+FENCE_TIMEOUT_S: Final = 5.0
 
 #: Slot I/O threads per rank by default.
 THREADS: Final = 4

@@ -22,9 +22,14 @@ them: every public method of the Worker and every flush hold it, so the ``done``
 keeps one producer at a time and the book is never touched by two threads at once.
 
 Ordering of one pump (:meth:`WorkerLink._pump`): revocation word first (nothing more
-happens once set), then the heartbeat, the lifeline, the ring's commands, the Remote
-and Disk jobs that arrived (they run on arrival), then the Dones of finished work, then an EOF
-seen on the lifeline (so the commands that came before it are handled first).
+happens once set), then the heartbeat, the lifeline, the ring's commands, the Disk and
+then the Remote jobs that arrived (they run on arrival), then the Dones of finished work,
+then an EOF seen on the lifeline (so the commands that came before it are handled
+first). Disk before Remote: the row fence a GET asks (:meth:`DiskMover.wait_rows
+<workers.disk_mover.DiskMover.wait_rows>`) sees only WRITEs already submitted, and the
+scheduler posts a GET's victims' WRITEs before the GET; handed over the other way, the
+remote mover's thread could start the GET before the WRITE is registered, overwrite
+the row, and the WRITE would put the GET's bytes on disk under the victim's hash.
 """
 
 from __future__ import annotations
@@ -195,8 +200,8 @@ class WorkerLink:
             n = len(self._queue.disk) + len(self._queue.remote)
             if n:
                 self._counts["jobs_taken_on_arrival"] += n
+                self._run_disk()  # WRITEs registered before a GET can ask the fence
                 self._run_remote()
-                self._run_disk()
                 self._send()  # a job refused at once is a failed Done
 
     # ------------------------------------------------------------------ the link
@@ -223,8 +228,8 @@ class WorkerLink:
         except TransportError as exc:
             self._lost(exc)
             return
+        self._run_disk()  # WRITEs registered before a GET can ask the fence
         self._run_remote()
-        self._run_disk()
         self._collect()
         if not alive:
             self._lost(PeerDied(f"kvshm scheduler {self.name!r} closed the connection"))

@@ -28,6 +28,17 @@ without waking another thread: on a process whose other thread keeps running Pyt
 must never block (the host may be closing this mover, which joins the thread); a Done it
 does not publish stays in the outbox for :meth:`poll` (its eventfd is readable).
 
+Row fence: where the rank also has a disk tier, the scheduler may hand a GET CPU rows
+whose old block a disk WRITE posted just before still reads (a victim written down
+before its reuse: :mod:`kvshm.offload.disk_writes`). The session sets
+:meth:`RemoteMover.fence_rows` to the disk mover's
+:meth:`~workers.disk_mover.DiskMover.wait_rows`: a GET fills its rows only once no WRITE
+received before it reads them (the disk mover counts the waits, ``copies_fenced``); a
+wait past :data:`~workers.disk_mover.FENCE_TIMEOUT_S` fails the GET without touching a
+row (``gets_fence_timed_out``: a miss, recomputed). The wait is one WRITE's I/O (its
+queued runs move up), but it holds this mover's one thread: later PUTs and GETs of the
+rank wait behind it.
+
 Outcome rule (the remote tier's): failure = miss = recompute. A job is ok only if every
 block was stored (PUT) or every block was a HIT (GET); otherwise its Done says how many of
 each outcome, and the scheduler treats the whole job as failed.
@@ -83,6 +94,7 @@ class RemoteMover:
         self._closed = False
         self.counts: Counter[str] = Counter()
         self._on_finish: Callable[[], bool] | None = None
+        self._fence: Callable[[Sequence[int]], bool] | None = None
         self._thread = threading.Thread(target=self._loop, name=f"kvshm-remote-r{rank}",
                                         daemon=True)
         self._thread.start()
@@ -95,6 +107,12 @@ class RemoteMover:
             self._finish(Done(job.job_id, self.rank, False, "RemoteError: mover closed"))
             return
         self._jobs.put(job)
+
+    def fence_rows(self, wait: Callable[[Sequence[int]], bool]) -> None:
+        """Set the row fence (module docstring): ``wait(rows)`` blocks until no disk
+        WRITE received so far reads ``rows``; False: it timed out. Set before the first
+        job."""
+        self._fence = wait
 
     def poll(self) -> list[Done]:
         """The Dones of the jobs finished since the last call, in finishing order. Called
@@ -200,6 +218,12 @@ class RemoteMover:
             self.counts["bad_jobs"] += 1
             return Done(job.job_id, self.rank, False,
                         f"RemoteError: CPU row out of range [0, {self._host.num_cpu_blocks})")
+        if job.op is RemoteOp.GET and self._fence is not None \
+                and not self._fence(ids.tolist()):
+            self.counts["gets_fence_timed_out"] += 1
+            return Done(job.job_id, self.rank, False,
+                        f"RemoteError: rank {self.rank}: a disk WRITE still reads the GET's "
+                        f"CPU rows after the fence's timeout")
         hashes = [job.hashes[k * hl:(k + 1) * hl] for k in range(n)]
         tally: Counter[str] = Counter()
         for start in range(0, n, self._batch):

@@ -33,6 +33,7 @@ import os
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -48,7 +49,7 @@ from kvshm.shm import Segment, map_segment, tensor_from_fd
 from kvshm.types import DeviceKind
 from workers.copy_engine import CopyEngine
 from workers.cpu_copy import CpuCopyEngine, FaultInjection
-from workers.disk_mover import DiskMover
+from workers.disk_mover import FENCE_TIMEOUT_S, DiskMover
 from workers.host_pool import HostPool
 from workers.remote_mover import RemoteMover
 
@@ -109,10 +110,10 @@ class Session:
         them goes (the copy engine's and this session's layout), which returns torch's
         IPC reference to the exporter: call it on detach."""
         self.close_link()
+        if self.disk is not None:  # first: a GET waiting on its row fence goes on at once
+            self.disk.close()  # its running slots end first; then the slab closes
         if self.remote is not None:
-            self.remote.close()  # its running job ends first: no thread touches a row
-        if self.disk is not None:
-            self.disk.close()  # likewise its running slots; then the slab closes
+            self.remote.close()  # likewise its running job: no thread touches a row
         self.engine.close()
         self.notify_fd = None
         self.host.close()
@@ -247,6 +248,8 @@ def open_session(ready: Ready, fds: Sequence[int], *, layout: KVLayout | None,
         disk, disk_error = _make_disk(ready, host, world_size)
         if disk is not None:
             channel.watch(disk.notify_fd())
+            if mover is not None:  # a GET into rows a victim's WRITE still reads waits
+                mover.fence_rows(partial(disk.wait_rows, timeout=FENCE_TIMEOUT_S))
     except BaseException:
         owned.close_rest()
         if disk is not None:

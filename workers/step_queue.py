@@ -23,7 +23,8 @@ class StepQueue:
     def __init__(self) -> None:
         self._q: dict[Direction, list[Transfer]] = {d: [] for d in Direction}
         self._flush: dict[int, set[int]] = {}
-        #: Remote jobs, in arrival order: they run on arrival (no step, no fence).
+        #: Remote jobs, in arrival order: they run on arrival (no step; a GET asks the
+        #: disk mover's row fence: the link hands the Disk jobs over first).
         self.remote: list[Remote] = []
         #: Disk jobs, in arrival order: they run on arrival too.
         self.disk: list[Disk] = []

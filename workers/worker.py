@@ -67,6 +67,7 @@ from kvshm.layout import KVLayout
 from kvshm.types import DeviceKind
 from workers.copy_engine import CopyJob, Fence, describe_error
 from workers.cpu_copy import FaultInjection
+from workers.disk_mover import FENCE_TIMEOUT_S
 from workers.link import WorkerLink, locked
 from workers.phases import LINKED, DetachReason, Phase
 from workers.revocation import close_lifeline_when_idle
@@ -76,9 +77,6 @@ __all__ = ["DetachReason", "Phase", "Worker"]
 
 #: Default bound of a Flush wait in begin_step.
 FLUSH_TIMEOUT_S: Final = 60.0
-#: Longest a store copy waits for the disk WRITEs that still read its CPU rows (the row
-#: fence of :mod:`workers.disk_mover`); past it the store fails (a miss, recomputed).
-FENCE_TIMEOUT_S: Final = 5.0
 #: The longest :meth:`Worker.wait_for_work` parks while copies run on an engine that has no
 #: completion fd to wake it (CUDA: its events are polled), in seconds (poll()'s 1 ms tick).
 COPY_POLL_S: Final = 0.001

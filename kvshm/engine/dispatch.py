@@ -11,8 +11,9 @@ batches of ``Done`` that come back to :meth:`OffloadManager.on_done
   that job only (counted in ``done_errors``, logged once per exception type); every
   other Done of the batch is still applied. The load outcomes stay in the manager's
   queue (nothing here copies them).
-* A Remote or Disk job (:meth:`post_remote`) follows the plan's transfers, in plan
-  order.
+* A Remote or Disk job goes out through :meth:`post_remote`, in the order the runtime
+  posts it (a step's Disk jobs before its transfers and its Remote jobs:
+  ``Runtime.step``).
 * Each Done is progress for its rank's hang clock (:meth:`RankWatch.acked
   <kvshm.engine.supervision.RankWatch.acked>`) and carries its job's ack latency while
   acks are still owed: a job's post time is kept for as many Dones as ranks it went to,

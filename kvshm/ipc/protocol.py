@@ -233,8 +233,10 @@ class Goodbye(_Msg, tag=9, frozen=True, array_like=True, gc=False):
 class Remote(_Msg, tag=10, frozen=True, array_like=True, gc=False):
     """Move CPU rows ``cpu_ids[i]`` to or from the remote tier under block ``hashes[i]``
     (``hash_len`` bytes each, concatenated); the worker builds each key from its rank and
-    ``Ready.remote``. Runs on arrival (no step, no fence: a PUT is posted only after its
-    rows' store was acked by every rank, a GET into rows nothing else uses)."""
+    ``Ready.remote``. Runs on arrival (no step: a PUT is posted only after its rows' store
+    was acked by every rank; a GET goes into fresh rows, which on a rank with a disk tier
+    it fills only once no Disk WRITE received before it still reads them -- the
+    write-down of the blocks its allocation evicted)."""
 
     job_id: int
     op: RemoteOp

@@ -6,46 +6,16 @@ file (``Ready.disk``).
 
 The slot table is a :class:`~kvshm.offload.pool.BlockPool` of one record per slot (the
 same rank-independent slot number on every rank): its hash index says which block a
-slot holds (the block's 32-byte disk hash, :func:`disk_hash`), its ref counts are the
-pins of the jobs that use a slot, and its LRU free queue says which slot a write reuses
-first (an unindexed slot, else the least recently written or read block).
+slot holds (the block's 32-byte disk hash,
+:func:`~kvshm.offload.disk_writes.disk_hash`), its ref counts are the pins of the jobs
+that use a slot, and its LRU free queue says which slot a write reuses first (an
+unindexed slot, else the least recently written or read block).
 
-Write-back (``plan``): the cached CPU blocks among the next ``window`` blocks the CPU
-tier's own eviction order would reuse (:meth:`BlockPool.iter_free_from_lru`: the order
--- depth_aged by default -- is the value; an uncached block is worth nothing, a block
-the disk holds or is writing is skipped) are pinned in the CPU pool and written to
-fresh slots (WRITE jobs to every rank of at most ``max_job_blocks`` blocks; at most
-``max_window`` blocks in flight). The window follows the pressure: twice the cached
-blocks the CPU tier evicted since the last plan (halving each plan without evictions),
-at least ``window`` and at most ``max_window``; a scan costs about 2 us a block, so an
-idle tier scans 16, and a step whose stores evict many scans ahead as many as they
-take. Only when every rank acked ok is each slot indexed under
-its block's hash; the CPU pin goes in every case, and a written block returns to the CPU
-tier's free set as the next to reuse (``evict_first``: it was about to be evicted and
-the disk holds it now). A failed write leaves its slots unindexed (reused first); three
-failed writes in a row (a full or failing disk: ENOSPC, EIO) pause write-back for
-``pause_s`` (counted), while reads and serving go on.
-
-Write-down of victims (every mode): a CPU block the tier evicts to make room -- for a
-store (the manager's plan) or for a READ (:meth:`_allocate_read`) -- whose block the
-disk neither holds nor is writing is written down by a WRITE job of its own
-(:meth:`write_victims`) in the same call, before the block is reused: the WRITE pins
-the CPU block beside its new owner (ref 2) and is posted *before* the store or READ
-that overwrites its rows (``StepPlan.disk`` goes out before ``StepPlan.store``; a
-lookup's READs after their victims' WRITEs), and each rank runs a copy or READ into a
-row only after every WRITE it received earlier that reads the row
-(:mod:`workers.disk_mover`'s row fence). So no cached block leaves the CPU tier
-unwritten while write-back has not reached it: the scan is the early, spread-out
-write; this is the last chance. Counted: ``evicted_on_disk`` (the disk had it),
-``evicted_written`` (written down now), ``evicted_lost`` (not: write-back paused, or
-no free slot). A remote GET's allocation is not covered (no disk victims there).
-
-Write-through (``write_through``, ``EngineConfig.disk_mode``): every block a store
-indexes in the CPU tier is also remembered (not pinned: at most ``4 x max_window``, the
-oldest forgotten) and written by the next plans, before the eviction scan, if its CPU
-block still holds it then; such a block returns to the CPU tier's free set as any freed
-block does (it was not about to be evicted). The disk then holds what the CPU tier
-holds, so a restart finds it too; the eviction scan still covers the rest.
+Write path (:mod:`kvshm.offload.disk_writes`: the book holds one
+:class:`~kvshm.offload.disk_writes.WriteBack`): write-back of the blocks the CPU tier
+would evict next, write-down of the blocks an allocation evicts before write-back
+reached them, write-through, and the pause of a failing disk. A slot is indexed only
+when every rank acked its WRITE.
 
 Read path: the state machine of :class:`~kvshm.offload.fetches.Fetches`, shared with the
 remote tier. The manager asks the disk after the CPU tier (order CPU -> disk ->
@@ -77,36 +47,26 @@ and FETCHED blocks); every slot pin is a job's (:meth:`check_invariants`).
 from __future__ import annotations
 
 import time
-from collections import Counter, deque
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
-from itertools import islice
 from typing import Final
 
-from kvshm.ipc.protocol import Disk, DiskOp, pack_ids
+from kvshm.ipc.protocol import Disk
+from kvshm.offload.disk_writes import DISK_HASH_BYTES, WriteBack, disk_hash, message
 from kvshm.offload.fetches import Fetches
 from kvshm.offload.groups import GroupSet
 from kvshm.offload.hits import Hit
 from kvshm.offload.jobs import DiskJob, JobTable, RemoteJob
 from kvshm.offload.pool import BlockPool
-from kvshm.offload.remote_puts import REMOTE_HASH_BYTES, remote_hash
 from kvshm.types import LoadFailure
 
-__all__ = ["DISK_HASH_BYTES", "MAX_DISK_BLOCKS", "DiskBook", "DiskCounters", "disk_hash",
-           "max_disk_blocks", "message"]
+__all__ = ["MAX_DISK_BLOCKS", "DiskBook", "DiskCounters", "max_disk_blocks"]
 
 #: Most blocks one Disk job moves.
 MAX_DISK_BLOCKS: Final = 128
-#: Length of every block hash a Disk message and a slot header carry.
-DISK_HASH_BYTES: Final = REMOTE_HASH_BYTES
 #: Encoded bytes of a Disk command besides its ids, slots and hashes.
 DISK_OVERHEAD: Final = 64
-#: Failed WRITE jobs in a row that pause write-back.
-WRITE_FAILURES_TO_PAUSE: Final = 3
-
-disk_hash = remote_hash
-"""The hash a slot header and a Disk message carry for CPU index key ``key`` (the key
-itself when it is 32 bytes, else its BLAKE2b digest: one length for every slot)."""
 
 
 def max_disk_blocks(max_record: int) -> int:
@@ -114,13 +74,6 @@ def max_disk_blocks(max_record: int) -> int:
     ``max_record`` bytes (a 4-byte CPU id, a 4-byte slot and a hash each)."""
     return max(1, min(MAX_DISK_BLOCKS,
                       (max_record - DISK_OVERHEAD) // (8 + DISK_HASH_BYTES)))
-
-
-def message(job: DiskJob) -> Disk:
-    """The Disk command of ``job`` (every rank gets the same)."""
-    hashes = b"".join(disk_hash(k) for k in job.keys)
-    return Disk(job.job_id, DiskOp.WRITE if job.put else DiskOp.READ, pack_ids(job.cpu_ids),
-                pack_ids(job.slots), hashes, DISK_HASH_BYTES)
 
 
 @dataclass(slots=True)
@@ -179,25 +132,17 @@ class DiskBook:
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.cpu, self._gs, self._jobs, self.slots = cpu, gs, jobs, slots
         self.counters = DiskCounters()
-        self._window = window or 16
-        self._max_window = max_window or max(self._window, min(cpu.num_blocks // 4, 4096))
-        self._pressure = 0  # cached CPU blocks evicted lately (halved each plan)
-        self._evictions = cpu.evictions
-        self._max_job = max(1, max_job_blocks)
-        self._pause_s = pause_s
-        self._clock = clock
+        max_job = max(1, max_job_blocks)
+        first = window or 16
+        self.writes = WriteBack(
+            cpu, jobs, slots, self.counters, window=first,
+            max_window=max_window or max(first, min(cpu.num_blocks // 4, 4096)),
+            max_job=max_job, pause_s=pause_s, write_through=write_through, clock=clock)
         self.fetches = Fetches(cpu, gs, self.counters, self._new_read,
-                               fetch_timeout_s=fetch_timeout_s, max_job_blocks=self._max_job,
+                               fetch_timeout_s=fetch_timeout_s, max_job_blocks=max_job,
                                clock=clock, available=self._available,
                                allocate=self._allocate_read)
         self._held: dict[str, list[int]] = {}  # request -> CPU hit held while it reads
-        self._writing: set[bytes] = set()  # disk hashes being written
-        self._inflight = 0  # blocks being written
-        self._failures = 0  # failed WRITE jobs in a row
-        self._paused_until = 0.0
-        self.write_through = write_through
-        self._fresh: deque[tuple[int, bytes]] = deque()  # stored, to write through
-        self._scan_jobs: set[int] = set()  # WRITE jobs of blocks about to be evicted
         self._victims: list[tuple[int, bytes]] = []  # evicted by READs, not yet written
 
     # ---- queries ---------------------------------------------------------------------
@@ -322,7 +267,7 @@ class DiskBook:
 
     def plan(self, step: int) -> list[Disk]:
         """This step's disk jobs: READs for answered lookups, then write-back."""
-        return self.plan_reads(step) + self._write_back(step)
+        return self.plan_reads(step) + self.writes.plan(step)
 
     def plan_reads(self, step: int) -> list[Disk]:
         """READs for the lookups answered since the last plan (the manager calls it from
@@ -331,130 +276,15 @@ class DiskBook:
         this order)."""
         reads = [message(job) for job in self.fetches.plan(step) if isinstance(job, DiskJob)]
         victims, self._victims = self._victims, []
-        return self.write_victims(step, victims) + reads
+        return self.writes.write_victims(step, victims) + reads
 
     def write_victims(self, step: int, victims: Sequence[tuple[int, bytes]]) -> list[Disk]:
-        """WRITE jobs of ``victims`` (CPU id, key: the cached blocks an allocation just
-        evicted; the ids now belong to a store or READ planned in the same call) that
-        the disk neither holds nor is writing, pinned here until written. Post them
-        before the job that reuses their rows: each rank runs it after them (module
-        docstring). Never raises: a block without a free slot, or while write-back is
-        paused, is lost (counted)."""
-        if not victims:
-            return []
-        c = self.counters
-        writing, on_disk = self._writing, self.slots.cached_keys
-        picks = [(cid, k) for cid, k in victims
-                 if disk_hash(k) not in writing and disk_hash(k) not in on_disk]
-        c.evicted_on_disk += len(victims) - len(picks)
-        if not picks:
-            return []
-        if self._paused_until and self._clock() < self._paused_until:
-            c.evicted_lost += len(picks)
-            return []
-        n = min(len(picks), self.slots.num_free)  # what _write_jobs takes
-        c.evicted_written += n
-        c.evicted_lost += len(picks) - n
-        return self._write_jobs(step, picks, scan=False)
+        """:meth:`WriteBack.write_victims` (a store's victims, from the manager)."""
+        return self.writes.write_victims(step, victims)
 
     def stored(self, cpu_ids: Sequence[int], keys: Sequence[bytes]) -> None:
-        """A store completed and indexed ``cpu_ids`` under ``keys``: remembered for
-        write-through (nothing without it)."""
-        if not self.write_through:
-            return
-        fresh = self._fresh
-        fresh.extend(zip(cpu_ids, keys))
-        over = len(fresh) - 4 * self._max_window
-        if over > 0:
-            self.counters.write_through_dropped += over
-            for _ in range(over):
-                fresh.popleft()
-
-    def _write_back(self, step: int) -> list[Disk]:
-        if self._paused_until:
-            if self._clock() < self._paused_until:
-                self.counters.write_skipped_paused += 1
-                return []
-            self._paused_until = 0.0
-        evicted = self.cpu.evictions - self._evictions
-        self._evictions = self.cpu.evictions
-        self._pressure = max(evicted, self._pressure // 2)
-        budget = self._max_window - self._inflight
-        if budget <= 0:
-            self.counters.write_backpressure += 1
-            return []
-        window = min(self._max_window, max(self._window, 2 * self._pressure))
-        chosen: set[bytes] = set()
-        fresh = self._through(budget, chosen)
-        scanned = self._candidates(window, budget - len(fresh), chosen)
-        out = self._write_jobs(step, fresh, scan=False)
-        return out + self._write_jobs(step, scanned, scan=True)
-
-    def _write_jobs(self, step: int, picks: list[tuple[int, bytes]], *, scan: bool
-                    ) -> list[Disk]:
-        """WRITE jobs of ``picks`` into fresh slots (as many as there are free slots)."""
-        n = min(len(picks), self.slots.num_free)
-        if n < len(picks):
-            self.counters.write_declined_no_slot += len(picks) - n
-            picks = picks[:n]
-        if not n:
-            return []
-        self.cpu.touch([c for c, _ in picks])
-        slots = self.slots.allocate(n)  # the least recently used disk blocks go
-        out: list[Disk] = []
-        for i in range(0, n, self._max_job):
-            batch = picks[i:i + self._max_job]
-            keys = [k for _, k in batch]
-            job = self._jobs.new_disk(step, [c for c, _ in batch], keys, [0] * len(batch),
-                                      slots[i:i + self._max_job], write=True)
-            if scan:
-                self._scan_jobs.add(job.job_id)
-            self._writing.update(disk_hash(k) for k in keys)
-            self._inflight += len(batch)
-            self.counters.write_jobs += 1
-            self.counters.write_blocks += len(batch)
-            out.append(message(job))
-        return out
-
-    def _through(self, budget: int, chosen: set[bytes]) -> list[tuple[int, bytes]]:
-        """(CPU id, key) of the remembered stored blocks whose CPU block still holds
-        them and that the disk neither holds nor is writing, at most ``budget``."""
-        picks: list[tuple[int, bytes]] = []
-        fresh, cpu = self._fresh, self.cpu
-        writing, on_disk = self._writing, self.slots.cached_keys
-        while fresh and len(picks) < budget:
-            c, k = fresh.popleft()
-            hs = cpu.block_hashes(c)
-            if not hs or hs[0] != k:
-                continue  # evicted (and reused) meanwhile
-            d = disk_hash(k)
-            if d in writing or d in on_disk or d in chosen:
-                continue
-            chosen.add(d)
-            picks.append((c, k))
-        return picks
-
-    def _candidates(self, window: int, budget: int, chosen: set[bytes]
-                    ) -> list[tuple[int, bytes]]:
-        """(CPU id, key) of the cached blocks among the next ``window`` the CPU tier would
-        reuse that the disk neither holds nor is writing (nor ``chosen``), at most
-        ``budget``, in the order they would go."""
-        picks: list[tuple[int, bytes]] = []
-        if budget <= 0:
-            return picks
-        cpu, writing, on_disk = self.cpu, self._writing, self.slots.cached_keys
-        for c in islice(cpu.iter_free_from_lru(), window):
-            hs = cpu.block_hashes(c)
-            if not hs:
-                continue
-            d = disk_hash(hs[0])
-            if d in writing or d in on_disk or d in chosen:
-                continue
-            chosen.add(d)
-            picks.append((c, hs[0]))
-            if len(picks) >= budget:
-                break
-        return picks
+        """:meth:`WriteBack.stored` (a completed store's blocks, for write-through)."""
+        self.writes.stored(cpu_ids, keys)
 
     # ---- completion ------------------------------------------------------------------
 
@@ -462,32 +292,9 @@ class DiskBook:
         """``job`` is done on every rank (it left the job table). ``usable``: it did not
         fail and its result may be used (not abandoned, the engine not failed)."""
         if job.put:
-            self._write_done(job, usable)
+            self.writes.done(job, usable)
         else:
             self._read_done(job, usable)
-
-    def _write_done(self, job: DiskJob, usable: bool) -> None:
-        self._writing.difference_update(disk_hash(k) for k in job.keys)
-        self._inflight -= len(job.keys)
-        slots = self.slots
-        if usable:
-            for s, k in zip(job.slots, job.keys):
-                slots.add_hashes(s, (disk_hash(k),))
-            self.counters.written_blocks += len(job.keys)
-            self._failures = 0
-        else:
-            self.counters.write_failed_jobs += 1
-            self.counters.write_failed_blocks += len(job.keys)
-            if job.cause is LoadFailure.WORKER_FAILED:
-                self._failures += 1
-                if self._failures >= WRITE_FAILURES_TO_PAUSE:
-                    self._failures = 0
-                    self.counters.writes_paused += 1
-                    self._paused_until = self._clock() + self._pause_s
-        slots.free(job.slots)  # indexed: most recently used; unindexed: reused first
-        scan = job.job_id in self._scan_jobs
-        self._scan_jobs.discard(job.job_id)
-        self.cpu.free(reversed(job.cpu_ids), evict_first=usable and scan)
 
     def _read_done(self, job: DiskJob, usable: bool) -> None:
         if not usable and job.cause is LoadFailure.WORKER_FAILED:
@@ -506,7 +313,7 @@ class DiskBook:
         for rid in list(self._held):
             self.unhold(rid)
         self.fetches.drop()
-        self._fresh.clear()
+        self.writes.drop()
 
     def drop_index(self) -> None:
         """Reset: no slot holds a block any more (slots pinned by jobs stay pinned)."""
@@ -543,8 +350,6 @@ class DiskBook:
         pins: Counter[int] = Counter()
         writes: Counter[int] = Counter()
         reads: set[int] = set()
-        writing: set[bytes] = set()
-        inflight = 0
         for job in self._jobs.jobs.values():
             if not isinstance(job, DiskJob):
                 continue
@@ -554,8 +359,6 @@ class DiskBook:
             pins.update(job.slots)
             if job.put:
                 writes.update(job.slots)
-                writing.update(disk_hash(k) for k in job.keys)
-                inflight += len(job.keys)
             else:
                 reads.update(job.slots)
         for s in range(self.slots.num_blocks):
@@ -568,10 +371,5 @@ class DiskBook:
                                      f"{s in reads}")
             if self.slots.block_hashes(s):
                 raise AssertionError(f"slot {s} is being written but carries a hash")
-        ids = {j for j, job in self._jobs.jobs.items() if isinstance(job, DiskJob) and job.put}
-        if not self._scan_jobs <= ids:
-            raise AssertionError(f"scan WRITE jobs {sorted(self._scan_jobs - ids)} are gone")
-        if writing != self._writing or inflight != self._inflight:
-            raise AssertionError(f"keys being written {len(self._writing)} / in flight "
-                                 f"{self._inflight}, WRITE jobs say {len(writing)} / "
-                                 f"{inflight}")
+        write_jobs = [j for j in self._jobs.jobs.values() if isinstance(j, DiskJob) and j.put]
+        self.writes.check_invariants(write_jobs)

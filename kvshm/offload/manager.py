@@ -121,6 +121,8 @@ class OffloadManager:
         if self.remote is not None:  # a P/D publication learns of a dropped tail store
             self._stores.on_dropped = self.remote.store_dropped
         self.disk = None if disk is None else disk(cpu, self._gs, jobs)
+        if self.remote is not None and self.disk is not None:
+            self.remote.victims = []  # a GET's victims are written down as a store's
         self.outcomes = JobOutcomes(jobs, cpu, self._loads, self._stores, self.remote,
                                     self.counters, self._tombstone_hits, disk=self.disk)
         self._jobs = jobs
@@ -142,10 +144,11 @@ class OffloadManager:
         """Jobs not yet acked by every live rank (abandoned ones included)."""
         return len(self._jobs)
 
-    def settle(self) -> None:
-        """The CPU tier's deferred eviction bookkeeping, now (``BlockPool.settle``): for
-        a host's idle time, never needed for correctness."""
-        self.cpu.settle()
+    def settle(self, limit: int = 0) -> bool:
+        """The CPU tier's deferred eviction bookkeeping, now, at most ``limit`` items
+        (``BlockPool.settle``; True while some is left): for a host's idle time, never
+        needed for correctness."""
+        return self.cpu.settle(limit)
 
     def has_pending_work(self) -> bool:
         """Anything queued, in flight or not yet reported: keep stepping. Jobs that wait
@@ -404,8 +407,10 @@ class OffloadManager:
                 load = self._loads.plan(step, self._jobs)
                 if self.remote is not None:
                     remote = tuple(self.remote.plan(step))
-                if self.disk is not None:  # the store's victims first: posted before it
-                    disk = (*self.disk.write_victims(step, victims), *self.disk.plan(step))
+                    victims += self.remote.take_victims()
+                if self.disk is not None:  # the victims' WRITEs go out before the store
+                    disk = (*self.disk.write_victims(step, victims),  # and the GETs
+                            *self.disk.plan(step))
         failed_loads = self._loads.take_failed()
         jobs = self._loads.listed_jobs(self._jobs)
         return StepPlan(step=step, store=store, load=load, load_jobs=jobs,

@@ -106,7 +106,11 @@ class RemoteBook:
                              max_job_blocks=max_job_blocks, ttl_s=ttl_s, clock=clock)
         self.fetches = Fetches(cpu, gs, self.counters, self._new_get,
                                fetch_timeout_s=fetch_timeout_s, max_job_blocks=max_job_blocks,
-                               clock=clock)
+                               clock=clock, allocate=self._allocate)
+        #: where a lower tier may write them down (the manager sets a list when the
+        #: engine has a disk tier): the cached CPU blocks the GETs' allocations evicted,
+        #: (CPU id, key) in the order taken, until :meth:`take_victims`
+        self.victims: list[tuple[int, bytes]] | None = None
         self._tokens: dict[int, str] = {}
         self._next_token = 1
         self.pd = handoffs
@@ -274,6 +278,19 @@ class RemoteBook:
         gets = [message(job, RemoteOp.GET) for job in self.fetches.plan(step)]
         return gets + self.puts.plan(step)
 
+    def _allocate(self, n: int) -> list[int]:
+        """A GET's fresh CPU blocks; the cached ones it evicts go to :attr:`victims`
+        where there is one."""
+        return self.cpu.allocate(n, self.victims)
+
+    def take_victims(self) -> list[tuple[int, bytes]]:
+        """The blocks the GETs planned since the last call evicted (empty without a
+        list: :attr:`victims`)."""
+        out = self.victims or []
+        if self.victims is not None:
+            self.victims = []
+        return out
+
     def _new_get(self, step: int, cpu_ids: list[int], keys: list[bytes], depths: list[int],
                  rid: str) -> RemoteJob:
         return self._jobs.new_remote(step, cpu_ids, keys, depths, put=False, req_id=rid)
@@ -299,6 +316,8 @@ class RemoteBook:
         freed). The requests go on: a manifest one of them trusted is not collected here
         (only a request's end collects it) and its verdict is kept, so its next lookup
         asks the server again without re-reading the manifest."""
+        if self.victims:  # (empty between build_steps; kept clean all the same)
+            self.victims = []
         self.puts.drop()
         for rid in list(self.fetches.reqs):
             self._end_lookup(rid)

@@ -5,18 +5,37 @@ server fails the job within the deadline -- failure = miss = recompute."""
 
 from __future__ import annotations
 
+import hashlib
 import os
 import signal
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from functools import partial
+from pathlib import Path
 
 import torch
 
 from kvshm.hashing import chain_hashes
-from kvshm.ipc.protocol import Done, LayoutSpec, RegionSpec, Remote, RemoteOp, RemoteSetup, pack_ids
+from kvshm.ipc.protocol import (
+    Disk,
+    DiskOp,
+    DiskSetup,
+    Done,
+    LayoutSpec,
+    RegionSpec,
+    Remote,
+    RemoteOp,
+    RemoteSetup,
+    pack_ids,
+)
 from kvshm.remote.resp import command, parse_reply
 from kvshm.remote.server import ValkeyServer
 from kvshm.remote.tier import KEY_PREFIX, RemoteSpec, block_key
 from kvshm.remote.valkey import ValkeyBlockStore
+from workers.disk_mover import DiskMover
 from workers.host_pool import HostPool
 from workers.remote_mover import RemoteMover
 
@@ -163,3 +182,119 @@ def test_bad_jobs_fail_alone(valkey: ValkeyServer) -> None:
         assert mover.counts["bad_jobs"] == 2
     finally:
         _close(mover)
+
+
+@dataclass
+class _FencedRig:
+    """Rank 0 of two with both tiers: ``a`` (source rows) has PUT block X (chain
+    position 3, ``hx``) to Valkey; ``b`` (destination rows, the rank under test) asks
+    ``disk``'s row fence (5 s) before a GET fills a row; ``disk`` (one thread) holds
+    each WRITE in its gate -- ``held`` set -- until ``go``."""
+
+    hx: list[bytes]
+    src: HostPool
+    dst: HostPool
+    a: RemoteMover
+    b: RemoteMover
+    disk: DiskMover
+    go: threading.Event
+    held: threading.Event
+
+
+@contextmanager
+def _fenced_rig(valkey: ValkeyServer, tmp_path: Path) -> Iterator[_FencedRig]:
+    hx = chain_hashes(list(range(4)), 4)
+    src, dst = _pool((4096,), seed=1), _pool((4096,), seed=2)
+    a, b = _mover(valkey, src), _mover(valkey, dst)
+    disk = DiskMover(0, 2, DiskSetup(str(tmp_path / "r0.slab"), 8, FP, True), dst, threads=1)
+    go, held = threading.Event(), threading.Event()
+
+    def gate() -> bool:
+        held.set()
+        return go.wait(10)
+    try:
+        a.submit(_job(1, RemoteOp.PUT, [3], hx))
+        assert _wait(a) == [Done(1, 0, True)]
+        b.fence_rows(partial(disk.wait_rows, timeout=5.0))
+        disk.set_gate(gate)
+        yield _FencedRig(hx, src, dst, a, b, disk, go, held)
+    finally:
+        go.set()
+        _close(a)
+        _close(b)
+        disk.close()
+        disk.release()
+
+
+def test_a_get_into_a_row_a_disk_write_still_reads_waits_for_that_write(
+        valkey: ValkeyServer, tmp_path: Path) -> None:
+    """The row fence on a rank with both tiers: the scheduler evicted row 0's block for a
+    GET and posted its write-down (WRITE row 0 -> slot 5) first. The WRITE is held (the
+    disk mover's gate waits for the test); the GET of block X into row 0, submitted
+    after it, must not start: 100 ms later it has no Done and row 0 still holds its old
+    bytes. Once the WRITE goes on, the GET ends ok, row 0 holds X's bytes and slot 5 the
+    old ones (read back into row 2). A second GET whose fence times out (a WRITE held
+    past the timeout) fails without touching its row, counted ``gets_fence_timed_out``."""
+    with _fenced_rig(valkey, tmp_path) as r:
+        hx, src, dst, b, disk, go, held = r.hx, r.src, r.dst, r.b, r.disk, r.go, r.held
+        old0 = dst.regions[0][0].clone()
+        dh = [hashlib.sha256(b"victim").digest()]
+        disk.submit(Disk(7, DiskOp.WRITE, pack_ids([0]), pack_ids([5]), dh[0], 32))
+        assert held.wait(10)
+        b.submit(_job(2, RemoteOp.GET, [0], hx))
+        time.sleep(0.1)
+        assert b.poll() == [] and torch.equal(dst.regions[0][0], old0)
+        go.set()
+        assert _wait(b) == [Done(2, 0, True)]
+        assert torch.equal(dst.regions[0][0], src.regions[0][3])
+        disk.submit(Disk(8, DiskOp.READ, pack_ids([2]), pack_ids([5]), dh[0], 32))
+        deadline = time.monotonic() + 10
+        done: list[Done] = []
+        while len(done) < 2:
+            assert time.monotonic() < deadline, done
+            done += disk.poll()
+            time.sleep(0.005)
+        assert sorted(d.job_id for d in done if d.ok) == [7, 8]
+        assert torch.equal(dst.regions[0][2], old0)
+
+        go.clear()
+        held.clear()
+        b.fence_rows(partial(disk.wait_rows, timeout=0.1))
+        disk.submit(Disk(9, DiskOp.WRITE, pack_ids([1]), pack_ids([6]), dh[0], 32))
+        assert held.wait(10)
+        old1 = dst.regions[0][1].clone()
+        b.submit(_job(3, RemoteOp.GET, [1], hx))
+        (d,) = _wait(b)
+        assert (d.job_id, d.ok) == (3, False) and "disk WRITE still reads" in d.error
+        assert torch.equal(dst.regions[0][1], old1)
+        assert b.statistics()["mover"]["gets_fence_timed_out"] == 1
+        go.set()
+
+
+def test_closing_the_disk_mover_first_releases_a_get_waiting_on_its_fence(
+        valkey: ValkeyServer, tmp_path: Path) -> None:
+    """Shutdown order (``Session.close`` closes the disk mover first): one disk thread,
+    WRITE 7 (row 5) held in the gate, WRITE 8 (row 0) queued behind it, the GET of X
+    into row 0 waiting on the fence (5 s). ``disk.close()`` cancels the queued WRITE 8
+    at once, which ends the GET's wait: the GET is done while WRITE 7 is still held
+    (long before the 5 s fence), and row 0 holds X."""
+    with _fenced_rig(valkey, tmp_path) as r:
+        hx, src, dst, b, disk, go, held = r.hx, r.src, r.dst, r.b, r.disk, r.go, r.held
+        closer = threading.Thread(target=disk.close)
+        try:
+            h = hashlib.sha256(b"v").digest()
+            disk.submit(Disk(7, DiskOp.WRITE, pack_ids([5]), pack_ids([5]), h, 32))
+            assert held.wait(10)
+            disk.submit(Disk(8, DiskOp.WRITE, pack_ids([0]), pack_ids([6]), h, 32))
+            b.submit(_job(2, RemoteOp.GET, [0], hx))
+            time.sleep(0.1)
+            assert b.poll() == []                                     # fenced on WRITE 8
+            t0 = time.monotonic()
+            closer.start()
+            assert _wait(b, timeout=3.0) == [Done(2, 0, True)]
+            assert time.monotonic() - t0 < 2.0 and not go.is_set()    # WRITE 7 still held
+            assert torch.equal(dst.regions[0][0], src.regions[0][3])
+        finally:
+            go.set()
+            if closer.ident is not None:
+                closer.join(10)

@@ -13,7 +13,8 @@ from collections.abc import Sequence
 from manager_rig import BS, Req, Rig, refs
 
 from kvshm.ipc.protocol import Disk, DiskOp, unpack_ids
-from kvshm.offload.disk import DiskBook, disk_hash
+from kvshm.offload.disk import DiskBook
+from kvshm.offload.disk_writes import disk_hash
 from kvshm.offload.manager import OffloadManager
 from kvshm.offload.pool import BlockPool
 
@@ -380,3 +381,73 @@ def test_a_victim_without_a_free_slot_is_lost_and_counted() -> None:
     assert p.store is not None and all(m.op is not DiskOp.WRITE for m in p.disk)
     assert rig.book.counters.evicted_lost > lost
     rig.m.check_invariants()
+
+
+def test_a_block_a_remote_get_evicts_is_written_down_before_the_get_fills_its_row(
+) -> None:
+    """The GET's allocation is an allocation like a store's: what it evicts must reach
+    the disk first. CPU tier of 3 blocks, disk of 8 slots (write-back window 1: the scan
+    sees only uncached CPU 2), a remote tier in write-through. A's 2 blocks are stored
+    into CPU 0, 1, put and published (ref 0 again, cached; reuse order 2, 1, 0). R (other
+    tokens) misses CPU and disk and finds 2 blocks on the server: the plan's GET takes
+    CPU 2 and CPU 1 -- A's second block, on no disk -- so the same plan writes it down:
+    a WRITE of CPU 1 into slot 0 under A's second hash, which the runtime posts before
+    the GET (``plan.disk`` first; each rank's GET waits for the WRITE that still reads
+    the row). CPU 1 carries both pins (ref 2) and no hash. The WRITE's acks index slot 0
+    and drop its pin (ref 1: the GET's); the GET's acks index R's blocks in CPU 2, 1."""
+    from test_remote_book import HeldIndex, key, rkey
+
+    from kvshm.config import RemoteMode
+    from kvshm.offload.remote import RemoteBook
+
+    index = HeldIndex()
+    rig = Rig(cpu=3, gpu=16, world_size=WORLD)
+    slots = BlockPool(8)
+
+    def disk(pool: BlockPool, gs: object, jobs: object) -> DiskBook:
+        return DiskBook(pool, gs, jobs, slots, window=1, max_window=1,  # type: ignore[arg-type]
+                        clock=lambda: 0.0)
+
+    def remote(pool: BlockPool, gs: object, jobs: object) -> RemoteBook:
+        return RemoteBook(pool, gs, jobs, index, key,  # type: ignore[arg-type]
+                          mode=RemoteMode.WRITE_THROUGH, clock=lambda: 0.0)
+    rig.m = OffloadManager(rig.cpu, rig.gpu, block_size=BS, world_size=WORLD, disk=disk,
+                           remote=remote)
+    a, r = Req("a", 9), Req("r", 9, base=500)
+    g = rig.alloc(2, a.h)
+    p = rig.step(a.sched(g, confirmed=len(a.toks), new=True))
+    assert p.store is not None and unpack_ids(p.store.dst_ids) == [0, 1]
+    rig.ack(p.store, ranks=range(WORLD))
+    rig.m.finished(a.rid, len(a.toks), [g])
+    rig.gpu.free(reversed(g))
+    p = rig.step()
+    (put,) = p.remote
+    assert p.disk == () and unpack_ids(put.cpu_ids) == [0, 1]       # window 1: CPU 2 only
+    for rank in range(WORLD):
+        rig.m.on_done(put.job_id, rank, True)
+    assert refs(rig.cpu, [0, 1, 2]) == [0, 0, 0] and index.published == [rkey(a.h[0]),
+                                                                        rkey(a.h[1])]
+    index.ready.update(rkey(h) for h in r.h)
+    assert rig.m.lookup(r.view(), 0) is None
+    index.answer_all()
+    assert rig.m.lookup(r.view(), 0) is None
+    p = rig.step()
+    (get,) = p.remote
+    assert get.op.name == "GET" and unpack_ids(get.cpu_ids) == [2, 1]
+    (w,) = p.disk
+    assert (w.op, unpack_ids(w.cpu_ids), unpack_ids(w.slots)) == (DiskOp.WRITE, [1], [0])
+    assert w.hashes == disk_hash(a.h[1]) and rig.cpu.get_cached(a.h[1]) is None
+    assert refs(rig.cpu, [0, 1, 2]) == [0, 2, 1] and slots.ref_cnt(0) == 1
+    rig.m.check_invariants()
+    book = rig.m.disk
+    assert book is not None
+    c = book.counters
+    assert (c.evicted_written, c.evicted_lost) == (1, 0)
+    for rank in range(WORLD):
+        rig.m.on_done(w.job_id, rank, True)
+    rig.m.check_invariants()
+    assert slots.get_cached(disk_hash(a.h[1])) == 0 and refs(rig.cpu, [0, 1, 2]) == [0, 1, 1]
+    for rank in range(WORLD):
+        rig.m.on_done(get.job_id, rank, True)
+    rig.m.check_invariants()
+    assert rig.cpu.get_cached(r.h[0]) == 2 and rig.cpu.get_cached(r.h[1]) == 1

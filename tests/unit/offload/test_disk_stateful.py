@@ -34,7 +34,7 @@ from requests_model import Requests
 from test_disk_book import WORLD, DiskRig
 
 from kvshm.ipc.protocol import Direction, Disk, DiskOp, Transfer, unpack_ids
-from kvshm.offload.disk import disk_hash
+from kvshm.offload.disk_writes import disk_hash
 from kvshm.offload.jobs import StoreJob
 
 PROMPTS = [Req(f"p{i}", 4 * (1 + i % 3) + 1, base=100 * i) for i in range(6)]

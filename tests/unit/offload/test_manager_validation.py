@@ -690,14 +690,14 @@ def test_vllm_lookup_wait_grows_with_the_blocks_it_may_read(
     engine step, then a second wait)."""
     import time
 
-    from kvshm.integrations.vllm import scheduler
+    from kvshm.integrations.vllm import read_wait
 
-    monkeypatch.setattr(scheduler, "READ_WAIT_PER_BLOCK_S", 0.020)
+    monkeypatch.setattr(read_wait, "READ_WAIT_PER_BLOCK_S", 0.020)
     client = TimedReadClient(after_s=0.025)
     side = _read_side(client, disk=True)
     a = _read_request(side, "a")
-    assert side._read_wait_for(_view(a), 0) == scheduler.READ_WAIT_MAX_S == 0.050
-    assert side._read_wait_for(_view(a), BS) == pytest.approx(0.010 + 0.020)
+    assert side._reads.bound(_view(a), 0) == read_wait.READ_WAIT_MAX_S == 0.050
+    assert side._reads.bound(_view(a), BS) == pytest.approx(0.010 + 0.020)
     t0 = time.monotonic()
     assert side.lookup(a, 0) == (8, True)
     assert 0.025 <= time.monotonic() - t0
@@ -721,7 +721,7 @@ def test_vllm_lookup_wait_is_bounded_and_absent_without_a_disk_tier() -> None:
     client = ReadClient(polls_to_answer=10**9)
     side = _read_side(client, disk=True)
     a = _read_request(side, "a")
-    bound = side._read_wait_for(_view(a), 0)
+    bound = side._reads.bound(_view(a), 0)
     assert bound == pytest.approx(0.012)
     for waits in (1, 2):  # the first lookup and the next step's each wait, bounded
         t0 = time.monotonic()
