@@ -347,11 +347,13 @@ class SyncClient(Facade):
         self._enter()
         return self._core.reset()
 
-    def settle(self) -> None:
-        """Do the CPU tier's deferred eviction bookkeeping now (``BlockPool.settle``):
-        for a host's idle time, e.g. while its forward runs. No I/O, no state guard;
-        evictions are the same whether or not it is called."""
-        self._core.settle()
+    def settle(self, limit: int = 0) -> bool:
+        """Do the CPU tier's deferred eviction bookkeeping now, oldest first, at most
+        ``limit`` items of it (0: all; ``BlockPool.settle``); True while some is left.
+        For a host's idle time, e.g. while its forward runs: a host that holds a lock
+        its hooks need while it settles bounds the hold with ``limit``. No I/O, no state
+        guard; evictions are the same whether or not it is called."""
+        return self._core.settle(limit)
 
     def has_pending_work(self, *, rendezvous: bool = True) -> bool:
         """True while any job is not yet acked by every rank (after a pump; without the

@@ -296,10 +296,10 @@ class Runtime:
         """True while any job is queued, in flight or not yet acked by every live rank."""
         return self.manager is not None and self.manager.has_pending_work()
 
-    def settle(self) -> None:
-        """The CPU tier's deferred eviction bookkeeping, now (``OffloadManager.settle``)."""
-        if self.manager is not None:
-            self.manager.settle()
+    def settle(self, limit: int = 0) -> bool:
+        """The CPU tier's deferred eviction bookkeeping, now, at most ``limit`` items
+        (``OffloadManager.settle``; True while some is left)."""
+        return self.manager is not None and self.manager.settle(limit)
 
     def jobs_in_flight(self) -> int:
         """Jobs posted and not yet acked by every live rank."""

@@ -310,10 +310,12 @@ class FreeSet:
         self._take_as_hit(b)
         self._place(b)
 
-    def settle(self) -> None:
+    def settle(self, limit: int = 0) -> bool:
         """Do the bookkeeping the order deferred off the hooks' path (none here;
-        ``adaptive``'s simulations): the host calls it when nothing waits on it. It
+        ``adaptive``'s simulations), oldest first, at most ``limit`` items of it (0:
+        all); True while some is left. The host calls it when nothing waits on it. It
         never changes what the order evicts, only when its bookkeeping runs."""
+        return False
 
     def __iter__(self) -> Iterator[Block]:
         """Blocks in victim order as far as the order knows it without changing anything

@@ -225,13 +225,12 @@ class BlockPool:
             if b.ref_cnt == 0 and b.hashes:
                 queue.refresh(b)
 
-    def settle(self) -> None:
-        """The eviction order's deferred bookkeeping, now (:meth:`FreeSet.settle`): call it
-        off the serving path (an idle pump); what the pool evicts is the same either
-        way."""
+    def settle(self, limit: int = 0) -> bool:
+        """The eviction order's deferred bookkeeping, now, at most ``limit`` items of it
+        (0: all; :meth:`FreeSet.settle`); True while some is left. Call it off the
+        serving path (an idle pump); what the pool evicts is the same either way."""
         q = self._queue
-        if isinstance(q, FreeSet):
-            q.settle()
+        return isinstance(q, FreeSet) and q.settle(limit)
 
     def set_depth(self, block_id: int, depth: int) -> None:
         """``block_id`` holds position ``depth`` of its prefix chain (read by the

@@ -23,7 +23,7 @@ from kvshm.errors import ConfigError, StateError
 from kvshm.integrations.vllm.config import ConnectorConfig
 from kvshm.integrations.vllm.records import SchedulerCounters
 from kvshm.integrations.vllm.service import HookGuard
-from kvshm.integrations.vllm.side_lifecycle import SideLifecycle
+from kvshm.integrations.vllm.side_lifecycle import PUMP_SETTLE_EVENTS, SideLifecycle
 from kvshm.types import KVGroup, StoreMode
 
 BS = 16
@@ -102,22 +102,25 @@ def test_the_service_thread_absorbs_results_under_the_lock_while_idle(
 def test_the_service_thread_settles_the_eviction_order_under_the_lock_while_idle(
         bound: tuple[SideLifecycle, Absorbed]) -> None:
     """Each idle pump ends with the client's ``settle`` (the adaptive order's simulations,
-    deferred off the hooks), under the hooks' lock."""
+    deferred off the hooks), under the hooks' lock -- and bounded: at most
+    ``PUMP_SETTLE_EVENTS`` events a pump, never the whole log (a hook waits on the lock
+    for as long as the pump settles: the TTFT spikes ``PUMP_SETTLE_EVENTS`` documents)."""
     life, _ = bound
     client = life.bound_client
     assert client is not None
-    settles: list[bool] = []
+    settles: list[tuple[bool, int]] = []
     real = client.settle
 
-    def recorded() -> None:
-        settles.append(life.guard.lock._is_owned())  # type: ignore[attr-defined]
-        real()
+    def recorded(limit: int = 0) -> bool:
+        settles.append((life.guard.lock._is_owned(), limit))  # type: ignore[attr-defined]
+        return real(limit)
 
     client.settle = recorded  # type: ignore[method-assign]
     deadline = time.monotonic() + 10
     while len(settles) < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert len(settles) >= 2 and all(settles)
+    assert len(settles) >= 2 and all(held for held, _ in settles)
+    assert {limit for _, limit in settles} == {PUMP_SETTLE_EVENTS} and PUMP_SETTLE_EVENTS > 0
 
 
 def test_an_idle_side_reports_once_and_rewrites_the_stats_file(

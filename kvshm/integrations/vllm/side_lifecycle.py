@@ -58,13 +58,27 @@ from kvshm.integrations.vllm.records import SchedulerCounters
 from kvshm.integrations.vllm.reports import ReportBuilder, ReportClock
 from kvshm.integrations.vllm.service import HookGuard, ServiceThread
 
-__all__ = ["SNAPSHOT_MAX_AGE_S", "SideLifecycle"]
+__all__ = ["PUMP_SETTLE_EVENTS", "SNAPSHOT_MAX_AGE_S", "SideLifecycle"]
 
 log = logging.getLogger("kvshm.vllm")
 
 #: The oldest READY snapshot the service thread keeps (seconds): while requests are
 #: served it is refreshed no more often (``SideLifecycle._idle_pump``).
 SNAPSHOT_MAX_AGE_S: Final = 1.0
+#: The most eviction-simulation events one pump of the service thread applies
+#: (``SyncClient.settle(limit)``, about 1 ms of CPU at 30-36 us an event). The pump holds
+#: the hook guard, so the next hook -- often the next request's lookup -- waits for
+#: the whole settle, and on a loaded 2-core machine the service thread is preempted
+#: inside it: whole-log settles gave kvshm's arm 16-20 TTFT spikes of 10 ms or more
+#: per 128 rag requests at half capacity where the oracle arm (no simulations) had 6-11,
+#: and a mean 0.93-0.98 of vLLM's connector (``tools.bench_e2e``, load 2-4); with 32 a
+#: pump, 3-7 against 8-11 and 1.00 (two rag-only runs), then 8, 8 and 13 against 13, 10
+#: and 5 and 0.97-1.00 (three full runs, docs/benchmarks.md): fewer, not gone -- the
+#: pump's poll and snapshot still hold the guard. A pump every 20 ms of idleness applies
+#: up to 1,600 events a second, several times what traffic logs (rag: 2,913 events in
+#: the arm's 9 s of serving); what is left waits for the next pump, or for the order's
+#: own full settle before a decision (as everything did before when no pump ran).
+PUMP_SETTLE_EVENTS: Final = 32
 
 
 class SideLifecycle:
@@ -138,7 +152,8 @@ class SideLifecycle:
 
     def _idle_pump(self) -> None:
         """The service thread's pump (under the guard): ``poll`` and absorb, then
-        ``settle`` (the CPU tier's eviction bookkeeping the hooks deferred: the pump runs
+        ``settle`` at most :data:`PUMP_SETTLE_EVENTS` events (the CPU tier's eviction
+        bookkeeping the hooks deferred, oldest first: the pump runs
         while the forward does or the engine idles, so it is off every request's path
         to its first token); remembers
         the READY statistics from before a pump that saw the engine leave READY. They
@@ -161,7 +176,7 @@ class SideLifecycle:
                       or (last >= snap[0] and not self._requests)):
             self._ready_snap = (now, self.statistics())
         self._absorb(client.poll())
-        client.settle()  # the eviction order's simulations, off the hooks' path
+        client.settle(PUMP_SETTLE_EVENTS)  # the order's simulations, a few a pump
         if ready and client.state is not EngineState.READY and self._ready_snap is not None:
             self._left_ready = (time.monotonic(), self._ready_snap[1])
 

@@ -23,16 +23,9 @@ from test_evict import PoolMachine
 
 from kvshm.config import Eviction
 from kvshm.errors import ConfigError
-from kvshm.offload.evict_adaptive import (
-    EXPERTS,
-    MAX_PENDING,
-    MIN_LEAD,
-    SHADOW_BLOCKS,
-    Adaptive,
-    Expert,
-    Shadow,
-)
+from kvshm.offload.evict_adaptive import EXPERTS, Adaptive
 from kvshm.offload.evict_cost import block_cost
+from kvshm.offload.evict_panel import MAX_PENDING, MIN_LEAD, SHADOW_BLOCKS, Expert, Shadow
 from kvshm.offload.pool import BlockPool
 
 
@@ -185,12 +178,12 @@ def test_a_shadow_counts_gpu_hits_only_for_an_expert_that_does() -> None:
 
 def test_the_simulations_are_sampled_to_a_bounded_size() -> None:
     small = Adaptive(64)
-    assert small.sample_below == 65536 and small.tiers[0][0].capacity == 64
+    assert small.panel.sample_below == 65536 and small.panel.tiers[0][0].capacity == 64
     big = Adaptive(64 * SHADOW_BLOCKS)
-    assert big.sample_below == 65536 // 64
-    assert [t[0].capacity for t in big.tiers] == [SHADOW_BLOCKS, SHADOW_BLOCKS * 3 // 4,
+    assert big.panel.sample_below == 65536 // 64
+    assert [t[0].capacity for t in big.panel.tiers] == [SHADOW_BLOCKS, SHADOW_BLOCKS * 3 // 4,
                                                   SHADOW_BLOCKS // 2]
-    assert len(big.shadows) == 3 * len(EXPERTS)
+    assert len(big.panel.shadows) == 3 * len(EXPERTS)
 
 
 @pytest.mark.parametrize("kw", [{"num_blocks": 0}, {"num_blocks": 4, "block_tokens": 0},
@@ -223,16 +216,17 @@ def test_a_hand_over_needs_a_clear_lead_no_larger_simulation_contradicts(
     hits (under ``MIN_LEAD``) is noise; a clear lead in the full one hands over."""
     fs = Adaptive(4096, block_tokens=16)
     assert fs.expert.name == "recency" and 207 - 161 < MIN_LEAD * block_cost(0, 16)
-    assert fs._challenger(tiers) == want
+    assert fs.panel.challenger(tiers, fs.cur) == want
 
 
-def _deferred_vs_immediate(pool: BlockPool, rng: random.Random, *, settle: bool) -> list[
-        tuple[object, ...]]:
+def _deferred_vs_immediate(pool: BlockPool, rng: random.Random, *, settle: int | None
+                           ) -> list[tuple[object, ...]]:
     """Scan-heavy few-shot traffic, then conversations on a shared head (the two
     workloads above, shortened), with GPU hits on a random prefix of each chain before
-    its request (``pool.refresh``, as the manager's lookup does) and, where ``settle``,
-    a host's settle at random points. Returns, after every request, the free set's
-    victim order, the expert in charge and the periods ended."""
+    its request (``pool.refresh``, as the manager's lookup does) and, unless ``settle``
+    is None, a host's ``settle(settle)`` at random points (0: the whole log; k: the
+    oldest k events, as the vLLM side's pump does). Returns, after every request, the
+    free set's victim order, the expert in charge and the periods ended."""
     out: list[tuple[object, ...]] = []
     fs = _fs(pool)
     when = random.Random(rng.random())  # the host's settles: apart from the traffic's
@@ -242,9 +236,9 @@ def _deferred_vs_immediate(pool: BlockPool, rng: random.Random, *, settle: bool)
         ids = [pool.get_cached(k) for k in chain[:gpu]]
         pool.refresh([b for b in reversed(ids) if b is not None])
         _request(pool, chain)
-        if settle and when.random() < 0.3:
-            pool.settle()
-        out.append((tuple(b.block_id for b in fs), fs.cur, fs.decisions))
+        if settle is not None and when.random() < 0.3:
+            pool.settle(settle)
+        out.append((tuple(b.block_id for b in fs), fs.cur, fs.panel.decisions))
 
     q = 0
     for _ in range(6):
@@ -266,20 +260,22 @@ def _deferred_vs_immediate(pool: BlockPool, rng: random.Random, *, settle: bool)
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_deferred_simulations_evict_exactly_as_immediate_ones(seed: int) -> None:
-    """The simulations' log (settled by the host at random points, by the order before
-    each decision, and whenever it outgrows ``max_pending``) leaves every decision and
-    every victim as applying each event at once does (``max_pending=0``): the same
-    victim order after every request, the same hand-overs, the same scores."""
+    """The simulations' log (settled by the host at random points -- all of it, or its
+    oldest 3 events at a time --, by the order before each decision, and whenever it
+    outgrows ``max_pending``) leaves every decision and every victim as applying each
+    event at once does (``max_pending=0``): the same victim order after every request,
+    the same hand-overs, the same scores. A limited settle that took other events than
+    the oldest, or reordered them, would change a score and fail here."""
     runs = []
-    for max_pending, settle in ((0, False), (MAX_PENDING, False), (MAX_PENDING, True),
-                                (5, False)):
+    for max_pending, settle in ((0, None), (MAX_PENDING, None), (MAX_PENDING, 0),
+                                (MAX_PENDING, 3), (5, None)):
         pool = BlockPool(256, eviction=Eviction.ADAPTIVE)
-        _fs(pool).max_pending = max_pending
+        _fs(pool).panel.max_pending = max_pending
         seq = _deferred_vs_immediate(pool, random.Random(seed), settle=settle)
         fs = _fs(pool)
-        assert fs.pending == 0  # check_invariants settled
-        runs.append((seq, fs.switches, [s.score for s in fs.shadows],
-                     [sorted(s.held.items()) for s in fs.shadows]))
+        assert fs.panel.pending == 0  # check_invariants settled
+        runs.append((seq, fs.switches, [s.score for s in fs.panel.shadows],
+                     [sorted(s.held.items()) for s in fs.panel.shadows]))
     immediate = runs[0]
     assert immediate[1] >= 2  # the traffic hands the tier over: the decisions matter
     for run in runs[1:]:
@@ -294,15 +290,18 @@ def test_a_lookup_logs_the_simulations_work_and_a_settle_applies_it() -> None:
     _request(pool, keys)
     pool.settle()
     fs = _fs(pool)
-    before = [s.score for s in fs.shadows]
+    before = [s.score for s in fs.panel.shadows]
     ids = [pool.get_cached(k) for k in reversed(keys[:4])]
     pool.refresh([b for b in ids if b is not None])
     _request(pool, keys)  # a hit on every block
-    assert fs.pending == 4 + 8  # 4 GPU hits, 8 pinned
-    assert [s.score for s in fs.shadows] == before
-    pool.settle()
-    assert fs.pending == 0 and fs.settled == 8 + 12  # the stores, then these
-    assert all(s.score > b for s, b in zip(fs.shadows, before))
+    assert fs.panel.pending == 4 + 8  # 4 GPU hits, 8 pinned
+    assert [s.score for s in fs.panel.shadows] == before
+    assert pool.settle(5) is True  # a host's bounded settle: the oldest 5, 7 left
+    assert fs.panel.pending == 7 and fs.panel.settled == 8 + 5
+    assert pool.settle() is False
+    assert fs.panel.pending == 0 and fs.panel.settled == 8 + 12  # the stores, then these
+    assert all(s.score > b for s, b in zip(fs.panel.shadows, before))
+    assert pool.settle(5) is False and fs.panel.settled == 8 + 12  # nothing left: a no-op
 
 
 class AdaptiveMachine(PoolMachine):
@@ -324,7 +323,7 @@ class AdaptiveMachine(PoolMachine):
     @rule()
     def settle(self) -> None:
         self.pool.settle()
-        assert _fs(self.pool).pending == 0
+        assert _fs(self.pool).panel.pending == 0
 
 
 AdaptiveMachine.TestCase.settings = settings(
