@@ -75,8 +75,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from kvshm.remote.glide_client import make_client
 from kvshm.remote.server import ValkeyServer
+from kvshm.remote.thread_clients import ThreadClients
 from kvshm.remote.tier import KEY_PREFIX, BlockHeader, GetOutcome, RemoteSpec, block_key
 from kvshm.remote.valkey import GET_ALONE_BYTES, GET_PART_BYTES, PART_BYTES, ValkeyBlockStore
 from workers.remote_mover import batch_blocks
@@ -117,21 +117,11 @@ class Rank:
         self.single = ValkeyBlockStore(spec, part_bytes=0, get_part_bytes=0)
         self.threads = spec.threads
         self.pool = ThreadPoolExecutor(spec.threads, thread_name_prefix=f"raw{rank}")
-        self.local = threading.local()
         self.spec = spec
-        self.clients: list[Any] = []
-        self.lock = threading.Lock()
+        self.clients = ThreadClients(spec, lambda: None)
         import glide_sync
 
         self.expiry = glide_sync.ExpirySet(glide_sync.ExpiryType.SEC, spec.ttl_s or 3600)
-
-    def _client(self) -> Any:
-        c = getattr(self.local, "c", None)
-        if c is None:
-            c = self.local.c = make_client(self.spec)
-            with self.lock:
-                self.clients.append(c)
-        return c
 
     def _chunks(self, per: int) -> list[range]:
         n = len(self.raw_keys)
@@ -145,7 +135,7 @@ class Rank:
         chunks = self._chunks(per)
 
         def chunk(t: int) -> None:
-            c = self._client()
+            c = self.clients.get()
             for ch in chunks[t::self.threads]:
                 if per == 1:
                     c.set(self.raw_keys[ch[0]], self.src_views[ch[0]], expiry=self.expiry)
@@ -161,7 +151,7 @@ class Rank:
         chunks = self._chunks(per)
 
         def chunk(t: int) -> None:
-            c = self._client()
+            c = self.clients.get()
             for ch in chunks[t::self.threads]:
                 c.mget([self.raw_keys[i] for i in ch], buffers=[self.dst_views[i] for i in ch])
         list(self.pool.map(chunk, range(self.threads)))
@@ -196,8 +186,7 @@ class Rank:
         self.store.close()
         self.single.close()
         self.pool.shutdown()
-        for c in self.clients:
-            c.close()
+        self.clients.close()
 
 
 def _both(ranks: list[Rank], op: Callable[[Rank], None]) -> float:

@@ -37,10 +37,12 @@ the header names which, and a reader accepts only its own (a header naming anoth
 ``none`` included, is BAD and counted ``checksum_refused``: the engines sharing a
 server need the same one, the ``remote`` extra installs ``crc32c``).
 
-**Threads and clients.** A call's parts run on ``spec.threads`` threads: the caller's
-own (it takes the first share instead of waiting: one hand-off fewer, none for a call of
-one part) and ``threads - 1`` of a pool, each with its own lazily connected glide_sync
-client (a few requests of at most ``PART_BYTES`` in flight). A thread holds the GIL only
+**Threads and clients.** A call's parts run on ``spec.threads`` threads
+(:class:`~kvshm.remote.fan_out.FanOut`: the caller's own takes the first share, a pool
+the others; the parts of a shard whose breaker is not closed run alone, in order,
+beside the others), each with its own lazily connected glide_sync client
+(:class:`~kvshm.remote.thread_clients.ThreadClients`; a few requests of at most
+``PART_BYTES`` in flight). A thread holds the GIL only
 to build a request and to judge its blocks: the wait is in glide's native threads, and
 the payload's checksum keeps the GIL under :data:`~kvshm.remote.tier.GIL_FREE_BYTES` (a
 release would cost a re-acquisition, up to the switch interval in a process whose other
@@ -52,7 +54,7 @@ backoff.
 ``CLUSTER SLOTS``) has a :class:`~kvshm.remote.breaker.CircuitBreaker`: consecutive
 timeouts or connection errors open it, and while it is open the keys of that shard are
 ERROR at once, without a request; a probe after the backoff closes it when the server
-answers. When a standalone server's breaker opens the thread clients are re-created
+answers. When a standalone server's breaker opens the thread clients are renewed
 (connected anew once it is back); when a cluster primary's opens, the slot map is read
 again, so the slots of a failed-over primary go to the replica that took them over
 (the clients stay: glide's cluster client follows the failover, and new clients would
@@ -65,14 +67,13 @@ client factory, slot map and counters both use are :mod:`kvshm.remote.glide_clie
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Final
 
 from kvshm.errors import ConfigError
 from kvshm.ratelog import RateLimitedLog
 from kvshm.remote.breaker import BreakerState, CircuitBreaker
+from kvshm.remote.fan_out import FanOut
 from kvshm.remote.glide_client import (
     Counters,
     Shards,
@@ -80,9 +81,9 @@ from kvshm.remote.glide_client import (
     glide_module,
     header_key,
     key_slot,
-    make_client,
     too_long,
 )
+from kvshm.remote.thread_clients import ThreadClients
 from kvshm.remote.tier import (
     HEADER_BYTES,
     BlockHeader,
@@ -146,42 +147,18 @@ class ValkeyBlockStore:
         self._msetex = True  # until a server says it has no MSETEX
         self._shards = Shards(spec, lambda: CircuitBreaker(
             breaker_threshold, breaker_backoff_s, breaker_max_backoff_s))
-        # the caller's thread runs a call's first share of parts, the pool the others
-        self._pool = ThreadPoolExecutor(max(1, spec.threads - 1),
-                                        thread_name_prefix="kvshm-remote")
-        self._local = threading.local()
-        self._gen = 0
-        self._clients: list[Any] = []
-        self._clients_lock = threading.Lock()
         self._closed = False
         self._n = Counters("puts", "put_ok", "put_failed", "put_refused", "gets", "hits",
                             "misses", "bad", "errors", "timeouts", "rejected",
                             "bytes_put", "bytes_got", "invalid_calls", "clients_created",
                             "checksum_refused", "split_retries", "msetex_unsupported")
+        # the callbacks hold the counters, not the store (no cycle: an unclosed store
+        # is freed, its pool and clients with it, without the collector)
+        n = self._n
+        self._clients = ThreadClients(spec, lambda: n.add(clients_created=1))
+        self._fan = FanOut(spec.threads, crashed=lambda: n.add(errors=1))
 
-    # ------------------------------------------------------------------ clients
-
-    def _client(self) -> Any:
-        local = self._local
-        if getattr(local, "gen", -1) != self._gen or local.client is None:
-            old = getattr(local, "client", None)
-            if old is not None:
-                self._close_client(old)
-            local.client = make_client(self.spec)
-            local.gen = self._gen
-            with self._clients_lock:
-                self._clients.append(local.client)
-            self._n.add(clients_created=1)
-        return local.client
-
-    def _close_client(self, client: Any) -> None:
-        with self._clients_lock:
-            if client in self._clients:
-                self._clients.remove(client)
-        try:
-            client.close()
-        except Exception:  # noqa: BLE001 - closing a broken client: nothing to do
-            pass
+    # ------------------------------------------------------------------ failures
 
     def _failed(self, breaker: CircuitBreaker, exc: BaseException, blocks: int) -> None:
         """A request of ``blocks`` blocks failed (counted per block; one breaker
@@ -194,7 +171,7 @@ class ValkeyBlockStore:
             if self.spec.cluster:  # a fresh slot map; glide's cluster client follows the
                 self._shards.refresh(force=True)  # failover itself, the others' too
             else:  # the one server: new clients (connected anew once it is back)
-                self._gen += 1
+                self._clients.renew()
 
     # ------------------------------------------------------------------ parts
 
@@ -246,7 +223,9 @@ class ValkeyBlockStore:
         lands in ``out[part[i]]`` (a part that raised keeps ``out``'s values)."""
         def run(k: int) -> list[Any]:
             return one(*parts[k])
-        results = self._fan_out(len(parts), run, None)
+        def probe(k: int) -> bool:  # its shard's breaker is not closed: alone, in order
+            return parts[k][0].state is not BreakerState.CLOSED
+        results = self._fan.run(len(parts), run, None, probe)
         for (_, part), got in zip(parts, results, strict=True):
             if got is not None:
                 for i, o in zip(part, got, strict=True):
@@ -316,11 +295,11 @@ class ValkeyBlockStore:
             if self.spec.cluster:  # one slot a part: to that slot's primary
                 batch = g.ClusterBatch(is_atomic=False).custom_command(args)
                 route = g.SlotKeyRoute(g.SlotType.PRIMARY, keys[part[0]])
-                result = self._client().exec(batch, raise_on_error=False,
+                result = self._clients.get().exec(batch, raise_on_error=False,
                                              options=g.ClusterBatchOptions(route=route))
             else:
                 batch = g.Batch(is_atomic=False).custom_command(args)
-                result = self._client().exec(batch, raise_on_error=False)
+                result = self._clients.get().exec(batch, raise_on_error=False)
         except Exception as exc:  # noqa: BLE001 - failure = miss: counted, never raised
             self._failed(breaker, exc, len(part))
             return [False] * len(part)
@@ -351,7 +330,7 @@ class ValkeyBlockStore:
             batch.set(keys[i], views[i], expiry=expiry)
             batch.set(header_key(keys[i]), raws[i], expiry=expiry)
         try:
-            result = self._client().exec(batch, raise_on_error=False)
+            result = self._clients.get().exec(batch, raise_on_error=False)
         except Exception as exc:  # noqa: BLE001 - failure = miss: counted, never raised
             self._failed(breaker, exc, len(part))
             return [False] * len(part)
@@ -415,7 +394,7 @@ class ValkeyBlockStore:
             names += (header_key(keys[i]), keys[i])
             bufs += (hviews[k], views[i])
         try:
-            result = self._client().mget(names, buffers=bufs)
+            result = self._clients.get().mget(names, buffers=bufs)
         except Exception as exc:  # noqa: BLE001 - failure = miss: counted, never raised
             if too_long(exc, self._glide):
                 breaker.success()  # the server answered: some value is longer than its
@@ -451,42 +430,7 @@ class ValkeyBlockStore:
         tally["bytes_got"] += view.nbytes
         return GetOutcome.HIT
 
-    # ------------------------------------------------------------------ plumbing
-
-    def _fan_out(self, n: int, one: Callable[[int], Any], failed: Any) -> list[Any]:
-        """Run ``one(i)`` for every i over the threads (thread t takes i = t, t+T, ...).
-
-        While a breaker is not closed, item 0 runs alone first: it is the probe, and a
-        half-open breaker refuses every request that would race it, which would fail
-        the rest of the batch (a whole job) against a server that is back."""
-        out: list[Any] = [failed] * n
-        if n == 0:
-            return out
-        if any(s != "closed" for s in self._shards.states().values()):
-            out[0] = self._run_one(one, 0, failed)
-            rest = self._fan_out(n - 1, lambda i: one(i + 1), failed) if n > 1 else []
-            return [out[0], *rest]
-        threads = min(self.spec.threads, n)
-
-        def chunk(t: int) -> None:
-            for i in range(t, n, threads):
-                out[i] = self._run_one(one, i, failed)
-        try:  # chunk 0 on the caller's thread: one hand-off fewer, and none for n == 1
-            futures = [self._pool.submit(chunk, t) for t in range(1, threads)]
-        except RuntimeError:  # closed concurrently
-            return out
-        chunk(0)
-        for f in futures:
-            f.result()
-        return out
-
-    def _run_one(self, one: Callable[[int], Any], i: int, failed: Any) -> Any:
-        try:
-            return one(i)
-        except Exception:  # noqa: BLE001 - a bug must not raise into a worker: logged
-            rlog.error("unexpected", "remote tier: unexpected error", exc_info=True)
-            self._n.add(errors=1)
-            return failed
+    # ------------------------------------------------------------------ the rest
 
     def statistics(self) -> dict[str, Any]:
         stats: dict[str, Any] = self._n.snapshot()
@@ -506,20 +450,14 @@ class ValkeyBlockStore:
         the first job then costs a round trip, not a connection per thread."""
         def connect(_: int) -> None:
             try:
-                self._client()
+                self._clients.get()
             except Exception:  # noqa: BLE001 - a server down: the first job will tell
                 self._n.add(errors=1)
-        self._fan_out(self.spec.threads, connect, None)
+        self._fan.run(self.spec.threads, connect, None)
 
     def close(self) -> None:
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True)
-        with self._clients_lock:
-            clients, self._clients = self._clients, []
-        for c in clients:
-            try:
-                c.close()
-            except Exception:  # noqa: BLE001 - closing: nothing to do
-                pass
+        self._fan.close()
+        self._clients.close()

@@ -505,3 +505,53 @@ def test_a_callers_wrong_view_is_refused_without_touching_the_breaker(
     assert stats["breaker_opens"] == 0 and stats["breaker_state"] == "closed"
     src = rows(1, 2)
     assert store.put_many(keys_of(hs), views(src), hs) == [True]
+
+
+def test_a_store_dropped_unclosed_is_freed_at_once_with_its_pool(valkey: ValkeyServer) -> None:
+    """A store whose owner forgot to close it (an exception between open and close):
+    with the collector off, dropping the last reference frees it -- no reference cycle
+    through its fan-out's or clients' callbacks keeps its pool threads and clients
+    alive until a collection that may never come."""
+    import gc
+    import weakref
+
+    gc.collect()
+    gc.disable()
+    try:
+        s = ValkeyBlockStore(RemoteSpec.parse(valkey.url, ttl_s=600, **CALM))
+        s.warm()  # the pool's threads started, every thread's client made
+        ref = weakref.ref(s)
+        del s
+        assert ref() is None
+    finally:
+        gc.enable()
+
+
+def test_the_first_call_after_a_restart_probes_alone_and_stores_every_block(
+        valkey: ValkeyServer) -> None:
+    """The server was SIGKILLed (the breaker opened) and is back. The first put after
+    the backoff is eight one-block requests over four threads: the shard's breaker is
+    not closed, so its parts go one at a time -- the first is the probe, which closes
+    the breaker, and the other seven follow it. Raced over the threads instead, the
+    half-open breaker would let the probe through and refuse the rest (False)."""
+    spec = RemoteSpec.parse(valkey.url, ttl_s=600, request_timeout_ms=TIMEOUT_MS,
+                            connect_timeout_ms=TIMEOUT_MS, threads=4)
+    store = ValkeyBlockStore(spec, breaker_backoff_s=0.2, part_bytes=0)
+    try:
+        n = 8
+        src, hs = rows(n, 12), headers(n, 0, 1)
+        keys = keys_of(hs)
+        valkey.kill()
+        deadline = time.monotonic() + 10
+        while store.statistics()["breaker_state"] != "open":
+            assert time.monotonic() < deadline
+            store.put_many(keys, views(src), hs)
+        valkey.start()
+        (breaker,) = store._shards.breakers.values()
+        while not breaker.would_allow():  # the backoff ran out: the next request probes
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        assert store.put_many(keys, views(src), hs) == [True] * n
+        assert store.statistics()["breaker_state"] == "closed"
+    finally:
+        store.close()
