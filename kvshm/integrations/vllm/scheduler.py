@@ -21,11 +21,8 @@ import), around a kvshm :class:`~kvshm.engine.SyncClient`, which is created in
   "ask again" for a disk hit has posted its READ (``SyncClient.lookup``), and the
   worker's mover publisher starts it on arrival; a request that waits for a read while
   every other live request waits likewise (the step would run nothing) sleeps and pumps
-  for the read's Done (at most :data:`READ_WAIT_S` plus :data:`READ_WAIT_PER_BLOCK_S`
-  a block it may read, capped at :data:`READ_WAIT_MAX_S`) before it answers -- from its first
-  lookup on: the read then ends within this lookup (the sleep leaves the GIL to the
-  workers' I/O threads, which a spinning engine loop starves) instead of costing empty
-  steps.
+  for the read's Done, bounded, before it answers -- from its first lookup on
+  (:mod:`~kvshm.integrations.vllm.read_wait`, an object the side holds).
 * ``update_state_after_alloc`` -> :meth:`allocated` (whole tables, local hit first).
 * ``build_connector_meta`` -> :meth:`build`: the step's ``StepInput`` from the
   ``SchedulerOutput``, then ``SyncClient.step``; the metadata carries only the step,
@@ -82,14 +79,14 @@ plus once per lookup that would answer "ask again").
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
-from typing import Any, Final
+from typing import Any
 
 from kvshm.engine import EngineState, SyncClient
 from kvshm.errors import InvalidRequest
 from kvshm.integrations.vllm.config import ConnectorConfig
 from kvshm.integrations.vllm.listing import Listing
+from kvshm.integrations.vllm.read_wait import ReadWait
 from kvshm.integrations.vllm.records import SchedulerCounters, StepMeta
 from kvshm.integrations.vllm.service import HookGuard, ServiceThread, guarded
 from kvshm.integrations.vllm.side_lifecycle import SideLifecycle
@@ -100,30 +97,6 @@ from kvshm.types import RequestView, ScheduledRequest, StepInput, StepPlan, no_n
 __all__ = ["SchedulerSide"]
 
 log = logging.getLogger("kvshm.vllm")
-
-#: With a disk tier: how long a lookup may wait, sleeping, for the disk read posted for
-#: its request before it answers "ask again" (the read's Done then makes it a CPU hit in
-#: this step instead of a later one); only while no other request could run
-#: (:meth:`SchedulerSide._may_wait`). The bound grows with the read: this base, plus
-#: :data:`READ_WAIT_PER_BLOCK_S` for each block the request could still hit, at most
-#: :data:`READ_WAIT_MAX_S` (:meth:`SchedulerSide._read_wait_for`). The wait ends at the
-#: read's Done and delays no admitted request, so the bound only limits a stuck read
-#: and how long a request that arrives meanwhile waits for its admission. A timed-out
-#: wait costs an engine step that spins in Python (starving the read's I/O threads of
-#: the GIL) and a second wait: at a fixed 10 ms, 27 and 30 of 40-70 chat waits timed
-#: out on the loaded 2-core dev VM (docs/disk.md, runs G).
-READ_WAIT_S: Final = 0.010
-#: What the wait's bound grows by per block the request could read: a generous
-#: allowance (a 32-128 KiB slot reads in 0.04-0.14 ms on an idle host), for a host
-#: whose cores the forward and other engines share.
-READ_WAIT_PER_BLOCK_S: Final = 0.001
-#: The wait's bound, at most.
-READ_WAIT_MAX_S: Final = 0.050
-#: How long each sleep of that wait is (then the client is pumped and asked again): the
-#: read's Done waits half a slice on average before the lookup sees it (0.5 ms cost
-#: chat's disk hits about 0.25 ms each on a 2.5 ms wait; a pump and a lookup hold the
-#: GIL some 20-40 us, so the read's I/O threads still find it free most of a slice).
-READ_WAIT_SLICE_S: Final = 0.0002
 
 class SchedulerSide:
     """See the module docstring. ``meta_cls`` builds the step metadata (vLLM's
@@ -142,9 +115,6 @@ class SchedulerSide:
         # loads vLLM expects but kvshm refused in phase B -> destinations to recompute
         self._refused_loads: dict[str, tuple[int, ...]] = {}
         self._step = 0
-        #: requests answered "ask again" -> the step of the first such answer
-        self._waiting: dict[str, int] = {}
-        self._read_wait_s = READ_WAIT_S if cfg.disk_path else 0.0
         # synchronous loads accepted in phase B since the last build -> the blocks vLLM
         # expects them to fill
         self._sync_now: dict[str, tuple[int, ...]] = {}
@@ -153,6 +123,9 @@ class SchedulerSide:
         # before it sets the request's num_computed_tokens, which reads 0 there)
         self._local_hit: dict[str, int] = {}
         self.counters = SchedulerCounters()
+        # a lookup's bounded wait for its disk read
+        self._reads = ReadWait(disk=bool(cfg.disk_path), block_size=cfg.block_size,
+                               live=self._requests, counters=self.counters)
         self._lister = Listing(cfg, self._requests, self._announced, self.counters,
                                self._no_new)
         self.guard = HookGuard()
@@ -228,18 +201,16 @@ class SchedulerSide:
                 hit = client.lookup(view, num_computed_tokens)
                 if hit is not None:
                     counters.lookups_answered_after_pump += 1
-                elif self._read_wait_s and self._may_wait(rid):
-                    hit = self._wait_read(client, view, num_computed_tokens)
+                elif self._reads.may_wait(rid):
+                    hit = self._reads.wait(client, view, num_computed_tokens, self._absorb)
         except InvalidRequest as exc:
             self._refuse(rid, exc)
             return 0, False
         if hit is None:
             counters.lookups_asked_again += 1
-            if self._read_wait_s:
-                self._waiting.setdefault(rid, self._step)
+            self._reads.asked_again(rid)
             return None, False
-        if self._waiting:
-            self._waiting.pop(rid, None)
+        self._reads.answered(rid)
         if hit > 0:
             counters.lookup_hit_tokens += hit
             self._local_hit[rid] = num_computed_tokens
@@ -254,39 +225,6 @@ class SchedulerSide:
         """A hit of this request is answered as a synchronous load (the module
         docstring): ``cfg.sync_loads`` and not a P/D hand-off."""
         return self.cfg.sync_loads and not (params and params.get("do_remote_prefill"))
-
-    def _may_wait(self, rid: str) -> bool:
-        """Every other live request asked again too (``rid``'s READ was posted by its
-        first "ask again" lookup, and a worker with a disk tier starts it on arrival):
-        nothing would run in this step, so a wait delays no one."""
-        waiting = self._waiting
-        return len(waiting) + (rid not in waiting) >= len(self._requests)
-
-    def _read_wait_for(self, view: RequestView, num_computed_tokens: int) -> float:
-        """The bound of a lookup's wait for its disk read (:data:`READ_WAIT_S`): the
-        base, plus :data:`READ_WAIT_PER_BLOCK_S` per block of the request past its local
-        hit (the most its read can hold), at most :data:`READ_WAIT_MAX_S`."""
-        blocks = max(0, len(view.block_hashes) - num_computed_tokens // self.cfg.block_size)
-        return min(READ_WAIT_MAX_S, self._read_wait_s + blocks * READ_WAIT_PER_BLOCK_S)
-
-    def _wait_read(self, client: SyncClient, view: RequestView, num_computed_tokens: int
-                   ) -> int | None:
-        """See :meth:`_may_wait`: sleep (the GIL free for the workers' I/O threads) and
-        pump in slices of :data:`READ_WAIT_SLICE_S`, at most :meth:`_read_wait_for` in
-        all; the lookup's answer, None if the read did not end in time (asked again at
-        the next step)."""
-        deadline = time.monotonic() + self._read_wait_for(view, num_computed_tokens)
-        counters = self.counters
-        counters.lookups_waited += 1
-        while time.monotonic() < deadline:
-            time.sleep(READ_WAIT_SLICE_S)
-            self._absorb(client.poll())
-            hit = client.lookup(view, num_computed_tokens)
-            if hit is not None:
-                counters.lookups_answered_after_wait += 1
-                return hit
-        counters.lookup_waits_timed_out += 1
-        return None
 
     @guarded
     def allocated(self, request: Any, block_ids: Sequence[Sequence[int]],
@@ -457,7 +395,7 @@ class SchedulerSide:
         lookup and ``_absorb`` add them only for a known request); an unknown id left in
         the listing's mirror only makes the next listing take its walk (exact)."""
         self._lister.forget(rid)
-        self._waiting.pop(rid, None)
+        self._reads.forget(rid)
         self._sync_now.pop(rid, None)
         self._local_hit.pop(rid, None)
         self._requests.pop(rid, None)
