@@ -466,7 +466,8 @@ async def test_sigkill_worker_is_noticed_via_lifeline(target: Callable[..., None
         t1 = await wait_readable(lk.life.fileno(), 5.0)
         print(f"SIGKILL -> lifeline readable: {(t1 - t0) * 1e3:.2f} ms, {len(got)} Dones")
         assert lk.life.recv(1) == b""  # EOF
-        assert t1 - t0 < 1.0
+        assert t1 - t0 < 3.0  # the hang-up, not wait_readable's 5 s timeout (1 s: too
+        # tight for a loaded CI machine, as the parked worker's test below found)
         # whatever the worker published is whole; nothing blocks afterwards
         got += lk.ch.receive_nowait() + lk.ch.receive_nowait()
         assert all(d.ok and d.error == "x" * (d.job_id % 8 % 50) for d in got)

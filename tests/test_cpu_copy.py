@@ -183,14 +183,19 @@ def test_bad_ids_fail_the_job_naming_the_id(
     assert dones[4].ok
 
 
-def slow_writer(block: torch.Tensor, fence: CpuFence | None, started: threading.Event) -> None:
-    """Write ``block`` to 0xAB in 128 pieces with a sleep between, then set the fence."""
+def slow_writer(block: torch.Tensor, fence: CpuFence | None, started: threading.Event,
+                resume: threading.Event | None = None) -> None:
+    """Write ``block`` to 0xAB in 128 pieces with a sleep between, then set the fence.
+    ``resume``: after the first piece, wait for it (the test lets the copy land there,
+    so the unfenced race is decided, not left to the scheduler)."""
     step = max(1, block.numel() // 128)
     pieces = [block[i:i + step] for i in range(0, block.numel(), step)]
     for i, p in enumerate(pieces):
         p.fill_(0xAB)
         if i == 0:
             started.set()
+            if resume is not None:
+                assert resume.wait(WAIT_S)
         time.sleep(0.002)
     if fence is not None:
         fence.set()
@@ -203,11 +208,15 @@ def test_store_after_fence_sees_final_bytes_and_unfenced_is_torn(fenced: bool) -
     with HostPool.for_tests(layout, 4) as host, CpuCopyEngine(0, layout, host) as eng:
         fence = CpuFence()
         started = threading.Event()
-        writer = threading.Thread(target=slow_writer, args=(layout.regions[0][2], fence, started))
+        resume = None if fenced else threading.Event()
+        writer = threading.Thread(target=slow_writer,
+                                  args=(layout.regions[0][2], fence, started, resume))
         writer.start()
         assert started.wait(WAIT_S)
         eng.submit(CopyJob.from_ids(1, Direction.STORE, [2], [3]), after=fence if fenced else None)
         (done,) = eng.wait([1], timeout=WAIT_S)
+        if resume is not None:
+            resume.set()  # the copy landed after the first piece: now the rest
         writer.join()
         assert done.ok
         stored = host.regions[0][3]
@@ -221,14 +230,17 @@ def test_store_after_fence_sees_final_bytes_and_unfenced_is_torn(fenced: bool) -
 
 
 def slow_reader(row: torch.Tensor, seen: list[torch.Tensor], fence: CpuFence | None,
-                started: threading.Event) -> None:
+                started: threading.Event, resume: threading.Event | None = None) -> None:
     """The previous reader of a block (attention of the step before): reads it in 16
-    slices, 2 ms apart, then signals that the block may be overwritten."""
+    slices, 2 ms apart, then signals that the block may be overwritten. ``resume``: as
+    :func:`slow_writer`'s."""
     step = row.numel() // 16
     for i in range(16):
         seen.append(row[i * step:(i + 1) * step].clone())
         if i == 0:
             started.set()
+            if resume is not None:
+                assert resume.wait(WAIT_S)
         time.sleep(0.002)
     if fence is not None:
         fence.set()
@@ -247,12 +259,15 @@ def test_load_after_fence_waits_for_reader_and_unfenced_overwrites_it(fenced: bo
         fence = CpuFence()
         started = threading.Event()
         seen: list[torch.Tensor] = []
+        resume = None if fenced else threading.Event()
         reader = threading.Thread(target=slow_reader,
-                                  args=(layout.regions[0][2], seen, fence, started))
+                                  args=(layout.regions[0][2], seen, fence, started, resume))
         reader.start()
         assert started.wait(WAIT_S)
         eng.submit(CopyJob.from_ids(1, Direction.LOAD, [3], [2]), after=fence if fenced else None)
         (done,) = eng.wait([1], timeout=WAIT_S)
+        if resume is not None:
+            resume.set()  # the load landed after the first slice: now the rest
         reader.join()
         assert done.ok
         assert torch.equal(layout.regions[0][2], host.regions[0][3])

@@ -88,7 +88,8 @@ def test_tp2_round_trip_byte_exact_idle_parks_and_shutdown_is_clean(
                 while not chan.receive_nowait():
                     assert time.monotonic() - t0 < 10, f"job {100 + j} never answered"
             worst = max(worst, time.monotonic() - t0)
-        assert worst < 0.5, f"a round trip took {worst:.3f} s: a lost wake-up (1 s park)?"
+        # under the 1 s park (0.5 s left a loaded machine little room: the parent spins)
+        assert worst < 0.9, f"a round trip took {worst:.3f} s: a lost wake-up (1 s park)?"
 
         orig = [[t.clone() for t in c] for c in cs]
         g = torch.Generator().manual_seed(9)

@@ -370,7 +370,7 @@ def test_wait_for_work_polls_the_copies_of_an_engine_without_a_completion_fd() -
         assert w.statistics()["inflight"] == 1
         t0 = time.monotonic()
         w.wait_for_work(1.0)
-        assert time.monotonic() - t0 < 0.25  # the 1 s park would be >= 1.0
+        assert time.monotonic() - t0 < 0.9  # the 1 s park would be >= 1.0
         assert COPY_POLL_S <= 0.001
         fence.set()
         sched.collect([1], tick=w.poll)

@@ -23,6 +23,10 @@ from kvshm.remote.valkey_index import ValkeyReadyIndex
 ROW = 256 << 10
 FP = "tiny-llama.bf16.bs16.nhd"
 TIMEOUT_MS = 300
+#: The index's deadline in the stopped-primary test: long enough that a live shard of a
+#: 6-process cluster on a loaded 2-core machine always answers in time (its whole chain
+#: is asserted), short enough that the stopped shard's breaker opens within seconds.
+INDEX_TIMEOUT_MS = 1000
 N = 48
 
 
@@ -77,9 +81,16 @@ def test_blocks_and_their_headers_spread_over_all_three_primaries(
         sizes = [call(p, "DBSIZE") for p in primaries]
         assert sum(sizes) == 2 * N and all(s >= 6 for s in sizes), sizes
         dst = Rows(N)
-        out = store.get_many_into(keys, dst.views, hs)
-        assert out == [GetOutcome.HIT] * N and src == dst
-        assert len(store.statistics()["breakers"]) >= 3
+        # outcomes, not failures, are tested here: a generous deadline (12 MiB from six
+        # servers on a loaded 2-core machine may take longer than the short one)
+        calm = ValkeyBlockStore(RemoteSpec.parse(valkey_cluster.url, ttl_s=600,
+                                                 request_timeout_ms=5000))
+        try:
+            out = calm.get_many_into(keys, dst.views, hs)
+            assert out == [GetOutcome.HIT] * N and src == dst
+            assert len(calm.statistics()["breakers"]) >= 3
+        finally:
+            calm.close()
         idx = ValkeyReadyIndex(RemoteSpec.parse(valkey_cluster.url, ttl_s=60,
                                                 request_timeout_ms=5000))
         try:
@@ -166,7 +177,7 @@ def test_a_killed_primary_costs_its_slots_only_until_its_replica_takes_over(
 def ask(idx: ValkeyReadyIndex, token: int, chain: list[str]) -> int:
     """The index's answer to one query; it must come within a couple of deadlines."""
     idx.query(token, chain)
-    deadline = time.monotonic() + 3 * TIMEOUT_MS / 1000 + 1.0
+    deadline = time.monotonic() + 3 * idx.spec.request_timeout_ms / 1000 + 1.0
     while True:
         got = idx.answers()
         if got:
@@ -195,8 +206,8 @@ def test_a_stopped_primary_opens_only_its_own_index_breaker_and_blinds_no_other_
     (the index stays healthy). SIGCONT: its breaker's probe closes it and its keys
     answer again."""
     idx = ValkeyReadyIndex(RemoteSpec.parse(valkey_cluster.url, ttl_s=600,
-                                            request_timeout_ms=TIMEOUT_MS,
-                                            connect_timeout_ms=TIMEOUT_MS),
+                                            request_timeout_ms=INDEX_TIMEOUT_MS,
+                                            connect_timeout_ms=INDEX_TIMEOUT_MS),
                            breaker_backoff_s=0.2, breaker_max_backoff_s=0.5)
     chain = [ready_key(FP, 1, i.to_bytes(16, "big")) for i in range(N)]
     stopped: list[ValkeyServer] = []
@@ -221,7 +232,8 @@ def test_a_stopped_primary_opens_only_its_own_index_breaker_and_blinds_no_other_
             assert ask(idx, token + 1, live) == len(live), idx.statistics()
             if idx.statistics().get("breakers", {}).get(name) == "open":
                 break
-            assert time.monotonic() - t0 < 10, idx.statistics()
+            assert time.monotonic() - t0 < 20, idx.statistics()  # about 8 s
+        t_open = time.monotonic()
         token += 1
         assert ask(idx, token, live) == len(live)  # the open breaker costs nothing now
         assert ask(idx, token + 1, chain) == 0  # chain[0] is on the stopped shard
@@ -236,10 +248,13 @@ def test_a_stopped_primary_opens_only_its_own_index_breaker_and_blinds_no_other_
         for node in stopped:
             os.kill(node.pid or 0, signal.SIGCONT)
         stopped = []
+        print(f"stopped shard's breaker open after {t_open - t0:.1f} s; "
+              f"SIGCONT at {time.monotonic() - t0:.1f} s")
+        t1 = time.monotonic()
         token += 3
         while ask(idx, token, dead) != len(dead):  # the probe closes the breaker
             token += 1
-            assert time.monotonic() - t0 < 20, idx.statistics()
+            assert time.monotonic() - t1 < 15, idx.statistics()
             time.sleep(0.1)
         stats = idx.statistics()
         assert stats["breakers"][name] == "closed" and stats["breaker_state"] == "closed"

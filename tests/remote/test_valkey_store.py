@@ -223,9 +223,13 @@ def test_ready_index_answers_the_longest_present_prefix_in_one_round_trip(
             assert 50 <= call(valkey, "TTL", k) <= 60
         call(valkey, "CONFIG", "RESETSTAT")
         before = idx.statistics()["round_trips"]
+        # query() only enqueues: it returns while the server answers nobody for 2 s (a
+        # call that waited for its round trip would take the pause; a wall bound of a
+        # few ms, as before, failed on a loaded machine without telling the two apart)
+        call(valkey, "CLIENT", "PAUSE", "2000", "ALL")
         t0 = time.perf_counter()
         idx.query(41, chain)
-        assert time.perf_counter() - t0 < 0.005  # query() only enqueues
+        assert time.perf_counter() - t0 < 1.0
         got = _wait(idx.answers)
         assert got == [(41, 5)]
         assert idx.statistics()["round_trips"] == before + 1
@@ -462,16 +466,17 @@ def test_ready_index_on_a_dead_server_answers_zero_and_never_blocks_the_caller(
             worst = max(worst, time.perf_counter() - t0)
             assert _wait(idx.answers) == [(tok, 0)]
         # never blocked: a call that waited for the dead server would take a whole
-        # timeout; the bound is a tenth of one, not a wall figure a loaded machine misses
+        # timeout; the bound is half of one, not a wall figure a loaded machine misses
         # (2 ms failed at 2.8 ms under load 12)
-        assert worst < TIMEOUT_MS / 1000 / 10
+        assert worst < TIMEOUT_MS / 1000 / 2
         stats = idx.statistics()
         assert stats["breaker_opens"] == 1 and stats["timeouts"] + stats["errors"] >= 3
-        # open: answered 0 without a request
+        # open: answered 0 without waiting for the dead server (within one deadline: a
+        # 50 ms bound counted the index thread's wake-up and the poll's sleeps too)
         t0 = time.perf_counter()
         idx.query(7, chain)
         assert _wait(idx.answers) == [(7, 0)]
-        assert time.perf_counter() - t0 < 0.05
+        assert time.perf_counter() - t0 < TIMEOUT_MS / 1000
         valkey.start()
         deadline = time.monotonic() + 5
         while True:

@@ -28,6 +28,10 @@ def test_a_take_that_raises_ends_the_watch_and_flush_goes_on() -> None:
                          commands=CommandWatch(cmd_fd, lambda: Armed.PENDING, take))
     try:
         assert took.wait(5)
+        deadline = time.monotonic() + 5
+        while pub.counts["take_errors"] == 0:  # counted just after take raised
+            assert time.monotonic() < deadline, "the take error was not counted"
+            time.sleep(0.005)
         time.sleep(0.1)  # a spinning thread would take thousands of times by now
         assert pub.counts["take_errors"] == 1
         assert pub.counts["command_wakeups"] == 1

@@ -53,8 +53,8 @@ def test_busy_hooks_are_not_pumped_over_and_the_lock_is_never_waited_for() -> No
                 guard.last_exit = time.monotonic()
                 guard.lock.release()
         assert t.skips > 0 and contended <= t.pumps, (contended, t.pumps, t.skips)
-        before = t.pumps
         with guard.lock:  # one long hook: the thread sees an old last_exit, skips
+            before = t.pumps  # read under the lock: no pump can slip in after it
             time.sleep(0.1)
             assert t.pumps == before
     finally:

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 pytest.importorskip(
@@ -299,6 +299,7 @@ def test_prom_ack_latency_histogram_per_rank_has_exact_buckets() -> None:
     assert got[f"kvshm_ack_latency_seconds_sum{{{lab}}}"] >= 3 * 40e-6 + 2.0
 
 
+@settings(deadline=None)  # a stalled example on a loaded machine is not a failure
 @given(st.lists(st.integers(0, 50), min_size=16, max_size=16),
        st.floats(0.0, 10.0, allow_nan=False))
 def test_replayed_values_land_in_their_own_buckets(counts: list[int], mean: float) -> None:
