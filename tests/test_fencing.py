@@ -43,7 +43,7 @@ from kvshm.types import LoadFailure, StepInput
 from workers.copy_engine import CpuFence
 from workers.worker import DetachReason, Worker
 
-HANG_S = 1.0
+HANG_S = 2.0  # 1 s left a healthy rank on a loaded 2-core machine little room
 A_BLOCKS = 6
 
 

@@ -9,6 +9,7 @@ import stat
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -219,7 +220,15 @@ def test_dtype_names_round_trip() -> None:
             shm.dtype_from_name(bad)
 
 
-def test_sweep_lists_and_removes_a_planted_leftover() -> None:
+def test_sweep_lists_and_removes_a_planted_leftover(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A planted ``kvshm*`` entry is listed, then removed. The directory is a temporary
+    stand-in for /dev/shm: planted in the real one, the entry was visible for a few ms to
+    the other xdist process's leak checks (a false leak there), and ``sweep()`` there
+    would unlink the other process's segments in their instant between create and
+    unlink."""
+    monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path))
+    (tmp_path / "other-entry").write_bytes(b"y")  # not kvshm's: left alone
     path = os.path.join(shm.SHM_DIR, "kvshm-test-leftover")
     with open(path, "wb") as f:
         f.write(b"x")
@@ -231,7 +240,8 @@ def test_sweep_lists_and_removes_a_planted_leftover() -> None:
     finally:
         if os.path.exists(path):
             os.unlink(path)
-    assert "kvshm-test-leftover" not in shm.sweep()
+    assert shm.sweep() == []
+    assert (tmp_path / "other-entry").exists()
 
 
 def test_sigkilled_creator_leaves_nothing_in_dev_shm() -> None:
