@@ -18,7 +18,7 @@ def test_demo_pd_quick_is_bit_exact(valkey: object) -> None:
                           "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     last = json.loads(out.stdout.strip().splitlines()[-1])
-    assert last["bit_exact"] is True and last["prompts"] == 2
+    assert last["bit_exact"] is True and last["prompts"] == 3
     assert {"pd_ttft_ratio", "publish_ms_p50", "bytes_per_request"} <= set(last)
     assert "a prefill engine (its own process)" in out.stdout
 
