@@ -55,6 +55,9 @@ class ManagerCounters:
     hit_tokens_readmitted: int = 0
     lookups_asked_again: int = 0
     lookups_unaligned: int = 0
+    #: CPU misses answered 0 without a disk or remote read: an earlier read of a lower
+    #: tier is past its fetch timeout and still out (``OffloadManager._tiers_overdue``)
+    lookups_tier_overdue: int = 0
     loads_planned: int = 0
     loaded_blocks: int = 0
     loads_failed: int = 0

@@ -23,10 +23,12 @@ keeps the per-request state machine, the CPU pins and the dedup:
    may still hit them.
 
 A job not done on every rank after ``fetch_timeout_s`` ends the request's wait (DONE,
-counted); the job keeps its pins until it ends. Dedup: a lookup any of whose keys another
-request's job is fetching, or another request's answered fetch is about to fetch (a
-prefix many requests share, asked in one step), answers None until that job ends or
-times out (:meth:`being_fetched`).
+counted); the job keeps its pins until it ends, and while it is out the tier is
+:meth:`overdue` (the manager then starts no new fetch from any lower tier).
+
+Dedup: a lookup any of whose keys another request's job is fetching, or another
+request's answered fetch is about to fetch (a prefix many requests share, asked in one
+step), answers None until that job ends or times out (:meth:`being_fetched`).
 
 Pins: every CPU block this object pins for a request is in :meth:`pinned` (FETCHED
 blocks); jobs record their own.
@@ -137,6 +139,21 @@ class Fetches:
     def pending(self) -> bool:
         """A fetch is answered but not planned: the next plan has work."""
         return any(st.state is FetchState.ANSWERED for st in self.reqs.values())
+
+    def waiting(self, rid: str) -> bool:
+        """Whether ``rid``'s fetch is under way (QUERYING, ANSWERED or FETCHING)."""
+        st = self.reqs.get(rid)
+        return st is not None and st.state in WAITING
+
+    def overdue(self) -> bool:
+        """A job planned more than the fetch timeout ago is still out: some rank is not
+        serving this tier's jobs (stopped, stuck), and any new job, which every rank must
+        ack, would wait on it too. O(1): jobs are kept in planning order, so the first is
+        the oldest."""
+        since = self._fetch_since
+        if not since:
+            return False
+        return self._clock() - next(iter(since.values())) > self._fetch_timeout
 
     def being_fetched(self, keys: Sequence[bytes]) -> bool:
         """Whether a job not older than the fetch timeout is fetching any of ``keys``, or

@@ -260,8 +260,11 @@ class OffloadManager:
         hit = find_hit(self.cpu, self._gs, hashes, s, n_max)
         disk = None if handoff else self.disk
         if hit is None:
-            if disk is not None and disk.lookup(rid, hashes, s, n_max) is None:
-                return None  # the disk reads the blocks: an ordinary CPU hit next time
+            if disk is not None:
+                if self._tiers_overdue(rid):
+                    return 0
+                if disk.lookup(rid, hashes, s, n_max) is None:
+                    return None  # the disk reads the blocks: an ordinary CPU hit next time
             if self.remote is None:
                 return 0
             if handoff and min(s + n_max, len(hashes)) <= s:
@@ -269,13 +272,17 @@ class OffloadManager:
                 # sibling collected would cost the 5 s missing-manifest wait)
                 self.remote.served(rid, hashes, view.params)
                 return 0
+            if not handoff and self._tiers_overdue(rid):
+                return 0
             return self.remote.lookup(rid, hashes, s, n_max, view.params)
         if self._loads.is_loading(hit.pinned):  # before the remote: its DONE unpins
             self.counters.lookups_asked_again += 1
             return None
         if handoff and self._handoff_waits(rid, hit, hashes, s + n_max, view.params):
             return None
-        if disk is not None and disk.extend(rid, hashes, hit, s + n_max):
+        short = hit.end < min(s + n_max, len(hashes))  # a read could extend the hit
+        if (disk is not None and not (short and self._tiers_overdue(rid))
+                and disk.extend(rid, hashes, hit, s + n_max)):
             return None  # the disk reads what follows the hit, held meanwhile
         self.cpu.touch(hit.pinned)
         if self.remote is not None:
@@ -289,6 +296,23 @@ class OffloadManager:
         hit.offered = tokens
         self.counters.lookup_hit_tokens += tokens
         return tokens
+
+    def _tiers_overdue(self, rid: str) -> bool:
+        """Whether ``rid`` may not start a read from a lower tier now (counted when so):
+        one of the tiers has a read past its fetch timeout still out
+        (``Fetches.overdue``: a rank -- stopped, stuck -- is not serving tier jobs; a new
+        read would wait on it for a whole timeout too, and the next tier's after it: 30 s
+        a request with both). A request whose own read still waits is not stopped here
+        (its fetch ends its wait itself, then this gate keeps it from the next tier).
+        The reads resume once the overdue job ends (acked, or failed with its rank).
+        Hand-offs are not asked (they wait for their manifest's blocks)."""
+        books = [b for b in (self.disk, self.remote) if b is not None]
+        if not any(b.fetches.overdue() for b in books):
+            return False
+        if any(b.fetches.waiting(rid) for b in books):
+            return False
+        self.counters.lookups_tier_overdue += 1
+        return True
 
     def allocated(self, req_id: str, gpu_block_ids: Sequence[Sequence[int]],
                   num_external_tokens: int) -> None:

@@ -451,3 +451,51 @@ def test_a_block_a_remote_get_evicts_is_written_down_before_the_get_fills_its_ro
         rig.m.on_done(get.job_id, rank, True)
     rig.m.check_invariants()
     assert rig.cpu.get_cached(r.h[0]) == 2 and rig.cpu.get_cached(r.h[1]) == 1
+
+
+def test_a_read_overdue_on_a_stuck_rank_keeps_requests_from_every_lower_tier() -> None:
+    """Hazard "a stopped rank holding only tier jobs" (no copy is outstanding, so the
+    hang clock never starts): R's 2 blocks are on disk and on the server. R's READ
+    (into CPU 0, 1) is acked by rank 0 only -- rank 1 is stopped. After the fetch
+    timeout R recomputes at once: no readiness query, no GET (it used to post a GET
+    to the same stopped rank and wait a second timeout: 30 s in all). Q, whose blocks
+    only the server holds, is not sent there either (``lookups_tier_overdue`` 2). When
+    rank 1 acks, CPU 0, 1 are indexed and Q queries the server again."""
+    from test_remote_book import HeldIndex, key, rkey
+
+    from kvshm.config import RemoteMode
+    from kvshm.offload.remote import RemoteBook
+
+    now = [0.0]
+    rig = DiskRig(cpu=8, slots=8, clock=now)
+    r, q = Req("r", 9), Req("q", 9, base=300)
+    rig.on_disk(r)
+    index = HeldIndex()
+    index.ready.update(rkey(h) for h in r.h + q.h)
+
+    def disk(pool: BlockPool, gs: object, jobs: object) -> DiskBook:
+        return DiskBook(pool, gs, jobs, rig.slots, clock=lambda: now[0])  # type: ignore[arg-type]
+
+    def remote(pool: BlockPool, gs: object, jobs: object) -> RemoteBook:
+        return RemoteBook(pool, gs, jobs, index, key,  # type: ignore[arg-type]
+                          mode=RemoteMode.ON_EVICT, clock=lambda: now[0])
+    rig.m = OffloadManager(rig.cpu, rig.gpu, block_size=BS, world_size=WORLD, disk=disk,
+                           remote=remote)
+    assert rig.m.lookup(r.view(), 0) is None
+    (rd,) = rig.step().disk
+    assert rd.op is DiskOp.READ and unpack_ids(rd.cpu_ids) == [0, 1]
+    rig.m.on_done(rd.job_id, 0, True)
+    now[0] += 10.0
+    assert rig.m.lookup(r.view(), 0) is None                      # within the timeout
+    now[0] += 6.0
+    assert rig.m.lookup(r.view(), 0) == 0                         # R recomputes now
+    assert rig.book.counters.fetch_timeouts == 1
+    assert rig.m.lookup(q.view(), 0) == 0                         # Q too, at once
+    assert index.queries == [] and rig.step().remote == ()
+    assert rig.m.counters.lookups_tier_overdue == 2
+    assert refs(rig.cpu, [0, 1]) == [1, 1]                        # the READ's pins
+    rig.m.on_done(rd.job_id, 1, True)
+    rig.m.check_invariants()
+    assert refs(rig.cpu, [0, 1]) == [0, 0] and rig.cpu.get_cached(r.h[0]) == 0
+    assert rig.m.lookup(q.view(), 0) is None                      # the server again
+    assert len(index.queries) == 1 and rig.m.counters.lookups_tier_overdue == 2

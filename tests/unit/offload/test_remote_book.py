@@ -458,6 +458,45 @@ def test_a_get_stuck_on_a_rank_times_out_the_request_but_keeps_its_pins() -> Non
     assert refs(rig.cpu, [0, 1]) == [0, 0] and rig.cpu.get_cached(r.h[0]) == 0
 
 
+def test_a_get_overdue_on_a_stuck_rank_starts_no_new_remote_read_until_it_ends() -> None:
+    """Hazard "a stopped rank holding only tier jobs": rank 1 never acks R's GET (CPU 0,
+    1). After the fetch timeout R recomputes (counted), and so does Q -- another request
+    whose blocks the server holds -- at once: its lookup answers 0 without a query
+    (``lookups_tier_overdue``), where it used to query, plan a GET that rank 1 would
+    not serve either and wait another whole timeout. A hit on the CPU tier still
+    answers. Once rank 1 acks (the job ends, CPU 0, 1 go back to the pool) Q's next
+    lookup queries the server again."""
+    index, _, r = fetch_setup()
+    now = [0.0]
+    rig = remote_rig(index, clock=now)
+    assert rig.m.lookup(r.view(), 0) is None
+    index.answer_all()
+    (get,) = rig.step().remote
+    assert unpack_ids(get.cpu_ids) == [0, 1]
+    rig.m.on_done(get.job_id, 0, True)
+    now[0] += 16.0
+    assert rig.m.lookup(r.view(), 0) == 0                         # R: past the timeout
+    assert rig.m.remote is not None and rig.m.remote.counters.fetch_timeouts == 1
+    q = Req("q", 9, base=300)
+    index.ready.update(rkey(h) for h in q.h)
+    queries = rig.m.remote.counters.queries
+    assert rig.m.lookup(q.view(), 0) == 0                         # at once, no query
+    assert index.queries == [] and rig.m.remote.counters.queries == queries
+    assert rig.m.counters.lookups_tier_overdue == 1
+    assert rig.step().remote == ()
+    c = Req("c", 9, base=600)
+    rig.seed_cpu(*c.h)                                            # CPU 2, 3
+    assert rig.m.lookup(c.view(), 0) == 2 * BS                   # a CPU hit answers
+    assert rig.m.counters.lookups_tier_overdue == 1
+    assert refs(rig.cpu, [0, 1]) == [1, 1]                        # the job's pins
+    rig.m.on_done(get.job_id, 1, True)
+    rig.m.check_invariants()
+    assert refs(rig.cpu, [0, 1]) == [0, 0]
+    assert rig.m.lookup(q.view(), 0) is None                      # queries again
+    assert len(index.queries) == 1 and rig.m.remote.counters.queries == queries + 1
+    assert rig.m.counters.lookups_tier_overdue == 1
+
+
 def test_remote_jobs_never_exceed_what_one_ring_record_holds() -> None:
     """With room for 2 blocks a command, A's 3 stored blocks go out as PUTs of 2 and 1,
     and R's 3-block remote prefix is fetched 2 blocks deep (counted: the rest is
@@ -495,7 +534,9 @@ def test_a_cpu_hit_ends_the_requests_remote_lookup() -> None:
 
 def test_a_request_behind_a_stuck_get_waits_no_longer_than_the_get_would() -> None:
     """S shares R's prefix while R's GET is stuck on a rank: S asks again only until the
-    fetch timeout (15 s), then queries for itself."""
+    fetch timeout (15 s), then recomputes without a read of its own (it used to query and
+    post a GET that the stuck rank would not serve either: see
+    :func:`test_a_get_overdue_on_a_stuck_rank_starts_no_new_remote_read_until_it_ends`)."""
     index, _, r = fetch_setup()
     now = [0.0]
     rig = remote_rig(index, clock=now)
@@ -505,7 +546,8 @@ def test_a_request_behind_a_stuck_get_waits_no_longer_than_the_get_would() -> No
     rig.step()
     assert rig.m.lookup(s.view(), 0) is None and index.queries == []
     now[0] += 16.0
-    assert rig.m.lookup(s.view(), 0) is None and len(index.queries) == 1
+    assert rig.m.lookup(s.view(), 0) == 0 and index.queries == []
+    assert rig.m.counters.lookups_tier_overdue == 1
 
 
 def test_puts_in_flight_are_capped_at_a_quarter_of_the_cpu_tier() -> None:
