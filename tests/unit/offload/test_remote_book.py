@@ -436,17 +436,25 @@ def test_a_failed_handoff_put_writes_no_manifest_and_demotes_its_blocks() -> Non
     assert rig.m.remote.pd.counters.publish_failed == 1
 
 
-def test_a_get_stuck_on_a_rank_times_out_the_request_but_keeps_its_pins() -> None:
-    """Rank 1 never acks R's GET (stuck on the server): after the fetch timeout R's
-    lookup gives up (0, counted) so the request recomputes; CPU 0, 1 stay pinned by the
-    job (rank 1 may still write them) and go back only when it ends."""
+def _a_get_only_rank_0_acked() -> tuple[HeldIndex, Rig, Req, Remote, list[float]]:
+    """R's 2 blocks are on the server; its GET into CPU 0, 1 is planned at time 0 and
+    acked by rank 0 only. Returns the index, rig, R, the GET and the test's clock."""
     index, _, r = fetch_setup()
     now = [0.0]
     rig = remote_rig(index, clock=now)
     assert rig.m.lookup(r.view(), 0) is None
     index.answer_all()
     (get,) = rig.step().remote
+    assert unpack_ids(get.cpu_ids) == [0, 1]
     rig.m.on_done(get.job_id, 0, True)
+    return index, rig, r, get, now
+
+
+def test_a_get_stuck_on_a_rank_times_out_the_request_but_keeps_its_pins() -> None:
+    """Rank 1 never acks R's GET (stuck on the server): after the fetch timeout R's
+    lookup gives up (0, counted) so the request recomputes; CPU 0, 1 stay pinned by the
+    job (rank 1 may still write them) and go back only when it ends."""
+    index, rig, r, get, now = _a_get_only_rank_0_acked()
     now[0] += 10.0
     assert rig.m.lookup(r.view(), 0) is None                      # still within 15 s
     now[0] += 6.0
@@ -466,14 +474,7 @@ def test_a_get_overdue_on_a_stuck_rank_starts_no_new_remote_read_until_it_ends()
     not serve either and wait another whole timeout. A hit on the CPU tier still
     answers. Once rank 1 acks (the job ends, CPU 0, 1 go back to the pool) Q's next
     lookup queries the server again."""
-    index, _, r = fetch_setup()
-    now = [0.0]
-    rig = remote_rig(index, clock=now)
-    assert rig.m.lookup(r.view(), 0) is None
-    index.answer_all()
-    (get,) = rig.step().remote
-    assert unpack_ids(get.cpu_ids) == [0, 1]
-    rig.m.on_done(get.job_id, 0, True)
+    index, rig, r, get, now = _a_get_only_rank_0_acked()
     now[0] += 16.0
     assert rig.m.lookup(r.view(), 0) == 0                         # R: past the timeout
     assert rig.m.remote is not None and rig.m.remote.counters.fetch_timeouts == 1
