@@ -91,9 +91,10 @@ _ENGINE_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
                             "loaded for another request; lookups", True),
     "lookups_unaligned": ("lookups whose GPU hit did not end on a block boundary "
                           "(answered 0); lookups", False),
-    "lookups_tier_overdue": ("CPU misses answered 0 without a disk or remote read "
-                             "because an earlier read is past its fetch timeout and still "
-                             "out (a rank not serving tier jobs); lookups", True),
+    "lookups_tier_overdue": ("lookups that started no disk or remote read (a miss "
+                             "answered 0, or a short hit not extended) because an earlier "
+                             "read is past its fetch timeout and still out (a rank not "
+                             "serving tier jobs); lookups", True),
     "loads_planned": ("request loads queued after an accepted hit (CPU to GPU); loads",
                       False),
     "loaded_blocks": ("blocks loaded from the CPU tier into the GPU (successful loads); "

@@ -55,7 +55,8 @@ class ManagerCounters:
     hit_tokens_readmitted: int = 0
     lookups_asked_again: int = 0
     lookups_unaligned: int = 0
-    #: CPU misses answered 0 without a disk or remote read: an earlier read of a lower
+    #: lookups that started no disk or remote read (a CPU miss answered 0, or a CPU hit
+    #: short of its extent not extended by the disk) because an earlier read of a lower
     #: tier is past its fetch timeout and still out (``OffloadManager._tiers_overdue``)
     lookups_tier_overdue: int = 0
     loads_planned: int = 0

@@ -24,7 +24,7 @@ keeps the per-request state machine, the CPU pins and the dedup:
 
 A job not done on every rank after ``fetch_timeout_s`` ends the request's wait (DONE,
 counted); the job keeps its pins until it ends, and while it is out the tier is
-:meth:`overdue` (the manager then starts no new fetch from any lower tier).
+:meth:`overdue` (the manager's lookups then start no new fetch from any lower tier).
 
 Dedup: a lookup any of whose keys another request's job is fetching, or another
 request's answered fetch is about to fetch (a prefix many requests share, asked in one

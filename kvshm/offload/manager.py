@@ -305,12 +305,17 @@ class OffloadManager:
         a request with both). A request whose own read still waits is not stopped here
         (its fetch ends its wait itself, then this gate keeps it from the next tier).
         The reads resume once the overdue job ends (acked, or failed with its rank).
-        Hand-offs are not asked (they wait for their manifest's blocks)."""
+        Hand-offs are not asked (they wait for their manifest's blocks). When so, what
+        ``rid``'s ended fetches still pin is released, as the tier's own lookup would
+        have done (``Fetches.again``). Only lookups are gated: a query sent before the
+        job was overdue and answered after it is still planned (``Fetches.plan``)."""
         books = [b for b in (self.disk, self.remote) if b is not None]
         if not any(b.fetches.overdue() for b in books):
             return False
         if any(b.fetches.waiting(rid) for b in books):
             return False
+        for b in books:
+            b.fetches.release(rid)
         self.counters.lookups_tier_overdue += 1
         return True
 

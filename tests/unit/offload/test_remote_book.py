@@ -498,6 +498,34 @@ def test_a_get_overdue_on_a_stuck_rank_starts_no_new_remote_read_until_it_ends()
     assert rig.m.counters.lookups_tier_overdue == 1
 
 
+def test_a_lookup_the_overdue_gate_answers_releases_what_its_fetch_pinned() -> None:
+    """R's GET completed: CPU 2, 3 are pinned for R (FETCHED, ref 1) until its next
+    lookup. Meanwhile Q's GET (CPU 0, 1) is stuck on rank 1 past the fetch timeout. R's
+    next lookup comes with the engine's own hit covering both blocks: a miss past them,
+    which the gate answers 0 -- and, as the remote tier's own lookup would, it drops R's
+    fetch pins (CPU 2, 3 back to ref 0, cached), or they would stay unevictable until R
+    finished."""
+    index, rig, q, get, now = _a_get_only_rank_0_acked()           # Q's: CPU 0, 1
+    r = Req("r2", 9, base=300)
+    index.ready.update(rkey(h) for h in r.h)
+    now[0] += 1.0
+    assert rig.m.lookup(r.view(), 0) is None
+    index.answer_all()
+    (get_r,) = rig.step().remote
+    assert unpack_ids(get_r.cpu_ids) == [2, 3]
+    ack_remote(rig, get_r)
+    assert refs(rig.cpu, [2, 3]) == [1, 1]                        # pinned for R
+    now[0] += 15.0                                                # Q's GET: overdue
+    assert rig.m.lookup(r.view(), 2 * BS) == 0
+    assert rig.m.counters.lookups_tier_overdue == 1
+    assert refs(rig.cpu, [2, 3]) == [0, 0] and rig.cpu.get_cached(r.h[0]) == 2
+    rig.m.check_invariants()
+    assert refs(rig.cpu, [0, 1]) == [1, 1]                        # Q's job keeps its own
+    rig.m.on_done(get.job_id, 1, True)                            # the gate lifts
+    assert rig.m.remote is not None and not rig.m.remote.fetches.overdue()
+    assert rig.m.lookup(q.view(), 0) == 2 * BS                    # Q: its blocks, a hit
+
+
 def test_remote_jobs_never_exceed_what_one_ring_record_holds() -> None:
     """With room for 2 blocks a command, A's 3 stored blocks go out as PUTs of 2 and 1,
     and R's 3-block remote prefix is fetched 2 blocks deep (counted: the rest is
