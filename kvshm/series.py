@@ -204,6 +204,9 @@ _REMOTE_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
     "get_failed_blocks": ("blocks of GET jobs that failed; blocks", True),
     "get_declined_cpu_full": ("remote hits not fetched: no free CPU-tier block; "
                               "lookups", False),
+    "get_declined_overdue": ("remote hits not fetched: an earlier read is past its fetch "
+                             "timeout and still out (a rank not serving tier jobs); "
+                             "lookups", True),
     "get_capped": ("remote hits cut to one command's worth of blocks (the rest is "
                    "recomputed); lookups", False),
     "hit_blocks": ("blocks fetched from the remote tier into the CPU tier; blocks", True),
@@ -317,6 +320,9 @@ _DISK_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
     "get_failed_blocks": ("blocks of failed READ jobs; blocks", False),
     "get_declined_cpu_full": ("disk hits not read: no free CPU-tier block; lookups",
                               False),
+    "get_declined_overdue": ("disk hits not read: an earlier read is past its fetch "
+                             "timeout and still out (a rank not serving tier jobs); "
+                             "lookups", True),
     "get_declined_gone": ("disk hits not read: the slots lost their blocks before the "
                           "READ; lookups", False),
     "get_capped": ("disk hits cut to one command's worth of blocks; lookups", False),

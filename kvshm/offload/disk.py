@@ -92,6 +92,7 @@ class DiskCounters:
     get_failed_jobs: int = 0
     get_failed_blocks: int = 0
     get_declined_cpu_full: int = 0
+    get_declined_overdue: int = 0
     get_declined_gone: int = 0  # the slots lost their blocks between lookup and plan
     get_capped: int = 0
     hit_blocks: int = 0  # blocks read back and indexed in the CPU tier
@@ -265,16 +266,18 @@ class DiskBook:
 
     # ---- plan ------------------------------------------------------------------------
 
-    def plan(self, step: int) -> list[Disk]:
-        """This step's disk jobs: READs for answered lookups, then write-back."""
-        return self.plan_reads(step) + self.writes.plan(step)
+    def plan(self, step: int, *, overdue: bool = False) -> list[Disk]:
+        """This step's disk jobs: READs for answered lookups, then write-back.
+        ``overdue``: as :meth:`Fetches.plan`'s."""
+        return self.plan_reads(step, overdue=overdue) + self.writes.plan(step)
 
-    def plan_reads(self, step: int) -> list[Disk]:
+    def plan_reads(self, step: int, *, overdue: bool = False) -> list[Disk]:
         """READs for the lookups answered since the last plan (the manager calls it from
         a lookup too, so that a READ is posted at once, not at the next step), each
         preceded by the WRITEs of the cached blocks its allocation evicted (post them in
-        this order)."""
-        reads = [message(job) for job in self.fetches.plan(step) if isinstance(job, DiskJob)]
+        this order). ``overdue``: as :meth:`Fetches.plan`'s."""
+        reads = [message(job) for job in self.fetches.plan(step, overdue=overdue)
+                 if isinstance(job, DiskJob)]
         victims, self._victims = self._victims, []
         return self.writes.write_victims(step, victims) + reads
 

@@ -24,7 +24,8 @@ keeps the per-request state machine, the CPU pins and the dedup:
 
 A job not done on every rank after ``fetch_timeout_s`` ends the request's wait (DONE,
 counted); the job keeps its pins until it ends, and while it is out the tier is
-:meth:`overdue` (the manager's lookups then start no new fetch from any lower tier).
+:meth:`overdue` (the manager's lookups then start no new fetch from any lower tier,
+and :meth:`plan` turns no answered one into a job).
 
 Dedup: a lookup any of whose keys another request's job is fetching, or another
 request's answered fetch is about to fetch (a prefix many requests share, asked in one
@@ -91,6 +92,7 @@ class FetchCounters(Protocol):
     get_failed_jobs: int
     get_failed_blocks: int
     get_declined_cpu_full: int
+    get_declined_overdue: int
     get_capped: int
     hit_blocks: int
 
@@ -247,11 +249,19 @@ class Fetches:
 
     # ---- plan and completion ---------------------------------------------------------
 
-    def plan(self, step: int) -> list[RemoteJob]:
-        """This step's jobs, one per ANSWERED fetch that the CPU tier has room for."""
+    def plan(self, step: int, *, overdue: bool = False) -> list[RemoteJob]:
+        """This step's jobs, one per ANSWERED fetch that the CPU tier has room for.
+        ``overdue``: a tier's read is past the fetch timeout and still out
+        (``OffloadManager._tiers_overdue``): every ANSWERED fetch ends DONE instead
+        (counted), its request recomputes -- a job would wait on the same rank."""
         out: list[RemoteJob] = []
         for rid, st in self.reqs.items():
             if st.state is FetchState.ANSWERED:
+                if overdue:
+                    self._unclaim(rid, st)
+                    st.state = FetchState.DONE
+                    self.counters.get_declined_overdue += 1
+                    continue
                 job = self._job(step, rid, st)
                 if job is not None:
                     out.append(job)

@@ -305,19 +305,25 @@ class OffloadManager:
         a request with both). A request whose own read still waits is not stopped here
         (its fetch ends its wait itself, then this gate keeps it from the next tier).
         The reads resume once the overdue job ends (acked, or failed with its rank).
-        Hand-offs are not asked (they wait for their manifest's blocks). When so, what
+        Hand-offs are not asked (they wait for their manifest). When so, what
         ``rid``'s ended fetches still pin is released, as the tier's own lookup would
-        have done (``Fetches.again``). Only lookups are gated: a query sent before the
-        job was overdue and answered after it is still planned (``Fetches.plan``)."""
-        books = [b for b in (self.disk, self.remote) if b is not None]
-        if not any(b.fetches.overdue() for b in books):
+        have done (``Fetches.again``). A fetch answered meanwhile (a query sent before
+        the job was overdue) is not planned either (``Fetches.plan``'s ``overdue``)."""
+        if not self._any_overdue():
             return False
+        books = [b for b in (self.disk, self.remote) if b is not None]
         if any(b.fetches.waiting(rid) for b in books):
             return False
         for b in books:
             b.fetches.release(rid)
         self.counters.lookups_tier_overdue += 1
         return True
+
+    def _any_overdue(self) -> bool:
+        """A lower tier's read is past its fetch timeout and still out
+        (``Fetches.overdue``)."""
+        return ((self.disk is not None and self.disk.fetches.overdue())
+                or (self.remote is not None and self.remote.fetches.overdue()))
 
     def allocated(self, req_id: str, gpu_block_ids: Sequence[Sequence[int]],
                   num_external_tokens: int) -> None:
@@ -434,12 +440,13 @@ class OffloadManager:
                 victims: list[tuple[int, bytes]] = []
                 store = self._plan_stores(step, alloc, dirty, victims)
                 load = self._loads.plan(step, self._jobs)
+                overdue = self._any_overdue()
                 if self.remote is not None:
-                    remote = tuple(self.remote.plan(step))
+                    remote = tuple(self.remote.plan(step, overdue=overdue))
                     victims += self.remote.take_victims()
                 if self.disk is not None:  # the victims' WRITEs go out before the store
                     disk = (*self.disk.write_victims(step, victims),  # and the GETs
-                            *self.disk.plan(step))
+                            *self.disk.plan(step, overdue=overdue))
         failed_loads = self._loads.take_failed()
         jobs = self._loads.listed_jobs(self._jobs)
         return StepPlan(step=step, store=store, load=load, load_jobs=jobs,
@@ -454,7 +461,7 @@ class OffloadManager:
         disk, out = self.disk, self.outcomes
         if disk is None or out.failed or out.abandoned or not disk.has_pending_work():
             return []
-        return disk.plan_reads(self._last_step)
+        return disk.plan_reads(self._last_step, overdue=self._any_overdue())
 
     def _plan_stores(self, step: int, alloc: frozenset[int], dirty: list[ScheduledRequest],
                      victims: list[tuple[int, bytes]]) -> Transfer | None:

@@ -270,12 +270,14 @@ class RemoteBook:
 
     # ---- plan and completion -------------------------------------------------------------
 
-    def plan(self, step: int) -> list[Remote]:
-        """This step's remote jobs: GETs for answered lookups, then PUTs."""
+    def plan(self, step: int, *, overdue: bool = False) -> list[Remote]:
+        """This step's remote jobs: GETs for answered lookups, then PUTs. ``overdue``:
+        as :meth:`Fetches.plan`'s."""
         self.poll()
         if self.side is not None:
             self.side.tick()
-        gets = [message(job, RemoteOp.GET) for job in self.fetches.plan(step)]
+        gets = [message(job, RemoteOp.GET)
+                for job in self.fetches.plan(step, overdue=overdue)]
         return gets + self.puts.plan(step)
 
     def _allocate(self, n: int) -> list[int]:

@@ -93,6 +93,7 @@ class RemoteCounters:
     get_failed_jobs: int = 0
     get_failed_blocks: int = 0
     get_declined_cpu_full: int = 0
+    get_declined_overdue: int = 0
     get_capped: int = 0
     hit_blocks: int = 0
     put_jobs: int = 0

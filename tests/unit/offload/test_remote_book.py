@@ -526,6 +526,26 @@ def test_a_lookup_the_overdue_gate_answers_releases_what_its_fetch_pinned() -> N
     assert rig.m.lookup(q.view(), 0) == 2 * BS                    # Q: its blocks, a hit
 
 
+def test_an_answer_that_comes_once_a_get_is_overdue_is_not_fetched() -> None:
+    """P queries the server 14 s into R's GET (stuck on rank 1): not overdue yet, so the
+    query goes out. Its answer (2 blocks present) comes at 16 s, when R's GET is past the
+    fetch timeout: the step plans no GET for P -- it would wait on rank 1 too -- and P's
+    fetch ends (``get_declined_overdue``); P's next lookup recomputes (0) at once."""
+    index, rig, _, _, now = _a_get_only_rank_0_acked()
+    p = Req("p", 9, base=700)
+    index.ready.update(rkey(h) for h in p.h)
+    now[0] += 14.0
+    assert rig.m.lookup(p.view(), 0) is None and len(index.queries) == 1
+    now[0] += 2.0
+    index.answer_all()
+    assert rig.step().remote == ()
+    assert rig.m.remote is not None and rig.m.remote.counters.get_declined_overdue == 1
+    assert rig.m.remote.counters.get_jobs == 1                    # R's only
+    assert rig.m.lookup(p.view(), 0) == 0 and index.queries == []
+    assert rig.m.counters.lookups_tier_overdue == 1
+    rig.m.check_invariants()
+
+
 def test_remote_jobs_never_exceed_what_one_ring_record_holds() -> None:
     """With room for 2 blocks a command, A's 3 stored blocks go out as PUTs of 2 and 1,
     and R's 3-block remote prefix is fetched 2 blocks deep (counted: the rest is
