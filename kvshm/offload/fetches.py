@@ -252,8 +252,9 @@ class Fetches:
     def plan(self, step: int, *, overdue: bool = False) -> list[RemoteJob]:
         """This step's jobs, one per ANSWERED fetch that the CPU tier has room for.
         ``overdue``: a tier's read is past the fetch timeout and still out
-        (``OffloadManager._tiers_overdue``): every ANSWERED fetch ends DONE instead
-        (counted), its request recomputes -- a job would wait on the same rank."""
+        (``OffloadManager._any_overdue``): every ANSWERED fetch ends DONE instead
+        (counted), for good, and its request recomputes -- a job would wait on the same
+        rank."""
         out: list[RemoteJob] = []
         for rid, st in self.reqs.items():
             if st.state is FetchState.ANSWERED:

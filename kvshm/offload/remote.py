@@ -22,7 +22,8 @@ the server holds the rest: the manager asks for the blocks after the hit):
    the query asked now.
 2. The answer (polled on each lookup and plan) gives the present prefix; 0: DONE.
 3. The next :meth:`plan` allocates that many CPU blocks and makes a GET job; FETCHING
-   (lookups answer None). A CPU pool with no room: DONE (counted).
+   (lookups answer None). A CPU pool with no room, or a read of a lower tier past its
+   fetch timeout and still out (``Fetches.plan``'s ``overdue``): DONE (counted).
 4. The GET completed on every rank without failure: the blocks are indexed in the CPU
    tier and stay pinned for the request (FETCHED) until its next lookup, which finds an
    ordinary CPU hit and pins it itself. A failed GET frees its blocks unindexed: DONE,

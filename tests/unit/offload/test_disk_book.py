@@ -499,3 +499,30 @@ def test_a_read_overdue_on_a_stuck_rank_keeps_requests_from_every_lower_tier() -
     assert refs(rig.cpu, [0, 1]) == [0, 0] and rig.cpu.get_cached(r.h[0]) == 0
     assert rig.m.lookup(q.view(), 0) is None                      # the server again
     assert len(index.queries) == 1 and rig.m.counters.lookups_tier_overdue == 2
+
+
+def test_a_read_answered_once_another_is_overdue_is_not_planned() -> None:
+    """R's READ (CPU 0, 1) is stuck on rank 1. At 14 s Q's lookup finds its 2 blocks on
+    disk and asks again (the READ would go out with the next plan); at 16 s, R's READ
+    past the fetch timeout, the plan posts no READ for Q -- it would wait on rank 1 too
+    -- (``get_declined_overdue``) and Q's next lookup recomputes (0), its CPU pool
+    untouched."""
+    now = [0.0]
+    rig = DiskRig(cpu=8, slots=8, clock=now)
+    r, q = Req("r", 9), Req("q", 9, base=300)
+    rig.on_disk(r)
+    rig.on_disk(q)
+    assert rig.m.lookup(r.view(), 0) is None
+    (rd,) = [m for m in rig.step().disk if m.op is DiskOp.READ]
+    rig.m.on_done(rd.job_id, 0, True)
+    read_cpu = unpack_ids(rd.cpu_ids)
+    now[0] += 14.0
+    assert rig.m.lookup(q.view(), 0) is None                      # not overdue yet
+    now[0] += 2.0
+    assert not [m for m in rig.step().disk if m.op is DiskOp.READ]
+    c = rig.book.counters
+    assert (c.get_declined_overdue, c.get_jobs) == (1, 1)
+    assert rig.m.lookup(q.view(), 0) == 0
+    assert rig.m.counters.lookups_tier_overdue == 1
+    assert refs(rig.cpu, read_cpu) == [1, 1]                      # R's READ only
+    rig.m.check_invariants()
