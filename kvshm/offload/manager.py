@@ -280,9 +280,8 @@ class OffloadManager:
             return None
         if handoff and self._handoff_waits(rid, hit, hashes, s + n_max, view.params):
             return None
-        short = hit.end < min(s + n_max, len(hashes))  # a read could extend the hit
-        if (disk is not None and not (short and self._tiers_overdue(rid))
-                and disk.extend(rid, hashes, hit, s + n_max)):
+        if disk is not None and self._may_extend(rid, hit, min(s + n_max, len(hashes))) \
+                and disk.extend(rid, hashes, hit, s + n_max):
             return None  # the disk reads what follows the hit, held meanwhile
         self.cpu.touch(hit.pinned)
         if self.remote is not None:
@@ -318,6 +317,12 @@ class OffloadManager:
             b.fetches.release(rid)
         self.counters.lookups_tier_overdue += 1
         return True
+
+    def _may_extend(self, rid: str, hit: Hit, end: int) -> bool:
+        """Whether the disk may be asked to read what follows ``hit`` (up to block
+        ``end``): always when the hit reaches ``end`` (the disk's own lookup then only
+        ends ``rid``'s read), else unless a tier is overdue (:meth:`_tiers_overdue`)."""
+        return hit.end >= end or not self._tiers_overdue(rid)
 
     def _any_overdue(self) -> bool:
         """A lower tier's read is past its fetch timeout and still out
