@@ -23,10 +23,11 @@ from kvshm.remote.valkey_index import ValkeyReadyIndex
 ROW = 256 << 10
 FP = "tiny-llama.bf16.bs16.nhd"
 TIMEOUT_MS = 300
-#: The index's deadline in the stopped-primary test: long enough that a live shard of a
-#: 6-process cluster on a loaded 2-core machine always answers in time (its whole chain
-#: is asserted), short enough that the stopped shard's breaker opens within seconds.
-INDEX_TIMEOUT_MS = 1000
+#: The index's deadline in the stopped-primary test. 1000 ms was tried (more room for a
+#: live shard on a loaded machine): a query touching the stopped shard then took longer
+#: than ``ask``'s bound (connect and request deadlines add up) and CI failed; 300 ms is
+#: what this test always passed with.
+INDEX_TIMEOUT_MS = TIMEOUT_MS
 N = 48
 
 
@@ -232,7 +233,7 @@ def test_a_stopped_primary_opens_only_its_own_index_breaker_and_blinds_no_other_
             assert ask(idx, token + 1, live) == len(live), idx.statistics()
             if idx.statistics().get("breakers", {}).get(name) == "open":
                 break
-            assert time.monotonic() - t0 < 20, idx.statistics()  # about 8 s
+            assert time.monotonic() - t0 < 15, idx.statistics()
         t_open = time.monotonic()
         token += 1
         assert ask(idx, token, live) == len(live)  # the open breaker costs nothing now
