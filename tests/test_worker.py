@@ -242,8 +242,9 @@ def test_shutdown_finishes_running_work_then_detaches() -> None:
 def test_flush_finishes_jobs_before_the_step() -> None:
     """Flush(2, [1, 3]) from the ring and flush_ids=[4]: begin_step returns only once those
     jobs finished (their Dones are in the very next poll); a fence that never comes is
-    bounded by flush_timeout_s and counted."""
-    with linked(1, nb=64, flush_timeout_s=0.3) as (sched, ws, _):
+    bounded by flush_timeout_s and counted. The timeout (2 s) is far above the 50 ms
+    timers, so a slow timer on a loaded machine still counts as a wait, not a timeout."""
+    with linked(1, nb=64, flush_timeout_s=2.0) as (sched, ws, _):
         w = ws[0]
         sched.post(transfer(1, 1, STORE, [0], [0]), transfer(1, 2, STORE, [1], [1]),
                    transfer(1, 3, STORE, [2], [2]), Flush(2, pack_ids([1, 3])))
@@ -266,7 +267,7 @@ def test_flush_finishes_jobs_before_the_step() -> None:
         never = CpuFence()
         w.begin_step(5)
         w.submit_stores(5, after=never)
-        w.begin_step(6, flush_ids=[6])  # returns after ~0.3 s, no exception
+        w.begin_step(6, flush_ids=[6])  # returns after ~2 s, no exception
         assert w.statistics()["counters"]["flush_timeouts"] == 1
         never.set()
         sched.collect([1, 2, 3, 4, 5, 6], tick=w.poll)

@@ -57,7 +57,7 @@ class ManagerCounters:
     lookups_unaligned: int = 0
     #: lookups that started no disk or remote read (a CPU miss answered 0, or a CPU hit
     #: short of its extent not extended by the disk) because an earlier read of a lower
-    #: tier is past its fetch timeout and still out (``OffloadManager._tiers_overdue``)
+    #: tier is past its fetch timeout and still out (``OffloadManager._gated``)
     lookups_tier_overdue: int = 0
     loads_planned: int = 0
     loaded_blocks: int = 0

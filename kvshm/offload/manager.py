@@ -260,27 +260,26 @@ class OffloadManager:
         hit = find_hit(self.cpu, self._gs, hashes, s, n_max)
         disk = None if handoff else self.disk
         if hit is None:
-            if disk is not None:
-                if self._tiers_overdue(rid):
-                    return 0
-                if disk.lookup(rid, hashes, s, n_max) is None:
-                    return None  # the disk reads the blocks: an ordinary CPU hit next time
+            disk_gated = disk is not None and self._gated(rid, disk)
+            if disk is not None and not disk_gated \
+                    and disk.lookup(rid, hashes, s, n_max) is None:
+                return None  # the disk reads the blocks: an ordinary CPU hit next time
             if self.remote is None:
-                return 0
+                return self._turned_away(rid) if disk_gated else 0
             if handoff and min(s + n_max, len(hashes)) <= s:
                 # the engine holds the whole extent: nothing to wait for (a manifest a
                 # sibling collected would cost the 5 s missing-manifest wait)
                 self.remote.served(rid, hashes, view.params)
                 return 0
-            if not handoff and self._tiers_overdue(rid):
-                return 0
+            if not handoff and self._gated(rid, self.remote):
+                return self._turned_away(rid)
             return self.remote.lookup(rid, hashes, s, n_max, view.params)
         if self._loads.is_loading(hit.pinned):  # before the remote: its DONE unpins
             self.counters.lookups_asked_again += 1
             return None
         if handoff and self._handoff_waits(rid, hit, hashes, s + n_max, view.params):
             return None
-        if disk is not None and self._may_extend(rid, hit, min(s + n_max, len(hashes))) \
+        if disk is not None and self._may_extend(rid, hit, disk, min(s + n_max, len(hashes))) \
                 and disk.extend(rid, hashes, hit, s + n_max):
             return None  # the disk reads what follows the hit, held meanwhile
         self.cpu.touch(hit.pinned)
@@ -296,33 +295,42 @@ class OffloadManager:
         self.counters.lookup_hit_tokens += tokens
         return tokens
 
-    def _tiers_overdue(self, rid: str) -> bool:
-        """Whether ``rid`` may not start a read from a lower tier now (counted when so):
-        one of the tiers has a read past its fetch timeout still out
-        (``Fetches.overdue``: a rank -- stopped, stuck -- is not serving tier jobs; a new
-        read would wait on it for a whole timeout too, and the next tier's after it: 30 s
-        a request with both). A request whose own read still waits is not stopped here
-        (its fetch ends its wait itself, then this gate keeps it from the next tier).
-        The reads resume once the overdue job ends (acked, or failed with its rank).
-        Hand-offs are not asked (they wait for their manifest). When so, what
-        ``rid``'s ended fetches still pin is released, as the tier's own lookup would
-        have done (``Fetches.again``). A fetch answered meanwhile (a query sent before
-        the job was overdue) is not planned either (``Fetches.plan``'s ``overdue``)."""
-        if not self._any_overdue():
+    def _gated(self, rid: str, book: DiskBook | RemoteBook) -> bool:
+        """Whether ``rid`` may not start a read from ``book``'s tier now: one of the
+        lower tiers has a read past its fetch timeout still out (``Fetches.overdue``: a
+        rank -- stopped, stuck -- is not serving tier jobs; a new read would wait on it
+        for a whole timeout too, and the next tier's after it: 30 s a request with both).
+        The exemption is per tier: a request whose own read on ``book``'s tier still
+        waits is not gated there (that fetch ends its wait itself), but it starts no
+        read on the other tier meanwhile. When gated, what ``rid``'s ended fetch on that
+        tier still pins is released, as the tier's own lookup would have done
+        (``Fetches.again``). The reads resume once the overdue job ends (acked, or failed
+        with its rank). Hand-offs are not asked (they wait for their manifest). A fetch
+        answered meanwhile (a query sent before the job was overdue) is not planned
+        either (``Fetches.plan``'s ``overdue``)."""
+        if not self._any_overdue() or book.fetches.waiting(rid):
             return False
-        books = [b for b in (self.disk, self.remote) if b is not None]
-        if any(b.fetches.waiting(rid) for b in books):
-            return False
-        for b in books:
-            b.fetches.release(rid)
-        self.counters.lookups_tier_overdue += 1
+        book.fetches.release(rid)
         return True
 
-    def _may_extend(self, rid: str, hit: Hit, end: int) -> bool:
+    def _turned_away(self, rid: str) -> int:
+        """``rid``'s miss recomputes (0) because a tier is overdue (:meth:`_gated`):
+        counted, and what its ended fetches on either tier still pin is released."""
+        for b in (self.disk, self.remote):
+            if b is not None:
+                b.fetches.release(rid)
+        self.counters.lookups_tier_overdue += 1
+        return 0
+
+    def _may_extend(self, rid: str, hit: Hit, disk: DiskBook, end: int) -> bool:
         """Whether the disk may be asked to read what follows ``hit`` (up to block
         ``end``): always when the hit reaches ``end`` (the disk's own lookup then only
-        ends ``rid``'s read), else unless a tier is overdue (:meth:`_tiers_overdue`)."""
-        return hit.end >= end or not self._tiers_overdue(rid)
+        ends ``rid``'s read), else unless the disk is gated for ``rid``
+        (:meth:`_gated`; counted: a short hit not extended)."""
+        if hit.end >= end or not self._gated(rid, disk):
+            return True
+        self.counters.lookups_tier_overdue += 1
+        return False
 
     def _any_overdue(self) -> bool:
         """A lower tier's read is past its fetch timeout and still out

@@ -501,6 +501,63 @@ def test_a_read_overdue_on_a_stuck_rank_keeps_requests_from_every_lower_tier() -
     assert len(index.queries) == 1 and rig.m.counters.lookups_tier_overdue == 2
 
 
+def test_a_request_waiting_on_the_server_starts_no_disk_read_while_one_is_overdue(
+) -> None:
+    """The overdue gate's exemption is per tier. Q queries the server (its blocks are on
+    no disk yet: the query is held). Its 2 blocks then reach the disk (written by W, the
+    same prompt). R's READ (CPU 0, 1) is stuck on rank 1 past the fetch timeout. Q's next
+    lookup still waits for its own query (None), but starts no disk READ: it would wait
+    on rank 1 too (before, a request whose remote query waited was exempt from the gate
+    as a whole and began one). When its answer comes the plan declines the GET
+    (``get_declined_overdue``) and Q recomputes (0, ``lookups_tier_overdue`` 1); the
+    server's blocks are fetched by nobody, R's READ keeps only its own pins."""
+    from test_remote_book import HeldIndex, key, rkey
+
+    from kvshm.config import RemoteMode
+    from kvshm.offload.remote import RemoteBook
+
+    now = [0.0]
+    rig = DiskRig(cpu=8, slots=8, clock=now)
+    r, q = Req("r", 9), Req("q", 9, base=300)
+    rig.on_disk(r)
+    index = HeldIndex()
+    index.ready.update(rkey(h) for h in q.h)
+
+    def disk(pool: BlockPool, gs: object, jobs: object) -> DiskBook:
+        return DiskBook(pool, gs, jobs, rig.slots, clock=lambda: now[0],  # type: ignore[arg-type]
+                        write_through=True)
+
+    def remote(pool: BlockPool, gs: object, jobs: object) -> RemoteBook:
+        return RemoteBook(pool, gs, jobs, index, key,  # type: ignore[arg-type]
+                          mode=RemoteMode.ON_EVICT, clock=lambda: now[0])
+    rig.m = OffloadManager(rig.cpu, rig.gpu, block_size=BS, world_size=WORLD, disk=disk,
+                           remote=remote)
+    assert rig.m.lookup(r.view(), 0) is None
+    (rd,) = [m for m in rig.step().disk if m.op is DiskOp.READ]
+    assert unpack_ids(rd.cpu_ids) == [0, 1]
+    rig.m.on_done(rd.job_id, 0, True)                             # rank 1: stopped
+    now[0] += 14.5
+    assert rig.m.lookup(q.view(), 0) is None                      # Q: a query, held
+    assert len(index.queries) == 1
+    rig.on_disk(Req("w", 9, base=300))                            # Q's blocks on disk
+    book = rig.book
+    assert all(rig.slots.get_cached(disk_hash(h)) is not None for h in q.h)
+    now[0] += 1.0                                                 # R's READ: overdue
+    hits = book.counters.lookup_hits
+    assert rig.m.lookup(q.view(), 0) is None                      # its own query waits
+    assert book.fetches.get("q") is None and book.counters.lookup_hits == hits
+    assert rig.m.counters.lookups_tier_overdue == 0
+    index.answer_all()
+    assert rig.step().remote == () and not [m for m in rig.step().disk
+                                             if m.op is DiskOp.READ]
+    assert rig.m.remote is not None and rig.m.remote.counters.get_declined_overdue == 1
+    assert rig.m.lookup(q.view(), 0) == 0                         # Q recomputes
+    assert rig.m.counters.lookups_tier_overdue == 1
+    assert book.fetches.get("q") is None
+    assert refs(rig.cpu, [0, 1]) == [1, 1]                        # the READ's pins only
+    rig.m.check_invariants()
+
+
 def test_a_read_answered_once_another_is_overdue_is_not_planned() -> None:
     """R's READ (CPU 0, 1) is stuck on rank 1. At 14 s Q's lookup finds its 2 blocks on
     disk and asks again (the READ would go out with the next plan); at 16 s, R's READ
