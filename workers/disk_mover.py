@@ -112,6 +112,14 @@ class DiskMover:
         self._host = host
         self._spec = SlabSpec(setup.fingerprint, rank, world, setup.slots, host.bytes_per_block)
         self._slab = SlabFile.open(setup.path, self._spec, direct=setup.direct)
+        try:
+            self._start(host, threads)
+        except BaseException:  # no fd or lock of a mover that never ran is kept
+            self._slab.close()
+            raise
+
+    def _start(self, host: HostPool, threads: int) -> None:
+        """The state besides the slab, and the threads (started last)."""
         self._regions: list[torch.Tensor] = list(host.regions)
         self._bases = [_view(r) for r in self._regions]
         self._row_bytes = [r.shape[1] for r in self._regions]
@@ -126,7 +134,7 @@ class DiskMover:
         self._rows_cv = threading.Condition()  # the row fence: the two below
         self._writes: dict[int, _Job] = {}  # WRITEs not finished, by id(job)
         self._fenced: list[_Job] = []  # READs waiting for earlier WRITEs of their rows
-        self._threads = [threading.Thread(target=self._loop, name=f"kvshm-disk-r{rank}-{i}",
+        self._threads = [threading.Thread(target=self._loop, name=f"kvshm-disk-r{self.rank}-{i}",
                                           daemon=True) for i in range(threads)]
         for t in self._threads:
             t.start()

@@ -57,7 +57,11 @@ No state can pair a header with a payload it does not describe and pass the chec
 for a checksum collision (2**-32 per torn slot; the header's own CRC guards the header).
 One write per slot, not three (invalidate, payload, header): each O_DIRECT write waits for
 the device, and at 128 KiB blocks the extra waits cost more than half the throughput.
-:meth:`SlabFile.invalidate` zeroes a header page when the scheduler drops a slot.
+A slot the scheduler drops (a READ failed its check on some rank) is not zeroed: it
+goes back to the free slots, and the next write to it replaces its header. Until then a
+warm restart may index it again; its READ then fails the same check (a miss, counted,
+the slot dropped again), never a wrong block. :meth:`SlabFile.invalidate` (zero a
+header page) is for tools and tests.
 
 There is no fsync per slot: a SIGKILL leaves every write that returned in the page cache
 (buffered) or on the device (O_DIRECT), in program order. A power loss may lose or
@@ -83,6 +87,7 @@ slots (the caller never reads a slot that is being written, nor writes one twice
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import fcntl
@@ -388,15 +393,17 @@ def _header_fits(h: _SlotHeader, spec: SlabSpec, digest: bytes, slot: int) -> bo
 def scan(path: str, spec: SlabSpec) -> dict[int, bytes]:
     """Slot -> block hash of every slot of the slab at ``path`` whose header parses and
     fits ``spec`` (format version, fingerprint, rank, world, row bytes, its own slot
-    index). Payloads are not read: their checksums are checked on read. A missing or
-    short file, or a file header of another spec: ``{}``. Never raises for content (an
-    unreadable file: OSError)."""
+    index). Payloads are not read: their checksums are checked on read. A missing file,
+    one not exactly the spec's size, or a file header of another spec: ``{}`` -- the
+    same test :meth:`SlabFile.open` makes before it reuses a file (it re-initialises
+    any other), so the warm index never names a slot the worker then wipes. Never
+    raises for content (an unreadable file: OSError)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         return {}
     try:
-        if os.fstat(fd).st_size < spec.file_bytes:
+        if os.fstat(fd).st_size != spec.file_bytes:
             return {}
         if not spec.matches_file_header(os.pread(fd, PAGE, 0)):
             return {}
@@ -498,6 +505,9 @@ class SlabFile:
         try:
             fd = os.open(path, flags, 0o600)
         except OSError as exc:
+            if created:  # open(2) may create the file, then refuse O_DIRECT (EINVAL)
+                with contextlib.suppress(OSError):
+                    os.unlink(path)
             hint = (": the filesystem refuses O_DIRECT, set disk_io=buffered to use the page "
                     "cache" if direct and exc.errno == errno.EINVAL else "")
             raise ConfigError(f"slab file {path!r}: cannot open ({exc.strerror}){hint}") \

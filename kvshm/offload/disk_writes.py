@@ -171,11 +171,20 @@ class WriteBack:
         the disk neither holds nor is writing, pinned here until written. Post them
         before the job that reuses their rows: each rank runs it after them (module
         docstring). Never raises: a block without a free slot, or while write-back is
-        paused, is lost (counted)."""
+        paused, is lost (counted). Two victims may carry one key (a disk READ of it
+        completed after another request had stored it): only the first is written --
+        two slots for one block would waste one, and two WRITE jobs of one key would
+        leave ``_writing`` without it while the second is still out."""
         if not victims:
             return []
         c = self.counters
-        picks = [(cid, k) for cid, k in victims if self._wanted(disk_hash(k))]
+        chosen: set[bytes] = set()
+        picks = []
+        for cid, k in victims:
+            d = disk_hash(k)
+            if d not in chosen and self._wanted(d):
+                chosen.add(d)
+                picks.append((cid, k))
         c.evicted_on_disk += len(victims) - len(picks)
         if not picks:
             return []

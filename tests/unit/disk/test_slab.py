@@ -244,6 +244,28 @@ def test_scan_finds_exactly_the_written_slots_and_ignores_another_spec(tmp_path:
     assert scan(str(tmp_path / "absent.slab"), spec) == {}
 
 
+def test_scan_and_open_agree_on_a_slab_grown_past_its_spec(tmp_path: Path) -> None:
+    """A slab something outside kvshm grew by one page: ``SlabFile.open`` reuses only a
+    file of exactly the spec's size and re-initialises this one, so ``scan`` must not
+    index its slots either (it used to accept any file at least that long: the warm
+    index named slot 2, which the worker had just wiped -- a READ of EMPTY)."""
+    path = str(tmp_path / "s.slab")
+    spec = SlabSpec(FP, 0, 1, 4, PAGE)
+    row = rand_rows((PAGE,), seed=6)[0]
+    s = SlabFile.open(path, spec, direct=False)
+    s.write(2, [view(row)], H_A)
+    s.close()
+    assert scan(path, spec) == {2: H_A}
+    os.truncate(path, spec.file_bytes + PAGE)
+    assert scan(path, spec) == {}
+    again = SlabFile.open(path, spec, direct=False)
+    try:
+        got = blank((PAGE,))[0]
+        assert again.read_into(2, [view(got)], H_A) is SlotOutcome.EMPTY
+    finally:
+        again.close()
+
+
 def test_reopen_keeps_the_slots_and_another_spec_reinitialises(
         tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = str(tmp_path / "s.slab")

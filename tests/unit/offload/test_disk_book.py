@@ -453,6 +453,46 @@ def test_a_block_a_remote_get_evicts_is_written_down_before_the_get_fills_its_ro
     assert rig.cpu.get_cached(r.h[0]) == 2 and rig.cpu.get_cached(r.h[1]) == 1
 
 
+def test_two_cpu_copies_of_one_block_evicted_together_are_written_once() -> None:
+    """Hazard "two CPU copies of one block evicted together". A's block K is on disk
+    (slot 0) and nowhere in the CPU tier. R misses on the CPU and reads K from disk into
+    CPU 0; meanwhile B, the same prompt, computes K and stores it into CPU 1. Both
+    complete: CPU 0 and CPU 1 both carry K. K then leaves the slot table (later writes
+    took slot 0). One allocation of all 3 CPU blocks evicts both copies: the write-down
+    writes K once (CPU 0 into slot 1; CPU 1 counted as on disk), where it used to write
+    both (slots 1 and 2 for one block; with one block a job, two WRITE jobs of K, the
+    first to end dropping K from the keys being written while the second was out)."""
+    from kvshm.types import StepInput
+
+    rig = DiskRig(cpu=3, slots=3)
+    a = Req("a", 5)
+    k = a.h[0]
+    rig.on_disk(a)
+    assert rig.slots.get_cached(disk_hash(k)) == 0 and rig.cpu.num_hashes == 0
+    r = Req("r", 5)
+    assert rig.m.lookup(r.view(), 0) is None
+    (rd,) = [m for m in rig.m.plan_reads() if m.op is DiskOp.READ]
+    assert unpack_ids(rd.cpu_ids) == [0]
+    cpu_b, _ = rig.store(Req("b", 5))
+    assert cpu_b == [1]
+    rig.ack_disk(rd)
+    assert [c for c in range(3) if k in rig.cpu.block_hashes(c)] == [0, 1]
+    assert rig.m.lookup(r.view(), 0) == BS
+    rig.m.finished("r", 5, [[]])
+    rig.slots.remove_hashes(0)                                    # K leaves the disk
+    c = Req("c", 13, base=1000)
+    g = rig.alloc(3, c.h)
+    before = rig.book.counters.evicted_on_disk
+    p = rig.m.build_step(StepInput(99, (c.sched(g, confirmed=13, new=True),), (),
+                                   frozenset()))
+    (w,) = [m for m in p.disk if m.op is DiskOp.WRITE]
+    assert unpack_ids(w.cpu_ids) == [0] and unpack_ids(w.slots) == [1]
+    assert rig.book.counters.evicted_on_disk == before + 1        # CPU 1: the same block
+    rig.m.check_invariants()
+    rig.ack_disk(w)
+    assert [s for s in range(3) if disk_hash(k) in rig.slots.block_hashes(s)] == [1]
+
+
 def test_a_read_overdue_on_a_stuck_rank_keeps_requests_from_every_lower_tier() -> None:
     """Hazard "a stopped rank holding only tier jobs" (no copy is outstanding, so the
     hang clock never starts): R's 2 blocks are on disk and on the server. R's READ
