@@ -191,10 +191,10 @@ class WriteBack:
         if self.pause.active():
             c.evicted_lost += len(picks)
             return []
-        n = min(len(picks), self.slots.num_free)  # what _write_jobs takes
+        n = min(len(picks), self.slots.num_free)
         c.evicted_written += n
-        c.evicted_lost += len(picks) - n
-        return self._write_jobs(step, picks, scan=False)
+        c.evicted_lost += len(picks) - n  # counted here only, not as declined writes too
+        return self._write_jobs(step, picks[:n], scan=False)
 
     def plan(self, step: int) -> list[Disk]:
         """This step's write-back: the remembered stored blocks (write-through) first,
@@ -212,7 +212,9 @@ class WriteBack:
             return []
         window = min(self._max_window, max(self._window, 2 * self._pressure))
         chosen: set[bytes] = set()
-        fresh = self._through(budget, chosen)
+        # write-through takes its blocks off the remembered queue: no more than there are
+        # free slots, or one taken and not written would be lost, not left for the next plan
+        fresh = self._through(min(budget, self.slots.num_free), chosen)
         scanned = self._candidates(window, budget - len(fresh), chosen)
         out = self._write_jobs(step, fresh, scan=False)
         return out + self._write_jobs(step, scanned, scan=True)

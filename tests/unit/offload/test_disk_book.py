@@ -313,6 +313,30 @@ def test_write_through_writes_every_stored_block_and_leaves_it_where_it_was() ->
     assert rig.step().disk == ()
 
 
+def test_write_through_waits_for_a_free_slot_instead_of_dropping_its_blocks() -> None:
+    """Write-through with 2 slots, both pinned by R's READ of X. A stores 2 blocks: the
+    plan has no free slot, so it takes neither off the write-through queue (before, it
+    took both and the write declined them: lost for good, counted
+    ``write_declined_no_slot``). Once the READ is done, the next plan writes A's
+    blocks (the scan window of 1 sees only an uncached block: write-through alone)."""
+    rig = DiskRig(cpu=8, slots=2, window=1, max_window=8, write_through=True)
+    x = Req("x", 9, base=700)
+    rig.on_disk(x)
+    r = Req("r", 9, base=700)
+    assert rig.m.lookup(r.view(), 0) is None
+    (rd,) = rig.step().disk
+    assert rd.op is DiskOp.READ and rig.slots.num_free == 0
+    a = Req("a", 9)
+    cpu, _ = rig.store(a)
+    assert rig.step().disk == ()
+    assert rig.book.counters.write_declined_no_slot == 0
+    rig.ack_disk(rd)
+    (w,) = rig.step().disk
+    assert w.op is DiskOp.WRITE and sorted(unpack_ids(w.cpu_ids)) == sorted(cpu)
+    rig.ack_disk(w)
+    assert all(rig.slots.get_cached(disk_hash(h)) is not None for h in a.h)
+
+
 def test_a_block_evicted_before_write_back_reached_it_is_written_down_before_its_reuse(
 ) -> None:
     """Write-back may not reach a block before an allocation takes it (here a window of
@@ -366,7 +390,7 @@ def test_a_block_evicted_before_write_back_reached_it_is_written_down_before_its
 def test_a_victim_without_a_free_slot_is_lost_and_counted() -> None:
     """Every slot pinned by a READ in flight (X's 2 blocks, the disk's 2 slots): B's
     store evicts a cached block with no slot to write it into -- no WRITE, counted
-    lost; the store goes on."""
+    lost (once: not as a declined write too); the store goes on."""
     rig = DiskRig(cpu=4, slots=2)
     x = Req("x", 9, base=900)
     rig.on_disk(x)                                               # slots 0, 1 hold X
@@ -375,11 +399,12 @@ def test_a_victim_without_a_free_slot_is_lost_and_counted() -> None:
     assert rd.op is DiskOp.READ and rig.slots.num_free == 0
     a, b = Req("a", 9), Req("b", 13, base=500)
     rig.store(a)
-    lost = rig.book.counters.evicted_lost
+    c = rig.book.counters
+    lost, declined = c.evicted_lost, c.write_declined_no_slot
     g = rig.alloc(3, b.h)
     p = rig.step(b.sched(g, confirmed=len(b.toks), new=True))
     assert p.store is not None and all(m.op is not DiskOp.WRITE for m in p.disk)
-    assert rig.book.counters.evicted_lost > lost
+    assert c.evicted_lost > lost and c.write_declined_no_slot == declined
     rig.m.check_invariants()
 
 
