@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+import msgspec
 import pytest
 import uvloop
 
@@ -32,6 +33,7 @@ from kvshm.errors import (
     WouldBlock,
 )
 from kvshm.ipc import protocol as p
+from kvshm.ipc import ring
 from kvshm.ipc.doorbell import create_eventfd
 from kvshm.ipc.ring_pair import CONTROL_SIZE, RingPair, segment_size
 from kvshm.ipc.sched_channel import SchedulerChannel
@@ -315,6 +317,54 @@ def test_undecodable_record_is_protocol_error_and_reader_keeps_going() -> None:
     finally:
         w.close()
         lk.close()
+
+
+class _RewritingDecoder:
+    """The channel's decoder, but the first failed decode lets ``peer`` rewrite shared
+    memory right then: between the ring's framing check and the re-walk for the error."""
+
+    def __init__(self, real: Any, peer: Callable[[], None]) -> None:
+        self.real, self.peer, self.fired = real, peer, False
+
+    def decode(self, view: memoryview) -> Any:
+        try:
+            return self.real.decode(view)
+        except msgspec.DecodeError:
+            if not self.fired:
+                self.fired = True
+                self.peer()
+            raise
+
+
+@pytest.mark.parametrize("header", ["skip of length 0", "data of length 2**31"])
+def test_a_peer_rewriting_a_read_header_gets_a_protocol_error_not_a_hang(header: str) -> None:
+    """Hazard "a peer rewrites a record header after it was read": the done ring holds
+    Done 1, an undecodable record and Done 3. The scheduler's read checks the framing,
+    the second record fails to decode, and -- before the error's offset is found by
+    walking the headers again -- the worker rewrites the first header: a SKIP of length
+    0 used to spin that walk forever on the scheduler's loop, a DATA record running
+    past the data ended it with nothing found and an IndexError. Now it is a
+    ProtocolError (offset -1: the framing no longer shows the record), and Done 1 and 3
+    are delivered by the next call."""
+    cap = 4096
+    buf = bytearray(segment_size(cap, cap))
+    ch = SchedulerChannel(0, RingPair.init(buf, cap, cap), create_eventfd(),
+                          create_eventfd())
+    peer = RingPair(memoryview(buf))
+    enc = msgspec.msgpack.Encoder()
+    assert peer.done.try_write(enc.encode(p.Done(1, 0, True)))
+    assert peer.done.try_write(b"\xc1")
+    assert peer.done.try_write(enc.encode(p.Done(3, 0, True)))
+    word = (ring._SKIP_HI if header.startswith("skip") else ring._DATA_HI | (1 << 31))
+
+    def rewrite() -> None:
+        peer.done._dq[0] = word
+
+    ch._decoder = _RewritingDecoder(ch._decoder, rewrite)
+    with pytest.raises(ProtocolError) as e:
+        ch.receive_nowait()
+    assert e.value.ring == "done" and e.value.offset == -1
+    assert [d.job_id for d in ch.receive_nowait()] == [1, 3]
 
 
 async def test_attached_channel_reports_errors_and_survives_a_broken_ring() -> None:

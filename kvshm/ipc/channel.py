@@ -174,23 +174,29 @@ class ChannelEndpoint(Generic[SendT, RecvT]):
         return out
 
     def _drain_slow(self, views: list[memoryview]) -> list[RecvT]:
-        """Some record does not decode: keep the others for the next call, then raise."""
+        """Some record does not decode: keep the others for the next call, then raise.
+        The records are decoded a second time here, from shared memory the peer may
+        have rewritten meanwhile: if every one decodes now, they are returned; the
+        error's offset is -1 where the framing no longer shows the bad record."""
         out, bad = self._pending, []
         for i, view in enumerate(views):
             try:
                 out.append(self._decoder.decode(view))
             except msgspec.DecodeError:
                 bad.append(i)
-        positions = self._rx.positions_of(bad)
+        positions = self._rx.positions_of(bad) if bad else []
         self._rx.commit_read()
         self._recv_msgs += len(views) - len(bad)
         self._recv_bytes += sum(map(len, views))
+        if not bad:
+            self._pending = []
+            return out
         self._protocol_errors += len(bad)
         self._pending = out
         raise ProtocolError(
             f"{len(bad)} undecodable record(s) from rank {self.rank}, first skipped",
             ring=self._rx.name,
-            offset=positions[0],
+            offset=positions[0] if positions else -1,
         )
 
     def _stats(self, side: str, tx_is_cmd: bool, **extra: int) -> ChannelStats:

@@ -311,7 +311,10 @@ class Ring:
 
     def positions_of(self, indexes: list[int]) -> list[int]:
         """Positions of records number ``indexes`` (0-based) among those read since the
-        last commit (re-walks the framing; for error reports only)."""
+        last commit (re-walks the framing; for error reports only). The headers are read
+        again from shared memory, where a hostile peer may have rewritten them since
+        :meth:`read_available` checked them: the walk always advances and stops at what
+        was read, so it ends, possibly with fewer positions than asked."""
         found: list[int] = []
         pos, idx, cap = self._tail, 0, self.capacity
         wanted = set(indexes)
@@ -319,6 +322,8 @@ class Ring:
             off = pos % cap
             word = self._dq[off >> 3]
             if word >> 32 == _SKIP:
+                if not word & _U32:
+                    break  # rewritten since it was read: a SKIP always has a length
                 pos += word & _U32
                 continue
             if idx in wanted:
