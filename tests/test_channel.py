@@ -14,6 +14,7 @@ import multiprocessing as mp
 import os
 import random
 import socket
+import threading
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -35,7 +36,7 @@ from kvshm.errors import (
 from kvshm.ipc import protocol as p
 from kvshm.ipc import ring
 from kvshm.ipc.doorbell import create_eventfd
-from kvshm.ipc.ring_pair import CONTROL_SIZE, RingPair, segment_size
+from kvshm.ipc.ring_pair import CONTROL_SIZE, RevokeReason, RingPair, segment_size
 from kvshm.ipc.sched_channel import SchedulerChannel
 from kvshm.ipc.worker_channel import WorkerChannel
 from kvshm.shm import Segment, create_segment, map_segment
@@ -248,6 +249,10 @@ def test_oversize_refused_at_sender_and_nothing_queued() -> None:
         with pytest.raises(ConfigError):
             lk.ch.send_nowait(huge)
         assert lk.ch.overflow_depth == 0 and lk.ch.statistics().cmd_messages == 0
+        big_put = p.Remote(100, p.RemoteOp.PUT, b"\0" * 4 * 600, b"\0" * 32 * 600, 32)
+        with pytest.raises(ConfigError, match="exceeds"):
+            lk.ch.post(big_put)
+        assert lk.ch.outstanding == 0 and not lk.ch._remote_ids  # no id of it is kept
         with pytest.raises(ConfigError):  # the ones before it still go out, in order
             lk.ch.post_many([transfer(1), huge, transfer(2)])
         w = in_process_worker(lk)
@@ -365,6 +370,44 @@ def test_a_peer_rewriting_a_read_header_gets_a_protocol_error_not_a_hang(header:
         ch.receive_nowait()
     assert e.value.ring == "done" and e.value.offset == -1
     assert [d.job_id for d in ch.receive_nowait()] == [1, 3]
+
+
+def test_a_parked_worker_wakes_at_once_when_its_rank_is_revoked() -> None:
+    """The scheduler revokes a rank (its control word, then the cmd doorbell, nothing
+    published). A worker parked in ``receive`` returns at once ([]) and can see the
+    word; it used to take the doorbell for a spurious wake and park again until its
+    park timeout (here 30 s; 1 s by default), so a standalone rank detached -- and
+    closed its lifeline, the fence of a rank that was not spawned -- that much later."""
+    cap = 4096
+    buf = bytearray(segment_size(cap, cap))
+    rings = RingPair.init(buf, cap, cap)
+    cmd, done = create_eventfd(), create_eventfd()
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    sch = SchedulerChannel(0, rings, cmd, done, close_fds=False)
+    wch = WorkerChannel(0, RingPair.attach(buf), cmd, done, b.fileno(), spin_us=0,
+                        park_timeout=30.0, close_fds=False)
+    try:
+        got: dict[str, Any] = {}
+
+        def park() -> None:
+            t0 = time.monotonic()
+            got["msgs"] = wch.receive(timeout=20.0)
+            got["s"] = time.monotonic() - t0
+
+        t = threading.Thread(target=park)
+        t.start()
+        time.sleep(0.05)
+        sch.revoke(RevokeReason.HUNG)
+        t.join(30)
+        assert got["msgs"] == [] and got["s"] < 10.0
+        assert wch.rings.revoked == RevokeReason.HUNG
+    finally:
+        wch.close()
+        sch.close()
+        for fd in (cmd, done):
+            os.close(fd)
+        a.close()
+        b.close()
 
 
 async def test_attached_channel_reports_errors_and_survives_a_broken_ring() -> None:

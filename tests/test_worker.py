@@ -7,13 +7,24 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from typing import Any
 
+import msgspec
 import pytest
 import torch
 from worker_rig import Sched, rank_lost_error, transfer, unique_name
 
 from kvshm.errors import ConfigError, PeerDied, ProtocolError
-from kvshm.ipc.protocol import Direction, Done, Flush, Shutdown, Transfer, pack_ids
+from kvshm.ipc.protocol import (
+    Direction,
+    DiskSetup,
+    Done,
+    Flush,
+    Ready,
+    Shutdown,
+    Transfer,
+    pack_ids,
+)
 from kvshm.ipc.rendezvous_events import EventKind
 from kvshm.shm import shared_tensor
 from workers.copy_engine import CpuFence
@@ -217,6 +228,55 @@ def test_protocol_error_detaches_and_scheduler_sees_eof() -> None:
         sched.wait_for(lambda: bool(sched.lost()), what="RANK_LOST")
         err = rank_lost_error(sched.lost()[0])
         assert err.rank == 0 and isinstance(err, PeerDied)
+
+
+def test_a_ready_that_fails_unexpectedly_detaches_the_rank_and_leaks_nothing(
+        tmp_path: object) -> None:
+    """Hazard "a setup that fails with an unexpected error": the Ready names a disk
+    tier whose path holds a NUL byte, so opening the slab raises ValueError -- not a
+    kvshm error nor an OSError -- after the copy engine was built. It used to escape
+    ``Worker.service()`` into the host, leave the copy engine's thread running, and
+    leave the rank CONNECTING for good (its Ready consumed, no heartbeat: the
+    scheduler never declared it hung). Now the rank detaches (SETUP_FAILED, the error
+    named), the scheduler sees the link close (RANK_LOST), and no thread is left."""
+    class BadDisk(Sched):
+        def _make_ready(self, hellos: Any) -> dict[int, tuple[Ready, list[int]]]:
+            plan = super()._make_ready(hellos)
+            return {r: (msgspec.structs.replace(rd, disk=DiskSetup(f"{tmp_path}/s\0x", 8,
+                                                                  "fp")), fds)
+                    for r, (rd, fds) in plan.items()}
+
+    sched = BadDisk(1)
+    before = {t.name for t in threading.enumerate()}
+    w = Worker.attach(sched.name, 0, 1, shard(0), kv_outer=KV_OUTER)
+    try:
+        sched.wait_for(lambda: w.phase is Phase.DETACHED, tick=w.service, what="DETACHED")
+        assert w.detach_reason is DetachReason.SETUP_FAILED
+        assert isinstance(w.last_error, ConfigError) and "ValueError" in str(w.last_error)
+        sched.wait_for(lambda: bool(sched.lost()), what="RANK_LOST")
+        assert [t.name for t in threading.enumerate() if t.name not in before] == []
+    finally:
+        w.close()
+        sched.close()
+
+
+def test_a_ragged_flush_drops_none_of_the_jobs_beside_it() -> None:
+    """A message is never dropped because its neighbour was bad: one batch carries
+    store 1, a Flush whose id list is 3 bytes (not a whole id), then store 2. The bad
+    Flush detaches the rank (PROTOCOL_ERROR); both stores fail locally, each exactly
+    once -- store 2 used to be neither queued nor failed (no Done ever)."""
+    with linked(1) as (sched, ws, _):
+        w = ws[0]
+        sched.post(transfer(0, 1, STORE, [1], [1]), Flush(0, b"\x01\x02\x03"),
+                   transfer(0, 2, STORE, [2], [2]))
+        w.begin_step(0)
+        got: list[Done] = []
+        sched.wait_for(lambda: len(got) >= 2, tick=lambda: got.extend(w.poll()),
+                       what="both stores failed")
+        assert w.detach_reason is DetachReason.PROTOCOL_ERROR
+        assert sorted(d.job_id for d in got) == [1, 2] and not any(d.ok for d in got)
+        assert w.poll() == []
+        assert w.statistics()["counters"]["jobs_failed_unrun"] == 2
 
 
 def test_shutdown_finishes_running_work_then_detaches() -> None:

@@ -103,9 +103,13 @@ class WorkerLink:
     def _connect_step(self) -> None:
         try:
             self._session = self._connector.poll()
-        except (KvshmError, OSError) as exc:
+        except Exception as exc:  # noqa: BLE001 - any setup failure detaches, never raises
+            # into the host: a bug or an unexpected error (a thread that cannot start, a
+            # bad path) fails the rank as a refused setup would; the Ready is consumed, so
+            # staying CONNECTING would leave it stuck and its jobs pending for good
             self._client = self._connector.client  # closed by _detach: the scheduler sees EOF
-            err = exc if isinstance(exc, KvshmError) else ConfigError(f"{exc}")
+            err = exc if isinstance(exc, KvshmError) else ConfigError(
+                f"{type(exc).__name__}: {exc}")
             self._detach(DetachReason.REFUSED if isinstance(exc, PeerDied)
                          else DetachReason.SETUP_FAILED, err)
             return

@@ -218,6 +218,8 @@ def open_session(ready: Ready, fds: Sequence[int], *, layout: KVLayout | None,
     host: HostPool | None = None
     channel: WorkerChannel | None = None
     disk: DiskMover | None = None
+    engine: CopyEngine | None = None
+    mover: RemoteMover | None = None
     try:
         want = ready_fd_count(ready)
         if len(fds) != want:
@@ -250,11 +252,16 @@ def open_session(ready: Ready, fds: Sequence[int], *, layout: KVLayout | None,
             channel.watch(disk.notify_fd())
             if mover is not None:  # a GET into rows a victim's WRITE still reads waits
                 mover.fence_rows(partial(disk.wait_rows, timeout=FENCE_TIMEOUT_S))
-    except BaseException:
+    except BaseException:  # everything built so far goes, in Session.close's order
         owned.close_rest()
         if disk is not None:
             disk.close()
             disk.release()
+        if mover is not None:
+            mover.close()
+            mover.release()
+        if engine is not None:
+            engine.close()
         if channel is not None:
             channel.close()
         if host is not None:

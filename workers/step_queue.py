@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Collection, Iterable
 
+from kvshm.errors import ProtocolError
 from kvshm.ipc.protocol import Direction, Disk, Flush, Remote, Shutdown, Transfer, unpack_ids
 
 __all__ = ["StepQueue"]
@@ -35,15 +36,22 @@ class StepQueue:
     def intake(self, msgs: Iterable[object], counts: Counter[str]) -> bool:
         """Queue the Transfers, Flushes, Remote and Disk jobs of ``msgs``, in order,
         counting each kind (``transfers``, ``flushes``, ``remote_jobs``, ``disk_jobs``,
-        ``shutdowns``, ``ignored_messages``); True if a Shutdown was among them."""
+        ``shutdowns``, ``ignored_messages``); True if a Shutdown was among them. A Flush
+        whose id list does not unpack raises its ProtocolError only after every other
+        message of ``msgs`` is queued (the caller then fails the queued jobs locally:
+        none is dropped because a neighbour was bad)."""
         shutdown = False
+        bad: ProtocolError | None = None
         for msg in msgs:
             if isinstance(msg, Transfer):
                 counts["transfers"] += 1
                 self.add(msg)
             elif isinstance(msg, Flush):
                 counts["flushes"] += 1
-                self.add_flush(msg.step, unpack_ids(msg.job_ids))
+                try:
+                    self.add_flush(msg.step, unpack_ids(msg.job_ids))
+                except ProtocolError as exc:
+                    bad = bad or exc
             elif isinstance(msg, Remote):
                 counts["remote_jobs"] += 1
                 self.remote.append(msg)
@@ -55,6 +63,8 @@ class StepQueue:
                 shutdown = True
             else:
                 counts["ignored_messages"] += 1
+        if bad is not None:
+            raise bad
         return shutdown
 
     def add(self, t: Transfer) -> None:

@@ -218,7 +218,11 @@ class Parker:
         (TIMEOUT; None waits forever).
 
         Spins up to ``spin_ns`` first, then parks for at most ``park_timeout`` at a time
-        (a spurious or timed-out wake re-parks). PeerDied when the lifeline closes.
+        (a timed-out wake re-parks). A doorbell with nothing published returns too
+        (DOORBELL): it is how the scheduler wakes a rank it revoked, which its owner
+        checks at once -- a re-park would leave it unaware for a whole park timeout. It
+        is rare otherwise (a ring for records already drained: counted ``spurious``).
+        PeerDied when the lifeline closes.
         """
         ring = self._ring
         if spin_ns:
@@ -232,7 +236,7 @@ class Parker:
             if deadline is not None:
                 wait = min(wait, max(0.0, deadline - time.monotonic()))
             reason = self.park(wait)
-            if reason in (WakeReason.LIFELINE, WakeReason.WATCHED) or not ring.is_empty():
+            if reason is not WakeReason.TIMEOUT or not ring.is_empty():
                 return reason
             if deadline is not None and time.monotonic() >= deadline:
                 return WakeReason.TIMEOUT

@@ -87,6 +87,13 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
             return 0
         return isinstance(msg, protocol.Transfer)
 
+    def _unsent(self, msg: protocol.CmdMsg) -> None:
+        """Undo :meth:`_sent` for a message that was refused after it."""
+        if isinstance(msg, (protocol.Remote, protocol.Disk)):
+            self._remote_ids.discard(msg.job_id)
+        else:
+            self._outstanding -= isinstance(msg, protocol.Transfer)
+
     def _answered(self, dones: list[protocol.Done]) -> int:
         """How many of ``dones`` answer Transfers (the rest answer Remote jobs)."""
         ids = self._remote_ids
@@ -133,8 +140,8 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
         self._outstanding += self._sent(msg)
         try:
             staged = self._tx.stage(payload)
-        except ConfigError:
-            self._outstanding -= isinstance(msg, protocol.Transfer)
+        except ConfigError:  # refused: nothing of it stays (the count, a tier job's id)
+            self._unsent(msg)
             raise
         if not staged:
             self._full_events += 1

@@ -137,7 +137,8 @@ class WorkerChannel(ChannelEndpoint[protocol.Done, protocol.CmdMsg]):
 
         Drains; if empty, spins ``spin_us``, then parks in poll() on the cmd eventfd and
         the lifeline (at most ``park_timeout`` per sleep). Returns [] early when the
-        lifeline has data for its owner to read, or a :meth:`watch`-ed fd is readable.
+        lifeline has data for its owner to read, a :meth:`watch`-ed fd is readable, or
+        the doorbell rang with nothing published (the scheduler revoked the rank).
         PeerDied on lifeline EOF/HUP.
         """
         self._check_open()
