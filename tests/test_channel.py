@@ -410,6 +410,38 @@ def test_a_parked_worker_wakes_at_once_when_its_rank_is_revoked() -> None:
         b.close()
 
 
+async def test_a_done_published_while_on_done_raised_is_still_delivered() -> None:
+    """Hazard "lost wake-up" on the error path: the first ``on_done`` call raises (a
+    bug in the owner), and while it ran -- the ring unparked, so the worker did not
+    ring -- the worker published Done 2. The pump used to park without its re-check on
+    the way out, and with no Transfer outstanding no re-check timer ran: Done 2 waited
+    for the next doorbell. Now it is delivered by itself."""
+    lk, w = in_process_pair()
+    dones: list[int] = []
+
+    def on_done(ms: list[p.Done]) -> None:
+        dones.extend(d.job_id for d in ms)
+        if dones == [1]:
+            w.send_nowait(p.Done(2, 0, True))
+            raise RuntimeError("a bug in the owner's callback")
+
+    loop = asyncio.get_running_loop()
+    raised: list[object] = []
+    loop.set_exception_handler(lambda _, ctx: raised.append(ctx.get("exception")))
+    lk.ch.attach(loop, on_done, lambda _: None)
+    try:
+        w.send_nowait(p.Done(1, 0, True))
+        for _ in range(200):
+            await asyncio.sleep(0.01)
+            if dones == [1, 2]:
+                break
+        assert dones == [1, 2] and len(raised) == 1
+    finally:
+        loop.set_exception_handler(None)
+        w.close()
+        lk.close()
+
+
 async def test_attached_channel_reports_errors_and_survives_a_broken_ring() -> None:
     lk, w = in_process_pair()
     errors: list[TransportError] = []

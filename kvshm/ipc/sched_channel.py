@@ -304,7 +304,12 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
                 rx.unpark()
         finally:
             if not self._closed and not rx.parked:
+                # left early (on_done raised): park with the same re-check, or a Done the
+                # worker published unrung while this side read would wait for a doorbell
                 rx.park()
+                full_fence()
+                if not rx.is_empty() and self._loop is not None:
+                    self._loop.call_soon(self._pump)
 
     def _deliver(self) -> bool:
         """One drain to on_done; False when the ring broke or the channel closed."""
