@@ -365,7 +365,7 @@ def test_a_peer_rewriting_a_read_header_gets_a_protocol_error_not_a_hang(header:
     def rewrite() -> None:
         peer.done._dq[0] = word
 
-    ch._decoder = _RewritingDecoder(ch._decoder, rewrite)
+    ch._decoder = _RewritingDecoder(ch._decoder, rewrite)  # type: ignore[assignment]
     with pytest.raises(ProtocolError) as e:
         ch.receive_nowait()
     assert e.value.ring == "done" and e.value.offset == -1

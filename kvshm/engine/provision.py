@@ -79,12 +79,21 @@ class RankResources:
     _sent: list[int] = field(default_factory=list)
 
     def ready_fds(self) -> list[int]:
-        """Duplicated fds in READY_FIXED_FDS order; closed by :meth:`close_sent`."""
+        """Duplicated fds in READY_FIXED_FDS order; closed by :meth:`close_sent`. All or
+        nothing: a dup that fails (EMFILE) closes the ones made before it."""
         assert self.host_seg is not None, "ready_fds after the host segment was released"
         originals = [self.ring_seg.fd, self.host_seg.fd, self.cmd_efd, self.done_efd,
                      *self.device_fds]
-        self._sent = [os.dup(fd) for fd in originals]
-        return list(self._sent)
+        sent: list[int] = []
+        try:
+            for fd in originals:
+                sent.append(os.dup(fd))
+        except OSError:
+            for fd in sent:
+                os.close(fd)
+            raise
+        self._sent = sent
+        return list(sent)
 
     def close_sent(self) -> None:
         """Close the duplicates sent in Ready, the host segment and the device-cache fds."""
