@@ -134,6 +134,8 @@ def test_calls_before_ready_refuse_a_bad_request_id_and_change_nothing() -> None
         assert client._core._admission.pre_ready == set()
         with pytest.raises(InvalidRequest, match="lookup"):
             client.lookup(RequestView(None, [], 0), 0)  # type: ignore[arg-type]
+        with pytest.raises(InvalidRequest, match="lookup: input: req: a RequestView"):
+            client.lookup(None, 0)  # type: ignore[arg-type]
         with pytest.raises(InvalidRequest, match="finished"):
             client.finished(["x"], 0, [[]])  # type: ignore[arg-type]
         client.step(StepInput(2, [good]))

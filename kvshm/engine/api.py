@@ -33,7 +33,7 @@ from kvshm.engine.lifecycle import EngineState
 from kvshm.engine.provision import cache_device
 from kvshm.engine.runtime import Runtime
 from kvshm.errors import StateError
-from kvshm.types import GpuBlocks, LoadFailure, LoadResult
+from kvshm.types import GpuBlocks, LoadFailure, LoadResult, StepInput
 
 __all__ = ["ATTACH", "SPAWN", "Engine", "SyncClient", "WorkerMode"]
 
@@ -62,6 +62,7 @@ class Engine(Facade):
         self._pending_loads: set[str] = set()
         self._ticker: asyncio.TimerHandle | None = None
         self._closed = asyncio.Event()
+        self._aclosing = False  # an aclose() is under way (its drain comes before CLOSING)
 
     # -- lifecycle -------------------------------------------------------------------
     @classmethod
@@ -108,10 +109,13 @@ class Engine(Facade):
         await self.aclose()
 
     async def aclose(self) -> None:
-        """Shut down: Shutdown to workers, close lifelines, then TERM/KILL (idempotent)."""
-        if self._ended:
+        """Shut down: Shutdown to workers, close lifelines, then TERM/KILL (idempotent; a
+        second call while one runs waits for it, so every caller returns only once the
+        spawned ranks are reaped)."""
+        if self._ended or self._aclosing:
             await self._closed.wait()
             return
+        self._aclosing = True
         loop = asyncio.get_running_loop()
         await self._drain(loop.time() + self._core.config.shutdown_grace_s)
         self._core.begin_close()
@@ -160,8 +164,9 @@ class Engine(Facade):
             result = await fut
         except asyncio.CancelledError:
             # Cancelled after the result was handed to this waiter but before it ran:
-            # keep the result for a later wait_loaded (only the wait is cancelled).
-            if fut.done() and not fut.cancelled():
+            # keep the result for a later wait_loaded (only the wait is cancelled) --
+            # unless the request ended meanwhile (nothing is kept for an ended request).
+            if fut.done() and not fut.cancelled() and req_id in self._pending_loads:
                 self._results[req_id] = fut.result()
             raise
         finally:
@@ -182,6 +187,8 @@ class Engine(Facade):
             if deadline is not None and asyncio.get_running_loop().time() > deadline:
                 return False
             await asyncio.sleep(0.001)
+            if self._ended:  # closed meanwhile: its jobs will never be acked
+                raise self._ended_error()
         return True
 
     def has_pending_work(self) -> bool:
@@ -192,17 +199,28 @@ class Engine(Facade):
     # -- Facade hooks -----------------------------------------------------------------
     def _after_allocated(self, req_id: str, num_external_tokens: int) -> None:
         if num_external_tokens > 0:  # only once accepted: a refusal leaves nothing to wait
+            # a new load of the request (re-admitted after a preemption): a result kept
+            # from its earlier load is not this one's. That load was reported already: a
+            # lookup whose hit touches blocks still being loaded asks again, so a
+            # request's next load is planned only once its earlier one was reported.
+            self._results.pop(req_id, None)
             self._pending_loads.add(req_id)
         self._publish()
 
-    def _after_step(self) -> None:
+    def _after_step(self, step_input: StepInput) -> None:
         self._publish()
+        for req_id in step_input.finished:  # ended in the step: as finished() would
+            self._end_waits(req_id)
 
     def _after_finished(self, req_id: str) -> None:
-        # A load still queued is dropped with the request and a planned one's result is
-        # moot: nobody may wait for it any longer, and nothing is kept for it.
-        self._pending_loads.discard(req_id)
         self._publish()
+        self._end_waits(req_id)
+
+    def _end_waits(self, req_id: str) -> None:
+        """``req_id`` ended (``finished`` or ``StepInput.finished``): a load still queued
+        is dropped with it and a planned one's result is moot -- nobody may wait for it
+        any longer, nothing is kept for it, and its waiters get REQUEST_FINISHED."""
+        self._pending_loads.discard(req_id)
         self._results.pop(req_id, None)
         for fut in self._waiters.pop(req_id, ()):
             if not fut.done():

@@ -108,7 +108,7 @@ class Facade:
         self._enter(service=service)
         plan = self._core.step(step_input)
         if self._hooks_step:
-            self._after_step()
+            self._after_step(step_input)
         return plan
 
     def finished(self, req_id: str, num_confirmed_tokens: int,
@@ -157,7 +157,7 @@ class Facade:
     def _after_allocated(self, req_id: str, num_external_tokens: int) -> None:
         """After a phase B the runtime accepted."""
 
-    def _after_step(self) -> None:
+    def _after_step(self, step_input: StepInput) -> None:
         """After a step the runtime planned."""
 
     def _after_finished(self, req_id: str) -> None:

@@ -69,7 +69,7 @@ from kvshm.engine.remote_link import RemoteLink, open_remote
 from kvshm.engine.snapshot import CoreCounters, build_stats
 from kvshm.engine.startup import Refusals, StartTimeout, log, start_timeout_error
 from kvshm.engine.supervision import Supervisor
-from kvshm.errors import ConfigError, StateError, TransportError, WorkerDied
+from kvshm.errors import ConfigError, InvalidRequest, StateError, TransportError, WorkerDied
 from kvshm.ipc import protocol
 from kvshm.ipc.protocol import Disk, Hello, Remote
 from kvshm.ipc.rendezvous import RendezvousServer
@@ -138,8 +138,13 @@ class Runtime:
             raise StateError(f"engine {self.config.name!r} is {self._state.name}, not NEW")
         self._disk = open_disk(self.config)  # ConfigError: before anything listens
         self._remote = open_remote(self.config)
-        self._server = RendezvousServer(self.config.name, self.config.world_size,
-                                        make_ready=self._make_ready, stats=self._stats_data)
+        try:
+            self._server = RendezvousServer(self.config.name, self.config.world_size,
+                                            make_ready=self._make_ready,
+                                            stats=self._stats_data)
+        except BaseException:  # NameInUse: the remote index's thread does not outlive it
+            self._remote.close()
+            raise
         self._state = EngineState.STARTING
         self._opened = time.monotonic()
         startup.log_opened(self.config)
@@ -212,7 +217,11 @@ class Runtime:
     def lookup(self, req: RequestView, num_local_tokens: int) -> int | None:
         """Phase A; 0 until READY, once FAILED, and for a request kept out of the manager
         (:mod:`~kvshm.engine.admission`: ``allocated`` ignores it too)."""
-        rid = req.req_id
+        try:
+            rid = req.req_id
+        except AttributeError:
+            raise InvalidRequest("lookup", None, "req",
+                                 f"a RequestView expected, got {type(req).__name__}") from None
         if type(rid) is not str:
             check_id("lookup", rid)  # InvalidRequest unless a str subclass
         manager = self.manager

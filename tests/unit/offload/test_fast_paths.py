@@ -77,7 +77,7 @@ from kvshm.offload.manager import OffloadManager
 from kvshm.offload.pool import BlockPool
 from kvshm.offload.requests import DIRTY, EXTEND, RequestTracker
 from kvshm.offload.stores import StorePlanner
-from kvshm.types import KVGroup, ScheduledRequest, StoreMode
+from kvshm.types import KVGroup, ScheduledRequest, StepInput, StoreMode
 
 H = [bytes([i]) * 16 for i in range(12)]
 
@@ -1125,7 +1125,7 @@ def test_facade_calls_only_the_after_hooks_a_face_overrides() -> None:
         pass
 
     class Loud(Facade):
-        def _after_step(self) -> None:
+        def _after_step(self, step_input: StepInput) -> None:
             calls.append("step")
 
     core: Any = NS(step=lambda inp: "plan", state=None)

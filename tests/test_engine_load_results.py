@@ -1,0 +1,107 @@
+"""``Engine.wait_loaded`` answers the request's current load, and only while it lives:
+re-admission after a preemption, an end listed in ``StepInput.finished``, and a wait
+cancelled after its request ended (an ATTACH engine, two embedded ranks)."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from engine_rig import BS, Client, embedded_engine, tokens
+
+from kvshm.engine import Engine
+from kvshm.errors import StateError
+from kvshm.hashing import chain_hashes
+from kvshm.offload.pool import BlockPool
+from kvshm.types import LoadFailure, RequestView, ScheduledRequest, StepInput
+
+
+async def test_a_readmitted_request_waits_for_its_new_load_not_the_old_result() -> None:
+    """B's load #1 finishes and its result is kept (nobody waited yet). The server then
+    preempts B and re-admits it: load #2, the ranks paused so it stays in flight.
+    ``wait_loaded("b")`` used to return load #1's kept result at once -- the forward
+    would have read blocks load #2 was still writing -- and load #2's result was lost.
+    Now it waits for load #2 and returns its result."""
+    async with embedded_engine() as (eng, gpu, _, ranks):
+        c = Client(eng, gpu)
+        toks = tokens(4 * BS + 1, seed=1)
+        h = chain_hashes(toks, BS)
+        await c.store_only("a", toks)
+        hit, t1, _ = c.load("b", toks)
+        assert hit == 4 * BS
+        await c.settle()                                   # load #1 done, kept
+        c.step(ScheduledRequest("b", h, len(toks), ((),), preempted=True))
+        gpu.free(reversed(t1))
+        ranks.paused = True
+        t2 = _readmit(c, eng, gpu, "b", toks)
+        waiter = asyncio.ensure_future(eng.wait_loaded("b"))
+        await asyncio.sleep(0.2)
+        assert not waiter.done()                            # load #2 is in flight
+        ranks.paused = False
+        res = await asyncio.wait_for(waiter, 20)
+        assert res.ok and res.num_tokens == 4 * BS
+        c.finish("b", t2, len(toks))
+        await c.settle()
+
+
+def _readmit(c: Client, eng: Engine, gpu: BlockPool, rid: str, toks: list[int]) -> list[int]:
+    """``rid`` re-admitted after its preemption: looked up, allocated, its load planned."""
+    h = chain_hashes(toks, BS)
+    hit = eng.lookup(RequestView(rid, h, len(toks)), 0)
+    assert hit == 4 * BS
+    table = gpu.allocate(4)
+    eng.allocated(rid, [table], hit)
+    plan = c.step(ScheduledRequest(rid, h, len(toks), (tuple(table),), new_or_resumed=True))
+    assert plan.load is not None
+    return table
+
+
+async def test_a_request_ended_in_the_step_input_ends_its_wait() -> None:
+    """``StepInput.finished`` is the step's way to end a request, as ``finished()``
+    is. B's load is queued and a ``wait_loaded("b")`` waits; the step that lists B as
+    finished drops the load. The waiter used to wait forever (only ``finished()``
+    resolved it); now it gets REQUEST_FINISHED, and a later wait is refused at once."""
+    async with embedded_engine() as (eng, gpu, _, _):
+        c = Client(eng, gpu)
+        toks = tokens(4 * BS + 1, seed=2)
+        await c.store_only("a", toks)
+        hit = eng.lookup(RequestView("b", chain_hashes(toks, BS), len(toks)), 0)
+        table = gpu.allocate(4)
+        eng.allocated("b", [table], hit or 0)
+        waiter = asyncio.ensure_future(eng.wait_loaded("b"))
+        await asyncio.sleep(0)
+        c.step_no += 1
+        eng.step(StepInput(c.step_no, [], finished=["b"]))
+        res = await asyncio.wait_for(waiter, 5)
+        assert not res.ok and res.cause is LoadFailure.REQUEST_FINISHED
+        with pytest.raises(StateError):
+            await eng.wait_loaded("b")
+        gpu.free(reversed(table))
+        await c.settle()
+
+
+async def test_a_wait_cancelled_after_its_request_ended_keeps_nothing() -> None:
+    """A ``wait_loaded("b")`` is resolved with REQUEST_FINISHED by ``finished("b")``,
+    then cancelled before it runs (the client went away). It used to keep that result
+    for the ended request: a leak, and a request reusing the id got the stale failure
+    instead of its own load's result. Now the new request's wait returns its load."""
+    async with embedded_engine() as (eng, gpu, _, _):
+        c = Client(eng, gpu)
+        toks = tokens(4 * BS + 1, seed=3)
+        await c.store_only("a", toks)
+        hit = eng.lookup(RequestView("b", chain_hashes(toks, BS), len(toks)), 0)
+        table = gpu.allocate(4)
+        eng.allocated("b", [table], hit or 0)
+        waiter = asyncio.ensure_future(eng.wait_loaded("b"))
+        await asyncio.sleep(0)
+        eng.finished("b", 0, [table])
+        gpu.free(reversed(table))
+        waiter.cancel()
+        await asyncio.gather(waiter, return_exceptions=True)
+        await c.settle()
+        hit, table, plan = c.load("b", toks)
+        assert hit == 4 * BS and plan.load is not None
+        res = await c.loaded("b")
+        assert res.ok and res.num_tokens == 4 * BS
+        c.finish("b", table, len(toks))
+        await c.settle()
