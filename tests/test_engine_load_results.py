@@ -44,13 +44,19 @@ async def test_a_readmitted_request_waits_for_its_new_load_not_the_old_result() 
         await c.settle()
 
 
-def _readmit(c: Client, eng: Engine, gpu: BlockPool, rid: str, toks: list[int]) -> list[int]:
-    """``rid`` re-admitted after its preemption: looked up, allocated, its load planned."""
-    h = chain_hashes(toks, BS)
-    hit = eng.lookup(RequestView(rid, h, len(toks)), 0)
+def _allocated(eng: Engine, gpu: BlockPool, rid: str, toks: list[int]) -> list[int]:
+    """``rid`` looked up and allocated: its load queued (not stepped yet)."""
+    hit = eng.lookup(RequestView(rid, chain_hashes(toks, BS), len(toks)), 0)
     assert hit == 4 * BS
     table = gpu.allocate(4)
     eng.allocated(rid, [table], hit)
+    return table
+
+
+def _readmit(c: Client, eng: Engine, gpu: BlockPool, rid: str, toks: list[int]) -> list[int]:
+    """``rid`` re-admitted after its preemption: looked up, allocated, its load planned."""
+    h = chain_hashes(toks, BS)
+    table = _allocated(eng, gpu, rid, toks)
     plan = c.step(ScheduledRequest(rid, h, len(toks), (tuple(table),), new_or_resumed=True))
     assert plan.load is not None
     return table
@@ -65,9 +71,7 @@ async def test_a_request_ended_in_the_step_input_ends_its_wait() -> None:
         c = Client(eng, gpu)
         toks = tokens(4 * BS + 1, seed=2)
         await c.store_only("a", toks)
-        hit = eng.lookup(RequestView("b", chain_hashes(toks, BS), len(toks)), 0)
-        table = gpu.allocate(4)
-        eng.allocated("b", [table], hit or 0)
+        table = _allocated(eng, gpu, "b", toks)
         waiter = asyncio.ensure_future(eng.wait_loaded("b"))
         await asyncio.sleep(0)
         c.step_no += 1
@@ -89,9 +93,7 @@ async def test_a_wait_cancelled_after_its_request_ended_keeps_nothing() -> None:
         c = Client(eng, gpu)
         toks = tokens(4 * BS + 1, seed=3)
         await c.store_only("a", toks)
-        hit = eng.lookup(RequestView("b", chain_hashes(toks, BS), len(toks)), 0)
-        table = gpu.allocate(4)
-        eng.allocated("b", [table], hit or 0)
+        table = _allocated(eng, gpu, "b", toks)
         waiter = asyncio.ensure_future(eng.wait_loaded("b"))
         await asyncio.sleep(0)
         eng.finished("b", 0, [table])

@@ -9,6 +9,7 @@ bytes moving between host rows and slab slots are tested with real workers in
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 from manager_rig import BS, Req, Rig, refs
 
@@ -518,6 +519,26 @@ def test_two_cpu_copies_of_one_block_evicted_together_are_written_once() -> None
     assert [s for s in range(3) if disk_hash(k) in rig.slots.block_hashes(s)] == [1]
 
 
+def _with_remote(rig: DiskRig, index: Any, now: list[float], *,
+                 write_through: bool = False) -> None:
+    """Give ``rig`` a manager with its disk slots and a remote tier on ``index`` (blocks
+    written to the server only on eviction), both on the clock ``now``."""
+    from test_remote_book import key
+
+    from kvshm.config import RemoteMode
+    from kvshm.offload.remote import RemoteBook
+
+    def disk(pool: BlockPool, gs: object, jobs: object) -> DiskBook:
+        return DiskBook(pool, gs, jobs, rig.slots, clock=lambda: now[0],  # type: ignore[arg-type]
+                        write_through=write_through)
+
+    def remote(pool: BlockPool, gs: object, jobs: object) -> RemoteBook:
+        return RemoteBook(pool, gs, jobs, index, key,  # type: ignore[arg-type]
+                          mode=RemoteMode.ON_EVICT, clock=lambda: now[0])
+    rig.m = OffloadManager(rig.cpu, rig.gpu, block_size=BS, world_size=WORLD, disk=disk,
+                           remote=remote)
+
+
 def test_a_read_overdue_on_a_stuck_rank_keeps_requests_from_every_lower_tier() -> None:
     """Hazard "a stopped rank holding only tier jobs" (no copy is outstanding, so the
     hang clock never starts): R's 2 blocks are on disk and on the server. R's READ
@@ -526,10 +547,8 @@ def test_a_read_overdue_on_a_stuck_rank_keeps_requests_from_every_lower_tier() -
     to the same stopped rank and wait a second timeout: 30 s in all). Q, whose blocks
     only the server holds, is not sent there either (``lookups_tier_overdue`` 2). When
     rank 1 acks, CPU 0, 1 are indexed and Q queries the server again."""
-    from test_remote_book import HeldIndex, key, rkey
+    from test_remote_book import HeldIndex, rkey
 
-    from kvshm.config import RemoteMode
-    from kvshm.offload.remote import RemoteBook
 
     now = [0.0]
     rig = DiskRig(cpu=8, slots=8, clock=now)
@@ -538,14 +557,7 @@ def test_a_read_overdue_on_a_stuck_rank_keeps_requests_from_every_lower_tier() -
     index = HeldIndex()
     index.ready.update(rkey(h) for h in r.h + q.h)
 
-    def disk(pool: BlockPool, gs: object, jobs: object) -> DiskBook:
-        return DiskBook(pool, gs, jobs, rig.slots, clock=lambda: now[0])  # type: ignore[arg-type]
-
-    def remote(pool: BlockPool, gs: object, jobs: object) -> RemoteBook:
-        return RemoteBook(pool, gs, jobs, index, key,  # type: ignore[arg-type]
-                          mode=RemoteMode.ON_EVICT, clock=lambda: now[0])
-    rig.m = OffloadManager(rig.cpu, rig.gpu, block_size=BS, world_size=WORLD, disk=disk,
-                           remote=remote)
+    _with_remote(rig, index, now)
     assert rig.m.lookup(r.view(), 0) is None
     (rd,) = rig.step().disk
     assert rd.op is DiskOp.READ and unpack_ids(rd.cpu_ids) == [0, 1]
@@ -576,10 +588,8 @@ def test_a_request_waiting_on_the_server_starts_no_disk_read_while_one_is_overdu
     as a whole and began one). When its answer comes the plan declines the GET
     (``get_declined_overdue``) and Q recomputes (0, ``lookups_tier_overdue`` 1); the
     server's blocks are fetched by nobody, R's READ keeps only its own pins."""
-    from test_remote_book import HeldIndex, key, rkey
+    from test_remote_book import HeldIndex, rkey
 
-    from kvshm.config import RemoteMode
-    from kvshm.offload.remote import RemoteBook
 
     now = [0.0]
     rig = DiskRig(cpu=8, slots=8, clock=now)
@@ -588,15 +598,7 @@ def test_a_request_waiting_on_the_server_starts_no_disk_read_while_one_is_overdu
     index = HeldIndex()
     index.ready.update(rkey(h) for h in q.h)
 
-    def disk(pool: BlockPool, gs: object, jobs: object) -> DiskBook:
-        return DiskBook(pool, gs, jobs, rig.slots, clock=lambda: now[0],  # type: ignore[arg-type]
-                        write_through=True)
-
-    def remote(pool: BlockPool, gs: object, jobs: object) -> RemoteBook:
-        return RemoteBook(pool, gs, jobs, index, key,  # type: ignore[arg-type]
-                          mode=RemoteMode.ON_EVICT, clock=lambda: now[0])
-    rig.m = OffloadManager(rig.cpu, rig.gpu, block_size=BS, world_size=WORLD, disk=disk,
-                           remote=remote)
+    _with_remote(rig, index, now, write_through=True)
     assert rig.m.lookup(r.view(), 0) is None
     (rd,) = [m for m in rig.step().disk if m.op is DiskOp.READ]
     assert unpack_ids(rd.cpu_ids) == [0, 1]
