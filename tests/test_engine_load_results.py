@@ -107,3 +107,23 @@ async def test_a_wait_cancelled_after_its_request_ended_keeps_nothing() -> None:
         assert res.ok and res.num_tokens == 4 * BS
         c.finish("b", table, len(toks))
         await c.settle()
+
+
+async def test_a_reset_hands_the_loads_it_failed_to_their_waiters_at_once() -> None:
+    """B's load is queued and ``wait_loaded("b")`` waits; ``reset()`` drops the queued
+    load (failed, RESET). The waiter has its result as soon as ``reset`` returns -- it
+    used to wait for the engine's next tick (up to 0.25 s) to be handed it."""
+    async with embedded_engine() as (eng, gpu, _, _):
+        c = Client(eng, gpu)
+        toks = tokens(4 * BS + 1, seed=5)
+        await c.store_only("a", toks)
+        table = _allocated(eng, gpu, "b", toks)
+        waiter = asyncio.ensure_future(eng.wait_loaded("b"))
+        await asyncio.sleep(0)
+        assert await eng.reset()
+        await asyncio.sleep(0)
+        assert waiter.done()
+        res = waiter.result()
+        assert not res.ok and res.cause is LoadFailure.RESET
+        c.finish("b", table, len(toks))
+        await c.settle()

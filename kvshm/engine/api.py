@@ -189,6 +189,7 @@ class Engine(Facade):
             await asyncio.sleep(0.001)
             if self._ended:  # closed meanwhile: its jobs will never be acked
                 raise self._ended_error()
+        self._publish()  # the loads the reset failed: their waiters now, not at a tick
         return True
 
     def has_pending_work(self) -> bool:

@@ -151,15 +151,19 @@ def test_bad_call_half_applied_step_good_and_bad_request() -> None:
     names GPU id 9 (pool of 8) at a confirmed position. The step used to admit both,
     mark G's GPU 0, 1 and B's 3 in flight, then raise before any job existed: those
     blocks were never stored. Now the step is refused (naming B) and neither request is
-    tracked; G alone then stores GPU 0, 1."""
+    tracked, nor is its step number taken as the latest (the disk reads planned
+    between steps are stamped with it); G alone then stores GPU 0, 1."""
     rig = Rig(cpu=8, gpu=8)
     g, b = Req("g", 9), Req("b", 9, base=50)
     gg = rig.alloc(3, g.h)                                     # [0, 1, 2]
     gb = rig.alloc(3, b.h)                                     # [3, 4, 5]
     bad = sched("b", b.h, 9, (gb[0], 9, gb[2]), confirmed=8)
-    err = refused(rig.m, rig.m.build_step, StepInput(1, [g.sched(gg, confirmed=8, new=True), bad]))
+    last = rig.m._last_step
+    err = refused(rig.m, rig.m.build_step, StepInput(99, [g.sched(gg, confirmed=8, new=True),
+                                                          bad]))
     assert (err.req_id, err.field) == ("b", "new_block_ids[0][1]")
     assert rig.m._track.reqs == {} and rig.m._stores.inflight_gpu == set()
+    assert rig.m._last_step == last
 
     p = rig.step(g.sched(gg, confirmed=8, new=True))
     assert pairs(p.store) == ([0, 1], [0, 1])
