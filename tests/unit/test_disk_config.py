@@ -47,7 +47,14 @@ def test_the_vllm_keys_parse_and_refuse_in_one_line() -> None:
         ({"disk_path": "/d", "disk_bytes_per_rank": 9, "disk_io": "odirect"},
          "must be one of ['buffered', 'direct']"),
         ({"disk_path": "/d", "disk_bytes_per_rank": 9, "disk_mode": "back"},
-         "must be one of ['write_back', 'write_through']")]
+         "must be one of ['write_back', 'write_through']"),
+        # unhashable values: a ConfigError naming the key, not a bare TypeError
+        ({"disk_path": "/d", "disk_bytes_per_rank": 9, "disk_io": {"x": 1}},
+         "['disk_io'] must be one of ['buffered', 'direct']"),
+        ({"disk_path": "/d", "disk_bytes_per_rank": 9, "disk_mode": ["write_back"]},
+         "['disk_mode'] must be one of ['write_back', 'write_through']"),
+        ({"remote_mode": ["on_evict"]},
+         "['remote_mode'] must be one of ['on_evict', 'write_through']")]
     for extra, msg in cases:
         with pytest.raises(ConfigError, match=msg.replace("[", r"\[").replace("]", r"\]")) \
                 as info:

@@ -5,6 +5,7 @@ nothing; while serving, the live snapshot, whose write never fails vLLM's step."
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
@@ -64,6 +65,25 @@ def test_the_live_file_is_the_snapshot_as_it_is_marked_live() -> None:
     assert out["state"] == "ready" and out["cpu_blocks_cached"] == 4
     assert out["teardown"] == {"snapshot": "live", "ranks_detached": [1]}
     assert "teardown" not in snap
+
+
+def test_a_final_write_that_fails_is_logged_not_raised_into_vllms_shutdown(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """The final write runs inside vLLM's ``Scheduler.shutdown``, which has more to do
+    after the connector (its other connectors, the distributed environment): a
+    stats_path in a missing folder used to raise OSError out of it. Now it is counted
+    and warned about, and the side is closed."""
+    from vllm.v1.core.block_pool import BlockPool as VllmBlockPool
+
+    cfg = ConnectorConfig(f"unit-final-{os.getpid()}", 1, 1, 16, (KVGroup.full(),),
+                          StoreMode.EAGER, None, 64, str(tmp_path / "missing" / "s.json"),
+                          30.0, 0.2, 0)
+    side = SchedulerSide(cfg)
+    side.bind(VllmBlockPool(num_gpu_blocks=8, enable_caching=True, hash_block_size=16))
+    with caplog.at_level(logging.WARNING, logger="kvshm.vllm"):
+        side.shutdown()
+    assert side.life.closed and side.counters.stats_writes_failed == 1
+    assert any("final statistics" in r.getMessage() for r in caplog.records)
 
 
 def test_a_live_write_that_fails_is_counted_and_logged_once_not_raised(

@@ -99,6 +99,20 @@ def test_the_service_thread_absorbs_results_under_the_lock_while_idle(
     assert service is not None and service.alive and service.errors == 0
 
 
+def test_a_statistics_read_is_not_taken_for_a_hook(
+        bound: tuple[SideLifecycle, Absorbed]) -> None:
+    """The idle pump re-takes its READY snapshot when a hook left the guard since the
+    last one (``guard.last_exit``). ``statistics()`` went through the guard, so the
+    pump's own snapshot stamped ``last_exit`` and the next pump took another: about 50
+    snapshots a second on an idle engine, 0.3 ms of CPU each under the hooks' lock. A
+    read holds the lock without stamping now."""
+    life, _ = bound
+    before = life.guard.last_exit
+    time.sleep(0.01)
+    assert "connector" in life.statistics()
+    assert life.guard.last_exit == before
+
+
 def test_the_service_thread_settles_the_eviction_order_under_the_lock_while_idle(
         bound: tuple[SideLifecycle, Absorbed]) -> None:
     """Each idle pump ends with the client's ``settle`` (the adaptive order's simulations,

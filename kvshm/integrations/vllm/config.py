@@ -332,7 +332,7 @@ def _remote(extra: Mapping[str, Any]) -> tuple[str | None, RemoteMode, str]:
         RemoteSpec.parse(url)
     mode = extra.get("remote_mode", RemoteMode.WRITE_THROUGH.value)
     modes = {m.value: m for m in RemoteMode}
-    if mode not in modes:
+    if not isinstance(mode, str) or mode not in modes:  # a list is no mode (nor hashable)
         raise ConfigError(f"{_EXTRA}['remote_mode'] must be one of {sorted(modes)}, "
                           f"got {mode!r}")
     namespace = extra.get("remote_namespace", "")
@@ -354,11 +354,11 @@ def _disk(extra: Mapping[str, Any]) -> tuple[str | None, int | None, DiskIO, Dis
                           f"(the disk tier's directory and each rank's slab size)")
     io = extra.get("disk_io", DiskIO.DIRECT.value)
     ios = {d.value: d for d in DiskIO}
-    if io not in ios:
+    if not isinstance(io, str) or io not in ios:
         raise ConfigError(f"{_EXTRA}['disk_io'] must be one of {sorted(ios)}, got {io!r}")
     mode = extra.get("disk_mode", DiskMode.WRITE_BACK.value)
     modes = {m.value: m for m in DiskMode}
-    if mode not in modes:
+    if not isinstance(mode, str) or mode not in modes:
         raise ConfigError(f"{_EXTRA}['disk_mode'] must be one of {sorted(modes)}, "
                           f"got {mode!r}")
     return path, per_rank, ios[io], modes[mode]
