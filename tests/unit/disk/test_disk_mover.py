@@ -86,6 +86,27 @@ def make(movers: list[DiskMover], tmp_path: Path, p: HostPool, **kw: int) -> Dis
     return m
 
 
+def test_a_mover_whose_threads_cannot_start_releases_its_slab(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The slab is open and locked when the mover starts its threads; a thread that
+    cannot start ("can't start new thread", faked at that seam) used to leave the fd and
+    its lock held, so the rank's next mover on the same slab was refused (SlabLocked).
+    Now the error propagates and a new mover opens the slab."""
+    p = pool((PAGE,), seed=9)
+
+    def no_thread(self: threading.Thread) -> None:
+        raise RuntimeError("can't start new thread")
+
+    setup = DiskSetup(str(tmp_path / "m.slab"), 8, FP, True)
+    monkeypatch.setattr(threading.Thread, "start", no_thread)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        DiskMover(0, 1, setup, p)
+    monkeypatch.undo()
+    m = DiskMover(0, 1, setup, p)
+    m.close()
+    m.release()
+
+
 @pytest.mark.parametrize("regions,bounced", [((PAGE, 2 * PAGE), False), ((1000, 3000), True)],
                          ids=["aligned", "unaligned"])
 def test_round_trip_and_counters(tmp_path: Path, movers: list[DiskMover],

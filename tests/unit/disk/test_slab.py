@@ -485,3 +485,23 @@ def test_check_directory_refuses_a_filesystem_without_o_direct(
         SlabFile.open(str(tmp_path / "s.slab"), SlabSpec(FP, 0, 1, 2, PAGE), direct=True)
     monkeypatch.undo()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_open_that_creates_the_file_then_refuses_o_direct_leaves_no_file(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """open(2) with O_CREAT | O_DIRECT on a filesystem without O_DIRECT may create the
+    file and then fail with EINVAL (faked at the syscall seam: tmpfs here accepts
+    O_DIRECT). The refusal names the fix, and the file it created is removed -- it was
+    left behind, an empty slab file in the user's directory."""
+    real_open = os.open
+
+    def create_then_refuse(path: str, flags: int, mode: int = 0o777) -> int:
+        os.close(real_open(path, flags & ~os.O_DIRECT, mode))
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+
+    path = tmp_path / "s.slab"
+    monkeypatch.setattr(os, "open", create_then_refuse)
+    with pytest.raises(ConfigError, match="refuses O_DIRECT, set disk_io=buffered"):
+        SlabFile.open(str(path), SlabSpec(FP, 0, 1, 4, PAGE), direct=True)
+    monkeypatch.undo()
+    assert not path.exists()
