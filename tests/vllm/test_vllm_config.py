@@ -319,6 +319,27 @@ def test_engine_name_is_safe_deterministic_and_short() -> None:
         engine_name("")
 
 
+def test_an_explicit_name_under_data_parallelism_is_one_per_replica() -> None:
+    """The hazard: vLLM hands every data-parallel engine the same extra config and keeps
+    them apart only by suffixing ``engine_id`` with ``_dp<rank>``. An explicit ``name``
+    was taken as it stood, so with ``data_parallel_size=2`` both replicas' schedulers
+    asked for rendezvous ``serve1`` and the second was refused (its vLLM engine failed
+    to start). Each replica now appends its rank, as vLLM does to the id."""
+    def cfg(name: str, size: int, rank: int) -> ConnectorConfig:
+        vc = _vllm_config({"name": name, "cpu_bytes": GIB})
+        vc.parallel_config.data_parallel_size = size
+        vc.parallel_config.data_parallel_rank = rank
+        return _parse(vc)
+
+    assert cfg("serve1", 1, 0).name == "serve1"
+    assert [cfg("serve1", 2, r).name for r in (0, 1)] == ["serve1_dp0", "serve1_dp1"]
+    assert _parse(_vllm_config({"name": "serve1"})).name == "serve1"  # no DP fields
+    assert len(cfg("n" * 76, 2, 1).name) == 80
+    with pytest.raises(ConfigError, match=r"'n{77}' with data parallelism becomes "
+                                          r"'n{77}_dp1', longer than 80"):
+        cfg("n" * 77, 2, 1)
+
+
 def test_kvshm_name_of_an_llm() -> None:
     """``engine_stats`` asks the engine the connector named: ``name`` if set, else
     ``kvshm-<engine_id>``; an LLM without a kv_transfer_config is refused."""

@@ -124,6 +124,8 @@ def test_engine_labels_are_the_kvshm_engine_names() -> None:
                                parallel_config=SimpleNamespace(data_parallel_size=dp))
 
     assert engine_labels(cfg({"name": "serve1"}), [0]) == {0: "serve1"}
+    assert engine_labels(cfg({"name": "serve1"}, dp=2), [0, 1]) == {
+        0: "serve1_dp0", 1: "serve1_dp1"}
     assert engine_labels(cfg({}), [0]) == {0: "kvshm-abc"}
     assert engine_labels(cfg({}, dp=2), [0, 1]) == {0: "kvshm-abc_dp0", 1: "kvshm-abc_dp1"}
     assert engine_labels(SimpleNamespace(kv_transfer_config=None), [3]) == {3: "3"}

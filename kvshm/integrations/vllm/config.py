@@ -19,7 +19,8 @@ on each, with its default; it is what the refusal of an unknown key lists):
   (stored as they near eviction from vLLM's free queue; one KV group only).
 * ``name``: the rendezvous name; default ``kvshm-`` + ``kv_transfer_config.engine_id``
   (vLLM draws the engine id once and ships it to every process of the engine), made
-  safe and at most 80 characters by :func:`engine_name`.
+  safe and at most 80 characters by :func:`engine_name`. With data parallelism each
+  replica appends ``_dp<rank>``, as vLLM does to the engine id (:func:`replica_name`).
 * ``stats_path``: the scheduler side writes its final statistics (JSON) there at
   shutdown.
 * ``hang_timeout_s``, ``shutdown_timeout_s``: finite positive numbers (defaults 10 --
@@ -102,6 +103,7 @@ __all__ = [
     "default_cpu_bytes_per_rank",
     "engine_name",
     "parse_config",
+    "replica_name",
     "resolve_size",
     "tier_text",
 ]
@@ -126,7 +128,7 @@ PUBLIC_KEYS: Final[Mapping[str, str]] = {
     "mode": ("'eager' (default: store blocks once computed) or 'lazy' (store them as "
              "they near eviction; one KV group only)"),
     "name": ("the name `kvshm stats --name` takes (default: kvshm-<engine_id>, new every "
-             "start)"),
+             "start; with data parallelism each replica's ends in _dp<rank>)"),
     "stats_path": "a file the final statistics (JSON) are written to at shutdown (default: none)",
     "hang_timeout_s": (f"seconds a rank with work pending may complete nothing before it is "
                        f"declared hung (default {DEFAULT_HANG_TIMEOUT_S:g})"),
@@ -264,6 +266,26 @@ def engine_name(engine_id: str) -> str:
         return name
     digest = hashlib.sha256(engine_id.encode()).hexdigest()[:16]
     return f"{name[:_NAME_MAX - 17]}-{digest}"
+
+
+def replica_name(name: str, parallel_config: Any) -> str:
+    """An explicit ``name`` as one data-parallel replica's rendezvous name.
+
+    vLLM gives every data-parallel engine the same ``kv_connector_extra_config`` but
+    appends ``_dp<rank>`` to each one's ``engine_id`` (when ``data_parallel_size > 1``
+    or the rank is not 0) so that they do not collide; an explicit name must follow the
+    same rule, or the second replica's scheduler finds the name taken and vLLM fails to
+    start. ConfigError when the suffixed name exceeds 80 characters.
+    """
+    size = int(getattr(parallel_config, "data_parallel_size", 1) or 1)
+    rank = int(getattr(parallel_config, "data_parallel_rank", 0) or 0)
+    if size <= 1 and rank == 0:
+        return name
+    named = f"{name}_dp{rank}"
+    if len(named) > _NAME_MAX:
+        raise ConfigError(f"{_EXTRA}['name']={name!r} with data parallelism becomes "
+                          f"{named!r}, longer than {_NAME_MAX} characters; shorten it")
+    return named
 
 
 # ------------------------------------------------------------------ the extra config
@@ -530,7 +552,8 @@ def parse_config(vllm_config: Any, infos: Sequence[GroupInfo],
     if extra.mode is StoreMode.LAZY and len(groups) != 1:
         raise ConfigError(f"mode='lazy' supports one KV cache group; the model has "
                           f"{len(groups)}")
-    name = extra.name if extra.name is not None else engine_name(str(kvt.engine_id))
+    name = (engine_name(str(kvt.engine_id)) if extra.name is None
+            else replica_name(extra.name, par))
     return ConnectorConfig(
         name=name, tp=tp, pp=pp, block_size=bs, groups=groups, mode=extra.mode,
         cpu_bytes_per_rank=extra.cpu_bytes_per_rank, num_cpu_blocks=extra.num_cpu_blocks,

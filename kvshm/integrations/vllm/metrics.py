@@ -172,17 +172,18 @@ class StatsReporter:
 
 def engine_labels(vllm_config: Any, engine_indexes: list[int]) -> dict[int, str]:
     """The kvshm engine name of each of vLLM's engine indexes: the ``name`` of
-    ``kv_connector_extra_config``, else ``kvshm-<engine_id>`` (vLLM appends
-    ``_dp<rank>`` to the id of each data-parallel engine); the index itself when vLLM's
+    ``kv_connector_extra_config``, else ``kvshm-<engine_id>`` (with data parallelism
+    each gets ``_dp<rank>``, as vLLM appends it to the id of each data-parallel engine:
+    :func:`~kvshm.integrations.vllm.config.replica_name`); the index itself when vLLM's
     configuration has no KV transfer config."""
     kvt = getattr(vllm_config, "kv_transfer_config", None)
     if kvt is None:
         return {i: str(i) for i in engine_indexes}
     name = (getattr(kvt, "kv_connector_extra_config", None) or {}).get("name")
-    if isinstance(name, str) and name:
-        return {i: name for i in engine_indexes}
     par = getattr(vllm_config, "parallel_config", None)
     dp = int(getattr(par, "data_parallel_size", 1) or 1) > 1
+    if isinstance(name, str) and name:
+        return {i: f"{name}_dp{i}" if dp else name for i in engine_indexes}
     base = str(kvt.engine_id)
     return {i: engine_name(f"{base}_dp{i}" if dp else base) for i in engine_indexes}
 
