@@ -101,6 +101,9 @@ _ENGINE_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
                       "blocks", True),
     "loads_failed": ("request loads that failed or could not be sent (the serving "
                      "engine recomputes their blocks); loads", True),
+    "load_results_superseded": ("load outcomes not reported: the request ended, or was "
+                                "admitted again, while the load ran (its id may be in "
+                                "use by another load); loads", True),
     "stores_planned_blocks": ("blocks put into store jobs (GPU to CPU); blocks", False),
     "stored_blocks": ("blocks stored to the CPU tier and indexed (acked by every rank); "
                       "blocks", True),

@@ -62,6 +62,9 @@ class ManagerCounters:
     loads_planned: int = 0
     loaded_blocks: int = 0
     loads_failed: int = 0
+    #: load outcomes not reported because their request ended, or a newer phase B of
+    #: it came, while the load was in flight (``LoadBook.supersede``)
+    load_results_superseded: int = 0
     stores_planned_blocks: int = 0
     stored_blocks: int = 0
     declined: dict[DeclineReason, int] = field(default_factory=_zero_declines)

@@ -56,6 +56,9 @@ class LoadPart:
     gpu_ids: list[int]
     failed_ids: tuple[int, ...]
     num_tokens: int
+    #: the request ended, or a newer phase B of it replaced this load, while the load
+    #: was in flight: its outcome is not reported (``LoadBook.supersede``)
+    superseded: bool = False
 
 
 @dataclass(slots=True, eq=False)
@@ -276,7 +279,7 @@ class JobTable:
     def revoke_rank(self, rank: int) -> list[AnyJob]:
         """Declare ``rank`` dead: the jobs it has not acked, newly failed (RANK_DIED), are
         returned; they keep waiting for it (quarantined) until :meth:`fence_rank`."""
-        self._check_rank(rank)
+        self.check_rank(rank)
         if rank in self.dead or rank in self.revoked:
             return []
         self.revoked.add(rank)
@@ -304,14 +307,17 @@ class JobTable:
         revoked = self.revoked
         return all(job.waiting <= revoked for job in self.jobs.values())
 
-    def _check_rank(self, rank: int) -> None:
-        if not 0 <= rank < self.world_size:
-            raise ConfigError(f"rank {rank} out of range for world_size {self.world_size}")
+    def check_rank(self, rank: int) -> None:
+        """ConfigError unless ``rank`` is an int in ``[0, world_size)``."""
+        n = self.world_size
+        if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank < n:
+            raise ConfigError(f"rank {rank!r} out of range for world_size {n}: a rank is "
+                              f"an int in [0, {n})")
 
     def fence_rank(self, rank: int) -> list[AckOutcome]:
         """``rank`` can touch no block any more (revoked or not before): every job it
         has not acked gets a failed ack from it, so those jobs can complete."""
-        self._check_rank(rank)
+        self.check_rank(rank)
         if rank in self.dead:
             return []
         self.revoked.discard(rank)

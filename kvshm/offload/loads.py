@@ -13,9 +13,11 @@ through three stages, and :class:`LoadBook` records each:
 3. *reported*: the job's requests are told the outcome once (:meth:`LoadBook.report`:
    at the job's first failure, or at its completion), as ``LoadResult``\\ s in
    ``results`` -- the manager's only queue of load outcomes, drained by
-   ``take_load_results``. A load that fails before it is sent (no pin, reset, rank
-   death) is reported at once and also listed in the next ``StepPlan.failed_loads``
-   (``failed``).
+   ``take_load_results`` -- but for a part *superseded* first (:meth:`LoadBook.supersede`:
+   its request ended, or a newer phase B of it came, while it was in flight; a result
+   carries only the request id, so it would reach the request now using the id). A
+   load that fails before it is sent (no pin, reset, rank death) is reported at once
+   and also listed in the next ``StepPlan.failed_loads`` (``failed``).
 
 Ownership: the CPU and GPU pins of a part are taken by the caller before
 :meth:`LoadBook.enqueue` and belong to the book from then on: it releases them when the
@@ -185,15 +187,51 @@ class LoadBook:
         table, revoked = jobs.jobs, jobs.revoked
         return {j: r for j, r in self.job_reqs.items() if not table[j].waiting <= revoked}
 
+    def supersede(self, req_id: str, jobs: JobTable) -> None:
+        """``req_id``'s loads in flight, not reported yet, will not be: the request
+        ended, or a newer phase B of it came. Their outcome would otherwise reach the
+        request using the id now (re-admitted after a preemption, or a new request
+        reusing an ended one's id) while its own load may still be writing. Pins and
+        marks are released at completion as before; the outcome is counted
+        (``load_results_superseded``). O(load jobs in flight)."""
+        table = jobs.jobs
+        for job_id, rids in self.job_reqs.items():
+            if req_id in rids:
+                job = table[job_id]
+                assert isinstance(job, LoadJob)
+                if not job.reported:
+                    for part in job.parts:
+                        if part.req_id == req_id:
+                            part.superseded = True
+
+    def pending_for(self, req_id: str, jobs: JobTable) -> bool:
+        """``req_id`` has a load queued, or in flight and not superseded or reported."""
+        if req_id in self.queue:
+            return True
+        table = jobs.jobs
+        for job_id, rids in self.job_reqs.items():
+            if req_id in rids:
+                job = table[job_id]
+                assert isinstance(job, LoadJob)
+                if not job.reported and any(p.req_id == req_id and not p.superseded
+                                            for p in job.parts):
+                    return True
+        return False
+
     def report(self, job: LoadJob) -> None:
         """Tell ``job``'s requests its outcome, once (at the first failure, or at
-        completion); from then on their CPU blocks no longer count as being loaded."""
+        completion), but for superseded parts; from then on their CPU blocks no longer
+        count as being loaded."""
         if job.reported:
             return
         job.reported = True
         for part in job.parts:
             self.loading_cpu.remove(part.cpu_ids)
-            self.results.append(self._outcome(job, part))
+            result = self._outcome(job, part)
+            if part.superseded:
+                self.counters.load_results_superseded += 1
+            else:
+                self.results.append(result)
 
     def _outcome(self, job: LoadJob, part: LoadPart) -> LoadResult:
         if job.failed:
@@ -204,6 +242,7 @@ class LoadBook:
                               cause=job.cause, num_tokens=0)
         self.counters.loaded_blocks += len(part.cpu_ids)
         if part.failed_ids:
+            self.counters.loads_failed += 1  # as when phase B fails it (``fail_now``)
             return LoadResult(req_id=part.req_id, ok=False, failed_block_ids=part.failed_ids,
                               cause=LoadFailure.WINDOW_MISSING, num_tokens=0)
         return LoadResult(req_id=part.req_id, ok=True, failed_block_ids=(), cause=None,

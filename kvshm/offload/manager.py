@@ -213,11 +213,13 @@ class OffloadManager:
         view = self._check.view(req, num_local_tokens)
         if self.cpu.refresh_gpu_hits and num_local_tokens >= self.block_size:
             # refresh_prefix reads the engine's own hit's hashes, which view() does not
-            # check: those it has not read for this request yet
+            # check: all of them whenever it will run (the hit grew) -- this view's
+            # hashes are not those an earlier lookup checked
             st = self._track.reqs.get(view.req_id)
-            self._check.hashes("lookup", view.req_id, "block_hashes", view.hashes,
-                               0 if st is None else st.refreshed,
-                               min(num_local_tokens // self.block_size, len(view.hashes)))
+            s = num_local_tokens // self.block_size
+            if st is None or s > st.refreshed:
+                self._check.hashes("lookup", view.req_id, "block_hashes", view.hashes, 0,
+                                   min(s, len(view.hashes)))
         tokens = self._lookup(view, num_local_tokens)
         if tokens is not None:
             if self.remote is not None:
@@ -347,7 +349,14 @@ class OffloadManager:
         req_id, tables, num_external_tokens = self._check.allocated(
             req_id, gpu_block_ids, num_external_tokens)
         hit = self._hits.get(req_id)
+        if hit is None and self._loads.pending_for(req_id, self._jobs):
+            # a second phase B for one lookup: its failure would name blocks the first
+            # one's load is writing
+            raise self._check.refuse("allocated", req_id, "req_id",
+                                     "a second phase B with no lookup since the first: "
+                                     "its load is queued or in flight")
         st = self._track.reqs.get(req_id)
+        self._loads.supersede(req_id, self._jobs)  # an older load's outcome is not ours
         if num_external_tokens == 0:
             self._drop_hit(req_id)
             self._admit(st, 0)
@@ -532,9 +541,11 @@ class OffloadManager:
         return None if self.remote is None else self.remote.transfer_params(req_id)
 
     def _forget(self, req_id: str) -> ReqState | None:
-        """Drop a request's pin, queued load and tracking (in-flight jobs keep theirs)."""
+        """Drop a request's pin, queued load and tracking (in-flight jobs keep theirs,
+        but their outcome is no longer reported: a new request may reuse the id)."""
         self._drop_hit(req_id)
         self._loads.cancel(req_id)
+        self._loads.supersede(req_id, self._jobs)
         if self.remote is not None:
             self.remote.forget(req_id)
         if self.disk is not None:

@@ -119,7 +119,10 @@ class JobOutcomes:
         (failed load results now); the index is dropped; from now on lookups get 0 and
         nothing is planned. The jobs ``rank`` has not acked keep their pins -- those
         blocks are *quarantined* -- until :meth:`rank_fenced`: a block a rank may still
-        touch is never handed out again."""
+        touch is never handed out again. A rank out of range is a ConfigError that
+        changes nothing (checked before ``failed`` is set: a manager marked failed
+        without its first failure's cleanup would leak every pinned hit)."""
+        self.jobs.check_rank(rank)
         first = not self.failed
         self.failed = True
         for job in self.jobs.revoke_rank(rank):

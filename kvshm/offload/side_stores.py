@@ -59,8 +59,8 @@ def pin_tail(plan: StorePlanner, tables: Sequence[Sequence[int]], p: int,
     keys: list[bytes] = []
     for g in range(plan.gs.n):
         b = tables[g][p]
-        if b in plan.load_dst:
-            return None
+        if b in plan.load_dst or any(c.gpu_id == b for c in picks):
+            return None  # (two groups naming one block: bad input, nothing queued)
         reason, key = plan.classify(b, tail, g, _NO_IDS)
         if reason is DeclineReason.IN_FLIGHT and b not in plan.inflight_gpu:
             key = plan.gs.key(tail, g)  # another request stores the same tail

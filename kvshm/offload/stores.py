@@ -253,6 +253,10 @@ class StorePlanner:
                     wait = True
                     break
                 reason, key = self.classify(b, h, g, alloc)
+                if reason is None and any(c.gpu_id == b for c in picks):
+                    # two groups' tables name one block here (bad input): store it once,
+                    # or the job would list it twice and its completion fail its check
+                    reason = DeclineReason.IN_FLIGHT
                 if reason is None:
                     picks.append(Cand(b, g, key, p))
                 else:
@@ -375,8 +379,8 @@ class StorePlanner:
         so its pins go even when indexing fails (a GPU pool that answers a hash kvshm
         cannot index): no pin outlives its record."""
         gpu_ids, cpu_ids, n_eager = job.gpu_ids, job.cpu_ids, job.n_eager
-        self._unmark_all(gpu_ids, job.keys)
         try:
+            self._unmark_all(gpu_ids, job.keys)
             if register:
                 self._register(gpu_ids, cpu_ids, job.groups, job.keys, job.depths)
         finally:

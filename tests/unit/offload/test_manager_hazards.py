@@ -452,6 +452,97 @@ def test_request_finished_frees_pins() -> None:
     assert rig.m.pins_held() == 0 and refs(rig.gpu, gc) == [0, 0, 0]
 
 
+def test_reused_request_id_never_gets_the_ended_requests_load_result() -> None:
+    """The hazard: results name only a request id. A loads prefix P (CPU 0-1 -> GPU
+    ga[0:2], job 1) and finishes while job 1 runs; a new request reuses id "a" for
+    prompt Q (CPU 2-3, so its lookup is not asked to wait for job 1) and its load goes
+    out as job 2 into gq[0:2]. Job 1 completes first: the manager reported
+    ``LoadResult("a", ok)``, which the Engine handed to the new A's ``wait_loaded``
+    while job 2 was still writing gq -- the forward would read KV not yet there. Now
+    the ended request's outcome is superseded (counted, not reported) and the new A
+    hears only of job 2."""
+    rig = Rig(cpu=8, gpu=16)
+    p_req, q_req = Req("a", 9), Req("a", 9, base=1000)
+    rig.seed_cpu(*p_req.h)                                      # CPU 0, 1
+    rig.seed_cpu(*q_req.h)                                      # CPU 2, 3
+    assert rig.m.lookup(p_req.view(), 0) == 8
+    ga = rig.alloc(3)
+    rig.m.allocated("a", [ga], 8)
+    p1 = rig.step(p_req.sched(ga, confirmed=0, new=True))
+    assert pairs(p1.load) == ([0, 1], ga[:2]) and p1.load is not None
+    rig.m.finished("a", 0, [ga])
+    rig.gpu.free(reversed(ga))
+
+    assert rig.m.lookup(q_req.view(), 0) == 8
+    gq = rig.alloc(3)
+    rig.m.allocated("a", [gq], 8)
+    p2 = rig.step(q_req.sched(gq, confirmed=0, new=True))
+    assert pairs(p2.load) == ([2, 3], gq[:2]) and p2.load is not None
+    assert (p1.load.job_id, p2.load.job_id) == (1, 2)
+
+    rig.ack(p1.load)
+    assert rig.m.take_load_results() == []                     # job 2 still writing gq
+    assert rig.m.counters.load_results_superseded == 1
+    assert refs(rig.cpu, [0, 1]) == [0, 0] and refs(rig.gpu, ga[:2]) == [0, 0]
+    rig.ack(p2.load)
+    assert rig.m.take_load_results() == [LoadResult("a", True, (), None, 8)]
+    rig.m.finished("a", 8, [gq])
+    rig.gpu.free(reversed(gq))
+    assert rig.m.pins_held() == 0
+    rig.m.check_invariants()
+
+
+def test_readmitted_request_never_gets_its_earlier_loads_result() -> None:
+    """The same hazard without an end: R's load (job 1: CPU 0-1 -> gr[0:2]) is in flight
+    when the engine preempts R and admits it again with a longer local prefix, so its
+    new hit (CPU 2, the third block) shares no block with job 1 and is not asked to
+    wait; its load goes out as job 2. Job 1's ack must not tell R "loaded" while job 2
+    writes: a new phase B supersedes the older load's outcome."""
+    rig = Rig(cpu=8, gpu=16)
+    r = Req("r", 13)
+    rig.seed_cpu(*r.h)                                          # CPU 0, 1, 2
+    assert rig.m.lookup(r.view(), 0) == 12
+    gr = rig.alloc(4)
+    rig.m.allocated("r", [gr], 8)                               # only 2 blocks accepted
+    p1 = rig.step(r.sched(gr, confirmed=0, new=True))
+    assert pairs(p1.load) == ([0, 1], gr[:2]) and p1.load is not None
+    g2 = rig.alloc(4)                                           # preempted, re-admitted
+    assert rig.m.lookup(r.view(), 8) == 4                       # local 8: CPU 2 only
+    rig.m.allocated("r", [g2], 4)
+    p2 = rig.step(r.sched(g2, confirmed=0, new=True, preempted=True))
+    assert pairs(p2.load) == ([2], [g2[2]]) and p2.load is not None
+    rig.ack(p1.load)
+    assert rig.m.take_load_results() == []
+    rig.ack(p2.load)
+    assert rig.m.take_load_results() == [LoadResult("r", True, (), None, 4)]
+    assert rig.m.counters.load_results_superseded == 1
+    rig.m.check_invariants()
+
+
+def test_two_groups_naming_one_gpu_block_store_it_once() -> None:
+    """The hazard: two full-attention groups whose tables name the same GPU blocks
+    (0, 1) at the same positions (bad input the checks let through: repeats are
+    refused within a table only). The store walk picked each block once per group, so
+    job 1 listed GPU 0 and 1 twice; its completion failed an internal assertion before
+    releasing anything: CPU 0-3 stayed pinned for good and the GPU blocks at ref 3
+    while ``pins_held()`` said 0. Now a block a position already picked is declined
+    (IN_FLIGHT) for the next group: the job stores each once and releases all."""
+    rig = Rig(cpu=16, gpu=16, groups=(KVGroup.full(), KVGroup.full()))
+    a = Req("a", 9)
+    shared = rig.gpu.allocate(2)
+    p = rig.step(a.sched(shared, shared, confirmed=9, new=True))
+    assert p.store is not None
+    src, dst = pairs(p.store)
+    assert src == shared and len(dst) == 2                     # each block once (group 0)
+    assert declined(rig.m, DeclineReason.IN_FLIGHT) == 2
+    assert refs(rig.gpu, shared) == [2, 2]
+    rig.ack(p.store)
+    assert refs(rig.gpu, shared) == [1, 1] and refs(rig.cpu, dst) == [0, 0]
+    rig.m.finished("a", 9, [shared, shared])
+    assert rig.m.pins_held() == 0
+    rig.m.check_invariants()
+
+
 def test_partial_acceptance_releases_unused_pins() -> None:
     """Three blocks are offered and pinned; the engine accepts 4 tokens (one block).
     Only CPU block 0 is loaded, into GPU block 0; blocks 1 and 2 are released at once."""

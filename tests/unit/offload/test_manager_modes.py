@@ -7,7 +7,7 @@ ids and refs.
 from __future__ import annotations
 
 import pytest
-from manager_rig import Rig, hashes, pairs
+from manager_rig import Req, Rig, hashes, manager_state, pairs, refs
 
 from kvshm.errors import ConfigError
 from kvshm.offload.counters import DeclineReason
@@ -124,6 +124,36 @@ def test_rank_failed_rejects_unknown_rank_and_is_idempotent() -> None:
     m.check_invariants()
 
 
+def test_a_bad_rank_changes_nothing_and_the_real_death_still_cleans_up() -> None:
+    """The hazard: ``rank_failed(5)`` (or -1, or "0") on a two-rank manager set
+    ``failed`` and only then checked the rank. The ConfigError left a manager marked
+    failed whose first failure never ran: R's pinned hit on CPU 0-1 was not tombstoned
+    and the index not dropped, and the real ``rank_failed(0)`` that followed skipped
+    that cleanup too (it was no longer the first) -- R's phase B then queued a load no
+    step ever sent, and the pins leaked. Now the rank is checked first: nothing
+    changes, and the real death fails R's load and frees the pins."""
+    for bad in (5, -1, "0", True):
+        rig = Rig(cpu=8, gpu=16, world_size=2)
+        r = Req("r", 9)
+        rig.seed_cpu(*r.h)                                   # CPU 0, 1
+        assert rig.m.lookup(r.view(), 0) == 8
+        before = manager_state(rig.m)
+        with pytest.raises(ConfigError, match="a rank is an int in \\[0, 2\\)"):
+            rig.m.rank_failed(bad)  # type: ignore[arg-type]
+        with pytest.raises(ConfigError):
+            rig.m.rank_fenced(bad)  # type: ignore[arg-type]
+        assert manager_state(rig.m) == before and not rig.m.failed
+        rig.m.rank_failed(0)
+        assert refs(rig.cpu, [0, 1]) == [0, 0] and rig.cpu.num_hashes == 0
+        g = rig.alloc(3)
+        rig.m.allocated("r", [g], 8)
+        assert rig.step().failed_loads == {"r": (g[0], g[1])}
+        assert rig.m.take_load_results() == [
+            LoadResult("r", False, (g[0], g[1]), LoadFailure.RANK_DIED, 0)]
+        assert not rig.m.has_pending_work() and rig.m.pins_held() == 0
+        rig.m.check_invariants()
+
+
 def test_counters_flatten_for_stats() -> None:
     m = Rig(gpu=8).m
     flat = m.counters.as_dict()
@@ -181,6 +211,8 @@ def test_sliding_window_partial_acceptance_fills_the_window_or_fails_it() -> Non
     assert m.take_load_results() == [
         LoadResult("a", False, (win[0],), LoadFailure.WINDOW_MISSING, 0)]
     assert m.counters.loaded_blocks == 3
+    # a failed outcome like any other (it was not counted when decided at completion)
+    assert m.counters.loads_failed == 1
 
 
 def test_finish_stores_dropped_when_cpu_cannot_ever_supply() -> None:

@@ -22,6 +22,7 @@ from engine_rig import BS as ENGINE_BS
 from engine_rig import Client, embedded_engine, tokens
 from manager_rig import BS, Req, Rig, manager_state, pairs, refs
 
+from kvshm.config import Eviction
 from kvshm.engine import EngineState
 from kvshm.errors import ConfigError, InvalidRequest
 from kvshm.hashing import chain_hashes
@@ -195,6 +196,52 @@ def test_bad_call_lookup_unhashable_or_none_hashes(hashes: Any, field: str) -> N
     assert refs(rig.cpu, [0]) == [1]
     rig.m.allocated("r", [rig.alloc(3)], 0)
     assert refs(rig.cpu, [0]) == [0] and rig.m.pins_held() == 0
+
+
+def test_bad_call_lookup_refresh_reads_hashes_it_checked() -> None:
+    """With a refreshing order (``adaptive``, the default): A's lookup with 8 local
+    tokens refreshed and checked hashes 0-1 and pinned its CPU hit (CPU 2-3). A second
+    lookup with 12 local tokens and a view whose hash 0 is a list was checked for hash
+    2 only (the first lookup had checked "the first two"), yet the refresh read hash 0:
+    a bare TypeError after the call had dropped the pins and moved the request's start.
+    The hashes are those of this view, not the earlier one's: refused whole now."""
+    rig = Rig(eviction=Eviction.ADAPTIVE)
+    a = Req("a", 17)
+    rig.seed_cpu(*a.h)                                         # CPU 0-3
+    assert rig.m.lookup(a.view(), 8) == 8
+    assert refs(rig.cpu, [2, 3]) == [1, 1]
+    bad = [["not", "a", "hash"], *a.h[1:]]
+    err = refused(rig.m, rig.m.lookup, RequestView("a", bad, 17), 12)
+    assert err.field == "block_hashes[0]"
+    assert refs(rig.cpu, [2, 3]) == [1, 1]
+    assert rig.m.lookup(a.view(), 12) == 4                     # CPU 3 now; 2 released
+    rig.m.allocated("a", [rig.alloc(5)], 0)
+    assert rig.m.pins_held() == 0
+
+
+def test_bad_call_allocated_twice_for_one_lookup() -> None:
+    """R's lookup pinned CPU 0-1 and its phase B queued their load into GPU 0-1. A
+    second phase B with no lookup between used to be taken as "phase B without a pin":
+    it reported R's load failed naming GPU 0-2 -- the engine would recompute into the
+    blocks the first load was writing -- while that load still went out and later
+    reported ok. Refused now, queued or in flight; after a new lookup it is fine."""
+    rig = Rig()
+    r = Req("r", 9)
+    rig.seed_cpu(*r.h)
+    assert rig.m.lookup(r.view(), 0) == 8
+    g = rig.alloc(3)
+    rig.m.allocated("r", [g], 8)
+    err = refused(rig.m, rig.m.allocated, "r", [g], 8)
+    assert (err.req_id, err.field) == ("r", "req_id")
+    p = rig.step()
+    assert pairs(p.load) == ([0, 1], g[:2])
+    refused(rig.m, rig.m.allocated, "r", [g], 8)               # in flight: still refused
+    rig.ack(p.load)
+    assert rig.m.take_load_results() == [LoadResult("r", True, (), None, 8)]
+    assert rig.step().failed_loads == {}
+    rig.m.finished("r", 8, [g])
+    rig.gpu.free(reversed(g))
+    assert rig.m.pins_held() == 0
 
 
 async def test_bad_call_engine_step_non_bytes_hashes_with_a_load_in_flight() -> None:

@@ -150,3 +150,24 @@ def test_rank_death_is_decided_once() -> None:
     assert p.counters.jobs_failed == 1
     (res,) = p.loads.take_results()
     assert res.cause is LoadFailure.RANK_DIED
+
+
+def test_a_tail_that_two_groups_place_in_one_gpu_block_is_not_queued() -> None:
+    """The hazard (the hand-off's partial last block, ``pin_tail``): two full-attention
+    groups whose tables both end in GPU 2 at position 2 (bad input no check refuses
+    across groups). Both groups' candidates were queued for one store job, which then
+    listed GPU 2 twice and failed its completion's internal check before releasing
+    anything (the job's pins leaked). Now such a tail is not handed off: nothing is
+    queued, marked or pinned."""
+    from kvshm.offload.side_stores import pin_tail
+
+    parts = Parts()
+    stores = StorePlanner(parts.cpu, parts.gpu, GroupSet((KVGroup.full(), KVGroup.full()), BS),
+                          BS, parts.counters, 16, parts.loads.dst.counts)
+    gpu = parts.gpu.allocate(5)                                # 0, 1, 2, 3, 4
+    assert pin_tail(stores, [[0, 1, 2], [3, 4, 2]], 2, key(99)) is None
+    assert stores.finish_queue == [] and not stores.inflight_gpu and not stores.inflight_keys
+    assert [parts.gpu.ref_cnt(b) for b in gpu] == [1, 1, 1, 1, 1]
+    keys = pin_tail(stores, [[0, 1, 2], [3, 4, 1]], 2, key(99))   # distinct: both queued
+    assert keys is not None and len(keys) == 2
+    assert [c.gpu_id for c in stores.finish_queue] == [2, 1]
