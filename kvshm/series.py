@@ -288,8 +288,11 @@ _REMOTE_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
                                  "shard's breaker opened); reads", False),
     "index_values_set": ("values (P/D manifests) the index wrote; values", False),
     "index_values_got": ("values (P/D manifests) the index read; values", False),
-    "index_values_dropped": ("values read that nobody waited for any more; values",
-                             False),
+    "index_values_dropped": ("values (P/D manifests) not written because a readiness "
+                             "key they vouch for was refused; values", False),
+    "index_values_refused": ("value writes, deletes and re-timings (P/D manifests) the "
+                             "server refused with an error reply (OOM, no permission); "
+                             "commands", False),
     "index_breaker_opens": ("times the readiness index's circuit breaker opened; "
                             "events", True),
     "index_breaker_closes": ("times the readiness index's circuit breaker closed again; "

@@ -50,7 +50,7 @@ class RemoteLink:
         if cfg is None or index is None or setup is None:
             return None
         fingerprint, world = setup.fingerprint, cfg.world_size
-        ttl_s = RemoteSpec.parse(setup.url).ttl_s
+        spec = RemoteSpec.parse(setup.url)
 
         def key(h: bytes) -> str:
             return ready_key(fingerprint, world, h)
@@ -58,7 +58,8 @@ class RemoteLink:
         def make(cpu: BlockPool, gs: GroupSet, jobs: JobTable) -> RemoteBook:
             pd = Handoffs(index, fingerprint, world, cfg.block_size, remote_hash, key)
             return RemoteBook(cpu, gs, jobs, index, key, mode=cfg.remote_mode, handoffs=pd,
-                              max_job_blocks=max_job_blocks(max_record), ttl_s=ttl_s)
+                              max_job_blocks=max_job_blocks(max_record), ttl_s=spec.ttl_s,
+                              hold_ttl_s=spec.hold_ttl_s)
         return make
 
     def close(self) -> None:

@@ -94,7 +94,8 @@ class RemoteBook:
                  evict_window: int | None = None,
                  clock: Callable[[], float] = time.monotonic,
                  handoffs: Handoffs | None = None,
-                 max_job_blocks: int = MAX_PUT_BLOCKS, ttl_s: float | None = None) -> None:
+                 max_job_blocks: int = MAX_PUT_BLOCKS, ttl_s: float | None = None,
+                 hold_ttl_s: float | None = None) -> None:
         self.cpu, self._gs, self._jobs, self.index = cpu, gs, jobs, index
         self._ready_key = ready_key
         self.mode = mode
@@ -104,7 +105,8 @@ class RemoteBook:
         self.puts = PutQueue(cpu, jobs, index, ready_key, self.counters, mode=mode,
                              evict_window=evict_window,
                              publisher=None if handoffs is None else handoffs.publications,
-                             max_job_blocks=max_job_blocks, ttl_s=ttl_s, clock=clock)
+                             max_job_blocks=max_job_blocks, ttl_s=ttl_s,
+                             hold_ttl_s=hold_ttl_s, clock=clock)
         self.fetches = Fetches(cpu, gs, self.counters, self._new_get,
                                fetch_timeout_s=fetch_timeout_s, max_job_blocks=max_job_blocks,
                                clock=clock, allocate=self._allocate)

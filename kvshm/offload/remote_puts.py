@@ -146,7 +146,7 @@ class PutQueue:
                  ready_key: Callable[[bytes], str], counters: RemoteCounters, *,
                  mode: RemoteMode, evict_window: int | None = None,
                  publisher: Publisher | None = None, max_job_blocks: int = MAX_PUT_BLOCKS,
-                 ttl_s: float | None = None,
+                 ttl_s: float | None = None, hold_ttl_s: float | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.cpu, self._jobs, self.index = cpu, jobs, index
         self._ready_key = ready_key
@@ -161,10 +161,13 @@ class PutQueue:
         self._publisher = publisher
         self._puts: list[_Put] = []
         self._put_keys: set[bytes] = set()  # queued or in flight
-        # key -> when it was published; an entry older than half the server's TTL no
-        # longer counts (the server may have dropped it: put it again)
+        # key -> until when it counts as on the server: half the TTL it was put with
+        # (the server may drop it after: put it again). A hand-off's blocks go with the
+        # hold TTL, which may be shorter than the server's (or than none at all)
         self.published: OrderedDict[bytes, float] = OrderedDict()
         self._fresh_s = ttl_s / 2 if ttl_s is not None else float("inf")
+        self._kept_fresh_s = (self._fresh_s if hold_ttl_s is None
+                              else min(self._fresh_s, hold_ttl_s / 2))
         self._clock = clock
         self._ready_of: OrderedDict[str, bytes] = OrderedDict()  # ready key -> CPU key
         self._restarts = index.restarts()  # the index's count this memory is valid for
@@ -254,7 +257,7 @@ class PutQueue:
             if usable:
                 ready = [self._ready_key(remote_hash(k)) for k in job.keys]
                 self.index.publish(ready, keep=job.keep)
-                self.remember(job.keys)
+                self.remember(job.keys, kept=job.keep)
                 self._ready_of.update(zip(ready, job.keys))
                 while len(self._ready_of) > READY_MEMORY:
                     self._ready_of.popitem(last=False)
@@ -269,8 +272,8 @@ class PutQueue:
     def is_published(self, k: bytes) -> bool:
         """Whether ``k`` was put or fetched by this engine recently enough to be on the
         server still."""
-        t = self.published.get(k)
-        return t is not None and self._clock() - t < self._fresh_s
+        until = self.published.get(k)
+        return until is not None and self._clock() < until
 
     def forget_lost(self) -> None:
         """The server lost its data since the last plan (the index saw it restart):
@@ -291,12 +294,13 @@ class PutQueue:
             if k is not None and self.published.pop(k, None) is not None:
                 self.counters.publish_refused += 1
 
-    def remember(self, keys: Sequence[bytes]) -> None:
+    def remember(self, keys: Sequence[bytes], *, kept: bool = False) -> None:
         """``keys`` are on the server (put by us, or fetched): not put again while
-        fresh."""
-        pub, now = self.published, self._clock()
+        fresh -- half the TTL they went with (``kept``: a hand-off's, the hold TTL)."""
+        pub = self.published
+        until = self._clock() + (self._kept_fresh_s if kept else self._fresh_s)
         for k in keys:
-            pub[k] = now
+            pub[k] = until
             pub.move_to_end(k)
         while len(pub) > PUBLISHED_MEMORY:
             pub.popitem(last=False)

@@ -144,7 +144,7 @@ class RemoteSpec:
         nodes: list[tuple[str, int]] = []
         for item in netloc.split(","):
             host, colon, port = item.strip().rpartition(":")
-            if not colon or not host or not port.isdigit():
+            if not colon or not host or not _digits(port):
                 raise ConfigError(f"remote URL {url!r}: {item!r} is not host:port")
             host = host.strip("[]")
             if not 0 < int(port) < 65536:
@@ -159,7 +159,7 @@ class RemoteSpec:
                 raise ConfigError(f"remote URL {url!r}: unknown knob {key!r}")
             if key == "ttl_s" and value.lower() in ("", "none", "0"):
                 merged[key] = None
-            elif not value.isdigit():
+            elif not _digits(value):
                 raise ConfigError(f"remote URL {url!r}: {key}={value!r} is not an int")
             else:
                 merged[key] = int(value)
@@ -168,6 +168,12 @@ class RemoteSpec:
                 raise ConfigError(f"remote URL {url!r}: unknown knob {key!r}")
             merged[key] = value
         return cls(url=url, nodes=tuple(nodes), cluster=cluster, **merged)
+
+
+def _digits(text: str) -> bool:
+    """ASCII digits only (``str.isdigit`` also takes "²" and "٣", which ``int`` then
+    refuses or reads as 3)."""
+    return text.isascii() and text.isdigit()
 
 
 # ---------------------------------------------------------------------------- keys
@@ -399,8 +405,11 @@ class ReadyIndex(Protocol):
         is due): a caller answers "no remote hit" at once instead of asking."""
         ...
 
-    def put_value(self, key: str, value: bytes, ttl_s: int) -> None:
-        """Queue ``SET key value EX ttl_s`` (a small value: a hand-off manifest)."""
+    def put_value(self, key: str, value: bytes, ttl_s: int, *,
+                  after: Sequence[str] = ()) -> None:
+        """Queue ``SET key value EX ttl_s`` (a small value: a hand-off manifest).
+        ``after``: the readiness keys it vouches for; if a write of one of them queued
+        before it is refused, the value is not written."""
         ...
 
     def get_value(self, token: int, key: str) -> None:

@@ -9,7 +9,8 @@ slot, so a cluster keeps them on one node).
 :data:`PART_BYTES` (a put) or :data:`GET_PART_BYTES` (a get) of payload each. A part is
 one request, one round trip: a put is one ``MSETEX 2n {k0}h <header> k0 <row> ... EX
 ttl`` -- every block's header and payload in one command, atomic, each row zero-copy
-from the caller's view -- or, on a server without MSETEX (older than Valkey 9.1), one
+from the caller's view -- or, on a server without MSETEX (older than Valkey 9.1) and
+always in a cluster (MSETEX is not slot-checked there: see ``ValkeyBlockStore``), one
 non-atomic pipeline of ``SET key <row> EX ttl`` and ``SET {key}h <header> EX ttl`` per
 block; a get is one ``MGET {k0}h k0 {k1}h k1 ...`` that lands each header in a small
 buffer and each payload directly in the caller's view (glide's ``buffers=``: no
@@ -144,7 +145,11 @@ class ValkeyBlockStore:
         # MSETEX's expiry arguments (none: no TTL)
         self._ttl_args = ["EX", str(spec.ttl_s)] if spec.ttl_s is not None else []
         self._hold_args = ["EX", str(spec.hold_ttl_s)]
-        self._msetex = True  # until a server says it has no MSETEX
+        # MSETEX until a server says it has none; never in a cluster: Valkey 9.1's
+        # MSETEX does not check that the node owns its keys' slot (SET answers MOVED),
+        # and glide sends a batch meant for a dead primary to another node, which then
+        # stores keys nobody can read -- and answers OK
+        self._msetex = not spec.cluster
         self._shards = Shards(spec, lambda: CircuitBreaker(
             breaker_threshold, breaker_backoff_s, breaker_max_backoff_s))
         self._closed = False
@@ -261,7 +266,7 @@ class ValkeyBlockStore:
         for i in part:  # the checksums, on this part's thread
             try:
                 raws[i] = header[i].pack(views[i])  # a caller's error is no outage
-            except (ConfigError, TypeError, ValueError):
+            except (ConfigError, TypeError, ValueError, BufferError):  # (not contiguous)
                 self._n.add(invalid_calls=1)
                 rlog.warning("put_view", "remote put %s: the view does not match its "
                              "header", keys[i])

@@ -26,8 +26,9 @@ run one after the other.)
 Ordering: a drain's small-value reads (manifests), then its readiness writes and
 queries go in one batch per shard, in that order (a readiness key asked with a manifest
 read is read after it); its small-value writes follow in a second round, only after the
-readiness writes succeeded (a manifest is written last, never after readiness keys
-the server refused). A drain that writes or deletes a value keeps every small-value
+readiness writes succeeded (a manifest is written last, never after one of its own
+readiness keys -- ``put_value(after=...)`` -- was refused; another key's refusal does not
+hold it back). A drain that writes or deletes a value keeps every small-value
 command in that second round, in queue order (a read queued after a write sees it).
 
 A server that lost its data is noticed (:class:`RunIdWatch`): while every breaker is
@@ -153,7 +154,7 @@ class ValkeyReadyIndex:
         self._n = Counters("queries", "answered", "answered_zero", "keys_queried",
                             "keys_present", "published", "publish_failed", "errors",
                             "timeouts", "rejected", "round_trips", "clients_created",
-                            "values_set", "values_got", "values_dropped",
+                            "values_set", "values_got", "values_dropped", "values_refused",
                             "run_id_checks", "run_id_errors", "run_id_changes",
                             "keys_shard_down", "values_shard_down")
         self._batches = ShardBatches(spec, glide, self._shards, self._n)
@@ -208,9 +209,10 @@ class ValkeyReadyIndex:
         return {n: b for n, b in list(self._shards.breakers.items())
                 if n != SERVER and (now is None or n in now)}
 
-    def put_value(self, key: str, value: bytes, ttl_s: int) -> None:
+    def put_value(self, key: str, value: bytes, ttl_s: int, *,
+                  after: Sequence[str] = ()) -> None:
         if not self._closed:
-            self._q.put(_Queued(Ask.SET, ttl_s, [key, value]))
+            self._q.put(_Queued(Ask.SET, ttl_s, [key, value, after]))
 
     def get_value(self, token: int, key: str) -> None:
         if self._closed:
@@ -287,18 +289,19 @@ class ValkeyReadyIndex:
         gets = [(q.arg, q.items[0]) for q in work if q.ask is Ask.GET and early]
         others = [q for q in work if q.ask in (Ask.SET, Ask.DELETE, Ask.EXPIRE)
                   or (q.ask is Ask.GET and not early)]
-        ok = True
+        bad: frozenset[str] = frozenset()
         if queries or publishes or gets:  # an empty batch is an error to glide
-            ok = self._round(client, queries, publishes, gets)
-        if not ok:  # a manifest goes last: not after readiness the server refused
-            kept = [q for q in others if q.ask is not Ask.SET]
+            bad = self._round(client, queries, publishes, gets)
+        if bad:  # a manifest goes last: not after its own readiness keys were refused
+            kept = [q for q in others if q.ask is not Ask.SET or bad.isdisjoint(q.items[2])]
             self._n.add(values_dropped=len(others) - len(kept))
             others = kept
         if others:
             self._values_round(client, others)
 
     def _round(self, client: Any, queries: list[tuple[int, Sequence[str]]],
-               publishes: list[tuple[str, bool]], gets: list[tuple[int, str]]) -> bool:
+               publishes: list[tuple[str, bool]], gets: list[tuple[int, str]]
+               ) -> frozenset[str]:
         """Small-value reads (hand-off manifests), readiness writes and queries, in
         that order: one batch per shard (the server; each cluster primary), each under
         its shard's breaker. The reads go first so that a readiness key asked with a
@@ -307,8 +310,8 @@ class ValkeyReadyIndex:
         batch: one round trip, and one wait for the GIL after it, where two rounds took
         two. A key of a shard that is down (its breaker refuses, or its batch failed)
         is absent to the queries, None to the reads, and its write is refused (goes to
-        :meth:`refused`); the other shards' keys answer as usual. False if a write
-        failed."""
+        :meth:`refused`); the other shards' keys answer as usual. Returns the readiness
+        keys whose write failed."""
         cmds = [Command(Op.GET, k) for _, k in gets]
         cmds += [Command(Op.MARK, k, keep) for k, keep in publishes]
         cmds += [Command(Op.EXISTS, k) for _, keys in queries for k in keys]
@@ -331,14 +334,10 @@ class ValkeyReadyIndex:
             self._n.add(keys_queried=len(keys), keys_present=prefix)
             answers.append((tok, prefix))
         self._answer(answers)
-        return self._refuse(bad)
-
-    def _refuse(self, keys: list[str]) -> bool:
-        """Record readiness writes that failed; True when there were none."""
-        if keys:
+        if bad:
             with self._lock:
-                self._refused.extend(keys)
-        return not keys
+                self._refused.extend(bad)
+        return frozenset(bad)
 
     def _values_round(self, client: Any, ops: list[_Queued]) -> None:
         """Small values (hand-off manifests), after the readiness round, in queue
@@ -357,8 +356,11 @@ class ValkeyReadyIndex:
                 op = Op.EXPIRE if q.ask is Ask.EXPIRE else Op.DELETE
                 cmds += [Command(op, k, q.arg) for k in q.items]
         replies = self._batches.run(client, cmds)
+        # a SET stored only on OK; an error reply (OOM, no permission) is a refusal
         self._n.add(values_set=sum(1 for c, r in zip(cmds, replies, strict=True)
-                                   if c.op is Op.SET_VALUE and r is not DOWN))
+                                   if c.op is Op.SET_VALUE and r in ("OK", b"OK")),
+                    values_refused=sum(1 for c, r in zip(cmds, replies, strict=True)
+                                       if c.op is not Op.GET and isinstance(r, Exception)))
         self._got([tok for tok, _ in gets], [replies[at] for _, at in gets])
 
     def _got(self, tokens: list[int], replies: list[Any]) -> None:

@@ -306,7 +306,8 @@ class _Recorder:
     def healthy(self) -> bool:
         return True
 
-    def put_value(self, key: str, value: bytes, ttl_s: int) -> None: ...
+    def put_value(self, key: str, value: bytes, ttl_s: int, *,
+                  after: Sequence[str] = ()) -> None: ...
 
     def get_value(self, token: int, key: str) -> None:
         self.pending.append((token, self.value))

@@ -55,6 +55,10 @@ def test_standalone_and_cluster_urls_parse_with_defaults_and_knobs() -> None:
     ("valkey://h:1?threads=x", "is not an int"),
     ("valkey://h:1?threads=0", "threads must be an int > 0"),
     ("valkey://h:1?threads=65", "threads must be <= 64"),
+    # non-ASCII digits: "²" made int() raise a bare ValueError, "٣" read as 3
+    ("valkey://h:1?threads=\u00b2", "is not an int"),
+    ("valkey://h:\u00b2", "not host:port"),
+    ("valkey://h:1?ttl_s=\u0663", "is not an int"),
 ])
 def test_a_bad_url_is_a_config_error_that_says_what_is_wrong(url: str, says: str) -> None:
     with pytest.raises(ConfigError, match=says):

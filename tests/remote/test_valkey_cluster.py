@@ -264,3 +264,42 @@ def test_a_stopped_primary_opens_only_its_own_index_breaker_and_blinds_no_other_
         for node in stopped:
             os.kill(node.pid or 0, signal.SIGCONT)
         idx.close()
+
+
+def test_puts_for_a_killed_primarys_slots_fail_and_land_on_no_other_node(
+        tmp_path: Any) -> None:
+    """The hazard: a cluster without replicas, one primary SIGKILLed, then ``put_many``
+    of 12 blocks. glide sent the part meant for the dead primary to a live node, and
+    Valkey 9.1's ``MSETEX`` does not check that the node owns its keys' slot (``SET``
+    answers ``MOVED``): the live node stored them and answered OK, so every put
+    reported True, the engine believed the blocks published, and nobody could ever
+    read them (they only took memory until their TTL). Now a cluster puts with the
+    pipeline of ``SET``s: the dead primary's blocks fail, the others are stored, and
+    no live node holds a key of the dead primary's slots."""
+    cluster = ValkeyCluster(3, 0, maxmemory="64mb", node_timeout_ms=2000,
+                            workdir=tmp_path).start()
+    store = None
+    try:
+        hs = [BlockHeader(fingerprint=FP, block_hash=(1000 + i).to_bytes(16, "big"),
+                          rank=0, world=1, length=4096) for i in range(12)]
+        keys = [block_key(KEY_PREFIX, FP, 0, 1, h.block_hash) for h in hs]
+        src = RowsT(12, 3, row=4096)
+        victim = owner(cluster, keys[0])
+        on_victim = {i for i, k in enumerate(keys) if owner(cluster, k) is victim}
+        assert 0 < len(on_victim) < 12
+        store = ValkeyBlockStore(RemoteSpec.parse(cluster.url, ttl_s=600,
+                                                  request_timeout_ms=TIMEOUT_MS,
+                                                  connect_timeout_ms=TIMEOUT_MS, threads=1))
+        store.statistics()  # connected to every node before the kill
+        victim.kill()
+        ok = store.put_many(keys, src.views, hs)
+        assert [i for i in range(12) if not ok[i]] == sorted(on_victim), ok
+        for node in cluster.nodes:
+            if node is not victim:
+                _, names = call(node, "SCAN", "0", "COUNT", "10000")
+                assert not {n.decode() for n in names} & {keys[i] for i in on_victim}
+        assert store.statistics()["put_ok"] == 12 - len(on_victim)
+    finally:
+        if store is not None:
+            store.close()
+        cluster.close()

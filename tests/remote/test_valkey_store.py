@@ -282,6 +282,61 @@ def test_a_manifest_read_and_a_readiness_query_go_in_one_batch_the_read_first(
         idx.close()
 
 
+def test_a_manifest_is_held_back_by_its_own_refused_readiness_key_only(
+        valkey: ValkeyServer) -> None:
+    """The hazard: one drain of the index's queue held hand-off A's last readiness keys,
+    an unrelated block's readiness key and A's manifest. The server refused the
+    unrelated key (an ACL here; an OOM, or a cluster primary that is down), and every
+    manifest of the drain was dropped -- A's too, although its keys were stored: its
+    decoder waited 5 s and recomputed. Now a manifest names the readiness keys it
+    vouches for (``after``) and only a refusal of one of them holds it back: B's
+    manifest, which vouches for the refused key, is not written."""
+    ok_keys = [ready_key(FP, 2, bytes([0xAA, i]) + bytes(14)) for i in range(2)]
+    refused = ready_key(FP, 2, bytes([0xBB]) + bytes(15))
+    writable = ok_keys[0][:-len(bytes(16).hex())] + "aa*"
+    assert call(valkey, "ACL", "SETUSER", "default", "resetkeys", "%R~*",
+                "%W~kvshm:v1:pd:*", f"%W~{writable}") == b"OK"
+    idx = ValkeyReadyIndex(RemoteSpec.parse(valkey.url, ttl_s=60, **CALM))
+    try:
+        before = idx.statistics()["round_trips"]
+        with idx._lock:  # the thread ends query 1's round, then waits: one drain for all
+            idx.query(1, ok_keys[:1])
+            _wait(lambda: idx.statistics()["round_trips"] == before + 1)
+            idx.publish(ok_keys, keep=True)
+            idx.publish([refused])
+            idx.put_value("kvshm:v1:pd:fp:2:a", b"A", 60, after=ok_keys)
+            idx.put_value("kvshm:v1:pd:fp:2:b", b"B", 60, after=[ok_keys[0], refused])
+        _wait(lambda: idx.statistics()["values_dropped"] == 1)
+        assert idx.refused() == [refused]
+        idx.get_value(2, "kvshm:v1:pd:fp:2:a")
+        idx.get_value(3, "kvshm:v1:pd:fp:2:b")
+        got: list[tuple[int, bytes | None]] = []
+        _wait(lambda: got.extend(idx.values()) or len(got) == 2)
+        assert sorted(got) == [(2, b"A"), (3, None)]
+        st = idx.statistics()
+        assert (st["published"], st["publish_failed"], st["values_set"]) == (2, 1, 1)
+    finally:
+        idx.close()
+
+
+def test_a_refused_manifest_write_is_counted_refused_not_set(valkey: ValkeyServer) -> None:
+    """The hazard: on a server that answers the manifest's SET with an error (read-only
+    ACL here; an OOM likewise), ``values_set`` counted it as written and no counter
+    recorded the refusal. Now it counts as refused, as do a refused DEL and EXPIRE."""
+    assert call(valkey, "ACL", "SETUSER", "default", "resetkeys", "%R~*") == b"OK"
+    idx = ValkeyReadyIndex(RemoteSpec.parse(valkey.url, ttl_s=60, **CALM))
+    try:
+        idx.put_value("kvshm:v1:pd:fp:2:r", b"manifest", 60)
+        idx.delete(["kvshm:v1:pd:fp:2:r"])
+        idx.expire(["kvshm:v1:pd:fp:2:r"])
+        idx.get_value(1, "kvshm:v1:pd:fp:2:r")
+        assert _wait(idx.values) == [(1, None)]
+        st = idx.statistics()
+        assert (st["values_set"], st["values_refused"], st["errors"]) == (0, 3, 0)
+    finally:
+        idx.close()
+
+
 def test_ready_index_small_values_alone_are_no_error_and_a_probe_closes_the_breaker(
         valkey: ValkeyServer) -> None:
     """Manifest traffic with no query or publish queued (a decoder's GET, a DEL, an
@@ -510,6 +565,26 @@ def test_a_callers_wrong_view_is_refused_without_touching_the_breaker(
     assert stats["breaker_opens"] == 0 and stats["breaker_state"] == "closed"
     src = rows(1, 2)
     assert store.put_many(keys_of(hs), views(src), hs) == [True]
+
+
+def test_a_non_contiguous_view_in_a_put_is_refused_alone(store: ValkeyBlockStore) -> None:
+    """The hazard: ``put_many`` of three blocks whose middle view is strided (the
+    right length, not contiguous). Its checksum raised BufferError, which the per-block
+    refusal did not catch: the whole part failed -- both good neighbours not stored --
+    and it counted as an internal error, not the caller's. Now that block alone is
+    refused (invalid_calls), the neighbours are stored and read back byte-exact."""
+    hs = headers(3, 0, 1)
+    src = rows(3, 4)
+    strided = memoryview(bytearray(2 * ROW))[::2]
+    assert strided.nbytes == ROW and not strided.c_contiguous
+    assert store.put_many(keys_of(hs), [src.views[0], strided, src.views[2]], hs) == [
+        True, False, True]
+    stats = store.statistics()
+    assert (stats["invalid_calls"], stats["errors"], stats["put_ok"]) == (1, 0, 2)
+    dst = Rows(2)
+    assert store.get_many_into([keys_of(hs)[0], keys_of(hs)[2]], views(dst),
+                               [hs[0], hs[2]]) == [GetOutcome.HIT, GetOutcome.HIT]
+    assert dst[0] == src[0] and dst[1] == src[2]
 
 
 def test_a_store_dropped_unclosed_is_freed_at_once_with_its_pool(valkey: ValkeyServer) -> None:

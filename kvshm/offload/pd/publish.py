@@ -142,10 +142,11 @@ class Publications:
     def _write(self, rid: str) -> None:
         pub = self._pubs.pop(rid)
         scope = self._scope
+        hashes = [scope.remote_hash(k) for k in pub.keys]
         m = Manifest(1, scope.fingerprint, scope.world, scope.block_size, pub.num_tokens,
-                     [scope.remote_hash(k).hex() for k in pub.keys],
-                     self._wall() + self._ttl, pub.tail)
-        scope.index.put_value(pub.key, msgspec.json.encode(m), 2 * self._ttl)
+                     [h.hex() for h in hashes], self._wall() + self._ttl, pub.tail)
+        scope.index.put_value(pub.key, msgspec.json.encode(m), 2 * self._ttl,
+                              after=[scope.ready_key(h) for h in hashes])
         self.counters.manifests_written += 1
 
     def _drop(self, rid: str) -> None:

@@ -94,6 +94,9 @@ def test_the_partial_last_block_is_published_last_and_loaded_so_only_the_last_to
     assert p.cpu.get_cached(r.h[0]) == 0 and p.cpu.get_cached(r.h[1]) == 1
     assert p.cpu.get_cached(tail) == 2 and refs(p.gpu, [0, 1, 2]) == [0, 0, 0]
     assert index.log == [rkey(r.h[0]), rkey(r.h[1]), rkey(tail), MANIFEST]
+    # the manifest vouches for its own readiness keys only: written unless one of
+    # those is refused (another block's refusal does not hold it back)
+    assert index.after[MANIFEST] == [rkey(r.h[0]), rkey(r.h[1]), rkey(tail)]
     m = manifest(index)
     assert m.hashes == [remote_hash(k).hex() for k in (r.h[0], r.h[1], tail)]
     assert (m.tail, m.num_tokens) == (1, 11)

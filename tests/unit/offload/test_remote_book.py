@@ -12,7 +12,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from manager_rig import BS, Req, Rig, refs
+import pytest
+from manager_rig import BS, REMOTE, Req, Rig, refs
 
 from kvshm.config import RemoteMode
 from kvshm.ipc.protocol import Remote, RemoteOp, unpack_ids
@@ -41,6 +42,7 @@ class HeldIndex:
         self.kv: dict[str, bytes] = {}
         self._values: list[tuple[int, bytes | None]] = []
         self.lost = 0  # times "the server" lost its data (restarts())
+        self.after: dict[str, list[str]] = {}  # a value's ``after`` readiness keys
 
     def publish(self, keys: Sequence[str], *, keep: bool = False) -> None:
         self.kept.update(keys if keep else ())
@@ -48,8 +50,10 @@ class HeldIndex:
         self.ready.update(keys)
         self.log.extend(keys)
 
-    def put_value(self, key: str, value: bytes, ttl_s: int) -> None:
+    def put_value(self, key: str, value: bytes, ttl_s: int, *,
+                  after: Sequence[str] = ()) -> None:
         self.kv[key] = value
+        self.after[key] = list(after)
         self.log.append(key)
 
     def get_value(self, token: int, key: str) -> None:
@@ -111,7 +115,8 @@ def rkey(h: bytes) -> str:
 
 def remote_rig(index: HeldIndex, *, cpu: int = 16, mode: RemoteMode = RemoteMode.WRITE_THROUGH,
                timeout: float = 2.0, clock: list[float] | None = None,
-               max_job: int = 128, ttl_s: float | None = None) -> Rig:
+               max_job: int = 128, ttl_s: float | None = None,
+               hold_ttl_s: float | None = None) -> Rig:
     rig = Rig(cpu=cpu, gpu=16, world_size=WORLD)
     now = clock if clock is not None else [0.0]
 
@@ -119,7 +124,7 @@ def remote_rig(index: HeldIndex, *, cpu: int = 16, mode: RemoteMode = RemoteMode
         pd = Handoffs(index, "fp", WORLD, BS, remote_hash, key, clock=lambda: now[0])
         return RemoteBook(cpu_pool, gs, jobs, index, key, mode=mode, answer_timeout_s=timeout,
                           clock=lambda: now[0], handoffs=pd, max_job_blocks=max_job,
-                          ttl_s=ttl_s)
+                          ttl_s=ttl_s, hold_ttl_s=hold_ttl_s)
     rig.m = OffloadManager(rig.cpu, rig.gpu, block_size=BS, world_size=WORLD, remote=make)
     return rig
 
@@ -654,6 +659,50 @@ def test_a_block_is_put_again_once_the_server_may_have_dropped_it() -> None:
     now[0] = 60.0
     store(rig, Req("c", 9))
     assert len(rig.step().remote) == 1
+
+
+@pytest.mark.parametrize("ttl_s", [None, 7200.0])
+def test_a_handoffs_blocks_count_as_there_for_half_the_hold_ttl_only(
+        ttl_s: float | None) -> None:
+    """The hazard: a hand-off's blocks go with the hold TTL (900 s here) but were
+    remembered as on the server for half the server's TTL -- for ever with none. P's
+    blocks, put (kept) at t=0, expire at t=900 unless collected; at t=1000 Q hands off
+    the same prompt: its manifest was written at once with no PUT, naming blocks the
+    server had dropped (its decoder recomputed), and write-through never put them
+    again. Now they count as there until t=450: Q's hand-off puts them again, then
+    writes its manifest."""
+    index = HeldIndex()
+    now = [0.0]
+    rig = remote_rig(index, mode=RemoteMode.ON_EVICT, clock=now, ttl_s=ttl_s,
+                     hold_ttl_s=900)
+    p = Req("p", 9, params=REMOTE)
+    g = rig.alloc(3, p.h)
+    plan = rig.step(p.sched(g, confirmed=9, new=True))
+    rig.m.finished("p", 9, [g])
+    assert rig.m.transfer_params("p") is not None
+    rig.ack(plan.store, ranks=range(WORLD))
+    (put,) = rig.step().remote
+    assert put.keep
+    ack_remote(rig, put)
+    rig.gpu.free(reversed(g))
+    now[0] = 1000.0                                     # past the hold TTL: dropped
+    index.ready.clear()
+    q = Req("q", 9, params=REMOTE)
+    g2 = rig.alloc(3, q.h)
+    plan = rig.step(q.sched(g2, confirmed=9, new=True))
+    rig.m.finished("q", 9, [g2])
+    params = rig.m.transfer_params("q")
+    assert params is not None and params[MANIFEST_PARAM] not in index.kv
+    assert plan.store is None                           # still in the CPU tier
+    (again,) = rig.step().remote
+    assert again.op is RemoteOp.PUT and again.keep
+    assert len(unpack_ids(again.cpu_ids)) == 2
+    ack_remote(rig, again)
+    rig.step()
+    assert params[MANIFEST_PARAM] in index.kv           # after the PUT, not before
+    assert {rkey(h) for h in q.h[:2]} <= index.ready
+    rig.gpu.free(reversed(g2))
+    rig.m.check_invariants()
 
 
 def test_a_server_that_lost_its_data_has_every_block_put_again() -> None:
