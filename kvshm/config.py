@@ -20,6 +20,7 @@ import math
 import os
 import re
 import secrets
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Final
@@ -220,11 +221,18 @@ class EngineConfig:
         _positive_int("num_cpu_blocks", self.num_cpu_blocks, allow_none=True)
         _positive_int("cpu_bytes_per_rank", self.cpu_bytes_per_rank, allow_none=True)
         _positive_int("ring_capacity", self.ring_capacity, allow_none=True)
-        if not isinstance(self.name, str) or not _NAME_RE.match(self.name):
+        if not isinstance(self.name, str) or not _NAME_RE.fullmatch(self.name):
+            # (fullmatch: ``$`` also matches before a final newline)
             raise ConfigError(
                 f"name must be 1-80 characters of [A-Za-z0-9._-], got {self.name!r}")
-        if not self.groups:
-            raise ConfigError("groups must name at least one KV group")
+        if (isinstance(self.groups, (str, bytes)) or not isinstance(self.groups, Sequence)
+                or not self.groups):
+            raise ConfigError(f"groups must be a non-empty sequence of KVGroup, got "
+                              f"{self.groups!r}")
+        for i, g in enumerate(self.groups):
+            if not isinstance(g, KVGroup):
+                raise ConfigError(f"groups[{i}] must be a KVGroup (KVGroup.full() or "
+                                  f"KVGroup.sliding_window(n)), got {g!r}")
         if not isinstance(self.mode, StoreMode):
             raise ConfigError(f"mode must be a StoreMode, got {self.mode!r}")
         if not isinstance(self.eviction, Eviction):

@@ -36,7 +36,7 @@ import secrets
 import time
 import weakref
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, NamedTuple
 
 import posix_ipc
 
@@ -47,7 +47,7 @@ from kvshm.shm_budget import available_shm_bytes, shm_size_text, statvfs_free
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
 
-__all__ = ["SHM_DIR", "SHM_PREFIX", "Segment", "create_segment", "dtype_from_name",
+__all__ = ["SHM_DIR", "SHM_PREFIX", "Leftover", "Segment", "create_segment", "dtype_from_name",
            "dtype_name", "map_segment", "segment_of", "shared_tensor", "sweep",
            "tensor_from_fd"]
 
@@ -217,25 +217,68 @@ def map_segment(fd: int, size: int) -> Segment:
     return Segment(fd, size, buf)
 
 
-def sweep(remove: bool = True) -> list[str]:
-    """Names of /dev/shm entries starting with ``kvshm`` (removed unless ``remove=False``).
+#: What :func:`_segment_name` makes (the leading slash is not part of the file name):
+#: tag, the creator's pid, a random token.
+_SEGMENT_RE: Final = re.compile(
+    rf"{SHM_PREFIX}-[A-Za-z0-9_.]{{1,40}}-(?P<pid>[0-9]+)-[0-9a-f]{{16}}")
 
-    There should never be any: segments are unlinked right after creation. Returns the
-    sorted names (without the directory); an entry that vanishes meanwhile is skipped.
+
+class Leftover(NamedTuple):
+    """A /dev/shm entry :func:`sweep` found: ``removed`` (or would remove, in a dry
+    run), else ``why`` it was kept."""
+
+    name: str
+    removed: bool
+    why: str = ""
+
+
+def sweep(remove: bool = True) -> list[Leftover]:
+    """The leftover kvshm segments in /dev/shm, removed unless ``remove=False``.
+
+    There should never be any: a segment is unlinked right after its creation, so one
+    is left only by a process killed in between. Only entries named as
+    :func:`create_segment` names them are considered -- never a disk tier's slab file
+    that a ``disk_path`` of /dev/shm put there, nor another program's ``kvshm*`` file --
+    and of those, an entry owned by another user, or whose creating process still runs
+    (it is between create and unlink), is kept. Sorted by name; an entry that vanishes
+    meanwhile is skipped; one that cannot be removed is reported kept with the error.
     """
     try:
-        names = sorted(n for n in os.listdir(SHM_DIR) if n.startswith(SHM_PREFIX))
+        names = sorted(n for n in os.listdir(SHM_DIR) if _SEGMENT_RE.fullmatch(n))
     except FileNotFoundError:
         return []
     found = []
     for n in names:
-        if remove:
-            try:
-                os.unlink(os.path.join(SHM_DIR, n))
-            except FileNotFoundError:
-                continue
-        found.append(n)
+        path = os.path.join(SHM_DIR, n)
+        try:
+            why = _keep_reason(path, n)
+            if why is None and remove:
+                os.unlink(path)
+        except FileNotFoundError:
+            continue
+        except OSError as exc:
+            why = f"cannot remove it: {exc.strerror or exc}"
+        found.append(Leftover(n, why is None, why or ""))
     return found
+
+
+def _keep_reason(path: str, name: str) -> str | None:
+    """Why the segment file ``name`` must stay, or None (its creator is gone)."""
+    owner = os.stat(path).st_uid
+    if owner != os.geteuid():
+        return f"owned by uid {owner}"
+    match = _SEGMENT_RE.fullmatch(name)
+    assert match is not None
+    pid = int(match["pid"])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None
+    except PermissionError:
+        pass  # it runs, as another user
+    except OverflowError:
+        return None  # no such pid can run
+    return f"its process {pid} is running"
 
 
 # ----------------------------------------------------------------------------- tensors

@@ -17,8 +17,8 @@ import sys
 from enum import StrEnum
 from typing import Final
 
-__all__ = ["DEFAULT_CONNECT_TIMEOUT_S", "DEFAULT_SPIN_US", "MODULE", "Flag", "add_arguments",
-           "rank_argv"]
+__all__ = ["DEFAULT_CONNECT_TIMEOUT_S", "DEFAULT_SPIN_US", "ENGINE_PID_ENV", "MODULE", "Flag",
+           "add_arguments", "rank_argv"]
 
 #: The package the interpreter runs (``python -m workers``).
 MODULE: Final = "workers"
@@ -26,6 +26,11 @@ MODULE: Final = "workers"
 DEFAULT_CONNECT_TIMEOUT_S: Final = 60.0
 #: Busy-wait before parking when idle, in microseconds, unless ``--spin-us`` says otherwise.
 DEFAULT_SPIN_US: Final = 50.0
+#: The environment variable an engine that spawns its ranks sets to its own pid: a rank
+#: waiting for the engine's Ready gives up once that process is no longer its parent
+#: (the engine died during its launch; after Ready the lifeline tells). A rank started
+#: by hand (``kvshm-workers``) has none and waits its ``--connect-timeout``.
+ENGINE_PID_ENV: Final = "KVSHM_ENGINE_PID"
 
 
 class Flag(StrEnum):

@@ -9,6 +9,7 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 from engine_rig import BS, ROW, Client, spawned_engine, tokens
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -152,6 +153,21 @@ async def test_stats_of_an_engine_not_running_says_so_and_names_kvshm_ls() -> No
     assert err == ("kvshm stats: no kvshm engine named 'nope-kvshm-test' is running (nothing "
                    "listens on the abstract socket \\0kvshm.nope-kvshm-test); `kvshm ls` "
                    "lists the running engines\n")
+
+
+def test_a_timeout_that_is_not_a_finite_positive_number_is_a_usage_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """The hazard: ``kvshm ls --timeout nan`` (or ``kvshm stats``) was a ValueError
+    traceback, ``inf`` / ``1e300`` an OverflowError, and ``-1`` listed a READY engine
+    as "no answer: TimeoutError". Now the parser refuses them: exit 2, one line."""
+    from kvshm.cli import main as kvshm_main
+
+    for cmd in (["ls"], ["stats", "--name", "x"]):
+        for bad in ("nan", "inf", "1e300", "-1", "0", "soon"):
+            with pytest.raises(SystemExit) as info:
+                kvshm_main([*cmd, "--timeout", bad])
+            assert info.value.code == 2
+            assert "argument --timeout:" in capsys.readouterr().err
 
 
 def test_engine_names_takes_listeners_only(tmp_path: Path) -> None:

@@ -47,6 +47,31 @@ async def test_ranks_with_different_block_counts_are_refused() -> None:
                             device_caches=[[shards(1)[0]], [big]])
 
 
+async def test_an_error_building_the_manager_fails_the_start_at_once_with_its_cause(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hazard: an exception raised while the engine finished its start (every rank
+    ready: channels, the CPU pool, the manager) escaped from an event-loop callback,
+    where asyncio only logged it; the launch then waited its whole connect timeout and
+    raised StartTimeout blaming ranks that had all connected. Now the start fails at
+    once with that exception, and no worker is left behind."""
+    import kvshm.engine.runtime as runtime
+
+    def broken(*args: object, **kw: object) -> None:
+        raise RuntimeError("the manager cannot be built")
+    monkeypatch.setattr(runtime, "OffloadManager", broken)
+    before = _children()
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="the manager cannot be built"):
+        await Engine.launch(config(connect_timeout_s=60.0), workers=SPAWN,
+                            gpu_blocks=BlockPool(GPU_BLOCKS),
+                            device_caches=[[s] for s in shards(2)])
+    assert time.monotonic() - t0 < 30
+    deadline = time.monotonic() + 10
+    while _children() - before and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _children() - before == set()
+
+
 async def test_start_timeout_names_the_ranks_that_never_said_hello() -> None:
     """tp=64, nobody attaches: the StartTimeout (a TimeoutError) says 0 of 64 connected,
     lists the missing ranks compactly and says what to run."""

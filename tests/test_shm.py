@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import gc
 import os
 import signal
@@ -222,26 +223,61 @@ def test_dtype_names_round_trip() -> None:
 
 def test_sweep_lists_and_removes_a_planted_leftover(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A planted ``kvshm*`` entry is listed, then removed. The directory is a temporary
-    stand-in for /dev/shm: planted in the real one, the entry was visible for a few ms to
-    the other xdist process's leak checks (a false leak there), and ``sweep()`` there
-    would unlink the other process's segments in their instant between create and
-    unlink."""
+    """A planted segment of a process that is gone is listed, then removed. The
+    directory is a temporary stand-in for /dev/shm: planted in the real one, the entry
+    was visible for a few ms to the other xdist process's leak checks (a false leak
+    there)."""
     monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path))
     (tmp_path / "other-entry").write_bytes(b"y")  # not kvshm's: left alone
-    path = os.path.join(shm.SHM_DIR, "kvshm-test-leftover")
-    with open(path, "wb") as f:
-        f.write(b"x")
-    try:
-        assert "kvshm-test-leftover" in shm.sweep(remove=False)
-        assert os.path.exists(path)
-        assert "kvshm-test-leftover" in shm.sweep()
-        assert not os.path.exists(path)
-    finally:
-        if os.path.exists(path):
-            os.unlink(path)
+    name = f"kvshm-test-{_gone_pid()}-0123456789abcdef"
+    (tmp_path / name).write_bytes(b"x")
+    assert shm.sweep(remove=False) == [shm.Leftover(name, True)]
+    assert (tmp_path / name).exists()
+    assert shm.sweep() == [shm.Leftover(name, True)]
+    assert not (tmp_path / name).exists()
     assert shm.sweep() == []
     assert (tmp_path / "other-entry").exists()
+
+
+def _gone_pid() -> int:
+    """The pid of a process that has exited (reaped)."""
+    proc = subprocess.Popen([sys.executable, "-c", "pass"])
+    proc.wait()
+    return proc.pid
+
+
+def test_sweep_keeps_a_slab_a_live_segment_and_reports_what_it_cannot_remove(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hazard: ``kvshm sweep`` removed every /dev/shm entry starting with ``kvshm``
+    -- a running engine's disk-tier slab (``disk_path=/dev/shm`` is accepted: its file
+    is ``kvshm-<name>.rank0-of-1.slab``), another user's files (as root), a segment
+    whose creator was between create and unlink -- and as a user without the right
+    to remove one it died with a PermissionError traceback. Now only names that
+    kvshm's segments have are considered, a segment whose process runs is kept, and an
+    entry it cannot remove is listed as kept with the reason."""
+    monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path))
+    slab = tmp_path / "kvshm-dsk.rank0-of-1.slab"
+    slab.write_bytes(b"s")
+    live = f"kvshm-test-{os.getpid()}-0123456789abcdef"
+    (tmp_path / live).write_bytes(b"l")
+    gone = f"kvshm-test-{_gone_pid()}-fedcba9876543210"
+    (tmp_path / gone).write_bytes(b"g")
+
+    def refuse(path: str) -> None:
+        raise PermissionError(errno.EPERM, "Operation not permitted", path)
+    kept_live = shm.Leftover(live, False, f"its process {os.getpid()} is running")
+    with monkeypatch.context() as m:
+        m.setattr(shm.os, "unlink", refuse)
+        assert sorted(shm.sweep()) == sorted([
+            kept_live, shm.Leftover(gone, False, "cannot remove it: Operation not permitted")])
+    assert sorted(shm.sweep()) == sorted([kept_live, shm.Leftover(gone, True)])
+    assert slab.exists() and (tmp_path / live).exists() and not (tmp_path / gone).exists()
+    if os.geteuid() == 0:  # another user's leftover (root can make one): kept
+        theirs = f"kvshm-test-{_gone_pid()}-00000000000000aa"
+        (tmp_path / theirs).write_bytes(b"t")
+        os.chown(tmp_path / theirs, 65534, 65534)
+        assert shm.Leftover(theirs, False, "owned by uid 65534") in shm.sweep()
+        assert (tmp_path / theirs).exists()
 
 
 def test_sigkilled_creator_leaves_nothing_in_dev_shm() -> None:

@@ -156,3 +156,39 @@ def test_an_idle_rank_exits_within_half_a_second_of_shutdown() -> None:
     while len(took) < 3 and min(took, default=EXIT_WITHIN_S) >= EXIT_WITHIN_S:
         took.append(_idle_rank_exit_s())
     assert min(took) < EXIT_WITHIN_S, f"the rank took {took} s to exit after Shutdown"
+
+
+def _gone(pid: int) -> bool:
+    """Whether ``pid`` has exited (a zombie nobody reaped counts: its parent here is
+    not this test)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except FileNotFoundError:
+        return True
+
+
+def test_a_spawned_rank_whose_engine_died_before_ready_exits_at_once(tmp_path: Path) -> None:
+    """The hazard: an engine process killed (SIGTERM, OOM) while ``Engine.launch``
+    waited for the ranks it spawned left them running, reparented, for their whole
+    connect timeout (60 s) -- and ``kvshm demo`` stopped with Ctrl-C or SIGTERM during
+    its start left two. A rank spawned by an engine now knows that engine's pid
+    (``KVSHM_ENGINE_PID``) and gives up, exit 1 with the reason, once that process is
+    no longer its parent. Here the "engine" spawns the rank and exits at once."""
+    log = tmp_path / "rank.log"
+    spawner = f"""
+import os, subprocess, sys
+env = dict(os.environ, KVSHM_ENGINE_PID=str(os.getpid()))
+p = subprocess.Popen([sys.executable, "-m", "workers", "--name", {unique_name()!r},
+                      "--rank", "0", "--world-size", "1"], env=env,
+                     stdin=subprocess.DEVNULL, stderr=open({str(log)!r}, "w"))
+print(p.pid)
+"""
+    out = subprocess.run([sys.executable, "-c", spawner], capture_output=True, text=True,
+                         check=True, timeout=30)
+    pid = int(out.stdout)
+    deadline = time.monotonic() + 30  # a rank imports torch first (seconds when loaded)
+    while not _gone(pid):
+        assert time.monotonic() < deadline, log.read_text()
+        time.sleep(0.1)
+    assert "exited before it was ready" in log.read_text()

@@ -51,8 +51,10 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Final
 
+from kvshm.errors import ConfigError, EngineNotRunning
+from kvshm.ipc.fdpass import socket_address
 from kvshm.types import DeviceKind
-from kvshm.worker_cli import Flag, add_arguments, rank_argv
+from kvshm.worker_cli import ENGINE_PID_ENV, Flag, add_arguments, rank_argv
 from workers.phases import LINKED, DetachReason, Phase
 
 if TYPE_CHECKING:  # torch is imported only by a rank, never by the parent or --help
@@ -65,6 +67,10 @@ PROG: Final = "kvshm-workers"
 PARK_S: Final = 1.0
 #: Seconds between two "still waiting" lines of a rank waiting for its engine's Ready.
 PROGRESS_S: Final = 10.0
+#: ``--connect-timeout`` at most: a day (beyond it, as good as waiting for ever).
+MAX_CONNECT_TIMEOUT_S: Final = 86400.0
+#: ``--spin-us`` at most: a second of busy-wait (beyond it the rank never parks).
+MAX_SPIN_US: Final = 1e6
 _PR_SET_PDEATHSIG: Final = 1
 _STOP_SIGNALS: Final = (signal.SIGTERM, signal.SIGINT)
 
@@ -103,8 +109,16 @@ def _world_size(args: argparse.Namespace) -> int:
         raise UsageError(f"--world-size must be >= 1, got {world}")
     if args.rank is not None and not 0 <= args.rank < world:
         raise UsageError(f"--rank {args.rank} out of range [0, {world})")
-    if args.connect_timeout <= 0 or args.spin_us < 0:
-        raise UsageError("--connect-timeout must be > 0 and --spin-us >= 0")
+    if not 0 < args.connect_timeout <= MAX_CONNECT_TIMEOUT_S:  # (nan and inf too)
+        raise UsageError(f"--connect-timeout must be > 0 and <= {MAX_CONNECT_TIMEOUT_S:g} "
+                         f"seconds, got {args.connect_timeout}")
+    if not 0 <= args.spin_us <= MAX_SPIN_US:
+        raise UsageError(f"--spin-us must be >= 0 and <= {MAX_SPIN_US:g}, "
+                         f"got {args.spin_us}")
+    try:
+        socket_address(args.name)
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
     return world
 
 
@@ -382,7 +396,11 @@ def _await_ready(worker: Worker, stopper: _Stopper, timeout: float) -> bool:
     progress = WaitProgress(t0, PROGRESS_S)
     poller_fds = [stopper.fd]
     first = True
+    engine_pid = _spawning_engine()
     while True:
+        if engine_pid is not None and os.getppid() != engine_pid:
+            raise EngineNotRunning(f"the engine process {engine_pid} that spawned this "
+                                   f"rank exited before it was ready")
         was_new = worker.phase is Phase.NEW
         worker.service()
         if was_new and worker.phase is not Phase.NEW and worker.lifeline_fd() is not None:
@@ -406,6 +424,13 @@ def _await_ready(worker: Worker, stopper: _Stopper, timeout: float) -> bool:
         nap = min(left, 0.05 if worker.phase is Phase.NEW else PARK_S)
         select.select(fds, [], [], nap)
         stopper.drain()
+
+
+def _spawning_engine() -> int | None:
+    """The pid of the engine that spawned this rank (:data:`ENGINE_PID_ENV`), or None
+    (started by hand, or a value that is not a pid)."""
+    value = os.environ.get(ENGINE_PID_ENV, "")
+    return int(value) if value.isascii() and value.isdigit() else None
 
 
 def _waiting_message(worker: Worker, timeout: float) -> str:

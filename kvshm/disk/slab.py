@@ -249,7 +249,7 @@ def slab_path(directory: str, engine: str, rank: int, world: int) -> str:
     """The slab file of ``engine``'s rank ``rank`` of ``world`` under ``directory``.
     ConfigError for an engine name that is not a plain file-name part (a path separator,
     ``.`` / ``..``, or characters outside kvshm's engine-name set)."""
-    if not _ENGINE_RE.match(engine) or engine in (".", ".."):
+    if not _ENGINE_RE.fullmatch(engine) or engine in (".", ".."):
         raise ConfigError(f"engine name {engine!r} cannot name a slab file (letters, digits, "
                           "'.', '_', '-' only; no path separators)")
     if not 0 <= rank < world:

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from kvshm.types import DeviceKind
-from kvshm.worker_cli import rank_argv
+from kvshm.worker_cli import ENGINE_PID_ENV, rank_argv
 
 
 @dataclass
@@ -69,6 +69,7 @@ class Launcher:
         """Start every rank; each connects to the engine's rendezvous by itself."""
         env = dict(os.environ)
         env.setdefault("OMP_NUM_THREADS", "1")
+        env[ENGINE_PID_ENV] = str(os.getpid())  # a rank gives up if we die before Ready
         for rank in range(self._world_size):
             try:
                 proc = subprocess.Popen(

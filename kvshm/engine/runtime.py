@@ -363,7 +363,11 @@ class Runtime:
             if ev.kind is EventKind.HELLO:
                 self._ranks.watch[ev.rank].hello(ev.pid, self._hello_of(ev.rank))
             elif ev.kind is EventKind.ALL_READY:
-                self._all_ready()
+                try:
+                    self._all_ready()
+                except Exception as exc:  # noqa: BLE001 - the start fails now, with the
+                    self._start_failed(exc)  # cause (in a loop callback it was swallowed
+                    # and the launch waited its whole connect timeout, blaming the ranks)
             elif ev.kind is EventKind.READY_FAILED:
                 self._start_failed(ev.error or ConfigError(ev.reason))
             elif ev.kind is EventKind.RANK_LOST and ev.farewell \

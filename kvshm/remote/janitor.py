@@ -47,14 +47,18 @@ from kvshm.errors import ConfigError, RemoteError
 from kvshm.remote.resp import ServerReplyError, command, info_field, parse_reply
 from kvshm.remote.tier import KEY_PREFIX, RemoteSpec, block_key, ready_key
 
-__all__ = ["MANIFEST_VERSION", "PD_PREFIX", "Decoder", "HandoffRecord", "JanitorReport",
-           "handoff_keys", "judge", "sweep"]
+__all__ = ["MANIFEST_VERSION", "MAX_HANDOFF_KEYS", "PD_PREFIX", "Decoder", "HandoffRecord",
+           "JanitorReport", "handoff_keys", "judge", "sweep"]
 
 #: The prefix of every hand-off manifest's name (``kvshm.offload.pd.manifest.manifest_key``).
 PD_PREFIX: Final = f"{KEY_PREFIX}:pd"
 #: The manifest version kvshm writes and demotes; any other is unreadable here.
 MANIFEST_VERSION: Final = 1
 _MAX_WORLD: Final = 0xFFFF  # a block header's limit
+#: A manifest whose blocks x world size exceed this is unreadable here (a forged one of
+#: 300 bytes could name millions of keys: world 65535 x a few hashes); a real hand-off
+#: of 1M tokens in 16-token blocks on 16 ranks names exactly this many.
+MAX_HANDOFF_KEYS: Final = 1 << 20
 #: Keys per GET batch; commands per EXPIRE batch.
 _PAGE: Final = 256
 _CHUNK: Final = 512
@@ -106,11 +110,13 @@ def handoff_keys(fingerprint: str, world: int, hashes: Iterable[str]) -> list[st
     return blocks + [ready_key(fingerprint, world, b) for b in raw]
 
 
-def judge(name: str, raw: bytes, decode: Decoder, now: float
+def judge(name: str | bytes, raw: bytes, decode: Decoder, now: float
           ) -> tuple[str, list[str]]:
     """``("live" | "expired" | "unreadable", keys)``: what the manifest ``raw`` stored
     under ``name`` is; ``keys`` (:func:`handoff_keys`) only when it is expired. Never
-    raises: whatever the decoder refuses (any exception, or None) is unreadable."""
+    raises: whatever the decoder refuses (any exception, or None), a name that is not
+    UTF-8 (bytes) and a manifest naming more than :data:`MAX_HANDOFF_KEYS` keys are
+    unreadable."""
     try:
         m = decode(raw)
     except Exception:  # noqa: BLE001 - a value nobody can read: counted, left alone
@@ -118,8 +124,11 @@ def judge(name: str, raw: bytes, decode: Decoder, now: float
     if m is None or type(m.version) is not int or m.version != MANIFEST_VERSION:
         return "unreadable", []
     try:
-        if not name.startswith(f"{PD_PREFIX}:{m.fingerprint}:{m.world}:"):
+        if not isinstance(name, str) or not name.startswith(
+                f"{PD_PREFIX}:{m.fingerprint}:{m.world}:"):
             return "unreadable", []  # another deployment's content under this name
+        if (m.world + 1) * len(m.hashes) > MAX_HANDOFF_KEYS:
+            return "unreadable", []  # no engine writes one: a forgery's key bomb
         keys = handoff_keys(m.fingerprint, m.world, m.hashes)
         expired = float(m.expires_at) < now
     except (ConfigError, TypeError, ValueError):
@@ -192,20 +201,31 @@ def _probe(spec: RemoteSpec) -> None:
     raise RemoteError(f"cannot reach {spec.url}: {last or 'no node'}")
 
 
-def _scan(glide: Any, client: Any, cluster: bool, match: str) -> Iterator[list[str]]:
-    """Pages of names (SCAN COUNT 1000; a cluster scan covers every primary)."""
+def _scan(glide: Any, client: Any, cluster: bool, match: str
+          ) -> Iterator[list[str | bytes]]:
+    """Pages of names (SCAN COUNT 1000; a cluster scan covers every primary); a name
+    that is not UTF-8 (anyone may write one) stays bytes: no manifest's, unreadable."""
     if cluster:
         cursor: Any = glide.ClusterScanCursor()
         while not cursor.is_finished():
             cursor, keys = client.scan(cursor, match=match, count=1000)
-            yield [k.decode() if isinstance(k, bytes) else str(k) for k in keys]
+            yield [_name(k) for k in keys]
         return
     cursor = b"0"
     while True:
         cursor, keys = client.scan(cursor, match=match, count=1000)
-        yield [k.decode() if isinstance(k, bytes) else str(k) for k in keys]
+        yield [_name(k) for k in keys]
         if cursor in (b"0", "0", 0):
             return
+
+
+def _name(key: Any) -> str | bytes:
+    if not isinstance(key, bytes):
+        return str(key)
+    try:
+        return key.decode()
+    except UnicodeDecodeError:
+        return key
 
 
 class _Sweep:
@@ -221,29 +241,29 @@ class _Sweep:
     def exec(self, batch: Any) -> list[Any]:
         return list(self.client.exec(batch, raise_on_error=False) or [])
 
-    def get_all(self, names: Sequence[str]) -> list[Any]:
+    def get_all(self, names: Sequence[str | bytes]) -> list[Any]:
         b = self.batch()
         for n in names:
             b.get(n)
         return self.exec(b)
 
-    def delete_if_same(self, name: str, raw: bytes) -> bool:
+    def delete_if_same(self, name: str | bytes, raw: bytes) -> bool:
         return bool(self.client.invoke_script(self.script, keys=[name], args=[raw]) == 1)
 
-    def demote(self, name: str, raw: bytes, keys: list[str]) -> None:
+    def demote(self, name: str | bytes, raw: bytes, keys: list[str]) -> None:
         """EXPIRE every key and its header key; all answered: compare-and-delete."""
         from kvshm.remote.glide_client import header_key
 
         r = self.report
         ttl = self.spec.ttl_s
-        cmds = [] if ttl is None else [k for key in keys for k in (key, header_key(key))]
-        for i in range(0, len(cmds), _CHUNK):
+        step = _CHUNK // 2  # keys a batch: each with its header key
+        for i in range(0, 0 if ttl is None else len(keys), step):
+            cmds = [k for key in keys[i:i + step] for k in (key, header_key(key))]
             b = self.batch()
-            for k in cmds[i:i + _CHUNK]:
+            for k in cmds:
                 b.expire(k, ttl)
             out = self.exec(b)
-            if len(out) != len(cmds[i:i + _CHUNK]) or any(isinstance(x, Exception)
-                                                          for x in out):
+            if len(out) != len(cmds) or any(isinstance(x, Exception) for x in out):
                 r.failed += 1
                 return
             r.keys_given_ttl += sum(1 for x in out if x == 1)
@@ -252,7 +272,7 @@ class _Sweep:
         else:
             r.vanished += 1
 
-    def page(self, names: Sequence[str], decode: Decoder, now: float) -> None:
+    def page(self, names: Sequence[str | bytes], decode: Decoder, now: float) -> None:
         r = self.report
         for name, value in zip(names, self.get_all(names), strict=True):
             r.scanned += 1
@@ -299,7 +319,7 @@ def sweep(spec: RemoteSpec, decode: Decoder, *, dry_run: bool = False,
     t = now()
     try:
         work = _Sweep(spec, glide, client, report, delete_unreadable)
-        seen: set[str] = set()
+        seen: set[str | bytes] = set()
         for names in _scan(glide, client, spec.cluster, match):
             fresh = [n for n in dict.fromkeys(names) if n not in seen]
             seen.update(fresh)

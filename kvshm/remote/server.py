@@ -125,6 +125,7 @@ class ValkeyServer:
         if self.running():
             return self
         pick = self.port == 0
+        last: ServerStartError | None = None
         for _ in range(5 if pick else 1):
             if pick:
                 self.port = free_port(self.host)
@@ -135,10 +136,13 @@ class ValkeyServer:
                 self._wait_ready(timeout_s)
                 return self
             except ServerStartError as exc:
-                if exc.exitcode is None or not pick:
+                # another port only when this one was taken meanwhile (a race with
+                # another process); a bad setting fails the same way on every port
+                if exc.exitcode is None or not pick or _ADDR_IN_USE not in str(exc):
                     raise
-        raise ServerStartError(f"valkey-server did not start on a free port "
-                               f"(log: {self.logfile})")  # pragma: no cover
+                last = exc
+        raise ServerStartError(f"valkey-server did not start on a free port in 5 tries: "
+                               f"{last}")  # pragma: no cover
 
     def _wait_ready(self, timeout_s: float) -> None:
         assert self.proc is not None
@@ -201,6 +205,10 @@ class ValkeyServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+#: What valkey-server logs when its port was taken between our check and its bind.
+_ADDR_IN_USE: Final = "Address already in use"
 
 
 def _ok(reply: bytes, what: str) -> bytes:
@@ -278,12 +286,16 @@ def serve(port: int = 6379, *, maxmemory: str = "4gb", host: str = "127.0.0.1",
     def on_signal(signum: int, frame: object) -> None:
         stop.set()
 
+    try:
+        server = ValkeyServer(port or None, host=host, maxmemory=maxmemory, policy=policy)
+    except (ConfigError, OSError) as exc:  # a bad port; a bind address with no socket
+        print(f"kvshm valkey: {exc}", file=sys.stderr)
+        return 2
     old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
-    server = ValkeyServer(port or None, host=host, maxmemory=maxmemory, policy=policy)
     try:
         try:
             server.start()
-        except (ServerStartError, MissingExtra) as exc:
+        except (ServerStartError, MissingExtra, OSError) as exc:
             print(f"kvshm valkey: {exc}", file=sys.stderr)
             return 1
         print(server.url, flush=True)

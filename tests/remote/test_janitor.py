@@ -213,6 +213,30 @@ def test_delete_unreadable_and_fingerprint_filter(valkey: ValkeyServer,
     assert_demoted_old_only(node, names)
 
 
+def test_a_name_that_is_not_utf8_and_a_key_bomb_are_unreadable(
+        valkey: ValkeyServer, capsys: pytest.CaptureFixture[str]) -> None:
+    """The hazards: anyone who can write to the server could break every janitor run
+    for good -- a key ``kvshm:v1:pd:\\xff\\xfe`` made each run die with a
+    UnicodeDecodeError traceback (exit 1), ``--delete-unreadable`` included -- or make
+    it exhaust its memory: an expired manifest of 200 bytes claiming world 65535 made
+    it build (and expire) 65535 keys per hash. Now the first is unreadable (and deleted
+    with ``--delete-unreadable``), the second unreadable with nothing built or sent."""
+    node = Node([valkey])
+    bad_name = b"kvshm:v1:pd:\xff\xfe"
+    node(bad_name.decode("latin-1"), "SET", bad_name, b"garbage")
+    bomb = manifest_key(FP, 65535, "bomb")
+    doc = Manifest(1, FP, 65535, 16, 48, [bytes([i]).hex() * 32 for i in range(20)], 1.0)
+    node(bomb, "SET", bomb, msgspec.json.encode(doc))
+    report = run_json("--url", f"{valkey.url}?ttl_s={TTL}&{CALM_Q}", capsys=capsys)
+    assert (report["scanned"], report["unreadable"], report["expired"],
+            report["keys_given_ttl"]) == (2, 2, 0, 0)
+    report = run_json("--url", f"{valkey.url}?ttl_s={TTL}&{CALM_Q}", "--delete-unreadable",
+                      capsys=capsys)
+    assert (report["unreadable"], report["unreadable_deleted"]) == (2, 2)
+    assert node(bomb, "EXISTS", bomb) == 0
+    assert node(bad_name.decode("latin-1"), "EXISTS", bad_name) == 0
+
+
 def test_a_manifest_rewritten_meanwhile_is_not_deleted(valkey: ValkeyServer) -> None:
     """Compare-and-delete: the name re-published between the janitor's read and its DEL
     (simulated by the decoder) keeps the new manifest."""

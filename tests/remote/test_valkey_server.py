@@ -81,6 +81,26 @@ def test_a_taken_port_is_a_clear_error() -> None:
         assert out.returncode == 1 and "kvshm valkey:" in out.stderr and not out.stdout
 
 
+def test_bad_flags_are_usage_errors_and_a_bad_setting_is_not_retried() -> None:
+    """The hazard: ``kvshm valkey --port -5`` (or 70000) was a ConfigError traceback,
+    exit 1 (bad usage exits 2); ``--maxmemory banana`` with a free port was retried on
+    five ports, hiding the server's own error behind "did not start on a free port
+    (log: ...)" naming a log already deleted. Now the port is checked by the parser,
+    and a server that refuses its settings fails once with its reason."""
+    for port in ("-5", "70000", "x"):
+        out = subprocess.run([sys.executable, "-m", "kvshm.cli", "valkey", "--port", port],
+                             capture_output=True, text=True, timeout=60)
+        assert out.returncode == 2 and "argument --port: must be a port 0-65535" in out.stderr
+        assert "Traceback" not in out.stderr
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "kvshm.cli", "valkey", "--port", "0",
+                          "--maxmemory", "banana"], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 1 and "exited with 1" in out.stderr
+    assert "free port" not in out.stderr and "Traceback" not in out.stderr
+    assert time.monotonic() - t0 < 30
+
+
 def test_kill_and_restart_on_the_same_port() -> None:
     """SIGKILL by pid (a crash) and start again: same port, a new pid, empty (no
     persistence)."""

@@ -15,6 +15,7 @@ import pytest
 
 from kvshm.config import EngineConfig, default_name
 from kvshm.errors import ConfigError
+from kvshm.types import KVGroup
 
 #: Every EngineConfig field that is a duration in seconds (checked against the class).
 TIMEOUTS = ("hang_timeout_s", "connect_timeout_s", "shutdown_grace_s")
@@ -59,3 +60,34 @@ def test_default_hang_timeout_is_the_measured_one() -> None:
     from kvshm.config import DEFAULT_HANG_TIMEOUT_S
 
     assert EngineConfig(block_size=16).hang_timeout_s == 10.0 == DEFAULT_HANG_TIMEOUT_S
+
+
+@pytest.mark.parametrize("groups,says", [
+    (("x",), r"groups\[0\] must be a KVGroup"),
+    ((KVGroup.full(), None), r"groups\[1\] must be a KVGroup"),
+    ("full", "groups must be a non-empty sequence of KVGroup"),
+    ((), "groups must be a non-empty sequence of KVGroup"),
+    (None, "groups must be a non-empty sequence of KVGroup"),
+])
+def test_groups_that_are_not_kv_groups_are_refused_at_construction(groups: Any,
+                                                                   says: str) -> None:
+    """The hazard: ``EngineConfig(block_size=16, groups=("x",))`` was accepted; the
+    launch then failed inside an asyncio callback (an AttributeError swallowed there),
+    waited the whole connect timeout and blamed the ranks ("1 of 1 ranks connected,
+    missing rank(s) ."). Now the constructor refuses it, naming the field."""
+    with pytest.raises(ConfigError, match=says):
+        EngineConfig(block_size=16, groups=groups)
+
+
+def test_a_name_with_a_trailing_newline_is_refused() -> None:
+    """The hazard: the name check used ``re.match`` with ``$``, which also matches
+    before a final newline: ``name="nl\\n"`` was accepted and served, but ``kvshm ls``
+    then reported it not running, and its slab file was never listed by ``kvshm sweep
+    --disk-path``. Both checks match the whole name now."""
+    from kvshm.disk.slab import slab_path
+
+    with pytest.raises(ConfigError, match="name must be 1-80 characters"):
+        EngineConfig(block_size=16, name="nl\n")
+    with pytest.raises(ConfigError, match="cannot name a slab file"):
+        slab_path("/tmp", "nl\n", 0, 1)
+    assert EngineConfig(block_size=16, name="nl").name == "nl"
