@@ -124,6 +124,20 @@ def test_plot_without_matplotlib_names_the_extra_before_running(tmp_path: Path) 
     assert time.monotonic() - t0 < 60
 
 
+def test_plot_into_a_missing_folder_is_refused_before_running(tmp_path: Path) -> None:
+    """The hazard: ``--plot /no/such/dir/x.png`` was used only by the drawing after the
+    whole replay (minutes), which then died with a traceback and no picture. Now the
+    folder is checked first: exit 2, one line, nothing replayed."""
+    path = tmp_path / "missing" / "demo.png"
+    t0 = time.monotonic()
+    out = subprocess.run([sys.executable, "-m", "kvshm.demo", "--quick", "--plot", str(path)],
+                         capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 2 and out.stdout == ""
+    assert out.stderr == (f"kvshm demo: --plot {path}: {path.parent} is not a folder this "
+                          f"user can write to\n")
+    assert time.monotonic() - t0 < 60
+
+
 def test_demo_module_offers_plot() -> None:
     out = subprocess.run([sys.executable, "-m", "kvshm.demo", "--help"], capture_output=True,
                          text=True, timeout=60, check=True)

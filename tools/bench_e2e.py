@@ -289,8 +289,9 @@ def rows(per: dict[str, dict[str, Any]], caps: dict[str, int], blocks: dict[str,
                      for k, s in {"none": none, "unbounded": unb, **a}.items()},
             "access_mismatches": {k: mismatches.get(f"{k}@{frac}", {}).get("access", 0)
                                   for k in ("kvshm", "oracle")},
-            "answer_mismatches": {k: mismatches.get(f"{k}@{frac}", {}).get("answer", 0)
-                                  for k in CAPPED},
+            "answer_mismatches": {"unbounded": mismatches.get("unbounded", {}).get("answer", 0),
+                                  **{k: mismatches.get(f"{k}@{frac}", {}).get("answer", 0)
+                                     for k in CAPPED}},
         }
         if frac == "half":
             row["targets"] = targets(row)

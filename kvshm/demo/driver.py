@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
@@ -254,6 +255,12 @@ def run_demo(json_out: bool = False, quick: bool = False, plot: str | None = Non
     if plot is not None:
         from kvshm.demo.plot import PlotUnavailable, require_matplotlib
 
+        folder = os.path.dirname(os.path.abspath(plot))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            # said now, not after the whole replay
+            print(f"kvshm demo: --plot {plot}: {folder} is not a folder this user can "
+                  f"write to", file=sys.stderr)
+            return 2
         try:
             require_matplotlib()
         except PlotUnavailable as e:
