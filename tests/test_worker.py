@@ -4,6 +4,7 @@ side: rendezvous socket, provisioned shared-memory rings and host pools, eventfd
 from __future__ import annotations
 
 import contextlib
+import gc
 import threading
 import time
 from collections.abc import Iterator, Sequence
@@ -258,6 +259,120 @@ def test_a_ready_that_fails_unexpectedly_detaches_the_rank_and_leaks_nothing(
     finally:
         w.close()
         sched.close()
+
+
+def test_a_publisher_that_cannot_start_detaches_the_rank_and_leaks_nothing(
+        tmp_path: object, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same hazard one step later: the Ready names a good disk tier, the session
+    opens, and then the thread that publishes the movers' Dones cannot start (a thread
+    limit: ``RuntimeError("can't start new thread")``). That ran outside the setup's
+    guard: the error escaped ``Worker.service()`` into the host, the rank stayed READY
+    with no publisher, and the duplicate of the command doorbell it had made leaked.
+    Now the rank detaches (SETUP_FAILED), nothing is raised, no fd or thread is left."""
+    import os
+
+    import workers.link as link
+
+    class Failing(link.MoverPublisher):
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            raise RuntimeError("can't start new thread")
+    monkeypatch.setattr(link, "MoverPublisher", Failing)
+
+    class WithDisk(Sched):
+        def _make_ready(self, hellos: Any) -> dict[int, tuple[Ready, list[int]]]:
+            plan = super()._make_ready(hellos)
+            return {r: (msgspec.structs.replace(rd, disk=DiskSetup(f"{tmp_path}/r{r}.slab",
+                                                                  16, "fp", True)), fds)
+                    for r, (rd, fds) in plan.items()}
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    gc.collect()  # an earlier test's garbage closing its fds meanwhile reads as fewer
+    sched = WithDisk(1)
+    before, fd0 = {t.name for t in threading.enumerate()}, fds()
+    w = Worker.attach(sched.name, 0, 1, shard(0), kv_outer=KV_OUTER)
+    try:
+        sched.wait_for(lambda: w.phase is Phase.DETACHED, tick=w.service, what="DETACHED")
+        assert w.detach_reason is DetachReason.SETUP_FAILED
+        assert "the mover publisher could not start" in str(w.last_error)
+        sched.wait_for(lambda: bool(sched.lost()), what="RANK_LOST")
+    finally:
+        w.close()
+        sched.close()
+    assert [t.name for t in threading.enumerate() if t.name not in before] == []
+    gc.collect()
+    assert fds() <= fd0
+
+
+def test_shutdown_sends_a_done_for_every_job_it_fails_before_detaching() -> None:
+    """Exactly one Done per job per rank, also at Shutdown: 400 stores queued for a step
+    that never begins, then Shutdown, on a small done ring. The rank fails them all
+    ("shut down before its step began"), sends what fits -- and used to detach at once,
+    dropping the rest of its outbox (336 jobs got no Done; the scheduler saw the link
+    close with them pending). Now it stays draining until every failure is sent."""
+    n = 400
+    with linked(1, nb=64, capacity=4096) as (sched, ws, _):
+        w = ws[0]
+        sched.post(*[transfer(9, j, STORE, [j % 64], [j]) for j in range(n)], Shutdown())
+        w.begin_step(1)
+
+        def tick() -> None:
+            sched.chans[0].flush_overflow()
+            w.poll()
+        sched.wait_for(lambda: w.phase is Phase.DETACHED, tick=tick, what="DETACHED")
+        sched.wait_for(lambda: bool(sched.lost()), what="RANK_LOST")
+        got = [d.job_id for d in sched.dones[0]]
+        assert sorted(got) == list(range(n))                     # each exactly once
+        assert not any(d.ok for d in sched.dones[0])
+        counters = w.statistics()["counters"]
+        assert counters["dones_unsent"] == 0 and w.detach_reason is DetachReason.SHUTDOWN
+
+
+def test_dones_a_close_leaves_unsent_are_counted() -> None:
+    """Every declined outcome is counted: 300 stores done on a rank whose done ring the
+    scheduler does not drain leave Dones in its outbox; closing the rank dropped them
+    with no counter moving (a detach counts them ``dones_unsent``). Now a close counts
+    them the same way."""
+    with linked(1, nb=64, capacity=4096) as (sched, ws, _):
+        w = ws[0]
+        sched.post(*[transfer(1, j, STORE, [j % 64], [j]) for j in range(300)])
+        done = 0
+        deadline = time.monotonic() + 20
+        while done < 300:  # (not sched.wait_for: it would read the done ring)
+            assert time.monotonic() < deadline, done
+            run_step(ws, 1)
+            done += len(w.poll())
+            sched.chans[0].flush_overflow()
+            time.sleep(0.001)
+        outbox = w.statistics()["outbox"]
+        assert outbox > 0
+        w.close()
+        assert w.statistics()["counters"]["dones_unsent"] == outbox
+
+
+def _host_pool_maps() -> set[str]:
+    with open("/proc/self/maps") as f:
+        return {line.split(None, 5)[5].strip() for line in f
+                if "host_pool" in line and len(line.split(None, 5)) == 6}
+
+
+def test_a_closed_worker_keeps_no_host_pool_mapped() -> None:
+    """Nothing leaked after close: an embedding host that keeps its (closed) Worker
+    object kept the rank's whole CPU tier mapped -- the copy engine's region tuple held
+    the host pool's tensors until the Worker was garbage-collected. Now the engine
+    drops them once its threads are joined."""
+    before = _host_pool_maps()
+    kept: list[Worker] = []
+    with linked(1, nb=64) as (sched, ws, _):
+        sched.post(transfer(1, 1, STORE, [0], [0]))
+        run_step(ws, 1)
+        sched.collect([1], tick=ws[0].poll)
+        assert _host_pool_maps() - before
+        kept.append(ws[0])
+    gc.collect()
+    assert kept[0].phase is Phase.CLOSED
+    assert _host_pool_maps() - before == set()
 
 
 def test_a_ragged_flush_drops_none_of_the_jobs_beside_it() -> None:

@@ -82,8 +82,9 @@ meaningful ratios).
 
 ``--dump DIR``: per workload, every request on every arm (``columns``: TTFT, CPU time,
 time until idle, hit tokens, engine steps until the first token, those of them that
-scheduled no token -- a load in flight -- and seconds in each connector hook, ``s.``
-scheduler side, ``w.`` worker side: :class:`tools.e2e_arm.StepProbe`): where a hit's
+scheduled no token -- a load in flight -- seconds in each connector hook, ``s.``
+scheduler side, ``w.`` worker side: :class:`tools.e2e_arm.StepProbe`, and the first
+output token, which ``answer_mismatches`` compares): where a hit's
 time goes, request by request, against vLLM's connector.
 """
 
@@ -353,9 +354,9 @@ def run_workload(procs: dict[str, Proc], folder: str, ns: argparse.Namespace,
             "req_ids": [r.req_id for r in reqs], "prompt_tokens": [len(p) for p in prompts],
             "asks": [len(asks.get(i, ())) for i in range(len(prompts))],
             "columns": ["ttft", "cpu", "elapsed", "hit_tokens", "steps", "idle_steps",
-                        "hooks"],
+                        "hooks", "token"],
             "arms": {a: [[r.ttft, r.cpu, r.elapsed, r.hit_tokens, r.steps, r.idle_steps,
-                          dict(r.hooks)] for r in results[a]]
+                          dict(r.hooks), r.token] for r in results[a]]
                      for a in names}}))
     return rows(per, caps, blocks, mismatches,
                 {a: [r.ttft for r in results[a]] for a in names})

@@ -253,6 +253,9 @@ class CpuCopyEngine:
             t.join()
         self._closed = True
         os.close(self._efd)
+        # no copy runs any more: drop the tensors, so the host pool's mapping goes with
+        # the session, not with whoever still holds this engine (an embedding host)
+        self._regions = ()
 
     def __enter__(self) -> Self:
         return self

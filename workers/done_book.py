@@ -96,7 +96,9 @@ class DoneBook:
         self.outbox = []
 
     def drop_all(self) -> int:
-        """Closed: forget the outbox and the kept Dones; how many kept ones were dropped."""
+        """Closed: forget the outbox (counted ``dones_unsent``, as at a detach) and the
+        kept Dones; how many kept ones were dropped."""
+        self.drop_outbox()
         dropped = len(self._local)
-        self._local, self.outbox = [], []
+        self._local = []
         return dropped

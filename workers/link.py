@@ -120,7 +120,12 @@ class WorkerLink:
             if self._session.disk is not None:
                 self._session.disk.set_gate(self._gate.may_copy)
             self._phase = Phase.READY
-            self._start_publisher()
+            try:
+                self._start_publisher()
+            except Exception as exc:  # noqa: BLE001 - as above: a publisher thread that
+                # cannot start fails the rank's setup, never raises into the host
+                self._detach(DetachReason.SETUP_FAILED, ConfigError(
+                    f"the mover publisher could not start: {type(exc).__name__}: {exc}"))
         elif self._client is not None:
             self._phase = Phase.CONNECTING
 
@@ -134,8 +139,14 @@ class WorkerLink:
             if session.disk is not None and session.channel is not None:
                 commands = CommandWatch(os.dup(session.channel.watch_fd()),
                                         self._arm_commands, self._take_commands)
-            self._publisher = MoverPublisher(fds, self._publish_movers, commands=commands,
-                                             name=f"kvshm-publish-r{self.rank}")
+            try:
+                self._publisher = MoverPublisher(fds, self._publish_movers,
+                                                 commands=commands,
+                                                 name=f"kvshm-publish-r{self.rank}")
+            except BaseException:
+                if commands is not None:  # not the publisher's: it never started
+                    os.close(commands.fd)
+                raise
             if session.remote is not None:
                 session.remote.on_finish(self._publish_from_mover)
 

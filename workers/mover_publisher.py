@@ -74,7 +74,9 @@ class CommandWatch:
 
 class MoverPublisher:
     """One thread waiting on ``fds`` (the movers' eventfds), calling ``flush`` after each
-    wake-up (see the module docstring; its result is ignored). Starts at once."""
+    wake-up (see the module docstring; its result is ignored). Starts at once; owns
+    ``commands.fd`` once constructed (a construction that raises leaves it the
+    caller's)."""
 
     def __init__(self, fds: Sequence[int], flush: Callable[[], Any], *, name: str,
                  commands: CommandWatch | None = None) -> None:
@@ -88,7 +90,12 @@ class MoverPublisher:
         self.counts: Counter[str] = Counter(wakeups=0, flush_errors=0, command_wakeups=0,
                                             take_errors=0)
         self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
-        self._thread.start()
+        try:
+            self._thread.start()
+        except BaseException:  # its stop fd closed; ``commands.fd`` stays the caller's
+            os.close(self._stop_fd)
+            self._stop_fd = -1
+            raise
 
     def stop(self) -> None:
         """Wake the thread, join it, close the stop fd (idempotent; see the module

@@ -347,4 +347,6 @@ class Worker(WorkerLink):
             return
         self._fail_queued("shut down before its step began")
         self._send()
+        if self._dones.outbox:  # those failures wait for ring space: a later poll
+            return  # detaches once they are sent (one Done per job, never dropped)
         self._detach(DetachReason.SHUTDOWN, None)
