@@ -266,6 +266,16 @@ class FreeSet:
         self._take_as_hit(b)
         self._len -= 1
 
+    def withdraw(self, b: Block) -> None:
+        """``b`` is pinned for I/O (a disk write-back, a remote PUT reads it), not used:
+        it leaves the set and counts no hit (no frequency step, no use for a
+        simulation)."""
+        if b.slot == FRESH:
+            self.fresh.remove(b)
+        else:
+            self._unlink(b)
+        self._len -= 1
+
     def _take_as_hit(self, b: Block) -> None:
         """Unlink ``b`` from its queue; one the order had placed counts a hit (freq,
         capped at 3)."""
@@ -309,6 +319,18 @@ class FreeSet:
         it to the MRU end)."""
         self._take_as_hit(b)
         self._place(b)
+
+    def uncache_all(self) -> None:
+        """Every free block lost its hashes (a reset): the ones the order placed join
+        the fresh queue, after those already there, in the order's victim order -- so
+        every one is taken before any block cached later. O(free blocks)."""
+        placed = [b for b in self if b.slot != FRESH]
+        for b in placed:
+            self._unlink(b)
+            b.freq = NEW
+            b.depth = 0
+            b.slot = FRESH
+            self.fresh.append(b)
 
     def settle(self, limit: int = 0) -> bool:
         """Do the bookkeeping the order deferred off the hooks' path (none here;

@@ -267,7 +267,7 @@ class WriteBack:
             picks = picks[:n]
         if not n:
             return []
-        self.cpu.touch([c for c, _ in picks])
+        self.cpu.touch([c for c, _ in picks], use=False)  # read, not used: no hit
         slots = self.slots.allocate(n)  # the least recently used disk blocks go
         out: list[Disk] = []
         for i in range(0, n, self._max_job):

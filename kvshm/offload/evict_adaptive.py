@@ -64,7 +64,7 @@ and the panel's own (:meth:`~kvshm.offload.evict_panel.Panel.check`).
 from __future__ import annotations
 
 import heapq
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 from kvshm.errors import ConfigError
 from kvshm.hashing import BlockHash
@@ -342,6 +342,35 @@ class Adaptive(FreeSet):
 
     def _queues(self) -> list[FreeBlockQueue]:
         return self.segs[PROBATION].queues() + self.segs[MAIN].queues()
+
+    def __iter__(self) -> Iterator[Block]:
+        """The blocks in the order :meth:`_victim` takes them (fresh first): with no
+        probation share, the two segments' slots merged by slot id (probation first on
+        a tie); else the share rule played on the segments' sizes. (The base class's
+        walk, all of probation then all of main, made write-back and on-evict PUTs pick
+        blocks that were not next to go.) The caller may remove the block just
+        yielded."""
+        yield from self.fresh
+        prob, main = self.segs
+        if self.probation is None:
+            for s, i in sorted([(s, PROBATION) for s in prob.slots]
+                               + [(s, MAIN) for s in main.slots]):
+                q = self.segs[i].slots.get(s)
+                if q is not None:
+                    yield from q
+            return
+        ps, ms = prob.size, main.size
+        prob_blocks = (b for q in prob.queues() for b in q)
+        main_blocks = (b for q in main.queues() for b in q)
+        while ps or ms:
+            if ps and (ps > self.probation * (ps + ms) or not ms):
+                ps -= 1
+                b = next(prob_blocks, None)
+            else:
+                ms -= 1
+                b = next(main_blocks, None)
+            if b is not None:
+                yield b
 
     def _check_queue(self, q: FreeBlockQueue, blocks: list[Block]) -> None:
         seg = self.segs[PROBATION] if any(x is q for x in self.segs[PROBATION].slots.values()) \

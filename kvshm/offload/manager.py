@@ -230,10 +230,22 @@ class OffloadManager:
 
     def _lookup(self, view: View, num_local_tokens: int) -> int | None:
         """:meth:`lookup` after its checks. A hand-off that answers None may hold its
-        local prefix (``RemoteBook.hold``); any answer releases that hold (the caller)."""
+        local prefix (``RemoteBook.hold``); any answer releases that hold (the caller).
+        The request's earlier hit (a request the engine cannot admit yet is looked up
+        every step) is released only after the new one is pinned: a block in both
+        never returns to the free set, so waiting is not a new use of it each step
+        (it would score as a hit, advance the order's clock and raise its frequency)."""
         self.counters.lookups += 1
+        old = self._hits.pop(view.req_id, None)
+        try:
+            return self._find(view, num_local_tokens)
+        finally:
+            if old is not None and old.cause is None:
+                self.cpu.free(reversed(old.pinned))
+
+    def _find(self, view: View, num_local_tokens: int) -> int | None:
+        """:meth:`_lookup`'s answer, the request's earlier hit already out of the way."""
         rid = view.req_id
-        self._drop_hit(rid)
         st = self._track.state(rid)
         st.remote = st.remote or is_remote(view.params)
         bs = self.block_size

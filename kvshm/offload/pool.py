@@ -120,8 +120,8 @@ class BlockPool:
         ref 1 and no hashes (a cached block loses its hashes: BlockRemoved).
         ``evicted``: where given, each cached block taken is appended as (block id, its
         first hash), in the order taken (what a lower tier may still write down)."""
-        if n < 0:
-            raise ConfigError(f"cannot allocate {n} blocks")
+        if not isinstance(n, int) or n < 0:  # (2.5: the orders took blocks, then failed)
+            raise ConfigError(f"cannot allocate {n!r} blocks")
         if n > len(self._queue):
             self.exhausted += 1
             raise PoolExhausted(n, len(self._queue))
@@ -135,11 +135,14 @@ class BlockPool:
             b.ref_cnt = 1
         return [b.block_id for b in blocks]
 
-    def touch(self, ids: Iterable[int]) -> None:
+    def touch(self, ids: Iterable[int], *, use: bool = True) -> None:
         """ref += 1 for each id (repeats count); a block at ref 0 leaves the free queue
-        first and keeps its hashes. Unknown ids: ConfigError before any change."""
+        first and keeps its hashes. ``use=False``: a pin for I/O (a lower tier reads
+        the block), which the eviction order does not count as a hit
+        (:meth:`FreeSet.withdraw`). Unknown ids: ConfigError before any change."""
         blocks = self._resolve(ids)
-        remove = self._queue.remove
+        queue = self._queue
+        remove = queue.withdraw if not use and isinstance(queue, FreeSet) else queue.remove
         for b in blocks:
             if b.ref_cnt == 0:
                 remove(b)
@@ -289,8 +292,13 @@ class BlockPool:
         return self.index.entries.keys()
 
     def drop_all_hashes(self) -> None:
-        """Make every block uncached (reset): :meth:`HashIndex.drop_all_hashes`."""
+        """Make every block uncached (reset): :meth:`HashIndex.drop_all_hashes`; the
+        free ones are taken first from now on (an order other than LRU moves them to
+        its fresh queue: :meth:`FreeSet.uncache_all`; LRU's already precede every block
+        cached later)."""
         self.index.drop_all_hashes()
+        if isinstance(self._queue, FreeSet):
+            self._queue.uncache_all()
 
     # ---- events and checks ---------------------------------------------------------
 

@@ -205,7 +205,7 @@ class PutQueue:
         if k in self._put_keys or self.is_published(k):
             self.counters.put_skipped_duplicate += 1
             return
-        self.cpu.touch((c,))
+        self.cpu.touch((c,), use=False)  # the PUT reads it: no hit for the order
         self._put_keys.add(k)
         self._puts.append((c, k, depth, keep))
 

@@ -338,3 +338,51 @@ test_pool_deepest = _machine(Eviction.DEEPEST).TestCase
 test_pool_slru = _machine(Eviction.SLRU).TestCase
 test_pool_s3fifo = _machine(Eviction.S3FIFO).TestCase
 test_pool_adaptive = _machine(Eviction.ADAPTIVE).TestCase
+
+
+@pytest.mark.parametrize("eviction", list(Eviction))
+def test_blocks_a_reset_uncached_are_taken_before_any_cached_later(
+        eviction: Eviction) -> None:
+    """The hazard: a reset (or a rank's death) drops every hash, but under every order
+    but LRU the free blocks stayed where the order had placed them -- protected, main,
+    a deep slot -- so the blocks cached after the reset were evicted while worthless
+    uncached ones stayed (SLRU: 10 of 12 new blocks lost, 13 dead blocks kept). Now
+    they join the fresh queue: 15 chain blocks hit once, 5 in use, a reset, then 6
+    stores of 2 blocks into the 15 free: every new block stays cached."""
+    pool = BlockPool(20, eviction=eviction)
+    ids = pool.allocate(15)
+    pool.add_keys(ids, [b"old%02d" % i for i in range(15)], list(range(15)))
+    pool.free(ids[::-1])
+    pool.touch(ids)
+    pool.free(ids[::-1])
+    pool.allocate(5)
+    pool.drop_all_hashes()
+    pool.check_invariants()
+    new: list[bytes] = []
+    for r in range(6):
+        got = pool.allocate(2)
+        keys = [b"new%d-%d" % (r, j) for j in range(2)]
+        pool.add_keys(got, keys, [2 * r + 15, 2 * r + 16])
+        pool.free(got[::-1])
+        new += keys
+        pool.check_invariants()
+    assert [k for k in new if not pool.is_cached(k)] == []
+    assert sum(1 for b in range(20) if pool.ref_cnt(b) == 0 and not pool.block_hashes(b)) == 3
+
+
+@pytest.mark.parametrize("eviction", list(Eviction))
+def test_allocating_a_count_that_is_not_an_int_changes_nothing(eviction: Eviction) -> None:
+    """The hazard: ``allocate(2.5)`` passed the ``n < 0`` check; the orders took the
+    fresh blocks, then failed on ``range(0.5)``, leaving those blocks at ref 0 in no
+    queue (lost for good: "free set: walked 2 blocks, length says 4"). Refused first
+    now, with nothing taken."""
+    pool = BlockPool(4, eviction=eviction)
+    ids = pool.allocate(2)
+    pool.add_keys(ids, [b"a", b"b"], [0, 1])
+    pool.free(ids[::-1])
+    before = (pool.num_free, list(pool.iter_free_from_lru()))
+    for bad in (2.5, "2", None):
+        with pytest.raises(ConfigError, match="cannot allocate"):
+            pool.allocate(bad)  # type: ignore[arg-type]
+    assert (pool.num_free, list(pool.iter_free_from_lru())) == before
+    pool.check_invariants()

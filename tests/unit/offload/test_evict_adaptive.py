@@ -19,6 +19,7 @@ import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import rule
+from manager_rig import Req, Rig
 from test_evict import PoolMachine
 
 from kvshm.config import Eviction
@@ -330,3 +331,99 @@ AdaptiveMachine.TestCase.settings = settings(
     max_examples=80, stateful_step_count=50, deadline=None,
     suppress_health_check=[HealthCheck.too_slow])
 test_adaptive_machine = AdaptiveMachine.TestCase
+
+
+@pytest.mark.parametrize("eviction", [Eviction.ADAPTIVE, Eviction.SLRU, Eviction.S3FIFO])
+def test_a_request_waiting_for_admission_is_one_use_of_its_hit_not_one_per_step(
+        eviction: Eviction) -> None:
+    """The hazard: vLLM looks a waiting request up every step until its KV fits. Each
+    lookup freed the previous hit's pins first -- the blocks went back to the free set
+    (a placement: the order's clock and the panel's period advanced) -- and then pinned
+    them again, which the order took for a hit (a scored use for every simulation, a
+    frequency step). One 6-block hit asked 50 times counted as 300 hits and ended 18
+    periods. Now the new hit is pinned before the old one is released: 50 asks leave
+    the order exactly as one ask does."""
+    def after(asks: int) -> tuple[object, ...]:
+        rig = Rig(cpu=16, gpu=64, eviction=eviction)
+        b = Req("b", 4 * 6 + 1)
+        rig.seed_cpu(*b.h[:6])
+        for _ in range(asks):
+            assert rig.m.lookup(b.view(), 0) == 24
+        rig.m.allocated("b", [rig.alloc(7)], 24)
+        rig.m.check_invariants()
+        rig.cpu.settle()
+        fs = rig.cpu._queue
+        order = (fs.clock, fs.panel.settled, fs.panel.decisions,
+                 [round(s.score, 6) for s in fs.panel.shadows]) \
+            if isinstance(fs, Adaptive) else ()
+        return (order, [rig.cpu._blocks[i].freq for i in range(16)],
+                tuple(rig.cpu.iter_free_from_lru()), rig.m.counters.hit_tokens)
+
+    assert after(50) == after(1)
+
+
+@pytest.mark.parametrize("expert", range(len(EXPERTS)))
+@pytest.mark.parametrize("seed", range(4))
+def test_the_free_walk_is_the_order_allocate_takes(expert: int, seed: int) -> None:
+    """The hazard: ``iter_free_from_lru()`` is "the blocks allocate takes next", which
+    disk write-back and on-evict PUTs read to pick the tier's next victims; the
+    adaptive order yielded all of probation, then all of main, while its victim is the
+    lower key of the two (or the probation share's pick): an old block in main that
+    goes first came last, so those writers pinned blocks that were not about to go.
+    After a random history under each expert, the walk equals what allocating every
+    free block one by one takes."""
+    rng = random.Random(seed)
+    pool = BlockPool(48, eviction=Eviction.ADAPTIVE)
+    fs = pool._queue
+    assert isinstance(fs, Adaptive)
+    fs._adopt(expert)
+    fs._rekey()
+    for step in range(300):
+        n = rng.randint(1, 4)
+        if pool.num_free < n:
+            continue
+        ids = pool.allocate(n)
+        pool.add_keys(ids, [b"k%d-%d" % (step, i) for i in range(n)],
+                      [rng.randint(0, 30) for _ in range(n)])
+        pool.free(ids[::-1], evict_first=rng.random() < 0.1)
+        cached = [b for b in range(48) if pool.ref_cnt(b) == 0 and pool.block_hashes(b)]
+        if cached and rng.random() < 0.3:
+            hit = rng.sample(cached, min(len(cached), rng.randint(1, 3)))
+            pool.touch(hit)
+            pool.free(hit)
+    walk = list(pool.iter_free_from_lru())
+    taken = [pool.allocate(1)[0] for _ in range(pool.num_free)]
+    assert walk == taken
+
+
+@pytest.mark.parametrize("eviction", [Eviction.ADAPTIVE, Eviction.SLRU, Eviction.S3FIFO])
+def test_a_pin_for_io_is_no_hit(eviction: Eviction) -> None:
+    """The hazard: disk write-back pins the tier's next victims while it writes them,
+    and a remote PUT pins the block it reads; both pinned with the hit path, so the
+    order counted each as a use (a frequency step, which moved a never-hit block to
+    main / protected; a scored hit for every simulation of the panel: 8 write-back
+    pins took a simulation's score from 0 to 128). ``touch(use=False)`` withdraws the
+    block and counts nothing: its frequency and the panel stay as they were."""
+    def history(use: bool) -> tuple[object, ...]:
+        pool = BlockPool(16, eviction=eviction, enable_events=False)
+        ids = pool.allocate(8)
+        pool.add_keys(ids, [hashlib.sha256(b"%d" % i).digest() for i in range(8)],
+                      list(range(8)))
+        pool.free(ids[::-1])
+        fs = pool._queue
+        before = [pool._blocks[b].freq for b in ids]
+        pool.touch(ids, use=use)
+        freqs = [pool._blocks[b].freq for b in ids]
+        pool.free(ids[::-1], evict_first=True)
+        pool.check_invariants()
+        pool.settle()
+        panel = (fs.panel.settled, [s.score for s in fs.panel.shadows]) \
+            if isinstance(fs, Adaptive) else ()
+        return before, freqs, panel
+
+    before, freqs, panel = history(use=False)
+    assert freqs == before
+    assert panel == (() if eviction is not Eviction.ADAPTIVE
+                     else (panel[0], [0.0] * len(panel[1])))
+    _, hit_freqs, _ = history(use=True)
+    assert hit_freqs != before  # the hit path does count
