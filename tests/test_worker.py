@@ -375,6 +375,30 @@ def test_a_closed_worker_keeps_no_host_pool_mapped() -> None:
     assert _host_pool_maps() - before == set()
 
 
+def test_a_load_cancelled_before_it_started_is_never_copied() -> None:
+    """The vLLM side gives up on a synchronous load that has not reached the rank (its
+    Transfer queued behind a full command ring) and lets vLLM recompute its blocks: the
+    load must then never run, or it would write blocks vLLM computed (and may have
+    handed to another request). ``cancel_unstarted`` names the jobs not started; when
+    their Transfer is taken they fail unrun and the destination stays as computed."""
+    with linked(1) as (sched, ws, shards):
+        w = ws[0]
+        sched.post(transfer(1, 1, LOAD, [0], [0]))
+        run_step(ws, 1)
+        assert [d.job_id for d in sched.collect([1], tick=w.poll)[0].values()] == [1]
+        assert w.cancel_unstarted([2]) == {2}                  # not arrived yet
+        def block5() -> list[torch.Tensor]:
+            return [(t[:, 5] if outer else t[5]).contiguous().clone().view(torch.uint8)
+                    for t, outer in zip(shards[0], KV_OUTER)]
+        dst = block5()
+        sched.post(transfer(2, 2, LOAD, [1], [5]))
+        run_step(ws, 2)
+        done = sched.collect([2], tick=w.poll)[0][2]
+        assert not done.ok and "cancelled before it started" in done.error
+        assert all(torch.equal(a, b) for a, b in zip(block5(), dst))
+        assert w.statistics()["counters"]["jobs_cancelled_unrun"] == 1
+
+
 def test_a_ragged_flush_drops_none_of_the_jobs_beside_it() -> None:
     """A message is never dropped because its neighbour was bad: one batch carries
     store 1, a Flush whose id list is 3 bytes (not a whole id), then store 2. The bad

@@ -80,6 +80,10 @@ class DoneBook:
             self._counts["done_ring_full"] += 1
         del self.outbox[:sent]
 
+    def local_ids(self) -> set[int]:
+        """The job ids of the kept Dones (finished, not yet handed to the host)."""
+        return {d.job_id for d in self._local}
+
     def take_local(self, job_ids: Collection[int] | None = None) -> list[Done]:
         """The kept Dones (only those of ``job_ids``, if given), each returned once."""
         if job_ids is None:

@@ -97,6 +97,9 @@ class WorkerLink:
         self._lock = threading.RLock()
         self._embedded = layout is not None
         self._publisher: MoverPublisher | None = None
+        #: jobs the host gave up on before they started (:meth:`Worker.cancel_unstarted`):
+        #: failed unrun when their Transfer is taken, never copied
+        self._cancelled: set[int] = set()
 
     # ------------------------------------------------------------------ connecting
 

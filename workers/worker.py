@@ -231,6 +231,18 @@ class Worker(WorkerLink):
         return out
 
     @locked
+    def cancel_unstarted(self, job_ids: Collection[int]) -> set[int]:
+        """The host gives up waiting for ``job_ids``: those not started yet (queued, or
+        whose Transfer has not arrived) will never be copied -- each fails unrun when
+        taken (its Done, failed, goes to the scheduler as usual). Returns them; the
+        others are running (or done) and must be waited for: a copy under way may still
+        write its destinations. (A job whose Done the host already took is not known
+        here any more: the host names only jobs it has no Done for.)"""
+        ids = set(job_ids) - self._dones.inflight - self._dones.local_ids()
+        self._cancelled |= ids
+        return ids
+
+    @locked
     def wait_for_work(self, timeout: float) -> None:
         """Standalone loops: block until a command, a finished copy, a lifeline message or
         a watched fd (:meth:`watch`), or ``timeout`` s; then service. Spins ``spin_us``
@@ -303,6 +315,12 @@ class Worker(WorkerLink):
 
     def _run(self, t: Transfer, after: Fence | None) -> None:
         assert self._session is not None
+        if t.job_id in self._cancelled:
+            self._cancelled.discard(t.job_id)
+            self._counts["jobs_cancelled_unrun"] += 1
+            self._record([Done(t.job_id, self.rank, False,
+                               f"CopyError: rank {self.rank}: cancelled before it started")])
+            return
         if self._phase not in LINKED or self._check_revoked():
             self._counts["jobs_refused_revoked"] += 1
             self._record([Done(t.job_id, self.rank, False, f"CopyError: rank {self.rank} revoked")])

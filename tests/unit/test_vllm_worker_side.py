@@ -3,9 +3,12 @@ worker side is plain kvshm code fed StepMeta records)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvshm.integrations.vllm.config import ConnectorConfig
 from kvshm.integrations.vllm.records import StepMeta
 from kvshm.integrations.vllm.worker import WorkerSide
+from kvshm.ipc.protocol import Done
 from kvshm.types import KVGroup, StoreMode
 
 
@@ -36,3 +39,43 @@ def test_load_job_listed_after_its_done_is_not_reported_twice() -> None:
     assert again == set()
     side.bind(StepMeta(3))
     assert side._reported == set()
+
+
+class _SlowWorker:
+    """A Worker at the seam the synchronous wait uses: job 7 has not reached the rank
+    (cancellable), job 8 is copying and finishes only on the third wait."""
+
+    def __init__(self) -> None:
+        from workers.worker import Phase
+
+        self.phase = Phase.READY
+        self.waits: list[set[int]] = []
+        self.cancelled: set[int] = set()
+
+    def wait(self, job_ids: Any, timeout: float | None = None) -> list[Done]:
+        self.waits.append(set(job_ids))
+        if len(self.waits) == 3 and 8 in job_ids:
+            return [Done(8, 0, True, "")]
+        return []
+
+    def cancel_unstarted(self, job_ids: Any) -> set[int]:
+        self.cancelled = set(job_ids) & {7}
+        return self.cancelled
+
+
+def test_a_slow_synchronous_load_is_waited_for_and_an_unstarted_one_cancelled() -> None:
+    """The hazard: a synchronous load not finished by ``hang_timeout_s`` was reported
+    failed at once and the forward went on -- vLLM recomputed into its blocks (and, once
+    the request ended, handed them out again) while the copy could still write them,
+    and a Transfer still queued behind a full command ring could run later. Now job 7,
+    not started, is cancelled (never copied) and reported failed; job 8, copying, is
+    waited for until it ends (warned and counted each deadline) and reported ok."""
+    side = _side()
+    meta = StepMeta(1, load_jobs={7: ("a",), 8: ("b",)}, load_dsts={7: (1,), 8: (2,)},
+                    sync_reqs=("a", "b"))
+    worker = _SlowWorker()
+    side._wait_sync(worker, meta)  # type: ignore[arg-type]
+    assert worker.cancelled == {7}
+    assert worker.waits == [{7, 8}, {8}, {8}]
+    assert sorted((d.job_id, d.ok) for d in side._early) == [(7, False), (8, True)]
+    assert (side.counters.sync_loads_late, side.counters.sync_loads_slow) == (1, 2)

@@ -19,9 +19,11 @@ pool; the connector only tells it when. Hook by hook:
   ``cfg.hang_timeout_s``; an inline copy is already done), so the forward reads loaded
   blocks; their requests are never reported in ``finished_recving`` (vLLM runs them:
   it asserts a running request is not there), a failure goes out as block ids only
-  (one KV cache group). A job that has not finished by then (it never arrived, or its
-  copy hangs) is reported as failed blocks at once (counted ``sync_loads_late``):
-  vLLM recomputes them.
+  (one KV cache group). A job that has not started by then (its Transfer queued behind
+  a full command ring) is cancelled -- never copied -- and reported as failed blocks at
+  once (counted ``sync_loads_late``): vLLM recomputes them. One still copying is waited
+  for, with a warning every ``hang_timeout_s`` (``sync_loads_slow``): its copy writes
+  blocks vLLM would recompute into and hand out again.
 * ``wait_for_save`` -> ``submit_stores`` (after the step's compute, same ordering).
 * ``get_finished`` -> :meth:`finished_loads`: ``poll`` the Worker (on a CPU device
   first waiting, at most ``CPU_LOAD_WAIT_S``, for the loads this rank submitted: vLLM
@@ -125,7 +127,8 @@ class WorkerCounters:
     load_waits: int = 0  # get_finished waited for this rank's loads (CPU device)
     load_waits_timed_out: int = 0  # ... and some were still running at the deadline
     sync_load_waits: int = 0  # start_load_kv waited for a step's synchronous loads
-    sync_loads_late: int = 0  # ... a job not done by the deadline: its blocks failed
+    sync_loads_late: int = 0  # ... a job not started by the deadline: cancelled, failed
+    sync_loads_slow: int = 0  # ... a job still copying at a deadline: waited for
 
 
 class WorkerSide:
@@ -242,19 +245,46 @@ class WorkerSide:
         self.counters.sync_load_waits += 1
         got = worker.wait(jobs, self.cfg.hang_timeout_s)
         self._early += got
-        if len(got) == len(jobs):
+        missing = set(jobs) - {d.job_id for d in got}
+        if not missing:
             return
-        have, gone = {d.job_id for d in got}, _gone(worker)
-        for job in jobs:
-            if job in have:
-                continue
-            if gone:  # no Done will ever come (finished_loads' orphans)
-                self.counters.loads_orphaned += 1
-            else:
-                self.counters.sync_loads_late += 1
-                log.warning("kvshm: rank %d: synchronous load job %d not done before the "
-                            "forward; its blocks are recomputed", self.rank, job)
+        if _gone(worker):  # no Done will ever come (finished_loads' orphans)
+            self.counters.loads_orphaned += len(missing)
+            self._early += [protocol.Done(j, self.rank, False, "CopyError: late")
+                            for j in sorted(missing)]
+            return
+        # Not started yet (its Transfer queued behind a full command ring): cancelled,
+        # never copied, so vLLM may recompute its blocks. Running: waited for, however
+        # long -- a copy under way still writes blocks vLLM would recompute into, and
+        # hand out again once the request ends (the rule: a block a rank may still touch
+        # is never handed out again).
+        cancelled = worker.cancel_unstarted(missing)
+        for job in sorted(cancelled):
+            self.counters.sync_loads_late += 1
+            log.warning("kvshm: rank %d: synchronous load job %d had not reached the rank "
+                        "before the forward; its blocks are recomputed", self.rank, job)
             self._early.append(protocol.Done(job, self.rank, False, "CopyError: late"))
+        self._wait_running(worker, missing - cancelled)
+
+    def _wait_running(self, worker: Worker, running: set[int]) -> None:
+        """Wait for ``running`` (synchronous loads under way) to finish, warning every
+        ``hang_timeout_s`` (counted ``sync_loads_slow``); stops early only when the
+        worker is gone."""
+        from kvshm.ipc import protocol
+
+        while running:
+            self.counters.sync_loads_slow += len(running)
+            log.warning("kvshm: rank %d: synchronous load job(s) %s still copying after "
+                        "%g s; the forward waits for them", self.rank, sorted(running),
+                        self.cfg.hang_timeout_s)
+            got = worker.wait(running, self.cfg.hang_timeout_s)
+            self._early += got
+            running -= {d.job_id for d in got}
+            if running and _gone(worker):
+                self.counters.loads_orphaned += len(running)
+                self._early += [protocol.Done(j, self.rank, False, "CopyError: late")
+                                for j in sorted(running)]
+                return
 
     def submit_stores(self) -> None:
         """``wait_for_save``: submit this step's stores, after its compute."""
