@@ -220,7 +220,16 @@ class OffloadManager:
             if st is None or s > st.refreshed:
                 self._check.hashes("lookup", view.req_id, "block_hashes", view.hashes, 0,
                                    min(s, len(view.hashes)))
-        tokens = self._lookup(view, num_local_tokens)
+        # the request's earlier hit (one the engine cannot admit yet is looked up every
+        # step) is released only after the new one is pinned: a block in both never
+        # returns to the free set, so waiting is not a new use of it each step (it would
+        # score as a hit, advance the order's clock and raise its frequency)
+        old = self._hits.pop(view.req_id, None)
+        try:
+            tokens = self._lookup(view, num_local_tokens)
+        finally:
+            if old is not None and old.cause is None:
+                self.cpu.free(reversed(old.pinned))
         if tokens is not None:
             if self.remote is not None:
                 self.remote.unhold(view.req_id)  # an answer ends a hand-off's wait
@@ -229,22 +238,11 @@ class OffloadManager:
         return tokens
 
     def _lookup(self, view: View, num_local_tokens: int) -> int | None:
-        """:meth:`lookup` after its checks. A hand-off that answers None may hold its
-        local prefix (``RemoteBook.hold``); any answer releases that hold (the caller).
-        The request's earlier hit (a request the engine cannot admit yet is looked up
-        every step) is released only after the new one is pinned: a block in both
-        never returns to the free set, so waiting is not a new use of it each step
-        (it would score as a hit, advance the order's clock and raise its frequency)."""
+        """:meth:`lookup` after its checks, the request's earlier hit already taken out
+        (released by the caller after this pins the new one). A hand-off that answers
+        None may hold its local prefix (``RemoteBook.hold``); any answer releases that
+        hold (the caller)."""
         self.counters.lookups += 1
-        old = self._hits.pop(view.req_id, None)
-        try:
-            return self._find(view, num_local_tokens)
-        finally:
-            if old is not None and old.cause is None:
-                self.cpu.free(reversed(old.pinned))
-
-    def _find(self, view: View, num_local_tokens: int) -> int | None:
-        """:meth:`_lookup`'s answer, the request's earlier hit already out of the way."""
         rid = view.req_id
         st = self._track.state(rid)
         st.remote = st.remote or is_remote(view.params)
@@ -361,14 +359,18 @@ class OffloadManager:
         req_id, tables, num_external_tokens = self._check.allocated(
             req_id, gpu_block_ids, num_external_tokens)
         hit = self._hits.get(req_id)
-        if hit is None and self._loads.pending_for(req_id, self._jobs):
+        if num_external_tokens and hit is None \
+                and self._loads.pending_for(req_id, self._jobs):
             # a second phase B for one lookup: its failure would name blocks the first
-            # one's load is writing
+            # one's load is writing. (One with 0 tokens is vLLM's own: a request whose
+            # asynchronous load finished is allocated again, external tokens 0, while
+            # the load's acks may still be on their way -- its outcome stays reported.)
             raise self._check.refuse("allocated", req_id, "req_id",
                                      "a second phase B with no lookup since the first: "
                                      "its load is queued or in flight")
         st = self._track.reqs.get(req_id)
-        self._loads.supersede(req_id, self._jobs)  # an older load's outcome is not ours
+        if num_external_tokens:
+            self._loads.supersede(req_id, self._jobs)  # an older load's outcome: not ours
         if num_external_tokens == 0:
             self._drop_hit(req_id)
             self._admit(st, 0)

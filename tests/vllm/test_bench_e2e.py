@@ -90,12 +90,12 @@ def _check_dump(d: dict[str, Any], n: int) -> None:
     """Every arm, every request: a step or more to the first token (no fewer than the
     steps that scheduled nothing), hook seconds only where a connector is."""
     assert d["columns"] == ["ttft", "cpu", "elapsed", "hit_tokens", "steps", "idle_steps",
-                            "hooks"]
+                            "hooks", "token"]
     assert len(d["arms"]) == 8 and len(d["prompt_tokens"]) == n
     for arm, reqs in d["arms"].items():
         assert len(reqs) == n
-        for ttft, _, _, hits, steps, idle, hooks in reqs:
-            assert ttft > 0 and steps >= 1 + idle and hits >= 0
+        for ttft, _, _, hits, steps, idle, hooks, token in reqs:
+            assert ttft > 0 and steps >= 1 + idle and hits >= 0 and isinstance(token, int)
             assert bool(hooks) == (arm != "none"), (arm, hooks)
             assert all(v >= 0 for v in hooks.values())
         if arm.startswith("kvshm"):

@@ -519,6 +519,27 @@ def test_readmitted_request_never_gets_its_earlier_loads_result() -> None:
     rig.m.check_invariants()
 
 
+def test_vllms_zero_token_phase_b_after_an_async_load_keeps_its_result() -> None:
+    """vLLM's own second phase B: a request whose asynchronous load finished on this
+    rank is allocated again with 0 external tokens while the load's acks may still be
+    on their way. That call is neither refused (as a second phase B with tokens is)
+    nor does it supersede the load: its outcome is still reported."""
+    rig = Rig()
+    r = Req("r", 9)
+    rig.seed_cpu(*r.h)
+    assert rig.m.lookup(r.view(), 0) == 8
+    g = rig.alloc(3)
+    rig.m.allocated("r", [g], 8)
+    p = rig.step(r.sched(g, confirmed=0, new=True))
+    assert p.load is not None
+    rig.m.allocated("r", [g], 0)                                # not refused
+    assert rig.m.counters.invalid_calls == 0
+    rig.ack(p.load)
+    assert rig.m.take_load_results() == [LoadResult("r", True, (), None, 8)]
+    assert rig.m.counters.load_results_superseded == 0
+    rig.m.check_invariants()
+
+
 def test_two_groups_naming_one_gpu_block_store_it_once() -> None:
     """The hazard: two full-attention groups whose tables name the same GPU blocks
     (0, 1) at the same positions (bad input the checks let through: repeats are
