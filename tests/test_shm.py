@@ -267,7 +267,7 @@ def test_sweep_keeps_a_slab_a_live_segment_and_reports_what_it_cannot_remove(
         raise PermissionError(errno.EPERM, "Operation not permitted", path)
     kept_live = shm.Leftover(live, False, f"its process {os.getpid()} is running")
     with monkeypatch.context() as m:
-        m.setattr(shm.os, "unlink", refuse)
+        m.setattr(os, "unlink", refuse)
         assert sorted(shm.sweep()) == sorted([
             kept_live, shm.Leftover(gone, False, "cannot remove it: Operation not permitted")])
     assert sorted(shm.sweep()) == sorted([kept_live, shm.Leftover(gone, True)])

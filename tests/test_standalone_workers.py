@@ -173,10 +173,10 @@ def test_help_and_usage_errors() -> None:
     # then it died converting NaN and took the engine to FAILED; --connect-timeout nan
     # was a traceback and inf waited for ever; a bad name failed only after the ranks
     # were spawned and torch imported, exit 1): usage errors, exit 2, before anything
-    for bad in (["--spin-us", "nan"], ["--spin-us", "-1"], ["--spin-us", "1e9"],
-                ["--connect-timeout", "nan"], ["--connect-timeout", "inf"],
-                ["--connect-timeout", "0"]):
-        assert cli_main(["--name", "x", "--tp", "1", *bad]) == 2, bad
+    for flags in (["--spin-us", "nan"], ["--spin-us", "-1"], ["--spin-us", "1e9"],
+                  ["--connect-timeout", "nan"], ["--connect-timeout", "inf"],
+                  ["--connect-timeout", "0"]):
+        assert cli_main(["--name", "x", "--tp", "1", *flags]) == 2, flags
     assert cli_main(["--name", "", "--tp", "1"]) == 2
     assert cli_main(["--name", "a" * 200, "--tp", "1"]) == 2
 

@@ -273,7 +273,7 @@ def test_a_publisher_that_cannot_start_detaches_the_rank_and_leaks_nothing(
 
     import workers.link as link
 
-    class Failing(link.MoverPublisher):
+    class Failing(link.MoverPublisher):  # type: ignore[name-defined,misc]
         def __init__(self, *args: Any, **kw: Any) -> None:
             raise RuntimeError("can't start new thread")
     monkeypatch.setattr(link, "MoverPublisher", Failing)

@@ -311,7 +311,11 @@ def test_a_manifest_is_held_back_by_its_own_refused_readiness_key_only(
         idx.get_value(2, "kvshm:v1:pd:fp:2:a")
         idx.get_value(3, "kvshm:v1:pd:fp:2:b")
         got: list[tuple[int, bytes | None]] = []
-        _wait(lambda: got.extend(idx.values()) or len(got) == 2)
+
+        def both() -> bool:
+            got.extend(idx.values())
+            return len(got) == 2
+        _wait(both)
         assert sorted(got) == [(2, b"A"), (3, None)]
         st = idx.statistics()
         assert (st["published"], st["publish_failed"], st["values_set"]) == (2, 1, 1)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -404,7 +405,7 @@ def test_a_pin_for_io_is_no_hit(eviction: Eviction) -> None:
     main / protected; a scored hit for every simulation of the panel: 8 write-back
     pins took a simulation's score from 0 to 128). ``touch(use=False)`` withdraws the
     block and counts nothing: its frequency and the panel stay as they were."""
-    def history(use: bool) -> tuple[object, ...]:
+    def history(use: bool) -> tuple[list[int], list[int], Any]:
         pool = BlockPool(16, eviction=eviction, enable_events=False)
         ids = pool.allocate(8)
         pool.add_keys(ids, [hashlib.sha256(b"%d" % i).digest() for i in range(8)],

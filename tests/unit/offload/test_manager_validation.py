@@ -211,7 +211,7 @@ def test_bad_call_lookup_refresh_reads_hashes_it_checked() -> None:
     assert rig.m.lookup(a.view(), 8) == 8
     assert refs(rig.cpu, [2, 3]) == [1, 1]
     bad = [["not", "a", "hash"], *a.h[1:]]
-    err = refused(rig.m, rig.m.lookup, RequestView("a", bad, 17), 12)
+    err = refused(rig.m, rig.m.lookup, RequestView("a", bad, 17), 12)  # type: ignore[arg-type]
     assert err.field == "block_hashes[0]"
     assert refs(rig.cpu, [2, 3]) == [1, 1]
     assert rig.m.lookup(a.view(), 12) == 4                     # CPU 3 now; 2 released
