@@ -409,6 +409,10 @@ class TestWorkerGone:
         def close_then_start() -> None:
             assert side._worker is not None
             side._worker.close()
+            # the scheduler side's service thread (it pumps after 20 ms without a
+            # hook) sees the Goodbye first, as under load: it remembers its last READY
+            # snapshot, taken with this load in flight (6 pins, 1 job)
+            time.sleep(0.2)
             start_loads()
 
         monkeypatch.setattr(side, "start_loads", close_then_start)

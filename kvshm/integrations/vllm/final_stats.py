@@ -13,8 +13,10 @@ every rank attached, as close to the shutdown as possible, in this order of pref
    was torn down yet: the in-flight work was drained first);
 2. taken in ``shutdown`` before any pump, when the engine was READY on entry;
 3. the one the service thread took just before the pump that saw the engine leave READY,
-   if that happened at most :data:`DETACH_WINDOW_S` before the shutdown (the workers
-   closing ahead of the scheduler); an older loss is a failure and is reported as one.
+   if that happened at most :data:`DETACH_WINDOW_S` before the shutdown and no hook ran
+   since (the workers closing ahead of the scheduler); an older loss, or one vLLM served
+   on after (a hook ran: the snapshot holds that moment's loads in flight and their
+   pins), is reported as the engine ended.
 
 Its ``state`` is replaced by the state after ``close`` (``closed``), its ``connector``
 counters by the final ones, and ``teardown`` says which snapshot it is and which ranks

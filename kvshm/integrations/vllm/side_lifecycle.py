@@ -260,9 +260,18 @@ class SideLifecycle:
         if client.state is EngineState.READY:
             return self.statistics(), SnapshotSource.BEFORE_CLOSE
         left = self._left_ready
-        if snap is None and left is not None and time.monotonic() - left[0] <= DETACH_WINDOW_S:
+        if snap is None and left is not None and self._detached_at_shutdown(left[0]):
             return left[1], SnapshotSource.BEFORE_WORKERS_DETACHED
         return snap, source
+
+    def _detached_at_shutdown(self, left_at: float) -> bool:
+        """Whether the engine left READY as part of vLLM's shutdown (its workers closing
+        ahead of the scheduler): within :data:`DETACH_WINDOW_S`, and no hook ran since.
+        A hook after the loss means vLLM served on without offload: the READY snapshot
+        from before it (taken with that moment's loads in flight and their pins) no
+        longer describes the engine; the file then shows the engine as it ended."""
+        return (time.monotonic() - left_at <= DETACH_WINDOW_S
+                and self.guard.last_exit <= left_at)
 
     def statistics(self) -> dict[str, Any]:
         """The engine's statistics plus the connector's counters, JSON-able. Under the
