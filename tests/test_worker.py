@@ -231,6 +231,43 @@ def test_protocol_error_detaches_and_scheduler_sees_eof() -> None:
         assert err.rank == 0 and isinstance(err, PeerDied)
 
 
+def test_a_second_bad_record_during_the_redrain_loses_no_good_command(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hazard "a second undecodable record races the re-drain": the cmd ring holds
+    Transfer 1 and a bad record; the drain raises ProtocolError and keeps Transfer 1
+    back. The worker re-drains before detaching (to fail the good records locally),
+    but meanwhile the scheduler published Transfer 2 and a second bad record: that
+    re-drain raises too, and the worker used to ignore it and detach -- closing the
+    channel dropped Transfers 1 and 2 unfailed (no local Done). Now it takes what the
+    channel kept back: both fail locally, in order."""
+    with linked(1, nb=64) as (sched, ws, _):
+        w = ws[0]
+        ring = sched.chans[0].rings.cmd
+        sched.post(transfer(3, 1, STORE, [0], [0]))
+        assert ring.stage(b"\xc1\xc1")  # 0xc1 is never valid msgpack
+        ring.publish()
+        assert w._session is not None and w._session.channel is not None
+        chan = w._session.channel
+        real = chan.receive_nowait
+        calls: list[int] = []
+
+        def racing() -> list[Any]:
+            calls.append(1)
+            if len(calls) == 2:  # the re-drain: the scheduler wrote meanwhile
+                sched.post(transfer(3, 2, STORE, [1], [1]))
+                assert ring.stage(b"\xc1")
+                ring.publish()
+            return real()
+
+        monkeypatch.setattr(chan, "receive_nowait", racing)
+        w.begin_step(1)
+        assert len(calls) >= 2
+        assert w.detach_reason is DetachReason.PROTOCOL_ERROR
+        failed = w.poll()
+        assert [d.job_id for d in failed] == [1, 2]
+        assert not any(d.ok for d in failed)
+
+
 def test_a_ready_that_fails_unexpectedly_detaches_the_rank_and_leaks_nothing(
         tmp_path: object) -> None:
     """Hazard "a setup that fails with an unexpected error": the Ready names a disk

@@ -269,21 +269,25 @@ class WorkerLink:
                          None if closed else exc)
         else:
             self._counts["protocol_errors"] += 1
-            chan = self._session.channel if self._session is not None else None
-            if chan is not None:
-                try:  # the good records around an undecodable one: fail them locally too
-                    self._handle(chan.receive_nowait())
-                except TransportError:
-                    pass
+            self._drain_ring_quietly()  # the good records around the bad one fail locally
             self._detach(DetachReason.PROTOCOL_ERROR, exc)
 
     def _drain_ring_quietly(self) -> None:
-        """Take what the ring still holds (a Shutdown the engine posted before closing)."""
+        """Take what the ring still holds (a Shutdown the engine posted before closing,
+        the good records around an undecodable one). When that read raises too (another
+        bad record arrived meanwhile), the good records the channel kept back are taken
+        instead: none is dropped because a neighbour was bad. A bad Flush among them
+        raises only after the rest are queued (``StepQueue.intake``)."""
         chan = self._session.channel if self._session is not None else None
         if chan is None:
             return
         try:
             self._handle(chan.receive_nowait())
+            return
+        except TransportError:
+            pass
+        try:
+            self._handle(chan.take_salvaged())
         except TransportError:
             pass
 

@@ -132,6 +132,14 @@ class WorkerChannel(ChannelEndpoint[protocol.Done, protocol.CmdMsg]):
         self._check_open()
         return self._drain()
 
+    def take_salvaged(self) -> list[protocol.CmdMsg]:
+        """The good commands kept back when a receive raised ProtocolError (the records
+        around an undecodable one, over however many failed receives); a caller about
+        to detach fails them locally first: none is dropped because a neighbour was
+        bad."""
+        good, self._pending = self._pending, []
+        return good
+
     def receive(self, timeout: float | None = None) -> list[protocol.CmdMsg]:
         """Commands, waiting up to ``timeout`` s (None: until some arrive); [] on timeout.
 
