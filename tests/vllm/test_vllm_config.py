@@ -340,6 +340,25 @@ def test_an_explicit_name_under_data_parallelism_is_one_per_replica() -> None:
         cfg("n" * 77, 2, 1)
 
 
+def test_stats_path_under_data_parallelism_is_one_file_per_replica() -> None:
+    """The hazard: every data-parallel replica gets the same extra config, so with
+    ``stats_path`` set both replicas' schedulers rewrote one file (each report, and at
+    close): the operator saw whichever replica wrote last, the other engine's
+    statistics lost. Each replica now writes ``<stem>_dp<rank><suffix>``."""
+    def path(stats: str, size: int, rank: int) -> str | None:
+        vc = _vllm_config({"stats_path": stats, "cpu_bytes": GIB})
+        vc.parallel_config.data_parallel_size = size
+        vc.parallel_config.data_parallel_rank = rank
+        return _parse(vc).stats_path
+
+    assert path("/run/k.v/stats.json", 1, 0) == "/run/k.v/stats.json"
+    assert [path("/run/k.v/stats.json", 2, r) for r in (0, 1)] == [
+        "/run/k.v/stats_dp0.json", "/run/k.v/stats_dp1.json"]
+    assert path("/run/k.v/stats", 2, 1) == "/run/k.v/stats_dp1"
+    assert path(".stats", 2, 1) == ".stats_dp1"
+    assert _parse(_vllm_config({"cpu_bytes": GIB})).stats_path is None
+
+
 def test_kvshm_name_of_an_llm() -> None:
     """``engine_stats`` asks the engine the connector named: ``name`` if set, else
     ``kvshm-<engine_id>``; an LLM without a kv_transfer_config is refused."""

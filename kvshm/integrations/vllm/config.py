@@ -22,7 +22,7 @@ on each, with its default; it is what the refusal of an unknown key lists):
   safe and at most 80 characters by :func:`engine_name`. With data parallelism each
   replica appends ``_dp<rank>``, as vLLM does to the engine id (:func:`replica_name`).
 * ``stats_path``: the scheduler side writes its final statistics (JSON) there at
-  shutdown.
+  shutdown; each data-parallel replica to its own file (:func:`replica_stats_path`).
 * ``hang_timeout_s``, ``shutdown_timeout_s``: finite positive numbers (defaults 10 --
   ``kvshm.config.DEFAULT_HANG_TIMEOUT_S`` -- and 5).
 * ``eviction``: the CPU tier's eviction order (default ``kvshm.config.DEFAULT_EVICTION``).
@@ -104,6 +104,7 @@ __all__ = [
     "engine_name",
     "parse_config",
     "replica_name",
+    "replica_stats_path",
     "resolve_size",
     "tier_text",
 ]
@@ -277,15 +278,37 @@ def replica_name(name: str, parallel_config: Any) -> str:
     same rule, or the second replica's scheduler finds the name taken and vLLM fails to
     start. ConfigError when the suffixed name exceeds 80 characters.
     """
-    size = int(getattr(parallel_config, "data_parallel_size", 1) or 1)
-    rank = int(getattr(parallel_config, "data_parallel_rank", 0) or 0)
-    if size <= 1 and rank == 0:
+    rank = _dp_rank(parallel_config)
+    if rank is None:
         return name
     named = f"{name}_dp{rank}"
     if len(named) > _NAME_MAX:
         raise ConfigError(f"{_EXTRA}['name']={name!r} with data parallelism becomes "
                           f"{named!r}, longer than {_NAME_MAX} characters; shorten it")
     return named
+
+
+def _dp_rank(parallel_config: Any) -> int | None:
+    """This engine's data-parallel rank when vLLM runs replicas (vLLM's rule for
+    suffixing ``engine_id``), else None."""
+    size = int(getattr(parallel_config, "data_parallel_size", 1) or 1)
+    rank = int(getattr(parallel_config, "data_parallel_rank", 0) or 0)
+    return None if size <= 1 and rank == 0 else rank
+
+
+def replica_stats_path(path: str | None, parallel_config: Any) -> str | None:
+    """``stats_path`` as one data-parallel replica's file: ``_dp<rank>`` before the
+    suffix (``/run/kvshm.json`` -> ``/run/kvshm_dp1.json``), as :func:`replica_name`
+    does to the name. Every replica gets the same extra config; without it each one
+    rewrote the same file and the last writer's engine was all an operator saw."""
+    rank = _dp_rank(parallel_config)
+    if path is None or rank is None:
+        return path
+    head, sep, base = path.rpartition("/")
+    stem, dot, suffix = base.rpartition(".")
+    if not stem:  # no suffix ("stats", ".stats"): append
+        return f"{path}_dp{rank}"
+    return f"{head}{sep}{stem}_dp{rank}{dot}{suffix}"
 
 
 # ------------------------------------------------------------------ the extra config
@@ -557,7 +580,7 @@ def parse_config(vllm_config: Any, infos: Sequence[GroupInfo],
     return ConnectorConfig(
         name=name, tp=tp, pp=pp, block_size=bs, groups=groups, mode=extra.mode,
         cpu_bytes_per_rank=extra.cpu_bytes_per_rank, num_cpu_blocks=extra.num_cpu_blocks,
-        stats_path=extra.stats_path, hang_timeout_s=extra.hang_timeout_s,
+        stats_path=replica_stats_path(extra.stats_path, par), hang_timeout_s=extra.hang_timeout_s,
         shutdown_timeout_s=extra.shutdown_timeout_s, test_fail_loads=extra.test_fail_loads,
         eviction=extra.eviction, remote_url=extra.remote_url, remote_mode=extra.remote_mode,
         model_id=model_identity(vllm_config, extra.remote_namespace),
