@@ -476,6 +476,55 @@ def _fallocate(fd: int, path: str, size: int) -> None:
         raise
 
 
+
+#: Opens of a slab that ``kvshm disk --remove`` (or anything else) unlinked between
+#: the open and the lock before :meth:`SlabFile.open` gives up.
+_OPEN_TRIES: Final = 5
+
+
+def _open_locked(path: str, *, direct: bool) -> tuple[int, bool] | None:
+    """Open (creating) ``path`` and take its exclusive ``flock``: (fd, whether this call
+    created the file); None when the path no longer names the locked file (a remover
+    -- ``kvshm disk --remove`` locks a file no one holds, then unlinks it -- got in
+    between the open and the lock: the lock would guard an unlinked inode while the
+    next engine creates a new file at the path). ConfigError: cannot open; SlabLocked:
+    another holder."""
+    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (_O_DIRECT if direct else 0)
+    created = not os.path.exists(path)
+    try:
+        fd = os.open(path, flags, 0o600)
+    except OSError as exc:
+        if created:  # open(2) may create the file, then refuse O_DIRECT (EINVAL)
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        hint = (": the filesystem refuses O_DIRECT, set disk_io=buffered to use the page "
+                "cache" if direct and exc.errno == errno.EINVAL else "")
+        raise ConfigError(f"slab file {path!r}: cannot open ({exc.strerror}){hint}") \
+            from exc
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError as exc:
+            raise SlabLocked(f"slab file {path!r} is in use by another engine "
+                             "(its lock is held)") from exc
+        if _names(path, fd):
+            return fd, created
+    except BaseException:
+        os.close(fd)
+        raise
+    os.close(fd)
+    return None
+
+
+def _names(path: str, fd: int) -> bool:
+    """Whether ``path`` still names the file open at ``fd``."""
+    try:
+        st = os.stat(path)
+    except FileNotFoundError:
+        return False
+    held = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (held.st_dev, held.st_ino)
+
 class SlabFile:
     """An open slab file (see the module docstring). Counters in :attr:`counts`:
     ``writes``, ``reads`` (HITs), ``bytes_written``, ``bytes_read``, ``bounce``,
@@ -500,24 +549,15 @@ class SlabFile:
         blocks); any other content is re-initialised (every slot EMPTY; one log line).
         ConfigError: not enough space (names the size), O_DIRECT refused; SlabLocked:
         another holder. A file this call created is removed again when it fails."""
-        flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (_O_DIRECT if direct else 0)
-        created = not os.path.exists(path)
+        for _ in range(_OPEN_TRIES):
+            opened = _open_locked(path, direct=direct)
+            if opened is not None:
+                break
+        else:
+            raise SlabLocked(f"slab file {path!r} was removed under each of "
+                             f"{_OPEN_TRIES} opens (another process keeps removing it)")
+        fd, created = opened
         try:
-            fd = os.open(path, flags, 0o600)
-        except OSError as exc:
-            if created:  # open(2) may create the file, then refuse O_DIRECT (EINVAL)
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-            hint = (": the filesystem refuses O_DIRECT, set disk_io=buffered to use the page "
-                    "cache" if direct and exc.errno == errno.EINVAL else "")
-            raise ConfigError(f"slab file {path!r}: cannot open ({exc.strerror}){hint}") \
-                from exc
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError as exc:
-                raise SlabLocked(f"slab file {path!r} is in use by another engine "
-                                 "(its lock is held)") from exc
             slab = cls(path, spec, fd, direct=direct)
         except BaseException:
             os.close(fd)

@@ -13,6 +13,7 @@ import pytest
 
 from kvshm.cli import main
 from kvshm.cli_disk import format_disk, gone_slabs, remove_slabs
+from kvshm.disk import PAGE, SlabFile, SlabSpec
 
 
 def _slab(d: Path, engine: str, rank: int = 0, world: int = 1) -> Path:
@@ -46,6 +47,37 @@ def test_remove_slabs_removes_only_what_no_process_holds(tmp_path: Path) -> None
         os.close(fd)
     assert [(r.engine, what) for r, what in got] == [("a", "removed"), ("b", "in use")]
     assert not free.exists() and held.exists()
+
+
+def test_a_slab_removed_between_its_open_and_its_lock_is_opened_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hazard "remove_slabs unlinks a slab a starting worker opened but has not locked
+    yet": the worker opens its slab; before it takes the lock, ``kvshm sweep
+    --remove-slabs`` finds the file unlocked, locks it and unlinks it; the worker's lock
+    then succeeds -- on an unlinked inode. Its disk tier wrote into a file no path
+    names (nothing survives a restart), and the next engine of that name creates a new
+    file at the path while the first still believes it holds it. Now the open sees the
+    path no longer names its file and opens again."""
+    path = tmp_path / "kvshm-e.rank0-of-1.slab"
+    path.write_bytes(b"\0" * 8192)  # a warm slab from before
+    real_flock = fcntl.flock
+    raced: list[str] = []
+
+    def flock_after_a_sweep(fd: int, op: int) -> None:
+        if not raced:  # the worker's first lock: the sweep runs first (its own flock
+            raced.append("sweeping")  # comes back here and goes straight through)
+            raced[0] = remove_slabs(gone_slabs(str(tmp_path), set()))[0][1]
+        real_flock(fd, op)
+
+    monkeypatch.setattr(fcntl, "flock", flock_after_a_sweep)  # slab.py calls fcntl.flock
+    s = SlabFile.open(str(path), SlabSpec("m", 0, 1, 4, PAGE), direct=False)
+    try:
+        assert raced == ["removed"]
+        held, named = os.fstat(s._fd), os.stat(path)
+        assert (held.st_dev, held.st_ino) == (named.st_dev, named.st_ino)
+        assert remove_slabs(gone_slabs(str(tmp_path), set()))[0][1] == "in use"
+    finally:
+        s.close()
 
 
 def test_the_disk_section_as_text() -> None:
