@@ -87,6 +87,22 @@ def serve(tiny_llama: Any, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         yield s
 
 
+def _with_traffic(serve: Serve) -> None:
+    """Make sure the engine served a stored prefix again (a store, then a hit), so a
+    test that reads what traffic leaves behind (series with samples, reports to vLLM's
+    front end) passes alone or on another xdist worker, not only after the tests above
+    it in this file (it used to fail when run by itself: no ack latency samples, no
+    report, no final line)."""
+    if _kvshm_stats(NAME)["counters"].get("hit_tokens", 0):
+        return
+    for start in (900, 901, 902, 900):  # the KV cache holds two: the last one hits
+        serve.complete(_prompt(PROMPT_TOKENS, start), max_tokens=2)
+    deadline = time.monotonic() + 10
+    while not _kvshm_stats(NAME)["counters"].get("hit_tokens", 0):
+        assert time.monotonic() < deadline, "the traffic left no kvshm hit"
+        time.sleep(0.2)
+
+
 def _store_then_burst(serve: Serve, starts: tuple[int, ...]) -> None:
     """The prompts at ``starts`` one by one (kvshm stores them), then all at once: the
     threads wait at a barrier so the requests reach the server together."""
@@ -180,6 +196,7 @@ def test_every_kvshm_series_has_its_help_and_the_engines_name(serve: Serve) -> N
     """``/metrics``: kvshm's series are those of kvshm.series marked for vLLM, each with
     the table's HELP and ``engine`` = the kvshm engine's name (vLLM's own series keep
     vLLM's engine index)."""
+    _with_traffic(serve)
     fams = {n: f for n, f in serve.metrics().items()
             if n.startswith("kvshm_") and not n.endswith("_created")}
     assert {"kvshm_hit_tokens", "kvshm_lookups", "kvshm_pins_held",
@@ -195,6 +212,8 @@ def test_ctrl_c_with_the_default_shutdown_timeout_leaves_one_final_line(
     statistics still come out once, from vLLM's front end, with the engine's counters;
     no kvshm ERROR; the statistics file holds the last report (``live``); nothing of
     kvshm stays in /dev/shm; no process of the server is left."""
+    _with_traffic(serve)
+    _settled_counts(serve)  # the idle report reached the front end (the line is its)
     before = _kvshm_stats(NAME)
     segments = _kvshm_segments()
     rc = serve.interrupt()
