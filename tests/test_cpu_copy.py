@@ -398,14 +398,14 @@ def test_host_pool_from_fd_checks_plan_and_size() -> None:
 
 @pytest.mark.parametrize("inline", [True, False])
 def test_inline_loads_copy_in_the_caller_while_the_copy_thread_is_held(inline: bool) -> None:
-    """``inline_loads``: an unfenced load is copied by ``submit`` itself, so it is done
+    """``inline``: an unfenced load is copied by ``submit`` itself, so it is done
     (byte-exact, its Done ready for ``poll``) when ``submit`` returns even while the one
     copy thread is held by a store waiting for its fence; the store still goes to the
-    thread and lands once the fence is set. Without ``inline_loads`` the load waits
+    thread and lands once the fence is set. Without ``inline`` the load waits
     behind the store on the thread."""
     layout = make_layout(rank_tensors(3))
     with HostPool.for_tests(layout, NUM_CPU) as host, \
-            CpuCopyEngine(0, layout, host, inline_loads=inline) as eng:
+            CpuCopyEngine(0, layout, host, inline=inline) as eng:
         for i, r in enumerate(host.regions):
             r[7].fill_(0x30 + i)
         fence = CpuFence()
@@ -427,11 +427,31 @@ def test_inline_loads_copy_in_the_caller_while_the_copy_thread_is_held(inline: b
         assert eng.stats()["jobs_outstanding"] == 0
 
 
-def test_inline_loads_leave_a_fenced_load_to_the_thread() -> None:
+def test_inline_copies_an_unfenced_store_in_the_caller() -> None:
+    """An unfenced store is copied by ``submit`` itself too (vLLM on the CPU submits its
+    stores after the forward wrote the blocks): done, byte-exact, its Done ready for
+    ``poll`` when ``submit`` returns, even while the copy thread is held by a fenced
+    job. On the thread, a store waited for the GIL after each of its pieces while the
+    host's loop ran Python."""
+    layout = make_layout(rank_tensors(5))
+    with HostPool.for_tests(layout, NUM_CPU) as host, \
+            CpuCopyEngine(0, layout, host, inline=True) as eng:
+        fence = CpuFence()
+        eng.submit(CopyJob.from_ids(1, Direction.LOAD, [2], [3]), after=fence)
+        eng.submit(CopyJob.from_ids(2, Direction.STORE, [4, 5], [8, 9]))
+        assert [(d.job_id, d.ok) for d in eng.poll()] == [(2, True)]
+        for dev, hst in zip(layout.regions, host.regions):
+            assert torch.equal(hst[8], dev[4]) and torch.equal(hst[9], dev[5])
+        fence.set()
+        (done,) = eng.wait([1], timeout=WAIT_S)
+        assert done.ok and eng.stats()["jobs_outstanding"] == 0
+
+
+def test_inline_leaves_a_fenced_load_to_the_thread() -> None:
     """A load with a fence (it must wait for a reader) is never copied inline."""
     layout = make_layout(rank_tensors(4))
     with HostPool.for_tests(layout, NUM_CPU) as host, \
-            CpuCopyEngine(0, layout, host, inline_loads=True) as eng:
+            CpuCopyEngine(0, layout, host, inline=True) as eng:
         fence = CpuFence()
         eng.submit(CopyJob.from_ids(1, Direction.LOAD, [2], [3]), after=fence)
         assert eng.poll() == []

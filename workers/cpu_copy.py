@@ -19,16 +19,23 @@ Copy methods (:class:`CpuCopyMethod`), chosen by measurement (tools/bench_copy.p
 With ``num_threads > 1`` jobs copy concurrently and may finish out of order; reporting
 stays FIFO per direction (:class:`~workers.copy_engine.CompletionTracker`).
 
-``inline_loads``: a load submitted without a fence (and without fault injection) is
-copied by the caller inside ``submit`` instead of on a copy thread: an embedded worker
-whose engine waits for its loads anyway (vLLM on the CPU: the request cannot run until
-they land) saves the hand-off to a copy thread, which on a loaded machine waits for a
-core (measured in ``tools.bench_e2e``: a median load of 0.04-1 ms on the thread had
-outliers of 3-65 ms; vLLM's own CPU connector copies in the caller too). It goes
-through the same checks as a copy thread (closing, cancelled, gate) and is reported
-the same way; a store, or a load with a fence, still goes to the threads. Loads and
-stores never share a block (the scheduler pins every block a job uses), so a load
-copied now beside a store on a thread is safe.
+``inline``: a job submitted without a fence (and without fault injection), load or
+store, is copied by the caller inside ``submit`` instead of on a copy thread: an
+embedded worker on the CPU (vLLM's forward runs in the submitting thread, finished
+before its hooks) saves the hand-off to a copy thread. The hand-off is what costs: the
+thread needs the GIL back after each ``memmove`` (one per region and run of
+consecutive pairs: hundreds a store), and while the host runs Python -- vLLM's engine
+loop stepping, a request waiting for its blocks' store to free them -- each wait for
+the GIL lasts up to the interpreter's switch interval (5 ms). Measured in
+``tools.bench_e2e``'s chat workload (100 requests, 2 cores): a store on the thread
+finished 42-58 ms after the request's first token (vLLM stepped 138-150 times
+meanwhile), inline in 2.5 ms, with the same time to first token, and the arm's wall
+time fell from 19-20 s to 13.5 s (vLLM's own CPU connector copies in the caller too).
+Loads on the thread had medians of 0.04-1 ms and outliers of 3-65 ms. An inline job
+goes through the same checks as a copy thread (closing, cancelled, gate) and is
+reported the same way; a job with a fence still goes to the threads. Loads and stores
+never share a block (the scheduler pins every block a job uses), so a job copied now
+beside one on a thread is safe.
 """
 
 from __future__ import annotations
@@ -129,7 +136,7 @@ class CpuCopyEngine:
     def __init__(self, rank: int, device_layout: KVLayout, host: HostPool, *,
                  num_threads: int = 1, fault: FaultInjection | None = None,
                  method: CpuCopyMethod = CpuCopyMethod.MEMMOVE,
-                 fence_timeout_s: float = 60.0, inline_loads: bool = False) -> None:
+                 fence_timeout_s: float = 60.0, inline: bool = False) -> None:
         if device_layout.device.type != "cpu":
             raise ConfigError(f"CpuCopyEngine needs a CPU device layout, got "
                               f"{device_layout.device}")
@@ -148,7 +155,7 @@ class CpuCopyEngine:
             regions.append(_Region(dev, hst, nbytes, dense))
         self.rank = rank
         self.method = method
-        self.inline_loads = inline_loads
+        self.inline = inline
         self._regions = tuple(regions)  # keeps every tensor (and so every mapping) alive
         self._dev_rows = device_layout.num_blocks
         self._host_rows = host.num_cpu_blocks
@@ -187,8 +194,7 @@ class CpuCopyEngine:
             fail = job.job_id in f.fail_job_ids or self._nth == f.fail_nth
         self._nth += 1
         item = _Item(seq, job, after, delay, fail)
-        if (self.inline_loads and after is None and self._fault is None
-                and job.direction == Direction.LOAD):
+        if self.inline and after is None and self._fault is None:
             self._execute(item)  # module docstring: the caller copies it now
             return
         self._queue.put(item)
@@ -280,7 +286,7 @@ class CpuCopyEngine:
             self._execute(item)
 
     def _execute(self, item: _Item) -> None:
-        """Copy one job (a copy thread, or ``submit`` for an inline load) and publish
+        """Copy one job (a copy thread, or ``submit`` for an inline job) and publish
         its Done; never raises."""
         job = item.job
         nbytes = 0

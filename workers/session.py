@@ -69,8 +69,8 @@ class SessionOptions:
     #: A standalone worker's ``--device`` (where the engine's caches must live); None for
     #: an embedded worker, which brings its own layout.
     device: DeviceKind | None = None
-    #: The CPU copy engine copies unfenced loads in the caller (``CpuCopyEngine``).
-    inline_loads: bool = False
+    #: The CPU copy engine copies unfenced jobs in the caller (``CpuCopyEngine``).
+    inline: bool = False
 
 
 @dataclass
@@ -201,7 +201,7 @@ def _make_engine(rank: int, layout: KVLayout, host: HostPool,
 
         return CudaCopyEngine(rank, layout, host), None
     engine = CpuCopyEngine(rank, layout, host, num_threads=opts.copy_threads, fault=opts.fault,
-                           inline_loads=opts.inline_loads)
+                           inline=opts.inline)
     return engine, engine.notify_fd()
 
 

@@ -94,14 +94,14 @@ class Worker(WorkerLink):
                regions: Sequence[torch.Tensor] | None, *, kv_outer: bool | Sequence[bool] = False,
                fault: FaultInjection | None = None, spin_us: float = 50.0,
                copy_threads: int = 1, flush_timeout_s: float = FLUSH_TIMEOUT_S,
-               device: DeviceKind = DeviceKind.CPU, inline_loads: bool = False) -> Worker:
+               device: DeviceKind = DeviceKind.CPU, inline: bool = False) -> Worker:
         """A worker for rank ``rank`` of the scheduler named ``name``; no I/O, never blocks.
 
         ``regions``: this rank's KV tensors (embedded; blocks as dim 0, or K/V as dim 0
         with ``kv_outer``), or None (standalone: the device caches come in ``Ready``, and
         must live on ``device``: shared memory for CPU, CUDA IPC for CUDA).
-        ``inline_loads``: a CPU copy engine copies unfenced loads in the thread that
-        submits them (:mod:`workers.cpu_copy`); no effect on a CUDA engine.
+        ``inline``: a CPU copy engine copies unfenced jobs (loads and stores) in the
+        thread that submits them (:mod:`workers.cpu_copy`); no effect on a CUDA engine.
         ConfigError for a bad name, rank, world size or region.
         """
         socket_address(name)
@@ -113,7 +113,7 @@ class Worker(WorkerLink):
             raise ConfigError("spin_us must be >= 0, copy_threads >= 1, flush_timeout_s > 0")
         layout = None if regions is None else KVLayout.from_tensors(regions, kv_outer=kv_outer)
         opts = SessionOptions(spin_us, copy_threads, fault,
-                              device if regions is None else None, inline_loads)
+                              device if regions is None else None, inline)
         return cls(name, rank, world_size, layout, opts, flush_timeout_s)
 
     # ------------------------------------------------------------------ queries
