@@ -128,6 +128,17 @@ def default_name() -> str:
     return f"e{os.getpid()}-{secrets.token_hex(NAME_RANDOM_BITS // 8)}"
 
 
+class _GeneratedName(str):
+    """The name :class:`EngineConfig` made itself (no ``name`` given): it tells
+    ``__post_init__`` that no later start can reuse it, then becomes a plain str."""
+
+    __slots__ = ()
+
+
+def _generated_name() -> str:
+    return _GeneratedName(default_name())
+
+
 def _positive_int(field_name: str, value: object, *, allow_none: bool = False) -> None:
     if value is None and allow_none:
         return
@@ -188,13 +199,17 @@ class EngineConfig:
       rank's row rounded up to 4 KiB plus a 4 KiB header page). ``disk_io``:
       :class:`DiskIO`; ``disk_mode``: :class:`DiskMode`. A directory that is not
       writable, lacks the space or refuses ``O_DIRECT`` is refused at start, in one
-      line. The slab outlives the engine: one started again under the same ``name`` and
-      layout serves its blocks at once (warm restart); ``kvshm sweep`` lists slabs of
-      engines that are gone.
+      line. ``disk_keep``: whether the slabs outlive the engine; None (default): they
+      do where ``name`` was given -- one started again under the same ``name`` and
+      layout serves their blocks at once (warm restart) -- and are removed at close
+      where the name is the generated default, which no later start can reuse (each
+      start would leave a preallocated slab per rank behind until the directory
+      refused the next start for space). ``kvshm sweep`` lists slabs of engines that
+      are gone (killed ones included).
     """
 
     block_size: int
-    name: str = field(default_factory=default_name)
+    name: str = field(default_factory=_generated_name)
     tp: int = 1
     pp: int = 1
     groups: tuple[KVGroup, ...] = (KVGroup.full(),)
@@ -213,8 +228,13 @@ class EngineConfig:
     disk_bytes_per_rank: int | None = None
     disk_io: DiskIO = DiskIO.DIRECT
     disk_mode: DiskMode = DiskMode.WRITE_BACK
+    disk_keep: bool | None = None
 
     def __post_init__(self) -> None:
+        if self.disk_keep is None:  # resolved here: a copy (dataclasses.replace) keeps it
+            object.__setattr__(self, "disk_keep", type(self.name) is not _GeneratedName)
+        if type(self.name) is _GeneratedName:
+            object.__setattr__(self, "name", str(self.name))
         _positive_int("block_size", self.block_size)
         _positive_int("tp", self.tp)
         _positive_int("pp", self.pp)
@@ -243,6 +263,8 @@ class EngineConfig:
         self._check_disk()
 
     def _check_disk(self) -> None:
+        if not isinstance(self.disk_keep, bool):
+            raise ConfigError(f"disk_keep must be True, False or None, got {self.disk_keep!r}")
         if not isinstance(self.disk_io, DiskIO):
             raise ConfigError(f"disk_io must be a DiskIO, got {self.disk_io!r}")
         if not isinstance(self.disk_mode, DiskMode):

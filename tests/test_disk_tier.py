@@ -168,6 +168,51 @@ async def test_a_directory_without_the_space_is_refused_at_start_in_one_line(
     assert "not enough free space" in msg and "\n" not in msg
 
 
+@pytest.mark.parametrize("kind", ["fifo", "symlink"])
+async def test_a_fifo_or_link_where_a_slab_goes_is_refused_at_start_in_one_line(
+        tmp_path: Path, kind: str) -> None:
+    """Attack: rank 0's slab path is a FIFO (the scheduler's warm scan blocked in
+    open(2) on its loop before any Ready: the engine never started, no timeout fired)
+    or a link to a file elsewhere (its target was truncated and overwritten). Both are
+    refused before any worker starts, in one line naming the path; the link's target is
+    untouched."""
+    name = default_name()
+    path = tmp_path / f"kvshm-{name}.rank0-of-2.slab"
+    target = tmp_path / "elsewhere.db"
+    target.write_bytes(b"\x11" * 100)
+    if kind == "fifo":
+        os.mkfifo(path)
+    else:
+        path.symlink_to(target)
+    with pytest.raises(ConfigError) as info:
+        async with asyncio.timeout(20):
+            async with spawned_engine(name=name, **disk_cfg(tmp_path)):
+                pass
+    msg = str(info.value)
+    assert str(path) in msg and "\n" not in msg, msg
+    assert target.read_bytes() == b"\x11" * 100
+
+
+async def test_a_generated_name_leaves_no_slab_behind_and_a_given_name_keeps_its_own(
+        tmp_path: Path) -> None:
+    """Each start under the default name (new every start: no later start can serve
+    its slabs) preallocated a slab per rank and left it there: in a small directory the
+    third start was refused for space. Now its ranks remove their slabs when they close;
+    an engine given a name keeps them for a warm restart (the test above)."""
+    for _ in range(3):
+        async with spawned_engine(**disk_cfg(tmp_path)) as (eng, gpu, ks):
+            c = Client(eng, gpu)
+            await fill(c, ks, 3, seed=60)
+            assert eng.statistics().disk["written_blocks"] >= 4
+            assert len(list(tmp_path.glob("*.slab"))) == 2
+        assert list(tmp_path.glob("*.slab")) == []
+    name = default_name()
+    async with spawned_engine(name=name, **disk_cfg(tmp_path)):
+        pass
+    assert sorted(p.name for p in tmp_path.glob("*.slab")) == [
+        f"kvshm-{name}.rank{r}-of-2.slab" for r in range(2)]
+
+
 async def test_a_restarted_engine_serves_the_previous_ones_slab_at_once(
         tmp_path: Path) -> None:
     """Engine 1 writes prompt 0's blocks down and closes; engine 2, started under the

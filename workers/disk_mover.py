@@ -112,6 +112,7 @@ class DiskMover:
         self._host = host
         self._spec = SlabSpec(setup.fingerprint, rank, world, setup.slots, host.bytes_per_block)
         self._slab = SlabFile.open(setup.path, self._spec, direct=setup.direct)
+        self._keep = setup.keep
         try:
             self._start(host, threads)
         except BaseException:  # no fd or lock of a mover that never ran is kept
@@ -267,7 +268,8 @@ class DiskMover:
         return n
 
     def close(self) -> None:
-        """Stop (idempotent): queued slots fail, running ones finish, the slab closes."""
+        """Stop (idempotent): queued slots fail, running ones finish, the slab closes
+        (removed where its setup says it is not kept)."""
         if self._closed:
             return
         self._closed = True
@@ -276,7 +278,7 @@ class DiskMover:
         for t in self._threads:
             t.join()
         self.cancel_queued("mover closed")
-        self._slab.close()
+        self._slab.close(remove=not self._keep)
         self._bases = []
         self._regions = []
 

@@ -17,9 +17,10 @@ from kvshm.disk.slab import (
     SlabSpec,
     SlotOutcome,
     check_directory,
+    refuse_special,
     scan,
     slab_path,
 )
 
 __all__ = ["FORMAT_VERSION", "MAX_HASH_BYTES", "PAGE", "SlabFile", "SlabLocked", "SlabSpec",
-           "SlotOutcome", "check_directory", "scan", "slab_path"]
+           "SlotOutcome", "check_directory", "refuse_special", "scan", "slab_path"]

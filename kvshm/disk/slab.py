@@ -97,6 +97,7 @@ import logging
 import mmap
 import os
 import re
+import stat
 import struct
 import tempfile
 import threading
@@ -112,7 +113,7 @@ from kvshm.errors import ConfigError
 from kvshm.remote.tier import CHECKSUMS, DEFAULT_CHECKSUM
 
 __all__ = ["FORMAT_VERSION", "MAX_HASH_BYTES", "PAGE", "SlabFile", "SlabLocked", "SlabSpec",
-           "SlotOutcome", "check_directory", "scan", "slab_path"]
+           "SlotOutcome", "check_directory", "refuse_special", "scan", "slab_path"]
 
 log = logging.getLogger(__name__)
 
@@ -398,12 +399,13 @@ def scan(path: str, spec: SlabSpec) -> dict[int, bytes]:
     same test :meth:`SlabFile.open` makes before it reuses a file (it re-initialises
     any other), so the warm index never names a slot the worker then wipes. Never
     raises for content (an unreadable file: OSError)."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
+    try:  # never follows a link, never waits for a FIFO's writer (the scan runs on the
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except FileNotFoundError:  # scheduler's loop before any Ready: a wait is a hang)
         return {}
     try:
-        if os.fstat(fd).st_size != spec.file_bytes:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_size != spec.file_bytes:
             return {}
         if not spec.matches_file_header(os.pread(fd, PAGE, 0)):
             return {}
@@ -489,19 +491,26 @@ def _open_locked(path: str, *, direct: bool) -> tuple[int, bool] | None:
     between the open and the lock: the lock would guard an unlinked inode while the
     next engine creates a new file at the path). ConfigError: cannot open; SlabLocked:
     another holder."""
-    flags = os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | (_O_DIRECT if direct else 0)
-    created = not os.path.exists(path)
+    flags = (os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK
+             | (_O_DIRECT if direct else 0))
+    refuse_special(path)
+    created = not os.path.lexists(path)
     try:
         fd = os.open(path, flags, 0o600)
     except OSError as exc:
         if created:  # open(2) may create the file, then refuse O_DIRECT (EINVAL)
             with contextlib.suppress(OSError):
                 os.unlink(path)
+        if exc.errno == errno.ELOOP:  # a link put there since refuse_special looked
+            raise ConfigError(f"slab file {path!r} is a symbolic link: kvshm never "
+                              "writes through one (remove it)") from exc
         hint = (": the filesystem refuses O_DIRECT, set disk_io=buffered to use the page "
                 "cache" if direct and exc.errno == errno.EINVAL else "")
         raise ConfigError(f"slab file {path!r}: cannot open ({exc.strerror}){hint}") \
             from exc
     try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped in since refuse_special
+            raise ConfigError(f"slab file {path!r} is not a regular file (remove it)")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as exc:
@@ -514,6 +523,23 @@ def _open_locked(path: str, *, direct: bool) -> tuple[int, bool] | None:
         raise
     os.close(fd)
     return None
+
+
+def refuse_special(path: str) -> None:
+    """ConfigError unless ``path`` is absent or a regular file: a symbolic link would
+    have kvshm truncate and overwrite its target (anywhere the engine may write), a
+    FIFO would block the open (the scheduler's warm scan, a worker's start) until a
+    writer came. Checked without following the last component."""
+    try:
+        mode = os.lstat(path).st_mode
+    except FileNotFoundError:
+        return
+    if stat.S_ISLNK(mode):
+        raise ConfigError(f"slab file {path!r} is a symbolic link: kvshm never writes "
+                          "through one (remove it, or choose another disk_path)")
+    if not stat.S_ISREG(mode):
+        raise ConfigError(f"slab file {path!r} is not a regular file (remove it, or "
+                          "choose another disk_path)")
 
 
 def _names(path: str, fd: int) -> bool:
@@ -595,10 +621,15 @@ class SlabFile:
         page[:] = self.spec.file_header()
         self._pwrite_all([memoryview(page)], 0)
 
-    def close(self) -> None:
-        """Unlock and close (idempotent). No call may be running."""
+    def close(self, *, remove: bool = False) -> None:
+        """Unlock and close (idempotent). No call may be running. ``remove``: unlink the
+        file first, under the lock, if the path still names it (a slab no later start
+        can serve: ``DiskSetup.keep``)."""
         if self._fd < 0:
             return
+        if remove and _names(self.path, self._fd):
+            with contextlib.suppress(OSError):  # (gone meanwhile: kvshm sweep) nothing to do
+                os.unlink(self.path)
         os.close(self._fd)  # releases the flock
         self._fd = -1
         for b in self._buffers.values():

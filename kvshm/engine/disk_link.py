@@ -35,7 +35,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kvshm.config import DiskIO, DiskMode, EngineConfig
-from kvshm.disk import PAGE, SlabSpec, check_directory, scan, slab_path
+from kvshm.disk import PAGE, SlabSpec, check_directory, refuse_special, scan, slab_path
 from kvshm.errors import ConfigError
 from kvshm.ipc.protocol import DiskSetup, LayoutSpec
 from kvshm.offload.disk import DiskBook, max_disk_blocks
@@ -109,7 +109,8 @@ class DiskLink:
                               f"slot: one block's slab takes {need} bytes")
         fp = layout_fingerprint(cfg.model_id, cfg.block_size, cfg.groups, layouts)
         direct = cfg.disk_io is DiskIO.DIRECT
-        self.setups = {r: DiskSetup(self.path(r), slots, fp, direct) for r in sorted(layouts)}
+        self.setups = {r: DiskSetup(self.path(r), slots, fp, direct, bool(cfg.disk_keep))
+                       for r in sorted(layouts)}
         self._scan(rows)
         return self.setups
 
@@ -154,10 +155,13 @@ class DiskLink:
 
 def open_disk(config: EngineConfig) -> DiskLink:
     """The engine's disk link (no tier where ``config.disk_path`` is None), after the
-    directory check (ConfigError, one line)."""
+    directory check and a check that no rank's slab path is a link or other non-file
+    (ConfigError, one line)."""
     if config.disk_path is None or config.disk_bytes_per_rank is None:
         return DiskLink.none()
     link = DiskLink(config)
+    for r in range(config.world_size):  # a link or FIFO where a slab goes: one line now
+        refuse_special(link.path(r))
     held = sum(_held(link.path(r)) for r in range(config.world_size))
     need = max(0, config.world_size * config.disk_bytes_per_rank - held)
     check_directory(config.disk_path, need, direct=config.disk_io is DiskIO.DIRECT)

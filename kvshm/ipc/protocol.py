@@ -134,13 +134,15 @@ class DiskOp(IntEnum):
 class DiskSetup(msgspec.Struct, array_like=True, frozen=True, gc=False):
     """The local disk tier of one rank (in ``Ready``): the path of its slab file, the
     number of slots the scheduler hands out in it, the layout fingerprint every slot
-    header carries, and whether the rank reads and writes it with ``O_DIRECT`` (False only
-    where the user asked for buffered I/O)."""
+    header carries, whether the rank reads and writes it with ``O_DIRECT`` (False only
+    where the user asked for buffered I/O), and whether the file outlives the rank
+    (``EngineConfig.disk_keep``; False: the rank removes it when its mover closes)."""
 
     path: str
     slots: int
     fingerprint: str
     direct: bool = True
+    keep: bool = True
 
 
 class RemoteSetup(msgspec.Struct, array_like=True, frozen=True, gc=False):

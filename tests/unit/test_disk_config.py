@@ -6,9 +6,11 @@ row rounded up to 4 KiB)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
-from kvshm.config import DiskIO, DiskMode, EngineConfig
+from kvshm.config import DiskIO, DiskMode, EngineConfig, default_name
 from kvshm.engine.disk_link import slot_count, slot_stride
 from kvshm.errors import ConfigError
 from kvshm.integrations.vllm.config import check_extra_config
@@ -30,6 +32,24 @@ def test_a_disk_tier_needs_both_its_directory_and_its_size() -> None:
     with pytest.raises(ConfigError, match="full-attention KV groups only"):
         EngineConfig(block_size=16, disk_path="/tmp", disk_bytes_per_rank=1 << 20,
                      groups=(KVGroup.full(), KVGroup.sliding_window(64)))
+
+
+def test_slabs_are_kept_where_the_name_was_given_and_removed_where_it_was_generated(
+        ) -> None:
+    """``disk_keep`` None resolves at construction: False for the generated default
+    name (new every start: its slabs could never serve a restart), True for a given
+    one -- even one made by ``default_name()`` and passed in, as a caller that restarts
+    under it does; a copy keeps what was resolved; an explicit value wins; the name is
+    a plain str either way."""
+    d = dict(block_size=16, disk_path="/tmp", disk_bytes_per_rank=1 << 20)
+    gen = EngineConfig(**d)  # type: ignore[arg-type]
+    assert gen.disk_keep is False and type(gen.name) is str
+    assert dataclasses.replace(gen, tp=2).disk_keep is False
+    assert EngineConfig(name=default_name(), **d).disk_keep is True  # type: ignore[arg-type]
+    assert EngineConfig(disk_keep=True, **d).disk_keep is True  # type: ignore[arg-type]
+    assert EngineConfig(name="x", disk_keep=False, **d).disk_keep is False  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="disk_keep must be"):
+        EngineConfig(disk_keep="no", **d)  # type: ignore[arg-type]
 
 
 def test_the_vllm_keys_parse_and_refuse_in_one_line() -> None:

@@ -75,6 +75,10 @@ def test_defaults() -> None:
     assert cfg.stats_path is None and cfg.test_fail_loads == 0
     assert cfg.hang_timeout_s == 10.0 and cfg.shutdown_timeout_s == 5.0  # as EngineConfig
     EngineConfig(block_size=cfg.block_size, name=cfg.name)  # the name is valid there
+    # the default name follows vLLM's engine id, new every start: no later start could
+    # serve its slabs, so they go at close; a given name keeps them (warm restart)
+    assert cfg.disk_keep is False
+    assert _parse(_vllm_config({"name": "n.1"})).disk_keep is True
 
 
 def test_extra_config_values() -> None:

@@ -41,7 +41,8 @@ on each, with its default; it is what the refusal of an unknown key lists):
   ``disk_mode``: ``"write_back"`` (default: blocks about to leave the CPU tier) or
   ``"write_through"`` (every stored block).
   The slab is named after ``name``: set ``name`` for a restarted server to serve the
-  previous one's disk blocks (warm restart; the default name is new every start).
+  previous one's disk blocks (warm restart). The default name is new every start: its
+  slabs are removed when the engine closes.
 
 Internal keys (:data:`INTERNAL_KEYS`: accepted, never listed to a user):
 ``test_fail_loads``, a test hook: each worker rank fails the copy of the first N load
@@ -239,6 +240,9 @@ class ConnectorConfig:
     disk_bytes_per_rank: int | None = None
     disk_io: DiskIO = DiskIO.DIRECT
     disk_mode: DiskMode = DiskMode.WRITE_BACK
+    #: The slabs outlive the engine (``EngineConfig.disk_keep``): where ``name`` was
+    #: given; the default name is new every start, so its slabs go at close.
+    disk_keep: bool = True
     #: Hits are loaded synchronously, in the step that computes the request: a CPU
     #: device (its worker copies a load inline in ``start_load_kv``, which vLLM calls
     #: before the forward of a step with synchronous loads) with one KV cache group
@@ -586,7 +590,8 @@ def parse_config(vllm_config: Any, infos: Sequence[GroupInfo],
         model_id=model_identity(vllm_config, extra.remote_namespace),
         size_source=extra.size_source, disk_path=extra.disk_path,
         disk_bytes_per_rank=extra.disk_bytes_per_rank, disk_io=extra.disk_io,
-        disk_mode=extra.disk_mode, sync_loads=sync_loads_for(vllm_config, groups))
+        disk_mode=extra.disk_mode, disk_keep=extra.name is not None,
+        sync_loads=sync_loads_for(vllm_config, groups))
 
 
 def sync_loads_for(vllm_config: Any, groups: Sequence[KVGroup]) -> bool:

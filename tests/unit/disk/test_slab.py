@@ -371,6 +371,63 @@ def test_a_second_opener_is_refused(slab: SlabFile) -> None:
         SlabFile.open(slab.path, slab.spec, direct=True)
 
 
+def test_a_symlink_at_the_slab_path_is_refused_and_its_target_untouched(
+        tmp_path: Path) -> None:
+    """Attack: ``disk_path`` is shared, and someone puts a symbolic link where an
+    engine's slab goes, pointing at a file of theirs (or of the engine's user) elsewhere.
+    The open followed it and re-initialised the "foreign slab": the target truncated to
+    0 and overwritten with a slab of 36,864 bytes, one warning line. Now the open refuses
+    (ConfigError naming the link) and the target keeps its 2,000 bytes; a dangling link
+    is refused too and left in place (it is not the engine's to remove)."""
+    target = tmp_path / "precious.db"
+    target.write_bytes(b"\x5a" * 2000)
+    link = tmp_path / "s.slab"
+    link.symlink_to(target)
+    spec = SlabSpec(FP, 0, 1, 8, PAGE)
+    for direct in (True, False):
+        with pytest.raises(ConfigError, match="symbolic link"):
+            SlabFile.open(str(link), spec, direct=direct)
+    assert target.read_bytes() == b"\x5a" * 2000
+    with pytest.raises(OSError):  # the scan does not follow it either (the engine
+        scan(str(link), spec)  # logs "unreadable: starting cold"; open_disk refused first)
+    dangling = tmp_path / "d.slab"
+    dangling.symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ConfigError, match="symbolic link"):
+        SlabFile.open(str(dangling), spec, direct=False)
+    assert dangling.is_symlink() and not (tmp_path / "nowhere").exists()
+
+
+def test_a_fifo_at_the_slab_path_never_blocks_scan_or_open(tmp_path: Path) -> None:
+    """Attack: a FIFO named like a slab. ``scan`` opened it read-only and blocking, on the
+    scheduler's loop before any Ready: the engine's start hung for good (no connect or
+    hang timeout fires there). Now the scan returns at once with no warm slots, and the
+    open refuses it in one line (a worker would otherwise wait for a writer too)."""
+    fifo = tmp_path / "s.slab"
+    os.mkfifo(fifo)
+    spec = SlabSpec(FP, 0, 1, 8, PAGE)
+    assert scan(str(fifo), spec) == {}
+    with pytest.raises(ConfigError, match="not a regular file"):
+        SlabFile.open(str(fifo), spec, direct=False)
+    assert fifo.is_fifo()
+
+
+def test_a_slab_closed_with_remove_is_gone_and_one_closed_without_stays(
+        tmp_path: Path) -> None:
+    """``close(remove=True)`` (a slab no later start can serve) unlinks the file under
+    its lock; a plain close keeps it; a path that names another file by then (removed
+    and created again) is left alone."""
+    spec = SlabSpec(FP, 0, 1, 8, PAGE)
+    a, b = tmp_path / "a.slab", tmp_path / "b.slab"
+    SlabFile.open(str(a), spec, direct=False).close(remove=True)
+    SlabFile.open(str(b), spec, direct=False).close()
+    assert not a.exists() and b.exists()
+    s = SlabFile.open(str(a), spec, direct=False)
+    os.unlink(a)
+    a.write_bytes(b"someone else's")
+    s.close(remove=True)
+    assert a.read_bytes() == b"someone else's"
+
+
 def test_slab_path_refuses_names_with_separators(tmp_path: Path) -> None:
     assert slab_path(str(tmp_path), "eng-1", 1, 2).endswith("kvshm-eng-1.rank1-of-2.slab")
     for bad in ("a/b", "..", ".", "", "x\0y"):
