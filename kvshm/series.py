@@ -293,6 +293,9 @@ _REMOTE_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
     "index_values_refused": ("value writes, deletes and re-timings (P/D manifests) the "
                              "server refused with an error reply (OOM, no permission); "
                              "commands", False),
+    "index_drains_failed": ("readiness-index rounds that failed where nothing should "
+                            "(a client fault): their lookups missed, a new client was "
+                            "made; rounds", True),
     "index_breaker_opens": ("times the readiness index's circuit breaker opened; "
                             "events", True),
     "index_breaker_closes": ("times the readiness index's circuit breaker closed again; "

@@ -41,6 +41,7 @@ and the engine forgets what it believes it put, so write-through refills the tie
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -48,6 +49,7 @@ from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Any, Final, NamedTuple
 
+from kvshm.ratelog import RateLimitedLog
 from kvshm.remote.breaker import BreakerState, CircuitBreaker
 from kvshm.remote.glide_client import Counters, Shards, glide_module, make_client
 from kvshm.remote.resp import info_field
@@ -55,6 +57,9 @@ from kvshm.remote.shard_batches import DOWN, SERVER, Command, Op, ShardBatches
 from kvshm.remote.tier import RemoteSpec
 
 __all__ = ["RUN_ID_EVERY_S", "RunIdWatch", "ValkeyReadyIndex", "run_ids"]
+
+log = logging.getLogger(__name__)
+rlog = RateLimitedLog(log)
 
 #: The server's run_id is read at most this often (seconds), before a round.
 RUN_ID_EVERY_S: Final = 1.0
@@ -156,7 +161,7 @@ class ValkeyReadyIndex:
                             "timeouts", "rejected", "round_trips", "clients_created",
                             "values_set", "values_got", "values_dropped", "values_refused",
                             "run_id_checks", "run_id_errors", "run_id_changes",
-                            "keys_shard_down", "values_shard_down")
+                            "keys_shard_down", "values_shard_down", "drains_failed")
         self._batches = ShardBatches(spec, glide, self._shards, self._n)
         self._run_id = RunIdWatch(spec, glide, self._n, run_id_every_s, self._calm)
         self._closed = False
@@ -260,15 +265,18 @@ class ValkeyReadyIndex:
             stop = None in ops
             work = [o for o in ops if o is not None]
             if work:
-                if client is None or (not self.spec.cluster
-                                      and self.breaker.opens != gen_opens):
-                    if client is not None:
-                        _close(client)
-                    client = make_client(self.spec)
-                    gen_opens = self.breaker.opens
-                    self._n.add(clients_created=1)
-                self._run_id.check(client)
-                self._drain(client, work)
+                try:
+                    if client is None or (not self.spec.cluster
+                                          and self.breaker.opens != gen_opens):
+                        if client is not None:
+                            _close(client)
+                        client = make_client(self.spec)
+                        gen_opens = self.breaker.opens
+                        self._n.add(clients_created=1)
+                    self._run_id.check(client)
+                    self._drain(client, work)
+                except Exception as exc:  # noqa: BLE001 - the thread must outlive any drain
+                    client = self._failed_drain(client, work, exc)
             elif client is not None and not stop:
                 self._run_id.check(client)
             if stop:
@@ -276,6 +284,27 @@ class ValkeyReadyIndex:
         self._batches.close()
         if client is not None:
             _close(client)
+
+    def _failed_drain(self, client: Any, work: list[_Queued], exc: Exception) -> Any:
+        """A drain raised where nothing should (a client or library fault): its queries
+        answer 0 and its reads None (no caller waits for an answer that never comes --
+        the thread lives on, where its death left every later lookup asking again until
+        its deadline), its writes are dropped (counted; write-through puts them again),
+        and the client is made anew. (A token this drain answered before the fault is
+        answered again: its consumer took the first and counts the second stale.)
+        Returns the client to use next: None."""
+        queries = [(q.arg, 0) for q in work if q.ask is Ask.QUERY]
+        reads: list[tuple[int, bytes | None]] = [(q.arg, None) for q in work
+                                                 if q.ask is Ask.GET]
+        self._n.add(errors=1, drains_failed=1,
+                    values_dropped=sum(1 for q in work if q.ask is Ask.SET))
+        self._answer(queries)
+        self._put_values(reads)
+        rlog.error("drain_failed", "kvshm: remote index round failed (%s: %s); its "
+                   "lookups miss and a new client is made", type(exc).__name__, exc)
+        if client is not None:
+            _close(client)
+        return None
 
     def _drain(self, client: Any, work: list[_Queued]) -> None:
         """Everything queued since the last drain: the readiness round, then the

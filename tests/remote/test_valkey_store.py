@@ -507,6 +507,41 @@ def test_server_sigkill_mid_get_returns_within_the_deadline(valkey: ValkeyServer
         store.close()
 
 
+def test_a_drain_that_raises_answers_its_callers_and_the_index_thread_lives_on(
+        valkey: ValkeyServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A fault where none is expected (injected: the batch runner raises once, as a
+    client library bug would): the index thread died with it, and every later query
+    and manifest read went unanswered -- each lookup asking again until its deadline,
+    for the rest of the run. Now the failed drain answers its query 0 and its read
+    None, counts ``drains_failed``, makes a new client, and the next query is answered
+    from the server as before."""
+    idx = ValkeyReadyIndex(RemoteSpec.parse(valkey.url, ttl_s=60, **CALM))
+    try:
+        chain = [ready_key(FP, 2, i.to_bytes(16, "big")) for i in range(3)]
+        idx.publish(chain)
+        _wait(lambda: idx.statistics()["published"] == 3)
+        real = idx._batches.run
+        calls = {"n": 0}
+
+        def flaky(client: Any, cmds: Any) -> list[Any]:
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise RuntimeError("injected")
+            return real(client, cmds)
+        monkeypatch.setattr(idx._batches, "run", flaky)
+        idx.query(1, chain)
+        idx.get_value(2, "kvshm:nothing")
+        assert _wait(idx.answers) == [(1, 0)]
+        assert _wait(idx.values) == [(2, None)]
+        stats = idx.statistics()
+        assert stats["drains_failed"] == 1 and stats["errors"] == 1, stats
+        idx.query(3, chain)
+        assert _wait(idx.answers) == [(3, 3)]
+        assert idx._thread.is_alive() and idx.statistics()["clients_created"] == 2
+    finally:
+        idx.close()
+
+
 def test_ready_index_on_a_dead_server_answers_zero_and_never_blocks_the_caller(
         valkey: ValkeyServer) -> None:
     """query() and publish() return at once while the server is down; the answers are
