@@ -133,6 +133,40 @@ async def test_cancelled_aclose_still_closes_and_resolves_waiters() -> None:
     assert set(_children()) <= before
 
 
+async def test_an_aclose_cancelled_while_jobs_drain_still_closes_and_a_second_returns(
+        ) -> None:
+    """Three requests of 8 blocks stored, their jobs in flight, then aclose() cancelled
+    at its first suspension -- the graceful drain of those jobs. The drain sat before
+    aclose()'s try: the cancel left the engine READY with both ranks up and the
+    "closing" flag set, so a second aclose() waited for a close that never came (15 s
+    and counting, the workers never stopped). Now the cancel ends the drain, the
+    closing goes on (CLOSED, ranks reaped), CancelledError follows, and a second
+    aclose() returns at once."""
+    ks, gpu = shards(), BlockPool(GPU_BLOCKS)
+    before = set(_children())
+    eng = await Engine.launch(config(shutdown_grace_s=5.0), workers=SPAWN, gpu_blocks=gpu,
+                              device_caches=[[k] for k in ks])
+    c = Client(eng, gpu)
+    for i in range(3):
+        toks = tokens(8 * BS + 1, seed=70 + i)
+        table, _ = c.compute(f"r{i}", toks)
+        c.finish(f"r{i}", table, len(toks))
+    c.step()
+    assert eng._core.jobs_in_flight() > 0
+    closing = asyncio.ensure_future(eng.aclose())
+    await asyncio.sleep(0)
+    assert not closing.done()  # suspended in the drain
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    assert eng.state is EngineState.CLOSED
+    await asyncio.wait_for(eng.aclose(), 5)
+    deadline = time.monotonic() + 10
+    while set(_children()) - before and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert set(_children()) <= before
+
+
 class _Core:
     """Just enough of a Runtime for Engine's waiter bookkeeping (a seam for timing)."""
 

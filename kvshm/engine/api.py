@@ -111,13 +111,19 @@ class Engine(Facade):
     async def aclose(self) -> None:
         """Shut down: Shutdown to workers, close lifelines, then TERM/KILL (idempotent; a
         second call while one runs waits for it, so every caller returns only once the
-        spawned ranks are reaped)."""
+        spawned ranks are reaped). Cancelled, it still closes: a cancel while jobs in
+        flight drain ends the drain and the closing goes on; one while the ranks stop
+        leaves their reaping to a thread (shielded); either way CancelledError follows."""
         if self._ended or self._aclosing:
             await self._closed.wait()
             return
         self._aclosing = True
         loop = asyncio.get_running_loop()
-        await self._drain(loop.time() + self._core.config.shutdown_grace_s)
+        try:  # the graceful part only: a cancel here skips to the closing, which goes on
+            await self._drain(loop.time() + self._core.config.shutdown_grace_s)
+            cancelled = False
+        except asyncio.CancelledError:  # (it left the engine READY with its ranks up,
+            cancelled = True  # and every later aclose() waiting for _closed for good)
         self._core.begin_close()
         try:
             if self._ticker is not None:
@@ -136,6 +142,8 @@ class Engine(Facade):
         finally:  # even when cancelled: no waiter is left hanging, later aclose()s return
             self._fail_waiters(LoadFailure.ENGINE_CLOSED)
             self._closed.set()
+        if cancelled:  # the caller's cancel, delivered once the engine is closed
+            raise asyncio.CancelledError
 
     async def _drain(self, deadline: float) -> None:
         """Graceful part of aclose: let jobs in flight finish (so their pins are released)
