@@ -40,6 +40,9 @@ DEFAULT_CPU_BYTES_PER_RANK: Final = 1 << 30
 #: Default ``hang_timeout_s`` (see EngineConfig; chosen from tools.bench_acks).
 DEFAULT_HANG_TIMEOUT_S: Final = 10.0
 TIMEOUT_FIELDS: Final = ("hang_timeout_s", "connect_timeout_s", "shutdown_grace_s")
+#: Most worker ranks (tp x pp) one engine has: far past any node's accelerators, and a
+#: bound for ``kvshm-workers``, which starts one process per rank.
+MAX_WORLD_SIZE: Final = 1024
 #: Longest timeout accepted: a day. Larger values behave like infinity (and overflow
 #: the millisecond conversions of poll()).
 MAX_TIMEOUT_S: Final = 86400.0
@@ -128,6 +131,14 @@ def default_name() -> str:
     return f"e{os.getpid()}-{secrets.token_hex(NAME_RANDOM_BITS // 8)}"
 
 
+def check_name(name: object) -> None:
+    """ConfigError unless ``name`` can name an engine: 1-80 characters of
+    ``[A-Za-z0-9._-]`` (a rendezvous name, a file-name part of its slabs)."""
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name):
+        # (fullmatch: ``$`` also matches before a final newline)
+        raise ConfigError(f"name must be 1-80 characters of [A-Za-z0-9._-], got {name!r}")
+
+
 class _GeneratedName(str):
     """The name :class:`EngineConfig` made itself (no ``name`` given): it tells
     ``__post_init__`` that no later start can reuse it, then becomes a plain str."""
@@ -167,7 +178,7 @@ class EngineConfig:
 
     * ``name``: the rendezvous name (``\\0kvshm.<name>``); every process of one engine
       must use the same one; default: unique per engine instance.
-    * ``tp`` x ``pp`` = ``world_size`` worker ranks; CPU block ``b`` is row ``b`` of every
+    * ``tp`` x ``pp`` = ``world_size`` worker ranks (at most :data:`MAX_WORLD_SIZE`); CPU block ``b`` is row ``b`` of every
       rank's host pool.
     * CPU tier size, reserved in /dev/shm at start (``posix_fallocate``, ~1 s a GiB;
       an INFO line on logger ``kvshm.shm`` for every segment of 4 GiB or more):
@@ -241,10 +252,10 @@ class EngineConfig:
         _positive_int("num_cpu_blocks", self.num_cpu_blocks, allow_none=True)
         _positive_int("cpu_bytes_per_rank", self.cpu_bytes_per_rank, allow_none=True)
         _positive_int("ring_capacity", self.ring_capacity, allow_none=True)
-        if not isinstance(self.name, str) or not _NAME_RE.fullmatch(self.name):
-            # (fullmatch: ``$`` also matches before a final newline)
-            raise ConfigError(
-                f"name must be 1-80 characters of [A-Za-z0-9._-], got {self.name!r}")
+        check_name(self.name)
+        if self.tp * self.pp > MAX_WORLD_SIZE:
+            raise ConfigError(f"tp x pp = {self.tp * self.pp} ranks: at most "
+                              f"{MAX_WORLD_SIZE}")
         if (isinstance(self.groups, (str, bytes)) or not isinstance(self.groups, Sequence)
                 or not self.groups):
             raise ConfigError(f"groups must be a non-empty sequence of KVGroup, got "

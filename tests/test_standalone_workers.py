@@ -15,13 +15,14 @@ import pytest
 import torch
 from worker_rig import Sched, rank_lost_error, transfer, unique_name
 
-from kvshm.errors import WorkerDied
+from kvshm.config import MAX_WORLD_SIZE, EngineConfig
+from kvshm.errors import ConfigError, WorkerDied
 from kvshm.ipc.protocol import Direction, Shutdown
 from kvshm.ipc.rendezvous_events import EventKind
 from kvshm.shm import shared_tensor
 from kvshm.types import DeviceKind
 from kvshm.worker_cli import Flag, rank_argv
-from workers.loop import build_parser, cli_main
+from workers.loop import UsageError, _world_size, build_parser, cli_main
 
 NB = 128  # device blocks per rank
 STORE, LOAD = Direction.STORE, Direction.LOAD
@@ -179,6 +180,48 @@ def test_help_and_usage_errors() -> None:
         assert cli_main(["--name", "x", "--tp", "1", *flags]) == 2, flags
     assert cli_main(["--name", "", "--tp", "1"]) == 2
     assert cli_main(["--name", "a" * 200, "--tp", "1"]) == 2
+
+
+def test_a_world_or_name_no_engine_can_have_is_a_usage_error_before_any_fork(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``--tp 99999999999999999999`` (a typo) started one rank process after another
+    until fork(2) failed with EAGAIN -- every process the user may have, then a
+    traceback; ``--name ../x`` (no engine can have it: an engine name is 1-80
+    characters of [A-Za-z0-9._-]) spawned its ranks and waited the whole connect
+    timeout. Both are usage errors now, exit 2, one line, nothing started. (The world
+    sizes go through the check alone: a regression here must not fork a thousand
+    ranks; the names through the whole command, bounded by a short connect timeout.)"""
+    parser = build_parser()
+    for argv in (["--tp", "99999999999999999999"], ["--world-size", str(MAX_WORLD_SIZE + 1)],
+                 ["--tp", "64", "--pp", "17"]):
+        with pytest.raises(UsageError, match=f"ranks: an engine has at most {MAX_WORLD_SIZE}"):
+            _world_size(parser.parse_args(["--name", "x", *argv]))
+    assert _world_size(parser.parse_args(["--name", "x", "--world-size",
+                                          str(MAX_WORLD_SIZE)])) == MAX_WORLD_SIZE
+    kids = _children()
+    for name in ("../x", "a b"):
+        assert cli_main(["--name", name, "--tp", "1", "--connect-timeout", "0.5"]) == 2
+        err = capsys.readouterr().err
+        assert "kvshm-workers: error: --name: name must be 1-80" in err, err
+    assert _children() == kids
+    with pytest.raises(ConfigError, match=f"at most {MAX_WORLD_SIZE}"):
+        EngineConfig(block_size=16, tp=64, pp=17)
+
+
+def _children() -> set[int]:
+    """This process's live child processes."""
+    me = str(os.getpid())
+    out = set()
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[1] == me and fields[0] != "Z":
+                out.add(int(pid))
+    return out
 
 
 def test_rank_argv_parses_back_with_the_workers_parser() -> None:

@@ -51,6 +51,7 @@ from collections.abc import Callable, Sequence
 from types import FrameType
 from typing import TYPE_CHECKING, Final
 
+from kvshm.config import MAX_WORLD_SIZE, check_name
 from kvshm.errors import ConfigError, EngineNotRunning
 from kvshm.ipc.fdpass import socket_address
 from kvshm.types import DeviceKind
@@ -107,6 +108,8 @@ def _world_size(args: argparse.Namespace) -> int:
         raise UsageError("give --tp [--pp] (or --world-size)")
     if world < 1:
         raise UsageError(f"--world-size must be >= 1, got {world}")
+    if world > MAX_WORLD_SIZE:  # one process a rank: a typo must not fork until EAGAIN
+        raise UsageError(f"{world} ranks: an engine has at most {MAX_WORLD_SIZE}")
     if args.rank is not None and not 0 <= args.rank < world:
         raise UsageError(f"--rank {args.rank} out of range [0, {world})")
     if not 0 < args.connect_timeout <= MAX_CONNECT_TIMEOUT_S:  # (nan and inf too)
@@ -115,10 +118,11 @@ def _world_size(args: argparse.Namespace) -> int:
     if not 0 <= args.spin_us <= MAX_SPIN_US:
         raise UsageError(f"--spin-us must be >= 0 and <= {MAX_SPIN_US:g}, "
                          f"got {args.spin_us}")
-    try:
+    try:  # a name no engine can have: refused now, not after --connect-timeout
+        check_name(args.name)
         socket_address(args.name)
     except ConfigError as exc:
-        raise UsageError(str(exc)) from None
+        raise UsageError(f"--name: {exc}") from None
     return world
 
 
