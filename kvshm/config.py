@@ -178,8 +178,8 @@ class EngineConfig:
 
     * ``name``: the rendezvous name (``\\0kvshm.<name>``); every process of one engine
       must use the same one; default: unique per engine instance.
-    * ``tp`` x ``pp`` = ``world_size`` worker ranks (at most :data:`MAX_WORLD_SIZE`); CPU block ``b`` is row ``b`` of every
-      rank's host pool.
+    * ``tp`` x ``pp`` = ``world_size`` worker ranks (at most :data:`MAX_WORLD_SIZE`);
+      CPU block ``b`` is row ``b`` of every rank's host pool.
     * CPU tier size, reserved in /dev/shm at start (``posix_fallocate``, ~1 s a GiB;
       an INFO line on logger ``kvshm.shm`` for every segment of 4 GiB or more):
       ``num_cpu_blocks`` (exact; wins over the byte budget; ConfigError if it does not
@@ -208,7 +208,8 @@ class EngineConfig:
       ``kvshm.disk.slab.slab_path``; None: no disk tier). ``disk_bytes_per_rank``: each
       slab's size (required with ``disk_path``; slots = this // the slot stride, the
       rank's row rounded up to 4 KiB plus a 4 KiB header page). ``disk_io``:
-      :class:`DiskIO`; ``disk_mode``: :class:`DiskMode`. A directory that is not
+      :class:`DiskIO`; ``disk_mode``: :class:`DiskMode`. A relative ``disk_path`` is
+      made absolute here (the ranks may run in another working directory). A directory that is not
       writable, lacks the space or refuses ``O_DIRECT`` is refused at start, in one
       line. ``disk_keep``: whether the slabs outlive the engine; None (default): they
       do where ``name`` was given -- one started again under the same ``name`` and
@@ -290,6 +291,9 @@ class EngineConfig:
             raise ConfigError(f"disk_path must be a directory path, got {self.disk_path!r}")
         if self.disk_bytes_per_rank is None:
             raise ConfigError("disk_path needs disk_bytes_per_rank (each rank's slab size)")
+        # resolved here, in the process that makes the config: the slab paths go to the
+        # ranks, whose working directory may be another (kvshm-workers started elsewhere)
+        object.__setattr__(self, "disk_path", os.path.abspath(self.disk_path))
         if any(g.window_tokens is not None for g in self.groups):
             raise ConfigError("disk_path: the disk tier supports full-attention KV groups "
                               "only (sliding-window groups are stored partially)")

@@ -7,6 +7,7 @@ row rounded up to 4 KiB)."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import pytest
 
@@ -50,6 +51,18 @@ def test_slabs_are_kept_where_the_name_was_given_and_removed_where_it_was_genera
     assert EngineConfig(name="x", disk_keep=False, **d).disk_keep is False  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="disk_keep must be"):
         EngineConfig(disk_keep="no", **d)  # type: ignore[arg-type]
+
+
+def test_a_relative_disk_path_is_made_absolute_where_the_config_is_made(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``disk_path="slabs"``: the scheduler checked and scanned ``./slabs`` of its own
+    working directory, but the slab paths it sent the ranks were relative too, so a
+    ``kvshm-workers`` started in another directory created its slabs there (or failed)
+    and a restart's warm scan never saw them. Resolved at construction now."""
+    monkeypatch.chdir(tmp_path)
+    cfg = EngineConfig(block_size=16, disk_path="slabs", disk_bytes_per_rank=1 << 20)
+    assert cfg.disk_path == str(tmp_path / "slabs")
+    assert dataclasses.replace(cfg, tp=2).disk_path == str(tmp_path / "slabs")
 
 
 def test_the_vllm_keys_parse_and_refuse_in_one_line() -> None:
