@@ -3,6 +3,9 @@ must import and refuse cleanly everywhere."""
 
 from __future__ import annotations
 
+import collections
+import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -30,6 +33,61 @@ def rank_tensors(seed: int, device: str) -> list[torch.Tensor]:
     padded = torch.randint(0, 256, (NUM_GPU, 40), generator=g, dtype=torch.uint8)
     plain = torch.randn(NUM_GPU, 3, 5, generator=g)
     return [kv.to(device), padded.to(device)[:, :33], plain.to(device)]
+
+
+class _Event:
+    """A CUDA event as the engine sees it, completed when the test says (a timing seam:
+    the hardware's order of completion); ``error``: every query raises, as a CUDA
+    error does."""
+
+    def __init__(self, *, error: bool = False) -> None:
+        self.done, self.error, self.queries = False, error, 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        if self.error:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        return self.done
+
+    def synchronize(self) -> None:
+        if self.error:
+            raise RuntimeError("CUDA error: an illegal memory access was encountered")
+        while not self.done:
+            time.sleep(0.001)
+
+    def record(self, stream: Any = None) -> None:
+        pass
+
+
+def test_a_wait_on_a_failed_event_behind_a_running_one_naps_and_keeps_its_deadline(
+        ) -> None:
+    """Job 2's event failed (a CUDA error: every query raises) while job 1 ahead of it
+    in the same lane still runs. ``wait([2], timeout=0.1)``: the failure is reported
+    only once job 2 heads its lane, so the wait raised, caught, reaped nothing and
+    asked again -- a spin at full speed, past its timeout, until job 1 completed. Now
+    it naps between tries, returns at its deadline (counted a wait timeout), and once
+    job 1 completes job 2 ends failed with the CUDA error."""
+    from workers.copy_engine import CompletionTracker
+    from workers.cuda_copy import _Pending
+
+    eng = object.__new__(CudaCopyEngine)  # (no CUDA here: only wait's bookkeeping)
+    eng.rank, eng._tracker = 0, CompletionTracker()
+    running, failed = _Event(), _Event(error=True)
+    lane = collections.deque(_Pending(eng._tracker.add(j, Direction.STORE), j, ev, 0, 0, "", None)
+                             for j, ev in ((1, running), (2, failed)))
+    eng._pending = {Direction.STORE: lane}
+    out: list[Any] = []
+    t = threading.Thread(target=lambda: out.append(eng.wait([2], timeout=0.1)), daemon=True)
+    t0 = time.monotonic()
+    t.start()
+    t.join(5)
+    assert not t.is_alive(), "the wait spun past its deadline"
+    assert out == [[]] and time.monotonic() - t0 < 2
+    assert failed.queries < 1000, failed.queries  # naps of 1 ms, not a spin
+    assert eng._tracker.stats.wait_timeouts == 1
+    running.done = True
+    (done,) = eng.wait([2], timeout=1)
+    assert not done.ok and "illegal memory access" in (done.error or "")
 
 
 def test_refuses_without_cuda_or_with_a_cpu_layout() -> None:

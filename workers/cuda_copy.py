@@ -312,7 +312,13 @@ class CudaCopyEngine:
                     self._tracker.count_wait_timeout()
                     break
             except Exception:  # noqa: BLE001 - _reap turns it into a failed Done
-                continue
+                # ... once it heads its lane: until an older event there completes the
+                # failed one is raised again at once, so nap (no spin) and keep the
+                # deadline (the loop spun, past any timeout, while the head ran)
+                if deadline is not None and time.monotonic() >= deadline:
+                    self._tracker.count_wait_timeout()
+                    break
+                time.sleep(_MAX_NAP_S)
         return self._tracker.take(ids)
 
     def stats(self) -> dict[str, int]:
