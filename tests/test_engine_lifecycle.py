@@ -6,13 +6,13 @@ wait_loaded cancelled as its result arrives, a request first listed before READY
 from __future__ import annotations
 
 import asyncio
-import os
 import sys
 import time
 from collections.abc import Iterator
 
 import pytest
 from engine_rig import BS, GPU_BLOCKS, Client, config, shards, spawned_engine, tokens
+from worker_rig import live_children
 
 import kvshm.engine.launcher as launcher_mod
 from kvshm.engine import SPAWN, Engine, EngineState, SyncClient
@@ -29,22 +29,6 @@ from kvshm.types import (
     ScheduledRequest,
     StepInput,
 )
-
-
-def _children() -> list[int]:
-    """Live (not yet reaped) child processes of this test process."""
-    me, out = str(os.getpid()), []
-    for pid in os.listdir("/proc"):
-        if not pid.isdigit():
-            continue
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if fields[1] == me and fields[0] != "Z":
-            out.append(int(pid))
-    return out
 
 
 @pytest.fixture
@@ -65,12 +49,12 @@ async def test_rank_dying_during_start_closes_everything(rank0_exits_at_once: No
     rank 1 is stopped and reaped, and the name is free again for the next engine."""
     ks = shards()
     cfg = config(shutdown_grace_s=0.5)
-    before = _children()  # a server another test of this process started stays
+    before = live_children()  # a server another test of this process started stays
     with pytest.raises(WorkerDied) as err:
         await Engine.launch(cfg, workers=SPAWN, gpu_blocks=BlockPool(GPU_BLOCKS),
                             device_caches=[[k] for k in ks])
     assert err.value.rank == 0 and err.value.exitcode == 3
-    assert set(_children()) <= set(before)
+    assert live_children() <= before
     core = Runtime(cfg, gpu_blocks=BlockPool(GPU_BLOCKS), device_caches=None, spawned=False)
     core.open()  # NameInUse if the failed engine had left its listener bound
     core.close()
@@ -109,7 +93,7 @@ async def test_cancelled_aclose_still_closes_and_resolves_waiters() -> None:
     """aclose() cancelled while it stops the workers: the ranks are still reaped, a
     pending wait_loaded resolves (ENGINE_CLOSED) and a second aclose() returns."""
     ks, gpu = shards(), BlockPool(GPU_BLOCKS)
-    before = set(_children())  # a server another test of this process started stays
+    before = live_children()  # a server another test of this process started stays
     eng = await Engine.launch(config(shutdown_grace_s=0.5), workers=SPAWN, gpu_blocks=gpu,
                               device_caches=[[k] for k in ks])
     c, table_b, _ = await _stored_then_looked_up(eng, gpu)
@@ -128,9 +112,9 @@ async def test_cancelled_aclose_still_closes_and_resolves_waiters() -> None:
     await asyncio.wait_for(eng.aclose(), 5)
     assert eng.state is EngineState.CLOSED
     deadline = time.monotonic() + 10
-    while set(_children()) - before and time.monotonic() < deadline:
+    while live_children() - before and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    assert set(_children()) <= before
+    assert live_children() <= before
 
 
 async def test_an_aclose_cancelled_while_jobs_drain_still_closes_and_a_second_returns(
@@ -143,7 +127,7 @@ async def test_an_aclose_cancelled_while_jobs_drain_still_closes_and_a_second_re
     closing goes on (CLOSED, ranks reaped), CancelledError follows, and a second
     aclose() returns at once."""
     ks, gpu = shards(), BlockPool(GPU_BLOCKS)
-    before = set(_children())
+    before = live_children()
     eng = await Engine.launch(config(shutdown_grace_s=5.0), workers=SPAWN, gpu_blocks=gpu,
                               device_caches=[[k] for k in ks])
     c = Client(eng, gpu)
@@ -162,9 +146,9 @@ async def test_an_aclose_cancelled_while_jobs_drain_still_closes_and_a_second_re
     assert eng.state is EngineState.CLOSED
     await asyncio.wait_for(eng.aclose(), 5)
     deadline = time.monotonic() + 10
-    while set(_children()) - before and time.monotonic() < deadline:
+    while live_children() - before and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
-    assert set(_children()) <= before
+    assert live_children() <= before
 
 
 class _Core:

@@ -5,7 +5,6 @@ never said Hello, the command to run and the refusals the engine saw (and logged
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import sys
 import time
@@ -13,6 +12,7 @@ import time
 import pytest
 import torch
 from engine_rig import GPU_BLOCKS, ROW, config, shards
+from worker_rig import live_children
 
 from kvshm.engine import ATTACH, SPAWN, Engine, EngineState, StartTimeout
 from kvshm.errors import ConfigError, KvshmError
@@ -20,23 +20,17 @@ from kvshm.offload.pool import BlockPool
 from kvshm.shm import shared_tensor
 
 
-def _children() -> set[int]:
-    path = f"/proc/{os.getpid()}/task/{os.getpid()}/children"
-    with open(path) as f:
-        return {int(p) for p in f.read().split()}
-
-
 async def test_device_caches_smaller_than_the_gpu_pool_are_refused_before_spawning() -> None:
     """Rank 1's cache has 16 rows for a 32-block GPU pool: every job touching rows
     16..31 would fail on it. Refused at launch, naming rank, region and both counts,
     and no worker process was started."""
     small = shared_tensor((GPU_BLOCKS // 2, ROW), torch.uint8)
-    before = _children()
+    before = live_children()
     with pytest.raises(ConfigError, match=r"rank 1 region 0: device cache has 16 blocks, "
                                           r"but the GPU pool has 32"):
         await Engine.launch(config(), workers=SPAWN, gpu_blocks=BlockPool(GPU_BLOCKS),
                             device_caches=[[shards(1)[0]], [small]])
-    assert _children() == before
+    assert live_children() == before
 
 
 async def test_ranks_with_different_block_counts_are_refused() -> None:
@@ -59,7 +53,7 @@ async def test_an_error_building_the_manager_fails_the_start_at_once_with_its_ca
     def broken(*args: object, **kw: object) -> None:
         raise RuntimeError("the manager cannot be built")
     monkeypatch.setattr(runtime, "OffloadManager", broken)
-    before = _children()
+    before = live_children()
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match="the manager cannot be built"):
         await Engine.launch(config(connect_timeout_s=60.0), workers=SPAWN,
@@ -67,9 +61,9 @@ async def test_an_error_building_the_manager_fails_the_start_at_once_with_its_ca
                             device_caches=[[s] for s in shards(2)])
     assert time.monotonic() - t0 < 30
     deadline = time.monotonic() + 10
-    while _children() - before and time.monotonic() < deadline:
+    while live_children() - before and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert _children() - before == set()
+    assert live_children() - before == set()
 
 
 async def test_start_timeout_names_the_ranks_that_never_said_hello() -> None:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from worker_rig import Sched, rank_lost_error, transfer, unique_name
+from worker_rig import Sched, live_children, rank_lost_error, transfer, unique_name
 
 from kvshm.config import MAX_WORLD_SIZE, EngineConfig
 from kvshm.errors import ConfigError, WorkerDied
@@ -198,30 +198,14 @@ def test_a_world_or_name_no_engine_can_have_is_a_usage_error_before_any_fork(
             _world_size(parser.parse_args(["--name", "x", *argv]))
     assert _world_size(parser.parse_args(["--name", "x", "--world-size",
                                           str(MAX_WORLD_SIZE)])) == MAX_WORLD_SIZE
-    kids = _children()
+    kids = live_children()
     for name in ("../x", "a b"):
         assert cli_main(["--name", name, "--tp", "1", "--connect-timeout", "0.5"]) == 2
         err = capsys.readouterr().err
         assert "kvshm-workers: error: --name: name must be 1-80" in err, err
-    assert _children() == kids
+    assert live_children() == kids
     with pytest.raises(ConfigError, match=f"at most {MAX_WORLD_SIZE}"):
         EngineConfig(block_size=16, tp=64, pp=17)
-
-
-def _children() -> set[int]:
-    """This process's live child processes."""
-    me = str(os.getpid())
-    out = set()
-    for pid in os.listdir("/proc"):
-        if pid.isdigit():
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    fields = f.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[1] == me and fields[0] != "Z":
-                out.add(int(pid))
-    return out
 
 
 def test_rank_argv_parses_back_with_the_workers_parser() -> None:

@@ -116,3 +116,19 @@ class Sched:
         if self.prov is not None:
             self.prov.close()
         self.server.close()
+
+
+def live_children() -> set[int]:
+    """This process's live (not yet reaped, not zombie) child processes."""
+    me, out = str(os.getpid()), set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[1] == me and fields[0] != "Z":
+            out.add(int(pid))
+    return out
