@@ -10,7 +10,7 @@ import pytest
 from engine_rig import BS, Client, embedded_engine, tokens
 
 from kvshm.engine import Engine
-from kvshm.errors import StateError
+from kvshm.errors import InvalidRequest, StateError
 from kvshm.hashing import chain_hashes
 from kvshm.offload.pool import BlockPool
 from kvshm.types import LoadFailure, RequestView, ScheduledRequest, StepInput
@@ -127,3 +127,51 @@ async def test_a_reset_hands_the_loads_it_failed_to_their_waiters_at_once() -> N
         assert not res.ok and res.cause is LoadFailure.RESET
         c.finish("b", table, len(toks))
         await c.settle()
+
+
+async def test_a_refused_phase_b_leaves_the_load_in_flight_and_its_result() -> None:
+    """B's load is in flight (the ranks paused). A careless server looks B up again,
+    under another prefix, and accepts more tokens than offered: InvalidRequest, as
+    documented -- but the call had already marked B's in-flight load superseded, so its
+    result was dropped and ``wait_loaded("b")`` waited for good. Now the refusal comes
+    before any change: the load's result arrives as if the call had not been made."""
+    async with embedded_engine() as (eng, gpu, _, ranks):
+        c = Client(eng, gpu)
+        toks, other = tokens(4 * BS + 1, seed=3), tokens(4 * BS + 1, seed=4)
+        await c.store_only("a", toks)
+        await c.store_only("o", other)
+        ranks.paused = True
+        _readmit(c, eng, gpu, "b", toks)          # load planned, in flight
+        hit2 = eng.lookup(RequestView("b", chain_hashes(other, BS), len(other)), 0)
+        assert hit2 == 4 * BS
+        before = eng.statistics().counters["load_results_superseded"]
+        with pytest.raises(InvalidRequest, match=f"accepted, {4 * BS} offered"):
+            eng.allocated("b", [gpu.allocate(5)], hit2 + BS)
+        assert eng.statistics().counters["load_results_superseded"] == before
+        ranks.paused = False
+        res = await asyncio.wait_for(eng.wait_loaded("b"), 20)
+        assert res.ok and res.num_tokens == 4 * BS
+
+
+async def test_a_step_listing_its_finished_requests_in_a_generator_ends_their_waits(
+        ) -> None:
+    """``StepInput.finished`` may be any iterable. Given a generator, the step's input
+    check consumed it and the engine's own pass over it (ending the waits of the
+    requests listed) found nothing: B's load was dropped by the manager, but
+    ``wait_loaded("b")`` waited for good. Now it ends with REQUEST_FINISHED, as with
+    a list."""
+    async with embedded_engine() as (eng, gpu, _, _):
+        c = Client(eng, gpu)
+        toks = tokens(4 * BS + 1, seed=5)
+        await c.store_only("a", toks)
+        table = _allocated(eng, gpu, "b", toks)
+        waiter = asyncio.ensure_future(eng.wait_loaded("b"))
+        await asyncio.sleep(0)
+        c.step_no += 1
+        # (typed a Sequence; the input check accepts any iterable, as a caller may pass)
+        eng.step(StepInput(c.step_no, [], finished=(r for r in ["b"])))  # type: ignore[arg-type]
+        res = await asyncio.wait_for(waiter, 5)
+        assert not res.ok and res.cause is LoadFailure.REQUEST_FINISHED
+        gpu.free(reversed(table))
+        await c.settle()
+

@@ -25,7 +25,8 @@ Every call runs on the one thread that owns the runtime.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 from kvshm.engine.lifecycle import ENDED, EngineState
@@ -106,6 +107,8 @@ class Facade:
         earlier step has finished writing the device caches.
         """
         self._enter(service=service)
+        if self._hooks_step:  # (a face that reads the input again after the core)
+            step_input = _materialized(step_input)
         plan = self._core.step(step_input)
         if self._hooks_step:
             self._after_step(step_input)
@@ -162,3 +165,21 @@ class Facade:
 
     def _after_finished(self, req_id: str) -> None:
         """After a finish the runtime accepted."""
+
+
+def _materialized(inp: StepInput) -> StepInput:
+    """``inp`` with any one-shot iterator among its collections made a tuple: the input
+    check consumed a generator, and the face's own pass over ``finished`` (ending the
+    waits of the requests listed) then found nothing -- their ``wait_loaded`` waited
+    for good. Lists and tuples pass as they are (the per-step cost: three isinstance)."""
+    if isinstance(inp.requests, Iterator) or isinstance(inp.finished, Iterator) \
+            or isinstance(inp.allocated_block_ids, Iterator):
+        return dataclasses.replace(
+            inp, requests=_once(inp.requests), finished=_once(inp.finished),
+            allocated_block_ids=_once(inp.allocated_block_ids))
+    return inp
+
+
+def _once(items: Any) -> Any:
+    return tuple(items) if isinstance(items, Iterator) else items
+

@@ -369,12 +369,21 @@ class OffloadManager:
                                      "a second phase B with no lookup since the first: "
                                      "its load is queued or in flight")
         st = self._track.reqs.get(req_id)
-        if num_external_tokens:
-            self._loads.supersede(req_id, self._jobs)  # an older load's outcome: not ours
         if num_external_tokens == 0:
             self._drop_hit(req_id)
             self._admit(st, 0)
             return
+        if hit is not None and hit.cause is None:  # every refusal before any change
+            if num_external_tokens > hit.offered:
+                raise self._check.refuse("allocated", req_id, "num_external_tokens",
+                                         f"{num_external_tokens} accepted, {hit.offered} "
+                                         "offered")
+            self._check.reach("allocated", req_id, tables,
+                              hit.start + cdiv(num_external_tokens, self.block_size))
+        # an older load's outcome is not this one's: dropped -- only once the call is
+        # accepted (a refused call that did this lost the in-flight load's result, and
+        # its wait_loaded waited for good)
+        self._loads.supersede(req_id, self._jobs)
         if hit is None or hit.cause is not None:
             self._hits.pop(req_id, None)
             cause = hit.cause if hit is not None and hit.cause is not None else (
@@ -383,12 +392,7 @@ class OffloadManager:
                                                      self.block_size), cause)
             self._admit(st, num_external_tokens)
             return
-        offered = hit.offered
-        if num_external_tokens > offered:
-            raise self._check.refuse("allocated", req_id, "num_external_tokens",
-                                     f"{num_external_tokens} accepted, {offered} offered")
         k = cdiv(num_external_tokens, self.block_size)
-        self._check.reach("allocated", req_id, tables, hit.start + k)
         self._admit(st, num_external_tokens)
         a = assign(self.cpu, self._gs, hit, tables, k)
         del self._hits[req_id]

@@ -1132,7 +1132,7 @@ def test_facade_calls_only_the_after_hooks_a_face_overrides() -> None:
     q, loud = Quiet(core), Loud(core)
     assert not (q._hooks_allocated or q._hooks_step or q._hooks_finished)
     assert loud._hooks_step and not (loud._hooks_allocated or loud._hooks_finished)
-    plan: Any = loud.step(None, service=False)  # type: ignore[arg-type]
+    plan: Any = loud.step(StepInput(1, []), service=False)
     assert plan == "plan"
     assert calls == ["step"]
     sync = SyncClient.__new__(SyncClient)
