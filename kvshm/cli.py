@@ -20,8 +20,12 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     # SIGTERM unwinds like Ctrl-C: the demo's servers, engines and temporary folders
     # are closed by their ``with`` blocks (its default action killed the process there)
     signal.signal(signal.SIGTERM, _exit_on_sigterm)
-    return run_demo(json_out=args.json, quick=args.quick, plot=args.plot, pd=args.pd,
-                    device=args.device)
+    try:
+        return run_demo(json_out=args.json, quick=args.quick, plot=args.plot, pd=args.pd,
+                        device=args.device)
+    except KeyboardInterrupt:  # Ctrl-C: the event loop cancelled the demo, which closed
+        print("kvshm demo: interrupted", file=sys.stderr)  # what it had started
+        return 128 + signal.SIGINT
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

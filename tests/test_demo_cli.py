@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -136,6 +137,34 @@ def test_plot_into_a_missing_folder_is_refused_before_running(tmp_path: Path) ->
     assert out.stderr == (f"kvshm demo: --plot {path}: {path.parent} is not a folder this "
                           f"user can write to\n")
     assert time.monotonic() - t0 < 60
+
+
+def test_ctrl_c_during_the_offload_off_pass_stops_the_demo_at_once() -> None:
+    """Ctrl-C while the demo replays with offload off: the event loop cancels the demo's
+    task, but that pass never suspended (no engine to step, no await that yields), so
+    the cancel waited for its whole replay -- 20 s and more of the README's main
+    command ignoring Ctrl-C. Now every compute chunk is a suspension point: the demo
+    stops within seconds, says "interrupted" in one line (no traceback), exits 130 and
+    leaves no segment or process behind."""
+    before = _kvshm_segments()
+    p = subprocess.Popen([sys.executable, "-m", "kvshm.cli", "demo"], stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True)
+    try:
+        assert p.stdout is not None
+        for line in p.stdout:  # the first progress line: the offload-off pass runs
+            if "(offload off)" in line:
+                break
+        t0 = time.monotonic()
+        p.send_signal(signal.SIGINT)
+        out, _ = p.communicate(timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert time.monotonic() - t0 < 10, "Ctrl-C waited for the pass"
+    assert p.returncode == 130, out[-2000:]
+    assert "kvshm demo: interrupted" in out and "Traceback" not in out, out[-2000:]
+    assert _kvshm_segments() <= before
 
 
 def test_demo_module_offers_plot() -> None:

@@ -123,8 +123,9 @@ class ToyServer:
     async def _step_engine(self, req: ScheduledRequest | None) -> StepPlan | None:
         eng = self.engine
         self._step += 1
-        if eng is None:
-            return None
+        if eng is None:  # still a suspension point: the offload-off pass never yielded,
+            await asyncio.sleep(0)  # so a Ctrl-C (a cancel of the main task) waited
+            return None  # for its whole replay
         plan = eng.step(StepInput(self._step, [req] if req is not None else []))
         self._record_stores(plan.store)
         await asyncio.sleep(0)  # let Done callbacks run between compute chunks
