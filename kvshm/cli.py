@@ -46,6 +46,9 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     except (KvshmError, TimeoutError) as exc:
         print(f"kvshm stats: {exc or type(exc).__name__}", file=sys.stderr)
         return 1
+    if "error" in data and "state" not in data:  # the engine's own refusal: no statistics
+        print(f"kvshm stats: engine {args.name!r} answered: {data['error']}", file=sys.stderr)
+        return 1
     if args.prometheus:
         from kvshm.cli_ls import remote_prometheus
         from kvshm.stats import EngineStats, to_prometheus
@@ -56,6 +59,10 @@ def _cmd_stats(args: argparse.Namespace) -> int:
                                       data.get("remote") or {})
         except ImportError as exc:
             print(f"kvshm stats: {exc}", file=sys.stderr)
+            return 1
+        except (TypeError, ValueError, KeyError, AttributeError) as exc:  # not an engine's
+            print(f"kvshm stats: engine {args.name!r} sent statistics this version cannot "
+                  f"read ({type(exc).__name__}: {exc})", file=sys.stderr)
             return 1
         sys.stdout.write(text.decode())
     elif args.remote:

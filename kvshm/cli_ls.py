@@ -18,7 +18,7 @@ from typing import Any, Final
 __all__ = ["EngineRow", "engine_names", "format_remote", "format_table", "list_engines",
            "remote_prometheus"]
 
-_PREFIX: Final = "@kvshm."
+_PREFIX_B: Final = b"@kvshm."
 _ACCEPTCON: Final = 0x10000
 _HEADER: Final = ("NAME", "PID", "STATE", "WORLD", "CPU TIER", "CACHED", "UPTIME",
                    "DISK TIER")
@@ -41,16 +41,30 @@ class EngineRow:
 
 
 def engine_names(proc_net_unix: str = "/proc/net/unix") -> list[str]:
-    """Names of the kvshm listeners in ``proc_net_unix``, sorted, each once."""
+    """Names of the kvshm listeners in ``proc_net_unix``, sorted, each once. The file
+    lists every user's sockets with their names' raw bytes -- any byte, a newline (a
+    forged line) or a terminal escape included: a line whose name is not UTF-8, whose
+    flags are not hex, or whose name no engine can have (:func:`kvshm.config.check_name`)
+    is skipped, never a traceback, never printed. (A forged line can at most list a
+    name nothing answers for: ``ls`` shows it unanswered, ``sweep`` keeps its slabs.)"""
+    from kvshm.config import check_name
+    from kvshm.errors import ConfigError
+
     names: set[str] = set()
-    with open(proc_net_unix) as f:
+    with open(proc_net_unix, "rb") as f:
         next(f, None)  # the header
         for line in f:
-            parts = line.rstrip("\n").split(None, 7)
-            if len(parts) < 8 or not parts[7].startswith(_PREFIX):
+            parts = line.rstrip(b"\n").split(None, 7)
+            if len(parts) < 8 or not parts[7].startswith(_PREFIX_B):
                 continue
-            if int(parts[3], 16) & _ACCEPTCON:
-                names.add(parts[7][len(_PREFIX):])
+            try:
+                flags = int(parts[3], 16)
+                name = parts[7][len(_PREFIX_B):].decode()
+                check_name(name)
+            except (ValueError, ConfigError):  # (a UnicodeDecodeError is a ValueError)
+                continue
+            if flags & _ACCEPTCON:
+                names.add(name)
     return sorted(names)
 
 
@@ -83,9 +97,15 @@ def list_engines(timeout: float = 1.0) -> list[EngineRow]:
     rows = []
     for name in engine_names():
         try:
-            rows.append(_row(name, query_stats(name, timeout=timeout)))
+            data = query_stats(name, timeout=timeout)
         except (KvshmError, TimeoutError, OSError) as exc:
             rows.append(EngineRow(name, error=f"{type(exc).__name__}: {exc}"))
+            continue
+        try:  # a listener of this uid may answer anything: its row says so, alone
+            rows.append(_row(name, data))
+        except (ValueError, TypeError, AttributeError, KeyError) as exc:
+            rows.append(EngineRow(name, error=f"a malformed answer ({type(exc).__name__}: "
+                                              f"{exc})"))
     return rows
 
 

@@ -13,6 +13,7 @@ import pytest
 from engine_rig import BS, ROW, Client, spawned_engine, tokens
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvshm.cli import main
 from kvshm.cli_ls import engine_names
 from kvshm.series import SERIES
 
@@ -172,7 +173,8 @@ def test_a_timeout_that_is_not_a_finite_positive_number_is_a_usage_error(
 
 def test_engine_names_takes_listeners_only(tmp_path: Path) -> None:
     """A rank's connection carries the engine's name too, without __SO_ACCEPTCON: it
-    must not add a row; other sockets and names with spaces are handled."""
+    must not add a row; other sockets are skipped, and so is a name with a space (no
+    engine can have one: 1-80 characters of [A-Za-z0-9._-])."""
     table = tmp_path / "unix"
     table.write_text(
         "Num       RefCount Protocol Flags    Type St Inode Path\n"
@@ -182,4 +184,52 @@ def test_engine_names_takes_listeners_only(tmp_path: Path) -> None:
         "0000000000000004: 00000002 00000000 00010000 0001 01 14 /tmp/x.sock\n"
         "0000000000000005: 00000002 00000000 00010000 0005 01 15 @kvshm.my engine\n"
         "0000000000000006: 00000002 00000000 00010000 0005 01 16\n")
-    assert engine_names(str(table)) == ["alpha", "my engine"]
+    assert engine_names(str(table)) == ["alpha"]
+
+
+def test_any_users_socket_names_never_break_ls_or_sweep(tmp_path: Path) -> None:
+    """/proc/net/unix lists every user's sockets with their names' raw bytes. Attack
+    (any uid): a socket named ``\\0some-app-\\xe9`` made ``kvshm ls`` and ``kvshm sweep
+    --disk-path`` end in a UnicodeDecodeError traceback; one whose name holds a newline
+    and a forged line with non-hex flags, in a ValueError; one named
+    ``kvshm.<escape codes>`` had ``ls`` write the codes to root's terminal. Each such
+    line is skipped now; the real listener is still found."""
+    table = tmp_path / "unix"
+    table.write_bytes(
+        b"Num       RefCount Protocol Flags    Type St Inode Path\n"
+        b"0000000000000001: 00000002 00000000 00010000 0005 01 11 @some-app-\xe9\n"
+        b"0000000000000002: 00000002 00000000 00010000 0005 01 12 @kvshm.\xe9x\n"
+        b"0000000000000003: 00000002 00000000 00010000 0005 01 13 @x\n"
+        b"forged: 00000002 00000000 zzzz 0005 01 13 @kvshm.fake\n"
+        b"0000000000000004: 00000002 00000000 00010000 0005 01 14 "
+        b"@kvshm.\x1b[2J\x1b[31mprod\x1b[0m\n"
+        b"0000000000000005: 00000002 00000000 00010000 0005 01 15 @kvshm.real-1\n")
+    assert engine_names(str(table)) == ["real-1"]
+
+
+def test_a_malformed_or_refusing_answer_is_one_row_or_one_line(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """A listener of this uid may answer anything (the peer seam: ``query_stats``).
+    ``{"pid": null}`` or ``{"disk": [1]}`` made ``kvshm ls`` a traceback that hid every
+    other engine; the engine's own refusal (``{"error": ...}``: a snapshot too large to
+    send) made ``kvshm stats --prometheus`` a TypeError and ``--disk`` print "no disk
+    tier". Now the bad answer is its own row, and ``stats`` says the refusal in one
+    line, exit 1."""
+    import kvshm.cli_ls as cli_ls
+    import kvshm.ipc.rendezvous_client as rc
+
+    answers = {"bad": {"state": "ready", "pid": None}, "odd": {"state": "ready", "disk": [1]},
+               "good": {"state": "ready", "pid": 7, "world_size": 2}}
+    monkeypatch.setattr(cli_ls, "engine_names", lambda: sorted(answers))
+    monkeypatch.setattr(rc, "query_stats", lambda name, timeout: answers[name])
+    rows = {r.name: r for r in cli_ls.list_engines()}
+    assert rows["good"].pid == 7 and not rows["good"].error
+    assert rows["bad"].error.startswith("a malformed answer (TypeError")
+    assert rows["odd"].error.startswith("a malformed answer (AttributeError")
+    refusal = {"error": "stats snapshot of 300000 bytes is too large to send"}
+    monkeypatch.setattr(rc, "query_stats", lambda name, timeout: refusal)
+    for flag in ("--prometheus", "--disk", "--remote"):
+        assert main(["stats", "--name", "big", flag]) == 1
+        err = capsys.readouterr().err
+        assert err == "kvshm stats: engine 'big' answered: stats snapshot of 300000 " \
+                      "bytes is too large to send\n", err
