@@ -6,7 +6,11 @@ from __future__ import annotations
 import sys
 from collections.abc import Sequence
 
-from workers.loop import cli_main
+from workers.stop_signals import EarlyStop
+
+EarlyStop.install()  # first: a stop signal during the imports below is a clean stop
+
+from workers.loop import cli_main  # noqa: E402 - after the stop signals' handler
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -57,6 +57,7 @@ from kvshm.ipc.fdpass import socket_address
 from kvshm.types import DeviceKind
 from kvshm.worker_cli import ENGINE_PID_ENV, Flag, add_arguments, rank_argv
 from workers.phases import LINKED, DetachReason, Phase
+from workers.stop_signals import STOP_SIGNALS, EarlyStop
 
 if TYPE_CHECKING:  # torch is imported only by a rank, never by the parent or --help
     from workers.worker import Worker
@@ -73,7 +74,6 @@ MAX_CONNECT_TIMEOUT_S: Final = 86400.0
 #: ``--spin-us`` at most: a second of busy-wait (beyond it the rank never parks).
 MAX_SPIN_US: Final = 1e6
 _PR_SET_PDEATHSIG: Final = 1
-_STOP_SIGNALS: Final = (signal.SIGTERM, signal.SIGINT)
 
 
 class UsageError(Exception):
@@ -139,13 +139,18 @@ def cli_main(argv: Sequence[str] | None = None, *, exit_rank_at_once: bool = Fal
         parser.print_usage(sys.stderr)
         _line(f"{PROG}: error: {exc}")
         return 2
+    if exit_rank_at_once:  # a process of its own: no stop signal is fatal from here on
+        EarlyStop.install()  # (the console script did already, before its imports)
     if args.rank is None:
-        return run_parent(args.name, world, connect_timeout=args.connect_timeout,
+        code = run_parent(args.name, world, connect_timeout=args.connect_timeout,
                           spin_us=args.spin_us, device=device)
-    code = run_rank(args.name, args.rank, world, connect_timeout=args.connect_timeout,
-                    spin_us=args.spin_us, device=device)
+    else:
+        code = run_rank(args.name, args.rank, world, connect_timeout=args.connect_timeout,
+                        spin_us=args.spin_us, device=device)
     if exit_rank_at_once:
-        exit_at_once(code)
+        EarlyStop.ignore()  # the interpreter's teardown resets a handler to the default
+        if args.rank is not None:
+            exit_at_once(code)
     return code
 
 
@@ -208,7 +213,7 @@ def run_parent(name: str, world: int, *, connect_timeout: float, spin_us: float,
                device: DeviceKind = DeviceKind.CPU) -> int:
     """Start ``world`` ranks, forward SIGTERM/SIGINT, wait for all; see module doc."""
     procs: list[subprocess.Popen[bytes]] = []
-    stop = 0
+    stop = EarlyStop.signum  # one that came before the handler below: every rank gets it
 
     def forward(signum: int, frame: FrameType | None) -> None:
         nonlocal stop
@@ -223,7 +228,7 @@ def run_parent(name: str, world: int, *, connect_timeout: float, spin_us: float,
     _line(f"{PROG}: starting {world} rank(s) for kvshm engine {name!r}; each waits up to "
           f"{connect_timeout:g} s for it (start the engine first, or pass "
           f"{Flag.CONNECT_TIMEOUT.value} SECONDS)")
-    old = {sig: signal.signal(sig, forward) for sig in _STOP_SIGNALS}
+    old = {sig: signal.signal(sig, forward) for sig in STOP_SIGNALS}
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     preexec = _death_signal(os.getpid())
@@ -265,8 +270,8 @@ class _Stopper:
 
     def __init__(self) -> None:
         self.fd, self._w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-        self.signum = 0
-        self._old = {sig: signal.signal(sig, self._on_signal) for sig in _STOP_SIGNALS}
+        self.signum = EarlyStop.signum  # one that came before this stopper: stop at once
+        self._old = {sig: signal.signal(sig, self._on_signal) for sig in STOP_SIGNALS}
         self._old_wakeup = signal.set_wakeup_fd(self._w, warn_on_full_buffer=False)
 
     def _on_signal(self, signum: int, frame: FrameType | None) -> None:
