@@ -6,6 +6,8 @@ wait_loaded cancelled as its result arrives, a request first listed before READY
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -149,6 +151,32 @@ async def test_an_aclose_cancelled_while_jobs_drain_still_closes_and_a_second_re
     while live_children() - before and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     assert live_children() <= before
+
+
+async def test_a_second_aclose_returns_only_once_the_ranks_are_reaped_when_the_first_is_cancelled(
+        ) -> None:
+    """Rank 0 is stopped (SIGSTOP: it cannot exit on Shutdown), aclose() A stops the
+    ranks, aclose() B waits for it, and A is cancelled while the (shielded) stop runs.
+    A's finally set the "closed" event at once: B -- and any later aclose() -- returned
+    while the stopped rank was still alive, against "every caller returns only once the
+    spawned ranks are reaped". Now the event is set when the stop ends."""
+    ks, gpu = shards(), BlockPool(GPU_BLOCKS)
+    before = live_children()
+    eng = await Engine.launch(config(shutdown_grace_s=0.5), workers=SPAWN, gpu_blocks=gpu,
+                              device_caches=[[k] for k in ks])
+    ranks = sorted(live_children() - before)
+    assert len(ranks) == 2
+    os.kill(ranks[0], signal.SIGSTOP)
+    a = asyncio.ensure_future(eng.aclose())
+    await asyncio.sleep(0.3)  # A is in the shielded stop (the grace runs)
+    b = asyncio.ensure_future(eng.aclose())
+    await asyncio.sleep(0.05)
+    a.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await a
+    await asyncio.wait_for(b, 20)
+    assert not (live_children() & set(ranks)), "B returned before the ranks were reaped"
+    await asyncio.wait_for(eng.aclose(), 5)
 
 
 class _Core:

@@ -10,7 +10,7 @@ import pytest
 from engine_rig import BS, Client, embedded_engine, tokens
 
 from kvshm.engine import Engine
-from kvshm.errors import InvalidRequest, StateError
+from kvshm.errors import ConfigError, InvalidRequest, StateError
 from kvshm.hashing import chain_hashes
 from kvshm.offload.pool import BlockPool
 from kvshm.types import LoadFailure, RequestView, ScheduledRequest, StepInput
@@ -175,3 +175,16 @@ async def test_a_step_listing_its_finished_requests_in_a_generator_ends_their_wa
         gpu.free(reversed(table))
         await c.settle()
 
+
+
+async def test_a_wait_or_reset_given_the_wrong_type_is_a_typed_refusal() -> None:
+    """``wait_loaded(["r"])`` raised a bare TypeError (unhashable list) and
+    ``reset(timeout="1")`` another (str + float): every call of the API refuses bad
+    input with a kvshm error instead, before anything changes."""
+    async with embedded_engine() as (eng, _, _, _):
+        with pytest.raises(InvalidRequest, match="req_id: must be a str"):
+            await eng.wait_loaded(["r"])  # type: ignore[arg-type]
+        for bad in ("1", float("nan"), -1.0, float("inf"), True):
+            with pytest.raises(ConfigError, match="timeout must be None or a finite"):
+                await eng.reset(bad)  # type: ignore[arg-type]
+        assert await eng.reset(5.0)

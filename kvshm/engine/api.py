@@ -27,12 +27,13 @@ from typing import Any, Self
 import torch
 
 from kvshm.config import EngineConfig
+from kvshm.engine.admission import check_id
 from kvshm.engine.facade import Facade
 from kvshm.engine.launcher import Launcher
 from kvshm.engine.lifecycle import EngineState
 from kvshm.engine.provision import cache_device
 from kvshm.engine.runtime import Runtime
-from kvshm.errors import StateError
+from kvshm.errors import ConfigError, StateError
 from kvshm.types import GpuBlocks, LoadFailure, LoadResult, StepInput
 
 __all__ = ["ATTACH", "SPAWN", "Engine", "SyncClient", "WorkerMode"]
@@ -125,6 +126,7 @@ class Engine(Facade):
         except asyncio.CancelledError:  # (it left the engine READY with its ranks up,
             cancelled = True  # and every later aclose() waiting for _closed for good)
         self._core.begin_close()
+        stopping: asyncio.Future[None] | None = None
         try:
             if self._ticker is not None:
                 self._ticker.cancel()
@@ -137,11 +139,15 @@ class Engine(Facade):
             if self._launcher is not None:
                 # shielded: a cancelled aclose still stops and reaps every spawned rank
                 # (the thread escalates to SIGKILL, so this ends)
-                await asyncio.shield(loop.run_in_executor(
-                    None, self._launcher.stop, self._core.config.shutdown_grace_s))
-        finally:  # even when cancelled: no waiter is left hanging, later aclose()s return
+                stopping = loop.run_in_executor(None, self._launcher.stop,
+                                                self._core.config.shutdown_grace_s)
+                await asyncio.shield(stopping)
+        finally:  # even when cancelled: no waiter is left hanging
             self._fail_waiters(LoadFailure.ENGINE_CLOSED)
-            self._closed.set()
+            if stopping is None or stopping.done():
+                self._closed.set()
+            else:  # cancelled while the ranks stop: the other aclose()s return only once
+                stopping.add_done_callback(lambda _: self._closed.set())  # they are reaped
         if cancelled:  # the caller's cancel, delivered once the engine is closed
             raise asyncio.CancelledError
 
@@ -161,6 +167,8 @@ class Engine(Facade):
         kept for a later ``wait_loaded`` (until the request finishes).
         """
         self._enter()
+        if type(req_id) is not str:
+            check_id("wait_loaded", req_id)  # InvalidRequest unless a str subclass
         if req_id in self._results:
             self._pending_loads.discard(req_id)
             return self._results.pop(req_id)
@@ -188,7 +196,13 @@ class Engine(Facade):
         return result
 
     async def reset(self, timeout: float | None = None) -> bool:
-        """Drop the CPU index; waits until no transfer is in flight. True when done."""
+        """Drop the CPU index; waits until no transfer is in flight. True when done;
+        False when ``timeout`` (seconds, a finite number >= 0, or None) ran out first."""
+        if timeout is not None and (isinstance(timeout, bool)
+                                    or not isinstance(timeout, (int, float))
+                                    or not 0 <= timeout < float("inf")):
+            raise ConfigError(f"reset: timeout must be None or a finite number of seconds "
+                              f">= 0, got {timeout!r}")
         self._enter()
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         while not self._core.reset():
