@@ -12,7 +12,7 @@ import time
 import pytest
 import torch
 from engine_rig import GPU_BLOCKS, ROW, config, shards
-from worker_rig import live_children
+from worker_rig import live_children, unique_name
 
 from kvshm.engine import ATTACH, SPAWN, Engine, EngineState, StartTimeout
 from kvshm.errors import ConfigError, KvshmError
@@ -161,3 +161,53 @@ def test_calls_before_ready_refuse_a_bad_request_id_and_change_nothing() -> None
         assert client._core._admission.pre_ready == {"ok"}
     finally:
         client.close()
+
+
+async def test_a_rank_flooding_stats_requests_does_not_hold_the_start_past_its_timeout(
+        ) -> None:
+    """Attack (a process of this uid): connect to an ATTACH engine, say Hello as rank 0
+    of 2, then send StatsRequests without reading the answers. The rendezvous read a
+    connection until it was empty, answering each inline: while the flood lasted the
+    loop ran nothing else, and the start's 2 s timeout fired only when the flood
+    stopped (here after 10 s). Now a read takes at most 64 messages per service: the
+    start ends with StartTimeout at its timeout, the flood still going."""
+    name = unique_name()
+    rogue = subprocess.Popen([sys.executable, "-c", _FLOOD, name], stdin=subprocess.DEVNULL)
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(StartTimeout):
+            await Engine.launch(config(name=name, connect_timeout_s=2.0), workers=ATTACH,
+                                gpu_blocks=BlockPool(GPU_BLOCKS))
+        elapsed = time.monotonic() - t0
+    finally:
+        rogue.kill()
+        rogue.wait()
+    assert elapsed < 6.0, f"the start ended {elapsed:.1f} s in, after the flood"
+
+
+_FLOOD = """
+import os, sys, time
+from kvshm.errors import PeerDied
+from kvshm.ipc.fdpass import connect_nowait, encode_control
+from kvshm.ipc.protocol import PROTOCOL_VERSION, Hello, StatsRequest
+deadline = time.monotonic() + 10
+while True:
+    try:
+        sock = connect_nowait(sys.argv[1])
+        break
+    except (OSError, PeerDied):
+        if time.monotonic() > deadline:
+            sys.exit(0)
+        time.sleep(0.01)
+sock.setblocking(True)
+sock.settimeout(0.2)
+sock.send(encode_control(Hello(PROTOCOL_VERSION, 0, 2, os.getpid(), None, "cpu")))
+req = encode_control(StatsRequest())
+while time.monotonic() < deadline:
+    try:
+        sock.send(req)
+    except TimeoutError:
+        continue
+    except OSError:
+        break
+"""

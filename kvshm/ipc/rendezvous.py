@@ -80,6 +80,8 @@ __all__ = ["RendezvousServer"]
 
 #: Largest message a worker may send (a Hello with a big layout is a few KiB).
 _MAX_INBOUND: Final = 1 << 16
+#: Messages one connection's read takes per service (:meth:`RendezvousServer._read_all`).
+READS_PER_SERVICE: Final = 64
 
 
 class RendezvousServer:
@@ -251,7 +253,13 @@ class RendezvousServer:
                          "new one")
 
     def _read_all(self, conn: Conn, events: list[RendezvousEvent]) -> None:
-        while conn.sock.fileno() >= 0:
+        """What ``conn`` sent, up to :data:`READS_PER_SERVICE` messages (the rest at the
+        next service: the socket stays readable). Unbounded, one connection flooding
+        stats requests kept the loop in here: no timer ran, an ATTACH start waited past
+        its connect timeout for as long as the flood lasted."""
+        for _ in range(READS_PER_SERVICE):
+            if conn.sock.fileno() < 0:
+                return
             dg = recv_datagram(conn.sock, _MAX_INBOUND)
             if dg is None:
                 return
