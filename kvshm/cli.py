@@ -92,6 +92,11 @@ def _cmd_ls(args: argparse.Namespace) -> int:
 def _cmd_sweep(args: argparse.Namespace) -> int:
     from kvshm.shm import sweep
 
+    if args.remove_slabs and args.disk_path is None:  # before anything: it removed the
+        # segments and ignored the flag, exit 0, as if the slabs had been seen to
+        print("kvshm sweep: error: --remove-slabs needs --disk-path DIR (where the slab "
+              "files are)", file=sys.stderr)
+        return 2
     found = sweep(remove=not args.dry_run)
     verb = "would remove" if args.dry_run else "removed"
     for left in found:

@@ -233,3 +233,15 @@ def test_a_malformed_or_refusing_answer_is_one_row_or_one_line(
         err = capsys.readouterr().err
         assert err == "kvshm stats: engine 'big' answered: stats snapshot of 300000 " \
                       "bytes is too large to send\n", err
+
+
+def test_remove_slabs_without_a_directory_is_a_usage_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvshm sweep --remove-slabs`` without ``--disk-path`` ignored the flag and exited
+    0 (after sweeping /dev/shm), as if the slabs had been looked at. Now: exit 2, one
+    line, before anything is swept."""
+    assert main(["sweep", "--remove-slabs"]) == 2
+    err = capsys.readouterr().err
+    assert err == "kvshm sweep: error: --remove-slabs needs --disk-path DIR (where the " \
+                  "slab files are)\n", err
+
