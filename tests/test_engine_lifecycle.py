@@ -33,6 +33,15 @@ from kvshm.types import (
 )
 
 
+async def _reaped(before: set[int], timeout_s: float = 10.0) -> None:
+    """Until this process has no child beyond ``before`` (AssertionError after
+    ``timeout_s``): a rank's exit is reaped a little after the engine returned."""
+    deadline = time.monotonic() + timeout_s
+    while live_children() - before and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert live_children() <= before
+
+
 @pytest.fixture
 def rank0_exits_at_once(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     real = launcher_mod.worker_command
@@ -113,10 +122,7 @@ async def test_cancelled_aclose_still_closes_and_resolves_waiters() -> None:
                                         LoadFailure.RANK_DIED, LoadFailure.ENGINE_FAILED)
     await asyncio.wait_for(eng.aclose(), 5)
     assert eng.state is EngineState.CLOSED
-    deadline = time.monotonic() + 10
-    while live_children() - before and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    assert live_children() <= before
+    await _reaped(before)
 
 
 async def test_an_aclose_cancelled_while_jobs_drain_still_closes_and_a_second_returns(
@@ -147,10 +153,7 @@ async def test_an_aclose_cancelled_while_jobs_drain_still_closes_and_a_second_re
         await closing
     assert eng.state is EngineState.CLOSED
     await asyncio.wait_for(eng.aclose(), 5)
-    deadline = time.monotonic() + 10
-    while live_children() - before and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    assert live_children() <= before
+    await _reaped(before)
 
 
 async def test_a_second_aclose_returns_only_once_the_ranks_are_reaped_when_the_first_is_cancelled(

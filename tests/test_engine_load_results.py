@@ -5,6 +5,7 @@ cancelled after its request ended (an ATTACH engine, two embedded ranks)."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable, Iterable
 
 import pytest
 from engine_rig import BS, Client, embedded_engine, tokens
@@ -62,11 +63,17 @@ def _readmit(c: Client, eng: Engine, gpu: BlockPool, rid: str, toks: list[int]) 
     return table
 
 
-async def test_a_request_ended_in_the_step_input_ends_its_wait() -> None:
+@pytest.mark.parametrize("listed", [lambda: ["b"], lambda: (r for r in ["b"])],
+                         ids=["list", "generator"])
+async def test_a_request_ended_in_the_step_input_ends_its_wait(
+        listed: Callable[[], Iterable[str]]) -> None:
     """``StepInput.finished`` is the step's way to end a request, as ``finished()``
     is. B's load is queued and a ``wait_loaded("b")`` waits; the step that lists B as
     finished drops the load. The waiter used to wait forever (only ``finished()``
-    resolved it); now it gets REQUEST_FINISHED, and a later wait is refused at once."""
+    resolved it); now it gets REQUEST_FINISHED, and a later wait is refused at once.
+    The ids may come as any iterable: given a generator, the step's input check
+    consumed it and the engine's own pass over it (ending the waits) found nothing --
+    the manager dropped the load, the waiter waited for good."""
     async with embedded_engine() as (eng, gpu, _, _):
         c = Client(eng, gpu)
         toks = tokens(4 * BS + 1, seed=2)
@@ -75,7 +82,8 @@ async def test_a_request_ended_in_the_step_input_ends_its_wait() -> None:
         waiter = asyncio.ensure_future(eng.wait_loaded("b"))
         await asyncio.sleep(0)
         c.step_no += 1
-        eng.step(StepInput(c.step_no, [], finished=["b"]))
+        # (typed a Sequence; the input check accepts any iterable, as a caller may pass)
+        eng.step(StepInput(c.step_no, [], finished=listed()))  # type: ignore[arg-type]
         res = await asyncio.wait_for(waiter, 5)
         assert not res.ok and res.cause is LoadFailure.REQUEST_FINISHED
         with pytest.raises(StateError):
@@ -151,30 +159,6 @@ async def test_a_refused_phase_b_leaves_the_load_in_flight_and_its_result() -> N
         ranks.paused = False
         res = await asyncio.wait_for(eng.wait_loaded("b"), 20)
         assert res.ok and res.num_tokens == 4 * BS
-
-
-async def test_a_step_listing_its_finished_requests_in_a_generator_ends_their_waits(
-        ) -> None:
-    """``StepInput.finished`` may be any iterable. Given a generator, the step's input
-    check consumed it and the engine's own pass over it (ending the waits of the
-    requests listed) found nothing: B's load was dropped by the manager, but
-    ``wait_loaded("b")`` waited for good. Now it ends with REQUEST_FINISHED, as with
-    a list."""
-    async with embedded_engine() as (eng, gpu, _, _):
-        c = Client(eng, gpu)
-        toks = tokens(4 * BS + 1, seed=5)
-        await c.store_only("a", toks)
-        table = _allocated(eng, gpu, "b", toks)
-        waiter = asyncio.ensure_future(eng.wait_loaded("b"))
-        await asyncio.sleep(0)
-        c.step_no += 1
-        # (typed a Sequence; the input check accepts any iterable, as a caller may pass)
-        eng.step(StepInput(c.step_no, [], finished=(r for r in ["b"])))  # type: ignore[arg-type]
-        res = await asyncio.wait_for(waiter, 5)
-        assert not res.ok and res.cause is LoadFailure.REQUEST_FINISHED
-        gpu.free(reversed(table))
-        await c.settle()
-
 
 
 async def test_a_wait_or_reset_given_the_wrong_type_is_a_typed_refusal() -> None:
