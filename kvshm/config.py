@@ -209,9 +209,9 @@ class EngineConfig:
       slab's size (required with ``disk_path``; slots = this // the slot stride, the
       rank's row rounded up to 4 KiB plus a 4 KiB header page). ``disk_io``:
       :class:`DiskIO`; ``disk_mode``: :class:`DiskMode`. A relative ``disk_path`` is
-      made absolute here (the ranks may run in another working directory). A directory that is not
-      writable, lacks the space or refuses ``O_DIRECT`` is refused at start, in one
-      line. ``disk_keep``: whether the slabs outlive the engine; None (default): they
+      made absolute here (the ranks may run in another working directory). A directory
+      that is not writable, lacks the space or refuses ``O_DIRECT`` is refused at start,
+      in one line. ``disk_keep``: whether the slabs outlive the engine; None (default): they
       do where ``name`` was given -- one started again under the same ``name`` and
       layout serves their blocks at once (warm restart) -- and are removed at close
       where the name is the generated default, which no later start can reuse (each

@@ -182,4 +182,3 @@ def _materialized(inp: StepInput) -> StepInput:
 
 def _once(items: Any) -> Any:
     return tuple(items) if isinstance(items, Iterator) else items
-
