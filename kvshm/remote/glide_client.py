@@ -10,6 +10,7 @@
   one per cluster primary from a ``CLUSTER SLOTS`` map, read again at most every
   ``_REFRESH_EVERY_S`` by one thread at a time (the others keep the old map).
 * :class:`Counters`: named counters under one lock (read as one snapshot).
+* :func:`report_failure`: the log line of a request a shard did not answer.
 
 Used by :mod:`kvshm.remote.valkey` (the block store), :mod:`kvshm.remote.valkey_index`
 (the readiness index) and :mod:`kvshm.remote.janitor`.
@@ -17,23 +18,45 @@ Used by :mod:`kvshm.remote.valkey` (the block store), :mod:`kvshm.remote.valkey_
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable
 from typing import Any, Final
 
 from kvshm.errors import MissingExtra
+from kvshm.ratelog import RateLimitedLog
 from kvshm.remote.breaker import CircuitBreaker
 from kvshm.remote.resp import ServerReplyError, command, parse_reply
 from kvshm.remote.tier import RemoteSpec
 
 __all__ = ["Counters", "Shards", "expiry_of", "glide_module", "header_key", "key_slot",
-           "make_client", "too_long"]
+           "make_client", "report_failure", "too_long"]
 
 _SLOTS: Final = 16384
 #: A slot-map refresh is attempted at most this often (seconds).
 _REFRESH_EVERY_S: Final = 0.5
 _RECONNECT: Final = (3, 50, 2)  # glide BackoffStrategy: retries, factor ms, base
+#: Most characters of a server's or client's error text in a log line.
+_ERROR_CHARS: Final = 300
+
+#: A server that is down, or refuses every connection (it wants a password kvshm was
+#: not given: ``NOAUTH``), fails every request: one line per side and shard per
+#: interval (:mod:`kvshm.ratelog`).
+_failure_log = RateLimitedLog(logging.getLogger("kvshm.remote"))
+
+
+def report_failure(spec: RemoteSpec, side: str, shard: str, exc: BaseException) -> None:
+    """A request of ``side`` (the workers' block store, the scheduler's index) to
+    ``shard`` failed with ``exc`` (not answered: a refused connection, a timeout, a
+    handshake the server refused): a WARNING that names the server and glide's error
+    text, at most one per side and shard per interval. Without it the tier's only trace
+    would be its counters, every block a miss."""
+    where = shard if spec.cluster else ",".join(f"{h}:{p}" for h, p in spec.nodes)
+    text = " ".join(str(exc).split())[:_ERROR_CHARS]
+    _failure_log.warning(f"failed:{side}:{shard}", "kvshm remote tier (%s): a request to "
+                         "%s failed: %s: %s; its blocks are misses (counted: errors)",
+                         side, where, type(exc).__name__, text)
 
 
 def header_key(key: str) -> str:
@@ -159,6 +182,11 @@ class Shards:
             if found is None:
                 found = self.breakers[name] = self._make()
             return found
+
+    def name_of(self, breaker: CircuitBreaker) -> str:
+        """The shard ``breaker`` guards ("?" for one this map never made)."""
+        with self._lock:
+            return next((n for n, b in self.breakers.items() if b is breaker), "?")
 
     def shard_of(self, key: str) -> str:
         if not self.spec.cluster:

@@ -26,7 +26,14 @@ from enum import Enum
 from typing import Any, Final, NamedTuple
 
 from kvshm.remote.breaker import BreakerState
-from kvshm.remote.glide_client import Counters, Shards, expiry_of, header_key, make_client
+from kvshm.remote.glide_client import (
+    Counters,
+    Shards,
+    expiry_of,
+    header_key,
+    make_client,
+    report_failure,
+)
 from kvshm.remote.tier import RemoteSpec
 
 __all__ = ["DOWN", "SERVER", "Command", "Op", "ShardBatches"]
@@ -180,6 +187,7 @@ class ShardBatches:
         before = breaker.opens
         breaker.failure()
         self._n.add(errors=1, timeouts=int(isinstance(exc, self._glide.TimeoutError)))
+        report_failure(self.spec, "index", shard, exc)
         if breaker.opens != before and self.spec.cluster:  # a new client once it is back;
             self._drop_client(shard)  # maybe its slots moved (failover): a new map
             self._shards.refresh(force=True)

@@ -82,6 +82,7 @@ from kvshm.remote.glide_client import (
     glide_module,
     header_key,
     key_slot,
+    report_failure,
     too_long,
 )
 from kvshm.remote.thread_clients import ThreadClients
@@ -172,11 +173,20 @@ class ValkeyBlockStore:
         breaker.failure()
         self._n.add(errors=blocks,
                     timeouts=blocks * int(isinstance(exc, self._glide.TimeoutError)))
+        report_failure(self.spec, "store", self._shards.name_of(breaker), exc)
         if breaker.opens != before:
             if self.spec.cluster:  # a fresh slot map; glide's cluster client follows the
                 self._shards.refresh(force=True)  # failover itself, the others' too
             else:  # the one server: new clients (connected anew once it is back)
                 self._clients.renew()
+
+    @staticmethod
+    def _refused(reply: object) -> None:
+        """The server answered a put with an error (``OOM`` under ``noeviction``, a
+        read-only replica, ...): one WARNING per interval with its text."""
+        text = " ".join(str(reply).split())[:300]
+        rlog.warning("put_refused", "kvshm remote tier: the server refused a put: %s "
+                     "(counted: put_refused)", text)
 
     # ------------------------------------------------------------------ parts
 
@@ -320,7 +330,7 @@ class ValkeyBlockStore:
                      "a pipeline of SETs")
             return None
         self._n.add(put_refused=len(part))  # a reply error, e.g. OOM: the whole part
-        log.debug("remote put refused: %s", reply)
+        self._refused(reply)
         return [False] * len(part)
 
     def _put_pipeline(self, breaker: CircuitBreaker, part: list[int], keys: Sequence[str],
@@ -342,7 +352,7 @@ class ValkeyBlockStore:
         breaker.success()
         if not result or len(result) != 2 * len(part):
             self._n.add(put_refused=len(part))
-            log.debug("remote put refused: %s", result)
+            self._refused(result)
             return [False] * len(part)
         out = []
         nbytes = refused = 0
@@ -352,7 +362,7 @@ class ValkeyBlockStore:
                 nbytes += views[i].nbytes
             else:  # a reply error in the pipeline, e.g. OOM
                 refused += 1
-                log.debug("remote put %s refused: %s", keys[i], result[2 * k:2 * k + 2])
+                self._refused(result[2 * k:2 * k + 2])
             out.append(stored)
         self._n.add(put_ok=len(part) - refused, put_refused=refused, bytes_put=nbytes)
         return out

@@ -5,6 +5,7 @@ one deadline, opens the breaker, and is used again once it is back."""
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -13,6 +14,9 @@ from typing import Any, TypeVar
 import pytest
 from remote_rig import Rows as RowsT
 
+from kvshm.ratelog import RateLimitedLog
+from kvshm.remote import glide_client
+from kvshm.remote import valkey as valkey_mod
 from kvshm.remote.glide_client import header_key
 from kvshm.remote.resp import command, parse_reply
 from kvshm.remote.server import ValkeyServer
@@ -674,3 +678,69 @@ def test_the_first_call_after_a_restart_probes_alone_and_stores_every_block(
         assert store.statistics()["breaker_state"] == "closed"
     finally:
         store.close()
+
+
+def test_a_server_that_wants_a_password_is_named_in_one_warning_a_side(
+        valkey: ValkeyServer, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The hazard: a server that wants a password (``requirepass``, which kvshm has no
+    way to give) refuses every connection with ``NOAUTH``. The store and the index
+    counted ``errors`` and every block was a miss, but kvshm wrote no line: the operator
+    saw glide's native stderr noise at best, nothing that named kvshm's tier. Now the
+    first failed request of each side writes one WARNING that names the server and
+    glide's text; the others within the interval are only counted. A server that
+    answers a put with an error (a read-only ACL here; ``OOM`` likewise) is one WARNING
+    with its text, where it was a DEBUG line."""
+    fresh = RateLimitedLog(logging.getLogger("kvshm.remote"))
+    monkeypatch.setattr(glide_client, "_failure_log", fresh)  # not the suite's history
+    monkeypatch.setattr(valkey_mod, "rlog", RateLimitedLog(valkey_mod.log))
+    caplog.set_level(logging.WARNING)
+    assert call(valkey, "CONFIG", "SET", "requirepass", "hunter2") == b"OK"
+    spec = RemoteSpec.parse(valkey.url, ttl_s=600, **CALM)
+    st, idx = ValkeyBlockStore(spec), ValkeyReadyIndex(spec)
+    try:
+        hs = headers(2, 0, 1)
+        for _ in range(3):
+            assert st.put_many(keys_of(hs), views(rows(2, 1)), hs) == [False, False]
+        assert st.get_many_into(keys_of(hs), views(Rows(2)), hs) == [GetOutcome.ERROR] * 2
+        for tok in range(2):
+            idx.query(tok, [ready_key(FP, 1, b"\0" * 16)])
+            assert _wait(idx.answers) == [(tok, 0)]
+        assert st.statistics()["errors"] == 8 and idx.statistics()["errors"] == 2
+    finally:
+        st.close()
+        idx.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvshm.remote"]
+    where = f"{valkey.host}:{valkey.port}"
+    assert len(lines) == 2, lines  # one a side: 3 + 2 requests failed (the get found
+    # the store's breaker open after its 3 puts: refused without a request, no line)
+    assert {line.split(")")[0] for line in lines} == {"kvshm remote tier (store",
+                                                      "kvshm remote tier (index"}
+    assert all(where in line and "NOAUTH" in line for line in lines), lines
+    assert fresh.suppressed == 3
+
+
+def test_a_put_the_server_refuses_is_one_warning_with_its_text(
+        valkey: ValkeyServer, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """A server that answers a put with an error (a read-only ACL here; ``OOM`` under
+    ``noeviction`` likewise) was a DEBUG line per put: at the default level nothing
+    said why no block ever reached the tier. Now one WARNING an interval, with the
+    server's text; the puts are counted ``put_refused``."""
+    fresh = RateLimitedLog(valkey_mod.log)
+    monkeypatch.setattr(valkey_mod, "rlog", fresh)
+    caplog.set_level(logging.WARNING)
+    assert call(valkey, "ACL", "SETUSER", "default", "resetkeys", "%R~*") == b"OK"
+    st = ValkeyBlockStore(RemoteSpec.parse(valkey.url, ttl_s=600, **CALM))
+    try:
+        hs = headers(2, 0, 1)
+        for _ in range(3):
+            assert st.put_many(keys_of(hs), views(rows(2, 1)), hs) == [False, False]
+        assert st.statistics()["put_refused"] == 6
+        assert st.statistics()["errors"] == 0  # an answer: the breaker stays closed
+    finally:
+        st.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == valkey_mod.log.name]
+    assert len(lines) == 1 and "refused a put" in lines[0], lines
+    assert "No permissions to access a key" in lines[0], lines  # the server's reason
+    assert fresh.suppressed == 2
