@@ -43,7 +43,8 @@ _ERROR_CHARS: Final = 300
 #: A server that is down, or refuses every connection (it wants a password kvshm was
 #: not given: ``NOAUTH``), fails every request: one line per side and shard per
 #: interval (:mod:`kvshm.ratelog`).
-_failure_log = RateLimitedLog(logging.getLogger("kvshm.remote"))
+log = logging.getLogger("kvshm.remote")
+_failure_log = RateLimitedLog(log)
 
 
 def report_failure(spec: RemoteSpec, side: str, shard: str, exc: BaseException) -> None:

@@ -124,18 +124,30 @@ class RunIdWatch:
                 reply = client.info([g.InfoSection.SERVER], route=g.AllPrimaries())
             else:
                 reply = client.info([g.InfoSection.SERVER])
-        except Exception:  # noqa: BLE001 - counted; the next check reads it again
+        except Exception as exc:  # noqa: BLE001 - counted; the next check reads it again
             self._n.add(run_id_errors=1)
+            if not isinstance(exc, (g.TimeoutError, g.ConnectionError, g.ClosingError)):
+                self._blind(f"{type(exc).__name__}: {exc}")  # an answer: a refusal
             return
         ids = run_ids(reply)
         self._n.add(run_id_checks=1)
         if not ids:
             self._n.add(run_id_errors=1)
+            self._blind("the reply has no run_id")
             return
         if self._ids and ids != self._ids:
             self.restarts += 1
             self._n.add(run_id_changes=1)
         self._ids = ids
+
+
+    def _blind(self, why: str) -> None:
+        """The server answered ``INFO server`` without a run_id, or refused it (an ACL
+        without ``+info``): a restart or flush goes unnoticed, and the blocks the engine
+        believes it put stay skipped for up to ``ttl_s / 2``. One WARNING a minute."""
+        rlog.warning("run_id", "kvshm remote tier (index): cannot read the server's "
+                     "run_id (%s); a restart or flush of the server will not be noticed "
+                     "(counted: run_id_errors)", " ".join(why.split())[:300])
 
 
 class ValkeyReadyIndex:

@@ -12,15 +12,24 @@ refills the tier within seconds (issue 31: after a standalone Valkey restarted e
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 
 import pytest
 from engine_rig import BS, Client, embedded_engine
 from remote_engine_rig import BLOCKS, MODEL, ask, prompt, remote, server_keys, store_and_publish
 
+from kvshm.ratelog import RateLimitedLog
+from kvshm.remote import glide_client, valkey_index
+from kvshm.remote.resp import command, parse_reply
 from kvshm.remote.server import ValkeyServer
 from kvshm.remote.tier import RemoteSpec
 from kvshm.remote.valkey_index import ValkeyReadyIndex
+
+
+def call(server: ValkeyServer, *args: str) -> object:
+    """One raw command to ``server``."""
+    return parse_reply(command(server.host, server.port, *args))
 
 
 @pytest.mark.asyncio
@@ -96,3 +105,38 @@ def test_the_index_counts_a_new_run_id_once(valkey: ValkeyServer) -> None:
         assert idx.restarts() == 1 and idx.statistics()["run_id_changes"] == 1
     finally:
         idx.close()
+
+
+def test_an_acl_without_info_is_named_not_silent(
+        valkey: ValkeyServer, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The hazard: a server whose ACL refuses ``INFO`` (``-info``, a hardened default
+    user). The index reads the server's run_id with ``INFO server``, and glide itself
+    sends ``INFO`` when it connects, so every round failed and every lookup missed,
+    counted ``errors`` and ``run_id_errors`` and nothing else: no line said the remote
+    tier was off, nor that a restart of the server would go unnoticed. Now each is one
+    WARNING a minute that quotes the server's refusal; the queries answer 0 as before."""
+    fresh, failures = RateLimitedLog(valkey_index.log), RateLimitedLog(glide_client.log)
+    monkeypatch.setattr(valkey_index, "rlog", fresh)  # not the suite's history
+    monkeypatch.setattr(glide_client, "_failure_log", failures)
+    caplog.set_level(logging.WARNING)
+    assert call(valkey, "ACL", "SETUSER", "default", "-info") == b"OK"
+    idx = ValkeyReadyIndex(RemoteSpec.parse(valkey.url), run_id_every_s=0.0,
+                           breaker_threshold=100)  # every round reaches the server
+    try:
+        for token in range(3):
+            idx.query(token, ["kvshm:v1:fp:ready/1:00"])
+            deadline = time.monotonic() + 10.0
+            while not (got := idx.answers()):
+                assert time.monotonic() < deadline, idx.statistics()
+                time.sleep(0.01)
+            assert got == [(token, 0)]
+        st = idx.statistics()
+        assert st["run_id_errors"] == 3 and st["run_id_checks"] == 0 and st["errors"] == 3
+    finally:
+        idx.close()
+    lines = sorted(r.getMessage() for r in caplog.records if r.name.startswith("kvshm"))
+    assert len(lines) == 2, lines
+    assert "cannot read the server's run_id" in lines[1] and "a request to" in lines[0]
+    assert all("no permissions to run the 'info' command" in line for line in lines)
+    assert (fresh.suppressed, failures.suppressed) == (2, 2)
