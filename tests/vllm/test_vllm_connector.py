@@ -268,6 +268,46 @@ class TestFp32SmallPool:
         wstats = _kvshm_connector().worker_side.counters
         assert wstats.sync_loads_late == 0 and wstats.sync_load_waits >= 1
 
+    def test_requests_aborted_mid_flight_pin_nothing_and_the_rest_stay_exact(
+            self, eng: Engine) -> None:
+        """Clients that hang up: 12 requests over 4 shared 5-block prefixes that
+        kvshm's CPU tier holds (computed once, device cache reset), submitted together;
+        every third is aborted through vLLM's own ``abort_request`` at its first
+        scheduled step -- its CPU hit pinned, its load done or in flight, its blocks
+        stored or not. Every other request's tokens equal the cold reference bit for
+        bit, and once the engine is idle kvshm holds no pin and no job (an aborted
+        request's pins go with its ``request_finished``, as a finished one's)."""
+        core = eng.llm.llm_engine
+        prefixes = [_prompt(5 * BLOCK, 400 + 40 * i) for i in range(4)]
+        prompts = [f"{prefixes[i % 4]} {_prompt(10 + i, 97 * i)}" for i in range(12)]
+        reference = [_signature(o)[0] for o in eng.generate(prompts)]
+        eng.reset_device_cache()
+        before = eng.stats()["counters"]
+        ids = [f"abort-{i}" for i in range(12)]
+        for rid, p in zip(ids, prompts, strict=True):
+            core.add_request(rid, p, _params())
+        doomed, aborted = set(ids[::3]), set[str]()
+        got: dict[str, list[int]] = {}
+        for _ in range(200):
+            if not core.has_unfinished_requests():
+                break
+            for out in core.step():
+                if out.finished and out.request_id not in aborted:
+                    got[out.request_id] = list(out.outputs[0].token_ids)
+            running = [r.request_id for r in core.engine_core.engine_core.scheduler.running]
+            now = sorted(rid for rid in doomed - aborted  # (vLLM suffixes its own ids)
+                         if any(r == rid or r.startswith(rid + "-") for r in running))
+            core.abort_request(now)
+            aborted.update(now)
+        _drain(eng.llm)
+        assert aborted == doomed
+        assert got == {rid: reference[i] for i, rid in enumerate(ids) if rid not in doomed}
+        stats = eng.stats()
+        assert (stats["pins_held"], stats["jobs_in_flight"]) == (0, 0), stats
+        after = stats["counters"]
+        assert after["loaded_blocks"] - before.get("loaded_blocks", 0) >= 4 * 5  # each prefix
+        assert after["loads_failed"] == before.get("loads_failed", 0)
+
     def test_reset_connector_drops_the_cpu_tier(self, eng: Engine) -> None:
         """``reset_prefix_cache(reset_connector=True)`` empties kvshm's index too: the
         same prompt is then computed from scratch (and stored again)."""
