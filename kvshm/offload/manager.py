@@ -198,7 +198,7 @@ class OffloadManager:
         for rid, hit in list(self._hits.items()):
             if hit.cause is None:
                 self.cpu.free(reversed(hit.pinned))
-                self._hits[rid] = Hit(hit.start, hit.end, [], [], (), cause)
+                self._hits[rid] = Hit(hit.start, hit.end, [], [], (), cause, hit.offered)
 
     # ---- phase A / B ---------------------------------------------------------------
 
@@ -373,13 +373,17 @@ class OffloadManager:
             self._drop_hit(req_id)
             self._admit(st, 0)
             return
-        if hit is not None and hit.cause is None:  # every refusal before any change
+        if hit is not None:  # every refusal before any change
+            # a dropped hit (reset, a rank's death) too: its failure names the blocks of
+            # the accepted range, which must be the offered one (2**62 tokens walked
+            # that range for ever)
             if num_external_tokens > hit.offered:
                 raise self._check.refuse("allocated", req_id, "num_external_tokens",
                                          f"{num_external_tokens} accepted, {hit.offered} "
                                          "offered")
-            self._check.reach("allocated", req_id, tables,
-                              hit.start + cdiv(num_external_tokens, self.block_size))
+            if hit.cause is None:
+                self._check.reach("allocated", req_id, tables,
+                                  hit.start + cdiv(num_external_tokens, self.block_size))
         # an older load's outcome is not this one's: dropped -- only once the call is
         # accepted (a refused call that did this lost the in-flight load's result, and
         # its wait_loaded waited for good)

@@ -679,3 +679,27 @@ def test_accepting_more_than_offered_is_a_config_error() -> None:
     rig.m.finished("a", 0, [[]])
     assert rig.m.pins_held() == 0
     rig.m.check_invariants()
+
+
+@pytest.mark.parametrize("drop", ["reset", "rank_failed"])
+def test_accepting_more_than_offered_after_the_hit_was_dropped_is_refused(drop: str) -> None:
+    """The hazard: ``lookup`` offered 8 tokens; ``reset()`` (or rank 0's death) dropped
+    the hit's pins and left a tombstone; ``allocated("a", [[1, 2, 3]], 2**62)`` then
+    skipped the "more than offered" check (it ran for live hits only) and walked the
+    accepted range to name the failed blocks: it never returned (4 x 10**7 took 0.7
+    s). The tombstone keeps the offer, the check runs first, and nothing changed; the
+    offered 8 are still accepted and fail with the drop's cause, blocks 1 and 2. (10**6
+    here: the old code accepted it in milliseconds instead of hanging the test.)"""
+    rig = Rig()
+    a = Req("a", 9)
+    rig.seed_cpu(*a.h)
+    assert rig.m.lookup(a.view(), 0) == 8
+    rig.m.reset() if drop == "reset" else rig.m.rank_failed(0)
+    with pytest.raises(ConfigError, match="1000000 accepted, 8 offered"):
+        rig.m.allocated("a", [[1, 2, 3]], 10**6)
+    assert rig.m.counters.invalid_calls == 1 and rig.m.take_load_results() == []
+    rig.m.allocated("a", [[1, 2, 3]], 8)
+    [res] = rig.m.take_load_results()
+    assert not res.ok and res.failed_block_ids == (1, 2)
+    assert res.cause is (LoadFailure.RESET if drop == "reset" else LoadFailure.RANK_DIED)
+    assert rig.m.pins_held() == 0
