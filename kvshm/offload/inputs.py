@@ -25,7 +25,7 @@ from kvshm.errors import ConfigError, InvalidRequest
 from kvshm.hashing import BlockHash
 from kvshm.offload.counters import ManagerCounters
 from kvshm.offload.pd.manifest import is_handoff
-from kvshm.offload.validate import NOT_SEQUENCES, InputCheck, Tables, describe
+from kvshm.offload.validate import COUNT_LIMIT, NOT_SEQUENCES, InputCheck, Tables, describe
 from kvshm.types import GpuBlocks, ScheduledRequest
 
 __all__ = ["CallCheck", "View", "for_pool"]
@@ -125,8 +125,9 @@ class CallCheck(InputCheck):
                               f"must be a RequestView, got {describe(req)}") from None
         local: Any = num_local_tokens
         if not (type(rid) is str and (type(hashes) is list or type(hashes) is tuple)
-                and type(num_tokens) is int and num_tokens >= 0 and type(local) is int
-                and local >= 0 and (params is None or type(params) is dict)):
+                and type(num_tokens) is int and 0 <= num_tokens < COUNT_LIMIT
+                and type(local) is int and local >= 0
+                and (params is None or type(params) is dict)):
             rid = self.req_id(call, rid)  # the field checks, in this order
             hashes = self.hash_seq(call, rid, "block_hashes", hashes)
             num_tokens = self.count(call, rid, "num_tokens", num_tokens)

@@ -11,8 +11,9 @@ its input again.
 
 Valid input:
 
-* a request id is a ``str``; a step number an ``int``; a token count an ``int >= 0``
-  (``bool`` and ``float`` are not ints here); flags are ``bool``;
+* a request id is a ``str``; a step number and a token count an ``int`` in
+  ``[0, 2**63)`` (a step number travels in the workers' messages, whose ints are 64-bit;
+  ``bool`` and ``float`` are not ints here); flags are ``bool``;
 * a GPU block id is an ``int`` in ``[0, gpu.num_blocks)``; within the ids one call hands
   over for one group (a whole table, or the ids a step appends to it) none appears twice
   but the engine's ``null_block_id`` (vLLM's placeholder for a sliding-window block);
@@ -67,7 +68,8 @@ from kvshm.hashing import BlockHash
 from kvshm.offload.counters import ManagerCounters
 from kvshm.types import no_new_blocks
 
-__all__ = ["HASH_LEN_RANGE", "NOT_SEQUENCES", "InputCheck", "Tables", "describe"]
+__all__ = ["COUNT_LIMIT", "HASH_LEN_RANGE", "NOT_SEQUENCES", "InputCheck", "Tables",
+           "describe"]
 
 Tables = tuple[tuple[int, ...], ...]
 """Checked block tables: one tuple of GPU block ids per KV group."""
@@ -80,6 +82,10 @@ NOT_SEQUENCES = (str, bytes, bytearray, memoryview)
 """Sequences that are never a sequence of ids or hashes (a str is not a list of hashes)."""
 _SHORT = 8
 """Up to this many ids or hashes are checked one by one; more in C."""
+COUNT_LIMIT: Final = 1 << 63
+"""Token counts and step numbers are below this: a step number is posted to the ranks
+(msgpack carries 64-bit ints; 2**64 failed the post after the step was planned, its
+pins held for good)."""
 _repr = reprlib.Repr()
 _repr.maxstring = 40
 _repr.maxother = 40
@@ -123,9 +129,10 @@ class InputCheck:
         return value
 
     def count(self, call: str, rid: str | None, field: str, value: object) -> int:
-        """A token count (or step number): an int >= 0."""
-        if type(value) is not int or value < 0:
-            raise self.refuse(call, rid, field, f"must be an int >= 0, got {describe(value)}")
+        """A token count (or step number): an int in ``[0, COUNT_LIMIT)``."""
+        if type(value) is not int or not 0 <= value < COUNT_LIMIT:
+            raise self.refuse(call, rid, field,
+                              f"must be an int in [0, 2**63), got {describe(value)}")
         return value
 
     def flag(self, call: str, rid: str, field: str, value: object) -> bool:

@@ -361,6 +361,10 @@ def _cases() -> Iterator[Case]:
     yield "step number None", step(step_no=None), "", "step"
     yield "step number bool", step(step_no=True), "", "step"
     yield "step number negative", step(step_no=-1), "", "step"
+    # 2**64 was planned, then failed to post to the ranks (msgpack: 64-bit ints) with
+    # its store's pins held for good
+    yield "step number 2**64", step(step_no=2**64), "", "step"
+    yield "lookup tokens 2**63", look(RequestView("r", h, 2**63)), "r", "num_tokens"
     yield "step finished a str", step(finished="r"), "", "finished"
     yield "step finished not str", step(finished=[3]), "", "req_id"
     yield "step allocated out of range", step(alloc=[99]), "", "allocated_block_ids[0]"
