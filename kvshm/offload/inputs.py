@@ -69,7 +69,8 @@ class CallCheck(InputCheck):
             if ok:
                 if len(nb) == 1 and type(t := nb[0]) is tuple and len(t) == 1:
                     b = t[0]  # one id appended to one group: a decode step's change
-                    ok = type(b) is int and 0 <= b < self.num_gpu_blocks
+                    ok = (type(b) is int and 0 <= b < self.num_gpu_blocks
+                          and b != self.null_refused[0])
                 else:
                     ok = self._tuples_ok(nb)
             if not ok:
@@ -203,10 +204,11 @@ class View(msgspec.Struct, gc=False):
 
 
 def for_pool(gpu: GpuBlocks, *, n_groups: int, block_size: int, hash_bytes: int | None,
-             counters: ManagerCounters) -> CallCheck:
+             counters: ManagerCounters, full_groups: Sequence[int] = ()) -> CallCheck:
     """The checks for a manager over ``gpu``: its size (``num_blocks``), and its optional
     ``hash_bytes`` (unless given here) and ``null_block_id``. ConfigError for a pool
-    that says something impossible."""
+    that says something impossible. ``full_groups``: the full-attention groups, whose
+    tables never hold the null block."""
     n = gpu.num_blocks
     if type(n) is not int or n < 1:
         raise ConfigError(f"the GPU pool's num_blocks must be an int >= 1, got {describe(n)}")
@@ -219,4 +221,5 @@ def for_pool(gpu: GpuBlocks, *, n_groups: int, block_size: int, hash_bytes: int 
         raise ConfigError(f"the GPU pool's null_block_id must be None or a block id, got "
                           f"{describe(null)}")
     return CallCheck(n_groups=n_groups, block_size=block_size, num_gpu_blocks=n,
-                      hash_bytes=hash_bytes, null_block_id=null, counters=counters)
+                      hash_bytes=hash_bytes, null_block_id=null, counters=counters,
+                      full_groups=full_groups)

@@ -105,7 +105,8 @@ class OffloadManager:
             raise ConfigError(f"lazy_window must be >= 1, got {lazy_window}")
         self.counters = ManagerCounters()
         self._check = for_pool(gpu, n_groups=self._gs.n, block_size=block_size,
-                               hash_bytes=hash_bytes, counters=self.counters)
+                               hash_bytes=hash_bytes, counters=self.counters,
+                               full_groups=self._gs.full)
         self.cpu = cpu
         self.gpu = gpu
         self.block_size = block_size

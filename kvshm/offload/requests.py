@@ -208,6 +208,8 @@ class RequestTracker:
             if type(t) is not tuple or len(t) != 1:
                 return 0
             b = t[0]
+            if b == check.null_refused[0]:  # the slow path refuses it (InputCheck)
+                return 0
         rid, hashes, num_tokens, params = (r.req_id, r.block_hashes, r.num_tokens,
                                            r.kv_transfer_params)
         if not (type(rid) is str and type(num_tokens) is int

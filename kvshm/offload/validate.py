@@ -16,7 +16,9 @@ Valid input:
   ``bool`` and ``float`` are not ints here); flags are ``bool``;
 * a GPU block id is an ``int`` in ``[0, gpu.num_blocks)``; within the ids one call hands
   over for one group (a whole table, or the ids a step appends to it) none appears twice
-  but the engine's ``null_block_id`` (vLLM's placeholder for a sliding-window block);
+  but the engine's ``null_block_id`` (vLLM's placeholder for a sliding-window block),
+  which a full-attention group's ids never hold (its blocks are stored and loaded: the
+  null block's bytes would be cached under a real prefix, and a load would write it);
   a call hands over exactly one table per KV group;
 * a block hash is ``bytes`` of the engine's hash length (``gpu.hash_bytes``, or the
   manager's ``hash_bytes`` argument; where neither says, any length in
@@ -102,12 +104,16 @@ class InputCheck:
     which counts it: ``raise check.refuse(...)``."""
 
     __slots__ = ("block_size", "counters", "hash_max", "hash_min", "n_groups", "no_new",
-                 "null_block_id", "num_gpu_blocks")
+                 "null_block_id", "num_gpu_blocks", "null_refused")
 
     def __init__(self, *, n_groups: int, block_size: int, num_gpu_blocks: int,
                  hash_bytes: int | None, null_block_id: int | None,
-                 counters: ManagerCounters) -> None:
+                 counters: ManagerCounters, full_groups: Sequence[int] = ()) -> None:
         self.n_groups = n_groups
+        #: per group: the null block's id where it is refused (a full-attention group),
+        #: None where it may appear (a sliding-window group; or no null block)
+        self.null_refused: tuple[int | None, ...] = tuple(
+            null_block_id if g in full_groups else None for g in range(n_groups))
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
         self.hash_min, self.hash_max = (HASH_LEN_RANGE if hash_bytes is None
@@ -242,19 +248,30 @@ class InputCheck:
         return len(t) < 2 or len(set(t)) == len(t) or self._null_repeats_only(t)
 
     def _tuples_ok(self, tables: tuple[Any, ...]) -> bool:
-        """Every entry a tuple of good ids (:meth:`ids_ok`); one appended id -- the
-        usual change of a decode step -- is checked inline."""
+        """Every entry a tuple of good ids (:meth:`ids_ok`), no refused null block
+        (:meth:`null_free`); one appended id -- the usual change of a decode step -- is
+        checked inline."""
         n = self.num_gpu_blocks
-        for t in tables:
+        for t, null in zip(tables, self.null_refused, strict=True):
             if type(t) is not tuple:
                 return False
             if len(t) == 1:
                 b = t[0]
-                if type(b) is not int or not 0 <= b < n:
+                if type(b) is not int or not 0 <= b < n or b == null:
                     return False
-            elif t and not self.ids_ok(t):
+            elif t and not (self.ids_ok(t) and (null is None or null not in t)):
                 return False
         return True
+
+    def null_free(self, call: str, rid: str | None, field: str, tables: Tables) -> Tables:
+        """``tables`` (good ids, one per group), refused where a full-attention group's
+        holds the null block."""
+        for g, (t, null) in enumerate(zip(tables, self.null_refused, strict=True)):
+            if null is not None and null in t:
+                raise self.refuse(call, rid, f"{field}[{g}][{t.index(null)}]",
+                                  f"the null block {null} in a full-attention group's "
+                                  "table")
+        return tables
 
     def _null_repeats_only(self, t: tuple[int, ...]) -> bool:
         null = self.null_block_id
@@ -308,7 +325,7 @@ class InputCheck:
                     break
                 out.append(t)
             else:
-                return tuple(out)
+                return self.null_free(call, rid, field, tuple(out))
         if isinstance(value, NOT_SEQUENCES) or not isinstance(value, Sequence):
             raise self.refuse(call, rid, field,
                               f"must be one sequence of block ids per KV group, got "
@@ -316,4 +333,5 @@ class InputCheck:
         if len(value) != self.n_groups:
             raise self.refuse(call, rid, field, f"{len(value)} block tables, expected "
                               f"{self.n_groups} (one per KV group)")
-        return tuple(self.ids(call, rid, f"{field}[{g}]", t) for g, t in enumerate(value))
+        return self.null_free(call, rid, field, tuple(
+            self.ids(call, rid, f"{field}[{g}]", t) for g, t in enumerate(value)))

@@ -422,6 +422,39 @@ def test_null_block_may_repeat_in_one_table() -> None:
     assert err.field == "gpu_block_ids[1]" and "block id 5 appears 2 times" in str(err)
 
 
+def test_the_null_block_in_a_full_attention_table_is_refused() -> None:
+    """The hazard: the null block (vLLM's placeholder for a sliding-window position)
+    was accepted anywhere. In a full-attention table ``(0, 5, 0)`` the store walk
+    stored GPU block 0's bytes under the request's first prefix hash -- a later request
+    with that prefix loaded them as its KV (a poisoned CPU cache) -- and a load wrote
+    two CPU blocks into block 0. Now every call refuses it in a full-attention group's
+    ids (a whole table, or one id a decode step appends), naming the position, and
+    changes nothing; a sliding-window group still takes it (the test above)."""
+
+    class VllmLike(BlockPool):
+        null_block_id = 0
+
+    groups = (KVGroup.full(), KVGroup.sliding_window(4))
+    h = chain_hashes(list(range(17)), BS)
+    m = OffloadManager(BlockPool(8), VllmLike(16), block_size=BS, groups=groups)
+    step = StepInput(1, [ScheduledRequest("a", h, 17, ((0, 5, 6, 7), (0, 0, 1, 2)),
+                                          True, 12)])
+    err = refused(m, m.build_step, step)
+    assert err.field == "new_block_ids[0][0]" and "null block 0" in str(err)
+    m.build_step(StepInput(1, [ScheduledRequest("a", h, 17, ((4, 5, 6, 7), (0, 0, 1, 2)),
+                                                True, 0)]))
+    for tables in ([[4, 5, 0, 7], [0, 0, 1, 2]], [[0], [0]]):
+        err = refused(m, m.finished, "a", 12, tables)
+        assert err.field.startswith("gpu_block_ids[0]") and "null block" in str(err)
+    # one group, one id appended: the decode step's fast path
+    one = OffloadManager(BlockPool(8), VllmLike(16), block_size=BS)
+    one.build_step(StepInput(1, [ScheduledRequest("b", h[:1], 5, ((3,),), True, 0)]))
+    err = refused(one, one.build_step,
+                  StepInput(2, [ScheduledRequest("b", h[:2], 9, ((0,),), False, 4)]))
+    assert err.field == "new_block_ids[0][0]"
+    assert refused(one, one.allocated, "c", [[0, 1]], 0).field == "gpu_block_ids[0][0]"
+
+
 def test_hash_length_is_exact_when_the_engine_names_it() -> None:
     """Without ``hash_bytes`` any length in 8..64 passes (kvshm's hashes are 16 bytes,
     vLLM's 32 or 16); with ``hash_bytes=16`` (or a GPU pool's ``hash_bytes``) a 24-byte
