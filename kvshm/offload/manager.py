@@ -64,6 +64,7 @@ from kvshm.offload.remote import RemoteBook
 from kvshm.offload.requests import ReqState, RequestTracker, is_remote
 from kvshm.offload.side_stores import lazy_scan, pin_tail
 from kvshm.offload.stores import StorePlanner
+from kvshm.offload.validate import Tables
 from kvshm.types import (
     GpuBlocks,
     KVGroup,
@@ -383,8 +384,9 @@ class OffloadManager:
                                          f"{num_external_tokens} accepted, {hit.offered} "
                                          "offered")
             if hit.cause is None:
-                self._check.reach("allocated", req_id, tables,
-                                  hit.start + cdiv(num_external_tokens, self.block_size))
+                end = hit.start + cdiv(num_external_tokens, self.block_size)
+                self._check.reach("allocated", req_id, tables, end)
+                self._refuse_stored_dests(req_id, tables, hit.start, end)
         # an older load's outcome is not this one's: dropped -- only once the call is
         # accepted (a refused call that did this lost the in-flight load's result, and
         # its wait_loaded waited for good)
@@ -410,6 +412,23 @@ class OffloadManager:
         self.gpu.touch(a.gpu_ids)
         self._loads.enqueue(
             LoadPart(req_id, a.cpu_ids, a.gpu_ids, tuple(a.failed), num_external_tokens))
+
+    def _refuse_stored_dests(self, req_id: str, tables: Tables, start: int, end: int) -> None:
+        """InvalidRequest where a load destination (positions ``[start, end)``) is a
+        GPU block a store in flight (or queued) still reads: the engine handed out a
+        block kvshm pins, and the load would race that read -- the store would cache the
+        loaded bytes under the other request's hash. O(the destinations), only while a
+        store is in flight."""
+        busy = self._stores.inflight_gpu
+        if not busy:
+            return
+        for g, t in enumerate(tables):
+            for p in range(start, min(end, len(t))):
+                if t[p] in busy:
+                    raise self._check.refuse(
+                        "allocated", req_id, f"gpu_block_ids[{g}][{p}]",
+                        f"GPU block {t[p]} is read by a store in flight (pinned by kvshm: "
+                        "the engine must not hand it out)")
 
     def _admit(self, st: ReqState | None, tokens: int) -> None:
         """Count an accepted phase B's hit tokens (after its checks passed): a request's

@@ -703,3 +703,26 @@ def test_accepting_more_than_offered_after_the_hit_was_dropped_is_refused(drop: 
     assert not res.ok and res.failed_block_ids == (1, 2)
     assert res.cause is (LoadFailure.RESET if drop == "reset" else LoadFailure.RANK_DIED)
     assert rig.m.pins_held() == 0
+
+
+def test_a_load_into_a_block_a_store_in_flight_reads_is_refused() -> None:
+    """The hazard: request a's store job reads GPU 0 and 1 (pinned by kvshm, in
+    flight); an engine that hands those blocks to request b anyway (a bug: they are
+    pinned) had b's load planned into them, so on a GPU the load (H2D stream) could
+    overwrite them while the store (D2H stream) still read them, and the CPU tier would
+    cache b's bytes under a's hash. Phase B refuses such a destination, naming it, and
+    changes nothing; once the store is acked the same call is accepted."""
+    rig = Rig()
+    a, b = Req("a", 9), Req("b", 9, base=500)
+    rig.seed_cpu(b.h[0], b.h[1])
+    g = rig.alloc(3)
+    p1 = rig.step(a.sched(g, confirmed=8, new=True))
+    assert p1.store is not None and pairs(p1.store) == ([0, 1], [2, 3])  # (GPU, CPU)
+    assert rig.m.lookup(b.view(), 0) == 8
+    with pytest.raises(ConfigError, match=r"gpu_block_ids\[0\]\[0\]: GPU block 0 is read"):
+        rig.m.allocated("b", [[0, 1, 5]], 8)
+    assert refs(rig.cpu, [0, 1]) == [1, 1]  # b's hit still pinned: nothing changed
+    rig.m.on_done(p1.store.job_id, 0, True)
+    rig.m.allocated("b", [[6, 7, 5]], 8)
+    assert pairs(rig.step().load) == ([0, 1], [6, 7])  # (CPU, GPU)
+    rig.m.check_invariants()
