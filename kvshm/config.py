@@ -159,17 +159,23 @@ def _positive_int(field_name: str, value: object, *, allow_none: bool = False) -
         raise ConfigError(f"{field_name} must be > 0, got {value}")
 
 
-def _timeout(field_name: str, value: object) -> None:
-    """ConfigError unless ``value`` is a finite int or float > 0 (a bool is no number)."""
+def check_timeout(field_name: str, value: object, *, zero_ok: bool = False) -> float:
+    """``value`` as seconds; ConfigError unless it is a finite int or float > 0 (``>= 0``
+    with ``zero_ok``) and at most :data:`MAX_TIMEOUT_S` (a bool is no number; NaN,
+    infinity and an int too large for a float are refused: a deadline of NaN never
+    comes, and one past a float's range raises OverflowError where it is added)."""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise ConfigError(f"{field_name} must be a number of seconds, got {value!r}")
     try:
-        ok = math.isfinite(value) and 0 < value <= MAX_TIMEOUT_S
+        ok = math.isfinite(value) and (0 <= value if zero_ok else 0 < value) \
+            and value <= MAX_TIMEOUT_S
     except OverflowError:  # an int too large for a float
         ok = False
     if not ok:
-        raise ConfigError(f"{field_name} must be > 0 and at most {MAX_TIMEOUT_S:g} seconds "
+        low = ">= 0" if zero_ok else "> 0"
+        raise ConfigError(f"{field_name} must be {low} and at most {MAX_TIMEOUT_S:g} seconds "
                           f"(a day), got {value!r}")
+    return float(value)
 
 
 @dataclass(frozen=True)
@@ -270,7 +276,7 @@ class EngineConfig:
         if not isinstance(self.eviction, Eviction):
             raise ConfigError(f"eviction must be an Eviction, got {self.eviction!r}")
         for label in TIMEOUT_FIELDS:
-            _timeout(label, getattr(self, label))
+            check_timeout(label, getattr(self, label))
         self._check_remote()
         self._check_disk()
 

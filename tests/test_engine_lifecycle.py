@@ -20,8 +20,10 @@ import kvshm.engine.launcher as launcher_mod
 from kvshm.engine import SPAWN, Engine, EngineState, SyncClient
 from kvshm.engine.launcher import Launcher
 from kvshm.engine.runtime import Runtime
-from kvshm.errors import StateError, WorkerDied
+from kvshm.engine.startup import StartTimeout
+from kvshm.errors import ConfigError, StateError, WorkerDied
 from kvshm.hashing import chain_hashes
+from kvshm.ipc.rendezvous_client import query_stats
 from kvshm.offload.pool import BlockPool
 from kvshm.types import (
     DeviceKind,
@@ -229,6 +231,27 @@ async def test_wait_loaded_cancelled_before_its_result_arrives_keeps_the_result(
     res = await asyncio.wait_for(eng.wait_loaded("r"), 1)
     assert res.ok and res.num_tokens == 8
     assert eng._results == {} and eng._waiters == {} and "r" not in eng._pending_loads
+
+
+def test_a_sync_wait_or_stats_query_given_a_bad_timeout_is_refused_at_once() -> None:
+    """The hazards: ``SyncClient.wait_ready(timeout_s=nan)`` with no rank coming never
+    returned (``monotonic() >= nan`` is always False), ``"1"`` raised a bare
+    TypeError, and ``query_stats`` took any timeout (NaN: a deadline that never comes).
+    Each now refuses with a ConfigError before it waits, and the client is unchanged:
+    a valid wait still times out as it should."""
+    cfg = config(connect_timeout_s=0.2)
+    with SyncClient(cfg, gpu_blocks=BlockPool(GPU_BLOCKS)) as client:
+        for bad in (float("nan"), "1", 0, -1.0, float("inf"), 10**400, True):
+            t0 = time.monotonic()
+            with pytest.raises(ConfigError, match="wait_ready: timeout_s must be"):
+                client.wait_ready(bad)  # type: ignore[arg-type]
+            assert time.monotonic() - t0 < 0.1
+        assert client.state is EngineState.STARTING
+        with pytest.raises(StartTimeout):
+            client.wait_ready(0.05)
+        for bad in (float("nan"), "1", 0):
+            with pytest.raises(ConfigError, match="query_stats: timeout must be"):
+                query_stats(cfg.name, timeout=bad)  # type: ignore[arg-type]
 
 
 def test_request_listed_before_ready_gets_no_hit_and_no_pin() -> None:

@@ -26,14 +26,14 @@ from typing import Any, Self
 
 import torch
 
-from kvshm.config import EngineConfig
+from kvshm.config import EngineConfig, check_timeout
 from kvshm.engine.admission import check_id
 from kvshm.engine.facade import Facade
 from kvshm.engine.launcher import Launcher
 from kvshm.engine.lifecycle import EngineState
 from kvshm.engine.provision import cache_device
 from kvshm.engine.runtime import Runtime
-from kvshm.errors import ConfigError, StateError
+from kvshm.errors import StateError
 from kvshm.types import GpuBlocks, LoadFailure, LoadResult, StepInput
 
 __all__ = ["ATTACH", "SPAWN", "Engine", "SyncClient", "WorkerMode"]
@@ -197,12 +197,10 @@ class Engine(Facade):
 
     async def reset(self, timeout: float | None = None) -> bool:
         """Drop the CPU index; waits until no transfer is in flight. True when done;
-        False when ``timeout`` (seconds, a finite number >= 0, or None) ran out first."""
-        if timeout is not None and (isinstance(timeout, bool)
-                                    or not isinstance(timeout, (int, float))
-                                    or not 0 <= timeout < float("inf")):
-            raise ConfigError(f"reset: timeout must be None or a finite number of seconds "
-                              f">= 0, got {timeout!r}")
+        False when ``timeout`` (seconds, a finite number >= 0, or None) ran out first.
+        ConfigError for any other timeout."""
+        if timeout is not None:
+            timeout = check_timeout("reset: timeout", timeout, zero_ok=True)
         self._enter()
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
         while not self._core.reset():
@@ -363,8 +361,9 @@ class SyncClient(Facade):
         ``connect_timeout_s``. Raises :class:`~kvshm.engine.startup.StartTimeout` (how
         many ranks connected, which are missing, what to run, the refusals seen), or
         what failed the start (:class:`~kvshm.errors.WorkerDied`, a ConfigError)."""
+        timeout = (self._core.config.connect_timeout_s if timeout_s is None
+                   else check_timeout("wait_ready: timeout_s", timeout_s))
         self._enter()
-        timeout = self._core.config.connect_timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
         while self._core.state is EngineState.STARTING:
             if time.monotonic() >= deadline:

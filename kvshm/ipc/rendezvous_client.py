@@ -29,6 +29,7 @@ import time
 from collections import deque
 from typing import Any, Final
 
+from kvshm.config import check_timeout
 from kvshm.errors import (
     ClosedError,
     EngineNotRunning,
@@ -292,8 +293,10 @@ def query_stats(name: str, timeout: float = 2.0) -> dict[str, Any]:
     EngineNotRunning (a ConfigError) if no engine listens on that name; UntrustedPeer if
     the listener runs as another uid (nothing is sent to it); TimeoutError if it does not
     answer within ``timeout`` seconds; PeerDied if it closes the connection (e.g. it
-    refused this uid).
+    refused this uid). ConfigError for a timeout that is not a finite number of seconds
+    > 0 (at most a day).
     """
+    timeout = check_timeout("query_stats: timeout", timeout)
     with RendezvousClient(name) as client:
         try:
             client.connect_nowait()
