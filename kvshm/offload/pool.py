@@ -108,10 +108,14 @@ class BlockPool:
         n = len(blocks)
         out: list[Block] = []
         add = out.append
-        for i in ids:
-            if not 0 <= i < n:
-                raise ConfigError(f"unknown block id {i!r} (pool has {n} blocks)")
-            add(blocks[i])
+        i: object = None
+        try:  # (no type test per id: 1.0, "a", None fail the compare or the index)
+            for i in ids:
+                if not 0 <= i < n:
+                    raise ConfigError(f"unknown block id {i!r} (pool has {n} blocks)")
+                add(blocks[i])
+        except TypeError:
+            raise ConfigError(f"unknown block id {i!r}: a block id is an int") from None
         return out
 
     def allocate(self, n: int, evicted: list[tuple[int, BlockHash]] | None = None
@@ -179,6 +183,8 @@ class BlockPool:
                         to_lru.append(b)
                     else:
                         to_mru.append(b)
+        except TypeError:  # an id that is no int (1.0, "a", None): named below
+            pass
         finally:
             if done != len(ids):  # refused (or a bad id type): nothing changes
                 for i in ids[:done]:
@@ -197,7 +203,7 @@ class BlockPool:
         first unknown id, else the first block freed more often than its ref."""
         n = len(self._blocks)
         for i in ids:
-            if not 0 <= i < n:
+            if type(i) is not int or not 0 <= i < n:  # (1.0, True, None: refused)
                 raise ConfigError(f"unknown block id {i!r} (pool has {n} blocks)")
         self._check_freeable([self._blocks[i] for i in ids])
         raise AssertionError("free refused with every id freeable")
@@ -239,9 +245,11 @@ class BlockPool:
         """``block_id`` holds position ``depth`` of its prefix chain (read by the
         depth-aware orders when the block is next freed)."""
         blocks = self._blocks
-        if not 0 <= block_id < len(blocks):
+        if type(block_id) is not int or not 0 <= block_id < len(blocks):
             raise ConfigError(f"unknown block id {block_id!r} (pool has {len(blocks)} "
                               "blocks)")
+        if type(depth) is not int or depth < 0:  # the orders compare it when freed
+            raise ConfigError(f"a depth must be an int >= 0, got {depth!r}")
         blocks[block_id].depth = depth
 
     # ---- free queue ----------------------------------------------------------------
@@ -258,7 +266,7 @@ class BlockPool:
         """The hashes ``block_id`` is indexed under, in the order added; () if none (the
         ``GpuBlocks`` read a store makes per block: the record read here, no hand-over)."""
         blocks = self._blocks
-        if not 0 <= block_id < len(blocks):
+        if type(block_id) is not int or not 0 <= block_id < len(blocks):
             raise ConfigError(f"unknown block id {block_id!r} (pool has {len(blocks)} blocks)")
         return blocks[block_id].hashes
 

@@ -53,7 +53,7 @@ class HashIndex:
     def block(self, block_id: int) -> Block:
         """The record of ``block_id`` (ConfigError for an unknown id)."""
         n = len(self._blocks)
-        if not 0 <= block_id < n:
+        if type(block_id) is not int or not 0 <= block_id < n:
             raise ConfigError(f"unknown block id {block_id!r} (pool has {n} blocks)")
         return self._blocks[block_id]
 
@@ -65,7 +65,7 @@ class HashIndex:
         """Index ``block_id`` under each hash (ones it already carries are skipped).
         The block's place in the free queue does not change."""
         blocks = self._blocks
-        if not 0 <= block_id < len(blocks):
+        if type(block_id) is not int or not 0 <= block_id < len(blocks):
             raise ConfigError(f"unknown block id {block_id!r} (pool has {len(blocks)} "
                               "blocks)")
         b = blocks[block_id]
@@ -115,6 +115,9 @@ class HashIndex:
         if min(ids) < 0 or max(ids) >= n:
             bad = next(i for i in ids if not 0 <= i < n)
             raise ConfigError(f"unknown block id {bad!r} (pool has {n} blocks)")
+        if depths and (set(map(type, depths)) != {int} or min(depths) < 0):
+            bad_d = next(d for d in depths if type(d) is not int or d < 0)
+            raise ConfigError(f"a depth must be an int >= 0, got {bad_d!r}")
         if not all(map(isinstance, keys, repeat(bytes))):
             bad_key = next(k for k in keys if not isinstance(k, bytes))
             raise ConfigError(f"block hash must be bytes, got {type(bad_key).__name__}")

@@ -1039,8 +1039,9 @@ def test_one_pass_free_names_the_first_fault_and_changes_nothing() -> None:
         pool.free(reversed([c, b, a]))
     with pytest.raises(ConfigError, match="unknown block id -1"):
         pool.free(iter([a, -1]))
-    with pytest.raises(TypeError):
-        pool.free([a, "x"])  # type: ignore[list-item]
+    for bad in ("x", 1.0, None):  # a bare TypeError
+        with pytest.raises(ConfigError, match=f"unknown block id {bad!r}"):
+            pool.free([a, bad])  # type: ignore[list-item]
     assert [pool.ref_cnt(i) for i in (a, b, c)] == [2, 1, 0] and pool.num_free == 2
     pool.check_invariants()
     pool.free([a, b, a])

@@ -3,6 +3,9 @@ plus a stateful property test against a plain-list reference model."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import pytest
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -500,3 +503,32 @@ class PoolMachine(RuleBasedStateMachine):
 
 PoolMachine.TestCase.settings = settings(max_examples=150, stateful_step_count=40, deadline=None)
 test_pool_state_machine = PoolMachine.TestCase
+
+
+def test_ids_and_depths_of_the_wrong_type_are_refused_and_change_nothing() -> None:
+    """The hazards (the pool is public: a custom server's GPU pool): ``touch``,
+    ``refresh``, ``add_hashes``, ``set_depth``, ``block_hashes``, ``ref_cnt`` gave a
+    bare TypeError for ``1.0``, ``'a'`` or ``None``; and ``add_keys(ids, keys, [0,
+    "a"])`` or ``set_depth(b, None)`` was accepted, so the next ``free`` of that block
+    raised a TypeError in the depth-aware orders after its ref count had reached 0:
+    the block in no queue. Each is a ConfigError now, before any change. (A bool is an
+    int here, as in Python: ``True`` is block 1.)"""
+    pool = BlockPool(4)
+    a, b = pool.allocate(2)
+    calls: list[tuple[Callable[..., object], tuple[Any, ...]]] = []
+    for bad in (1.0, "a", None):
+        calls += [(pool.touch, ([a, bad],)), (pool.free, ([a, bad],)),
+                  (pool.refresh, ([bad],)), (pool.add_hashes, (bad, [H[0]])),
+                  (pool.set_depth, (bad, 1)), (pool.block_hashes, (bad,)),
+                  (pool.ref_cnt, (bad,))]
+    for d in ("a", None, -1, 2.0):
+        calls += [(pool.set_depth, (a, d)), (pool.add_keys, ([a, b], [H[0], H[1]], [0, d]))]
+    for call, args in calls:
+        with pytest.raises(ConfigError):
+            call(*args)
+        assert [pool.ref_cnt(i) for i in (a, b)] == [1, 1] and pool.num_free == 2
+        assert pool.block_hashes(a) == () and pool.block_hashes(b) == ()
+    pool.add_keys([a, b], [H[0], H[1]], [0, 1])
+    pool.free([a, b])
+    assert pool.num_free == 4
+    pool.check_invariants()
