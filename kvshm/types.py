@@ -63,9 +63,10 @@ class KVGroup:
 
     def __post_init__(self) -> None:
         if self.kind is GroupKind.SLIDING_WINDOW:
-            if self.window_tokens is None or self.window_tokens < 1:
-                raise ConfigError("sliding window needs window_tokens >= 1, "
-                                  f"got {self.window_tokens}")
+            w = self.window_tokens  # (2.5 passed here and broke the first lookup)
+            if type(w) is not int or w < 1:
+                raise ConfigError("sliding window needs window_tokens, an int >= 1, "
+                                  f"got {self.window_tokens!r}")
         elif self.window_tokens is not None:
             raise ConfigError("a full-attention group has no window_tokens")
 

@@ -38,12 +38,15 @@ class GroupSet:
     """
 
     def __init__(self, groups: Sequence[KVGroup], block_size: int) -> None:
-        if block_size < 1:
-            raise ConfigError(f"block_size must be >= 1, got {block_size}")
+        if type(block_size) is not int or block_size < 1:
+            raise ConfigError(f"block_size must be an int >= 1, got {block_size!r}")
         if not groups:
             raise ConfigError("at least one KV group is needed")
         if len(groups) > 0xFFFF:
             raise ConfigError(f"too many KV groups: {len(groups)}")
+        for kv in groups:
+            if not isinstance(kv, KVGroup):
+                raise ConfigError(f"a KV group must be a KVGroup, got {kv!r}")
         self.groups = tuple(groups)
         self.n = len(self.groups)
         self.full = [g for g, kv in enumerate(self.groups) if kv.kind is GroupKind.FULL]

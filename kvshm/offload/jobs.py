@@ -197,8 +197,8 @@ class JobTable:
     """Jobs not yet acked by every live rank, keyed by id (insertion = id order)."""
 
     def __init__(self, world_size: int, counters: ManagerCounters) -> None:
-        if world_size < 1:
-            raise ConfigError(f"world_size must be >= 1, got {world_size}")
+        if type(world_size) is not int or world_size < 1:
+            raise ConfigError(f"world_size must be an int >= 1, got {world_size!r}")
         self.world_size = world_size
         self.jobs: dict[int, AnyJob] = {}
         self.revoked: set[int] = set()  # declared dead, not yet fenced

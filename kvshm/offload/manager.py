@@ -100,10 +100,12 @@ class OffloadManager:
                  disk: Callable[[BlockPool, GroupSet, JobTable], DiskBook] | None = None
                  ) -> None:
         self._gs = GroupSet(groups, block_size)
+        if not isinstance(mode, StoreMode):  # ("lazy", a str, stored nothing, silently)
+            raise ConfigError(f"mode must be a StoreMode, got {mode!r}")
         if mode is StoreMode.LAZY and self._gs.n != 1:
             raise ConfigError("lazy store mode supports a single KV group only")
-        if lazy_window < 1:
-            raise ConfigError(f"lazy_window must be >= 1, got {lazy_window}")
+        if type(lazy_window) is not int or lazy_window < 1:
+            raise ConfigError(f"lazy_window must be an int >= 1, got {lazy_window!r}")
         self.counters = ManagerCounters()
         self._check = for_pool(gpu, n_groups=self._gs.n, block_size=block_size,
                                hash_bytes=hash_bytes, counters=self.counters,

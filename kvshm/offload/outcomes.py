@@ -29,6 +29,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from kvshm.errors import ConfigError
 from kvshm.offload.counters import DeclineReason, ManagerCounters
 from kvshm.offload.disk import DiskBook
 from kvshm.offload.jobs import AckOutcome, AnyJob, DiskJob, JobTable, LoadJob, RemoteJob, StoreJob
@@ -64,7 +65,12 @@ class JobOutcomes:
 
     def on_done(self, job_id: int, rank: int, ok: bool) -> None:
         """One rank's ack. Unknown jobs and repeated or unexpected ranks are counted
-        (``acks_unknown`` / ``acks_duplicate``) and ignored."""
+        (``acks_unknown`` / ``acks_duplicate``) and ignored. ConfigError, nothing changed,
+        unless ``job_id`` and ``rank`` are ints and ``ok`` a bool (``ok="failed"`` was
+        truthy: a failed store was indexed as done)."""
+        if type(job_id) is not int or type(rank) is not int or type(ok) is not bool:
+            raise ConfigError(f"on_done: job_id and rank must be ints and ok a bool, got "
+                              f"{job_id!r}, {rank!r}, {ok!r}")
         out = self.jobs.ack(job_id, rank, ok, LoadFailure.WORKER_FAILED)
         if out is not None:
             self._apply(out)

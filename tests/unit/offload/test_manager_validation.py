@@ -455,6 +455,46 @@ def test_the_null_block_in_a_full_attention_table_is_refused() -> None:
     assert refused(one, one.allocated, "c", [[0, 1]], 0).field == "gpu_block_ids[0][0]"
 
 
+@pytest.mark.parametrize("kw", [{"world_size": 2.5}, {"block_size": 4.0},
+                                {"mode": "lazy"}, {"lazy_window": 0.5},
+                                {"groups": [None]}])
+def test_a_manager_built_with_a_wrong_type_is_refused_at_once(kw: dict[str, Any]) -> None:
+    """The hazards: ``world_size=2.5`` was accepted and the first store raised a
+    TypeError after ``cpu.allocate`` -- a CPU pin no record held; ``block_size=4.0``
+    was accepted, then failed the first step; ``mode="lazy"`` (a str, not the enum)
+    stored nothing, silently. Each is a ConfigError at construction now."""
+    args: dict[str, Any] = {"block_size": BS, **kw}
+    with pytest.raises(ConfigError, match="must be"):
+        OffloadManager(BlockPool(8), BlockPool(16), **args)
+
+
+@pytest.mark.parametrize("window", [2.5, 8.0, None, 0])
+def test_a_sliding_window_that_is_no_int_is_refused(window: Any) -> None:
+    """``KVGroup.sliding_window(2.5)`` passed the group, the config and the manager, and
+    the first lookup that hit raised a TypeError (``[None] * 2.5``)."""
+    with pytest.raises(ConfigError, match="window_tokens, an int >= 1"):
+        KVGroup.sliding_window(window)
+
+
+def test_an_ack_of_the_wrong_type_is_refused_and_changes_nothing() -> None:
+    """``on_done(job, 0.0, "failed")`` acked rank 0 and counted the failed store as
+    done (a truthy str): its blocks were indexed. An unhashable job id or rank raised a
+    bare TypeError. Each is a ConfigError now, the job still waiting for its ack."""
+    rig = Rig()
+    a = Req("a", 9)
+    p = rig.step(a.sched(rig.alloc(3), confirmed=8, new=True))
+    assert p.store is not None
+    job = p.store.job_id
+    for bad in ((job, 0.0, False), (job, 0, "failed"), ([job], 0, True),
+                (job, [0], True), (job, True, True), (float(job), 0, True)):
+        with pytest.raises(ConfigError, match="on_done: job_id and rank must be ints"):
+            rig.m.on_done(*bad)
+    assert rig.m.num_jobs_in_flight == 1 and rig.cpu.get_cached(a.h[0]) is None
+    rig.m.on_done(job, 0, False)
+    assert rig.m.num_jobs_in_flight == 0 and rig.cpu.get_cached(a.h[0]) is None
+    rig.m.check_invariants()
+
+
 def test_hash_length_is_exact_when_the_engine_names_it() -> None:
     """Without ``hash_bytes`` any length in 8..64 passes (kvshm's hashes are 16 bytes,
     vLLM's 32 or 16); with ``hash_bytes=16`` (or a GPU pool's ``hash_bytes``) a 24-byte
