@@ -324,6 +324,33 @@ def test_undecodable_record_is_protocol_error_and_reader_keeps_going() -> None:
         lk.close()
 
 
+def test_a_done_whose_error_is_not_utf8_is_a_protocol_error_and_spares_its_neighbour(
+) -> None:
+    """The hazard: a rank publishes Done 1 and a well-framed Done 2 whose ``error`` is
+    the byte 0xA9 (not UTF-8). msgspec raises UnicodeDecodeError there, no DecodeError,
+    so it escaped the channel's read: the scheduler's doorbell callback died with it,
+    Done 1 was lost with it, ``protocol_errors`` stayed 0, and the rank was only
+    judged hung a hang timeout later. Now it is a ProtocolError naming the record, and
+    Done 1 and a later Done 3 are delivered."""
+    cap = 4096
+    buf = bytearray(segment_size(cap, cap))
+    ch = SchedulerChannel(0, RingPair.init(buf, cap, cap), create_eventfd(),
+                          create_eventfd())
+    peer = RingPair(memoryview(buf))
+    enc = msgspec.msgpack.Encoder()
+    assert peer.done.try_write(enc.encode(p.Done(1, 0, True)))
+    pos = peer.done.head
+    bad = enc.encode(p.Done(2, 0, False, "x")).replace(b"\xa1x", b"\xa1\xa9")
+    assert peer.done.try_write(bad)
+    with pytest.raises(ProtocolError) as e:
+        ch.receive_nowait()
+    assert e.value.ring == "done" and e.value.offset == pos
+    assert [d.job_id for d in ch.receive_nowait()] == [1]
+    assert peer.done.try_write(enc.encode(p.Done(3, 0, True)))
+    assert [d.job_id for d in ch.receive_nowait()] == [3]
+    assert ch.statistics().protocol_errors == 1
+
+
 class _RewritingDecoder:
     """The channel's decoder, but the first failed decode lets ``peer`` rewrite shared
     memory right then: between the ring's framing check and the re-walk for the error."""

@@ -86,8 +86,8 @@ def check_manifest(raw: bytes, keys: Sequence[bytes], fingerprint: str, world: i
     if len(raw) <= MANIFEST_BASE + MANIFEST_PER_BLOCK * len(keys):
         try:
             m = msgspec.json.decode(raw, type=Manifest)
-        except msgspec.DecodeError:
-            pass
+        except Exception:  # noqa: BLE001 - the server's bytes: a string that is not
+            pass  # UTF-8 raised UnicodeDecodeError (no DecodeError) out of the lookup
     if m is None:
         return None, False
     full = len(m.hashes) - m.tail

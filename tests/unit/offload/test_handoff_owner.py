@@ -13,6 +13,7 @@ from __future__ import annotations
 import hashlib
 import time
 
+import msgspec
 from manager_rig import REMOTE, Req
 from test_handoff_local_prefix import wait_for_hit
 from test_handoff_tail import publish, tail_of
@@ -21,6 +22,7 @@ from test_remote_book import WORLD, HeldIndex, remote_rig
 from kvshm.offload.pd.manifest import (
     PD_PREFIX,
     Manifest,
+    check_manifest,
     checked_hashes,
     handoff_owner,
     key_owner,
@@ -104,3 +106,17 @@ def test_a_vllm_child_on_the_decoder_collects_its_parents_handoff() -> None:
         assert key not in index.kv and pd.counters.collected == 1
     assert (pd.counters.collected, pd.counters.not_owner) == (1, 1)
     d.m.check_invariants()
+
+
+def test_a_manifest_whose_strings_are_not_utf8_is_unreadable_not_a_crash() -> None:
+    """The hazard: a manifest on the server (written by anyone with write access, or
+    damaged) whose fingerprint holds the byte 0xA9: msgspec's JSON decoder raises
+    UnicodeDecodeError there, no DecodeError, and it escaped ``check_manifest`` -- out of
+    the decoder's lookup, into the serving engine's scheduler. Now it is an unreadable
+    manifest: not trusted, the request served as ordinary cache."""
+    keys = [bytes([i]) * 32 for i in (1, 2)]
+    good = msgspec.json.encode(Manifest(1, "fp", WORLD, 4, 9,
+                                        [remote_hash(k).hex() for k in keys], time.time()))
+    assert check_manifest(good, keys, "fp", WORLD, 4, remote_hash)[1]
+    bad = good.replace(b'"fp"', b'"\xa9"')
+    assert check_manifest(bad, keys, "fp", WORLD, 4, remote_hash) == (None, False)
