@@ -19,6 +19,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import pytest
 
 from kvshm.errors import ProtocolError, UntrustedPeer, VersionMismatch
+from kvshm.ipc import rendezvous as rendezvous_mod
 from kvshm.ipc import rendezvous_client
 from kvshm.ipc.fdpass import (
     MAX_FDS,
@@ -29,7 +30,7 @@ from kvshm.ipc.fdpass import (
     send_datagram,
 )
 from kvshm.ipc.protocol import PROTOCOL_VERSION, Hello, LayoutSpec, Ready, Stats, StatsRequest
-from kvshm.ipc.rendezvous import RendezvousServer
+from kvshm.ipc.rendezvous import ACCEPTS_PER_SERVICE, RendezvousServer
 from kvshm.ipc.rendezvous_client import RendezvousClient, query_stats
 from kvshm.ipc.rendezvous_events import EventKind, RendezvousEvent
 from workers.session import Connector, SessionOptions
@@ -378,4 +379,33 @@ def test_pending_cap_scales_with_world_size() -> None:
     try:
         assert srv.pending_cap == 32
     finally:
+        srv.close()
+
+
+def test_a_flood_of_foreign_connections_is_accepted_a_bounded_batch_per_service(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hazard: processes of *another uid* (engine names are public in
+    /proc/net/unix) connect and close in a loop. Each connection is refused at once,
+    but ``_accept_all`` accepted until the backlog was empty, and the flood kept it
+    full: one ``service()`` ran for 1.8 - 3.0 s on the engine's loop (57k - 98k
+    refusals), Dones sat unread, and with ``hang_timeout_s=1`` a healthy rank was judged
+    hung and killed. Now one call accepts at most ``ACCEPTS_PER_SERVICE``: 129 queued
+    connections (uid faked: no root needed) take three calls, and each is counted."""
+    monkeypatch.setattr(rendezvous_mod, "peer_cred",
+                        lambda sock: PeerCred(4242, os.geteuid() + 1, 0))
+    srv = RendezvousServer(_name(), 32, make_ready=_no_fds, stats=dict)  # backlog 128
+    socks = []
+    try:
+        for _ in range(129):
+            s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_NONBLOCK)
+            s.connect(b"\0kvshm." + srv.name.encode())
+            socks.append(s)
+        refused = []
+        for _ in range(3):
+            srv.service()
+            refused.append(srv.counters()["refused_uid"])
+        assert refused == [ACCEPTS_PER_SERVICE, 2 * ACCEPTS_PER_SERVICE, 129]
+    finally:
+        for s in socks:
+            s.close()
         srv.close()

@@ -82,6 +82,12 @@ __all__ = ["RendezvousServer"]
 _MAX_INBOUND: Final = 1 << 16
 #: Messages one connection's read takes per service (:meth:`RendezvousServer._read_all`).
 READS_PER_SERVICE: Final = 64
+#: Connections one service accepts (:meth:`RendezvousServer._accept_all`); the listener
+#: stays readable and the rest wait for the next (level-triggered: poll, add_reader).
+#: Unbounded, a flood of connections from *another uid* -- each refused at once, but
+#: the backlog kept full -- held the loop in one call for seconds: Dones went unread,
+#: ticks late, a healthy rank was judged hung.
+ACCEPTS_PER_SERVICE: Final = 64
 
 
 class RendezvousServer:
@@ -189,7 +195,9 @@ class RendezvousServer:
                                           error=e, counter="service_errors"))
 
     def _accept_all(self, events: list[RendezvousEvent]) -> None:
-        while True:
+        """Accept at most :data:`ACCEPTS_PER_SERVICE` connections; each is admitted or
+        refused, and an admitted one's queued messages read."""
+        for _ in range(ACCEPTS_PER_SERVICE):
             try:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
