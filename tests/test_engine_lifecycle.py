@@ -254,6 +254,34 @@ def test_a_sync_wait_or_stats_query_given_a_bad_timeout_is_refused_at_once() -> 
                 query_stats(cfg.name, timeout=bad)  # type: ignore[arg-type]
 
 
+async def test_a_stall_of_the_schedulers_own_loop_does_not_make_healthy_ranks_hung() -> None:
+    """The hazard: a callback on the engine's loop posts a store to both ranks, then
+    blocks the loop for 2.5 s (anything can: a host's slow callback, a flood of
+    connections before the accepts were bounded), in the same loop iteration as the
+    engine's 0.25 s tick. The ranks ack within milliseconds, but the tick ran first and
+    judged them by the time since the job went out: with ``hang_timeout_s=2`` both were
+    declared hung and killed, and the engine went FAILED, their Dones unread in the
+    rings. Now the tick drains the done rings before its hang check: the engine stays
+    READY, no hang counted, the store acked by both."""
+    async with spawned_engine(hang_timeout_s=2.0) as sp:
+        c = Client(sp.eng, sp.gpu)
+        await c.store_only("warm", tokens(4 * BS, 0))
+        loop = asyncio.get_running_loop()
+        before = sp.eng.statistics().counters["stored_blocks"]
+
+        def stall() -> None:
+            c.compute("r1", tokens(4 * BS, 1))  # posts a store to both ranks
+            time.sleep(2.5)                     # the loop is stalled; the ranks ack at once
+
+        ticker = sp.eng._ticker
+        assert ticker is not None
+        loop.call_at(ticker.when() - 1e-4, stall)  # the tick's own loop iteration
+        await asyncio.sleep(1.0)
+        st = sp.eng.statistics()
+        assert st.state == "ready" and st.counters["hangs"] == 0, st.as_dict()["ranks"]
+        assert st.counters["stored_blocks"] >= before + 4
+
+
 def test_request_listed_before_ready_gets_no_hit_and_no_pin() -> None:
     """SyncClient: b is listed in step 1, before any worker connected. Once READY and
     once a's blocks (the same tokens) are cached, lookup(b) answers 0 - the manager

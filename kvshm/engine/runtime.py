@@ -334,6 +334,15 @@ class Runtime:
             events = self._server.service()
             if events:
                 self._on_events(events, notify=False)
+        self._receive_all()
+        if self._state is _READY:
+            self._ranks.check_hangs(time.monotonic())
+        else:
+            self.tick(time.monotonic())
+
+    def _receive_all(self) -> None:
+        """Drain every open done ring (its overflow flushed first, where it has one),
+        without waiting; no ``on_change`` (the caller publishes)."""
         for rank, chan in list(self._channels.items()):
             if chan.closed:
                 continue
@@ -349,10 +358,6 @@ class Runtime:
                 continue
             if dones:
                 self._on_dones(rank, dones, notify=False)
-        if self._state is _READY:
-            self._ranks.check_hangs(time.monotonic())
-        else:
-            self.tick(time.monotonic())
 
     def _notify(self) -> None:
         if self._on_change is not None:
@@ -506,13 +511,19 @@ class Runtime:
             self.manager.rank_fenced(rank)
 
     def tick(self, now: float) -> None:
-        """Hang check, and the fence of quarantined ranks whose process has exited since;
-        call a few times a second (the engine's timer, or every pump)."""
+        """Hang check (after draining the done rings: a Done already there is no hang),
+        and the fence of quarantined ranks whose process has exited since; call a few
+        times a second (the engine's timer, or every pump)."""
         if self._state in (EngineState.FAILED, EngineState.STOPPED):
             self._ranks.fence_exited()
         if self._state is not EngineState.READY:
             return
-        self._ranks.check_hangs(now)
+        # what the ranks answered first: after a stall of the scheduler's own loop the
+        # tick may run before the doorbells' callbacks, with every Done unread in the
+        # rings, and healthy ranks were judged hung and killed
+        self._receive_all()
+        if self._state is EngineState.READY:
+            self._ranks.check_hangs(now)
 
     # -- statistics --------------------------------------------------------------------
     def statistics(self) -> EngineStats:
