@@ -29,7 +29,7 @@ from kvshm.errors import (
     StateError,
     VersionMismatch,
 )
-from kvshm.ipc.fdpass import encode_control, listen, send_datagram
+from kvshm.ipc.fdpass import encode_control, listen, recv_datagram, send_datagram
 from kvshm.ipc.protocol import (
     PROTOCOL_VERSION,
     Goodbye,
@@ -615,3 +615,34 @@ def test_goodbye_marks_the_rank_eof_as_a_departure_and_is_refused_elsewhere(
         [refused] = _service_until(server, _has(EventKind.REFUSED))
         assert refused.rank == -1 and "unexpected Goodbye" in refused.reason
         assert server.counters()["refused_protocol"] == 2
+
+
+def test_a_zero_length_message_from_a_rank_is_refused_not_taken_for_its_eof(
+        plan: SegmentPlan) -> None:
+    """The hazard: on a SOCK_SEQPACKET lifeline a zero-length message and the peer's
+    close both read as no bytes, and both were taken for EOF: a rank (its process alive)
+    that sent an empty message was lost with ``peer_closed`` -- the proof a rank is
+    fenced -- so its quarantined blocks were released while it could still copy. Now
+    only a hang-up is EOF; an empty message is undecodable: the rank is refused and
+    lost *without* ``peer_closed`` (its process must exit or be killed first). A real
+    close is still EOF (the socket pair below)."""
+    name = _name()
+    with _server(name, 1, plan) as server, RendezvousClient(name) as r0:
+        r0.connect_nowait()
+        r0.send_hello(Hello(version=PROTOCOL_VERSION, rank=0, world_size=1, pid=os.getpid()))
+        _service_until(server, _has(EventKind.ALL_READY))
+        r0.wait_ready(timeout=5)
+        r0._connected_sock().send(b"")
+        events = _service_until(server, _has(EventKind.RANK_LOST))
+        [lost] = [e for e in events if e.kind is EventKind.RANK_LOST]
+        assert (lost.rank, lost.peer_closed) == (0, False), lost
+        assert server.counters()["refused_protocol"] == 1
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    with a, b:
+        b.setblocking(False)
+        a.send(b"")
+        empty = recv_datagram(b, 64)
+        assert empty is not None and (empty.data, empty.eof) == (b"", False)
+        a.close()
+        closed = recv_datagram(b, 64)
+        assert closed is not None and closed.eof

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import errno
 import os
+import select
 import socket
 import struct
 from array import array
@@ -178,8 +179,18 @@ def recv_datagram(sock: socket.socket, bufsize: int, maxfds: int = 0) -> Datagra
     if not data:
         for fd in fds:
             os.close(fd)
-        return Datagram(eof=True)
+        # a zero-length message and the peer's close both read as no bytes: only a
+        # hang-up is EOF (an empty message is the peer's, undecodable: its process
+        # lives on, so it must never pass for the lifeline's end -- a rank's fence)
+        return Datagram(eof=True) if _hung_up(sock) else Datagram(data=b"")
     return Datagram(data=data, fds=fds)
+
+
+def _hung_up(sock: socket.socket) -> bool:
+    """Whether the peer of ``sock`` closed its end (POLLHUP / POLLRDHUP now)."""
+    p = select.poll()
+    p.register(sock, select.POLLRDHUP | select.POLLHUP)
+    return any(ev & (select.POLLRDHUP | select.POLLHUP) for _, ev in p.poll(0))
 
 
 def send_datagram(sock: socket.socket, data: bytes, fds: Sequence[int] = ()) -> None:
