@@ -24,9 +24,13 @@ def lazy_scan(plan: StorePlanner, avail: int, sel: Selection) -> None:
     picks: list[Cand] = []
     seen: set[bytes] = set()
     cached = plan.cpu.is_cached
+    # blocks already picked are skipped, the eager walk's of this step included: one it
+    # took under a block's second hash was picked again under its first (one GPU block
+    # twice in the job, the ack an AssertionError)
+    inflight = plan.inflight_gpu
     for b in islice(plan.gpu.iter_free_from_lru(), plan.lazy_window):
         gh = plan.gpu.block_hashes(b)
-        if not gh:
+        if not gh or b in inflight:
             continue
         key = gh[0]
         if key in plan.inflight_keys or key in seen or cached(key):

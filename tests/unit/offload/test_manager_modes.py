@@ -76,6 +76,25 @@ def test_lazy_mode_stores_remote_decode_requests_eagerly() -> None:
     rig.ack(p.store)
 
 
+def test_lazy_scan_never_picks_a_block_the_eager_walk_picked_under_another_hash() -> None:
+    """The hazard: a remote-decode request lists free GPU block 5, which carries two
+    hashes -- another prefix's first, then the request's block 0. The eager walk picks
+    5 under the request's hash; the lazy scan, run before the walk's picks are touched,
+    picked 5 again under its first hash: the store job read block 5 twice, the pool's
+    invariants broke and the ack raised AssertionError. Now the scan skips blocks in
+    flight: the job is ``[5] -> [0]``, acked cleanly."""
+    rig = Rig(gpu=16, cpu=8, mode=StoreMode.LAZY, lazy_window=16)
+    r = Req("r", 5, params={"do_remote_decode": True})
+    g = rig.gpu.allocate(6)
+    rig.gpu.add_hashes(5, [b"\x07" * 16, r.h[0]])
+    rig.gpu.free(reversed(g))
+    p = rig.step(ScheduledRequest("r", r.h, 5, ((5,),), True, 4, False, r.params))
+    assert p.store is not None and pairs(p.store) == ([5], [0])
+    rig.m.check_invariants()
+    rig.ack(p.store)
+    rig.m.check_invariants()
+
+
 def test_lazy_mode_needs_a_single_group() -> None:
     with pytest.raises(ConfigError, match="single KV group"):
         Rig(gpu=8, mode=StoreMode.LAZY, lazy_window=3,
