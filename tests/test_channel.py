@@ -324,6 +324,16 @@ def test_undecodable_record_is_protocol_error_and_reader_keeps_going() -> None:
         lk.close()
 
 
+def _scheduler_channel_and_its_peer() -> tuple[SchedulerChannel, RingPair]:
+    """A scheduler's channel over 4 KiB rings in local memory, and the rank's view of
+    the same rings (writing its done ring by hand)."""
+    cap = 4096
+    buf = bytearray(segment_size(cap, cap))
+    ch = SchedulerChannel(0, RingPair.init(buf, cap, cap), create_eventfd(),
+                          create_eventfd())
+    return ch, RingPair(memoryview(buf))
+
+
 def test_a_done_whose_error_is_not_utf8_is_a_protocol_error_and_spares_its_neighbour(
 ) -> None:
     """The hazard: a rank publishes Done 1 and a well-framed Done 2 whose ``error`` is
@@ -332,11 +342,7 @@ def test_a_done_whose_error_is_not_utf8_is_a_protocol_error_and_spares_its_neigh
     Done 1 was lost with it, ``protocol_errors`` stayed 0, and the rank was only
     judged hung a hang timeout later. Now it is a ProtocolError naming the record, and
     Done 1 and a later Done 3 are delivered."""
-    cap = 4096
-    buf = bytearray(segment_size(cap, cap))
-    ch = SchedulerChannel(0, RingPair.init(buf, cap, cap), create_eventfd(),
-                          create_eventfd())
-    peer = RingPair(memoryview(buf))
+    ch, peer = _scheduler_channel_and_its_peer()
     enc = msgspec.msgpack.Encoder()
     assert peer.done.try_write(enc.encode(p.Done(1, 0, True)))
     pos = peer.done.head
@@ -378,11 +384,7 @@ def test_a_peer_rewriting_a_read_header_gets_a_protocol_error_not_a_hang(header:
     past the data ended it with nothing found and an IndexError. Now it is a
     ProtocolError (offset -1: the framing no longer shows the record), and Done 1 and 3
     are delivered by the next call."""
-    cap = 4096
-    buf = bytearray(segment_size(cap, cap))
-    ch = SchedulerChannel(0, RingPair.init(buf, cap, cap), create_eventfd(),
-                          create_eventfd())
-    peer = RingPair(memoryview(buf))
+    ch, peer = _scheduler_channel_and_its_peer()
     enc = msgspec.msgpack.Encoder()
     assert peer.done.try_write(enc.encode(p.Done(1, 0, True)))
     assert peer.done.try_write(b"\xc1")
