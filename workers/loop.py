@@ -236,8 +236,9 @@ def run_parent(name: str, world: int, *, connect_timeout: float, spin_us: float,
         for rank in range(world):
             cmd = rank_argv(name, rank, world, connect_timeout=connect_timeout,
                             spin_us=spin_us, device=device.value)
-            procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
-                                          preexec_fn=preexec))
+            with EarlyStop.blocked():  # the rank unblocks them once it records them
+                procs.append(subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL,
+                                              preexec_fn=preexec))
             if stop:
                 procs[-1].send_signal(stop)
         codes = [p.wait() for p in procs]

@@ -18,6 +18,8 @@ forwarding is sent to every rank it starts.
 from __future__ import annotations
 
 import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType
 from typing import Final
 
@@ -34,9 +36,26 @@ class EarlyStop:
 
     @classmethod
     def install(cls) -> None:
-        """Record the stop signals from now on (idempotent)."""
+        """Record the stop signals from now on (idempotent), then unblock them: a rank
+        starts with them blocked (:meth:`blocked`), so one sent before this line --
+        during the interpreter's own start, before any handler could exist -- waits,
+        pending, and is recorded here."""
         for sig in STOP_SIGNALS:
             signal.signal(sig, cls._record)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)
+
+    @staticmethod
+    @contextmanager
+    def blocked() -> Iterator[None]:
+        """The stop signals blocked in this thread while the block runs (the parent,
+        around each rank's start: the rank inherits the mask across ``exec`` and
+        unblocks it in :meth:`install`); the mask restored after, so the parent's own
+        pending signal then reaches its handler."""
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            yield
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
     @classmethod
     def _record(cls, signum: int, frame: FrameType | None) -> None:
