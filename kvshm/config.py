@@ -222,8 +222,12 @@ class EngineConfig:
       layout serves their blocks at once (warm restart) -- and are removed at close
       where the name is the generated default, which no later start can reuse (each
       start would leave a preallocated slab per rank behind until the directory
-      refused the next start for space). ``kvshm sweep`` lists slabs of engines that
-      are gone (killed ones included).
+      refused the next start for space). ``disk_stamp``: what else tells a slab's
+      blocks from another's across restarts, beyond ``model_id`` and the layout (vLLM's
+      connector: the model directory's weight files, their sizes and modification
+      times): a slab written under another stamp is not served (its fingerprint
+      differs). Local only: the remote tier's fingerprint leaves it out. ``kvshm
+      sweep`` lists slabs of engines that are gone (killed ones included).
     """
 
     block_size: int
@@ -247,6 +251,7 @@ class EngineConfig:
     disk_io: DiskIO = DiskIO.DIRECT
     disk_mode: DiskMode = DiskMode.WRITE_BACK
     disk_keep: bool | None = None
+    disk_stamp: str = ""
 
     def __post_init__(self) -> None:
         if self.disk_keep is None:  # resolved here: a copy (dataclasses.replace) keeps it
@@ -281,6 +286,8 @@ class EngineConfig:
         self._check_disk()
 
     def _check_disk(self) -> None:
+        if not isinstance(self.disk_stamp, str):
+            raise ConfigError(f"disk_stamp must be a str, got {self.disk_stamp!r}")
         if not isinstance(self.disk_keep, bool):
             raise ConfigError(f"disk_keep must be True, False or None, got {self.disk_keep!r}")
         if not isinstance(self.disk_io, DiskIO):

@@ -236,6 +236,28 @@ async def test_a_restarted_engine_serves_the_previous_ones_slab_at_once(
             assert torch.equal(got[r], rows[r]), f"rank {r}"
 
 
+async def test_a_slab_written_under_another_disk_stamp_is_not_served(
+        tmp_path: Path) -> None:
+    """The hazard: an operator replaced a checkpoint's weights in place (same path,
+    same config) and restarted under the same name: the warm restart served the old
+    weights' KV from the slab -- 384 tokens, wrong output, no warning (vLLM's
+    connector). The stamp of the weights (``disk_stamp``) is now part of the slab's
+    fingerprint: engine 2, stamped otherwise, indexes no slot of engine 1's, while
+    engine 3, stamped as engine 1, still warm-restarts from what engine 2 left."""
+    name = default_name()
+    async with spawned_engine(name=name, disk_stamp="weights-a",
+                              **disk_cfg(tmp_path)) as (eng, gpu, ks):
+        await fill(Client(eng, gpu), ks, 4, seed=31)
+        assert disk(eng)["written_blocks"] >= 4
+    async with spawned_engine(name=name, disk_stamp="weights-b",
+                              **disk_cfg(tmp_path)) as (eng, gpu, ks):
+        assert disk(eng)["warm_slots"] == 0, disk(eng)
+        await fill(Client(eng, gpu), ks, 1, seed=32)
+    async with spawned_engine(name=name, disk_stamp="weights-b",
+                              **disk_cfg(tmp_path)) as (eng, gpu, ks):
+        assert disk(eng)["warm_slots"] >= 1, disk(eng)
+
+
 async def test_a_worker_killed_mid_write_leaves_no_wrong_byte_after_restart(
         tmp_path: Path) -> None:
     """Rank 1 is SIGKILLed while the write-back of many blocks runs. An engine started

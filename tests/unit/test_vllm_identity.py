@@ -5,13 +5,15 @@ objects with the attributes the connector reads."""
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
 import pytest
 
 from kvshm.errors import ConfigError
-from kvshm.integrations.vllm.config import check_extra_config, model_identity
+from kvshm.integrations.vllm.config import check_extra_config, model_identity, weights_stamp
 
 
 class HfConfig(SimpleNamespace):
@@ -47,3 +49,26 @@ def test_equal_deployments_share_it_and_a_namespace_separates_them() -> None:
 def test_a_bad_namespace_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="remote_namespace"):
         check_extra_config({"remote_namespace": 7})
+
+
+def test_the_weights_stamp_follows_the_weight_files_of_a_local_model(
+        tmp_path: Path) -> None:
+    """The disk tier's stamp (``weights_stamp``): a model directory's weight files,
+    their sizes and times. Weights replaced in place -- same path, same config, even
+    the same size -- give another stamp (a warm restart must not serve the old
+    weights' KV); the config or tokenizer files do not count; a hub id has none (its
+    revision is in the identity), nor has a directory without weight files."""
+    (tmp_path / "config.json").write_text("{}")
+    cfg = vllm_config(model=str(tmp_path))
+    assert weights_stamp(cfg) == "" and weights_stamp(vllm_config()) == ""
+    w = tmp_path / "model.safetensors"
+    w.write_bytes(b"\x01" * 64)
+    os.utime(w, ns=(1_000_000_000, 1_000_000_000))
+    first = weights_stamp(cfg)
+    assert len(first) == 16
+    (tmp_path / "tokenizer.json").write_text("{}")
+    assert weights_stamp(cfg) == first
+    w.write_bytes(b"\x02" * 64)  # new weights, same size
+    os.utime(w, ns=(2_000_000_000, 2_000_000_000))
+    assert weights_stamp(cfg) not in ("", first)
+    assert model_identity(cfg) == model_identity(vllm_config(model=str(tmp_path)))

@@ -68,6 +68,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import os
 import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -243,6 +244,8 @@ class ConnectorConfig:
     #: The slabs outlive the engine (``EngineConfig.disk_keep``): where ``name`` was
     #: given; the default name is new every start, so its slabs go at close.
     disk_keep: bool = True
+    #: ``EngineConfig.disk_stamp``: the model directory's weight files (:func:`weights_stamp`).
+    disk_stamp: str = ""
     #: Hits are loaded synchronously, in the step that computes the request: a CPU
     #: device (its worker copies a load inline in ``start_load_kv``, which vLLM calls
     #: before the forward of a step with synchronous loads) with one KV cache group
@@ -430,6 +433,30 @@ def model_identity(vllm_config: Any, namespace: str = "") -> str:
     return ("|".join(parts)[:400 - len(tail) - 1] + "|" + tail)[:400]
 
 
+#: Files that hold a checkpoint's weights (:func:`weights_stamp`).
+_WEIGHT_SUFFIXES: Final = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
+
+
+def weights_stamp(vllm_config: Any) -> str:
+    """A digest of the weight files of the model, where it is a local directory: each
+    file's name, size and modification time (no file is read). "" for a hub id (its
+    revision is in :func:`model_identity`) or an unreadable directory. For the disk
+    tier's fingerprint only: a checkpoint replaced in place under the same path and
+    config made a warm restart serve the old weights' KV -- wrong output, no warning.
+    (Not in the remote tier's: copies of one checkpoint on several machines differ in
+    their times and must share one tier.)"""
+    model = getattr(getattr(vllm_config, "model_config", None), "model", None)
+    if not isinstance(model, str) or not os.path.isdir(model):
+        return ""
+    try:
+        files = sorted((e.name, e.stat().st_size, e.stat().st_mtime_ns)
+                       for e in os.scandir(model)
+                       if e.is_file() and e.name.endswith(_WEIGHT_SUFFIXES))
+    except OSError:
+        return ""
+    return hashlib.sha256(repr(files).encode()).hexdigest()[:16] if files else ""
+
+
 def _mode(value: object) -> StoreMode:
     if value is None:
         return StoreMode.EAGER
@@ -591,6 +618,7 @@ def parse_config(vllm_config: Any, infos: Sequence[GroupInfo],
         size_source=extra.size_source, disk_path=extra.disk_path,
         disk_bytes_per_rank=extra.disk_bytes_per_rank, disk_io=extra.disk_io,
         disk_mode=extra.disk_mode, disk_keep=extra.name is not None,
+        disk_stamp=weights_stamp(vllm_config) if extra.disk_path is not None else "",
         sync_loads=sync_loads_for(vllm_config, groups))
 
 

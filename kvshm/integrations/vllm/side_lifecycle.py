@@ -131,7 +131,8 @@ class SideLifecycle:
                              remote_url=c.remote_url, remote_mode=c.remote_mode,
                              model_id=c.model_id, disk_path=c.disk_path,
                              disk_bytes_per_rank=c.disk_bytes_per_rank, disk_io=c.disk_io,
-                             disk_mode=c.disk_mode, disk_keep=c.disk_keep)
+                             disk_mode=c.disk_mode, disk_keep=c.disk_keep,
+                             disk_stamp=c.disk_stamp)
         with self.guard:
             self.bound_client = SyncClient(econf, gpu_blocks=VllmGpuBlocks(gpu_block_pool))
             self._service = ServiceThread(self.guard, self._idle_pump, c.name)
