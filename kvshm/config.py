@@ -300,7 +300,7 @@ class EngineConfig:
                 raise ConfigError("disk_bytes_per_rank is set but disk_path is not (the "
                                   "disk tier needs a directory)")
             return
-        if not isinstance(self.disk_path, str) or not self.disk_path:
+        if not isinstance(self.disk_path, str) or not self.disk_path or "\0" in self.disk_path:
             raise ConfigError(f"disk_path must be a directory path, got {self.disk_path!r}")
         if self.disk_bytes_per_rank is None:
             raise ConfigError("disk_path needs disk_bytes_per_rank (each rank's slab size)")

@@ -168,6 +168,23 @@ async def test_a_directory_without_the_space_is_refused_at_start_in_one_line(
     assert "not enough free space" in msg and "\n" not in msg
 
 
+@pytest.mark.parametrize("bad", ["a file", "a NUL byte"])
+async def test_a_disk_path_that_is_a_file_or_holds_a_nul_is_refused_in_one_line(
+        tmp_path: Path, bad: str) -> None:
+    """``disk_path`` naming an existing file failed the start with a bare
+    NotADirectoryError (the slab-path check caught only FileNotFoundError); one with a
+    NUL byte passed the config and raised ValueError at the start. Both are one-line
+    ConfigErrors now."""
+    path = tmp_path / "afile"
+    path.write_text("x")
+    where = str(path) if bad == "a file" else f"{tmp_path}/a\0b"
+    with pytest.raises(ConfigError) as info:
+        async with spawned_engine(num_cpu_blocks=8, disk_path=where,
+                                  disk_bytes_per_rank=1 << 20):
+            pass
+    assert "\n" not in str(info.value) and "disk_path" in str(info.value)
+
+
 @pytest.mark.parametrize("kind", ["fifo", "symlink"])
 async def test_a_fifo_or_link_where_a_slab_goes_is_refused_at_start_in_one_line(
         tmp_path: Path, kind: str) -> None:

@@ -534,6 +534,9 @@ def refuse_special(path: str) -> None:
         mode = os.lstat(path).st_mode
     except FileNotFoundError:
         return
+    except OSError as exc:  # disk_path a file (ENOTDIR), a directory we may not search
+        raise ConfigError(f"slab file {path!r}: {exc.strerror} (is disk_path a "
+                          "directory kvshm may write?)") from None
     if stat.S_ISLNK(mode):
         raise ConfigError(f"slab file {path!r} is a symbolic link: kvshm never writes "
                           "through one (remove it, or choose another disk_path)")

@@ -108,6 +108,8 @@ def test_extra_config_values() -> None:
     ({"cpu_bytes": GIB, "name": "has space"}, r"'name'\] must be 1-80"),
     ({"cpu_bytes": GIB, "name": "x" * 81}, r"'name'\] must be 1-80"),
     ({"cpu_bytes": GIB, "stats_path": ""}, "'stats_path'"),
+    # a NUL byte passed, and the first stats report raised ValueError in vLLM's step
+    ({"cpu_bytes": GIB, "stats_path": "/tmp/s\0x.json"}, "'stats_path'"),
     ({"cpu_bytes": GIB, "hang_timeout_s": 0}, "'hang_timeout_s'"),
     ({"cpu_bytes": GIB, "hang_timeout_s": float("inf")}, "'hang_timeout_s'"),
     ({"cpu_bytes": GIB, "shutdown_timeout_s": float("nan")}, "'shutdown_timeout_s'"),

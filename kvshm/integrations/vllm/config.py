@@ -503,7 +503,8 @@ def check_extra_config(extra: Mapping[Any, Any], world_size: int = 1) -> ExtraSe
     check_extra_keys(extra)
     source, per_rank, blocks = _budget(extra, world_size)
     stats_path = extra.get("stats_path")
-    if stats_path is not None and (not isinstance(stats_path, str) or not stats_path):
+    if stats_path is not None and (not isinstance(stats_path, str) or not stats_path
+                                   or "\0" in stats_path):
         raise ConfigError(f"{_EXTRA}['stats_path'] must be a file path, got {stats_path!r}")
     fail_loads = extra.get("test_fail_loads", 0)
     if fail_loads != 0:
