@@ -4,6 +4,7 @@ nothing; while serving, the live snapshot, whose write never fails vLLM's step."
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 from pathlib import Path
@@ -18,6 +19,7 @@ from kvshm.integrations.vllm.final_stats import (
     SnapshotSource,
     final_statistics,
     live_statistics,
+    write_json,
 )
 from kvshm.integrations.vllm.scheduler import SchedulerSide
 from kvshm.types import KVGroup, StoreMode
@@ -99,3 +101,17 @@ def test_a_live_write_that_fails_is_counted_and_logged_once_not_raised(
     assert side.counters.stats_writes_failed == 2
     assert [r.levelno for r in caplog.records if "stats_path" in r.getMessage()] == [
         logging.WARNING]
+
+
+def test_a_stats_file_that_cannot_be_written_leaves_no_temporary_file(
+        tmp_path: Path) -> None:
+    """``stats_path`` naming a directory: the rename failed (logged), and the
+    temporary ``<path>.tmp<pid>`` beside it stayed for good. It is removed now, and the
+    error still raised to the caller (which logs it)."""
+    target = tmp_path / "stats"
+    target.mkdir()
+    with pytest.raises(OSError):
+        write_json(str(target), {"a": 1})
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["stats"]
+    write_json(str(tmp_path / "ok.json"), {"a": 1})
+    assert json.loads((tmp_path / "ok.json").read_text()) == {"a": 1}

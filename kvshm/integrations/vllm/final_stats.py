@@ -43,6 +43,7 @@ per process, remembers what it logged):
 from __future__ import annotations
 
 import atexit
+import contextlib
 import enum
 import json
 import logging
@@ -194,8 +195,15 @@ def live_statistics(snapshot: dict[str, Any]) -> dict[str, Any]:
 
 
 def write_json(path: str, data: dict[str, Any]) -> None:
-    """Write ``data`` to ``path`` atomically (a temporary file renamed over it)."""
+    """Write ``data`` to ``path`` atomically (a temporary file renamed over it); the
+    temporary file is removed when the dump or the rename fails (a ``stats_path`` that
+    is a directory left ``<path>.tmp<pid>`` behind), and the error raised."""
     tmp = f"{path}.tmp{os.getpid()}"
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=1, sort_keys=True, default=str)
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            json.dump(data, f, indent=1, sort_keys=True, default=str)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
