@@ -422,9 +422,9 @@ class OffloadManager:
         loaded bytes under the other request's hash. O(the destinations), only while a
         store is in flight."""
         busy = self._stores.inflight_gpu
-        if not busy:
+        if not busy or all(busy.isdisjoint(t[start:end]) for t in tables):
             return
-        for g, t in enumerate(tables):
+        for g, t in enumerate(tables):  # (only to name the first one)
             for p in range(start, min(end, len(t))):
                 if t[p] in busy:
                     raise self._check.refuse(

@@ -104,7 +104,7 @@ class InputCheck:
     which counts it: ``raise check.refuse(...)``."""
 
     __slots__ = ("block_size", "counters", "hash_max", "hash_min", "n_groups", "no_new",
-                 "null_block_id", "num_gpu_blocks", "null_refused")
+                 "null_block_id", "num_gpu_blocks", "null_refused", "null_checked")
 
     def __init__(self, *, n_groups: int, block_size: int, num_gpu_blocks: int,
                  hash_bytes: int | None, null_block_id: int | None,
@@ -114,6 +114,8 @@ class InputCheck:
         #: None where it may appear (a sliding-window group; or no null block)
         self.null_refused: tuple[int | None, ...] = tuple(
             null_block_id if g in full_groups else None for g in range(n_groups))
+        #: some group refuses the null block (else the scans for it are skipped)
+        self.null_checked = any(n is not None for n in self.null_refused)
         self.block_size = block_size
         self.num_gpu_blocks = num_gpu_blocks
         self.hash_min, self.hash_max = (HASH_LEN_RANGE if hash_bytes is None
@@ -252,20 +254,24 @@ class InputCheck:
         (:meth:`null_free`); one appended id -- the usual change of a decode step -- is
         checked inline."""
         n = self.num_gpu_blocks
-        for t, null in zip(tables, self.null_refused, strict=True):
+        for t in tables:
             if type(t) is not tuple:
                 return False
             if len(t) == 1:
                 b = t[0]
-                if type(b) is not int or not 0 <= b < n or b == null:
+                if type(b) is not int or not 0 <= b < n:
                     return False
-            elif t and not (self.ids_ok(t) and (null is None or null not in t)):
+            elif t and not self.ids_ok(t):
                 return False
-        return True
+        return not self.null_checked or not any(
+            null is not None and null in t
+            for t, null in zip(tables, self.null_refused, strict=True))
 
     def null_free(self, call: str, rid: str | None, field: str, tables: Tables) -> Tables:
         """``tables`` (good ids, one per group), refused where a full-attention group's
         holds the null block."""
+        if not self.null_checked:
+            return tables
         for g, (t, null) in enumerate(zip(tables, self.null_refused, strict=True)):
             if null is not None and null in t:
                 raise self.refuse(call, rid, f"{field}[{g}][{t.index(null)}]",
