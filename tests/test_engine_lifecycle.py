@@ -337,3 +337,32 @@ def test_sync_client_closes_when_its_with_block_ends() -> None:
           SyncClient(cfg, gpu_blocks=BlockPool(GPU_BLOCKS)) as again):  # same name: free
         raise RuntimeError("inside the block")
     assert again.state is EngineState.CLOSED
+
+
+def test_statistics_before_ready_carry_every_counter_as_zero() -> None:
+    """Before READY there is no manager, and the snapshot used to leave the manager's
+    counters out: ``statistics()["counters"]["loaded_blocks"]`` raised KeyError until
+    the first rank connected, and so did a vLLM test that read a counter first thing
+    (it passed only after an earlier test had made the engine READY), and a final
+    statistics file of an engine that never got READY lacked them too. The keys are the
+    same in every state; the manager's read 0 before it exists."""
+    cfg = config()
+    client = SyncClient(cfg, gpu_blocks=BlockPool(GPU_BLOCKS),
+                        device_caches=[[k] for k in shards()])
+    workers = Launcher(cfg.name, 2)
+    try:
+        st = client.statistics()
+        assert st.state == EngineState.STARTING.value, st.state
+        counters = st.as_dict()["counters"]
+        assert counters["loaded_blocks"] == 0 and counters["jobs_failed"] == 0
+        assert counters["declined_cpu_full"] == 0
+        workers.start()
+        deadline = time.monotonic() + 30
+        while client.state is not EngineState.READY:
+            assert time.monotonic() < deadline
+            client.poll()
+            time.sleep(0.01)
+        assert set(client.statistics().as_dict()["counters"]) == set(counters)
+    finally:
+        client.close()
+        workers.stop(2.0)

@@ -3,7 +3,8 @@
 :class:`CoreCounters` are the engine-level counters (the manager keeps its own); every
 field only grows. :func:`build_stats` reads -- never changes -- the manager, the CPU
 pool and the counters, in any lifecycle state (before READY there is no manager and
-no pool: their fields read 0); the per-rank records come in already built
+no pool: their fields read 0, and the manager's counters are there as zeros, so a
+snapshot has the same keys in every state); the per-rank records come in already built
 (:meth:`~kvshm.engine.supervision.RankWatch.snapshot`). The manager's counters are
 merged into the runtime's in one dict.
 """
@@ -16,11 +17,15 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from kvshm.config import EngineConfig
+from kvshm.offload.counters import ManagerCounters
 from kvshm.offload.manager import OffloadManager
 from kvshm.offload.pool import BlockPool
 from kvshm.stats import EngineStats, RankStats
 
 __all__ = ["CoreCounters", "build_stats"]
+
+_NO_MANAGER: dict[str, int] = ManagerCounters().as_dict()
+"""The manager's counters before there is a manager (before READY): all zero."""
 
 
 @dataclass
@@ -55,6 +60,7 @@ def build_stats(config: EngineConfig, state: str, manager: OffloadManager | None
     ``uptime_s``: since the engine opened."""
     merged: dict[str, int] = dict(asdict(counters))
     stored = loaded = pins = jobs = q_gpu = q_cpu = 0
+    merged.update(_NO_MANAGER)
     if manager is not None:
         q_gpu, q_cpu = manager.quarantined_blocks()
         merged.update(manager.counters.as_dict())
