@@ -86,8 +86,14 @@ def test_the_vllm_keys_parse_and_refuse_in_one_line() -> None:
          "['disk_io'] must be one of ['buffered', 'direct']"),
         ({"disk_path": "/d", "disk_bytes_per_rank": 9, "disk_mode": ["write_back"]},
          "['disk_mode'] must be one of ['write_back', 'write_through']"),
-        ({"remote_mode": ["on_evict"]},
-         "['remote_mode'] must be one of ['on_evict', 'write_through']")]
+        ({"remote_url": "valkey://127.0.0.1:6379", "remote_mode": ["on_evict"]},
+         "['remote_mode'] must be one of ['on_evict', 'write_through']"),
+        # a tier's own keys without its anchor: the user believes the tier is on, and
+        # the engine used to start without it, silently
+        ({"disk_mode": "write_through"}, "['disk_mode'] set but 'disk_path' is not"),
+        ({"disk_io": "buffered", "disk_mode": "write_back"},
+         "['disk_io', 'disk_mode'] set but 'disk_path' is not"),
+        ({"remote_mode": "on_evict"}, "'remote_mode' is set but 'remote_url' is not")]
     for extra, msg in cases:
         with pytest.raises(ConfigError, match=msg.replace("[", r"\[").replace("]", r"\]")) \
                 as info:
