@@ -12,7 +12,6 @@ its engine) is never removed.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import re
 from dataclasses import dataclass
@@ -88,23 +87,12 @@ def gone_slabs(directory: str, live: set[str]) -> list[SlabFileRow]:
 def remove_slabs(rows: list[SlabFileRow]) -> list[tuple[SlabFileRow, str]]:
     """Remove each file that no process holds locked; (row, what happened) each:
     "removed", "in use" (its lock is held) or the error."""
+    from kvshm.disk import remove_unheld  # the slab module is heavy for the other commands
+
     out: list[tuple[SlabFileRow, str]] = []
     for r in rows:
         try:
-            fd = os.open(r.path, os.O_RDONLY | os.O_CLOEXEC)
+            out.append((r, "removed" if remove_unheld(r.path) else "in use"))
         except OSError as exc:
             out.append((r, exc.strerror or str(exc)))
-            continue
-        try:
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                out.append((r, "in use"))
-                continue
-            os.unlink(r.path)  # under its lock: no worker holds it
-            out.append((r, "removed"))
-        except OSError as exc:
-            out.append((r, exc.strerror or str(exc)))
-        finally:
-            os.close(fd)
     return out

@@ -230,6 +230,27 @@ async def test_a_generated_name_leaves_no_slab_behind_and_a_given_name_keeps_its
         f"kvshm-{name}.rank{r}-of-2.slab" for r in range(2)]
 
 
+async def test_a_generated_names_slab_goes_even_when_its_rank_was_sigkilled(
+        tmp_path: Path) -> None:
+    """Only a rank removed its own slab (as its mover closed): rank 1 SIGKILLed -- the
+    OOM killer -- left its preallocated slab of an engine no later start can serve in
+    the directory for good, a start's worth of disk space each time. The engine now
+    removes, at its close, every such slab whose lock no process holds: rank 1's here,
+    while rank 0 removed its own; a given name's slabs stay (the test above)."""
+    async with spawned_engine(**disk_cfg(tmp_path)) as (eng, gpu, ks):
+        await fill(Client(eng, gpu), ks, 3, seed=61)
+        assert len(list(tmp_path.glob("*.slab"))) == 2
+        os.kill(eng.statistics().ranks[1].pid, signal.SIGKILL)
+        await asyncio.sleep(0.5)
+    assert list(tmp_path.glob("*.slab")) == []
+    name = default_name()
+    async with spawned_engine(name=name, **disk_cfg(tmp_path)) as (eng, gpu, ks):
+        await fill(Client(eng, gpu), ks, 1, seed=62)
+        os.kill(eng.statistics().ranks[1].pid, signal.SIGKILL)
+        await asyncio.sleep(0.5)
+    assert len(list(tmp_path.glob("*.slab"))) == 2
+
+
 async def test_a_restarted_engine_serves_the_previous_ones_slab_at_once(
         tmp_path: Path) -> None:
     """Engine 1 writes prompt 0's blocks down and closes; engine 2, started under the

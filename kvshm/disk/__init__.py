@@ -18,9 +18,11 @@ from kvshm.disk.slab import (
     SlotOutcome,
     check_directory,
     refuse_special,
+    remove_unheld,
     scan,
     slab_path,
 )
 
 __all__ = ["FORMAT_VERSION", "MAX_HASH_BYTES", "PAGE", "SlabFile", "SlabLocked", "SlabSpec",
-           "SlotOutcome", "check_directory", "refuse_special", "scan", "slab_path"]
+           "SlotOutcome", "check_directory", "refuse_special", "remove_unheld", "scan",
+           "slab_path"]

@@ -113,7 +113,8 @@ from kvshm.errors import ConfigError
 from kvshm.remote.tier import CHECKSUMS, DEFAULT_CHECKSUM
 
 __all__ = ["FORMAT_VERSION", "MAX_HASH_BYTES", "PAGE", "SlabFile", "SlabLocked", "SlabSpec",
-           "SlotOutcome", "check_directory", "refuse_special", "scan", "slab_path"]
+           "SlotOutcome", "check_directory", "refuse_special", "remove_unheld", "scan",
+           "slab_path"]
 
 log = logging.getLogger(__name__)
 
@@ -543,6 +544,26 @@ def refuse_special(path: str) -> None:
     if not stat.S_ISREG(mode):
         raise ConfigError(f"slab file {path!r} is not a regular file (remove it, or "
                           "choose another disk_path)")
+
+
+def remove_unheld(path: str) -> bool:
+    """Unlink the slab file at ``path`` if no process holds it: True when removed,
+    False when its lock is held (a worker has it open). The unlink happens under the
+    file's own lock, and only if ``path`` still names the locked file (a new engine may
+    have created another there meanwhile). OSError: cannot open or unlink (gone:
+    FileNotFoundError)."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False
+        if not _names(path, fd):
+            raise FileNotFoundError(errno.ENOENT, "replaced while being removed", path)
+        os.unlink(path)
+        return True
+    finally:
+        os.close(fd)
 
 
 def _names(path: str, fd: int) -> bool:

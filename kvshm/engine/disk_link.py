@@ -23,7 +23,13 @@ Order (each step before the next; none of it moves a block's bytes -- the worker
    :class:`~kvshm.offload.disk.DiskBook` over a fresh LRU slot table, the warm slots
    indexed as most recently used.
 
-The slab files stay after the engine closes: they are the next start's warm cache
+4. Close (:meth:`DiskLink.close`, after the channels closed): a slab no later start
+   can serve (``EngineConfig.disk_keep`` False: a generated name) is removed by its rank
+   when its mover closes; one whose rank died without doing so (SIGKILL, the OOM
+   killer) is removed here if no process holds its lock -- a live rank holds it until
+   it has removed its own.
+
+Kept slab files stay after the engine closes: they are the next start's warm cache
 (``kvshm sweep`` lists those of engines that are gone).
 """
 
@@ -35,7 +41,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from kvshm.config import DiskIO, DiskMode, EngineConfig
-from kvshm.disk import PAGE, SlabSpec, check_directory, refuse_special, scan, slab_path
+from kvshm.disk import (
+    PAGE,
+    SlabSpec,
+    check_directory,
+    refuse_special,
+    remove_unheld,
+    scan,
+    slab_path,
+)
 from kvshm.errors import ConfigError
 from kvshm.ipc.protocol import DiskSetup, LayoutSpec
 from kvshm.offload.disk import DiskBook, max_disk_blocks
@@ -79,6 +93,7 @@ class DiskLink:
     warm: dict[int, bytes] = field(default_factory=dict)
     disagreed: int = 0
     scan_errors: int = 0
+    orphans_removed: int = 0  # slabs of dead ranks removed at close (:meth:`close`)
 
     @classmethod
     def none(cls) -> DiskLink:
@@ -135,6 +150,30 @@ class DiskLink:
         if agreed:
             log.info("kvshm: disk tier warm: %d of %d slots hold blocks from a previous "
                      "run", len(agreed), self.slots)
+
+    def close(self) -> int:
+        """Remove the slabs of an engine that keeps none (``disk_keep`` False) that no
+        rank holds any more: those of ranks that died before removing their own (step
+        4). Returns how many; never raises (a failure is logged: ``kvshm sweep
+        --remove-slabs`` is the remedy). Idempotent."""
+        cfg = self.config
+        if cfg is None or cfg.disk_keep:
+            return 0
+        removed = 0
+        for rank, setup in sorted(self.setups.items()):
+            try:
+                if remove_unheld(setup.path):
+                    removed += 1
+                    log.info("kvshm: removed the disk slab %s of rank %d (it did not "
+                             "remove it itself)", setup.path, rank)
+            except FileNotFoundError:
+                pass  # the rank removed it: the normal case
+            except OSError as exc:
+                log.warning("kvshm: cannot remove the disk slab %s of rank %d (%s); "
+                            "`kvshm sweep --disk-path %s --remove-slabs` removes it", setup.path,
+                            rank, exc.strerror or exc, cfg.disk_path)
+        self.orphans_removed += removed
+        return removed
 
     def book_factory(self, max_record: int) -> BookFactory | None:
         """What builds the manager's disk book (None without a disk tier);

@@ -208,6 +208,7 @@ class Runtime:
             self._server.close()
         self._remote.close()
         self._ranks.close()
+        self._disk.close()
         self._state = EngineState.CLOSED
         startup.log_closed(self.statistics())
         if self._started is not None:
