@@ -47,12 +47,10 @@ from kvshm.shm_budget import available_shm_bytes, shm_size_text, statvfs_free
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import torch
 
-__all__ = ["SHM_DIR", "SHM_PREFIX", "Leftover", "Segment", "create_segment", "dtype_from_name",
+__all__ = ["SHM_PREFIX", "Leftover", "Segment", "create_segment", "dtype_from_name",
            "dtype_name", "map_segment", "segment_of", "shared_tensor", "sweep",
            "tensor_from_fd"]
 
-#: Where POSIX shared memory lives on Linux.
-SHM_DIR: Final = shm_budget.SHM_DIR
 #: Every name kvshm creates starts with this (after the leading slash).
 SHM_PREFIX: Final = "kvshm"
 #: Segments at least this large are reserved with progress lines (INFO, ``kvshm.shm``).
@@ -162,7 +160,7 @@ def _reserve(fd: int, size: int, purpose: str) -> None:
     if size < PROGRESS_BYTES:
         _fallocate(fd, 0, size, size, purpose)
     else:
-        if size > statvfs_free(SHM_DIR):  # fail at once, not after filling /dev/shm
+        if size > statvfs_free(shm_budget.SHM_DIR):  # fail at once, not after filling /dev/shm
             raise _reserve_error(size, purpose, errno.ENOSPC)
         t0 = time.monotonic()
         log.info("kvshm: reserving %s of shared memory for %s (posix_fallocate, "
@@ -194,7 +192,7 @@ def _fallocate(fd: int, offset: int, length: int, size: int, purpose: str) -> No
 def _reserve_error(size: int, purpose: str, err: int) -> ConfigError:
     return ConfigError(
         f"cannot reserve {size} bytes ({size / 2**20:.1f} MiB) of shared memory for "
-        f"{purpose}: {os.strerror(err)} ({shm_size_text()}); enlarge {SHM_DIR} "
+        f"{purpose}: {os.strerror(err)} ({shm_size_text()}); enlarge {shm_budget.SHM_DIR} "
         f"(e.g. docker --shm-size) or use fewer CPU blocks")
 
 
@@ -244,12 +242,12 @@ def sweep(remove: bool = True) -> list[Leftover]:
     meanwhile is skipped; one that cannot be removed is reported kept with the error.
     """
     try:
-        names = sorted(n for n in os.listdir(SHM_DIR) if _SEGMENT_RE.fullmatch(n))
+        names = sorted(n for n in os.listdir(shm_budget.SHM_DIR) if _SEGMENT_RE.fullmatch(n))
     except FileNotFoundError:
         return []
     found = []
     for n in names:
-        path = os.path.join(SHM_DIR, n)
+        path = os.path.join(shm_budget.SHM_DIR, n)
         try:
             why = _keep_reason(path, n)
             if why is None and remove:

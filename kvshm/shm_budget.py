@@ -20,7 +20,7 @@ from kvshm.errors import ConfigError
 __all__ = ["SHM_DIR", "available_shm_bytes", "memory_available_bytes", "shm_size_text",
            "statvfs_free"]
 
-#: Where POSIX shared memory lives on Linux (also ``kvshm.shm.SHM_DIR``).
+#: Where POSIX shared memory lives on Linux.
 SHM_DIR: Final = "/dev/shm"
 #: Upper bound of the safety margin kept free (see :func:`available_shm_bytes`).
 _MARGIN_MAX: Final = 256 << 20

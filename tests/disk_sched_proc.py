@@ -20,7 +20,7 @@ import torch
 from engine_rig import BS, Client, spawned_engine, tokens
 
 from kvshm.hashing import chain_hashes
-from kvshm.offload.disk_writes import disk_hash
+from kvshm.offload.remote_puts import remote_hash
 
 SLOTS = 64
 DISK = 4096 + SLOTS * 2 * 4096
@@ -43,7 +43,7 @@ async def main(name: str, disk_dir: str, out: str) -> None:
             if i == 5:
                 book = eng._core.manager.disk  # type: ignore[union-attr]
                 assert book is not None
-                first = [disk_hash(h) for h in chain_hashes(tokens(4 * BS + 1, seed=60), BS)]
+                first = [remote_hash(h) for h in chain_hashes(tokens(4 * BS + 1, seed=60), BS)]
                 while not all(book.slots.is_cached(h) for h in first):
                     c.step()  # no sleep decides it: the acks of prompt 0's WRITEs do
                     await c.settle()

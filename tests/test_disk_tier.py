@@ -34,7 +34,7 @@ from kvshm.disk import PAGE, SlabSpec, scan
 from kvshm.engine import Engine
 from kvshm.errors import ConfigError
 from kvshm.hashing import chain_hashes
-from kvshm.offload.disk_writes import disk_hash
+from kvshm.offload.remote_puts import remote_hash
 from kvshm.types import RequestView, ScheduledRequest
 
 #: Slots of each rank's slab (a 1 KiB row takes an 8 KiB slot).
@@ -141,7 +141,7 @@ async def test_a_corrupted_slot_is_a_miss_and_its_slots_are_dropped(tmp_path: Pa
         c = Client(eng, gpu)
         stored = await fill(c, ks, 4, seed=20)
         toks, _ = stored[0]
-        target = disk_hash(chain_hashes(toks, BS)[2])
+        target = remote_hash(chain_hashes(toks, BS)[2])
         path = tmp_path / f"kvshm-{name}.rank1-of-2.slab"
         fp = eng._core._disk.setups[1].fingerprint
         slots = {h: s for s, h in scan(str(path), SlabSpec(fp, 1, 2, SLOTS, ROW)).items()}

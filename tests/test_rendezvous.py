@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 import msgspec
 import pytest
 
-from kvshm import shm
+from kvshm import shm, shm_budget
 from kvshm.errors import (
     ClosedError,
     ConfigError,
@@ -81,7 +81,7 @@ def _name() -> str:
 
 
 def _kvshm_entries() -> list[str]:
-    return sorted(n for n in os.listdir(shm.SHM_DIR) if "kvshm" in n.lower())
+    return sorted(n for n in os.listdir(shm_budget.SHM_DIR) if "kvshm" in n.lower())
 
 
 _CHILDREN: list[subprocess.Popen[str]] = []

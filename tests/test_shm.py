@@ -20,7 +20,7 @@ from kvshm.errors import ConfigError
 
 
 def _kvshm_entries() -> list[str]:
-    return sorted(n for n in os.listdir(shm.SHM_DIR) if "kvshm" in n.lower())
+    return sorted(n for n in os.listdir(shm_budget.SHM_DIR) if "kvshm" in n.lower())
 
 
 def _open_fds() -> set[int]:
@@ -51,7 +51,7 @@ def test_create_segment_is_unlinked_private_and_reserved() -> None:
         assert st.st_size == 1 << 20
         assert st.st_blocks * 512 >= 1 << 20  # fallocate reserved every page
         assert seg.name.startswith("/kvshm-unit-")
-        assert not os.path.exists(shm.SHM_DIR + seg.name)
+        assert not os.path.exists(shm_budget.SHM_DIR + seg.name)
         assert _kvshm_entries() == []
         assert bytes(seg.buf[:16]) == bytes(16)
         seg.buf[:5] = b"hello"
@@ -115,7 +115,7 @@ def test_nonpositive_size_is_config_error(size: int) -> None:
 
 
 def test_available_shm_bytes_is_bounded_by_dev_shm() -> None:
-    st = os.statvfs(shm.SHM_DIR)
+    st = os.statvfs(shm_budget.SHM_DIR)
     avail = shm_budget.available_shm_bytes()
     assert 0 < avail <= st.f_bavail * st.f_frsize
 
@@ -227,7 +227,7 @@ def test_sweep_lists_and_removes_a_planted_leftover(
     directory is a temporary stand-in for /dev/shm: planted in the real one, the entry
     was visible for a few ms to the other xdist process's leak checks (a false leak
     there)."""
-    monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(shm_budget, "SHM_DIR", str(tmp_path))
     (tmp_path / "other-entry").write_bytes(b"y")  # not kvshm's: left alone
     name = f"kvshm-test-{_gone_pid()}-0123456789abcdef"
     (tmp_path / name).write_bytes(b"x")
@@ -255,7 +255,7 @@ def test_sweep_keeps_a_slab_a_live_segment_and_reports_what_it_cannot_remove(
     to remove one it died with a PermissionError traceback. Now only names that
     kvshm's segments have are considered, a segment whose process runs is kept, and an
     entry it cannot remove is listed as kept with the reason."""
-    monkeypatch.setattr(shm, "SHM_DIR", str(tmp_path))
+    monkeypatch.setattr(shm_budget, "SHM_DIR", str(tmp_path))
     slab = tmp_path / "kvshm-dsk.rank0-of-1.slab"
     slab.write_bytes(b"s")
     live = f"kvshm-test-{os.getpid()}-0123456789abcdef"

@@ -7,7 +7,7 @@ file (``Ready.disk``).
 The slot table is a :class:`~kvshm.offload.pool.BlockPool` of one record per slot (the
 same rank-independent slot number on every rank): its hash index says which block a
 slot holds (the block's 32-byte disk hash,
-:func:`~kvshm.offload.disk_writes.disk_hash`), its ref counts are the pins of the jobs
+:func:`~kvshm.offload.remote_puts.remote_hash`), its ref counts are the pins of the jobs
 that use a slot, and its LRU free queue says which slot a write reuses first (an
 unindexed slot, else the least recently written or read block).
 
@@ -53,12 +53,13 @@ from dataclasses import dataclass, fields
 from typing import Final
 
 from kvshm.ipc.protocol import Disk
-from kvshm.offload.disk_writes import DISK_HASH_BYTES, WriteBack, disk_hash, message
+from kvshm.offload.disk_writes import WriteBack, message
 from kvshm.offload.fetches import Fetches
 from kvshm.offload.groups import GroupSet
 from kvshm.offload.hits import Hit
 from kvshm.offload.jobs import DiskJob, JobTable, RemoteJob
 from kvshm.offload.pool import BlockPool
+from kvshm.offload.remote_puts import REMOTE_HASH_BYTES, remote_hash
 from kvshm.types import LoadFailure
 
 __all__ = ["MAX_DISK_BLOCKS", "DiskBook", "DiskCounters", "max_disk_blocks"]
@@ -73,7 +74,7 @@ def max_disk_blocks(max_record: int) -> int:
     """The most blocks one Disk command may carry to fit a ring record of
     ``max_record`` bytes (a 4-byte CPU id, a 4-byte slot and a hash each)."""
     return max(1, min(MAX_DISK_BLOCKS,
-                      (max_record - DISK_OVERHEAD) // (8 + DISK_HASH_BYTES)))
+                      (max_record - DISK_OVERHEAD) // (8 + REMOTE_HASH_BYTES)))
 
 
 @dataclass(slots=True)
@@ -173,7 +174,7 @@ class DiskBook:
         get = self.slots.get_cached
         out: list[int] = []
         for k in keys:
-            s = get(disk_hash(k))
+            s = get(remote_hash(k))
             if s is None:
                 break
             out.append(s)

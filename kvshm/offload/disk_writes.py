@@ -65,24 +65,21 @@ from kvshm.types import LoadFailure
 if TYPE_CHECKING:
     from kvshm.offload.disk import DiskCounters
 
-__all__ = ["DISK_HASH_BYTES", "WRITE_FAILURES_TO_PAUSE", "WritePause", "WriteBack",
-           "disk_hash", "message"]
+__all__ = ["WRITE_FAILURES_TO_PAUSE", "WritePause", "WriteBack", "message"]
 
-#: Length of every block hash a Disk message and a slot header carry.
-DISK_HASH_BYTES: Final = REMOTE_HASH_BYTES
 #: Failed WRITE jobs in a row that pause write-back.
 WRITE_FAILURES_TO_PAUSE: Final = 3
 
-disk_hash = remote_hash
-"""The hash a slot header and a Disk message carry for CPU index key ``key`` (the key
-itself when it is 32 bytes, else its BLAKE2b digest: one length for every slot)."""
+# A slot header and a Disk message carry, for CPU index key ``key``, the remote tier's
+# fixed-length hash of it (:func:`~kvshm.offload.remote_puts.remote_hash`: the key
+# itself when it is 32 bytes, else its BLAKE2b digest; ``REMOTE_HASH_BYTES`` long).
 
 
 def message(job: DiskJob) -> Disk:
     """The Disk command of ``job`` (every rank gets the same)."""
-    hashes = b"".join(disk_hash(k) for k in job.keys)
+    hashes = b"".join(remote_hash(k) for k in job.keys)
     return Disk(job.job_id, DiskOp.WRITE if job.put else DiskOp.READ, pack_ids(job.cpu_ids),
-                pack_ids(job.slots), hashes, DISK_HASH_BYTES)
+                pack_ids(job.slots), hashes, REMOTE_HASH_BYTES)
 
 
 class WritePause:
@@ -181,7 +178,7 @@ class WriteBack:
         chosen: set[bytes] = set()
         picks = []
         for cid, k in victims:
-            d = disk_hash(k)
+            d = remote_hash(k)
             if d not in chosen and self._wanted(d):
                 chosen.add(d)
                 picks.append((cid, k))
@@ -229,7 +226,7 @@ class WriteBack:
             hs = cpu.block_hashes(c)
             if not hs or hs[0] != k:
                 continue  # evicted (and reused) meanwhile
-            d = disk_hash(k)
+            d = remote_hash(k)
             if d in chosen or not self._wanted(d):
                 continue
             chosen.add(d)
@@ -249,7 +246,7 @@ class WriteBack:
             hs = cpu.block_hashes(c)
             if not hs:
                 continue
-            d = disk_hash(hs[0])
+            d = remote_hash(hs[0])
             if d in chosen or not self._wanted(d):
                 continue
             chosen.add(d)
@@ -277,7 +274,7 @@ class WriteBack:
                                       slots[i:i + self._max_job], write=True)
             if scan:
                 self._scan_jobs.add(job.job_id)
-            self._writing.update(disk_hash(k) for k in keys)
+            self._writing.update(remote_hash(k) for k in keys)
             self._inflight += len(batch)
             self.counters.write_jobs += 1
             self.counters.write_blocks += len(batch)
@@ -290,12 +287,12 @@ class WriteBack:
         """``job`` (a WRITE) is done on every rank: its slots are indexed if ``usable``
         (unindexed ones are reused first), its CPU pins go -- a scanned block as the
         next to reuse once the disk holds it."""
-        self._writing.difference_update(disk_hash(k) for k in job.keys)
+        self._writing.difference_update(remote_hash(k) for k in job.keys)
         self._inflight -= len(job.keys)
         slots = self.slots
         if usable:
             for s, k in zip(job.slots, job.keys):
-                slots.add_hashes(s, (disk_hash(k),))
+                slots.add_hashes(s, (remote_hash(k),))
             self.counters.written_blocks += len(job.keys)
             self.pause.succeeded()
         else:
@@ -321,7 +318,7 @@ class WriteBack:
         ids: set[int] = set()
         for job in writes:
             ids.add(job.job_id)
-            writing.update(disk_hash(k) for k in job.keys)
+            writing.update(remote_hash(k) for k in job.keys)
             inflight += len(job.keys)
         if not self._scan_jobs <= ids:
             raise AssertionError(f"scan WRITE jobs {sorted(self._scan_jobs - ids)} are gone")

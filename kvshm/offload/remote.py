@@ -74,12 +74,7 @@ from kvshm.offload.remote_puts import (
 )
 from kvshm.remote.tier import ReadyIndex
 
-__all__ = ["RemoteBook", "RemoteState"]
-
-
-RemoteState = FetchState
-"""Where one request's remote lookup stands (the shared read path's states,
-:class:`~kvshm.offload.fetches.FetchState`)."""
+__all__ = ["RemoteBook"]
 
 
 class RemoteBook:
@@ -158,10 +153,10 @@ class RemoteBook:
                     return 0
                 ahead = verdict is Verdict.GO
             return self._begin(rid, hashes, start, n_max, ahead=ahead)
-        if st.state is RemoteState.QUERYING and self._clock() - st.since > self._timeout:
+        if st.state is FetchState.QUERYING and self._clock() - st.since > self._timeout:
             self.counters.query_timeouts += 1
             self._tokens.pop(st.token, None)
-            st.state = RemoteState.DONE
+            st.state = FetchState.DONE
         if self.fetches.again(rid, st) is None:
             return None
         self.unhold(rid)
@@ -223,13 +218,13 @@ class RemoteBook:
                 continue
             rid = self._tokens.pop(token, None)
             st = self.fetches.get(rid) if rid is not None else None
-            if rid is None or st is None or st.state is not RemoteState.QUERYING:
+            if rid is None or st is None or st.state is not FetchState.QUERYING:
                 self.counters.answers_stale += 1
                 continue
             n -= n % self._gs.n  # whole positions only
             if n <= 0:
                 self.counters.query_misses += 1
-                st.state = RemoteState.DONE
+                st.state = FetchState.DONE
                 continue
             self.counters.query_hits += 1
             self.fetches.answered(rid, st, n)

@@ -15,9 +15,9 @@ ROOT = Path(__file__).resolve().parents[2]
 
 #: kvshm's public names (``kvshm.__all__``); a change here is an API change.
 PUBLIC = ["ATTACH", "BlockPool", "Engine", "EngineConfig", "EngineState", "KVGroup",
-          "LoadResult", "OffloadManager", "RequestView", "SPAWN", "StepInput", "StepPlan",
-          "StoreMode", "SyncClient", "WorkerMode", "chain_hashes", "errors",
-          "shared_tensor"]
+          "LoadResult", "OffloadManager", "RequestView", "SPAWN", "ScheduledRequest",
+          "StepInput", "StepPlan", "StoreMode", "SyncClient", "WorkerMode", "chain_hashes",
+          "errors", "shared_tensor"]
 
 
 def _modules() -> list[tuple[str, ast.Module, bool]]:
@@ -63,14 +63,50 @@ def test_every_package_declares_its_public_surface() -> None:
     assert not missing, f"packages without __all__: {missing}"
 
 
+def _aliases(tree: ast.Module) -> set[str]:
+    """Names a module binds at top level to an imported name or an imported module's
+    attribute (``X = Y``, ``X = mod.Y``): a second path to a name listed elsewhere."""
+    imported = _imported(tree) | {a.asname or a.name.split(".")[0] for node in tree.body
+                                  if isinstance(node, ast.Import) for a in node.names}
+    out = set()
+    for node in tree.body:
+        target, value = ((node.targets[0], node.value) if isinstance(node, ast.Assign) else
+                         (node.target, node.value) if isinstance(node, ast.AnnAssign) else
+                         (None, None))
+        root = value
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        if isinstance(target, ast.Name) and isinstance(root, ast.Name) and root.id in imported:
+            out.add(target.id)
+    return out
+
+
 def test_no_ordinary_module_re_exports_a_name() -> None:
+    """A listed name imported from elsewhere, or bound to another module's name
+    (``SHM_DIR = shm_budget.SHM_DIR``, ``RemoteState = FetchState`` were), is a second
+    import path for one thing."""
     found = {}
     for name, tree, init in _modules():
         names = _all_of(tree) or []
-        again = sorted(set(names) & _imported(tree))
+        again = sorted(set(names) & (_imported(tree) | _aliases(tree)))
         if again and not init:
             found[name] = again
     assert not found, f"names re-exported from ordinary modules: {found}"
+
+
+def test_kvshm_resolves_each_name_from_where_it_is_defined() -> None:
+    """``kvshm.X`` comes from the module that defines X (or the package that lists it),
+    never through an ordinary module that only imports it (``StoreMode`` came through
+    ``kvshm.config``)."""
+    for name, module in kvshm._LAZY.items():
+        mod = importlib.import_module(module)
+        if module.endswith(name):
+            continue
+        value = getattr(mod, name)
+        home = getattr(value, "__module__", None)
+        if home is None or not isinstance(value, type) and not callable(value):
+            continue  # a constant (SPAWN): listed by its package
+        assert home == module or home.startswith(module + "."), (name, module, home)
 
 
 def test_every_listed_name_resolves() -> None:

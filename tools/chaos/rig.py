@@ -22,7 +22,8 @@ import torch
 
 from kvshm.engine import Engine, WorkerMode
 from kvshm.offload.pool import BlockPool
-from kvshm.shm import SHM_DIR, SHM_PREFIX
+from kvshm.shm import SHM_PREFIX
+from kvshm.shm_budget import SHM_DIR
 from kvshm.stats import EngineStats
 
 T = TypeVar("T")

@@ -15,9 +15,9 @@ from manager_rig import BS, Req, Rig, refs
 
 from kvshm.ipc.protocol import Disk, DiskOp, unpack_ids
 from kvshm.offload.disk import DiskBook
-from kvshm.offload.disk_writes import disk_hash
 from kvshm.offload.manager import OffloadManager
 from kvshm.offload.pool import BlockPool
+from kvshm.offload.remote_puts import remote_hash
 
 WORLD = 2
 
@@ -89,7 +89,7 @@ def test_a_block_about_to_be_evicted_is_written_back_and_indexed_only_after_ever
     assert list(rig.cpu.iter_free_from_lru()) == [2, 3, 1, 0]
     (w,) = rig.step().disk
     assert w.op is DiskOp.WRITE and unpack_ids(w.cpu_ids) == [1] and unpack_ids(w.slots) == [0]
-    assert w.hashes == disk_hash(a.h[1]) and w.hash_len == 32
+    assert w.hashes == remote_hash(a.h[1]) and w.hash_len == 32
     assert refs(rig.cpu, [0, 1]) == [0, 1] and rig.slots.ref_cnt(0) == 1
     assert rig.slots.block_hashes(0) == ()
     rig.m.on_done(w.job_id, 0, True)
@@ -97,7 +97,7 @@ def test_a_block_about_to_be_evicted_is_written_back_and_indexed_only_after_ever
     assert rig.slots.num_hashes == 0 and refs(rig.cpu, [1]) == [1]
     rig.m.on_done(w.job_id, 1, True)
     rig.m.check_invariants()
-    assert rig.slots.get_cached(disk_hash(a.h[1])) == 0 and rig.slots.ref_cnt(0) == 0
+    assert rig.slots.get_cached(remote_hash(a.h[1])) == 0 and rig.slots.ref_cnt(0) == 0
     assert refs(rig.cpu, [0, 1]) == [0, 0] and rig.cpu.get_cached(a.h[1]) == 1
     assert next(rig.cpu.iter_free_from_lru()) == 1
     assert rig.step().disk == () and rig.book.counters.written_blocks == 1
@@ -119,7 +119,7 @@ def test_a_cpu_miss_the_disk_holds_is_read_into_fresh_blocks_then_an_ordinary_hi
     (rd,) = rig.step().disk
     assert rd.op is DiskOp.READ and sorted(unpack_ids(rd.slots)) == [0, 1]
     got = unpack_ids(rd.cpu_ids)
-    assert unpack_ids(rd.slots) == [rig.slots.get_cached(disk_hash(h)) for h in a.h]
+    assert unpack_ids(rd.slots) == [rig.slots.get_cached(remote_hash(h)) for h in a.h]
     assert refs(rig.cpu, got) == [1, 1] and rig.cpu.num_hashes == 0
     assert [rig.slots.ref_cnt(s) for s in (0, 1)] == [1, 1]
     assert rig.m.lookup(r.view(), 0) is None                     # being read
@@ -155,7 +155,7 @@ def test_a_partial_cpu_hit_holds_its_prefix_while_the_disk_reads_the_rest() -> N
     assert refs(rig.cpu, cpu[:2]) == [1, 1]                      # held
     (rd,) = rig.step().disk
     assert rd.op is DiskOp.READ and unpack_ids(rd.slots) == [
-        rig.slots.get_cached(disk_hash(a.h[2]))]
+        rig.slots.get_cached(remote_hash(a.h[2]))]
     rig.ack_disk(rd)
     assert rig.m.lookup(r.view(), 0) == 3 * BS
     rig.m.check_invariants()
@@ -268,7 +268,7 @@ def test_warm_slots_serve_a_hit_at_once() -> None:
     first lookup reads them; then it is an ordinary CPU hit."""
     rig = DiskRig()
     a = Req("a", 9)
-    rig.book.warm({2: disk_hash(a.h[0]), 3: disk_hash(a.h[1])})
+    rig.book.warm({2: remote_hash(a.h[0]), 3: remote_hash(a.h[1])})
     rig.m.check_invariants()
     assert rig.book.counters.warm_slots == 2 and rig.slots.num_hashes == 2
     r = Req("r", 9)
@@ -335,7 +335,7 @@ def test_write_through_waits_for_a_free_slot_instead_of_dropping_its_blocks() ->
     (w,) = rig.step().disk
     assert w.op is DiskOp.WRITE and sorted(unpack_ids(w.cpu_ids)) == sorted(cpu)
     rig.ack_disk(w)
-    assert all(rig.slots.get_cached(disk_hash(h)) is not None for h in a.h)
+    assert all(rig.slots.get_cached(remote_hash(h)) is not None for h in a.h)
 
 
 def test_a_block_evicted_before_write_back_reached_it_is_written_down_before_its_reuse(
@@ -360,7 +360,7 @@ def test_a_block_evicted_before_write_back_reached_it_is_written_down_before_its
     assert p.store is not None and unpack_ids(p.store.dst_ids) == [2, 3, 1]
     (w,) = p.disk
     assert (w.op, unpack_ids(w.cpu_ids), unpack_ids(w.slots)) == (DiskOp.WRITE, [1], [0])
-    assert w.hashes == disk_hash(a.h[1]) and rig.cpu.get_cached(a.h[1]) is None
+    assert w.hashes == remote_hash(a.h[1]) and rig.cpu.get_cached(a.h[1]) is None
     assert refs(rig.cpu, [0, 1, 2, 3]) == [0, 2, 1, 1] and rig.slots.ref_cnt(0) == 1
     rig.ack(p.store, ranks=range(WORLD))
     rig.m.finished(b.rid, len(b.toks), [g])
@@ -368,7 +368,7 @@ def test_a_block_evicted_before_write_back_reached_it_is_written_down_before_its
     rig.m.check_invariants()
     assert refs(rig.cpu, [0, 1, 2, 3]) == [0, 1, 0, 0] and rig.cpu.get_cached(b.h[2]) == 1
     rig.ack_disk(w)
-    assert rig.slots.get_cached(disk_hash(a.h[1])) == 0 and rig.slots.ref_cnt(0) == 0
+    assert rig.slots.get_cached(remote_hash(a.h[1])) == 0 and rig.slots.ref_cnt(0) == 0
     assert refs(rig.cpu, [0, 1, 2, 3]) == [0, 0, 0, 0] and rig.cpu.get_cached(b.h[2]) == 1
     c = rig.book.counters
     assert (c.evicted_written, c.evicted_lost, c.written_blocks) == (1, 0, 1)
@@ -377,12 +377,12 @@ def test_a_block_evicted_before_write_back_reached_it_is_written_down_before_its
     assert rig.m.lookup(r.view(), 0) is None                     # CPU 0 held, slot 0 next
     w2, rd = rig.step().disk
     assert (w2.op, unpack_ids(w2.cpu_ids), unpack_ids(w2.slots)) == (DiskOp.WRITE, [3], [1])
-    assert w2.hashes == disk_hash(b.h[1])
+    assert w2.hashes == remote_hash(b.h[1])
     assert (rd.op, unpack_ids(rd.cpu_ids), unpack_ids(rd.slots)) == (DiskOp.READ, [3], [0])
     assert refs(rig.cpu, [0, 1, 2, 3]) == [1, 0, 0, 2] and c.evicted_written == 2
     rig.ack_disk(rd)
     rig.ack_disk(w2)
-    assert rig.slots.get_cached(disk_hash(b.h[1])) == 1
+    assert rig.slots.get_cached(remote_hash(b.h[1])) == 1
     assert rig.m.lookup(r.view(), 0) == 2 * BS
     rig.m.check_invariants()
     assert refs(rig.cpu, [0, 1, 2, 3]) == [1, 0, 0, 1]           # the hit's pins only
@@ -462,7 +462,7 @@ def test_a_block_a_remote_get_evicts_is_written_down_before_the_get_fills_its_ro
     assert get.op.name == "GET" and unpack_ids(get.cpu_ids) == [2, 1]
     (w,) = p.disk
     assert (w.op, unpack_ids(w.cpu_ids), unpack_ids(w.slots)) == (DiskOp.WRITE, [1], [0])
-    assert w.hashes == disk_hash(a.h[1]) and rig.cpu.get_cached(a.h[1]) is None
+    assert w.hashes == remote_hash(a.h[1]) and rig.cpu.get_cached(a.h[1]) is None
     assert refs(rig.cpu, [0, 1, 2]) == [0, 2, 1] and slots.ref_cnt(0) == 1
     rig.m.check_invariants()
     book = rig.m.disk
@@ -472,7 +472,7 @@ def test_a_block_a_remote_get_evicts_is_written_down_before_the_get_fills_its_ro
     for rank in range(WORLD):
         rig.m.on_done(w.job_id, rank, True)
     rig.m.check_invariants()
-    assert slots.get_cached(disk_hash(a.h[1])) == 0 and refs(rig.cpu, [0, 1, 2]) == [0, 1, 1]
+    assert slots.get_cached(remote_hash(a.h[1])) == 0 and refs(rig.cpu, [0, 1, 2]) == [0, 1, 1]
     for rank in range(WORLD):
         rig.m.on_done(get.job_id, rank, True)
     rig.m.check_invariants()
@@ -494,7 +494,7 @@ def test_two_cpu_copies_of_one_block_evicted_together_are_written_once() -> None
     a = Req("a", 5)
     k = a.h[0]
     rig.on_disk(a)
-    assert rig.slots.get_cached(disk_hash(k)) == 0 and rig.cpu.num_hashes == 0
+    assert rig.slots.get_cached(remote_hash(k)) == 0 and rig.cpu.num_hashes == 0
     r = Req("r", 5)
     assert rig.m.lookup(r.view(), 0) is None
     (rd,) = [m for m in rig.m.plan_reads() if m.op is DiskOp.READ]
@@ -516,7 +516,7 @@ def test_two_cpu_copies_of_one_block_evicted_together_are_written_once() -> None
     assert rig.book.counters.evicted_on_disk == before + 1        # CPU 1: the same block
     rig.m.check_invariants()
     rig.ack_disk(w)
-    assert [s for s in range(3) if disk_hash(k) in rig.slots.block_hashes(s)] == [1]
+    assert [s for s in range(3) if remote_hash(k) in rig.slots.block_hashes(s)] == [1]
 
 
 def _with_remote(rig: DiskRig, index: Any, now: list[float], *,
@@ -608,7 +608,7 @@ def test_a_request_waiting_on_the_server_starts_no_disk_read_while_one_is_overdu
     assert len(index.queries) == 1
     rig.on_disk(Req("w", 9, base=300))                            # Q's blocks on disk
     book = rig.book
-    assert all(rig.slots.get_cached(disk_hash(h)) is not None for h in q.h)
+    assert all(rig.slots.get_cached(remote_hash(h)) is not None for h in q.h)
     now[0] += 1.0                                                 # R's READ: overdue
     hits = book.counters.lookup_hits
     assert rig.m.lookup(q.view(), 0) is None                      # its own query waits

@@ -34,11 +34,11 @@ from requests_model import Requests
 from test_disk_book import WORLD, DiskRig
 
 from kvshm.ipc.protocol import Direction, Disk, DiskOp, Transfer, unpack_ids
-from kvshm.offload.disk_writes import disk_hash
 from kvshm.offload.jobs import StoreJob
+from kvshm.offload.remote_puts import remote_hash
 
 PROMPTS = [Req(f"p{i}", 4 * (1 + i % 3) + 1, base=100 * i) for i in range(6)]
-KEYS = {disk_hash(h): h for r in PROMPTS for h in r.h}
+KEYS = {remote_hash(h): h for r in PROMPTS for h in r.h}
 
 
 @dataclass
