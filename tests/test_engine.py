@@ -94,6 +94,59 @@ async def test_reset_with_work_in_flight_drops_index(engine: Spawned) -> None:
     assert eng.statistics().pins_held == 0
 
 
+async def test_a_reset_under_steady_traffic_ends() -> None:
+    """A serving loop stores a new prompt every loop iteration while ``reset()`` waits
+    (found by a hostile review). The reset's loop called the manager's reset again every
+    millisecond: once the jobs it had abandoned were done, the next step planned new
+    stores, and the next poll abandoned *those* -- ``reset(timeout=5)`` returned False
+    after 5 s, thousands of stores abandoned, no hit served while it waited (an untimed
+    ``await reset()`` waits as long as the traffic lasts). Now it resets once and waits
+    only for the jobs in flight at the call: it ends while the traffic goes on, the
+    stores planned after it are indexed, and nothing is left pinned."""
+    ks, gpu = shards(blocks=256), BlockPool(256)  # room for many stores in flight
+    async with Engine.launch(config(num_cpu_blocks=256), workers=SPAWN, gpu_blocks=gpu,
+                             device_caches=[[k] for k in ks]) as eng:
+        await _reset_under_traffic(Client(eng, gpu), gpu)
+
+
+async def _reset_under_traffic(c: Client, gpu: BlockPool) -> None:
+    eng = c.eng
+    stop = asyncio.Event()
+
+    async def traffic() -> None:
+        i = 0
+        while not stop.is_set():
+            if gpu.num_free < 3:  # every block pinned by a store in flight: a step
+                c.step()
+                await asyncio.sleep(0.001)
+                continue
+            table, _ = c.compute(f"t{i}", tokens(3 * BS, seed=1000 + i))
+            c.finish(f"t{i}", table, 3 * BS)
+            gpu.drop_all_hashes()
+            i += 1
+            await asyncio.sleep(0)
+
+    task = asyncio.ensure_future(traffic())
+    try:
+        await asyncio.sleep(0.5)
+        assert eng.statistics().counters["stored_blocks"] > 0
+        loop = asyncio.get_running_loop()
+        t0 = loop.time()
+        assert await eng.reset(timeout=5.0) is True
+        assert loop.time() - t0 < 2.5
+        abandoned = eng.statistics().counters["jobs_abandoned"]
+        stored = eng.statistics().counters["stored_blocks"]
+        await asyncio.sleep(0.5)
+        after = eng.statistics().counters
+        assert after["jobs_abandoned"] == abandoned  # nothing abandoned after it ended
+        assert after["stored_blocks"] > stored       # and the traffic stores again
+    finally:
+        stop.set()
+        await task
+    await c.settle()
+    assert eng.statistics().pins_held == 0
+
+
 async def test_wait_loaded_cancel_cancels_only_the_wait(engine: Spawned) -> None:
     eng, gpu, _ = engine
     c = Client(eng, gpu)

@@ -196,19 +196,22 @@ class Engine(Facade):
         return result
 
     async def reset(self, timeout: float | None = None) -> bool:
-        """Drop the CPU index; waits until no transfer is in flight. True when done;
-        False when ``timeout`` (seconds, a finite number >= 0, or None) ran out first.
-        ConfigError for any other timeout."""
+        """Drop the CPU index; waits until no transfer that was in flight at the call is
+        (transfers planned since are not waited for: under traffic each step plans new
+        ones). True when done; False when ``timeout`` (seconds, a finite number >= 0,
+        or None) ran out first. ConfigError for any other timeout."""
         if timeout is not None:
             timeout = check_timeout("reset: timeout", timeout, zero_ok=True)
         self._enter()
         deadline = None if timeout is None else asyncio.get_running_loop().time() + timeout
-        while not self._core.reset():
+        done = self._core.reset()
+        while not done:
             if deadline is not None and asyncio.get_running_loop().time() > deadline:
                 return False
             await asyncio.sleep(0.001)
             if self._ended:  # closed meanwhile: its jobs will never be acked
                 raise self._ended_error()
+            done = self._core.reset_done()
         self._publish()  # the loads the reset failed: their waiters now, not at a tick
         return True
 
@@ -383,9 +386,16 @@ class SyncClient(Facade):
         return self._core.take_load_results()
 
     def reset(self) -> bool:
-        """Drop the CPU index; False until nothing is in flight (call again later)."""
+        """Drop the CPU index and abandon the jobs in flight; True once they are done,
+        else poll :meth:`reset_done`. Each call is a new reset: polling this under
+        traffic abandons each step's new stores again and may never see the end."""
         self._enter()
         return self._core.reset()
+
+    def reset_done(self) -> bool:
+        """True once the jobs the last :meth:`reset` abandoned are done."""
+        self._enter()
+        return self._core.reset_done()
 
     def settle(self, limit: int = 0) -> bool:
         """Do the CPU tier's deferred eviction bookkeeping now, oldest first, at most

@@ -299,8 +299,12 @@ class Runtime:
         return None if self.manager is None else self.manager.transfer_params(req_id)
 
     def reset(self) -> bool:
-        """Drop the CPU index; True once nothing is in flight."""
+        """Drop the CPU index, abandon the jobs in flight; True once they are done."""
         return self.manager is None or self.manager.reset()
+
+    def reset_done(self) -> bool:
+        """True once the jobs the last :meth:`reset` abandoned are done."""
+        return self.manager is None or self.manager.reset_done()
 
     def has_pending_work(self) -> bool:
         """True while any job is queued, in flight or not yet acked by every live rank."""

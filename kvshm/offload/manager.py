@@ -183,6 +183,11 @@ class OffloadManager:
         flight (:meth:`JobOutcomes.reset`)."""
         return self.outcomes.reset()
 
+    def reset_done(self) -> bool:
+        """True once the jobs the last :meth:`reset` abandoned are done
+        (:meth:`JobOutcomes.reset_done`); poll this, not ``reset``."""
+        return self.outcomes.reset_done()
+
     def rank_failed(self, rank: int) -> None:
         """``rank`` was declared dead: every job fails, nothing more is planned; its
         unacked blocks are quarantined (:meth:`JobOutcomes.rank_failed`)."""

@@ -104,9 +104,10 @@ class JobOutcomes:
 
     def reset(self) -> bool:
         """Drop the CPU index; abandon every job in flight (its completion releases refs
-        without indexing; no new job is planned until they are all done). True once
-        nothing is in flight (jobs that wait only for a revoked, unfenced rank do not
-        count: nothing will move them, and the engine is FAILED anyway)."""
+        without indexing; no new job is planned until they are all done). Returns
+        :meth:`reset_done`. Every call is a new reset: poll :meth:`reset_done`, not
+        this (under traffic a step plans new stores once the abandoned jobs are done,
+        and a poll that abandoned those again never saw the end)."""
         if not self.failed:
             self._drop_pending(LoadFailure.RESET, DeclineReason.RESET)
             for job in self.jobs.jobs.values():
@@ -118,7 +119,15 @@ class JobOutcomes:
             self.cpu.drop_all_hashes()
             if self.disk is not None:
                 self.disk.drop_index()
-        return not self.jobs.jobs or self.jobs.only_quarantined()
+        return self.reset_done()
+
+    def reset_done(self) -> bool:
+        """True once no job a reset abandoned is in flight (once failed: no job at all).
+        Jobs that wait only for a revoked, unfenced rank do not count: nothing will move
+        them, and the engine is FAILED anyway."""
+        if self.failed:
+            return not self.jobs.jobs or self.jobs.only_quarantined()
+        return self.abandoned == 0 or self.jobs.only_quarantined()
 
     def rank_failed(self, rank: int) -> None:
         """``rank`` was declared dead (it may still be running a copy): every job fails

@@ -118,6 +118,23 @@ def test_reset_abandons_in_flight_jobs_and_counts_them_down_to_zero() -> None:
     assert p.out.abandoned == 0 and p.out.reset() is True and p.pinned() == (0, 0)
 
 
+def test_a_reset_is_done_once_its_abandoned_jobs_are_not_those_planned_since() -> None:
+    """The Engine's reset polled ``reset()`` until True; once store 1 (abandoned) was
+    done, a step planned store 2, and the next poll abandoned store 2 as well -- under
+    steady traffic the reset never ended. ``reset_done`` is the poll: True once the
+    abandoned jobs are done, with store 2 in flight and not abandoned (it indexes its
+    block when acked)."""
+    p = Parts()
+    first = p.store(1)
+    assert p.out.reset() is False and p.out.abandoned == 1
+    p.out.on_done(first.job_id, 0, True)
+    second = p.store(1)  # the next step's store, after the reset's jobs are done
+    assert p.out.reset_done() is True
+    assert p.out.abandoned == 0 and not second.abandoned and p.counters.jobs_abandoned == 1
+    p.out.on_done(second.job_id, 0, True)
+    assert p.cpu.num_hashes == 1 and p.pinned() == (0, 0)
+
+
 def test_reset_drops_the_cpu_index() -> None:
     p = Parts()
     job = p.store(1)
