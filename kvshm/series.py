@@ -205,6 +205,7 @@ _REMOTE_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
     "get_blocks": ("blocks asked for by GET jobs; blocks", False),
     "get_failed_jobs": ("GET jobs that failed; jobs", False),
     "get_failed_blocks": ("blocks of GET jobs that failed; blocks", True),
+    "get_abandoned_jobs": ("GET jobs a reset abandoned (not failures); jobs", False),
     "get_declined_cpu_full": ("remote hits not fetched: no free CPU-tier block; "
                               "lookups", False),
     "get_declined_overdue": ("remote hits not fetched: an earlier read is past its fetch "
@@ -218,6 +219,8 @@ _REMOTE_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
     "put_jobs": ("PUT jobs (CPU tier to remote tier) posted; jobs", False),
     "put_blocks": ("blocks sent in PUT jobs; blocks", False),
     "put_failed_blocks": ("blocks whose PUT failed; blocks", True),
+    "put_abandoned_blocks": ("blocks of PUT jobs a reset abandoned (not failures; not "
+                             "published); blocks", False),
     "put_skipped_duplicate": ("blocks not put: already published, queued or in flight; "
                               "blocks", False),
     "put_backpressure": ("plans that held PUTs back while a quarter of the CPU tier was "
@@ -327,6 +330,7 @@ _DISK_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
     "get_blocks": ("blocks in READ jobs; blocks", True),
     "get_failed_jobs": ("READ jobs that failed on a rank (a miss: recomputed); jobs", True),
     "get_failed_blocks": ("blocks of failed READ jobs; blocks", False),
+    "get_abandoned_jobs": ("READ jobs a reset abandoned (not failures); jobs", False),
     "get_declined_cpu_full": ("disk hits not read: no free CPU-tier block; lookups",
                               False),
     "get_declined_overdue": ("disk hits not read: an earlier read is past its fetch "
@@ -349,6 +353,8 @@ _DISK_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
     "write_failed_jobs": ("WRITE jobs that failed on a rank (the slots stay unindexed); "
                           "jobs", True),
     "write_failed_blocks": ("blocks of failed WRITE jobs; blocks", False),
+    "write_abandoned_jobs": ("WRITE jobs a reset abandoned (not failures; their slots stay "
+                             "unindexed); jobs", False),
     "write_declined_no_slot": ("CPU blocks not written back: every disk slot was pinned; "
                                "blocks", True),
     "write_backpressure": ("plans that wrote nothing back: the in-flight write cap was "

@@ -132,6 +132,40 @@ async def test_blocks_evicted_from_the_cpu_tier_come_back_from_disk_bit_exact(
         assert d["read_bytes"] == 4 * 2 * ROW
 
 
+async def test_a_preempted_request_reads_from_disk_again_when_readmitted(
+        tmp_path: Path) -> None:
+    """Request r is served its 4 blocks from disk, then preempted; while it waits, the
+    CPU tier evicts them again (written back down). r's re-admission lookup answered 0
+    without asking the disk -- its read record from the first admission (DONE) stayed
+    until r ended -- and r recomputed a prefix the disk held (a new request id with the
+    same tokens got the hit; found by a hostile review). An accepted phase B now ends
+    the request's lookups: the re-admission reads again, and loads the exact rows."""
+    async with spawned_engine(**disk_cfg(tmp_path)) as (eng, gpu, ks):
+        c = Client(eng, gpu)
+        stored = await fill(c, ks, 4, seed=12)
+        toks, rows = stored[0]
+        hashes = chain_hashes(toks, BS)
+        hit = await lookup(c, "r", toks)
+        assert hit == 4 * BS
+        table = gpu.allocate(len(toks) // BS)
+        eng.allocated("r", [table], hit)
+        c.step(ScheduledRequest("r", hashes, len(toks), (tuple(table),), new_or_resumed=True,
+                                num_confirmed_tokens=0))
+        assert (await c.loaded("r")).ok
+        c.step(ScheduledRequest("r", hashes, len(toks), ((),), preempted=True))
+        gpu.free(reversed(table))
+        gpu.drop_all_hashes()
+        await fill(c, ks, 3, seed=13)  # r's blocks leave the CPU tier again
+        reads = disk(eng)["lookups"]
+        again = await lookup(c, "r", toks)
+        assert disk(eng)["lookups"] > reads, "the re-admission never asked the disk"
+        assert again == 4 * BS
+        got = await load(c, ks, "r", toks, again)
+        for r in range(2):
+            assert torch.equal(got[r], rows[r]), f"rank {r}"
+        assert eng.statistics().pins_held == 0
+
+
 async def test_a_corrupted_slot_is_a_miss_and_its_slots_are_dropped(tmp_path: Path) -> None:
     """One byte of one of prompt 0's slots is flipped in rank 1's slab: the READ fails
     on rank 1 (its checksum), the lookup ends with 0 (recompute), the job's 4 slots

@@ -92,6 +92,7 @@ class DiskCounters:
     get_blocks: int = 0
     get_failed_jobs: int = 0
     get_failed_blocks: int = 0
+    get_abandoned_jobs: int = 0  # READs a reset abandoned (not failures)
     get_declined_cpu_full: int = 0
     get_declined_overdue: int = 0
     get_declined_gone: int = 0  # the slots lost their blocks between lookup and plan
@@ -103,6 +104,7 @@ class DiskCounters:
     written_blocks: int = 0  # indexed: every rank acked the WRITE
     write_failed_jobs: int = 0
     write_failed_blocks: int = 0
+    write_abandoned_jobs: int = 0  # WRITEs a reset abandoned (not failures; unindexed)
     write_declined_no_slot: int = 0  # blocks not written back: every slot pinned
     write_backpressure: int = 0  # plans that wrote nothing: the in-flight cap was reached
     writes_paused: int = 0  # write-back paused after repeated failed WRITEs
@@ -241,8 +243,9 @@ class DiskBook:
         self.fetches.hit(rid)
 
     def forget(self, rid: str) -> None:
-        """The request ended: its hold and fetched pins go; a READ in flight completes
-        unclaimed."""
+        """The request ended, or was admitted (its lookups are over: a later one, a
+        re-admission after a preemption, reads afresh): its hold and fetched pins go; a
+        READ in flight completes unclaimed."""
         self.unhold(rid)
         self.fetches.end(rid)
 

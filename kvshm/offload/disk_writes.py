@@ -295,6 +295,8 @@ class WriteBack:
                 slots.add_hashes(s, (remote_hash(k),))
             self.counters.written_blocks += len(job.keys)
             self.pause.succeeded()
+        elif job.abandoned:  # a reset's: not a failure (every rank may have acked)
+            self.counters.write_abandoned_jobs += 1
         else:
             self.counters.write_failed_jobs += 1
             self.counters.write_failed_blocks += len(job.keys)

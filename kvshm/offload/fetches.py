@@ -91,6 +91,7 @@ class FetchCounters(Protocol):
     get_blocks: int
     get_failed_jobs: int
     get_failed_blocks: int
+    get_abandoned_jobs: int
     get_declined_cpu_full: int
     get_declined_overdue: int
     get_capped: int
@@ -309,8 +310,11 @@ class Fetches:
                 and st.state is FetchState.FETCHING)  # not timed out meanwhile
         cpu = self.cpu
         if not usable:
-            self.counters.get_failed_jobs += 1
-            self.counters.get_failed_blocks += len(job.cpu_ids)
+            if job.abandoned:  # a reset's: not a failure (the ranks may all have acked)
+                self.counters.get_abandoned_jobs += 1
+            else:
+                self.counters.get_failed_jobs += 1
+                self.counters.get_failed_blocks += len(job.cpu_ids)
             cpu.free(reversed(job.cpu_ids))
             if mine:
                 assert st is not None

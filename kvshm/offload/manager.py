@@ -380,7 +380,7 @@ class OffloadManager:
         st = self._track.reqs.get(req_id)
         if num_external_tokens == 0:
             self._drop_hit(req_id)
-            self._admit(st, 0)
+            self._admit(req_id, st, 0)
             return
         if hit is not None:  # every refusal before any change
             # a dropped hit (reset, a rank's death) too: its failure names the blocks of
@@ -404,10 +404,10 @@ class OffloadManager:
                 LoadFailure.ENGINE_FAILED if self.outcomes.failed else LoadFailure.NO_PIN)
             self._loads.fail_now(req_id, guess_dests(hit, tables, num_external_tokens,
                                                      self.block_size), cause)
-            self._admit(st, num_external_tokens)
+            self._admit(req_id, st, num_external_tokens)
             return
         k = cdiv(num_external_tokens, self.block_size)
-        self._admit(st, num_external_tokens)
+        self._admit(req_id, st, num_external_tokens)
         a = assign(self.cpu, self._gs, hit, tables, k)
         del self._hits[req_id]
         self._hand_over(hit.pinned, a.cpu_ids)
@@ -437,12 +437,19 @@ class OffloadManager:
                         f"GPU block {t[p]} is read by a store in flight (pinned by kvshm: "
                         "the engine must not hand it out)")
 
-    def _admit(self, st: ReqState | None, tokens: int) -> None:
-        """Count an accepted phase B's hit tokens (after its checks passed): a request's
-        first phase B in ``hit_tokens`` -- once per request, whatever its lookups were
-        asked again -- a later one (re-admitted after a preemption) in
+    def _admit(self, req_id: str, st: ReqState | None, tokens: int) -> None:
+        """An accepted phase B (after its checks passed) ends the request's lookups: a
+        lower tier's read record for it goes, so that a later lookup -- a re-admission
+        after a preemption -- reads afresh (it used to answer 0 without asking: the
+        record of the first read, FETCHED or DONE, stayed until the request ended).
+        Counts the hit tokens: a request's first phase B in ``hit_tokens`` -- once per
+        request, whatever its lookups were asked again -- a later one in
         ``hit_tokens_readmitted``. A request the manager does not track counts as
         first."""
+        if self.remote is not None:
+            self.remote.end_lookup(req_id)
+        if self.disk is not None:
+            self.disk.forget(req_id)
         if st is not None:
             st.refreshed = 0  # a later lookup (a re-admission) is a new use of the prefix
             if st.admitted:

@@ -248,11 +248,15 @@ class RemoteBook:
         """The request ended: its pins go; a GET in flight completes unclaimed; a
         manifest it trusted is collected (:meth:`HandoffSide.forget
         <kvshm.offload.pd.side.HandoffSide.forget>`)."""
-        self._end_lookup(rid)
+        self.end_lookup(rid)
         if self.side is not None:
             self.side.forget(rid)
 
-    def _end_lookup(self, rid: str) -> None:
+    def end_lookup(self, rid: str) -> None:
+        """``rid``'s lookups are over (it ended, was admitted, or a reset): its GET's
+        record, held prefix and read-ahead go; a GET in flight completes unclaimed. A
+        later lookup of ``rid`` (a re-admission after a preemption) asks the server
+        afresh."""
         self.ahead.forget(rid)
         self.unhold(rid)
         st = self.fetches.end(rid)
@@ -320,7 +324,7 @@ class RemoteBook:
             self.victims = []
         self.puts.drop()
         for rid in list(self.fetches.reqs):
-            self._end_lookup(rid)
+            self.end_lookup(rid)
         if self.side is not None:
             self.side.drop()
 

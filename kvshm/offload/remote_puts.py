@@ -92,6 +92,7 @@ class RemoteCounters:
     get_blocks: int = 0
     get_failed_jobs: int = 0
     get_failed_blocks: int = 0
+    get_abandoned_jobs: int = 0  # GETs a reset abandoned (not failures)
     get_declined_cpu_full: int = 0
     get_declined_overdue: int = 0
     get_capped: int = 0
@@ -99,6 +100,7 @@ class RemoteCounters:
     put_jobs: int = 0
     put_blocks: int = 0
     put_failed_blocks: int = 0
+    put_abandoned_blocks: int = 0  # blocks of PUTs a reset abandoned (not failures)
     put_skipped_duplicate: int = 0
     put_backpressure: int = 0
     publish_refused: int = 0
@@ -262,6 +264,8 @@ class PutQueue:
                 while len(self._ready_of) > READY_MEMORY:
                     self._ready_of.popitem(last=False)
                 self.counters.published_blocks += len(job.keys)
+            elif job.abandoned:  # a reset's: not a failure (every rank may have acked)
+                self.counters.put_abandoned_blocks += len(job.keys)
             else:
                 self.counters.put_failed_blocks += len(job.keys)
             if self._publisher is not None:  # after the readiness keys: manifests go last

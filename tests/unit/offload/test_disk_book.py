@@ -263,6 +263,32 @@ def test_reset_forgets_every_slot() -> None:
     assert rig.m.lookup(Req("r", 9).view(), 0) == 0
 
 
+def test_a_write_and_a_read_a_reset_abandoned_count_as_abandoned_not_failed() -> None:
+    """A reset abandons a WRITE and a READ that then succeed on both ranks. They were
+    counted as failures (``write_failed_jobs`` 1, ``get_failed_jobs`` 1) while the
+    manager's ``jobs_failed`` said 0 -- an operator saw disk failures that never
+    happened (found by a hostile review). Now ``write_abandoned_jobs`` and
+    ``get_abandoned_jobs`` count them, the failure counters stay 0, nothing is
+    indexed, and write-back is not brought nearer its pause."""
+    rig = DiskRig(cpu=4, window=1, max_window=8, write_through=True)
+    b = Req("b", 9, base=100)
+    rig.on_disk(b)                                              # B's blocks only on disk
+    assert rig.m.lookup(b.view(), 0) is None
+    (read,) = rig.step().disk
+    rig.store(Req("a", 9))
+    (write,) = rig.step().disk
+    assert read.op is DiskOp.READ and write.op is DiskOp.WRITE
+    assert rig.m.reset() is False
+    rig.ack_disk(write)
+    rig.ack_disk(read)
+    assert rig.m.reset_done() and rig.slots.num_hashes == 0 and rig.cpu.num_hashes == 0
+    c = rig.book.counters
+    assert (c.write_abandoned_jobs, c.get_abandoned_jobs) == (1, 1)
+    assert (c.write_failed_jobs, c.write_failed_blocks) == (0, 0)
+    assert (c.get_failed_jobs, c.get_failed_blocks) == (0, 0)
+    assert rig.m.counters.jobs_failed == 0 and rig.m.counters.jobs_abandoned == 2
+
+
 def test_warm_slots_serve_a_hit_at_once() -> None:
     """Slots 2 and 3 indexed at start from the slabs' headers (a restarted engine): R's
     first lookup reads them; then it is an ordinary CPU hit."""

@@ -190,6 +190,30 @@ def test_write_through_publishes_only_after_every_rank_acked_the_put() -> None:
     assert rig.step().remote == () and book.counters.put_skipped_duplicate == 2
 
 
+def test_a_put_and_a_get_a_reset_abandoned_count_as_abandoned_not_failed() -> None:
+    """A reset abandons a PUT and a GET that then succeed on both ranks: they were
+    counted as failed blocks and jobs (``put_failed_blocks`` 2, ``get_failed_jobs`` 1)
+    while the manager's ``jobs_failed`` said 0 (found by a hostile review). Now they are
+    ``put_abandoned_blocks`` and ``get_abandoned_jobs``; nothing is published or
+    indexed."""
+    index, rig, r = fetch_setup()
+    store(rig, Req("a", 9, base=50))
+    assert rig.m.lookup(r.view(), 0) is None
+    index.answer_all()
+    msgs = rig.step().remote
+    assert sorted(m.op.name for m in msgs) == ["GET", "PUT"]
+    assert rig.m.reset() is False
+    for msg in msgs:
+        ack_remote(rig, msg)
+    assert rig.m.reset_done() and index.published == [] and rig.cpu.num_hashes == 0
+    book = rig.m.remote
+    assert book is not None
+    c = book.counters
+    assert (c.put_abandoned_blocks, c.get_abandoned_jobs) == (2, 1)
+    assert (c.put_failed_blocks, c.get_failed_jobs, c.get_failed_blocks) == (0, 0, 0)
+    assert rig.m.counters.jobs_failed == 0 and rig.m.counters.jobs_abandoned == 2
+
+
 def test_a_failed_put_publishes_nothing() -> None:
     """Rank 1 fails the PUT: no readiness key, the pins go, the failure is counted."""
     index = HeldIndex()
@@ -236,6 +260,37 @@ def test_get_blocks_are_indexed_only_after_every_rank_acked() -> None:
     assert refs(rig.cpu, [0, 1]) == [1, 1]                        # the hit's pin only
     assert len(index.queries) == 0 and rig.m.remote is not None
     assert rig.m.remote.counters.hit_blocks == 2
+
+
+def test_a_preempted_request_asks_the_server_again_when_readmitted() -> None:
+    """R is served its 2 blocks from the server (GET into CPU 0, 1, then a CPU hit),
+    loaded and preempted; the CPU tier then loses them. R's re-admission lookup answered
+    0 without asking the server -- its fetch record (FETCHED) stayed until R ended --
+    and R recomputed what the server held (found by a hostile review). An accepted
+    phase B now ends R's remote lookup: the re-admission queries again (None, one new
+    query for both blocks) and is fetched like a first lookup."""
+    index, rig, r = fetch_setup()
+    assert rig.m.lookup(r.view(), 0) is None
+    index.answer_all()
+    (get,) = rig.step().remote
+    ack_remote(rig, get)
+    assert rig.m.lookup(r.view(), 0) == 2 * BS
+    g = rig.alloc(3)
+    rig.m.allocated(r.rid, [g], 2 * BS)
+    plan = rig.step(r.sched(g, confirmed=0, new=True))
+    rig.ack(plan.load, ranks=range(WORLD))
+    rig.step(r.sched((), confirmed=0, preempted=True))
+    rig.gpu.free(reversed(g))
+    assert refs(rig.cpu, [0, 1]) == [0, 0]
+    rig.cpu.drop_all_hashes()                                     # evicted meanwhile
+    assert rig.m.lookup(r.view(), 0) is None                      # asks the server again
+    assert [q for _, q in index.queries] == [[rkey(h) for h in r.h]]
+    index.answer_all()
+    (get,) = rig.step().remote
+    assert get.op is RemoteOp.GET
+    ack_remote(rig, get)
+    assert rig.m.lookup(r.view(), 0) == 2 * BS
+    rig.m.check_invariants()
 
 
 def test_a_failed_get_frees_its_blocks_unindexed_and_recomputes() -> None:
