@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from enum import Enum
 from typing import Any
 
@@ -30,6 +30,16 @@ class BreakerState(Enum):
     CLOSED = "closed"
     OPEN = "open"
     HALF_OPEN = "half_open"
+
+
+#: From the worst state to the best: what a set of breakers reports as a whole.
+_WORST_FIRST = (BreakerState.OPEN, BreakerState.HALF_OPEN, BreakerState.CLOSED)
+
+
+def worst(states: Iterable[BreakerState]) -> BreakerState:
+    """The worst of ``states`` (open, then half-open); CLOSED for none."""
+    seen = set(states)
+    return next((s for s in _WORST_FIRST if s in seen), BreakerState.CLOSED)
 
 
 class CircuitBreaker:

@@ -26,7 +26,7 @@ from typing import Any, Final
 
 from kvshm.errors import MissingExtra
 from kvshm.ratelog import RateLimitedLog
-from kvshm.remote.breaker import CircuitBreaker
+from kvshm.remote.breaker import BreakerState, CircuitBreaker
 from kvshm.remote.resp import ServerReplyError, command, parse_reply
 from kvshm.remote.tier import RemoteSpec
 
@@ -236,9 +236,10 @@ class Shards:
         """The shards of the slot map read last (None: none read yet, or standalone)."""
         return self._current
 
-    def states(self) -> dict[str, str]:
+    def states(self) -> dict[str, BreakerState]:
+        """Each shard's breaker state, by the shard's name."""
         with self._lock:
-            return {k: b.state.value for k, b in self.breakers.items()}
+            return {k: b.state for k, b in self.breakers.items()}
 
 
 def expiry_of(glide: Any, spec: RemoteSpec) -> Any:

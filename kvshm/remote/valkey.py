@@ -73,7 +73,7 @@ from typing import Any, Final
 
 from kvshm.errors import ConfigError
 from kvshm.ratelog import RateLimitedLog
-from kvshm.remote.breaker import BreakerState, CircuitBreaker
+from kvshm.remote.breaker import BreakerState, CircuitBreaker, worst
 from kvshm.remote.fan_out import FanOut
 from kvshm.remote.glide_client import (
     Counters,
@@ -453,10 +453,8 @@ class ValkeyBlockStore:
         stats["breaker_opens"] = sum(b["opens"] for b in breakers)
         stats["breaker_closes"] = sum(b["closes"] for b in breakers)
         states = self._shards.states()
-        stats["breaker_state"] = ("open" if "open" in states.values() else
-                                  "half_open" if "half_open" in states.values() else
-                                  "closed")
-        stats["breakers"] = states
+        stats["breaker_state"] = worst(states.values()).value
+        stats["breakers"] = {k: s.value for k, s in states.items()}
         stats["slot_map_refreshes"] = self._shards.refreshes
         return stats
 

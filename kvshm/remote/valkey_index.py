@@ -50,7 +50,7 @@ from enum import Enum
 from typing import Any, Final, NamedTuple
 
 from kvshm.ratelog import RateLimitedLog
-from kvshm.remote.breaker import BreakerState, CircuitBreaker
+from kvshm.remote.breaker import BreakerState, CircuitBreaker, worst
 from kvshm.remote.glide_client import Counters, Shards, glide_module, make_client
 from kvshm.remote.resp import info_field
 from kvshm.remote.shard_batches import DOWN, SERVER, Command, Op, ShardBatches
@@ -423,13 +423,12 @@ class ValkeyReadyIndex:
         shard's state (a cluster: by primary)."""
         stats: dict[str, Any] = self._n.snapshot()
         named = self._named()
-        states = {n: b.state.value for n, b in named.items()}
-        stats.update(breaker_state=("open" if "open" in states.values() else
-                                    "half_open" if "half_open" in states.values() else
-                                    "closed"),
+        states = {n: b.state for n, b in named.items()}
+        stats.update(breaker_state=worst(states.values()).value,
                      breaker_opens=sum(b.opens for b in named.values()),
                      breaker_closes=sum(b.closes for b in named.values()),
-                     breakers=states, slot_map_refreshes=self._shards.refreshes)
+                     breakers={n: s.value for n, s in states.items()},
+                     slot_map_refreshes=self._shards.refreshes)
         return stats
 
     def close(self) -> None:
