@@ -41,6 +41,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
+from enum import Enum
 from typing import Any, Final, Protocol
 
 from kvshm.errors import ConfigError, RemoteError
@@ -48,7 +49,7 @@ from kvshm.remote.resp import ServerReplyError, command, info_field, parse_reply
 from kvshm.remote.tier import KEY_PREFIX, RemoteSpec, block_key, ready_key
 
 __all__ = ["MANIFEST_VERSION", "MAX_HANDOFF_KEYS", "PD_PREFIX", "Decoder", "HandoffRecord",
-           "JanitorReport", "handoff_keys", "judge", "sweep"]
+           "JanitorReport", "Judgement", "handoff_keys", "judge", "sweep"]
 
 #: The prefix of every hand-off manifest's name (``kvshm.offload.pd.manifest.manifest_key``).
 PD_PREFIX: Final = f"{KEY_PREFIX}:pd"
@@ -110,9 +111,21 @@ def handoff_keys(fingerprint: str, world: int, hashes: Iterable[str]) -> list[st
     return blocks + [ready_key(fingerprint, world, b) for b in raw]
 
 
+class Judgement(Enum):
+    """What the janitor makes of one manifest on the server (:func:`judge`)."""
+
+    LIVE = "live"
+    """Not expired: its request may still collect it; left alone."""
+    EXPIRED = "expired"
+    """Past its expiry: its keys are demoted."""
+    UNREADABLE = "unreadable"
+    """Not kvshm's, another deployment's, another version's, or damaged: counted (and
+    deleted only when the operator asks)."""
+
+
 def judge(name: str | bytes, raw: bytes, decode: Decoder, now: float
-          ) -> tuple[str, list[str]]:
-    """``("live" | "expired" | "unreadable", keys)``: what the manifest ``raw`` stored
+          ) -> tuple[Judgement, list[str]]:
+    """``(verdict, keys)``: what the manifest ``raw`` stored
     under ``name`` is; ``keys`` (:func:`handoff_keys`) only when it is expired. Never
     raises: whatever the decoder refuses (any exception, or None), a name that is not
     UTF-8 (bytes) and a manifest naming more than :data:`MAX_HANDOFF_KEYS` keys are
@@ -122,18 +135,18 @@ def judge(name: str | bytes, raw: bytes, decode: Decoder, now: float
     except Exception:  # noqa: BLE001 - a value nobody can read: counted, left alone
         m = None
     if m is None or type(m.version) is not int or m.version != MANIFEST_VERSION:
-        return "unreadable", []
+        return Judgement.UNREADABLE, []
     try:
         if not isinstance(name, str) or not name.startswith(
                 f"{PD_PREFIX}:{m.fingerprint}:{m.world}:"):
-            return "unreadable", []  # another deployment's content under this name
+            return Judgement.UNREADABLE, []  # another deployment's content under this name
         if (m.world + 1) * len(m.hashes) > MAX_HANDOFF_KEYS:
-            return "unreadable", []  # no engine writes one: a forgery's key bomb
+            return Judgement.UNREADABLE, []  # no engine writes one: a forgery's key bomb
         keys = handoff_keys(m.fingerprint, m.world, m.hashes)
         expired = float(m.expires_at) < now
     except (ConfigError, TypeError, ValueError):
-        return "unreadable", []
-    return ("expired", keys) if expired else ("live", [])
+        return Judgement.UNREADABLE, []
+    return (Judgement.EXPIRED, keys) if expired else (Judgement.LIVE, [])
 
 
 @dataclass
@@ -283,9 +296,9 @@ class _Sweep:
                 r.unreadable += 1
                 continue
             verdict, keys = judge(name, value, decode, now)
-            if verdict == "live":
+            if verdict is Judgement.LIVE:
                 r.live += 1
-            elif verdict == "unreadable":
+            elif verdict is Judgement.UNREADABLE:
                 r.unreadable += 1
                 if self.delete_unreadable and not r.dry_run \
                         and self.delete_if_same(name, value):

@@ -23,7 +23,7 @@ from kvshm.cli import main
 from kvshm.offload.pd.handoffs import Handoffs
 from kvshm.offload.pd.manifest import Manifest, Verdict, manifest_key
 from kvshm.remote.glide_client import header_key, key_slot
-from kvshm.remote.janitor import handoff_keys, judge, sweep
+from kvshm.remote.janitor import Judgement, handoff_keys, judge, sweep
 from kvshm.remote.resp import command, parse_reply
 from kvshm.remote.server import ValkeyCluster, ValkeyServer, free_port
 from kvshm.remote.tier import KEY_PREFIX, BlockHeader, RemoteSpec, block_key, ready_key
@@ -374,7 +374,7 @@ def test_the_janitor_demotes_the_keys_an_engine_demotes() -> None:
     assert pd.counters.manifest_expired == 1
     verdict, keys = judge(name, raw, lambda b: msgspec.json.decode(b, type=Manifest),
                           time.time())
-    assert verdict == "expired" and keys == index.expired and index.deleted == [name]
+    assert verdict is Judgement.EXPIRED and keys == index.expired and index.deleted == [name]
 
 
 @pytest.mark.parametrize("name,doc,verdict", [
@@ -392,6 +392,6 @@ def test_judge(name: str | None, doc: dict[str, Any], verdict: str) -> None:
     key = manifest_key(FP, WORLD, name) if name else manifest_key("other", WORLD, "r")
     raw = msgspec.json.encode(fields)
     got, keys = judge(key, raw, lambda b: msgspec.json.decode(b, type=Manifest), time.time())
-    assert got == verdict and (keys != []) == (verdict == "expired")
+    assert got is Judgement(verdict) and (keys != []) == (got is Judgement.EXPIRED)
     assert judge(key, b"\xff", lambda b: msgspec.json.decode(b, type=Manifest),
-                 0.0) == ("unreadable", [])
+                 0.0) == (Judgement.UNREADABLE, [])
