@@ -41,6 +41,7 @@ from kvshm.config import EngineConfig
 from kvshm.demo.model import ToyModel
 from kvshm.engine import SPAWN, Engine
 from kvshm.hashing import chain_hashes, chain_tail
+from kvshm.offload.pd.manifest import DECODE_PARAM, PREFILL_PARAM
 from kvshm.offload.pool import BlockPool
 from kvshm.shm import shared_tensor
 from kvshm.types import RequestView, ScheduledRequest, StepInput
@@ -111,7 +112,7 @@ async def prefill(p: Side, model: ToyModel, rid: str,
     p.eng.allocated(rid, [table], 0)
     p.step(ScheduledRequest(rid, hashes, len(toks), (tuple(table),),
                             new_or_resumed=True, num_confirmed_tokens=len(toks),
-                            kv_transfer_params={"do_remote_decode": True}))
+                            kv_transfer_params={DECODE_PARAM: True}))
     written = p.eng.statistics().remote["index_values_set"]
     t0 = time.perf_counter()
     p.eng.finished(rid, len(toks), [table], tail_hash=chain_tail(toks, bs, hashes))
@@ -129,7 +130,7 @@ async def handoff(d: Side, model: ToyModel, rid: str, toks: list[int],
     """The decode engine serves ``rid`` with the hand-off: its logits and TTFT (ms)."""
     bs, h = model.config.block_size, hit_tokens(model, len(toks))
     hashes = chain_hashes(toks, bs)
-    kv = {"do_remote_prefill": True, **params}
+    kv = {PREFILL_PARAM: True, **params}
     view = RequestView(rid, hashes, len(toks), kv, chain_tail(toks, bs, hashes))
     marks = {k: d.eng.statistics().remote[k] for k in PHASES}
     seen: dict[str, float] = {}

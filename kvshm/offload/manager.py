@@ -58,10 +58,10 @@ from kvshm.offload.invariants import Parts, check_parts, recorded_pins
 from kvshm.offload.jobs import JobTable, LoadPart, Selection
 from kvshm.offload.loads import LoadBook
 from kvshm.offload.outcomes import JobOutcomes
-from kvshm.offload.pd.manifest import handoff_extent, is_handoff
+from kvshm.offload.pd.manifest import handoff_extent, is_handoff, remote_decode
 from kvshm.offload.pool import BlockPool
 from kvshm.offload.remote import RemoteBook
-from kvshm.offload.requests import ReqState, RequestTracker, is_remote
+from kvshm.offload.requests import ReqState, RequestTracker
 from kvshm.offload.side_stores import lazy_scan, pin_tail
 from kvshm.offload.stores import StorePlanner
 from kvshm.offload.validate import Tables
@@ -254,7 +254,7 @@ class OffloadManager:
         self.counters.lookups += 1
         rid = view.req_id
         st = self._track.state(rid)
-        st.remote = st.remote or is_remote(view.params)
+        st.remote = st.remote or remote_decode(view.params)
         bs = self.block_size
         if num_local_tokens % bs:
             self.counters.lookups_unaligned += 1

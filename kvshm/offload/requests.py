@@ -33,18 +33,18 @@ request's :class:`ReqState` to walk; the planner moves its ``cursor`` and nothin
 
 from __future__ import annotations
 
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Collection, Iterable, Sequence
 from typing import Any
 
 from kvshm.hashing import BlockHash
 from kvshm.offload.groups import GroupSet
 from kvshm.offload.inputs import CallCheck
 from kvshm.offload.jobs import Selection
+from kvshm.offload.pd.manifest import remote_decode
 from kvshm.offload.stores import StorePlanner
 from kvshm.types import ScheduledRequest, no_new_blocks
 
-__all__ = ["ADMIT", "DIRTY", "EXTEND", "NEVER", "Change", "ReqState", "RequestTracker",
-           "is_remote"]
+__all__ = ["ADMIT", "DIRTY", "EXTEND", "NEVER", "Change", "ReqState", "RequestTracker"]
 
 NEVER = 1 << 62
 """Watch value of a request with nothing to store (never reached)."""
@@ -84,9 +84,6 @@ class ReqState:
         self.refreshed = 0
 
 
-def is_remote(params: Mapping[str, Any] | None) -> bool:
-    """True for a P/D prefill request whose whole KV must reach the CPU tier."""
-    return bool(params) and bool(params.get("do_remote_decode"))  # type: ignore[union-attr]
 
 
 class RequestTracker:
@@ -175,7 +172,7 @@ class RequestTracker:
             return r, ADMIT
         st = None if rid in gone else self.reqs.get(rid)
         params = r.kv_transfer_params
-        remote = (st is not None and st.remote) or (params is not None and is_remote(params))
+        remote = (st is not None and st.remote) or (params is not None and remote_decode(params))
         if self.eager or remote:
             cursor = 0 if remote or st is None else st.start
             nb, hashes = r.new_block_ids, r.block_hashes
@@ -301,7 +298,7 @@ class RequestTracker:
         """First listing, resumption (full table) or preemption (table forgotten)."""
         rid = r.req_id
         st = self.state(rid)
-        st.remote = st.remote or is_remote(r.kv_transfer_params)
+        st.remote = st.remote or remote_decode(r.kv_transfer_params)
         st.tracked = self.eager or st.remote
         st.cursor = 0 if st.remote else st.start
         if r.preempted and not r.new_or_resumed:

@@ -92,6 +92,7 @@ from kvshm.integrations.vllm.service import HookGuard, ServiceThread, guarded
 from kvshm.integrations.vllm.side_lifecycle import SideLifecycle
 from kvshm.integrations.vllm.tails import request_tail_hash
 from kvshm.ipc.protocol import unpack_ids
+from kvshm.offload.pd.manifest import remote_decode, remote_prefill
 from kvshm.types import RequestView, ScheduledRequest, StepInput, StepPlan, no_new_blocks
 
 __all__ = ["SchedulerSide"]
@@ -191,7 +192,7 @@ class SchedulerSide:
             return 0, False
         params = request.kv_transfer_params
         tail = (request_tail_hash(request, request.num_tokens, self.cfg.block_size)
-                if params and params.get("do_remote_prefill") else None)
+                if remote_prefill(params) else None)
         view = RequestView(rid, request.block_hashes, request.num_tokens, params, tail)
         client = self.life.bound_client or self.client  # the property raises before bind
         try:
@@ -224,7 +225,7 @@ class SchedulerSide:
     def _is_sync(self, params: Any) -> bool:
         """A hit of this request is answered as a synchronous load (the module
         docstring): ``cfg.sync_loads`` and not a P/D hand-off."""
-        return self.cfg.sync_loads and not (params and params.get("do_remote_prefill"))
+        return self.cfg.sync_loads and not remote_prefill(params)
 
     @guarded
     def allocated(self, request: Any, block_ids: Sequence[Sequence[int]],
@@ -378,7 +379,7 @@ class SchedulerSide:
         try:
             params = request.kv_transfer_params
             tail = (request_tail_hash(request, confirmed, self.cfg.block_size)
-                    if params and params.get("do_remote_decode") else None)
+                    if remote_decode(params) else None)
             client.finished(rid, confirmed, block_ids, tail_hash=tail)
         except InvalidRequest as exc:
             self._refuse(rid, exc)

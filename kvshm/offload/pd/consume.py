@@ -32,6 +32,7 @@ from kvshm.offload.pd.manifest import (
     checked_hashes,
     handoff_owner,
     key_owner,
+    remote_prefill,
 )
 from kvshm.offload.pd.scope import HandoffScope
 from kvshm.ratelog import RateLimitedLog
@@ -112,7 +113,7 @@ class Consumers:
         """A lookup of ``rid``: None when it is no hand-off; else where its manifest
         stands. ``keys()``: the request's CPU keys from position 0 (asked once)."""
         key = params.get(MANIFEST_PARAM) if isinstance(params, Mapping) else None
-        if not isinstance(key, str) or not params.get("do_remote_prefill"):
+        if not isinstance(key, str) or not remote_prefill(params):
             return None
         self.poll()
         st = self._reqs.get(rid)

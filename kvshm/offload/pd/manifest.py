@@ -25,9 +25,10 @@ from typing import Any, Final
 
 import msgspec
 
-__all__ = ["MANIFEST_BASE", "MANIFEST_PARAM", "MANIFEST_PER_BLOCK", "NAME_MAX", "PD_PREFIX",
-           "Manifest", "PdCounters", "Verdict", "check_manifest", "checked_hashes",
-           "handoff_extent", "handoff_owner", "is_handoff", "key_owner", "manifest_key"]
+__all__ = ["DECODE_PARAM", "MANIFEST_BASE", "MANIFEST_PARAM", "MANIFEST_PER_BLOCK", "NAME_MAX",
+           "PD_PREFIX", "PREFILL_PARAM", "Manifest", "PdCounters", "Verdict", "check_manifest",
+           "checked_hashes", "handoff_extent", "handoff_owner", "is_handoff", "key_owner",
+           "manifest_key", "remote_decode", "remote_prefill"]
 
 #: A manifest larger than base + per-block x the request's blocks is refused unread.
 MANIFEST_BASE: Final = 1024
@@ -35,6 +36,10 @@ MANIFEST_PER_BLOCK: Final = 80
 
 #: The ``kv_transfer_params`` key naming a manifest.
 MANIFEST_PARAM: Final = "kvshm_manifest"
+#: vLLM's ``kv_transfer_params`` flag of a P/D decode request: its prefill ran elsewhere.
+PREFILL_PARAM: Final = "do_remote_prefill"
+#: vLLM's ``kv_transfer_params`` flag of a P/D prefill request: it decodes elsewhere.
+DECODE_PARAM: Final = "do_remote_decode"
 _SAFE = re.compile(r"^[A-Za-z0-9._=-]{1,120}$")
 #: Marks a request id written as its SHA-256 in a manifest's name: outside ``_SAFE``'s
 #: alphabet, so no id written as itself can ever equal a hashed one.
@@ -113,9 +118,21 @@ def checked_hashes(m: Manifest, keys: Sequence[bytes],
     return out, len(m.hashes) - len(out)
 
 
+def remote_prefill(params: Mapping[str, Any] | None) -> bool:
+    """Whether ``kv_transfer_params`` mark a P/D decode request (its prefill ran
+    elsewhere: :data:`PREFILL_PARAM`)."""
+    return bool(params) and bool(params.get(PREFILL_PARAM))  # type: ignore[union-attr]
+
+
+def remote_decode(params: Mapping[str, Any] | None) -> bool:
+    """Whether ``kv_transfer_params`` mark a P/D prefill request (it decodes elsewhere,
+    so its whole KV must reach the CPU tier: :data:`DECODE_PARAM`)."""
+    return bool(params) and bool(params.get(DECODE_PARAM))  # type: ignore[union-attr]
+
+
 def is_handoff(params: Mapping[str, Any]) -> bool:
     """Whether a lookup's ``kv_transfer_params`` are a P/D decode request's (kvshm's)."""
-    return bool(params.get("do_remote_prefill")) and isinstance(params.get(MANIFEST_PARAM), str)
+    return remote_prefill(params) and isinstance(params.get(MANIFEST_PARAM), str)
 
 
 def handoff_extent(hashes: Sequence[bytes], tail: bytes | None, num_tokens: int,

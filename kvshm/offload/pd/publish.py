@@ -16,7 +16,14 @@ from typing import Any
 
 import msgspec
 
-from kvshm.offload.pd.manifest import MANIFEST_PARAM, Manifest, PdCounters, manifest_key
+from kvshm.offload.pd.manifest import (
+    DECODE_PARAM,
+    MANIFEST_PARAM,
+    PREFILL_PARAM,
+    Manifest,
+    PdCounters,
+    manifest_key,
+)
 from kvshm.offload.pd.scope import HandoffScope
 
 __all__ = ["Publications"]
@@ -81,7 +88,7 @@ class Publications:
         self.counters.published += 1
         if not pending:
             self._write(rid)
-        return {"do_remote_prefill": True, "do_remote_decode": False, MANIFEST_PARAM: key}
+        return {PREFILL_PARAM: True, DECODE_PARAM: False, MANIFEST_PARAM: key}
 
     def wants(self, key: bytes) -> bool:
         """Whether a publication waits for block ``key`` (it is put whatever the mode)."""
