@@ -91,6 +91,8 @@ _ENGINE_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
                             "loaded for another request; lookups", True),
     "lookups_unaligned": ("lookups whose GPU hit did not end on a block boundary "
                           "(answered 0); lookups", False),
+    "lookups_during_reset": ("lookups answered 0 while a reset's abandoned transfers were "
+                             "still in flight; lookups", False),
     "lookups_tier_overdue": ("lookups that started no disk or remote read (a miss "
                              "answered 0, or a short hit not extended) because an earlier "
                              "read is past its fetch timeout and still out (a rank not "

@@ -55,6 +55,7 @@ class ManagerCounters:
     hit_tokens_readmitted: int = 0
     lookups_asked_again: int = 0
     lookups_unaligned: int = 0
+    lookups_during_reset: int = 0  # answered 0: a reset's abandoned jobs still in flight
     #: lookups that started no disk or remote read (a CPU miss answered 0, or a CPU hit
     #: short of its extent not extended by the disk) because an earlier read of a lower
     #: tier is past its fetch timeout and still out (``OffloadManager._gated``)

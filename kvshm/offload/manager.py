@@ -264,6 +264,8 @@ class OffloadManager:
         st.start = s
         out = self.outcomes
         if out.failed or out.abandoned:
+            if out.abandoned and not out.failed:
+                self.counters.lookups_during_reset += 1
             return 0
         if s > st.refreshed and self.cpu.refresh_gpu_hits:
             # once a wait: a request the engine cannot admit yet is looked up every step.

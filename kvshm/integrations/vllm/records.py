@@ -62,6 +62,7 @@ class SchedulerCounters:
     requests_unknown: int = 0
     requests_unchanged: int = 0  # running requests a step passed over (nothing changed)
     lookups_after_failed_load: int = 0  # answered 0: that request recomputes instead
+    lookups_after_refusal: int = 0  # answered 0: kvshm refused one of that request's calls
     requests_refused: int = 0  # calls kvshm refused (InvalidRequest): that request goes without
     steps: int = 0
     stats_writes_failed: int = 0  # live rewrites of stats_path that raised OSError

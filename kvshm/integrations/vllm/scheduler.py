@@ -189,6 +189,7 @@ class SchedulerSide:
             counters.lookups_after_failed_load += 1
             return 0, False
         if rid in self._refused:
+            counters.lookups_after_refusal += 1
             return 0, False
         params = request.kv_transfer_params
         tail = (request_tail_hash(request, request.num_tokens, self.cfg.block_size)

@@ -279,6 +279,9 @@ def test_reset_with_transfers_in_flight() -> None:
         LoadResult("c", False, (4,), LoadFailure.RESET, 0),
         LoadResult("d", False, (gd[0],), LoadFailure.RESET, 0)}
     assert dict(p2.failed_loads) == {"c": (4,), "d": (gd[0],)}
+    assert rig.m.lookup(Req("e", 5, base=40).view(), 0) == 0    # while it drains: counted
+    assert rig.m.counters.lookups_during_reset == 1
+    rig.m.finished("e", 0, [[]])
     assert rig.m.reset() is False
     rig.ack(p1.store)
     rig.ack(p1.load)

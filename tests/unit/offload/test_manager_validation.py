@@ -576,6 +576,7 @@ def test_vllm_adapter_maps_refusals_to_no_offload() -> None:
 
     x = request("x", [None, None], 0)
     assert side.lookup(x, 0) == (0, False) and side.lookup(x, 0) == (0, False)
+    assert side.counters.lookups_after_refusal == 1          # the second: counted
     side.allocated(x, [[1, 1, 2]], 0)                          # repeated id: refused, no pin held
     assert side.counters.requests_refused == 2 and m.counters.invalid_calls == 2
 
