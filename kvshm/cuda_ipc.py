@@ -95,9 +95,11 @@ def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
 def open_tensor(spec: TensorSpec) -> torch.Tensor:
     """The exporter's tensor, mapped into this process (opener side). ConfigError for a
     GPU this process cannot see, a bad dtype name, or a shape that does not fit the
-    exported storage (nothing is opened then)."""
+    exported storage, or a spec of no CUDA tensor (nothing is opened then)."""
     ipc = spec.cuda
-    assert ipc is not None, "open_tensor needs a CUDA TensorSpec"
+    if ipc is None:  # the peer exported a host tensor: no CUDA handle to open
+        raise ConfigError(f"tensor spec {spec.dtype}{list(spec.shape)} names no CUDA tensor "
+                          "(the exporter is on another device)")
     dtype = dtype_from_name(spec.dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
     numel = 1

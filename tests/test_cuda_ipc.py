@@ -103,6 +103,15 @@ def test_a_gpu_this_process_cannot_see_is_a_clear_error() -> None:
         open_tensor(spec)
 
 
+def test_a_spec_without_a_cuda_handle_is_a_clear_error() -> None:
+    """A spec whose exporter sent no CUDA handle (a host tensor) was refused by an
+    ``assert``: a bare AssertionError, or under ``python -O`` an AttributeError further
+    on. A ConfigError now, before anything is opened."""
+    with pytest.raises(ConfigError, match=r"tensor spec uint8\[32, 1024\] names no CUDA "
+                                          r"tensor"):
+        open_tensor(TensorSpec((GPU_BLOCKS, ROW), "uint8", None))
+
+
 def test_a_shape_larger_than_the_exported_storage_is_refused() -> None:
     spec = TensorSpec((GPU_BLOCKS + 1, ROW), "uint8", _ipc())
     with pytest.raises(ConfigError, match=r"CUDA device cache \(33, 1024\) uint8 at element 0 "

@@ -101,6 +101,27 @@ def test_every_override_is_listed_and_the_class_is_concrete() -> None:
     assert issubclass(KvshmConnector, SupportsHMA)
 
 
+@needs_vllm
+def test_a_hook_of_the_other_role_is_a_state_error() -> None:
+    """A worker hook called on the scheduler-side connector (or the reverse), or metadata
+    of another connector bound to kvshm's worker, failed an ``assert``: a bare
+    AssertionError, or under ``python -O`` an AttributeError on None further on. Each is
+    a StateError naming the misuse now."""
+    from kvshm.errors import StateError
+    from kvshm.integrations.vllm import KvshmConnector
+
+    conn = object.__new__(KvshmConnector)  # the role's halves only: no vLLM config needed
+    conn._sched = conn._worker = None
+    with pytest.raises(StateError, match="scheduler-side hook was called on kvshm's "
+                                         "worker-side connector"):
+        conn.scheduler_side  # noqa: B018
+    with pytest.raises(StateError, match="worker-side hook was called on kvshm's "
+                                         "scheduler-side connector"):
+        conn.worker_side  # noqa: B018
+    with pytest.raises(StateError, match="kvshm's worker was bound object, not the metadata"):
+        conn.bind_connector_metadata(object())
+
+
 # ------------------------------------------------------------------- GpuBlocks adapter
 
 

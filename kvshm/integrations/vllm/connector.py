@@ -38,6 +38,7 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
+from kvshm.errors import StateError
 from kvshm.integrations.vllm.config import (
     ConnectorConfig,
     GroupInfo,
@@ -181,12 +182,18 @@ class KvshmConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
 
     @property
     def scheduler_side(self) -> SchedulerSide:
-        assert self._sched is not None, "not the scheduler-side connector"
+        """StateError on the worker-side connector (a scheduler hook called there)."""
+        if self._sched is None:
+            raise StateError("a scheduler-side hook was called on kvshm's worker-side "
+                             "connector")
         return self._sched
 
     @property
     def worker_side(self) -> WorkerSide:
-        assert self._worker is not None, "not the worker-side connector"
+        """StateError on the scheduler-side connector (a worker hook called there)."""
+        if self._worker is None:
+            raise StateError("a worker-side hook was called on kvshm's scheduler-side "
+                             "connector")
         return self._worker
 
     # -- scheduler side ------------------------------------------------------------------
@@ -260,7 +267,9 @@ class KvshmConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
-        assert isinstance(connector_metadata, StepMeta), type(connector_metadata)
+        if not isinstance(connector_metadata, StepMeta):  # another connector's
+            raise StateError(f"kvshm's worker was bound {type(connector_metadata).__name__}, "
+                             "not the metadata kvshm's scheduler side builds")
         self.worker_side.bind(connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
