@@ -1,11 +1,12 @@
 """The input of each :class:`~kvshm.offload.manager.OffloadManager` call, checked whole.
 
-:class:`CallCheck` composes the field checks of :class:`~kvshm.offload.validate.InputCheck`
+:class:`CallCheck` holds the field checks, an :class:`~kvshm.offload.validate.InputCheck`
 (which states the rules: what valid input is, which hashes a call reads, what an
-unchanged listed request is spared) into one method per call: ``view`` (``lookup``),
-``allocated`` and ``reach`` (phase B), ``finished``, ``step_input`` and ``step_head``
-(``build_step``), and for the request tracker (:mod:`kvshm.offload.requests`) ``listed``
-and ``malformed`` (one listed request, a listing that cannot be read).
+unchanged listed request is spared), and composes them into one method per call:
+``view`` (``lookup``), ``allocated`` and ``reach`` (phase B), ``finished``,
+``step_input`` and ``step_head`` (``build_step``), and for the request tracker
+(:mod:`kvshm.offload.requests`) ``listed`` and ``malformed`` (one listed request, a
+listing that cannot be read).
 
 Order: a method checks every field before it returns and raises the first refusal
 (``InvalidRequest``, counted in ``invalid_calls``); the manager calls it before it
@@ -31,11 +32,28 @@ from kvshm.types import GpuBlocks, ScheduledRequest
 __all__ = ["CallCheck", "View", "for_pool"]
 
 
-class CallCheck(InputCheck):
-    """One method per manager call (see the module docstring); every refusal goes
-    through :meth:`~kvshm.offload.validate.InputCheck.refuse`."""
+class CallCheck:
+    """One method per manager call (see the module docstring) over ``fields``, the field
+    checks it holds; every refusal goes through their
+    :meth:`~kvshm.offload.validate.InputCheck.refuse`. The limits the fast paths test
+    inline are copied here (read once per call, no second attribute hop), and so are the
+    two field checks the manager and the tracker call themselves (``refuse``,
+    ``hashes``)."""
 
-    __slots__ = ()
+    __slots__ = ("block_size", "fields", "hash_max", "hash_min", "hashes", "n_groups", "no_new",
+                 "null_refused", "num_gpu_blocks", "refuse", "tuples_ok")
+
+    def __init__(self, fields: InputCheck) -> None:
+        self.fields = fields
+        self.block_size = fields.block_size
+        self.n_groups = fields.n_groups
+        self.no_new = fields.no_new
+        self.num_gpu_blocks = fields.num_gpu_blocks
+        self.null_refused = fields.null_refused
+        self.hash_min, self.hash_max = fields.hash_min, fields.hash_max
+        self.refuse = fields.refuse
+        self.hashes = fields.hashes
+        self.tuples_ok = fields.tuples_ok
 
     # ---- a step's listing -----------------------------------------------------------
 
@@ -55,15 +73,15 @@ class CallCheck(InputCheck):
                  and type(preempted) is bool and (type(hashes) is list or type(hashes) is tuple)
                  and (params is None or type(params) is dict))
         if not plain:
-            rid = self.req_id(call, rid)
-            hashes = self.hash_seq(call, rid, "block_hashes", hashes)
-            num_tokens = self.count(call, rid, "num_tokens", num_tokens)
-            new = self.flag(call, rid, "new_or_resumed", new)
-            confirmed = self.count(call, rid, "num_confirmed_tokens", confirmed)
-            preempted = self.flag(call, rid, "preempted", preempted)
-            params = self.params(call, rid, params)
+            rid = self.fields.req_id(call, rid)
+            hashes = self.fields.hash_seq(call, rid, "block_hashes", hashes)
+            num_tokens = self.fields.count(call, rid, "num_tokens", num_tokens)
+            new = self.fields.flag(call, rid, "new_or_resumed", new)
+            confirmed = self.fields.count(call, rid, "num_confirmed_tokens", confirmed)
+            preempted = self.fields.flag(call, rid, "preempted", preempted)
+            params = self.fields.params(call, rid, params)
         if len(hashes) * self.block_size > num_tokens:
-            self.hash_count(call, rid, hashes, num_tokens)
+            self.fields.hash_count(call, rid, hashes, num_tokens)
         if nb is not self.no_new:
             ok = type(nb) is tuple and len(nb) == self.n_groups
             if ok:
@@ -72,9 +90,9 @@ class CallCheck(InputCheck):
                     ok = (type(b) is int and 0 <= b < self.num_gpu_blocks
                           and b != self.null_refused[0])
                 else:
-                    ok = self._tuples_ok(nb)
+                    ok = self.tuples_ok(nb)
             if not ok:
-                nb = self.tables(call, rid, "new_block_ids", nb)
+                nb = self.fields.tables(call, rid, "new_block_ids", nb)
                 plain = False
         if plain and type(r) is ScheduledRequest:
             return r
@@ -96,20 +114,20 @@ class CallCheck(InputCheck):
                   allocated: object) -> tuple[int, tuple[str, ...], frozenset[int]]:
         """A StepInput's step number, finished ids and allocated ids."""
         call = "build_step"
-        step_no = self.count(call, None, "step", step)
+        step_no = self.fields.count(call, None, "step", step)
         if isinstance(finished, NOT_SEQUENCES) or not isinstance(finished, Iterable):
             raise self.refuse(call, None, "finished",
                               f"must be a sequence of request ids, got {describe(finished)}")
         gone = tuple(finished)
         for rid in gone:
-            self.req_id(call, rid)
+            self.fields.req_id(call, rid)
         if isinstance(allocated, NOT_SEQUENCES) or not isinstance(allocated, Iterable):
             raise self.refuse(call, None, "allocated_block_ids",
                               f"must be a collection of block ids, got {describe(allocated)}")
         ids: tuple[Any, ...] = tuple(allocated)
         if ids and (set(map(type, ids)) != {int} or min(ids) < 0
                     or max(ids) >= self.num_gpu_blocks):
-            self._bad_id(call, None, "allocated_block_ids", ids)
+            self.fields.bad_id(call, None, "allocated_block_ids", ids)
         return step_no, gone, frozenset(ids)
 
     # ---- the manager's calls ---------------------------------------------------------
@@ -129,17 +147,17 @@ class CallCheck(InputCheck):
                 and type(num_tokens) is int and 0 <= num_tokens < COUNT_LIMIT
                 and type(local) is int and local >= 0
                 and (params is None or type(params) is dict)):
-            rid = self.req_id(call, rid)  # the field checks, in this order
-            hashes = self.hash_seq(call, rid, "block_hashes", hashes)
-            num_tokens = self.count(call, rid, "num_tokens", num_tokens)
-            local = self.count(call, rid, "num_local_tokens", local)
+            rid = self.fields.req_id(call, rid)  # the field checks, in this order
+            hashes = self.fields.hash_seq(call, rid, "block_hashes", hashes)
+            num_tokens = self.fields.count(call, rid, "num_tokens", num_tokens)
+            local = self.fields.count(call, rid, "num_local_tokens", local)
             if local <= num_tokens and len(hashes) * self.block_size <= num_tokens:
-                params = self.params(call, rid, params)
+                params = self.fields.params(call, rid, params)
         if local > num_tokens:
             raise self.refuse(call, rid, "num_local_tokens",
                               f"{local} local tokens of a {num_tokens}-token request")
         if len(hashes) * self.block_size > num_tokens:
-            self.hash_count(call, rid, hashes, num_tokens)
+            self.fields.hash_count(call, rid, hashes, num_tokens)
         bs = self.block_size
         if params is not None and is_handoff(params):
             # a P/D hand-off reads more: its manifest check every hash from position 0,
@@ -151,15 +169,15 @@ class CallCheck(InputCheck):
                         min(len(hashes), max(0, (num_tokens - 1) // bs)))
         tail = getattr(req, "tail_hash", None)
         if tail is not None:
-            tail = self.tail(call, rid, tail, num_tokens)
+            tail = self.fields.tail(call, rid, tail, num_tokens)
         return View(rid, hashes, num_tokens, local, params, tail)
 
     def allocated(self, req_id: object, tables: object,
                   num_external_tokens: object) -> tuple[str, Tables, int]:
-        call = "allocated"
-        rid = self.req_id(call, req_id)
-        checked = self.tables(call, rid, "gpu_block_ids", tables)
-        return rid, checked, self.count(call, rid, "num_external_tokens", num_external_tokens)
+        call, f = "allocated", self.fields
+        rid = f.req_id(call, req_id)
+        checked = f.tables(call, rid, "gpu_block_ids", tables)
+        return rid, checked, f.count(call, rid, "num_external_tokens", num_external_tokens)
 
     def reach(self, call: str, rid: str, tables: Tables, end: int) -> None:
         """Every table covers positions ``[0, end)``."""
@@ -172,12 +190,12 @@ class CallCheck(InputCheck):
                  block_hashes: object, tail_hash: object = None
                  ) -> tuple[str, int, Tables, tuple[BlockHash, ...] | None, BlockHash | None]:
         call = "finished"
-        rid = self.req_id(call, req_id)
-        confirmed = self.count(call, rid, "num_confirmed_tokens", num_confirmed_tokens)
-        checked = self.tables(call, rid, "gpu_block_ids", tables)
+        rid = self.fields.req_id(call, req_id)
+        confirmed = self.fields.count(call, rid, "num_confirmed_tokens", num_confirmed_tokens)
+        checked = self.fields.tables(call, rid, "gpu_block_ids", tables)
         hashes = (None if block_hashes is None
-                  else self.all_hashes(call, rid, "block_hashes", block_hashes))
-        tail = self.tail(call, rid, tail_hash, confirmed)
+                  else self.fields.all_hashes(call, rid, "block_hashes", block_hashes))
+        tail = self.fields.tail(call, rid, tail_hash, confirmed)
         return rid, confirmed, checked, hashes, tail
 
     def step_input(self, inp: Any) -> tuple[int, Any, tuple[str, ...], frozenset[int]]:
@@ -220,6 +238,6 @@ def for_pool(gpu: GpuBlocks, *, n_groups: int, block_size: int, hash_bytes: int 
     if null is not None and (type(null) is not int or not 0 <= null < n):
         raise ConfigError(f"the GPU pool's null_block_id must be None or a block id, got "
                           f"{describe(null)}")
-    return CallCheck(n_groups=n_groups, block_size=block_size, num_gpu_blocks=n,
-                      hash_bytes=hash_bytes, null_block_id=null, counters=counters,
-                      full_groups=full_groups)
+    return CallCheck(InputCheck(n_groups=n_groups, block_size=block_size, num_gpu_blocks=n,
+                                hash_bytes=hash_bytes, null_block_id=null, counters=counters,
+                                full_groups=full_groups))

@@ -249,7 +249,7 @@ class InputCheck:
             return False
         return len(t) < 2 or len(set(t)) == len(t) or self._null_repeats_only(t)
 
-    def _tuples_ok(self, tables: tuple[Any, ...]) -> bool:
+    def tuples_ok(self, tables: tuple[Any, ...]) -> bool:
         """Every entry a tuple of good ids (:meth:`ids_ok`), no refused null block
         (:meth:`null_free`); one appended id -- the usual change of a decode step -- is
         checked inline."""
@@ -296,12 +296,12 @@ class InputCheck:
         else:
             t = tuple(value)
         if not self.ids_ok(t):
-            self._bad_id(call, rid, field, t)
+            self.bad_id(call, rid, field, t)
             self._repeated_id(call, rid, field, t)
             raise self.refuse(call, rid, field, f"bad block ids {describe(t)}")
         return t
 
-    def _bad_id(self, call: str, rid: str | None, field: str, t: tuple[Any, ...]) -> None:
+    def bad_id(self, call: str, rid: str | None, field: str, t: tuple[Any, ...]) -> None:
         n = self.num_gpu_blocks
         for i, b in enumerate(t):
             if type(b) is not int:
