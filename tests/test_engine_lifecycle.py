@@ -202,7 +202,7 @@ async def test_wait_loaded_cancelled_as_its_result_arrives_keeps_the_result() ->
     loop turn: only the wait is cancelled; the next wait_loaded gets the result."""
     core = _Core()
     eng = Engine(core, None)  # type: ignore[arg-type]
-    eng._pending_loads.add("r")
+    eng._waits.expect("r")
     first = asyncio.ensure_future(eng.wait_loaded("r"))
     await asyncio.sleep(0)
     core.results.append(LoadResult("r", True, (), None, 8))
@@ -220,7 +220,7 @@ async def test_wait_loaded_cancelled_before_its_result_arrives_keeps_the_result(
     went to the cancelled future only and was lost: the next wait_loaded hung."""
     core = _Core()
     eng = Engine(core, None)  # type: ignore[arg-type]
-    eng._pending_loads.add("r")
+    eng._waits.expect("r")
     first = asyncio.ensure_future(eng.wait_loaded("r"))
     await asyncio.sleep(0)
     first.cancel()
@@ -230,7 +230,7 @@ async def test_wait_loaded_cancelled_before_its_result_arrives_keeps_the_result(
         await first
     res = await asyncio.wait_for(eng.wait_loaded("r"), 1)
     assert res.ok and res.num_tokens == 8
-    assert eng._results == {} and eng._waiters == {} and "r" not in eng._pending_loads
+    assert eng._waits.idle()
 
 
 def test_a_sync_wait_or_stats_query_given_a_bad_timeout_is_refused_at_once() -> None:

@@ -9,9 +9,9 @@ thread -- the event loop's for ``Engine``, the caller's for ``SyncClient``.
 
 What differs: ``Engine`` is driven by loop callbacks (rendezvous, done rings, pidfds of
 the ranks it spawned, a 0.25 s ticker) and hands load results to ``wait_loaded``
-waiters as they arrive (a waiter never outlives ``aclose``: it resolves failed, cause
-ENGINE_CLOSED). ``SyncClient`` pumps the runtime at the start of every call and hands
-load results out through ``poll``.
+waiters as they arrive (:class:`~kvshm.engine.load_waiters.LoadWaiters`; a waiter never
+outlives ``aclose``: it resolves failed, cause ENGINE_CLOSED). ``SyncClient`` pumps the
+runtime at the start of every call and hands load results out through ``poll``.
 """
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from kvshm.engine.admission import check_id
 from kvshm.engine.facade import Facade
 from kvshm.engine.launcher import Launcher
 from kvshm.engine.lifecycle import EngineState
+from kvshm.engine.load_waiters import LoadWaiters
 from kvshm.engine.provision import cache_device
 from kvshm.engine.runtime import Runtime
-from kvshm.errors import StateError
 from kvshm.types import GpuBlocks, LoadFailure, LoadResult, StepInput
 
 __all__ = ["ATTACH", "SPAWN", "Engine", "SyncClient", "WorkerMode"]
@@ -58,9 +58,7 @@ class Engine(Facade):
     def __init__(self, core: Runtime, launcher: Launcher | None) -> None:
         super().__init__(core)
         self._launcher = launcher
-        self._waiters: dict[str, list[asyncio.Future[LoadResult]]] = {}
-        self._results: dict[str, LoadResult] = {}
-        self._pending_loads: set[str] = set()
+        self._waits = LoadWaiters()
         self._ticker: asyncio.TimerHandle | None = None
         self._closed = asyncio.Event()
         self._aclosing = False  # an aclose() is under way (its drain comes before CLOSING)
@@ -143,7 +141,7 @@ class Engine(Facade):
                                                 self._core.config.shutdown_grace_s)
                 await asyncio.shield(stopping)
         finally:  # even when cancelled: no waiter is left hanging
-            self._fail_waiters(LoadFailure.ENGINE_CLOSED)
+            self._waits.fail_all(LoadFailure.ENGINE_CLOSED)
             if stopping is None or stopping.done():
                 self._closed.set()
             else:  # cancelled while the ranks stop: the other aclose()s return only once
@@ -169,31 +167,7 @@ class Engine(Facade):
         self._enter()
         if type(req_id) is not str:
             check_id("wait_loaded", req_id)  # InvalidRequest unless a str subclass
-        if req_id in self._results:
-            self._pending_loads.discard(req_id)
-            return self._results.pop(req_id)
-        if req_id not in self._pending_loads:
-            raise StateError(f"request {req_id!r} has no load pending")
-        fut: asyncio.Future[LoadResult] = asyncio.get_running_loop().create_future()
-        self._waiters.setdefault(req_id, []).append(fut)
-        try:
-            result = await fut
-        except asyncio.CancelledError:
-            # Cancelled after the result was handed to this waiter but before it ran:
-            # keep the result for a later wait_loaded (only the wait is cancelled) --
-            # unless the request ended meanwhile (nothing is kept for an ended request).
-            if fut.done() and not fut.cancelled() and req_id in self._pending_loads:
-                self._results[req_id] = fut.result()
-            raise
-        finally:
-            waiters = self._waiters.get(req_id)
-            if waiters is not None and fut in waiters:
-                waiters.remove(fut)
-                if not waiters:
-                    del self._waiters[req_id]
-        self._results.pop(req_id, None)
-        self._pending_loads.discard(req_id)
-        return result
+        return await self._waits.wait(req_id)
 
     async def reset(self, timeout: float | None = None) -> bool:
         """Drop the CPU index; waits until no transfer that was in flight at the call is
@@ -227,52 +201,28 @@ class Engine(Facade):
             # from its earlier load is not this one's. That load was reported already: a
             # lookup whose hit touches blocks still being loaded asks again, so a
             # request's next load is planned only once its earlier one was reported.
-            self._results.pop(req_id, None)
-            self._pending_loads.add(req_id)
+            self._waits.expect(req_id)
         self._publish()
 
     def _after_step(self, step_input: StepInput) -> None:
         self._publish()
         for req_id in step_input.finished:  # ended in the step: as finished() would
-            self._end_waits(req_id)
+            self._waits.end(req_id)
 
     def _after_finished(self, req_id: str) -> None:
+        """``req_id`` ended: a load still queued is dropped with it and a planned one's
+        result is moot (:meth:`LoadWaiters.end`)."""
         self._publish()
-        self._end_waits(req_id)
-
-    def _end_waits(self, req_id: str) -> None:
-        """``req_id`` ended (``finished`` or ``StepInput.finished``): a load still queued
-        is dropped with it and a planned one's result is moot -- nobody may wait for it
-        any longer, nothing is kept for it, and its waiters get REQUEST_FINISHED."""
-        self._pending_loads.discard(req_id)
-        self._results.pop(req_id, None)
-        for fut in self._waiters.pop(req_id, ()):
-            if not fut.done():
-                fut.set_result(LoadResult(req_id, False, (), LoadFailure.REQUEST_FINISHED, 0))
+        self._waits.end(req_id)
 
     # -- internals --------------------------------------------------------------------
     def _on_change(self) -> None:
         self._publish()
 
     def _publish(self) -> None:
-        """Hand each load result to the live waiters of its request; with none (no waiter,
-        or only waiters already cancelled and not yet cleaned up) keep it for a later
-        ``wait_loaded`` while the load is still pending. A result is never dropped."""
-        for res in self._core.take_load_results():
-            handed = False
-            for fut in self._waiters.pop(res.req_id, ()):
-                if not fut.done():
-                    fut.set_result(res)
-                    handed = True
-            if not handed and res.req_id in self._pending_loads:
-                self._results[res.req_id] = res
-
-    def _fail_waiters(self, cause: LoadFailure) -> None:
-        for req_id, waiters in list(self._waiters.items()):
-            for fut in waiters:
-                if not fut.done():
-                    fut.set_result(LoadResult(req_id, False, (), cause, 0))
-        self._waiters.clear()
+        """The load results decided since the last call, to their waiters
+        (:meth:`LoadWaiters.publish`: a result is never dropped)."""
+        self._waits.publish(self._core.take_load_results())
 
     def _on_worker_exit(self, rank: int, pidfd: int) -> None:
         loop = asyncio.get_running_loop()
