@@ -391,7 +391,7 @@ class Runtime:
                                fenced=ev.peer_closed, notify=False)
             else:
                 self.counters.refused += 1
-                self._refusals.record(ev.reason, ev.counter or "refused")
+                self._refusals.record(ev.reason, ev.counter.value if ev.counter else "refused")
         if notify:
             self._notify()
 

@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import os
 import socket
-from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Final
 
@@ -70,7 +69,7 @@ from kvshm.ipc.fdpass import (
 )
 from kvshm.ipc.protocol import Goodbye, Hello, StatsRequest
 from kvshm.ipc.rendezvous_conns import Conn, ConnTable
-from kvshm.ipc.rendezvous_events import EventKind, MakeReady, RendezvousEvent
+from kvshm.ipc.rendezvous_events import EventKind, MakeReady, RendezvousCount, RendezvousEvent
 from kvshm.ipc.rendezvous_handshake import Handshake, ServerState
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -105,7 +104,7 @@ class RendezvousServer:
         self.world_size = world_size
         self._listener = listen(name, backlog=max(64, 4 * world_size))
         self._table = ConnTable(self._listener.fileno(), world_size)
-        self._counts: Counter[str] = Counter()
+        self._counts: dict[RendezvousCount, int] = dict.fromkeys(RendezvousCount, 0)
         self._handshake = Handshake(name, world_size, self._table, self._counts,
                                     make_ready=make_ready, stats=stats)
         self._on_events: Callable[[list[RendezvousEvent]], None] | None = None
@@ -147,11 +146,8 @@ class RendezvousServer:
         return self._handshake.lost_ranks()
 
     def counters(self) -> dict[str, int]:
-        """accepted, accept_errors, refused_uid, refused_pending_cap, refused_version,
-        refused_hello, refused_protocol, service_errors, ranks_lost, stats_served,
-        stats_errors, stats_dropped, ready_sent, ready_failed, goodbyes (only those that
-        happened appear)."""
-        return dict(self._counts)
+        """Every :class:`RendezvousCount` by name, zeros included."""
+        return {c.value: n for c, n in self._counts.items()}
 
     # ------------------------------------------------------------------ service
 
@@ -174,11 +170,11 @@ class RendezvousServer:
         try:
             self._accept_all(events)
         except Exception as e:  # noqa: BLE001 - must not lose the events collected so far
-            self._counts["service_errors"] += 1
+            self._counts[RendezvousCount.SERVICE_ERRORS] += 1
             events.append(RendezvousEvent(
                 EventKind.REFUSED, reason=f"accepting on {self.name!r} failed: "
                                           f"{type(e).__name__}: {e}", error=e,
-                counter="service_errors"))
+                counter=RendezvousCount.SERVICE_ERRORS))
 
     def _read_guarded(self, conn: Conn, events: list[RendezvousEvent]) -> None:
         """:meth:`_read_all`; an unexpected exception refuses this connection only."""
@@ -187,12 +183,12 @@ class RendezvousServer:
         except Exception as e:  # noqa: BLE001 - must not lose the events collected so far
             why = f"internal error on this connection: {type(e).__name__}: {e}"
             if conn.sock.fileno() >= 0:
-                self._handshake.refuse(conn, events, "service_errors", why, e)
+                self._handshake.refuse(conn, events, RendezvousCount.SERVICE_ERRORS, why, e)
                 return
-            self._counts["service_errors"] += 1
+            self._counts[RendezvousCount.SERVICE_ERRORS] += 1
             events.append(RendezvousEvent(EventKind.REFUSED, rank=-1 if conn.rank is None
                                           else conn.rank, pid=conn.cred.pid, reason=why,
-                                          error=e, counter="service_errors"))
+                                          error=e, counter=RendezvousCount.SERVICE_ERRORS))
 
     def _accept_all(self, events: list[RendezvousEvent]) -> None:
         """Accept at most :data:`ACCEPTS_PER_SERVICE` connections; each is admitted or
@@ -205,10 +201,10 @@ class RendezvousServer:
             except ConnectionAbortedError:
                 continue
             except OSError as e:  # EMFILE/ENFILE/ENOBUFS: retried on the next service()
-                self._counts["accept_errors"] += 1
+                self._counts[RendezvousCount.ACCEPT_ERRORS] += 1
                 events.append(RendezvousEvent(EventKind.REFUSED,
                                               reason=f"accept() failed: {e}", error=e,
-                                              counter="accept_errors"))
+                                              counter=RendezvousCount.ACCEPT_ERRORS))
                 return
             try:
                 conn = self._admit(sock, events)
@@ -227,22 +223,22 @@ class RendezvousServer:
             cred = peer_cred(sock)
         except OSError as e:
             sock.close()
-            self._counts["accept_errors"] += 1
+            self._counts[RendezvousCount.ACCEPT_ERRORS] += 1
             events.append(RendezvousEvent(EventKind.REFUSED,
                                           reason=f"accepted connection unusable: {e}", error=e,
-                                          counter="accept_errors"))
+                                          counter=RendezvousCount.ACCEPT_ERRORS))
             return None
         if cred.uid != os.geteuid():
             sock.close()
-            self._counts["refused_uid"] += 1
+            self._counts[RendezvousCount.REFUSED_UID] += 1
             events.append(RendezvousEvent(
                 EventKind.REFUSED, pid=cred.pid,
                 reason=f"connection from uid {cred.uid} (pid {cred.pid}) refused: "
                        f"only uid {os.geteuid()} may use {self.name!r}",
-                counter="refused_uid"))
+                counter=RendezvousCount.REFUSED_UID))
             return None
         self._evict_pending(events)
-        self._counts["accepted"] += 1
+        self._counts[RendezvousCount.ACCEPTED] += 1
         return self._table.add(sock, cred)
 
     def _evict_pending(self, events: list[RendezvousEvent]) -> None:
@@ -255,7 +251,7 @@ class RendezvousServer:
                 self._read_guarded(conn, events)
         while table.pending_full():
             oldest = table.pop_oldest_pending()
-            self._handshake.refuse(oldest, events, "refused_pending_cap",
+            self._handshake.refuse(oldest, events, RendezvousCount.REFUSED_PENDING_CAP,
                          f"{table.pending_cap} connections to {self.name!r} have not said "
                          f"Hello: the oldest (pid {oldest.cred.pid}) is closed to admit a "
                          "new one")
@@ -275,16 +271,16 @@ class RendezvousServer:
                 self._handshake.lose(conn, events, "connection closed (EOF)", peer_closed=True)
                 return
             if dg.truncated:
-                self._handshake.refuse(conn, events, "refused_protocol",
+                self._handshake.refuse(conn, events, RendezvousCount.REFUSED_PROTOCOL,
                              f"message larger than {_MAX_INBOUND} bytes")
                 return
             try:
                 msg = decode_control(dg.data)
             except VersionMismatch as e:
-                self._handshake.refuse(conn, events, "refused_version", str(e), e)
+                self._handshake.refuse(conn, events, RendezvousCount.REFUSED_VERSION, str(e), e)
                 return
             except ProtocolError as e:
-                self._handshake.refuse(conn, events, "refused_protocol", str(e), e)
+                self._handshake.refuse(conn, events, RendezvousCount.REFUSED_PROTOCOL, str(e), e)
                 return
             if isinstance(msg, Hello):
                 self._handshake.on_hello(conn, msg, events)
@@ -292,9 +288,9 @@ class RendezvousServer:
                 self._handshake.answer_stats(conn, events)
             elif isinstance(msg, Goodbye) and conn.rank is not None and msg.rank == conn.rank:
                 conn.farewell = msg.reason or "the worker closed"
-                self._counts["goodbyes"] += 1
+                self._counts[RendezvousCount.GOODBYES] += 1
             else:
-                self._handshake.refuse(conn, events, "refused_protocol",
+                self._handshake.refuse(conn, events, RendezvousCount.REFUSED_PROTOCOL,
                              f"unexpected {type(msg).__name__} from pid {conn.cred.pid}")
 
     # ------------------------------------------------------------------ asyncio

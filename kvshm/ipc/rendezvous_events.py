@@ -16,7 +16,7 @@ from typing import TypeAlias
 
 from kvshm.ipc.protocol import Hello, Ready
 
-__all__ = ["AllReadyPlan", "EventKind", "MakeReady", "RendezvousEvent"]
+__all__ = ["AllReadyPlan", "EventKind", "MakeReady", "RendezvousCount", "RendezvousEvent"]
 
 #: What ``make_ready`` returns: rank -> (its Ready, the fds sent with it).
 AllReadyPlan: TypeAlias = Mapping[int, tuple[Ready, Sequence[int]]]
@@ -32,6 +32,27 @@ class EventKind(Enum):
     RANK_LOST = "rank_lost"          #: rank, pid: that rank's connection hit EOF / reset
     REFUSED = "refused"              #: reason (+ error): a connection was refused and closed
     READY_FAILED = "ready_failed"    #: reason, error: make_ready raised or missed a rank
+
+
+class RendezvousCount(Enum):
+    """The rendezvous server's counters (``RendezvousServer.counters``): every outcome,
+    accepted, declined or failed, one name each; all are reported, zeros included."""
+
+    ACCEPTED = "accepted"                        #: connections accepted
+    ACCEPT_ERRORS = "accept_errors"              #: accept(2) or its credentials failed
+    REFUSED_UID = "refused_uid"                  #: a peer of another uid
+    REFUSED_PENDING_CAP = "refused_pending_cap"  #: the oldest of too many silent peers
+    REFUSED_VERSION = "refused_version"          #: a Hello of another protocol version
+    REFUSED_HELLO = "refused_hello"              #: a Hello that names a wrong rank or world
+    REFUSED_PROTOCOL = "refused_protocol"        #: a message out of turn or unreadable
+    SERVICE_ERRORS = "service_errors"            #: a connection's service raised
+    RANKS_LOST = "ranks_lost"                    #: a rank's connection ended
+    STATS_SERVED = "stats_served"                #: statistics answered
+    STATS_ERRORS = "stats_errors"                #: statistics that could not be built or sent
+    STATS_DROPPED = "stats_dropped"              #: answers to an asker that reads none
+    READY_SENT = "ready_sent"                    #: Ready messages sent
+    READY_FAILED = "ready_failed"                #: Ready plans that failed
+    GOODBYES = "goodbyes"                        #: ranks that said Goodbye before their EOF
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,4 +76,4 @@ class RendezvousEvent:
     error: BaseException | None = None
     peer_closed: bool = False
     farewell: str = ""
-    counter: str = ""
+    counter: RendezvousCount | None = None

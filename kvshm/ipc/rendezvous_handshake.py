@@ -10,7 +10,6 @@ lifecycle (:class:`ServerState`). Its rules and invariants are in the class docs
 from __future__ import annotations
 
 import errno
-from collections import Counter
 from collections.abc import Callable, Mapping
 from enum import Enum
 from types import MappingProxyType
@@ -20,7 +19,7 @@ from kvshm.errors import ConfigError, KvshmError, PeerDied, StateError, VersionM
 from kvshm.ipc.fdpass import encode_control, send_datagram
 from kvshm.ipc.protocol import Hello, Stats, check_version
 from kvshm.ipc.rendezvous_conns import Conn, ConnTable
-from kvshm.ipc.rendezvous_events import EventKind, MakeReady, RendezvousEvent
+from kvshm.ipc.rendezvous_events import EventKind, MakeReady, RendezvousCount, RendezvousEvent
 
 __all__ = ["Handshake", "ServerState"]
 
@@ -62,8 +61,9 @@ class Handshake:
     * Refusing a rank's connection loses the rank (``RANK_LOST``, once per rank).
     """
 
-    def __init__(self, name: str, world_size: int, table: ConnTable, counts: Counter[str],
-                 *, make_ready: MakeReady, stats: Callable[[], dict[str, Any]]) -> None:
+    def __init__(self, name: str, world_size: int, table: ConnTable,
+                 counts: dict[RendezvousCount, int], *, make_ready: MakeReady,
+                 stats: Callable[[], dict[str, Any]]) -> None:
         self.name = name
         self.world_size = world_size
         self._table = table
@@ -104,7 +104,7 @@ class Handshake:
         try:
             check_version(hello.version)
         except VersionMismatch as e:
-            self.refuse(conn, events, "refused_version", str(e), e)
+            self.refuse(conn, events, RendezvousCount.REFUSED_VERSION, str(e), e)
             return
         problem = self._hello_problem(conn, hello)
         if problem is not None:
@@ -115,27 +115,28 @@ class Handshake:
         self._pids[hello.rank] = conn.cred.pid
         events.append(RendezvousEvent(EventKind.HELLO, rank=hello.rank, pid=conn.cred.pid))
 
-    def _hello_problem(self, conn: Conn, hello: Hello) -> tuple[str, str] | None:
+    def _hello_problem(self, conn: Conn, hello: Hello) -> tuple[RendezvousCount, str] | None:
         """(counter, reason) if this Hello must be refused, else None."""
+        bad_turn, bad_hello = RendezvousCount.REFUSED_PROTOCOL, RendezvousCount.REFUSED_HELLO
         if conn.rank is not None:
-            return "refused_protocol", f"second Hello on rank {conn.rank}'s connection"
+            return bad_turn, f"second Hello on rank {conn.rank}'s connection"
         if hello.world_size != self.world_size:
-            return "refused_hello", (f"refused rank {hello.rank} (pid {conn.cred.pid}): "
-                                     f"world size {hello.world_size} != {self.world_size} "
-                                     f"(the Hello says world_size {hello.world_size}, but "
-                                     f"{self.name!r} serves world_size {self.world_size})")
+            return bad_hello, (f"refused rank {hello.rank} (pid {conn.cred.pid}): "
+                               f"world size {hello.world_size} != {self.world_size} "
+                               f"(the Hello says world_size {hello.world_size}, but "
+                               f"{self.name!r} serves world_size {self.world_size})")
         if not 0 <= hello.rank < self.world_size:
-            return "refused_hello", (f"Hello from pid {conn.cred.pid}: rank {hello.rank} out "
-                                     f"of range [0, {self.world_size})")
+            return bad_hello, (f"Hello from pid {conn.cred.pid}: rank {hello.rank} out "
+                               f"of range [0, {self.world_size})")
         if (twin := self._table.rank_conn(hello.rank)) is not None:
             other = twin.cred.pid
-            return "refused_hello", (f"duplicate rank {hello.rank} from pid {conn.cred.pid}: "
-                                     f"already connected from pid {other}")
+            return bad_hello, (f"duplicate rank {hello.rank} from pid {conn.cred.pid}: "
+                               f"already connected from pid {other}")
         if hello.rank in self._lost:
-            return "refused_hello", (f"rank {hello.rank} was lost earlier; rank restart is "
-                                     "not supported")
+            return bad_hello, (f"rank {hello.rank} was lost earlier; rank restart is "
+                               "not supported")
         if self._state is not ServerState.WAITING:
-            return "refused_hello", f"rendezvous {self.name!r} is {self._state.value}"
+            return bad_hello, f"rendezvous {self.name!r} is {self._state.value}"
         return None
 
     def answer_stats(self, conn: Conn, events: list[RendezvousEvent]) -> None:
@@ -144,7 +145,7 @@ class Handshake:
         try:
             data = encode_control(Stats(data=self._stats()))
         except Exception as e:  # noqa: BLE001 - a stats bug must not take the scheduler down
-            self._counts["stats_errors"] += 1
+            self._counts[RendezvousCount.STATS_ERRORS] += 1
             data = encode_control(Stats(data={"error": f"{type(e).__name__}: {e}"}))
         try:
             try:
@@ -152,11 +153,11 @@ class Handshake:
             except OSError as e:
                 if e.errno != errno.EMSGSIZE:
                     raise
-                self._counts["stats_errors"] += 1
+                self._counts[RendezvousCount.STATS_ERRORS] += 1
                 send_datagram(conn.sock, encode_control(Stats(data={
                     "error": f"stats snapshot of {len(data)} bytes is too large to send"})))
         except BlockingIOError:
-            self._counts["stats_dropped"] += 1  # asker does not read its answers
+            self._counts[RendezvousCount.STATS_DROPPED] += 1  # asker does not read its answers
             if conn.rank is None:
                 self._table.close(conn)
             return
@@ -164,7 +165,7 @@ class Handshake:
             self.lose(conn, events, "connection closed while answering stats",
                       peer_closed=True)
             return
-        self._counts["stats_served"] += 1
+        self._counts[RendezvousCount.STATS_SERVED] += 1
 
     # ------------------------------------------------------------------ Ready
 
@@ -189,7 +190,7 @@ class Handshake:
             ready, fds = plan[rank]
             try:
                 send_datagram(conn.sock, encode_control(ready), fds)
-                self._counts["ready_sent"] += 1
+                self._counts[RendezvousCount.READY_SENT] += 1
             except (PeerDied, OSError) as e:  # BlockingIOError, EMSGSIZE, ETOOMANYREFS, ...
                 lost.append((conn, f"could not send Ready: {e or type(e).__name__}"))
         events.append(RendezvousEvent(EventKind.ALL_READY))
@@ -198,7 +199,7 @@ class Handshake:
 
     def _fail_ready(self, events: list[RendezvousEvent], error: Exception) -> None:
         self._state = ServerState.READY_FAILED
-        self._counts["ready_failed"] += 1
+        self._counts[RendezvousCount.READY_FAILED] += 1
         for conn in self._table.rank_conns().values():
             self._table.close(conn)
         why = error if isinstance(error, KvshmError) else f"{type(error).__name__}: {error}"
@@ -208,7 +209,8 @@ class Handshake:
 
     # ------------------------------------------------------------------ endings
 
-    def refuse(self, conn: Conn, events: list[RendezvousEvent], counter: str, reason: str,
+    def refuse(self, conn: Conn, events: list[RendezvousEvent], counter: RendezvousCount,
+               reason: str,
                error: BaseException | None = None) -> None:
         """Close ``conn`` without a reply, counted under ``counter`` (REFUSED); a rank's
         connection is also RANK_LOST."""
@@ -228,7 +230,7 @@ class Handshake:
             return
         self._lost.add(rank)
         self._hellos.pop(rank, None)
-        self._counts["ranks_lost"] += 1
+        self._counts[RendezvousCount.RANKS_LOST] += 1
         events.append(RendezvousEvent(EventKind.RANK_LOST, rank=rank, pid=conn.cred.pid,
                                       reason=why, peer_closed=peer_closed,
                                       farewell=conn.farewell if peer_closed else ""))
