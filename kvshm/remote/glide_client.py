@@ -144,7 +144,9 @@ def too_long(exc: BaseException, glide: Any) -> bool:
 
 
 class Counters:
-    """Named counters under one lock."""
+    """Named counters under one lock, every one declared at construction (a snapshot
+    has the same keys from the start; a name not declared is a KeyError, not a new
+    counter that appears once it is first counted)."""
 
     def __init__(self, *names: str) -> None:
         self._lock = threading.Lock()
@@ -152,8 +154,9 @@ class Counters:
 
     def add(self, **deltas: int) -> None:
         with self._lock:
+            c = self._c
             for k, v in deltas.items():
-                self._c[k] = self._c.get(k, 0) + v
+                c[k] += v
 
     def snapshot(self) -> dict[str, int]:
         with self._lock:
