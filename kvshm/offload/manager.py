@@ -35,7 +35,9 @@ table and ack state (:mod:`kvshm.offload.jobs`), held by the job outcomes with t
 failed and abandoned states (:mod:`kvshm.offload.outcomes`), load bookkeeping from
 phase B to outcome (:mod:`kvshm.offload.loads`), store selection and in-flight marks
 (:mod:`kvshm.offload.stores`), per-request tables and cursors
-(:mod:`kvshm.offload.requests`), KV groups and index keys (:mod:`kvshm.offload.groups`).
+(:mod:`kvshm.offload.requests`), KV groups and index keys (:mod:`kvshm.offload.groups`),
+and the lower tiers a miss reads from, with their overdue gate
+(:mod:`kvshm.offload.tiers`; P/D hand-offs stay here).
 
 Cost per step: O(listed requests) with a dict lookup and a few compares each, plus
 O(blocks that changed); no scan over every request's blocks.
@@ -64,6 +66,7 @@ from kvshm.offload.remote import RemoteBook
 from kvshm.offload.requests import ReqState, RequestTracker
 from kvshm.offload.side_stores import lazy_scan, pin_tail
 from kvshm.offload.stores import StorePlanner
+from kvshm.offload.tiers import LowerTiers
 from kvshm.offload.validate import Tables
 from kvshm.types import (
     GpuBlocks,
@@ -121,18 +124,27 @@ class OffloadManager:
                                   self._loads.dst.counts)
         self._track = RequestTracker(self._gs, block_size, self._eager, self._stores)
         self._hits: dict[str, Hit] = {}
-        self.remote = None if remote is None else remote(cpu, self._gs, jobs)
-        if self.remote is not None:  # a P/D publication learns of a dropped tail store
-            self._stores.on_dropped = self.remote.store_dropped
-        self.disk = None if disk is None else disk(cpu, self._gs, jobs)
-        if self.remote is not None and self.disk is not None:
-            self.remote.victims = []  # a GET's victims are written down as a store's
-        self.outcomes = JobOutcomes(jobs, cpu, self._loads, self._stores, self.remote,
-                                    self.counters, self._tombstone_hits, disk=self.disk)
+        remote_book = None if remote is None else remote(cpu, self._gs, jobs)
+        if remote_book is not None:  # a P/D publication learns of a dropped tail store
+            self._stores.on_dropped = remote_book.store_dropped
+        disk_book = None if disk is None else disk(cpu, self._gs, jobs)
+        self._tiers = LowerTiers(disk_book, remote_book, self.counters)
+        self.outcomes = JobOutcomes(jobs, cpu, self._loads, self._stores, remote_book,
+                                    self.counters, self._tombstone_hits, disk=disk_book)
         self._jobs = jobs
         self._last_step = 0  # the step of the latest build_step (reads planned between)
 
     # ---- small queries -------------------------------------------------------------
+
+    @property
+    def remote(self) -> RemoteBook | None:
+        """The remote tier's book (None: no remote tier)."""
+        return self._tiers.remote
+
+    @property
+    def disk(self) -> DiskBook | None:
+        """The local disk tier's book (None: no disk tier)."""
+        return self._tiers.disk
 
     @property
     def world_size(self) -> int:
@@ -158,9 +170,8 @@ class OffloadManager:
         """Anything queued, in flight or not yet reported: keep stepping. Jobs that wait
         only for a revoked, unfenced rank do not count: nothing will move them."""
         jobs = self.outcomes.has_pending_work()
-        remote = self.remote is not None and self.remote.has_pending_work()
-        remote = remote or (self.disk is not None and self.disk.has_pending_work())
-        return bool(jobs or remote or self._loads.pending() or self._stores.finish_queue)
+        tiers = self._tiers.active and self._tiers.has_pending_work()
+        return bool(jobs or tiers or self._loads.pending() or self._stores.finish_queue)
 
     def take_load_results(self) -> list[LoadResult]:
         """Load outcomes decided since the last call, each handed out exactly once. This
@@ -239,11 +250,8 @@ class OffloadManager:
         finally:
             if old is not None and old.cause is None:
                 self.cpu.free(reversed(old.pinned))
-        if tokens is not None:
-            if self.remote is not None:
-                self.remote.unhold(view.req_id)  # an answer ends a hand-off's wait
-            if self.disk is not None:
-                self.disk.unhold(view.req_id)  # ... and a disk read's
+        if tokens is not None and self._tiers.active:
+            self._tiers.answered(view.req_id)  # an answer ends a hand-off's or a read's wait
         return tokens
 
     def _lookup(self, view: View, num_local_tokens: int) -> int | None:
@@ -275,41 +283,27 @@ class OffloadManager:
             st.refreshed = s
         hashes, n_max = view.hashes, (view.num_tokens - 1 - num_local_tokens) // bs
         cap = 0  # a P/D hand-off's hit may end inside a block: num_tokens - 1 at most
-        handoff = (view.params is not None and self.remote is not None
-                   and self.remote.pd is not None and is_handoff(view.params))
+        tiers = self._tiers
+        remote = tiers.remote
+        handoff = (view.params is not None and remote is not None
+                   and remote.pd is not None and is_handoff(view.params))
         if handoff:
             hashes, n_max = handoff_extent(hashes, view.tail, view.num_tokens, bs, s)
             cap = view.num_tokens - 1 - num_local_tokens
         hit = find_hit(self.cpu, self._gs, hashes, s, n_max)
-        disk = None if handoff else self.disk
-        if hit is None:
-            disk_gated = disk is not None and self._gated(rid, disk)
-            if disk is not None and not disk_gated \
-                    and disk.lookup(rid, hashes, s, n_max) is None:
-                return None  # the disk reads the blocks: an ordinary CPU hit next time
-            if self.remote is None:
-                return self._turned_away(rid) if disk_gated else 0
-            if handoff and min(s + n_max, len(hashes)) <= s:
-                # the engine holds the whole extent: nothing to wait for (a manifest a
-                # sibling collected would cost the 5 s missing-manifest wait)
-                self.remote.served(rid, hashes, view.params)
-                return 0
-            if not handoff and self._gated(rid, self.remote):
-                return self._turned_away(rid)
-            return self.remote.lookup(rid, hashes, s, n_max, view.params)
+        if hit is None:  # the lower tiers read the blocks (None), or a recompute (0)
+            return tiers.miss(rid, hashes, s, n_max, view.params, handoff=handoff) \
+                if tiers.active else 0
         if self._loads.is_loading(hit.pinned):  # before the remote: its DONE unpins
             self.counters.lookups_asked_again += 1
             return None
         if handoff and self._handoff_waits(rid, hit, hashes, s + n_max, view.params):
             return None
-        if disk is not None and self._may_extend(rid, hit, disk, min(s + n_max, len(hashes))) \
-                and disk.extend(rid, hashes, hit, s + n_max):
+        if tiers.active and not handoff and tiers.extends(rid, hashes, hit, s + n_max):
             return None  # the disk reads what follows the hit, held meanwhile
         self.cpu.touch(hit.pinned)
-        if self.remote is not None:
-            self.remote.hit(rid)  # what it fetched for rid is pinned by the hit now
-        if disk is not None:
-            disk.hit(rid)
+        if tiers.active:
+            tiers.hit(rid, disk=not handoff)  # what they fetched is the hit's pin now
         self._hits[rid] = hit
         tokens = (hit.end - s) * bs
         if cap and tokens > cap:
@@ -317,49 +311,6 @@ class OffloadManager:
         hit.offered = tokens
         self.counters.lookup_hit_tokens += tokens
         return tokens
-
-    def _gated(self, rid: str, book: DiskBook | RemoteBook) -> bool:
-        """Whether ``rid`` may not start a read from ``book``'s tier now: one of the
-        lower tiers has a read past its fetch timeout still out (``Fetches.overdue``: a
-        rank -- stopped, stuck -- is not serving tier jobs; a new read would wait on it
-        for a whole timeout too, and the next tier's after it: 30 s a request with both).
-        The exemption is per tier: a request whose own read on ``book``'s tier still
-        waits is not gated there (that fetch ends its wait itself), but it starts no
-        read on the other tier meanwhile. When gated, what ``rid``'s ended fetch on that
-        tier still pins is released, as the tier's own lookup would have done
-        (``Fetches.again``). The reads resume once the overdue job ends (acked, or failed
-        with its rank). Hand-offs are not asked (they wait for their manifest). A fetch
-        answered meanwhile (a query sent before the job was overdue) is not planned
-        either (``Fetches.plan``'s ``overdue``)."""
-        if not self._any_overdue() or book.fetches.waiting(rid):
-            return False
-        book.fetches.release(rid)
-        return True
-
-    def _turned_away(self, rid: str) -> int:
-        """``rid``'s miss recomputes (0) because a tier is overdue (:meth:`_gated`):
-        counted, and what its ended fetches on either tier still pin is released."""
-        for b in (self.disk, self.remote):
-            if b is not None:
-                b.fetches.release(rid)
-        self.counters.lookups_tier_overdue += 1
-        return 0
-
-    def _may_extend(self, rid: str, hit: Hit, disk: DiskBook, end: int) -> bool:
-        """Whether the disk may be asked to read what follows ``hit`` (up to block
-        ``end``): always when the hit reaches ``end`` (the disk's own lookup then only
-        ends ``rid``'s read), else unless the disk is gated for ``rid``
-        (:meth:`_gated`; counted: a short hit not extended)."""
-        if hit.end >= end or not self._gated(rid, disk):
-            return True
-        self.counters.lookups_tier_overdue += 1
-        return False
-
-    def _any_overdue(self) -> bool:
-        """A lower tier's read is past its fetch timeout and still out
-        (``Fetches.overdue``)."""
-        return ((self.disk is not None and self.disk.fetches.overdue())
-                or (self.remote is not None and self.remote.fetches.overdue()))
 
     def allocated(self, req_id: str, gpu_block_ids: Sequence[Sequence[int]],
                   num_external_tokens: int) -> None:
@@ -448,10 +399,8 @@ class OffloadManager:
         request, whatever its lookups were asked again -- a later one in
         ``hit_tokens_readmitted``. A request the manager does not track counts as
         first."""
-        if self.remote is not None:
-            self.remote.end_lookup(req_id)
-        if self.disk is not None:
-            self.disk.forget(req_id)
+        if self._tiers.active:
+            self._tiers.admitted(req_id)
         if st is not None:
             st.refreshed = 0  # a later lookup (a re-admission) is a new use of the prefix
             if st.admitted:
@@ -520,13 +469,8 @@ class OffloadManager:
                 victims: list[tuple[int, bytes]] = []
                 store = self._plan_stores(step, alloc, dirty, victims)
                 load = self._loads.plan(step, self._jobs)
-                overdue = self._any_overdue()
-                if self.remote is not None:
-                    remote = tuple(self.remote.plan(step, overdue=overdue))
-                    victims += self.remote.take_victims()
-                if self.disk is not None:  # the victims' WRITEs go out before the store
-                    disk = (*self.disk.write_victims(step, victims),  # and the GETs
-                            *self.disk.plan(step, overdue=overdue))
+                if self._tiers.active:  # the victims' WRITEs go out before the store
+                    remote, disk = self._tiers.plan(step, victims)
         failed_loads = self._loads.take_failed()
         jobs = self._loads.listed_jobs(self._jobs)
         return StepPlan(step=step, store=store, load=load, load_jobs=jobs,
@@ -538,10 +482,10 @@ class OffloadManager:
         in the job table under the latest step's number) so that the caller posts them
         from the lookup itself; ``[]`` without a disk tier, once failed or abandoned.
         What this leaves unplanned (no CPU room yet) the next ``build_step`` plans."""
-        disk, out = self.disk, self.outcomes
-        if disk is None or out.failed or out.abandoned or not disk.has_pending_work():
+        out = self.outcomes
+        if out.failed or out.abandoned:
             return []
-        return disk.plan_reads(self._last_step, overdue=self._any_overdue())
+        return self._tiers.plan_reads(self._last_step)
 
     def _plan_stores(self, step: int, alloc: frozenset[int], dirty: list[ScheduledRequest],
                      victims: list[tuple[int, bytes]]) -> Transfer | None:
@@ -557,7 +501,7 @@ class OffloadManager:
         n = len(sel.gpu_ids)
         if not n:
             return None
-        cpu_ids = self.cpu.allocate(n, victims if self.disk is not None else None)
+        cpu_ids = self.cpu.allocate(n, victims if self._tiers.disk is not None else None)
         if sel.to_touch:
             self.gpu.touch(sel.to_touch)
         job = self._jobs.new_store(step, sel.gpu_ids, cpu_ids, groups=sel.groups,
@@ -604,10 +548,8 @@ class OffloadManager:
         self._drop_hit(req_id)
         self._loads.cancel(req_id)
         self._loads.supersede(req_id, self._jobs)
-        if self.remote is not None:
-            self.remote.forget(req_id)
-        if self.disk is not None:
-            self.disk.forget(req_id)
+        if self._tiers.active:
+            self._tiers.forget(req_id)
         return self._track.forget(req_id)
 
     # ---- checks ----------------------------------------------------------------------
@@ -622,5 +564,4 @@ class OffloadManager:
         return Parts(cpu=self.cpu, gpu=self.gpu, world_size=self.world_size, hits=self._hits,
                      jobs=self._jobs, loads=self._loads, stores=self._stores,
                      failed=self.outcomes.failed, abandoned=self.outcomes.abandoned,
-                     remote_pins=(() if self.remote is None else tuple(self.remote.pinned()))
-                     + (() if self.disk is None else tuple(self.disk.pinned())))
+                     remote_pins=self._tiers.pinned())
