@@ -249,6 +249,12 @@ _REMOTE_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
                             "hand-offs", False),
     "pd_publish_empty": ("P/D hand-offs with no full block to publish; hand-offs", False),
     "pd_tails_dropped": ("P/D partial last blocks dropped from a hand-off; blocks", False),
+    "pd_tails_declined": ("P/D partial last blocks not handed off: their store could not "
+                          "be queued (a sliding-window group, a load writing the block, "
+                          "another hash on it); blocks", False),
+    "pd_tails_unkeyed": ("P/D partial last blocks not handed off: no key (inputs the token "
+                         "ids do not describe, or the full blocks not yet hashed); blocks",
+                         False),
     "pd_consumed": ("P/D manifests a decoder read and trusted; manifests", False),
     "pd_manifest_missing": ("P/D manifests a decoder did not find; manifests", False),
     "pd_manifest_refused": ("P/D manifests a decoder refused (another deployment's, "

@@ -210,6 +210,8 @@ class PdCounters:
     publish_empty: int = 0
     unhealthy: int = 0
     tails_dropped: int = 0
+    tails_declined: int = 0  # a partial last block that could not be queued (pin_tail)
+    tails_unkeyed: int = 0  # a partial last block with no key (multimodal, not hashed)
     manifest_reused: int = 0
     orphans_dropped: int = 0
     not_owner: int = 0

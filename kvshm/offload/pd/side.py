@@ -141,8 +141,13 @@ class HandoffSide:
         keys = self._gs.keys(hashes, 0, n)
         tail_keys = None
         full, rest = divmod(confirmed, bs)
-        if tail is not None and n == full and rest > 1:
-            tail_keys = pin_tail(tables, n, tail)
+        if n == full and rest > 1:  # a partial last block a decoder would reuse
+            if tail is None:
+                self.handoffs.counters.tails_unkeyed += 1
+            else:
+                tail_keys = pin_tail(tables, n, tail)
+                if tail_keys is None:
+                    self.handoffs.counters.tails_declined += 1
         keys += tail_keys or []
         params = pubs.publish(rid, keys, confirmed, self._puts.is_published,
                               len(tail_keys or ()))

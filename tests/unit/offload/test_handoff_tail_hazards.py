@@ -258,6 +258,28 @@ def test_a_tail_key_for_a_prompt_shorter_than_one_block_stores_nothing() -> None
     assert p.cpu.get_cached(t) is None and p.cpu.num_free == 16
 
 
+def test_a_partial_last_block_not_handed_off_is_counted_by_why() -> None:
+    """Two hand-offs whose partial last block (3 tokens) is left out: one finished
+    without a tail key (vLLM gives none for multimodal inputs), one whose tail block the
+    GPU pool says holds another hash (pin_tail refuses it). Both publish their full
+    blocks only, as before -- but silently: the decoder then recomputed the last block
+    and no counter said why. Now ``tails_unkeyed`` and ``tails_declined`` do."""
+    index = HeldIndex()
+    p = remote_rig(index)
+    a, b = Req("a", 11, params=REMOTE), Req("b", 11, base=100, params=REMOTE)
+    ga, gb = p.alloc(3, a.h), p.alloc(3, b.h)
+    p.hash(gb[2:], [b"\xee" * 32])                                 # another hash on it
+    p.step(a.sched(ga, confirmed=11, new=True), b.sched(gb, confirmed=11, new=True))
+    p.m.finished("a", 11, [ga])                                     # no tail key
+    p.m.finished("b", 11, [gb], tail_hash=tail_of(b))
+    p.m.check_invariants()
+    book = p.m.remote
+    assert book is not None and book.pd is not None
+    c = book.pd.counters
+    assert (c.tails_unkeyed, c.tails_declined, c.published) == (1, 1, 2)
+    assert refs(p.gpu, [ga[2], gb[2]]) == [1, 1]                    # no tail store queued
+
+
 def test_the_handoff_extent_names_no_tail_without_a_full_block() -> None:
     """The decoder side of the same rule: a 3-token hand-off with a tail key looks
     nothing up (no full block: the tail has no parent), a 7-token one its full block and
