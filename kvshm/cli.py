@@ -36,6 +36,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     import json
 
     from kvshm.errors import EngineNotRunning, KvshmError
+    from kvshm.ipc.protocol import is_stats_failure
     from kvshm.ipc.rendezvous_client import query_stats
 
     try:
@@ -46,7 +47,7 @@ def _cmd_stats(args: argparse.Namespace) -> int:
     except (KvshmError, TimeoutError) as exc:
         print(f"kvshm stats: {exc or type(exc).__name__}", file=sys.stderr)
         return 1
-    if "error" in data and "state" not in data:  # the engine's own refusal: no statistics
+    if is_stats_failure(data):  # the engine's own answer: no statistics
         print(f"kvshm stats: engine {args.name!r} answered: {data['error']}", file=sys.stderr)
         return 1
     if args.prometheus:

@@ -69,7 +69,9 @@ def engine_names(proc_net_unix: str = "/proc/net/unix") -> list[str]:
 
 
 def _row(name: str, data: dict[str, Any]) -> EngineRow:
-    if "error" in data and "state" not in data:
+    from kvshm.ipc.protocol import is_stats_failure
+
+    if is_stats_failure(data):
         return EngineRow(name, error=str(data["error"]))
     return EngineRow(name, pid=int(data.get("pid", 0)), state=str(data.get("state", "?")),
                      world_size=int(data.get("world_size", 0)),

@@ -188,9 +188,21 @@ class StatsRequest(_Msg, tag=3, frozen=True, array_like=True, gc=False):
 
 
 class Stats(_Msg, tag=4, frozen=True, array_like=True, gc=False):
-    """Scheduler -> asker: a statistics snapshot (plain JSON-like data)."""
+    """Scheduler -> asker: a statistics snapshot (plain JSON-like data), or
+    :func:`stats_failure`'s answer when there is none to give."""
 
     data: dict[str, Any]
+
+
+def stats_failure(problem: str) -> Stats:
+    """A ``Stats`` answer with no statistics, only why (they could not be built, or are
+    too large to send): ``{"error": problem}``, no ``state``."""
+    return Stats(data={"error": problem})
+
+
+def is_stats_failure(data: dict[str, Any]) -> bool:
+    """Whether a ``Stats`` answer's data is :func:`stats_failure`'s."""
+    return "error" in data and "state" not in data
 
 
 class Transfer(_Msg, tag=5, frozen=True, array_like=True, gc=False):

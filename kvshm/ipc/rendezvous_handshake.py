@@ -17,7 +17,7 @@ from typing import Any
 
 from kvshm.errors import ConfigError, KvshmError, PeerDied, StateError, VersionMismatch
 from kvshm.ipc.fdpass import encode_control, send_datagram
-from kvshm.ipc.protocol import Hello, Stats, check_version
+from kvshm.ipc.protocol import Hello, Stats, check_version, stats_failure
 from kvshm.ipc.rendezvous_conns import Conn, ConnTable
 from kvshm.ipc.rendezvous_events import EventKind, MakeReady, RendezvousCount, RendezvousEvent
 
@@ -146,7 +146,7 @@ class Handshake:
             data = encode_control(Stats(data=self._stats()))
         except Exception as e:  # noqa: BLE001 - a stats bug must not take the scheduler down
             self._counts[RendezvousCount.STATS_ERRORS] += 1
-            data = encode_control(Stats(data={"error": f"{type(e).__name__}: {e}"}))
+            data = encode_control(stats_failure(f"{type(e).__name__}: {e}"))
         try:
             try:
                 send_datagram(conn.sock, data)
@@ -154,8 +154,8 @@ class Handshake:
                 if e.errno != errno.EMSGSIZE:
                     raise
                 self._counts[RendezvousCount.STATS_ERRORS] += 1
-                send_datagram(conn.sock, encode_control(Stats(data={
-                    "error": f"stats snapshot of {len(data)} bytes is too large to send"})))
+                send_datagram(conn.sock, encode_control(stats_failure(
+                    f"stats snapshot of {len(data)} bytes is too large to send")))
         except BlockingIOError:
             self._counts[RendezvousCount.STATS_DROPPED] += 1  # asker does not read its answers
             if conn.rank is None:
