@@ -81,7 +81,7 @@ def recorded_pins(p: Parts) -> tuple[Counter[int], Counter[int]]:
     for job in p.jobs.jobs.values():
         cpu.update(job.cpu_ids)
         gpu.update(job.gpu_ids)
-    gpu.update(c.gpu_id for c in p.stores.finish_queue)
+    gpu.update(c.gpu_id for c in p.stores.finished.items)
     cpu.update(p.remote_pins)
     return cpu, gpu
 
@@ -100,7 +100,7 @@ def _check_pins(p: Parts) -> None:
         if hit.cause is not None and hit.pinned:
             _fail(f"tombstone hit of {rid} still records pins")
     if p.failed and (any(h.cause is None for h in p.hits.values()) or p.loads.queue
-                     or p.stores.finish_queue or p.remote_pins):
+                     or p.stores.finished.items or p.remote_pins):
         _fail("a failed manager still holds lookup pins, queued loads or finish stores")
 
 
@@ -126,7 +126,7 @@ def _check_marks(p: Parts) -> None:
             if not job.reported:
                 for part in job.parts:
                     loading.update(part.cpu_ids)
-    for cand in plan.finish_queue:
+    for cand in plan.finished.items:
         gpu_ids.append(cand.gpu_id)
         keys.append(cand.key)
     for part in book.queue.values():
@@ -134,9 +134,9 @@ def _check_marks(p: Parts) -> None:
         dst.update(part.gpu_ids)
     if len(set(gpu_ids)) != len(gpu_ids) or len(set(keys)) != len(keys):
         _fail("a GPU block or a key is being stored twice")
-    if set(gpu_ids) != plan.inflight_gpu:
-        _fail(f"in-flight GPU ids {sorted(plan.inflight_gpu)} != jobs' {sorted(gpu_ids)}")
-    if set(keys) != plan.inflight_keys:
+    if set(gpu_ids) != plan.marks.gpu:
+        _fail(f"in-flight GPU ids {sorted(plan.marks.gpu)} != jobs' {sorted(gpu_ids)}")
+    if set(keys) != plan.marks.keys:
         _fail("in-flight keys differ from the store jobs' keys")
     if loading != Counter(book.loading_cpu.counts):
         _fail(f"being-loaded CPU counts {dict(book.loading_cpu.counts)} != expected "

@@ -126,7 +126,7 @@ class OffloadManager:
         self._hits: dict[str, Hit] = {}
         remote_book = None if remote is None else remote(cpu, self._gs, jobs)
         if remote_book is not None:  # a P/D publication learns of a dropped tail store
-            self._stores.on_dropped = remote_book.store_dropped
+            self._stores.finished.on_dropped = remote_book.store_dropped
         disk_book = None if disk is None else disk(cpu, self._gs, jobs)
         self._tiers = LowerTiers(disk_book, remote_book, self.counters)
         self.outcomes = JobOutcomes(jobs, cpu, self._loads, self._stores, remote_book,
@@ -171,7 +171,7 @@ class OffloadManager:
         only for a revoked, unfenced rank do not count: nothing will move them."""
         jobs = self.outcomes.has_pending_work()
         tiers = self._tiers.active and self._tiers.has_pending_work()
-        return bool(jobs or tiers or self._loads.pending() or self._stores.finish_queue)
+        return bool(jobs or tiers or self._loads.pending() or self._stores.finished.items)
 
     def take_load_results(self) -> list[LoadResult]:
         """Load outcomes decided since the last call, each handed out exactly once. This
@@ -379,7 +379,7 @@ class OffloadManager:
         block kvshm pins, and the load would race that read -- the store would cache the
         loaded bytes under the other request's hash. O(the destinations), only while a
         store is in flight."""
-        busy = self._stores.inflight_gpu
+        busy = self._stores.marks.gpu
         if not busy or all(busy.isdisjoint(t[start:end]) for t in tables):
             return
         for g, t in enumerate(tables):  # (only to name the first one)
@@ -493,7 +493,7 @@ class OffloadManager:
         to ``victims`` when a disk tier may write them down (``DiskBook.write_victims``)."""
         sel = Selection()
         plan = self._stores
-        avail = plan.take_finished(self.cpu.num_free, bool(self._jobs.jobs), sel)
+        avail = plan.finished.take(self.cpu.num_free, bool(self._jobs.jobs), sel)
         if dirty:
             avail = self._track.select(dirty, alloc if self._gs.sw else _EMPTY, avail, sel)
         if not self._eager:

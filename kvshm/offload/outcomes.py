@@ -178,7 +178,7 @@ class JobOutcomes:
         finish-time stores."""
         self._drop_hits(cause)
         self.loads.drop_queued(cause)
-        self.stores.drop_finished(decline)
+        self.stores.finished.drop(decline)
         if self.remote is not None:
             self.remote.drop()
         if self.disk is not None:

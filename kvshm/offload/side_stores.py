@@ -27,13 +27,13 @@ def lazy_scan(plan: StorePlanner, avail: int, sel: Selection) -> None:
     # blocks already picked are skipped, the eager walk's of this step included: one it
     # took under a block's second hash was picked again under its first (one GPU block
     # twice in the job, the ack an AssertionError)
-    inflight = plan.inflight_gpu
+    inflight = plan.marks.gpu
     for b in islice(plan.gpu.iter_free_from_lru(), plan.lazy_window):
         gh = plan.gpu.block_hashes(b)
         if not gh or b in inflight:
             continue
         key = gh[0]
-        if key in plan.inflight_keys or key in seen or cached(key):
+        if key in plan.marks.keys or key in seen or cached(key):
             continue
         if len(picks) >= avail:
             plan.counters.declined[DeclineReason.CPU_FULL] += 1
@@ -41,7 +41,7 @@ def lazy_scan(plan: StorePlanner, avail: int, sel: Selection) -> None:
         picks.append(Cand(b, 0, key))
         seen.add(key)
     for c in picks:
-        plan.mark(c)
+        plan.marks.mark(c)
         sel.add(c)
         sel.to_touch.append(c.gpu_id)
     sel.n_lazy = len(picks)
@@ -66,7 +66,7 @@ def pin_tail(plan: StorePlanner, tables: Sequence[Sequence[int]], p: int,
         if b in plan.load_dst or any(c.gpu_id == b for c in picks):
             return None  # (two groups naming one block: bad input, nothing queued)
         reason, key = plan.classify(b, tail, g, _NO_IDS)
-        if reason is DeclineReason.IN_FLIGHT and b not in plan.inflight_gpu:
+        if reason is DeclineReason.IN_FLIGHT and b not in plan.marks.gpu:
             key = plan.gs.key(tail, g)  # another request stores the same tail
         elif reason is DeclineReason.ALREADY_CACHED:
             key = plan.gs.key(tail, g)
@@ -76,8 +76,6 @@ def pin_tail(plan: StorePlanner, tables: Sequence[Sequence[int]], p: int,
             picks.append(Cand(b, g, key, p))
         keys.append(key)
     for c in picks:
-        plan.mark(c)
-    if picks:
-        plan.gpu.touch([c.gpu_id for c in picks])
-        plan.finish_queue.extend(picks)
+        plan.marks.mark(c)
+    plan.finished.queue(picks)
     return keys

@@ -19,8 +19,10 @@ Rules (each is a hazard of docs/design.md):
 * A GPU block that is the destination of a pending load holds no valid KV yet: the
   cursor waits there.
 
-Ownership: the planner owns the in-flight marks and the finish-time queue (and the GPU
-pins of queued finish-time stores). A store job lives in the job table
+Ownership: the planner holds the in-flight marks (``marks``) and the finish-time queue
+(``finished``, which owns the GPU pins of queued finish-time stores): two records of
+their own, :mod:`kvshm.offload.store_marks`; the planner decides what goes into them. A
+store job lives in the job table
 (:class:`~kvshm.offload.jobs.StoreJob`) until every rank acked it or is fenced; then
 :meth:`StorePlanner.complete` clears its marks, indexes its blocks and releases its pins.
 The load destinations a cursor waits at belong to :mod:`kvshm.offload.loads` (read only
@@ -47,6 +49,7 @@ from kvshm.offload.counters import DeclineReason, ManagerCounters
 from kvshm.offload.groups import GroupSet
 from kvshm.offload.jobs import Cand, Selection, StoreJob
 from kvshm.offload.pool import BlockPool
+from kvshm.offload.store_marks import FinishQueue, InFlightMarks
 from kvshm.types import GpuBlocks
 
 __all__ = ["Cursor", "StorePlanner"]
@@ -73,7 +76,8 @@ def _each(block_hashes: Callable[[int], tuple[BlockHash, ...]],
 
 
 class StorePlanner:
-    """Owns the in-flight marks and the finish-time queue; see the module docstring.
+    """Selects stores under the module docstring's rules, into the in-flight marks
+    (``marks``) and the finish-time queue (``finished``) it holds.
     ``load_dst``: the GPU ids pending loads write (owned by
     :class:`~kvshm.offload.loads.LoadBook`, read here: a cursor waits at one)."""
 
@@ -85,22 +89,17 @@ class StorePlanner:
         self.bs = block_size
         self.counters = counters
         self.lazy_window = lazy_window
-        self.inflight_gpu: set[int] = set()
-        self.inflight_keys: set[bytes] = set()
+        self.marks = InFlightMarks()
+        self.finished = FinishQueue(gpu, self.marks, counters)
         self.load_dst = load_dst
         # what walk reads, in one tuple: none of these objects is ever replaced
         # (the sets and dicts change in place; the index view is live)
-        self._hot = (load_dst, self.inflight_gpu, self.inflight_keys, cpu.cached_keys,
+        self._hot = (load_dst, self.marks.gpu, self.marks.keys, cpu.cached_keys,
                      gpu.block_hashes, counters.declined)
         #: ``gpu.block_hashes`` of many ids in one call (a pool's own bulk read, e.g.
         #: ``VllmGpuBlocks.block_hashes_of``, where it has one)
         self._hashes_of: Callable[[list[int]], list[tuple[BlockHash, ...]]] = getattr(
             gpu, "block_hashes_of", None) or partial(_each, gpu.block_hashes)
-        self.finish_queue: list[Cand] = []
-        #: told the keys of finish-time stores dropped for want of CPU blocks (never
-        #: stored, so never put): a P/D publication waiting for one of them learns it
-        #: now (:meth:`kvshm.offload.remote.RemoteBook.store_dropped`), not at its timeout
-        self.on_dropped: Callable[[list[bytes]], None] | None = None
 
     # ---- classification ----------------------------------------------------------
 
@@ -108,7 +107,7 @@ class StorePlanner:
                  alloc: Collection[int]) -> tuple[DeclineReason | None, bytes]:
         """Why GPU block ``b`` at a position with hash ``h`` (None: unknown) must not be
         stored now, or (None, its CPU key)."""
-        if b in self.inflight_gpu:
+        if b in self.marks.gpu:
             return DeclineReason.IN_FLIGHT, b""
         sw = self.gs.is_sw[g]
         if sw and b in alloc:
@@ -124,20 +123,11 @@ class StorePlanner:
         elif sw:
             return DeclineReason.STALE_WINDOW, b""
         key = self.gs.key(h, g)
-        if key in self.inflight_keys:
+        if key in self.marks.keys:
             return DeclineReason.IN_FLIGHT, b""
         if self.cpu.is_cached(key):
             return DeclineReason.ALREADY_CACHED, b""
         return None, key
-
-    def mark(self, c: Cand) -> None:
-        """``c`` is selected: in flight until its job completes or its queued store drops."""
-        self.inflight_gpu.add(c.gpu_id)
-        self.inflight_keys.add(c.key)
-
-    def _unmark(self, b: int, key: bytes) -> None:
-        self.inflight_gpu.remove(b)
-        self.inflight_keys.remove(key)
 
     # ---- eager -------------------------------------------------------------------
 
@@ -269,7 +259,7 @@ class StorePlanner:
             for r in reasons:
                 declined[r] += 1
             for c in picks:
-                self.mark(c)
+                self.marks.mark(c)
                 sel.add(c)
                 sel.to_touch.append(c.gpu_id)
             avail -= len(picks)
@@ -286,9 +276,7 @@ class StorePlanner:
         else:
             picks = self._pin_groups(st, ready)
         st.cursor = max(st.cursor, ready)
-        if picks:
-            self.gpu.touch([c.gpu_id for c in picks])
-            self.finish_queue.extend(picks)
+        self.finished.queue(picks)
         return len(picks)
 
     def _pin_one_group(self, st: Cursor, ready: int) -> list[Cand]:
@@ -340,34 +328,9 @@ class StorePlanner:
                     declined[reason] += 1
                     continue
                 c = Cand(b, g, key, p)
-                self.mark(c)
+                self.marks.mark(c)
                 picks.append(c)
         return picks
-
-    def take_finished(self, avail: int, keep_rest: bool, sel: Selection) -> int:
-        """Move up to ``avail`` queued finish-time stores into ``sel``. The rest wait
-        while ``keep_rest`` (jobs in flight will free CPU blocks), else are dropped as
-        ``CPU_FULL``. Returns what is left of ``avail``."""
-        q = self.finish_queue
-        n = min(avail, len(q))
-        for c in q[:n]:
-            sel.add(c)
-        del q[:n]
-        if q and not keep_rest:
-            dropped = [c.key for c in q]
-            self.drop_finished(DeclineReason.CPU_FULL)
-            if self.on_dropped is not None:
-                self.on_dropped(dropped)
-        return avail - n
-
-    def drop_finished(self, reason: DeclineReason) -> None:
-        """Release every queued finish-time store (never sent): unpin, unmark, count."""
-        q, self.finish_queue = self.finish_queue, []
-        for c in q:
-            self._unmark(c.gpu_id, c.key)
-        self.counters.declined[reason] += len(q)
-        if q:
-            self.gpu.free([c.gpu_id for c in reversed(q)])
 
     # ---- completion --------------------------------------------------------------
 
@@ -380,7 +343,7 @@ class StorePlanner:
         cannot index): no pin outlives its record."""
         gpu_ids, cpu_ids, n_eager = job.gpu_ids, job.cpu_ids, job.n_eager
         try:
-            self._unmark_all(gpu_ids, job.keys)
+            self.marks.unmark_all(gpu_ids, job.keys)
             if register:
                 self._register(gpu_ids, cpu_ids, job.groups, job.keys, job.depths)
         finally:
@@ -389,16 +352,6 @@ class StorePlanner:
                 self.gpu.free(reversed(gpu_ids[:n_eager]))
             if n_eager < len(gpu_ids):
                 self.gpu.free(gpu_ids[n_eager:], evict_first=True)
-
-    def _unmark_all(self, gpu_ids: list[int], keys: list[bytes]) -> None:
-        """:meth:`_unmark` of each pair, in C: a job's GPU ids and keys are distinct and
-        all marked (they were marked when selected, each only while unmarked)."""
-        ig, ik = self.inflight_gpu, self.inflight_keys
-        n_gpu, n_keys = len(ig), len(ik)
-        ig.difference_update(gpu_ids)
-        ik.difference_update(keys)
-        assert len(ig) == n_gpu - len(gpu_ids) and len(ik) == n_keys - len(keys), \
-            "a store job's marks were not all set"
 
     def _register(self, gpu_ids: list[int], cpu_ids: list[int], groups: list[int],
                   keys: list[bytes], depths: list[int]) -> None:

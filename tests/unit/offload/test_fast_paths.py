@@ -112,8 +112,8 @@ def _state(single: bool, gpu_h: list[int | None], cached: set[int], inflight: se
     for c, h in zip(cpu.allocate(len(cached)), sorted(cached)):
         cpu.add_hashes(c, [H[h]])
     plan = _planner(single, gpu, cpu, loading)
-    plan.inflight_gpu.update(inflight)
-    plan.inflight_keys.update(H[k] for k in keys_inflight)
+    plan.marks.gpu.update(inflight)
+    plan.marks.keys.update(H[k] for k in keys_inflight)
     return gpu, plan
 
 
@@ -138,7 +138,7 @@ def test_one_group_walk_equals_the_general_walk(
         for _ in range(calls):
             left = plan.walk(cur, ready, left, (), sel)
         out.append((left, cur.cursor, sel.gpu_ids, sel.groups, sel.keys, sel.depths,
-                    sel.to_touch, sorted(plan.inflight_gpu), sorted(plan.inflight_keys),
+                    sel.to_touch, sorted(plan.marks.gpu), sorted(plan.marks.keys),
                     plan.counters.as_dict()))
     assert out[0] == out[1]
 
@@ -627,8 +627,8 @@ def test_one_group_finish_pin_equals_the_general_pin(
         gpu, plan = _state(single, gpu_h, cached, inflight, keys_inflight, loading)
         cur = _Cur([order], [H[i] for i in seq], cursor)
         n = plan.pin_finished(cur, ready)
-        out.append((n, cur.cursor, list(plan.finish_queue), sorted(plan.inflight_gpu),
-                    sorted(plan.inflight_keys), [gpu.ref_cnt(b) for b in range(12)],
+        out.append((n, cur.cursor, list(plan.finished.items), sorted(plan.marks.gpu),
+                    sorted(plan.marks.keys), [gpu.ref_cnt(b) for b in range(12)],
                     plan.counters.as_dict()))
     assert out[0] == out[1]
 
@@ -652,7 +652,7 @@ gpu_s = st.lists(st.one_of(st.just("own"), st.none(), st.integers(0, 5)), min_si
 
 def _run_outcome(plan: Any, curs: list[_Cur], sel: Selection, left: int) -> tuple[Any, ...]:
     return (left, [c.cursor for c in curs], sel.gpu_ids, sel.groups, sel.keys, sel.depths,
-            sel.to_touch, sorted(plan.inflight_gpu), sorted(plan.inflight_keys),
+            sel.to_touch, sorted(plan.marks.gpu), sorted(plan.marks.keys),
             plan.counters.as_dict())
 
 
@@ -681,7 +681,7 @@ def test_pick_run_picks_what_walking_one_by_one_picks(
             left -= len(entries)
         else:
             if batch:  # refused: nothing changed
-                assert (sel.gpu_ids, sorted(plan.inflight_gpu), sorted(plan.inflight_keys)) \
+                assert (sel.gpu_ids, sorted(plan.marks.gpu), sorted(plan.marks.keys)) \
                     == ([], sorted(inflight), sorted(H[k] for k in keys_inflight))
             for c in curs:
                 left = plan.walk(c, c.cursor + 1, left, (), sel)
@@ -699,7 +699,7 @@ def test_pick_run_takes_a_plain_decode_run() -> None:
     assert plan.pick_run([3, 5, 7], [H[3], H[5], H[7]], [2, 0, 4], sel)
     assert (sel.gpu_ids, sel.groups, sel.keys, sel.depths, sel.to_touch) == \
         ([3, 5, 7], [0, 0, 0], [H[3], H[5], H[7]], [2, 0, 4], [3, 5, 7])
-    assert plan.inflight_gpu == {3, 5, 7} and plan.inflight_keys == {H[3], H[5], H[7]}
+    assert plan.marks.gpu == {3, 5, 7} and plan.marks.keys == {H[3], H[5], H[7]}
 
 
 def test_pick_run_refuses_what_one_walk_would_decline() -> None:
@@ -719,7 +719,7 @@ def test_pick_run_refuses_what_one_walk_would_decline() -> None:
         plan = _run_planner(gpu_h, cached, set(), set(), loading)
         sel = Selection()
         assert not plan.pick_run(blocks, [H[k] for k in keys], [0] * len(blocks), sel)
-        assert sel.gpu_ids == [] and not plan.inflight_gpu and not plan.inflight_keys
+        assert sel.gpu_ids == [] and not plan.marks.gpu and not plan.marks.keys
     plan = _run_planner(gpu_h, set(), set(), {2}, set())
     assert not plan.pick_run([1, 2], [H[1], H[2]], [0, 0], Selection())  # H[2] in flight
 

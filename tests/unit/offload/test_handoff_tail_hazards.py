@@ -194,12 +194,12 @@ def dropped_tail_publication(index: HeldIndex, *, wire: bool) -> Rig:
     p = remote_rig(index, cpu=2)
     if wire:
         assert p.m.remote is not None
-        p.m._stores.on_dropped = p.m.remote.store_dropped
+        p.m._stores.finished.on_dropped = p.m.remote.store_dropped
     r = Req("r", 11, params=REMOTE)
     g = p.alloc(3, r.h)
     p.step(r.sched(g, confirmed=0, new=True))
     p.m.finished("r", 11, [g], tail_hash=tail_of(r))
-    assert refs(p.gpu, g) == [2, 2, 2] and len(p.m._stores.finish_queue) == 3
+    assert refs(p.gpu, g) == [2, 2, 2] and len(p.m._stores.finished.items) == 3
     plan = p.step()
     assert plan.store is not None and refs(p.gpu, g) == [2, 2, 1]
     p.ack(plan.store, ranks=range(WORLD))
@@ -253,7 +253,7 @@ def test_a_tail_key_for_a_prompt_shorter_than_one_block_stores_nothing() -> None
     p.m.finished("r", 3, [g], tail_hash=t)
     p.m.check_invariants()
     assert p.m.transfer_params("r") is None
-    assert refs(p.gpu, g) == [1] and p.m._stores.finish_queue == []
+    assert refs(p.gpu, g) == [1] and p.m._stores.finished.items == []
     assert p.step().store is None
     assert p.cpu.get_cached(t) is None and p.cpu.num_free == 16
 

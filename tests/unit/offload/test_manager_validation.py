@@ -135,7 +135,7 @@ def test_bad_call_half_applied_finished_out_of_range_id() -> None:
     rig.step(a.sched(ga, confirmed=0, new=True))
     err = refused(rig.m, rig.m.finished, "a", 13, [[0, 8, 2, 3]])
     assert (err.req_id, err.field) == ("a", "gpu_block_ids[0][1]")
-    assert rig.m._stores.inflight_gpu == set() and "a" in rig.m._track.reqs
+    assert rig.m._stores.marks.gpu == set() and "a" in rig.m._track.reqs
 
     assert rig.m.finished("a", 13, [ga]) is False
     rig.m.check_invariants()
@@ -163,7 +163,7 @@ def test_bad_call_half_applied_step_good_and_bad_request() -> None:
     err = refused(rig.m, rig.m.build_step, StepInput(99, [g.sched(gg, confirmed=8, new=True),
                                                           bad]))
     assert (err.req_id, err.field) == ("b", "new_block_ids[0][1]")
-    assert rig.m._track.reqs == {} and rig.m._stores.inflight_gpu == set()
+    assert rig.m._track.reqs == {} and rig.m._stores.marks.gpu == set()
     assert rig.m._last_step == last
 
     p = rig.step(g.sched(gg, confirmed=8, new=True))

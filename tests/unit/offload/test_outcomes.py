@@ -47,8 +47,8 @@ class Parts:
         """A store job of ``n`` fresh GPU -> fresh CPU blocks, pinned and marked."""
         gpu, cpu = self.gpu.allocate(n), self.cpu.allocate(n)
         keys = [key(g) for g in gpu]
-        self.stores.inflight_gpu.update(gpu)
-        self.stores.inflight_keys.update(keys)
+        self.stores.marks.gpu.update(gpu)
+        self.stores.marks.keys.update(keys)
         return self.jobs.new_store(1, gpu, cpu, groups=[0] * n, keys=keys, n_eager=n)
 
     def load(self, req_id: str, n: int) -> int:
@@ -71,7 +71,7 @@ def test_a_store_completes_only_once_every_rank_acked_then_indexes_and_unpins() 
     p.out.on_done(job.job_id, 1, True)
     assert p.pinned() == (0, 0)
     assert [p.cpu.get_cached(k) for k in job.keys] == job.cpu_ids
-    assert not p.jobs.jobs and not p.stores.inflight_keys
+    assert not p.jobs.jobs and not p.stores.marks.keys
 
 
 def test_a_failed_store_releases_its_pins_without_indexing() -> None:
@@ -183,8 +183,8 @@ def test_a_tail_that_two_groups_place_in_one_gpu_block_is_not_queued() -> None:
                           BS, parts.counters, 16, parts.loads.dst.counts)
     gpu = parts.gpu.allocate(5)                                # 0, 1, 2, 3, 4
     assert pin_tail(stores, [[0, 1, 2], [3, 4, 2]], 2, key(99)) is None
-    assert stores.finish_queue == [] and not stores.inflight_gpu and not stores.inflight_keys
+    assert stores.finished.items == [] and not stores.marks.gpu and not stores.marks.keys
     assert [parts.gpu.ref_cnt(b) for b in gpu] == [1, 1, 1, 1, 1]
     keys = pin_tail(stores, [[0, 1, 2], [3, 4, 1]], 2, key(99))   # distinct: both queued
     assert keys is not None and len(keys) == 2
-    assert [c.gpu_id for c in stores.finish_queue] == [2, 1]
+    assert [c.gpu_id for c in stores.finished.items] == [2, 1]
