@@ -88,6 +88,7 @@ from kvshm.integrations.vllm.config import ConnectorConfig
 from kvshm.integrations.vllm.listing import Listing
 from kvshm.integrations.vllm.read_wait import ReadWait
 from kvshm.integrations.vllm.records import SchedulerCounters, StepMeta
+from kvshm.integrations.vllm.refusals import Refusals
 from kvshm.integrations.vllm.service import HookGuard, ServiceThread, guarded
 from kvshm.integrations.vllm.side_lifecycle import SideLifecycle
 from kvshm.integrations.vllm.tails import request_tail_hash
@@ -110,11 +111,7 @@ class SchedulerSide:
         self._requests: dict[str, Any] = {}
         self._announced: set[str] = set()
         self._load_failed: set[str] = set()
-        self._refused: set[str] = set()
-        self._logged: set[tuple[str, str]] = set()
         self._no_new = no_new_blocks(len(cfg.groups))
-        # loads vLLM expects but kvshm refused in phase B -> destinations to recompute
-        self._refused_loads: dict[str, tuple[int, ...]] = {}
         self._step = 0
         # synchronous loads accepted in phase B since the last build -> the blocks vLLM
         # expects them to fill
@@ -124,6 +121,7 @@ class SchedulerSide:
         # before it sets the request's num_computed_tokens, which reads 0 there)
         self._local_hit: dict[str, int] = {}
         self.counters = SchedulerCounters()
+        self._refusals = Refusals(self.counters)
         # a lookup's bounded wait for its disk read
         self._reads = ReadWait(disk=bool(cfg.disk_path), block_size=cfg.block_size,
                                live=self._requests, counters=self.counters)
@@ -188,7 +186,7 @@ class SchedulerSide:
         if rid in self._load_failed:
             counters.lookups_after_failed_load += 1
             return 0, False
-        if rid in self._refused:
+        if rid in self._refusals.ids:
             counters.lookups_after_refusal += 1
             return 0, False
         params = request.kv_transfer_params
@@ -206,7 +204,7 @@ class SchedulerSide:
                 elif self._reads.may_wait(rid):
                     hit = self._reads.wait(client, view, num_computed_tokens, self._absorb)
         except InvalidRequest as exc:
-            self._refuse(rid, exc)
+            self._refusals.refuse(rid, exc)
             return 0, False
         if hit is None:
             counters.lookups_asked_again += 1
@@ -239,11 +237,11 @@ class SchedulerSide:
             client = self.life.bound_client or self.client
             client.allocated(rid, block_ids, num_external_tokens)
         except InvalidRequest as exc:
-            self._refuse(rid, exc)
+            self._refusals.refuse(rid, exc)
             self.client.allocated(rid, self._no_new, 0)  # releases the lookup's pin
             if num_external_tokens:  # vLLM waits for those tokens: fail the load instead
-                self._refused_loads[rid] = self._expected_dsts(
-                    request, block_ids, num_external_tokens)
+                self._refusals.refuse_load(rid, self._expected_dsts(
+                    request, block_ids, num_external_tokens))
 
     def _expected_dsts(self, request: Any, block_ids: Sequence[Sequence[int]],
                        n_ext: int) -> tuple[int, ...]:
@@ -262,18 +260,6 @@ class SchedulerSide:
                if isinstance(b, int) and not isinstance(b, bool) and b >= 0]
         return tuple(dict.fromkeys(out))
 
-    def _refuse(self, rid: str, exc: InvalidRequest) -> None:
-        """kvshm refused a call for ``rid``: count it, log it once per kind, and leave
-        the request out of offload from now on (see the module docstring)."""
-        self.counters.requests_refused += 1
-        self._refused.add(rid)
-        kind = (exc.call, exc.field.split("[", 1)[0])
-        if kind not in self._logged:
-            self._logged.add(kind)
-            log.error("kvshm refused %s for request %s (%s); that request goes without "
-                      "offload (further refusals of this kind are only counted)",
-                      exc.call, rid, exc)
-
     # -- the step ------------------------------------------------------------------------
     @guarded
     def build(self, so: Any) -> StepMeta:
@@ -282,7 +268,7 @@ class SchedulerSide:
         self._absorb(client.poll())
         self._step += 1
         self.counters.steps += 1
-        requests, refused = self._requests, self._refused
+        requests, refused = self._requests, self._refusals.ids
         for rid in getattr(so, "finished_req_ids", ()) or ():
             if rid in requests or rid in refused:  # else ``finished`` forgot it already
                 self._forget(rid)
@@ -293,9 +279,7 @@ class SchedulerSide:
         if plan.load is not None:
             load_dsts[plan.load.job_id] = tuple(unpack_ids(plan.load.dst_ids))
         failed = dict(plan.failed_loads)
-        if self._refused_loads:
-            failed.update(self._refused_loads)
-            self._refused_loads.clear()
+        failed.update(self._refusals.take_loads())
         sync: tuple[str, ...] = ()
         if self._sync_now:
             sync = self._sync_reqs(plan, failed)
@@ -322,7 +306,7 @@ class SchedulerSide:
         """``SyncClient.step`` over the listing without the refused requests; a listing
         refused for one request is retried without it (a step refused as a whole
         raises)."""
-        refused = self._refused
+        refused = self._refusals.ids
         if refused:
             reqs = [r for r in reqs if r.req_id not in refused]
         while True:
@@ -334,7 +318,7 @@ class SchedulerSide:
                 rid = exc.req_id
                 if rid is None or rid in refused:
                     raise
-                self._refuse(rid, exc)
+                self._refusals.refuse(rid, exc)
                 reqs = [r for r in reqs if r.req_id != rid]
 
     def _listing(self, so: Any) -> tuple[list[ScheduledRequest], set[int]]:
@@ -383,7 +367,7 @@ class SchedulerSide:
                     if remote_decode(params) else None)
             client.finished(rid, confirmed, block_ids, tail_hash=tail)
         except InvalidRequest as exc:
-            self._refuse(rid, exc)
+            self._refusals.refuse(rid, exc)
             self.client.finished(rid, 0, self._no_new)  # forgets it, stores nothing
         self._forget(rid)
         if self.cfg.remote_url is None:  # no remote tier: no hand-off, nothing to ask
@@ -392,7 +376,7 @@ class SchedulerSide:
 
     def _forget(self, rid: str) -> None:
         """Drop every trace of ``rid``. Invariant (``build`` skips a finished id that
-        is in neither ``_requests`` nor ``_refused``): the announced, load-failed and
+        is in neither ``_requests`` nor the refusals): the announced, load-failed and
         next-look entries exist only for a request in ``_requests`` (the listing, the
         lookup and ``_absorb`` add them only for a known request); an unknown id left in
         the listing's mirror only makes the next listing take its walk (exact)."""
@@ -403,7 +387,7 @@ class SchedulerSide:
         self._requests.pop(rid, None)
         self._announced.discard(rid)
         self._load_failed.discard(rid)
-        self._refused.discard(rid)
+        self._refusals.forget(rid)
 
     @guarded
     def has_pending_work(self) -> bool:
