@@ -281,6 +281,13 @@ class OffloadManager:
             # last to go (refreshing only the new tail would age the head below it)
             refresh_prefix(self.cpu, self._gs, view.hashes, s)
             st.refreshed = s
+        return self._find(view, num_local_tokens, s)
+
+    def _find(self, view: View, num_local_tokens: int, s: int) -> int | None:
+        """:meth:`_lookup` from the engine's hit at block ``s``: the CPU hit, or the lower
+        tiers on a miss (a hand-off looks its extent up, waits for its manifest's blocks
+        and is never asked of the disk)."""
+        rid, bs = view.req_id, self.block_size
         hashes, n_max = view.hashes, (view.num_tokens - 1 - num_local_tokens) // bs
         cap = 0  # a P/D hand-off's hit may end inside a block: num_tokens - 1 at most
         tiers = self._tiers
@@ -301,11 +308,18 @@ class OffloadManager:
             return None
         if tiers.active and not handoff and tiers.extends(rid, hashes, hit, s + n_max):
             return None  # the disk reads what follows the hit, held meanwhile
+        return self._pin_hit(rid, hit, s, cap, handoff)
+
+    def _pin_hit(self, rid: str, hit: Hit, start: int, cap: int, handoff: bool) -> int:
+        """Pin ``rid``'s CPU hit (from block ``start``) for its phase B; the tokens
+        offered, at most ``cap`` where a hand-off's hit may end inside a block (0: no
+        cap). The pin comes before the lower tiers release what they fetched for ``rid``
+        (those blocks never reach the free set in between)."""
         self.cpu.touch(hit.pinned)
-        if tiers.active:
-            tiers.hit(rid, disk=not handoff)  # what they fetched is the hit's pin now
+        if self._tiers.active:
+            self._tiers.hit(rid, disk=not handoff)  # what they fetched is the hit's pin now
         self._hits[rid] = hit
-        tokens = (hit.end - s) * bs
+        tokens = (hit.end - start) * self.block_size
         if cap and tokens > cap:
             tokens = cap
         hit.offered = tokens
@@ -321,32 +335,12 @@ class OffloadManager:
         req_id, tables, num_external_tokens = self._check.allocated(
             req_id, gpu_block_ids, num_external_tokens)
         hit = self._hits.get(req_id)
-        if num_external_tokens and hit is None \
-                and self._loads.pending_for(req_id, self._jobs):
-            # a second phase B for one lookup: its failure would name blocks the first
-            # one's load is writing. (One with 0 tokens is vLLM's own: a request whose
-            # asynchronous load finished is allocated again, external tokens 0, while
-            # the load's acks may still be on their way -- its outcome stays reported.)
-            raise self._check.refuse("allocated", req_id, "req_id",
-                                     "a second phase B with no lookup since the first: "
-                                     "its load is queued or in flight")
+        self._check_phase_b(req_id, tables, num_external_tokens, hit)
         st = self._track.reqs.get(req_id)
         if num_external_tokens == 0:
             self._drop_hit(req_id)
             self._admit(req_id, st, 0)
             return
-        if hit is not None:  # every refusal before any change
-            # a dropped hit (reset, a rank's death) too: its failure names the blocks of
-            # the accepted range, which must be the offered one (2**62 tokens walked
-            # that range for ever)
-            if num_external_tokens > hit.offered:
-                raise self._check.refuse("allocated", req_id, "num_external_tokens",
-                                         f"{num_external_tokens} accepted, {hit.offered} "
-                                         "offered")
-            if hit.cause is None:
-                end = hit.start + cdiv(num_external_tokens, self.block_size)
-                self._check.reach("allocated", req_id, tables, end)
-                self._refuse_stored_dests(req_id, tables, hit.start, end)
         # an older load's outcome is not this one's: dropped -- only once the call is
         # accepted (a refused call that did this lost the in-flight load's result, and
         # its wait_loaded waited for good)
@@ -372,6 +366,33 @@ class OffloadManager:
         self.gpu.touch(a.gpu_ids)
         self._loads.enqueue(
             LoadPart(req_id, a.cpu_ids, a.gpu_ids, tuple(a.failed), num_external_tokens))
+
+    def _check_phase_b(self, req_id: str, tables: Tables, tokens: int, hit: Hit | None
+                       ) -> None:
+        """Every refusal of a phase B whose fields passed their checks (InvalidRequest,
+        nothing changed): a second phase B with tokens and no lookup since the first;
+        more tokens than the hit offered; tables that do not reach the accepted hit; a
+        destination a store in flight still reads."""
+        if tokens and hit is None and self._loads.pending_for(req_id, self._jobs):
+            # a second phase B for one lookup: its failure would name blocks the first
+            # one's load is writing. (One with 0 tokens is vLLM's own: a request whose
+            # asynchronous load finished is allocated again, external tokens 0, while
+            # the load's acks may still be on their way -- its outcome stays reported.)
+            raise self._check.refuse("allocated", req_id, "req_id",
+                                     "a second phase B with no lookup since the first: "
+                                     "its load is queued or in flight")
+        if not tokens or hit is None:
+            return
+        # a dropped hit (reset, a rank's death) too: its failure names the blocks of the
+        # accepted range, which must be the offered one (2**62 tokens walked that range
+        # for ever)
+        if tokens > hit.offered:
+            raise self._check.refuse("allocated", req_id, "num_external_tokens",
+                                     f"{tokens} accepted, {hit.offered} offered")
+        if hit.cause is None:
+            end = hit.start + cdiv(tokens, self.block_size)
+            self._check.reach("allocated", req_id, tables, end)
+            self._refuse_stored_dests(req_id, tables, hit.start, end)
 
     def _refuse_stored_dests(self, req_id: str, tables: Tables, start: int, end: int) -> None:
         """InvalidRequest where a load destination (positions ``[start, end)``) is a
