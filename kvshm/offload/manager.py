@@ -281,13 +281,6 @@ class OffloadManager:
             # last to go (refreshing only the new tail would age the head below it)
             refresh_prefix(self.cpu, self._gs, view.hashes, s)
             st.refreshed = s
-        return self._find(view, num_local_tokens, s)
-
-    def _find(self, view: View, num_local_tokens: int, s: int) -> int | None:
-        """:meth:`_lookup` from the engine's hit at block ``s``: the CPU hit, or the lower
-        tiers on a miss (a hand-off looks its extent up, waits for its manifest's blocks
-        and is never asked of the disk)."""
-        rid, bs = view.req_id, self.block_size
         hashes, n_max = view.hashes, (view.num_tokens - 1 - num_local_tokens) // bs
         cap = 0  # a P/D hand-off's hit may end inside a block: num_tokens - 1 at most
         tiers = self._tiers
