@@ -285,6 +285,18 @@ async def test_a_generated_names_slab_goes_even_when_its_rank_was_sigkilled(
     assert len(list(tmp_path.glob("*.slab"))) == 2
 
 
+async def test_a_rank_the_close_had_to_kill_leaves_no_slab(tmp_path: Path) -> None:
+    """Rank 1 is stuck (SIGSTOP) when the engine closes: past the grace period the
+    launcher kills it, so it never removes its slab -- and the engine's own removal ran
+    before the ranks were stopped, while rank 1 still held its lock (found by a review
+    of the fix above). The engine removes the slabs again once every rank is reaped."""
+    async with spawned_engine(shutdown_grace_s=0.3, **disk_cfg(tmp_path)) as (eng, gpu, ks):
+        await fill(Client(eng, gpu), ks, 1, seed=63)
+        assert len(list(tmp_path.glob("*.slab"))) == 2
+        os.kill(eng.statistics().ranks[1].pid, signal.SIGSTOP)
+    assert list(tmp_path.glob("*.slab")) == []
+
+
 async def test_a_restarted_engine_serves_the_previous_ones_slab_at_once(
         tmp_path: Path) -> None:
     """Engine 1 writes prompt 0's blocks down and closes; engine 2, started under the

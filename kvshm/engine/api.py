@@ -143,11 +143,18 @@ class Engine(Facade):
         finally:  # even when cancelled: no waiter is left hanging
             self._waits.fail_all(LoadFailure.ENGINE_CLOSED)
             if stopping is None or stopping.done():
-                self._closed.set()
+                self._stopped()
             else:  # cancelled while the ranks stop: the other aclose()s return only once
-                stopping.add_done_callback(lambda _: self._closed.set())  # they are reaped
+                stopping.add_done_callback(lambda _: self._stopped())  # they are reaped
         if cancelled:  # the caller's cancel, delivered once the engine is closed
             raise asyncio.CancelledError
+
+    def _stopped(self) -> None:
+        """The ranks are stopped (reaped): the slabs of those the stop killed before they
+        removed their own go now (a rank stuck or busy past the grace period is killed
+        without removing its slab), then every ``aclose`` returns."""
+        self._core.remove_orphan_slabs()
+        self._closed.set()
 
     async def _drain(self, deadline: float) -> None:
         """Graceful part of aclose: let jobs in flight finish (so their pins are released)
@@ -280,9 +287,9 @@ class _Launch:
 class SyncClient(Facade):
     """Synchronous engine for a serving engine whose scheduler is synchronous (vLLM).
 
-    Workers ATTACH (embedded or standalone). ``step``, ``poll``, ``reset`` and
-    ``has_pending_work`` first service the rendezvous and drain the done rings without
-    waiting, applying completions on the caller's thread; the per-request calls
+    Workers ATTACH (embedded or standalone). ``step``, ``poll``, ``reset``,
+    ``reset_done`` and ``has_pending_work`` first service the rendezvous and drain the
+    done rings without waiting, applying completions on the caller's thread; the per-request calls
     (``lookup``, ``allocated``, ``finished``) act on what the last of those left (see
     :mod:`kvshm.engine.facade`). Until every rank has connected, ``lookup`` returns 0
     and ``step`` plans nothing. A context manager: ``with SyncClient(...) as client``

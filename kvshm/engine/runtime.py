@@ -302,6 +302,12 @@ class Runtime:
         """Drop the CPU index, abandon the jobs in flight; True once they are done."""
         return self.manager is None or self.manager.reset()
 
+    def remove_orphan_slabs(self) -> int:
+        """The disk slabs of a generated name that no process holds any more (ranks that
+        died, or were killed at close, before removing their own); call it again once
+        the ranks are stopped (:meth:`DiskLink.close`; never raises)."""
+        return self._disk.close()
+
     def reset_done(self) -> bool:
         """True once the jobs the last :meth:`reset` abandoned are done."""
         return self.manager is None or self.manager.reset_done()

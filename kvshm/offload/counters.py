@@ -58,7 +58,7 @@ class ManagerCounters:
     lookups_during_reset: int = 0  # answered 0: a reset's abandoned jobs still in flight
     #: lookups that started no disk or remote read (a CPU miss answered 0, or a CPU hit
     #: short of its extent not extended by the disk) because an earlier read of a lower
-    #: tier is past its fetch timeout and still out (``OffloadManager._gated``)
+    #: tier is past its fetch timeout and still out (``LowerTiers.gated``)
     lookups_tier_overdue: int = 0
     loads_planned: int = 0
     loaded_blocks: int = 0

@@ -295,12 +295,12 @@ class WriteBack:
                 slots.add_hashes(s, (remote_hash(k),))
             self.counters.written_blocks += len(job.keys)
             self.pause.succeeded()
-        elif job.abandoned:  # a reset's: not a failure (every rank may have acked)
+        elif job.abandoned and not job.nacked:  # a reset's: not a failure
             self.counters.write_abandoned_jobs += 1
-        else:
+        else:  # a rank's own failure feeds the pause even inside a reset's window
             self.counters.write_failed_jobs += 1
             self.counters.write_failed_blocks += len(job.keys)
-            self.pause.failed(job.cause)
+            self.pause.failed(LoadFailure.WORKER_FAILED if job.nacked else job.cause)
         slots.free(job.slots)  # indexed: most recently used; unindexed: reused first
         scan = job.job_id in self._scan_jobs
         self._scan_jobs.discard(job.job_id)

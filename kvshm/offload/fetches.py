@@ -253,7 +253,7 @@ class Fetches:
     def plan(self, step: int, *, overdue: bool = False) -> list[RemoteJob]:
         """This step's jobs, one per ANSWERED fetch that the CPU tier has room for.
         ``overdue``: a tier's read is past the fetch timeout and still out
-        (``OffloadManager._any_overdue``): every ANSWERED fetch ends DONE instead
+        (``LowerTiers.overdue``): every ANSWERED fetch ends DONE instead
         (counted), for good, and its request recomputes -- a job would wait on the same
         rank."""
         out: list[RemoteJob] = []
@@ -310,7 +310,7 @@ class Fetches:
                 and st.state is FetchState.FETCHING)  # not timed out meanwhile
         cpu = self.cpu
         if not usable:
-            if job.abandoned:  # a reset's: not a failure (the ranks may all have acked)
+            if job.abandoned and not job.nacked:  # a reset's: not a failure
                 self.counters.get_abandoned_jobs += 1
             else:
                 self.counters.get_failed_jobs += 1

@@ -69,7 +69,9 @@ class Job:
     every id is pinned until the job completes. ``waiting``: the ranks whose ack is
     still due (live or revoked, never fenced). ``failed`` / ``cause``: set once, at the
     first failed ack or revocation (:meth:`fail`), never cleared. ``abandoned``: failed
-    by ``reset``; its completion indexes nothing.
+    by ``reset``; its completion indexes nothing. ``nacked``: some rank acked it failed
+    (its copy or I/O failed), whatever failed the job first -- an abandoned job that a
+    rank also failed counts as a failure, not as abandoned.
     """
 
     job_id: int
@@ -80,6 +82,7 @@ class Job:
     failed: bool = False
     cause: LoadFailure | None = None
     abandoned: bool = False
+    nacked: bool = False
 
     def fail(self, cause: LoadFailure) -> bool:
         """Mark the job failed with ``cause`` unless it already is; True if it was
@@ -268,6 +271,8 @@ class JobTable:
             self._counters.acks_duplicate += 1
             return None
         job.waiting.discard(rank)
+        if not ok:
+            job.nacked = True
         newly_failed = not ok and job.fail(cause)
         if newly_failed:
             self._counters.jobs_failed += 1

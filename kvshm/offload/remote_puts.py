@@ -264,7 +264,7 @@ class PutQueue:
                 while len(self._ready_of) > READY_MEMORY:
                     self._ready_of.popitem(last=False)
                 self.counters.published_blocks += len(job.keys)
-            elif job.abandoned:  # a reset's: not a failure (every rank may have acked)
+            elif job.abandoned and not job.nacked:  # a reset's: not a failure
                 self.counters.put_abandoned_blocks += len(job.keys)
             else:
                 self.counters.put_failed_blocks += len(job.keys)

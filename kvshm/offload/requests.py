@@ -84,8 +84,6 @@ class ReqState:
         self.refreshed = 0
 
 
-
-
 class RequestTracker:
     """Requests' GPU tables and store cursors (see the module docstring)."""
 

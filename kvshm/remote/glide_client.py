@@ -155,6 +155,8 @@ class Counters:
     def add(self, **deltas: int) -> None:
         with self._lock:
             c = self._c
+            if not deltas.keys() <= c.keys():  # all or nothing: no half-added call
+                raise KeyError(f"undeclared counters {sorted(deltas.keys() - c.keys())}")
             for k, v in deltas.items():
                 c[k] += v
 

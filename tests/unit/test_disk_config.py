@@ -94,6 +94,11 @@ def test_the_vllm_keys_parse_and_refuse_in_one_line() -> None:
         ({"disk_io": "buffered", "disk_mode": "write_back"},
          "['disk_io', 'disk_mode'] set but 'disk_path' is not"),
         ({"remote_mode": "on_evict"}, "'remote_mode' is set but 'remote_url' is not")]
+    # the anchor given as None: a template's explicit "tier off", accepted as before
+    assert check_extra_config({"remote_url": None, "remote_mode": "on_evict"}).remote_url \
+        is None
+    assert check_extra_config({"disk_path": None, "disk_bytes_per_rank": None,
+                               "disk_mode": "write_through"}).disk_path is None
     for extra, msg in cases:
         with pytest.raises(ConfigError, match=msg.replace("[", r"\[").replace("]", r"\]")) \
                 as info:

@@ -39,9 +39,10 @@ on each, with its default; it is what the refusal of an unknown key lists):
   none), ``disk_bytes_per_rank`` (each rank's slab size in bytes; required with
   ``disk_path``), ``disk_io``: ``"direct"`` (default, ``O_DIRECT``) or ``"buffered"``;
   ``disk_mode``: ``"write_back"`` (default: blocks about to leave the CPU tier) or
-  ``"write_through"`` (every stored block). ``disk_io`` or ``disk_mode`` without
-  ``disk_path``, and ``remote_mode`` without ``remote_url``, are ConfigErrors: a
-  tier's settings without the tier.
+  ``"write_through"`` (every stored block). ``disk_io`` or ``disk_mode`` without the
+  key ``disk_path``, and ``remote_mode`` without the key ``remote_url``, are
+  ConfigErrors: a tier's settings without the tier (the anchor given as None turns
+  the tier off explicitly: accepted).
   The slab is named after ``name``: set ``name`` for a restarted server to serve the
   previous one's disk blocks (warm restart). The default name is new every start: its
   slabs are removed when the engine closes.
@@ -384,7 +385,8 @@ def _remote(extra: Mapping[str, Any]) -> tuple[str | None, RemoteMode, str]:
         if not isinstance(url, str):
             raise ConfigError(f"{_EXTRA}['remote_url'] must be a URL string, got {url!r}")
         RemoteSpec.parse(url)
-    if url is None and "remote_mode" in extra:  # the user believes a tier is on
+    if "remote_url" not in extra and "remote_mode" in extra:  # the user thinks a tier is on
+        # (an explicit ``"remote_url": None`` is a template's "tier off": accepted)
         raise ConfigError(f"{_EXTRA}: 'remote_mode' is set but 'remote_url' is not "
                           f"(there is no remote tier without a server)")
     mode = extra.get("remote_mode", RemoteMode.WRITE_THROUGH.value)
@@ -410,7 +412,8 @@ def _disk(extra: Mapping[str, Any]) -> tuple[str | None, int | None, DiskIO, Dis
         raise ConfigError(f"{_EXTRA}: 'disk_path' and 'disk_bytes_per_rank' go together "
                           f"(the disk tier's directory and each rank's slab size)")
     stray = sorted(k for k in ("disk_io", "disk_mode") if k in extra)
-    if path is None and stray:  # the user believes a tier is on
+    if "disk_path" not in extra and stray:  # the user thinks a tier is on (an explicit
+        # ``"disk_path": None`` is a template's "tier off": accepted)
         raise ConfigError(f"{_EXTRA}: {stray} set but 'disk_path' is not (there is no "
                           f"disk tier without a directory)")
     io = extra.get("disk_io", DiskIO.DIRECT.value)

@@ -266,10 +266,10 @@ class KvshmConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
         self.worker_side.register(kv_caches, self._kv_cache_config, _rank(self._vllm_config))
 
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        super().bind_connector_metadata(connector_metadata)
-        if not isinstance(connector_metadata, StepMeta):  # another connector's
+        if not isinstance(connector_metadata, StepMeta):  # another connector's: refused
             raise StateError(f"kvshm's worker was bound {type(connector_metadata).__name__}, "
                              "not the metadata kvshm's scheduler side builds")
+        super().bind_connector_metadata(connector_metadata)
         self.worker_side.bind(connector_metadata)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:

@@ -53,7 +53,9 @@ class Refusals:
 
     def take_loads(self) -> dict[str, tuple[int, ...]]:
         """The refused loads since the last call (request -> destinations), once."""
-        out, self._loads = self._loads, {}
+        out = self._loads
+        if out:
+            self._loads = {}
         return out
 
     def forget(self, rid: str) -> None:

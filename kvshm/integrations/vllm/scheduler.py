@@ -113,6 +113,7 @@ class SchedulerSide:
         self._load_failed: set[str] = set()
         self._no_new = no_new_blocks(len(cfg.groups))
         self._step = 0
+        self._resetting = False  # a reset_cache returned False: the next one polls it
         # synchronous loads accepted in phase B since the last build -> the blocks vLLM
         # expects them to fill
         self._sync_now: dict[str, tuple[int, ...]] = {}
@@ -279,7 +280,9 @@ class SchedulerSide:
         if plan.load is not None:
             load_dsts[plan.load.job_id] = tuple(unpack_ids(plan.load.dst_ids))
         failed = dict(plan.failed_loads)
-        failed.update(self._refusals.take_loads())
+        refused_loads = self._refusals.take_loads()
+        if refused_loads:
+            failed.update(refused_loads)
         sync: tuple[str, ...] = ()
         if self._sync_now:
             sync = self._sync_reqs(plan, failed)
@@ -399,6 +402,14 @@ class SchedulerSide:
 
     @guarded
     def reset(self) -> bool:
-        """``reset_cache``: drop the CPU index; False while transfers are in flight."""
-        return self.client.reset()
+        """``reset_cache``: drop the CPU index; False while the transfers it abandoned are
+        in flight. A call while the last reset still drains polls it (``reset_done``)
+        instead of starting another: vLLM's callers retry ``reset_prefix_cache`` until
+        True, and under traffic each retry, a new reset, abandoned the stores planned
+        since the last one ended and might never see the end. (Nothing is planned while
+        a reset drains, so no block cached since the first call is missed.)"""
+        client = self.client
+        done = client.reset_done() if self._resetting else client.reset()
+        self._resetting = not done
+        return done
 

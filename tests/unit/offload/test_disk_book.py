@@ -289,6 +289,20 @@ def test_a_write_and_a_read_a_reset_abandoned_count_as_abandoned_not_failed() ->
     assert rig.m.counters.jobs_failed == 0 and rig.m.counters.jobs_abandoned == 2
 
 
+def test_a_write_a_rank_failed_inside_a_resets_window_is_a_failure() -> None:
+    """The other side of the rule above: a reset abandons a WRITE and rank 1 then fails
+    it (an I/O error). That is a disk failure -- ``write_failed_jobs`` 1, fed to
+    write-back's pause -- not an abandoned job that merely ended."""
+    rig = DiskRig(cpu=4, window=1, max_window=8, write_through=True)
+    rig.store(Req("a", 9))
+    (write,) = rig.step().disk
+    assert rig.m.reset() is False
+    rig.ack_disk(write, (True, False))
+    c = rig.book.counters
+    assert (c.write_failed_jobs, c.write_abandoned_jobs) == (1, 0)
+    assert rig.m.reset_done() and rig.slots.num_hashes == 0
+
+
 def test_warm_slots_serve_a_hit_at_once() -> None:
     """Slots 2 and 3 indexed at start from the slabs' headers (a restarted engine): R's
     first lookup reads them; then it is an ordinary CPU hit."""

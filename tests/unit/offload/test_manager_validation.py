@@ -547,6 +547,38 @@ class ManagerClient:
     def poll(self) -> list[LoadResult]:
         return self.m.take_load_results()
 
+    def reset(self) -> bool:
+        return self.m.reset()
+
+    def reset_done(self) -> bool:
+        return self.m.reset_done()
+
+
+def test_vllm_reset_cache_retried_polls_the_reset_instead_of_starting_another() -> None:
+    """vLLM's callers retry ``reset_prefix_cache`` until True. Each retry was a new
+    reset: once the first one's abandoned store was done, a step planned another, and
+    the retry abandoned that one too -- under traffic it might never answer True. A
+    retry while a reset drains now polls it: the store planned after the drain is not
+    abandoned, and the retry answers True."""
+    from kvshm.integrations.vllm.config import ConnectorConfig
+    from kvshm.integrations.vllm.scheduler import SchedulerSide
+    from kvshm.types import StoreMode
+
+    rig = Rig(cpu=8)
+    side = SchedulerSide(ConnectorConfig("unit", 1, 1, BS, (KVGroup.full(),), StoreMode.EAGER,
+                                         None, 8, None, 10.0, 5.0, 0))
+    side.life.bound_client = ManagerClient(rig.m)  # type: ignore[assignment]
+    a, b = Req("a", 8), Req("b", 8, base=50)
+    first = rig.step(a.sched(rig.alloc(2, a.h), confirmed=8, new=True))
+    assert side.reset() is False                              # abandons a's store
+    rig.ack(first.store)
+    second = rig.step(b.sched(rig.alloc(2, b.h), confirmed=8, new=True))
+    assert second.store is not None                           # planned after the drain
+    assert side.reset() is True                               # polled: b's not abandoned
+    assert rig.m.counters.jobs_abandoned == 1
+    rig.ack(second.store)
+    assert rig.cpu.get_cached(b.h[0]) is not None
+
 
 def test_vllm_adapter_maps_refusals_to_no_offload() -> None:
     """The vLLM scheduler side never lets a refusal reach vLLM where a safe answer
