@@ -312,6 +312,22 @@ def test_budget_checks() -> None:
         check_budget(cfg, 32 << 10, 1 << 20)
 
 
+def test_a_disk_slab_that_holds_no_block_is_refused_before_any_engine_starts() -> None:
+    """``disk_bytes_per_rank=4096`` with 32 KiB rows (one slot: a 4 KiB header page plus
+    the row, after the slab's own 4 KiB header page: 40 KiB) was refused only once the
+    ranks said hello: the engine FAILED and served without any offload, the CPU tier
+    included (found by a hostile probe). Refused at the budget check now."""
+    cfg = _parse(_vllm_config({"cpu_bytes": 4 << 20, "disk_path": "/tmp",
+                               "disk_bytes_per_rank": 4096}))
+    with pytest.raises(ConfigError, match=r"\['disk_bytes_per_rank'\]=4096 holds no slot: one "
+                                          r"block of this model \(32768 bytes per rank\) "
+                                          r"takes 40960 bytes"):
+        check_budget(cfg, 32 << 10, 1 << 40)
+    ok = _parse(_vllm_config({"cpu_bytes": 4 << 20, "disk_path": "/tmp",
+                              "disk_bytes_per_rank": 40960}))
+    check_budget(ok, 32 << 10, 1 << 40)
+
+
 def test_engine_name_is_safe_deterministic_and_short() -> None:
     assert engine_name("abc") == "kvshm-abc"
     assert engine_name("a b/c_dp0") == "kvshm-a-b-c_dp0"

@@ -682,13 +682,15 @@ def resolve_size(cfg: ConnectorConfig, memory_available: int,
 
 def check_budget(cfg: ConnectorConfig, bytes_per_block: int, available_bytes: int) -> None:
     """Refuse a CPU tier that cannot hold one block per rank, or that all ranks together
-    cannot get from this host (``available_bytes``: free shared memory less a margin).
+    cannot get from this host (``available_bytes``: free shared memory less a margin),
+    and a disk slab that cannot hold one block (:func:`_check_disk_slot`).
 
     Early and approximate (the exact check runs when every rank has said hello); the
     point is a clear error at start-up instead of an engine that serves without offload.
     """
     if bytes_per_block <= 0:
         raise ConfigError(f"vLLM's KV cache has {bytes_per_block} bytes per block")
+    _check_disk_slot(cfg, bytes_per_block)
     world = cfg.world_size
     if cfg.num_cpu_blocks is not None:
         need = cfg.num_cpu_blocks * bytes_per_block
@@ -706,6 +708,23 @@ def check_budget(cfg: ConnectorConfig, bytes_per_block: int, available_bytes: in
         raise ConfigError(f"{what} x {world} rank(s) = {need * world} bytes does not fit: "
                           f"{available_bytes} bytes of shared memory are available here "
                           "(free /dev/shm and MemAvailable, less a margin)")
+
+
+def _check_disk_slot(cfg: ConnectorConfig, bytes_per_block: int) -> None:
+    """A ``disk_bytes_per_rank`` below one slot of this model's rows was refused only
+    once the ranks said hello: the start FAILED there, and with it the CPU tier too
+    (vLLM served on without any offload, one ERROR line the only sign). vLLM's KV cache
+    config gives the row size now: refused here, before any engine starts."""
+    if cfg.disk_bytes_per_rank is None:
+        return
+    from kvshm.disk import PAGE
+    from kvshm.engine.disk_link import slot_stride
+
+    need = PAGE + slot_stride(bytes_per_block)
+    if cfg.disk_bytes_per_rank < need:
+        raise ConfigError(f"{_EXTRA}['disk_bytes_per_rank']={cfg.disk_bytes_per_rank} holds "
+                          f"no slot: one block of this model ({bytes_per_block} bytes per "
+                          f"rank) takes {need} bytes of slab; raise it")
 
 
 def tier_text(c: ConnectorConfig) -> str:
