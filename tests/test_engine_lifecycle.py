@@ -282,6 +282,15 @@ async def test_a_stall_of_the_schedulers_own_loop_does_not_make_healthy_ranks_hu
         assert st.counters["stored_blocks"] >= before + 4
 
 
+def _poll_until_ready(client: SyncClient, timeout_s: float = 30.0) -> None:
+    """Poll ``client`` until every rank connected (AssertionError after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while client.state is not EngineState.READY:
+        assert time.monotonic() < deadline
+        client.poll()
+        time.sleep(0.01)
+
+
 def test_request_listed_before_ready_gets_no_hit_and_no_pin() -> None:
     """SyncClient: b is listed in step 1, before any worker connected. Once READY and
     once a's blocks (the same tokens) are cached, lookup(b) answers 0 - the manager
@@ -296,11 +305,7 @@ def test_request_listed_before_ready_gets_no_hit_and_no_pin() -> None:
         client.step(StepInput(1, [ScheduledRequest("b", hashes, len(toks), ((),),
                                                    new_or_resumed=True)]))
         workers.start()
-        deadline = time.monotonic() + 30
-        while client.state is not EngineState.READY:
-            assert time.monotonic() < deadline
-            client.poll()
-            time.sleep(0.01)
+        _poll_until_ready(client)
         table = gpu.allocate(6)
         client.allocated("a", [table], 0)
         client.step(StepInput(2, [ScheduledRequest("a", hashes, len(toks), (tuple(table),),
@@ -308,7 +313,7 @@ def test_request_listed_before_ready_gets_no_hit_and_no_pin() -> None:
                                                    num_confirmed_tokens=len(toks))]))
         client.finished("a", len(toks), [table])
         gpu.free(reversed(table))
-        step = 3
+        step, deadline = 3, time.monotonic() + 30
         while client.has_pending_work():
             assert time.monotonic() < deadline
             client.step(StepInput(step, []))
@@ -357,11 +362,7 @@ def test_statistics_before_ready_carry_every_counter_as_zero() -> None:
         assert counters["loaded_blocks"] == 0 and counters["jobs_failed"] == 0
         assert counters["declined_cpu_full"] == 0
         workers.start()
-        deadline = time.monotonic() + 30
-        while client.state is not EngineState.READY:
-            assert time.monotonic() < deadline
-            client.poll()
-            time.sleep(0.01)
+        _poll_until_ready(client)
         assert set(client.statistics().as_dict()["counters"]) == set(counters)
     finally:
         client.close()
