@@ -328,7 +328,8 @@ class OffloadManager:
         req_id, tables, num_external_tokens = self._check.allocated(
             req_id, gpu_block_ids, num_external_tokens)
         hit = self._hits.get(req_id)
-        self._check_phase_b(req_id, tables, num_external_tokens, hit)
+        if num_external_tokens:  # (with 0 tokens there is nothing to refuse: no call)
+            self._check_phase_b(req_id, tables, num_external_tokens, hit)
         st = self._track.reqs.get(req_id)
         if num_external_tokens == 0:
             self._drop_hit(req_id)
@@ -362,11 +363,11 @@ class OffloadManager:
 
     def _check_phase_b(self, req_id: str, tables: Tables, tokens: int, hit: Hit | None
                        ) -> None:
-        """Every refusal of a phase B whose fields passed their checks (InvalidRequest,
-        nothing changed): a second phase B with tokens and no lookup since the first;
+        """Every refusal of a phase B with ``tokens`` > 0 whose fields passed their checks
+        (InvalidRequest, nothing changed): a second one with no lookup since the first;
         more tokens than the hit offered; tables that do not reach the accepted hit; a
         destination a store in flight still reads."""
-        if tokens and hit is None and self._loads.pending_for(req_id, self._jobs):
+        if hit is None and self._loads.pending_for(req_id, self._jobs):
             # a second phase B for one lookup: its failure would name blocks the first
             # one's load is writing. (One with 0 tokens is vLLM's own: a request whose
             # asynchronous load finished is allocated again, external tokens 0, while
@@ -374,7 +375,7 @@ class OffloadManager:
             raise self._check.refuse("allocated", req_id, "req_id",
                                      "a second phase B with no lookup since the first: "
                                      "its load is queued or in flight")
-        if not tokens or hit is None:
+        if hit is None:
             return
         # a dropped hit (reset, a rank's death) too: its failure names the blocks of the
         # accepted range, which must be the offered one (2**62 tokens walked that range

@@ -120,6 +120,7 @@ def test_a_hook_of_the_other_role_is_a_state_error() -> None:
         conn.worker_side  # noqa: B018
     with pytest.raises(StateError, match="kvshm's worker was bound object, not the metadata"):
         conn.bind_connector_metadata(object())
+    assert getattr(conn, "_connector_metadata", None) is None  # refused: nothing bound
 
 
 # ------------------------------------------------------------------- GpuBlocks adapter
