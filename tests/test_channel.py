@@ -252,7 +252,7 @@ def test_oversize_refused_at_sender_and_nothing_queued() -> None:
         big_put = p.Remote(100, p.RemoteOp.PUT, b"\0" * 4 * 600, b"\0" * 32 * 600, 32)
         with pytest.raises(ConfigError, match="exceeds"):
             lk.ch.post(big_put)
-        assert lk.ch.outstanding == 0 and not lk.ch._remote_ids  # no id of it is kept
+        assert lk.ch.outstanding == 0 and lk.ch._unanswered.tier_jobs == 0  # no id of it kept
         with pytest.raises(ConfigError):  # the ones before it still go out, in order
             lk.ch.post_many([transfer(1), huge, transfer(2)])
         w = in_process_worker(lk)

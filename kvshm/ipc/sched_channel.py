@@ -25,6 +25,7 @@ from kvshm.ipc import protocol
 from kvshm.ipc.channel import RECHECK_INTERVAL_S, ChannelEndpoint, ChannelStats
 from kvshm.ipc.doorbell import full_fence
 from kvshm.ipc.ring_pair import RevokeReason, RingPair
+from kvshm.ipc.unanswered import Unanswered
 
 __all__ = ["SchedulerChannel"]
 
@@ -51,8 +52,7 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
         self._interval = recheck_interval
         self._overflow: collections.deque[bytes] = collections.deque()
         self._overflow_peak = self._dropped = 0
-        self._outstanding = 0
-        self._remote_ids: set[int] = set()  # Remote jobs posted, not yet answered
+        self._unanswered = Unanswered()  # the hang clock's count (tier jobs apart)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_done: Callable[[list[protocol.Done]], None] | None = None
         self._on_error: Callable[[TransportError], None] | None = None
@@ -73,40 +73,9 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
     @property
     def outstanding(self) -> int:
         """Transfers in the ring or overflow not yet answered by a Done (approximate)."""
-        return self._outstanding
+        return self._unanswered.count
 
     # -- sending -------------------------------------------------------------------
-    def _sent(self, msg: protocol.CmdMsg) -> int:
-        """1 for a Transfer (counted in :attr:`outstanding`: the hang clock). A Remote
-        job is not: it waits on a network server, with its own deadlines; nor is a Disk
-        job (a rank's slab I/O, on its own threads, bounded by the scheduler's read
-        timeout and write cap); their ids are kept so that their Dones do not count as
-        a Transfer's answer."""
-        if isinstance(msg, (protocol.Remote, protocol.Disk)):
-            self._remote_ids.add(msg.job_id)
-            return 0
-        return isinstance(msg, protocol.Transfer)
-
-    def _unsent(self, msg: protocol.CmdMsg) -> None:
-        """Undo :meth:`_sent` for a message that was refused after it."""
-        if isinstance(msg, (protocol.Remote, protocol.Disk)):
-            self._remote_ids.discard(msg.job_id)
-        else:
-            self._outstanding -= isinstance(msg, protocol.Transfer)
-
-    def _answered(self, dones: list[protocol.Done]) -> int:
-        """How many of ``dones`` answer Transfers (the rest answer Remote jobs)."""
-        ids = self._remote_ids
-        if not ids:
-            return len(dones)
-        n = 0
-        for d in dones:
-            if d.job_id in ids:
-                ids.discard(d.job_id)
-            else:
-                n += 1
-        return n
-
     def send_nowait(self, msg: protocol.CmdMsg) -> None:
         """Publish ``msg`` now; WouldBlock if the ring (or the overflow before it) is full.
 
@@ -123,7 +92,7 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
             self._full_events += 1
             raise WouldBlock(f"cmd ring of rank {self.rank} is full")
         self._tx.publish()
-        self._outstanding += self._sent(msg)
+        self._unanswered.sent(msg)
         self._published(1, len(payload))
         self._arm_timer()
 
@@ -137,11 +106,11 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
             return self.post_many((msg,)) == 1
         payload = self._scratch  # fast path: nothing queued, one record
         self._encoder.encode_into(msg, payload)
-        self._outstanding += self._sent(msg)
+        self._unanswered.sent(msg)
         try:
             staged = self._tx.stage(payload)
         except ConfigError:  # refused: nothing of it stays (the count, a tier job's id)
-            self._unsent(msg)
+            self._unanswered.unsent(msg)
             raise
         if not staged:
             self._full_events += 1
@@ -176,7 +145,7 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
                     f"record of {len(payload)} bytes exceeds the cmd ring limit of {limit} "
                     f"(rank {self.rank})"
                 )
-            self._outstanding += self._sent(msg)
+            self._unanswered.sent(msg)
             if not overflow and tx.stage(payload):
                 staged += 1
                 nbytes += len(payload)
@@ -221,7 +190,7 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
         self._check_open()
         msgs = self._drain()
         if msgs:
-            self._outstanding = max(0, self._outstanding - self._answered(msgs))
+            self._unanswered.answered(msgs)
         if self._overflow:
             self.flush_overflow()
         return msgs
@@ -232,7 +201,7 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
         so no message is dropped because its neighbour was bad."""
         good, self._pending = self._pending, []
         if good:
-            self._outstanding = max(0, self._outstanding - self._answered(good))
+            self._unanswered.answered(good)
         return good
 
     async def receive(self) -> list[protocol.Done]:
@@ -346,7 +315,7 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
     def _arm_timer(self) -> None:
         if self._loop is None or self._timer is not None or self._closed:
             return
-        if self._outstanding or self._overflow or self._waiter is not None:
+        if self._unanswered.count or self._overflow or self._waiter is not None:
             self._timer = self._loop.call_later(self._interval, self._on_timer)
 
     def _on_timer(self) -> None:
