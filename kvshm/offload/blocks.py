@@ -245,6 +245,15 @@ class FreeSet:
     def __len__(self) -> int:
         return self._len
 
+    def seed(self, blocks: Iterable[Block]) -> None:
+        """A new set's first blocks, all uncached: the fresh queue, in order. Only on an
+        empty set (the pool's construction)."""
+        assert not self._len, "seed() is for an empty free set"
+        for b in blocks:
+            b.slot = FRESH
+            self.fresh.append(b)
+        self._len = self.fresh.size
+
     def appendleft(self, b: Block) -> None:
         """``b`` is taken before every block now in the set (uncached or evict_first)."""
         b.slot = FRESH

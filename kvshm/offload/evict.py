@@ -283,10 +283,7 @@ def make_free_set(eviction: Eviction, blocks: Iterable[Block], num_blocks: int, 
         fs = Adaptive(num_blocks, block_tokens=block_tokens)
     else:
         raise ConfigError(f"unknown eviction order {eviction!r}")
-    for b in blocks:
-        b.slot = FRESH
-        fs.fresh.append(b)
-    fs._len = len(fs.fresh)
+    fs.seed(blocks)
     return fs
 
 
