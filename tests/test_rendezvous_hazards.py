@@ -168,7 +168,7 @@ def test_unexpected_error_on_one_connection_keeps_the_other_events_of_the_batch(
         def broken(*_: object) -> None:
             raise RuntimeError("stats path bug")
 
-        monkeypatch.setattr(server._handshake, "answer_stats", broken)
+        monkeypatch.setattr(server._stats_desk, "answer", broken)
         rank.close()
         asker.send(StatsRequest())
         _wait_readable([rank_fd, asker_fd])

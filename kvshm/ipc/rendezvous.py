@@ -41,8 +41,9 @@ set, the pending ones oldest first, the ranks'); :mod:`kvshm.ipc.rendezvous_even
 the event and ``make_ready`` types; the server holds a
 :class:`~kvshm.ipc.rendezvous_handshake.Handshake` (its own object, with its own state:
 the Hellos, the peers' pids, the lost ranks, the lifecycle) that decides what each
-accepted message does: the Hello checks, Ready, stats answers, refusals and losses; the
-server keeps the sockets, the listener and the service loop. Worker side:
+accepted message does: the Hello checks, Ready, refusals and losses; a
+:class:`~kvshm.ipc.rendezvous_stats.StatsDesk` answers stats queries; the server keeps
+the sockets, the listener and the service loop. Worker side:
 :class:`~kvshm.ipc.rendezvous_client.RendezvousClient` and
 :func:`~kvshm.ipc.rendezvous_client.query_stats`.
 """
@@ -71,6 +72,7 @@ from kvshm.ipc.protocol import Goodbye, Hello, StatsRequest
 from kvshm.ipc.rendezvous_conns import Conn, ConnTable
 from kvshm.ipc.rendezvous_events import EventKind, MakeReady, RendezvousCount, RendezvousEvent
 from kvshm.ipc.rendezvous_handshake import Handshake, ServerState
+from kvshm.ipc.rendezvous_stats import StatsDesk
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
     import asyncio
@@ -106,7 +108,8 @@ class RendezvousServer:
         self._table = ConnTable(self._listener.fileno(), world_size)
         self._counts: dict[RendezvousCount, int] = dict.fromkeys(RendezvousCount, 0)
         self._handshake = Handshake(name, world_size, self._table, self._counts,
-                                    make_ready=make_ready, stats=stats)
+                                    make_ready=make_ready)
+        self._stats_desk = StatsDesk(self._table, self._counts, stats)
         self._on_events: Callable[[list[RendezvousEvent]], None] | None = None
 
     # ------------------------------------------------------------------ queries
@@ -285,7 +288,9 @@ class RendezvousServer:
             if isinstance(msg, Hello):
                 self._handshake.on_hello(conn, msg, events)
             elif isinstance(msg, StatsRequest):
-                self._handshake.answer_stats(conn, events)
+                if not self._stats_desk.answer(conn):
+                    self._handshake.lose(conn, events, "connection closed while answering "
+                                         "stats", peer_closed=True)
             elif isinstance(msg, Goodbye) and conn.rank is not None and msg.rank == conn.rank:
                 conn.farewell = msg.reason or "the worker closed"
                 self._counts[RendezvousCount.GOODBYES] += 1

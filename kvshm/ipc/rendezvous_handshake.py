@@ -9,15 +9,13 @@ lifecycle (:class:`ServerState`). Its rules and invariants are in the class docs
 
 from __future__ import annotations
 
-import errno
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from enum import Enum
 from types import MappingProxyType
-from typing import Any
 
 from kvshm.errors import ConfigError, KvshmError, PeerDied, StateError, VersionMismatch
 from kvshm.ipc.fdpass import encode_control, send_datagram
-from kvshm.ipc.protocol import Hello, Stats, check_version, stats_failure
+from kvshm.ipc.protocol import Hello, check_version
 from kvshm.ipc.rendezvous_conns import Conn, ConnTable
 from kvshm.ipc.rendezvous_events import EventKind, MakeReady, RendezvousCount, RendezvousEvent
 
@@ -34,7 +32,8 @@ class ServerState(Enum):
 
 
 class Handshake:
-    """Hello checks, Ready, stats answers, refusals and losses of one rendezvous.
+    """Hello checks, Ready, refusals and losses of one rendezvous (stats queries are
+    :class:`~kvshm.ipc.rendezvous_stats.StatsDesk`'s).
 
     Owns the accepted Hellos by rank, each rank's peer pid (kept after its loss), the
     lost ranks and the lifecycle state. Handed the server's connection table (it
@@ -55,21 +54,16 @@ class Handshake:
       before the call, so a raise cannot repeat it. Every rank then gets its Ready and
       fds (READY), or, when ``make_ready`` failed or missed a rank, every rank
       connection is closed (READY_FAILED).
-    * A stats query is answered on any connection; a stats bug or an oversized snapshot
-      answers an error instead; an asker that does not read its answers is dropped
-      (``stats_dropped``), a rank never is.
     * Refusing a rank's connection loses the rank (``RANK_LOST``, once per rank).
     """
 
     def __init__(self, name: str, world_size: int, table: ConnTable,
-                 counts: dict[RendezvousCount, int], *, make_ready: MakeReady,
-                 stats: Callable[[], dict[str, Any]]) -> None:
+                 counts: dict[RendezvousCount, int], *, make_ready: MakeReady) -> None:
         self.name = name
         self.world_size = world_size
         self._table = table
         self._counts = counts
         self._make_ready = make_ready
-        self._stats = stats
         self._hellos: dict[int, Hello] = {}
         self._pids: dict[int, int] = {}
         self._lost: set[int] = set()
@@ -138,34 +132,6 @@ class Handshake:
         if self._state is not ServerState.WAITING:
             return bad_hello, f"rendezvous {self.name!r} is {self._state.value}"
         return None
-
-    def answer_stats(self, conn: Conn, events: list[RendezvousEvent]) -> None:
-        """Answer a ``StatsRequest`` on ``conn`` (an error snapshot if ``stats`` raised or
-        its answer is too large); a non-rank asker that does not read is closed."""
-        try:
-            data = encode_control(Stats(data=self._stats()))
-        except Exception as e:  # noqa: BLE001 - a stats bug must not take the scheduler down
-            self._counts[RendezvousCount.STATS_ERRORS] += 1
-            data = encode_control(stats_failure(f"{type(e).__name__}: {e}"))
-        try:
-            try:
-                send_datagram(conn.sock, data)
-            except OSError as e:
-                if e.errno != errno.EMSGSIZE:
-                    raise
-                self._counts[RendezvousCount.STATS_ERRORS] += 1
-                send_datagram(conn.sock, encode_control(stats_failure(
-                    f"stats snapshot of {len(data)} bytes is too large to send")))
-        except BlockingIOError:
-            self._counts[RendezvousCount.STATS_DROPPED] += 1  # asker does not read its answers
-            if conn.rank is None:
-                self._table.close(conn)
-            return
-        except PeerDied:
-            self.lose(conn, events, "connection closed while answering stats",
-                      peer_closed=True)
-            return
-        self._counts[RendezvousCount.STATS_SERVED] += 1
 
     # ------------------------------------------------------------------ Ready
 

@@ -1,6 +1,7 @@
 """The rendezvous handshake alone (:class:`kvshm.ipc.rendezvous_handshake.Handshake`):
-which Hellos it accepts, when it sends Ready, what it does with a stats asker, and who
-it loses -- driven directly, without a listener or a service loop.
+which Hellos it accepts, when it sends Ready and who it loses -- and the stats desk
+beside it (:class:`kvshm.ipc.rendezvous_stats.StatsDesk`: what it does with an asker) --
+driven directly, without a listener or a service loop.
 
 Each test hands the handshake a real :class:`~kvshm.ipc.rendezvous_conns.ConnTable`
 whose connections are the scheduler ends of real AF_UNIX SOCK_SEQPACKET socketpairs
@@ -28,6 +29,7 @@ from kvshm.ipc.rendezvous_events import (
     RendezvousEvent,
 )
 from kvshm.ipc.rendezvous_handshake import Handshake, ServerState
+from kvshm.ipc.rendezvous_stats import StatsDesk
 
 
 def nonzero(counts: dict[RendezvousCount, int]) -> dict[str, int]:
@@ -65,7 +67,8 @@ class Rig:
                                                                socket.SOCK_SEQPACKET)
         self.table = ConnTable(self.listener.fileno(), self.world)
         self.hs = Handshake("hs-test", self.world, self.table, self.counts,
-                            make_ready=self._make_ready, stats=lambda: self.stats())
+                            make_ready=self._make_ready)
+        self.desk = StatsDesk(self.table, self.counts, lambda: self.stats())
 
     def _make_ready(self, hellos: Mapping[int, Hello]) -> AllReadyPlan:
         self.make_ready_calls += 1
@@ -193,7 +196,7 @@ def _fill(rig: Rig, conn: Conn) -> int:
     events: list[RendezvousEvent] = []
     before = rig.counts[RendezvousCount.STATS_SERVED]
     for _ in range(100_000):
-        rig.hs.answer_stats(conn, events)
+        assert rig.desk.answer(conn)
         if rig.counts[RendezvousCount.STATS_DROPPED]:
             assert events == []
             return rig.counts[RendezvousCount.STATS_SERVED] - before
@@ -221,5 +224,25 @@ def test_a_stats_asker_that_does_not_read_is_dropped_but_a_rank_never() -> None:
         assert rig.hs.lost_ranks() == frozenset() and rig.counts[RendezvousCount.RANKS_LOST] == 0
         answer = recv_datagram(rig.peers[1], 1 << 16)
         assert answer is not None and isinstance(decode_control(answer.data), Stats)
+    finally:
+        rig.close()
+
+
+def test_a_rank_that_died_while_its_stats_were_answered_is_lost_once() -> None:
+    """Rank 0 said Hello, asked for stats and closed its end before the answer went
+    out: the desk finds the peer dead (``answer`` is False, nothing counted as served or
+    dropped) and the handshake -- whose record a rank's death is -- loses rank 0, once."""
+    rig = Rig(world=1)
+    try:
+        conn = rig.connect()
+        events: list[RendezvousEvent] = []
+        rig.hs.on_hello(conn, _hello(0, 1), events)
+        rig.peers[0].close()
+        assert rig.desk.answer(conn) is False
+        assert rig.counts[RendezvousCount.STATS_SERVED] == 0
+        assert rig.counts[RendezvousCount.STATS_DROPPED] == 0
+        rig.hs.lose(conn, events, "connection closed while answering stats", peer_closed=True)
+        assert rig.hs.lost_ranks() == frozenset({0})
+        assert [e.kind for e in events].count(EventKind.RANK_LOST) == 1
     finally:
         rig.close()
