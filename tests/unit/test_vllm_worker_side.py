@@ -28,17 +28,14 @@ def test_load_job_listed_after_its_done_is_not_reported_twice() -> None:
     forgotten (the memory stays bounded)."""
     side = _side()
     side.bind(StepMeta(1, load_jobs={7: ("r",)}, load_dsts={7: (3, 4)}))
-    done: set[str] = set()
-    side._on_done(7, False, done)
-    assert done == {"r"}
+    assert side.reports.report([Done(7, 0, False)], gone=False) == {"r"}
     side.bind(StepMeta(2, load_jobs={7: ("r",)}))
-    assert 7 not in side._job_reqs
-    again: set[str] = set()
-    for job in list(side._job_reqs):  # what finished_loads does for a gone worker
-        side._on_done(job, False, again)
-    assert again == set()
+    assert not side.reports.waiting
+    # what finished_loads does for a gone worker: every unreported job fails -- none
+    assert side.reports.report([], gone=True) == set()
+    assert side.counters.loads_orphaned == 0
     side.bind(StepMeta(3))
-    assert side._reported == set()
+    assert side.reports._reported == set()
 
 
 class _SlowWorker:
@@ -77,5 +74,5 @@ def test_a_slow_synchronous_load_is_waited_for_and_an_unstarted_one_cancelled() 
     side._wait_sync(worker, meta)  # type: ignore[arg-type]
     assert worker.cancelled == {7}
     assert worker.waits == [{7, 8}, {8}, {8}]
-    assert sorted((d.job_id, d.ok) for d in side._early) == [(7, False), (8, True)]
+    assert sorted((d.job_id, d.ok) for d in side.reports._early) == [(7, False), (8, True)]
     assert (side.counters.sync_loads_late, side.counters.sync_loads_slow) == (1, 2)

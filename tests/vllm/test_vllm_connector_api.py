@@ -229,7 +229,7 @@ def _worker_side(per_request: bool) -> Any:
     cfg = ConnectorConfig("unit", 1, 1, 16, groups, StoreMode.EAGER, None, 64, None,
                           30.0, 5.0, 0)
     ws = WorkerSide(cfg)
-    ws.per_request_failures = per_request  # register() sets it from kv_cache_groups
+    ws.reports.per_request_failures = per_request  # register() sets it from kv_cache_groups
     return ws
 
 
@@ -245,12 +245,12 @@ def test_failed_load_is_reported_per_request_with_several_kv_groups(per_request:
     ws.bind(StepMeta(7, failed_loads={"r1": (4, 5, 6)}))
     assert ws.finished_loads() == {"r1"}  # every rank reports it as finished...
     if per_request:
-        assert ws.take_failed_requests() == {"r1"}  # ...and as failed, in one snapshot
-        assert ws.load_errors() == set()
+        assert ws.reports.take_failed_requests() == {"r1"}  # ...and as failed, in one snapshot
+        assert ws.reports.take_errors() == set()
     else:
-        assert ws.take_failed_requests() == set()
-        assert ws.load_errors() == {4, 5, 6}
-    assert ws.take_failed_requests() == set() and ws.load_errors() == set()
+        assert ws.reports.take_failed_requests() == set()
+        assert ws.reports.take_errors() == {4, 5, 6}
+    assert ws.reports.take_failed_requests() == set() and ws.reports.take_errors() == set()
 
 
 # ----------------------------------------------------------- the per-step listing

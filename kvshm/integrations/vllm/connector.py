@@ -295,10 +295,10 @@ class KvshmConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
         _, recving = self.get_finished(finished_req_ids)
         return KVConnectorTransferResults(
             finished_recving=set(recving or ()),
-            failed_recving=self.worker_side.take_failed_requests())
+            failed_recving=self.worker_side.reports.take_failed_requests())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self.worker_side.load_errors()
+        return self.worker_side.reports.take_errors()
 
     def clear_connector_metadata(self) -> None:
         super().clear_connector_metadata()

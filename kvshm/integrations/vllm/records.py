@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["SchedulerCounters", "StepMeta"]
+__all__ = ["SchedulerCounters", "StepMeta", "WorkerCounters"]
 
 
 @dataclass
@@ -66,3 +66,22 @@ class SchedulerCounters:
     requests_refused: int = 0  # calls kvshm refused (InvalidRequest): that request goes without
     steps: int = 0
     stats_writes_failed: int = 0  # live rewrites of stats_path that raised OSError
+
+
+@dataclass
+class WorkerCounters:
+    """This rank's connector counters; monotonic."""
+
+    steps: int = 0
+    loads_done: int = 0
+    loads_failed: int = 0
+    scheduler_failed_loads: int = 0
+    error_blocks: int = 0
+    dones_unknown: int = 0
+    loads_orphaned: int = 0  # the Worker detached before their Done: reported failed
+    failed_requests: int = 0  # reported as failed_recving (several KV groups)
+    load_waits: int = 0  # get_finished waited for this rank's loads (CPU device)
+    load_waits_timed_out: int = 0  # ... and some were still running at the deadline
+    sync_load_waits: int = 0  # start_load_kv waited for a step's synchronous loads
+    sync_loads_late: int = 0  # ... a job not started by the deadline: cancelled, failed
+    sync_loads_slow: int = 0  # ... a job still copying at a deadline: waited for

@@ -36,28 +36,24 @@ pool; the connector only tells it when. Hook by hook:
   scheduler-side failures -- a synchronous load's request left out (vLLM runs it; its
   failure goes out as block ids). vLLM counts a request as loaded once every rank
   reported it.
-* ``get_block_ids_with_load_errors`` -> :meth:`load_errors`: destinations of failed
+* ``get_block_ids_with_load_errors`` -> ``reports.take_errors``: destinations of failed
   jobs and scheduler-side failures, reported no later than the request's id.
-* ``get_transfer_results`` -> :meth:`take_failed_requests` as ``failed_recving`` with
-  several KV groups (full + sliding window): block ids are only unique within a group
-  there, and vLLM 0.32 raises on ``invalid_block_ids`` for such models
+* ``get_transfer_results`` -> ``reports.take_failed_requests`` as ``failed_recving``
+  with several KV groups (full + sliding window): block ids are only unique within a
+  group there, and vLLM 0.32 raises on ``invalid_block_ids`` for such models
   (``Scheduler._handle_invalid_blocks``), so failures go per request and vLLM
-  recomputes the whole request; :meth:`load_errors` then reports nothing. With one
-  group, block ids keep the valid prefix of a failed load.
+  recomputes the whole request; ``take_errors`` then reports nothing. With one group,
+  block ids keep the valid prefix of a failed load.
 
-A job's request ids come from the metadata's ``load_jobs`` map, which lists a job until
-every rank has acked it (or its outcome was reported); this side keeps its own copy from
-the first step that lists a job until it sees the job's ``Done`` (its ack goes to the
-scheduler in the same ``poll``), so a ``Done`` always finds its requests. A job it has
-reported is remembered while still listed, so a later listing never registers it again
-(it would be reported twice -- vLLM asserts on a request finished twice).
+What is reported, and the rules that keep a request from being reported twice, are
+:class:`~kvshm.integrations.vllm.load_reports.LoadReports`' (``side.reports``): this
+side drives the Worker and hands it the Dones it collects.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -65,13 +61,14 @@ import torch
 from kvshm.errors import StateError
 from kvshm.integrations.vllm.blocks import kv_regions
 from kvshm.integrations.vllm.config import ConnectorConfig
-from kvshm.integrations.vllm.records import StepMeta
+from kvshm.integrations.vllm.load_reports import LoadReports
+from kvshm.integrations.vllm.records import StepMeta, WorkerCounters
 
 if TYPE_CHECKING:
     from kvshm.ipc.protocol import Done
     from workers.worker import Worker
 
-__all__ = ["FailLoadIds", "WorkerCounters", "WorkerSide"]
+__all__ = ["FailLoadIds", "WorkerSide"]
 
 log = logging.getLogger("kvshm.vllm")
 
@@ -115,25 +112,6 @@ class FailLoadIds(frozenset[int]):
         return job_id in self.ids
 
 
-@dataclass
-class WorkerCounters:
-    """This rank's connector counters; monotonic."""
-
-    steps: int = 0
-    loads_done: int = 0
-    loads_failed: int = 0
-    scheduler_failed_loads: int = 0
-    error_blocks: int = 0
-    dones_unknown: int = 0
-    loads_orphaned: int = 0  # the Worker detached before their Done: reported failed
-    failed_requests: int = 0  # reported as failed_recving (several KV groups)
-    load_waits: int = 0  # get_finished waited for this rank's loads (CPU device)
-    load_waits_timed_out: int = 0  # ... and some were still running at the deadline
-    sync_load_waits: int = 0  # start_load_kv waited for a step's synchronous loads
-    sync_loads_late: int = 0  # ... a job not started by the deadline: cancelled, failed
-    sync_loads_slow: int = 0  # ... a job still copying at a deadline: waited for
-
-
 class WorkerSide:
     """See the module docstring."""
 
@@ -142,23 +120,11 @@ class WorkerSide:
         self._worker: Worker | None = None
         self._regions: list[torch.Tensor] = []
         self._meta: StepMeta | None = None
-        self._job_reqs: dict[int, tuple[str, ...]] = {}
-        self._job_dsts: dict[int, tuple[int, ...]] = {}
-        # load jobs this rank already reported while the scheduler may still list them
-        # (until every rank acked): never registered, so never reported, twice
-        self._reported: set[int] = set()
-        self._sched_failed: dict[str, tuple[int, ...]] = {}
-        self._errors: set[int] = set()
-        self._failed_reqs: set[str] = set()
-        self.per_request_failures = False  # several KV groups: see the module docstring
         self._fail = FailLoadIds(cfg.test_fail_loads) if cfg.test_fail_loads else None
-        # requests loaded synchronously whose load this rank has not reported yet
-        self._sync: set[str] = set()
-        # Dones that start_loads collected (synchronous loads) for this step's report
-        self._early: list[Done] = []
         self._cuda = False
         self.rank = -1
         self.counters = WorkerCounters()
+        self.reports = LoadReports(self.counters)
 
     # -- lifecycle -------------------------------------------------------------------------
     def register(self, kv_caches: Mapping[str, torch.Tensor], kv_cache_config: Any,
@@ -168,7 +134,7 @@ class WorkerSide:
             raise StateError("register_kv_caches called twice")
         self._regions = kv_regions(kv_caches, kv_cache_config.kv_cache_tensors,
                                    int(kv_cache_config.num_blocks))
-        self.per_request_failures = len(kv_cache_config.kv_cache_groups) > 1
+        self.reports.per_request_failures = len(kv_cache_config.kv_cache_groups) > 1
         self._cuda = self._regions[0].device.type == "cuda"
         from workers.worker import Worker as _Worker
 
@@ -177,7 +143,7 @@ class WorkerSide:
             from workers.cpu_copy import FaultInjection
 
             fault = FaultInjection(fail_job_ids=self._fail)
-        self.rank = rank
+        self.rank = self.reports.rank = rank
         # on the CPU the request waits for its load: copy it in the caller (no hand-off)
         self._worker = _Worker.attach(self.cfg.name, rank, self.cfg.world_size, self._regions,
                                      kv_outer=False, fault=fault, inline=not self._cuda)
@@ -209,20 +175,10 @@ class WorkerSide:
         """``bind_connector_metadata``: begin the step (connects on the first call)."""
         self._meta = meta
         self.counters.steps += 1
-        done = self._reported
-        for job, reqs in meta.load_jobs.items():
-            if job not in self._job_reqs and job not in done:
-                self._job_reqs[job] = tuple(reqs)
-        if done:  # forget reported jobs the scheduler no longer lists (bounded)
-            done.intersection_update(meta.load_jobs)
-        for job, dsts in meta.load_dsts.items():
-            self._job_dsts[job] = tuple(dsts)
-            if self._fail is not None:
+        self.reports.listed(meta)
+        if self._fail is not None:
+            for job in meta.load_dsts:
                 self._fail.offer(job)
-        if meta.failed_loads:
-            self._sched_failed.update(meta.failed_loads)
-        if meta.sync_reqs:
-            self._sync.update(meta.sync_reqs)
         if self._worker is not None:
             self._worker.begin_step(meta.step, tuple(meta.flush))
 
@@ -247,14 +203,14 @@ class WorkerSide:
             return
         self.counters.sync_load_waits += 1
         got = worker.wait(jobs, self.cfg.hang_timeout_s)
-        self._early += got
+        self.reports.collected(got)
         missing = set(jobs) - {d.job_id for d in got}
         if not missing:
             return
         if _gone(worker):  # no Done will ever come (finished_loads' orphans)
             self.counters.loads_orphaned += len(missing)
-            self._early += [protocol.Done(j, self.rank, False, "CopyError: late")
-                            for j in sorted(missing)]
+            self.reports.collected(protocol.Done(j, self.rank, False, "CopyError: late")
+                                   for j in sorted(missing))
             return
         # Not started yet (its Transfer queued behind a full command ring): cancelled,
         # never copied, so vLLM may recompute its blocks. Running: waited for, however
@@ -266,7 +222,7 @@ class WorkerSide:
             self.counters.sync_loads_late += 1
             log.warning("kvshm: rank %d: synchronous load job %d had not reached the rank "
                         "before the forward; its blocks are recomputed", self.rank, job)
-            self._early.append(protocol.Done(job, self.rank, False, "CopyError: late"))
+            self.reports.collected([protocol.Done(job, self.rank, False, "CopyError: late")])
         self._wait_running(worker, missing - cancelled)
 
     def _wait_running(self, worker: Worker, running: set[int]) -> None:
@@ -281,12 +237,12 @@ class WorkerSide:
                         "%g s; the forward waits for them", self.rank, sorted(running),
                         self.cfg.hang_timeout_s)
             got = worker.wait(running, self.cfg.hang_timeout_s)
-            self._early += got
+            self.reports.collected(got)
             running -= {d.job_id for d in got}
             if running and _gone(worker):
                 self.counters.loads_orphaned += len(running)
-                self._early += [protocol.Done(j, self.rank, False, "CopyError: late")
-                                for j in sorted(running)]
+                self.reports.collected(protocol.Done(j, self.rank, False, "CopyError: late")
+                                       for j in sorted(running))
                 return
 
     def submit_stores(self) -> None:
@@ -305,38 +261,21 @@ class WorkerSide:
         return CudaFence.record()
 
     def finished_loads(self) -> set[str] | None:
-        """``get_finished``'s receiving half: requests whose load this rank finished.
+        """``get_finished``'s receiving half: the request ids whose load this rank
+        finished (:meth:`LoadReports.report
+        <kvshm.integrations.vllm.load_reports.LoadReports.report>`).
 
         Once the Worker has left its scheduler for good (detached or closed), no Done
         will come for the load jobs it never received: they are reported failed here,
         so vLLM never waits for them.
         """
-        done: set[str] = set()
         worker = self._worker
-        if worker is not None:
-            dones = worker.poll()
-            if self._early:
-                dones, self._early = self._early + dones, []
-            if self._job_reqs and not self._cuda:
-                dones += self._wait_loads(worker, {d.job_id for d in dones})
-            for d in dones:
-                self._on_done(d.job_id, d.ok, done)
-            if self._job_reqs and _gone(worker):
-                for job in list(self._job_reqs):
-                    self.counters.loads_orphaned += 1
-                    self._on_done(job, False, done)
-        if self._sched_failed:
-            sync = self._sync
-            for rid, dsts in self._sched_failed.items():
-                if rid in sync:  # vLLM runs it: block ids only
-                    sync.discard(rid)
-                else:
-                    done.add(rid)
-                self._failed_reqs.add(rid)
-                self._errors.update(dsts)
-                self.counters.scheduler_failed_loads += 1
-            self._sched_failed.clear()
-        return done or None
+        if worker is None:
+            return self.reports.report((), gone=False) or None
+        dones = worker.poll()
+        if self.reports.waiting and not self._cuda:
+            dones += self._wait_loads(worker, {d.job_id for d in dones})
+        return self.reports.report(dones, gone=_gone(worker)) or None
 
     def _wait_loads(self, worker: Worker, have: set[int]) -> list[Done]:
         """CPU device: wait (at most :data:`CPU_LOAD_WAIT_S`) for the load jobs this
@@ -351,7 +290,7 @@ class WorkerSide:
         thread; a load still running at the deadline is reported by a later step (as
         before; counted ``load_waits_timed_out``). Jobs queued for a later step are
         not waited for (``Worker.wait`` ignores them)."""
-        pending = [j for j in self._job_reqs if j not in have]
+        pending = self.reports.unreported(have)
         if not pending:
             return []
         self.counters.load_waits += 1
@@ -359,52 +298,6 @@ class WorkerSide:
         if len(got) < len(pending):
             self.counters.load_waits_timed_out += 1
         return got
-
-    def _on_done(self, job_id: int, ok: bool, done: set[str]) -> None:
-        reqs = self._job_reqs.pop(job_id, None)
-        dsts = self._job_dsts.pop(job_id, ())
-        if reqs is not None:
-            self._reported.add(job_id)
-        if reqs is None:
-            if not ok and dsts:
-                self.counters.dones_unknown += 1
-            return  # a store job (the scheduler side handles those)
-        sync = self._sync
-        if sync:
-            done.update(r for r in reqs if r not in sync)
-            sync.difference_update(reqs)
-        else:
-            done.update(reqs)
-        if ok:
-            self.counters.loads_done += 1
-            return
-        self.counters.loads_failed += 1
-        self._failed_reqs.update(reqs)
-        self._errors.update(dsts)
-        first = self.counters.loads_failed == 1
-        log.log(logging.WARNING if first else logging.DEBUG,
-                "kvshm: rank %d: load job %d failed; %d block(s) of %s recomputed%s",
-                self.rank, job_id, len(dsts), sorted(reqs),
-                " (further failures: DEBUG lines, counted)" if first else "")
-
-    def load_errors(self) -> set[int]:
-        """``get_block_ids_with_load_errors``: failed destinations since the last call
-        (none with several KV groups: those fail per request)."""
-        out, self._errors = self._errors, set()
-        if self.per_request_failures:
-            return set()
-        self.counters.error_blocks += len(out)
-        return out
-
-    def take_failed_requests(self) -> set[str]:
-        """``failed_recving`` of ``get_transfer_results``: requests whose load failed
-        since the last call, reported together with (or after) their finished id; empty
-        with one KV group (block ids carry the failure there)."""
-        out, self._failed_reqs = self._failed_reqs, set()
-        if not self.per_request_failures:
-            return set()
-        self.counters.failed_requests += len(out)
-        return out
 
     def clear(self) -> None:
         """``clear_connector_metadata``."""
