@@ -9,6 +9,7 @@ import asyncio
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import Iterator
 
@@ -202,6 +203,7 @@ async def test_wait_loaded_cancelled_as_its_result_arrives_keeps_the_result() ->
     loop turn: only the wait is cancelled; the next wait_loaded gets the result."""
     core = _Core()
     eng = Engine(core, None)  # type: ignore[arg-type]
+    eng._loop = asyncio.get_running_loop()  # what _start binds: calls only from this loop
     eng._waits.expect("r")
     first = asyncio.ensure_future(eng.wait_loaded("r"))
     await asyncio.sleep(0)
@@ -220,6 +222,7 @@ async def test_wait_loaded_cancelled_before_its_result_arrives_keeps_the_result(
     went to the cancelled future only and was lost: the next wait_loaded hung."""
     core = _Core()
     eng = Engine(core, None)  # type: ignore[arg-type]
+    eng._loop = asyncio.get_running_loop()  # what _start binds: calls only from this loop
     eng._waits.expect("r")
     first = asyncio.ensure_future(eng.wait_loaded("r"))
     await asyncio.sleep(0)
@@ -367,3 +370,60 @@ def test_statistics_before_ready_carry_every_counter_as_zero() -> None:
     finally:
         client.close()
         workers.stop(2.0)
+
+
+def test_an_engine_called_off_its_launch_loop_refuses_and_still_closes() -> None:
+    """The hazard: an engine launched in one ``asyncio.run`` and used in a second. Its
+    rings, its ranks' pidfds and its ticker are watched by the first loop, now closed:
+    ``step`` posted a store (one job in flight, its blocks pinned) and then raised a bare
+    RuntimeError from ``call_later``; the first ``aclose`` raised the same before it set
+    its closed event, so every later ``aclose`` waited for it for good, the ranks up.
+    Now a scheduler call off the launch loop -- a thread with no loop, another loop --
+    is a StateError that changes nothing, and ``aclose`` from the second loop (twice)
+    stops and reaps the ranks."""
+    ks, gpu = shards(), BlockPool(GPU_BLOCKS)
+    before = live_children()
+
+    async def launch() -> Engine:
+        return await Engine.launch(config(), workers=SPAWN, gpu_blocks=gpu,
+                                   device_caches=[[k] for k in ks])
+
+    eng = asyncio.run(launch())
+    hashes = chain_hashes(tokens(21, 1), BS)
+    table = tuple(gpu.allocate(6))
+    refused: list[BaseException] = []
+
+    def from_a_thread() -> None:
+        try:
+            eng.lookup(RequestView("t", hashes, 21), 0)
+        except StateError as e:
+            refused.append(e)
+
+    thread = threading.Thread(target=from_a_thread)
+    thread.start()
+    thread.join()
+    assert len(refused) == 1 and "that loop is closed" in str(refused[0])
+
+    async def use() -> None:
+        counters = dict(eng.statistics().counters)
+        with pytest.raises(StateError, match="that loop is closed"):
+            eng.allocated("A", [table], 0)
+        with pytest.raises(StateError, match="that loop is closed"):
+            eng.step(StepInput(1, [ScheduledRequest("A", hashes, 21, (table,),
+                                                    new_or_resumed=True,
+                                                    num_confirmed_tokens=21)]))
+        with pytest.raises(StateError, match="that loop is closed"):
+            eng.finished("A", 21, [table])
+        with pytest.raises(StateError, match="that loop is closed"):
+            await eng.reset(1)
+        stats = eng.statistics()
+        assert dict(stats.counters) == counters
+        assert (stats.jobs_in_flight, stats.pins_held, eng.has_pending_work()) == (0, 0, False)
+        await asyncio.wait_for(eng.aclose(), 20)
+        await asyncio.wait_for(eng.aclose(), 5)  # a second one returns too
+        assert eng.state is EngineState.CLOSED
+        with pytest.raises(StateError, match="CLOSED"):
+            eng.allocated("A", [table], 0)
+        await _reaped(before)
+
+    asyncio.run(use())

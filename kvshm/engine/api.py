@@ -5,7 +5,12 @@ Both are :class:`~kvshm.engine.facade.Facade` s over one
 rendezvous and the channels; the facade holds the scheduler calls and the one state
 guard they share. Lifecycle: :mod:`kvshm.engine.lifecycle` (diagram and what each state
 promises). The rule both keep: every call that touches the manager or a pool runs on one
-thread -- the event loop's for ``Engine``, the caller's for ``SyncClient``.
+thread -- the event loop's for ``Engine``, the caller's for ``SyncClient``. ``Engine``
+checks it: a scheduler call from anywhere but the loop it was launched on (another
+thread, another loop, no loop) is a StateError that changes nothing -- the rings, the
+ranks' pidfds and the ticker are watched by that loop alone, so a call elsewhere would
+post work whose answers nobody reads. ``aclose`` works from anywhere, the launch loop
+closed included.
 
 What differs: ``Engine`` is driven by loop callbacks (rendezvous, done rings, pidfds of
 the ranks it spawned, a 0.25 s ticker) and hands load results to ``wait_loaded``
@@ -34,7 +39,8 @@ from kvshm.engine.lifecycle import EngineState
 from kvshm.engine.load_waiters import LoadWaiters
 from kvshm.engine.provision import cache_device
 from kvshm.engine.runtime import Runtime
-from kvshm.types import GpuBlocks, LoadFailure, LoadResult, StepInput
+from kvshm.errors import StateError
+from kvshm.types import GpuBlocks, LoadFailure, LoadResult, RequestView, StepInput
 
 __all__ = ["ATTACH", "SPAWN", "Engine", "SyncClient", "WorkerMode"]
 
@@ -62,6 +68,7 @@ class Engine(Facade):
         self._ticker: asyncio.TimerHandle | None = None
         self._closed = asyncio.Event()
         self._aclosing = False  # an aclose() is under way (its drain comes before CLOSING)
+        self._loop: asyncio.AbstractEventLoop | None = None  # the launch loop (_start)
 
     # -- lifecycle -------------------------------------------------------------------
     @classmethod
@@ -81,7 +88,7 @@ class Engine(Facade):
         """Start workers (SPAWN) and wait for READY. Any failure on the way - a rank
         that dies or is refused, a timeout, a cancellation - closes everything started
         (listener, timer, pidfds, spawned ranks) before the error propagates."""
-        loop = asyncio.get_running_loop()
+        loop = self._loop = asyncio.get_running_loop()
         self._core.attach_loop(loop, self._on_change)
         try:
             if mode is SPAWN:
@@ -119,19 +126,20 @@ class Engine(Facade):
         self._aclosing = True
         loop = asyncio.get_running_loop()
         try:  # the graceful part only: a cancel here skips to the closing, which goes on
-            await self._drain(loop.time() + self._core.config.shutdown_grace_s)
+            if loop is self._loop:  # (elsewhere no Done is read: nothing would drain)
+                await self._drain(loop.time() + self._core.config.shutdown_grace_s)
             cancelled = False
         except asyncio.CancelledError:  # (it left the engine READY with its ranks up,
             cancelled = True  # and every later aclose() waiting for _closed for good)
-        self._core.begin_close()
         stopping: asyncio.Future[None] | None = None
-        try:
+        try:  # from here on _closed is set whatever raises: no later aclose() waits for good
+            self._core.begin_close()
             if self._ticker is not None:
                 self._ticker.cancel()
-            if self._launcher is not None:
-                for w in self._launcher.workers:
-                    with contextlib.suppress(ValueError, OSError):
-                        loop.remove_reader(w.pidfd)
+            if self._launcher is not None and self._loop is not None:
+                for w in self._launcher.workers:  # (the launch loop watches them, closed
+                    with contextlib.suppress(ValueError, OSError, RuntimeError):  # or not)
+                        self._loop.remove_reader(w.pidfd)
             self._core.detach_loop()
             self._core.close()
             if self._launcher is not None:
@@ -165,6 +173,46 @@ class Engine(Facade):
             await asyncio.sleep(0.002)
 
     # -- scheduler calls (the rest: Facade) ----------------------------------------------
+    def lookup(self, req: RequestView, num_local_tokens: int) -> int | None:
+        """:meth:`Facade.lookup`, on the launch loop only (module docstring)."""
+        if asyncio._get_running_loop() is not self._loop:
+            raise self._foreign_loop()
+        return super().lookup(req, num_local_tokens)
+
+    def allocated(self, req_id: str, gpu_block_ids: Sequence[Sequence[int]],
+                  num_external_tokens: int) -> None:
+        """:meth:`Facade.allocated`, on the launch loop only (module docstring)."""
+        if asyncio._get_running_loop() is not self._loop:
+            raise self._foreign_loop()
+        super().allocated(req_id, gpu_block_ids, num_external_tokens)
+
+    def finished(self, req_id: str, num_confirmed_tokens: int,
+                 gpu_block_ids: Sequence[Sequence[int]], *,
+                 tail_hash: bytes | None = None) -> bool:
+        """:meth:`Facade.finished`, on the launch loop only (module docstring)."""
+        if asyncio._get_running_loop() is not self._loop:
+            raise self._foreign_loop()
+        return super().finished(req_id, num_confirmed_tokens, gpu_block_ids,
+                                tail_hash=tail_hash)
+
+    def _enter(self, *, service: bool = True) -> None:
+        """The face's guard, then: only on the launch loop (``step``, ``wait_loaded``,
+        ``reset``)."""
+        super()._enter(service=service)
+        if asyncio._get_running_loop() is not self._loop:
+            raise self._foreign_loop()
+
+    def _foreign_loop(self) -> StateError:
+        """What a scheduler call off the launch loop raises (nothing changed)."""
+        if self._ended:
+            return self._ended_error()
+        loop = self._loop
+        why = ("that loop is closed" if loop is not None and loop.is_closed()
+               else "this call ran on another thread or loop")
+        return StateError(f"engine {self.name!r} runs on the event loop it was launched "
+                          f"on and {why}: call it from a coroutine on that loop (close it "
+                          "with aclose() from anywhere)")
+
     async def wait_loaded(self, req_id: str) -> LoadResult:
         """The outcome of ``req_id``'s load; never raises on worker death.
 

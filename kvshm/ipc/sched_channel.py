@@ -313,10 +313,11 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
             )
 
     def _arm_timer(self) -> None:
-        if self._loop is None or self._timer is not None or self._closed:
-            return
+        loop = self._loop
+        if loop is None or self._timer is not None or self._closed or loop.is_closed():
+            return  # (a closed loop: the engine is being closed from another one)
         if self._unanswered.count or self._overflow or self._waiter is not None:
-            self._timer = self._loop.call_later(self._interval, self._on_timer)
+            self._timer = loop.call_later(self._interval, self._on_timer)
 
     def _on_timer(self) -> None:
         self._timer = None
