@@ -382,14 +382,39 @@ class RequestTracker:
     def check_finish(self, st: ReqState, num_confirmed_tokens: int,
                      tables: Sequence[Sequence[int]], hashes: Sequence[BlockHash] | None,
                      check: CallCheck) -> None:
-        """Before :meth:`finish`: check the hashes its finish-time store may read."""
+        """Before :meth:`finish`: check the tables and hashes its finish-time store may
+        read."""
         if not st.tracked:
             return
+        self._check_listed_ids(st, tables, check)
         seq = hashes if hashes is not None else st.hashes
         shortest = len(tables[0]) if len(tables) == 1 else min(len(t) for t in tables)
         hi = min(num_confirmed_tokens // self.bs, shortest, len(seq))
         if hi > st.cursor:
             check.hashes("finished", st.req_id, "block_hashes", seq, st.cursor, hi)
+
+    @staticmethod
+    def _check_listed_ids(st: ReqState, tables: Sequence[Sequence[int]],
+                          check: CallCheck) -> None:
+        """The finish-time store reads positions from the cursor on; where the steps
+        (or the request's last phase B, which names its whole tables) listed ids there,
+        ``tables`` must name the same ones (a sliding-window group may name the null
+        block instead: the engine freed that block). Another block there would be stored
+        under this request's hash: its bytes served to every later hit. O(the unstored
+        positions): one slice compare per group."""
+        lo = st.cursor
+        for g, (t, have) in enumerate(zip(tables, st.tables, strict=True)):
+            hi = min(len(t), len(have))
+            if hi <= lo or tuple(t[lo:hi]) == tuple(have[lo:hi]):
+                continue
+            null = check.fields.null_block_id if check.null_refused[g] is None else None
+            for p in range(lo, hi):
+                if t[p] != have[p] and (null is None or t[p] != null):
+                    raise check.refuse(
+                        "finished", st.req_id, f"gpu_block_ids[{g}][{p}]",
+                        f"block {t[p]} where the steps listed {have[p]}: its unstored "
+                        "blocks are stored from the tables the steps (or its phase B) "
+                        "listed")
 
     def finish(self, st: ReqState, num_confirmed_tokens: int,
                tables: Sequence[Sequence[int]], hashes: Sequence[BlockHash] | None) -> None:

@@ -147,6 +147,32 @@ def test_bad_call_half_applied_finished_out_of_range_id() -> None:
     assert refs(rig.gpu, ga) == [1, 1, 1, 1] and rig.m.pins_held() == 0
 
 
+def test_bad_call_finished_with_a_table_the_steps_never_listed() -> None:
+    """A (13 tokens) was listed with GPU 0-3, nothing stored yet. Its ``finished``
+    names GPU 4-7 instead -- another request's blocks. The finish-time store used to
+    take them: GPU 4, 5, 6 stored under A's hashes, their bytes served to every later
+    hit of A's prefix (found by a hostile probe: a wrong block loaded ``ok``). Now the
+    call is refused at the first position the steps listed otherwise, nothing pinned or
+    forgotten; the right call stores GPU 0, 1, 2."""
+    rig = Rig(cpu=8, gpu=8)
+    a = Req("a", 13)
+    ga = rig.alloc(4, a.h)                                     # [0, 1, 2, 3]
+    other = rig.alloc(4)                                       # [4, 5, 6, 7]
+    rig.step(a.sched(ga, confirmed=0, new=True))
+    before = manager_state(rig.m)
+    err = refused(rig.m, rig.m.finished, "a", 13, [other])
+    assert (err.req_id, err.field) == ("a", "gpu_block_ids[0][0]")
+    assert "block 4 where the steps listed 0" in str(err)
+    assert manager_state(rig.m) == before and "a" in rig.m._track.reqs
+    assert refs(rig.gpu, ga + other) == [1] * 8
+
+    assert rig.m.finished("a", 13, [ga]) is False
+    p = rig.step()
+    assert pairs(p.store) == ([0, 1, 2], [0, 1, 2])
+    rig.ack(p.store)
+    assert [rig.cpu.get_cached(h) for h in a.h] == [0, 1, 2] and rig.m.pins_held() == 0
+
+
 def test_bad_call_half_applied_step_good_and_bad_request() -> None:
     """One step lists G (9 tokens, GPU 0-2, 2 blocks confirmed) and then B, whose table
     names GPU id 9 (pool of 8) at a confirmed position. The step used to admit both,
