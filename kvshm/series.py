@@ -103,6 +103,10 @@ _ENGINE_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
                       "blocks", True),
     "loads_failed": ("request loads that failed or could not be sent (the serving "
                      "engine recomputes their blocks); loads", True),
+    "phase_b_unoffered": ("phase B calls that accepted external tokens no lookup had "
+                          "offered (never looked up, or the lookup answered 0): their "
+                          "load fails at once and the tokens are not counted in "
+                          "hit_tokens; calls", False),
     "load_results_superseded": ("load outcomes not reported: the request ended, or was "
                                 "admitted again, while the load ran (its id may be in "
                                 "use by another load); loads", True),

@@ -63,6 +63,9 @@ class ManagerCounters:
     loads_planned: int = 0
     loaded_blocks: int = 0
     loads_failed: int = 0
+    #: phase B calls that accepted external tokens no lookup offered (no hit held):
+    #: their load fails at once (``no_pin``), the tokens are not counted as a hit
+    phase_b_unoffered: int = 0
     #: load outcomes not reported because their request ended, or a newer phase B of
     #: it came, while the load was in flight (``LoadBook.supersede``)
     load_results_superseded: int = 0

@@ -347,7 +347,11 @@ class OffloadManager:
                 LoadFailure.ENGINE_FAILED if self.outcomes.failed else LoadFailure.NO_PIN)
             self._loads.fail_now(req_id, guess_dests(hit, tables, num_external_tokens,
                                                      self.block_size), cause)
-            self._admit(req_id, st, num_external_tokens)
+            if hit is None:  # tokens nobody offered: not a hit (hit_tokens is what was)
+                self.counters.phase_b_unoffered += 1
+                self._admit(req_id, st, 0)
+            else:
+                self._admit(req_id, st, num_external_tokens)
             return
         k = cdiv(num_external_tokens, self.block_size)
         self._admit(req_id, st, num_external_tokens)

@@ -635,7 +635,11 @@ def test_phase_b_without_pin_reports_failed_load() -> None:
     """The engine accepts external tokens the manager holds no pin for: a request never
     looked up (all its table ids fail: recompute from the start), and one whose pin a
     reset dropped between phases (exactly the hit's destinations fail). Each gets a
-    failed LoadResult and a failed_loads entry at once -- never a request left waiting."""
+    failed LoadResult and a failed_loads entry at once -- never a request left waiting.
+    The tokens "a" claimed were never offered: they are not a hit. ``hit_tokens`` (the
+    headline metric) counted them -- any value a caller passed, 2**62 in a hostile
+    probe; now only "b"'s 8, offered and accepted, count, and "a" is
+    ``phase_b_unoffered``."""
     rig = Rig()
     b = Req("b", 9, base=40)
     rig.m.allocated("a", [[3, 4, 5]], 8)
@@ -651,6 +655,7 @@ def test_phase_b_without_pin_reports_failed_load() -> None:
         LoadResult("b", False, tuple(gb[:2]), LoadFailure.RESET, 0))
     assert dict(p.failed_loads) == {"a": (3, 4, 5), "b": tuple(gb[:2])}
     assert rig.m.counters.loads_failed == 2 and rig.m.pins_held() == 0
+    assert (rig.m.counters.hit_tokens, rig.m.counters.phase_b_unoffered) == (8, 1)
 
 
 def test_a_kept_plan_does_not_change_when_a_later_load_fails() -> None:
