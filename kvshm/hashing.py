@@ -19,6 +19,7 @@ inputs share an encoding.
 from __future__ import annotations
 
 import hashlib
+import operator
 import struct
 from collections.abc import Sequence
 from typing import TypeAlias
@@ -37,8 +38,17 @@ def _pack_tokens(token_ids: Sequence[int]) -> bytes:
     try:
         return struct.pack(f"<I{len(token_ids)}I", len(token_ids), *token_ids)
     except struct.error as exc:
-        bad = next((t for t in token_ids if not 0 <= int(t) <= _MAX_TOKEN), None)
-        raise ConfigError(f"token id {bad!r} does not fit in u32: {exc}") from exc
+        bad = next((t for t in token_ids if not _is_token(t)), None)
+        raise ConfigError(f"token ids must be u32 ints (0 <= id < 2**32), got {bad!r} in "
+                          f"{type(token_ids).__name__}") from exc
+
+
+def _is_token(t: object) -> bool:
+    """An int (or an integer type, e.g. numpy's) that fits in u32."""
+    try:
+        return 0 <= operator.index(t) <= _MAX_TOKEN  # type: ignore[arg-type]
+    except TypeError:
+        return False
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes = b"") -> BlockHash:
@@ -64,8 +74,11 @@ def chain_hashes(
     """Chained hashes of every *full* block of ``token_ids`` (a trailing partial block is
     not hashed). ``parent`` continues an existing chain; ``extra`` goes into every block.
     """
-    if block_size < 1:
-        raise ConfigError(f"block_size must be >= 1, got {block_size}")
+    if type(block_size) is not int or block_size < 1:
+        raise ConfigError(f"block_size must be an int >= 1, got {block_size!r}")
+    if isinstance(token_ids, (str, bytes)):  # (a str's characters are no token ids)
+        raise ConfigError(f"token_ids must be a sequence of ints, got "
+                          f"{type(token_ids).__name__}")
     out: list[BlockHash] = []
     prev = parent
     for start in range(0, len(token_ids) - block_size + 1, block_size):

@@ -336,6 +336,7 @@ def shared_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     The tensor (and any view of it) keeps its mapping and its :class:`Segment` alive;
     :func:`segment_of` finds the segment to pass its fd to a worker.
     """
+    _check_spec(shape, dtype)
     numel, nbytes = _nbytes(shape, dtype)
     seg = create_segment(nbytes, purpose="tensor")
     assert isinstance(seg.buf, _Map)
@@ -343,6 +344,18 @@ def shared_tensor(shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
     tensor = _as_tensor(seg.buf, numel, shape, dtype)
     _TENSOR_SEGMENTS[tensor.untyped_storage().data_ptr()] = seg
     return tensor
+
+
+def _check_spec(shape: object, dtype: object) -> None:
+    """ConfigError unless ``shape`` is a sequence of one or more ints and ``dtype`` a
+    ``torch.dtype`` (checked before any memory is made)."""
+    import torch
+
+    if not isinstance(dtype, torch.dtype):
+        raise ConfigError(f"dtype must be a torch.dtype (e.g. torch.float16), got {dtype!r}")
+    if not isinstance(shape, Sequence) or isinstance(shape, (str, bytes)) or not shape \
+            or any(isinstance(d, bool) or not hasattr(type(d), "__index__") for d in shape):
+        raise ConfigError(f"shape must be a sequence of one or more ints, got {shape!r}")
 
 
 def segment_of(t: torch.Tensor) -> Segment:

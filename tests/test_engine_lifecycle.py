@@ -22,7 +22,7 @@ from kvshm.engine import SPAWN, Engine, EngineState, SyncClient
 from kvshm.engine.launcher import Launcher
 from kvshm.engine.runtime import Runtime
 from kvshm.engine.startup import StartTimeout
-from kvshm.errors import ConfigError, StateError, WorkerDied
+from kvshm.errors import ConfigError, InvalidRequest, StateError, WorkerDied
 from kvshm.hashing import chain_hashes
 from kvshm.ipc.rendezvous_client import query_stats
 from kvshm.offload.pool import BlockPool
@@ -427,3 +427,30 @@ def test_an_engine_called_off_its_launch_loop_refuses_and_still_closes() -> None
         await _reaped(before)
 
     asyncio.run(use())
+
+
+async def test_a_step_given_no_step_input_is_refused_on_both_faces() -> None:
+    """Found by a hostile probe: ``step(None)`` (or a dict) raised a bare AttributeError
+    from the face's own pass over the input -- ``Engine``'s iterator check, and
+    ``SyncClient``'s id check before READY -- before the manager's check, which refuses
+    it typed, ever ran. Both now refuse it with InvalidRequest."""
+    with SyncClient(config(tp=1), gpu_blocks=BlockPool(GPU_BLOCKS)) as client:
+        for bad in (None, {"step": 1}, 5):
+            with pytest.raises(InvalidRequest, match="a StepInput of ScheduledRequests"):
+                client.step(bad)  # type: ignore[arg-type]
+    eng = Engine(_Core(), None)  # type: ignore[arg-type]
+    eng._loop = asyncio.get_running_loop()
+    for bad in (None, {"step": 1}):
+        with pytest.raises(InvalidRequest, match="a StepInput of ScheduledRequests"):
+            eng.step(bad)  # type: ignore[arg-type]
+
+
+def test_settle_refuses_a_limit_that_is_no_count() -> None:
+    """Found by a hostile probe: ``SyncClient.settle("x")`` and ``settle(-1)`` were
+    accepted (the pool read "no limit" from them). A ConfigError names the argument;
+    ``settle(0)`` still settles everything."""
+    with SyncClient(config(tp=1), gpu_blocks=BlockPool(GPU_BLOCKS)) as client:
+        for bad in ("x", -1, 1.5, True, None):
+            with pytest.raises(ConfigError, match="settle: limit must be an int >= 0"):
+                client.settle(bad)  # type: ignore[arg-type]
+        assert client.settle(0) is False

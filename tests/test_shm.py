@@ -302,3 +302,21 @@ def test_sigkilled_creator_leaves_nothing_in_dev_shm() -> None:
         proc.stdout.close()
     assert proc.returncode == -signal.SIGKILL
     assert _kvshm_entries() == []
+
+
+@pytest.mark.parametrize(("shape", "dtype", "match"), [
+    ((4, 4), "float16", "dtype must be a torch.dtype"),  # a bare AttributeError
+    ((), torch.float16, "shape must be a sequence of one or more ints"),  # torch TypeError
+    (4, torch.float16, "shape must be a sequence of one or more ints"),
+    ((4, 2.5), torch.float16, "shape must be a sequence of one or more ints"),
+    ((True, 4), torch.float16, "shape must be a sequence of one or more ints"),
+])
+def test_shared_tensor_refuses_a_bad_spec_before_making_memory(
+        shape: object, dtype: object, match: str) -> None:
+    """Found by a hostile probe: ``shared_tensor((4, 4), "float16")`` raised a bare
+    AttributeError and a 0-d shape a torch TypeError, after the segment was made. Now a
+    ConfigError names the argument before any memory is made."""
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(ConfigError, match=match):
+        shm.shared_tensor(shape, dtype)  # type: ignore[arg-type]
+    assert set(os.listdir("/dev/shm")) <= before

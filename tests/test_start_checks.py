@@ -154,3 +154,28 @@ def test_device_cache_specs_are_all_or_nothing_on_fds() -> None:
     with pytest.raises(ConfigError, match="not views"):
         _tensor_specs([good, good[1:]])
     assert len(os.listdir("/proc/self/fd")) == fds_before
+
+
+@pytest.mark.parametrize(("kw", "match"), [
+    ({"workers": "spawn"}, "workers must be kvshm.SPAWN or kvshm.ATTACH, got 'spawn'"),
+    ({"workers": None}, "workers must be kvshm.SPAWN or kvshm.ATTACH, got None"),
+    ({"config": None}, "config must be a kvshm.EngineConfig, got NoneType"),
+    ({"config": {"block_size": 4}}, "config must be a kvshm.EngineConfig, got dict"),
+    ({"gpu_blocks": None}, "gpu_blocks must be the engine's GPU block pool"),
+    ({"gpu_blocks": 32}, "gpu_blocks must be the engine's GPU block pool .* got int"),
+])
+async def test_launch_arguments_of_the_wrong_kind_are_refused_before_spawning(
+        kw: dict[str, object], match: str) -> None:
+    """Found by a hostile probe: ``workers="spawn"`` ran as ATTACH and failed 60 s later
+    with "run kvshm-workers"; a pool that is not one failed with an AttributeError at
+    READY, the ranks already spawned; a config that is not one with an AttributeError.
+    Each is a ConfigError at once, no process started."""
+    before = _children()
+    args: dict[str, object] = {"config": config(), "workers": SPAWN,
+                               "gpu_blocks": BlockPool(GPU_BLOCKS),
+                               "device_caches": [[k] for k in shards()]}
+    args.update(kw)
+    cfg = args.pop("config")
+    with pytest.raises(ConfigError, match=match):
+        await Engine.launch(cfg, **args)  # type: ignore[arg-type]
+    assert _children() == before

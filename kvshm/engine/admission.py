@@ -19,7 +19,7 @@ from dataclasses import replace
 from kvshm.errors import InvalidRequest
 from kvshm.types import StepInput
 
-__all__ = ["Admission", "check_id"]
+__all__ = ["Admission", "check_id", "not_a_step_input"]
 
 
 def check_id(call: str, req_id: object) -> None:
@@ -29,8 +29,19 @@ def check_id(call: str, req_id: object) -> None:
 
 
 def _check_ids(inp: StepInput) -> None:
-    for rid in (*(r.req_id for r in inp.requests), *inp.finished):
+    try:
+        ids = (*(r.req_id for r in inp.requests), *inp.finished)
+    except (AttributeError, TypeError) as e:  # not a StepInput of ScheduledRequests
+        raise not_a_step_input(inp, e) from None
+    for rid in ids:
         check_id("build_step", rid)
+
+
+def not_a_step_input(inp: object, error: Exception) -> InvalidRequest:
+    """What a step given something other than a StepInput (of ScheduledRequests) raises,
+    before anything read it changes state."""
+    return InvalidRequest("build_step", None, "inp", f"a StepInput of ScheduledRequests "
+                          f"expected, got {type(inp).__name__} ({error})")
 
 
 class Admission:

@@ -39,7 +39,7 @@ from kvshm.engine.lifecycle import EngineState
 from kvshm.engine.load_waiters import LoadWaiters
 from kvshm.engine.provision import cache_device
 from kvshm.engine.runtime import Runtime
-from kvshm.errors import StateError
+from kvshm.errors import ConfigError, StateError
 from kvshm.types import GpuBlocks, LoadFailure, LoadResult, RequestView, StepInput
 
 __all__ = ["ATTACH", "SPAWN", "Engine", "SyncClient", "WorkerMode"]
@@ -82,6 +82,9 @@ class Engine(Facade):
         with :func:`kvshm.shm.shared_tensor`); ATTACH waits for embedded workers (which
         bring their own layout) or ``kvshm-workers`` (which need ``device_caches``).
         """
+        if not isinstance(workers, WorkerMode):  # (a str ran as ATTACH: 60 s, then a
+            raise ConfigError(f"workers must be kvshm.SPAWN or kvshm.ATTACH, got "  # timeout)
+                              f"{workers!r}")
         return _Launch(cls, config, workers, gpu_blocks, device_caches)
 
     async def _start(self, mode: WorkerMode) -> None:
@@ -407,7 +410,10 @@ class SyncClient(Facade):
         ``limit`` items of it (0: all; ``BlockPool.settle``); True while some is left.
         For a host's idle time, e.g. while its forward runs: a host that holds a lock
         its hooks need while it settles bounds the hold with ``limit``. No I/O, no state
-        guard; evictions are the same whether or not it is called."""
+        guard; evictions are the same whether or not it is called. ConfigError for a
+        ``limit`` that is not an int >= 0."""
+        if type(limit) is not int or limit < 0:
+            raise ConfigError(f"settle: limit must be an int >= 0, got {limit!r}")
         return self._core.settle(limit)
 
     def has_pending_work(self, *, rendezvous: bool = True) -> bool:

@@ -29,6 +29,7 @@ import dataclasses
 from collections.abc import Iterator, Sequence
 from typing import Any
 
+from kvshm.engine.admission import not_a_step_input
 from kvshm.engine.lifecycle import ENDED, EngineState
 from kvshm.engine.runtime import Runtime
 from kvshm.errors import StateError
@@ -172,8 +173,12 @@ def _materialized(inp: StepInput) -> StepInput:
     check consumed a generator, and the face's own pass over ``finished`` (ending the
     waits of the requests listed) then found nothing -- their ``wait_loaded`` waited
     for good. Lists and tuples pass as they are (the per-step cost: three isinstance)."""
-    if isinstance(inp.requests, Iterator) or isinstance(inp.finished, Iterator) \
-            or isinstance(inp.allocated_block_ids, Iterator):
+    try:
+        lazy = (isinstance(inp.requests, Iterator) or isinstance(inp.finished, Iterator)
+                or isinstance(inp.allocated_block_ids, Iterator))
+    except AttributeError as e:
+        raise not_a_step_input(inp, e) from None
+    if lazy:
         return dataclasses.replace(
             inp, requests=_once(inp.requests), finished=_once(inp.finished),
             allocated_block_ids=_once(inp.allocated_block_ids))

@@ -210,6 +210,23 @@ def check_block_counts(layouts: Mapping[int, LayoutSpec], num_gpu_blocks: int | 
                                   "must have the same block count)")
 
 
+_POOL_CALLS = ("touch", "free", "block_hashes", "iter_free_from_lru")
+
+
+def check_gpu_pool(gpu: object) -> None:
+    """ConfigError unless ``gpu`` is a GPU block pool kvshm can use
+    (:class:`~kvshm.types.GpuBlocks`: ``num_blocks`` an int >= 1 and its four calls):
+    checked when the engine is built, before anything starts -- a pool that is not one
+    failed only at READY, the ranks already up."""
+    n = getattr(gpu, "num_blocks", None)
+    missing = [c for c in _POOL_CALLS if not callable(getattr(gpu, c, None))]
+    if type(n) is not int or n < 1 or missing:
+        raise ConfigError(
+            f"gpu_blocks must be the engine's GPU block pool (a kvshm.BlockPool, or an "
+            f"object with num_blocks >= 1 and {', '.join(_POOL_CALLS)}), got "
+            f"{type(gpu).__name__}" + (f" without {', '.join(missing)}" if missing else ""))
+
+
 def pool_size(gpu: GpuBlocks) -> int | None:
     """The GPU pool's block count where the pool tells it (kvshm's BlockPool does)."""
     n = getattr(gpu, "num_blocks", None)

@@ -64,7 +64,7 @@ from kvshm.engine.admission import Admission, check_id
 from kvshm.engine.disk_link import DiskLink, open_disk
 from kvshm.engine.dispatch import Dispatcher
 from kvshm.engine.lifecycle import ENDED, LIVE, EngineState
-from kvshm.engine.provision import Provisioned, check_caches, pool_size, provision
+from kvshm.engine.provision import Provisioned, check_caches, check_gpu_pool, pool_size, provision
 from kvshm.engine.remote_link import RemoteLink, open_remote
 from kvshm.engine.snapshot import CoreCounters, build_stats
 from kvshm.engine.startup import Refusals, StartTimeout, log, start_timeout_error
@@ -94,6 +94,10 @@ class Runtime:
     def __init__(self, config: EngineConfig, *, gpu_blocks: GpuBlocks,
                  device_caches: Sequence[Sequence[torch.Tensor]] | None = None,
                  spawned: bool = False) -> None:
+        if not isinstance(config, EngineConfig):
+            raise ConfigError(f"config must be a kvshm.EngineConfig, got "
+                              f"{type(config).__name__}")
+        check_gpu_pool(gpu_blocks)
         if device_caches is not None:
             check_caches(device_caches, config.world_size, pool_size(gpu_blocks),
                          spawned=spawned)

@@ -63,6 +63,7 @@ from __future__ import annotations
 import reprlib
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any, Final
 
 from kvshm.errors import InvalidRequest
@@ -82,6 +83,9 @@ bytes (:data:`kvshm.hashing.HASH_BYTES`), vLLM's 32 (sha256) or 16 (xxh3-128).""
 
 NOT_SEQUENCES = (str, bytes, bytearray, memoryview)
 """Sequences that are never a sequence of ids or hashes (a str is not a list of hashes)."""
+UNORDERED = (AbstractSet, Mapping)
+"""Iterables whose order means nothing: never a block table (its positions are the
+prefix's blocks in order)."""
 _SHORT = 8
 """Up to this many ids or hashes are checked one by one; more in C."""
 COUNT_LIMIT: Final = 1 << 63
@@ -290,7 +294,8 @@ class InputCheck:
             t: tuple[Any, ...] = value
         elif type(value) is list:
             t = tuple(value)
-        elif isinstance(value, NOT_SEQUENCES) or not isinstance(value, Iterable):
+        elif isinstance(value, NOT_SEQUENCES) or not isinstance(value, Iterable) \
+                or isinstance(value, UNORDERED):  # (a set's order is not a table's)
             raise self.refuse(call, rid, field,
                               f"must be a sequence of block ids, got {describe(value)}")
         else:

@@ -120,3 +120,20 @@ def test_bad_block_size_and_parent_are_config_errors() -> None:
         hash_block(b"", [1])
     with pytest.raises(ConfigError):
         hash_block(b"x" * 256, [1])
+
+
+@pytest.mark.parametrize(("tokens", "block_size", "match"), [
+    ("abcdefgh", 4, "token_ids must be a sequence of ints, got str"),
+    (b"abcdefgh", 4, "token_ids must be a sequence of ints, got bytes"),
+    ([1.5] * 8, 4, "got 1.5 in list"),            # it named "token id None"
+    ([1, 2, 3, "x"], 4, "got 'x' in list"),       # a bare ValueError from int('x')
+    ([1, 2], True, "block_size must be an int >= 1, got True"),
+    ([1, 2], "2", "block_size must be an int >= 1, got '2'"),  # a bare TypeError
+])
+def test_chain_hashes_refuses_what_is_no_token_list_naming_it(
+        tokens: object, block_size: object, match: str) -> None:
+    """Found by a hostile probe: a str of token ids raised a bare ValueError from inside
+    the packing, and a float was reported as "token id None". Each is a ConfigError that
+    names the value."""
+    with pytest.raises(ConfigError, match=match):
+        chain_hashes(tokens, block_size)  # type: ignore[arg-type]

@@ -374,6 +374,10 @@ def _cases() -> Iterator[Case]:
     yield "allocated str id", alloc("r", [[0, "1", 2]], 4), "r", "gpu_block_ids[0][1]"
     yield "allocated repeated id", alloc("r", [[0, 1, 0]], 4), "r", "gpu_block_ids[0]"
     yield "allocated table a str", alloc("r", ["012"], 4), "r", "gpu_block_ids[0]"
+    # a set's order is not a table's: it was taken in hash order (a hostile probe)
+    yield "allocated table a set", alloc("r", [{2, 0, 1}], 4), "r", "gpu_block_ids[0]"
+    yield "allocated table a dict", alloc("r", [{0: 0, 1: 1, 2: 2}], 4), "r", \
+        "gpu_block_ids[0]"
     yield "allocated negative tokens", alloc("r", [[0, 1, 2]], -4), "r", "num_external_tokens"
     yield "allocated None tokens", alloc("r", [[0, 1, 2]], None), "r", "num_external_tokens"
     yield "allocated more than offered", alloc("r", [[0, 1, 2]], 8), "r", "num_external_tokens"
