@@ -632,3 +632,30 @@ class TestTensorParallel2:
         hot = eng.generate([prompt])[0]
         assert hot.num_cached_tokens == 3 * BLOCK
         assert _signature(hot) == _signature(cold)
+
+
+def test_a_refused_build_leaves_no_worker_connector_for_the_next_engine(
+        llm_factory: LLMFactory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found by a hostile probe (in-process mode, a notebook's): ``LLM()`` with a CPU
+    budget that does not fit is refused at the scheduler side, after vLLM built this
+    process's worker-side connector. That connector stayed in vLLM's process-global slot
+    and the next ``LLM()`` -- the config fixed, or with no connector at all -- failed
+    with "register_kv_caches called twice" until the process restarted. The refusal now
+    empties the slot: the test harness's own clean-up (which papered over it) finds it
+    empty."""
+    import vllm.distributed.kv_transfer as kv_transfer
+
+    from kvshm.errors import ConfigError
+
+    at_cleanup: list[bool] = []
+    real = kv_transfer.ensure_kv_transfer_shutdown
+
+    def spy() -> None:
+        at_cleanup.append(kv_transfer.has_kv_transfer_group())
+        real()
+
+    monkeypatch.setattr(kv_transfer, "ensure_kv_transfer_shutdown", spy)
+    with pytest.raises(ConfigError, match="does not fit"), \
+            llm_factory(CONNECTOR, module=MODULE, cpu_bytes=10**15):
+        pass
+    assert at_cleanup and at_cleanup[-1] is False

@@ -137,6 +137,23 @@ def _rank(vllm_config: VllmConfig) -> int:
     return int(get_pp_group().rank_in_group) * int(tp) + int(get_tp_group().rank_in_group)
 
 
+def _drop_this_process_worker_side() -> None:
+    """A refused scheduler side (a budget, a disk path, a name in use) fails vLLM's engine
+    build. vLLM built the worker-side connectors first; where one runs in this process
+    (in-process mode, or the EngineCore's own worker) it stays in vLLM's process-global
+    slot, and the next ``LLM()`` in the process -- with kvshm or without any connector --
+    picks it up and fails with "register_kv_caches called twice". Shut it down and
+    empty the slot (only when the slot holds a kvshm connector)."""
+    from vllm.distributed.kv_transfer import (
+        ensure_kv_transfer_shutdown,
+        get_kv_transfer_group,
+        has_kv_transfer_group,
+    )
+
+    if has_kv_transfer_group() and isinstance(get_kv_transfer_group(), KvshmConnector):
+        ensure_kv_transfer_shutdown()
+
+
 class KvshmConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unused-ignore]
     """kvshm's vLLM connector (module docstring; hooks in vllm_sched / vllm_worker)."""
 
@@ -151,8 +168,12 @@ class KvshmConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
         self._worker: WorkerSide | None = None
         self._reporter = StatsReporter()
         if role == KVConnectorRole.SCHEDULER:
-            self._cfg = _scheduler_config(self._cfg, vllm_config, kv_cache_config)
-            self._sched = SchedulerSide(self._cfg, KvshmMetadata)
+            try:
+                self._cfg = _scheduler_config(self._cfg, vllm_config, kv_cache_config)
+                self._sched = SchedulerSide(self._cfg, KvshmMetadata)
+            except BaseException:
+                _drop_this_process_worker_side()
+                raise
         else:
             self._worker = WorkerSide(self._cfg)
 
