@@ -102,6 +102,7 @@ class _Arm:
         self.asks: dict[int, tuple[bytes, ...]] = {}
         self.waits: list[tuple[int, float]] = []  # per answer after "ask again"s
         self._nones, self._first_none = 0, 0.0
+        self.req = -1  # no request yet (a warm-up's lookup may reach the hook too)
         self.stack = ExitStack()
         factory = oracle_pool(self.clock) if spec.kind is ArmKind.ORACLE else None
         self.stack.enter_context(cpu_pool_built_by(factory))

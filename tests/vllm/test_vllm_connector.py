@@ -659,3 +659,29 @@ def test_a_refused_build_leaves_no_worker_connector_for_the_next_engine(
             llm_factory(CONNECTOR, module=MODULE, cpu_bytes=10**15):
         pass
     assert at_cleanup and at_cleanup[-1] is False
+
+
+def test_a_restarted_engine_serves_its_first_request_from_its_disk_tier(
+        make_llm: LLMFactory, tmp_path: Path) -> None:
+    """Found by a hostile probe: an engine restarted over its disk tier (a name kept,
+    ``write_through``) recomputed its first request although the slab held it. vLLM's
+    worker connects at its first step, so the first lookup came before any rank had and
+    answered 0 (``lookups_not_ready``) -- the very request a warm restart is for. With a
+    lower tier the first lookups now ask again while the ranks connect (bounded): the
+    restarted engine's first request gets its 3 blocks from disk, bitwise equal."""
+    kw: dict[str, Any] = {"cpu_bytes": None, "num_cpu_blocks": 16, "disk_path": str(tmp_path),
+                          "disk_bytes_per_rank": 32 << 20, "disk_mode": "write_through",
+                          "name": f"warm-{os.getpid()}"}
+    prompt = _prompt(PROMPT_TOKENS, 70)
+    with make_llm(CONNECTOR, module=MODULE, **kw) as llm:
+        first = Engine(llm, tmp_path / "unused", True)
+        cold = first.generate([prompt])[0]
+        assert not cold.num_cached_tokens
+        assert first.stats()["disk"]["written_blocks"] >= 3
+    with make_llm(CONNECTOR, module=MODULE, **kw) as llm:
+        restarted = Engine(llm, tmp_path / "unused", True)
+        hot = restarted.generate([prompt])[0]
+        assert hot.num_cached_tokens == 3 * BLOCK, hot.num_cached_tokens
+        assert _signature(hot) == _signature(cold)
+        connector = restarted.stats()["connector"]
+        assert connector["lookups_before_ready"] >= 1, connector

@@ -63,6 +63,7 @@ class SchedulerCounters:
     requests_unchanged: int = 0  # running requests a step passed over (nothing changed)
     lookups_after_failed_load: int = 0  # answered 0: that request recomputes instead
     lookups_after_refusal: int = 0  # answered 0: kvshm refused one of that request's calls
+    lookups_before_ready: int = 0  # asked again: a lower tier's engine, its ranks connecting
     requests_refused: int = 0  # calls kvshm refused (InvalidRequest): that request goes without
     steps: int = 0
     stats_writes_failed: int = 0  # live rewrites of stats_path that raised OSError

@@ -91,6 +91,7 @@ from kvshm.integrations.vllm.records import SchedulerCounters, StepMeta
 from kvshm.integrations.vllm.refusals import Refusals
 from kvshm.integrations.vllm.service import HookGuard, ServiceThread, guarded
 from kvshm.integrations.vllm.side_lifecycle import SideLifecycle
+from kvshm.integrations.vllm.start_wait import StartWait
 from kvshm.integrations.vllm.tails import request_tail_hash
 from kvshm.ipc.protocol import unpack_ids
 from kvshm.offload.pd.manifest import remote_decode, remote_prefill
@@ -126,6 +127,9 @@ class SchedulerSide:
         # a lookup's bounded wait for its disk read
         self._reads = ReadWait(disk=bool(cfg.disk_path), block_size=cfg.block_size,
                                live=self._requests, counters=self.counters)
+        # the first lookups ask again while the ranks connect, if a lower tier may hit
+        self._start: StartWait | None = (StartWait() if cfg.disk_path or cfg.remote_url
+                                         else None)
         self._lister = Listing(cfg, self._requests, self._announced, self.counters,
                                self._no_new)
         self.guard = HookGuard()
@@ -195,6 +199,12 @@ class SchedulerSide:
                 if remote_prefill(params) else None)
         view = RequestView(rid, request.block_hashes, request.num_tokens, params, tail)
         client = self.life.bound_client or self.client  # the property raises before bind
+        start = self._start
+        if start is not None:
+            if start.asks_again(client.state):
+                counters.lookups_before_ready += 1
+                return None, False
+            self._start = None
         try:
             hit = client.lookup(view, num_computed_tokens)
             if hit is None:  # a Done since the step's last pump may answer it: pump, ask again
