@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import importlib.util
 import re
+import time
 from collections.abc import Callable
 from contextlib import AbstractContextManager
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -362,7 +364,7 @@ def test_an_explicit_name_under_data_parallelism_is_one_per_replica() -> None:
         cfg("n" * 77, 2, 1)
 
 
-def test_stats_path_under_data_parallelism_is_one_file_per_replica() -> None:
+def test_stats_path_under_data_parallelism_is_one_file_per_replica(tmp_path: Path) -> None:
     """The hazard: every data-parallel replica gets the same extra config, so with
     ``stats_path`` set both replicas' schedulers rewrote one file (each report, and at
     close): the operator saw whichever replica wrote last, the other engine's
@@ -373,10 +375,12 @@ def test_stats_path_under_data_parallelism_is_one_file_per_replica() -> None:
         vc.parallel_config.data_parallel_rank = rank
         return _parse(vc).stats_path
 
-    assert path("/run/k.v/stats.json", 1, 0) == "/run/k.v/stats.json"
-    assert [path("/run/k.v/stats.json", 2, r) for r in (0, 1)] == [
-        "/run/k.v/stats_dp0.json", "/run/k.v/stats_dp1.json"]
-    assert path("/run/k.v/stats", 2, 1) == "/run/k.v/stats_dp1"
+    run = tmp_path / "k.v"  # (the folder must exist: check_paths)
+    run.mkdir()
+    assert path(f"{run}/stats.json", 1, 0) == f"{run}/stats.json"
+    assert [path(f"{run}/stats.json", 2, r) for r in (0, 1)] == [
+        f"{run}/stats_dp0.json", f"{run}/stats_dp1.json"]
+    assert path(f"{run}/stats", 2, 1) == f"{run}/stats_dp1"
     assert path(".stats", 2, 1) == ".stats_dp1"
     assert _parse(_vllm_config({"cpu_bytes": GIB})).stats_path is None
 
@@ -480,3 +484,30 @@ def test_requires_piecewise_hook_checks_the_extra_config() -> None:
     with pytest.raises(ConfigError, match="sets both 'cpu_bytes' and 'num_cpu_blocks'"):
         KvshmConnector.requires_piecewise_for_cudagraph({"cpu_bytes": GIB,
                                                          "num_cpu_blocks": 8})
+
+
+@needs_vllm
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_paths_that_cannot_serve_are_refused_in_the_callers_process(
+        make_llm: LLMFactory, tmp_path: Path, multiprocess: bool) -> None:
+    """Found by a hostile probe: a ``disk_path`` that is not a directory was refused only
+    by the scheduler side -- in multi-process mode after ~25 s, at the end of the
+    EngineCore's 40-line traceback ("Engine core initialization failed") -- and a
+    ``stats_path`` in a missing folder was accepted, the closing line then claiming the
+    statistics written there. The front end now refuses both, in one line, before any
+    engine process starts."""
+    bad: list[tuple[dict[str, Any], str]] = [
+           ({"disk_path": str(tmp_path / "nope"), "disk_bytes_per_rank": 1 << 24},
+            r"^kv_connector_extra_config\['disk_path'\] '.*nope' is not a directory$"),
+           ({"stats_path": str(tmp_path / "nope" / "stats.json")},
+            r"^kv_connector_extra_config\['stats_path'\] .*: its folder '.*nope' does not "
+            r"exist$"),
+           ({"stats_path": str(tmp_path)}, r"'stats_path'\] '.*' is a directory, not a file")]
+    for extra, match in bad:
+        t0 = time.monotonic()
+        with pytest.raises(ConfigError) as info:
+            with make_llm("KvshmConnector", module="kvshm.integrations.vllm",
+                          multiprocess=multiprocess, cpu_bytes=1 << 26, **extra):
+                pass
+        assert re.search(match, str(info.value).splitlines()[0]), str(info.value)
+        assert time.monotonic() - t0 < 10.0

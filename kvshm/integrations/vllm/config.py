@@ -104,9 +104,11 @@ __all__ = [
     "adopt_failure_policy",
     "check_budget",
     "check_extra_config",
+    "check_paths",
     "check_extra_keys",
     "default_cpu_bytes_per_rank",
     "engine_name",
+    "lower_tiers_text",
     "parse_config",
     "replica_name",
     "replica_stats_path",
@@ -539,6 +541,28 @@ def check_extra_config(extra: Mapping[Any, Any], world_size: int = 1) -> ExtraSe
 # --------------------------------------------------------------- vLLM's own settings
 
 
+def check_paths(settings: ExtraSettings) -> None:
+    """The paths the extra config names, as this process sees them: ``disk_path`` an
+    existing directory, ``stats_path`` not a directory and in an existing folder.
+    ConfigError (one line) otherwise. The front end runs it before any engine process
+    starts (in vLLM's multi-process mode a refusal made later comes at the end of the
+    EngineCore's traceback, some 25 s on); the scheduler side runs it again, and checks
+    the disk tier's directory in full (writable, free space, O_DIRECT) where it
+    starts. A ``stats_path`` that cannot be written was found only at the first report,
+    the closing line claiming it written."""
+    disk = settings.disk_path
+    if disk is not None and not os.path.isdir(disk):
+        raise ConfigError(f"{_EXTRA}['disk_path'] {disk!r} is not a directory")
+    stats = settings.stats_path
+    if stats is not None:
+        folder = os.path.dirname(os.path.abspath(stats))
+        if os.path.isdir(stats):
+            raise ConfigError(f"{_EXTRA}['stats_path'] {stats!r} is a directory, not a file")
+        if not os.path.isdir(folder):
+            raise ConfigError(f"{_EXTRA}['stats_path'] {stats!r}: its folder {folder!r} "
+                              "does not exist")
+
+
 def _groups(infos: Sequence[GroupInfo], hash_block_size: int | None) -> tuple[int,
                                                                             tuple[KVGroup,
                                                                                   ...]]:
@@ -614,6 +638,7 @@ def parse_config(vllm_config: Any, infos: Sequence[GroupInfo],
     tp, pp = int(par.tensor_parallel_size), int(par.pipeline_parallel_size)
     extra = check_extra_config(getattr(kvt, "kv_connector_extra_config", None) or {},
                                tp * pp)
+    check_paths(extra)
     _check_vllm(vllm_config)
     bs, groups = _groups(infos, hash_block_size)
     if extra.mode is StoreMode.LAZY and len(groups) != 1:
@@ -725,6 +750,21 @@ def _check_disk_slot(cfg: ConnectorConfig, bytes_per_block: int) -> None:
         raise ConfigError(f"{_EXTRA}['disk_bytes_per_rank']={cfg.disk_bytes_per_rank} holds "
                           f"no slot: one block of this model ({bytes_per_block} bytes per "
                           f"rank) takes {need} bytes of slab; raise it")
+
+
+def lower_tiers_text(c: ConnectorConfig) -> str:
+    """The disk and remote tiers for the start-up line ("" without either): where, how
+    large, in which mode, and whether the slabs outlive the engine (only under a given
+    ``name`` -- a ``write_through`` disk tier without one serves no warm restart)."""
+    out = ""
+    if c.disk_path is not None and c.disk_bytes_per_rank is not None:
+        keep = ("kept for a warm restart under this name" if c.disk_keep else
+                f"removed at close: set {_EXTRA}['name'] to restart warm")
+        out += (f"; disk tier of {c.disk_bytes_per_rank / (1 << 30):.2f} GiB per rank in "
+                f"{c.disk_path} ({c.disk_mode.value}, {keep})")
+    if c.remote_url is not None:
+        out += f"; remote tier {c.remote_url} ({c.remote_mode.value})"
+    return out
 
 
 def tier_text(c: ConnectorConfig) -> str:

@@ -93,11 +93,11 @@ def _checked(original: Callable[..., Any]) -> Callable[..., Any]:
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         extra = _kvshm_extra_config(getattr(self, "kv_transfer_config", None))
         if extra is not None:
-            from kvshm.integrations.vllm.config import check_extra_config
+            from kvshm.integrations.vllm.config import check_extra_config, check_paths
 
             world = (getattr(self, "tensor_parallel_size", 1) or 1) * (
                 getattr(self, "pipeline_parallel_size", 1) or 1)
-            check_extra_config(extra, world_size=world)
+            check_paths(check_extra_config(extra, world_size=world))
         return original(self, *args, **kwargs)
 
     create_engine_config._kvshm_checked = True  # type: ignore[attr-defined]

@@ -45,7 +45,7 @@ from kvshm.engine import EngineState, SyncClient
 from kvshm.engine.lifecycle import LIVE
 from kvshm.errors import ConfigError, StateError
 from kvshm.integrations.vllm.blocks import VllmGpuBlocks
-from kvshm.integrations.vllm.config import ConnectorConfig, tier_text
+from kvshm.integrations.vllm.config import ConnectorConfig, lower_tiers_text, tier_text
 from kvshm.integrations.vllm.final_stats import (
     DETACH_WINDOW_S,
     FINAL_LINES,
@@ -137,9 +137,9 @@ class SideLifecycle:
             self.bound_client = SyncClient(econf, gpu_blocks=VllmGpuBlocks(gpu_block_pool))
             self._service = ServiceThread(self.guard, self._idle_pump, c.name)
             self._service.start()
-        log.info("kvshm: engine %r is waiting for %d worker rank(s) (%s mode, %s); "
+        log.info("kvshm: engine %r is waiting for %d worker rank(s) (%s mode, %s%s); "
                  "query it with: kvshm stats --name %s", c.name, c.world_size,
-                 c.mode.value, tier_text(c), c.name)
+                 c.mode.value, tier_text(c), lower_tiers_text(c), c.name)
 
     @property
     def bound(self) -> bool:
@@ -232,16 +232,18 @@ class SideLifecycle:
             snap, source = self._drain_and_snapshot(client)
             client.close()
             stats = final_statistics(snap, source, self.statistics())
+        where = "not written; set stats_path"
         if self.cfg.stats_path:
             try:
                 write_json(self.cfg.stats_path, stats)
+                where = self.cfg.stats_path
             except OSError as exc:  # never raised into vLLM's shutdown (it has more to do)
                 self.counters.stats_writes_failed += 1
+                where = f"not written to {self.cfg.stats_path}: {exc.strerror or exc}"
                 log.warning("kvshm: cannot write the final statistics to stats_path %s "
                             "(%s)", self.cfg.stats_path, exc)
         FINAL_LINES.at_close(self.cfg.name, stats, self._shipped)
-        log.info("kvshm: engine %r closed (statistics: %s)", self.cfg.name,
-                 self.cfg.stats_path or "not written; set stats_path")
+        log.info("kvshm: engine %r closed (statistics: %s)", self.cfg.name, where)
 
     def _drain_and_snapshot(self, client: SyncClient
                             ) -> tuple[dict[str, Any] | None, SnapshotSource]:
