@@ -156,6 +156,19 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _engine_name(text: str) -> str:
+    """An argparse type: a name an engine can have (usage error, exit 2, otherwise: an
+    empty or 200-character name was "not running", exit 1)."""
+    from kvshm.config import check_name
+    from kvshm.errors import ConfigError
+
+    try:
+        check_name(text)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return text
+
+
 def _port(text: str) -> int:
     """An argparse type: a TCP port, 0 (a free one) to 65535."""
     if not (text.isascii() and text.isdigit()) or int(text) > 65535:
@@ -171,7 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(demo)
     demo.set_defaults(func=_cmd_demo)
     stats = sub.add_parser("stats", help="ask a running engine for its statistics")
-    stats.add_argument("--name", required=True, help="the engine's name")
+    stats.add_argument("--name", required=True, type=_engine_name, help="the engine's name")
     stats.add_argument("--timeout", type=_seconds, default=2.0, help="seconds to wait")
     stats.add_argument("--prometheus", action="store_true",
                        help="Prometheus text exposition instead of JSON (needs "

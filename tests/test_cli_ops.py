@@ -171,6 +171,20 @@ def test_a_timeout_that_is_not_a_finite_positive_number_is_a_usage_error(
             assert "argument --timeout:" in capsys.readouterr().err
 
 
+def test_stats_of_a_name_no_engine_can_have_is_a_usage_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Found by a hostile probe: ``kvshm stats --name ""`` (or 200 characters, or
+    ``../x``) looked the name up and said "not running", exit 1, where bad usage is
+    documented as 2. The name rule ``kvshm-workers`` applies refuses them in the parser."""
+    from kvshm.cli import main as kvshm_main
+
+    for bad in ("", "x" * 200, "../x", "a b"):
+        with pytest.raises(SystemExit) as info:
+            kvshm_main(["stats", "--name", bad])
+        assert info.value.code == 2
+        assert "argument --name: name must be 1-80 characters" in capsys.readouterr().err
+
+
 def test_engine_names_takes_listeners_only(tmp_path: Path) -> None:
     """A rank's connection carries the engine's name too, without __SO_ACCEPTCON: it
     must not add a row; other sockets are skipped, and so is a name with a space (no
