@@ -99,6 +99,15 @@ def test_the_vllm_keys_parse_and_refuse_in_one_line() -> None:
         is None
     assert check_extra_config({"disk_path": None, "disk_bytes_per_rank": None,
                                "disk_mode": "write_through"}).disk_path is None
+    # every key given as None means its default, these four too (a hostile probe's
+    # template failed on them alone: "must be a string")
+    nulls = check_extra_config({"remote_url": "valkey://127.0.0.1:6379", "remote_mode": None,
+                                "remote_namespace": None, "disk_path": "/d",
+                                "disk_bytes_per_rank": 1 << 20, "disk_io": None,
+                                "disk_mode": None})
+    assert (nulls.remote_mode.value, nulls.remote_namespace, nulls.disk_io.value,
+            nulls.disk_mode.value) == ("write_through", "", "direct", "write_back")
+    assert check_extra_config({"remote_mode": None, "disk_mode": None}).remote_url is None
     for extra, msg in cases:
         with pytest.raises(ConfigError, match=msg.replace("[", r"\[").replace("]", r"\]")) \
                 as info:

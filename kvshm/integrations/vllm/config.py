@@ -380,6 +380,13 @@ def _eviction(value: object) -> Eviction:
                       f"got {value!r}")
 
 
+def _or_default(extra: Mapping[str, Any], key: str, default: str) -> Any:
+    """``extra[key]``, or ``default`` where it is absent or None (a template that sets
+    every key, None for "the default", as ``mode`` and ``name`` take it)."""
+    value = extra.get(key)
+    return default if value is None else value
+
+
 def _remote(extra: Mapping[str, Any]) -> tuple[str | None, RemoteMode, str]:
     """(remote_url, remote_mode, remote_namespace) from the extra config."""
     url = extra.get("remote_url")
@@ -387,16 +394,17 @@ def _remote(extra: Mapping[str, Any]) -> tuple[str | None, RemoteMode, str]:
         if not isinstance(url, str):
             raise ConfigError(f"{_EXTRA}['remote_url'] must be a URL string, got {url!r}")
         RemoteSpec.parse(url)
-    if "remote_url" not in extra and "remote_mode" in extra:  # the user thinks a tier is on
-        # (an explicit ``"remote_url": None`` is a template's "tier off": accepted)
+    if "remote_url" not in extra and extra.get("remote_mode") is not None:  # the user thinks
+        # a tier is on (an explicit ``"remote_url": None`` is a template's "tier off", and
+        # a None elsewhere "the default", as for every key: accepted)
         raise ConfigError(f"{_EXTRA}: 'remote_mode' is set but 'remote_url' is not "
                           f"(there is no remote tier without a server)")
-    mode = extra.get("remote_mode", RemoteMode.WRITE_THROUGH.value)
+    mode = _or_default(extra, "remote_mode", RemoteMode.WRITE_THROUGH.value)
     modes = {m.value: m for m in RemoteMode}
     if not isinstance(mode, str) or mode not in modes:  # a list is no mode (nor hashable)
         raise ConfigError(f"{_EXTRA}['remote_mode'] must be one of {sorted(modes)}, "
                           f"got {mode!r}")
-    namespace = extra.get("remote_namespace", "")
+    namespace = _or_default(extra, "remote_namespace", "")
     if not isinstance(namespace, str) or len(namespace) > 100:
         raise ConfigError(f"{_EXTRA}['remote_namespace'] must be a string of at most 100 "
                           f"characters, got {namespace!r}")
@@ -413,16 +421,16 @@ def _disk(extra: Mapping[str, Any]) -> tuple[str | None, int | None, DiskIO, Dis
     if (path is None) != (per_rank is None):
         raise ConfigError(f"{_EXTRA}: 'disk_path' and 'disk_bytes_per_rank' go together "
                           f"(the disk tier's directory and each rank's slab size)")
-    stray = sorted(k for k in ("disk_io", "disk_mode") if k in extra)
+    stray = sorted(k for k in ("disk_io", "disk_mode") if extra.get(k) is not None)
     if "disk_path" not in extra and stray:  # the user thinks a tier is on (an explicit
         # ``"disk_path": None`` is a template's "tier off": accepted)
         raise ConfigError(f"{_EXTRA}: {stray} set but 'disk_path' is not (there is no "
                           f"disk tier without a directory)")
-    io = extra.get("disk_io", DiskIO.DIRECT.value)
+    io = _or_default(extra, "disk_io", DiskIO.DIRECT.value)
     ios = {d.value: d for d in DiskIO}
     if not isinstance(io, str) or io not in ios:
         raise ConfigError(f"{_EXTRA}['disk_io'] must be one of {sorted(ios)}, got {io!r}")
-    mode = extra.get("disk_mode", DiskMode.WRITE_BACK.value)
+    mode = _or_default(extra, "disk_mode", DiskMode.WRITE_BACK.value)
     modes = {m.value: m for m in DiskMode}
     if not isinstance(mode, str) or mode not in modes:
         raise ConfigError(f"{_EXTRA}['disk_mode'] must be one of {sorted(modes)}, "
