@@ -454,3 +454,62 @@ def test_settle_refuses_a_limit_that_is_no_count() -> None:
             with pytest.raises(ConfigError, match="settle: limit must be an int >= 0"):
                 client.settle(bad)  # type: ignore[arg-type]
         assert client.settle(0) is False
+
+
+def test_aclose_after_the_launch_loop_closed_under_a_waiter_still_ends() -> None:
+    """Found by a review: the launch loop closed (``loop.close()``, no ``asyncio.run``
+    cancelling its tasks) while a task sat in ``wait_loaded``. ``aclose`` from a second
+    loop failed that waiter's future, which raised "Event loop is closed" out of its
+    clean-up: the closed event was never set, every later ``aclose`` waited for good
+    and the ranks' slabs stayed. Now it ends (twice) and the ranks are reaped."""
+    ks, gpu = shards(), BlockPool(GPU_BLOCKS)
+    before = live_children()
+    first = asyncio.new_event_loop()
+    eng = first.run_until_complete(Engine.launch(config(), workers=SPAWN, gpu_blocks=gpu,
+                                                 device_caches=[[k] for k in ks]))
+    eng._waits.expect("r")  # a load pending for "r" (its phase B accepted tokens)
+    waiter = first.create_task(eng.wait_loaded("r"))
+    first.run_until_complete(asyncio.sleep(0.05))  # the task now awaits its future
+    assert not waiter.done()
+    first.close()
+
+    async def close_twice() -> None:
+        await asyncio.wait_for(eng.aclose(), 20)
+        await asyncio.wait_for(eng.aclose(), 5)
+        assert eng.state is EngineState.CLOSED
+        await _reaped(before)
+
+    asyncio.run(close_twice())
+
+
+def test_aclose_from_another_thread_runs_on_the_launch_loop() -> None:
+    """Found by a review: ``aclose`` from a thread whose loop is not the launch loop,
+    while the launch loop runs in its own thread, closed the channels and cancelled the
+    ticker off that loop's thread -- a race with its callbacks. Now the close is handed
+    to the launch loop and awaited there; the caller returns once it is done."""
+    ks, gpu = shards(), BlockPool(GPU_BLOCKS)
+    before = live_children()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    try:
+        async def launch() -> Engine:
+            return await Engine.launch(config(), workers=SPAWN, gpu_blocks=gpu,
+                                       device_caches=[[k] for k in ks])
+
+        eng = asyncio.run_coroutine_threadsafe(launch(), loop).result(30)
+        closed_on: list[threading.Thread] = []
+        real_stopped = eng._stopped
+
+        def stopped() -> None:
+            closed_on.append(threading.current_thread())
+            real_stopped()
+
+        eng._stopped = stopped  # type: ignore[method-assign]
+        asyncio.run(asyncio.wait_for(eng.aclose(), 20))
+        assert eng.state is EngineState.CLOSED and closed_on == [thread]
+    finally:
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(10)
+        loop.close()
+    asyncio.run(_reaped(before))

@@ -122,7 +122,14 @@ class Engine(Facade):
         second call while one runs waits for it, so every caller returns only once the
         spawned ranks are reaped). Cancelled, it still closes: a cancel while jobs in
         flight drain ends the drain and the closing goes on; one while the ranks stop
-        leaves their reaping to a thread (shielded); either way CancelledError follows."""
+        leaves their reaping to a thread (shielded); either way CancelledError follows.
+        From another thread while the launch loop runs, the close runs on that loop (its
+        callbacks and the close must not race); with the launch loop closed, here."""
+        owner = self._loop
+        if owner is not None and owner is not asyncio.get_running_loop() \
+                and owner.is_running():
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.aclose(), owner))
+            return
         if self._ended or self._aclosing:
             await self._closed.wait()
             return
@@ -152,7 +159,10 @@ class Engine(Facade):
                                                 self._core.config.shutdown_grace_s)
                 await asyncio.shield(stopping)
         finally:  # even when cancelled: no waiter is left hanging
-            self._waits.fail_all(LoadFailure.ENGINE_CLOSED)
+            try:
+                self._waits.fail_all(LoadFailure.ENGINE_CLOSED)
+            except RuntimeError:  # waiters on a launch loop closed meanwhile: nobody can
+                pass  # await those futures any more, and _closed must still be set
             if stopping is None or stopping.done():
                 self._stopped()
             else:  # cancelled while the ranks stop: the other aclose()s return only once
@@ -198,6 +208,12 @@ class Engine(Facade):
         return super().finished(req_id, num_confirmed_tokens, gpu_block_ids,
                                 tail_hash=tail_hash)
 
+    def transfer_params(self, req_id: str) -> dict[str, Any] | None:
+        """:meth:`Facade.transfer_params` (handed out once), on the launch loop only."""
+        if asyncio._get_running_loop() is not self._loop:
+            raise self._foreign_loop()
+        return super().transfer_params(req_id)
+
     def _enter(self, *, service: bool = True) -> None:
         """The face's guard, then: only on the launch loop (``step``, ``wait_loaded``,
         ``reset``)."""
@@ -210,8 +226,12 @@ class Engine(Facade):
         if self._ended:
             return self._ended_error()
         loop = self._loop
-        why = ("that loop is closed" if loop is not None and loop.is_closed()
-               else "this call ran on another thread or loop")
+        if loop is not None and loop.is_closed():
+            why = "that loop is closed"
+        elif asyncio._get_running_loop() is None:
+            why = "this call ran with no running loop (another thread, or between runs)"
+        else:
+            why = "this call ran on another loop"
         return StateError(f"engine {self.name!r} runs on the event loop it was launched "
                           f"on and {why}: call it from a coroutine on that loop (close it "
                           "with aclose() from anywhere)")

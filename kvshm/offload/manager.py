@@ -331,8 +331,8 @@ class OffloadManager:
         if num_external_tokens:  # (with 0 tokens there is nothing to refuse: no call)
             self._check_phase_b(req_id, tables, num_external_tokens, hit)
         st = self._track.reqs.get(req_id)
-        if st is not None and st.tracked:  # the request's tables now (a preemption the
-            st.tables = [list(t) for t in tables]  # steps have not listed yet: new ones)
+        if st is not None and st.tracked:  # (its tables may be new: a preemption the
+            st.readmitted = True  # steps have not listed yet; finished() cannot check)
         if num_external_tokens == 0:
             self._drop_hit(req_id)
             self._admit(req_id, st, 0)

@@ -66,11 +66,14 @@ class ReqState:
     has run for it once (a later phase B is a re-admission, e.g. after a preemption:
     its hit is counted apart); ``refreshed``: the engine's own prefix blocks whose CPU
     copies its lookups since its last phase B have refreshed (a request that waits is
-    looked up every step: its prefix is refreshed once a wait, again only when it grew). The
-    store planner walks it as a :class:`~kvshm.offload.stores.Cursor`."""
+    looked up every step: its prefix is refreshed once a wait, again only when it grew);
+    ``readmitted``: a phase B came after its last admission listing -- ``tables`` may
+    predate a preemption the steps have not listed yet (``finished`` has no listed ids
+    to check its tables against then). The store planner walks it as a
+    :class:`~kvshm.offload.stores.Cursor`."""
 
-    __slots__ = ("admitted", "cursor", "hashes", "refreshed", "remote", "req_id", "start",
-                 "tables", "tracked")
+    __slots__ = ("admitted", "cursor", "hashes", "readmitted", "refreshed", "remote",
+                 "req_id", "start", "tables", "tracked")
 
     def __init__(self, req_id: str, ngroups: int) -> None:
         self.req_id = req_id
@@ -81,6 +84,7 @@ class ReqState:
         self.remote = False
         self.tracked = False
         self.admitted = False
+        self.readmitted = False
         self.refreshed = 0
 
 
@@ -298,6 +302,7 @@ class RequestTracker:
         st = self.state(rid)
         st.remote = st.remote or remote_decode(r.kv_transfer_params)
         st.tracked = self.eager or st.remote
+        st.readmitted = False
         st.cursor = 0 if st.remote else st.start
         if r.preempted and not r.new_or_resumed:
             st.tables = [[] for _ in range(self.gs.n)]
@@ -386,25 +391,34 @@ class RequestTracker:
         read."""
         if not st.tracked:
             return
-        self._check_listed_ids(st, tables, check)
+        self._check_listed_ids(st, tables, num_confirmed_tokens, check)
         seq = hashes if hashes is not None else st.hashes
         shortest = len(tables[0]) if len(tables) == 1 else min(len(t) for t in tables)
         hi = min(num_confirmed_tokens // self.bs, shortest, len(seq))
         if hi > st.cursor:
             check.hashes("finished", st.req_id, "block_hashes", seq, st.cursor, hi)
 
-    @staticmethod
-    def _check_listed_ids(st: ReqState, tables: Sequence[Sequence[int]],
-                          check: CallCheck) -> None:
-        """The finish-time store reads positions from the cursor on; where the steps
-        (or the request's last phase B, which names its whole tables) listed ids there,
-        ``tables`` must name the same ones (a sliding-window group may name the null
-        block instead: the engine freed that block). Another block there would be stored
-        under this request's hash: its bytes served to every later hit. O(the unstored
-        positions): one slice compare per group."""
-        lo = st.cursor
+    def _check_listed_ids(self, st: ReqState, tables: Sequence[Sequence[int]],
+                          num_confirmed_tokens: int, check: CallCheck) -> None:
+        """The finish-time store reads positions from the cursor up to the confirmed
+        blocks; each must be one the steps listed, and ``tables`` must name the id they
+        listed there (a sliding-window group may name the null block instead: the engine
+        freed that block). Another block -- or one the steps never listed -- would be
+        stored under this request's hash, its bytes served to every later hit. Not
+        checked after a re-admission the steps have not listed yet (``readmitted``:
+        nothing listed to compare with). O(the unstored positions): one slice compare
+        per group."""
+        if st.readmitted:
+            return
+        lo, ready = st.cursor, num_confirmed_tokens // self.bs
         for g, (t, have) in enumerate(zip(tables, st.tables, strict=True)):
-            hi = min(len(t), len(have))
+            hi = min(len(t), ready)
+            if hi > len(have):
+                raise check.refuse(
+                    "finished", st.req_id, f"gpu_block_ids[{g}][{len(have)}]",
+                    f"block {t[len(have)]} at a position the steps never listed (they "
+                    f"listed {len(have)}): a request's blocks are listed before they are "
+                    "stored")
             if hi <= lo or tuple(t[lo:hi]) == tuple(have[lo:hi]):
                 continue
             null = check.fields.null_block_id if check.null_refused[g] is None else None
@@ -413,8 +427,7 @@ class RequestTracker:
                     raise check.refuse(
                         "finished", st.req_id, f"gpu_block_ids[{g}][{p}]",
                         f"block {t[p]} where the steps listed {have[p]}: its unstored "
-                        "blocks are stored from the tables the steps (or its phase B) "
-                        "listed")
+                        "blocks are stored from the tables the steps listed")
 
     def finish(self, st: ReqState, num_confirmed_tokens: int,
                tables: Sequence[Sequence[int]], hashes: Sequence[BlockHash] | None) -> None:

@@ -151,7 +151,11 @@ def _drop_this_process_worker_side() -> None:
     )
 
     if has_kv_transfer_group() and isinstance(get_kv_transfer_group(), KvshmConnector):
-        ensure_kv_transfer_shutdown()
+        try:
+            ensure_kv_transfer_shutdown()
+        except Exception:  # (the refusal is what the caller must see)
+            log.exception("kvshm: shutting down this process's worker-side connector "
+                          "after the refusal failed")
 
 
 class KvshmConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unused-ignore]

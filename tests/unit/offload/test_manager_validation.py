@@ -173,6 +173,30 @@ def test_bad_call_finished_with_a_table_the_steps_never_listed() -> None:
     assert [rig.cpu.get_cached(h) for h in a.h] == [0, 1, 2] and rig.m.pins_held() == 0
 
 
+def test_bad_call_finished_names_blocks_at_positions_the_steps_never_listed() -> None:
+    """A (13 tokens) was listed with GPU 0-1 only (a chunked prefill), nothing stored
+    yet. Its ``finished`` names 13 confirmed tokens over GPU 0-3: 2 and 3 are another
+    request's blocks the steps never listed for A. The first check compared only the
+    listed positions, so 2 and 3 were stored under A's hashes (found by a review). Now
+    the call is refused at position 2; the right call (the listed 0-1 and what the
+    engine then listed) stores what was listed."""
+    rig = Rig(cpu=8, gpu=8)
+    a = Req("a", 13)
+    ga = rig.alloc(4, a.h)                                     # [0, 1, 2, 3]
+    rig.step(a.sched(ga[:2], confirmed=0, new=True))
+    before = manager_state(rig.m)
+    err = refused(rig.m, rig.m.finished, "a", 13, [ga])
+    assert (err.req_id, err.field) == ("a", "gpu_block_ids[0][2]")
+    assert "at a position the steps never listed (they listed 2)" in str(err)
+    assert manager_state(rig.m) == before
+
+    assert rig.m.finished("a", 8, [ga[:2]]) is False
+    p = rig.step()
+    assert pairs(p.store) == ([0, 1], [0, 1])
+    rig.ack(p.store)
+    assert rig.m.pins_held() == 0
+
+
 def test_bad_call_half_applied_step_good_and_bad_request() -> None:
     """One step lists G (9 tokens, GPU 0-2, 2 blocks confirmed) and then B, whose table
     names GPU id 9 (pool of 8) at a confirmed position. The step used to admit both,
