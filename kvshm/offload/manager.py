@@ -332,7 +332,7 @@ class OffloadManager:
             self._check_phase_b(req_id, tables, num_external_tokens, hit)
         st = self._track.reqs.get(req_id)
         if st is not None and st.tracked:  # (its tables may be new: a preemption the
-            st.readmitted = True  # steps have not listed yet; finished() cannot check)
+            st.phase_b_tables = [list(t) for t in tables]  # steps have not listed yet)
         if num_external_tokens == 0:
             self._drop_hit(req_id)
             self._admit(req_id, st, 0)

@@ -67,12 +67,13 @@ class ReqState:
     its hit is counted apart); ``refreshed``: the engine's own prefix blocks whose CPU
     copies its lookups since its last phase B have refreshed (a request that waits is
     looked up every step: its prefix is refreshed once a wait, again only when it grew);
-    ``readmitted``: a phase B came after its last admission listing -- ``tables`` may
-    predate a preemption the steps have not listed yet (``finished`` has no listed ids
-    to check its tables against then). The store planner walks it as a
-    :class:`~kvshm.offload.stores.Cursor`."""
+    ``phase_b_tables``: the whole tables of a phase B that came after its last
+    admission listing (None: none did) -- ``tables`` may then predate a preemption the
+    steps have not listed yet, so ``finished`` checks its tables against these; kept
+    apart from ``tables``, which a stalled walk still reads. The store planner walks it
+    as a :class:`~kvshm.offload.stores.Cursor`."""
 
-    __slots__ = ("admitted", "cursor", "hashes", "readmitted", "refreshed", "remote",
+    __slots__ = ("admitted", "cursor", "hashes", "phase_b_tables", "refreshed", "remote",
                  "req_id", "start", "tables", "tracked")
 
     def __init__(self, req_id: str, ngroups: int) -> None:
@@ -84,7 +85,7 @@ class ReqState:
         self.remote = False
         self.tracked = False
         self.admitted = False
-        self.readmitted = False
+        self.phase_b_tables: list[list[int]] | None = None
         self.refreshed = 0
 
 
@@ -302,7 +303,7 @@ class RequestTracker:
         st = self.state(rid)
         st.remote = st.remote or remote_decode(r.kv_transfer_params)
         st.tracked = self.eager or st.remote
-        st.readmitted = False
+        st.phase_b_tables = None
         st.cursor = 0 if st.remote else st.start
         if r.preempted and not r.new_or_resumed:
             st.tables = [[] for _ in range(self.gs.n)]
@@ -404,30 +405,41 @@ class RequestTracker:
         blocks; each must be one the steps listed, and ``tables`` must name the id they
         listed there (a sliding-window group may name the null block instead: the engine
         freed that block). Another block -- or one the steps never listed -- would be
-        stored under this request's hash, its bytes served to every later hit. Not
-        checked after a re-admission the steps have not listed yet (``readmitted``:
-        nothing listed to compare with). O(the unstored positions): one slice compare
-        per group."""
-        if st.readmitted:
-            return
+        stored under this request's hash, its bytes served to every later hit. After a
+        phase B the steps have not listed yet (a re-admission), its tables are the ones
+        compared (``phase_b_tables``). A P/D prefill request's partial last block is
+        read too (its hand-off's tail). O(the unstored positions): at a finish usually
+        none or one a group."""
+        listed = st.tables if st.phase_b_tables is None else st.phase_b_tables
         lo, ready = st.cursor, num_confirmed_tokens // self.bs
-        for g, (t, have) in enumerate(zip(tables, st.tables, strict=True)):
-            hi = min(len(t), ready)
+        if st.remote and num_confirmed_tokens % self.bs:
+            ready += 1  # the tail block (``pin_tail``)
+        for g, t in enumerate(tables):
+            hi = len(t) if len(t) < ready else ready
+            if hi <= lo:
+                continue
+            have = listed[g]
             if hi > len(have):
                 raise check.refuse(
                     "finished", st.req_id, f"gpu_block_ids[{g}][{len(have)}]",
                     f"block {t[len(have)]} at a position the steps never listed (they "
                     f"listed {len(have)}): a request's blocks are listed before they are "
                     "stored")
-            if hi <= lo or tuple(t[lo:hi]) == tuple(have[lo:hi]):
-                continue
-            null = check.fields.null_block_id if check.null_refused[g] is None else None
             for p in range(lo, hi):
-                if t[p] != have[p] and (null is None or t[p] != null):
-                    raise check.refuse(
-                        "finished", st.req_id, f"gpu_block_ids[{g}][{p}]",
-                        f"block {t[p]} where the steps listed {have[p]}: its unstored "
-                        "blocks are stored from the tables the steps listed")
+                if t[p] != have[p]:
+                    self._unlisted(st, t, have, g, p, check)
+
+    @staticmethod
+    def _unlisted(st: ReqState, t: Sequence[int], have: Sequence[int], g: int, p: int,
+                  check: CallCheck) -> None:
+        """Position ``p`` of group ``g`` names another block than the steps listed:
+        refused, unless it is the null block in a group that may hold it."""
+        null = check.fields.null_block_id if check.null_refused[g] is None else None
+        if null is None or t[p] != null:
+            raise check.refuse("finished", st.req_id, f"gpu_block_ids[{g}][{p}]",
+                               f"block {t[p]} where the steps listed {have[p]}: its "
+                               "unstored blocks are stored from the tables the steps "
+                               "listed")
 
     def finish(self, st: ReqState, num_confirmed_tokens: int,
                tables: Sequence[Sequence[int]], hashes: Sequence[BlockHash] | None) -> None:

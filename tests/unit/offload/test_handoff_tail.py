@@ -185,3 +185,23 @@ def test_a_bad_tail_key_is_refused_whole(tail: Any, n: int, problem: str) -> Non
     with pytest.raises(InvalidRequest, match=problem):
         rig.m.lookup(RequestView("r", r.h, n, None, tail), 0)
     assert manager_state(rig.m) == before and rig.m.counters.invalid_calls == n_invalid + 2
+
+
+def test_a_tail_block_the_steps_did_not_list_there_is_refused() -> None:
+    """A P/D prefill request r (11 tokens: 2 full blocks and a 3-token tail) was listed
+    with GPU 0, 1, 2 -- 2 holds its tail. Its ``finished`` names GPU 3 (another
+    request's partial block) at the tail's position: the finish check covered the full
+    blocks only, and the hand-off's tail store pinned 3 and published its bytes under
+    r's tail key (found by a review). Refused now; the manager unchanged."""
+    index = HeldIndex()
+    rig = remote_rig(index)
+    r = Req("r", 11, params=REMOTE)
+    g = rig.alloc(3, r.h)                                      # [0, 1, 2]
+    other = rig.alloc(1)                                       # [3]
+    rig.step(r.sched(g, confirmed=11, new=True))
+    before, n_invalid = manager_state(rig.m), rig.m.counters.invalid_calls
+    with pytest.raises(InvalidRequest, match="block 3 where the steps listed 2") as exc:
+        rig.m.finished("r", 11, [[g[0], g[1], other[0]]], tail_hash=tail_of(r))
+    assert exc.value.field == "gpu_block_ids[0][2]"
+    assert manager_state(rig.m) == before and rig.m.counters.invalid_calls == n_invalid + 1
+    assert refs(rig.gpu, other) == [1]

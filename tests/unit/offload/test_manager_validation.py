@@ -197,6 +197,24 @@ def test_bad_call_finished_names_blocks_at_positions_the_steps_never_listed() ->
     assert rig.m.pins_held() == 0
 
 
+def test_bad_call_finished_after_a_stray_phase_b_is_still_checked() -> None:
+    """A (17 tokens) runs, listed with GPU 0-1; a stray phase B (0 tokens, its own
+    tables) is accepted mid-run. A first mend turned the finish check off after any
+    phase B until an admission listing -- which a running request never gets -- so a
+    later ``finished`` naming another request's blocks at positions 2-3 was stored
+    (found by a review). The check now compares against that phase B's tables:
+    refused, nothing changed."""
+    rig = Rig(cpu=8, gpu=16)
+    a = Req("a", 17)
+    ga = rig.alloc(2, a.h)                                     # [0, 1]
+    rig.step(a.sched(ga, confirmed=0, new=True))
+    other = rig.alloc(4)                                       # [2, 3, 4, 5]
+    rig.m.allocated("a", [ga], 0)
+    rig.step(a.sched((), confirmed=8))
+    err = refused(rig.m, rig.m.finished, "a", 16, [ga + other[:2]])
+    assert (err.req_id, err.field) == ("a", "gpu_block_ids[0][2]")
+
+
 def test_bad_call_half_applied_step_good_and_bad_request() -> None:
     """One step lists G (9 tokens, GPU 0-2, 2 blocks confirmed) and then B, whose table
     names GPU id 9 (pool of 8) at a confirmed position. The step used to admit both,
