@@ -513,3 +513,30 @@ def test_aclose_from_another_thread_runs_on_the_launch_loop() -> None:
         thread.join(10)
         loop.close()
     asyncio.run(_reaped(before))
+
+
+def test_aclose_handed_to_a_launch_loop_that_stops_first_closes_here() -> None:
+    """Found by a review: ``aclose`` from another thread is handed to the running launch
+    loop; that loop, busy for 0.2 s, then stops before it ever runs the handed close.
+    The caller waited for good, the engine READY and its ranks up. Now it sees the loop
+    stop and closes here."""
+    ks, gpu = shards(), BlockPool(GPU_BLOCKS)
+    before = live_children()
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+
+    async def launch() -> Engine:
+        return await Engine.launch(config(), workers=SPAWN, gpu_blocks=gpu,
+                                   device_caches=[[k] for k in ks])
+
+    eng = asyncio.run_coroutine_threadsafe(launch(), loop).result(30)
+    loop.call_soon_threadsafe(time.sleep, 0.2)  # busy: the hand-over queues behind ...
+    loop.call_soon_threadsafe(loop.stop)  # ... the stop, and never runs
+    try:
+        asyncio.run(asyncio.wait_for(eng.aclose(), 20))
+        assert eng.state is EngineState.CLOSED
+    finally:
+        thread.join(10)
+        loop.close()
+    asyncio.run(_reaped(before))

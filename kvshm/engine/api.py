@@ -125,10 +125,11 @@ class Engine(Facade):
         leaves their reaping to a thread (shielded); either way CancelledError follows.
         From another thread while the launch loop runs, the close runs on that loop (its
         callbacks and the close must not race); with the launch loop closed, here."""
+        if self._closed.is_set():
+            return
         owner = self._loop
         if owner is not None and owner is not asyncio.get_running_loop() \
-                and owner.is_running():
-            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(self.aclose(), owner))
+                and owner.is_running() and await self._closed_on(owner):
             return
         if self._ended or self._aclosing:
             await self._closed.wait()
@@ -169,6 +170,22 @@ class Engine(Facade):
                 stopping.add_done_callback(lambda _: self._stopped())  # they are reaped
         if cancelled:  # the caller's cancel, delivered once the engine is closed
             raise asyncio.CancelledError
+
+    async def _closed_on(self, owner: asyncio.AbstractEventLoop) -> bool:
+        """Run :meth:`aclose` on ``owner`` (the launch loop, running in another thread)
+        and wait for it; False when ``owner`` stopped before that close finished (the
+        caller then closes here: a handed close that never ran must not wait for
+        ever). A close the stop cut off half-way is not finished here."""
+        handed = asyncio.run_coroutine_threadsafe(self.aclose(), owner)
+        done = asyncio.wrap_future(handed)
+        while True:
+            try:
+                await asyncio.wait_for(asyncio.shield(done), 0.1)
+                return True
+            except TimeoutError:
+                if not owner.is_running():
+                    handed.cancel()
+                    return False
 
     def _stopped(self) -> None:
         """The ranks are stopped (reaped): the slabs of those the stop killed before they
