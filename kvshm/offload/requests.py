@@ -402,29 +402,25 @@ class RequestTracker:
     def _check_listed_ids(self, st: ReqState, tables: Sequence[Sequence[int]],
                           num_confirmed_tokens: int, check: CallCheck) -> None:
         """The finish-time store reads positions from the cursor up to the confirmed
-        blocks; each must be one the steps listed, and ``tables`` must name the id they
-        listed there (a sliding-window group may name the null block instead: the engine
-        freed that block). Another block -- or one the steps never listed -- would be
+        blocks (a P/D prefill request's partial tail block too); where the steps listed
+        an id, ``tables`` must name the same one (a sliding-window group may name the
+        null block instead: the engine freed that block). Another block there would be
         stored under this request's hash, its bytes served to every later hit. After a
         phase B the steps have not listed yet (a re-admission), its tables are the ones
-        compared (``phase_b_tables``). A P/D prefill request's partial last block is
-        read too (its hand-off's tail). O(the unstored positions): at a finish usually
+        compared (``phase_b_tables``). Positions past the listed ones are the engine's
+        word, as every listed id is: vLLM names blocks at a finish that no step listed
+        (those its last step allocated; ``tools.bench_vs_vllm``'s lockstep rig shows
+        it), and they are stored. O(the unstored listed positions): at a finish usually
         none or one a group."""
         listed = st.tables if st.phase_b_tables is None else st.phase_b_tables
         lo, ready = st.cursor, num_confirmed_tokens // self.bs
         if st.remote and num_confirmed_tokens % self.bs:
             ready += 1  # the tail block (``pin_tail``)
         for g, t in enumerate(tables):
-            hi = len(t) if len(t) < ready else ready
+            have = listed[g]
+            hi = min(len(t), ready, len(have))
             if hi <= lo:
                 continue
-            have = listed[g]
-            if hi > len(have):
-                raise check.refuse(
-                    "finished", st.req_id, f"gpu_block_ids[{g}][{len(have)}]",
-                    f"block {t[len(have)]} at a position the steps never listed (they "
-                    f"listed {len(have)}): a request's blocks are listed before they are "
-                    "stored")
             for p in range(lo, hi):
                 if t[p] != have[p]:
                     self._unlisted(st, t, have, g, p, check)

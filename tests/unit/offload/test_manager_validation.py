@@ -173,46 +173,22 @@ def test_bad_call_finished_with_a_table_the_steps_never_listed() -> None:
     assert [rig.cpu.get_cached(h) for h in a.h] == [0, 1, 2] and rig.m.pins_held() == 0
 
 
-def test_bad_call_finished_names_blocks_at_positions_the_steps_never_listed() -> None:
-    """A (13 tokens) was listed with GPU 0-1 only (a chunked prefill), nothing stored
-    yet. Its ``finished`` names 13 confirmed tokens over GPU 0-3: 2 and 3 are another
-    request's blocks the steps never listed for A. The first check compared only the
-    listed positions, so 2 and 3 were stored under A's hashes (found by a review). Now
-    the call is refused at position 2; the right call (the listed 0-1 and what the
-    engine then listed) stores what was listed."""
-    rig = Rig(cpu=8, gpu=8)
-    a = Req("a", 13)
-    ga = rig.alloc(4, a.h)                                     # [0, 1, 2, 3]
-    rig.step(a.sched(ga[:2], confirmed=0, new=True))
-    before = manager_state(rig.m)
-    err = refused(rig.m, rig.m.finished, "a", 13, [ga])
-    assert (err.req_id, err.field) == ("a", "gpu_block_ids[0][2]")
-    assert "at a position the steps never listed (they listed 2)" in str(err)
-    assert manager_state(rig.m) == before
-
-    assert rig.m.finished("a", 8, [ga[:2]]) is False
-    p = rig.step()
-    assert pairs(p.store) == ([0, 1], [0, 1])
-    rig.ack(p.store)
-    assert rig.m.pins_held() == 0
-
-
 def test_bad_call_finished_after_a_stray_phase_b_is_still_checked() -> None:
-    """A (17 tokens) runs, listed with GPU 0-1; a stray phase B (0 tokens, its own
-    tables) is accepted mid-run. A first mend turned the finish check off after any
-    phase B until an admission listing -- which a running request never gets -- so a
-    later ``finished`` naming another request's blocks at positions 2-3 was stored
-    (found by a review). The check now compares against that phase B's tables:
-    refused, nothing changed."""
+    """A (17 tokens) runs, listed with GPU 0-3, nothing stored yet; a stray phase B (0
+    tokens, its own tables) is accepted mid-run. A first mend turned the finish check
+    off after any phase B until an admission listing -- which a running request never
+    gets -- so a later ``finished`` naming another request's blocks at positions 2-3
+    was stored (found by a review). The check now compares against that phase B's
+    tables: refused, nothing changed."""
     rig = Rig(cpu=8, gpu=16)
     a = Req("a", 17)
-    ga = rig.alloc(2, a.h)                                     # [0, 1]
+    ga = rig.alloc(4, a.h)                                     # [0, 1, 2, 3]
     rig.step(a.sched(ga, confirmed=0, new=True))
-    other = rig.alloc(4)                                       # [2, 3, 4, 5]
+    other = rig.alloc(2)                                       # [4, 5]
     rig.m.allocated("a", [ga], 0)
-    rig.step(a.sched((), confirmed=8))
-    err = refused(rig.m, rig.m.finished, "a", 16, [ga + other[:2]])
+    err = refused(rig.m, rig.m.finished, "a", 16, [ga[:2] + other])
     assert (err.req_id, err.field) == ("a", "gpu_block_ids[0][2]")
+    assert "block 4 where the steps listed 2" in str(err)
 
 
 def test_bad_call_half_applied_step_good_and_bad_request() -> None:
