@@ -428,14 +428,14 @@ class RequestTracker:
     @staticmethod
     def _unlisted(st: ReqState, t: Sequence[int], have: Sequence[int], g: int, p: int,
                   check: CallCheck) -> None:
-        """Position ``p`` of group ``g`` names another block than the steps listed:
+        """Position ``p`` of group ``g`` names another block than was listed there:
         refused, unless it is the null block in a group that may hold it."""
         null = check.fields.null_block_id if check.null_refused[g] is None else None
         if null is None or t[p] != null:
+            source = "the steps" if st.phase_b_tables is None else "its last phase B"
             raise check.refuse("finished", st.req_id, f"gpu_block_ids[{g}][{p}]",
-                               f"block {t[p]} where the steps listed {have[p]}: its "
-                               "unstored blocks are stored from the tables the steps "
-                               "listed")
+                               f"block {t[p]} where {source} listed {have[p]}: its "
+                               "unstored blocks are stored from the tables listed")
 
     def finish(self, st: ReqState, num_confirmed_tokens: int,
                tables: Sequence[Sequence[int]], hashes: Sequence[BlockHash] | None) -> None:

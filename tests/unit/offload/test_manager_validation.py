@@ -188,7 +188,7 @@ def test_bad_call_finished_after_a_stray_phase_b_is_still_checked() -> None:
     rig.m.allocated("a", [ga], 0)
     err = refused(rig.m, rig.m.finished, "a", 16, [ga[:2] + other])
     assert (err.req_id, err.field) == ("a", "gpu_block_ids[0][2]")
-    assert "block 4 where the steps listed 2" in str(err)
+    assert "block 4 where its last phase B listed 2" in str(err)
 
 
 def test_bad_call_half_applied_step_good_and_bad_request() -> None:
