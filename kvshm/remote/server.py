@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import re
 import shutil
 import signal
 import socket
@@ -34,13 +35,26 @@ from typing import Final
 from kvshm.errors import ConfigError, MissingExtra, ServerStartError
 from kvshm.remote.resp import command, info_field
 
-__all__ = ["POLICY", "ValkeyCluster", "ValkeyServer", "free_port", "make_cluster",
-           "node_id", "serve", "valkey_binary", "wait_cluster_ok"]
+__all__ = ["POLICY", "ValkeyCluster", "ValkeyServer", "check_memory", "free_port",
+           "make_cluster", "node_id", "serve", "valkey_binary", "wait_cluster_ok"]
 
 #: The maxmemory policy kvshm's servers run with: evict only keys with a TTL, LRU first.
 POLICY: Final = "volatile-lru"
 _PR_SET_PDEATHSIG: Final = 1
 _SLOTS: Final = 16384
+#: A memory value as the server's configuration reads it: bytes, or a count with one of
+#: its units (k/kb/m/mb/g/gb, any case).
+_MEMORY: Final = re.compile(r"[0-9]+(?:[kmg]b?|b)?", re.IGNORECASE)
+
+
+def check_memory(value: str) -> str:
+    """``value`` if the server would read it as a memory value (``512mb``, ``4gb``),
+    else ConfigError: the server itself would exit at start with a line in its own
+    terms."""
+    if not isinstance(value, str) or _MEMORY.fullmatch(value) is None:
+        raise ConfigError(f"maxmemory {value!r} is not a memory value (e.g. 512mb, 4gb, "
+                          f"or a byte count)")
+    return value
 
 
 def valkey_binary() -> Path:
@@ -82,6 +96,7 @@ class ValkeyServer:
                  logfile: str | None = None, extra_args: Sequence[str] = ()) -> None:
         if port is not None and not 0 <= port < 65536:
             raise ConfigError(f"port {port} out of range")
+        check_memory(maxmemory)
         self.host = host
         self.port = port or 0
         self.maxmemory = maxmemory

