@@ -398,6 +398,24 @@ class RequestTracker:
         hi = min(num_confirmed_tokens // self.bs, shortest, len(seq))
         if hi > st.cursor:
             check.hashes("finished", st.req_id, "block_hashes", seq, st.cursor, hi)
+            if hashes is not None and hashes is not st.hashes:
+                self._check_listed_hashes(st, hashes, hi, check)
+
+    @staticmethod
+    def _check_listed_hashes(st: ReqState, hashes: Sequence[BlockHash], hi: int,
+                             check: CallCheck) -> None:
+        """A finish's own ``block_hashes`` may add the hashes the engine's sequence still
+        lacked, never rename what the steps listed: the unstored positions
+        ``[cursor, hi)`` that the sequence seen so far holds must hold the same hashes
+        (another would label this request's bytes as another prefix's, served to every
+        later hit of that prefix)."""
+        have = st.hashes
+        for p in range(st.cursor, min(hi, len(have))):
+            if hashes[p] != have[p]:
+                raise check.refuse("finished", st.req_id, f"block_hashes[{p}]",
+                                   f"{hashes[p].hex()[:16]}... where the steps listed "
+                                   f"{have[p].hex()[:16]}...: a finish may add hashes, "
+                                   "not change them")
 
     def _check_listed_ids(self, st: ReqState, tables: Sequence[Sequence[int]],
                           num_confirmed_tokens: int, check: CallCheck) -> None:

@@ -173,6 +173,32 @@ def test_bad_call_finished_with_a_table_the_steps_never_listed() -> None:
     assert [rig.cpu.get_cached(h) for h in a.h] == [0, 1, 2] and rig.m.pins_held() == 0
 
 
+def test_bad_call_finished_with_hashes_that_rename_the_listed_ones() -> None:
+    """A (13 tokens, GPU 0-3) was listed with only its first two hashes (the engine's
+    sequence lacked the third), nothing stored yet. Its ``finished`` passes
+    ``block_hashes`` whose position 1 is B's hash instead of A's. The finish-time store
+    used to take them: GPU 1 (A's bytes) stored under B's hash, served to every later
+    hit of B's prefix. Now refused at position 1, nothing changed; the finish that only
+    adds the third hash stores GPU 0, 1, 2 under A's three."""
+    rig = Rig(cpu=8, gpu=8)
+    a, b = Req("a", 13), Req("b", 13, base=100)
+    ga = rig.alloc(4, a.h)                                     # [0, 1, 2, 3]
+    rig.step(ScheduledRequest("a", a.h[:2], 13, (tuple(ga),), True, 0))
+    before = manager_state(rig.m)
+    renamed = [a.h[0], b.h[1], a.h[2]]
+    err = refused(rig.m, rig.m.finished, "a", 13, [ga], block_hashes=renamed)
+    assert (err.req_id, err.field) == ("a", "block_hashes[1]")
+    assert "a finish may add hashes, not change them" in str(err)
+    assert manager_state(rig.m) == before and "a" in rig.m._track.reqs
+
+    assert rig.m.finished("a", 13, [ga], block_hashes=list(a.h)) is False
+    p = rig.step()
+    assert pairs(p.store) == ([0, 1, 2], [0, 1, 2])
+    rig.ack(p.store)
+    assert [rig.cpu.get_cached(h) for h in a.h] == [0, 1, 2]
+    assert rig.cpu.get_cached(b.h[1]) is None and rig.m.pins_held() == 0
+
+
 def test_bad_call_finished_after_a_stray_phase_b_is_still_checked() -> None:
     """A (17 tokens) runs, listed with GPU 0-3, nothing stored yet; a stray phase B (0
     tokens, its own tables) is accepted mid-run. A first mend turned the finish check
