@@ -317,8 +317,15 @@ class SchedulerSide:
 
     def _plan(self, reqs: list[ScheduledRequest], alloc: set[int]) -> StepPlan:
         """``SyncClient.step`` over the listing without the refused requests; a listing
-        refused for one request is retried without it (a step refused as a whole
-        raises)."""
+        refused for one request is retried with that request listed as preempted instead
+        (a step refused as a whole raises).
+
+        Why preempted: a refused request is left out of every later listing, its
+        preemption's too, so the manager would go on walking its last table -- a walk
+        that had stalled (the CPU tier full) then stores blocks vLLM has since given to
+        other requests, under this request's hashes. A preemption listing forgets the
+        table and stops its stores; a load the request waits for is left as it was (its
+        outcome still reaches vLLM), and ``finished`` forgets the rest."""
         refused = self._refusals.ids
         if refused:
             reqs = [r for r in reqs if r.req_id not in refused]
@@ -333,6 +340,7 @@ class SchedulerSide:
                     raise
                 self._refusals.refuse(rid, exc)
                 reqs = [r for r in reqs if r.req_id != rid]
+                reqs.append(ScheduledRequest(rid, (), 0, self._no_new, preempted=True))
 
     def _listing(self, so: Any) -> tuple[list[ScheduledRequest], set[int]]:
         """This step's requests and sliding-window allocations
@@ -374,6 +382,10 @@ class SchedulerSide:
         rid = request.request_id
         confirmed = request.num_computed_tokens - request.num_output_placeholders
         client = self.life.bound_client or self.client
+        if rid in self._refusals.ids:  # it goes without offload: forgotten, nothing stored
+            client.finished(rid, 0, self._no_new)
+            self._forget(rid)
+            return False, None
         try:
             params = request.kv_transfer_params
             tail = (request_tail_hash(request, confirmed, self.cfg.block_size)

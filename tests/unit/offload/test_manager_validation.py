@@ -659,7 +659,8 @@ def test_vllm_adapter_maps_refusals_to_no_offload() -> None:
     exists: X's lookup with a None hash is a miss (X is not offered a hit again), its
     phase B with nothing to load is refused for a repeated id and releases nothing it
     did not hold; a step listing good G next to bad B (GPU id 99 in a 16-block pool) is
-    retried without B, B is never listed again, and its finish only forgets it. G's
+    retried with B listed as preempted (its table forgotten), B is never listed again,
+    and its finish only forgets it. G's
     blocks are stored as usual; the manager ends with no pin and no trace of B or X."""
     from types import SimpleNamespace as NS
 
@@ -695,8 +696,8 @@ def test_vllm_adapter_maps_refusals_to_no_offload() -> None:
                                      num_computed_tokens=[]),
             preempted_req_ids=set(), finished_req_ids=set())
     side.build(so)
-    assert client.steps == [["g", "b"], ["g"]]                 # refused, retried without b
-    assert side.counters.requests_refused == 3 and m._track.reqs.keys() == {"g"}
+    assert client.steps == [["g", "b"], ["g", "b"]]      # refused, b retried as preempted
+    assert side.counters.requests_refused == 3 and m._track.reqs["b"].tables == [[]]
     so2 = NS(scheduled_new_reqs=[],
              scheduled_cached_reqs=NS(req_ids=["g", "b"], resumed_req_ids=set(),
                                       new_block_ids=[None, ([6],)], num_computed_tokens=[8, 8]),
@@ -709,13 +710,74 @@ def test_vllm_adapter_maps_refusals_to_no_offload() -> None:
     m.on_done(job, 0, True)
     assert cpu.get_cached(g.block_hashes[0]) is not None
 
-    side.finished(b, [[3, 99, 5]])                             # refused again: only forgotten
+    side.finished(b, [[3, 99, 5]])                             # refused: only forgotten
     side.finished(x, [[]])
     side.finished(g, [gg])
-    assert side.counters.requests_refused == 4
+    assert side.counters.requests_refused == 3
     gpu.free(reversed(gg))
     m.check_invariants()
     assert m.pins_held() == 0 and m._track.reqs == {} and m._hits == {}
+
+
+def test_vllm_adapter_refused_listing_stops_the_stalled_walk_over_blocks_vllm_reuses(
+        ) -> None:
+    """R (13 tokens, GPU 0-3) was listed with 3 blocks confirmed; a 1-block CPU tier
+    took GPU 0 and R's walk stalled at position 1. A later listing of R names GPU id 99
+    (a 16-block pool): refused, and R left out of every listing -- its preemption's too.
+    The manager went on walking R's last table, so after vLLM preempted R and gave GPU
+    1-2 to S, the store that followed read GPU 1 (S's bytes) under R's second hash,
+    served to every later hit of R's prefix. The retry now lists R as preempted (its
+    table forgotten, a queued load untouched): nothing of R is stored again."""
+    from types import SimpleNamespace as NS
+
+    from kvshm.integrations.vllm.config import ConnectorConfig
+    from kvshm.integrations.vllm.scheduler import SchedulerSide
+    from kvshm.types import StoreMode
+
+    class PlanClient(ManagerClient):
+        plans: list[Any] = []
+
+        def step(self, inp: StepInput, *, service: bool = True) -> Any:
+            plan = super().step(inp, service=service)
+            self.plans.append(plan)
+            return plan
+
+    cpu, gpu = BlockPool(1), BlockPool(16)
+    m = OffloadManager(cpu, gpu, block_size=BS)
+    side = SchedulerSide(ConnectorConfig("unit", 1, 1, BS, (KVGroup.full(),), StoreMode.EAGER,
+                                         None, 1, None, 30.0, 5.0, 0))
+    client = PlanClient(m)
+    side.life.bound_client = client  # type: ignore[assignment]
+    hashes = chain_hashes(list(range(13)), BS)
+    r = NS(request_id="r", block_hashes=hashes, num_tokens=13, num_computed_tokens=12,
+           num_output_placeholders=0, kv_transfer_params=None)
+    side.on_new_request(r)
+    table = gpu.allocate(4)                                    # [0, 1, 2, 3]
+
+    def so(new: list[Any], cached: list[tuple[str, Any]], preempted: set[str]) -> Any:
+        return NS(scheduled_new_reqs=new, preempted_req_ids=preempted,
+                  finished_req_ids=set(),
+                  scheduled_cached_reqs=NS(req_ids=[c[0] for c in cached],
+                                           resumed_req_ids=set(),
+                                           new_block_ids=[c[1] for c in cached],
+                                           num_computed_tokens=[12 for _ in cached]))
+
+    side.build(so([NS(req_id="r", block_ids=(table,), num_computed_tokens=12)], [], set()))
+    first = client.plans[-1].store
+    assert pairs(first) == ([0], [0])                          # stalled at position 1
+    side.build(so([], [("r", ([99],))], set()))                # refused, retried without r
+    assert side.counters.requests_refused == 1
+    gpu.free(reversed(table))                                  # vLLM preempts r ...
+    assert 1 in gpu.allocate(3)                                # ... and gives GPU 1 to s
+    m.on_done(first.job_id, 0, True)                           # CPU 0 free again
+    side.build(so([], [], {"r"}))
+    side.build(so([], [], set()))
+    stores = [p.store for p in client.plans[2:] if p.store is not None]
+    assert stores == [], [pairs(t) for t in stores]            # was: GPU 1 under hashes[1]
+    assert cpu.get_cached(hashes[1]) is None
+    side.finished(r, [[]])
+    m.check_invariants()
+    assert m.pins_held() == 0 and m._track.reqs == {}
 
 
 def test_vllm_adapter_refused_phase_b_with_tokens_becomes_a_failed_load() -> None:
