@@ -51,7 +51,9 @@ class NameInUse(ConfigError):
     """Another scheduler already listens on ``\\0kvshm.<name>``."""
 
     def __init__(self, name: str) -> None:
-        super().__init__(f"kvshm name {name!r} is already in use by another scheduler")
+        super().__init__(f"kvshm name {name!r} is already in use by another scheduler on "
+                         f"this machine (`kvshm ls` lists them): give this engine another "
+                         f"name (vLLM: kv_connector_extra_config's 'name'), or stop that one")
         self.name = name
 
 

@@ -290,8 +290,11 @@ def test_duplicate_rank_is_refused_and_the_first_stays(plan: SegmentPlan) -> Non
 def test_second_server_with_the_same_name_is_name_in_use(plan: SegmentPlan) -> None:
     name = _name()
     with _server(name, 1, plan):
-        with pytest.raises(NameInUse, match=name):
+        with pytest.raises(NameInUse, match=name) as info:
             _server(name, 1, plan)
+    # the line says how to get out: another name, and where a vLLM user sets it
+    assert "`kvshm ls`" in str(info.value) and "give this engine another name" in str(
+        info.value) and "kv_connector_extra_config's 'name'" in str(info.value)
     _server(name, 1, plan).close()  # free again once closed
 
 
