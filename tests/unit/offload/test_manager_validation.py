@@ -628,20 +628,28 @@ class ManagerClient:
         return self.m.reset_done()
 
 
+def bound_side(client: ManagerClient, cpu_blocks: int, load_timeout_s: float = 30.0) -> Any:
+    """A vLLM ``SchedulerSide`` (one rank, one full-attention group, eager stores) whose
+    hooks call ``client`` (a manager in this process) instead of a running engine."""
+    from kvshm.integrations.vllm.config import ConnectorConfig
+    from kvshm.integrations.vllm.scheduler import SchedulerSide
+    from kvshm.types import StoreMode
+
+    side = SchedulerSide(ConnectorConfig("unit", 1, 1, BS, (KVGroup.full(),), StoreMode.EAGER,
+                                         None, cpu_blocks, None, load_timeout_s, 5.0, 0))
+    side.life.bound_client = client  # type: ignore[assignment]
+    return side
+
+
 def test_vllm_reset_cache_retried_polls_the_reset_instead_of_starting_another() -> None:
     """vLLM's callers retry ``reset_prefix_cache`` until True. Each retry was a new
     reset: once the first one's abandoned store was done, a step planned another, and
     the retry abandoned that one too -- under traffic it might never answer True. A
     retry while a reset drains now polls it: the store planned after the drain is not
     abandoned, and the retry answers True."""
-    from kvshm.integrations.vllm.config import ConnectorConfig
-    from kvshm.integrations.vllm.scheduler import SchedulerSide
-    from kvshm.types import StoreMode
 
     rig = Rig(cpu=8)
-    side = SchedulerSide(ConnectorConfig("unit", 1, 1, BS, (KVGroup.full(),), StoreMode.EAGER,
-                                         None, 8, None, 10.0, 5.0, 0))
-    side.life.bound_client = ManagerClient(rig.m)  # type: ignore[assignment]
+    side = bound_side(ManagerClient(rig.m), 8, 10.0)
     a, b = Req("a", 8), Req("b", 8, base=50)
     first = rig.step(a.sched(rig.alloc(2, a.h), confirmed=8, new=True))
     assert side.reset() is False                              # abandons a's store
@@ -664,16 +672,11 @@ def test_vllm_adapter_maps_refusals_to_no_offload() -> None:
     blocks are stored as usual; the manager ends with no pin and no trace of B or X."""
     from types import SimpleNamespace as NS
 
-    from kvshm.integrations.vllm.config import ConnectorConfig
-    from kvshm.integrations.vllm.scheduler import SchedulerSide
-    from kvshm.types import StoreMode
 
     cpu, gpu = BlockPool(8), BlockPool(16)
     m = OffloadManager(cpu, gpu, block_size=BS)
-    side = SchedulerSide(ConnectorConfig("unit", 1, 1, BS, (KVGroup.full(),), StoreMode.EAGER,
-                                         None, 8, None, 30.0, 5.0, 0))
     client = ManagerClient(m)
-    side.life.bound_client = client  # type: ignore[assignment]
+    side = bound_side(client, 8)
 
     def request(rid: str, hashes: list[Any], computed: int) -> Any:
         r = NS(request_id=rid, block_hashes=hashes, num_tokens=9, num_computed_tokens=computed,
@@ -730,9 +733,6 @@ def test_vllm_adapter_refused_listing_stops_the_stalled_walk_over_blocks_vllm_re
     table forgotten, a queued load untouched): nothing of R is stored again."""
     from types import SimpleNamespace as NS
 
-    from kvshm.integrations.vllm.config import ConnectorConfig
-    from kvshm.integrations.vllm.scheduler import SchedulerSide
-    from kvshm.types import StoreMode
 
     class PlanClient(ManagerClient):
         plans: list[Any] = []
@@ -744,10 +744,8 @@ def test_vllm_adapter_refused_listing_stops_the_stalled_walk_over_blocks_vllm_re
 
     cpu, gpu = BlockPool(1), BlockPool(16)
     m = OffloadManager(cpu, gpu, block_size=BS)
-    side = SchedulerSide(ConnectorConfig("unit", 1, 1, BS, (KVGroup.full(),), StoreMode.EAGER,
-                                         None, 1, None, 30.0, 5.0, 0))
     client = PlanClient(m)
-    side.life.bound_client = client  # type: ignore[assignment]
+    side = bound_side(client, 1)
     hashes = chain_hashes(list(range(13)), BS)
     r = NS(request_id="r", block_hashes=hashes, num_tokens=13, num_computed_tokens=12,
            num_output_placeholders=0, kv_transfer_params=None)
@@ -787,15 +785,10 @@ def test_vllm_adapter_refused_phase_b_with_tokens_becomes_a_failed_load() -> Non
     the next metadata's failed_loads with the blocks vLLM expected filled (recomputed)."""
     from types import SimpleNamespace as NS
 
-    from kvshm.integrations.vllm.config import ConnectorConfig
-    from kvshm.integrations.vllm.scheduler import SchedulerSide
-    from kvshm.types import StoreMode
 
     cpu, gpu = BlockPool(8), BlockPool(16)
     m = OffloadManager(cpu, gpu, block_size=BS)
-    side = SchedulerSide(ConnectorConfig("unit", 1, 1, BS, (KVGroup.full(),), StoreMode.EAGER,
-                                         None, 8, None, 10.0, 5.0, 0))
-    side.life.bound_client = ManagerClient(m)  # type: ignore[assignment]
+    side = bound_side(ManagerClient(m), 8, 10.0)
     hashes = chain_hashes(list(range(9)), BS)
     r = NS(request_id="r", block_hashes=hashes, num_tokens=9, num_computed_tokens=0,
            num_output_placeholders=0, kv_transfer_params=None)
@@ -838,16 +831,11 @@ def test_vllm_lookup_pumps_before_asking_again() -> None:
     path a disk read's Done takes: issue 32's disk hit cost an extra step per pump)."""
     from types import SimpleNamespace as NS
 
-    from kvshm.integrations.vllm.config import ConnectorConfig
-    from kvshm.integrations.vllm.scheduler import SchedulerSide
-    from kvshm.types import StoreMode
 
     cpu, gpu = BlockPool(8), BlockPool(16)
     m = OffloadManager(cpu, gpu, block_size=BS)
-    side = SchedulerSide(ConnectorConfig("unit", 1, 1, BS, (KVGroup.full(),), StoreMode.EAGER,
-                                         None, 8, None, 30.0, 5.0, 0))
     client = LateDoneClient(m)
-    side.life.bound_client = client  # type: ignore[assignment]
+    side = bound_side(client, 8)
     hashes = chain_hashes(list(range(9)), BS)
 
     def request(rid: str, computed: int) -> Any:
