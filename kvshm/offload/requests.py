@@ -121,9 +121,11 @@ class RequestTracker:
                 check: CallCheck) -> list[Change]:
         """Check this step's listing and say what the step does to each request that
         carries a change (listing order); changes nothing (InvalidRequest if the
-        listing is bad). ``gone``: the step's finished ids, forgotten before the listing
-        is applied, so a listed one counts as new here too (their watch entries are set
-        aside for the pass and put back after it)."""
+        listing is bad). ``gone``: the step's finished ids, which the listing may not
+        name (refused: a request reused an id whose end this step reports, so its
+        lookup and phase B were taken as the ended request's, and the end would drop
+        them). Their watch entries are set aside for the pass, which sends every listed
+        one to the admission check that refuses it, and put back after it."""
         watch = self.watch
         hidden = {rid: watch.pop(rid) for rid in gone if rid in watch}
         try:
@@ -170,10 +172,15 @@ class RequestTracker:
                      seen: set[str]) -> Change:
         """A (re)admission: check the hashes its first walk may read."""
         rid = r.req_id
+        if rid in gone:
+            raise check.refuse("build_step", rid, "finished",
+                               "listed in the step that reports its end: report a "
+                               "request's end (finished()) before its id is used again "
+                               "(its lookup and phase B were taken as the ended one's)")
         self._once(rid, seen, check)
         if r.preempted and not r.new_or_resumed:
             return r, ADMIT
-        st = None if rid in gone else self.reqs.get(rid)
+        st = self.reqs.get(rid)
         params = r.kv_transfer_params
         remote = (st is not None and st.remote) or (params is not None and remote_decode(params))
         if self.eager or remote:

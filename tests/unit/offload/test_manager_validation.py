@@ -199,6 +199,36 @@ def test_bad_call_finished_with_hashes_that_rename_the_listed_ones() -> None:
     assert rig.cpu.get_cached(b.h[1]) is None and rig.m.pins_held() == 0
 
 
+def test_bad_call_step_lists_a_request_it_reports_ended() -> None:
+    """X ran (GPU 0-2, listed), then ended without ``finished()``: its end was due in
+    the next step's ``finished``. Before that step a new request reused the id "x":
+    its lookup pinned CPU 0-1 (8 tokens) and its phase B queued a load into GPU 3-4.
+    The step then listed the new "x" *and* reported "x" ended: the end, applied after
+    the listing's check, dropped the new request's queued load -- no load planned, no
+    failed result, its waiter told "no load pending" (found by a fuzzer). Now that step
+    is refused, nothing changed: the load is still queued. Reporting the end first, as
+    the contract asks, is the caller's fix."""
+    rig = Rig(cpu=8, gpu=16)
+    x_old, x_new = Req("x", 9, base=100), Req("x", 9)
+    assert rig.seed_cpu(*x_new.h[:2]) == [0, 1]
+    g_old = rig.alloc(3)                                       # [0, 1, 2]
+    rig.step(x_old.sched(g_old, confirmed=0, new=True))
+    rig.gpu.free(reversed(g_old))                              # x ended: not reported yet
+    assert rig.m.lookup(x_new.view(), 0) == 8
+    g_new = rig.alloc(3)
+    rig.m.allocated("x", [g_new], 8)
+    before = manager_state(rig.m)
+    assert list(before["load_queue"]) == ["x"]
+    err = refused(rig.m, rig.m.build_step,
+                  StepInput(rig.n + 1, [x_new.sched(g_new, confirmed=0, new=True)], ["x"]))
+    assert (err.req_id, err.field) == ("x", "finished")
+    assert "listed in the step that reports its end" in str(err)
+    assert manager_state(rig.m) == before and refs(rig.cpu, [0, 1]) == [1, 1]
+
+    p = rig.step(x_new.sched(g_new, confirmed=0, new=True))    # without the stale end
+    assert pairs(p.load) == ([0, 1], g_new[:2])
+
+
 def test_bad_call_finished_after_a_stray_phase_b_is_still_checked() -> None:
     """A (17 tokens) runs, listed with GPU 0-3, nothing stored yet; a stray phase B (0
     tokens, its own tables) is accepted mid-run. A first mend turned the finish check
