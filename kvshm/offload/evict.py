@@ -69,6 +69,7 @@ from kvshm.config import Eviction
 from kvshm.errors import ConfigError
 from kvshm.offload.blocks import FRESH, NEW, Block, FreeBlockQueue, FreeSet
 from kvshm.offload.evict_adaptive import Adaptive
+from kvshm.offload.ghost import GhostKeys
 
 __all__ = ["DepthAged", "S3Fifo", "Slru", "make_free_set"]
 
@@ -205,18 +206,13 @@ class S3Fifo(FreeSet):
     def __init__(self, *, small_frac: float, ghost_max: int) -> None:
         super().__init__()
         self.small_frac = small_frac
-        self.ghost_max = ghost_max
         self.q = (FreeBlockQueue(), FreeBlockQueue())
-        self.ghost: dict[bytes, None] = {}
+        self.ghost = GhostKeys(ghost_max)
 
     def _place(self, b: Block) -> None:
         if b.freq == NEW:
             b.freq = 0
-            ghost = self.ghost
-            seg = SMALL
-            if b.hashes and b.hashes[0] in ghost:
-                del ghost[b.hashes[0]]
-                seg = MAIN
+            seg = MAIN if b.hashes and self.ghost.take(b.hashes[0]) else SMALL
         else:
             seg = MAIN if b.slot == MAIN else SMALL
         b.slot = seg
@@ -244,10 +240,7 @@ class S3Fifo(FreeSet):
                     main.append(b)
                     continue
                 if b.hashes:
-                    ghost = self.ghost
-                    ghost[b.hashes[0]] = None
-                    if len(ghost) > self.ghost_max:
-                        del ghost[next(iter(ghost))]
+                    self.ghost.remember(b.hashes[0])
                 return b
             b = main.popleft()
             if b.freq > 0:

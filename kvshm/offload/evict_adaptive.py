@@ -67,10 +67,10 @@ import heapq
 from collections.abc import Iterable, Iterator, Sequence
 
 from kvshm.errors import ConfigError
-from kvshm.hashing import BlockHash
 from kvshm.offload.blocks import FRESH, NEW, Block, FreeBlockQueue, FreeSet
 from kvshm.offload.evict_cost import ATTN_HALF_TOKENS
 from kvshm.offload.evict_panel import MAIN, MAX_PENDING, PROBATION, Expert, Panel
+from kvshm.offload.ghost import GhostKeys
 
 __all__ = ["EXPERTS", "Adaptive", "KeyedSegment"]
 
@@ -200,7 +200,7 @@ class Adaptive(FreeSet):
         self.segs = (KeyedSegment(PROBATION, width), KeyedSegment(MAIN, width))
         self.placed = [0] * num_blocks
         self.clock = 0
-        self.ghost: dict[BlockHash, None] = {}
+        self.ghost = GhostKeys(num_blocks)
         self.panel = Panel(self.experts, num_blocks, block_tokens=block_tokens, half=half,
                            max_pending=max_pending)
         """The experts' simulations and their verdict (fed on the hooks' path)."""
@@ -303,13 +303,9 @@ class Adaptive(FreeSet):
         if b.freq == NEW:
             seg = PROBATION
             b.freq = 0
-            if b.hashes:
-                ghost = self.ghost
-                h = b.hashes[0]
-                if h in ghost:
-                    del ghost[h]
-                    seg = MAIN
-                    b.freq = 1
+            if b.hashes and self.ghost.take(b.hashes[0]):
+                seg = MAIN
+                b.freq = 1
         else:
             seg = MAIN if b.freq >= 1 else PROBATION
         self.placed[b.block_id] = clock
@@ -334,10 +330,7 @@ class Adaptive(FreeSet):
             seg = main if main.size else prob
         b = seg.pop()
         if seg is prob and b.hashes:
-            ghost = self.ghost
-            ghost[b.hashes[0]] = None
-            if len(ghost) > self.n:
-                del ghost[next(iter(ghost))]
+            self.ghost.remember(b.hashes[0])
         return b
 
     def _queues(self) -> list[FreeBlockQueue]:

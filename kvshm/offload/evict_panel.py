@@ -56,6 +56,7 @@ from dataclasses import dataclass
 from kvshm.hashing import BlockHash
 from kvshm.offload.blocks import Block
 from kvshm.offload.evict_cost import block_cost
+from kvshm.offload.ghost import GhostKeys
 
 __all__ = ["MAX_PENDING", "MIN_LEAD", "SHADOW_BLOCKS", "Expert", "Panel", "Shadow"]
 
@@ -112,7 +113,7 @@ class Shadow:
         self.held: dict[BlockHash, int] = {}  # key -> tag
         self.heaps: tuple[list[tuple[int, int, int, BlockHash]], ...] = ([], [])
         self.sizes = [0, 0]
-        self.ghost: dict[BlockHash, None] = {}
+        self.ghost = GhostKeys(capacity)
         self.seq = 0
         self.score = 0.0
 
@@ -127,10 +128,7 @@ class Shadow:
             self.sizes[tag & 1] -= 1
             seg = MAIN
         else:
-            seg = PROBATION
-            if h in self.ghost:
-                del self.ghost[h]
-                seg = MAIN
+            seg = MAIN if self.ghost.take(h) else PROBATION
             if len(held) >= self.capacity:
                 self._evict()
         self.seq = seq = self.seq + 1
@@ -177,10 +175,7 @@ class Shadow:
         del self.held[h]
         self.sizes[seg] -= 1
         if seg == PROBATION:
-            ghost = self.ghost
-            ghost[h] = None
-            if len(ghost) > self.capacity:
-                del ghost[next(iter(ghost))]
+            self.ghost.remember(h)
 
     def check(self) -> None:
         """Invariant check (tests)."""

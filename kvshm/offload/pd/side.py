@@ -10,6 +10,7 @@ the engine's :class:`~kvshm.offload.pd.handoffs.Handoffs`.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any, Final
 
@@ -53,7 +54,9 @@ class HandoffSide:
         self._cpu, self._gs, self._puts = cpu, gs, puts
         self.handoffs = handoffs
         self._held: dict[str, list[int]] = {}  # request -> its held CPU ids
-        self._params: dict[str, dict[str, Any]] = {}  # finished publications' params
+        # finished publications' params, oldest first (an OrderedDict: dropping the
+        # oldest is O(1), see kvshm.offload.ghost)
+        self._params: OrderedDict[str, dict[str, Any]] = OrderedDict()
 
     # ---- views -------------------------------------------------------------------------
 
@@ -155,7 +158,7 @@ class HandoffSide:
         if params is not None:
             self._params[rid] = params
         if len(self._params) > PARAMS_KEPT:  # never asked for: keep the newest only
-            del self._params[next(iter(self._params))]
+            self._params.popitem(last=False)
 
     def transfer_params(self, rid: str) -> dict[str, Any] | None:
         """A finished P/D prefill request's ``kv_transfer_params``, once."""

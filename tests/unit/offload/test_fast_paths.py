@@ -345,7 +345,7 @@ def _pool_state(pool: BlockPool) -> Any:
         [(b.depth, b.slot, b.freq) for b in blocks],
         pool.evictions, pool.exhausted, pool.num_free, pool.num_hashes,
         getattr(pool._queue, "clock", None),
-        dict(getattr(pool._queue, "ghost", {})),
+        list(getattr(pool._queue, "ghost", ())),
     )
 
 
