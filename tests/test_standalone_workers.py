@@ -269,6 +269,62 @@ def test_parent_without_engine_says_at_once_what_it_waits_for_then_gives_up() ->
     assert time.monotonic() - t0 < 60
 
 
+def _rank_pids(parent: int, world: int, timeout: float = 30.0) -> list[int]:
+    """The pids of ``parent``'s rank processes, by rank (read from their command lines)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        found: dict[int, int] = {}
+        with open(f"/proc/{parent}/task/{parent}/children") as f:
+            kids = [int(x) for x in f.read().split()]
+        for pid in kids:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    argv = f.read().decode().split("\0")
+            except OSError:
+                continue
+            if "--rank" in argv:
+                found[int(argv[argv.index("--rank") + 1])] = pid
+        if len(found) == world:
+            return [found[r] for r in range(world)]
+        assert time.monotonic() < deadline, f"ranks of {parent}: {found}"
+        time.sleep(0.05)
+
+
+def test_a_rank_that_exits_early_stops_its_siblings_instead_of_leaving_them_waiting() -> None:
+    """The hazard (a soak probe): rank 1 of ``kvshm-workers --tp 2`` got SIGTERM while
+    both waited for their engine (which, having lost a rank, had already given up). The
+    parent waited for its ranks in rank order: rank 0 kept waiting out its 60 s
+    connect timeout for nobody, rank 1 stayed a zombie, and the parent exited a minute
+    later. Now the parent reaps each rank as it exits and, once one has, gives the
+    others SIBLING_GRACE_S, then SIGTERM: everything is gone within seconds, exit 0
+    (both stopped cleanly), nothing left."""
+    from workers.loop import SIBLING_GRACE_S
+
+    name = unique_name()
+    parent = spawn("--name", name, "--tp", "2", "--connect-timeout", "60")
+    try:
+        assert parent.stderr is not None
+        parent.stderr.readline()                              # "starting 2 rank(s) ..."
+        pids = _rank_pids(parent.pid, 2)
+        waiting = 0
+        while waiting < 2:                                    # both are waiting now
+            waiting += "waiting for kvshm engine" in parent.stderr.readline()
+        t0 = time.monotonic()
+        os.kill(pids[1], signal.SIGTERM)
+        assert parent.wait(timeout=SIBLING_GRACE_S + 15) == 0
+        took = time.monotonic() - t0
+        rest = parent.stderr.read()
+        assert SIBLING_GRACE_S - 0.5 < took < SIBLING_GRACE_S + 10, took
+        assert ("kvshm-workers: sending SIGTERM to rank(s) 0: rank(s) 1 exited, and the "
+                "group cannot serve without them\n") in rest
+        assert "kvshm-workers[rank 0]: detached (signal SIGTERM)" in rest
+        assert all(gone(p) for p in pids)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
+            parent.wait()
+
+
 def test_waiting_rank_prints_a_progress_line_each_interval(
         capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """The per-rank form in-process, nobody listening, the interval shortened to 0.4 s

@@ -7,7 +7,11 @@ Two forms of one command line:
   below), forwards SIGTERM/SIGINT to them, and exits once all have: 0 if every rank
   exited 0, else the first failing rank's code (128 + signal for a rank killed by a
   signal). Children get ``PR_SET_PDEATHSIG`` = SIGTERM, so they stop if the parent is
-  killed.
+  killed. The ranks are one group: once any rank has exited, the others get
+  :data:`SIBLING_GRACE_S` to follow (at an engine's Shutdown they all exit at once), then
+  SIGTERM, then SIGKILL after :data:`SIBLING_KILL_S` more -- a group missing a rank
+  cannot serve, and a rank still waiting for an engine that already gave up on the group
+  would wait out its whole ``--connect-timeout``.
 * per rank: ``python -m workers --name NAME --rank R --world-size W [--device cuda]``
   (what :class:`kvshm.engine.launcher.Launcher` spawns) runs one standalone
   :class:`~workers.worker.Worker` (``regions=None``: the device caches arrive in Ready:
@@ -73,6 +77,12 @@ PROGRESS_S: Final = 10.0
 MAX_CONNECT_TIMEOUT_S: Final = 86400.0
 #: ``--spin-us`` at most: a second of busy-wait (beyond it the rank never parks).
 MAX_SPIN_US: Final = 1e6
+#: Seconds the other ranks get to exit on their own once one rank has exited.
+SIBLING_GRACE_S: Final = 5.0
+#: Seconds after that SIGTERM before a rank still running is SIGKILLed.
+SIBLING_KILL_S: Final = 20.0
+#: The parent's poll interval while it waits for its ranks.
+_REAP_POLL_S: Final = 0.1
 _PR_SET_PDEATHSIG: Final = 1
 
 
@@ -241,7 +251,7 @@ def run_parent(name: str, world: int, *, connect_timeout: float, spin_us: float,
                                               preexec_fn=preexec))
             if stop:
                 procs[-1].send_signal(stop)
-        codes = [p.wait() for p in procs]
+        codes = _wait_ranks(procs)
     finally:
         for p in procs:  # only on an error above: never leave a rank behind
             if p.returncode is None:
@@ -250,6 +260,42 @@ def run_parent(name: str, world: int, *, connect_timeout: float, spin_us: float,
         for sig, handler in old.items():
             signal.signal(sig, handler)
     return _parent_exit_code(codes)
+
+
+def _wait_ranks(procs: Sequence[subprocess.Popen[bytes]]) -> list[int]:
+    """Every rank's exit code, each reaped as it exits (in any order: none is left a
+    zombie behind a rank started before it). Once one has exited the rest are stopped as
+    the module docstring says, each step said in one line."""
+    first: float | None = None
+    termed = killed = False
+    while True:
+        alive = [(r, p) for r, p in enumerate(procs) if p.poll() is None]
+        if not alive:
+            return [p.returncode for p in procs]
+        if len(alive) < len(procs):
+            now = time.monotonic()
+            first = now if first is None else first
+            if not termed and now - first >= SIBLING_GRACE_S:
+                termed = True
+                gone = ", ".join(str(r) for r, p in enumerate(procs) if p.returncode is not None)
+                _stop_ranks(alive, signal.SIGTERM, f"rank(s) {gone} exited, and the group "
+                                                   "cannot serve without them")
+            elif termed and not killed and now - first >= SIBLING_GRACE_S + SIBLING_KILL_S:
+                killed = True
+                _stop_ranks(alive, signal.SIGKILL, f"still running {SIBLING_KILL_S:g} s "
+                                                   "after SIGTERM")
+        time.sleep(_REAP_POLL_S)
+
+
+def _stop_ranks(alive: list[tuple[int, subprocess.Popen[bytes]]], sig: signal.Signals,
+                why: str) -> None:
+    ranks = ", ".join(str(r) for r, _ in alive)
+    _line(f"{PROG}: sending {sig.name} to rank(s) {ranks}: {why}")
+    for _, p in alive:
+        try:
+            p.send_signal(sig)
+        except ProcessLookupError:  # pragma: no cover - exited meanwhile
+            pass
 
 
 def _parent_exit_code(codes: list[int]) -> int:
