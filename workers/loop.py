@@ -11,7 +11,8 @@ Two forms of one command line:
   :data:`SIBLING_GRACE_S` to follow (at an engine's Shutdown they all exit at once), then
   SIGTERM, then SIGKILL after :data:`SIBLING_KILL_S` more -- a group missing a rank
   cannot serve, and a rank still waiting for an engine that already gave up on the group
-  would wait out its whole ``--connect-timeout``.
+  would wait out its whole ``--connect-timeout``. (A rank still busy 25 s after its
+  sibling's clean exit is killed and reported so: at Shutdown ranks exit within a second.)
 * per rank: ``python -m workers --name NAME --rank R --world-size W [--device cuda]``
   (what :class:`kvshm.engine.launcher.Launcher` spawns) runs one standalone
   :class:`~workers.worker.Worker` (``regions=None``: the device caches arrive in Ready:
@@ -251,7 +252,7 @@ def run_parent(name: str, world: int, *, connect_timeout: float, spin_us: float,
                                               preexec_fn=preexec))
             if stop:
                 procs[-1].send_signal(stop)
-        codes = _wait_ranks(procs)
+        codes = _wait_ranks(procs, lambda: bool(stop))
     finally:
         for p in procs:  # only on an error above: never leave a rank behind
             if p.returncode is None:
@@ -262,10 +263,13 @@ def run_parent(name: str, world: int, *, connect_timeout: float, spin_us: float,
     return _parent_exit_code(codes)
 
 
-def _wait_ranks(procs: Sequence[subprocess.Popen[bytes]]) -> list[int]:
+def _wait_ranks(procs: Sequence[subprocess.Popen[bytes]],
+                signalled: Callable[[], bool]) -> list[int]:
     """Every rank's exit code, each reaped as it exits (in any order: none is left a
     zombie behind a rank started before it). Once one has exited the rest are stopped as
-    the module docstring says, each step said in one line."""
+    the module docstring says, each step said in one line. ``signalled()``: the parent
+    was told to stop (SIGTERM / SIGINT, already forwarded to every rank): no SIGTERM of
+    its own then, only the SIGKILL past the grace periods."""
     first: float | None = None
     termed = killed = False
     while True:
@@ -277,9 +281,11 @@ def _wait_ranks(procs: Sequence[subprocess.Popen[bytes]]) -> list[int]:
             first = now if first is None else first
             if not termed and now - first >= SIBLING_GRACE_S:
                 termed = True
-                gone = ", ".join(str(r) for r, p in enumerate(procs) if p.returncode is not None)
-                _stop_ranks(alive, signal.SIGTERM, f"rank(s) {gone} exited, and the group "
-                                                   "cannot serve without them")
+                if not signalled():
+                    gone = ", ".join(str(r) for r, p in enumerate(procs)
+                                     if p.returncode is not None)
+                    _stop_ranks(alive, signal.SIGTERM, f"rank(s) {gone} exited, and the "
+                                                       "group cannot serve without them")
             elif termed and not killed and now - first >= SIBLING_GRACE_S + SIBLING_KILL_S:
                 killed = True
                 _stop_ranks(alive, signal.SIGKILL, f"still running {SIBLING_KILL_S:g} s "

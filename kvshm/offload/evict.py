@@ -212,7 +212,10 @@ class S3Fifo(FreeSet):
     def _place(self, b: Block) -> None:
         if b.freq == NEW:
             b.freq = 0
-            seg = MAIN if b.hashes and self.ghost.take(b.hashes[0]) else SMALL
+            seg = SMALL
+            if b.hashes and b.hashes[0] in self.ghost:  # (a miss: no call)
+                self.ghost.take(b.hashes[0])
+                seg = MAIN
         else:
             seg = MAIN if b.slot == MAIN else SMALL
         b.slot = seg

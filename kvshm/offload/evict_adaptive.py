@@ -303,7 +303,8 @@ class Adaptive(FreeSet):
         if b.freq == NEW:
             seg = PROBATION
             b.freq = 0
-            if b.hashes and self.ghost.take(b.hashes[0]):
+            if b.hashes and b.hashes[0] in self.ghost:  # (a miss: no call)
+                self.ghost.take(b.hashes[0])
                 seg = MAIN
                 b.freq = 1
         else:

@@ -128,7 +128,10 @@ class Shadow:
             self.sizes[tag & 1] -= 1
             seg = MAIN
         else:
-            seg = MAIN if self.ghost.take(h) else PROBATION
+            seg = PROBATION
+            if h in self.ghost:  # (a miss: no call)
+                self.ghost.take(h)
+                seg = MAIN
             if len(held) >= self.capacity:
                 self._evict()
         self.seq = seq = self.seq + 1

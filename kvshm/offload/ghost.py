@@ -15,38 +15,34 @@ blocks, a store's eviction grew from 6 us to 430 us that way (found by a soak pr
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Hashable, Iterator
+from collections.abc import Hashable
 
 __all__ = ["GhostKeys"]
 
 
-class GhostKeys:
+class GhostKeys(OrderedDict[Hashable, None]):
     """At most ``capacity`` keys in the order they were remembered. Invariant:
-    ``len(self) <= capacity``; a key remembered again keeps its first place."""
+    ``len(self) <= capacity``; a key remembered again keeps its first place.
 
-    __slots__ = ("_keys", "capacity")
+    An OrderedDict itself (not one held inside), so that ``key in ghost`` -- asked for
+    every block placed, nearly always a miss -- stays a C-level dict probe: a method of
+    a holder cost 60 ns a block there against 25 (measured by the review of this
+    change). Read it as a set of keys; write it only through :meth:`remember` and
+    :meth:`take`."""
+
+    __slots__ = ("capacity",)
 
     def __init__(self, capacity: int) -> None:
+        super().__init__()
         self.capacity = capacity
-        self._keys: OrderedDict[Hashable, None] = OrderedDict()
 
     def remember(self, key: Hashable) -> None:
         """Add ``key`` (its block was evicted); past the capacity the oldest goes."""
-        keys = self._keys
-        keys[key] = None
-        if len(keys) > self.capacity:
-            keys.popitem(last=False)
+        self[key] = None
+        if len(self) > self.capacity:
+            self.popitem(last=False)
 
     def take(self, key: Hashable) -> bool:
-        """Whether ``key`` is remembered; if so it is forgotten (its block is back)."""
-        return self._keys.pop(key, False) is None
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._keys
-
-    def __len__(self) -> int:
-        return len(self._keys)
-
-    def __iter__(self) -> Iterator[Hashable]:
-        """Oldest first."""
-        return iter(self._keys)
+        """Whether ``key`` is remembered; if so it is forgotten (its block is back). On a
+        hot path ask ``key in ghost`` first: a miss then costs no call."""
+        return self.pop(key, False) is None

@@ -418,10 +418,11 @@ class RequestTracker:
         later hit of that prefix)."""
         have = st.hashes
         for p in range(st.cursor, min(hi, len(have))):
-            if hashes[p] != have[p]:
+            listed = have[p]  # (past the confirmed blocks a listing's entries are unchecked:
+            if type(listed) is bytes and hashes[p] != listed:  # a non-hash is one it lacked)
                 raise check.refuse("finished", st.req_id, f"block_hashes[{p}]",
                                    f"{hashes[p].hex()[:16]}... where the steps listed "
-                                   f"{have[p].hex()[:16]}...: a finish may add hashes, "
+                                   f"{listed.hex()[:16]}...: a finish may add hashes, "
                                    "not change them")
 
     def _check_listed_ids(self, st: ReqState, tables: Sequence[Sequence[int]],

@@ -385,6 +385,8 @@ class SchedulerSide:
         if rid in self._refusals.ids:  # it goes without offload: forgotten, nothing stored
             client.finished(rid, 0, self._no_new)
             self._forget(rid)
+            if self.cfg.remote_url is not None:  # an empty hand-off's params: collected
+                client.transfer_params(rid)  # (else kept until newer ones push them out)
             return False, None
         try:
             params = request.kv_transfer_params

@@ -229,6 +229,22 @@ def test_bad_call_step_lists_a_request_it_reports_ended() -> None:
     assert pairs(p.load) == ([0, 1], g_new[:2])
 
 
+def test_finished_hashes_may_fill_a_listed_entry_that_was_no_hash() -> None:
+    """A listing's hashes are checked up to its confirmed blocks only: A (13 tokens)
+    was listed with ``[h0, h1, None]`` and nothing confirmed. Its finish with the three
+    real hashes used to compare position 2 against the None and raise AttributeError
+    (an untyped error, found by a review); a listed entry that is no hash is one the
+    sequence still lacked: the finish's is stored."""
+    rig = Rig(cpu=8, gpu=8)
+    a = Req("a", 13)
+    ga = rig.alloc(4, a.h)                                     # [0, 1, 2, 3]
+    junk: list[Any] = [a.h[0], a.h[1], None]
+    rig.step(ScheduledRequest("a", junk, 13, (tuple(ga),), True, 0))
+    assert rig.m.finished("a", 13, [ga], block_hashes=list(a.h)) is False
+    p = rig.step()
+    assert pairs(p.store) == ([0, 1, 2], [0, 1, 2])
+
+
 def test_bad_call_finished_after_a_stray_phase_b_is_still_checked() -> None:
     """A (17 tokens) runs, listed with GPU 0-3, nothing stored yet; a stray phase B (0
     tokens, its own tables) is accepted mid-run. A first mend turned the finish check
