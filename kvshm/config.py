@@ -36,9 +36,13 @@ NAME_RANDOM_BITS: Final = 64
 #: Default ``cpu_bytes_per_rank``: 1 GiB of shared memory per worker rank, lowered to
 #: what /dev/shm and MemAvailable allow (a 64 MiB Docker /dev/shm still starts).
 DEFAULT_CPU_BYTES_PER_RANK: Final = 1 << 30
-#: The EngineConfig fields that are durations in seconds (each finite and > 0).
 #: Default ``hang_timeout_s`` (see EngineConfig; chosen from tools.bench_acks).
 DEFAULT_HANG_TIMEOUT_S: Final = 10.0
+#: Least ``hang_timeout_s``: below it ordinary scheduling stalls of a busy host (up to
+#: 0.14 s measured under a saturating soak) declare healthy ranks hung, and offload is
+#: off for the engine's life (a probe's 0.01 s did that twice in three vLLM runs).
+MIN_HANG_TIMEOUT_S: Final = 0.5
+#: The EngineConfig fields that are durations in seconds (each finite and > 0).
 TIMEOUT_FIELDS: Final = ("hang_timeout_s", "connect_timeout_s", "shutdown_grace_s")
 #: Most worker ranks (tp x pp) one engine has: far past any node's accelerators, and a
 #: bound for ``kvshm-workers``, which starts one process per rank.
@@ -200,7 +204,8 @@ class EngineConfig:
       (``python -m tools.bench_acks``, README "Faults"), and 10 s still covers one job of
       ~250 GB at 25 GB/s; a hang stalls the loads queued behind it for that long.
     * ``hang_timeout_s``, ``connect_timeout_s``, ``shutdown_grace_s``: seconds, each a
-      finite number > 0 (ConfigError otherwise, naming the field and the value).
+      finite number > 0 (ConfigError otherwise, naming the field and the value);
+      ``hang_timeout_s`` at least :data:`MIN_HANG_TIMEOUT_S`.
     * ``eviction``: the CPU tier's eviction order (:class:`Eviction`; default
       :data:`DEFAULT_EVICTION`), for the pool the runtime builds.
     * ``remote_url``: a remote tier shared with other engines
@@ -282,6 +287,10 @@ class EngineConfig:
             raise ConfigError(f"eviction must be an Eviction, got {self.eviction!r}")
         for label in TIMEOUT_FIELDS:
             check_timeout(label, getattr(self, label))
+        if self.hang_timeout_s < MIN_HANG_TIMEOUT_S:
+            raise ConfigError(f"hang_timeout_s must be at least {MIN_HANG_TIMEOUT_S} s (a "
+                              f"busy host stalls healthy ranks for longer than a shorter "
+                              f"one), got {self.hang_timeout_s!r}")
         self._check_remote()
         self._check_disk()
 

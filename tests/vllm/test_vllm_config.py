@@ -114,6 +114,8 @@ def test_extra_config_values() -> None:
     ({"cpu_bytes": GIB, "stats_path": "/tmp/s\0x.json"}, "'stats_path'"),
     ({"cpu_bytes": GIB, "hang_timeout_s": 0}, "'hang_timeout_s'"),
     ({"cpu_bytes": GIB, "hang_timeout_s": float("inf")}, "'hang_timeout_s'"),
+    # 0.01 declared healthy ranks hung on a busy host: offload off for good
+    ({"cpu_bytes": GIB, "hang_timeout_s": 0.01}, r"'hang_timeout_s'\] must be at least 0.5 s"),
     ({"cpu_bytes": GIB, "shutdown_timeout_s": float("nan")}, "'shutdown_timeout_s'"),
     ({"cpu_bytes": GIB, "test_fail_loads": -1}, "'test_fail_loads'"),
     ({"cpu_bytes": GIB, "eviction": "mru"}, r"'eviction'\] must be one of \['depth_aged', 'lru', "),

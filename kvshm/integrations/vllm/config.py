@@ -24,7 +24,8 @@ on each, with its default; it is what the refusal of an unknown key lists):
 * ``stats_path``: the scheduler side writes its final statistics (JSON) there at
   shutdown; each data-parallel replica to its own file (:func:`replica_stats_path`).
 * ``hang_timeout_s``, ``shutdown_timeout_s``: finite positive numbers (defaults 10 --
-  ``kvshm.config.DEFAULT_HANG_TIMEOUT_S`` -- and 5).
+  ``kvshm.config.DEFAULT_HANG_TIMEOUT_S`` -- and 5); ``hang_timeout_s`` at least
+  ``kvshm.config.MIN_HANG_TIMEOUT_S`` (0.5).
 * ``eviction``: the CPU tier's eviction order (default ``kvshm.config.DEFAULT_EVICTION``).
 * ``remote_url``: a remote tier shared by every engine that names it
   (``valkey://host:port`` or ``valkey+cluster://h1:p1,h2:p2``; ``kvshm valkey`` runs
@@ -82,6 +83,7 @@ from kvshm.config import (
     DEFAULT_EVICTION,
     DEFAULT_HANG_TIMEOUT_S,
     MAX_TIMEOUT_S,
+    MIN_HANG_TIMEOUT_S,
     DiskIO,
     DiskMode,
     Eviction,
@@ -139,7 +141,8 @@ PUBLIC_KEYS: Final[Mapping[str, str]] = {
              "start; with data parallelism each replica's ends in _dp<rank>)"),
     "stats_path": "a file the final statistics (JSON) are written to at shutdown (default: none)",
     "hang_timeout_s": (f"seconds a rank with work pending may complete nothing before it is "
-                       f"declared hung (default {DEFAULT_HANG_TIMEOUT_S:g})"),
+                       f"declared hung (default {DEFAULT_HANG_TIMEOUT_S:g}, at least "
+                       f"{MIN_HANG_TIMEOUT_S:g})"),
     "shutdown_timeout_s": "seconds shutdown waits for the worker ranks (default 5)",
     "eviction": (f"the CPU tier's eviction order, one of {[e.value for e in Eviction]} "
                  f"(default {DEFAULT_EVICTION.value!r})"),
@@ -359,13 +362,18 @@ def _int(key: str, value: object) -> int:
     return value
 
 
-def _seconds(key: str, value: object, default: float) -> float:
+def _seconds(key: str, value: object, default: float, least: float = 0.0) -> float:
+    """A number of seconds in (0, a day], at least ``least`` where that is set."""
     if value is None:
         return default
     if (isinstance(value, bool) or not isinstance(value, (int, float))
             or not 0 < value <= MAX_TIMEOUT_S):
         raise ConfigError(f"{_EXTRA}[{key!r}] must be a positive number of seconds (> 0, "
                           f"at most a day), got {value!r}")
+    if value < least:
+        raise ConfigError(f"{_EXTRA}[{key!r}] must be at least {least} s (a busy host "
+                          f"stalls healthy ranks for longer than a shorter one), got "
+                          f"{value!r}")
     return float(value)
 
 
@@ -537,7 +545,7 @@ def check_extra_config(extra: Mapping[Any, Any], world_size: int = 1) -> ExtraSe
         size_source=source, cpu_bytes_per_rank=per_rank, num_cpu_blocks=blocks,
         mode=_mode(extra.get("mode")), name=_name(extra.get("name")), stats_path=stats_path,
         hang_timeout_s=_seconds("hang_timeout_s", extra.get("hang_timeout_s"),
-                                DEFAULT_HANG_TIMEOUT_S),
+                                DEFAULT_HANG_TIMEOUT_S, MIN_HANG_TIMEOUT_S),
         shutdown_timeout_s=_seconds("shutdown_timeout_s", extra.get("shutdown_timeout_s"),
                                     5.0),
         test_fail_loads=fail_loads, eviction=_eviction(extra.get("eviction")),
