@@ -485,6 +485,7 @@ class OffloadManager:
         disk: tuple[Disk, ...] = ()
         out = self.outcomes
         if not out.failed:
+            self._track.reallocated(alloc)
             dirty = self._track.apply(changes)
             if not out.abandoned:
                 victims: list[tuple[int, bytes]] = []

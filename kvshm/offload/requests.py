@@ -42,6 +42,7 @@ from kvshm.offload.inputs import CallCheck
 from kvshm.offload.jobs import Selection
 from kvshm.offload.pd.manifest import remote_decode
 from kvshm.offload.stores import StorePlanner
+from kvshm.offload.window_reuse import WindowReuse
 from kvshm.types import ScheduledRequest, no_new_blocks
 
 __all__ = ["ADMIT", "DIRTY", "EXTEND", "NEVER", "Change", "ReqState", "RequestTracker"]
@@ -71,10 +72,12 @@ class ReqState:
     admission listing (None: none did) -- ``tables`` may then predate a preemption the
     steps have not listed yet, so ``finished`` checks its tables against these; kept
     apart from ``tables``, which a stalled walk still reads. The store planner walks it
-    as a :class:`~kvshm.offload.stores.Cursor`."""
+    as a :class:`~kvshm.offload.stores.Cursor`. ``stale``: sliding-window positions
+    ``(group, position)`` whose block a later step allocated again before their store
+    (:mod:`kvshm.offload.window_reuse`; None: none), never stored."""
 
     __slots__ = ("admitted", "cursor", "hashes", "phase_b_tables", "refreshed", "remote",
-                 "req_id", "start", "tables", "tracked")
+                 "req_id", "stale", "start", "tables", "tracked")
 
     def __init__(self, req_id: str, ngroups: int) -> None:
         self.req_id = req_id
@@ -87,6 +90,7 @@ class ReqState:
         self.admitted = False
         self.phase_b_tables: list[list[int]] | None = None
         self.refreshed = 0
+        self.stale: set[tuple[int, int]] | None = None
 
 
 class RequestTracker:
@@ -103,6 +107,14 @@ class RequestTracker:
         #: last listing, walked again every step until they catch up
         self.stalled: dict[str, ScheduledRequest] = {}
         self._no_new = no_new_blocks(gs.n)
+        #: the window positions awaiting their store, by GPU id (None: no window group)
+        self.reuse = WindowReuse([g for g, _ in gs.sw]) if gs.sw else None
+
+    def reallocated(self, ids: Collection[int]) -> None:
+        """The step allocated ``ids``: window positions still naming one are stale
+        (before this step's listings are applied: a new owner's own ids are not)."""
+        if self.reuse is not None and ids:
+            self.reuse.reallocated(ids)
 
     def state(self, req_id: str) -> ReqState:
         st = self.reqs.get(req_id)
@@ -294,8 +306,13 @@ class RequestTracker:
                     if len(tables) == 1:
                         tables[0].extend(nb[0])
                     else:
+                        reuse = self.reuse
+                        start = ([len(tables[g]) for g in reuse.windowed]
+                                 if reuse is not None else None)
                         for table, ids in zip(tables, nb):
                             table.extend(ids)
+                        if reuse is not None and start is not None:
+                            reuse.listed(st, start)
                     st.hashes = r.block_hashes
             if kind & DIRTY:
                 dirty.append(r)
@@ -312,12 +329,15 @@ class RequestTracker:
         st.tracked = self.eager or st.remote
         st.phase_b_tables = None
         st.cursor = 0 if st.remote else st.start
+        st.stale = None
         if r.preempted and not r.new_or_resumed:
             st.tables = [[] for _ in range(self.gs.n)]
             self.watch[rid] = NEVER
             return
         if st.tracked:
             st.tables = list(map(list, r.new_block_ids))
+            if self.reuse is not None:
+                self.reuse.listed(st, [0] * len(self.reuse.windowed))
         st.hashes = r.block_hashes
         w = self.watch[rid] = st.cursor + 1 if st.tracked else NEVER
         if r.num_confirmed_tokens // self.bs >= w:

@@ -64,6 +64,7 @@ class Cursor(Protocol):
     tables: list[list[int]]
     hashes: Sequence[BlockHash]
     cursor: int
+    stale: set[tuple[int, int]] | None
 
 
 _NO_IDS: frozenset[int] = frozenset()
@@ -230,6 +231,7 @@ class StorePlanner:
         p = st.cursor
         tables = st.tables
         hashes = st.hashes
+        stale = st.stale
         nh = len(hashes)
         declined = self.counters.declined
         while p < ready:
@@ -242,6 +244,9 @@ class StorePlanner:
                 if b in self.load_dst:
                     wait = True
                     break
+                if stale is not None and (g, p) in stale:  # (kvshm.offload.window_reuse)
+                    reasons.append(DeclineReason.STALE_WINDOW)
+                    continue
                 reason, key = self.classify(b, h, g, alloc)
                 if reason is None and any(c.gpu_id == b for c in picks):
                     # two groups' tables name one block here (bad input): store it once,
@@ -322,6 +327,9 @@ class StorePlanner:
                 b = st.tables[g][p]
                 if b in self.load_dst:
                     declined[DeclineReason.IN_FLIGHT] += 1
+                    continue
+                if st.stale is not None and (g, p) in st.stale:
+                    declined[DeclineReason.STALE_WINDOW] += 1
                     continue
                 reason, key = self.classify(b, h, g, _NO_IDS)
                 if reason is not None:

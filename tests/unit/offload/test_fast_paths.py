@@ -91,6 +91,7 @@ class _Cur:
     tables: list[list[int]]
     hashes: Sequence[bytes]
     cursor: int = 0
+    stale: set[tuple[int, int]] | None = None
 
 
 def _planner(single: bool, gpu: BlockPool, cpu: BlockPool, load_dst: set[int]) -> StorePlanner:

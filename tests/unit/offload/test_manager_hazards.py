@@ -141,6 +141,38 @@ def test_stale_sliding_window_block_not_stored() -> None:
     assert rig.m.lookup(e.view(), 0) == 0
 
 
+def test_stale_sliding_window_block_reused_in_an_earlier_step_under_the_same_hash() -> None:
+    """Hybrid model as above. A prefills 16 tokens in step 1 (full ids 0-3, window ids
+    4-7, confirmed 0) and is not listed in step 2. Its window block 4 (position 0)
+    leaves the window and is freed; in step 2 B, sharing A's prefix but without a local
+    hit, takes 4 (with 8-11) as its *full-attention* block of position 0 and hashes it
+    with the same plain hash h[0]. In step 3 A's 16 tokens are confirmed. The walk
+    compared block 4 only with step 3's allocations and with its hash, and both passed:
+    B's full-attention bytes were stored as A's window block of position 0, and a later
+    hit of the prefix loaded them ``ok`` (found by a fuzzer). Step 2's allocation of 4
+    now marks A's position 0 stale: declined, the other six blocks stored."""
+    groups = (KVGroup.full(), KVGroup.sliding_window(4))
+    rig = Rig(gpu=12, groups=groups)
+    a = Req("a", 17)
+    full, win = rig.alloc(4), rig.alloc(4)                   # [0..3], [4..7]
+    rig.step(a.sched(full, win, confirmed=0, new=True))
+    rig.hash(full, a.h)
+    rig.hash(win, a.h)
+    rig.gpu.free([4])                                        # out of A's window
+    got = rig.gpu.allocate(5)
+    assert sorted(got) == [4, 8, 9, 10, 11]
+    rig.step(allocated=got)                                  # B's step; A not listed
+    rig.gpu.free([x for x in got if x != 4])
+    rig.hash([4], [a.h[0]])                                  # B's full block, same hash
+    p3 = rig.step(a.sched((), (), confirmed=16))
+    assert pairs(p3.store) == ([0, 1, 5, 2, 6, 3, 7], [0, 1, 2, 3, 4, 5, 6])
+    assert declined(rig.m, DeclineReason.STALE_WINDOW) == 1
+    assert rig.m._track.reqs["a"].stale == {(1, 0)}
+    rig.ack(p3.store)
+    key = rig.m._gs.key
+    assert not rig.cpu.is_cached(key(a.h[0], 1)) and rig.cpu.is_cached(key(a.h[1], 1))
+
+
 # ---- do_remote_decode -------------------------------------------------------------------
 
 
