@@ -364,6 +364,7 @@ class OffloadManager:
             self._loads.fail_now(req_id, a.failed, LoadFailure.WINDOW_MISSING)
             return
         self.gpu.touch(a.gpu_ids)
+        self._track.reallocated(a.gpu_ids)  # a load overwrites them: no window store reads them
         self._loads.enqueue(
             LoadPart(req_id, a.cpu_ids, a.gpu_ids, tuple(a.failed), num_external_tokens))
 

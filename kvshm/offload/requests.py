@@ -125,7 +125,10 @@ class RequestTracker:
     def forget(self, req_id: str) -> ReqState | None:
         self.watch.pop(req_id, None)
         self.stalled.pop(req_id, None)
-        return self.reqs.pop(req_id, None)
+        st = self.reqs.pop(req_id, None)
+        if st is not None and self.reuse is not None:
+            self.reuse.forget(st)
+        return st
 
     # ---- the per-step scan: check (no change), then apply ----------------------------
 

@@ -9,18 +9,21 @@ but the walk compared a block only with the ids of the step it ran in. A block t
 in an earlier step whose new owner hashed it under the *same* plain hash -- a request
 sharing the prefix, its full-attention KV for that position -- passed every check, and
 the full-attention bytes were stored as the first request's sliding-window block,
-loaded ``ok`` by every later hit (found by a fuzzer).
+loaded ``ok`` by every later hit (found by a fuzzer). The same held for a block that
+became another request's load destination (vLLM reports none of those as allocated).
 
-:class:`WindowReuse` remembers, for each GPU id a listing put at a sliding-window
-position, which request and position it was (the newest listing of that id wins), and
-when a step allocates the id again it marks that position stale on the request
-(``ReqState.stale``); the store walk declines a stale position (``STALE_WINDOW``).
-Full-attention groups never free a request's block before it ends, so nothing is kept
+:class:`WindowReuse` remembers, for each GPU id a listing put at an unstored
+sliding-window position, which requests and positions they were (a block shared through
+a GPU prefix hit may be several requests'), and when a step allocates the id again, or a
+phase B makes it a load's destination, it marks those positions stale on their requests
+(``ReqState.stale``); the store walk and the finish decline a stale position
+(``STALE_WINDOW``). Full-attention groups never free a request's block before it ends, so nothing is kept
 for them (no cost for a model without a window).
 
-Invariant: at most one entry per GPU id; an entry whose position no longer names that
-id (a preemption forgot the table, a resumption listed another, the request ended) is
-ignored when the id comes back, so entries are never removed one by one.
+Invariant: an entry names a request's window position at or past its cursor when
+listed; one whose position no longer names that id (a preemption forgot the table, a
+resumption listed another) is ignored when the id comes back, and an ended request's
+entries go with it (:meth:`WindowReuse.forget`).
 """
 
 from __future__ import annotations
@@ -43,37 +46,70 @@ class StaleMarks(Protocol):
 class WindowReuse:
     """See the module docstring. ``windowed``: the sliding-window groups' indexes."""
 
-    __slots__ = ("owner", "windowed")
+    __slots__ = ("owners", "windowed")
 
     def __init__(self, windowed: Sequence[int]) -> None:
         self.windowed = tuple(windowed)
-        self.owner: dict[int, tuple[StaleMarks, int, int]] = {}
+        #: GPU id -> the unstored window positions that named it when listed (several
+        #: requests may share one block: a P/D request's walk starts at its GPU hit)
+        self.owners: dict[int, list[tuple[StaleMarks, int, int]]] = {}
 
     def listed(self, st: StaleMarks, start: Sequence[int]) -> None:
         """``st``'s window tables now hold ids from position ``start[i]`` of the i-th
-        window group on (an admission: 0; ids appended: the old lengths)."""
-        owner = self.owner
+        window group on (an admission: 0; ids appended: the old lengths). Positions
+        below its cursor are never stored (a GPU prefix hit shared with the request
+        that computed it): not kept."""
+        owners = self.owners
+        cursor = st.cursor
         for g, lo in zip(self.windowed, start):
             table = st.tables[g]
-            for p in range(lo, len(table)):
-                owner[table[p]] = (st, g, p)
+            for p in range(max(lo, cursor), len(table)):
+                b = table[p]
+                kept = owners.get(b)
+                if kept is None:
+                    owners[b] = [(st, g, p)]
+                else:  # entries that no longer name b go first
+                    kept[:] = [e for e in kept if _names(e, b) and e[0] is not st]
+                    kept.append((st, g, p))
 
     def reallocated(self, ids: Collection[int]) -> int:
-        """The step allocated ``ids``: every unstored window position still naming one
-        of them is stale. Returns how many were marked."""
-        owner = self.owner
-        if not owner:
+        """``ids`` were allocated again (a step's ``allocated_block_ids``, a load's
+        destinations): every unstored window position still naming one of them is
+        stale. Returns how many were marked."""
+        owners = self.owners
+        if not owners:
             return 0
         n = 0
         for b in ids:
-            entry = owner.pop(b, None)
-            if entry is None:
+            kept = owners.pop(b, None)
+            if kept is None:
                 continue
-            st, g, p = entry
-            table = st.tables[g]
-            if p < len(table) and table[p] == b and p >= st.cursor:
-                if st.stale is None:
-                    st.stale = set()
-                st.stale.add((g, p))
-                n += 1
+            for st, g, p in kept:
+                if _names((st, g, p), b):
+                    if st.stale is None:
+                        st.stale = set()
+                    st.stale.add((g, p))
+                    n += 1
         return n
+
+    def forget(self, st: StaleMarks) -> None:
+        """``st`` ended (its unstored blocks are pinned at the finish, if stored at all):
+        its entries go, so no ended request is kept alive by them. O(its unstored
+        window positions)."""
+        owners = self.owners
+        for g in self.windowed:
+            table = st.tables[g]
+            for p in range(st.cursor, len(table)):
+                kept = owners.get(table[p])
+                if kept is None:
+                    continue
+                kept[:] = [e for e in kept if e[0] is not st]
+                if not kept:
+                    del owners[table[p]]
+
+
+def _names(entry: tuple[StaleMarks, int, int], b: int) -> bool:
+    """Whether ``entry``'s position still names ``b`` and is not stored yet."""
+    st, g, p = entry
+    table = st.tables[g]
+    return p < len(table) and table[p] == b and p >= st.cursor

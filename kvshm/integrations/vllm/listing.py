@@ -302,12 +302,12 @@ class Listing:
         """One cached request the boundary test flagged (``w``: its next look): list it
         if it changed; returns its next look after this step."""
         if rid in self._announced and (nb is None or rid not in resumed):
+            if nb is not None and self._sw:  # (an unknown request's too: reallocated)
+                alloc.update(b for g in nb for b in g)
             r = self._requests.get(rid)
             if r is None:
                 self._counters.requests_unknown += 1
                 return w
-            if nb is not None and self._sw:
-                alloc.update(b for g in nb for b in g)
             return self._known(rid, r, nb, out)
         if rid in resumed and nb is not None:
             self._counters.requests_resumed += 1
@@ -340,14 +340,14 @@ class Listing:
 
     def _add(self, out: list[ScheduledRequest], rid: str, table: Tables, full: bool,
              num_computed: int, alloc: set[int], *, preempted: bool = False) -> None:
+        if full and self._sw:  # (an unknown request's too: reallocated)
+            first = num_computed // self._block_size
+            alloc.update(b for g in table for b in g[first:])
         r = self._requests.get(rid)
         if r is None:
             self._counters.requests_unknown += 1
             return
         self._announced.add(rid)
-        if full and self._sw:
-            first = num_computed // self._block_size
-            alloc.update(b for g in table for b in g[first:])
         confirmed = r.num_computed_tokens - r.num_output_placeholders
         if not preempted:
             self.next_look[rid] = self._int(

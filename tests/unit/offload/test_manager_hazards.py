@@ -173,6 +173,78 @@ def test_stale_sliding_window_block_reused_in_an_earlier_step_under_the_same_has
     assert not rig.cpu.is_cached(key(a.h[0], 1)) and rig.cpu.is_cached(key(a.h[1], 1))
 
 
+def test_stale_sliding_window_block_that_became_a_load_destination() -> None:
+    """As above, but B takes A's freed window block 4 as the *load destination* of its
+    full-attention position 0 (a CPU hit of 8 tokens): vLLM allocates load
+    destinations in a step that does not schedule B, and later reports only the blocks
+    B computes, so no ``allocated_block_ids`` ever named 4. The load wrote h[0]'s
+    full-attention bytes into 4 and A's late walk stored them as its window block (a
+    review of the first fix). A phase B's destinations now count as allocated: A's
+    position 0 is stale, its other window blocks stored."""
+    groups = (KVGroup.full(), KVGroup.sliding_window(4))
+    rig = Rig(cpu=16, gpu=16, groups=groups)
+    key = rig.m._gs.key
+    a = Req("a", 17)
+    full, win = rig.alloc(4), rig.alloc(4)                   # [0..3], [4..7]
+    rig.step(a.sched(full, win, confirmed=0, new=True))
+    rig.hash(full, a.h)
+    rig.hash(win, a.h)
+    for h, g in ((a.h[0], 0), (a.h[1], 0), (a.h[1], 1)):    # another request's copies
+        c = rig.cpu.allocate(1)
+        rig.cpu.add_hashes(c[0], [key(h, g)])
+        rig.cpu.free(c)
+    rig.gpu.free([4])                                        # out of A's window
+    b = Req("b", 17)
+    assert rig.m.lookup(b.view(), 0) == 8
+    got = rig.gpu.allocate(9)
+    rest = [x for x in got if x != 4]
+    bf, bw = [4, rest[0]], rest[1:3]                         # 4: B's full block 0
+    rig.gpu.free(rest[3:])
+    rig.m.allocated("b", (bf, bw), 8)
+    assert rig.m._track.reqs["a"].stale == {(1, 0)}
+    p2 = rig.step()
+    rig.ack(p2.load)
+    rig.hash([4], [a.h[0]])                                  # the loaded block, cached
+    rig.step(b.sched(bf, bw, confirmed=8, new=True))
+    p4 = rig.step(a.sched((), (), confirmed=16))
+    assert 4 not in pairs(p4.store)[0] and pairs(p4.store)[0] == [2, 6, 3, 7]
+    rig.ack(p4.store)
+    assert not rig.cpu.is_cached(key(a.h[0], 1))
+
+
+def test_stale_sliding_window_block_shared_by_a_gpu_prefix_hit() -> None:
+    """A's window block 4 (position 0, not stored yet) is also B's, through a GPU
+    prefix hit. B's admission registered 4 at its own position 0 -- below B's cursor,
+    never stored by B -- over A's entry; once both freed it and C took it (reported),
+    only B's entry was looked at, and A's late walk stored C's full-attention bytes as
+    its window block (a review of the first fix). Positions below a request's cursor
+    are not registered, and one id keeps every request's entry: A's position 0 is
+    stale."""
+    groups = (KVGroup.full(), KVGroup.sliding_window(4))
+    rig = Rig(cpu=16, gpu=16, groups=groups)
+    a = Req("a", 17)
+    full, win = rig.alloc(4), rig.alloc(4)                   # [0..3], [4..7]
+    rig.step(a.sched(full, win, confirmed=0, new=True))
+    rig.hash(full, a.h)
+    rig.hash(win, a.h)
+    b = Req("b", 17)
+    assert rig.m.lookup(b.view(), 4) == 0
+    rig.gpu.touch([0, 4])                                    # B's GPU hit of position 0
+    new_b = rig.gpu.allocate(2)
+    tables_b = ([0, new_b[0]], [4, new_b[1]])
+    rig.m.allocated("b", tables_b, 0)
+    rig.step(b.sched(*tables_b, confirmed=4, new=True), allocated=new_b)
+    rig.gpu.free([4])
+    rig.gpu.free([4])                                        # out of both windows
+    got = rig.gpu.allocate(rig.gpu.num_free)                 # C takes 4 (and the rest)
+    rig.step(allocated=got)
+    rig.gpu.free([x for x in got if x != 4])
+    rig.hash([4], [a.h[0]])                                  # C's full block 0
+    p = rig.step(a.sched((), (), confirmed=16))
+    assert pairs(p.store)[0] == [0, 1, 5, 2, 6, 3, 7]
+    assert rig.m._track.reqs["a"].stale == {(1, 0)}
+
+
 # ---- do_remote_decode -------------------------------------------------------------------
 
 
