@@ -17,8 +17,8 @@ sliding-window position, which requests and positions they were (a block shared 
 a GPU prefix hit may be several requests'), and when a step allocates the id again, or a
 phase B makes it a load's destination, it marks those positions stale on their requests
 (``ReqState.stale``); the store walk and the finish decline a stale position
-(``STALE_WINDOW``). Full-attention groups never free a request's block before it ends, so nothing is kept
-for them (no cost for a model without a window).
+(``STALE_WINDOW``). Full-attention groups never free a request's block before it
+ends, so nothing is kept for them (no cost for a model without a window).
 
 Invariant: an entry names a request's window position at or past its cursor when
 listed; one whose position no longer names that id (a preemption forgot the table, a
