@@ -178,7 +178,9 @@ class StepInput:
     finished: Sequence[str] = ()
     """Requests finished since the last step whose ``finished()`` was not called."""
     allocated_block_ids: Collection[int] = ()
-    """Every GPU block id allocated this step (a reused sliding-window id is stale)."""
+    """Every GPU block id allocated since the last accepted step (a reused
+    sliding-window id is stale: :mod:`kvshm.offload.window_reuse`); a refused step's go
+    again with the next."""
 
 
 class LoadFailure(Enum):
