@@ -42,7 +42,7 @@ from kvshm.offload.inputs import CallCheck
 from kvshm.offload.jobs import Selection
 from kvshm.offload.pd.manifest import remote_decode
 from kvshm.offload.stores import StorePlanner
-from kvshm.offload.window_reuse import WindowReuse
+from kvshm.offload.window_reuse import WindowReuse, still_stale
 from kvshm.types import ScheduledRequest, no_new_blocks
 
 __all__ = ["ADMIT", "DIRTY", "EXTEND", "NEVER", "Change", "ReqState", "RequestTracker"]
@@ -332,13 +332,15 @@ class RequestTracker:
         st.tracked = self.eager or st.remote
         st.phase_b_tables = None
         st.cursor = 0 if st.remote else st.start
-        st.stale = None
+        stale, st.stale = st.stale, None
         if r.preempted and not r.new_or_resumed:
             st.tables = [[] for _ in range(self.gs.n)]
             self.watch[rid] = NEVER
             return
         if st.tracked:
-            st.tables = list(map(list, r.new_block_ids))
+            old, st.tables = st.tables, list(map(list, r.new_block_ids))
+            if stale:
+                st.stale = still_stale(stale, old, st.tables)
             if self.reuse is not None:
                 self.reuse.listed(st, [0] * len(self.reuse.windowed))
         st.hashes = r.block_hashes

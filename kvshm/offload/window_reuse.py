@@ -23,7 +23,8 @@ ends, so nothing is kept for them (no cost for a model without a window).
 Invariant: an entry names a request's window position at or past its cursor when
 listed; one whose position no longer names that id (a preemption forgot the table, a
 resumption listed another) is ignored when the id comes back, and an ended request's
-entries go with it (:meth:`WindowReuse.forget`).
+entries go with it (:meth:`WindowReuse.forget`). A mark outlives a re-listing that names
+the same block there (:func:`still_stale`); a preemption clears them all.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from __future__ import annotations
 from collections.abc import Collection, Sequence
 from typing import Protocol
 
-__all__ = ["StaleMarks", "WindowReuse"]
+__all__ = ["StaleMarks", "WindowReuse", "still_stale"]
 
 
 class StaleMarks(Protocol):
@@ -106,6 +107,16 @@ class WindowReuse:
                 kept[:] = [e for e in kept if e[0] is not st]
                 if not kept:
                     del owners[table[p]]
+
+
+def still_stale(stale: set[tuple[int, int]], old: list[list[int]],
+                new: list[list[int]]) -> set[tuple[int, int]] | None:
+    """The marks of ``stale`` (on tables ``old``) that still hold once a request is
+    listed anew with tables ``new``: where the new table names the same block, it is
+    still the reallocated one (a re-listing of the same tables must not clear them)."""
+    kept = {(g, p) for g, p in stale
+            if p < len(new[g]) and p < len(old[g]) and new[g][p] == old[g][p]}
+    return kept or None
 
 
 def _names(entry: tuple[StaleMarks, int, int], b: int) -> bool:

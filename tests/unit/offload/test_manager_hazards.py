@@ -106,6 +106,19 @@ def test_toctou_pin_survives_eviction_between_phases() -> None:
 # ---- sliding window --------------------------------------------------------------------
 
 
+def _hybrid_a(gpu: int, cpu: int = 8) -> tuple[Rig, Req]:
+    """Full attention + a 4-token sliding window (1 block before the hit point). A (17
+    tokens) is listed with full ids 0-3 and window ids 4-7, nothing confirmed yet, and
+    its forward has computed (hashed) all eight blocks."""
+    rig = Rig(cpu=cpu, gpu=gpu, groups=(KVGroup.full(), KVGroup.sliding_window(4)))
+    a = Req("a", 17)
+    full, win = rig.alloc(4), rig.alloc(4)                   # [0..3], [4..7]
+    rig.step(a.sched(full, win, confirmed=0, new=True))
+    rig.hash(full, a.h)
+    rig.hash(win, a.h)
+    return rig, a
+
+
 def test_stale_sliding_window_block_not_stored() -> None:
     """Hybrid model: full attention + a 4-token sliding window (1 block before the hit
     point). A prefills 16 tokens in step 1 (full ids 0-3, window ids 4-7) and is not
@@ -114,13 +127,7 @@ def test_stale_sliding_window_block_not_stored() -> None:
     (listed in allocated_block_ids). When A's blocks are confirmed in step 3, window ids
     4 (hash changed) and 5 (reallocated this step) are stale and not stored; 6 was freed
     but not reused, still holds A's KV under A's hash, and is stored."""
-    groups = (KVGroup.full(), KVGroup.sliding_window(4))
-    rig = Rig(gpu=9, groups=groups)
-    a = Req("a", 17)
-    full, win = rig.alloc(4), rig.alloc(4)                   # [0..3], [4..7]
-    rig.step(a.sched(full, win, confirmed=0, new=True))
-    rig.hash(full, a.h)
-    rig.hash(win, a.h)
+    rig, a = _hybrid_a(9)
     rig.gpu.free([4, 5, 6])                                  # out of the window
     gb = rig.gpu.allocate(2)
     assert gb == [8, 4]
@@ -151,13 +158,7 @@ def test_stale_sliding_window_block_reused_in_an_earlier_step_under_the_same_has
     B's full-attention bytes were stored as A's window block of position 0, and a later
     hit of the prefix loaded them ``ok`` (found by a fuzzer). Step 2's allocation of 4
     now marks A's position 0 stale: declined, the other six blocks stored."""
-    groups = (KVGroup.full(), KVGroup.sliding_window(4))
-    rig = Rig(gpu=12, groups=groups)
-    a = Req("a", 17)
-    full, win = rig.alloc(4), rig.alloc(4)                   # [0..3], [4..7]
-    rig.step(a.sched(full, win, confirmed=0, new=True))
-    rig.hash(full, a.h)
-    rig.hash(win, a.h)
+    rig, a = _hybrid_a(12)
     rig.gpu.free([4])                                        # out of A's window
     got = rig.gpu.allocate(5)
     assert sorted(got) == [4, 8, 9, 10, 11]
@@ -173,6 +174,25 @@ def test_stale_sliding_window_block_reused_in_an_earlier_step_under_the_same_has
     assert not rig.cpu.is_cached(key(a.h[0], 1)) and rig.cpu.is_cached(key(a.h[1], 1))
 
 
+def test_a_stale_window_position_stays_stale_when_the_request_is_listed_again() -> None:
+    """As in the earlier-step test, A's window block 4 (position 0) was taken by B in
+    step 2 and hashed with h[0]. In step 3 A is listed again as new (a listing the
+    engine repeats, e.g. one that reached kvshm before its workers were up), its table
+    still naming 4 there. A re-admission cleared every stale mark, and the walk stored
+    B's bytes as A's window block. A mark now stays wherever the new table names the
+    same block; the rest of A's blocks are stored (found reading this change again)."""
+    rig, a = _hybrid_a(12)
+    rig.gpu.free([4])                                        # out of A's window
+    got = rig.gpu.allocate(5)
+    rig.step(allocated=got)                                  # B takes 4
+    rig.gpu.free([x for x in got if x != 4])
+    rig.hash([4], [a.h[0]])
+    assert rig.m._track.reqs["a"].stale == {(1, 0)}
+    p3 = rig.step(a.sched([0, 1, 2, 3], [4, 5, 6, 7], confirmed=16, new=True))
+    assert pairs(p3.store)[0] == [0, 1, 5, 2, 6, 3, 7]
+    assert rig.m._track.reqs["a"].stale == {(1, 0)}
+
+
 def test_stale_sliding_window_block_that_became_a_load_destination() -> None:
     """As above, but B takes A's freed window block 4 as the *load destination* of its
     full-attention position 0 (a CPU hit of 8 tokens): vLLM allocates load
@@ -181,14 +201,8 @@ def test_stale_sliding_window_block_that_became_a_load_destination() -> None:
     full-attention bytes into 4 and A's late walk stored them as its window block (a
     review of the first fix). A phase B's destinations now count as allocated: A's
     position 0 is stale, its other window blocks stored."""
-    groups = (KVGroup.full(), KVGroup.sliding_window(4))
-    rig = Rig(cpu=16, gpu=16, groups=groups)
+    rig, a = _hybrid_a(16, cpu=16)
     key = rig.m._gs.key
-    a = Req("a", 17)
-    full, win = rig.alloc(4), rig.alloc(4)                   # [0..3], [4..7]
-    rig.step(a.sched(full, win, confirmed=0, new=True))
-    rig.hash(full, a.h)
-    rig.hash(win, a.h)
     for h, g in ((a.h[0], 0), (a.h[1], 0), (a.h[1], 1)):    # another request's copies
         c = rig.cpu.allocate(1)
         rig.cpu.add_hashes(c[0], [key(h, g)])
@@ -220,13 +234,7 @@ def test_stale_sliding_window_block_shared_by_a_gpu_prefix_hit() -> None:
     its window block (a review of the first fix). Positions below a request's cursor
     are not registered, and one id keeps every request's entry: A's position 0 is
     stale."""
-    groups = (KVGroup.full(), KVGroup.sliding_window(4))
-    rig = Rig(cpu=16, gpu=16, groups=groups)
-    a = Req("a", 17)
-    full, win = rig.alloc(4), rig.alloc(4)                   # [0..3], [4..7]
-    rig.step(a.sched(full, win, confirmed=0, new=True))
-    rig.hash(full, a.h)
-    rig.hash(win, a.h)
+    rig, a = _hybrid_a(16, cpu=16)
     b = Req("b", 17)
     assert rig.m.lookup(b.view(), 4) == 0
     rig.gpu.touch([0, 4])                                    # B's GPU hit of position 0
