@@ -26,6 +26,7 @@ from kvshm.errors import ConfigError, InvalidRequest, StateError, WorkerDied
 from kvshm.hashing import chain_hashes
 from kvshm.ipc.rendezvous_client import query_stats
 from kvshm.offload.pool import BlockPool
+from kvshm.stats import EngineStats
 from kvshm.types import (
     DeviceKind,
     LoadFailure,
@@ -183,6 +184,132 @@ async def test_a_second_aclose_returns_only_once_the_ranks_are_reaped_when_the_f
     await asyncio.wait_for(b, 20)
     assert not (live_children() & set(ranks)), "B returned before the ranks were reaped"
     await asyncio.wait_for(eng.aclose(), 5)
+
+
+async def test_a_cancelled_aclose_resolves_a_waiter_only_once_no_rank_can_copy_into_its_blocks(
+        ) -> None:
+    """b's load is posted while rank 1 is stopped (SIGSTOP: a rank slowed by a busy host,
+    its copy into b's blocks not finished), then aclose() is cancelled in its (shielded)
+    stop of the ranks (a caller's timeout). Its ``finally`` failed every waiter
+    at the cancel: ``wait_loaded("b")`` said ENGINE_CLOSED ("recompute") while rank 1 was
+    alive -- the serving engine recomputed b into its blocks, then the resumed rank
+    finished its copy over them (the probe saw 5 of 6 blocks overwritten). Now the waiter
+    resolves when the stop ends: rank 1 is reaped (killed past the grace) by then."""
+    ks, gpu = shards(), BlockPool(GPU_BLOCKS)
+    before = live_children()
+    eng = await Engine.launch(config(shutdown_grace_s=0.5), workers=SPAWN, gpu_blocks=gpu,
+                              device_caches=[[k] for k in ks])
+    assert eng._launcher is not None
+    rank1 = eng._launcher.workers[1].proc.pid
+    c, _, _ = await _stored_then_looked_up(eng, gpu)
+    os.kill(rank1, signal.SIGSTOP)
+    plan = c.step()
+    assert plan.load is not None and plan.load_jobs[plan.load.job_id] == ("b",)
+    waiter = asyncio.ensure_future(eng.wait_loaded("b"))
+    closing = asyncio.ensure_future(eng.aclose())
+    while not eng._launcher._stopped:  # past the drain (0.5 s): the ranks' stop began
+        await asyncio.sleep(0.01)
+    closing.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await closing
+    await asyncio.wait({waiter}, timeout=0.2)  # the stop's grace (0.5 s) still runs
+    if waiter.done():
+        assert rank1 not in live_children(), \
+            "b was told to recompute while rank 1 could still copy into its blocks"
+    res = await asyncio.wait_for(waiter, 20)
+    assert rank1 not in live_children()
+    assert not res.ok and res.cause is LoadFailure.ENGINE_CLOSED
+    await asyncio.wait_for(eng.aclose(), 5)
+    await _reaped(before)
+
+
+async def test_a_tick_that_raises_does_not_end_the_ticks() -> None:
+    """The engine's 0.25 s tick (hang checks, fencing, results) re-armed itself as its
+    last line: one exception out of it -- a bug, or a KeyboardInterrupt the loop
+    delivers inside the callback -- ended the ticks for the engine's life, and a rank
+    that hung afterwards was never judged (the probe's wait_loaded still waited after
+    8 s with hang_timeout_s=1). Now the next tick is armed first: the first tick raises,
+    the ones after it still run."""
+    async with spawned_engine() as (eng, _, _):
+        real = eng._core.tick
+        calls: list[float] = []
+
+        def tick(now: float) -> None:
+            calls.append(now)
+            if len(calls) == 1:
+                raise RuntimeError("a tick that fails once")
+            real(now)
+
+        eng._core.tick = tick  # type: ignore[method-assign]
+        loop = asyncio.get_running_loop()
+        handler = loop.get_exception_handler()
+        seen: list[BaseException | None] = []
+        loop.set_exception_handler(lambda _, ctx: seen.append(ctx.get("exception")))
+        try:
+            deadline = time.monotonic() + 5
+            while len(calls) < 3 and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+        finally:
+            loop.set_exception_handler(handler)
+            eng._core.tick = real  # type: ignore[method-assign]
+        assert len(seen) == 1 and isinstance(seen[0], RuntimeError)
+        assert len(calls) >= 3, f"the ticks ended after the one that raised: {calls}"
+
+
+async def test_an_aclose_whose_closing_raises_still_stops_the_ranks_and_a_second_finishes(
+        ) -> None:
+    """The runtime's close raises inside aclose() (a bug, or a second Ctrl-C under a
+    custom loop runner). aclose()'s ``finally`` set the "closed" event without ever
+    stopping the ranks: every later aclose() returned at once, the state stayed CLOSING,
+    the spawned ranks ran on unreaped and the rendezvous name stayed bound (a restart
+    under it got NameInUse). Now the ranks stop whatever the closing raised, and the
+    close that was cut off is finished once they are reaped: CLOSED, ranks reaped, the
+    name free."""
+    ks, gpu = shards(), BlockPool(GPU_BLOCKS)
+    before = live_children()
+    cfg = config(shutdown_grace_s=0.5)
+    eng = await Engine.launch(cfg, workers=SPAWN, gpu_blocks=gpu,
+                              device_caches=[[k] for k in ks])
+    real = eng._core.close
+
+    def interrupted() -> None:
+        eng._core.close = real  # type: ignore[method-assign]
+        raise RuntimeError("the closing was interrupted")
+
+    eng._core.close = interrupted  # type: ignore[method-assign]
+    with pytest.raises(RuntimeError, match="interrupted"):
+        await eng.aclose()
+    await asyncio.wait_for(eng.aclose(), 20)
+    assert eng.state is EngineState.CLOSED
+    await _reaped(before)
+    core = Runtime(cfg, gpu_blocks=BlockPool(GPU_BLOCKS), device_caches=None, spawned=False)
+    core.open()  # NameInUse while the cut-off close had left the listener bound
+    core.close()
+
+
+async def test_statistics_from_another_thread_are_taken_on_the_launch_loop() -> None:
+    """A metrics thread polled ``statistics()`` while the loop served traffic and got
+    ``RuntimeError: dictionary changed size during iteration`` (2 in about 19k calls:
+    the snapshot walked the manager's pin table while the loop changed it). The
+    manager's state belongs to the launch loop: from another thread the snapshot is now
+    taken on the loop, and the thread waits for it."""
+    async with spawned_engine() as (eng, _, _):
+        real = eng._core.statistics
+        where: list[int] = []
+
+        def stats() -> EngineStats:
+            where.append(threading.get_ident())
+            return real()
+
+        eng._core.statistics = stats  # type: ignore[method-assign]
+        try:
+            got = await asyncio.to_thread(eng.statistics)
+            assert got.state == "ready"
+            assert where == [threading.get_ident()], "the snapshot was taken off the loop"
+            eng.statistics()  # on the loop: taken here, at once
+            assert where[-1] == threading.get_ident() and len(where) == 2
+        finally:
+            eng._core.statistics = real  # type: ignore[method-assign]
 
 
 class _Core:

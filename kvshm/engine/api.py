@@ -22,7 +22,9 @@ runtime at the start of every call and hands load results out through ``poll``.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
+import logging
 import time
 from collections.abc import Generator, Sequence
 from enum import Enum
@@ -40,6 +42,7 @@ from kvshm.engine.load_waiters import LoadWaiters
 from kvshm.engine.provision import cache_device
 from kvshm.engine.runtime import Runtime
 from kvshm.errors import ConfigError, StateError
+from kvshm.stats import EngineStats
 from kvshm.types import GpuBlocks, LoadFailure, LoadResult, RequestView, StepInput
 
 __all__ = ["ATTACH", "SPAWN", "Engine", "SyncClient", "WorkerMode"]
@@ -55,7 +58,12 @@ class WorkerMode(Enum):
 SPAWN = WorkerMode.SPAWN
 ATTACH = WorkerMode.ATTACH
 
+log = logging.getLogger(__name__)
+
 _TICK_S = 0.25
+#: How long ``statistics()`` from another thread waits for the launch loop to take the
+#: snapshot (a loop blocked that long is a StateError, not a hang of the caller).
+STATS_WAIT_S = 5.0
 
 
 class Engine(Facade):
@@ -144,32 +152,35 @@ class Engine(Facade):
             cancelled = True  # and every later aclose() waiting for _closed for good)
         stopping: asyncio.Future[None] | None = None
         try:  # from here on _closed is set whatever raises: no later aclose() waits for good
-            self._core.begin_close()
-            if self._ticker is not None:
-                self._ticker.cancel()
-            if self._launcher is not None and self._loop is not None:
-                for w in self._launcher.workers:  # (the launch loop watches them, closed
-                    with contextlib.suppress(ValueError, OSError, RuntimeError):  # or not)
-                        self._loop.remove_reader(w.pidfd)
-            self._core.detach_loop()
-            self._core.close()
-            if self._launcher is not None:
-                # shielded: a cancelled aclose still stops and reaps every spawned rank
-                # (the thread escalates to SIGKILL, so this ends)
-                stopping = loop.run_in_executor(None, self._launcher.stop,
-                                                self._core.config.shutdown_grace_s)
+            try:
+                self._close_core()
+            finally:  # whatever the closing raised (a bug, a KeyboardInterrupt in it), the
+                # ranks stop: it used to leave them running, never reaped, for good
+                if self._launcher is not None:  # (the thread escalates to SIGKILL, so
+                    stopping = loop.run_in_executor(  # this ends)
+                        None, self._launcher.stop, self._core.config.shutdown_grace_s)
+            if stopping is not None:  # shielded: a cancelled aclose still reaps every rank
                 await asyncio.shield(stopping)
         finally:  # even when cancelled: no waiter is left hanging
-            try:
-                self._waits.fail_all(LoadFailure.ENGINE_CLOSED)
-            except RuntimeError:  # waiters on a launch loop closed meanwhile: nobody can
-                pass  # await those futures any more, and _closed must still be set
             if stopping is None or stopping.done():
                 self._stopped()
-            else:  # cancelled while the ranks stop: the other aclose()s return only once
-                stopping.add_done_callback(lambda _: self._stopped())  # they are reaped
+            else:  # cancelled while the ranks stop: the waiters and the other aclose()s
+                stopping.add_done_callback(lambda _: self._stopped())  # wait for the reaping
         if cancelled:  # the caller's cancel, delivered once the engine is closed
             raise asyncio.CancelledError
+
+    def _close_core(self) -> None:
+        """aclose()'s synchronous part: the runtime closes (Shutdown, channels, the
+        rendezvous), the ticker and the pidfd readers go."""
+        self._core.begin_close()
+        if self._ticker is not None:
+            self._ticker.cancel()
+        if self._launcher is not None and self._loop is not None:
+            for w in self._launcher.workers:  # (the launch loop watches them, closed
+                with contextlib.suppress(ValueError, OSError, RuntimeError):  # or not)
+                    self._loop.remove_reader(w.pidfd)
+        self._core.detach_loop()
+        self._core.close()
 
     async def _closed_on(self, owner: asyncio.AbstractEventLoop) -> bool:
         """Run :meth:`aclose` on ``owner`` (the launch loop, running in another thread)
@@ -188,9 +199,23 @@ class Engine(Facade):
                     return False
 
     def _stopped(self) -> None:
-        """The ranks are stopped (reaped): the slabs of those the stop killed before they
-        removed their own go now (a rank stuck or busy past the grace period is killed
-        without removing its slab), then every ``aclose`` returns."""
+        """The ranks are stopped (reaped): every ``wait_loaded`` waiter resolves failed
+        (ENGINE_CLOSED: recompute) -- only now, never while a rank may still copy into
+        its blocks (a cancelled ``aclose`` used to fail them at the cancel, and a rank
+        slow to stop then overwrote the recomputed blocks with its late load) -- the
+        slabs of ranks the stop killed before they removed their own go (a rank stuck or
+        busy past the grace period is killed without removing its slab), then every
+        ``aclose`` returns."""
+        try:
+            self._waits.fail_all(LoadFailure.ENGINE_CLOSED)
+        except RuntimeError:  # waiters on a launch loop closed meanwhile: nobody can
+            pass  # await those futures any more, and _closed must still be set
+        if self._core.state is not EngineState.CLOSED:  # its close was cut off half-way:
+            try:  # the rest now (the rendezvous name, channels and segments go)
+                self._core.close()
+            except Exception:  # the close must end; the cause is logged
+                log.exception("kvshm engine %r: closing after an interrupted aclose "
+                              "failed", self.name)
         self._core.remove_orphan_slabs()
         self._closed.set()
 
@@ -284,6 +309,35 @@ class Engine(Facade):
         self._publish()  # the loads the reset failed: their waiters now, not at a tick
         return True
 
+    def statistics(self) -> EngineStats:
+        """A statistics snapshot, in every state (closed included), from any thread.
+        The manager's state belongs to the launch loop: from another thread while that
+        loop runs, the snapshot is taken there and this thread waits for it (at most
+        :data:`STATS_WAIT_S`, then StateError) -- read in place, a metrics thread saw
+        the pin table change under it (RuntimeError: dictionary changed during
+        iteration)."""
+        loop = self._loop
+        if loop is None or asyncio._get_running_loop() is loop or not loop.is_running():
+            return super().statistics()
+        fut: concurrent.futures.Future[EngineStats] = concurrent.futures.Future()
+
+        def snapshot() -> None:
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(super(Engine, self).statistics())
+                except BaseException as exc:  # noqa: BLE001 - handed to the caller
+                    fut.set_exception(exc)
+        try:
+            loop.call_soon_threadsafe(snapshot)
+        except RuntimeError:  # the loop closed since: nothing runs on it any more
+            return super().statistics()
+        try:
+            return fut.result(STATS_WAIT_S)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()
+            raise StateError(f"engine {self.name!r}: its event loop took no snapshot in "
+                             f"{STATS_WAIT_S} s (blocked, or stopped meanwhile)") from None
+
     def has_pending_work(self) -> bool:
         """True while any job is planned, queued, in flight or not acked by every rank
         (no state guard: answers after ``aclose`` too)."""
@@ -330,12 +384,17 @@ class Engine(Facade):
         self._publish()
 
     def _tick(self) -> None:
+        """Hang checks, fencing, load results and deferred eviction work, every
+        ``_TICK_S``. The next tick is armed before this one's work, so that whatever
+        that work raises (a bug, or a KeyboardInterrupt the loop delivers inside the
+        callback) cannot end the ticks: without them no hung rank would ever be judged
+        and its requests' waits would never end."""
         loop = asyncio.get_running_loop()
+        if not self._ended:
+            self._ticker = loop.call_later(_TICK_S, self._tick)
         self._core.tick(loop.time())
         self._publish()
         self._core.settle()  # the eviction order's deferred simulations, between requests
-        if not self._ended:
-            self._ticker = loop.call_later(_TICK_S, self._tick)
 
 
 class _Launch:
