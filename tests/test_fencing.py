@@ -16,6 +16,7 @@ report).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import subprocess
@@ -112,11 +113,17 @@ async def test_rank_declared_dead_resumes_spawn_is_killed_before_its_blocks_go()
         await eng.aclose()
 
 
-async def test_rank_declared_dead_resumes_standalone_blocks_quarantined_until_eof() -> None:
-    """ATTACH with ``kvshm-workers``: kvshm may not signal a process it did not start, so
-    after the verdict b's 6 GPU blocks (and the 6 CPU rows) stay pinned -- quarantined --
-    and c cannot get them. SIGCONT: rank 1 reads the revocation word before starting b's
-    load, starts nothing, exits 1; its lifeline EOF fences it and the quarantine ends."""
+async def test_a_hung_kvshm_workers_rank_is_killed_at_the_verdict_and_fenced_by_its_exit(
+        ) -> None:
+    """ATTACH with ``kvshm-workers``: its rank processes run nothing but copies, and say
+    so in their Hello (``fence_by_kill``). Rank 1 is SIGSTOPped with b's load to run;
+    the verdict fails b's load, SIGKILLs rank 1 through the pidfd opened at its Hello,
+    and its exit fences it: b's blocks go back (c may take them), nothing stays
+    quarantined. Before, kvshm never signalled such a rank: it stayed unfenced for as
+    long as it was stopped, and a probe that froze it in the middle of b's copy saw b
+    -- told to recompute -- recompute into its own blocks and the resumed rank finish
+    its copy over them (5 of 6 blocks; the quarantine keeps blocks from other requests
+    only). Here b recomputes into its blocks too, and they keep b's bytes."""
     ks, gpu = shards(), BlockPool(GPU_BLOCKS)
     launch = Engine.launch(config(hang_timeout_s=HANG_S), workers=ATTACH, gpu_blocks=gpu,
                            device_caches=[[k] for k in ks])
@@ -126,10 +133,65 @@ async def test_rank_declared_dead_resumes_standalone_blocks_quarantined_until_eo
     eng = await launch
     try:
         rank1 = eng.statistics().ranks[1].pid
+        c = Client(eng, gpu)
+        toks = tokens(A_BLOCKS * BS + 1, seed=11)
+        await c.store_only("a", toks)
+        os.kill(rank1, signal.SIGSTOP)
+        hit, table_b, plan = c.load("b", toks)
+        assert hit == A_BLOCKS * BS and plan.load is not None
+        res = await asyncio.wait_for(eng.wait_loaded("b"), 10 * HANG_S)
+        assert not res.ok and res.cause is LoadFailure.RANK_DIED
+        for k in ks:  # b recomputes into its own blocks, as the result tells it to
+            k[table_b] = 0xB0
+        await _until(lambda: eng.statistics().ranks[1].fenced, "rank 1's fence by its exit")
+        st = eng.statistics()
+        assert st.counters["ranks_killed_to_fence"] == 1 and st.counters["hangs"] == 1
+        assert st.quarantined_gpu_blocks == 0 and st.quarantined_cpu_blocks == 0
+        with contextlib.suppress(ProcessLookupError):  # killed: there is nothing to resume
+            os.kill(rank1, signal.SIGCONT)
+        await asyncio.sleep(0.3)
+        for k in ks:
+            assert bool((k[table_b] == 0xB0).all()), "a late copy overwrote b's recompute"
+        c.finish("b", table_b, 0)
+        table_c, want = _fill_c(gpu, ks)
+        assert set(table_b) <= set(table_c)  # fenced: b's blocks went back to the pool
+        await asyncio.sleep(0.3)
+        for k, w in zip(ks, want):
+            assert torch.equal(k[table_c], w)
+        c.finish("c", table_c, 0)
+        assert eng.statistics().pins_held == 0
+    finally:
+        await eng.aclose()
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode != 0
+    assert "rank 1 exited with signal 9" in err, err
+
+
+async def test_rank_declared_dead_resumes_standalone_blocks_quarantined_until_eof() -> None:
+    """ATTACH with standalone ranks that did not offer to be killed (each run by a
+    caller's own ``cli_main``, not the console script): kvshm never signals such a
+    process, so after the verdict b's 6 GPU blocks (and the 6 CPU rows) stay pinned --
+    quarantined -- and c cannot get them. SIGCONT: rank 1 reads the revocation word
+    before starting b's load, starts nothing, exits 1; its lifeline EOF fences it and
+    the quarantine ends."""
+    ks, gpu = shards(), BlockPool(GPU_BLOCKS)
+    launch = Engine.launch(config(hang_timeout_s=HANG_S), workers=ATTACH, gpu_blocks=gpu,
+                           device_caches=[[k] for k in ks])
+    name = launch._args[1].name
+    code = ("import sys; from workers.loop import cli_main; "
+            "sys.exit(cli_main(sys.argv[1:]))")
+    procs = [subprocess.Popen([sys.executable, "-c", code, "--name", name, "--tp", "2",
+                               "--rank", str(r)], stderr=subprocess.PIPE, text=True)
+             for r in range(2)]
+    eng = await launch
+    try:
+        rank1 = eng.statistics().ranks[1].pid
+        assert rank1 == procs[1].pid
         c, table_b, table_c, want = await _hang_story(
             eng, gpu, ks, lambda: os.kill(rank1, signal.SIGSTOP))
         st = eng.statistics()
         assert not st.ranks[1].alive and not st.ranks[1].fenced
+        assert st.counters["ranks_killed_to_fence"] == 0
         assert st.quarantined_gpu_blocks == A_BLOCKS and st.quarantined_cpu_blocks == A_BLOCKS
         assert set(table_c).isdisjoint(table_b)
         assert [gpu.ref_cnt(b) for b in table_b] == [1] * A_BLOCKS  # the load job's pins
@@ -148,9 +210,9 @@ async def test_rank_declared_dead_resumes_standalone_blocks_quarantined_until_eo
         assert eng.statistics().pins_held == 0
     finally:
         await eng.aclose()
-        _, err = proc.communicate(timeout=20)
-    assert proc.returncode == 1
-    assert "the engine declared this rank dead" in err
+        errs = [p.communicate(timeout=20)[1] for p in procs]
+    assert procs[1].returncode == 1
+    assert "the engine declared this rank dead" in errs[1]
 
 
 @pytest.fixture

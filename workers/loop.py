@@ -156,8 +156,9 @@ def cli_main(argv: Sequence[str] | None = None, *, exit_rank_at_once: bool = Fal
         code = run_parent(args.name, world, connect_timeout=args.connect_timeout,
                           spin_us=args.spin_us, device=device)
     else:
+        # a rank's own process (the console script) offers to be killed to fence it
         code = run_rank(args.name, args.rank, world, connect_timeout=args.connect_timeout,
-                        spin_us=args.spin_us, device=device)
+                        spin_us=args.spin_us, device=device, fence_by_kill=exit_rank_at_once)
     if exit_rank_at_once:
         EarlyStop.ignore()  # the interpreter's teardown resets a handler to the default
         if args.rank is not None:
@@ -346,8 +347,10 @@ class _Stopper:
 
 
 def run_rank(name: str, rank: int, world: int, *, connect_timeout: float,
-             spin_us: float, device: DeviceKind = DeviceKind.CPU) -> int:
-    """One standalone rank until Shutdown, lifeline EOF or a stop signal; the exit code."""
+             spin_us: float, device: DeviceKind = DeviceKind.CPU,
+             fence_by_kill: bool = False) -> int:
+    """One standalone rank until Shutdown, lifeline EOF or a stop signal; the exit code.
+    ``fence_by_kill`` (a rank's own process only): offered in its Hello."""
     import torch
 
     from kvshm.errors import KvshmError
@@ -357,7 +360,8 @@ def run_rank(name: str, rank: int, world: int, *, connect_timeout: float,
     stopper = _Stopper()
     worker: Worker | None = None
     try:
-        worker = Worker.attach(name, rank, world, None, spin_us=spin_us, device=device)
+        worker = Worker.attach(name, rank, world, None, spin_us=spin_us, device=device,
+                               fence_by_kill=fence_by_kill)
         return _serve(worker, stopper, connect_timeout)
     except (KvshmError, TimeoutError) as exc:
         _line(f"{PROG}[rank {rank}]: error: {exc}")

@@ -71,6 +71,9 @@ class SessionOptions:
     device: DeviceKind | None = None
     #: The CPU copy engine copies unfenced jobs in the caller (``CpuCopyEngine``).
     inline: bool = False
+    #: Offered in Hello (``Hello.fence_by_kill``): set only by a process of its own
+    #: that runs nothing else (``kvshm-workers``' rank processes).
+    fence_by_kill: bool = False
 
 
 @dataclass
@@ -347,7 +350,7 @@ class Connector:
             client.connect_nowait()
             device = "" if self._opts.device is None else self._opts.device.value
             client.send_hello(Hello(PROTOCOL_VERSION, self.rank, self.world_size, os.getpid(),
-                                    spec, device))
+                                    spec, device, self._opts.fence_by_kill))
         except (PeerDied, WouldBlock):  # nobody listens yet, or its backlog is full
             client.close()
             self.attempts += 1

@@ -94,7 +94,8 @@ class Worker(WorkerLink):
                regions: Sequence[torch.Tensor] | None, *, kv_outer: bool | Sequence[bool] = False,
                fault: FaultInjection | None = None, spin_us: float = 50.0,
                copy_threads: int = 1, flush_timeout_s: float = FLUSH_TIMEOUT_S,
-               device: DeviceKind = DeviceKind.CPU, inline: bool = False) -> Worker:
+               device: DeviceKind = DeviceKind.CPU, inline: bool = False,
+               fence_by_kill: bool = False) -> Worker:
         """A worker for rank ``rank`` of the scheduler named ``name``; no I/O, never blocks.
 
         ``regions``: this rank's KV tensors (embedded; blocks as dim 0, or K/V as dim 0
@@ -102,6 +103,8 @@ class Worker(WorkerLink):
         must live on ``device``: shared memory for CPU, CUDA IPC for CUDA).
         ``inline``: a CPU copy engine copies unfenced jobs (loads and stores) in the
         thread that submits them (:mod:`workers.cpu_copy`); no effect on a CUDA engine.
+        ``fence_by_kill``: offer the engine to SIGKILL this process after a hang verdict
+        (``Hello.fence_by_kill``; only a process that runs nothing but this worker).
         ConfigError for a bad name, rank, world size or region.
         """
         socket_address(name)
@@ -113,7 +116,7 @@ class Worker(WorkerLink):
             raise ConfigError("spin_us must be >= 0, copy_threads >= 1, flush_timeout_s > 0")
         layout = None if regions is None else KVLayout.from_tensors(regions, kv_outer=kv_outer)
         opts = SessionOptions(spin_us, copy_threads, fault,
-                              device if regions is None else None, inline)
+                              device if regions is None else None, inline, fence_by_kill)
         return cls(name, rank, world_size, layout, opts, flush_timeout_s)
 
     # ------------------------------------------------------------------ queries

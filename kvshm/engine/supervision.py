@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import os
 import select
+import signal
 from collections.abc import Callable
 
 from kvshm.engine.snapshot import CoreCounters
@@ -60,6 +61,7 @@ class RankWatch:
         self._last_look: float | None = None
         self._last_beat = -1
         self._pidfd: int | None = None
+        self.killable = False  # offered fence_by_kill in its Hello, and a pidfd holds it
 
     def hello(self, pid: int, hello: Hello | None) -> None:
         """The rank said Hello (an embedded worker brings its layout). Its process is
@@ -72,6 +74,19 @@ class RankWatch:
                 self._pidfd = os.pidfd_open(pid)
             except OSError:  # another pid namespace, or gone already: no proof from it
                 self._pidfd = None
+        self.killable = (hello is not None and hello.fence_by_kill and pid != os.getpid()
+                         and self._pidfd is not None)
+
+    def kill(self) -> bool:
+        """SIGKILL the rank's process through its pidfd (never a reused pid); True when
+        the signal went (its exit, seen by :meth:`process_exited`, then fences it)."""
+        if self._pidfd is None:
+            return False
+        try:
+            signal.pidfd_send_signal(self._pidfd, signal.SIGKILL)
+        except OSError:  # gone already (its exit fences it), or not ours to signal
+            return False
+        return True
 
     def process_exited(self) -> bool:
         """True once the rank's process is known to have exited (its pidfd is readable)."""
@@ -179,11 +194,24 @@ class Supervisor:
             watch.died(exitcode, why)
             self._counters.ranks_failed += 1
             self._on_verdict(rank, exitcode, revoke)
-            if not fenced and self._spawned and self._kill is not None:
-                self._kill(rank)
+            if not fenced:
+                self._fence_by_kill(rank, watch)
         if fenced and not watch.fenced:
             watch.fenced = True
             self._on_fence(rank)
+
+    def _fence_by_kill(self, rank: int, watch: RankWatch) -> None:
+        """After a verdict that is no fence: SIGKILL a rank whose process may be killed
+        -- one this engine spawned, or one that offered it (``Hello.fence_by_kill``: a
+        ``kvshm-workers`` rank, whose process runs nothing but copies) -- so that its
+        fence follows in milliseconds. Before, a hung ``kvshm-workers`` rank stayed
+        unfenced, and the request whose load it held recomputed into blocks the rank
+        could still write when it woke (its own blocks: the quarantine keeps them from
+        other requests only)."""
+        if self._spawned and self._kill is not None:
+            self._kill(rank)
+        elif watch.killable and watch.kill():
+            self._counters.ranks_killed_to_fence += 1
 
     def rank_left(self, rank: int, why: str) -> None:
         """``rank``'s worker said Goodbye, then closed its lifeline: its host closed it (a

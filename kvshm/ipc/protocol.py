@@ -165,6 +165,10 @@ class Hello(_Msg, tag=1, frozen=True, array_like=True, gc=False):
     #: A standalone worker's ``--device`` ("cpu" or "cuda"); "" from an embedded worker
     #: (it brings its own ``layout``) or an older one.
     device: str = ""
+    #: The worker's process runs nothing but kvshm's copies (a ``kvshm-workers`` rank):
+    #: after a hang verdict the engine may SIGKILL it to fence it (it never signals a
+    #: process that did not offer this, nor one it did not start).
+    fence_by_kill: bool = False
 
 
 class Ready(_Msg, tag=2, frozen=True, array_like=True, gc=False):
