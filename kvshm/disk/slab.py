@@ -406,7 +406,8 @@ def scan(path: str, spec: SlabSpec) -> dict[int, bytes]:
         return {}
     try:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode) or st.st_size != spec.file_bytes:
+        if not stat.S_ISREG(st.st_mode) or st.st_size != spec.file_bytes \
+                or untrusted(st) is not None:  # (the worker's open refuses it too)
             return {}
         if not spec.matches_file_header(os.pread(fd, PAGE, 0)):
             return {}
@@ -510,8 +511,14 @@ def _open_locked(path: str, *, direct: bool) -> tuple[int, bool] | None:
         raise ConfigError(f"slab file {path!r}: cannot open ({exc.strerror}){hint}") \
             from exc
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped in since refuse_special
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):  # swapped in since refuse_special
             raise ConfigError(f"slab file {path!r} is not a regular file (remove it)")
+        why = untrusted(st)
+        if why is not None:
+            raise ConfigError(f"slab file {path!r} {why}: kvshm never uses a slab another "
+                              "user could write, nor one with a second name (remove it, "
+                              "or choose another disk_path)")
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError as exc:
@@ -523,6 +530,23 @@ def _open_locked(path: str, *, direct: bool) -> tuple[int, bool] | None:
         os.close(fd)
         raise
     os.close(fd)
+    return None
+
+
+def untrusted(st: os.stat_result) -> str | None:
+    """Why a slab file with status ``st`` may not be used (None: it may). Its bytes are
+    loaded as KV, and a checksum is no seal: a file another user owns, or may write,
+    could hold any bytes with matching checksums (a probe had another user's 0666 file
+    reused, rewritten and its forged blocks loaded as ok). A file with a second name (a
+    hard link) would have its other name's file truncated and overwritten when it is
+    re-initialised, as a symbolic link would (``refuse_special``)."""
+    me = os.geteuid()
+    if st.st_uid != me:
+        return f"is owned by uid {st.st_uid}, not by this process's {me}"
+    if st.st_mode & 0o022:
+        return f"may be written by others (mode {stat.S_IMODE(st.st_mode):o})"
+    if st.st_nlink != 1:
+        return f"has {st.st_nlink} names (a hard link)"
     return None
 
 
@@ -554,6 +578,10 @@ def remove_unheld(path: str) -> bool:
     FileNotFoundError)."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     try:
+        owner = os.fstat(fd).st_uid
+        if owner != os.geteuid():  # (root could: another user's file is theirs to remove)
+            raise PermissionError(errno.EPERM, f"owned by uid {owner}, not by this user",
+                                  path)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -25,6 +25,7 @@ from kvshm.disk import (
     SlabSpec,
     SlotOutcome,
     check_directory,
+    remove_unheld,
     scan,
     slab_path,
 )
@@ -395,6 +396,75 @@ def test_a_symlink_at_the_slab_path_is_refused_and_its_target_untouched(
     with pytest.raises(ConfigError, match="symbolic link"):
         SlabFile.open(str(dangling), spec, direct=False)
     assert dangling.is_symlink() and not (tmp_path / "nowhere").exists()
+
+
+def _slab_with_a_block(path: str, spec: SlabSpec) -> None:
+    s = SlabFile.open(path, spec, direct=False)
+    try:
+        s.write(2, [view(rand_rows((PAGE,), seed=8)[0])], H_A)
+    finally:
+        s.close()
+
+
+def test_a_slab_others_may_write_is_refused_and_never_scanned(tmp_path: Path) -> None:
+    """Attack: ``disk_path`` is shared; a slab file others may write (mode 0666: another
+    user made it and the engine's open, O_CREAT with 0600, kept its mode) was reused as
+    is. Its slot headers are plain to read and a CRC is no seal: the other user rewrote
+    every payload with its own bytes and matching checksums, and the next engine's warm
+    start loaded them as ok (a hostile probe: 16 of 16 blocks). Now neither the warm
+    scan nor the open trusts such a file: the scan indexes nothing, the open is a
+    ConfigError naming the mode, and the file made private again serves as before."""
+    path = str(tmp_path / "s.slab")
+    spec = SlabSpec(FP, 0, 1, 4, PAGE)
+    _slab_with_a_block(path, spec)
+    assert scan(path, spec) == {2: H_A}
+    for mode in (0o666, 0o620, 0o602):
+        os.chmod(path, mode)
+        assert scan(path, spec) == {}
+        with pytest.raises(ConfigError, match=f"may be written by others \\(mode {mode:o}\\)"):
+            SlabFile.open(path, spec, direct=False)
+    os.chmod(path, 0o600)
+    assert scan(path, spec) == {2: H_A}
+    SlabFile.open(path, spec, direct=False).close()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another user")
+def test_a_slab_another_user_owns_is_refused_never_scanned_and_never_swept(
+        tmp_path: Path) -> None:
+    """Attack: another user (``nobody``) created the slab file before the engine did, so
+    it stays theirs whatever mode the engine asks for: they may rewrite its blocks at
+    any time (found by a hostile probe, as root: the forged blocks loaded as ok). Now a
+    file this process's user does not own is never scanned or opened, and ``kvshm
+    sweep --remove-slabs`` does not remove it either (it is not this user's to remove)."""
+    path = str(tmp_path / "s.slab")
+    spec = SlabSpec(FP, 0, 1, 4, PAGE)
+    _slab_with_a_block(path, spec)
+    os.chown(path, 65534, 65534)
+    assert scan(path, spec) == {}
+    with pytest.raises(ConfigError, match="owned by uid 65534"):
+        SlabFile.open(path, spec, direct=False)
+    with pytest.raises(PermissionError):
+        remove_unheld(path)
+    assert os.path.exists(path)
+
+
+def test_a_hard_link_at_the_slab_path_is_refused_and_its_other_file_untouched(
+        tmp_path: Path) -> None:
+    """Attack: the symbolic-link hazard with a hard link (``fs.protected_hardlinks=0``,
+    or an operator's ``cp -al`` snapshot of the cache directory): the open did not see
+    it, re-initialised the "foreign layout" and so truncated and overwrote the file
+    behind the other name (a probe's 15,000-byte database became a slab). Now a file
+    with more than one name is refused, and the other name's bytes stay."""
+    precious = tmp_path / "precious.db"
+    precious.write_bytes(b"\x5a" * 15000)
+    precious.chmod(0o600)
+    path = tmp_path / "s.slab"
+    os.link(precious, path)
+    spec = SlabSpec(FP, 0, 1, 4, PAGE)
+    assert scan(str(path), spec) == {}
+    with pytest.raises(ConfigError, match="2 names \\(a hard link\\)"):
+        SlabFile.open(str(path), spec, direct=False)
+    assert precious.read_bytes() == b"\x5a" * 15000
 
 
 def test_a_fifo_at_the_slab_path_never_blocks_scan_or_open(tmp_path: Path) -> None:
