@@ -53,6 +53,7 @@ from kvshm.disk import MAX_HASH_BYTES, SlabFile, SlabSpec, SlotOutcome
 from kvshm.ipc.protocol import Disk, DiskOp, DiskSetup, Done, ids_array
 from workers.done_outbox import DoneOutbox
 from workers.host_pool import HostPool
+from workers.slab_opener import SlabOpener
 
 __all__ = ["FENCE_TIMEOUT_S", "RUN", "RUN_BYTES", "THREADS", "WRITE_RUN", "DiskMover",
            "read_runs"]
@@ -101,8 +102,10 @@ class _Job:
 
 
 class DiskMover:
-    """See the module docstring. Raises ConfigError (or SlabLocked) from the slab's open:
-    the caller then fails every Disk job with the reason."""
+    """See the module docstring. Raises ConfigError from the slab's open: the caller
+    then fails every Disk job with the reason. A slab whose lock another process holds
+    is opened later (:class:`~workers.slab_opener.SlabOpener`): until then each job
+    fails with that reason (``jobs_refused_slab_locked``)."""
 
     def __init__(self, rank: int, world: int, setup: DiskSetup, host: HostPool, *,
                  threads: int = THREADS) -> None:
@@ -111,13 +114,21 @@ class DiskMover:
         self.rank, self.world = rank, world
         self._host = host
         self._spec = SlabSpec(setup.fingerprint, rank, world, setup.slots, host.bytes_per_block)
-        self._slab = SlabFile.open(setup.path, self._spec, direct=setup.direct)
+        self._opener = SlabOpener(setup.path, self._spec, direct=setup.direct)
         self._keep = setup.keep
         try:
             self._start(host, threads)
         except BaseException:  # no fd or lock of a mover that never ran is kept
-            self._slab.close()
+            if self._opener.slab is not None:
+                self._opener.slab.close()
             raise
+
+    @property
+    def _slab(self) -> SlabFile:
+        """The open slab (a pool thread runs only jobs accepted once it was open)."""
+        slab = self._opener.slab
+        assert slab is not None
+        return slab
 
     def _start(self, host: HostPool, threads: int) -> None:
         """The state besides the slab, and the threads (started last)."""
@@ -145,6 +156,11 @@ class DiskMover:
     def submit(self, job: Disk) -> None:
         """Queue ``job``'s slots (never blocks or raises: a job that cannot run is a
         failed Done at once)."""
+        if not self._closed and self._opener.get() is None:
+            self._count("jobs_refused_slab_locked")
+            self._finish(Done(job.job_id, self.rank, False,
+                              f"DiskError: the slab is not open yet ({self._opener.waiting})"))
+            return
         try:
             if self._closed:
                 raise _Refused("mover closed")
@@ -248,8 +264,13 @@ class DiskMover:
         with self._lock:
             out: dict[str, Any] = dict.fromkeys(_ALWAYS, 0)
             out.update(self.counts)
-        out.update(self._slab.counts)
-        out.update(path=self._slab.path, slots=self._spec.slots, direct=self._slab.direct)
+        slab = self._opener.slab
+        if slab is None:
+            out.update(path=self._opener.path, slots=self._spec.slots,
+                       waiting=self._opener.waiting, open_retries=self._opener.retries)
+            return out
+        out.update(slab.counts)
+        out.update(path=slab.path, slots=self._spec.slots, direct=slab.direct)
         return out
 
     def cancel_queued(self, why: str) -> int:
@@ -278,7 +299,8 @@ class DiskMover:
         for t in self._threads:
             t.join()
         self.cancel_queued("mover closed")
-        self._slab.close(remove=not self._keep)
+        if self._opener.slab is not None:  # (one never opened is another process's)
+            self._opener.slab.close(remove=not self._keep)
         self._bases = []
         self._regions = []
 

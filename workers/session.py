@@ -296,8 +296,10 @@ def _make_mover(ready: Ready, host: HostPool,
 def _make_disk(ready: Ready, host: HostPool,
                world_size: int) -> tuple[DiskMover | None, str | None]:
     """The disk-tier mover if Ready names a disk tier, else (None, None). Where its slab
-    cannot be opened here (no space, O_DIRECT refused, another engine holds it) there is
-    none and the reason is returned: every Disk job then fails (failure = miss)."""
+    cannot be opened here (no space, O_DIRECT refused, a file another user could write)
+    there is none and the reason is returned: every Disk job then fails (failure =
+    miss). A slab whose lock another process still holds is opened later by the mover
+    (:mod:`workers.slab_opener`)."""
     if ready.disk is None:
         return None, None
     try:

@@ -17,8 +17,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from kvshm.disk import PAGE, SlabSpec
+from kvshm.disk import PAGE, SlabFile, SlabSpec
 from kvshm.ipc.protocol import Disk, DiskOp, DiskSetup, Done, LayoutSpec, RegionSpec, pack_ids
+from workers import slab_opener
 from workers.disk_mover import DiskMover, read_runs
 from workers.host_pool import HostPool
 
@@ -84,6 +85,38 @@ def make(movers: list[DiskMover], tmp_path: Path, p: HostPool, **kw: int) -> Dis
     m = DiskMover(0, 1, DiskSetup(str(tmp_path / "m.slab"), 8, FP, True), p, **kw)
     movers.append(m)
     return m
+
+
+def test_a_slab_still_locked_at_the_start_is_opened_once_its_holder_lets_go(
+        tmp_path: Path, movers: list[DiskMover], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Restart under the same name while the previous run's rank still holds the slab's
+    lock (a rank slow to exit; here this test holds it). The mover's one open at Ready
+    raised SlabLocked: the rank had no disk tier for the new engine's whole life -- every
+    Disk job failed, warm slots were dropped one failed READ at a time -- though the lock
+    was free seconds later (a hostile probe). Now the mover starts without its slab,
+    fails each job saying why (``jobs_refused_slab_locked``), and the first job at least
+    ``RETRY_S`` after the holder let go opens it: a WRITE and a READ back go through."""
+    monkeypatch.setattr(slab_opener, "RETRY_S", 0.05)
+    p = pool((PAGE,), seed=12)
+    path = str(tmp_path / "m.slab")
+    holder = SlabFile.open(path, SlabSpec(FP, 0, 1, 8, PAGE), direct=True)
+    m = DiskMover(0, 1, DiskSetup(path, 8, FP, True), p)
+    movers.append(m)
+    hs = hashes(2)
+    m.submit(job(1, DiskOp.WRITE, [0, 1], [3, 4], hs))
+    (done,) = wait(m)
+    assert not done.ok and "the slab is not open yet (SlabLocked" in (done.error or "")
+    st = m.statistics()
+    assert st["jobs_refused_slab_locked"] == 1 and "in use by another engine" in st["waiting"]
+    holder.close()
+    time.sleep(0.1)
+    m.submit(job(2, DiskOp.WRITE, [0, 1], [3, 4], hs))
+    assert wait(m)[0].ok
+    want = p.regions[0][[0, 1]].clone()
+    m.submit(job(3, DiskOp.READ, [8, 9], [3, 4], hs))
+    assert wait(m)[0].ok
+    assert torch.equal(p.regions[0][[8, 9]], want)
+    assert m.statistics()["writes"] == 2 and "waiting" not in m.statistics()
 
 
 def test_a_mover_whose_threads_cannot_start_releases_its_slab(
