@@ -130,11 +130,15 @@ def _sweep_slabs(directory: str, *, remove: bool) -> int:
         for row, what in remove_slabs(rows):
             print(f"{what}: {row.path}")
         return 0
+    from kvshm.slab_files import generated_pid
+
     for row in rows:
+        why = ("a generated name: no start serves it, the next engine with a disk tier "
+               "here removes it" if generated_pid(row.engine) is not None
+               else "the warm-restart cache for an engine started again under its name")
         print(f"kept {row.path} ({row.bytes / 2**30:.2f} GiB; engine {row.engine!r} not "
-              f"running)")
-    print(f"{len(rows)} slab file(s) kept: the disk tier's warm-restart cache for an engine "
-          f"started again under its name; remove them with `kvshm sweep --disk-path "
+              f"running: {why})")
+    print(f"{len(rows)} slab file(s) kept; remove them with `kvshm sweep --disk-path "
           f"{directory} --remove-slabs`")
     return 0
 

@@ -12,26 +12,11 @@ its engine) is never removed.
 
 from __future__ import annotations
 
-import os
-import re
-from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
-__all__ = ["SlabFileRow", "format_disk", "gone_slabs", "remove_slabs"]
+from kvshm.slab_files import SlabFileRow, list_slabs
 
-_SLAB_RE: Final = re.compile(r"^kvshm-(?P<engine>[A-Za-z0-9._-]+)\.rank(?P<rank>\d+)"
-                             r"-of-(?P<world>\d+)\.slab$")
-
-
-@dataclass(frozen=True)
-class SlabFileRow:
-    """One slab file: its path, engine, rank, world size and bytes on disk."""
-
-    path: str
-    engine: str
-    rank: int
-    world: int
-    bytes: int
+__all__ = ["format_disk", "gone_slabs", "remove_slabs"]
 
 
 def _mib(n: Any) -> str:
@@ -66,22 +51,10 @@ def format_disk(disk: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _slabs(directory: str) -> list[SlabFileRow]:
-    out: list[SlabFileRow] = []
-    for entry in sorted(os.scandir(directory), key=lambda e: e.name):
-        m = _SLAB_RE.match(entry.name)
-        if m is None or not entry.is_file(follow_symlinks=False):
-            continue
-        st = entry.stat(follow_symlinks=False)
-        out.append(SlabFileRow(entry.path, m["engine"], int(m["rank"]), int(m["world"]),
-                               st.st_blocks * 512))
-    return out
-
-
 def gone_slabs(directory: str, live: set[str]) -> list[SlabFileRow]:
     """The slab files in ``directory`` whose engine is not in ``live`` (the running
     engines' names), sorted by name. OSError for an unreadable directory."""
-    return [r for r in _slabs(directory) if r.engine not in live]
+    return [r for r in list_slabs(directory) if r.engine not in live]
 
 
 def remove_slabs(rows: list[SlabFileRow]) -> list[tuple[SlabFileRow, str]]:

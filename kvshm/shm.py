@@ -42,6 +42,7 @@ import posix_ipc
 
 from kvshm import shm_budget
 from kvshm.errors import ConfigError
+from kvshm.pids import pid_running
 from kvshm.shm_budget import available_shm_bytes, shm_size_text, statvfs_free
 
 if TYPE_CHECKING:  # pragma: no cover - typing only
@@ -268,15 +269,7 @@ def _keep_reason(path: str, name: str) -> str | None:
     match = _SEGMENT_RE.fullmatch(name)
     assert match is not None
     pid = int(match["pid"])
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return None
-    except PermissionError:
-        pass  # it runs, as another user
-    except OverflowError:
-        return None  # no such pid can run
-    return f"its process {pid} is running"
+    return f"its process {pid} is running" if pid_running(pid) else None
 
 
 # ----------------------------------------------------------------------------- tensors

@@ -7,7 +7,8 @@ Order (each step before the next; none of it moves a block's bytes -- the worker
    whole engine's slabs (``world x disk_bytes_per_rank``, less what this engine's slab
    files already hold): not a directory, not writable, too little space, ``O_DIRECT``
    refused -- one line (:func:`kvshm.disk.check_directory`), before anything
-   listens.
+   listens; first, the slabs of generated-name engines whose process is gone are
+   removed (:func:`remove_dead_generated`: a whole engine killed at once leaves them).
 2. Once every rank said hello (:meth:`DiskLink.setups`, from ``make_ready``, before
    any Ready is sent and so before any worker opens its slab): the layout fingerprint
    of all ranks (:func:`kvshm.remote.fingerprint.layout_fingerprint`, as the remote tier
@@ -56,7 +57,9 @@ from kvshm.offload.disk import DiskBook, max_disk_blocks
 from kvshm.offload.groups import GroupSet
 from kvshm.offload.jobs import JobTable
 from kvshm.offload.pool import BlockPool
+from kvshm.pids import pid_running
 from kvshm.remote.fingerprint import layout_fingerprint
+from kvshm.slab_files import generated_pid, list_slabs
 
 __all__ = ["DiskLink", "open_disk", "slot_count", "slot_stride"]
 
@@ -193,15 +196,46 @@ class DiskLink:
         return make
 
 
+def remove_dead_generated(directory: str) -> int:
+    """Remove the slab files in ``directory`` that no start can serve again: an engine
+    with a generated name (``e<pid>-<hex>``, never taken twice) whose process no longer
+    runs, this user's, held by no process (``remove_unheld``: under the file's own
+    lock). Such files are left when a whole engine is killed at once (``docker kill``, a
+    cgroup's OOM kill: its ranks die before they remove their own, and so does the
+    scheduler that would remove theirs at close); each crash left one per rank until
+    ``disk_path`` had no room for the next start's (a hostile probe: the third start
+    was refused). How many went; never raises (a directory it cannot list: 0)."""
+    try:
+        rows = list_slabs(directory)
+    except OSError:
+        return 0  # (check_directory says what is wrong with it)
+    removed = 0
+    for row in rows:
+        pid = generated_pid(row.engine)
+        if pid is None or pid_running(pid):
+            continue
+        try:
+            removed += remove_unheld(row.path)
+        except OSError:  # another user's, gone meanwhile, or replaced: not ours to remove
+            continue
+    return removed
+
+
 def open_disk(config: EngineConfig) -> DiskLink:
     """The engine's disk link (no tier where ``config.disk_path`` is None), after the
     directory check and a check that no rank's slab path is a link or other non-file
-    (ConfigError, one line)."""
+    (ConfigError, one line). Before the space check, the slabs of generated-name
+    engines that are gone are removed (:func:`remove_dead_generated`)."""
     if config.disk_path is None or config.disk_bytes_per_rank is None:
         return DiskLink.none()
     link = DiskLink(config)
     for r in range(config.world_size):  # a link or FIFO where a slab goes: one line now
         refuse_special(link.path(r))
+    gone = remove_dead_generated(config.disk_path)
+    if gone:
+        log.warning("kvshm disk tier: removed %d slab file(s) in %s of engines with a "
+                    "generated name whose process is gone (killed before they removed "
+                    "their own)", gone, config.disk_path)
     held = sum(_held(link.path(r)) for r in range(config.world_size))
     need = max(0, config.world_size * config.disk_bytes_per_rank - held)
     check_directory(config.disk_path, need, direct=config.disk_io is DiskIO.DIRECT)

@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 
 from kvshm.config import DiskIO, DiskMode, EngineConfig, default_name
-from kvshm.engine.disk_link import slot_count, slot_stride
+from kvshm.disk import PAGE, SlabFile, SlabSpec
+from kvshm.engine.disk_link import remove_dead_generated, slot_count, slot_stride
 from kvshm.errors import ConfigError
 from kvshm.integrations.vllm.config import check_extra_config
+from kvshm.pids import pid_running
 from kvshm.types import KVGroup
 
 
@@ -122,3 +124,36 @@ def test_slots_are_whole_slots_after_the_file_header_on_every_rank() -> None:
     assert slot_stride(128 << 10) == 132 << 10 and slot_stride(5000) == 12 << 10
     assert slot_count((1 << 20) + 4096, {0: 128 << 10}) == 7
     assert slot_count(1 << 20, {0: 5000, 1: 128 << 10}) == 7  # rank 1: 7, rank 0: 85
+
+
+def test_a_start_removes_the_slabs_of_generated_name_engines_that_are_gone(
+        tmp_path: Path) -> None:
+    """A whole engine killed at once (``docker kill``, a cgroup OOM kill) under a
+    generated name left one slab per rank: its ranks died before removing their own,
+    and so did the scheduler that removes theirs at close. No start can take such a
+    name again, yet each crash added files until ``disk_path`` had no room for the next
+    start's slabs (a hostile probe: the third start refused, the message not naming
+    them). Now every start with a disk tier first removes them -- a generated name's
+    slab whose pid is gone and which no process holds -- and keeps: a given name's (a
+    warm-restart cache), a running pid's, one held by a live process, and another
+    user's."""
+    dead = 2**22 + 12345  # above pid_max's default: no process runs with it
+    while pid_running(dead):
+        dead += 1
+    gone = f"e{dead}-0123456789abcdef"
+    alive = default_name()  # this process's pid: it runs
+    files = {name: tmp_path / f"kvshm-{name}.rank0-of-1.slab"
+             for name in (gone, alive, "given-name", f"e{dead}-notgenerated")}
+    for f in files.values():
+        f.write_bytes(b"\0" * PAGE)
+    held_path = tmp_path / f"kvshm-{gone}.rank1-of-2.slab"
+    held = SlabFile.open(str(held_path), SlabSpec("fp", 1, 2, 1, PAGE), direct=False)
+    try:
+        assert remove_dead_generated(str(tmp_path)) == 1
+        assert not files[gone].exists()
+        assert all(files[n].exists() for n in (alive, "given-name", f"e{dead}-notgenerated"))
+        assert held_path.exists()
+    finally:
+        held.close()
+    assert remove_dead_generated(str(tmp_path)) == 1 and not held_path.exists()
+    assert remove_dead_generated(str(tmp_path / "absent")) == 0
