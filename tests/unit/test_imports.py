@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 LEAVES = {"kvshm", "kvshm.errors", "kvshm.config", "kvshm.types", "kvshm.hashing",
           "kvshm.layout", "kvshm.shm", "kvshm.shm_budget", "kvshm.stats", "kvshm.ratelog",
           "kvshm.series",  # the table of Prometheus series (stdlib only)
+          "kvshm.pids", "kvshm.slab_files",  # a pid's liveness, slab names (stdlib only)
           "kvshm.worker_cli",
           "kvshm.cuda_ipc",
           # the remote tier's interface (protocols, keys, header; stdlib only): the
