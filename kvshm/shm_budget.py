@@ -3,11 +3,12 @@
 A tmpfs page is charged three ways, and running out of any of them ends badly (ENOSPC
 at best, the OOM killer or a SIGBUS at worst), so :func:`available_shm_bytes` is the
 smallest of /dev/shm's free space (``statvfs``), ``MemAvailable`` and the memory
-cgroup's headroom (v2 ``memory.max - memory.current`` or v1 ``limit - usage``; a limit
-of 2**60 or more is none), less a margin of ``min(256 MiB, limit // 8)``: a small
-/dev/shm (Docker's 64 MiB) stays usable while a large machine keeps room for everything
-else. Read on every call (nothing cached: the answer changes as segments come and go).
-Imported from here only; :func:`~kvshm.shm.create_segment` checks it first.
+cgroup's headroom (v2 ``memory.max - memory.current`` or v1 ``limit - usage``, the least
+over its cgroup and every ancestor's; a limit of 2**60 or more is none), less a margin
+of ``min(256 MiB, limit // 8)``: a small /dev/shm (Docker's 64 MiB) stays usable while a
+large machine keeps room for everything else. Read on every call (nothing cached: the
+answer changes as segments come and go). Imported from here only;
+:func:`~kvshm.shm.create_segment` checks it first.
 """
 
 from __future__ import annotations
@@ -28,6 +29,10 @@ _MARGIN_MAX: Final = 256 << 20
 _MARGIN_DIVISOR: Final = 8
 #: cgroup limits at or above this are "no limit" (cgroup v1 reports ~2**63 rounded down).
 _CGROUP_UNLIMITED: Final = 1 << 60
+#: Where this process's cgroups are named, and where the hierarchies are mounted (tests
+#: point them at a tree of their own).
+PROC_CGROUP = "/proc/self/cgroup"
+CGROUP_ROOT = "/sys/fs/cgroup"
 
 
 def statvfs_free(path: str) -> int:
@@ -54,26 +59,41 @@ def _read_int(path: str) -> int | None:
 
 
 def _cgroup_headroom() -> int | None:
-    """Bytes the memory cgroup still allows (tmpfs pages are charged to it), None if unlimited."""
+    """Bytes the memory cgroups above this process still allow (tmpfs pages are charged
+    to them): the least over its own cgroup and every ancestor that has a limit, None if
+    none has. A limit on a parent (a systemd slice, ``docker --cgroup-parent``, nested
+    cgroups in a container) binds as surely as one on the leaf: read only at the leaf,
+    it was missed and the OOM killer ended the scheduler as it reserved the CPU tier (a
+    hostile probe)."""
     try:
-        with open("/proc/self/cgroup", encoding="ascii") as f:
+        with open(PROC_CGROUP, encoding="ascii") as f:
             lines = f.read().splitlines()
     except OSError:
         return None
+    best: int | None = None
     for line in lines:
         _, controllers, path = line.split(":", 2)
         if controllers == "":
-            limit = _read_int(f"/sys/fs/cgroup{path}/memory.max")
-            usage = _read_int(f"/sys/fs/cgroup{path}/memory.current")
+            base, files = CGROUP_ROOT, ("memory.max", "memory.current")
         elif "memory" in controllers.split(","):
-            base = f"/sys/fs/cgroup/memory{path}"
-            limit = _read_int(f"{base}/memory.limit_in_bytes")
-            usage = _read_int(f"{base}/memory.usage_in_bytes")
+            base, files = f"{CGROUP_ROOT}/memory", ("memory.limit_in_bytes",
+                                                     "memory.usage_in_bytes")
         else:
             continue
-        if limit is not None and usage is not None and limit < _CGROUP_UNLIMITED:
-            return max(0, limit - usage)
-    return None
+        for d in _ancestors(path):
+            limit = _read_int(f"{base}{d}/{files[0]}")
+            usage = _read_int(f"{base}{d}/{files[1]}")
+            if limit is not None and usage is not None and limit < _CGROUP_UNLIMITED:
+                room = max(0, limit - usage)
+                best = room if best is None else min(best, room)
+    return best
+
+
+def _ancestors(path: str) -> list[str]:
+    """``/a/b`` -> ``["/a/b", "/a", ""]``: a cgroup's directory, then each parent's up to
+    the hierarchy's root (as mounted here: in a cgroup namespace, the namespace's)."""
+    parts = [p for p in path.split("/") if p]
+    return ["/" + "/".join(parts[:k]) if k else "" for k in range(len(parts), -1, -1)]
 
 
 def memory_available_bytes() -> int:

@@ -320,3 +320,35 @@ def test_shared_tensor_refuses_a_bad_spec_before_making_memory(
     with pytest.raises(ConfigError, match=match):
         shm.shared_tensor(shape, dtype)  # type: ignore[arg-type]
     assert set(os.listdir("/dev/shm")) <= before
+
+
+def _cgroup_tree(root: Path, leaf: str, limits: dict[str, tuple[str, str]]) -> None:
+    """A cgroup v2 tree under ``root``: ``limits`` maps a directory to its
+    (``memory.max``, ``memory.current``); this process is in ``leaf``."""
+    for d, (limit, usage) in limits.items():
+        (root / d.strip("/")).mkdir(parents=True, exist_ok=True)
+        (root / d.strip("/") / "memory.max").write_text(limit + "\n")
+        (root / d.strip("/") / "memory.current").write_text(usage + "\n")
+    (root / "proc_cgroup").write_text(f"0::{leaf}\n")
+
+
+def test_a_memory_limit_on_a_parent_cgroup_bounds_the_budget(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The engine runs in ``/slice/leaf``; the leaf has no limit, its parent (a systemd
+    slice, ``docker --cgroup-parent``) 1,200 MiB with 200 MiB used. Only the leaf was
+    read: the budget was the machine's (23 GiB in the probe), the CPU tier's reservation
+    charged the parent past its limit and the OOM killer ended the scheduler with no
+    line. Now every ancestor's limit counts: the headroom is the least of them."""
+    monkeypatch.setattr(shm_budget, "CGROUP_ROOT", str(tmp_path))
+    monkeypatch.setattr(shm_budget, "PROC_CGROUP", str(tmp_path / "proc_cgroup"))
+    mib = 1 << 20
+    _cgroup_tree(tmp_path, "/slice/leaf", {
+        "": ("max", str(5000 * mib)), "/slice": (str(1200 * mib), str(200 * mib)),
+        "/slice/leaf": ("max", str(150 * mib))})
+    assert shm_budget._cgroup_headroom() == 1000 * mib
+    assert shm_budget.memory_available_bytes() <= 1000 * mib
+    assert shm_budget.available_shm_bytes() <= 1000 * mib
+    _cgroup_tree(tmp_path, "/slice/leaf", {"/slice/leaf": (str(400 * mib), str(150 * mib))})
+    assert shm_budget._cgroup_headroom() == 250 * mib  # the leaf's own, now the least
+    _cgroup_tree(tmp_path, "/other", {"/other": ("max", "0")})
+    assert shm_budget._cgroup_headroom() is None  # no limit anywhere above /other
