@@ -187,17 +187,31 @@ def host_pool_plan(spec: LayoutSpec, num_cpu_blocks: int) -> tuple[tuple[int, ..
     return tuple(offsets), _align(end)
 
 
-def _fits(specs: Sequence[LayoutSpec], n: int, available_bytes: int) -> bool:
-    return sum(host_pool_plan(s, n)[1] for s in specs) <= available_bytes
+#: The scheduler's own memory per CPU block, beside the block's bytes: its record in the
+#: pool and the eviction order (137 B measured on an empty LRU pool), an index entry and
+#: its hash key once filled, a ghost entry once evicted -- rounded up. Counted in the fit
+#: of all ranks' pools: with tiny blocks (a 2-byte shard) this was the larger part, and
+#: a 1 GiB tier of them (512M blocks) ended the scheduler in the OOM killer instead of a
+#: ConfigError (a hostile probe).
+SCHEDULER_BYTES_PER_BLOCK: Final = 512
 
 
-def _max_fitting(specs: Sequence[LayoutSpec], available_bytes: int) -> int:
-    """Largest ``n`` whose host pools for all ``specs`` together fit (0 if none)."""
-    per_block = sum(s.bytes_per_block for s in specs)
+def _fits(specs: Sequence[LayoutSpec], n: int, available_bytes: int, extra: int) -> bool:
+    """``n`` blocks of every rank's host pool, plus ``extra`` bytes a block, fit."""
+    return sum(host_pool_plan(s, n)[1] for s in specs) + n * extra <= available_bytes
+
+
+def _max_fitting(specs: Sequence[LayoutSpec], available_bytes: int, *,
+                 scheduler: bool = False) -> int:
+    """Largest ``n`` whose host pools for all ``specs`` together fit (0 if none); with
+    ``scheduler``, the scheduler's bookkeeping of them too (the machine's whole budget:
+    :data:`SCHEDULER_BYTES_PER_BLOCK`; a per-rank byte budget counts the pools only)."""
+    extra = SCHEDULER_BYTES_PER_BLOCK if scheduler else 0
+    per_block = sum(s.bytes_per_block for s in specs) + extra
     lo, hi = 0, max(0, available_bytes) // per_block  # the answer is in [lo, hi]
     while lo < hi:
         mid = (lo + hi + 1) // 2
-        if _fits(specs, mid, available_bytes):
+        if _fits(specs, mid, available_bytes, extra):
             lo = mid
         else:
             hi = mid - 1
@@ -230,8 +244,9 @@ def reconcile(specs: Sequence[LayoutSpec], cpu_bytes_per_rank: int | None,
         raise ConfigError("reconcile needs the layout of at least one rank")
     for s in specs:
         _check_spec(s)
-    fitting = _max_fitting(specs, available_bytes)
-    where = f"{available_bytes} bytes available for {len(specs)} rank(s)"
+    fitting = _max_fitting(specs, available_bytes, scheduler=True)
+    where = (f"{available_bytes} bytes available for {len(specs)} rank(s) and the "
+             f"scheduler's {SCHEDULER_BYTES_PER_BLOCK} bytes a block")
     if num_cpu_blocks is not None:
         if num_cpu_blocks <= 0:
             raise ConfigError(f"num_cpu_blocks must be positive, got {num_cpu_blocks}")

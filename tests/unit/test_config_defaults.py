@@ -17,7 +17,7 @@ import pytest
 from kvshm import shm
 from kvshm.config import DEFAULT_CPU_BYTES_PER_RANK, EngineConfig
 from kvshm.ipc.protocol import LayoutSpec, RegionSpec
-from kvshm.layout import reconcile
+from kvshm.layout import SCHEDULER_BYTES_PER_BLOCK, reconcile
 
 #: One region of 1 MiB per block: the default budget holds exactly 1024 blocks.
 SPEC = LayoutSpec((RegionSpec(1 << 20, 64, "uint8"),))
@@ -47,12 +47,15 @@ def test_explicit_sizes_are_unchanged() -> None:
 
 def test_explicit_none_still_takes_what_fits() -> None:
     """The old behaviour stays available, but only when asked for."""
-    assert _blocks(EngineConfig(block_size=16, cpu_bytes_per_rank=None)) == PLENTY >> 20
+    assert _blocks(EngineConfig(block_size=16, cpu_bytes_per_rank=None)) == \
+        PLENTY // ((1 << 20) + SCHEDULER_BYTES_PER_BLOCK)
 
 
 def test_the_default_is_lowered_to_what_the_machine_allows() -> None:
     """A 64 MiB Docker /dev/shm still starts: the budget is a ceiling, not a demand."""
-    assert reconcile([SPEC], DEFAULT_CPU_BYTES_PER_RANK, None, 40 << 20) == 40
+    blocks = 40  # 1 MiB blocks, and the scheduler's bookkeeping of each
+    assert reconcile([SPEC], DEFAULT_CPU_BYTES_PER_RANK, None,
+                     blocks * ((1 << 20) + SCHEDULER_BYTES_PER_BLOCK)) == blocks
 
 
 def test_large_reservation_logs_progress(caplog: pytest.LogCaptureFixture,

@@ -8,6 +8,7 @@ import torch
 from kvshm.errors import ConfigError
 from kvshm.ipc.protocol import LayoutSpec, RegionSpec
 from kvshm.layout import HOST_ALIGN, KVLayout, host_pool_plan, max_cpu_blocks, reconcile
+from kvshm.layout import SCHEDULER_BYTES_PER_BLOCK as SCHED
 
 
 def spec(*sizes: int, blocks: int = 8) -> LayoutSpec:
@@ -113,21 +114,37 @@ def test_max_cpu_blocks_is_exact() -> None:
 def test_reconcile_takes_the_minimum_over_ranks() -> None:
     small, big = spec(4096), spec(8192)
     assert reconcile([small, big], 64 * 4096, None, 1 << 30) == 32  # big fits 32 in 256 KiB
-    # Everything that fits in the host's memory for both pools together.
-    assert reconcile([small, big], None, None, 3 * 4096 * 10) == 10
+    # Everything that fits in the host's memory for both pools together, and the
+    # scheduler's bookkeeping of each block.
+    assert reconcile([small, big], None, None, (3 * 4096 + SCHED) * 10) == 10
+    assert reconcile([small, big], None, None, (3 * 4096 + SCHED) * 10 - 1) == 9
 
 
 def test_reconcile_is_capped_by_available_memory() -> None:
-    assert reconcile([spec(4096)] * 2, 1 << 30, None, 2 * 4096 * 7) == 7
+    assert reconcile([spec(4096)] * 2, 1 << 30, None, (2 * 4096 + SCHED) * 7) == 7
 
 
 def test_reconcile_explicit_count() -> None:
     assert reconcile([spec(4096)] * 2, None, 5, 1 << 20) == 5
-    with pytest.raises(ConfigError, match=r"num_cpu_blocks=200 does not fit: at most 128"):
+    with pytest.raises(ConfigError, match=r"num_cpu_blocks=200 does not fit: at most 120"):
         reconcile([spec(4096)] * 2, None, 200, 1 << 20)
     for bad in (0, -3):
         with pytest.raises(ConfigError, match="positive"):
             reconcile([spec(4096)], None, bad, 1 << 20)
+
+
+def test_tiny_blocks_count_the_schedulers_bookkeeping() -> None:
+    """A 2-byte shard per block (a tiny model) and a 1 GiB tier: 512M blocks whose
+    shared memory fit, but whose records in the scheduler (pool, order, index: hundreds
+    of bytes each) did not -- the OOM killer ended the scheduler 20 s into its start (a
+    hostile probe). The fit counts :data:`SCHEDULER_BYTES_PER_BLOCK` per block: at most
+    what the budget holds of both, and the explicit count is refused in one line."""
+    tiny = LayoutSpec((RegionSpec(2, 64, "uint8"),))
+    budget = 8 << 30
+    n = reconcile([tiny], 1 << 30, None, budget)
+    assert budget // (SCHED + 2) - 4096 <= n <= budget // (SCHED + 2)  # (pool alignment)
+    with pytest.raises(ConfigError, match="the scheduler's 512 bytes a block"):
+        reconcile([tiny], None, 512 << 20, budget)
 
 
 def test_reconcile_errors() -> None:
