@@ -649,3 +649,43 @@ def test_a_zero_length_message_from_a_rank_is_refused_not_taken_for_its_eof(
         a.close()
         closed = recv_datagram(b, 64)
         assert closed is not None and closed.eof
+
+
+OUT_OF_FDS = textwrap.dedent("""
+    import os, resource, select, sys
+    from kvshm.ipc.fdpass import connect_nowait
+    from kvshm.ipc.rendezvous import RendezvousServer
+    server = RendezvousServer(sys.argv[1], 1, make_ready=lambda h: {}, stats=dict)
+    peer = connect_nowait(sys.argv[1])  # queued on the listener, not accepted yet
+    fill = []
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(
+        resource.RLIMIT_NOFILE)[1]))
+    try:
+        while True:
+            fill.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass  # every fd this process may have is taken
+    events = server.service()
+    print("reasons", [e.reason for e in events], flush=True)
+    print("listener readable", bool(select.select([server.fileno()], [], [], 0)[0]))
+    print("peer closed", peer.recv(16) == b"" if select.select([peer], [], [], 1)[0]
+          else False)
+    for fd in fill:
+        os.close(fd)
+    server.close()
+""")
+
+
+def test_a_scheduler_out_of_fds_refuses_the_waiting_connection_instead_of_spinning() -> None:
+    """The scheduler's RLIMIT_NOFILE is exhausted and a rank connects: ``accept`` fails
+    with EMFILE and leaves the connection queued, so the listener stays readable and the
+    loop that watches it called the service again at once -- a probe's scheduler burned
+    50-100 % of a core for its whole 60 s start timeout, the cause only in the final
+    error's "refused meanwhile" list. Now one fd held in reserve takes the connection
+    and closes it (the peer sees EOF; a worker retries later), the listener is quiet,
+    and the refusal names the fd limit."""
+    proc = _popen(["-c", OUT_OF_FDS, _name()])
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    assert "out of file descriptors (soft limit 64" in out, out
+    assert "listener readable False" in out and "peer closed True" in out, out

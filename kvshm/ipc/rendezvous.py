@@ -50,7 +50,9 @@ the sockets, the listener and the service loop. Worker side:
 
 from __future__ import annotations
 
+import errno
 import os
+import resource
 import socket
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Final
@@ -105,6 +107,7 @@ class RendezvousServer:
         self.name = name
         self.world_size = world_size
         self._listener = listen(name, backlog=max(64, 4 * world_size))
+        self._spare = SpareFd()
         self._table = ConnTable(self._listener.fileno(), world_size)
         self._counts: dict[RendezvousCount, int] = dict.fromkeys(RendezvousCount, 0)
         self._handshake = Handshake(name, world_size, self._table, self._counts,
@@ -205,8 +208,13 @@ class RendezvousServer:
                 continue
             except OSError as e:  # EMFILE/ENFILE/ENOBUFS: retried on the next service()
                 self._counts[RendezvousCount.ACCEPT_ERRORS] += 1
-                events.append(RendezvousEvent(EventKind.REFUSED,
-                                              reason=f"accept() failed: {e}", error=e,
+                why = f"accept() failed: {e}"
+                if e.errno in (errno.EMFILE, errno.ENFILE) and self._spare.refuse_one(
+                        self._listener):
+                    why += (f" -- this process is out of file descriptors (soft limit "
+                            f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}: raise it, "
+                            "e.g. `ulimit -n`); the connection was closed")
+                events.append(RendezvousEvent(EventKind.REFUSED, reason=why, error=e,
                                               counter=RendezvousCount.ACCEPT_ERRORS))
                 return
             try:
@@ -331,6 +339,7 @@ class RendezvousServer:
         self.detach()
         self._table.close_all()
         self._listener.close()
+        self._spare.close()
         self._handshake.close()
 
     def __enter__(self) -> RendezvousServer:
@@ -338,3 +347,45 @@ class RendezvousServer:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+class SpareFd:
+    """One file descriptor held in reserve (``/dev/null``) for when the process has run
+    out: ``accept`` then fails with EMFILE and leaves the connection queued, the
+    listener stays readable, and a loop that watches it calls the service again at once
+    -- a probe's scheduler burned a core for its whole 60 s start timeout that way.
+    :meth:`refuse_one` frees the spare, accepts the waiting connection and closes it (the
+    peer sees EOF; a worker retries its connect later), and takes the spare again."""
+
+    def __init__(self) -> None:
+        self._fd: int | None = None
+        self._take()
+
+    def _take(self) -> None:
+        try:
+            self._fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:  # out of fds already: the next refuse_one takes none either
+            self._fd = None
+
+    def refuse_one(self, listener: socket.socket) -> bool:
+        """Accept and close the first queued connection with the spare's slot; True if
+        one was. Never raises."""
+        if self._fd is None:
+            self._take()
+            return False
+        os.close(self._fd)
+        self._fd = None
+        try:
+            sock, _ = listener.accept()
+        except OSError:
+            self._take()
+            return False
+        sock.close()  # first: its slot is the spare's again
+        self._take()
+        return True
+
+    def close(self) -> None:
+        """Release the spare (idempotent)."""
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
