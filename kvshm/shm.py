@@ -144,16 +144,37 @@ def create_segment(size: int, *, purpose: str) -> Segment:
             f"but only {available} bytes ({available / 2**20:.1f} MiB) may be used "
             f"({shm_size_text()}; MemAvailable and a safety margin also count)")
     name = _segment_name(purpose)
-    shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
+    try:
+        shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
+    except OSError as e:  # out of fds, /dev/shm out of inodes or read-only
+        raise _segment_error("create", size, purpose, e) from e
     fd: int = shm.fd
     _unlink_quietly(name)
     try:
         _reserve(fd, size, purpose)
-        buf = _Map(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        try:
+            buf = _Map(fd, size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as e:  # an address-space limit (RLIMIT_AS) below the segment
+            raise _segment_error("map", size, purpose, e) from e
     except BaseException:
         os.close(fd)
         raise
     return Segment(fd, size, buf, name)
+
+
+def _segment_error(what: str, size: int, purpose: str, e: OSError) -> ConfigError:
+    """A segment that cannot be created or mapped, as one line that says which and why
+    (a bare OSError reached ``Engine.launch`` callers: "[Errno 28] No space left on
+    device" while df showed room -- /dev/shm out of inodes)."""
+    hint = {errno.EMFILE: "this process is out of file descriptors (raise `ulimit -n`)",
+            errno.ENFILE: "the system is out of file descriptors",
+            errno.ENOSPC: f"{shm_budget.SHM_DIR} is full or out of inodes",
+            errno.EROFS: f"{shm_budget.SHM_DIR} is mounted read-only",
+            errno.ENOMEM: "the address space is too small (RLIMIT_AS, `ulimit -v`)",
+            }.get(e.errno or 0, "")
+    return ConfigError(f"cannot {what} a shared-memory segment of {size} bytes "
+                       f"({size / 2**20:.1f} MiB) for {purpose}: {e.strerror or e}"
+                       + (f": {hint}" if hint else ""))
 
 
 def _reserve(fd: int, size: int, purpose: str) -> None:

@@ -12,6 +12,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import posix_ipc
 import pytest
 import torch
 
@@ -352,3 +353,31 @@ def test_a_memory_limit_on_a_parent_cgroup_bounds_the_budget(
     assert shm_budget._cgroup_headroom() == 250 * mib  # the leaf's own, now the least
     _cgroup_tree(tmp_path, "/other", {"/other": ("max", "0")})
     assert shm_budget._cgroup_headroom() is None  # no limit anywhere above /other
+
+
+@pytest.mark.parametrize("where,err,hint", [
+    ("create", errno.ENOSPC, "full or out of inodes"),
+    ("create", errno.EROFS, "mounted read-only"),
+    ("create", errno.EMFILE, "out of file descriptors"),
+    ("map", errno.ENOMEM, "RLIMIT_AS"),
+])
+def test_a_segment_that_cannot_be_created_or_mapped_is_one_config_error(
+        monkeypatch: pytest.MonkeyPatch, where: str, err: int, hint: str) -> None:
+    """/dev/shm out of inodes (df shows room), mounted read-only, the process out of
+    fds, or an address-space limit below the segment: ``Engine.launch`` raised a bare
+    OSError ("[Errno 28] No space left on device") that said neither what failed nor
+    why (a hostile probe). Now one ConfigError names the step, the size, the purpose
+    and the likely cause; nothing is left in /dev/shm."""
+    before = _kvshm_entries()
+
+    def fail(*_: object, **__: object) -> None:
+        raise OSError(err, os.strerror(err))
+
+    if where == "create":
+        monkeypatch.setattr(posix_ipc, "SharedMemory", fail)
+    else:
+        monkeypatch.setattr(shm, "_Map", fail)
+    with pytest.raises(ConfigError, match=f"cannot {where} a shared-memory segment of 4096 "
+                       f"bytes .* for probe: .*{hint}"):
+        shm.create_segment(4096, purpose="probe")
+    assert _kvshm_entries() == before

@@ -88,10 +88,12 @@ class RankResources:
         try:
             for fd in originals:
                 sent.append(os.dup(fd))
-        except OSError:
+        except OSError as e:
             for fd in sent:
                 os.close(fd)
-            raise
+            raise ConfigError(f"cannot pass a rank its {len(originals)} fds: "
+                              f"{e.strerror or e} (this process is out of file "
+                              "descriptors? raise `ulimit -n`)") from e
         self._sent = sent
         return list(sent)
 
