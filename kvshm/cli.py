@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from kvshm.cli_janitor import add_janitor
 from kvshm.demo.args import add_arguments
+from kvshm.errors import ConfigError
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
@@ -26,6 +27,9 @@ def _cmd_demo(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:  # Ctrl-C: the event loop cancelled the demo, which closed
         print("kvshm demo: interrupted", file=sys.stderr)  # what it had started
         return 128 + signal.SIGINT
+    except ConfigError as exc:  # the machine cannot run it (a small /dev/shm, ...): one
+        print(f"kvshm demo: {exc}", file=sys.stderr)  # line, exit 2 -- exit 1 says the
+        return 2  # restored bytes were not exact
 
 
 def _exit_on_sigterm(signum: int, frame: object) -> None:

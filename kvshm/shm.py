@@ -33,6 +33,7 @@ import mmap
 import os
 import re
 import secrets
+import stat
 import time
 import weakref
 from collections.abc import Sequence
@@ -283,10 +284,14 @@ def sweep(remove: bool = True) -> list[Leftover]:
 
 
 def _keep_reason(path: str, name: str) -> str | None:
-    """Why the segment file ``name`` must stay, or None (its creator is gone)."""
-    owner = os.stat(path).st_uid
-    if owner != os.geteuid():
-        return f"owned by uid {owner}"
+    """Why the segment file ``name`` must stay, or None (its creator is gone). Read
+    without following a link: a link another user put there is theirs, whatever it
+    points at (root's sweep removed one that pointed at a root-owned file)."""
+    st = os.lstat(path)
+    if st.st_uid != os.geteuid():
+        return f"owned by uid {st.st_uid}"
+    if not stat.S_ISREG(st.st_mode):
+        return "not a regular file"
     match = _SEGMENT_RE.fullmatch(name)
     assert match is not None
     pid = int(match["pid"])

@@ -281,6 +281,29 @@ def test_sweep_keeps_a_slab_a_live_segment_and_reports_what_it_cannot_remove(
         assert (tmp_path / theirs).exists()
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to make another user's link")
+def test_sweep_keeps_another_users_link_whatever_it_points_at(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Another user (``nobody``) puts a symbolic link named like a gone kvshm segment in
+    /dev/shm, pointing at a root-owned file. The sweep read the owner through the link
+    (root's), took the name for its own leftover and root's ``kvshm sweep`` removed
+    nobody's link (a hostile probe). Now it reads the entry itself: another user's, and
+    a link is not a segment -- kept, the target untouched."""
+    monkeypatch.setattr(shm_budget, "SHM_DIR", str(tmp_path))
+    target = tmp_path / "root-owned"
+    target.write_bytes(b"r")
+    theirs = f"kvshm-tensor-{_gone_pid()}-0123456789abcdef"
+    (tmp_path / theirs).symlink_to(target)
+    os.lchown(tmp_path / theirs, 65534, 65534)
+    mine = f"kvshm-tensor-{_gone_pid()}-fedcba9876543210"
+    (tmp_path / mine).symlink_to(target)  # root's own link: not a segment either
+    got = {x.name: x for x in shm.sweep()}
+    assert got[theirs] == shm.Leftover(theirs, False, "owned by uid 65534")
+    assert got[mine] == shm.Leftover(mine, False, "not a regular file")
+    assert (tmp_path / theirs).is_symlink() and (tmp_path / mine).is_symlink()
+    assert target.read_bytes() == b"r"
+
+
 def test_sigkilled_creator_leaves_nothing_in_dev_shm() -> None:
     code = """
         import sys, time, torch

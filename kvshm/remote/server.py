@@ -54,7 +54,27 @@ def check_memory(value: str) -> str:
     if not isinstance(value, str) or _MEMORY.fullmatch(value) is None:
         raise ConfigError(f"maxmemory {value!r} is not a memory value (e.g. 512mb, 4gb, "
                           f"or a byte count)")
+    n = memory_bytes(value)
+    if n == 0:  # the server reads 0 as "no limit": a cache that grows until the OOM killer
+        raise ConfigError("maxmemory 0 means no limit to the server: give a size (e.g. "
+                          "512mb)")
+    if n > MAX_MEMORY:
+        raise ConfigError(f"maxmemory {value!r} is more than the server takes "
+                          f"({MAX_MEMORY} bytes)")
     return value
+
+
+#: The largest maxmemory the server reads (a signed 64-bit byte count).
+MAX_MEMORY: Final = (1 << 63) - 1
+_UNIT: Final = {"": 1, "b": 1, "k": 1000, "kb": 1024, "m": 1000**2, "mb": 1024**2,
+                "g": 1000**3, "gb": 1024**3}
+
+
+def memory_bytes(value: str) -> int:
+    """The bytes of a memory value :data:`_MEMORY` matched, as the server counts them
+    (``k``/``m``/``g`` powers of 1000, ``kb``/``mb``/``gb`` of 1024)."""
+    digits = value.rstrip("kmgbKMGB")
+    return int(digits) * _UNIT[value[len(digits):].lower()]
 
 
 def valkey_binary() -> Path:

@@ -14,6 +14,7 @@ import pytest
 from kvshm.cli import main
 from kvshm.cli_disk import format_disk, gone_slabs, remove_slabs
 from kvshm.disk import PAGE, SlabFile, SlabSpec
+from kvshm.errors import ConfigError
 
 
 def _slab(d: Path, engine: str, rank: int = 0, world: int = 1) -> Path:
@@ -93,3 +94,22 @@ def test_the_disk_section_as_text() -> None:
     assert text.splitlines()[0] == "disk tier: /d (direct I/O, 1024.0 MiB per rank)"
     assert "4 used / 9" in text and "3 hits / 5 lookups, 6 blocks (6.0 MiB)" in text
     assert "7 on disk, 2 written down at eviction, 1 lost" in text
+
+
+def test_a_demo_the_machine_cannot_run_is_one_line_and_exit_2(
+        monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvshm demo`` on a machine whose /dev/shm is too small (8-20 MiB): the
+    ConfigError escaped as a 40-line traceback and exit 1, which the docs define as
+    "the restored bytes and logits were not exact" (a hostile probe). Now it is one
+    line on stderr and exit 2, as for any other start the machine refuses."""
+    from kvshm.demo import driver
+
+    def refused(**_: object) -> int:
+        raise ConfigError("shared-memory segment for kv-shard-0 needs 5242880 bytes but "
+                          "only 1048576 bytes may be used")
+
+    monkeypatch.setattr(driver, "run_demo", refused)
+    assert main(["demo", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("kvshm demo: shared-memory segment for kv-shard-0 needs")
+    assert err.count("\n") == 1 and "Traceback" not in err
