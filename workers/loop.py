@@ -57,7 +57,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Final
 
 from kvshm.config import MAX_WORLD_SIZE, check_name
-from kvshm.errors import ConfigError, EngineNotRunning
+from kvshm.errors import ConfigError, EngineNotRunning, PeerDied
 from kvshm.ipc.fdpass import socket_address
 from kvshm.types import DeviceKind
 from kvshm.worker_cli import ENGINE_PID_ENV, Flag, add_arguments, rank_argv
@@ -465,8 +465,8 @@ def _await_ready(worker: Worker, stopper: _Stopper, timeout: float) -> bool:
     engine_pid = _spawning_engine()
     while True:
         if engine_pid is not None and os.getppid() != engine_pid:
-            raise EngineNotRunning(f"the engine process {engine_pid} that spawned this "
-                                   f"rank exited before it was ready")
+            raise PeerDied(f"the engine process {engine_pid} that spawned this rank "
+                           "exited before it was ready")
         was_new = worker.phase is Phase.NEW
         worker.service()
         if was_new and worker.phase is not Phase.NEW and worker.lifeline_fd() is not None:
