@@ -57,7 +57,7 @@ from types import FrameType
 from typing import TYPE_CHECKING, Final
 
 from kvshm.config import MAX_WORLD_SIZE, check_name
-from kvshm.errors import ConfigError, EngineNotRunning, PeerDied
+from kvshm.errors import ConfigError, PeerDied
 from kvshm.ipc.fdpass import socket_address
 from kvshm.types import DeviceKind
 from kvshm.worker_cli import ENGINE_PID_ENV, Flag, add_arguments, rank_argv
