@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from kvshm.engine.provision import provision
+from kvshm.errors import ConfigError
 from kvshm.ipc.protocol import PROTOCOL_VERSION, Hello
 from kvshm.layout import KVLayout
 
@@ -18,8 +19,9 @@ def _open_fds() -> set[str]:
 
 def test_a_dup_that_fails_part_way_leaves_no_fd_behind(monkeypatch: pytest.MonkeyPatch) -> None:
     """Out of fds (EMFILE) at the third of a Ready's four duplicates: the two made
-    before it are closed again and the error is raised; a later try, with fds to spare,
-    duplicates all four (they were leaked before, one set per failed try)."""
+    before it are closed again and a ConfigError naming the fd limit is raised; a later
+    try, with fds to spare, duplicates all four (they were leaked before, one set per
+    failed try)."""
     layout = KVLayout.from_tensors([torch.zeros((8, 256), dtype=torch.uint8)])
     hello = Hello(PROTOCOL_VERSION, 0, 1, os.getpid(), layout.to_spec())
     prov = provision({0: hello}, world_size=1, device_caches=None, num_cpu_blocks=8,
@@ -36,7 +38,8 @@ def test_a_dup_that_fails_part_way_leaves_no_fd_behind(monkeypatch: pytest.Monke
 
         before = _open_fds()
         monkeypatch.setattr(os, "dup", dup)
-        with pytest.raises(OSError, match="Too many open files"):
+        with pytest.raises(ConfigError, match="cannot pass a rank its 4 fds: Too many open "
+                           "files .*raise `ulimit -n`"):  # (a bare OSError before)
             res.ready_fds()
         monkeypatch.undo()
         assert _open_fds() == before
