@@ -147,8 +147,8 @@ def create_segment(size: int, *, purpose: str) -> Segment:
     name = _segment_name(purpose)
     try:
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
-    except OSError as e:  # out of fds, /dev/shm out of inodes or read-only
-        raise _segment_error("create", size, purpose, e) from e
+    except (OSError, posix_ipc.Error) as e:  # out of fds, /dev/shm out of inodes or
+        raise _segment_error("create", size, purpose, e) from e  # read-only, EACCES
     fd: int = shm.fd
     _unlink_quietly(name)
     try:
@@ -163,18 +163,25 @@ def create_segment(size: int, *, purpose: str) -> Segment:
     return Segment(fd, size, buf, name)
 
 
-def _segment_error(what: str, size: int, purpose: str, e: OSError) -> ConfigError:
+def _segment_error(what: str, size: int, purpose: str,
+                   e: OSError | posix_ipc.Error) -> ConfigError:
     """A segment that cannot be created or mapped, as one line that says which and why
     (a bare OSError reached ``Engine.launch`` callers: "[Errno 28] No space left on
-    device" while df showed room -- /dev/shm out of inodes)."""
+    device" while df showed room -- /dev/shm out of inodes). posix_ipc raises some
+    errors with no errno (EMFILE: "This process already has the maximum number of
+    files open") or as its own classes (EACCES): the text says those."""
+    code = getattr(e, "errno", None)
+    text = (getattr(e, "strerror", None) if code is not None else None) or str(e)
+    if code is None and "maximum number of files" in text:
+        code = errno.EMFILE
     hint = {errno.EMFILE: "this process is out of file descriptors (raise `ulimit -n`)",
             errno.ENFILE: "the system is out of file descriptors",
             errno.ENOSPC: f"{shm_budget.SHM_DIR} is full or out of inodes",
             errno.EROFS: f"{shm_budget.SHM_DIR} is mounted read-only",
             errno.ENOMEM: "the address space is too small (RLIMIT_AS, `ulimit -v`)",
-            }.get(e.errno or 0, "")
+            }.get(code or 0, "")
     return ConfigError(f"cannot {what} a shared-memory segment of {size} bytes "
-                       f"({size / 2**20:.1f} MiB) for {purpose}: {e.strerror or e}"
+                       f"({size / 2**20:.1f} MiB) for {purpose}: {text}"
                        + (f": {hint}" if hint else ""))
 
 

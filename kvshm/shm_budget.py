@@ -42,10 +42,14 @@ def statvfs_free(path: str) -> int:
 
 
 def _meminfo_available() -> int:
-    with open("/proc/meminfo", encoding="ascii") as f:
-        for line in f:
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError as e:  # (out of fds, most likely: the start then fails in one line)
+        raise ConfigError(f"cannot read /proc/meminfo to size shared memory: "
+                          f"{e.strerror or e}") from e
     raise ConfigError("/proc/meminfo has no MemAvailable line; cannot size shared memory")
 
 

@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from kvshm.errors import ConfigError
 from kvshm.types import DeviceKind
 from kvshm.worker_cli import ENGINE_PID_ENV, rank_argv
 
@@ -75,8 +76,12 @@ class Launcher:
                 proc = subprocess.Popen(
                     worker_command(self._name, rank, self._world_size, self._devices[rank]),
                     env=env, stdin=subprocess.DEVNULL, close_fds=True)
-            except BaseException:
+            except BaseException as exc:
                 self.stop(0.0)  # the ranks already started: nothing may outlive us
+                if isinstance(exc, OSError):  # out of fds or processes: say so, typed
+                    raise ConfigError(f"cannot start worker rank {rank}: "
+                                      f"{exc.strerror or exc} (out of file descriptors or "
+                                      "processes? see `ulimit -n` / `ulimit -u`)") from exc
                 raise
             try:
                 pidfd = os.pidfd_open(proc.pid)

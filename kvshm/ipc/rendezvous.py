@@ -198,8 +198,13 @@ class RendezvousServer:
 
     def _accept_all(self, events: list[RendezvousEvent]) -> None:
         """Accept at most :data:`ACCEPTS_PER_SERVICE` connections; each is admitted or
-        refused, and an admitted one's queued messages read."""
+        refused, and an admitted one's queued messages read. Out of fds, one connection
+        is accepted into the spare's slot (:class:`SpareFd`), taken again here later."""
+        self._spare.restore()
+        spared = False
         for _ in range(ACCEPTS_PER_SERVICE):
+            if spared:  # (out of fds, accept fails even with nothing queued: next time)
+                return
             try:
                 sock, _ = self._listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -207,16 +212,12 @@ class RendezvousServer:
             except ConnectionAbortedError:
                 continue
             except OSError as e:  # EMFILE/ENFILE/ENOBUFS: retried on the next service()
-                self._counts[RendezvousCount.ACCEPT_ERRORS] += 1
-                why = f"accept() failed: {e}"
-                if e.errno in (errno.EMFILE, errno.ENFILE) and self._spare.refuse_one(
-                        self._listener):
-                    why += (f" -- this process is out of file descriptors (soft limit "
-                            f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}: raise it, "
-                            "e.g. `ulimit -n`); the connection was closed")
-                events.append(RendezvousEvent(EventKind.REFUSED, reason=why, error=e,
-                                              counter=RendezvousCount.ACCEPT_ERRORS))
-                return
+                got = (self._spare.accept(self._listener)
+                       if e.errno in (errno.EMFILE, errno.ENFILE) else None)
+                if got is None:
+                    self._refuse_accept(e, events)
+                    return
+                sock, spared = got, True
             try:
                 conn = self._admit(sock, events)
             except BaseException:
@@ -225,6 +226,17 @@ class RendezvousServer:
                 raise
             if conn is not None:
                 self._read_guarded(conn, events)  # its Hello is usually already queued
+
+    def _refuse_accept(self, e: OSError, events: list[RendezvousEvent]) -> None:
+        """An ``accept`` that failed, counted and reported (out of fds: how to fix it)."""
+        self._counts[RendezvousCount.ACCEPT_ERRORS] += 1
+        why = f"accept() failed: {e}"
+        if e.errno in (errno.EMFILE, errno.ENFILE):
+            why += (f" -- this process is out of file descriptors (soft limit "
+                    f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}: raise it, e.g. "
+                    "`ulimit -n`)")
+        events.append(RendezvousEvent(EventKind.REFUSED, reason=why, error=e,
+                                      counter=RendezvousCount.ACCEPT_ERRORS))
 
     def _admit(self, sock: socket.socket, events: list[RendezvousEvent]) -> Conn | None:
         """Register a freshly accepted connection (evicting the oldest pending one when
@@ -351,38 +363,40 @@ class RendezvousServer:
 
 class SpareFd:
     """One file descriptor held in reserve (``/dev/null``) for when the process has run
-    out: ``accept`` then fails with EMFILE and leaves the connection queued, the
+    out. ``accept`` then fails with EMFILE and leaves the connection queued, the
     listener stays readable, and a loop that watches it calls the service again at once
     -- a probe's scheduler burned a core for its whole 60 s start timeout that way.
-    :meth:`refuse_one` frees the spare, accepts the waiting connection and closes it (the
-    peer sees EOF; a worker retries its connect later), and takes the spare again."""
+    :meth:`accept` gives the spare's slot to the waiting connection, which is admitted
+    as any other (a rank's Hello goes on; if the process is still out of fds when its
+    Ready's fds are duplicated, the start fails at once, naming the fd limit);
+    :meth:`restore` takes a spare again once an fd is free. Only with no spare and no
+    free fd does a queued connection wait (each service reports the refusal)."""
 
     def __init__(self) -> None:
         self._fd: int | None = None
-        self._take()
+        self.restore()
 
-    def _take(self) -> None:
-        try:
-            self._fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
-        except OSError:  # out of fds already: the next refuse_one takes none either
-            self._fd = None
-
-    def refuse_one(self, listener: socket.socket) -> bool:
-        """Accept and close the first queued connection with the spare's slot; True if
-        one was. Never raises."""
+    def restore(self) -> None:
+        """Take a spare if none is held (never raises: out of fds, none is taken)."""
         if self._fd is None:
-            self._take()
-            return False
+            try:
+                self._fd = os.open(os.devnull, os.O_RDONLY | os.O_CLOEXEC)
+            except OSError:
+                self._fd = None
+
+    def accept(self, listener: socket.socket) -> socket.socket | None:
+        """The first queued connection, accepted into the spare's slot (None: no spare,
+        or the accept failed anyway; the spare is then taken back). Never raises."""
+        if self._fd is None:
+            return None
         os.close(self._fd)
         self._fd = None
         try:
             sock, _ = listener.accept()
         except OSError:
-            self._take()
-            return False
-        sock.close()  # first: its slot is the spare's again
-        self._take()
-        return True
+            self.restore()
+            return None
+        return sock
 
     def close(self) -> None:
         """Release the spare (idempotent)."""
