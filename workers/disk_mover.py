@@ -105,7 +105,7 @@ class DiskMover:
     """See the module docstring. Raises ConfigError from the slab's open: the caller
     then fails every Disk job with the reason. A slab whose lock another process holds
     is opened later (:class:`~workers.slab_opener.SlabOpener`): until then each job
-    fails with that reason (``jobs_refused_slab_locked``)."""
+    fails with the reason (``jobs_refused_no_slab``)."""
 
     def __init__(self, rank: int, world: int, setup: DiskSetup, host: HostPool, *,
                  threads: int = THREADS) -> None:
@@ -119,6 +119,7 @@ class DiskMover:
         try:
             self._start(host, threads)
         except BaseException:  # no fd or lock of a mover that never ran is kept
+            self._opener.close()
             if self._opener.slab is not None:
                 self._opener.slab.close()
             raise
@@ -156,8 +157,8 @@ class DiskMover:
     def submit(self, job: Disk) -> None:
         """Queue ``job``'s slots (never blocks or raises: a job that cannot run is a
         failed Done at once)."""
-        if not self._closed and self._opener.get() is None:
-            self._count("jobs_refused_slab_locked")
+        if not self._closed and self._opener.slab is None:
+            self._count("jobs_refused_no_slab")
             self._finish(Done(job.job_id, self.rank, False,
                               f"DiskError: the slab is not open yet ({self._opener.waiting})"))
             return
@@ -264,10 +265,11 @@ class DiskMover:
         with self._lock:
             out: dict[str, Any] = dict.fromkeys(_ALWAYS, 0)
             out.update(self.counts)
-        slab = self._opener.slab
+        opener = self._opener
+        out["open_retries"] = opener.retries
+        slab = opener.slab
         if slab is None:
-            out.update(path=self._opener.path, slots=self._spec.slots,
-                       waiting=self._opener.waiting, open_retries=self._opener.retries)
+            out.update(path=opener.path, slots=self._spec.slots, waiting=opener.waiting)
             return out
         out.update(slab.counts)
         out.update(path=slab.path, slots=self._spec.slots, direct=slab.direct)
@@ -299,6 +301,7 @@ class DiskMover:
         for t in self._threads:
             t.join()
         self.cancel_queued("mover closed")
+        self._opener.close()  # its retries end first: then the slab no longer changes
         if self._opener.slab is not None:  # (one never opened is another process's)
             self._opener.slab.close(remove=not self._keep)
         self._bases = []

@@ -6,30 +6,33 @@ a loaded host). One attempt at Ready left the rank without its disk tier for the
 engine's whole life -- every Disk job failed, the warm slots were dropped as suspect one
 failed READ at a time -- although the lock was free seconds later (a hostile probe).
 
-:class:`SlabOpener` tries the open when the disk mover is made; on
-:class:`~kvshm.disk.SlabLocked` it logs one line and tries again whenever :meth:`get` is
-called at least :data:`RETRY_S` after the last try (the mover asks at each Disk job: a
-non-blocking open and ``flock``, never a wait on the rank's loop), until one takes the
-lock. Only a held lock is retried: another refusal (no space, O_DIRECT refused, a file
-another user could write) does not pass by itself and is raised at once, as before.
-Until the open, :meth:`get` is None and the mover fails each job with :attr:`waiting`.
+:class:`SlabOpener` tries the open when the disk mover is made. On
+:class:`~kvshm.disk.SlabLocked` it logs one line and starts a thread of its own that
+tries again every :data:`RETRY_S` until one try takes the lock (one line then), or
+fails otherwise (that reason stays: no more tries), or :meth:`close`. The tries run off
+the rank's loop: a re-initialised file (another layout) is truncated and preallocated
+whole, which may take seconds that a rank's loop must not stall for. Only a held lock
+is waited for: any other refusal at the first try (no space, O_DIRECT refused, a file
+another user could write) is raised at once, as before.
 
-Threads: :meth:`get` runs on the thread that submits jobs; the slab, once set, is never
-unset (the mover's pool threads use it only for jobs accepted after it was).
+Threads: :attr:`slab` is set once, by the retry thread (or the constructor), and never
+unset; the mover reads it at each job (a job accepted once it is set is run by the
+pool threads on it). :meth:`close` stops the thread and joins it (a slab it opens
+after the close is closed by the thread itself, never handed over); the caller then
+closes :attr:`slab` if set.
 """
 
 from __future__ import annotations
 
 import logging
-import time
-from collections.abc import Callable
+import threading
 from typing import Final
 
 from kvshm.disk import SlabFile, SlabLocked, SlabSpec
 
 __all__ = ["RETRY_S", "SlabOpener"]
 
-#: Least seconds between two tries of a slab whose lock another process holds.
+#: Seconds between two tries of a slab whose lock another process holds.
 RETRY_S: Final = 1.0
 
 log = logging.getLogger(__name__)
@@ -40,43 +43,56 @@ class SlabOpener:
     SlabLocked (ConfigError: the caller fails every Disk job with the reason)."""
 
     def __init__(self, path: str, spec: SlabSpec, *, direct: bool,
-                 retry_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 retry_s: float | None = None) -> None:
         self.path, self._spec, self._direct = path, spec, direct
         self._retry_s = RETRY_S if retry_s is None else retry_s  # (read at the call: tests)
-        self._clock = clock
         self.slab: SlabFile | None = None
-        #: Why the slab is not open yet (None once it is).
+        #: Why the slab is not open (None once it is).
         self.waiting: str | None = None
-        #: Tries after the first (each ``get`` past the interval while the lock is held).
+        #: Tries after the first.
         self.retries = 0
-        self._next = 0.0
+        self._lock = threading.Lock()
+        self._closed = False
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
         try:
             self.slab = SlabFile.open(path, spec, direct=direct)
         except SlabLocked as exc:
-            self._locked(exc)
+            self.waiting = f"{type(exc).__name__}: {exc}"
             log.warning("kvshm disk tier, rank %d: %s; this rank's disk jobs fail until "
                         "it is free (tried again every %g s)", spec.rank, exc, self._retry_s)
+            self._thread = threading.Thread(target=self._retry, daemon=True,
+                                            name=f"kvshm-slab-r{spec.rank}")
+            self._thread.start()
 
-    def get(self) -> SlabFile | None:
-        """The open slab; None while another process holds its lock (tried again here at
-        most every ``retry_s``; a try never raises: what went wrong is :attr:`waiting`)."""
-        if self.slab is not None or self._clock() < self._next:
-            return self.slab
-        self.retries += 1
-        try:
-            self.slab = SlabFile.open(self.path, self._spec, direct=self._direct)
-        except SlabLocked as exc:
-            self._locked(exc)
-            return None
-        except Exception as exc:  # noqa: BLE001 - (space, a swapped file): try again later
-            self._locked(exc)
-            return None
-        self.waiting = None
-        log.warning("kvshm disk tier, rank %d: slab %s opened after %d more tries",
-                    self._spec.rank, self.path, self.retries)
-        return self.slab
+    def _retry(self) -> None:
+        """The retry thread: a try every ``retry_s`` until one opens, one fails for
+        another reason, or :meth:`close`."""
+        while not self._stop.wait(self._retry_s):
+            self.retries += 1
+            try:
+                slab = SlabFile.open(self.path, self._spec, direct=self._direct)
+            except SlabLocked as exc:
+                self.waiting = f"{type(exc).__name__}: {exc}"
+                continue
+            except Exception as exc:  # noqa: BLE001 - kept as the reason; no more tries
+                self.waiting = f"{type(exc).__name__}: {exc}"
+                log.warning("kvshm disk tier, rank %d: slab %s: %s; this rank's disk jobs "
+                            "fail", self._spec.rank, self.path, self.waiting)
+                return
+            with self._lock:
+                if self._closed:  # the mover closed meanwhile: nobody will use it
+                    slab.close()
+                    return
+                self.slab, self.waiting = slab, None
+            log.warning("kvshm disk tier, rank %d: slab %s opened after %d more tries",
+                        self._spec.rank, self.path, self.retries)
+            return
 
-    def _locked(self, exc: Exception) -> None:
-        self.waiting = f"{type(exc).__name__}: {exc}"
-        self._next = self._clock() + self._retry_s
+    def close(self) -> None:
+        """Stop trying (idempotent); after it returns :attr:`slab` no longer changes."""
+        with self._lock:
+            self._closed = True
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()

@@ -8,6 +8,7 @@ neighbouring slots stay in one run (one thread, one vectored read)."""
 from __future__ import annotations
 
 import hashlib
+import os
 import select
 import threading
 import time
@@ -94,8 +95,9 @@ def test_a_slab_still_locked_at_the_start_is_opened_once_its_holder_lets_go(
     raised SlabLocked: the rank had no disk tier for the new engine's whole life -- every
     Disk job failed, warm slots were dropped one failed READ at a time -- though the lock
     was free seconds later (a hostile probe). Now the mover starts without its slab,
-    fails each job saying why (``jobs_refused_slab_locked``), and the first job at least
-    ``RETRY_S`` after the holder let go opens it: a WRITE and a READ back go through."""
+    fails each job saying why (``jobs_refused_no_slab``), and a thread of its own tries
+    the open every ``RETRY_S`` (off the rank's loop: a review) until the holder lets
+    go: then a WRITE and a READ back go through."""
     monkeypatch.setattr(slab_opener, "RETRY_S", 0.05)
     p = pool((PAGE,), seed=12)
     path = str(tmp_path / "m.slab")
@@ -107,9 +109,13 @@ def test_a_slab_still_locked_at_the_start_is_opened_once_its_holder_lets_go(
     (done,) = wait(m)
     assert not done.ok and "the slab is not open yet (SlabLocked" in (done.error or "")
     st = m.statistics()
-    assert st["jobs_refused_slab_locked"] == 1 and "in use by another engine" in st["waiting"]
+    assert st["jobs_refused_no_slab"] == 1 and "in use by another engine" in st["waiting"]
     holder.close()
-    time.sleep(0.1)
+    deadline = time.monotonic() + 10
+    while "waiting" in m.statistics():
+        assert time.monotonic() < deadline, m.statistics()
+        time.sleep(0.02)
+    assert m.statistics()["open_retries"] >= 1
     m.submit(job(2, DiskOp.WRITE, [0, 1], [3, 4], hs))
     assert wait(m)[0].ok
     want = p.regions[0][[0, 1]].clone()
@@ -117,6 +123,27 @@ def test_a_slab_still_locked_at_the_start_is_opened_once_its_holder_lets_go(
     assert wait(m)[0].ok
     assert torch.equal(p.regions[0][[8, 9]], want)
     assert m.statistics()["writes"] == 2 and "waiting" not in m.statistics()
+
+
+def test_a_mover_closed_while_its_slab_is_still_locked_stops_trying(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The mover closes (the engine goes) while another process still holds the slab:
+    its retry thread ends with the close, opens nothing afterwards, and the holder's
+    file and lock are untouched (the close removes no file it never opened)."""
+    monkeypatch.setattr(slab_opener, "RETRY_S", 0.02)
+    p = pool((PAGE,), seed=13)
+    path = str(tmp_path / "m.slab")
+    holder = SlabFile.open(path, SlabSpec(FP, 0, 1, 8, PAGE), direct=True)
+    try:
+        m = DiskMover(0, 1, DiskSetup(path, 8, FP, False), p)  # keep=False: not removed
+        time.sleep(0.1)
+        m.close()
+        m.release()
+        assert not any(t.name == "kvshm-slab-r0" for t in threading.enumerate())
+        assert m.statistics()["open_retries"] >= 1 and os.path.exists(path)
+    finally:
+        holder.close()
+    SlabFile.open(path, SlabSpec(FP, 0, 1, 8, PAGE), direct=True).close()  # free
 
 
 def test_a_mover_whose_threads_cannot_start_releases_its_slab(
