@@ -138,7 +138,8 @@ def _sweep_slabs(directory: str, *, remove: bool) -> int:
 
     for row in rows:
         why = ("a generated name: no start serves it, the next engine with a disk tier "
-               "here removes it" if generated_pid(row.engine) is not None
+               "here removes it once its process is gone" if generated_pid(row.engine)
+               is not None
                else "the warm-restart cache for an engine started again under its name")
         print(f"kept {row.path} ({row.bytes / 2**30:.2f} GiB; engine {row.engine!r} not "
               f"running: {why})")

@@ -57,7 +57,7 @@ from kvshm.offload.disk import DiskBook, max_disk_blocks
 from kvshm.offload.groups import GroupSet
 from kvshm.offload.jobs import JobTable
 from kvshm.offload.pool import BlockPool
-from kvshm.pids import pid_running
+from kvshm.pids import process_start
 from kvshm.remote.fingerprint import layout_fingerprint
 from kvshm.slab_files import generated_pid, list_slabs
 
@@ -196,15 +196,20 @@ class DiskLink:
         return make
 
 
+#: Seconds a process's start may seem to follow its own slab's last write: /proc
+#: gives the boot time to the second.
+START_SLACK_S = 2.0
+
+
 def remove_dead_generated(directory: str) -> int:
     """Remove the slab files in ``directory`` that no start can serve again: an engine
     with a generated name (``e<pid>-<hex>``, never taken twice) whose process no longer
-    runs, this user's, held by no process (``remove_unheld``: under the file's own
-    lock). Such files are left when a whole engine is killed at once (``docker kill``, a
-    cgroup's OOM kill: its ranks die before they remove their own, and so does the
-    scheduler that would remove theirs at close); each crash left one per rank until
-    ``disk_path`` had no room for the next start's (a hostile probe: the third start
-    was refused). How many went; never raises (a directory it cannot list: 0)."""
+    runs (:func:`_may_be_alive`), this user's, held by no process (``remove_unheld``:
+    under the file's own lock). Such files are left when a whole engine is killed at
+    once (``docker kill``, a cgroup's OOM kill: its ranks die before they remove their
+    own, and so does the scheduler that would remove theirs at close); each crash left
+    one per rank until ``disk_path`` had no room for the next start's (a hostile probe:
+    the third start was refused). How many went; never raises (a directory it cannot list: 0)."""
     try:
         rows = list_slabs(directory)
     except OSError:
@@ -212,13 +217,27 @@ def remove_dead_generated(directory: str) -> int:
     removed = 0
     for row in rows:
         pid = generated_pid(row.engine)
-        if pid is None or pid_running(pid):
+        if pid is None or _may_be_alive(pid, row.path):
             continue
         try:
             removed += remove_unheld(row.path)
         except OSError:  # another user's, gone meanwhile, or replaced: not ours to remove
             continue
     return removed
+
+
+def _may_be_alive(pid: int, path: str) -> bool:
+    """Whether the engine process ``pid`` that wrote the slab at ``path`` may still run:
+    a process with that pid that started no later than the file's last write (plus
+    :data:`START_SLACK_S` for the clocks' resolution). A thread's id, or a process that
+    started after the write -- a pid reused, e.g. in a container restarted after a kill,
+    which numbers from 1 again -- is not that engine (a review)."""
+    try:
+        written = os.stat(path).st_mtime
+    except OSError:
+        return True  # (gone, or unreadable: left alone)
+    started = process_start(pid)
+    return started is not None and started <= written + START_SLACK_S
 
 
 def open_disk(config: EngineConfig) -> DiskLink:

@@ -7,6 +7,9 @@ row rounded up to 4 KiB)."""
 from __future__ import annotations
 
 import dataclasses
+import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -136,7 +139,10 @@ def test_a_start_removes_the_slabs_of_generated_name_engines_that_are_gone(
     them). Now every start with a disk tier first removes them -- a generated name's
     slab whose pid is gone and which no process holds -- and keeps: a given name's (a
     warm-restart cache), a running pid's, one held by a live process, and another
-    user's."""
+    user's. A "running pid" is a process that started before the slab was last
+    written: a thread's id, or a process that started later (a pid reused: a container
+    restarted after ``docker kill`` numbers from 1 again), is not the engine (a review:
+    ``kill(pid, 0)`` alone kept those for good)."""
     dead = 2**22 + 12345  # above pid_max's default: no process runs with it
     while pid_running(dead):
         dead += 1
@@ -146,11 +152,22 @@ def test_a_start_removes_the_slabs_of_generated_name_engines_that_are_gone(
              for name in (gone, alive, "given-name", f"e{dead}-notgenerated")}
     for f in files.values():
         f.write_bytes(b"\0" * PAGE)
+    # a reused pid: a thread's id (not a process), and this process's pid on a slab
+    # written before this process started (a container restarted after a kill)
+    ticker = threading.Thread(target=time.sleep, args=(5,), daemon=True)
+    ticker.start()
+    assert ticker.native_id is not None and pid_running(ticker.native_id)
+    tid_slab = tmp_path / f"kvshm-e{ticker.native_id}-00000000000000aa.rank0-of-1.slab"
+    tid_slab.write_bytes(b"\0" * PAGE)
+    before_me = tmp_path / f"kvshm-e{os.getpid()}-00000000000000bb.rank0-of-1.slab"
+    before_me.write_bytes(b"\0" * PAGE)
+    old = time.time() - 3600  # written an hour before this process started
+    os.utime(before_me, (old, old))
     held_path = tmp_path / f"kvshm-{gone}.rank1-of-2.slab"
     held = SlabFile.open(str(held_path), SlabSpec("fp", 1, 2, 1, PAGE), direct=False)
     try:
-        assert remove_dead_generated(str(tmp_path)) == 1
-        assert not files[gone].exists()
+        assert remove_dead_generated(str(tmp_path)) == 3
+        assert not files[gone].exists() and not tid_slab.exists() and not before_me.exists()
         assert all(files[n].exists() for n in (alive, "given-name", f"e{dead}-notgenerated"))
         assert held_path.exists()
     finally:
