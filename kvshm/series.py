@@ -145,8 +145,11 @@ _ENGINE_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
                    "failures); ranks", True),
     "hangs": ("ranks declared dead because a job waited longer than hang_timeout_s; "
               "ranks", True),
-    "ranks_killed_to_fence": ("kvshm-workers ranks SIGKILLed after a hang verdict (they "
-                              "offered it: fenced when their process exits); ranks", True),
+    "ranks_killed_to_fence": ("kvshm-workers ranks SIGKILLed at a verdict that was no "
+                              "fence (they offered it: fenced when their process exits); "
+                              "ranks", True),
+    "tick_errors": ("Engine ticks (hang checks, results, eviction upkeep) that raised; the "
+                    "ticks go on; ticks", True),
     "protocol_errors": ("rank channels broken by an undecodable record (the rank is "
                         "declared dead); channels", True),
     "refused": ("worker connections the rendezvous refused (wrong engine, rank or "

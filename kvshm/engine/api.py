@@ -42,6 +42,7 @@ from kvshm.engine.load_waiters import LoadWaiters
 from kvshm.engine.provision import cache_device
 from kvshm.engine.runtime import Runtime
 from kvshm.errors import ConfigError, StateError
+from kvshm.ratelog import RateLimitedLog
 from kvshm.stats import EngineStats
 from kvshm.types import GpuBlocks, LoadFailure, LoadResult, RequestView, StepInput
 
@@ -59,6 +60,8 @@ SPAWN = WorkerMode.SPAWN
 ATTACH = WorkerMode.ATTACH
 
 log = logging.getLogger(__name__)
+#: The tick's errors: one line a minute however often it fails.
+rlog = RateLimitedLog(log)
 
 _TICK_S = 0.25
 #: How long ``statistics()`` from another thread waits for the launch loop to take the
@@ -157,7 +160,8 @@ class Engine(Facade):
             finally:  # whatever the closing raised (a bug, a KeyboardInterrupt in it), the
                 # ranks stop: it used to leave them running, never reaped, for good
                 if self._launcher is not None:  # (the thread escalates to SIGKILL, so
-                    stopping = loop.run_in_executor(  # this ends)
+                    self._unwatch_ranks()  # this ends; it closes their pidfds)
+                    stopping = loop.run_in_executor(
                         None, self._launcher.stop, self._core.config.shutdown_grace_s)
             if stopping is not None:  # shielded: a cancelled aclose still reaps every rank
                 await asyncio.shield(stopping)
@@ -170,17 +174,24 @@ class Engine(Facade):
             raise asyncio.CancelledError
 
     def _close_core(self) -> None:
-        """aclose()'s synchronous part: the runtime closes (Shutdown, channels, the
-        rendezvous), the ticker and the pidfd readers go."""
+        """aclose()'s synchronous part: the ticker goes, the runtime closes (Shutdown,
+        channels, the rendezvous)."""
         self._core.begin_close()
         if self._ticker is not None:
             self._ticker.cancel()
-        if self._launcher is not None and self._loop is not None:
-            for w in self._launcher.workers:  # (the launch loop watches them, closed
-                with contextlib.suppress(ValueError, OSError, RuntimeError):  # or not)
-                    self._loop.remove_reader(w.pidfd)
         self._core.detach_loop()
         self._core.close()
+
+    def _unwatch_ranks(self) -> None:
+        """The launch loop stops watching the spawned ranks' pidfds, before the stop
+        closes them (a closed fd left in its selector could fail a later ``add_reader``
+        of a reused number: a review). Never raises."""
+        assert self._launcher is not None
+        if self._loop is None:
+            return
+        for w in self._launcher.workers:  # (the launch loop watches them, closed or not)
+            with contextlib.suppress(ValueError, OSError, RuntimeError):
+                self._loop.remove_reader(w.pidfd)
 
     async def _closed_on(self, owner: asyncio.AbstractEventLoop) -> bool:
         """Run :meth:`aclose` on ``owner`` (the launch loop, running in another thread)
@@ -313,9 +324,9 @@ class Engine(Facade):
         """A statistics snapshot, in every state (closed included), from any thread.
         The manager's state belongs to the launch loop: from another thread while that
         loop runs, the snapshot is taken there and this thread waits for it (at most
-        :data:`STATS_WAIT_S`, then StateError) -- read in place, a metrics thread saw
-        the pin table change under it (RuntimeError: dictionary changed during
-        iteration)."""
+        :data:`STATS_WAIT_S`, then StateError; a loop that stops meanwhile is read
+        here) -- read in place, a metrics thread saw the pin table change under it
+        (RuntimeError: dictionary changed during iteration)."""
         loop = self._loop
         if loop is None or asyncio._get_running_loop() is loop or not loop.is_running():
             return super().statistics()
@@ -331,12 +342,17 @@ class Engine(Facade):
             loop.call_soon_threadsafe(snapshot)
         except RuntimeError:  # the loop closed since: nothing runs on it any more
             return super().statistics()
-        try:
-            return fut.result(STATS_WAIT_S)
-        except concurrent.futures.TimeoutError:
-            fut.cancel()
-            raise StateError(f"engine {self.name!r}: its event loop took no snapshot in "
-                             f"{STATS_WAIT_S} s (blocked, or stopped meanwhile)") from None
+        deadline = time.monotonic() + STATS_WAIT_S
+        while True:  # in slices: a loop that stops meanwhile never runs the snapshot
+            try:
+                return fut.result(0.05)
+            except concurrent.futures.TimeoutError:
+                pass
+            if not loop.is_running() and fut.cancel():  # stopped: nothing races us now
+                return super().statistics()
+            if time.monotonic() > deadline and fut.cancel():
+                raise StateError(f"engine {self.name!r}: its event loop took no snapshot "
+                                 f"in {STATS_WAIT_S} s (blocked)") from None
 
     def has_pending_work(self) -> bool:
         """True while any job is planned, queued, in flight or not acked by every rank
@@ -388,14 +404,20 @@ class Engine(Facade):
         ``_TICK_S``. The next tick is armed before this one's work, so that whatever
         that work raises (a bug, or a KeyboardInterrupt the loop delivers inside the
         callback) cannot end the ticks: without them no hung rank would ever be judged
-        and its requests' waits would never end."""
+        and its requests' waits would never end. An Exception is counted
+        (``tick_errors``) and logged at most once a minute; a KeyboardInterrupt or
+        SystemExit goes on to the loop's runner."""
         loop = asyncio.get_running_loop()
         if not self._ended:
             self._ticker = loop.call_later(_TICK_S, self._tick)
-        self._core.tick(loop.time())
-        self._publish()
-        self._core.settle()  # the eviction order's deferred simulations, between requests
-
+        try:
+            self._core.tick(loop.time())
+            self._publish()
+            self._core.settle()  # the eviction order's deferred simulations, between requests
+        except Exception as exc:  # noqa: BLE001 - counted; one line a minute (4 ticks a s)
+            self._core.counters.tick_errors += 1
+            rlog.error("tick", "kvshm engine %r: a tick raised %s: %s", self.name,
+                       type(exc).__name__, exc, exc_info=exc)
 
 class _Launch:
     """What ``Engine.launch`` returns: awaitable and an async context manager."""

@@ -38,7 +38,8 @@ class CoreCounters:
     ranks_failed: int = 0
     ranks_left: int = 0  # said Goodbye and closed while the engine ran: not failures
     hangs: int = 0
-    ranks_killed_to_fence: int = 0  # kvshm-workers ranks SIGKILLed after a hang verdict
+    ranks_killed_to_fence: int = 0  # ranks that offered it, SIGKILLed at a verdict
+    tick_errors: int = 0  # Engine ticks that raised (the ticks go on)
     protocol_errors: int = 0
     refused: int = 0
     done_errors: int = 0  # Dones whose handling raised (their jobs were failed)
