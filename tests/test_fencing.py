@@ -123,7 +123,10 @@ async def test_a_hung_kvshm_workers_rank_is_killed_at_the_verdict_and_fenced_by_
     long as it was stopped, and a probe that froze it in the middle of b's copy saw b
     -- told to recompute -- recompute into its own blocks and the resumed rank finish
     its copy over them (5 of 6 blocks; the quarantine keeps blocks from other requests
-    only). Here b recomputes into its blocks too, and they keep b's bytes."""
+    only). Here rank 1 is stopped before b's copy exists (a freeze mid-copy needs
+    rows large enough to catch in flight), so the revocation word alone would keep b's
+    recompute safe too: what this shows is the kill, the fence by the exit and the
+    quarantine lifted, none of which happened before."""
     ks, gpu = shards(), BlockPool(GPU_BLOCKS)
     launch = Engine.launch(config(hang_timeout_s=HANG_S), workers=ATTACH, gpu_blocks=gpu,
                            device_caches=[[k] for k in ks])

@@ -210,10 +210,12 @@ class Engine(Facade):
                     return False
 
     def _stopped(self) -> None:
-        """The ranks are stopped (reaped): every ``wait_loaded`` waiter resolves failed
-        (ENGINE_CLOSED: recompute) -- only now, never while a rank may still copy into
-        its blocks (a cancelled ``aclose`` used to fail them at the cancel, and a rank
-        slow to stop then overwrote the recomputed blocks with its late load) -- the
+        """The ranks are stopped: every ``wait_loaded`` waiter resolves failed
+        (ENGINE_CLOSED: recompute). With spawned ranks only once they are reaped, never
+        while one may still copy into its blocks (a cancelled ``aclose`` used to fail
+        them at the cancel, and a rank slow to stop then overwrote the recomputed blocks
+        with its late load); ATTACH ranks were sent Shutdown and their links closed,
+        their exits are not awaited (docs/operations.md) -- the
         slabs of ranks the stop killed before they removed their own go (a rank stuck or
         busy past the grace period is killed without removing its slab), then every
         ``aclose`` returns."""

@@ -166,8 +166,9 @@ class Hello(_Msg, tag=1, frozen=True, array_like=True, gc=False):
     #: (it brings its own ``layout``) or an older one.
     device: str = ""
     #: The worker's process runs nothing but kvshm's copies (a ``kvshm-workers`` rank):
-    #: after a hang verdict the engine may SIGKILL it to fence it (it never signals a
-    #: process that did not offer this, nor one it did not start).
+    #: at a verdict that is no fence (a hang, a broken ring) the engine may SIGKILL it
+    #: to fence it. Besides the ranks it spawned, the engine signals no process that
+    #: did not offer this.
     fence_by_kill: bool = False
 
 

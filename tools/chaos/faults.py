@@ -65,8 +65,10 @@ async def fault_sigkill(t: Traffic) -> str:
 async def fault_sigstop(t: Traffic) -> str:
     """SIGSTOP a rank and queue a load on it; wait for the hang verdict and that load's
     result. The rank is resumed later, in the canary phase -- or, for an ATTACH rank one
-    time in three, only after the engine is closed: nothing can fence it meanwhile, so
-    its blocks must stay quarantined (reported, not leaked) and the close must not hang."""
+    time in three, only after the engine is closed. A ``kvshm-workers`` rank offers
+    ``fence_by_kill``, so the verdict kills it and its exit fences it; a rank that did
+    not offer it could not be fenced meanwhile: its blocks would stay quarantined
+    (reported, not leaked). Either way the close must not hang."""
     r, pid = _victim(t)
     send_signal(pid, signal.SIGSTOP)
     keep = t.rig.parent is not None and t.rng.random() < 1 / 3
