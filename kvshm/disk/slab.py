@@ -308,18 +308,28 @@ def _held_bytes(path: str | None) -> int:
 def check_directory(directory: str, bytes_needed: int, *, direct: bool,
                     reuse_path: str | None = None) -> None:
     """Refuse ``directory`` for a slab of ``bytes_needed`` bytes, with ONE line naming the
-    first check that failed: not a directory, not writable, not enough free space (needed
-    vs free; ``reuse_path``: an existing slab whose allocated bytes will be reused count
-    as free), or (``direct``) the filesystem refuses O_DIRECT. Probes with a small temp
-    file, removed after. Raises ConfigError; returns None when all pass."""
+    first check that failed: not a directory, not writable, a file made there would not
+    be trusted as a slab (:func:`untrusted`: owner squashed, mode ignored), not enough
+    free space (needed vs free; ``reuse_path``: an existing slab whose allocated bytes
+    will be reused count as free), or (``direct``) the filesystem refuses O_DIRECT.
+    Probes with a small temp file, removed after. Raises ConfigError; returns None when
+    all pass."""
     if not os.path.isdir(directory):
         raise ConfigError(f"disk_path {directory!r} is not a directory")
     try:
         fd, probe = tempfile.mkstemp(prefix=".kvshm-probe-", dir=directory)
-        os.close(fd)
-        os.unlink(probe)
+        try:
+            why = untrusted(os.fstat(fd))
+        finally:
+            os.close(fd)
+            os.unlink(probe)
     except OSError as exc:
         raise ConfigError(f"disk_path {directory!r} is not writable ({exc.strerror})") from exc
+    if why is not None:  # every slab would be refused (NFS root_squash, a 0777 mount):
+        # one line now, not a disk tier failing on every rank after a start that worked
+        raise ConfigError(f"disk_path {directory!r}: a file this process makes there "
+                          f"{why}, so no slab could be trusted (a filesystem that "
+                          "squashes or ignores owners and modes: choose a local one)")
     free = _free_bytes(directory) + _held_bytes(reuse_path)
     if free < bytes_needed:
         raise ConfigError(f"disk_path {directory!r} has not enough free space: the slab needs "

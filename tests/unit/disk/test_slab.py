@@ -12,8 +12,10 @@ import logging
 import os
 import shutil
 import subprocess
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -538,6 +540,28 @@ def test_enospc_from_fallocate_is_a_config_error(tmp_path: Path,
 def test_check_directory_passes_and_leaves_nothing(tmp_path: Path) -> None:
     check_directory(str(tmp_path), PAGE, direct=True)
     check_directory(str(tmp_path), PAGE, direct=False)
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_check_directory_refuses_a_filesystem_whose_files_could_not_be_trusted(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A review of the slab trust check: on a filesystem that squashes owners (NFS
+    root_squash: files show as nobody's) or ignores modes (CIFS or vfat at 0777) every
+    rank's slab open is now refused, while the start's directory check passed -- each
+    rank ran without its disk tier, every Disk job failing. Now the directory check's
+    probe file is judged like a slab: one ConfigError at the start. Simulated by a probe
+    file the "filesystem" shows as mode 0666."""
+    real = tempfile.mkstemp
+
+    def loose(*args: Any, **kw: Any) -> tuple[int, str]:
+        fd, path = real(*args, **kw)
+        os.fchmod(fd, 0o666)
+        return fd, path
+
+    monkeypatch.setattr(tempfile, "mkstemp", loose)
+    with pytest.raises(ConfigError, match="may be written by others .* no slab could be "
+                       "trusted"):
+        check_directory(str(tmp_path), PAGE, direct=False)
     assert list(tmp_path.iterdir()) == []
 
 
