@@ -210,15 +210,15 @@ class Engine(Facade):
                     return False
 
     def _stopped(self) -> None:
-        """The ranks are stopped: every ``wait_loaded`` waiter resolves failed
-        (ENGINE_CLOSED: recompute). With spawned ranks only once they are reaped, never
-        while one may still copy into its blocks (a cancelled ``aclose`` used to fail
-        them at the cancel, and a rank slow to stop then overwrote the recomputed blocks
-        with its late load); ATTACH ranks were sent Shutdown and their links closed,
-        their exits are not awaited (docs/operations.md) -- the
-        slabs of ranks the stop killed before they removed their own go (a rank stuck or
-        busy past the grace period is killed without removing its slab), then every
-        ``aclose`` returns."""
+        """The ranks are stopped. In this order: every ``wait_loaded`` waiter resolves
+        failed (ENGINE_CLOSED: recompute) -- with spawned ranks only once they are
+        reaped, never while one may still copy into its blocks (a cancelled ``aclose``
+        used to fail them at the cancel, and a rank slow to stop then overwrote the
+        recomputed blocks with its late load); ATTACH ranks were sent Shutdown and
+        their links closed, their exits are not awaited (docs/operations.md); a close
+        that was cut off half-way is finished; the slabs of ranks the stop killed
+        before they removed their own go (a rank stuck or busy past the grace period is
+        killed without removing its slab); then every ``aclose`` returns."""
         try:
             self._waits.fail_all(LoadFailure.ENGINE_CLOSED)
         except RuntimeError:  # waiters on a launch loop closed meanwhile: nobody can
@@ -420,6 +420,7 @@ class Engine(Facade):
             self._core.counters.tick_errors += 1
             rlog.error("tick", "kvshm engine %r: a tick raised %s: %s", self.name,
                        type(exc).__name__, exc, exc_info=exc)
+
 
 class _Launch:
     """What ``Engine.launch`` returns: awaitable and an async context manager."""
