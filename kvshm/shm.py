@@ -147,8 +147,8 @@ def create_segment(size: int, *, purpose: str) -> Segment:
     name = _segment_name(purpose)
     try:
         shm = posix_ipc.SharedMemory(name, posix_ipc.O_CREX, mode=0o600)
-    except (OSError, posix_ipc.Error) as e:  # out of fds, /dev/shm out of inodes or
-        raise _segment_error("create", size, purpose, e) from e  # read-only, EACCES
+    except (OSError, posix_ipc.PermissionsError) as e:  # out of fds, /dev/shm out of
+        raise _segment_error("create", size, purpose, e) from e  # inodes or read-only
     fd: int = shm.fd
     _unlink_quietly(name)
     try:
@@ -164,7 +164,7 @@ def create_segment(size: int, *, purpose: str) -> Segment:
 
 
 def _segment_error(what: str, size: int, purpose: str,
-                   e: OSError | posix_ipc.Error) -> ConfigError:
+                   e: OSError | posix_ipc.PermissionsError) -> ConfigError:
     """A segment that cannot be created or mapped, as one line that says which and why
     (a bare OSError reached ``Engine.launch`` callers: "[Errno 28] No space left on
     device" while df showed room -- /dev/shm out of inodes). posix_ipc raises some

@@ -703,3 +703,57 @@ def test_a_scheduler_out_of_fds_admits_the_waiting_connection_instead_of_spinnin
     assert "events []" in out and "listener readable True" in out, out  # (the second)
     assert "out of file descriptors (soft limit 64" in out, out
     assert "after ['hello', 'hello'" in out, out
+
+
+SPIN = textwrap.dedent("""
+    import asyncio, os, resource, sys, time
+    from kvshm.ipc.rendezvous import RendezvousServer
+    from kvshm.ipc.rendezvous_client import RendezvousClient
+    server = RendezvousServer(sys.argv[1], 2, make_ready=lambda h: {}, stats=dict)
+    a = RendezvousClient(sys.argv[1]); a.connect_nowait()
+    b = RendezvousClient(sys.argv[1]); b.connect_nowait()
+    calls = [0]
+    real = server.service
+    def counting():
+        calls[0] += 1
+        return real()
+    server.service = counting
+    loop = asyncio.new_event_loop()
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, resource.getrlimit(
+        resource.RLIMIT_NOFILE)[1]))
+    fill = []
+    try:
+        while True:
+            fill.append(os.open(os.devnull, os.O_RDONLY))
+    except OSError:
+        pass
+    server.attach(loop, lambda events: None)
+    t0 = time.process_time()
+    loop.run_until_complete(asyncio.sleep(1.0))
+    print("calls", calls[0], "cpu", round(time.process_time() - t0, 2), flush=True)
+    for fd in fill:
+        os.close(fd)
+    hellos = []
+    from kvshm.ipc.protocol import PROTOCOL_VERSION, Hello
+    a.send_hello(Hello(PROTOCOL_VERSION, 0, 2, os.getpid()))
+    b.send_hello(Hello(PROTOCOL_VERSION, 1, 2, os.getpid()))
+    loop.run_until_complete(asyncio.sleep(0.5))
+    print("hellos", sorted(server.hellos()), flush=True)
+    server.close()
+    loop.close()
+""")
+
+
+def test_out_of_fds_with_a_second_connection_queued_the_loop_does_not_spin() -> None:
+    """The review of the spare fd: the first queued connection takes the spare's slot,
+    the second cannot be accepted, the listener stays readable, and the loop -- which
+    reports readiness as long as it lasts -- called the service 72,000 times a second.
+    Now, with no spare left, the loop stops watching the listener for 0.1 s at a time:
+    about ten tries a second; once fds are free both ranks' Hellos are taken."""
+    proc = _popen(["-c", SPIN, _name()])
+    out, _ = proc.communicate(timeout=60)
+    assert proc.returncode == 0, out
+    calls = int(out.split("calls ", 1)[1].split()[0])
+    assert calls <= 30, out
+    assert "hellos [0, 1]" in out, out
+

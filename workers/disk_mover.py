@@ -114,7 +114,8 @@ class DiskMover:
         self.rank, self.world = rank, world
         self._host = host
         self._spec = SlabSpec(setup.fingerprint, rank, world, setup.slots, host.bytes_per_block)
-        self._opener = SlabOpener(setup.path, self._spec, direct=setup.direct)
+        self._opener = SlabOpener(setup.path, self._spec, direct=setup.direct,
+                                  keep=setup.keep)
         self._keep = setup.keep
         try:
             self._start(host, threads)

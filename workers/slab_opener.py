@@ -42,9 +42,9 @@ class SlabOpener:
     """See the module docstring. Raises what :meth:`SlabFile.open` raises but
     SlabLocked (ConfigError: the caller fails every Disk job with the reason)."""
 
-    def __init__(self, path: str, spec: SlabSpec, *, direct: bool,
+    def __init__(self, path: str, spec: SlabSpec, *, direct: bool, keep: bool = True,
                  retry_s: float | None = None) -> None:
-        self.path, self._spec, self._direct = path, spec, direct
+        self.path, self._spec, self._direct, self._keep = path, spec, direct, keep
         self._retry_s = RETRY_S if retry_s is None else retry_s  # (read at the call: tests)
         self.slab: SlabFile | None = None
         #: Why the slab is not open (None once it is).
@@ -81,8 +81,8 @@ class SlabOpener:
                             "fail", self._spec.rank, self.path, self.waiting)
                 return
             with self._lock:
-                if self._closed:  # the mover closed meanwhile: nobody will use it
-                    slab.close()
+                if self._closed:  # the mover closed meanwhile: nobody will use it (and a
+                    slab.close(remove=not self._keep)  # slab no start keeps goes: a review)
                     return
                 self.slab, self.waiting = slab, None
             log.warning("kvshm disk tier, rank %d: slab %s opened after %d more tries",
@@ -90,7 +90,8 @@ class SlabOpener:
             return
 
     def close(self) -> None:
-        """Stop trying (idempotent); after it returns :attr:`slab` no longer changes."""
+        """Stop trying (idempotent); after it returns :attr:`slab` no longer changes. A
+        try under way is waited for (a re-initialised file's preallocation: seconds)."""
         with self._lock:
             self._closed = True
         self._stop.set()

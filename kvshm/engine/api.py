@@ -412,14 +412,16 @@ class Engine(Facade):
         loop = asyncio.get_running_loop()
         if not self._ended:
             self._ticker = loop.call_later(_TICK_S, self._tick)
-        try:
-            self._core.tick(loop.time())
-            self._publish()
-            self._core.settle()  # the eviction order's deferred simulations, between requests
-        except Exception as exc:  # noqa: BLE001 - counted; one line a minute (4 ticks a s)
-            self._core.counters.tick_errors += 1
-            rlog.error("tick", "kvshm engine %r: a tick raised %s: %s", self.name,
-                       type(exc).__name__, exc, exc_info=exc)
+        now = loop.time()
+        # each step on its own: one that keeps failing does not skip the others (the
+        # results' publication above all); settle: the eviction order's deferred work
+        for step in (lambda: self._core.tick(now), self._publish, self._core.settle):
+            try:
+                step()
+            except Exception as exc:  # noqa: BLE001 - counted; a line a minute per engine
+                self._core.counters.tick_errors += 1
+                rlog.error(f"tick {self.name}", "kvshm engine %r: a tick raised %s: %s",
+                           self.name, type(exc).__name__, exc, exc_info=exc)
 
 
 class _Launch:

@@ -57,7 +57,7 @@ from kvshm.offload.disk import DiskBook, max_disk_blocks
 from kvshm.offload.groups import GroupSet
 from kvshm.offload.jobs import JobTable
 from kvshm.offload.pool import BlockPool
-from kvshm.pids import process_start
+from kvshm.pids import pid_running, process_start
 from kvshm.remote.fingerprint import layout_fingerprint
 from kvshm.slab_files import generated_pid, list_slabs
 
@@ -236,6 +236,8 @@ def _may_be_alive(pid: int, path: str) -> bool:
         written = os.stat(path).st_mtime
     except OSError:
         return True  # (gone, or unreadable: left alone)
+    if not os.path.exists("/proc/self/stat"):  # no /proc here: the pid is all we have
+        return pid_running(pid)
     started = process_start(pid)
     return started is not None and started <= written + START_SLACK_S
 

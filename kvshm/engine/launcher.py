@@ -12,6 +12,7 @@ Invariants:
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -22,6 +23,9 @@ from dataclasses import dataclass, field
 from kvshm.errors import ConfigError
 from kvshm.types import DeviceKind
 from kvshm.worker_cli import ENGINE_PID_ENV, rank_argv
+
+#: Errors of a Popen that mean the process is out of something (typed, with a hint).
+_OUT_OF = frozenset({errno.EMFILE, errno.ENFILE, errno.EAGAIN, errno.ENOMEM})
 
 
 @dataclass
@@ -78,8 +82,8 @@ class Launcher:
                     env=env, stdin=subprocess.DEVNULL, close_fds=True)
             except BaseException as exc:
                 self.stop(0.0)  # the ranks already started: nothing may outlive us
-                if isinstance(exc, OSError):  # out of fds or processes: say so, typed
-                    raise ConfigError(f"cannot start worker rank {rank}: "
+                if isinstance(exc, OSError) and exc.errno in _OUT_OF:  # out of fds or
+                    raise ConfigError(f"cannot start worker rank {rank}: "  # processes
                                       f"{exc.strerror or exc} (out of file descriptors or "
                                       "processes? see `ulimit -n` / `ulimit -u`)") from exc
                 raise

@@ -235,6 +235,7 @@ class RendezvousServer:
             why += (f" -- this process is out of file descriptors (soft limit "
                     f"{resource.getrlimit(resource.RLIMIT_NOFILE)[0]}: raise it, e.g. "
                     "`ulimit -n`)")
+            self._table.pause_listener(LISTENER_PAUSE_S)  # the connection stays queued
         events.append(RendezvousEvent(EventKind.REFUSED, reason=why, error=e,
                                       counter=RendezvousCount.ACCEPT_ERRORS))
 
@@ -361,6 +362,11 @@ class RendezvousServer:
         self.close()
 
 
+#: Seconds the loop stops watching the listener when a queued connection cannot be
+#: accepted for want of fds (then tries again).
+LISTENER_PAUSE_S: Final = 0.1
+
+
 class SpareFd:
     """One file descriptor held in reserve (``/dev/null``) for when the process has run
     out. ``accept`` then fails with EMFILE and leaves the connection queued, the
@@ -369,8 +375,10 @@ class SpareFd:
     :meth:`accept` gives the spare's slot to the waiting connection, which is admitted
     as any other (a rank's Hello goes on; if the process is still out of fds when its
     Ready's fds are duplicated, the start fails at once, naming the fd limit);
-    :meth:`restore` takes a spare again once an fd is free. Only with no spare and no
-    free fd does a queued connection wait (each service reports the refusal)."""
+    :meth:`restore` takes a spare again once an fd is free. With no spare and no free
+    fd a queued connection waits: the refusal names the fd limit, and a loop stops
+    watching the listener for :data:`LISTENER_PAUSE_S` (ten tries a second, not a
+    spin)."""
 
     def __init__(self) -> None:
         self._fd: int | None = None

@@ -60,6 +60,7 @@ class ConnTable:
         self._by_rank: dict[int, Conn] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_readable: Callable[[], None] | None = None
+        self._listener_paused = False
 
     @property
     def pending_cap(self) -> int:
@@ -155,6 +156,27 @@ class ConnTable:
         self._loop, self._on_readable = loop, on_readable
         for fd in self.fds():
             loop.add_reader(fd, on_readable)
+
+    def pause_listener(self, seconds: float) -> bool:
+        """Stop watching the listener for ``seconds``; True if it was watched. For a
+        connection that cannot be accepted yet (the process out of fds, no spare left):
+        the listener stays readable and the loop, which reports readiness as long as it
+        lasts, would call the service again at once for as long as the shortage does (a
+        review: 72,000 calls a second)."""
+        if self._loop is None or self._listener_paused:
+            return False
+        self._loop.remove_reader(self._listener_fd)
+        self._listener_paused = True
+        self._loop.call_later(seconds, self._resume_listener)
+        return True
+
+    def _resume_listener(self) -> None:
+        """Watch the listener again after :meth:`pause_listener` (if still attached)."""
+        if not self._listener_paused:
+            return
+        self._listener_paused = False
+        if self._loop is not None and self._on_readable is not None:
+            self._loop.add_reader(self._listener_fd, self._on_readable)
 
     def detach(self) -> None:
         """Stop watching from the loop (idempotent); :meth:`ready` still works."""
