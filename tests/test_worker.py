@@ -276,7 +276,10 @@ def test_a_ready_that_fails_unexpectedly_detaches_the_rank_and_leaks_nothing(
     ``Worker.service()`` into the host, leave the copy engine's thread running, and
     leave the rank CONNECTING for good (its Ready consumed, no heartbeat: the
     scheduler never declared it hung). Now the rank detaches (SETUP_FAILED, the error
-    named), the scheduler sees the link close (RANK_LOST), and no thread is left."""
+    named), the scheduler sees the link close (RANK_LOST), and no thread is left. The
+    rank also says why before it closes (SetupFailed): the RANK_LOST reason -- the
+    engine's FAILED line -- names the cause, where it said only "lifeline lost" and the
+    cause was on the rank's stderr alone (a hostile probe: an address-space limit)."""
     class BadDisk(Sched):
         def _make_ready(self, hellos: Any) -> dict[int, tuple[Ready, list[int]]]:
             plan = super()._make_ready(hellos)
@@ -292,6 +295,8 @@ def test_a_ready_that_fails_unexpectedly_detaches_the_rank_and_leaks_nothing(
         assert w.detach_reason is DetachReason.SETUP_FAILED
         assert isinstance(w.last_error, ConfigError) and "ValueError" in str(w.last_error)
         sched.wait_for(lambda: bool(sched.lost()), what="RANK_LOST")
+        (lost,) = sched.lost()
+        assert "the rank could not set up: ValueError" in lost.reason, lost.reason
         assert [t.name for t in threading.enumerate() if t.name not in before] == []
     finally:
         w.close()

@@ -113,6 +113,8 @@ class WorkerLink:
             self._client = self._connector.client  # closed by _detach: the scheduler sees EOF
             err = exc if isinstance(exc, KvshmError) else ConfigError(
                 f"{type(exc).__name__}: {exc}")
+            if self._client is not None and not isinstance(exc, PeerDied):
+                self._client.send_setup_failed(self.rank, str(err))  # the engine's line
             self._detach(DetachReason.REFUSED if isinstance(exc, PeerDied)
                          else DetachReason.SETUP_FAILED, err)
             return

@@ -13,7 +13,7 @@ building a decoder costs far more than decoding):
   | Disk
 * ``done`` ring, worker -> scheduler: :data:`DoneMsg` = Done
 * rendezvous socket, both ways: :data:`ControlMsg` = Hello | Ready | StatsRequest | Stats
-  | Shutdown | Goodbye
+  | Shutdown | Goodbye | SetupFailed
 
 Block ids travel as packed little-endian u32 ``bytes`` (:func:`pack_ids` /
 :func:`unpack_ids`): a msgpack list of 2,048 ints costs ~26 us to decode, packed bytes
@@ -249,6 +249,17 @@ class Goodbye(_Msg, tag=9, frozen=True, array_like=True, gc=False):
     reason: str
 
 
+class SetupFailed(_Msg, tag=12, frozen=True, array_like=True, gc=False):
+    """Worker -> scheduler on the rendezvous socket, just before a worker that could not
+    set up what its Ready named (map a segment, open its device caches: an address-space
+    or fd limit, a wrong device) closes the socket: why, so the engine's line names the
+    cause and not only "lifeline lost" (the cause used to be on the rank's stderr
+    alone). The EOF that follows is a death as before (nothing of the rank runs)."""
+
+    rank: int
+    reason: str
+
+
 class Remote(_Msg, tag=10, frozen=True, array_like=True, gc=False):
     """Move CPU rows ``cpu_ids[i]`` to or from the remote tier under block ``hashes[i]``
     (``hash_len`` bytes each, concatenated); the worker builds each key from its rank and
@@ -285,7 +296,7 @@ class Disk(_Msg, tag=11, frozen=True, array_like=True, gc=False):
 
 CmdMsg = Transfer | Flush | Shutdown | Remote | Disk
 DoneMsg = Done
-ControlMsg = Hello | Ready | StatsRequest | Stats | Shutdown | Goodbye
+ControlMsg = Hello | Ready | StatsRequest | Stats | Shutdown | Goodbye | SetupFailed
 
 
 def pack_ids(ids: Iterable[int]) -> bytes:

@@ -70,7 +70,7 @@ from kvshm.ipc.fdpass import (
     peer_cred,
     recv_datagram,
 )
-from kvshm.ipc.protocol import Goodbye, Hello, StatsRequest
+from kvshm.ipc.protocol import Goodbye, Hello, SetupFailed, StatsRequest
 from kvshm.ipc.rendezvous_conns import Conn, ConnTable
 from kvshm.ipc.rendezvous_events import EventKind, MakeReady, RendezvousCount, RendezvousEvent
 from kvshm.ipc.rendezvous_handshake import Handshake, ServerState
@@ -315,6 +315,9 @@ class RendezvousServer:
             elif isinstance(msg, Goodbye) and conn.rank is not None and msg.rank == conn.rank:
                 conn.farewell = msg.reason or "the worker closed"
                 self._counts[RendezvousCount.GOODBYES] += 1
+            elif isinstance(msg, SetupFailed) and conn.rank is not None \
+                    and msg.rank == conn.rank:
+                conn.failure = msg.reason[:_REASON_CHARS] or "its setup failed"
             else:
                 self._handshake.refuse(conn, events, RendezvousCount.REFUSED_PROTOCOL,
                              f"unexpected {type(msg).__name__} from pid {conn.cred.pid}")
@@ -362,6 +365,8 @@ class RendezvousServer:
         self.close()
 
 
+#: Most characters of a rank's SetupFailed reason kept (a peer's text, into a log line).
+_REASON_CHARS: Final = 500
 #: Seconds the loop stops watching the listener when a queued connection cannot be
 #: accepted for want of fds (then tries again).
 LISTENER_PAUSE_S: Final = 0.1

@@ -56,6 +56,7 @@ from kvshm.ipc.protocol import (
     Goodbye,
     Hello,
     Ready,
+    SetupFailed,
     Stats,
     StatsRequest,
     check_version,
@@ -128,6 +129,18 @@ class RendezvousClient:
             return False
         try:
             self.send(Goodbye(rank, reason))
+        except (KvshmError, OSError):
+            return False
+        return True
+
+    def send_setup_failed(self, rank: int, reason: str) -> bool:
+        """Best effort, never raises: tell the scheduler why this rank could not set up
+        what its Ready named (:class:`~kvshm.ipc.protocol.SetupFailed`), just before
+        closing; False if it could not be sent."""
+        if self._hello is None:
+            return False
+        try:
+            self.send(SetupFailed(rank, reason))
         except (KvshmError, OSError):
             return False
         return True

@@ -45,6 +45,7 @@ class Conn:
     cred: PeerCred
     rank: int | None = None  # set once its Hello is accepted
     farewell: str = ""  # the rank's Goodbye reason: its coming EOF is a clean departure
+    failure: str = ""  # the rank's SetupFailed reason: its coming EOF is why it died
 
 
 class ConnTable:

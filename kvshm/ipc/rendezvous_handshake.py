@@ -197,6 +197,8 @@ class Handshake:
         self._lost.add(rank)
         self._hellos.pop(rank, None)
         self._counts[RendezvousCount.RANKS_LOST] += 1
+        if conn.failure:  # the rank said why before it closed (SetupFailed)
+            why = f"{why}; the rank could not set up: {conn.failure}"
         events.append(RendezvousEvent(EventKind.RANK_LOST, rank=rank, pid=conn.cred.pid,
                                       reason=why, peer_closed=peer_closed,
                                       farewell=conn.farewell if peer_closed else ""))
