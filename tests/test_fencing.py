@@ -64,6 +64,17 @@ def _fill_c(gpu: BlockPool, ks: list[torch.Tensor]) -> tuple[list[int], list[tor
     return table_c, [k[table_c].clone() for k in ks]
 
 
+async def _c_keeps_its_bytes(eng: Engine, c: Client, ks: list[torch.Tensor],
+                             table_c: list[int], want: list[torch.Tensor]) -> None:
+    """A moment for a rank that could still copy to do so; then c's bytes are its own
+    on every rank, and once c finishes no pin is left."""
+    await asyncio.sleep(0.3)
+    for k, w in zip(ks, want):
+        assert torch.equal(k[table_c], w)
+    c.finish("c", table_c, 0)
+    assert eng.statistics().pins_held == 0
+
+
 async def _hang_story(eng: Engine, gpu: BlockPool, ks: list[torch.Tensor],
                       hang: Callable[[], None], *, fenced_first: bool = False,
                       ) -> tuple[Client, list[int], list[int], list[torch.Tensor]]:
@@ -104,11 +115,7 @@ async def test_rank_declared_dead_resumes_spawn_is_killed_before_its_blocks_go()
         assert st.quarantined_gpu_blocks == 0 and st.quarantined_cpu_blocks == 0
         assert set(table_b) <= set(table_c)
         assert victim.wait(5) == -signal.SIGKILL  # killed, not resumed
-        await asyncio.sleep(0.3)
-        for k, w in zip(ks, want):
-            assert torch.equal(k[table_c], w)
-        c.finish("c", table_c, 0)
-        assert eng.statistics().pins_held == 0
+        await _c_keeps_its_bytes(eng, c, ks, table_c, want)
     finally:
         await eng.aclose()
 
@@ -158,11 +165,7 @@ async def test_a_hung_kvshm_workers_rank_is_killed_at_the_verdict_and_fenced_by_
         c.finish("b", table_b, 0)
         table_c, want = _fill_c(gpu, ks)
         assert set(table_b) <= set(table_c)  # fenced: b's blocks went back to the pool
-        await asyncio.sleep(0.3)
-        for k, w in zip(ks, want):
-            assert torch.equal(k[table_c], w)
-        c.finish("c", table_c, 0)
-        assert eng.statistics().pins_held == 0
+        await _c_keeps_its_bytes(eng, c, ks, table_c, want)
     finally:
         await eng.aclose()
         _, err = proc.communicate(timeout=30)

@@ -125,22 +125,21 @@ class RendezvousClient:
         """Best effort, never raises: tell the scheduler this rank is leaving cleanly
         (:class:`~kvshm.ipc.protocol.Goodbye`); False if it could not be sent (not
         connected, no Hello sent, buffer full, peer gone)."""
-        if self._hello is None:
-            return False
-        try:
-            self.send(Goodbye(rank, reason))
-        except (KvshmError, OSError):
-            return False
-        return True
+        return self._send_after_hello(Goodbye(rank, reason))
 
     def send_setup_failed(self, rank: int, reason: str) -> bool:
         """Best effort, never raises: tell the scheduler why this rank could not set up
         what its Ready named (:class:`~kvshm.ipc.protocol.SetupFailed`), just before
         closing; False if it could not be sent."""
+        return self._send_after_hello(SetupFailed(rank, reason))
+
+    def _send_after_hello(self, msg: Goodbye | SetupFailed) -> bool:
+        """``msg`` sent on a connection that said Hello; False, never raising, where it
+        could not be (no Hello sent, not connected, buffer full, peer gone)."""
         if self._hello is None:
             return False
         try:
-            self.send(SetupFailed(rank, reason))
+            self.send(msg)
         except (KvshmError, OSError):
             return False
         return True
