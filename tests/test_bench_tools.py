@@ -25,8 +25,9 @@ CASES: dict[str, tuple[list[str], set[str]]] = {
     "bench_acks": (["--requests", "20", "--blocks", "2", "--row", "4096", "--inflight", "4"],
                    {"ack_p50_ms", "ack_p99_ms", "ack_p999_ms", "ack_max_ms",
                     "max_stall_gap_ms", "jobs", "wall_s"}),
-    "bench_disk": (["--part", "slab", "--sizes", "128K,256K", "--total-mib", "2", "--runs",
-                    "2", "--threads", "2", "--no-vllm"], {"slab"}),
+    "bench_disk": (["--part", "slab", "--part", "scan", "--scan-slots", "40", "--sizes",
+                    "128K,256K", "--total-mib", "2", "--runs", "2", "--threads", "2",
+                    "--no-vllm"], {"slab", "scan"}),
 }
 
 
@@ -51,6 +52,9 @@ def test_benchmark_runs_and_ends_with_its_json_line(tool: str) -> None:
         assert summary["cpu_ratio_block"] > 0 and summary["cpu_ratio_frag"] > 0
     elif tool == "bench_disk":
         _check_bench_disk(summary["slab"], vllm=False)
+        scan = summary["scan"]
+        assert scan["slots"] == 40 and scan["runs"] == 2
+        assert all(0 < lo <= med <= hi for lo, med, hi in scan["cold_s"].values())
     elif tool == "bench_acks":
         # a store and a load a request; requests stepping together may share a job
         assert 20 <= summary["jobs"] <= 40

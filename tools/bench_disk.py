@@ -45,6 +45,10 @@ bool}}, "e2e": {...}, "restart": {...}}`` (GB/s and ratios; parts (b) and (c):
   tier at a quarter of the distinct blocks, without and with a disk tier holding the
   rest; target mean TTFT >= 1.5x. (c): an engine restarted mid-conversations on the
   previous one's slab against a cold start; target first-turn TTFT >= 2x.
+
+* ``scan`` (d): the warm restart's header scan of a slab of ``--scan-slots`` slots of
+  128 KiB, cold (the file's pages dropped from the page cache), with no read-ahead
+  against the shipped window (:mod:`tools.disk_scan`; ``summary["scan"]``).
 """
 
 from __future__ import annotations
@@ -73,8 +77,8 @@ from workers.disk_mover import DiskMover
 from workers.host_pool import HostPool
 
 #: The parts this tool knows (``--part``): (a) ``slab``, (b) ``e2e`` and (c) ``restart``
-#: (:mod:`tools.disk_e2e`: vLLM end to end).
-PARTS = ("slab", "e2e", "restart")
+#: (:mod:`tools.disk_e2e`: vLLM end to end), (d) ``scan`` (:mod:`tools.disk_scan`).
+PARTS = ("slab", "e2e", "restart", "scan")
 KIB = 1024
 OPS = ("write", "read")
 
@@ -459,6 +463,8 @@ def main(argv: list[str] | None = None) -> int:
                     help="the slab's blocks in shuffled slots (no neighbours to group)")
     ap.add_argument("--job", type=int, default=32, help="blocks per Disk job (slab arm)")
     ap.add_argument("--no-vllm", action="store_true", help="skip vLLM's fs tier")
+    ap.add_argument("--scan-slots", type=int, default=20000,
+                    help="slots of the slab part scan scans (128 KiB each)")
     from tools import disk_e2e
 
     disk_e2e.add_arguments(ap)
@@ -475,6 +481,10 @@ def main(argv: list[str] | None = None) -> int:
                         if args.mover_threads else None, args.scatter)
         _print_slab(res, sizes)
         summary["slab"] = res
+    if "scan" in parts:
+        from tools import disk_scan
+
+        summary["scan"] = disk_scan.run(args.dir, args.scan_slots, 128 * KIB, args.runs)
     e2e = [name for part, name in (("e2e", "offload"), ("restart", "restart"))
            if part in parts]
     if e2e:

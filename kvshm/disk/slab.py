@@ -143,6 +143,8 @@ _CRC = struct.Struct("<I")
 _ZERO_PAGE: Final = bytes(PAGE)
 _O_DIRECT: Final = getattr(os, "O_DIRECT", 0)
 _CHECKSUM_IDS: Final = {name: cid for cid, (name, _) in CHECKSUMS.items()}
+#: How many slot headers :func:`scan` asks the kernel to read ahead of the one it parses.
+SCAN_AHEAD: Final = 128
 
 
 def _round_up(n: int) -> int:
@@ -402,14 +404,22 @@ def _header_fits(h: _SlotHeader, spec: SlabSpec, digest: bytes, slot: int) -> bo
             and h.checksum_id in _UPDATERS)
 
 
-def scan(path: str, spec: SlabSpec) -> dict[int, bytes]:
+def scan(path: str, spec: SlabSpec, *, ahead: int = SCAN_AHEAD) -> dict[int, bytes]:
     """Slot -> block hash of every slot of the slab at ``path`` whose header parses and
     fits ``spec`` (format version, fingerprint, rank, world, row bytes, its own slot
     index). Payloads are not read: their checksums are checked on read. A missing file,
     one not exactly the spec's size, or a file header of another spec: ``{}`` -- the
     same test :meth:`SlabFile.open` makes before it reuses a file (it re-initialises
     any other), so the warm index never names a slot the worker then wipes. Never
-    raises for content (an unreadable file: OSError)."""
+    raises for content (an unreadable file: OSError).
+
+    Read-ahead: slot headers are one page every ``slot_stride`` bytes, too far apart for
+    the kernel's own read-ahead, so each ``pread`` of a cold file waited for the device
+    alone (91 us a slot here: about 14 minutes for 1 TiB of 128 KiB rows). Before
+    reading slot ``i`` the scan asks the kernel (``POSIX_FADV_WILLNEED``, which starts
+    the read and does not wait for it) for the header page of slot ``i + ahead``, so
+    ``ahead`` header reads are in flight while it parses (``ahead=0``: none, one at a
+    time). A file system that refuses the advice is scanned one read at a time."""
     try:  # never follows a link, never waits for a FIFO's writer (the scan runs on the
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:  # scheduler's loop before any Ready: a wait is a hang)
@@ -421,16 +431,40 @@ def scan(path: str, spec: SlabSpec) -> dict[int, bytes]:
             return {}
         if not spec.matches_file_header(os.pread(fd, PAGE, 0)):
             return {}
-        digest = _digest(spec.fingerprint)
-        out: dict[int, bytes] = {}
-        need = _SLOT.size + _CRC.size
-        for slot in range(spec.slots):
-            got = _parse_slot_header(os.pread(fd, need, spec.slot_offset(slot)))
-            if isinstance(got, _SlotHeader) and _header_fits(got, spec, digest, slot):
-                out[slot] = got.block_hash
-        return out
+        return _scan_slots(fd, spec, ahead)
     finally:
         os.close(fd)
+
+
+def _scan_slots(fd: int, spec: SlabSpec, ahead: int) -> dict[int, bytes]:
+    """:func:`scan`'s loop over the slot headers of the open slab ``fd``."""
+    digest = _digest(spec.fingerprint)
+    out: dict[int, bytes] = {}
+    need = _SLOT.size + _CRC.size
+    slots, offset = spec.slots, spec.slot_offset
+    advise = _advise_willneed if ahead > 0 else None
+    if advise is not None:
+        for slot in range(min(ahead, slots)):
+            if not advise(fd, offset(slot)):
+                advise = None
+                break
+    for slot in range(slots):
+        if advise is not None and slot + ahead < slots and not advise(fd, offset(slot + ahead)):
+            advise = None
+        got = _parse_slot_header(os.pread(fd, need, offset(slot)))
+        if isinstance(got, _SlotHeader) and _header_fits(got, spec, digest, slot):
+            out[slot] = got.block_hash
+    return out
+
+
+def _advise_willneed(fd: int, offset: int) -> bool:
+    """Start reading the page at ``offset`` into the page cache; False: the file system
+    (or the platform) refused, ask no more."""
+    try:
+        os.posix_fadvise(fd, offset, PAGE, os.POSIX_FADV_WILLNEED)
+    except (OSError, AttributeError):
+        return False
+    return True
 
 
 # ---------------------------------------------------------------------------- the file
