@@ -143,10 +143,10 @@ class RemoteSpec:
                               "supported")
         nodes: list[tuple[str, int]] = []
         for item in netloc.split(","):
-            host, colon, port = item.strip().rpartition(":")
-            if not colon or not host or not _digits(port):
-                raise ConfigError(f"remote URL {url!r}: {item!r} is not host:port")
-            host = host.strip("[]")
+            host, port = _host_port(item.strip())
+            if not host or not _digits(port):
+                raise ConfigError(f"remote URL {url!r}: {item!r} is not host:port "
+                                  "([addr]:port for an IPv6 address)")
             if not 0 < int(port) < 65536:
                 raise ConfigError(f"remote URL {url!r}: port {port} out of range")
             nodes.append((host, int(port)))
@@ -168,6 +168,21 @@ class RemoteSpec:
                 raise ConfigError(f"remote URL {url!r}: unknown knob {key!r}")
             merged[key] = value
         return cls(url=url, nodes=tuple(nodes), cluster=cluster, **merged)
+
+
+def _host_port(item: str) -> tuple[str, str]:
+    """``item`` split into host and port text; ("", "") where it is not ``host:port``
+    or ``[addr]:port``: an unclosed or stray bracket, or a colon in an unbracketed host
+    (``[::1`` once read as host ``:`` and port 1)."""
+    if item.startswith("["):
+        addr, close, rest = item[1:].partition("]")
+        if not close or not rest.startswith(":") or "[" in addr:
+            return "", ""
+        return addr, rest[1:]
+    host, colon, port = item.rpartition(":")
+    if not colon or any(c in host for c in ":[]"):
+        return "", ""
+    return host, port
 
 
 def _digits(text: str) -> bool:

@@ -59,6 +59,13 @@ def test_standalone_and_cluster_urls_parse_with_defaults_and_knobs() -> None:
     ("valkey://h:1?threads=\u00b2", "is not an int"),
     ("valkey://h:\u00b2", "not host:port"),
     ("valkey://h:1?ttl_s=\u0663", "is not an int"),
+    # an unclosed bracket was read as host ":" port 1, and the janitor then reported a
+    # name lookup failure instead of the URL; an unbracketed IPv6 address is ambiguous
+    ("valkey://[::1", "not host:port"),
+    ("valkey://[::1:6379", "not host:port"),
+    ("valkey://::1:6379", "\\[addr\\]:port for an IPv6"),
+    ("valkey://h]:1", "not host:port"),
+    ("valkey+cluster://h1:7001,[::1]7003", "not host:port"),
 ])
 def test_a_bad_url_is_a_config_error_that_says_what_is_wrong(url: str, says: str) -> None:
     with pytest.raises(ConfigError, match=says):
