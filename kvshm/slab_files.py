@@ -17,8 +17,10 @@ from typing import Final
 
 __all__ = ["SlabFileRow", "generated_pid", "list_slabs"]
 
-_SLAB_RE: Final = re.compile(r"^kvshm-(?P<engine>[A-Za-z0-9._-]+)\.rank(?P<rank>\d+)"
-                             r"-of-(?P<world>\d+)\.slab$")
+#: (matched whole with ``fullmatch``: ``$`` also matches before a final newline, and a
+#: file named so was listed, and printed by ``kvshm sweep`` with the newline raw)
+_SLAB_RE: Final = re.compile(r"kvshm-(?P<engine>[A-Za-z0-9._-]+)\.rank(?P<rank>[0-9]+)"
+                             r"-of-(?P<world>[0-9]+)\.slab")
 _GENERATED_RE: Final = re.compile(r"^e(?P<pid>[1-9][0-9]{0,9})-[0-9a-f]{16}$")
 
 
@@ -38,7 +40,7 @@ def list_slabs(directory: str) -> list[SlabFileRow]:
     other kinds skipped). OSError for an unreadable directory."""
     out: list[SlabFileRow] = []
     for entry in sorted(os.scandir(directory), key=lambda e: e.name):
-        m = _SLAB_RE.match(entry.name)
+        m = _SLAB_RE.fullmatch(entry.name)
         if m is None or not entry.is_file(follow_symlinks=False):
             continue
         st = entry.stat(follow_symlinks=False)

@@ -38,6 +38,24 @@ def test_slabs_of_engines_not_running_are_listed_and_kept(tmp_path: Path,
     assert gone.exists() and live.exists()  # live: no engine of that name runs here either
 
 
+def test_a_name_that_only_looks_like_a_slab_is_neither_listed_nor_printed(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``kvshm-x.rank0-of-1.slab`` plus a final newline matched the slab pattern (``$``
+    also matches before a final newline): ``kvshm sweep`` listed it, printed its name
+    with the newline raw (a line of the file's own choosing in an operator's output),
+    and ``--remove-slabs`` removed it. Nor are non-ASCII digits a rank. Only the real
+    slab is listed."""
+    real = _slab(tmp_path, "x")
+    for odd in ("kvshm-x.rank0-of-1.slab\nremoved the-passwd-file",
+                "kvshm-x.rank0-of-1.slab\n", "kvshm-x.rank\u0663-of-4.slab"):
+        (tmp_path / odd).write_bytes(b"\0" * 8192)
+    assert [r.path for r in gone_slabs(str(tmp_path), set())] == [str(real)]
+    assert main(["sweep", "--dry-run", "--disk-path", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "passwd" not in out and "\u0663" not in out and f"kept {real} (" in out
+    assert "1 slab file(s) kept" in out
+
+
 def test_remove_slabs_removes_only_what_no_process_holds(tmp_path: Path) -> None:
     free, held = _slab(tmp_path, "a"), _slab(tmp_path, "b")
     fd = os.open(held, os.O_RDONLY)
