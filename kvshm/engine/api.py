@@ -25,11 +25,12 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import threading
 import time
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from enum import Enum
 from types import TracebackType
-from typing import Any, Self
+from typing import Any, Final, Self
 
 import torch
 
@@ -67,6 +68,39 @@ _TICK_S = 0.25
 #: How long ``statistics()`` from another thread waits for the launch loop to take the
 #: snapshot (a loop blocked that long is a StateError, not a hang of the caller).
 STATS_WAIT_S = 5.0
+#: How often :func:`_reaped` looks at the ranks' stop (seconds).
+_REAP_POLL_S: Final = 0.1
+
+
+def _in_thread(fn: Callable[[float], None], arg: float, *, name: str
+               ) -> concurrent.futures.Future[None]:
+    """``fn(arg)`` on a thread of its own (not the loop's default executor: a forked
+    child's closed loop left ``asyncio.run``'s final join of that executor waiting for
+    good in the parent, for the reason :func:`_reaped` gives); its outcome."""
+    fut: concurrent.futures.Future[None] = concurrent.futures.Future()
+
+    def run() -> None:
+        try:
+            fn(arg)
+        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting aclose()
+            fut.set_exception(exc)
+        else:
+            fut.set_result(None)
+
+    threading.Thread(target=run, name=name).start()
+    return fut
+
+
+async def _reaped(stopping: asyncio.Future[None]) -> None:
+    """Until ``stopping`` (the launcher's stop, on an executor thread) is done; its
+    exception, if any, is raised. Not cancelled with the caller (like ``shield``). It
+    looks every :data:`_REAP_POLL_S` instead of relying on the executor's wake-up alone:
+    a forked child that closed its copy of the loop took the loop's self-pipe out of the
+    epoll set both share, after which a result handed over from another thread woke
+    nothing, and ``aclose()`` waited for good (a hostile probe)."""
+    while not stopping.done():
+        await asyncio.wait((stopping,), timeout=_REAP_POLL_S)
+    stopping.result()
 
 
 class Engine(Facade):
@@ -136,8 +170,8 @@ class Engine(Facade):
         leaves their reaping to a thread (shielded); either way CancelledError follows.
         From another thread while the launch loop runs, the close runs on that loop (its
         callbacks and the close must not race); with the launch loop closed, here."""
-        if self._closed.is_set():
-            return
+        if self._closed.is_set() or self._core.owner_pid is not None:
+            return  # (a forked child: the parent's engine, nothing here to close)
         owner = self._loop
         if owner is not None and owner is not asyncio.get_running_loop() \
                 and owner.is_running() and await self._closed_on(owner):
@@ -161,10 +195,11 @@ class Engine(Facade):
                 # ranks stop: it used to leave them running, never reaped, for good
                 if self._launcher is not None:  # (the thread escalates to SIGKILL, so
                     self._unwatch_ranks()  # this ends; it closes their pidfds)
-                    stopping = loop.run_in_executor(
-                        None, self._launcher.stop, self._core.config.shutdown_grace_s)
-            if stopping is not None:  # shielded: a cancelled aclose still reaps every rank
-                await asyncio.shield(stopping)
+                    stopping = asyncio.wrap_future(_in_thread(
+                        self._launcher.stop, self._core.config.shutdown_grace_s,
+                        name=f"kvshm-reap-{self.name}"), loop=loop)
+            if stopping is not None:  # a cancelled aclose still reaps every rank
+                await _reaped(stopping)
         finally:  # even when cancelled: no waiter is left hanging
             if stopping is None or stopping.done():
                 self._stopped()

@@ -26,6 +26,7 @@ Every call runs on the one thread that owns the runtime.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -153,6 +154,11 @@ class Facade:
 
     def _ended_error(self) -> StateError:
         """What a call on an ended face raises (the only copy of its text)."""
+        owner = self._core.owner_pid
+        if owner is not None:
+            return StateError(f"{self._kind} {self.name!r} belongs to process {owner}; "
+                              f"this process ({os.getpid()}) is a fork of it and cannot "
+                              "use it: create an engine of its own here")
         return StateError(f"{self._kind} {self.name!r} is {self._core.state.name}")
 
     def _service(self) -> None:

@@ -59,7 +59,7 @@ from typing import Any
 import torch
 
 from kvshm.config import EngineConfig
-from kvshm.engine import startup
+from kvshm.engine import forks, startup
 from kvshm.engine.admission import Admission, check_id
 from kvshm.engine.disk_link import DiskLink, open_disk
 from kvshm.engine.dispatch import Dispatcher
@@ -129,6 +129,9 @@ class Runtime:
         self._jobs = Dispatcher(config.name, self._channels, self._ranks.watch, self.counters)
         self._remote = RemoteLink.none()
         self._disk = DiskLink.none()
+        #: the process this runtime belongs to, where that is not this one (a forked
+        #: child: :meth:`disown`); None in the process that opened it
+        self.owner_pid: int | None = None
 
     # -- lifecycle ---------------------------------------------------------------------
     @property
@@ -151,7 +154,15 @@ class Runtime:
             raise
         self._state = EngineState.STARTING
         self._opened = time.monotonic()
+        forks.track(self)
         startup.log_opened(self.config)
+
+    def disown(self, owner_pid: int) -> None:
+        """This process is a fork of ``owner_pid``, which owns this runtime: CLOSED here,
+        touching nothing shared (:mod:`~kvshm.engine.forks`)."""
+        self.owner_pid = owner_pid
+        self._state = EngineState.CLOSED
+        self._loop = self._on_change = None
 
     def attach_loop(self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None]) -> None:
         """Drive everything from ``loop``; ``on_change`` runs after each batch of events."""
