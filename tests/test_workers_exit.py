@@ -30,15 +30,28 @@ def _env() -> dict[str, str]:
 class Pair:
     """An engine process (tp=2) and a ``kvshm-workers --tp 2`` parent serving it."""
 
-    def __init__(self) -> None:
+    def __init__(self, stderr: str = "pipe") -> None:
+        """``stderr``: the workers' stderr -- "pipe" (read by :meth:`finish_workers`),
+        "closed" (no fd 2 at all, as under ``2>&-``) or "reader_gone" (a pipe whose
+        read end is closed before they start: every write is EPIPE)."""
         self.name = unique_name()
         self.engine = subprocess.Popen(
             [sys.executable, str(HERE / "engine_proc.py"), self.name, "2"], env=_env(),
             text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        err: int | None = subprocess.PIPE
+        pre = None
+        if stderr == "reader_gone":
+            r, err = os.pipe()
+            os.close(r)
+        elif stderr == "closed":
+            err, pre = None, lambda: os.close(2)
         self.workers = subprocess.Popen(
             [sys.executable, "-m", "workers", "--name", self.name, "--tp", "2",
              "--connect-timeout", "60"], env=_env(), text=True, stdin=subprocess.DEVNULL,
-            stderr=subprocess.PIPE, cwd=ROOT)
+            stderr=err, cwd=ROOT, preexec_fn=pre)
+        if stderr == "reader_gone":
+            assert err is not None
+            os.close(err)
         assert self.engine.stdout is not None
         line = self.engine.stdout.readline()
         assert line == "READY\n", f"engine did not start: {line!r}"
@@ -84,6 +97,30 @@ def test_engine_closed_workers_exit_0_and_no_rank_counts_as_failed(pair: Pair) -
     assert stats["counters"]["ranks_failed"] == 0
     assert [(r["alive"], r["detached"], r["why"]) for r in stats["ranks"]] == \
         [(True, True, "the engine closed")] * 2
+
+
+@pytest.mark.parametrize("stderr", ["closed", "reader_gone"])
+def test_workers_serve_and_exit_0_whatever_became_of_their_stderr(stderr: str) -> None:
+    """A hostile probe: ``kvshm-workers ... 2>&-`` (``sys.stderr`` None) or a stderr
+    pipe whose reader was gone (``| tee log`` after tee died): each rank died at its
+    first progress line (AttributeError, BrokenPipeError) before it connected, the
+    parent exited 1 with nothing said, and the engine waited out its whole connect
+    timeout for ranks that were dead; a SPAWN engine whose own stderr was such a pipe
+    failed its launch ("worker rank 0 died", no cause). Now a line nobody can read is
+    dropped: the engine starts (READY here), closes with no rank failed, and the
+    workers exit 0."""
+    pair = Pair(stderr)
+    try:
+        assert pair.engine.stdin is not None and pair.engine.stdout is not None
+        pair.engine.stdin.write("close\n")
+        pair.engine.stdin.flush()
+        stats = json.loads(pair.engine.stdout.readline())
+        assert pair.workers.wait(timeout=30) == 0
+        assert stats["counters"]["ranks_failed"] == 0
+        assert [(r["detached"], r["why"]) for r in stats["ranks"]] == \
+            [(True, "the engine closed")] * 2
+    finally:
+        pair.kill()
 
 
 def test_engine_killed_workers_exit_1_saying_it_died(pair: Pair) -> None:

@@ -186,6 +186,8 @@ def exit_at_once(code: int) -> None:
         return
     atexit._run_exitfuncs()
     for stream in (sys.stdout, sys.stderr):
+        if stream is None:  # (closed at the start: nothing to flush)
+            continue
         try:
             stream.flush()
         except (OSError, ValueError):  # closed or a broken pipe: nothing more to say
@@ -380,9 +382,21 @@ def _say(worker: Worker, text: str) -> None:
 def _line(text: str) -> None:
     """One line on stderr in one write: the ranks of one parent share its stderr, and
     ``print`` writes the text and its newline separately, so two ranks' lines could
-    interleave (seen in CI: "...closed)kvshm-workers[rank 0]: ...")."""
-    sys.stderr.write(text + "\n")
-    sys.stderr.flush()
+    interleave (seen in CI: "...closed)kvshm-workers[rank 0]: ...").
+
+    A line nobody can read is dropped, never an error: stderr closed at the start
+    (``2>&-``: Python's ``sys.stderr`` is None) or a pipe whose reader is gone (EPIPE:
+    ``| tee`` after tee died) killed the rank with AttributeError or BrokenPipeError
+    before it ever connected -- its engine then waited out its whole connect timeout
+    (a hostile probe). A rank serves whatever happens to its log stream."""
+    err = sys.stderr
+    if err is None:
+        return
+    try:
+        err.write(text + "\n")
+        err.flush()
+    except (OSError, ValueError):  # a broken pipe, a closed file: nothing more to say
+        pass
 
 
 #: Detach reasons of a rank that never got a usable Ready.
