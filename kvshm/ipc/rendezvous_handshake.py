@@ -148,14 +148,18 @@ class Handshake:
             missing = sorted(set(ranks) - set(plan))
             if missing:
                 raise ConfigError(f"make_ready returned no Ready for ranks {missing}")
+            # every Ready encoded before any is sent: one that cannot be (a str the wire
+            # cannot carry) fails the start here, with its cause, instead of raising out
+            # of the loop's callback after some ranks got theirs
+            wire = {rank: encode_control(plan[rank][0]) for rank in ranks}
         except Exception as e:  # noqa: BLE001 - any make_ready failure fails the start, not the loop
             self._fail_ready(events, e)
             return
         lost: list[tuple[Conn, str]] = []
         for rank, conn in sorted(ranks.items()):
-            ready, fds = plan[rank]
+            fds = plan[rank][1]
             try:
-                send_datagram(conn.sock, encode_control(ready), fds)
+                send_datagram(conn.sock, wire[rank], fds)
                 self._counts[RendezvousCount.READY_SENT] += 1
             except (PeerDied, OSError) as e:  # BlockingIOError, EMSGSIZE, ETOOMANYREFS, ...
                 lost.append((conn, f"could not send Ready: {e or type(e).__name__}"))

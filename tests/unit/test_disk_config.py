@@ -40,6 +40,16 @@ def test_a_disk_tier_needs_both_its_directory_and_its_size() -> None:
                      groups=(KVGroup.full(), KVGroup.sliding_window(64)))
 
 
+def test_a_disk_path_that_is_not_utf8_is_refused_in_one_line() -> None:
+    """A directory whose name is Latin-1 bytes (``os.fsdecode`` gives a str with a lone
+    surrogate) went into each rank's Ready, which could not be encoded: the start hung
+    for its whole connect timeout and then blamed the ranks (a hostile probe). It is the
+    config's ConfigError now, naming the path."""
+    with pytest.raises(ConfigError, match="disk_path must be valid UTF-8"):
+        EngineConfig(block_size=16, disk_path=os.fsdecode(b"/tmp/latin1-\xe9"),
+                     disk_bytes_per_rank=1 << 20)
+
+
 def test_slabs_are_kept_where_the_name_was_given_and_removed_where_it_was_generated(
         ) -> None:
     """``disk_keep`` None resolves at construction: False for the generated default

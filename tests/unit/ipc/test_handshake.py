@@ -17,10 +17,11 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import msgspec
 import pytest
 
 from kvshm.ipc.fdpass import decode_control, peer_cred, recv_datagram
-from kvshm.ipc.protocol import PROTOCOL_VERSION, Hello, LayoutSpec, Ready, Stats
+from kvshm.ipc.protocol import PROTOCOL_VERSION, DiskSetup, Hello, LayoutSpec, Ready, Stats
 from kvshm.ipc.rendezvous_conns import Conn, ConnTable
 from kvshm.ipc.rendezvous_events import (
     AllReadyPlan,
@@ -61,6 +62,8 @@ class Rig:
     peers: list[socket.socket] = field(default_factory=list)
     make_ready_calls: int = 0
     fail_ready: bool = False
+    #: the rank whose Ready names a slab path the wire cannot carry (None: none)
+    unencodable: int | None = None
 
     def __post_init__(self) -> None:
         self.listener, self._listener_peer = socket.socketpair(socket.AF_UNIX,
@@ -74,7 +77,13 @@ class Rig:
         self.make_ready_calls += 1
         if self.fail_ready:
             raise RuntimeError("no segment for you")
-        return {rank: (_ready(rank), []) for rank in hellos}
+        plan: dict[int, tuple[Ready, list[int]]] = {rank: (_ready(rank), [])
+                                                     for rank in hellos}
+        if self.unencodable is not None:
+            bad = msgspec.structs.replace(_ready(self.unencodable), disk=DiskSetup(
+                "/tmp/latin1-\udce9/kvshm-x.rank0-of-2.slab", 1, "fp"))
+            plan[self.unencodable] = (bad, [])
+        return plan
 
     def connect(self) -> Conn:
         """A fresh pending connection (its far end in ``peers``)."""
@@ -169,6 +178,28 @@ def test_make_ready_raising_fails_once_and_closes_every_rank(rig2: Rig) -> None:
     rig2.hs.on_hello(late, _hello(0, 2), events)
     assert events[-1].kind is EventKind.REFUSED and "ready_failed" in events[-1].reason
     assert nonzero(rig2.counts) == {"ready_failed": 1, "refused_hello": 1}
+
+
+def test_a_ready_the_wire_cannot_carry_fails_the_start_before_any_rank_gets_one(
+        rig2: Rig) -> None:
+    """A hostile probe: a ``disk_path`` that is not valid UTF-8 (a Latin-1 directory
+    name) put a str with a lone surrogate in rank 1's Ready; encoding it raised
+    UnicodeEncodeError out of the sending loop -- rank 0 had its Ready, rank 1 none,
+    the loop's callback swallowed the error, and the engine waited out its connect
+    timeout to report "missing rank(s)" (none were). Now every Ready is encoded before
+    any is sent: READY_FAILED at once, with the encoder's error, every rank closed (EOF,
+    no Ready for anyone). (``EngineConfig`` refuses such a path first, one line.)"""
+    rig2.unencodable = 1
+    conns = [rig2.connect(), rig2.connect()]
+    events: list[RendezvousEvent] = []
+    for rank, conn in enumerate(conns):
+        rig2.hs.on_hello(conn, _hello(rank, 2), events)
+    rig2.hs.ready_when_complete(events)
+    assert _kinds(events) == [EventKind.HELLO, EventKind.HELLO, EventKind.READY_FAILED]
+    assert isinstance(events[-1].error, UnicodeEncodeError)
+    assert rig2.hs.state is ServerState.READY_FAILED
+    assert all(_sees_eof(p) for p in rig2.peers)
+    assert nonzero(rig2.counts) == {"ready_failed": 1}
 
 
 def test_every_rank_gets_its_ready_once_complete(rig2: Rig) -> None:
