@@ -6,6 +6,7 @@ Each subcommand imports what it needs only when it runs, so ``kvshm --help`` is 
 from __future__ import annotations
 
 import argparse
+import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -235,8 +236,28 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``kvshm`` console script."""
     args = build_parser().parse_args(argv)
-    rc: int = args.func(args)
+    try:
+        rc: int = args.func(args)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        return _reader_gone()
     return rc
+
+
+#: The exit status of a command whose reader went away (``kvshm ls | head -1``): what
+#: a shell reports for a tool that SIGPIPE ended, as coreutils' do.
+EXIT_READER_GONE = 128 + 13
+
+
+def _reader_gone() -> int:
+    """stdout's reader is gone: no traceback (it printed one and exited 1), nothing more
+    written; stdout pointed at /dev/null so the interpreter's final flush is quiet."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, sys.stdout.fileno())
+    finally:
+        os.close(devnull)
+    return EXIT_READER_GONE
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import pytest
 from engine_rig import BS, ROW, Client, spawned_engine, tokens
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvshm.cli import main
+from kvshm.cli import EXIT_READER_GONE, main
 from kvshm.cli_ls import engine_names
 from kvshm.series import SERIES
 
@@ -259,3 +260,19 @@ def test_remove_slabs_without_a_directory_is_a_usage_error(
     assert err == "kvshm sweep: error: --remove-slabs needs --disk-path DIR (where the " \
                   "slab files are)\n", err
 
+
+
+@pytest.mark.parametrize("args", [["ls"], ["sweep", "--dry-run"]])
+def test_a_reader_gone_ends_ls_and_sweep_quietly(args: list[str]) -> None:
+    """A hostile probe: ``kvshm ls | head -1`` style -- stdout a pipe whose reader is
+    gone -- printed a BrokenPipeError traceback on stderr and exited 1. Now it ends as a
+    coreutils tool ended by SIGPIPE would look to a shell: nothing on stderr, status 141
+    (``EXIT_READER_GONE``)."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        out = subprocess.run([sys.executable, "-m", "kvshm.cli", *args], stdout=w,
+                             stderr=subprocess.PIPE, text=True, timeout=60, check=False)
+    finally:
+        os.close(w)
+    assert (out.returncode, out.stderr) == (EXIT_READER_GONE, "")
