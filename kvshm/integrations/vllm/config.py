@@ -34,8 +34,10 @@ on each, with its default; it is what the refusal of an unknown key lists):
   quantization, a digest of its HF config (rope scaling, overrides), the KV cache dtype
   and ``remote_namespace`` (any string: a salt to keep deployments apart that kvshm
   cannot tell apart, e.g. fine-tunes published under one name), so two engines share
-  blocks only when all are equal (and vLLM's block hashes agree: start both with the
-  same ``PYTHONHASHSEED``, which seeds vLLM's prefix hashes).
+  blocks only when all are equal (and vLLM's block hashes agree: they do with its
+  default ``sha256``; with ``prefix_caching_hash_algo`` ``xxhash`` or ``xxhash_cbor``
+  start every engine with the same ``PYTHONHASHSEED``, else each process seeds them at
+  random: :func:`unshared_hashes`).
 * ``disk_path``: a directory for the local disk tier (one slab file per rank; default:
   none), ``disk_bytes_per_rank`` (each rank's slab size in bytes; required with
   ``disk_path``), ``disk_io``: ``"direct"`` (default, ``O_DIRECT``) or ``"buffered"``;
@@ -72,6 +74,7 @@ import dataclasses
 import difflib
 import hashlib
 import json
+import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -92,6 +95,8 @@ from kvshm.config import (
 from kvshm.errors import ConfigError
 from kvshm.remote.tier import RemoteSpec
 from kvshm.types import KVGroup, StoreMode
+
+log = logging.getLogger("kvshm.vllm")
 
 __all__ = [
     "DEFAULT_MEMORY_SHARE",
@@ -116,6 +121,7 @@ __all__ = [
     "replica_stats_path",
     "resolve_size",
     "tier_text",
+    "unshared_hashes",
 ]
 
 _NAME_MAX: Final = 80
@@ -626,6 +632,33 @@ def _check_vllm(vllm_config: Any) -> None:
                               f"({attr}={size})")
 
 
+#: vLLM's prefix hash algorithms that seed the block hashes at random in every process
+#: unless ``PYTHONHASHSEED`` is set (vLLM 0.32 ``init_none_hash``).
+_PROCESS_SEEDED_ALGOS: Final = frozenset({"xxhash", "xxhash_cbor"})
+
+
+def unshared_hashes(vllm_config: Any, extra: ExtraSettings,
+                    env: Mapping[str, str] = os.environ) -> str | None:
+    """Why the lower tiers will never find what another process kept, or None: vLLM's
+    ``xxhash`` / ``xxhash_cbor`` prefix hashes without ``PYTHONHASHSEED`` are seeded at
+    random in each process, so a warm restart from the disk tier and blocks another
+    engine put in the remote tier never match (outputs stay right: every such block is
+    a miss). Logged once at the connector's start (a hostile probe found the warm
+    restart serving 0 hits with nothing said)."""
+    algo = str(getattr(getattr(vllm_config, "cache_config", None),
+                       "prefix_caching_hash_algo", "sha256"))
+    if algo not in _PROCESS_SEEDED_ALGOS or "PYTHONHASHSEED" in env:
+        return None
+    tiers = [what for what, on in (("the disk tier's warm restart", extra.disk_path),
+                                   ("the remote tier", extra.remote_url)) if on is not None]
+    if not tiers:
+        return None
+    return (f"kvshm: prefix_caching_hash_algo={algo!r} without PYTHONHASHSEED: vLLM seeds "
+            f"its block hashes at random in each process, so {' and '.join(tiers)} will "
+            "find no block another process or an earlier run kept; start every engine "
+            "with the same PYTHONHASHSEED, or use sha256")
+
+
 def adopt_failure_policy(kv_transfer_config: Any) -> str | None:
     """Set ``kv_load_failure_policy`` to ``"recompute"``; the value it replaced, or None
     if it already was.
@@ -656,6 +689,9 @@ def parse_config(vllm_config: Any, infos: Sequence[GroupInfo],
                                tp * pp)
     check_paths(extra)
     _check_vllm(vllm_config)
+    why = unshared_hashes(vllm_config, extra)
+    if why is not None:
+        log.warning(why)
     bs, groups = _groups(infos, hash_block_size)
     if extra.mode is StoreMode.LAZY and len(groups) != 1:
         raise ConfigError(f"mode='lazy' supports one KV cache group; the model has "
