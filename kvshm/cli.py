@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import select
 import signal
 import sys
 from collections.abc import Sequence
@@ -238,10 +239,27 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         rc: int = args.func(args)
-        sys.stdout.flush()
+        if sys.stdout is not None:  # (None: started with stdout closed, ``>&-``)
+            sys.stdout.flush()
     except BrokenPipeError:
+        if not _stdout_broken():
+            raise  # a pipe of the command's own (a server, a child): its error stands
         return _reader_gone()
     return rc
+
+
+def _stdout_broken() -> bool:
+    """Whether stdout is the stream whose reader is gone: a pipe's write end with no
+    reader polls as POLLERR."""
+    try:
+        fd = sys.stdout.fileno() if sys.stdout is not None else -1
+    except (OSError, ValueError):
+        return False
+    if fd < 0:
+        return False
+    poller = select.poll()
+    poller.register(fd, select.POLLOUT)
+    return any(ev & (select.POLLERR | select.POLLHUP) for _, ev in poller.poll(0))
 
 
 #: The exit status of a command whose reader went away (``kvshm ls | head -1``): what

@@ -311,18 +311,19 @@ class EngineConfig:
             return
         if not isinstance(self.disk_path, str) or not self.disk_path or "\0" in self.disk_path:
             raise ConfigError(f"disk_path must be a directory path, got {self.disk_path!r}")
-        try:  # (the slab paths go to the ranks in Ready, as UTF-8: a name the file
-            # system gave as undecodable bytes failed to encode there, in a loop callback)
-            self.disk_path.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ConfigError(f"disk_path must be valid UTF-8 (a directory name that "
-                              f"is not: {self.disk_path!r}); choose another directory"
-                              ) from None
         if self.disk_bytes_per_rank is None:
             raise ConfigError("disk_path needs disk_bytes_per_rank (each rank's slab size)")
         # resolved here, in the process that makes the config: the slab paths go to the
         # ranks, whose working directory may be another (kvshm-workers started elsewhere)
         object.__setattr__(self, "disk_path", os.path.abspath(self.disk_path))
+        try:  # (the slab paths go to the ranks in Ready, as UTF-8: a name the file
+            # system gave as undecodable bytes failed to encode there, in a loop callback;
+            # checked on the absolute path: a working directory's name counts too)
+            self.disk_path.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError(f"disk_path must be valid UTF-8 (a directory name that "
+                              f"is not: {self.disk_path!r}); choose another directory"
+                              ) from None
         if any(g.window_tokens is not None for g in self.groups):
             raise ConfigError("disk_path: the disk tier supports full-attention KV groups "
                               "only (sliding-window groups are stored partially)")

@@ -3,12 +3,14 @@ MODE`` with MODE ``engine`` (a SPAWN :class:`~kvshm.engine.Engine`, forked insid
 coroutine on its loop) or ``client`` (a :class:`~kvshm.engine.SyncClient` with
 ``kvshm-workers`` ranks).
 
-Before the fork one request's blocks are stored and loaded back. The child then tries the
+Before the fork one request's blocks are stored and loaded back (``engine``: then a
+second one's stores are left in flight, their Dones in the ring). The child then tries the
 parent's engine (a step, a lookup: each must raise StateError), closes it, and ends the
 way a child that ran to its end does (``engine``: its coroutine returns through
 ``asyncio.run``, which closes the child's copy of the loop). The parent, once the child
 is gone, stores and loads again, closes, and prints one JSON line: what the child saw
-(``child``: the errors' types and texts, and whether ``close`` returned), the byte
+(``child``: the errors' types and texts, how long ``close`` took, and -- ``engine`` --
+how many Dones its copy of the loop applied), the byte
 checks before and after, the state after, and the counters of lost or failed ranks.
 """
 
@@ -96,20 +98,42 @@ def report(path: str, seen: dict[str, Any]) -> None:
         json.dump(seen, f)
 
 
+#: What the child saw (``engine`` mode: written once its ``asyncio.run`` ended).
+SEEN: dict[str, Any] = {}
+#: Dones the engine's dispatcher applied in this process since the fork.
+APPLIED = [0]
+
+
+def count_dones(eng: Engine) -> None:
+    """Count every batch of Dones the engine applies (white-box: the dispatcher's
+    ``apply``), so the child can say whether its copy of the loop read the parent's."""
+    jobs = eng._core._jobs
+    real = jobs.apply
+
+    def apply(rank: int, dones: list[Any], manager: Any) -> None:
+        APPLIED[0] += len(dones)
+        real(rank, dones, manager)
+
+    jobs.apply = apply  # type: ignore[method-assign]
+
+
 async def engine_main(out: str) -> str:
     ks, gpu = shards(), BlockPool(GPU_BLOCKS)
     async with Engine.launch(config(), workers=SPAWN, gpu_blocks=gpu,
                              device_caches=[[k] for k in ks]) as eng:
         rig = Rig(eng, gpu, ks)
         before = await engine_round(rig, eng, 1)
+        count_dones(eng)
+        rig.store("s0", tokens(TOKENS, 0))  # its stores in flight at the fork:
+        time.sleep(0.05)  # the ranks answer, the parent's loop has not read them yet
         pid = os.fork()
         if pid == 0:
-            seen = child_tries(eng)
+            APPLIED[0] = 0
+            SEEN.update(child_tries(eng))
             t = time.monotonic()
             await eng.aclose()  # (asyncio.wait_for: the child has no running loop)
-            seen["close_s"] = time.monotonic() - t
-            report(out, seen)
-            return "child"  # asyncio.run closes the child's copy of the loop
+            SEEN["close_s"] = time.monotonic() - t
+            return "child"  # asyncio.run runs on, then closes the child's copy of the loop
         os.waitpid(pid, 0)
         after = await engine_round(rig, eng, 2)
         counters = eng.statistics().counters
@@ -184,6 +208,8 @@ if __name__ == "__main__":
             asyncio.run(engine_main(out))
         finally:
             if os.getpid() != parent:
+                SEEN["applied_in_child"] = APPLIED[0]
+                report(out, SEEN)
                 os._exit(0)
     else:
         client_main(out, sys.argv[3])

@@ -276,3 +276,29 @@ def test_a_reader_gone_ends_ls_and_sweep_quietly(args: list[str]) -> None:
     finally:
         os.close(w)
     assert (out.returncode, out.stderr) == (EXIT_READER_GONE, "")
+
+
+def test_ls_and_sweep_with_stdout_closed_exit_0() -> None:
+    """A review: the quiet ending for a reader gone flushed ``sys.stdout``, which is
+    None for a command started with stdout closed (``kvshm sweep >&-`` from cron): an
+    AttributeError traceback and exit 1 after the sweep had done its work. Exit 0."""
+    for args in (["ls"], ["sweep", "--dry-run"]):
+        out = subprocess.run([sys.executable, "-m", "kvshm.cli", *args],
+                             preexec_fn=lambda: os.close(1), stderr=subprocess.PIPE,
+                             text=True, timeout=60, check=False)
+        assert (out.returncode, out.stderr) == (0, ""), args
+
+
+def test_a_broken_pipe_of_the_commands_own_is_not_taken_for_stdouts(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A review: every BrokenPipeError became the quiet exit 141, also one from a pipe
+    of the command's own (a server's socket, a child's pipe) with stdout fine. Only a
+    stdout whose reader is gone ends quietly; the command's own error stands."""
+    import kvshm.cli as cli
+
+    def broken(args: object) -> int:
+        raise BrokenPipeError(32, "a pipe of the command's own")
+
+    monkeypatch.setattr(cli, "_cmd_sweep", broken)
+    with pytest.raises(BrokenPipeError, match="command's own"):
+        main(["sweep"])

@@ -61,10 +61,13 @@ def test_a_child_forked_on_an_engines_loop_returns_from_aclose_and_the_parent_cl
     The parent served on, then hung in ``aclose()`` for good: the ranks' reaping,
     finished on an executor thread, could no longer wake its loop. Now the child's
     ``aclose()`` returns at once (the engine is its parent's) after each call raised
-    StateError, and the parent's close looks at the reaping every 0.1 s: it serves
-    bit-exact after the fork and closes."""
+    StateError, its copy of the loop gets an epoll instance of its own and its copied
+    callbacks do nothing -- a review found the child's loop, on its way out, applying
+    two of the parent's Dones from the shared ring (stores in flight at the fork) --
+    and the parent serves bit-exact after the fork and closes."""
     parent, child = _run(tmp_path, "engine")
     assert _refused_as_a_fork(child["step"]) and _refused_as_a_fork(child["lookup"])
     assert child["close_s"] < 1.0
+    assert child["applied_in_child"] == 0  # no Done of the parent's read by the child
     assert parent == {"before": True, "after": True, "state_after": "READY",
                       "closed": "CLOSED", "ranks_failed": 0, "ranks_left": 0}

@@ -25,9 +25,8 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
-import threading
 import time
-from collections.abc import Callable, Generator, Sequence
+from collections.abc import Generator, Sequence
 from enum import Enum
 from types import TracebackType
 from typing import Any, Final, Self
@@ -72,32 +71,15 @@ STATS_WAIT_S = 5.0
 _REAP_POLL_S: Final = 0.1
 
 
-def _in_thread(fn: Callable[[float], None], arg: float, *, name: str
-               ) -> concurrent.futures.Future[None]:
-    """``fn(arg)`` on a thread of its own (not the loop's default executor: a forked
-    child's closed loop left ``asyncio.run``'s final join of that executor waiting for
-    good in the parent, for the reason :func:`_reaped` gives); its outcome."""
-    fut: concurrent.futures.Future[None] = concurrent.futures.Future()
-
-    def run() -> None:
-        try:
-            fn(arg)
-        except BaseException as exc:  # noqa: BLE001 - handed to the awaiting aclose()
-            fut.set_exception(exc)
-        else:
-            fut.set_result(None)
-
-    threading.Thread(target=run, name=name).start()
-    return fut
-
-
 async def _reaped(stopping: asyncio.Future[None]) -> None:
     """Until ``stopping`` (the launcher's stop, on an executor thread) is done; its
     exception, if any, is raised. Not cancelled with the caller (like ``shield``). It
-    looks every :data:`_REAP_POLL_S` instead of relying on the executor's wake-up alone:
-    a forked child that closed its copy of the loop took the loop's self-pipe out of the
-    epoll set both share, after which a result handed over from another thread woke
-    nothing, and ``aclose()`` waited for good (a hostile probe)."""
+    looks every :data:`_REAP_POLL_S` besides the executor's wake-up: a forked child that
+    closed its copy of the loop took the loop's self-pipe out of the epoll set both
+    share, after which a result handed over from another thread woke nothing, and
+    ``aclose()`` waited for good (a hostile probe). :mod:`kvshm.engine.forks` now gives
+    a selector loop's copy an epoll of its own in the child; this bound stays for loops
+    it cannot (uvloop)."""
     while not stopping.done():
         await asyncio.wait((stopping,), timeout=_REAP_POLL_S)
     stopping.result()
@@ -167,7 +149,7 @@ class Engine(Facade):
         second call while one runs waits for it, so every caller returns only once the
         spawned ranks are reaped). Cancelled, it still closes: a cancel while jobs in
         flight drain ends the drain and the closing goes on; one while the ranks stop
-        leaves their reaping to a thread (shielded); either way CancelledError follows.
+        leaves their reaping to a thread (not cancelled with it); either way CancelledError follows.
         From another thread while the launch loop runs, the close runs on that loop (its
         callbacks and the close must not race); with the launch loop closed, here."""
         if self._closed.is_set() or self._core.owner_pid is not None:
@@ -195,9 +177,8 @@ class Engine(Facade):
                 # ranks stop: it used to leave them running, never reaped, for good
                 if self._launcher is not None:  # (the thread escalates to SIGKILL, so
                     self._unwatch_ranks()  # this ends; it closes their pidfds)
-                    stopping = asyncio.wrap_future(_in_thread(
-                        self._launcher.stop, self._core.config.shutdown_grace_s,
-                        name=f"kvshm-reap-{self.name}"), loop=loop)
+                    stopping = loop.run_in_executor(
+                        None, self._launcher.stop, self._core.config.shutdown_grace_s)
             if stopping is not None:  # a cancelled aclose still reaps every rank
                 await _reaped(stopping)
         finally:  # even when cancelled: no waiter is left hanging
@@ -365,7 +346,8 @@ class Engine(Facade):
         here) -- read in place, a metrics thread saw the pin table change under it
         (RuntimeError: dictionary changed during iteration)."""
         loop = self._loop
-        if loop is None or asyncio._get_running_loop() is loop or not loop.is_running():
+        if loop is None or asyncio._get_running_loop() is loop or not loop.is_running() \
+                or self._core.owner_pid is not None:  # (a forked child: its copy, read here)
             return super().statistics()
         fut: concurrent.futures.Future[EngineStats] = concurrent.futures.Future()
 
@@ -444,6 +426,8 @@ class Engine(Facade):
         and its requests' waits would never end. An Exception is counted
         (``tick_errors``) and logged at most once a minute; a KeyboardInterrupt or
         SystemExit goes on to the loop's runner."""
+        if self._core.owner_pid is not None:
+            return  # a forked child's copy of the loop: the engine is its parent's
         loop = asyncio.get_running_loop()
         if not self._ended:
             self._ticker = loop.call_later(_TICK_S, self._tick)

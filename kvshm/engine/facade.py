@@ -65,6 +65,12 @@ class Facade:
         return self._core.state
 
     @property
+    def owner_pid(self) -> int | None:
+        """The process this engine belongs to where that is not this one (a forked
+        child: :mod:`kvshm.engine.forks`); None in the process that opened it."""
+        return self._core.owner_pid
+
+    @property
     def name(self) -> str:
         """The rendezvous name (``kvshm stats --name`` takes it)."""
         return self._core.config.name

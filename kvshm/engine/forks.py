@@ -8,12 +8,22 @@ detach and the parent loses its offload for good), a step it posts moves the rin
 under the parent's feet (the ranks fail with a protocol error), a load it posts writes
 into device blocks the parent may have given to another request.
 
-So every runtime opened in this process is tracked here, and in a forked child each is
-*disowned* at once (``os.register_at_fork``): it reads CLOSED, so every call raises
-:class:`~kvshm.errors.StateError` naming the owning process, and ``close()`` /
-``aclose()`` return at once having touched nothing shared (the child's copies of the fds
-go when it exits). The parent's engines are untouched. A child that wants offload
-creates its own engine.
+The event loop an ``Engine`` runs on is copied too, and an asyncio selector loop's
+epoll instance is *shared* with the parent: the child's loop, running on or closing,
+would read the parent's done rings in its copied callbacks (taking the parent's Dones)
+and take the parent's fds out of the shared epoll set (``loop.close()`` removes its
+self-pipe: the parent's loop then no longer wakes for a result handed over from another
+thread, and its ``aclose()`` and ``asyncio.run``'s final executor join waited for good).
+
+So every runtime opened in this process is tracked here with its owner's pid, and in a
+forked child each is *disowned* at once (``os.register_at_fork``): it reads CLOSED, so
+every call raises :class:`~kvshm.errors.StateError` naming the owning process, and
+``close()`` / ``aclose()`` return at once having touched nothing shared; its channels
+and rendezvous ignore their copied callbacks; and the loop it was attached to gets an
+epoll instance of its own in the child (:func:`own_selector`), so nothing the child
+does with its copy of the loop reaches the parent's. The child's copies of the fds go
+when it exits. The parent's engines are untouched. A child that wants offload creates
+its own engine.
 
 Invariant: a runtime is disowned only in a process other than the one that opened it,
 before any code of the child runs (``after_in_child`` runs inside ``fork`` itself).
@@ -21,28 +31,48 @@ before any code of the child runs (``after_in_child`` runs inside ``fork`` itsel
 
 from __future__ import annotations
 
+import asyncio
 import os
+import selectors
 import weakref
-from typing import Protocol
+from typing import Any, Protocol
 
-__all__ = ["track"]
+__all__ = ["own_selector", "track"]
 
 
 class Disownable(Protocol):
-    def disown(self, owner_pid: int) -> None: ...
+    def disown(self, owner_pid: int) -> None:
+        """This process is a fork of ``owner_pid``: let go of everything shared."""
 
 
-_live: weakref.WeakSet[Disownable] = weakref.WeakSet()
+#: runtime -> the pid of the process that opened it
+_live: weakref.WeakKeyDictionary[Disownable, int] = weakref.WeakKeyDictionary()
 
 
 def track(runtime: Disownable) -> None:
     """Disown ``runtime`` in every child this process forks from now on."""
-    _live.add(runtime)
+    _live[runtime] = os.getpid()
+
+
+def own_selector(loop: asyncio.AbstractEventLoop | None) -> None:
+    """In a forked child: give its copy of a selector event loop an epoll instance of its
+    own (the old one is shared with the parent: closed here, never unregistered from),
+    with the loop's self-pipe registered again. Other loops (uvloop) are left as they
+    are."""
+    if not isinstance(loop, asyncio.selector_events.BaseSelectorEventLoop):
+        return
+    raw: Any = loop
+    shared: selectors.BaseSelector = raw._selector
+    raw._selector = type(shared)()
+    shared.close()  # closes this process's fd only: no registration is removed
+    ssock = getattr(raw, "_ssock", None)
+    if ssock is not None:
+        raw._add_reader(ssock.fileno(), raw._read_from_self)
 
 
 def _after_fork_in_child() -> None:
-    owner = os.getppid()
-    for runtime in list(_live):
+    """Disown every runtime tracked (``os.register_at_fork``'s hook in the child)."""
+    for runtime, owner in list(_live.items()):
         runtime.disown(owner)
     _live.clear()
 

@@ -341,6 +341,11 @@ class RendezvousServer:
         self._table.detach()
         self._on_events = None
 
+    def disown(self) -> None:
+        """This process is a fork of the server's owner (:mod:`kvshm.engine.forks`): its
+        copied loop callback does nothing (no connection of the parent's is read here)."""
+        self._on_events = None
+
     def _on_readable(self) -> None:
         if self.state is ServerState.CLOSED or self._on_events is None:
             return

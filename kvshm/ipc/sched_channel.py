@@ -366,6 +366,14 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
         self._overflow.clear()
         self._close_common()
 
+    def disown(self) -> None:
+        """This process is a fork of the channel's owner (:mod:`kvshm.engine.forks`):
+        closed here -- the copied loop callbacks do nothing, no call is allowed -- with
+        nothing shared touched (no ring, doorbell or loop registration)."""
+        self._closed = True
+        self._timer = None
+        self._loop = None
+
     async def aclose(self) -> None:
         """Async spelling of :meth:`close` (idempotent)."""
         self.close()

@@ -50,6 +50,17 @@ def test_a_disk_path_that_is_not_utf8_is_refused_in_one_line() -> None:
                      disk_bytes_per_rank=1 << 20)
 
 
+def test_a_relative_disk_path_under_a_non_utf8_directory_is_refused_too(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A review: the check ran before the path was made absolute, so a relative
+    ``disk_path`` in a working directory with a Latin-1 name passed it."""
+    odd = tmp_path / os.fsdecode(b"latin1-\xe9")
+    odd.mkdir()
+    monkeypatch.chdir(odd)
+    with pytest.raises(ConfigError, match="disk_path must be valid UTF-8"):
+        EngineConfig(block_size=16, disk_path="slabs", disk_bytes_per_rank=1 << 20)
+
+
 def test_slabs_are_kept_where_the_name_was_given_and_removed_where_it_was_generated(
         ) -> None:
     """``disk_keep`` None resolves at construction: False for the generated default

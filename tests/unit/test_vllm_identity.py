@@ -74,8 +74,7 @@ def test_the_weights_stamp_follows_the_weight_files_of_a_local_model(
     assert model_identity(cfg) == model_identity(vllm_config(model=str(tmp_path)))
 
 
-def test_process_seeded_prefix_hashes_with_a_lower_tier_are_said_once_at_start(
-        tmp_path: Path) -> None:
+def test_process_seeded_prefix_hashes_with_a_lower_tier_are_said_once_at_start() -> None:
     """A hostile probe: ``prefix_caching_hash_algo="xxhash"`` (or ``xxhash_cbor``)
     without ``PYTHONHASHSEED``: vLLM seeds its block hashes at random in each process,
     so a warm restart from the disk tier served 0 hits and nothing said why (the docs
@@ -83,19 +82,16 @@ def test_process_seeded_prefix_hashes_with_a_lower_tier_are_said_once_at_start(
     the connector's start says so for a disk or remote tier, and only then."""
     from kvshm.integrations.vllm.config import unshared_hashes
 
-    disk = check_extra_config({"disk_path": str(tmp_path), "disk_bytes_per_rank": 1 << 20})
-    remote = check_extra_config({"remote_url": "valkey://127.0.0.1:6379"})
-    plain = check_extra_config({})
-
     def cfg(algo: str) -> Any:
         return SimpleNamespace(cache_config=SimpleNamespace(prefix_caching_hash_algo=algo))
 
     for algo in ("xxhash", "xxhash_cbor"):
-        said = unshared_hashes(cfg(algo), disk, env={})
+        said = unshared_hashes(cfg(algo), disk=True, remote=False, env={})
         assert said is not None and "disk tier's warm restart" in said and algo in said
-        said = unshared_hashes(cfg(algo), remote, env={})
+        said = unshared_hashes(cfg(algo), disk=False, remote=True, env={})
         assert said is not None and "the remote tier" in said
-        assert unshared_hashes(cfg(algo), plain, env={}) is None  # nothing kept beyond
-        assert unshared_hashes(cfg(algo), disk, env={"PYTHONHASHSEED": "0"}) is None
+        assert unshared_hashes(cfg(algo), disk=False, remote=False, env={}) is None
+        assert unshared_hashes(cfg(algo), disk=True, remote=True,
+                               env={"PYTHONHASHSEED": "0"}) is None
     for algo in ("sha256", "sha256_cbor"):  # the same hashes in every process
-        assert unshared_hashes(cfg(algo), disk, env={}) is None
+        assert unshared_hashes(cfg(algo), disk=True, remote=True, env={}) is None

@@ -5,6 +5,7 @@ to be scheduled: milliseconds on a busy machine)."""
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -73,3 +74,35 @@ def test_stop_while_a_hook_holds_the_guard_returns() -> None:
         threading.Thread(target=stop, daemon=True).start()
         assert done.wait(2.0)
     assert not t.alive
+
+
+def test_a_forked_child_gets_a_guard_nobody_holds() -> None:
+    """A review: the guard's lock, held by the service thread at the moment another
+    thread forked, stayed held for good in the child (the thread does not exist there):
+    the child's hooks and the connector's ``shutdown`` waited for it forever instead of
+    being refused. In the child the lock is a new one."""
+    guard = HookGuard()
+    held, release = threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with guard.lock:
+            held.set()
+            release.wait(10)
+
+    t = threading.Thread(target=holder)
+    t.start()
+    assert held.wait(10)
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report whether the guard can be taken, then leave at once
+        got = guard.lock.acquire(timeout=2)
+        os.write(w, b"1" if got else b"0")
+        os._exit(0)
+    release.set()
+    t.join()
+    os.close(w)
+    try:
+        assert os.read(r, 1) == b"1"
+    finally:
+        os.close(r)
+        os.waitpid(pid, 0)

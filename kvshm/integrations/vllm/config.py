@@ -74,7 +74,6 @@ import dataclasses
 import difflib
 import hashlib
 import json
-import logging
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -95,8 +94,6 @@ from kvshm.config import (
 from kvshm.errors import ConfigError
 from kvshm.remote.tier import RemoteSpec
 from kvshm.types import KVGroup, StoreMode
-
-log = logging.getLogger("kvshm.vllm")
 
 __all__ = [
     "DEFAULT_MEMORY_SHARE",
@@ -637,20 +634,20 @@ def _check_vllm(vllm_config: Any) -> None:
 _PROCESS_SEEDED_ALGOS: Final = frozenset({"xxhash", "xxhash_cbor"})
 
 
-def unshared_hashes(vllm_config: Any, extra: ExtraSettings,
+def unshared_hashes(vllm_config: Any, *, disk: bool, remote: bool,
                     env: Mapping[str, str] = os.environ) -> str | None:
     """Why the lower tiers will never find what another process kept, or None: vLLM's
     ``xxhash`` / ``xxhash_cbor`` prefix hashes without ``PYTHONHASHSEED`` are seeded at
     random in each process, so a warm restart from the disk tier and blocks another
     engine put in the remote tier never match (outputs stay right: every such block is
-    a miss). Logged once at the connector's start (a hostile probe found the warm
-    restart serving 0 hits with nothing said)."""
+    a miss). Logged once, by the scheduler side's connector (a hostile probe found the
+    warm restart serving 0 hits with nothing said)."""
     algo = str(getattr(getattr(vllm_config, "cache_config", None),
                        "prefix_caching_hash_algo", "sha256"))
     if algo not in _PROCESS_SEEDED_ALGOS or "PYTHONHASHSEED" in env:
         return None
-    tiers = [what for what, on in (("the disk tier's warm restart", extra.disk_path),
-                                   ("the remote tier", extra.remote_url)) if on is not None]
+    tiers = [what for what, on in (("the disk tier's warm restart", disk),
+                                   ("the remote tier", remote)) if on]
     if not tiers:
         return None
     return (f"kvshm: prefix_caching_hash_algo={algo!r} without PYTHONHASHSEED: vLLM seeds "
@@ -689,9 +686,6 @@ def parse_config(vllm_config: Any, infos: Sequence[GroupInfo],
                                tp * pp)
     check_paths(extra)
     _check_vllm(vllm_config)
-    why = unshared_hashes(vllm_config, extra)
-    if why is not None:
-        log.warning(why)
     bs, groups = _groups(infos, hash_block_size)
     if extra.mode is StoreMode.LAZY and len(groups) != 1:
         raise ConfigError(f"mode='lazy' supports one KV cache group; the model has "

@@ -48,6 +48,7 @@ from kvshm.integrations.vllm.config import (
     check_extra_config,
     parse_config,
     resolve_size,
+    unshared_hashes,
 )
 from kvshm.integrations.vllm.logs import route_kvshm_logs
 from kvshm.integrations.vllm.metrics import (
@@ -174,6 +175,10 @@ class KvshmConnector(KVConnectorBase_V1, SupportsHMA):  # type: ignore[misc, unu
         if role == KVConnectorRole.SCHEDULER:
             try:
                 self._cfg = _scheduler_config(self._cfg, vllm_config, kv_cache_config)
+                why = unshared_hashes(vllm_config, disk=self._cfg.disk_path is not None,
+                                      remote=self._cfg.remote_url is not None)
+                if why is not None:
+                    log.warning(why)
                 self._sched = SchedulerSide(self._cfg, KvshmMetadata)
             except BaseException:
                 _drop_this_process_worker_side()

@@ -25,8 +25,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from types import TracebackType
 from typing import Concatenate, Final, ParamSpec, Protocol, TypeVar
@@ -45,13 +47,22 @@ DEFAULT_INTERVAL_S: Final = 0.02
 
 
 class HookGuard:
-    """The one lock around every use of the client; ``with guard:`` in each hook."""
+    """The one lock around every use of the client; ``with guard:`` in each hook.
+
+    In a forked child the lock is a new one (the service thread, gone there, may have
+    held it at the fork: the child's hooks and ``shutdown`` would wait for it for good);
+    the client they then reach is its parent's, refused there (:mod:`kvshm.engine.forks`)."""
 
     def __init__(self) -> None:
         #: taken by the hooks (through ``with guard``) and by the thread's pump directly
         self.lock = threading.RLock()
         #: when a hook last left the guard (the thread's own pumps do not count)
         self.last_exit = time.monotonic()
+        _guards.add(self)
+
+    def _renew(self) -> None:
+        """In a forked child: a lock nobody holds."""
+        self.lock = threading.RLock()
 
     def __enter__(self) -> HookGuard:
         self.lock.acquire()
@@ -61,6 +72,18 @@ class HookGuard:
                  tb: TracebackType | None) -> None:
         self.last_exit = time.monotonic()
         self.lock.release()
+
+
+#: every guard of this process (renewed in a forked child)
+_guards: weakref.WeakSet[HookGuard] = weakref.WeakSet()
+
+
+def _renew_guards() -> None:
+    for guard in list(_guards):
+        guard._renew()
+
+
+os.register_at_fork(after_in_child=_renew_guards)
 
 
 class _Guarded(Protocol):

@@ -225,9 +225,9 @@ class SideLifecycle:
             self._service.stop()
         with self.guard:
             client = self.bound_client
-            if self.closed or client is None:
-                self.closed = True
-                return
+            if self.closed or client is None or client.owner_pid is not None:
+                self.closed = True  # (a forked child: the engine and its stats_path
+                return  # are its parent's, nothing here to write or close)
             self.closed = True
             snap, source = self._drain_and_snapshot(client)
             client.close()
