@@ -657,8 +657,10 @@ def test_the_first_call_after_a_restart_probes_alone_and_stores_every_block(
     not closed, so its parts go one at a time -- the first is the probe, which closes
     the breaker, and the other seven follow it. Raced over the threads instead, the
     half-open breaker would let the probe through and refuse the rest (False)."""
-    spec = RemoteSpec.parse(valkey.url, ttl_s=600, request_timeout_ms=TIMEOUT_MS,
-                            connect_timeout_ms=TIMEOUT_MS, threads=4)
+    # CALM deadlines, not TIMEOUT_MS: a refused connect fails at once either way, and
+    # with 300 ms the probe's reconnect to the restarted server timed out on a loaded
+    # 2-core machine (the breaker then stayed open: flaky in two full runs)
+    spec = RemoteSpec.parse(valkey.url, ttl_s=600, threads=4, **CALM)
     store = ValkeyBlockStore(spec, breaker_backoff_s=0.2, part_bytes=0)
     try:
         n = 8
