@@ -241,7 +241,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         rc: int = args.func(args)
         if sys.stdout is not None:  # (None: started with stdout closed, ``>&-``)
             sys.stdout.flush()
-    except BrokenPipeError:
+    except (BrokenPipeError, ConnectionResetError):  # (a socket's peer gone: reset)
         if not _stdout_broken():
             raise  # a pipe of the command's own (a server, a child): its error stands
         return _reader_gone()

@@ -79,7 +79,8 @@ class Rig:
 
 def child_tries(eng: Facade) -> dict[str, Any]:
     """What the child sees of its parent's engine: a step and a lookup (StateError
-    expected), then ``close`` (returns, touching nothing shared)."""
+    expected), ``statistics()`` (its own copy's, at once: state and seconds), then
+    ``close`` (returns, touching nothing shared)."""
     seen: dict[str, Any] = {}
     for call, fn in (("step", lambda: eng.step(StepInput(10_000, []))),
                      ("lookup", lambda: eng.lookup(RequestView("c", [b"\1" * 16], BS), 0))):
@@ -90,6 +91,9 @@ def child_tries(eng: Facade) -> dict[str, Any]:
             seen[call] = f"StateError: {exc}"
         except BaseException as exc:  # noqa: BLE001 - reported, not raised
             seen[call] = f"{type(exc).__name__}: {exc}"
+    t = time.monotonic()  # the child's copy, read at once (the parent's loop is not ours)
+    state = eng.statistics().state
+    seen["statistics"] = [state, time.monotonic() - t]
     return seen
 
 

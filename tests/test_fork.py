@@ -48,6 +48,7 @@ def test_a_forked_child_can_neither_use_nor_close_its_parents_sync_client(
     bit-exact afterwards, nothing failed, and its ranks exit 0 at its close."""
     parent, child = _run(tmp_path, "client", f"fork-{uuid.uuid4().hex[:8]}")
     assert _refused_as_a_fork(child["step"]) and _refused_as_a_fork(child["lookup"])
+    assert child["statistics"][0] == "closed" and child["statistics"][1] < 1.0
     assert parent == {"before": True, "after": True, "state_after": "READY",
                       "closed": "CLOSED", "ranks_failed": 0, "ranks_left": 0,
                       "workers_rc": 0}
@@ -67,6 +68,9 @@ def test_a_child_forked_on_an_engines_loop_returns_from_aclose_and_the_parent_cl
     and the parent serves bit-exact after the fork and closes."""
     parent, child = _run(tmp_path, "engine")
     assert _refused_as_a_fork(child["step"]) and _refused_as_a_fork(child["lookup"])
+    # read from the child's copy at once (it hopped to the parent's loop, which never
+    # ran there: 5 s, then a StateError that blamed a blocked loop)
+    assert child["statistics"][0] == "closed" and child["statistics"][1] < 1.0
     assert child["close_s"] < 1.0
     assert child["applied_in_child"] == 0  # no Done of the parent's read by the child
     assert parent == {"before": True, "after": True, "state_after": "READY",

@@ -55,25 +55,47 @@ def track(runtime: Disownable) -> None:
 
 
 def own_selector(loop: asyncio.AbstractEventLoop | None) -> None:
-    """In a forked child: give its copy of a selector event loop an epoll instance of its
-    own (the old one is shared with the parent: closed here, never unregistered from),
-    with the loop's self-pipe registered again. Other loops (uvloop) are left as they
-    are."""
-    if not isinstance(loop, asyncio.selector_events.BaseSelectorEventLoop):
+    """In a forked child: give its copy of a selector event loop an epoll instance and a
+    self-pipe of its own (the old ones are shared with the parent: their fds are closed
+    here, which removes no registration of the parent's). Every other reader or writer
+    registered on that loop is dropped in the child. A closed loop, a loop of another
+    kind (uvloop) or one whose selector cannot be made again is left as it is. Never
+    raises: the at-fork hook must reach every runtime.
+
+    Left shared on Python 3.11: a signal wake-up fd (``add_signal_handler``) still
+    names the parent's self-pipe (3.12 resets it at fork)."""
+    if not isinstance(loop, asyncio.selector_events.BaseSelectorEventLoop) \
+            or loop.is_closed():
         return
     raw: Any = loop
-    shared: selectors.BaseSelector = raw._selector
-    raw._selector = type(shared)()
-    shared.close()  # closes this process's fd only: no registration is removed
-    ssock = getattr(raw, "_ssock", None)
-    if ssock is not None:
-        raw._add_reader(ssock.fileno(), raw._read_from_self)
+    shared = raw._selector
+    if shared is None:
+        return
+    try:
+        fresh: selectors.BaseSelector = type(shared)()
+    except Exception:  # noqa: BLE001 - e.g. out of fds: leave the loop as it is
+        return
+    raw._selector = fresh
+    shared.close()
+    if getattr(raw, "_ssock", None) is not None:  # the parent's self-pipe: closed here
+        raw._ssock.close()  # only (``_close_self_pipe`` without its unregistering)
+        raw._csock.close()
+        raw._ssock = raw._csock = None
+        raw._internal_fds -= 1
+    try:
+        raw._make_self_pipe()
+    except Exception:  # noqa: BLE001 - the child's loop then has no wake-up: its own
+        pass
 
 
 def _after_fork_in_child() -> None:
-    """Disown every runtime tracked (``os.register_at_fork``'s hook in the child)."""
+    """Disown every runtime tracked (``os.register_at_fork``'s hook in the child); one
+    that raises does not keep the others from being disowned."""
     for runtime, owner in list(_live.items()):
-        runtime.disown(owner)
+        try:
+            runtime.disown(owner)
+        except Exception:  # noqa: BLE001 - the others must still be disowned
+            pass
     _live.clear()
 
 

@@ -162,12 +162,12 @@ class Runtime:
         touching nothing shared (:mod:`~kvshm.engine.forks`)."""
         self.owner_pid = owner_pid
         self._state = EngineState.CLOSED
-        forks.own_selector(self._loop)
         for chan in self._channels.values():
             chan.disown()
         if self._server is not None:
             self._server.disown()
-        self._loop = self._on_change = None
+        loop, self._loop, self._on_change = self._loop, None, None
+        forks.own_selector(loop)  # last: the rest holds whatever it meets
 
     def attach_loop(self, loop: asyncio.AbstractEventLoop, on_change: Callable[[], None]) -> None:
         """Drive everything from ``loop``; ``on_change`` runs after each batch of events."""

@@ -61,8 +61,11 @@ class HookGuard:
         _guards.add(self)
 
     def _renew(self) -> None:
-        """In a forked child: a lock nobody holds."""
-        self.lock = threading.RLock()
+        """In a forked child: a lock nobody holds -- unless the thread that forked holds
+        it (it forked inside ``with guard``: its exit releases the lock it took)."""
+        is_owned = getattr(self.lock, "_is_owned", None)
+        if is_owned is None or not is_owned():
+            self.lock = threading.RLock()
 
     def __enter__(self) -> HookGuard:
         self.lock.acquire()

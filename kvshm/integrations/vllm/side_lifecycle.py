@@ -186,8 +186,8 @@ class SideLifecycle:
         docstring), else None; None before ``bind`` and after ``shutdown``."""
         with self.guard:
             client = self.bound_client
-            if client is None or self.closed:
-                return None
+            if client is None or self.closed or client.owner_pid is not None:
+                return None  # (a forked child: nothing of the parent's is written here)
             now = time.monotonic()
             # the acks drained, not the rendezvous: the step's build read it
             idle = not self._requests and not client.has_pending_work(rendezvous=False)
