@@ -42,7 +42,7 @@ class Rig:
     """Store then load one request's blocks through ``eng`` (either face), pumping with
     ``pump`` (a sync callable that returns the loads' results so far)."""
 
-    def __init__(self, eng: Facade, gpu: BlockPool, ks: list[torch.Tensor]) -> None:
+    def __init__(self, eng: Engine | SyncClient, gpu: BlockPool, ks: list[torch.Tensor]) -> None:
         self.eng, self.gpu, self.ks, self.n = eng, gpu, ks, 0
 
     def step(self, *reqs: ScheduledRequest) -> None:
@@ -59,6 +59,15 @@ class Rig:
         rows = [k[table].clone() for k in self.ks]
         self.gpu.free(reversed(table))
         return rows
+
+    def unsettled(self, deadline: float) -> bool:
+        """Whether jobs are still in flight; if so, one more (empty) step. The caller
+        sleeps between calls (its own way: the engine's loop must run meanwhile)."""
+        if not self.eng.has_pending_work():
+            return False
+        assert time.monotonic() < deadline, "stores never settled"
+        self.step()
+        return True
 
     def load(self, rid: str, toks: list[int]) -> tuple[int, list[int]]:
         hashes = chain_hashes(toks, BS)
@@ -152,9 +161,7 @@ async def engine_round(rig: Rig, eng: Engine, seed: int) -> bool:
     toks = tokens(TOKENS, seed)
     rows = rig.store(f"s{seed}", toks)
     deadline = time.monotonic() + 20
-    while eng.has_pending_work():
-        assert time.monotonic() < deadline, "stores never settled"
-        rig.step()
+    while rig.unsettled(deadline):
         await asyncio.sleep(0.005)
     hit, table = rig.load(f"l{seed}", toks)
     res = await asyncio.wait_for(eng.wait_loaded(f"l{seed}"), 20)
@@ -191,9 +198,7 @@ def client_round(rig: Rig, cli: SyncClient, seed: int) -> bool:
     toks = tokens(TOKENS, seed)
     rows = rig.store(f"s{seed}", toks)
     deadline = time.monotonic() + 20
-    while cli.has_pending_work():
-        assert time.monotonic() < deadline, "stores never settled"
-        rig.step()
+    while rig.unsettled(deadline):
         time.sleep(0.005)
     hit, table = rig.load(f"l{seed}", toks)
     while True:
