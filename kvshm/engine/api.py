@@ -263,6 +263,12 @@ class Engine(Facade):
             raise self._foreign_loop()
         return super().lookup(req, num_local_tokens)
 
+    def lookup_skipped(self, req: RequestView) -> None:
+        """:meth:`Facade.lookup_skipped`, on the launch loop only (module docstring)."""
+        if asyncio._get_running_loop() is not self._loop:
+            raise self._foreign_loop()
+        super().lookup_skipped(req)
+
     def allocated(self, req_id: str, gpu_block_ids: Sequence[Sequence[int]],
                   num_external_tokens: int) -> None:
         """:meth:`Facade.allocated`, on the launch loop only (module docstring)."""

@@ -91,6 +91,17 @@ class Facade:
             raise self._ended_error()
         return core.lookup(req, num_local_tokens)
 
+    def lookup_skipped(self, req: RequestView) -> None:
+        """Phase A for a request the host recomputes whatever kvshm holds (vLLM's
+        ``skip_reading_prefix_cache``, set for prompt logprobs): no hit is pinned or read,
+        and no ``allocated`` need follow; a P/D hand-off's manifest is read, so that the
+        request's ``finished`` collects it (see ``OffloadManager.lookup_skipped``)."""
+        core = self._core
+        state = core.state
+        if state is _CLOSING or state is _CLOSED:  # _enter(service=False), inlined
+            raise self._ended_error()
+        core.lookup_skipped(req)
+
     def allocated(self, req_id: str, gpu_block_ids: Sequence[Sequence[int]],
                   num_external_tokens: int) -> None:
         """Phase B: where the hit goes (see ``OffloadManager.allocated``). The load's

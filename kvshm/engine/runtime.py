@@ -266,6 +266,22 @@ class Runtime:
                       self.config.name, rid, hit, num_local_tokens)
         return hit
 
+    def lookup_skipped(self, req: RequestView) -> None:
+        """Phase A for a request the engine recomputes whatever the tiers hold
+        (``OffloadManager.lookup_skipped``); nothing until READY or for a request kept
+        out of the manager."""
+        try:
+            rid = req.req_id
+        except AttributeError:
+            raise InvalidRequest("lookup", None, "req",
+                                 f"a RequestView expected, got {type(req).__name__}") from None
+        if type(rid) is not str:
+            check_id("lookup", rid)
+        manager = self.manager
+        pre = self._admission.pre_ready
+        if manager is not None and self._state is _READY and not (pre and rid in pre):
+            manager.lookup_skipped(req)
+
     def allocated(self, req_id: str, gpu_block_ids: Sequence[Sequence[int]],
                   num_external_tokens: int) -> None:
         """Phase B (ignored before READY: every lookup then returned 0)."""

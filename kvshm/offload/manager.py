@@ -254,6 +254,21 @@ class OffloadManager:
             self._tiers.answered(view.req_id)  # an answer ends a hand-off's or a read's wait
         return tokens
 
+    def lookup_skipped(self, req: RequestView) -> None:
+        """The engine recomputes ``req``'s whole prompt whatever the tiers hold (vLLM's
+        ``skip_reading_prefix_cache``: prompt logprobs need every prompt token): nothing
+        is pinned, counted as a lookup or read -- except a P/D hand-off's manifest,
+        read so that the request's end collects it once it is checked, as for a
+        hand-off the engine held whole (``RemoteBook.served``). Without this such a
+        decode request never read its manifest: the manifest and its blocks' hold
+        stayed on the server until the hold TTL. InvalidRequest (nothing changed) for
+        bad input, as :meth:`lookup`."""
+        view = self._check.view(req, 0)
+        remote = self.remote
+        if (view.params is not None and remote is not None and remote.pd is not None
+                and is_handoff(view.params)):
+            remote.served(view.req_id, view.hashes, view.params)
+
     def _lookup(self, view: View, num_local_tokens: int) -> int | None:
         """:meth:`lookup` after its checks, the request's earlier hit already taken out
         (released by the caller after this pins the new one). A hand-off that answers

@@ -10,6 +10,7 @@ evicted blocks; a prefill killed mid-publish) -- never a hang, never a partial l
 
 from __future__ import annotations
 
+import asyncio
 import json
 import subprocess
 import sys
@@ -303,3 +304,49 @@ async def test_a_sibling_after_the_collection_loads_from_memory_of_the_manifest(
         rd = remote(ed)
         assert (rd["pd_manifest_reused"], rd["pd_consumed"], rd["pd_collected"],
                 rd["pd_manifest_missing"], rd["hit_blocks"]) == (1, 2, 1, 0, 2 * BLOCKS), rd
+
+
+async def test_a_decode_request_that_recomputes_its_prompt_still_collects_its_handoff(
+        valkey: ValkeyServer) -> None:
+    """Hazard: a hand-off whose decode request reads no cache. vLLM sets
+    ``skip_reading_prefix_cache`` on a request that asks for prompt logprobs (every
+    prompt token must be computed) and answers 0 for it whatever the connector says;
+    the connector then calls ``lookup_skipped``. P hands off req-s (8 blocks, hold TTL
+    <= 1800 s). D gets req-s with P's params and prompt logprobs: ``lookup_skipped``
+    pins nothing and waits for nothing (returns at once, no job), D computes all 32
+    tokens, and req-s ends before or after its manifest arrives: either way the
+    manifest, checked against req-s's own prefix, is collected -- deleted, its blocks
+    demoted to the ordinary TTL (> 1800 s) -- with no block fetched (hit_blocks 0).
+    Before, the connector returned 0 without a word to the engine: the manifest was
+    never read, and it and its 8 blocks stayed on the server until the hold TTL."""
+    toks = prompt(60)
+    async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ep, gp, _, _):
+        cp = Client(ep, gp)
+        params, _ = await prefill(cp, "req-s", toks)
+        await settle_published(cp)
+        await wait_for_server(lambda: exists(valkey, params[MANIFEST_PARAM]), 20.0)
+    key = params[MANIFEST_PARAM]
+    manifest = msgspec.json.decode(command(valkey.host, valkey.port, "GET", key)
+                                   .split(b"\r\n", 1)[1][:-2], type=Manifest)
+    fp, world = manifest.fingerprint, manifest.world
+    ready = [f"kvshm:v1:{fp}:ready/{world}:{h}" for h in manifest.hashes]
+    assert all(0 < ttl(valkey, k) <= 1800 for k in ready)
+    async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ed, gd, _, _):
+        cd = Client(ed, gd)
+        hashes = chain_hashes(toks, BS)
+        view = RequestView("req-s", hashes, len(toks), {"do_remote_prefill": True, **params})
+        cd.eng.lookup_skipped(view)
+        assert not cd.eng.has_pending_work()                       # nothing fetched
+        table, _ = cd.compute("req-s", toks)                        # all 32 tokens
+        cd.finish("req-s", table, len(toks))
+        deadline = time.monotonic() + 10.0
+        while exists(valkey, key):                                  # an orphan read's
+            assert time.monotonic() < deadline, remote(ed)          # answer lands in
+            cd.step()                                               # a later step
+            await asyncio.sleep(0.01)
+        await cd.settle()
+        rd = remote(ed)
+        assert (rd["pd_collected"], rd["hit_blocks"], rd["pd_manifest_refused"],
+                rd["pd_not_owner"], rd["pd_orphans_dropped"]) == (1, 0, 0, 0, 0), rd
+        assert ed.statistics().pins_held == 0
+    assert all(t > 1800 for t in [ttl(valkey, k) for k in ready])  # demoted

@@ -14,6 +14,10 @@ Exactly what a P/D proxy does, with two real vLLM engines and a real Valkey:
   external hit tokens: every prompt token but the last (the partial last block travels
   under its tail key); vLLM computes only the last prompt token.
 
+P hands off one prompt more, which D serves with ``prompt_logprobs``: vLLM then reads no
+cache for it (``skip_reading_prefix_cache``) and computes every token, yet its end
+collects its manifest (gone from the server; before, it stayed until the hold TTL).
+
 Checked: D's kvshm statistics count the hand-offs consumed and collected and the blocks
 hit and loaded, vLLM on D reports every full block as cached (``num_cached_tokens``: 0
 local + the external hit), and D's token ids and top-3 logprobs are bitwise equal to a
@@ -90,13 +94,20 @@ def child(cfg: dict[str, Any]) -> None:
             raise SystemExit("no hand-off params")
         handoffs: list[dict[str, Any]] = json.loads(line)
         # the proxy forwards the prefill's params verbatim (vLLM's P/D convention)
-        params = [greedy(extra_args={"kv_transfer_params": p}) for p in handoffs]
+        params = [greedy(extra_args={"kv_transfer_params": p}) for p in handoffs[:PROMPTS]]
         t0 = time.perf_counter()
         outs = llm.generate([_prompt(i) for i in range(PROMPTS)], params, use_tqdm=False)
         elapsed = time.perf_counter() - t0
+        # the last hand-off's request asks for prompt logprobs: vLLM reads no cache for
+        # it (skip_reading_prefix_cache), yet its end collects its manifest
+        plp = greedy(prompt_logprobs=1, extra_args={"kv_transfer_params": handoffs[-1]})
+        plp_out = llm.generate([_prompt(PROMPTS)], plp, use_tqdm=False)[0]
+        step_until(llm, lambda s: s["remote"]["pd_collected"] > PROMPTS)
         side = scheduler_side(llm)
         Path(cfg["out"]).write_text(json.dumps({
             "outputs": [record(o) for o in outs], "generate_s": elapsed,
+            "plp_cached": plp_out.num_cached_tokens,
+            "plp_logprobs": len(plp_out.prompt_logprobs or []),
             "connector": side.statistics()["connector"]}))
     finally:
         llm.llm_engine.engine_core.shutdown(timeout=30.0)
@@ -114,6 +125,7 @@ def test_decode_engine_takes_the_prefill_engines_kv_through_valkey_exactly(
     import tiny_llama as tiny_llama_example  # examples/ (pytest pythonpath)
     from vllm import SamplingParams
 
+    from kvshm.remote.resp import command
     from kvshm.remote.server import ValkeyServer
 
     server = ValkeyServer(maxmemory="256mb", workdir=tmp_path).start()
@@ -121,7 +133,7 @@ def test_decode_engine_takes_the_prefill_engines_kv_through_valkey_exactly(
     cfg = {"model": str(tiny_llama.path), "url": server.url,
            "seed": tiny_llama_example.SEED}
     p_stats_path, d_stats_path = tmp_path / "p-stats.json", tmp_path / "d-stats.json"
-    prompts = [_prompt(i) for i in range(PROMPTS)]
+    prompts = [_prompt(i) for i in range(PROMPTS + 1)]  # the last one: prompt logprobs
     d = None
     try:
         d = spawn(__file__, {**cfg, "stats_path": str(d_stats_path),
@@ -139,13 +151,13 @@ def test_decode_engine_takes_the_prefill_engines_kv_through_valkey_exactly(
                 assert set(h) - {"remote_prefill_cached_tokens"} == {
                     MANIFEST, "do_remote_prefill", "do_remote_decode"}, h
                 assert h[MANIFEST].startswith("kvshm:v1:pd:"), h
-            assert len({h[MANIFEST] for h in handoffs}) == PROMPTS
+            assert len({h[MANIFEST] for h in handoffs}) == PROMPTS + 1
             step_until(llm, _manifests_written)  # published: every manifest written
             assert d.stdin is not None
             d.stdin.write(json.dumps(handoffs) + "\n")  # D serves ...
             d.stdin.close()
             # ... while P computes the reference: every token, nothing read from a cache
-            ref = llm.generate(prompts, greedy(skip_reading_prefix_cache=True),
+            ref = llm.generate(prompts[:PROMPTS], greedy(skip_reading_prefix_cache=True),
                                use_tqdm=False)
             ref_out = [record(o) for o in ref]
         try:
@@ -153,6 +165,8 @@ def test_decode_engine_takes_the_prefill_engines_kv_through_valkey_exactly(
         except subprocess.TimeoutExpired:
             rc = None
         assert rc == 0, f"engine D exited with {rc}:\n{log.read_text()[-4000:]}"
+        plp_manifest_left = command(server.host, server.port, "EXISTS",
+                                    handoffs[-1][MANIFEST]).strip()
     finally:
         if d is not None and d.poll() is None:
             d.kill()
@@ -164,14 +178,15 @@ def test_decode_engine_takes_the_prefill_engines_kv_through_valkey_exactly(
     p_stats = json.loads(p_stats_path.read_text())
     d_stats = json.loads(d_stats_path.read_text())
     # P: cold prefills, one publication and one manifest each, nothing failed
-    assert [o["cached"] for o in p_out] == [0] * PROMPTS
+    assert [o["cached"] for o in p_out] == [0] * (PROMPTS + 1)
     p_pd = {k: v for k, v in p_stats["remote"].items() if k.startswith("pd_")}
-    assert p_pd["pd_published"] == p_pd["pd_manifests_written"] == PROMPTS, p_pd
+    assert p_pd["pd_published"] == p_pd["pd_manifests_written"] == PROMPTS + 1, p_pd
     assert p_pd["pd_publish_failed"] == p_pd["pd_publish_timeouts"] == 0, p_pd
     assert [o["cached"] for o in ref_out] == [0] * PROMPTS  # the recompute reference
     # D: every hand-off consumed and collected, every full block from Valkey
     remote = d_stats["remote"]
-    assert remote["pd_consumed"] == remote["pd_collected"] == PROMPTS, remote
+    assert remote["pd_consumed"] >= PROMPTS, remote  # the last: when read before its end
+    assert remote["pd_collected"] == PROMPTS + 1, remote
     assert remote["pd_manifest_missing"] == remote["pd_manifest_refused"] == 0, remote
     assert remote["hit_blocks"] == PROMPTS * (FULL_BLOCKS + 1), remote  # + the tail
     assert remote["get_failed_jobs"] == 0, remote
@@ -180,6 +195,11 @@ def test_decode_engine_takes_the_prefill_engines_kv_through_valkey_exactly(
     assert d_stats["pins_held"] == 0 and d_stats["jobs_in_flight"] == 0
     # what kvshm told vLLM (external hit tokens) and what vLLM reports on each output
     connector = d_res["connector"]
+    # the prompt-logprobs request computed everything, and still collected its manifest
+    # (before: it was never read, and stayed on the server until the hold TTL)
+    assert connector["lookups_skipped"] == 1, connector
+    assert (d_res["plp_cached"], d_res["plp_logprobs"]) == (0, PROMPT_TOKENS), d_res
+    assert plp_manifest_left == b":0"
     assert connector["lookup_hit_tokens"] == PROMPTS * (PROMPT_TOKENS - 1), connector
     assert connector["lookups_asked_again"] >= PROMPTS, connector  # the manifest's wait
     assert connector["loads_ok"] == PROMPTS and connector["loads_failed"] == 0, connector
@@ -187,8 +207,8 @@ def test_decode_engine_takes_the_prefill_engines_kv_through_valkey_exactly(
     # cache hits (remote_prefill_cached_tokens, which P's vLLM added: 0, P ran cold) as
     # its cached tokens, not the decode side's external hit (counted above)
     assert [o["cached"] for o in d_out] == [
-        h.get("remote_prefill_cached_tokens", FULL_BLOCKS * BLOCK) for h in handoffs]
-    for p, r, x in zip(p_out, ref_out, d_out, strict=True):  # bitwise: the same floats
+        h.get("remote_prefill_cached_tokens", FULL_BLOCKS * BLOCK) for h in handoffs[:PROMPTS]]
+    for p, r, x in zip(p_out[:PROMPTS], ref_out, d_out, strict=True):  # bitwise: the same floats
         assert x["tokens"] == r["tokens"] and x["logprobs"] == r["logprobs"]
         assert p["tokens"] == r["tokens"][:1] and p["logprobs"] == r["logprobs"][:1]
 

@@ -186,7 +186,8 @@ class SchedulerSide:
         counters = self.counters
         counters.lookups += 1
         if getattr(request, "skip_reading_prefix_cache", False):
-            counters.lookups_skipped += 1
+            counters.lookups_skipped += 1  # vLLM answers 0 for it whatever kvshm says
+            self._skipped(request)
             return 0, False
         if rid in self._load_failed:
             counters.lookups_after_failed_load += 1
@@ -231,6 +232,19 @@ class SchedulerSide:
                 return hit, False
             return hit, True
         return 0, False
+
+    def _skipped(self, request: Any) -> None:
+        """A lookup vLLM overrides with 0: a P/D decode request still reads its
+        hand-off's manifest, so that its end collects it (``lookup_skipped``)."""
+        params = request.kv_transfer_params
+        if not remote_prefill(params):
+            return
+        view = RequestView(request.request_id, request.block_hashes, request.num_tokens,
+                           params, None)
+        try:
+            (self.life.bound_client or self.client).lookup_skipped(view)
+        except InvalidRequest as exc:
+            self._refusals.refuse(request.request_id, exc)
 
     def _is_sync(self, params: Any) -> bool:
         """A hit of this request is answered as a synchronous load (the module
