@@ -207,8 +207,10 @@ class RemoteBook:
         range with it, unless one is in flight or answered in full
         (:class:`~kvshm.offload.remote_ahead.AskAhead`)."""
         keys = self._range(hashes, start, n_max)
-        if keys and self.ahead.wants(rid, keys) and self.index.healthy():
-            self.ahead.asked(rid, self._query(keys), keys)
+        assert self.side is not None
+        read = self.side.manifest_reads(rid)
+        if keys and self.ahead.wants(rid, keys, read) and self.index.healthy():
+            self.ahead.asked(rid, self._query(keys), keys, read)
             self.counters.queries_ahead += 1
 
     def poll(self) -> None:

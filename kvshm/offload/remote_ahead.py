@@ -25,7 +25,9 @@ Rules (safety first: the answer is used only when it can change nothing):
   checksum, a missing block fails the job (recompute).
 * At most one query per request is in flight; a short answer is asked again with the
   next manifest read (the manifest may not exist yet: the prefill side writes it after
-  the readiness keys).
+  the readiness keys), never before it: the book passes the count of the request's
+  manifest reads, and a query is sent at most once per read. (Asked again at every
+  lookup, the query ran at the index's round-trip rate while a manifest was missing.)
 
 Tokens are the book's (positive, never colliding with its fetch queries': one counter).
 """
@@ -41,6 +43,7 @@ __all__ = ["AskAhead"]
 class _Ahead:
     token: int
     keys: list[bytes]  # the CPU keys whose readiness keys were asked, in order
+    read: int  # the manifest read it went with (its count)
     present: int | None = None  # the answer; None while in flight
 
 
@@ -52,19 +55,21 @@ class AskAhead:
         self._reqs: dict[str, _Ahead] = {}
         self._tokens: dict[int, str] = {}
 
-    def wants(self, rid: str, keys: list[bytes]) -> bool:
-        """Whether ``rid``'s lookup should send a query for ``keys`` now: none is in
-        flight, and no full answer for exactly these keys is held."""
+    def wants(self, rid: str, keys: list[bytes], read: int) -> bool:
+        """Whether ``rid``'s lookup should send a query for ``keys`` now, its manifest
+        read ``read`` times so far: none is in flight, none went with this read, and no
+        full answer for exactly these keys is held."""
         st = self._reqs.get(rid)
         if st is None:
             return True
-        if st.present is None:
+        if st.present is None or st.read == read:
             return False
         return not (st.keys == keys and st.present == len(keys))
 
-    def asked(self, rid: str, token: int, keys: list[bytes]) -> None:
-        """The book sent query ``token`` for ``keys`` for ``rid`` (replacing any other)."""
-        self._reqs[rid] = _Ahead(token, keys)
+    def asked(self, rid: str, token: int, keys: list[bytes], read: int) -> None:
+        """The book sent query ``token`` for ``keys`` for ``rid`` with its manifest read
+        ``read`` (replacing any other)."""
+        self._reqs[rid] = _Ahead(token, keys, read)
         self._tokens[token] = rid
 
     def answered(self, token: int, present: int) -> bool:

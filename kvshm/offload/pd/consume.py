@@ -13,11 +13,12 @@ deletes or re-times nothing.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 
@@ -37,11 +38,28 @@ from kvshm.offload.pd.manifest import (
 from kvshm.offload.pd.scope import HandoffScope
 from kvshm.ratelog import RateLimitedLog
 
-__all__ = ["Consumers"]
+__all__ = ["REASK_FRACTION", "REASK_MAX_S", "REASK_MIN_S", "Consumers", "reask_delay"]
 
 log = logging.getLogger("kvshm.remote")
 #: A client chooses the params: one line per kind of refusal per interval.
 rlog = RateLimitedLog(log)
+
+#: A manifest not there yet is read again after a delay that grows with the time its
+#: request has waited: this fraction of it, at least :data:`REASK_MIN_S`, at most
+#: :data:`REASK_MAX_S` -- a manifest that appears is found at most that much later
+#: (a decoder that waited 100 ms for its prefill: 6.25 ms more at most). Read again at
+#: once, each waiting request cost one round trip per index round, 600 a second here
+#: for the whole wait (5 s), and the index's thread as many wake-ups: a dead prefill
+#: engine's 100 early-routed requests held 60,000 reads a second against the server.
+REASK_FRACTION: Final = 1 / 16
+REASK_MIN_S: Final = 0.001
+REASK_MAX_S: Final = 0.010
+
+
+def reask_delay(waited_s: float) -> float:
+    """How long after a "not there" answer a manifest is read again, its request having
+    waited ``waited_s`` so far (see :data:`REASK_FRACTION`)."""
+    return min(REASK_MAX_S, max(REASK_MIN_S, waited_s * REASK_FRACTION))
 
 
 @dataclass(slots=True, eq=False)
@@ -49,10 +67,12 @@ class _Consume:
     key: str
     keys: list[bytes]  # the request's CPU keys from position 0
     owner: bool  # the request is the owner the manifest's name names: it may collect
-    token: int
+    token: int  # the read in flight; 0: none (WAIT: one is due at ask_at)
     since: float
     verdict: Verdict = Verdict.WAIT
     manifest: Manifest | None = None
+    ask_at: float = 0.0
+    reads: int = 1  # manifest reads sent for the request
 
 
 class Consumers:
@@ -70,8 +90,10 @@ class Consumers:
     * A verdict leaves WAIT once: GO only for a manifest that is readable, this
       engine's (fingerprint, world size, block size), not expired and whose hashes are
       the request's own prefix; anything else is REFUSED (counted) and the request
-      recomputes. A missing manifest is asked again until ``wait_s``; an answer that
-      never comes at all refuses after ``2 * wait_s``.
+      recomputes. A missing manifest is asked again until ``wait_s``, each time after
+      :func:`reask_delay` (due reads are sent by :meth:`poll`); an answer that never
+      comes at all refuses after ``2 * wait_s``. A WAIT request has either one read in
+      flight (``token``) or one due (``token`` 0, an entry in the due heap), never both.
     * Only the manifest's owner collects it (deletes it, demotes its blocks; also an
       expired one): a request of another owner with a GO reads the blocks and nothing
       more (``not_owner``). A collection demotes only the entries that are the
@@ -82,8 +104,9 @@ class Consumers:
       publication under a reused name is collected again. The memory is used only for
       a manifest matching the request's prefix and not expired.
     * A request's end (:meth:`forget`) collects a manifest it trusted but never
-      collected; a read still in flight becomes an orphan, collected when it arrives
-      if trusted, else dropped (``orphans_dropped``; also after ``2 * wait_s``).
+      collected; a read still in flight (or due: it is sent at once) becomes an orphan,
+      collected when it arrives if trusted, else dropped (``orphans_dropped``; also
+      after ``2 * wait_s``).
     * Tokens are negative (never colliding with the remote book's queries).
     """
 
@@ -99,6 +122,8 @@ class Consumers:
         self._tokens: dict[int, str] = {}
         self._done = CollectedManifests()  # for a sibling consumer of one hand-off
         self._orphans: dict[int, _Consume] = {}  # token -> an ended request's unread read
+        self._due: list[tuple[float, str]] = []  # heap: (ask_at, rid) of reads due; stale
+        # entries (the request gone, answered or asked since) are skipped when popped
         self._next_token = -1  # negative: never collides with the remote book's
 
     def expire(self) -> None:
@@ -178,14 +203,35 @@ class Consumers:
             if rid is None or st is None or st.verdict is not Verdict.WAIT:
                 continue
             self._judge(rid, st, raw)
+        due = self._due
+        if due and due[0][0] <= self._clock():
+            self._send_due(self._clock())
+
+    def _send_due(self, now: float) -> None:
+        """Send the manifest reads due by ``now``."""
+        due = self._due
+        while due and due[0][0] <= now:
+            at, rid = heapq.heappop(due)
+            st = self._reqs.get(rid)
+            if st is not None and st.verdict is Verdict.WAIT and st.token == 0 \
+                    and st.ask_at == at:
+                st.token = self._ask(rid, st.key)
+                st.reads += 1
+
+    def reads(self, rid: str) -> int:
+        """Manifest reads sent so far for ``rid`` (0: not a consumer here)."""
+        st = self._reqs.get(rid)
+        return 0 if st is None else st.reads
 
     def _judge(self, rid: str, st: _Consume, raw: bytes | None) -> None:
         if raw is None:
-            if self._clock() - st.since > self._wait:
+            now = self._clock()
+            if now - st.since > self._wait:
                 st.verdict = Verdict.REFUSED
                 self.counters.manifest_missing += 1
-            else:
-                st.token = self._ask(rid, st.key)
+            else:  # read again later: a missing manifest is not polled at the RTT's rate
+                st.token, st.ask_at = 0, now + reask_delay(now - st.since)
+                heapq.heappush(self._due, (st.ask_at, rid))
             return
         m, ok = self._scope.read(raw, st.keys)
         if ok and m is not None and m.expires_at < self._wall():
@@ -242,6 +288,8 @@ class Consumers:
         st = self._reqs.pop(rid, None)
         if st is None:
             return
+        if st.verdict is Verdict.WAIT and st.token == 0:  # a read due: send it now
+            st.token = self._ask(rid, st.key)
         if st.verdict is Verdict.WAIT and self._tokens.pop(st.token, None) is not None:
             self._orphans[st.token] = st
             return

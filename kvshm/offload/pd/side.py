@@ -76,6 +76,11 @@ class HandoffSide:
         return self.handoffs.consumers.consume(
             rid, params, lambda: self._gs.keys(hashes, 0, len(hashes)))
 
+    def manifest_reads(self, rid: str) -> int:
+        """Reads of ``rid``'s manifest sent so far (:meth:`Consumers.reads
+        <kvshm.offload.pd.consume.Consumers.reads>`)."""
+        return self.handoffs.consumers.reads(rid)
+
     def served(self, rid: str, hashes: Sequence[bytes], params: Any) -> None:
         """A hand-off's CPU hit covers its whole extent: nothing is fetched, but its
         manifest is still read (never waited for) so that the request's end collects it
