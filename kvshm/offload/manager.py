@@ -266,7 +266,7 @@ class OffloadManager:
         view = self._check.view(req, 0)
         remote = self.remote
         if (view.params is not None and remote is not None and remote.pd is not None
-                and is_handoff(view.params)):
+                and not self.outcomes.failed and is_handoff(view.params)):
             remote.served(view.req_id, view.hashes, view.params)
 
     def _lookup(self, view: View, num_local_tokens: int) -> int | None:

@@ -38,3 +38,18 @@ def test_bench_pd_vllm_quick_hands_every_prompt_off_and_reports_its_keys() -> No
     assert res["tokens_equal"] and res["logprob_max_abs_diff"] < 1e-4
     assert res["bytes_per_request"] == 8 * BLOCK_BYTES  # 256 tokens: 8 blocks published
     assert res["handoff_ttft_ms_p50"] > 0 and res["recompute_ttft_ms_p50"] > 0
+
+
+@pytest.mark.slow
+def test_bench_pd_wait_reads_a_missing_manifest_at_a_bounded_rate() -> None:
+    """``python -m tools.bench_pd_wait --requests 1 --json``: one decode request whose
+    manifest never comes waits its 5 s and recomputes; its manifest reads stay under the
+    re-read policy's ceiling (one per millisecond for the first 16 ms, then at most one
+    per 1/16 of the time waited, at most 10 ms apart: under 600 in 5 s)."""
+    out = subprocess.run([sys.executable, "-m", "tools.bench_pd_wait", "--requests", "1",
+                          "--json"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    (r,) = json.loads(out.stdout.strip().splitlines()[-1])["rounds"]
+    assert r["answered"] == r["manifest_missing"] == 1, r
+    assert 4.9 < r["wall_s"] < 8.0, r
+    assert 0 < r["manifest_reads"] < 600 and r["readiness_queries"] <= r["manifest_reads"], r

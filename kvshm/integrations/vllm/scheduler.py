@@ -235,7 +235,9 @@ class SchedulerSide:
 
     def _skipped(self, request: Any) -> None:
         """A lookup vLLM overrides with 0: a P/D decode request still reads its
-        hand-off's manifest, so that its end collects it (``lookup_skipped``)."""
+        hand-off's manifest, so that its end collects it (``lookup_skipped``; called
+        again at its end, a no-op for a read begun, which a request skipped before the
+        engine was READY never had: its read then goes as an orphan)."""
         params = request.kv_transfer_params
         if not remote_prefill(params):
             return
@@ -402,6 +404,8 @@ class SchedulerSide:
             if self.cfg.remote_url is not None:  # an empty hand-off's params: collected
                 client.transfer_params(rid)  # (else kept until newer ones push them out)
             return False, None
+        if getattr(request, "skip_reading_prefix_cache", False):
+            self._skipped(request)  # one skipped while the engine started reads it now
         try:
             params = request.kv_transfer_params
             tail = (request_tail_hash(request, confirmed, self.cfg.block_size)

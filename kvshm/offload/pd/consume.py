@@ -14,6 +14,7 @@ deletes or re-times nothing.
 from __future__ import annotations
 
 import heapq
+import itertools
 import logging
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -64,15 +65,17 @@ def reask_delay(waited_s: float) -> float:
 
 @dataclass(slots=True, eq=False)
 class _Consume:
+    rid: str
     key: str
     keys: list[bytes]  # the request's CPU keys from position 0
     owner: bool  # the request is the owner the manifest's name names: it may collect
-    token: int  # the read in flight; 0: none (WAIT: one is due at ask_at)
     since: float
+    token: int = 0  # the read in flight; 0: none (WAIT: one is due at ask_at)
     verdict: Verdict = Verdict.WAIT
     manifest: Manifest | None = None
+    sent: float = 0.0  # when the last read was sent
     ask_at: float = 0.0
-    reads: int = 1  # manifest reads sent for the request
+    reads: int = 0  # manifest reads sent for the request
 
 
 class Consumers:
@@ -93,7 +96,10 @@ class Consumers:
       recomputes. A missing manifest is asked again until ``wait_s``, each time after
       :func:`reask_delay` (due reads are sent by :meth:`poll`); an answer that never
       comes at all refuses after ``2 * wait_s``. A WAIT request has either one read in
-      flight (``token``) or one due (``token`` 0, an entry in the due heap), never both.
+      flight (``token``) or one due (``token`` 0, an entry in the due heap), never both;
+      a read is due :func:`reask_delay` after the last one was *sent* (sent at once from
+      the answer when that time has passed: an engine whose steps are longer than the
+      delay reads once a step, as before).
     * Only the manifest's owner collects it (deletes it, demotes its blocks; also an
       expired one): a request of another owner with a GO reads the blocks and nothing
       more (``not_owner``). A collection demotes only the entries that are the
@@ -105,8 +111,11 @@ class Consumers:
       a manifest matching the request's prefix and not expired.
     * A request's end (:meth:`forget`) collects a manifest it trusted but never
       collected; a read still in flight (or due: it is sent at once) becomes an orphan,
-      collected when it arrives if trusted, else dropped (``orphans_dropped``; also
-      after ``2 * wait_s``).
+      collected when it arrives if trusted. A "not there" answer to an orphan is read
+      again as a request's would be, until ``wait_s`` (a request that ends quickly --
+      one that reads no cache -- usually ends before its prefill publishes); an
+      untrusted one, or none by then, is dropped (``orphans_dropped``; also after
+      ``2 * wait_s``).
     * Tokens are negative (never colliding with the remote book's queries).
     """
 
@@ -122,8 +131,10 @@ class Consumers:
         self._tokens: dict[int, str] = {}
         self._done = CollectedManifests()  # for a sibling consumer of one hand-off
         self._orphans: dict[int, _Consume] = {}  # token -> an ended request's unread read
-        self._due: list[tuple[float, str]] = []  # heap: (ask_at, rid) of reads due; stale
-        # entries (the request gone, answered or asked since) are skipped when popped
+        self._orphans_due: dict[int, _Consume] = {}  # heap seq -> an orphan's read due
+        self._due: list[tuple[float, int, _Consume]] = []  # heap: (ask_at, seq, consumer)
+        # of the reads due; stale entries (gone, answered or asked since) are skipped
+        self._seq = itertools.count()
         self._next_token = -1  # negative: never collides with the remote book's
 
     def expire(self) -> None:
@@ -131,6 +142,9 @@ class Consumers:
         now = self._clock()
         for token in [t for t, o in self._orphans.items() if now - o.since > 2 * self._wait]:
             del self._orphans[token]  # its answer never came: left to the manifest's TTL
+            self.counters.orphans_dropped += 1
+        for seq in [q for q, o in self._orphans_due.items() if now - o.since > 2 * self._wait]:
+            del self._orphans_due[seq]
             self.counters.orphans_dropped += 1
 
     def consume(self, rid: str, params: Any, keys: Callable[[], list[bytes]]
@@ -155,18 +169,20 @@ class Consumers:
                          "kvshm: hand-off manifest name %.200r for request %r is not this "
                          "deployment's (%s...): the request recomputes", key, rid,
                          self._prefix)
-            self._reqs[rid] = _Consume(key, [], False, 0, self._clock(), Verdict.REFUSED)
+            self._reqs[rid] = _Consume(rid, key, [], False, self._clock(),
+                                       verdict=Verdict.REFUSED)
             return Verdict.REFUSED
         own, owner = keys(), key_owner(key, self._prefix) == handoff_owner(rid)
         if self._remembered(key, own):  # collected here already, by a sibling
             self.counters.manifest_reused += 1
-            st = self._reqs[rid] = _Consume(key, own, owner, 0, self._clock())
+            st = self._reqs[rid] = _Consume(rid, key, own, owner, self._clock())
             self._judge(rid, st, self._done.get(key))
             return st.verdict
         if not self._scope.index.healthy():
             self.counters.unhealthy += 1  # no wait for a manifest nobody can read
             return Verdict.REFUSED
-        st = self._reqs[rid] = _Consume(key, own, owner, self._ask(rid, key), self._clock())
+        st = self._reqs[rid] = _Consume(rid, key, own, owner, self._clock())
+        self._read(st)
         return st.verdict
 
     def _remembered(self, key: str, own: Sequence[bytes]) -> bool:
@@ -183,12 +199,35 @@ class Consumers:
             return False
         return ok
 
-    def _ask(self, rid: str, key: str) -> int:
+    def _send(self, st: _Consume) -> int:
+        """Send a read of ``st``'s manifest: its token (stamped, counted)."""
         token = self._next_token
         self._next_token -= 1
-        self._tokens[token] = rid
-        self._scope.index.get_value(token, key)
+        st.token, st.sent = token, self._clock()
+        st.reads += 1
+        self._scope.index.get_value(token, st.key)
         return token
+
+    def _read(self, st: _Consume) -> None:
+        """Read the manifest for ``st``'s live request."""
+        self._tokens[self._send(st)] = st.rid
+
+    def _read_orphan(self, st: _Consume) -> None:
+        """Read the manifest for ``st``, whose request ended."""
+        self._orphans[self._send(st)] = st
+
+    def _again(self, st: _Consume, now: float, orphan: bool) -> None:
+        """``st``'s last read found nothing: read again :func:`reask_delay` after it was
+        sent -- at once if that has passed, else from the due heap."""
+        at = st.sent + reask_delay(st.sent - st.since)
+        if at <= now:
+            (self._read_orphan if orphan else self._read)(st)
+            return
+        st.token, st.ask_at = 0, at
+        seq = next(self._seq)
+        if orphan:
+            self._orphans_due[seq] = st
+        heapq.heappush(self._due, (at, seq, st))
 
     def poll(self) -> None:
         """Apply the manifests that arrived; re-ask a missing one until ``wait_s``. One
@@ -208,15 +247,15 @@ class Consumers:
             self._send_due(self._clock())
 
     def _send_due(self, now: float) -> None:
-        """Send the manifest reads due by ``now``."""
+        """Send the manifest reads due by ``now`` (a live request's, or an orphan's)."""
         due = self._due
         while due and due[0][0] <= now:
-            at, rid = heapq.heappop(due)
-            st = self._reqs.get(rid)
-            if st is not None and st.verdict is Verdict.WAIT and st.token == 0 \
-                    and st.ask_at == at:
-                st.token = self._ask(rid, st.key)
-                st.reads += 1
+            at, seq, st = heapq.heappop(due)
+            if self._orphans_due.pop(seq, None) is not None:
+                self._read_orphan(st)
+            elif self._reqs.get(st.rid) is st and st.verdict is Verdict.WAIT \
+                    and st.token == 0 and st.ask_at == at:
+                self._read(st)
 
     def reads(self, rid: str) -> int:
         """Manifest reads sent so far for ``rid`` (0: not a consumer here)."""
@@ -230,8 +269,7 @@ class Consumers:
                 st.verdict = Verdict.REFUSED
                 self.counters.manifest_missing += 1
             else:  # read again later: a missing manifest is not polled at the RTT's rate
-                st.token, st.ask_at = 0, now + reask_delay(now - st.since)
-                heapq.heappush(self._due, (st.ask_at, rid))
+                self._again(st, now, orphan=False)
             return
         m, ok = self._scope.read(raw, st.keys)
         if ok and m is not None and m.expires_at < self._wall():
@@ -289,7 +327,8 @@ class Consumers:
         if st is None:
             return
         if st.verdict is Verdict.WAIT and st.token == 0:  # a read due: send it now
-            st.token = self._ask(rid, st.key)
+            self._read_orphan(st)
+            return
         if st.verdict is Verdict.WAIT and self._tokens.pop(st.token, None) is not None:
             self._orphans[st.token] = st
             return
@@ -299,9 +338,13 @@ class Consumers:
             self.counters.collected += 1
 
     def _collect_orphan(self, st: _Consume, raw: bytes | None) -> None:
-        """An ended request's manifest arrived: collected if trusted (an expired one is
-        demoted); a missing or untrusted one is left to its TTL and the janitor
-        (counted), as is one a sibling collected here already."""
+        """An ended request's manifest read answered: collected if trusted (an expired
+        one is demoted); a missing one is read again until ``wait_s`` (its prefill may
+        still publish); an untrusted one, or one still missing then, is left to its TTL
+        and the janitor (counted), as is one a sibling collected here already."""
+        if raw is None and self._clock() - st.since <= self._wait:
+            self._again(st, self._clock(), orphan=True)  # the prefill may publish yet
+            return
         m, ok = self._scope.read(raw, st.keys) if raw is not None else (None, False)
         if not ok or m is None:
             self.counters.orphans_dropped += 1

@@ -149,8 +149,9 @@ def test_an_orphan_read_that_is_never_answered_or_finds_nothing_is_dropped_count
     above). R's answer never comes: once D's clock passes ``2 * wait_s`` (10 s) from
     its lookup the orphan is dropped (orphans_dropped 1) and an answer arriving after
     that is ignored -- nothing is deleted, nothing collected. X's read answers
-    "missing" (its manifest was never written): dropped at once (orphans_dropped 2).
-    No orphan is left and no pin is held."""
+    "missing" (its manifest was never written): read again, as a live request's would
+    be (its prefill may still publish), until ``wait_s`` (5 s) after X's lookup, then
+    dropped (orphans_dropped 2). No orphan is left and no pin is held."""
     index = HeldIndex()
     _, r, params = publish(index, 11, tail=False)
     clock = [0.0]
@@ -171,7 +172,12 @@ def test_an_orphan_read_that_is_never_answered_or_finds_nothing_is_dropped_count
     assert d.m.lookup(xv, 8) == 0           # the engine holds X's extent
     d.m.finished("x", 12, [[]])
     d.step()                                # "missing" arrives for the orphan
-    assert pd.counters.orphans_dropped == 2 and pd.consumers._orphans == {}
+    assert pd.counters.orphans_dropped == 1 and pd.consumers._orphans_due != {}
+    while clock[0] < 16.0:                  # read again every 10 ms at most ...
+        clock[0] += 0.25
+        d.step()
+    assert pd.counters.orphans_dropped == 2  # ... until 5 s after X's lookup
+    assert pd.consumers._orphans == {} and pd.consumers._orphans_due == {}
     assert pd.counters.collected == 0 and d.m.pins_held() == 0
     d.m.check_invariants()
 

@@ -56,6 +56,15 @@ def _decoder() -> tuple[CountingIndex, Rig, RequestView, list[float]]:
     return index, d, RequestView("r", r.h, len(r.toks), PARAMS, None), now
 
 
+def _publish(index: HeldIndex) -> None:
+    """P hands R off through an index of its own, then "the server" (``index``) holds
+    what P wrote: P's steps would otherwise drain D's answers from the shared fake."""
+    own = HeldIndex()
+    publish(own)
+    index.kv.update(own.kv)
+    index.ready.update(own.ready)
+
+
 def _wait_until(d: Rig, index: CountingIndex, view: RequestView, now: list[float],
                 until: float) -> int | None:
     """D looks ``view`` up every TICK until ``until`` (fake seconds) or an answer."""
@@ -79,8 +88,8 @@ def test_a_missing_manifest_is_read_again_after_a_growing_delay() -> None:
     reads = index.reads
     assert 450 < len(reads) < 600, len(reads)
     assert index.queries_sent <= len(reads), (index.queries_sent, len(reads))
-    for before, after in zip(reads, reads[1:], strict=False):
-        assert after - before >= reask_delay(before) - 1e-9
+    for before, after in zip(reads, reads[1:], strict=False):  # timed from each send
+        assert after - before >= reask_delay(before - reads[0]) - 1e-9
     assert reads[-1] - reads[-2] <= REASK_MAX_S + 2 * TICK + 1e-9  # answer, then send
     assert d.m.lookup(view, 0) is None  # still waiting: the 5 s bound is not reached
     now[0] = 5.1                        # past it: the next "not there" answer refuses
@@ -95,7 +104,7 @@ def test_a_late_manifest_is_found_within_a_sixteenth_of_the_wait() -> None:
     full blocks; this view carries no tail key)."""
     index, d, view, now = _decoder()
     assert _wait_until(d, index, view, now, 0.3) is None
-    publish(index)
+    _publish(index)
     n = len(index.reads)
     while len(index.reads) == n:
         now[0] += TICK
@@ -133,10 +142,73 @@ def test_a_request_ending_while_its_read_is_due_still_collects_the_manifest() ->
     now[0] += TICK
     assert d.m.lookup(view, 0) is None     # the "not there" answer: a read is due
     assert len(index.reads) == 1
-    publish(index)
+    _publish(index)
     d.m.finished("r", 11, [[]])
     assert len(index.reads) == 2           # sent by the end
     d.step()
     assert MANIFEST not in index.kv        # collected
     assert d.m.remote is not None and d.m.remote.pd is not None
     assert d.m.remote.pd.counters.collected == 1
+
+
+def test_an_engine_with_long_steps_reads_again_at_every_step() -> None:
+    """D's steps take 20 ms (a loaded engine): each step's lookup polls the answer of
+    the read the step before sent. The next read is due ``reask_delay`` after the last
+    was *sent*, long past by then, so it goes at once: one read a step (50 in the first
+    second), and the manifest P publishes 300 ms in is read at the next step. (Timed
+    from the answer's arrival instead, a read waited for the step after: one every two
+    steps, 25 a second, and a late manifest found up to a step later -- a review.)"""
+    index, d, view, now = _decoder()
+    step = 0.020
+    while now[0] < 1.0 - 1e-9:
+        now[0] += step
+        assert d.m.lookup(view, 0) is None
+        index.answer_all()
+    assert 49 <= len(index.reads) <= 51, len(index.reads)
+    while now[0] < 1.3 - 1e-9:
+        now[0] += step
+        d.m.lookup(view, 0)
+        index.answer_all()
+    _publish(index)
+    n = len(index.reads)
+    now[0] += step
+    d.m.lookup(view, 0)
+    assert len(index.reads) == n + 1        # read at the very next step ...
+    assert MANIFEST in index.kv             # ... and found there
+    index.answer_all()
+    now[0] += step
+    d.m.lookup(view, 0)
+    assert d.m.remote is not None and d.m.remote.pd is not None
+    assert d.m.remote.pd.counters.consumed == 1
+
+
+def test_a_request_that_ends_before_its_prefill_publishes_still_collects_the_manifest(
+        ) -> None:
+    """R reads no cache (prompt logprobs): ``lookup_skipped`` sends its manifest read
+    and R runs 3 steps of 5 ms, then ends; the manifest is not there yet (the prefill
+    writes it after every block's PUT). Its read becomes an orphan; the orphan's "not
+    there" answer is read again, as a live request's would be, and P publishes 50 ms
+    later: the orphan finds the manifest and collects it (deleted). Before, the first
+    "not there" dropped the orphan (orphans_dropped 1) and the manifest stayed for its
+    hold TTL (a review)."""
+    index, d, view, now = _decoder()
+    d.m.lookup_skipped(view)
+    for _ in range(3):
+        now[0] += 0.005
+        d.step()
+        index.answer_all()
+    d.m.finished("r", 11, [[]])
+    while now[0] < 0.065:
+        now[0] += 0.005
+        d.step()
+        index.answer_all()
+    _publish(index)
+    while now[0] < 0.1:
+        now[0] += 0.005
+        d.step()
+        index.answer_all()
+    assert MANIFEST not in index.kv
+    assert d.m.remote is not None and d.m.remote.pd is not None
+    pd = d.m.remote.pd
+    assert (pd.counters.collected, pd.counters.orphans_dropped) == (1, 0)
+    assert pd.consumers._orphans == {} and pd.consumers._orphans_due == {}
