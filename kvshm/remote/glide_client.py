@@ -31,7 +31,7 @@ from kvshm.remote.resp import ServerReplyError, command, parse_reply
 from kvshm.remote.tier import RemoteSpec
 
 __all__ = ["Counters", "Shards", "expiry_of", "glide_module", "header_key", "key_slot",
-           "make_client", "report_failure", "too_long"]
+           "make_client", "read_slot_map", "report_failure", "too_long"]
 
 _SLOTS: Final = 16384
 #: A slot-map refresh is attempted at most this often (seconds).
@@ -204,38 +204,44 @@ class Shards:
         return slots[key_slot(key)] if slots is not None else "cluster"
 
     def refresh(self, force: bool = False) -> None:
-        """Read the slot map again (at most every ``_REFRESH_EVERY_S``; one thread at a
-        time, the others go on with the old map)."""
+        """Read the slot map again (one thread at a time, the others go on with the old
+        map), at most once per ``_REFRESH_EVERY_S`` counted from the end of the last
+        attempt: a refresh past dead nodes costs a connect timeout each, and counted from
+        its start, one that took longer than the interval was due again at once -- every
+        part of a call for a stopped shard paid it again (10 s calls at 0.3 s timeouts, a
+        hostile probe). The node that answered is asked first next time, a node that
+        did not goes to the back."""
         if not self.spec.cluster or not self._refresh_lock.acquire(blocking=False):
             return
         try:
-            now = time.monotonic()
-            if not force and now - self._last_refresh < _REFRESH_EVERY_S:
+            if not force and time.monotonic() - self._last_refresh < _REFRESH_EVERY_S:
                 return
-            self._last_refresh = now
-            timeout = self.spec.connect_timeout_ms / 1000
-            for host, port in list(self._known):
-                try:
-                    reply = parse_reply(command(host, port, "CLUSTER", "SLOTS",
-                                                timeout=timeout))
-                except (OSError, ValueError):
-                    continue
-                if isinstance(reply, ServerReplyError) or not reply:
-                    continue
-                slots = ["cluster"] * _SLOTS
-                known = set(self._known)
-                for lo, hi, primary, *replicas in reply:
-                    name = f"{primary[0].decode()}:{primary[1]}"
-                    slots[lo:hi + 1] = [name] * (hi - lo + 1)
-                    for node in (primary, *replicas):
-                        known.add((node[0].decode(), int(node[1])))
-                self._slots = slots
-                self._current = frozenset(slots)
-                self._known = sorted(known)
-                self.refreshes += 1
-                return
+            try:
+                self._read_slots()
+            finally:
+                self._last_refresh = time.monotonic()
         finally:
             self._refresh_lock.release()
+
+    def _read_slots(self) -> None:
+        """Ask the known nodes in turn for ``CLUSTER SLOTS``; the first usable answer
+        becomes the map (nodes that failed before it move to the back)."""
+        timeout = self.spec.connect_timeout_ms / 1000
+        failed: list[tuple[str, int]] = []
+        for node in list(self._known):
+            slots = read_slot_map(node, timeout)
+            if slots is None:
+                failed.append(node)
+                continue
+            slots_of, nodes = slots
+            known = [node] + [n for n in self._known if n != node and n not in failed]
+            known += [n for n in nodes if n not in known and n not in failed] + failed
+            self._slots = slots_of
+            self._current = frozenset(slots_of)
+            self._known = known
+            self.refreshes += 1
+            return
+        self._known = [n for n in self._known if n not in failed] + failed
 
     def current(self) -> frozenset[str] | None:
         """The shards of the slot map read last (None: none read yet, or standalone)."""
@@ -245,6 +251,26 @@ class Shards:
         """Each shard's breaker state, by the shard's name."""
         with self._lock:
             return {k: b.state for k, b in self.breakers.items()}
+
+
+def read_slot_map(node: tuple[str, int], timeout: float
+                  ) -> tuple[list[str], list[tuple[str, int]]] | None:
+    """``node``'s ``CLUSTER SLOTS``: each slot's primary (``"cluster"`` where no
+    shard serves it) and every node named; None when it does not answer in ``timeout``
+    or answers anything else (an error, an empty map, not RESP)."""
+    try:
+        reply = parse_reply(command(node[0], node[1], "CLUSTER", "SLOTS", timeout=timeout))
+        if isinstance(reply, ServerReplyError) or not isinstance(reply, list) or not reply:
+            return None
+        slots = ["cluster"] * _SLOTS
+        nodes: list[tuple[str, int]] = []
+        for lo, hi, primary, *replicas in reply:
+            name = f"{primary[0].decode()}:{primary[1]}"
+            slots[lo:hi + 1] = [name] * (hi - lo + 1)
+            nodes += [(n[0].decode(), int(n[1])) for n in (primary, *replicas)]
+        return slots, nodes
+    except (OSError, ValueError, TypeError, IndexError):  # not a slot map: no answer
+        return None
 
 
 def expiry_of(glide: Any, spec: RemoteSpec) -> Any:

@@ -5,8 +5,10 @@ the tier's *hold* TTL until a decoder collects them; a manifest nobody collects 
 demoted today only by the next engine that happens to read it. :func:`sweep` does it for
 a whole server or cluster, on demand:
 
-1. ``SCAN ... MATCH kvshm:v1:pd:*`` (never ``KEYS``; on a cluster, glide's cluster scan
-   visits every primary's slots), each name once even where SCAN repeats it;
+1. ``SCAN ... MATCH kvshm:v1:pd:*`` (never ``KEYS``; on a cluster, on every primary of
+   the slot map in turn, each page a raw request under the request timeout: a primary
+   that does not answer is named in the RemoteError raised once the others are swept),
+   each name once even where SCAN repeats it;
 2. ``GET`` each manifest (one pipelined batch per page) and judge it with the caller's
    decoder (:func:`judge`): *live* (not expired), *expired*, or *unreadable* (no value
    the decoder accepts, another version, a name that does not match its content, a
@@ -214,22 +216,44 @@ def _probe(spec: RemoteSpec) -> None:
     raise RemoteError(f"cannot reach {spec.url}: {last or 'no node'}")
 
 
-def _scan(glide: Any, client: Any, cluster: bool, match: str
+def _primaries(spec: RemoteSpec, timeout: float) -> list[tuple[str, int]]:
+    """The nodes to scan: the server; on a cluster every primary of the slot map the
+    first seed node that answers gives (RemoteError when none does)."""
+    if not spec.cluster:
+        return list(spec.nodes[:1])
+    from kvshm.remote.glide_client import read_slot_map
+
+    for node in spec.nodes:
+        got = read_slot_map(node, timeout)
+        if got is not None:
+            names = sorted(set(got[0]) - {"cluster"})
+            return [(h, int(p)) for h, p in (n.rsplit(":", 1) for n in names)]
+    raise RemoteError(f"{spec.url}: no seed node answered CLUSTER SLOTS")
+
+
+def _scan(spec: RemoteSpec, match: str, timeout: float, down: list[str]
           ) -> Iterator[list[str | bytes]]:
-    """Pages of names (SCAN COUNT 1000; a cluster scan covers every primary); a name
-    that is not UTF-8 (anyone may write one) stays bytes: no manifest's, unreadable."""
-    if cluster:
-        cursor: Any = glide.ClusterScanCursor()
-        while not cursor.is_finished():
-            cursor, keys = client.scan(cursor, match=match, count=1000)
+    """Pages of names (``SCAN ... COUNT 1000`` on the server, or on each primary of a
+    cluster in turn), each page one raw request bounded by ``timeout`` as a whole -- not
+    glide's cluster scan, which waited without end for a primary that was stopped or
+    killed with its slots uncovered (a hostile probe). A primary that does not answer
+    is named in ``down`` (with why) and the others are still scanned. A name that is
+    not UTF-8 (anyone may write one) stays bytes: no manifest's, unreadable."""
+    for host, port in _primaries(spec, spec.connect_timeout_ms / 1000):
+        cursor = b"0"
+        while True:
+            try:
+                reply = parse_reply(command(host, port, "SCAN", cursor, "MATCH", match,
+                                            "COUNT", "1000", timeout=timeout))
+                if isinstance(reply, ServerReplyError):
+                    raise ValueError(str(reply))
+                cursor, keys = reply
+            except (OSError, ValueError, TypeError) as exc:
+                down.append(f"{host}:{port} ({type(exc).__name__}: {exc})")
+                break
             yield [_name(k) for k in keys]
-        return
-    cursor = b"0"
-    while True:
-        cursor, keys = client.scan(cursor, match=match, count=1000)
-        yield [_name(k) for k in keys]
-        if cursor in (b"0", "0", 0):
-            return
+            if cursor in (b"0", b""):
+                break
 
 
 def _name(key: Any) -> str | bytes:
@@ -328,16 +352,22 @@ def sweep(spec: RemoteSpec, decode: Decoder, *, dry_run: bool = False,
     glide = glide_module()
     _probe(spec)
     report = JanitorReport(spec.url, dry_run)
-    client = make_client(spec, max(spec.request_timeout_ms, _MIN_TIMEOUT_MS))
+    timeout_ms = max(spec.request_timeout_ms, _MIN_TIMEOUT_MS)
+    timeout = timeout_ms / 1000
+    client = make_client(spec, timeout_ms)
     t = now()
     try:
         work = _Sweep(spec, glide, client, report, delete_unreadable)
         seen: set[str | bytes] = set()
-        for names in _scan(glide, client, spec.cluster, match):
+        down: list[str] = []
+        for names in _scan(spec, match, timeout, down):
             fresh = [n for n in dict.fromkeys(names) if n not in seen]
             seen.update(fresh)
             for i in range(0, len(fresh), _PAGE):
                 work.page(fresh[i:i + _PAGE], decode, t)
+        if down:
+            raise RemoteError(f"{spec.url}: did not answer SCAN: {'; '.join(down)}; the "
+                              f"rest was swept (so far: {report.summary()})")
     except glide.GlideError as exc:
         text = " ".join(str(exc).split()) or type(exc).__name__
         raise RemoteError(f"{spec.url}: {text} (so far: {report.summary()})") from exc

@@ -395,6 +395,13 @@ class ValkeyCluster:
                         out.append(n)
         return out
 
+    def replica_of(self, primary: ValkeyServer) -> ValkeyServer:
+        """The node that replicates ``primary`` now (its first replica)."""
+        info = command(primary.host, primary.port, "INFO", "replication")
+        replica = info_field(info, "slave0") or ""
+        port = int(replica.split("port=")[1].split(",")[0])
+        return next(n for n in self.nodes if n.port == port)
+
     def wait_ok(self, timeout_s: float = 20.0) -> None:
         wait_cluster_ok(self.nodes, timeout_s)
 

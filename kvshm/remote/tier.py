@@ -65,6 +65,10 @@ class GetOutcome(Enum):
 _SCHEMES: Final = {"valkey": False, "redis": False,
                    "valkey+cluster": True, "redis+cluster": True}
 _INT_KNOBS: Final = ("request_timeout_ms", "connect_timeout_ms", "threads", "hold_ttl_s")
+#: The longest TTL a spec takes (about 68 years): a server refuses an ``EX`` whose
+#: milliseconds overflow its clock, and a tier with such a ``ttl_s`` refused every put
+#: (counted, nothing said) while its URL parsed (a hostile probe).
+MAX_TTL_S: Final = 2**31 - 1
 
 
 @dataclass(frozen=True)
@@ -114,6 +118,11 @@ class RemoteSpec:
                                        or self.ttl_s <= 0):
             raise ConfigError(f"remote URL {self.url!r}: ttl_s must be None or an int > 0, "
                               f"got {self.ttl_s!r}")
+        for name in ("ttl_s", "hold_ttl_s"):  # a TTL the server refuses stored nothing
+            value = getattr(self, name)
+            if value is not None and value > MAX_TTL_S:
+                raise ConfigError(f"remote URL {self.url!r}: {name} must be at most "
+                                  f"{MAX_TTL_S} s, got {value}")
 
     @classmethod
     def parse(cls, url: str, **knobs: Any) -> RemoteSpec:

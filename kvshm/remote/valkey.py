@@ -452,7 +452,8 @@ class ValkeyBlockStore:
         breakers = [b.statistics() for b in list(self._shards.breakers.values())]
         stats["breaker_opens"] = sum(b["opens"] for b in breakers)
         stats["breaker_closes"] = sum(b["closes"] for b in breakers)
-        states = self._shards.states()
+        now = self._shards.current()  # a failed-over primary's breaker is history
+        states = {k: v for k, v in self._shards.states().items() if now is None or k in now}
         stats["breaker_state"] = worst(states.values()).value
         stats["breakers"] = {k: s.value for k, s in states.items()}
         stats["slot_map_refreshes"] = self._shards.refreshes

@@ -9,6 +9,8 @@ line on stderr."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 import time
@@ -306,6 +308,46 @@ def test_a_cluster_is_scanned_on_every_primary(valkey_cluster: ValkeyCluster,
     first = valkey_cluster.nodes[0]
     assert main(["janitor", "--url", f"valkey://{first.host}:{first.port}"]) == 2
     assert "is a cluster node" in capsys.readouterr().err
+
+
+def test_a_stopped_primary_is_named_and_the_other_primaries_are_swept(
+        valkey_cluster: ValkeyCluster, capsys: pytest.CaptureFixture[str]) -> None:
+    """Attack (a hostile probe): one primary and its replica stop (SIGSTOP by pid: their
+    ports accept connections, nothing answers, nobody serves their slots; with
+    ``cluster-require-full-coverage no`` the cluster says ok) -- when an operator's cron
+    runs the janitor. glide's cluster scan waited for them without end: the janitor
+    never returned (killed after 90 s). Now every primary is scanned with raw ``SCAN``
+    pages, each bounded by the request timeout: exit 2 within seconds, one line naming
+    the stopped primary, the expired manifests of the live primaries scanned (their
+    blocks span every shard, so their demotion fails and they are kept: TTL first,
+    delete last), and once the shard is back a second run demotes all 8 (exit 0)."""
+    node = Node(valkey_cluster.nodes)
+    handoffs = {f"old-{i}": (hashes(1000 * i), -2.0 * MANIFEST_TTL) for i in range(8)}
+    names = publish(valkey_cluster.url, handoffs)
+    victim = node.of(names["old-0"])
+    stopped = [victim, valkey_cluster.replica_of(victim)]
+    live = [n for n in names.values() if node.of(n) is not victim]
+    assert live and len(live) < len(names)
+    url = f"{valkey_cluster.url}?ttl_s={TTL}&connect_timeout_ms=1000&request_timeout_ms=1000"
+    for n in stopped:
+        os.kill(n.pid or 0, signal.SIGSTOP)
+    try:
+        t0 = time.monotonic()
+        rc = main(["janitor", "--url", url])
+        took = time.monotonic() - t0
+        out, err = capsys.readouterr()
+        assert rc == 2 and took < 30, (rc, took, err)
+        assert out == "" and err.count("\n") == 1, err
+        assert f"{victim.host}:{victim.port} (TimeoutError" in err, err
+        assert f"did not answer SCAN: {victim.host}:{victim.port} " in err, err
+        assert f"{len(live)} hand-off manifests scanned: {len(live)} expired" in err, err
+        assert all(node.get(n) is not None for n in live)  # kept: their keys span all
+    finally:
+        for n in stopped:
+            os.kill(n.pid or 0, signal.SIGCONT)
+    valkey_cluster.wait_ok()
+    report = run_json("--url", f"{valkey_cluster.url}?ttl_s={TTL}&{CALM_Q}", capsys=capsys)
+    assert (report["scanned"], report["demoted"], report["failed"]) == (8, 8, 0), report
 
 
 # ---------------------------------------------------------------------------- no server

@@ -117,7 +117,9 @@ def test_a_killed_primary_costs_its_slots_only_until_its_replica_takes_over(
     """SIGKILL one primary: the keys of the other two stay HIT in every call; the dead
     one's keys are ERROR or MISS (never BAD, never a HIT with wrong bytes); no call takes
     longer than a few request deadlines; within ~5 s of the failover (node timeout 2 s)
-    every key is a HIT again, byte-exact, served by the promoted replica. The ready index
+    every key is a HIT again, byte-exact, served by the promoted replica, and the
+    store's breaker state is closed again (the dead primary's open breaker no longer
+    counts: no slot maps to it). The ready index
     meanwhile answers every query quickly with at most the true prefix (it stops at the
     first key of the dead shard), and the whole chain again after the failover."""
     store, keys, hs, src = setup(valkey_cluster)
@@ -168,6 +170,11 @@ def test_a_killed_primary_costs_its_slots_only_until_its_replica_takes_over(
         assert new_owner is not victim and new_owner.running()
         stats = store.statistics()
         assert stats["breaker_opens"] >= 1 and stats["bad"] == 0
+        # the dead primary's breaker (still open: nothing probes a shard no slot maps
+        # to) is history: the store reports its current shards only, as the index
+        # does (it said "open" for good after every block was a HIT again: a probe)
+        assert f"{victim.host}:{victim.port}" not in stats["breakers"], stats["breakers"]
+        assert len(stats["breakers"]) == 3 and stats["breaker_state"] == "closed", stats
         print(f"recovered after {recovered:.1f} s, {rounds} rounds, worst call "
               f"{worst * 1e3:.0f} ms, {stats['errors']} errors")
     finally:
@@ -186,14 +193,6 @@ def ask(idx: ValkeyReadyIndex, token: int, chain: list[str]) -> int:
             return got[0][1]
         assert time.monotonic() < deadline, idx.statistics()
         time.sleep(0.005)
-
-
-def replica_of(cluster: ValkeyCluster, primary: ValkeyServer) -> ValkeyServer:
-    """The node that replicates ``primary`` now."""
-    info = call(primary, "INFO", "replication").decode()
-    port = int(next(line for line in info.splitlines()
-                    if line.startswith("slave0:")).split("port=")[1].split(",")[0])
-    return next(n for n in cluster.nodes if n.port == port)
 
 
 def test_a_stopped_primary_opens_only_its_own_index_breaker_and_blinds_no_other_shard(
@@ -222,7 +221,7 @@ def test_a_stopped_primary_opens_only_its_own_index_breaker_and_blinds_no_other_
         fresh = [ready_key(FP, 2, i.to_bytes(16, "big")) for i in range(N)]
         fresh_live = [k for k in fresh if owner(valkey_cluster, k) is not victim]
         assert live and dead and fresh_live
-        stopped = [victim, replica_of(valkey_cluster, victim)]
+        stopped = [victim, valkey_cluster.replica_of(victim)]
         for node in stopped:
             os.kill(node.pid or 0, signal.SIGSTOP)
         t0 = time.monotonic()

@@ -1,0 +1,188 @@
+"""The raw RESP client (:mod:`kvshm.remote.resp`) and the cluster slot map
+(:class:`~kvshm.remote.glide_client.Shards`) against peers that misbehave: real loopback
+sockets served by threads of this process, each scripted to be a broken "server".
+
+Found by a hostile probe of ``kvshm janitor --url`` pointed at things that are not
+Valkey, and of a cluster whose primary was stopped (SIGSTOP: its port still accepts
+connections, nothing ever answers):
+
+* a peer that trickles a reply a byte at a time held ``command`` for ever (its timeout
+  bounded each ``recv``, not the exchange);
+* a peer that sends bytes without a line end grew the reply without bound (3 GB in 10 s);
+* a reply nested 5,000 levels deep raised RecursionError (a traceback, exit 1);
+* ``Shards.refresh`` counted its interval from its start, so a refresh past dead nodes
+  that took longer than the interval was due again at once, and it asked the nodes in
+  sorted order, dead ones first every time: every part of a block-store call for a
+  stopped shard paid it again (10 s calls at 0.3 s timeouts).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+
+import pytest
+
+from kvshm.errors import ConfigError
+from kvshm.remote.breaker import CircuitBreaker
+from kvshm.remote.glide_client import Shards, key_slot
+from kvshm.remote.resp import MAX_DEPTH, command, parse_reply
+from kvshm.remote.tier import MAX_TTL_S, RemoteSpec
+
+Script = Callable[[socket.socket], None]
+
+
+@contextmanager
+def peer(script: Script, above: int = 0) -> Iterator[int]:
+    """A loopback listener whose every connection runs ``script``; yields its port (one
+    above ``above`` where given)."""
+    lst = socket.socket()
+    for port in ([0] if not above else range(above + 1, min(above + 2000, 65536))):
+        try:
+            lst.bind(("127.0.0.1", port))
+            break
+        except OSError:
+            continue
+    lst.listen(16)
+    stop = threading.Event()
+
+    def serve() -> None:
+        lst.settimeout(0.05)
+        while not stop.is_set():
+            try:
+                conn, _ = lst.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            threading.Thread(target=_run, args=(script, conn, stop), daemon=True).start()
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    try:
+        yield lst.getsockname()[1]
+    finally:
+        stop.set()
+        t.join(2)
+        lst.close()
+
+
+def _run(script: Script, conn: socket.socket, stop: threading.Event) -> None:
+    with conn:
+        try:
+            conn.recv(65536)
+            script(conn)
+            while not stop.is_set():  # hold the connection open, answer nothing more
+                time.sleep(0.02)
+        except OSError:
+            pass
+
+
+def drip(conn: socket.socket) -> None:
+    conn.sendall(b"$100000\r\n")
+    for _ in range(100):
+        conn.sendall(b"x")
+        time.sleep(0.05)
+
+
+def flood(conn: socket.socket) -> None:
+    blob = b"A" * 65536
+    deadline = time.monotonic() + 3
+    while time.monotonic() < deadline:
+        conn.sendall(blob)
+
+
+def deep(conn: socket.socket) -> None:
+    conn.sendall(b"*1\r\n" * 5000 + b":1\r\n")
+
+
+def silent(conn: socket.socket) -> None:
+    pass
+
+
+def test_a_trickling_peer_is_bounded_by_the_whole_exchanges_timeout() -> None:
+    """A byte every 50 ms: each ``recv`` returns in time, but ``command`` gives up at its
+    0.3 s deadline (TimeoutError, an OSError) -- not after 5 s of trickle."""
+    with peer(drip) as port:
+        t0 = time.monotonic()
+        with pytest.raises(OSError):
+            command("127.0.0.1", port, "PING", timeout=0.3)
+        assert time.monotonic() - t0 < 1.0
+
+
+def test_a_flooding_peer_is_refused_past_the_reply_cap(monkeypatch: pytest.MonkeyPatch
+                                                       ) -> None:
+    """Bytes without a line end: refused (ValueError) once the reply passes the cap (1
+    MiB here), not buffered for ever."""
+    import kvshm.remote.resp as resp
+
+    monkeypatch.setattr(resp, "MAX_REPLY_BYTES", 1 << 20)
+    with peer(flood) as port, pytest.raises(ValueError, match="longer than"):
+        command("127.0.0.1", port, "PING", timeout=5.0)
+
+
+def test_a_reply_nested_too_deep_is_a_value_error_not_a_recursion_error() -> None:
+    with peer(deep) as port, pytest.raises(ValueError, match="nested deeper"):
+        command("127.0.0.1", port, "PING", timeout=2.0)
+    ok = b"*1\r\n" * MAX_DEPTH + b":1\r\n"
+    inner = parse_reply(ok)
+    for _ in range(MAX_DEPTH):
+        inner = inner[0]
+    assert inner == 1
+    with pytest.raises(ValueError, match="nested deeper"):
+        parse_reply(b"*1\r\n" + ok)
+    with pytest.raises(ValueError):
+        parse_reply(b"$5\r\nab")  # truncated
+
+
+def _slots_reply(host: str, port: int) -> bytes:
+    """A CLUSTER SLOTS reply: one primary (``host:port``) serving every slot."""
+    node = b"*2\r\n$%d\r\n%s\r\n:%d\r\n" % (len(host), host.encode(), port)
+    return b"*1\r\n*3\r\n:0\r\n:16383\r\n" + node
+
+
+def test_the_slot_map_is_read_past_dead_nodes_once_then_from_the_one_that_answered(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Two seed nodes that accept and never answer (a stopped primary and replica) sort
+    before the one that answers. The first refresh waits out both (2 x 0.3 s, longer
+    than the 0.5 s interval); the map names the live node. Unforced refreshes right
+    after it (every part of a call for the stopped shard asks for one) run none: the
+    interval counts from the refresh's *end* (from its start, each one was due at once).
+    A refresh forced then asks the node that answered first: no wait (in sorted order,
+    the dead ones first again: 0.6 s each time)."""
+    import kvshm.remote.glide_client as gc
+
+    monkeypatch.setattr(gc, "_REFRESH_EVERY_S", 0.5)
+    with peer(silent) as d1, peer(silent) as d2:
+        def answer(conn: socket.socket) -> None:
+            conn.sendall(_slots_reply("127.0.0.1", live))
+        with peer(answer, above=max(d1, d2)) as live:
+            nodes = sorted([("127.0.0.1", d1), ("127.0.0.1", d2)]) + [("127.0.0.1", live)]
+            url = "valkey+cluster://" + ",".join(f"{h}:{p}" for h, p in nodes)
+            spec = RemoteSpec.parse(url, connect_timeout_ms=300)
+            shards = Shards(spec, CircuitBreaker)
+            t0 = time.monotonic()
+            shards.refresh(force=True)
+            first = time.monotonic() - t0
+            assert 0.55 < first < 2.0, first
+            assert shards.shard_of("k") == f"127.0.0.1:{live}"
+            assert key_slot("k") >= 0 and shards.refreshes == 1
+            t0 = time.monotonic()
+            for _ in range(20):  # every part of a call for a stopped shard
+                shards.refresh()
+            assert time.monotonic() - t0 < 0.25 and shards.refreshes == 1
+            t0 = time.monotonic()
+            shards.refresh(force=True)
+            assert time.monotonic() - t0 < 0.25 and shards.refreshes == 2
+
+
+def test_a_ttl_the_server_cannot_take_is_refused_at_parse() -> None:
+    """``ttl_s`` (or ``hold_ttl_s``) past ~68 years: ConfigError naming the knob. It
+    used to parse, and the server refused every put (``invalid expire time``): the tier
+    stored nothing, only a counter said so."""
+    RemoteSpec.parse(f"valkey://h:1?ttl_s={MAX_TTL_S}")
+    for knob in ("ttl_s", "hold_ttl_s"):
+        with pytest.raises(ConfigError, match=knob):
+            RemoteSpec.parse(f"valkey://h:1?{knob}=100000000000000000")
