@@ -283,6 +283,8 @@ _REMOTE_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
     "index_run_id_errors": ("reads of the server's run_id that failed; reads", False),
     "index_run_id_changes": ("changes of the server's run_id seen (a restart: the put "
                              "memory is cleared); changes", False),
+    "index_flushes_seen": ("flushes of the server seen (its run_id unchanged, the index's "
+                           "sentinel key gone: the put memory is cleared); flushes", False),
     "index_queries": ("readiness-index queries issued; queries", False),
     "index_answered": ("readiness-index queries answered; queries", False),
     "index_answered_zero": ("readiness-index queries answered with no key present; "

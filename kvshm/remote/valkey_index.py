@@ -33,10 +33,12 @@ command in that second round, in queue order (a read queued after a write sees i
 
 A server that lost its data is noticed (:class:`RunIdWatch`): while every breaker is
 closed, the thread reads the server's ``run_id`` (``INFO server``; a cluster's, every
-primary's) at most every :data:`RUN_ID_EVERY_S`, before a round or, idle once it has a
-client, on its own (an engine whose puts are all skipped as already there sends
-nothing else). A change (a restart, a failover) bumps :meth:`ValkeyReadyIndex.restarts`,
-and the engine forgets what it believes it put, so write-through refills the tier.
+primary's) and checks its own *sentinel* key at most every :data:`RUN_ID_EVERY_S`,
+before a round or, idle once it has a client, on its own (an engine whose puts are all
+skipped as already there sends nothing else). A new run_id (a restart, a failover) or a
+sentinel gone (``FLUSHALL`` / ``FLUSHDB`` on a running server, which keeps its run_id)
+bumps :meth:`ValkeyReadyIndex.restarts`, and the engine forgets what it believes it
+put, so write-through refills the tier.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import logging
 import queue
 import threading
 import time
+import uuid
 from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Any, Final, NamedTuple
@@ -63,6 +66,13 @@ rlog = RateLimitedLog(log)
 
 #: The server's run_id is read at most this often (seconds), before a round.
 RUN_ID_EVERY_S: Final = 1.0
+#: The prefix of an index's sentinel key (outside ``kvshm:``: no block, readiness key
+#: or manifest, and no scan of them, ever meets one).
+SENTINEL_PREFIX: Final = "kvshm-sentinel"
+#: The TTL of an index's sentinel key (seconds; written again at every check, so it
+#: only goes by a flush, or by its engine's end: it is not left for ever). Touched
+#: every check, it is the last key an LRU policy would evict.
+SENTINEL_TTL_S: Final = 600
 
 
 class Ask(Enum):
@@ -99,7 +109,11 @@ class RunIdWatch:
     every primary's) at most every ``every_s`` while ``calm()`` (every breaker closed: a
     failure only counts, the rounds feed the breakers); a set other than the last one
     seen bumps :attr:`restarts` (one writer, the index's thread; an int read is
-    atomic)."""
+    atomic). So does the loss of its sentinel: a key of this watch's own (a random
+    name: engines sharing a server never see each other's), asked for then written
+    again with :data:`SENTINEL_TTL_S` at each check -- a ``FLUSHALL`` keeps the
+    run_id and took every block with it unnoticed (a review; on a cluster the
+    sentinel lives on one primary: a flush of the others alone goes unnoticed)."""
 
     def __init__(self, spec: RemoteSpec, glide: Any, counters: Counters, every_s: float,
                  calm: Callable[[], bool]) -> None:
@@ -111,6 +125,8 @@ class RunIdWatch:
         self._ids: frozenset[str] = frozenset()  # the last seen; empty: none yet
         self._at = -float("inf")
         self.restarts = 0
+        self._sentinel = f"{SENTINEL_PREFIX}:{uuid.uuid4().hex}"
+        self._sentinel_written = False
 
     def check(self, client: Any) -> None:
         """Read the run_id(s) through ``client`` if due (class docstring)."""
@@ -135,10 +151,28 @@ class RunIdWatch:
             self._n.add(run_id_errors=1)
             self._blind("the reply has no run_id")
             return
-        if self._ids and ids != self._ids:
-            self.restarts += 1
-            self._n.add(run_id_changes=1)
+        changed = bool(self._ids) and ids != self._ids
         self._ids = ids
+        if changed:
+            self._n.add(run_id_changes=1)
+        if self._sentinel_gone(client) and not changed:
+            self._n.add(flushes_seen=1)
+        elif not changed:
+            return
+        self.restarts += 1
+
+    def _sentinel_gone(self, client: Any) -> bool:
+        """Whether the sentinel this watch wrote is gone (then written again)."""
+        g = self._glide
+        try:
+            gone = client.exists([self._sentinel]) == 0
+            client.set(self._sentinel, b"1",
+                       expiry=g.ExpirySet(g.ExpiryType.SEC, SENTINEL_TTL_S))
+        except Exception:  # noqa: BLE001 - counted; the next check tries again
+            self._n.add(run_id_errors=1)
+            return False
+        written, self._sentinel_written = self._sentinel_written, True
+        return written and gone
 
 
     def _blind(self, why: str) -> None:
@@ -172,7 +206,7 @@ class ValkeyReadyIndex:
                             "keys_present", "published", "publish_failed", "errors",
                             "timeouts", "rejected", "round_trips", "clients_created",
                             "values_set", "values_got", "values_dropped", "values_refused",
-                            "run_id_checks", "run_id_errors", "run_id_changes",
+                            "run_id_checks", "run_id_errors", "run_id_changes", "flushes_seen",
                             "keys_shard_down", "values_shard_down", "drains_failed")
         self._batches = ShardBatches(spec, glide, self._shards, self._n)
         self._run_id = RunIdWatch(spec, glide, self._n, run_id_every_s, self._calm)

@@ -33,21 +33,29 @@ def call(server: ValkeyServer, *args: str) -> object:
 
 
 @pytest.mark.asyncio
-async def test_a_restarted_server_is_refilled_within_seconds(valkey: ValkeyServer) -> None:
+@pytest.mark.parametrize("loss", ["restart", "flushall"])
+async def test_a_restarted_server_is_refilled_within_seconds(valkey: ValkeyServer,
+                                                             loss: str) -> None:
     """Writer A serves 4 prompts (write-through: 32 blocks put and published). The
-    server is SIGKILLed and started again on its port, empty. A goes on serving the same
+    server is SIGKILLed and started again on its port, empty (``restart``), or emptied by
+    a ``FLUSHALL`` while it runs (``flushall``: its run_id stays; A's index notices its
+    sentinel key gone, ``index_flushes_seen``). A goes on serving the same
     prompts, round after round; each round its CPU tier is dropped first (under load
     its blocks would be evicted), so it stores them again. A reader B asks for the 4
     prompts after each round. Within a few seconds A has noticed the new run_id
     (server_restarts 1), put the blocks again and B hits all 4 prompts from the server.
-    Before, A skipped every re-put as a duplicate for ``ttl_s / 2`` and B never hit."""
+    Before, A skipped every re-put as a duplicate for ``ttl_s / 2`` and B never hit (a
+    flush went unnoticed until the sentinel came: a review)."""
     toks = [prompt(60 + i) for i in range(4)]
     async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ea, ga, _, _):
         ca = Client(ea, ga)
         for i, t in enumerate(toks):
             await store_and_publish(ca, f"w{i}", t)
-        valkey.kill()
-        valkey.start()
+        if loss == "restart":
+            valkey.kill()
+            valkey.start()
+        else:
+            assert call(valkey, "FLUSHALL") == b"OK"
         assert server_keys(valkey.host, valkey.port) == []               # empty
         t0 = time.monotonic()
         async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (eb, gb, _, _):
@@ -71,7 +79,9 @@ async def test_a_restarted_server_is_refilled_within_seconds(valkey: ValkeyServe
         ra = remote(ea)
     assert took < 15.0
     print(f"remote hits back {took:.1f} s after the restart")
-    assert (ra["server_restarts"], ra["index_run_id_changes"]) == (1, 1), ra
+    changes, flushes = (1, 0) if loss == "restart" else (0, 1)
+    assert (ra["server_restarts"], ra["index_run_id_changes"],
+            ra["index_flushes_seen"]) == (1, changes, flushes), ra
     assert rb["server_restarts"] == 0 and rb["hit_blocks"] == len(toks) * BLOCKS, rb
 
 
