@@ -34,8 +34,10 @@ command in that second round, in queue order (a read queued after a write sees i
 A server that lost its data is noticed (:class:`RunIdWatch`): while every breaker is
 closed, the thread reads the server's ``run_id`` (``INFO server``; a cluster's, every
 primary's) and checks its own *sentinel* key at most every :data:`RUN_ID_EVERY_S`,
-before a round or, idle once it has a client, on its own (an engine whose puts are all
-skipped as already there sends nothing else). A new run_id (a restart, a failover) or a
+after a round (not before it: its two round trips would delay that round's answers,
+a hand-off's included, on an engine whose loop starves the thread of the GIL) or, idle
+once it has a client, on its own (an engine whose puts are all skipped as already
+there sends nothing else). A new run_id (a restart, a failover) or a
 sentinel gone (``FLUSHALL`` / ``FLUSHDB`` on a running server, which keeps its run_id)
 bumps :meth:`ValkeyReadyIndex.restarts`, and the engine forgets what it believes it
 put, so write-through refills the tier.
@@ -162,12 +164,12 @@ class RunIdWatch:
         self.restarts += 1
 
     def _sentinel_gone(self, client: Any) -> bool:
-        """Whether the sentinel this watch wrote is gone (then written again)."""
+        """Whether the sentinel this watch wrote is gone: one ``SET ... GET`` writes it
+        again and answers what it held (nothing: gone)."""
         g = self._glide
         try:
-            gone = client.exists([self._sentinel]) == 0
-            client.set(self._sentinel, b"1",
-                       expiry=g.ExpirySet(g.ExpiryType.SEC, SENTINEL_TTL_S))
+            gone = client.set(self._sentinel, b"1", return_old_value=True,
+                              expiry=g.ExpirySet(g.ExpiryType.SEC, SENTINEL_TTL_S)) is None
         except Exception:  # noqa: BLE001 - counted; the next check tries again
             self._n.add(run_id_errors=1)
             return False
@@ -319,8 +321,8 @@ class ValkeyReadyIndex:
                         client = make_client(self.spec)
                         gen_opens = self.breaker.opens
                         self._n.add(clients_created=1)
-                    self._run_id.check(client)
                     self._drain(client, work)
+                    self._run_id.check(client)  # after: never in a lookup's wait
                 except Exception as exc:  # noqa: BLE001 - the thread must outlive any drain
                     client = self._failed_drain(client, work, exc)
             elif client is not None and not stop:
