@@ -235,7 +235,8 @@ class Shards:
                 continue
             slots_of, nodes = slots
             known = [node] + [n for n in self._known if n != node and n not in failed]
-            known += [n for n in nodes if n not in known and n not in failed] + failed
+            known += [n for n in nodes if n not in known and n not in failed]
+            known = list(dict.fromkeys(known + failed))  # each node once
             self._slots = slots_of
             self._current = frozenset(slots_of)
             self._known = known
@@ -256,21 +257,34 @@ class Shards:
 def read_slot_map(node: tuple[str, int], timeout: float
                   ) -> tuple[list[str], list[tuple[str, int]]] | None:
     """``node``'s ``CLUSTER SLOTS``: each slot's primary (``"cluster"`` where no
-    shard serves it) and every node named; None when it does not answer in ``timeout``
-    or answers anything else (an error, an empty map, not RESP)."""
+    shard serves it) and every node named, once; None when it does not answer in
+    ``timeout`` or answers anything else (an error, an empty map, not RESP, a range
+    outside the 16,384 slots, a host or port of another type). A NULL or empty host
+    (``cluster-preferred-endpoint-type unknown-endpoint``) is the address asked."""
     try:
         reply = parse_reply(command(node[0], node[1], "CLUSTER", "SLOTS", timeout=timeout))
         if isinstance(reply, ServerReplyError) or not isinstance(reply, list) or not reply:
             return None
         slots = ["cluster"] * _SLOTS
-        nodes: list[tuple[str, int]] = []
+        nodes: dict[tuple[str, int], None] = {}
         for lo, hi, primary, *replicas in reply:
-            name = f"{primary[0].decode()}:{primary[1]}"
-            slots[lo:hi + 1] = [name] * (hi - lo + 1)
-            nodes += [(n[0].decode(), int(n[1])) for n in (primary, *replicas)]
-        return slots, nodes
-    except (OSError, ValueError, TypeError, IndexError):  # not a slot map: no answer
+            if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi < _SLOTS):
+                return None
+            named = [_endpoint(n, node[0]) for n in (primary, *replicas)]
+            slots[lo:hi + 1] = [f"{named[0][0]}:{named[0][1]}"] * (hi - lo + 1)
+            nodes.update(dict.fromkeys(named))
+        return slots, list(nodes)
+    except (OSError, ValueError, TypeError, IndexError, AttributeError):  # not a map
         return None
+
+
+def _endpoint(entry: Any, asked: str) -> tuple[str, int]:
+    """(host, port) of a ``CLUSTER SLOTS`` node entry; a NULL or empty host is the
+    address asked. ValueError for anything but a bulk host and an integer port."""
+    host, port = entry[0], entry[1]
+    if host is not None and not isinstance(host, bytes) or type(port) is not int:
+        raise ValueError(f"not a node entry: {entry!r:.80}")
+    return (host.decode() if host else asked), port
 
 
 def expiry_of(glide: Any, spec: RemoteSpec) -> Any:

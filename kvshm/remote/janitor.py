@@ -240,20 +240,32 @@ def _scan(spec: RemoteSpec, match: str, timeout: float, down: list[str]
     is named in ``down`` (with why) and the others are still scanned. A name that is
     not UTF-8 (anyone may write one) stays bytes: no manifest's, unreadable."""
     for host, port in _primaries(spec, spec.connect_timeout_ms / 1000):
-        cursor = b"0"
+        cursor, seen = b"0", {b"0"}
         while True:
             try:
-                reply = parse_reply(command(host, port, "SCAN", cursor, "MATCH", match,
-                                            "COUNT", "1000", timeout=timeout))
-                if isinstance(reply, ServerReplyError):
-                    raise ValueError(str(reply))
-                cursor, keys = reply
-            except (OSError, ValueError, TypeError) as exc:
+                cursor, keys = _scan_page(host, port, cursor, match, timeout)
+                if cursor in seen and cursor != b"0":  # a scan goes round once
+                    raise ValueError(f"the SCAN cursor {cursor!r:.40} came again")
+                seen.add(cursor)
+            except (OSError, ValueError) as exc:
                 down.append(f"{host}:{port} ({type(exc).__name__}: {exc})")
                 break
             yield [_name(k) for k in keys]
-            if cursor in (b"0", b""):
+            if cursor == b"0":
                 break
+
+
+def _scan_page(host: str, port: int, cursor: bytes, match: str, timeout: float
+               ) -> tuple[bytes, list[bytes]]:
+    """One ``SCAN`` page: the next cursor and the names. ValueError for any reply but
+    ``[cursor, [name, ...]]`` (an error reply, a peer that is not Valkey)."""
+    reply = parse_reply(command(host, port, "SCAN", cursor, "MATCH", match, "COUNT",
+                                "1000", timeout=timeout))
+    if not (isinstance(reply, list) and len(reply) == 2 and isinstance(reply[0], bytes)
+            and reply[0].isdigit() and isinstance(reply[1], list)
+            and all(isinstance(k, bytes) for k in reply[1])):
+        raise ValueError(f"not a SCAN reply: {reply!r:.80}")
+    return reply[0], reply[1]
 
 
 def _name(key: Any) -> str | bytes:

@@ -28,7 +28,7 @@ import pytest
 
 from kvshm.errors import ConfigError
 from kvshm.remote.breaker import CircuitBreaker
-from kvshm.remote.glide_client import Shards, key_slot
+from kvshm.remote.glide_client import Shards, key_slot, read_slot_map
 from kvshm.remote.resp import MAX_DEPTH, command, parse_reply
 from kvshm.remote.tier import MAX_TTL_S, RemoteSpec
 
@@ -186,3 +186,65 @@ def test_a_ttl_the_server_cannot_take_is_refused_at_parse() -> None:
     for knob in ("ttl_s", "hold_ttl_s"):
         with pytest.raises(ConfigError, match=knob):
             RemoteSpec.parse(f"valkey://h:1?{knob}=100000000000000000")
+
+
+def _answering(reply: bytes) -> Script:
+    def script(conn: socket.socket) -> None:
+        conn.sendall(reply)
+    return script
+
+
+def _node(host: bytes | None, port: int) -> bytes:
+    h = b"$-1\r\n" if host is None else b"$%d\r\n%s\r\n" % (len(host), host)
+    return b"*2\r\n" + h + b":%d\r\n" % port
+
+
+def test_a_slot_map_names_each_node_once_and_a_null_host_is_the_one_asked() -> None:
+    """A primary serving three ranges (any reshard leaves split ranges), its replica
+    listed with each: the map names each node once (a review: one entry per range
+    before, and a refresh past them silent cost a connect timeout per copy). A NULL
+    host (``cluster-preferred-endpoint-type unknown-endpoint``) is the address asked:
+    it raised AttributeError out of the janitor, the slot map and the store."""
+    ranges = [(0, 99), (100, 199), (200, 16383)]
+    reply = b"*3\r\n" + b"".join(
+        b"*4\r\n:%d\r\n:%d\r\n" % r + _node(None, 7000) + _node(b"10.0.0.2", 7001)
+        for r in ranges)
+    with peer(_answering(reply)) as port:
+        got = read_slot_map(("127.0.0.1", port), 2.0)
+    assert got is not None
+    slots, nodes = got
+    assert nodes == [("127.0.0.1", 7000), ("10.0.0.2", 7001)]
+    assert set(slots) == {"127.0.0.1:7000"}
+
+
+@pytest.mark.parametrize("entry", [
+    b"*3\r\n:0\r\n:16383\r\n*2\r\n:5\r\n:7000\r\n",                  # an int host
+    b"*3\r\n:0\r\n:50000000\r\n" + _node(b"h", 7000),                   # past the slots
+    b"*3\r\n:9\r\n:3\r\n" + _node(b"h", 7000),                          # backwards
+    b"*3\r\n:0\r\n:16383\r\n*2\r\n$1\r\nh\r\n$4\r\n7000\r\n",           # a bulk port
+])
+def test_a_slot_map_that_is_not_one_is_no_answer(entry: bytes) -> None:
+    """Junk in a ``CLUSTER SLOTS`` reply (a hostile or broken peer) is no answer (None),
+    never an exception on the data path nor a 50-million-entry map (763 MiB: a review)."""
+    with peer(_answering(b"*1\r\n" + entry)) as port:
+        assert read_slot_map(("127.0.0.1", port), 2.0) is None
+
+
+@pytest.mark.parametrize(("reply", "why"), [
+    (b"+OK\r\n", "not a SCAN reply"),
+    (b"*2\r\n$1\r\n5\r\n*0\r\n", "came again"),  # a cursor that never ends the scan
+])
+def test_the_janitors_scan_names_a_peer_that_does_not_scan(reply: bytes, why: str) -> None:
+    """The janitor's raw SCAN against a peer that is not Valkey: a reply of another shape
+    (TypeError and a traceback before) or a cursor that comes back (an endless loop
+    before, 29,637 pages in 16 s) names the peer in ``down`` at once; nothing is
+    yielded past it (a review)."""
+    from kvshm.remote.janitor import _scan
+
+    with peer(_answering(reply)) as port:
+        spec = RemoteSpec.parse(f"valkey://127.0.0.1:{port}")
+        down: list[str] = []
+        t0 = time.monotonic()
+        pages = list(_scan(spec, "kvshm:v1:pd:*", 2.0, down))
+    assert time.monotonic() - t0 < 3.0
+    assert len(pages) <= 1 and len(down) == 1 and why in down[0], down

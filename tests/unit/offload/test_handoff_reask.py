@@ -23,7 +23,7 @@ from test_handoff_tail import MANIFEST, publish
 from test_remote_book import HeldIndex, remote_rig
 
 from kvshm.offload.pd.consume import REASK_MAX_S, reask_delay
-from kvshm.offload.pd.manifest import MANIFEST_PARAM
+from kvshm.offload.pd.manifest import MANIFEST_PARAM, Verdict
 from kvshm.types import RequestView
 
 TICK = 0.00025  # D's engine steps: one lookup each
@@ -212,3 +212,35 @@ def test_a_request_that_ends_before_its_prefill_publishes_still_collects_the_man
     pd = d.m.remote.pd
     assert (pd.counters.collected, pd.counters.orphans_dropped) == (1, 0)
     assert pd.consumers._orphans == {} and pd.consumers._orphans_due == {}
+
+
+def _retry(publish_after: float) -> tuple[Verdict, bool]:
+    """R waits 0.5 s and is aborted (its read goes on as an orphan); the proxy retries
+    under the same id 0.5 s later, its prefill publishing ``publish_after`` after the
+    retry's first lookup: the retry's verdict 50 ms after the publication, and whether
+    the manifest is still on the server."""
+    index, d, view, now = _decoder()
+    assert _wait_until(d, index, view, now, 0.5) is None
+    d.m.finished("r", 11, [[]])                       # aborted: R's read, an orphan
+    while now[0] < 1.0:
+        now[0] += TICK
+        d.step()
+        index.answer_all()
+    assert _wait_until(d, index, view, now, now[0] + publish_after) is None
+    _publish(index)
+    _wait_until(d, index, view, now, now[0] + 0.05)
+    assert d.m.remote is not None and d.m.remote.pd is not None
+    return d.m.remote.pd.consumers._reqs["r"].verdict, MANIFEST in index.kv
+
+
+def test_a_retry_under_the_same_id_is_not_shut_out_by_its_first_trys_orphan() -> None:
+    """R (X-Request-Id ``r``) waits for its manifest and is aborted; its read becomes an
+    orphan that reads again until ``wait_s``. The proxy retries under the same id (the
+    same manifest name); P publishes. Whichever read lands first, the retry goes GO: if
+    the orphan's read found the manifest first and collected it (deleted from the
+    server), the retry judges it from the decoder's memory of collected manifests
+    (``manifest_reused``). Before, the retry's reads found nothing from then on and it
+    waited out the 5 s and recomputed (a review: 8 of 120 timings)."""
+    for k in range(12):
+        verdict, _ = _retry(k * 0.00075)
+        assert verdict is Verdict.GO, k
