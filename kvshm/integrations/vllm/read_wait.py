@@ -1,17 +1,23 @@
-"""A lookup's bounded wait for the disk read it posted (the vLLM scheduler side).
+"""A lookup's bounded wait for the lower tier's answer (the vLLM scheduler side).
 
 With a disk tier, the lookup that first answers "ask again" for a disk hit has posted
-its READ, and the worker's mover publisher starts it on arrival. When every live
-request is waiting likewise, the step would run nothing, so the lookup may instead
-sleep and pump the client for the read's Done (:meth:`ReadWait.wait`): the read then
-ends within this lookup -- the sleep leaves the GIL to the workers' I/O threads, which a
-spinning engine loop starves -- instead of costing empty engine steps.
+its READ, and the worker's mover publisher starts it on arrival. With a remote tier, a
+lookup that asks again waits for the index's answer (a P/D hand-off's manifest, the
+readiness keys) or a GET in flight. When every live request is waiting likewise, the
+step would run nothing, so the lookup may instead sleep and pump the client
+(:meth:`ReadWait.wait`): the read or the answer then lands within this lookup -- the
+sleep leaves the GIL to the workers' I/O threads and the index's thread, which a
+spinning engine loop starves (a hand-off's manifest read took 100-600 ms a round trip
+there, where 0.6 ms when the caller sleeps) -- instead of costing empty engine steps.
+A wait ends, besides at the answer or its bound, as soon as the client has work for
+the next step that it had not at the wait's start (``has_pending_work``: e.g. a fetch
+answered that only a plan can start): waiting longer would only delay that step.
 
 State: the ids of the live requests whose last lookup answered "ask again"
 (:meth:`ReadWait.asked_again`; dropped by :meth:`ReadWait.answered` and
 :meth:`ReadWait.forget`). Invariant: every id held is a live request of the side (the
 side calls ``forget`` when it forgets a request), so comparing the count with the live
-requests' is exact. Without a disk tier nothing is held and no lookup waits.
+requests' is exact. Without a lower tier nothing is held and no lookup waits.
 """
 
 from __future__ import annotations
@@ -58,8 +64,8 @@ class ReadWait:
     count is read); ``counters``: the side's, which the waits count in."""
 
     def __init__(self, *, disk: bool, block_size: int, live: Sized,
-                 counters: SchedulerCounters) -> None:
-        self.base_s = READ_WAIT_S if disk else 0.0
+                 counters: SchedulerCounters, remote: bool = False) -> None:
+        self.base_s = READ_WAIT_S if disk or remote else 0.0
         self.block_size = block_size
         self._live = live
         self._counters = counters
@@ -100,6 +106,7 @@ class ReadWait:
         deadline = time.monotonic() + self.bound(view, num_computed_tokens)
         counters = self._counters
         counters.lookups_waited += 1
+        busy = client.has_pending_work()  # work for a step already: not a reason to end
         while time.monotonic() < deadline:
             time.sleep(READ_WAIT_SLICE_S)
             absorb(client.poll())
@@ -107,5 +114,8 @@ class ReadWait:
             if hit is not None:
                 counters.lookups_answered_after_wait += 1
                 return hit
+            if not busy and client.has_pending_work():  # a step can move it now
+                counters.lookup_waits_ended_for_step += 1
+                return None
         counters.lookup_waits_timed_out += 1
         return None

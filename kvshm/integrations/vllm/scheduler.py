@@ -124,9 +124,10 @@ class SchedulerSide:
         self._local_hit: dict[str, int] = {}
         self.counters = SchedulerCounters()
         self._refusals = Refusals(self.counters)
-        # a lookup's bounded wait for its disk read
+        # a lookup's bounded wait for its disk read or remote answer
         self._reads = ReadWait(disk=bool(cfg.disk_path), block_size=cfg.block_size,
-                               live=self._requests, counters=self.counters)
+                               live=self._requests, counters=self.counters,
+                               remote=cfg.remote_url is not None)
         # the first lookups ask again while the ranks connect, if a lower tier may hit
         self._start: StartWait | None = (StartWait() if cfg.disk_path or cfg.remote_url
                                          else None)

@@ -930,19 +930,25 @@ class ReadClient:
         self.polls += 1
         return []
 
+    def has_pending_work(self) -> bool:
+        return self.pending
+
+    pending = False  # work for the next step (a wait that sees it appear ends)
+
     def step(self, step_input: Any, *, service: bool = True) -> Any:
         from kvshm.types import StepPlan
 
         return StepPlan(step_input.step)
 
 
-def _read_side(client: ReadClient, disk: bool) -> Any:
+def _read_side(client: ReadClient, disk: bool, remote: bool = False) -> Any:
     from kvshm.integrations.vllm.config import ConnectorConfig
     from kvshm.integrations.vllm.scheduler import SchedulerSide
     from kvshm.types import StoreMode
 
     cfg = ConnectorConfig("unit", 1, 1, BS, (KVGroup.full(),), StoreMode.EAGER, None, 8,
-                          None, 30.0, 5.0, 0, disk_path="/nonexistent" if disk else None)
+                          None, 30.0, 5.0, 0, disk_path="/nonexistent" if disk else None,
+                          remote_url="valkey://unused:1" if remote else None)
     side = SchedulerSide(cfg)
     side.life.bound_client = client  # type: ignore[assignment]
     return side
@@ -1037,6 +1043,39 @@ def test_vllm_lookup_wait_grows_with_the_blocks_it_may_read(
             c.lookups_asked_again) == (1, 1, 0, 0)
 
 
+class StepWorkClient(ReadClient):
+    """A :class:`ReadClient` that never answers but, from its ``work_after``-th pump on,
+    has work for the next step (a fetch answered that only a plan can start)."""
+
+    def __init__(self, work_after: int) -> None:
+        super().__init__(10**9)
+        self.work_after = work_after
+
+    def has_pending_work(self) -> bool:
+        return self.polls >= self.work_after
+
+
+def test_vllm_lookup_waits_for_a_remote_answer_and_ends_when_a_step_has_work() -> None:
+    """With a remote tier alone, a lookup that asks again waits as with a disk tier (the
+    manifest read or the readiness answer lands within the wait: on a spinning engine
+    loop a hand-off's index round trip took 100-600 ms, 0.6 ms with the caller asleep).
+    The wait ends at once when the client gains work for the next step it had not at the
+    wait's start (here after 3 pumps; counted ``lookup_waits_ended_for_step``): only a
+    step can start a fetch that was answered, so waiting on would only delay it."""
+    import time
+
+    client = StepWorkClient(work_after=3)
+    side = _read_side(client, disk=False, remote=True)
+    a = _read_request(side, "a")
+    t0 = time.monotonic()
+    assert side.lookup(a, 0) == (None, False)
+    assert time.monotonic() - t0 < side._reads.bound(_view(a), 0)
+    c = side.counters
+    assert (c.lookups_waited, c.lookup_waits_ended_for_step, c.lookup_waits_timed_out) == \
+        (1, 1, 0)
+    assert client.polls == 3
+
+
 def _view(r: Any) -> Any:
     from kvshm.types import RequestView
 
@@ -1046,7 +1085,7 @@ def _view(r: Any) -> Any:
 def test_vllm_lookup_wait_is_bounded_and_absent_without_a_disk_tier() -> None:
     """A read that does not end within the wait's bound (READ_WAIT_S plus 1 ms for each
     of the request's 2 full blocks: 12 ms): the lookup asks again after the wait (counted);
-    without a disk tier the lookup never waits at all."""
+    without a lower tier (disk or remote) the lookup never waits at all."""
     import time
 
     client = ReadClient(polls_to_answer=10**9)
