@@ -283,8 +283,10 @@ def test_ls_and_sweep_with_stdout_closed_exit_0() -> None:
     None for a command started with stdout closed (``kvshm sweep >&-`` from cron): an
     AttributeError traceback and exit 1 after the sweep had done its work. Exit 0."""
     for args in (["ls"], ["sweep", "--dry-run"]):
-        out = subprocess.run([sys.executable, "-m", "kvshm.cli", *args],
-                             preexec_fn=lambda: os.close(1), stderr=subprocess.PIPE,
+        # the shell closes fd 1 at exec: no Python code runs in the fork (a preexec_fn
+        # did, in a pytest worker with other threads -- glide's among them)
+        out = subprocess.run(["/bin/sh", "-c", 'exec "$@" >&-', "sh", sys.executable,
+                              "-m", "kvshm.cli", *args], stderr=subprocess.PIPE,
                              text=True, timeout=60, check=False)
         assert (out.returncode, out.stderr) == (0, ""), args
 

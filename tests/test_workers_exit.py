@@ -39,16 +39,17 @@ class Pair:
             [sys.executable, str(HERE / "engine_proc.py"), self.name, "2"], env=_env(),
             text=True, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         err: int | None = subprocess.PIPE
-        pre = None
+        argv = [sys.executable, "-m", "workers", "--name", self.name, "--tp", "2",
+                "--connect-timeout", "60"]
         if stderr == "reader_gone":
             r, err = os.pipe()
             os.close(r)
-        elif stderr == "closed":
-            err, pre = None, lambda: os.close(2)
-        self.workers = subprocess.Popen(
-            [sys.executable, "-m", "workers", "--name", self.name, "--tp", "2",
-             "--connect-timeout", "60"], env=_env(), text=True, stdin=subprocess.DEVNULL,
-            stderr=err, cwd=ROOT, preexec_fn=pre)
+        elif stderr == "closed":  # the shell closes fd 2 at exec: no Python code runs in
+            # the fork (a preexec_fn did, in a pytest worker with other threads: it hung
+            # there now and then, and the workers never started)
+            err, argv = None, ["/bin/sh", "-c", 'exec "$@" 2>&-', "sh", *argv]
+        self.workers = subprocess.Popen(argv, env=_env(), text=True,
+                                        stdin=subprocess.DEVNULL, stderr=err, cwd=ROOT)
         if stderr == "reader_gone":
             assert err is not None
             os.close(err)
