@@ -564,6 +564,13 @@ class SyncClient(Facade):
             raise ConfigError(f"settle: limit must be an int >= 0, got {limit!r}")
         return self._core.settle(limit)
 
+    def fetch_to_plan(self) -> bool:
+        """True while a lower tier's fetch is answered and only the next ``step`` can
+        start it (a remote GET): a lookup waiting for it would only delay that step.
+        No pump (the caller pumps)."""
+        self._enter(service=False)
+        return self._core.fetch_to_plan()
+
     def has_pending_work(self, *, rendezvous: bool = True) -> bool:
         """True while any job is not yet acked by every rank (after a pump; without the
         rendezvous with ``rendezvous=False``, as :meth:`poll`)."""

@@ -348,6 +348,10 @@ class Runtime:
         """True once the jobs the last :meth:`reset` abandoned are done."""
         return self.manager is None or self.manager.reset_done()
 
+    def fetch_to_plan(self) -> bool:
+        """A lower tier's fetch waits for the next plan (``OffloadManager.fetch_to_plan``)."""
+        return self.manager is not None and self.manager.fetch_to_plan()
+
     def has_pending_work(self) -> bool:
         """True while any job is queued, in flight or not yet acked by every live rank."""
         return self.manager is not None and self.manager.has_pending_work()

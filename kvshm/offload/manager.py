@@ -166,6 +166,11 @@ class OffloadManager:
         needed for correctness."""
         return self.cpu.settle(limit)
 
+    def fetch_to_plan(self) -> bool:
+        """A lower tier's fetch is answered and waits for the next plan
+        (``LowerTiers.fetch_to_plan``): no wait in a lookup can move it."""
+        return self._tiers.active and self._tiers.fetch_to_plan()
+
     def has_pending_work(self) -> bool:
         """Anything queued, in flight or not yet reported: keep stepping. Jobs that wait
         only for a revoked, unfenced rank do not count: nothing will move them."""

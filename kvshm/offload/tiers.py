@@ -166,6 +166,11 @@ class LowerTiers:
             return []
         return disk.plan_reads(step, overdue=self.overdue())
 
+    def fetch_to_plan(self) -> bool:
+        """The remote tier holds a fetch answered that only a plan can start (its GET);
+        a disk fetch's READ is posted by the lookup itself."""
+        return self.remote is not None and self.remote.fetches.pending()
+
     def has_pending_work(self) -> bool:
         """A tier has reads or writes queued or unanswered."""
         return ((self.remote is not None and self.remote.has_pending_work())

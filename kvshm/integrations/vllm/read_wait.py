@@ -9,9 +9,11 @@ step would run nothing, so the lookup may instead sleep and pump the client
 sleep leaves the GIL to the workers' I/O threads and the index's thread, which a
 spinning engine loop starves (a hand-off's manifest read took 100-600 ms a round trip
 there, where 0.6 ms when the caller sleeps) -- instead of costing empty engine steps.
-A wait ends, besides at the answer or its bound, as soon as the client has work for
-the next step that it had not at the wait's start (``has_pending_work``: e.g. a fetch
-answered that only a plan can start): waiting longer would only delay that step.
+A wait ends, besides at the answer or its bound, as soon as the client holds a fetch
+answered that only the next step can start (``SyncClient.fetch_to_plan``: a remote
+GET), and does not start while one is held: waiting would only delay that step. (A
+review found the first version, which ended on any new pending work, sleeping its
+whole bound whenever other work was pending at its start.)
 
 State: the ids of the live requests whose last lookup answered "ask again"
 (:meth:`ReadWait.asked_again`; dropped by :meth:`ReadWait.answered` and
@@ -106,16 +108,15 @@ class ReadWait:
         deadline = time.monotonic() + self.bound(view, num_computed_tokens)
         counters = self._counters
         counters.lookups_waited += 1
-        busy = client.has_pending_work()  # work for a step already: not a reason to end
-        while time.monotonic() < deadline:
+        while not client.fetch_to_plan():  # else only the step can move it: no wait
+            if time.monotonic() >= deadline:
+                counters.lookup_waits_timed_out += 1
+                return None
             time.sleep(READ_WAIT_SLICE_S)
             absorb(client.poll())
             hit = client.lookup(view, num_computed_tokens)
             if hit is not None:
                 counters.lookups_answered_after_wait += 1
                 return hit
-            if not busy and client.has_pending_work():  # a step can move it now
-                counters.lookup_waits_ended_for_step += 1
-                return None
-        counters.lookup_waits_timed_out += 1
+        counters.lookup_waits_ended_for_step += 1
         return None

@@ -50,7 +50,7 @@ class SchedulerCounters:
     lookups_waited: int = 0  # lookups that waited for a posted disk read (its own or earlier)
     lookups_answered_after_wait: int = 0  # ... and were answered within the wait
     lookup_waits_timed_out: int = 0  # ... and were not (asked again)
-    lookup_waits_ended_for_step: int = 0  # ... ended early: the next step has work
+    lookup_waits_ended_for_step: int = 0  # ... ended (or never slept): a fetch awaits a plan
     lookup_hit_tokens: int = 0
     lookups_sync: int = 0  # hits answered as synchronous loads (no load step of their own)
     sync_loads_unplanned: int = 0  # ... accepted but not planned: failed (recomputed)

@@ -930,10 +930,8 @@ class ReadClient:
         self.polls += 1
         return []
 
-    def has_pending_work(self) -> bool:
-        return self.pending
-
-    pending = False  # work for the next step (a wait that sees it appear ends)
+    def fetch_to_plan(self) -> bool:
+        return False  # no fetch answered that only a step can start
 
     def step(self, step_input: Any, *, service: bool = True) -> Any:
         from kvshm.types import StepPlan
@@ -1045,13 +1043,13 @@ def test_vllm_lookup_wait_grows_with_the_blocks_it_may_read(
 
 class StepWorkClient(ReadClient):
     """A :class:`ReadClient` that never answers but, from its ``work_after``-th pump on,
-    has work for the next step (a fetch answered that only a plan can start)."""
+    holds a fetch answered that only the next step can start."""
 
     def __init__(self, work_after: int) -> None:
         super().__init__(10**9)
         self.work_after = work_after
 
-    def has_pending_work(self) -> bool:
+    def fetch_to_plan(self) -> bool:
         return self.polls >= self.work_after
 
 
@@ -1059,9 +1057,12 @@ def test_vllm_lookup_waits_for_a_remote_answer_and_ends_when_a_step_has_work() -
     """With a remote tier alone, a lookup that asks again waits as with a disk tier (the
     manifest read or the readiness answer lands within the wait: on a spinning engine
     loop a hand-off's index round trip took 100-600 ms, 0.6 ms with the caller asleep).
-    The wait ends at once when the client gains work for the next step it had not at the
-    wait's start (here after 3 pumps; counted ``lookup_waits_ended_for_step``): only a
-    step can start a fetch that was answered, so waiting on would only delay it."""
+    The wait ends at once when the client holds a fetch answered that only the next
+    step can start (``fetch_to_plan``; here after 3 pumps; counted
+    ``lookup_waits_ended_for_step``): waiting on would only delay that step. A
+    lookup that starts with such a fetch held does not sleep at all (the first version
+    ended only on *new* pending work, and slept its whole bound when any was pending at
+    its start -- another request's GET in flight, a PUT queue: a review)."""
     import time
 
     client = StepWorkClient(work_after=3)
@@ -1074,6 +1075,13 @@ def test_vllm_lookup_waits_for_a_remote_answer_and_ends_when_a_step_has_work() -
     assert (c.lookups_waited, c.lookup_waits_ended_for_step, c.lookup_waits_timed_out) == \
         (1, 1, 0)
     assert client.polls == 3
+    client = StepWorkClient(work_after=0)  # answered before the lookup
+    side = _read_side(client, disk=False, remote=True)
+    a = _read_request(side, "a")
+    t0 = time.monotonic()
+    assert side.lookup(a, 0) == (None, False)
+    assert time.monotonic() - t0 < 0.005 and client.polls == 1  # the lookup's own pump
+    assert side.counters.lookup_waits_ended_for_step == 1
 
 
 def _view(r: Any) -> Any:
