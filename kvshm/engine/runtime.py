@@ -88,6 +88,19 @@ _READY = EngineState.READY
 _DEBUG = logging.DEBUG
 
 
+
+def _request_id(req: RequestView) -> str:
+    """A lookup's request id: InvalidRequest (nothing changed) for anything but a
+    RequestView whose id is a str (or a str subclass)."""
+    try:
+        rid = req.req_id
+    except AttributeError:
+        raise InvalidRequest("lookup", None, "req",
+                             f"a RequestView expected, got {type(req).__name__}") from None
+    if type(rid) is not str:
+        check_id("lookup", rid)
+    return rid
+
 class Runtime:
     """See the module docstring. ``spawned``: kvshm started the workers (pidfds)."""
 
@@ -238,13 +251,7 @@ class Runtime:
     def lookup(self, req: RequestView, num_local_tokens: int) -> int | None:
         """Phase A; 0 until READY, once FAILED, and for a request kept out of the manager
         (:mod:`~kvshm.engine.admission`: ``allocated`` ignores it too)."""
-        try:
-            rid = req.req_id
-        except AttributeError:
-            raise InvalidRequest("lookup", None, "req",
-                                 f"a RequestView expected, got {type(req).__name__}") from None
-        if type(rid) is not str:
-            check_id("lookup", rid)  # InvalidRequest unless a str subclass
+        rid = _request_id(req)
         manager = self.manager
         pre = self._admission.pre_ready  # kept_out, inlined (a call per lookup)
         if manager is None or self._state is not _READY or (pre and rid in pre):
@@ -270,13 +277,7 @@ class Runtime:
         """Phase A for a request the engine recomputes whatever the tiers hold
         (``OffloadManager.lookup_skipped``); nothing until READY or for a request kept
         out of the manager."""
-        try:
-            rid = req.req_id
-        except AttributeError:
-            raise InvalidRequest("lookup", None, "req",
-                                 f"a RequestView expected, got {type(req).__name__}") from None
-        if type(rid) is not str:
-            check_id("lookup", rid)
+        rid = _request_id(req)
         manager = self.manager
         pre = self._admission.pre_ready
         if manager is not None and self._state is _READY and not (pre and rid in pre):

@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -45,6 +46,22 @@ from kvshm.types import RequestView
 
 pytestmark = pytest.mark.asyncio
 HERE = Path(__file__).parent
+
+
+def stored_manifest(valkey: ValkeyServer, key: str) -> Manifest:
+    """The manifest ``key`` as the server holds it."""
+    raw = command(valkey.host, valkey.port, "GET", key).split(b"\r\n", 1)[1][:-2]
+    return msgspec.json.decode(raw, type=Manifest)
+
+
+async def handed_off(valkey: ValkeyServer, cp: Client, rid: str, toks: list[int]
+                     ) -> tuple[dict[str, Any], list[int]]:
+    """P prefills ``rid`` and publishes it: its transfer params and GPU table, once the
+    manifest is on the server."""
+    params, table = await prefill(cp, rid, toks)
+    await settle_published(cp)
+    await wait_for_server(lambda: exists(valkey, params[MANIFEST_PARAM]), 20.0)
+    return params, table
 async def test_handoff_publish_then_consume_bit_exact_and_collected(
         valkey: ValkeyServer) -> None:
     """P publishes 8 blocks and, last, the manifest; until a decoder loads them the
@@ -64,8 +81,7 @@ async def test_handoff_publish_then_consume_bit_exact_and_collected(
         rp = remote(ep)
         assert (rp["pd_published"], rp["pd_manifests_written"]) == (1, 1)
     key = params[MANIFEST_PARAM]
-    manifest = msgspec.json.decode(command(valkey.host, valkey.port, "GET", key)
-                                   .split(b"\r\n", 1)[1][:-2], type=Manifest)
+    manifest = stored_manifest(valkey, key)
     assert manifest.world == 2 and manifest.num_tokens == len(toks)
     assert len(manifest.hashes) == BLOCKS
     assert 0 < ttl(valkey, key) <= 1200
@@ -101,8 +117,7 @@ async def test_the_partial_last_block_travels_so_the_decoder_computes_one_token(
         src = [digest(k[table[:BLOCKS + 1]]) for k in kp]
         assert remote(ep)["published_blocks"] == BLOCKS + 1
     key = params[MANIFEST_PARAM]
-    manifest = msgspec.json.decode(command(valkey.host, valkey.port, "GET", key)
-                                   .split(b"\r\n", 1)[1][:-2], type=Manifest)
+    manifest = stored_manifest(valkey, key)
     assert (len(manifest.hashes), manifest.tail, manifest.num_tokens) == (BLOCKS + 1, 1, 35)
     async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ed, gd, kd, _):
         for k in kd:
@@ -282,9 +297,7 @@ async def test_a_sibling_after_the_collection_loads_from_memory_of_the_manifest(
     toks = prompt(50)
     async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ep, gp, kp, _):
         cp = Client(ep, gp)
-        params, table = await prefill(cp, "req-1", toks)
-        await settle_published(cp)
-        await wait_for_server(lambda: exists(valkey, params[MANIFEST_PARAM]), 20.0)
+        params, table = await handed_off(valkey, cp, "req-1", toks)
         src = [digest(k[table[:BLOCKS]]) for k in kp]
     async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ed, gd, kd, _):
         for k in kd:
@@ -322,12 +335,9 @@ async def test_a_decode_request_that_recomputes_its_prompt_still_collects_its_ha
     toks = prompt(60)
     async with embedded_engine(remote_url=valkey.url, model_id=MODEL) as (ep, gp, _, _):
         cp = Client(ep, gp)
-        params, _ = await prefill(cp, "req-s", toks)
-        await settle_published(cp)
-        await wait_for_server(lambda: exists(valkey, params[MANIFEST_PARAM]), 20.0)
+        params, _ = await handed_off(valkey, cp, "req-s", toks)
     key = params[MANIFEST_PARAM]
-    manifest = msgspec.json.decode(command(valkey.host, valkey.port, "GET", key)
-                                   .split(b"\r\n", 1)[1][:-2], type=Manifest)
+    manifest = stored_manifest(valkey, key)
     fp, world = manifest.fingerprint, manifest.world
     ready = [f"kvshm:v1:{fp}:ready/{world}:{h}" for h in manifest.hashes]
     assert all(0 < ttl(valkey, k) <= 1800 for k in ready)
