@@ -497,7 +497,8 @@ class OffloadManager:
         """Track the listed requests and plan this step's store and load. The whole
         input is checked first (InvalidRequest: nothing changed)."""
         step, requests, gone, alloc = self._check.step_input(inp)
-        changes = self._track.prepare(requests, set(gone) if gone else (), self._check)
+        changes = self._track.prepare(requests, set(gone) if gone else (), self._check,
+                                      tracking=not self.outcomes.failed)
         self._last_step = step  # after every check: a refused step changes nothing
         for rid in gone:
             self._forget(rid)

@@ -109,6 +109,7 @@ class RequestTracker:
         self._no_new = no_new_blocks(gs.n)
         #: the window positions awaiting their store, by GPU id (None: no window group)
         self.reuse = WindowReuse([g for g, _ in gs.sw]) if gs.sw else None
+        self._tracking = True  # the pass's ``tracking`` (:meth:`prepare`)
 
     def reallocated(self, ids: Collection[int]) -> None:
         """The step allocated ``ids``: window positions still naming one are stale
@@ -133,16 +134,20 @@ class RequestTracker:
     # ---- the per-step scan: check (no change), then apply ----------------------------
 
     def prepare(self, requests: Iterable[Any], gone: Collection[str],
-                check: CallCheck) -> list[Change]:
+                check: CallCheck, *, tracking: bool = True) -> list[Change]:
         """Check this step's listing and say what the step does to each request that
         carries a change (listing order); changes nothing (InvalidRequest if the
         listing is bad). ``gone``: the step's finished ids, which the listing may not
         name (refused: a request reused an id whose end this step reports, so its
         lookup and phase B were taken as the ended request's, and the end would drop
         them). Their watch entries are set aside for the pass, which sends every listed
-        one to the admission check that refuses it, and put back after it."""
+        one to the admission check that refuses it, and put back after it.
+        ``tracking``: the changes will be applied (False once the manager failed: it
+        then tracks no request, so one it never admitted is not refused for listing
+        only its new ids, as it is otherwise)."""
         watch = self.watch
         hidden = {rid: watch.pop(rid) for rid in gone if rid in watch}
+        self._tracking = tracking
         try:
             return self._classify(requests, gone, check)
         finally:
@@ -195,6 +200,14 @@ class RequestTracker:
         self._once(rid, seen, check)
         if r.preempted and not r.new_or_resumed:
             return r, ADMIT
+        if not r.new_or_resumed and self._tracking and rid not in self.watch:
+            # its ids are the ones appended this step, not a table from position 0 (a
+            # finished request still listed: its new block would be stored as block 0)
+            raise check.refuse("build_step", rid, "new_or_resumed",
+                               "listed with only its new block ids, but the manager "
+                               "knows no table of it: a request's first listing, and "
+                               "its first after its id was reported finished, has "
+                               "new_or_resumed=True and its whole tables")
         st = self.reqs.get(rid)
         params = r.kv_transfer_params
         remote = (st is not None and st.remote) or (params is not None and remote_decode(params))

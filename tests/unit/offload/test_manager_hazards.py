@@ -12,9 +12,9 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from manager_rig import REMOTE, Req, Rig, declined, pairs, refs
+from manager_rig import REMOTE, Req, Rig, declined, manager_state, pairs, refs
 
-from kvshm.errors import ConfigError
+from kvshm.errors import ConfigError, InvalidRequest
 from kvshm.ipc.protocol import Direction
 from kvshm.offload.counters import DeclineReason
 from kvshm.types import KVGroup, LoadFailure, LoadResult, ScheduledRequest, StepPlan
@@ -846,3 +846,70 @@ def test_a_load_into_a_block_a_store_in_flight_reads_is_refused() -> None:
     rig.m.allocated("b", [[6, 7, 5]], 8)
     assert pairs(rig.step().load) == ([0, 1], [6, 7])  # (CPU, GPU)
     rig.m.check_invariants()
+
+
+# ---- a listing that does not match what the manager tracks -----------------------------
+
+
+def test_a_finished_request_listed_again_with_only_its_new_ids_is_refused() -> None:
+    """Request x (4 blocks, hashes h0..h3) is listed new with GPU table [0, 1, 2] and
+    ends before any token is confirmed; the engine frees its blocks and allocates GPU 3
+    for someone else. A faulty engine then lists x once more as a decode step would:
+    one id appended (3), 12 tokens confirmed, neither new nor preempted.
+
+    The manager knew no table of x any more and took the appended id as x's whole table
+    from position 0: it stored GPU 3 -- which never held x's block 0 -- under h0, and a
+    later request sharing x's first block loaded those bytes as its prefix. The same
+    stale listing also left a tracking record behind (watch 1) against which a new
+    request under the id x had its end refused, so its pins were held for good.
+
+    Now such a listing (an id the manager does not track, with only new ids) is refused:
+    InvalidRequest, nothing changed, nothing stored; and a new request under the id
+    then runs and ends with every pin released."""
+    rig = Rig(cpu=8, gpu=16)
+    x = Req("x", 16)
+    gx = rig.alloc(3, x.h[:3])                                   # [0, 1, 2]
+    assert rig.step(x.sched(gx, confirmed=0, new=True)).store is None
+    rig.m.finished("x", 0, [gx])
+    rig.gpu.free(gx)
+    other = rig.alloc(1)                                        # GPU 3, someone else's
+    assert other == [3]
+    before = manager_state(rig.m)
+    with pytest.raises(InvalidRequest, match="new_or_resumed: listed with only its new"):
+        rig.step(ScheduledRequest("x", x.h, 16, ((3,),), False, 12, False))
+    assert manager_state(rig.m) == before
+    assert "x" not in rig.m._track.reqs and "x" not in rig.m._track.watch
+    plan = rig.step()                                           # the next step: nothing
+    assert plan.store is None and rig.cpu.get_cached(x.h[0]) is None
+
+    # a new request under the id x: its hit is pinned, loaded and released at its end
+    x2 = Req("x", 9, base=500)
+    assert rig.seed_cpu(x2.h[1]) == [0]
+    g2 = rig.alloc(1, x2.h[:1]) + rig.alloc(2)                  # its own GPU hit: [4, 5, 6]
+    assert rig.m.lookup(x2.view(), 4) == 4 and rig.m.pins_held() == 1
+    rig.m.allocated("x", [g2], 4)
+    assert refs(rig.cpu, [0]) == [1]
+    load = rig.step(x2.sched(g2, confirmed=4, new=True)).load
+    assert load is not None and pairs(load) == ([0], [5])       # CPU 0 -> GPU 5
+    rig.ack(load)
+    rig.m.finished("x", 4, [g2], block_hashes=x2.h)             # accepted: its own hashes
+    assert rig.m.pins_held() == 0 and refs(rig.cpu, [0]) == [0]
+
+
+def test_a_failed_manager_takes_any_listing_of_a_request_it_never_tracked() -> None:
+    """Once a rank died the manager plans nothing and tracks no request it admits: a
+    request listed new then has no table kept, and its next decode-step listing (one id
+    appended, neither new nor preempted) must still be taken -- refusing it would refuse
+    every later step of an engine that only recomputes now (the stateful machine found
+    this when the check above first refused it)."""
+    rig = Rig(cpu=8, gpu=16)
+    rig.m.rank_failed(0)
+    a = Req("a", 12)
+    ga = rig.alloc(2, a.h[:2])
+    assert rig.step(a.sched(ga, confirmed=8, new=True)).store is None
+    assert "a" not in rig.m._track.watch
+    more = rig.alloc(1)
+    plan = rig.step(ScheduledRequest("a", a.h, 12, ((more[0],),), False, 12, False))
+    assert plan.store is None and plan.load is None
+    rig.m.finished("a", 12, [ga + more])
+    assert rig.m.pins_held() == 0
