@@ -564,7 +564,8 @@ class OffloadManager:
         blocks are pinned here and stored by the next ``build_step``; its other pins are
         released. ``block_hashes``: its final hashes, when the engine's sequence seen
         so far may lack the last block. ``tail_hash``: a P/D prefill request's partial
-        last block's (handed off with the rest; ignored for other requests). Always
+        last block's (handed off with the rest; ignored for other requests, but refused
+        for any whose confirmed tokens end on a block boundary: no partial block). Always
         False (pins make delayed frees unnecessary). InvalidRequest (nothing changed)
         for bad input."""
         req_id, confirmed, tables, hashes, tail = self._check.finished(
