@@ -29,7 +29,7 @@ from kvshm.errors import (
     StateError,
     VersionMismatch,
 )
-from kvshm.ipc.fdpass import encode_control, listen, recv_datagram, send_datagram
+from kvshm.ipc.fdpass import MAX_FDS, encode_control, listen, recv_datagram, send_datagram
 from kvshm.ipc.protocol import (
     PROTOCOL_VERSION,
     Goodbye,
@@ -757,3 +757,27 @@ def test_out_of_fds_with_a_second_connection_queued_the_loop_does_not_spin() -> 
     assert calls <= 30, out
     assert "hellos [0, 1]" in out, out
 
+
+
+def test_a_ready_with_more_fds_than_one_message_fails_the_start_at_once() -> None:
+    """A make_ready whose Ready for a rank carries more fds than one datagram can (254
+    against 253): the send raised ConfigError out of the loop's callback, so nothing
+    failed the start and the launch waited its connect timeout. Now the start fails at
+    once (READY_FAILED naming the count) and the worker sees EOF; no fd is sent."""
+    name = _name()
+    efd = os.eventfd(0)
+    try:
+        def too_many(hellos: Mapping[int, Hello]) -> dict[int, tuple[Ready, list[int]]]:
+            return {0: (_ready(0), [efd] * (MAX_FDS + 1))}
+
+        with RendezvousServer(name, 1, make_ready=too_many, stats=dict) as server, \
+                RendezvousClient(name) as client:
+            client.connect_nowait()
+            client.send_hello(Hello(version=PROTOCOL_VERSION, rank=0, world_size=1, pid=0))
+            [_, failed] = _service_until(server, _has(EventKind.READY_FAILED))
+            assert isinstance(failed.error, ConfigError)
+            assert f"rank 0's Ready carries {MAX_FDS + 1} fds, at most {MAX_FDS}" in failed.reason
+            with pytest.raises(PeerDied):
+                client.wait_ready(timeout=5)
+    finally:
+        os.close(efd)

@@ -179,3 +179,22 @@ async def test_launch_arguments_of_the_wrong_kind_are_refused_before_spawning(
     with pytest.raises(ConfigError, match=match):
         await Engine.launch(cfg, **args)  # type: ignore[arg-type]
     assert _children() == before
+
+
+async def test_more_cpu_caches_than_a_ready_can_pass_are_refused_before_spawning() -> None:
+    """A 126-layer model with K and V as separate tensors gives a rank 252 CPU cache
+    tensors. Its Ready must pass one fd for each beside 4 of its own, and one message
+    carries at most 253: the send raised ConfigError out of the rendezvous loop's
+    callback, the start waited its whole connect timeout (60 s) and then blamed the
+    worker ("1 of 1 ranks connected ... missing rank(s) .", or "worker rank 0 died").
+    Now 250 tensors are refused at once, naming the limit; 249 still start."""
+    from kvshm.engine.provision import MAX_CPU_CACHES
+
+    assert MAX_CPU_CACHES == 249
+    many = [[shared_tensor((GPU_BLOCKS, 1), torch.uint8) for _ in range(MAX_CPU_CACHES + 1)],
+            [shared_tensor((GPU_BLOCKS, 1), torch.uint8)]]
+    await _refused(many, r"device_caches\[0\] has 250 CPU tensors, at most 249: the "
+                         r"rank's Ready passes one fd per CPU tensor")
+    from kvshm.engine.provision import check_caches
+
+    check_caches([many[0][:MAX_CPU_CACHES], many[1]], 2, GPU_BLOCKS, spawned=True)

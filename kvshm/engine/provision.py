@@ -31,14 +31,17 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Final
 
 import torch
 
 from kvshm.cuda_ipc import export_tensor
 from kvshm.errors import ConfigError
 from kvshm.ipc.doorbell import create_eventfd
+from kvshm.ipc.fdpass import MAX_FDS
 from kvshm.ipc.protocol import (
     PROTOCOL_VERSION,
+    READY_FIXED_FDS,
     DiskSetup,
     Hello,
     LayoutSpec,
@@ -55,8 +58,8 @@ from kvshm.shm import Segment, create_segment, dtype_name, segment_of
 from kvshm.shm_budget import available_shm_bytes
 from kvshm.types import DeviceKind, GpuBlocks
 
-__all__ = ["Provisioned", "RankResources", "cache_device", "check_caches", "device_layout",
-           "pool_size", "provision"]
+__all__ = ["MAX_CPU_CACHES", "Provisioned", "RankResources", "cache_device", "check_caches",
+           "device_layout", "pool_size", "provision"]
 
 
 def device_layout(tensors: Sequence[torch.Tensor]) -> LayoutSpec:
@@ -275,6 +278,10 @@ def _check_tensor(where: str, t: object) -> None:
                           "larger than its segment); " + _CACHE_HINT)
 
 
+#: The CPU device-cache tensors one rank may have: its Ready carries an fd for each.
+MAX_CPU_CACHES: Final = MAX_FDS - READY_FIXED_FDS
+
+
 def _check_rank_entry(rank: int, entry: object, spawned: bool) -> None:
     """One rank's list of tensors (a bare tensor is the usual slip: ``[k0, k1]``)."""
     if isinstance(entry, torch.Tensor) or not isinstance(entry, Sequence) \
@@ -287,6 +294,13 @@ def _check_rank_entry(rank: int, entry: object, spawned: bool) -> None:
                           "its rank's caches; " + _CACHE_HINT)
     for i, t in enumerate(entry):
         _check_tensor(f"device_caches[{rank}][{i}]", t)
+    on_cpu = sum(1 for t in entry if t.device.type != DeviceKind.CUDA.value)
+    if on_cpu > MAX_CPU_CACHES:
+        raise ConfigError(
+            f"device_caches[{rank}] has {on_cpu} CPU tensors, at most {MAX_CPU_CACHES}: "
+            f"the rank's Ready passes one fd per CPU tensor beside {READY_FIXED_FDS} of "
+            f"its own, {MAX_FDS} at most in one message; stack layers (or K and V) into "
+            "fewer tensors, blocks as dim 0")
 
 
 def check_caches(caches: Sequence[Sequence[torch.Tensor]], world_size: int,

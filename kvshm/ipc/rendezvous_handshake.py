@@ -14,7 +14,7 @@ from enum import Enum
 from types import MappingProxyType
 
 from kvshm.errors import ConfigError, KvshmError, PeerDied, StateError, VersionMismatch
-from kvshm.ipc.fdpass import encode_control, send_datagram
+from kvshm.ipc.fdpass import MAX_FDS, encode_control, send_datagram
 from kvshm.ipc.protocol import Hello, check_version
 from kvshm.ipc.rendezvous_conns import Conn, ConnTable
 from kvshm.ipc.rendezvous_events import EventKind, MakeReady, RendezvousCount, RendezvousEvent
@@ -152,6 +152,10 @@ class Handshake:
             # cannot carry) fails the start here, with its cause, instead of raising out
             # of the loop's callback after some ranks got theirs
             wire = {rank: encode_control(plan[rank][0]) for rank in ranks}
+            for rank in ranks:  # likewise a Ready with more fds than one message carries
+                if len(plan[rank][1]) > MAX_FDS:
+                    raise ConfigError(f"rank {rank}'s Ready carries {len(plan[rank][1])} "
+                                      f"fds, at most {MAX_FDS} go in one message")
         except Exception as e:  # noqa: BLE001 - any make_ready failure fails the start, not the loop
             self._fail_ready(events, e)
             return
