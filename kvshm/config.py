@@ -198,11 +198,14 @@ class EngineConfig:
       :data:`DEFAULT_CPU_BYTES_PER_RANK` = 1 GiB per rank. ``cpu_bytes_per_rank=None``
       (explicitly, without ``num_cpu_blocks``) takes as much as /dev/shm and
       MemAvailable allow, less a margin.
-    * ``hang_timeout_s``: a rank with jobs pending that completes none for this long is
-      declared hung and the engine goes to FAILED. Default 10 s (was 30): the longest
-      per-rank stall with jobs pending measured under a saturating soak was 0.14 s
-      (``python -m tools.bench_acks``, README "Faults"), and 10 s still covers one job of
-      ~250 GB at 25 GB/s; a hang stalls the loads queued behind it for that long.
+    * ``hang_timeout_s``: a rank with jobs pending that completes none, and whose CPU
+      copy marks no progress, for this long is declared hung and the engine goes to
+      FAILED. Default 10 s (was 30): the longest per-rank stall with jobs pending
+      measured under a saturating soak was 0.14 s (``python -m tools.bench_acks``,
+      README "Faults"); a CPU copy stamps its progress every few thousand ``memmove``
+      calls, so a job of any size is no hang while it copies (a CUDA job must finish
+      within it: ~250 GB at 25 GB/s); a hang stalls the loads queued behind it for that
+      long.
     * ``hang_timeout_s``, ``connect_timeout_s``, ``shutdown_grace_s``: seconds, each a
       finite number > 0 (ConfigError otherwise, naming the field and the value);
       ``hang_timeout_s`` at least :data:`MIN_HANG_TIMEOUT_S`.

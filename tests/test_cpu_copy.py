@@ -458,3 +458,33 @@ def test_inline_leaves_a_fenced_load_to_the_thread() -> None:
         fence.set()
         (done,) = eng.wait([1], timeout=WAIT_S)
         assert done.ok
+
+
+def test_a_long_copy_marks_progress_every_few_thousand_pieces_and_a_short_one_none() -> None:
+    """A job of many single-row pieces (descending ids: no pair coalesces) marks the
+    rank's copy progress after every ``PROGRESS_PIECES`` ``memmove`` calls, so a copy
+    that runs for seconds keeps the scheduler's hang check at bay (see
+    ``RankWatch.stalled_for``); a short job marks nothing (its Done is the progress).
+    The bytes are exact either way."""
+    from workers.cpu_copy import PROGRESS_PIECES
+
+    n = 3000
+    layout = KVLayout.from_tensors([torch.arange(n * 4, dtype=torch.int32).reshape(n, 4)
+                                    for _ in range(3)], kv_outer=[False] * 3)
+    host = HostPool.for_tests(layout, n)
+    marks: list[int] = []
+    eng = CpuCopyEngine(0, layout, host, progress=lambda: marks.append(1))
+    try:
+        src, dst = list(range(n)), list(range(n - 1, -1, -1))  # 3 regions x 3000 pieces
+        eng.submit(CopyJob.from_ids(1, Direction.STORE, src, dst))
+        (done,) = eng.wait([1], timeout=WAIT_S)
+        assert done.ok, done.error
+        assert len(marks) == (3 * n) // PROGRESS_PIECES == 2  # 9,000 pieces: 2 marks
+        for h, dev in zip(host.regions, layout.regions):
+            assert torch.equal(h.flip(0), dev)
+        eng.submit(CopyJob.from_ids(2, Direction.LOAD, src[:100], dst[:100]))
+        (done,) = eng.wait([2], timeout=WAIT_S)
+        assert done.ok and len(marks) == 2
+    finally:
+        eng.close()
+        host.close()

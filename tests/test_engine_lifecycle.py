@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+import torch
 from engine_rig import BS, GPU_BLOCKS, Client, config, shards, spawned_engine, tokens
 from worker_rig import live_children
 
@@ -26,6 +27,7 @@ from kvshm.errors import ConfigError, InvalidRequest, StateError, WorkerDied
 from kvshm.hashing import chain_hashes
 from kvshm.ipc.rendezvous_client import query_stats
 from kvshm.offload.pool import BlockPool
+from kvshm.shm import shared_tensor
 from kvshm.stats import EngineStats
 from kvshm.types import (
     DeviceKind,
@@ -701,3 +703,37 @@ def test_statistics_from_another_thread_while_the_launch_loop_stops_are_read_the
     finally:
         loop.run_until_complete(eng.aclose())
         loop.close()
+
+
+async def test_a_rank_busy_with_a_long_store_is_not_hung() -> None:
+    """The hazard (a hostile probe at production scale): one store of 40,000 blocks
+    over 100 layers whose GPU ids descend while its CPU ids ascend, so no two pairs
+    coalesce: four million ``memmove`` calls, seconds of copying in one job. No Done
+    comes until it ends, so with ``hang_timeout_s=1`` the rank was declared hung while
+    it copied, killed, and the engine went FAILED. Now the copy stamps the rank's
+    progress every few thousand calls: the engine stays READY, no hang is counted,
+    and the store is acked whole."""
+    n, layers = 40_000, 100
+    caches = [[shared_tensor((n, 4), torch.uint8) for _ in range(layers)]]
+    gpu = BlockPool(n)
+    cfg = config(tp=1, num_cpu_blocks=n, hang_timeout_s=1.0)
+    async with Engine.launch(cfg, workers=SPAWN, gpu_blocks=gpu, device_caches=caches) as eng:
+        toks = tokens(n * BS, 5)
+        table = list(reversed(gpu.allocate(n)))          # descending GPU ids
+        hashes = chain_hashes(toks, BS)
+        for b, h in zip(table, hashes):                  # the engine computed them
+            gpu.add_hashes(b, [h])
+        assert eng.lookup(RequestView("big", hashes, len(toks)), 0) == 0
+        eng.allocated("big", [table], 0)
+        t0 = time.monotonic()
+        eng.step(StepInput(1, [ScheduledRequest("big", hashes, len(toks), (tuple(table),),
+                                                new_or_resumed=True,
+                                                num_confirmed_tokens=len(toks))]))
+        while eng.has_pending_work():
+            assert time.monotonic() - t0 < 120, "the store never finished"
+            await asyncio.sleep(0.05)
+        took = time.monotonic() - t0
+        st = eng.statistics()
+        assert st.state == "ready" and st.counters["hangs"] == 0, st.as_dict()["ranks"]
+        assert st.counters["stored_blocks"] == n
+        assert took > 1.0, f"the store took {took:.2f} s: too short to prove anything"

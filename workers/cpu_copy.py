@@ -91,6 +91,10 @@ def _libc_memmove() -> Callable[[int, int, int], None]:
 
 _MEMMOVE: Final = _libc_memmove()
 
+PROGRESS_PIECES: Final = 4096
+"""A long copy marks the rank's progress after each such many ``memmove`` calls (a
+few ms of copying at most: far below any hang timeout, and one call in thousands)."""
+
 
 class CpuCopyMethod(enum.Enum):
     """How a job's pairs are copied (see the module docstring)."""
@@ -136,7 +140,8 @@ class CpuCopyEngine:
     def __init__(self, rank: int, device_layout: KVLayout, host: HostPool, *,
                  num_threads: int = 1, fault: FaultInjection | None = None,
                  method: CpuCopyMethod = CpuCopyMethod.MEMMOVE,
-                 fence_timeout_s: float = 60.0, inline: bool = False) -> None:
+                 fence_timeout_s: float = 60.0, inline: bool = False,
+                 progress: Callable[[], None] | None = None) -> None:
         if device_layout.device.type != "cpu":
             raise ConfigError(f"CpuCopyEngine needs a CPU device layout, got "
                               f"{device_layout.device}")
@@ -156,6 +161,7 @@ class CpuCopyEngine:
         self.rank = rank
         self.method = method
         self.inline = inline
+        self._progress = progress
         self._regions = tuple(regions)  # keeps every tensor (and so every mapping) alive
         self._dev_rows = device_layout.num_blocks
         self._host_rows = host.num_cpu_blocks
@@ -335,14 +341,28 @@ class CpuCopyEngine:
         return len(src_ids) * sum(r.nbytes for r in self._regions)
 
     def _copy_memmove(self, store: bool, src_ids: list[int], dst_ids: list[int]) -> None:
+        """One ``memmove`` per region and piece; with ``progress``, a mark after every
+        ``PROGRESS_PIECES`` of them (the rank's copy progress stamp: a copy that runs
+        for seconds is not a hung rank)."""
         runs, singles = pieces(src_ids, dst_ids)
-        move = _MEMMOVE
+        move, mark = _MEMMOVE, self._progress
+        budget = PROGRESS_PIECES if mark is not None else len(src_ids) * len(self._regions)
         for r in self._regions:
             src, dst = (r.dev, r.host) if store else (r.host, r.dev)
             sb, ss, n = src.data_ptr(), src.stride(0), r.nbytes
             db, ds = dst.data_ptr(), dst.stride(0)
-            for s, d, k in (runs if r.dense else singles):
+            todo = runs if r.dense else singles
+            lo = 0
+            while len(todo) - lo > budget:  # a long copy: a mark each budget's worth
+                for s, d, k in todo[lo:lo + budget]:
+                    move(db + d * ds, sb + s * ss, k * n)
+                lo += budget
+                assert mark is not None
+                mark()
+                budget = PROGRESS_PIECES
+            for s, d, k in (todo[lo:] if lo else todo):
                 move(db + d * ds, sb + s * ss, k * n)
+            budget -= len(todo) - lo
 
     def _copy_index(self, store: bool, job: CopyJob) -> None:
         for r in self._regions:

@@ -197,14 +197,16 @@ def ready_fd_count(ready: Ready) -> int:
     return READY_FIXED_FDS + sum(1 for spec in ready.device_caches if spec.cuda is None)
 
 
-def _make_engine(rank: int, layout: KVLayout, host: HostPool,
-                 opts: SessionOptions) -> tuple[CopyEngine, int | None]:
+def _make_engine(rank: int, layout: KVLayout, host: HostPool, opts: SessionOptions,
+                 rings: RingPair) -> tuple[CopyEngine, int | None]:
+    """The rank's copy engine; a CPU one marks the rank's progress stamp during long
+    copies (the scheduler's hang check counts that as progress)."""
     if layout.device.type == "cuda":
         from workers.cuda_copy import CudaCopyEngine
 
         return CudaCopyEngine(rank, layout, host), None
     engine = CpuCopyEngine(rank, layout, host, num_threads=opts.copy_threads, fault=opts.fault,
-                           inline=opts.inline)
+                           inline=opts.inline, progress=rings.mark_progress)
     return engine, engine.notify_fd()
 
 
@@ -244,7 +246,7 @@ def open_session(ready: Ready, fds: Sequence[int], *, layout: KVLayout | None,
             os.close(cmd_efd)
             os.close(done_efd)
             raise
-        engine, notify_fd = _make_engine(ready.rank, dev, host, opts)
+        engine, notify_fd = _make_engine(ready.rank, dev, host, opts, rings)
         if notify_fd is not None:  # a finished copy wakes a parked wait_for_work
             channel.watch(notify_fd)
         mover, remote_error = _make_mover(ready, host, world_size)

@@ -3,11 +3,15 @@ hang check over all of them (:class:`Supervisor`).
 
 A rank is declared dead -- the *verdict*, once per rank -- on lifeline EOF, pidfd exit
 (spawned), a broken ring, or a hang. A rank is *stalled* while it has Transfers
-outstanding and has completed none since the last progress mark; the stall clock counts
-wall time for a worker that runs on its own (spawned or standalone) and, for an
-embedded worker, only the time between two looks at which its heartbeat had advanced
--- an embedded worker does nothing while its host engine is not calling it, and that is
-not a hang. A rank stalled for ``hang_timeout_s`` is hung.
+outstanding and has made no progress since the last progress mark: no Transfer's Done
+arrived and its copy progress stamp (``RingPair.last_progress_ns``: the CPU copy engine
+stamps it every few thousand ``memmove`` calls of a long copy) did not move. The
+stall clock counts wall time for a worker that runs on its own (spawned or standalone)
+and, for an embedded worker, only the time between two looks at which its heartbeat had
+advanced -- an embedded worker does nothing while its host engine is not calling it, and
+that is not a hang. A rank stalled for ``hang_timeout_s`` is hung. (A job of 100,000
+blocks over 80 layers took 10 s and more on an oversubscribed machine: before the stamp
+counted, a rank copying all along was declared hung, a hostile probe.)
 
 **A block that a rank may still touch is never handed out again until that rank is
 fenced.** Declared dead is not fenced. The verdict sets the rank's revocation word (so
@@ -60,6 +64,7 @@ class RankWatch:
         self._stall_s = 0.0
         self._last_look: float | None = None
         self._last_beat = -1
+        self._last_progress = 0
         self._pidfd: int | None = None
         self.killable = False  # offered fence_by_kill in its Hello, and a pidfd holds it
 
@@ -135,6 +140,11 @@ class RankWatch:
         if self._last_look is None:
             self._last_look = now
         elapsed, self._last_look = now - self._last_look, now
+        stamp = chan.rings.last_progress_ns
+        if stamp != self._last_progress:  # a long copy went on: progress
+            self._last_progress = stamp
+            self._stall_s = 0.0
+            return 0.0
         if self.embedded:
             beat = chan.rings.heartbeat if not chan.closed else self._last_beat
             advanced, self._last_beat = beat != self._last_beat, beat

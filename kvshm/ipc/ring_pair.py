@@ -215,12 +215,19 @@ class RingPair:
         return int(self._ctl[_W_HEARTBEAT])
 
     def mark_progress(self, now_ns: int | None = None) -> None:
-        """Worker: record that a job completed (CLOCK_MONOTONIC ns)."""
-        self._ctl[_W_PROGRESS] = time.monotonic_ns() if now_ns is None else now_ns
+        """Worker: record that a long Transfer copy went on (CLOCK_MONOTONIC ns; the
+        CPU copy engine's, every few thousand ``memmove`` calls -- not a Done: a remote
+        or disk job's Done is no progress of the rank's copies). A no-op once the pair
+        is closed: a copy thread may mark while the link closes on another."""
+        try:
+            self._ctl[_W_PROGRESS] = time.monotonic_ns() if now_ns is None else now_ns
+        except ValueError:  # the view was released by close()
+            if not self._closed:
+                raise
 
     @property
     def last_progress_ns(self) -> int:
-        """CLOCK_MONOTONIC ns of the worker's last completed job, 0 if none yet."""
+        """CLOCK_MONOTONIC ns of the worker's last copy progress mark, 0 if none yet."""
         return int(self._ctl[_W_PROGRESS])
 
     @property

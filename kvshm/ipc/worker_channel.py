@@ -113,7 +113,6 @@ class WorkerChannel(ChannelEndpoint[protocol.Done, protocol.CmdMsg]):
     def _flush(self, count: int, nbytes: int) -> None:
         if self._tx.publish():  # head store first, then the doorbell (in _published)
             self._published(count, nbytes)
-            self.rings.mark_progress()
 
     def _wait_for_room(self, payload: bytearray) -> None:
         self._full_events += 1

@@ -26,7 +26,7 @@ class Chan(SimpleNamespace):
 
     def __init__(self, limit: int = 1 << 20) -> None:
         super().__init__(closed=False, outstanding=1, overflow_depth=0, posted=[],
-                         limit=limit)
+                         limit=limit, rings=SimpleNamespace(last_progress_ns=0, heartbeat=0))
 
     def post(self, msg: Any) -> bool:
         n = len(msgspec.msgpack.encode(msg))
@@ -84,3 +84,20 @@ def test_max_job_blocks_fits_the_record_limit() -> None:
                      bytes(REMOTE_HASH_BYTES * n), REMOTE_HASH_BYTES, True)
         assert len(msgspec.msgpack.encode(msg)) <= limit
     assert max_job_blocks(2040) == 54
+
+
+def test_a_long_copy_that_stamps_its_progress_is_not_a_hang() -> None:
+    """One Transfer of 100,000 blocks over 80 layers took over 10 s on an oversubscribed
+    machine; its rank copied all along, yet no Done came, so the stall clock passed the
+    hang timeout and the rank was declared hung (six of eight ranks killed, offload off
+    for the engine's life: a hostile probe). The CPU copy engine now stamps the rank's
+    copy progress every few thousand ``memmove`` calls: a stamp that moved between two
+    looks restarts the stall; one that stopped (a copy wedged) lets it grow again."""
+    chan, watch = Chan(), RankWatch(0)
+    watch.ready(chan)  # type: ignore[arg-type]
+    watch.posted(0.0)
+    for t in range(1, 31):                              # 30 s, a stamp every second
+        chan.rings.last_progress_ns = t * 10**9
+        assert watch.stalled_for(float(t)) == 0.0
+    assert watch.stalled_for(31.0) == 1.0               # the stamp stopped: stalled again
+    assert watch.stalled_for(45.0) == 15.0
