@@ -257,6 +257,9 @@ _REMOTE_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
     "pd_publish_timeouts": ("P/D hand-offs not published within the publish timeout; "
                             "hand-offs", False),
     "pd_publish_empty": ("P/D hand-offs with no full block to publish; hand-offs", False),
+    "pd_publish_superseded": ("P/D hand-offs still waiting for their blocks when a new "
+                              "request under the same id published (no manifest: the "
+                              "new one's replaces it); hand-offs", False),
     "pd_tails_dropped": ("P/D partial last blocks dropped from a hand-off; blocks", False),
     "pd_tails_declined": ("P/D partial last blocks not handed off: their store could not "
                           "be queued (a sliding-window group, a load writing the block, "

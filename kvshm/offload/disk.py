@@ -52,6 +52,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Final
 
+from kvshm.errors import ConfigError
 from kvshm.ipc.protocol import Disk
 from kvshm.offload.disk_writes import WriteBack, message
 from kvshm.offload.fetches import Fetches
@@ -328,8 +329,13 @@ class DiskBook:
 
     def warm(self, found: Mapping[int, bytes]) -> None:
         """Index the slots the slabs' headers agree on at start (slot -> disk hash), as
-        the most recently used; the CPU tier is empty."""
+        the most recently used; the CPU tier is empty. Every entry is checked first
+        (ConfigError, nothing changed: the slots are pinned while they are indexed)."""
         slots = self.slots
+        for s, h in found.items():
+            if type(s) is not int or type(h) is not bytes or len(h) != REMOTE_HASH_BYTES:
+                raise ConfigError(f"warm: slot {s!r} -> {h!r}: a slot id and a "
+                                  f"{REMOTE_HASH_BYTES}-byte disk hash expected")
         ids = sorted(s for s in found if 0 <= s < slots.num_blocks)
         if not ids:
             return

@@ -584,7 +584,9 @@ class OffloadManager:
 
     def transfer_params(self, req_id: str) -> dict[str, Any] | None:
         """The ``kv_transfer_params`` of a P/D prefill request that just finished (its
-        hand-off's manifest: :mod:`kvshm.offload.pd`), once; None otherwise."""
+        hand-off's manifest: :mod:`kvshm.offload.pd`), once; None otherwise.
+        InvalidRequest (nothing changed) for an id that is no str."""
+        req_id = self._check.fields.req_id("transfer_params", req_id)
         return None if self.remote is None else self.remote.transfer_params(req_id)
 
     def _forget(self, req_id: str) -> ReqState | None:

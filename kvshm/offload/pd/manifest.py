@@ -208,6 +208,7 @@ class PdCounters:
     manifest_expired: int = 0
     collected: int = 0
     publish_empty: int = 0
+    publish_superseded: int = 0  # a pending hand-off whose request id published again
     unhealthy: int = 0
     tails_dropped: int = 0
     tails_declined: int = 0  # a partial last block that could not be queued (pin_tail)

@@ -82,6 +82,10 @@ class Publications:
         scope = self._scope
         key = manifest_key(scope.fingerprint, scope.world, rid)
         pending = {k for k in keys if not published(k)}
+        if rid in self._pubs:  # an earlier request under this id still waits: it ends
+            # here (its waits went under the id, so its failed PUT would fail this one)
+            self._fail(rid)
+            self.counters.publish_superseded += 1
         self._pubs[rid] = _Pub(key, list(keys), pending, num_tokens, self._clock(), tail)
         for k in pending:
             self._waiting.setdefault(k, set()).add(rid)

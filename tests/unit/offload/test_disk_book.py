@@ -690,3 +690,25 @@ def test_a_read_answered_once_another_is_overdue_is_not_planned() -> None:
     assert rig.m.counters.lookups_tier_overdue == 1
     assert refs(rig.cpu, read_cpu) == [1, 1]                      # R's READ only
     rig.m.check_invariants()
+
+
+def test_a_warm_start_with_a_bad_entry_changes_nothing() -> None:
+    """``DiskBook.warm`` pinned every slot, then indexed them one by one: a hash that
+    is no 32-byte ``bytes`` raised ConfigError after slot 0 was indexed, with both slots
+    left at ref 1 that no job records (``check_invariants``: "slot 0: ref 1, jobs pin it
+    0 time(s)"; a review). Now every entry is checked first: ConfigError, nothing
+    changed; a good call after it indexes both."""
+    import pytest
+
+    from kvshm.errors import ConfigError
+
+    rig = DiskRig(slots=4)
+    h0, h1 = remote_hash(Req("a", 5).h[0]), remote_hash(Req("b", 5, base=9).h[0])
+    for bad in ("not bytes", h1[:8]):
+        with pytest.raises(ConfigError, match="a slot id and a 32-byte disk hash expected"):
+            rig.book.warm({0: h0, 1: bad})  # type: ignore[dict-item]
+        assert refs(rig.slots, range(4)) == [0, 0, 0, 0] and rig.slots.num_hashes == 0
+        rig.m.check_invariants()
+    rig.book.warm({0: h0, 1: h1})
+    assert rig.slots.num_hashes == 2 and refs(rig.slots, range(4)) == [0, 0, 0, 0]
+    rig.m.check_invariants()

@@ -819,3 +819,17 @@ def test_a_prefix_reached_from_another_start_is_not_fetched_twice() -> None:
     (get,) = rig.step().remote
     assert len(unpack_ids(get.cpu_ids)) == 1
     assert rig.m.lookup(s.view(), 0) is None and index.queries == []
+
+
+def test_transfer_params_of_an_id_that_is_no_str_is_refused() -> None:
+    """``transfer_params(["r"])`` raised TypeError (unhashable) out of the hand-off's
+    books (a review): every other call checks its request id. Now InvalidRequest,
+    counted, nothing changed."""
+    from kvshm.errors import InvalidRequest
+
+    rig = remote_rig(HeldIndex())
+    before = rig.m.counters.invalid_calls
+    with pytest.raises(InvalidRequest, match=r"transfer_params: input: req_id: must be a str"):
+        rig.m.transfer_params(["r"])  # type: ignore[arg-type]
+    assert rig.m.counters.invalid_calls == before + 1
+    assert rig.m.transfer_params("r") is None
