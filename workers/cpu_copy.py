@@ -92,8 +92,9 @@ def _libc_memmove() -> Callable[[int, int, int], None]:
 _MEMMOVE: Final = _libc_memmove()
 
 PROGRESS_PIECES: Final = 4096
-"""A long copy marks the rank's progress after each such many ``memmove`` calls (a
-few ms of copying at most: far below any hang timeout, and one call in thousands)."""
+"""A long copy marks the rank's progress after each such many ``memmove`` calls (4 GiB
+at most with 1 MiB rows, under a second: far below any hang timeout; one call in
+thousands)."""
 
 
 class CpuCopyMethod(enum.Enum):
