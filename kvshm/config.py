@@ -203,9 +203,9 @@ class EngineConfig:
       FAILED. Default 10 s (was 30): the longest per-rank stall with jobs pending
       measured under a saturating soak was 0.14 s (``python -m tools.bench_acks``,
       README "Faults"); a CPU copy stamps its progress every few thousand ``memmove``
-      calls, so a job of any size is no hang while it copies (a CUDA job must finish
-      within it: ~250 GB at 25 GB/s); a hang stalls the loads queued behind it for that
-      long.
+      calls or 256 MiB, so a job of any size is no hang while it copies (a CUDA job
+      must finish within it: ~250 GB at 25 GB/s); a hang stalls the loads queued behind
+      it for that long.
     * ``hang_timeout_s``, ``connect_timeout_s``, ``shutdown_grace_s``: seconds, each a
       finite number > 0 (ConfigError otherwise, naming the field and the value);
       ``hang_timeout_s`` at least :data:`MIN_HANG_TIMEOUT_S`.

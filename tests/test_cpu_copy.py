@@ -488,3 +488,29 @@ def test_a_long_copy_marks_progress_every_few_thousand_pieces_and_a_short_one_no
     finally:
         eng.close()
         host.close()
+
+
+def test_a_long_copy_of_one_run_marks_progress_by_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A store whose pairs are consecutive on both sides (a request's blocks into fresh
+    CPU blocks) is one ``memmove`` a region: counting calls alone, a 5 GiB such copy
+    stamped nothing for its whole 0.5 s (a review of the stamp). Marks now also come
+    every ``PROGRESS_BYTES``, a run longer than that going in several calls: here
+    (64 KiB for the test) 1,000 rows of 1 KiB are 16 calls and 15 marks, bytes exact."""
+    import workers.cpu_copy as cpu_copy
+
+    monkeypatch.setattr(cpu_copy, "PROGRESS_BYTES", 64 << 10)
+    n = 1000
+    layout = KVLayout.from_tensors([torch.randint(0, 256, (n, 1024), dtype=torch.uint8)],
+                                   kv_outer=[False])
+    host = HostPool.for_tests(layout, n)
+    marks: list[int] = []
+    eng = CpuCopyEngine(0, layout, host, progress=lambda: marks.append(1))
+    try:
+        eng.submit(CopyJob.from_ids(1, Direction.STORE, list(range(n)), list(range(n))))
+        (done,) = eng.wait([1], timeout=WAIT_S)
+        assert done.ok, done.error
+        assert len(marks) == 15
+        assert torch.equal(host.regions[0], layout.regions[0])
+    finally:
+        eng.close()
+        host.close()

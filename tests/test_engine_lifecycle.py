@@ -737,3 +737,13 @@ async def test_a_rank_busy_with_a_long_store_is_not_hung() -> None:
         assert st.state == "ready" and st.counters["hangs"] == 0, st.as_dict()["ranks"]
         assert st.counters["stored_blocks"] == n
         assert took > 1.0, f"the store took {took:.2f} s: too short to prove anything"
+
+
+def test_transfer_params_before_ready_checks_its_id() -> None:
+    """Every other call checks its request id before READY too; ``transfer_params``
+    answered None to an id that is no str (a review): now InvalidRequest."""
+    core = Runtime(config(tp=1), gpu_blocks=BlockPool(GPU_BLOCKS), device_caches=None,
+                   spawned=False)
+    assert core.manager is None and core.transfer_params("r") is None
+    with pytest.raises(InvalidRequest, match="transfer_params"):
+        core.transfer_params(["r"])  # type: ignore[arg-type]

@@ -60,6 +60,7 @@ from workers.copy_engine import (
     CompletionTracker,
     CopyJob,
     Fence,
+    Run,
     check_ids,
     describe_error,
     pieces,
@@ -92,9 +93,32 @@ def _libc_memmove() -> Callable[[int, int, int], None]:
 _MEMMOVE: Final = _libc_memmove()
 
 PROGRESS_PIECES: Final = 4096
-"""A long copy marks the rank's progress after each such many ``memmove`` calls (4 GiB
-at most with 1 MiB rows, under a second: far below any hang timeout; one call in
-thousands)."""
+"""A long copy marks the rank's progress after each such many ``memmove`` calls ..."""
+PROGRESS_BYTES: Final = 256 << 20
+"""... or each such many bytes, whichever comes first (a run longer than that is copied
+in calls of at most this much): tens of milliseconds of copying, far below any hang
+timeout, and one mark in thousands of calls."""
+
+
+def _copy_marking(todo: list[Run], dst: tuple[int, int], src: tuple[int, int], n: int,
+                  budget: tuple[int, int], mark: Callable[[], None]) -> tuple[int, int]:
+    """Copy ``todo``'s pieces (rows of ``n`` bytes; ``dst`` / ``src``: base address and
+    row stride), calling ``mark`` whenever ``budget`` (calls, bytes left) runs out; a
+    piece over ``PROGRESS_BYTES`` goes in several calls. Returns the budget left."""
+    move = _MEMMOVE
+    (db, ds), (sb, ss) = dst, src
+    calls, left = budget
+    most = max(1, PROGRESS_BYTES // n)  # rows in one call
+    for s, d, k in todo:
+        while k > 0:
+            c = k if k <= most else most
+            move(db + d * ds, sb + s * ss, c * n)
+            s, d, k = s + c, d + c, k - c
+            calls, left = calls - 1, left - c * n
+            if calls <= 0 or left <= 0:
+                mark()
+                calls, left = PROGRESS_PIECES, PROGRESS_BYTES
+    return calls, left
 
 
 class CpuCopyMethod(enum.Enum):
@@ -343,27 +367,24 @@ class CpuCopyEngine:
 
     def _copy_memmove(self, store: bool, src_ids: list[int], dst_ids: list[int]) -> None:
         """One ``memmove`` per region and piece; with ``progress``, a mark after every
-        ``PROGRESS_PIECES`` of them (the rank's copy progress stamp: a copy that runs
-        for seconds is not a hung rank)."""
+        ``PROGRESS_PIECES`` calls or ``PROGRESS_BYTES`` copied, whichever comes first (the
+        rank's copy progress stamp: a copy that runs for seconds is not a hung rank). A
+        region whose pieces fit the budgets left is copied without counting."""
         runs, singles = pieces(src_ids, dst_ids)
         move, mark = _MEMMOVE, self._progress
-        budget = PROGRESS_PIECES if mark is not None else len(src_ids) * len(self._regions)
+        calls, left = PROGRESS_PIECES, PROGRESS_BYTES
+        pairs = len(src_ids)
         for r in self._regions:
             src, dst = (r.dev, r.host) if store else (r.host, r.dev)
             sb, ss, n = src.data_ptr(), src.stride(0), r.nbytes
             db, ds = dst.data_ptr(), dst.stride(0)
             todo = runs if r.dense else singles
-            lo = 0
-            while len(todo) - lo > budget:  # a long copy: a mark each budget's worth
-                for s, d, k in todo[lo:lo + budget]:
+            if mark is None or (len(todo) < calls and pairs * n < left):
+                for s, d, k in todo:
                     move(db + d * ds, sb + s * ss, k * n)
-                lo += budget
-                assert mark is not None
-                mark()
-                budget = PROGRESS_PIECES
-            for s, d, k in (todo[lo:] if lo else todo):
-                move(db + d * ds, sb + s * ss, k * n)
-            budget -= len(todo) - lo
+                calls, left = calls - len(todo), left - pairs * n
+                continue
+            calls, left = _copy_marking(todo, (db, ds), (sb, ss), n, (calls, left), mark)
 
     def _copy_index(self, store: bool, job: CopyJob) -> None:
         for r in self._regions:

@@ -333,6 +333,8 @@ class Runtime:
 
     def transfer_params(self, req_id: str) -> dict[str, Any] | None:
         """A finished P/D prefill request's ``kv_transfer_params`` (once), else None."""
+        if type(req_id) is not str:
+            check_id("transfer_params", req_id)
         return None if self.manager is None else self.manager.transfer_params(req_id)
 
     def reset(self) -> bool:

@@ -198,9 +198,12 @@ class RequestTracker:
                                "request's end (finished()) before its id is used again "
                                "(its lookup and phase B were taken as the ended one's)")
         self._once(rid, seen, check)
+        untracked = self._tracking and rid not in self.watch
         if r.preempted and not r.new_or_resumed:
-            return r, ADMIT
-        if not r.new_or_resumed and self._tracking and rid not in self.watch:
+            # a preemption forgets a table: of a request not tracked there is none, and
+            # no record is made for it (it would take a later listing of only new ids)
+            return r, (0 if untracked else ADMIT)
+        if not r.new_or_resumed and untracked:
             # its ids are the ones appended this step, not a table from position 0 (a
             # finished request still listed: its new block would be stored as block 0)
             raise check.refuse("build_step", rid, "new_or_resumed",

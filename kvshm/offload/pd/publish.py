@@ -84,7 +84,7 @@ class Publications:
         pending = {k for k in keys if not published(k)}
         if rid in self._pubs:  # an earlier request under this id still waits: it ends
             # here (its waits went under the id, so its failed PUT would fail this one)
-            self._fail(rid)
+            self._fail(rid, keep=frozenset(keys))
             self.counters.publish_superseded += 1
         self._pubs[rid] = _Pub(key, list(keys), pending, num_tokens, self._clock(), tail)
         for k in pending:
@@ -175,12 +175,14 @@ class Publications:
             self._fail(rid)
             self.counters.publish_timeouts += 1
 
-    def _fail(self, rid: str) -> None:
+    def _fail(self, rid: str, keep: frozenset[bytes] = frozenset()) -> None:
         """A publication that will write no manifest: its blocks put so far (kept, no
-        TTL) get the ordinary TTL back, so nothing is pinned on the server for ever."""
+        TTL) get the ordinary TTL back, so nothing is pinned on the server for ever --
+        but those in ``keep`` (the blocks of the publication that supersedes it)."""
         pub = self._pubs.get(rid)
         if pub is not None:
-            self._scope.demote([self._scope.remote_hash(k) for k in pub.keys])
+            self._scope.demote([self._scope.remote_hash(k) for k in pub.keys
+                                if k not in keep])
         self._drop(rid)
 
     def drop_all(self) -> None:

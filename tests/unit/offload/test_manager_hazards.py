@@ -913,3 +913,29 @@ def test_a_failed_manager_takes_any_listing_of_a_request_it_never_tracked() -> N
     assert plan.store is None and plan.load is None
     rig.m.finished("a", 12, [ga + more])
     assert rig.m.pins_held() == 0
+
+
+def test_a_preemption_listing_of_a_request_not_tracked_makes_no_record() -> None:
+    """The sibling of the test above (a review): the ended request x is listed as
+    preempted first. That listing made a record for x (an empty table, watched), so the
+    decode-step listing that follows was taken -- its appended id as x's table from
+    position 0 -- and the stale record refused the end of a new request under the id.
+    Now a preemption of a request the manager does not track changes nothing: the
+    decode-step listing after it is refused, and the new request ends cleanly."""
+    rig = Rig(cpu=8, gpu=16)
+    x = Req("x", 16)
+    gx = rig.alloc(3, x.h[:3])
+    rig.step(x.sched(gx, confirmed=0, new=True))
+    rig.m.finished("x", 0, [gx])
+    rig.gpu.free(gx)
+    assert rig.alloc(1) == [3]
+    before = manager_state(rig.m)
+    rig.step(ScheduledRequest("x", (), 0, ((),), preempted=True))
+    assert "x" not in rig.m._track.reqs and "x" not in rig.m._track.watch
+    with pytest.raises(InvalidRequest, match="new_or_resumed: listed with only its new"):
+        rig.step(ScheduledRequest("x", x.h, 16, ((3,),), False, 12, False))
+    assert {k: v for k, v in manager_state(rig.m).items() if k != "last_step"} == \
+        {k: v for k, v in before.items() if k != "last_step"}
+    x2 = Req("x", 9, base=500)
+    rig.m.finished("x", 8, [rig.alloc(3)], block_hashes=x2.h)   # accepted
+    assert rig.m.pins_held() == 0
