@@ -222,8 +222,8 @@ _REMOTE_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
     "get_declined_overdue": ("remote hits not fetched: an earlier read is past its fetch "
                              "timeout and still out (a rank not serving tier jobs); "
                              "lookups", True),
-    "get_capped": ("remote hits cut to one command's worth of blocks (the rest is "
-                   "recomputed); lookups", False),
+    "get_capped": ("remote hits cut short: the CPU tier had no room for the rest "
+                   "(recomputed); lookups", False),
     "hit_blocks": ("blocks fetched from the remote tier into the CPU tier; blocks", True),
     "hit_bytes": ("bytes fetched from the remote tier (hit blocks x bytes per block); "
                   "bytes", True),
@@ -360,7 +360,8 @@ _DISK_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
                              "lookups", True),
     "get_declined_gone": ("disk hits not read: the slots lost their blocks before the "
                           "READ; lookups", False),
-    "get_capped": ("disk hits cut to one command's worth of blocks; lookups", False),
+    "get_capped": ("disk hits cut short: the CPU tier had no room for the rest "
+                   "(recomputed); lookups", False),
     "hit_blocks": ("blocks read from the disk tier into the CPU tier; blocks", True),
     "read_bytes": ("bytes read from the disk tier (hit blocks x bytes per block over every "
                    "rank); bytes", True),

@@ -10,17 +10,19 @@ keeps the per-request state machine, the CPU pins and the dedup:
 1. The book starts a request's fetch: QUERYING (an answer is still to come) or, with
    the present prefix known, ANSWERED (:meth:`begin`, :meth:`answered`). Lookups answer
    None ("ask again") meanwhile.
-2. :meth:`plan` allocates that many CPU blocks and has the book register the job
-   (``make``: a :class:`~kvshm.offload.jobs.RemoteJob` or its disk kind); FETCHING. A CPU
-   pool with no room, or a source that no longer holds the blocks (``available``): DONE
-   (counted).
-3. The job completed on every rank without failure (:meth:`complete`): the blocks are
+2. :meth:`plan` allocates that many CPU blocks (as many as the CPU tier has room for)
+   and has the book register the jobs, one command's worth each (``make``: a
+   :class:`~kvshm.offload.jobs.RemoteJob` or its disk kind); FETCHING. A CPU pool with
+   no room, or a source that no longer holds the blocks (``available``): DONE (counted).
+3. A job completed on every rank without failure (:meth:`complete`): its blocks are
    indexed in the CPU tier (keys and depths from the job) and stay pinned for the
-   request (FETCHED) until its next lookup, which finds an ordinary CPU hit and pins it
-   itself (:meth:`hit`). A failed job frees its blocks unindexed: DONE, and the request is
-   not fetched for again (failure = miss = recompute). A job whose request has moved on
-   (it timed out, ended, was reset) frees its blocks: they are indexed, so a later lookup
-   may still hit them.
+   request; once every job of the fetch is done it is FETCHED, until its next lookup,
+   which finds an ordinary CPU hit and pins it itself (:meth:`hit`). A failed job frees
+   its blocks unindexed: DONE, and the request is not fetched for again (failure = miss
+   = recompute; what its other jobs read is indexed, so its next lookup hits up to the
+   first block missing). A job whose request has moved on (it timed out, ended, was
+   reset, another job of it failed) frees its blocks: they are indexed, so a later
+   lookup may still hit them.
 
 A job not done on every rank after ``fetch_timeout_s`` ends the request's wait (DONE,
 counted); the job keeps its pins until it ends, and while it is out the tier is
@@ -68,8 +70,9 @@ WAITING = frozenset((FetchState.QUERYING, FetchState.ANSWERED, FetchState.FETCHI
 @dataclass(slots=True, eq=False)
 class Fetch:
     """One request's fetch: ``keys`` (CPU index keys, position-major from block
-    ``start``), the answer's length in blocks, the job, the FETCHED pins; ``token``: the
-    book's handle for an answer still to come (0: none)."""
+    ``start``), the answer's length in blocks, its jobs still out (a long answer is read
+    by several, each one command's worth), the pins of those done (FETCHED once none is
+    out); ``token``: the book's handle for an answer still to come (0: none)."""
 
     state: FetchState
     start: int
@@ -77,7 +80,7 @@ class Fetch:
     token: int
     since: float
     present: int = 0
-    job_id: int = 0
+    jobs: set[int] = field(default_factory=set)
     pinned: list[int] = field(default_factory=list)
 
 
@@ -251,7 +254,7 @@ class Fetches:
     # ---- plan and completion ---------------------------------------------------------
 
     def plan(self, step: int, *, overdue: bool = False) -> list[RemoteJob]:
-        """This step's jobs, one per ANSWERED fetch that the CPU tier has room for.
+        """This step's jobs: those of each ANSWERED fetch the CPU tier has room for.
         ``overdue``: a tier's read is past the fetch timeout and still out
         (``LowerTiers.overdue``): every ANSWERED fetch ends DONE instead
         (counted), for good, and its request recomputes -- a job would wait on the same
@@ -264,38 +267,45 @@ class Fetches:
                     st.state = FetchState.DONE
                     self.counters.get_declined_overdue += 1
                     continue
-                job = self._job(step, rid, st)
-                if job is not None:
-                    out.append(job)
+                out += self._jobs(step, rid, st)
         return out
 
-    def _job(self, step: int, rid: str, st: Fetch) -> RemoteJob | None:
+    def _jobs(self, step: int, rid: str, st: Fetch) -> list[RemoteJob]:
+        """The jobs of ``rid``'s answered fetch: as much of the answer as the CPU tier
+        has room for, in jobs of at most one command's worth (``max_job_blocks``, whole
+        positions of every group) -- a long prompt's hit is read whole, not cut to the
+        first job (counted ``get_capped`` only where the CPU tier's room cut it)."""
         self._unclaim(rid, st)
         g = self._gs.n
-        n = min(st.present, self.cpu.num_free, self._max_job)
+        chunk = self._max_job - self._max_job % g
+        n = min(st.present, self.cpu.num_free) if chunk > 0 else 0
         n -= n % g
-        if n < st.present and n == self._max_job - self._max_job % g:
-            self.counters.get_capped += 1  # one command's worth: the rest is recomputed
+        if 0 < n < st.present:
+            self.counters.get_capped += 1  # no CPU room for the rest: it is recomputed
         if n <= 0:
             self.counters.get_declined_cpu_full += 1
             st.state = FetchState.DONE
-            return None
+            return []
         n = self._available(st.keys, n)
         n -= n % g
         if n <= 0:  # the book counted why
             st.state = FetchState.DONE
-            return None
-        keys = st.keys[:n]
-        depths = [st.start + i // g for i in range(n)]
-        job = self._make(step, self._allocate(n), keys, depths, rid)
-        for k in keys:
-            self._fetching[k] = job.job_id
+            return []
         now = self._clock()
-        self._fetch_since[job.job_id] = now
-        st.state, st.job_id, st.since = FetchState.FETCHING, job.job_id, now
-        self.counters.get_jobs += 1
+        out = []
+        for lo in range(0, n, chunk):
+            keys = st.keys[lo:min(n, lo + chunk)]
+            depths = [st.start + i // g for i in range(lo, lo + len(keys))]
+            job = self._make(step, self._allocate(len(keys)), keys, depths, rid)
+            for k in keys:
+                self._fetching[k] = job.job_id
+            self._fetch_since[job.job_id] = now
+            st.jobs.add(job.job_id)
+            out.append(job)
+            self.counters.get_jobs += 1
+        st.state, st.since = FetchState.FETCHING, now
         self.counters.get_blocks += n
-        return job
+        return out
 
     def complete(self, job: RemoteJob, usable: bool) -> bool:
         """``job`` is done on every rank (it left the job table). ``usable``: it did not
@@ -306,8 +316,11 @@ class Fetches:
                 del self._fetching[k]
         self._fetch_since.pop(job.job_id, None)
         st = self.reqs.get(job.req_id)
-        mine = (st is not None and st.job_id == job.job_id
+        mine = (st is not None and job.job_id in st.jobs
                 and st.state is FetchState.FETCHING)  # not timed out meanwhile
+        if mine:
+            assert st is not None
+            st.jobs.discard(job.job_id)
         cpu = self.cpu
         if not usable:
             if job.abandoned and not job.nacked:  # a reset's: not a failure
@@ -316,8 +329,8 @@ class Fetches:
                 self.counters.get_failed_jobs += 1
                 self.counters.get_failed_blocks += len(job.cpu_ids)
             cpu.free(reversed(job.cpu_ids))
-            if mine:
-                assert st is not None
+            if mine:  # the request waits no more: what its other jobs read is indexed
+                assert st is not None  # (a CPU hit up to the first block missing)
                 st.state = FetchState.DONE
             return False
         for c, k, d in zip(job.cpu_ids, job.keys, job.depths):
@@ -327,7 +340,9 @@ class Fetches:
         self.counters.hit_blocks += len(job.cpu_ids)
         if mine:
             assert st is not None
-            st.state, st.pinned = FetchState.FETCHED, list(job.cpu_ids)
+            st.pinned += job.cpu_ids
+            if not st.jobs:
+                st.state = FetchState.FETCHED
             return True
         cpu.free(reversed(job.cpu_ids))
         return False

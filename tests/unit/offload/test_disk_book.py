@@ -14,7 +14,7 @@ from typing import Any
 from manager_rig import BS, Req, Rig, refs
 
 from kvshm.ipc.protocol import Disk, DiskOp, unpack_ids
-from kvshm.offload.disk import DiskBook
+from kvshm.offload.disk import MAX_DISK_BLOCKS, DiskBook
 from kvshm.offload.manager import OffloadManager
 from kvshm.offload.pool import BlockPool
 from kvshm.offload.remote_puts import remote_hash
@@ -27,7 +27,7 @@ class DiskRig(Rig):
 
     def __init__(self, *, cpu: int = 4, slots: int = 4, window: int | None = None,
                  clock: list[float] | None = None, write_through: bool = False,
-                 max_window: int | None = None) -> None:
+                 max_window: int | None = None, max_job: int = MAX_DISK_BLOCKS) -> None:
         super().__init__(cpu=cpu, gpu=16, world_size=WORLD)
         self.slots = BlockPool(slots)
         self.now = clock if clock is not None else [0.0]
@@ -35,7 +35,8 @@ class DiskRig(Rig):
         def make(pool: BlockPool, gs: object, jobs: object) -> DiskBook:
             return DiskBook(pool, gs, jobs, self.slots, window=window,  # type: ignore[arg-type]
                             clock=lambda: self.now[0], pause_s=30.0,
-                            write_through=write_through, max_window=max_window)
+                            write_through=write_through, max_window=max_window,
+                            max_job_blocks=max_job)
         self.m = OffloadManager(self.cpu, self.gpu, block_size=BS, world_size=WORLD,
                                 disk=make)
 
@@ -711,4 +712,28 @@ def test_a_warm_start_with_a_bad_entry_changes_nothing() -> None:
         rig.m.check_invariants()
     rig.book.warm({0: h0, 1: h1})
     assert rig.slots.num_hashes == 2 and refs(rig.slots, range(4)) == [0, 0, 0, 0]
+    rig.m.check_invariants()
+
+
+def test_a_disk_hit_longer_than_one_read_is_read_whole() -> None:
+    """A's 3 blocks are on disk; a READ carries at most 2 here (``MAX_DISK_BLOCKS``, 128,
+    in the engine). R's lookup was served the first READ's worth and recomputed the rest
+    -- a 50,000-block prompt got 128 blocks back (a hostile probe at production scale).
+    Now R's hit is read by READs of 2 and 1, R waits until both are in, and its lookup
+    hits all 3 blocks; nothing stays pinned after its end."""
+    rig = DiskRig(cpu=6, slots=6, max_job=2)
+    a = Req("a", 13)
+    rig.on_disk(a)
+    assert rig.slots.num_hashes == 3 and rig.cpu.num_hashes == 0
+    r = Req("r", 13)
+    assert rig.m.lookup(r.view(), 0) is None
+    reads = [d for d in rig.step().disk if d.op is DiskOp.READ]
+    assert [len(unpack_ids(d.cpu_ids)) for d in reads] == [2, 1]
+    rig.ack_disk(reads[1])
+    assert rig.m.lookup(r.view(), 0) is None                     # the first is still out
+    rig.ack_disk(reads[0])
+    assert rig.m.lookup(r.view(), 0) == 3 * BS
+    assert rig.book.counters.get_jobs == 2 and rig.book.counters.get_capped == 0
+    rig.m.finished("r", 3 * BS, [rig.alloc(3)])
+    assert rig.m.pins_held() == 0
     rig.m.check_invariants()

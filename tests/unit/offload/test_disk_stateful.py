@@ -53,7 +53,7 @@ class Posted:
 class DiskMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
-        self.rig = DiskRig(cpu=6, slots=10, window=4)
+        self.rig = DiskRig(cpu=6, slots=10, window=4, max_job=2)  # long hits: several READs
         self.out: list[Posted] = []
         self.cpu_bytes: list[dict[int, bytes | None]] = [{} for _ in range(WORLD)]
         self.slot_bytes: list[dict[int, bytes | None]] = [{} for _ in range(WORLD)]
@@ -267,7 +267,7 @@ class WriteThroughMachine(DiskMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self.rig = DiskRig(cpu=6, slots=10, window=4, write_through=True)
+        self.rig = DiskRig(cpu=6, slots=10, window=4, write_through=True, max_job=2)
         self.reqs = Requests(self.rig)
 
 

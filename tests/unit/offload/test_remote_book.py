@@ -608,8 +608,11 @@ def test_an_answer_that_comes_once_a_get_is_overdue_is_not_fetched() -> None:
 
 def test_remote_jobs_never_exceed_what_one_ring_record_holds() -> None:
     """With room for 2 blocks a command, A's 3 stored blocks go out as PUTs of 2 and 1,
-    and R's 3-block remote prefix is fetched 2 blocks deep (counted: the rest is
-    recomputed) -- no command a ring could refuse."""
+    and R's 3-block remote prefix is fetched whole by GETs of 2 and 1 -- no command a
+    ring could refuse. (A hit longer than one command was cut to its first, the rest
+    recomputed: a 50,000-block prompt got 14,561 blocks back from the remote tier and
+    128 from the disk, a hostile probe at production scale.) R waits until both are in;
+    a GET of it that fails leaves the other's blocks indexed: R hits up to the gap."""
     index = HeldIndex()
     rig = remote_rig(index, max_job=2)
     store(rig, Req("a", 13))
@@ -621,11 +624,17 @@ def test_remote_jobs_never_exceed_what_one_ring_record_holds() -> None:
     index.ready.update(rkey(h) for h in r.h)
     assert rig.m.lookup(r.view(), 0) is None
     index.answer_all()
-    (get,) = rig.step().remote
-    assert len(unpack_ids(get.cpu_ids)) == 2
-    ack_remote(rig, get)
-    assert rig.m.lookup(r.view(), 0) == 2 * BS
-    assert rig.m.remote is not None and rig.m.remote.counters.get_capped == 1
+    first, second = rig.step().remote
+    assert [len(unpack_ids(g.cpu_ids)) for g in (first, second)] == [2, 1]
+    ack_remote(rig, second)
+    assert rig.m.lookup(r.view(), 0) is None                      # the first is still out
+    ack_remote(rig, first)
+    assert rig.m.lookup(r.view(), 0) == 3 * BS
+    assert rig.m.remote is not None and rig.m.remote.counters.get_capped == 0
+    assert rig.m.remote.counters.get_jobs == 2
+    rig.m.finished("r", 3 * BS, [rig.alloc(3)])
+    assert rig.m.pins_held() == 0
+    rig.m.check_invariants()
 
 
 def test_a_cpu_hit_ends_the_requests_remote_lookup() -> None:
@@ -833,3 +842,26 @@ def test_transfer_params_of_an_id_that_is_no_str_is_refused() -> None:
         rig.m.transfer_params(["r"])  # type: ignore[arg-type]
     assert rig.m.counters.invalid_calls == before + 1
     assert rig.m.transfer_params("r") is None
+
+
+def test_a_long_remote_hit_whose_second_get_fails_hits_up_to_the_gap() -> None:
+    """R's 3-block remote prefix comes in GETs of 2 and 1 (``max_job=2``); the second
+    fails on one rank: R waits no more, and its next lookup hits the 2 blocks the first
+    read (indexed, pinned for it) -- the third is recomputed. No pin is left."""
+    index = HeldIndex()
+    rig = remote_rig(index, max_job=2)
+    store(rig, Req("a", 13))
+    for m in rig.step().remote:
+        ack_remote(rig, m)
+    r = Req("r", 13, base=500)
+    index.ready.update(rkey(h) for h in r.h)
+    assert rig.m.lookup(r.view(), 0) is None
+    index.answer_all()
+    first, second = rig.step().remote
+    ack_remote(rig, first)
+    ack_remote(rig, second, (True, False))
+    assert rig.m.lookup(r.view(), 0) == 2 * BS
+    assert rig.m.remote is not None and rig.m.remote.counters.get_failed_jobs == 1
+    rig.m.finished("r", 3 * BS, [rig.alloc(3)])
+    assert rig.m.pins_held() == 0
+    rig.m.check_invariants()

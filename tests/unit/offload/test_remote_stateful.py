@@ -45,7 +45,7 @@ class RemoteMachine(RuleBasedStateMachine):
         super().__init__()
         self.index = HeldIndex()
         self.index.ready.update(rkey(h) for h in FOREIGN_KEYS.values())
-        self.rig = remote_rig(self.index, cpu=10)
+        self.rig = remote_rig(self.index, cpu=10, max_job=2)  # long hits: several GETs
         self.out: list[tuple[Remote | Transfer, dict[int, bool]]] = []  # posted, acks so far
         self.put_ok: set[str] = set()  # readiness keys whose PUT every rank acked ok
         self.get_ok: set[bytes] = set()  # foreign keys a GET fetched, every rank ok
