@@ -176,6 +176,18 @@ class RunIdWatch:
         written, self._sentinel_written = self._sentinel_written, True
         return written and gone
 
+    def forget(self, client: Any) -> None:
+        """At close: delete the sentinel, if written (each engine's start would else
+        leave one on the server for :data:`SENTINEL_TTL_S`: a probe's 20 restarts left
+        20). Best effort: a server that does not answer keeps it until its TTL."""
+        if not self._sentinel_written:
+            return
+        try:
+            client.delete([self._sentinel])
+            self._sentinel_written = False
+        except Exception:  # noqa: BLE001 - the TTL removes it
+            self._n.add(run_id_errors=1)
+
 
     def _blind(self, why: str) -> None:
         """The server answered ``INFO server`` without a run_id, or refused it (an ACL
@@ -331,6 +343,7 @@ class ValkeyReadyIndex:
                 break
         self._batches.close()
         if client is not None:
+            self._run_id.forget(client)
             _close(client)
 
     def _failed_drain(self, client: Any, work: list[_Queued], exc: Exception) -> Any:

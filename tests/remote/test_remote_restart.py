@@ -150,3 +150,21 @@ def test_an_acl_without_info_is_named_not_silent(
     assert "cannot read the server's run_id" in lines[1] and "a request to" in lines[0]
     assert all("no permissions to run the 'info' command" in line for line in lines)
     assert (fresh.suppressed, failures.suppressed) == (2, 2)
+
+
+def test_an_index_deletes_its_sentinel_at_close(valkey: ValkeyServer) -> None:
+    """Each index writes a sentinel key of its own (10-minute TTL) to notice a flush;
+    its close left it behind, so a probe's 20 engine restarts left 20 on the server.
+    Now the close deletes it: no ``kvshm-sentinel:*`` key is left."""
+    idx = ValkeyReadyIndex(RemoteSpec.parse(valkey.url), run_id_every_s=0.0)
+    try:
+        for token in range(2):  # the first check writes the sentinel
+            idx.query(token, ["kvshm:v1:fp:ready/1:00"])
+            deadline = time.monotonic() + 10.0
+            while not idx.answers():
+                assert time.monotonic() < deadline, idx.statistics()
+                time.sleep(0.01)
+        assert call(valkey, "KEYS", "kvshm-sentinel:*") != []
+    finally:
+        idx.close()
+    assert call(valkey, "KEYS", "kvshm-sentinel:*") == []
