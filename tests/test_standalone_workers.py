@@ -10,6 +10,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 import torch
@@ -370,4 +371,38 @@ def test_rank_refused_by_engine_exits_1(capsys: pytest.CaptureFixture[str]) -> N
         assert rc == 1
         assert "refused" in capsys.readouterr().err
     finally:
+        sched.close()
+
+
+class _SlowReadySched(Sched):
+    """A scheduler whose Ready takes 3 s to make once every rank connected: as an
+    engine's does while it reads its disk slabs for a warm restart."""
+
+    def _make_ready(self, hellos: Any) -> Any:
+        time.sleep(3.0)
+        return super()._make_ready(hellos)
+
+
+def test_a_connected_rank_waits_out_a_slow_ready_beyond_its_connect_timeout() -> None:
+    """The hazard (a hostile probe at production scale): an engine reads its disk slabs
+    after every rank connected and before it sends Ready -- 320,000 slots took 3.6 s,
+    millions take minutes. The rank's --connect-timeout ran on meanwhile: both ranks
+    gave up ("sent no Ready within 1.5 s") and exited, and the engine was FAILED from
+    its start. Now the timeout bounds the connection only: a connected rank waits for
+    Ready as long as the engine keeps its lifeline (the engine gives up at its own start
+    timeout), here 3 s against a 1.5 s --connect-timeout, then serves and exits 0."""
+    sched = _SlowReadySched(1, device_caches=caches(1), num_cpu_blocks=64)
+    rank = spawn("--name", sched.name, "--rank", "0", "--world-size", "1",
+                 "--connect-timeout", "1.5")
+    try:
+        sched.wait_for(sched.ready, timeout=30, what="Ready")
+        time.sleep(0.5)
+        assert rank.poll() is None, rank.stderr.read() if rank.stderr else ""
+        assert not sched.lost()
+        sched.post(Shutdown())
+        assert rank.wait(timeout=20) == 0, rank.stderr.read() if rank.stderr else ""
+    finally:
+        if rank.poll() is None:
+            rank.kill()
+            rank.wait()
         sched.close()
