@@ -288,6 +288,8 @@ _REMOTE_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
                              "memory is cleared); changes", False),
     "index_flushes_seen": ("flushes of the server seen (its run_id unchanged, the index's "
                            "sentinel key gone: the put memory is cleared); flushes", False),
+    "index_server_evictions": ("keys the server evicted (maxmemory reached), seen by the "
+                               "index's periodic read; keys", False),
     "index_queries": ("readiness-index queries issued; queries", False),
     "index_answered": ("readiness-index queries answered; queries", False),
     "index_answered_zero": ("readiness-index queries answered with no key present; "

@@ -97,6 +97,18 @@ class _Queued(NamedTuple):
     items: Sequence[Any]
 
 
+def evicted_keys(reply: Any) -> int | None:
+    """The servers' ``evicted_keys`` summed over an ``INFO`` reply (one server's bytes,
+    or a cluster's node -> bytes); None where no part says (an old server, a refusal)."""
+    parts = reply.values() if isinstance(reply, dict) else [reply]
+    total, seen = 0, False
+    for p in parts:
+        field = info_field(p if isinstance(p, bytes) else str(p).encode(), "evicted_keys")
+        if field is not None and field.isdigit():
+            total, seen = total + int(field), True
+    return total if seen else None
+
+
 def run_ids(reply: Any) -> frozenset[str]:
     """The ``run_id`` s of an ``INFO server`` reply: one server's bytes, or a cluster's
     node -> bytes (empty: none found)."""
@@ -129,6 +141,7 @@ class RunIdWatch:
         self.restarts = 0
         self._sentinel = f"{SENTINEL_PREFIX}:{uuid.uuid4().hex}"
         self._sentinel_written = False
+        self._evicted: int | None = None  # the servers' evicted_keys at the last read
 
     def check(self, client: Any) -> None:
         """Read the run_id(s) through ``client`` if due (class docstring)."""
@@ -137,16 +150,18 @@ class RunIdWatch:
             return
         self._at = now
         g = self._glide
+        sections = [g.InfoSection.SERVER, g.InfoSection.STATS]
         try:
             if self.spec.cluster:
-                reply = client.info([g.InfoSection.SERVER], route=g.AllPrimaries())
+                reply = client.info(sections, route=g.AllPrimaries())
             else:
-                reply = client.info([g.InfoSection.SERVER])
+                reply = client.info(sections)
         except Exception as exc:  # noqa: BLE001 - counted; the next check reads it again
             self._n.add(run_id_errors=1)
             if not isinstance(exc, (g.TimeoutError, g.ConnectionError, g.ClosingError)):
                 self._blind(f"{type(exc).__name__}: {exc}")  # an answer: a refusal
             return
+        self._evictions(evicted_keys(reply))
         ids = run_ids(reply)
         self._n.add(run_id_checks=1)
         if not ids:
@@ -175,6 +190,23 @@ class RunIdWatch:
             return False
         written, self._sentinel_written = self._sentinel_written, True
         return written and gone
+
+    def _evictions(self, total: int | None) -> None:
+        """The server evicted keys since the last read (``maxmemory`` reached): counted
+        (``server_evictions``) and said once a minute. Under ``volatile-lru`` a full
+        server drops a prefix's first blocks -- written earliest -- before its last, and
+        a prefix without its head serves nothing (a probe: 204,000 keys evicted, no hit
+        left, not a line said)."""
+        if total is None:
+            return
+        last, self._evicted = self._evicted, total
+        if last is None or total <= last:  # the first read, or a restart's new count
+            return
+        self._n.add(server_evictions=total - last)
+        rlog.warning("evicted", "kvshm remote tier (index): the server evicted %d keys "
+                     "since the last check (maxmemory reached: prefixes lose their first "
+                     "blocks first and then serve nothing); give it more memory, or a "
+                     "shorter ttl_s (counted: server_evictions)", total - last)
 
     def forget(self, client: Any) -> None:
         """At close: delete the sentinel, if written (each engine's start would else
@@ -221,6 +253,7 @@ class ValkeyReadyIndex:
                             "timeouts", "rejected", "round_trips", "clients_created",
                             "values_set", "values_got", "values_dropped", "values_refused",
                             "run_id_checks", "run_id_errors", "run_id_changes", "flushes_seen",
+                            "server_evictions",
                             "keys_shard_down", "values_shard_down", "drains_failed")
         self._batches = ShardBatches(spec, glide, self._shards, self._n)
         self._run_id = RunIdWatch(spec, glide, self._n, run_id_every_s, self._calm)

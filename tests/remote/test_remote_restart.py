@@ -168,3 +168,36 @@ def test_an_index_deletes_its_sentinel_at_close(valkey: ValkeyServer) -> None:
     finally:
         idx.close()
     assert call(valkey, "KEYS", "kvshm-sentinel:*") == []
+
+
+def test_evictions_by_a_full_server_are_counted_and_said(
+        valkey: ValkeyServer, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    """The hazard (a hostile probe at production scale): a server at its ``maxmemory``
+    under ``volatile-lru`` evicted 204,000 keys -- every prefix's first blocks, written
+    earliest -- and a second engine hit nothing, while no line said the server was
+    full. The index's periodic INFO read now takes ``evicted_keys`` too: a rise is
+    counted (``server_evictions``) and one WARNING a minute says what it costs."""
+    fresh = RateLimitedLog(valkey_index.log)
+    monkeypatch.setattr(valkey_index, "rlog", fresh)
+    caplog.set_level(logging.WARNING)
+    idx = ValkeyReadyIndex(RemoteSpec.parse(valkey.url), run_id_every_s=0.0)
+    try:
+        def round_trip(token: int) -> None:
+            idx.query(token, ["kvshm:v1:fp:ready/1:00"])
+            deadline = time.monotonic() + 10.0
+            while not idx.answers():
+                assert time.monotonic() < deadline, idx.statistics()
+                time.sleep(0.01)
+
+        round_trip(0)  # the first read: the count so far, nothing said
+        assert call(valkey, "CONFIG", "SET", "maxmemory", "4mb") == b"OK"
+        for i in range(200):  # 100 KiB a key with a TTL: volatile-lru evicts them
+            call(valkey, "SET", f"filler:{i}", "x" * 100_000, "EX", "600")
+        round_trip(1)
+        st = idx.statistics()
+        assert st["server_evictions"] > 100, st
+    finally:
+        idx.close()
+    said = [r.getMessage() for r in caplog.records if "evicted" in r.getMessage()]
+    assert len(said) == 1 and "maxmemory reached" in said[0], said
