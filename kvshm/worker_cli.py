@@ -22,8 +22,8 @@ __all__ = ["DEFAULT_CONNECT_TIMEOUT_S", "DEFAULT_SPIN_US", "ENGINE_PID_ENV", "MO
 
 #: The package the interpreter runs (``python -m workers``).
 MODULE: Final = "workers"
-#: Seconds a rank waits for its connection to the engine to take unless
-#: ``--connect-timeout`` says otherwise (then it waits for Ready while the engine keeps it).
+#: Seconds a rank waits for the engine's Ready unless ``--connect-timeout`` says otherwise
+#: (a rank the engine spawned: for its connection; then as long as the engine lives).
 DEFAULT_CONNECT_TIMEOUT_S: Final = 60.0
 #: Busy-wait before parking when idle, in microseconds, unless ``--spin-us`` says otherwise.
 DEFAULT_SPIN_US: Final = 50.0

@@ -22,7 +22,7 @@ from kvshm.ipc.protocol import Direction, Shutdown
 from kvshm.ipc.rendezvous_events import EventKind
 from kvshm.shm import shared_tensor
 from kvshm.types import DeviceKind
-from kvshm.worker_cli import Flag, rank_argv
+from kvshm.worker_cli import ENGINE_PID_ENV, Flag, rank_argv
 from workers.loop import UsageError, _world_size, build_parser, cli_main
 
 NB = 128  # device blocks per rank
@@ -383,17 +383,19 @@ class _SlowReadySched(Sched):
         return super()._make_ready(hellos)
 
 
-def test_a_connected_rank_waits_out_a_slow_ready_beyond_its_connect_timeout() -> None:
+def test_a_spawned_rank_waits_out_a_slow_ready_beyond_its_connect_timeout() -> None:
     """The hazard (a hostile probe at production scale): an engine reads its disk slabs
     after every rank connected and before it sends Ready -- 320,000 slots took 3.6 s,
-    millions take minutes. The rank's --connect-timeout ran on meanwhile: both ranks
-    gave up ("sent no Ready within 1.5 s") and exited, and the engine was FAILED from
-    its start. Now the timeout bounds the connection only: a connected rank waits for
-    Ready as long as the engine keeps its lifeline (the engine gives up at its own start
-    timeout), here 3 s against a 1.5 s --connect-timeout, then serves and exits 0."""
+    millions take minutes. A spawned rank's timeout (60 s) ran on meanwhile: the ranks
+    gave up ("sent no Ready within ...") and exited, and the engine was FAILED from its
+    start. Now a rank the engine spawned (``KVSHM_ENGINE_PID``: it watches its parent),
+    once connected, waits for Ready as long as the engine lives -- here 3 s against a
+    1.5 s --connect-timeout -- then serves and exits 0."""
     sched = _SlowReadySched(1, device_caches=caches(1), num_cpu_blocks=64)
-    rank = spawn("--name", sched.name, "--rank", "0", "--world-size", "1",
-                 "--connect-timeout", "1.5")
+    rank = subprocess.Popen([sys.executable, "-m", "workers", "--name", sched.name,
+                             "--rank", "0", "--world-size", "1", "--connect-timeout", "1.5"],
+                            text=True, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                            env={**os.environ, ENGINE_PID_ENV: str(os.getpid())})
     try:
         sched.wait_for(sched.ready, timeout=30, what="Ready")
         time.sleep(0.5)
@@ -405,4 +407,22 @@ def test_a_connected_rank_waits_out_a_slow_ready_beyond_its_connect_timeout() ->
         if rank.poll() is None:
             rank.kill()
             rank.wait()
+        sched.close()
+
+
+def test_a_rank_started_by_hand_still_gives_up_on_an_engine_that_sends_no_ready(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A rank started by hand (no spawning engine to watch) keeps ``--connect-timeout``
+    for the whole wait: an engine that took its connection and never answers (hung)
+    does not hold it for ever (a review of the fix above). Its last line says a warm
+    restart's disk scan may need a larger timeout."""
+    sched = _SlowReadySched(1, device_caches=caches(1), num_cpu_blocks=64)
+    try:
+        t0 = time.monotonic()
+        assert cli_main(["--name", sched.name, "--rank", "0", "--world-size", "1",
+                         "--connect-timeout", "1"]) == 1   # nobody services the engine
+        assert time.monotonic() - t0 < 10
+        last = capsys.readouterr().err.splitlines()[-1]
+        assert "sent no Ready within 1 s" in last and "reads its disk slabs" in last, last
+    finally:
         sched.close()

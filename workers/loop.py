@@ -19,10 +19,10 @@ Two forms of one command line:
   shared-memory segments with ``--device cpu``, CUDA IPC handles with ``--device cuda``,
   see :mod:`kvshm.cuda_ipc`; a rank started for the other device is refused).
 
-A rank connects (retrying while nobody listens on the name, up to ``--connect-timeout``
-seconds) and waits for Ready as long as the engine keeps the connection (the engine's
-own start timeout bounds that) -- saying at once what it waits for when nobody listens
-yet, and every :data:`PROGRESS_S` seconds how long it has waited -- then loops: drain
+A rank connects (retrying while nobody listens on the name) and waits for Ready up to
+``--connect-timeout`` seconds (a rank the engine spawned: once connected, as long as the
+engine lives and keeps the connection) -- saying at once what it waits for when nobody
+listens yet, and every :data:`PROGRESS_S` seconds how long it has waited -- then loops: drain
 commands, begin every step it has seen in ascending order and submit its loads and
 stores at once (no fences: the serving process plans stores only for blocks whose
 compute has finished), send Dones as copies finish.
@@ -470,13 +470,16 @@ class WaitProgress:
 
 def _await_ready(worker: Worker, stopper: _Stopper, timeout: float) -> bool:
     """Connect and wait for Ready; False if a stop signal came first. TimeoutError when
-    no connection took within ``timeout``. Once connected (Hello sent, the lifeline
-    open) the wait for Ready has no deadline of its own: the engine gives up at its own
-    start timeout and closes the lifeline (PeerDied). Before, the rank's timeout ran on
-    while the engine read its disk slabs after every rank connected, and a warm restart
-    over a large slab lost every rank (a hostile probe: 320,000 slots, 3.6 s). Prints
-    the waiting line at once when nobody listens on the name yet, and a progress line
-    every :data:`PROGRESS_S` seconds while it waits (not connected, or no Ready)."""
+    no Ready came within ``timeout`` -- but a rank the engine spawned, once connected
+    (the lifeline open), waits for Ready with no deadline of its own: it watches the
+    engine process (its parent) and the lifeline, and the engine kills it at close.
+    Before, its timeout (60 s) ran on while the engine read its disk slabs after every
+    rank connected, and a warm restart over a large slab lost every rank (a hostile
+    probe: 320,000 slots took 3.6 s; millions take minutes). A rank started by hand
+    keeps its ``--connect-timeout`` for the whole wait (an engine that hangs must not
+    hold it for ever, a review): its message says a warm scan may need more. Prints the
+    waiting line at once when nobody listens on the name yet, and a progress line every
+    :data:`PROGRESS_S` seconds while it waits (not connected, or no Ready)."""
     t0 = time.monotonic()
     deadline = t0 + timeout
     progress = WaitProgress(t0, PROGRESS_S)
@@ -501,7 +504,8 @@ def _await_ready(worker: Worker, stopper: _Stopper, timeout: float) -> bool:
             return False
         now = time.monotonic()
         lifeline = worker.lifeline_fd()
-        connected = worker.phase is Phase.CONNECTING and lifeline is not None
+        connected = (engine_pid is not None and worker.phase is Phase.CONNECTING
+                     and lifeline is not None)
         left = deadline - now
         if left <= 0 and not connected:
             raise TimeoutError(_timeout_message(worker, timeout))
@@ -531,9 +535,11 @@ def _progress_message(worker: Worker, waited: float, timeout: float,
     if connected:
         return (f"still waiting for kvshm engine {worker.name!r}'s Ready ({waited:.0f} s): "
                 f"it waits for all {worker.world_size} ranks, then reads its disk slabs "
-                "if it has a disk tier (it gives up at its own start timeout)")
+                "if it has a disk tier")
     what = (f"for kvshm engine {worker.name!r} to appear" if worker.phase is Phase.NEW
-            else f"for kvshm engine {worker.name!r} to take the connection")
+            else f"for kvshm engine {worker.name!r}'s Ready: it waits for all "
+                 f"{worker.world_size} ranks, then reads its disk slabs if it has a "
+                 "disk tier")
     return f"still waiting {what} ({waited:.0f} s of {timeout:g} s)"
 
 
@@ -543,5 +549,7 @@ def _timeout_message(worker: Worker, timeout: float) -> str:
     if worker.phase is Phase.NEW:
         return (f"no kvshm engine named {worker.name!r} appeared within {timeout:g} s "
                 f"(nothing listens on \\0kvshm.{worker.name}); {give_up}")
-    return (f"kvshm engine {worker.name!r} took no connection within {timeout:g} s; "
+    return (f"kvshm engine {worker.name!r} sent no Ready within {timeout:g} s: it waits for "
+            f"all {worker.world_size} ranks (are the others running?), then reads its disk "
+            f"slabs if it has a disk tier (a warm restart of a large one takes minutes); "
             f"{give_up}")

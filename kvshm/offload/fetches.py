@@ -80,6 +80,7 @@ class Fetch:
     token: int
     since: float
     present: int = 0
+    end: int = 0  # the block after the last one its jobs read (once planned)
     jobs: set[int] = field(default_factory=set)
     pinned: list[int] = field(default_factory=list)
 
@@ -211,15 +212,33 @@ class Fetches:
     def again(self, rid: str, st: Fetch) -> int | None:
         """A later lookup of ``rid`` (its fetch ``st`` exists): None while it runs, else
         0 after releasing its FETCHED pins (the caller found, or will find, the blocks as
-        a CPU hit). A job past the fetch timeout ends the wait (counted)."""
-        if (st.state is FetchState.FETCHING
-                and self._clock() - st.since > self._fetch_timeout):
-            self.counters.fetch_timeouts += 1  # the job keeps its pins until it ends
-            st.state = FetchState.DONE
-        if st.state in WAITING:
+        a CPU hit). A fetch past the fetch timeout ends the wait (counted)."""
+        if self.still_waiting(rid):
             return None
         self.release(rid)
         return 0
+
+    def still_waiting(self, rid: str) -> bool:
+        """Whether ``rid``'s fetch is under way, nothing released: a fetch whose last
+        progress (its planning, or one of its jobs done) is older than the fetch timeout
+        ends its wait here (counted; its jobs keep their pins until they end)."""
+        st = self.reqs.get(rid)
+        if st is None:
+            return False
+        if (st.state is FetchState.FETCHING
+                and self._clock() - st.since > self._fetch_timeout):
+            self.counters.fetch_timeouts += 1
+            st.state = FetchState.DONE
+        return st.state in WAITING
+
+    def reads_past(self, rid: str, end: int) -> bool:
+        """Whether ``rid``'s jobs are still out and read past block ``end``: a CPU hit
+        that ends there (what its first jobs read) must wait, or pinning it would end
+        the fetch and the later jobs would complete for nobody (a review). A hit that
+        covers what the jobs read is taken at once, as before."""
+        st = self.reqs.get(rid)
+        return (st is not None and st.state is FetchState.FETCHING and st.end > end
+                and self.still_waiting(rid))
 
     def hit(self, rid: str) -> Fetch | None:
         """``rid``'s lookup is a CPU hit (pinned): its fetch ends here -- what it fetched
@@ -303,24 +322,30 @@ class Fetches:
             st.jobs.add(job.job_id)
             out.append(job)
             self.counters.get_jobs += 1
-        st.state, st.since = FetchState.FETCHING, now
+        st.state, st.since, st.end = FetchState.FETCHING, now, st.start + n // g
         self.counters.get_blocks += n
         return out
 
     def complete(self, job: RemoteJob, usable: bool) -> bool:
         """``job`` is done on every rank (it left the job table). ``usable``: it did not
         fail and its result may be used (not abandoned, the engine not failed). True when
-        its blocks went to its request (FETCHED)."""
+        it was its request's last job out and the request is FETCHED.
+
+        A job done is progress of its request's read: the jobs of the request still out
+        (queued behind it on the ranks) have their clocks restarted, for the request's
+        timeout and for :meth:`overdue` (a healthy read of many jobs is measured job by
+        job, not as a whole against a timeout sized for one)."""
         for k in job.keys:
             if self._fetching.get(k) == job.job_id:
                 del self._fetching[k]
         self._fetch_since.pop(job.job_id, None)
         st = self.reqs.get(job.req_id)
-        mine = (st is not None and job.job_id in st.jobs
-                and st.state is FetchState.FETCHING)  # not timed out meanwhile
-        if mine:
+        ours = st is not None and job.job_id in st.jobs
+        mine = ours and st is not None and st.state is FetchState.FETCHING  # not timed out
+        if ours:
             assert st is not None
             st.jobs.discard(job.job_id)
+            self._progress(st)
         cpu = self.cpu
         if not usable:
             if job.abandoned and not job.nacked:  # a reset's: not a failure
@@ -341,8 +366,21 @@ class Fetches:
         if mine:
             assert st is not None
             st.pinned += job.cpu_ids
-            if not st.jobs:
-                st.state = FetchState.FETCHED
+            if st.jobs:
+                return False
+            st.state = FetchState.FETCHED
             return True
         cpu.free(reversed(job.cpu_ids))
         return False
+
+    def _progress(self, st: Fetch) -> None:
+        """One of ``st``'s jobs is done: its wait and its other jobs' clocks restart
+        (moved to the end of the planning order, which stays oldest first)."""
+        if not st.jobs:
+            return
+        now = self._clock()
+        st.since = now
+        since = self._fetch_since
+        for j in st.jobs:
+            if since.pop(j, None) is not None:
+                since[j] = now

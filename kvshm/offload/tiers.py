@@ -99,9 +99,15 @@ class LowerTiers:
         return remote.lookup(rid, hashes, start, n_max, params)
 
     def extends(self, rid: str, hashes: Sequence[bytes], hit: Hit, end: int) -> bool:
-        """A CPU hit that may end before block ``end``: True while the disk reads what
-        follows it (the hit held meanwhile: ask again). Not asked when the disk is gated
-        for ``rid`` and the hit is short (counted: a short hit not extended)."""
+        """A CPU hit that may end before block ``end``: True while a read of ``rid``'s
+        still runs past it -- a remote fetch some of whose jobs are in (the hit is their
+        blocks, pinned by the fetch: pinning it now would end the fetch and its later
+        jobs would complete for nobody, a review), or the disk reading what follows the
+        hit (held meanwhile) -- ask again. The disk is not asked when it is gated for ``rid`` and
+        the hit is short (counted: a short hit not extended)."""
+        remote = self.remote
+        if remote is not None and remote.fetches.reads_past(rid, hit.end):
+            return True
         disk = self.disk
         if disk is None:
             return False

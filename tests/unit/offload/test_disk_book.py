@@ -737,3 +737,35 @@ def test_a_disk_hit_longer_than_one_read_is_read_whole() -> None:
     rig.m.finished("r", 3 * BS, [rig.alloc(3)])
     assert rig.m.pins_held() == 0
     rig.m.check_invariants()
+
+
+def test_a_long_disk_read_of_healthy_reads_is_neither_overdue_nor_timed_out() -> None:
+    """R's 10-block disk hit goes out as 5 READs of 2, served one after another by the
+    rank (4 s each: healthy, far under the 15 s fetch timeout). Every job of the read
+    carried its planning time, so at 15.5 s the read as a whole had timed out (R got 6
+    of 10 blocks) and the tier was overdue: another request's lookup was turned away (a
+    review). A READ done now restarts the clocks of its request's others: nothing is
+    overdue, and R hits all 10 blocks."""
+    now = [0.0]
+    rig = DiskRig(cpu=24, slots=24, max_job=2, clock=now, write_through=True)
+    a, b = Req("a", 41), Req("b", 9, base=1000)        # 10 and 2 blocks
+    rig.on_disk(a)
+    rig.on_disk(b)
+    r = Req("r", 41)
+    assert rig.m.lookup(r.view(), 0) is None
+    reads = [d for d in rig.step().disk if d.op is DiskOp.READ]
+    assert len(reads) == 5
+    for i, rd in enumerate(reads[:3]):
+        now[0] = 4.0 * (i + 1)
+        rig.ack_disk(rd)
+    now[0] = 15.5
+    assert not rig.m._tiers.overdue()
+    assert rig.m.lookup(r.view(), 0) is None                     # still reading, no timeout
+    assert rig.m.lookup(Req("b2", 9, base=1000).view(), 0) is None  # b's READ: not turned away
+    assert rig.m.counters.lookups_tier_overdue == 0
+    for i, rd in enumerate(reads[3:]):
+        now[0] = 4.0 * (i + 4)
+        rig.ack_disk(rd)
+    assert rig.m.lookup(r.view(), 0) == 10 * BS
+    assert rig.book.counters.fetch_timeouts == 0
+    rig.m.check_invariants()
