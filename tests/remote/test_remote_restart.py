@@ -85,21 +85,23 @@ async def test_a_restarted_server_is_refilled_within_seconds(valkey: ValkeyServe
     assert rb["server_restarts"] == 0 and rb["hit_blocks"] == len(toks) * BLOCKS, rb
 
 
+def round_trip(idx: ValkeyReadyIndex, token: int) -> None:
+    """One readiness query through ``idx``, waited for (a run_id check follows it)."""
+    idx.query(token, ["kvshm:v1:fp:ready/1:00"])
+    deadline = time.monotonic() + 10.0
+    while not idx.answers():
+        assert time.monotonic() < deadline, idx.statistics()
+        time.sleep(0.01)
+
+
 def test_the_index_counts_a_new_run_id_once(valkey: ValkeyServer) -> None:
     """The index alone: a first read of the run_id is no restart; the same server read
     again is none either; after a restart (a new run_id) ``restarts()`` is 1, and it
     stays 1 while the server runs on."""
     idx = ValkeyReadyIndex(RemoteSpec.parse(valkey.url), run_id_every_s=0.0)
     try:
-        def round_trip(token: int) -> None:
-            idx.query(token, ["kvshm:v1:fp:ready/1:00"])
-            deadline = time.monotonic() + 10.0
-            while not idx.answers():
-                assert time.monotonic() < deadline, idx.statistics()
-                time.sleep(0.01)
-
-        round_trip(1)
-        round_trip(2)
+        round_trip(idx, 1)
+        round_trip(idx, 2)
         assert idx.restarts() == 0 and idx.statistics()["run_id_checks"] >= 2
         valkey.kill()
         valkey.start()
@@ -107,11 +109,11 @@ def test_the_index_counts_a_new_run_id_once(valkey: ValkeyServer) -> None:
         token = 3
         while idx.restarts() == 0:
             assert time.monotonic() < deadline, idx.statistics()
-            round_trip(token)
+            round_trip(idx, token)
             token += 1
             time.sleep(0.05)
         for t in range(token, token + 3):
-            round_trip(t)
+            round_trip(idx, t)
         assert idx.restarts() == 1 and idx.statistics()["run_id_changes"] == 1
     finally:
         idx.close()
@@ -159,11 +161,7 @@ def test_an_index_deletes_its_sentinel_at_close(valkey: ValkeyServer) -> None:
     idx = ValkeyReadyIndex(RemoteSpec.parse(valkey.url), run_id_every_s=0.0)
     try:
         for token in range(2):  # the first check writes the sentinel
-            idx.query(token, ["kvshm:v1:fp:ready/1:00"])
-            deadline = time.monotonic() + 10.0
-            while not idx.answers():
-                assert time.monotonic() < deadline, idx.statistics()
-                time.sleep(0.01)
+            round_trip(idx, token)
         assert call(valkey, "KEYS", "kvshm-sentinel:*") != []
     finally:
         idx.close()
@@ -183,18 +181,11 @@ def test_evictions_by_a_full_server_are_counted_and_said(
     caplog.set_level(logging.WARNING)
     idx = ValkeyReadyIndex(RemoteSpec.parse(valkey.url), run_id_every_s=0.0)
     try:
-        def round_trip(token: int) -> None:
-            idx.query(token, ["kvshm:v1:fp:ready/1:00"])
-            deadline = time.monotonic() + 10.0
-            while not idx.answers():
-                assert time.monotonic() < deadline, idx.statistics()
-                time.sleep(0.01)
-
-        round_trip(0)  # the first read: the count so far, nothing said
+        round_trip(idx, 0)  # the first read: the count so far, nothing said
         assert call(valkey, "CONFIG", "SET", "maxmemory", "4mb") == b"OK"
         for i in range(200):  # 100 KiB a key with a TTL: volatile-lru evicts them
             call(valkey, "SET", f"filler:{i}", "x" * 100_000, "EX", "600")
-        round_trip(1)
+        round_trip(idx, 1)
         st = idx.statistics()
         assert st["server_evictions"] > 100, st
     finally:

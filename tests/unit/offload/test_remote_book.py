@@ -850,13 +850,8 @@ def test_a_long_remote_hit_whose_second_get_fails_hits_up_to_the_gap() -> None:
     """R's 3-block remote prefix comes in GETs of 2 and 1 (``max_job=2``); the second
     fails on one rank: R waits no more, and its next lookup hits the 2 blocks the first
     read (indexed, pinned for it) -- the third is recomputed. No pin is left."""
-    index = HeldIndex()
+    index, _, r = fetch_setup(3)
     rig = remote_rig(index, max_job=2)
-    store(rig, Req("a", 13))
-    for m in rig.step().remote:
-        ack_remote(rig, m)
-    r = Req("r", 13, base=500)
-    index.ready.update(rkey(h) for h in r.h)
     assert rig.m.lookup(r.view(), 0) is None
     index.answer_all()
     first, second = rig.step().remote
