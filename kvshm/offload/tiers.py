@@ -103,8 +103,8 @@ class LowerTiers:
         still runs past it -- a remote fetch some of whose jobs are in (the hit is their
         blocks, pinned by the fetch: pinning it now would end the fetch and its later
         jobs would complete for nobody, a review), or the disk reading what follows the
-        hit (held meanwhile) -- ask again. The disk is not asked when it is gated for ``rid`` and
-        the hit is short (counted: a short hit not extended)."""
+        hit (held meanwhile) -- ask again. The disk is not asked when it is gated for
+        ``rid`` and the hit is short (counted: a short hit not extended)."""
         remote = self.remote
         if remote is not None and remote.fetches.reads_past(rid, hit.end):
             return True

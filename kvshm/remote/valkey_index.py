@@ -50,7 +50,7 @@ import queue
 import threading
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from enum import Enum
 from typing import Any, Final, NamedTuple
 
@@ -97,25 +97,27 @@ class _Queued(NamedTuple):
     items: Sequence[Any]
 
 
-def evicted_keys(reply: Any) -> int | None:
-    """The servers' ``evicted_keys`` summed over an ``INFO`` reply (one server's bytes,
-    or a cluster's node -> bytes); None where no part says (an old server, a refusal)."""
+def _info_fields(reply: Any, name: str) -> Iterator[str | None]:
+    """Field ``name`` of each server's part of an ``INFO`` reply (one server's bytes, or
+    a cluster's node -> bytes); None where a part lacks it."""
     parts = reply.values() if isinstance(reply, dict) else [reply]
-    total, seen = 0, False
     for p in parts:
-        field = info_field(p if isinstance(p, bytes) else str(p).encode(), "evicted_keys")
+        yield info_field(p if isinstance(p, bytes) else str(p).encode(), name)
+
+
+def evicted_keys(reply: Any) -> int | None:
+    """The servers' ``evicted_keys`` summed over an ``INFO`` reply; None where no part
+    says (an old server, a refusal)."""
+    total, seen = 0, False
+    for field in _info_fields(reply, "evicted_keys"):
         if field is not None and field.isdigit():
             total, seen = total + int(field), True
     return total if seen else None
 
 
 def run_ids(reply: Any) -> frozenset[str]:
-    """The ``run_id`` s of an ``INFO server`` reply: one server's bytes, or a cluster's
-    node -> bytes (empty: none found)."""
-    parts = reply.values() if isinstance(reply, dict) else [reply]
-    found = (info_field(p if isinstance(p, bytes) else str(p).encode(), "run_id")
-             for p in parts)
-    return frozenset(r for r in found if r)
+    """The ``run_id`` s of an ``INFO server`` reply (empty: none found)."""
+    return frozenset(r for r in _info_fields(reply, "run_id") if r)
 
 
 class RunIdWatch:
