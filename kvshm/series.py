@@ -338,6 +338,8 @@ DISK_GAUGES: Final[dict[str, str]] = {
     "quarantined_slots": ("disk slots pinned only because a rank declared dead is not "
                           "fenced yet; blocks"),
     "bytes_per_rank": "the configured size of each rank's disk slab; bytes",
+    "warming": ("1 while the start's scan of the slab headers runs (the disk tier "
+                "indexes and writes nothing meanwhile), else 0; 0 or 1"),
 }
 
 # The disk tier's counters (``EngineStats.disk``): key -> (HELP, in vLLM's /metrics).
@@ -387,14 +389,16 @@ _DISK_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
     "writes_paused": ("times write-back paused after failed WRITEs in a row (a full or "
                       "failing disk); events", True),
     "write_skipped_paused": ("plans that wrote nothing back while paused; plans", False),
+    "write_skipped_warming": ("plans that wrote nothing back while the start's scan of "
+                              "the slabs ran; plans", False),
     "write_through_dropped": ("stored blocks forgotten before their write-through (the "
                               "queue was full); blocks", False),
     "evicted_on_disk": ("cached CPU blocks evicted that the disk held or was writing; "
                         "blocks", False),
     "evicted_written": ("cached CPU blocks evicted before write-back reached them, written "
                         "down before their reuse; blocks", True),
-    "evicted_lost": ("cached CPU blocks evicted with no disk copy (no free slot, or "
-                     "writing paused); blocks", True),
+    "evicted_lost": ("cached CPU blocks evicted with no disk copy (no free slot, writing "
+                     "paused, or the start's scan still running); blocks", True),
     "slot_evictions": ("disk slots reused for a new block (the old one dropped); slots",
                        True),
     "warm_slots": ("disk slots indexed at start from a previous run's slabs; slots",
@@ -403,6 +407,10 @@ _DISK_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
                        "(not indexed); slots", False),
     "scan_errors": ("slab files that could not be read at start (started cold); files",
                     False),
+    "warm_scan_ms": ("how long the start's scan of the slab headers took (0 while it "
+                     "runs); milliseconds", False),
+    "warm_voided": ("start scans whose result a reset made void (nothing indexed); "
+                    "scans", False),
 }
 
 

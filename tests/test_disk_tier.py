@@ -21,6 +21,8 @@ import random
 import shutil
 import signal
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -107,6 +109,16 @@ async def fill(c: Client, ks: Sequence[torch.Tensor], n: int, seed: int
 
 def disk(eng: Engine) -> dict[str, Any]:
     return eng.statistics().disk
+
+
+async def warmed(eng: Engine, timeout: float = 30.0) -> dict[str, Any]:
+    """The disk statistics once the start's scan has been applied (the engine is READY
+    before it ends: :mod:`kvshm.engine.warm_scan`)."""
+    deadline = time.monotonic() + timeout
+    while disk(eng)["warming"]:
+        assert time.monotonic() < deadline, "the disk tier still warms"
+        await asyncio.sleep(0.02)
+    return disk(eng)
 
 
 async def test_blocks_evicted_from_the_cpu_tier_come_back_from_disk_bit_exact(
@@ -300,9 +312,9 @@ async def test_a_rank_the_close_had_to_kill_leaves_no_slab(tmp_path: Path) -> No
 async def test_a_restarted_engine_serves_the_previous_ones_slab_at_once(
         tmp_path: Path) -> None:
     """Engine 1 writes prompt 0's blocks down and closes; engine 2, started under the
-    same name and layout, indexes every slot whose header agrees on both ranks before
-    its first step, and prompt 0's first lookup is read from the slab: the exact rows
-    engine 1 computed."""
+    same name and layout, indexes every slot whose header agrees on both ranks once its
+    scan ends (a thread: the engine is READY before), and prompt 0's first lookup is
+    read from the slab: the exact rows engine 1 computed."""
     name = default_name()
     async with spawned_engine(name=name, **disk_cfg(tmp_path)) as (eng, gpu, ks):
         c = Client(eng, gpu)
@@ -310,7 +322,7 @@ async def test_a_restarted_engine_serves_the_previous_ones_slab_at_once(
         written = disk(eng)["written_blocks"]
     async with spawned_engine(name=name, **disk_cfg(tmp_path)) as (eng, gpu, ks):
         c = Client(eng, gpu)
-        d = disk(eng)
+        d = await warmed(eng)
         assert d["warm_slots"] == min(written, SLOTS) and d["warm_disagreed"] == 0, d
         toks, rows = stored[0]
         hit = await lookup(c, "a", toks)
@@ -318,6 +330,61 @@ async def test_a_restarted_engine_serves_the_previous_ones_slab_at_once(
         got = await load(c, ks, "a", toks, hit)
         for r in range(2):
             assert torch.equal(got[r], rows[r]), f"rank {r}"
+
+
+async def test_a_warm_restart_is_ready_before_its_disk_scan_ends_and_serves_the_slab_after(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hazard (a hostile probe at production scale): the start's scan of the slot
+    headers ran on the scheduler's loop after every rank connected and before any Ready
+    -- 4.5 - 9 us a slot, so 8 ranks of a million slots blocked the start for about a
+    minute, and a hand-started rank's ``--connect-timeout`` ran out meanwhile. Now the
+    scan runs on a thread (:mod:`kvshm.engine.warm_scan`) and the engine is READY at
+    once, its disk tier *warming*: it indexes nothing (a lookup of a prompt engine 1
+    wrote down misses: recompute) and writes nothing (a slot written meanwhile could be
+    read by the scan before or after its new header; each plan's write-back is skipped,
+    counted). Here engine 2's scan is held at a seam until the test lets it go; then
+    the slots both ranks agree on are indexed, and the same prompt is read from the
+    slab: the exact rows engine 1 computed."""
+    from kvshm.disk import slab
+
+    name = default_name()
+    async with spawned_engine(name=name, **disk_cfg(tmp_path)) as (eng, gpu, ks):
+        c = Client(eng, gpu)
+        stored = await fill(c, ks, 4, seed=34)
+        written = disk(eng)["written_blocks"]
+    assert written >= 4
+    gate, real = threading.Event(), slab._scan_slots
+
+    def held(*args: Any) -> dict[int, bytes]:
+        assert gate.wait(60), "the test never let the scan go"
+        return real(*args)
+    monkeypatch.setattr(slab, "_scan_slots", held)
+    try:
+        async with asyncio.timeout(30):  # the old engine waited for the scan to be READY
+            async with spawned_engine(name=name, **disk_cfg(tmp_path)) as (eng, gpu, ks):
+                c = Client(eng, gpu)
+                d = disk(eng)
+                assert (d["warming"], d["slots_used"], d["warm_slots"]) == (1, 0, 0), d
+                toks, rows = stored[0]
+                assert await lookup(c, "early", toks) == 0  # nothing on disk yet
+                c.finish("early", [], 0)
+                await fill(c, ks, 3, seed=40)  # stores evict CPU blocks: none written
+                d = disk(eng)
+                assert d["warming"] == 1 and d["write_jobs"] == 0, d
+                assert d["write_skipped_warming"] > 0 and d["evicted_lost"] > 0, d
+                gate.set()
+                d = await warmed(eng)
+                assert d["warm_slots"] == min(written, SLOTS) and d["warm_disagreed"] == 0, d
+                hit = await lookup(c, "a", toks)
+                assert hit == 4 * BS
+                got = await load(c, ks, "a", toks, hit)
+                for r in range(2):
+                    assert torch.equal(got[r], rows[r]), f"rank {r}"
+                await drain(c)
+                d = disk(eng)  # the READ's victims (seed 42's blocks) were written down
+                assert d["write_jobs"] > 0 and d["evicted_written"] > 0, d
+    finally:
+        gate.set()
 
 
 async def test_a_slab_written_under_another_disk_stamp_is_not_served(
@@ -335,11 +402,11 @@ async def test_a_slab_written_under_another_disk_stamp_is_not_served(
         assert disk(eng)["written_blocks"] >= 4
     async with spawned_engine(name=name, disk_stamp="weights-b",
                               **disk_cfg(tmp_path)) as (eng, gpu, ks):
-        assert disk(eng)["warm_slots"] == 0, disk(eng)
+        assert (await warmed(eng))["warm_slots"] == 0, disk(eng)
         await fill(Client(eng, gpu), ks, 1, seed=32)
     async with spawned_engine(name=name, disk_stamp="weights-b",
                               **disk_cfg(tmp_path)) as (eng, gpu, ks):
-        assert disk(eng)["warm_slots"] >= 1, disk(eng)
+        assert (await warmed(eng))["warm_slots"] >= 1, disk(eng)
 
 
 async def test_a_worker_killed_mid_write_leaves_no_wrong_byte_after_restart(
@@ -363,6 +430,7 @@ async def test_a_worker_killed_mid_write_leaves_no_wrong_byte_after_restart(
         await asyncio.sleep(0.5)
     async with spawned_engine(name=name, **disk_cfg(tmp_path)) as (eng, gpu, ks):
         c = Client(eng, gpu)
+        await warmed(eng)
         hits = 0
         for i, (toks, rows) in enumerate(stored):
             hit = await lookup(c, f"r{i}", toks)
@@ -424,7 +492,7 @@ async def test_a_scheduler_killed_mid_write_leaves_no_wrong_byte_after_restart(
     saved = sorted(out.glob("*.pt"), key=lambda p: int(p.stem))
     async with spawned_engine(name=name, **disk_cfg(disk_dir)) as (eng, gpu, ks):
         c = Client(eng, gpu)
-        assert disk(eng)["warm_slots"] > 0
+        assert (await warmed(eng))["warm_slots"] > 0
         hits = 0
         for path in saved:
             i = int(path.stem)

@@ -376,7 +376,8 @@ def test_rank_refused_by_engine_exits_1(capsys: pytest.CaptureFixture[str]) -> N
 
 class _SlowReadySched(Sched):
     """A scheduler whose Ready takes 3 s to make once every rank connected: as an
-    engine's does while it reads its disk slabs for a warm restart."""
+    engine's did while it read its disk slabs for a warm restart (now on a thread after
+    Ready), or any slow start of a busy engine."""
 
     def _make_ready(self, hellos: Any) -> Any:
         time.sleep(3.0)
@@ -414,8 +415,8 @@ def test_a_rank_started_by_hand_still_gives_up_on_an_engine_that_sends_no_ready(
         capsys: pytest.CaptureFixture[str]) -> None:
     """A rank started by hand (no spawning engine to watch) keeps ``--connect-timeout``
     for the whole wait: an engine that took its connection and never answers (hung)
-    does not hold it for ever (a review of the fix above). Its last line says a warm
-    restart's disk scan may need a larger timeout."""
+    does not hold it for ever (a review of the fix above). Its last line says what the
+    engine waits for."""
     sched = _SlowReadySched(1, device_caches=caches(1), num_cpu_blocks=64)
     try:
         t0 = time.monotonic()
@@ -423,6 +424,6 @@ def test_a_rank_started_by_hand_still_gives_up_on_an_engine_that_sends_no_ready(
                          "--connect-timeout", "1"]) == 1   # nobody services the engine
         assert time.monotonic() - t0 < 10
         last = capsys.readouterr().err.splitlines()[-1]
-        assert "sent no Ready within 1 s" in last and "reads its disk slabs" in last, last
+        assert "sent no Ready within 1 s" in last and "waits for all 1 ranks" in last, last
     finally:
         sched.close()

@@ -475,9 +475,11 @@ def _await_ready(worker: Worker, stopper: _Stopper, timeout: float) -> bool:
     engine process (its parent) and the lifeline, and the engine kills it at close.
     Before, its timeout (60 s) ran on while the engine read its disk slabs after every
     rank connected, and a warm restart over a large slab lost every rank (a hostile
-    probe: 320,000 slots took 3.6 s; millions take minutes). A rank started by hand
-    keeps its ``--connect-timeout`` for the whole wait (an engine that hangs must not
-    hold it for ever, a review): its message says a warm scan may need more. Prints the
+    probe: 320,000 slots took 3.6 s; millions take minutes; the scan now runs on a
+    thread after Ready, :mod:`kvshm.engine.warm_scan`, but a busy or slow engine start
+    must still not cost a spawned rank). A rank started by hand keeps its
+    ``--connect-timeout`` for the whole wait (an engine that hangs must not hold it for
+    ever, a review). Prints the
     waiting line at once when nobody listens on the name yet, and a progress line every
     :data:`PROGRESS_S` seconds while it waits (not connected, or no Ready)."""
     t0 = time.monotonic()
@@ -534,12 +536,10 @@ def _progress_message(worker: Worker, waited: float, timeout: float,
                       connected: bool = False) -> str:
     if connected:
         return (f"still waiting for kvshm engine {worker.name!r}'s Ready ({waited:.0f} s): "
-                f"it waits for all {worker.world_size} ranks, then reads its disk slabs "
-                "if it has a disk tier")
+                f"it waits for all {worker.world_size} ranks")
     what = (f"for kvshm engine {worker.name!r} to appear" if worker.phase is Phase.NEW
             else f"for kvshm engine {worker.name!r}'s Ready: it waits for all "
-                 f"{worker.world_size} ranks, then reads its disk slabs if it has a "
-                 "disk tier")
+                 f"{worker.world_size} ranks")
     return f"still waiting {what} ({waited:.0f} s of {timeout:g} s)"
 
 
@@ -550,6 +550,4 @@ def _timeout_message(worker: Worker, timeout: float) -> str:
         return (f"no kvshm engine named {worker.name!r} appeared within {timeout:g} s "
                 f"(nothing listens on \\0kvshm.{worker.name}); {give_up}")
     return (f"kvshm engine {worker.name!r} sent no Ready within {timeout:g} s: it waits for "
-            f"all {worker.world_size} ranks (are the others running?), then reads its disk "
-            f"slabs if it has a disk tier (a warm restart of a large one takes minutes); "
-            f"{give_up}")
+            f"all {worker.world_size} ranks (are the others running?); {give_up}")

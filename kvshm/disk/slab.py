@@ -145,6 +145,8 @@ _O_DIRECT: Final = getattr(os, "O_DIRECT", 0)
 _CHECKSUM_IDS: Final = {name: cid for cid, (name, _) in CHECKSUMS.items()}
 #: How many slot headers :func:`scan` asks the kernel to read ahead of the one it parses.
 SCAN_AHEAD: Final = 128
+#: Slots :func:`scan` parses between two looks at its ``stop`` event.
+SCAN_STOP_SLOTS: Final = 4096
 
 
 def _round_up(n: int) -> int:
@@ -404,7 +406,8 @@ def _header_fits(h: _SlotHeader, spec: SlabSpec, digest: bytes, slot: int) -> bo
             and h.checksum_id in _UPDATERS)
 
 
-def scan(path: str, spec: SlabSpec, *, ahead: int = SCAN_AHEAD) -> dict[int, bytes]:
+def scan(path: str, spec: SlabSpec, *, ahead: int = SCAN_AHEAD,
+         stop: threading.Event | None = None) -> dict[int, bytes]:
     """Slot -> block hash of every slot of the slab at ``path`` whose header parses and
     fits ``spec`` (format version, fingerprint, rank, world, row bytes, its own slot
     index). Payloads are not read: their checksums are checked on read. A missing file,
@@ -419,7 +422,10 @@ def scan(path: str, spec: SlabSpec, *, ahead: int = SCAN_AHEAD) -> dict[int, byt
     reading slot ``i`` the scan asks the kernel (``POSIX_FADV_WILLNEED``, which starts
     the read and does not wait for it) for the header page of slot ``i + ahead``, so
     ``ahead`` header reads are in flight while it parses (``ahead=0``: none, one at a
-    time). A file system that refuses the advice is scanned one read at a time."""
+    time). A file system that refuses the advice is scanned one read at a time.
+
+    ``stop``: once set, the scan ends within :data:`SCAN_STOP_SLOTS` slots and returns
+    ``{}`` (the engine closes while its scan runs on a thread)."""
     try:  # never follows a link, never waits for a FIFO's writer (the scan runs on the
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
     except FileNotFoundError:  # scheduler's loop before any Ready: a wait is a hang)
@@ -431,12 +437,13 @@ def scan(path: str, spec: SlabSpec, *, ahead: int = SCAN_AHEAD) -> dict[int, byt
             return {}
         if not spec.matches_file_header(os.pread(fd, PAGE, 0)):
             return {}
-        return _scan_slots(fd, spec, ahead)
+        return _scan_slots(fd, spec, ahead, stop)
     finally:
         os.close(fd)
 
 
-def _scan_slots(fd: int, spec: SlabSpec, ahead: int) -> dict[int, bytes]:
+def _scan_slots(fd: int, spec: SlabSpec, ahead: int, stop: threading.Event | None
+                ) -> dict[int, bytes]:
     """:func:`scan`'s loop over the slot headers of the open slab ``fd``."""
     digest = _digest(spec.fingerprint)
     out: dict[int, bytes] = {}
@@ -449,6 +456,8 @@ def _scan_slots(fd: int, spec: SlabSpec, ahead: int) -> dict[int, bytes]:
                 advise = None
                 break
     for slot in range(slots):
+        if stop is not None and not slot % SCAN_STOP_SLOTS and stop.is_set():
+            return {}
         if advise is not None and slot + ahead < slots and not advise(fd, offset(slot + ahead)):
             advise = None
         got = _parse_slot_header(os.pread(fd, need, offset(slot)))

@@ -16,15 +16,20 @@ Order (each step before the next; none of it moves a block's bytes -- the worker
    header page, over its slot stride -- its row rounded up to 4 KiB plus a 4 KiB header
    page --, the smallest over the ranks: one slot number names a block on every rank),
    and each rank's :class:`~kvshm.ipc.protocol.DiskSetup` (its own slab path). Then
-   the warm scan: every rank's slab headers are read (:func:`kvshm.disk.scan`;
-   checksums are checked lazily by the workers, on read) and a slot is indexed only
-   where every rank's header names the same block (a torn or half-done write leaves the
-   ranks disagreeing, or a header whose checksum fails on read: a miss).
+   the warm scan starts on a thread of its own (:mod:`kvshm.engine.warm_scan`: every
+   rank's slab headers are read with :func:`kvshm.disk.scan`; checksums are checked
+   lazily by the workers, on read); a slot is indexed only where every rank's header
+   names the same block (a torn or half-done write leaves the ranks disagreeing, or a
+   header whose checksum fails on read: a miss).
 3. READY (:meth:`DiskLink.book_factory`): the manager's
-   :class:`~kvshm.offload.disk.DiskBook` over a fresh LRU slot table, the warm slots
-   indexed as most recently used.
+   :class:`~kvshm.offload.disk.DiskBook` over a fresh LRU slot table, *warming* while
+   the scan runs (it indexes and writes nothing); the scheduler's thread applies the
+   scan's result when it ends (:meth:`DiskLink.poll`, each step, pump and tick): the
+   warm slots indexed as most recently used, and writes resume. The engine serves
+   meanwhile, its disk tier empty.
 
-4. Close (:meth:`DiskLink.close`, after the channels closed): a slab no later start
+4. Close (:meth:`DiskLink.close`, after the channels closed): a scan still running
+   stops; a slab no later start
    can serve (``EngineConfig.disk_keep`` False: a generated name) is removed by its rank
    when its mover closes; one whose rank died without doing so (SIGKILL, the OOM
    killer) is removed here if no process holds its lock -- a live rank holds it until
@@ -48,9 +53,9 @@ from kvshm.disk import (
     check_directory,
     refuse_special,
     remove_unheld,
-    scan,
     slab_path,
 )
+from kvshm.engine.warm_scan import WarmScan
 from kvshm.errors import ConfigError
 from kvshm.ipc.protocol import DiskSetup, LayoutSpec
 from kvshm.offload.disk import DiskBook, max_disk_blocks
@@ -89,13 +94,11 @@ def _held(path: str) -> int:
 @dataclass
 class DiskLink:
     """The engine's disk tier (``config`` None: none) and, from ``make_ready`` on, its
-    ranks' setups and the warm index (slot -> disk hash)."""
+    ranks' setups and the warm scan (until its result is applied)."""
 
     config: EngineConfig | None
     setups: dict[int, DiskSetup] = field(default_factory=dict)
-    warm: dict[int, bytes] = field(default_factory=dict)
-    disagreed: int = 0
-    scan_errors: int = 0
+    scan: WarmScan | None = None  # the start's scan, until its result is applied
     orphans_removed: int = 0  # slabs of dead ranks removed at close (:meth:`close`)
 
     @classmethod
@@ -114,7 +117,7 @@ class DiskLink:
         return slab_path(cfg.disk_path, cfg.name, rank, cfg.world_size)
 
     def make_setups(self, layouts: Mapping[int, LayoutSpec]) -> dict[int, DiskSetup]:
-        """Every rank's DiskSetup (module docstring, step 2), then the warm scan; {}
+        """Every rank's DiskSetup (module docstring, step 2), then the warm scan starts; {}
         without a disk tier. ConfigError: the slab size holds no slot of a rank's row."""
         cfg = self.config
         if cfg is None or cfg.disk_path is None or cfg.disk_bytes_per_rank is None:
@@ -130,35 +133,36 @@ class DiskLink:
         direct = cfg.disk_io is DiskIO.DIRECT
         self.setups = {r: DiskSetup(self.path(r), slots, fp, direct, bool(cfg.disk_keep))
                        for r in sorted(layouts)}
-        self._scan(rows)
+        world = len(self.setups)
+        self.scan = WarmScan([(st.path, SlabSpec(st.fingerprint, r, world, st.slots, rows[r]))
+                              for r, st in self.setups.items()])
+        self.scan.start()
         return self.setups
 
-    def _scan(self, rows: Mapping[int, int]) -> None:
-        """Index the slots whose header names the same block on every rank."""
-        world = len(self.setups)
-        found: list[dict[int, bytes]] = []
-        for r, setup in self.setups.items():
-            spec = SlabSpec(setup.fingerprint, r, world, setup.slots, rows[r])
-            try:
-                found.append(scan(setup.path, spec))
-            except OSError as exc:
-                self.scan_errors += 1
-                log.warning("kvshm: disk slab %s unreadable (%s): starting cold", setup.path,
-                            exc)
-                found.append({})
-        first, rest = found[0], found[1:]
-        agreed = {s: h for s, h in first.items() if all(f.get(s) == h for f in rest)}
-        every = set(first).union(*rest) if rest else set(first)
-        self.warm, self.disagreed = agreed, len(every) - len(agreed)
-        if agreed:
-            log.info("kvshm: disk tier warm: %d of %d slots hold blocks from a previous "
-                     "run", len(agreed), self.slots)
+    def poll(self, book: DiskBook | None) -> None:
+        """The scheduler's thread: once the warm scan has ended, apply its result to
+        ``book`` (:meth:`DiskBook.end_warming`; nothing without a book: the engine did
+        not reach READY). Cheap while it runs: one event test."""
+        scan = self.scan
+        if scan is None or book is None:
+            return
+        got = scan.take()
+        if got is None:
+            return
+        self.scan = None
+        book.end_warming(got.warm, disagreed=got.disagreed, errors=got.errors,
+                         seconds=got.seconds)
+        log.info("kvshm: disk tier warm after %.1f s: %d of %d slots hold blocks from a "
+                 "previous run", got.seconds, len(got.warm), self.slots)
 
     def close(self) -> int:
         """Remove the slabs of an engine that keeps none (``disk_keep`` False) that no
         rank holds any more: those of ranks that died before removing their own (step
         4). Returns how many; never raises (a failure is logged: ``kvshm sweep
         --remove-slabs`` is the remedy). Idempotent."""
+        if self.scan is not None:
+            self.scan.close()
+            self.scan = None
         cfg = self.config
         if cfg is None or cfg.disk_keep:
             return 0
@@ -183,15 +187,14 @@ class DiskLink:
         ``max_record``: the largest command every rank's ring takes (bounds a job)."""
         if self.config is None or not self.setups:
             return None
-        slots, warm, disagreed, errors = self.slots, self.warm, self.disagreed, self.scan_errors
+        slots, warming = self.slots, self.scan is not None
         through = self.config.disk_mode is DiskMode.WRITE_THROUGH
 
         def make(cpu: BlockPool, gs: GroupSet, jobs: JobTable) -> DiskBook:
             book = DiskBook(cpu, gs, jobs, BlockPool(slots), write_through=through,
                             max_job_blocks=max_disk_blocks(max_record))
-            book.warm(warm)
-            book.counters.warm_disagreed = disagreed
-            book.counters.scan_errors = errors
+            if warming:
+                book.begin_warming()
             return book
         return make
 

@@ -300,6 +300,8 @@ class Runtime:
         if manager is None:
             self._admission.before_ready(inp)
             return StepPlan(inp.step)
+        if self._disk.scan is not None:
+            self._apply_warm_scan()
         plan = manager.build_step(self._admission.admitted(inp))
         self._admission.stepped(inp)
         self._post_reads(plan.disk)  # before the store: WRITEs of the rows it reuses
@@ -308,6 +310,12 @@ class Runtime:
                 self._jobs.post(t)
         self._post_reads(plan.remote)
         return plan
+
+    def _apply_warm_scan(self) -> None:
+        """The disk tier warms (:mod:`kvshm.engine.warm_scan`): its scan's result, once
+        it has ended, from the scheduler's own thread (each step, pump and tick)."""
+        manager = self.manager
+        self._disk.poll(None if manager is None else manager.disk)
 
     def _post_reads(self, msgs: Sequence[Remote | Disk]) -> None:
         """Post remote and disk jobs to every live rank (a step's, or a lookup's READs:
@@ -391,6 +399,8 @@ class Runtime:
         self._receive_all()
         if self._state is _READY:
             self._ranks.check_hangs(time.monotonic())
+            if self._disk.scan is not None:
+                self._apply_warm_scan()
         else:
             self.tick(time.monotonic())
 
@@ -578,6 +588,8 @@ class Runtime:
         self._receive_all()
         if self._state is EngineState.READY:
             self._ranks.check_hangs(now)
+            if self._disk.scan is not None:
+                self._apply_warm_scan()
 
     # -- statistics --------------------------------------------------------------------
     def statistics(self) -> EngineStats:

@@ -113,10 +113,13 @@ class DiskCounters:
     write_through_dropped: int = 0  # stored blocks forgotten before their write (queue full)
     evicted_on_disk: int = 0  # cached CPU blocks evicted that the disk held or was writing
     evicted_written: int = 0  # ... that it did not: written down before their reuse
-    evicted_lost: int = 0  # ... and could not be written (paused, no free slot)
+    evicted_lost: int = 0  # ... and could not be written (paused, warming, no free slot)
     warm_slots: int = 0  # slots indexed at start from the slabs' headers
     warm_disagreed: int = 0  # slots with a header on some rank that not every rank agrees on
     scan_errors: int = 0  # slab files unreadable at start (started cold)
+    warm_scan_ms: int = 0  # the start's scan of the slab headers took this long
+    warm_voided: int = 0  # scans whose result a reset made void (nothing indexed)
+    write_skipped_warming: int = 0  # plans that wrote nothing: the start's scan still ran
 
     def as_dict(self) -> dict[str, int]:
         """Every counter by name."""
@@ -149,6 +152,12 @@ class DiskBook:
                                allocate=self._allocate_read)
         self._held: dict[str, list[int]] = {}  # request -> CPU hit held while it reads
         self._victims: list[tuple[int, bytes]] = []  # evicted by READs, not yet written
+
+    @property
+    def warming(self) -> bool:
+        """The start's scan of the slabs still runs (:meth:`begin_warming`): the index
+        is empty and nothing is written."""
+        return self.writes.warming
 
     # ---- queries ---------------------------------------------------------------------
 
@@ -324,8 +333,38 @@ class DiskBook:
         self.writes.drop()
 
     def drop_index(self) -> None:
-        """Reset: no slot holds a block any more (slots pinned by jobs stay pinned)."""
+        """Reset: no slot holds a block any more (slots pinned by jobs stay pinned). While
+        the start's scan runs, its result is void (it would index blocks from before the
+        reset): writes resume now, and :meth:`end_warming` indexes nothing."""
         self.slots.drop_all_hashes()
+        if self.warming:
+            self.writes.warming = False
+            self.counters.warm_voided += 1
+
+    def begin_warming(self) -> None:
+        """The start's scan of the slabs runs on a thread (:mod:`kvshm.engine.warm_scan`):
+        until :meth:`end_warming`, nothing is written -- a slot written meanwhile could be
+        read by the scan before or after its new header -- so a victim is lost and a
+        write-back plan skipped (both counted), and write-through remembers what it will
+        write. Lookups find nothing on disk meanwhile (the index is empty)."""
+        self.writes.warming = True
+
+    def end_warming(self, found: Mapping[int, bytes], *, disagreed: int = 0,
+                    errors: int = 0, seconds: float = 0.0) -> None:
+        """The scan ended: index ``found`` (:meth:`warm`) and write again. After a reset
+        meanwhile (:meth:`drop_index`: the result is void) only the scan's counts are
+        kept. Never raises (it runs in a step): an entry :meth:`warm` would refuse -- a
+        header whose hash is not a disk hash, which no rank writes -- is left out and
+        counted with the slots the ranks disagree on."""
+        c = self.counters
+        good = {s: h for s, h in found.items()
+                if type(s) is int and type(h) is bytes and len(h) == REMOTE_HASH_BYTES}
+        if self.warming:
+            self.warm(good)
+            self.writes.warming = False
+        c.warm_disagreed += disagreed + len(found) - len(good)
+        c.scan_errors += errors
+        c.warm_scan_ms = round(seconds * 1000)
 
     def warm(self, found: Mapping[int, bytes]) -> None:
         """Index the slots the slabs' headers agree on at start (slot -> disk hash), as
@@ -348,7 +387,8 @@ class DiskBook:
     def statistics(self) -> dict[str, int]:
         """Occupancy (slots total, indexed, pinned) and every counter."""
         out = {"slots": self.slots.num_blocks, "slots_used": self.slots.num_hashes,
-               "slots_pinned": self.slots.num_pinned, "slot_evictions": self.slots.evictions}
+               "slots_pinned": self.slots.num_pinned, "slot_evictions": self.slots.evictions,
+               "warming": int(self.warming)}
         out.update(self.counters.as_dict())
         return out
 

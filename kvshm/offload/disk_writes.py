@@ -33,8 +33,8 @@ a row only after every WRITE it received earlier that reads the row
 (:mod:`workers.disk_mover`'s row fence). So no cached block leaves the CPU tier
 unwritten while write-back has not reached it: the scan is the early, spread-out write;
 this is the last chance. Counted: ``evicted_on_disk`` (the disk had it),
-``evicted_written`` (written down now), ``evicted_lost`` (not: write-back paused, or no
-free slot).
+``evicted_written`` (written down now), ``evicted_lost`` (not: write-back paused, the
+start's scan still running, or no free slot).
 
 Write-through (``write_through``, ``EngineConfig.disk_mode``): every block a store
 indexes in the CPU tier is also remembered (not pinned: at most ``4 x max_window``, the
@@ -142,6 +142,8 @@ class WriteBack:
         self._inflight = 0  # blocks being written
         self._fresh: deque[tuple[int, bytes]] = deque()  # stored, to write through
         self._scan_jobs: set[int] = set()  # WRITE jobs of blocks about to be evicted
+        #: the start's scan of the slabs still runs: nothing is written (``DiskBook.warming``)
+        self.warming = False
 
     def _wanted(self, d: bytes) -> bool:
         """The disk neither holds nor is writing the block of disk hash ``d``."""
@@ -168,8 +170,9 @@ class WriteBack:
         the disk neither holds nor is writing, pinned here until written. Post them
         before the job that reuses their rows: each rank runs it after them (module
         docstring). Never raises: a block without a free slot, or while write-back is
-        paused, is lost (counted). Two victims may carry one key (a disk READ of it
-        completed after another request had stored it): only the first is written --
+        paused or the start's scan runs, is lost (counted). Two victims may carry one
+        key (a disk READ of it completed after another request had stored it): only the
+        first is written --
         two slots for one block would waste one, and two WRITE jobs of one key would
         leave ``_writing`` without it while the second is still out."""
         if not victims:
@@ -185,7 +188,7 @@ class WriteBack:
         c.evicted_on_disk += len(victims) - len(picks)
         if not picks:
             return []
-        if self.pause.active():
+        if self.warming or self.pause.active():
             c.evicted_lost += len(picks)
             return []
         n = min(len(picks), self.slots.num_free)
@@ -196,7 +199,11 @@ class WriteBack:
     def plan(self, step: int) -> list[Disk]:
         """This step's write-back: the remembered stored blocks (write-through) first,
         then the scan of the blocks the CPU tier would reuse next; nothing while paused
-        or while ``max_window`` blocks are in flight (both counted)."""
+        or while ``max_window`` blocks are in flight, or while the start's scan runs (each
+        counted)."""
+        if self.warming:
+            self.counters.write_skipped_warming += 1
+            return []
         if self.pause.active():
             self.counters.write_skipped_paused += 1
             return []

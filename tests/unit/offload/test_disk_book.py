@@ -320,6 +320,58 @@ def test_warm_slots_serve_a_hit_at_once() -> None:
     assert rig.m.lookup(r.view(), 0) == 2 * BS
 
 
+def test_a_warming_book_writes_nothing_and_indexes_the_scan_when_it_ends() -> None:
+    """The start's scan of the slabs runs on a thread (``kvshm.engine.warm_scan``): while
+    the book warms, a store's victim is lost (``evicted_lost``) and each plan's
+    write-back is skipped (``write_skipped_warming``) -- a slot written meanwhile could
+    be read by the scan before or after its new header -- and a lookup finds nothing.
+    The scan's result, once it ends, indexes slots 2 and 3; a header whose hash is no
+    disk hash (8 bytes: no rank writes that) is left out and counted with the slots the
+    ranks disagree on, never raised into the step that applies it. Then R's lookup
+    reads slots 2 and 3, and the plans write again."""
+    rig = DiskRig(cpu=4, window=1, max_window=8)
+    book, c = rig.book, rig.book.counters
+    book.begin_warming()
+    assert book.warming and book.statistics()["warming"] == 1
+    a = Req("a", 9)
+    for i, rid in enumerate("xyz"):            # z evicts x's two blocks: lost while warming
+        rig.store(Req(rid, 9, base=100 * (i + 1)))
+    assert rig.step().disk == ()
+    assert (c.write_jobs, c.evicted_lost) == (0, 2) and c.write_skipped_warming >= 2
+    assert rig.m.lookup(Req("q", 9).view(), 0) == 0
+    book.end_warming({2: remote_hash(a.h[0]), 3: remote_hash(a.h[1]), 5: b"8 bytes!"},
+                     disagreed=1, seconds=0.25)
+    assert not book.warming and book.statistics()["warming"] == 0
+    assert (c.warm_slots, c.warm_disagreed, c.warm_scan_ms) == (2, 2, 250)
+    assert sorted(rig.slots.cached_keys) == sorted(remote_hash(h) for h in a.h[:2])
+    rig.m.check_invariants()
+    r = Req("r", 9)
+    assert rig.m.lookup(r.view(), 0) is None
+    jobs = rig.step().disk
+    (rd,) = [d for d in jobs if d.op is DiskOp.READ]
+    assert unpack_ids(rd.slots) == [2, 3] and c.write_jobs > 0  # writes again
+    for d in jobs:
+        rig.ack_disk(d)
+    assert rig.m.lookup(r.view(), 0) == 2 * BS
+
+
+def test_a_reset_while_the_disk_warms_voids_the_scans_result() -> None:
+    """A reset (vLLM's ``reset_prefix_cache``: e.g. new weights) while the start's scan
+    still runs: the scan's result names blocks from before the reset, so it is void --
+    ``end_warming`` indexes nothing (``warm_voided`` 1), and writes resume at the reset
+    (the result they could race with will not be used)."""
+    rig = DiskRig()
+    book, c = rig.book, rig.book.counters
+    book.begin_warming()
+    assert rig.m.reset() is True and rig.m.reset_done()
+    assert not book.warming and c.warm_voided == 1
+    a = Req("a", 9)
+    book.end_warming({2: remote_hash(a.h[0]), 3: remote_hash(a.h[1])}, disagreed=0)
+    assert rig.slots.num_hashes == 0 and c.warm_slots == 0
+    assert rig.m.lookup(Req("r", 9).view(), 0) == 0
+    rig.m.check_invariants()
+
+
 def test_two_requests_asking_for_the_same_disk_blocks_in_one_step_read_them_once() -> None:
     """R and S (same prompt) both miss the CPU tier before a plan: R's lookup claims the
     disk prefix, S asks again (counted) instead of reading it a second time; the plan

@@ -28,7 +28,13 @@ from dataclasses import dataclass, field
 
 from hypothesis import settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+)
 from manager_rig import Req
 from requests_model import Requests
 from test_disk_book import WORLD, DiskRig
@@ -61,6 +67,7 @@ class DiskMachine(RuleBasedStateMachine):
         self.failed = False
         self.revoked: set[int] = set()
         self.n = 0
+        self.scan: dict[int, bytes] | None = None  # a warm start's scan, until it ends
 
     # ---- posting ---------------------------------------------------------------------
 
@@ -81,6 +88,7 @@ class DiskMachine(RuleBasedStateMachine):
             hs = [msg.hashes[i:i + 32] for i in range(0, len(msg.hashes), 32)]
             pairs = list(zip(unpack_ids(msg.cpu_ids), unpack_ids(msg.slots), hs))
             slots = {s for _, s, _ in pairs}
+            assert msg.op is DiskOp.READ or not self.rig.book.warming, "a WRITE while warming"
             for p in self.out:
                 if isinstance(p.msg, Disk) and len(p.acks) < WORLD:
                     theirs = {s for _, s, _ in p.pairs}
@@ -119,6 +127,39 @@ class DiskMachine(RuleBasedStateMachine):
         self.rig.m.on_done(msg.job_id, rank, ok)
 
     # ---- rules -----------------------------------------------------------------------
+
+    @initialize(warm=st.booleans(), prior=st.lists(
+        st.tuples(st.integers(0, 9), st.sampled_from(sorted(KEYS))), max_size=6,
+        unique_by=lambda t: t[0]))
+    def start(self, warm: bool, prior: list[tuple[int, bytes]]) -> None:
+        """A warm start: a previous run left ``prior``'s blocks in their slots on every
+        rank, and the start's scan (a thread in the engine) runs until
+        :meth:`warm_scan_ends`; meanwhile the book indexes and writes nothing."""
+        if not warm:
+            return
+        for s, d in prior:
+            for rank in range(WORLD):
+                self.slot_bytes[rank][s] = KEYS[d]
+        self.scan = dict(prior)
+        self.rig.book.begin_warming()
+
+    @precondition(lambda self: self.scan is not None)
+    @rule()
+    def warm_scan_ends(self) -> None:
+        """The scan's result is applied (indexed unless a reset made it void)."""
+        assert self.scan is not None
+        slots = self.rig.slots
+        voided = not self.rig.book.warming
+
+        def index() -> list[tuple[bytes, ...]]:
+            return [tuple(slots.block_hashes(s)) for s in range(slots.num_blocks)]
+        before = index()
+        self.rig.book.end_warming(self.scan)
+        assert not self.rig.book.warming
+        assert index() == before if voided else all(
+            tuple(slots.block_hashes(s)) == (d,) for s, d in self.scan.items()), index()
+        self.scan = None
+        self.rig.m.check_invariants()
 
     @rule(i=st.integers(0, len(PROMPTS) - 1), acked=st.booleans())
     def store(self, i: int, acked: bool) -> None:
