@@ -109,8 +109,8 @@ def test_a_live_write_that_fails_is_counted_and_logged_once_not_raised(
 def test_a_stats_file_that_cannot_be_written_leaves_no_temporary_file(
         tmp_path: Path) -> None:
     """``stats_path`` naming a directory: the rename failed (logged), and the
-    temporary ``<path>.tmp<pid>`` beside it stayed for good. It is removed now, and the
-    error still raised to the caller (which logs it)."""
+    temporary file beside it stayed for good. It is removed now, and the error still
+    raised to the caller (which logs it)."""
     target = tmp_path / "stats"
     target.mkdir()
     with pytest.raises(OSError):
@@ -118,3 +118,26 @@ def test_a_stats_file_that_cannot_be_written_leaves_no_temporary_file(
     assert sorted(p.name for p in tmp_path.iterdir()) == ["stats"]
     write_json(str(tmp_path / "ok.json"), {"a": 1})
     assert json.loads((tmp_path / "ok.json").read_text()) == {"a": 1}
+
+
+def test_a_link_planted_at_the_temporary_files_name_is_never_written_through(
+        tmp_path: Path) -> None:
+    """The hazard (a hostile probe): the statistics were written to ``<stats_path>.tmp
+    <pid>`` -- a predictable name (the EngineCore's pid is public) opened with
+    ``open(.., "w")``, which follows a link and truncates. A local user who could write
+    to the directory planted a link there to a file of the engine's user, and each
+    report emptied that file and wrote the statistics into it. Now the temporary file is
+    a new one of a random name (``mkstemp``): the planted link and its target are left
+    as they were, the statistics land in ``stats_path`` (mode 0644), and nothing else
+    is left beside it."""
+    victim = tmp_path / "victim"
+    victim.write_text("the engine user's own file\n")
+    stats = tmp_path / "stats.json"
+    planted = tmp_path / f"stats.json.tmp{os.getpid()}"
+    planted.symlink_to(victim)
+    write_json(str(stats), {"a": 1})
+    assert victim.read_text() == "the engine user's own file\n"
+    assert json.loads(stats.read_text()) == {"a": 1}
+    assert stats.stat().st_mode & 0o777 == 0o644
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
+        ["victim", "stats.json", planted.name])

@@ -48,6 +48,7 @@ import enum
 import json
 import logging
 import os
+import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
@@ -197,13 +198,25 @@ def live_statistics(snapshot: dict[str, Any]) -> dict[str, Any]:
 def write_json(path: str, data: dict[str, Any]) -> None:
     """Write ``data`` to ``path`` atomically (a temporary file renamed over it); the
     temporary file is removed when the dump or the rename fails (a ``stats_path`` that
-    is a directory left ``<path>.tmp<pid>`` behind), and the error raised."""
-    tmp = f"{path}.tmp{os.getpid()}"
+    is a directory left one behind), and the error raised.
+
+    The temporary file is made with ``mkstemp`` beside ``path`` (a new file of a random
+    name, ``O_EXCL``: never an existing file or a link), mode 0644 as the file it
+    replaces would have. It was ``<path>.tmp<pid>``, opened with ``open(.., "w")``: a
+    local user who could write to ``path``'s directory planted a link under that
+    predictable name, and the engine -- root, say -- emptied the file it pointed to and
+    wrote its statistics there, at every report (a hostile probe)."""
+    directory, base = os.path.split(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
     try:
-        with open(tmp, "w", encoding="utf-8") as f:
+        os.fchmod(fd, 0o644)
+        with os.fdopen(fd, "w", encoding="utf-8") as f:
+            fd = -1  # the file object owns it now
             json.dump(data, f, indent=1, sort_keys=True, default=str)
         os.replace(tmp, path)
     except BaseException:
+        if fd >= 0:
+            os.close(fd)
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
