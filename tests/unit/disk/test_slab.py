@@ -641,6 +641,47 @@ def test_check_directory_refuses_a_filesystem_whose_files_could_not_be_trusted(
     assert list(tmp_path.iterdir()) == []
 
 
+def test_the_o_direct_probe_never_writes_through_a_link_swapped_in_for_it(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hazard (a hostile probe): the start's O_DIRECT probe made its file with
+    ``mkstemp``, closed it and opened it again by name to write a page of zeros. A local
+    user who could write to a shared ``disk_path`` (group-writable, no sticky bit) swapped
+    the probe for a link between the two opens -- the probe won the race in 43 tries --
+    and the engine zeroed the first page of the file the link named. Here the swap is
+    made at once (at the ``mkstemp`` seam): the probe writes through the descriptor it
+    made, the victim keeps its bytes, and the link is removed with the probe."""
+    if os.O_DIRECT == 0 or _probe_direct_ok(tmp_path) is False:
+        pytest.skip("this file system refuses O_DIRECT")
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"v" * (2 * PAGE))
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    real = tempfile.mkstemp
+
+    def swapped(*args: Any, **kw: Any) -> tuple[int, str]:
+        fd, path = real(*args, **kw)
+        if kw.get("prefix") == ".kvshm-odirect-":  # the O_DIRECT probe's file
+            os.unlink(path)  # the other user's swap: the name now a link to the victim
+            os.symlink(victim, path)
+        return fd, path
+
+    monkeypatch.setattr(tempfile, "mkstemp", swapped)
+    check_directory(str(shared), PAGE, direct=True)
+    monkeypatch.undo()
+    assert victim.read_bytes() == b"v" * (2 * PAGE)
+    assert list(shared.iterdir()) == []
+
+
+def _probe_direct_ok(directory: Path) -> bool:
+    try:
+        fd = os.open(directory / "probe", os.O_RDWR | os.O_CREAT | os.O_DIRECT, 0o600)
+    except OSError:
+        return False
+    os.close(fd)
+    os.unlink(directory / "probe")
+    return True
+
+
 def test_check_directory_refuses_a_file(tmp_path: Path) -> None:
     f = tmp_path / "f"
     f.write_text("x")
@@ -694,16 +735,25 @@ def test_check_directory_counts_the_reused_slab_as_free(tmp_path: Path) -> None:
 
 def test_check_directory_refuses_a_filesystem_without_o_direct(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A filesystem that refuses O_DIRECT (open returns EINVAL, as overlayfs does; faked
-    at the syscall seam): refused with the buffered hint, unless buffered I/O was asked."""
-    real_open = os.open
+    """A filesystem that refuses O_DIRECT (open, or ``F_SETFL`` on an open file, returns
+    EINVAL, as overlayfs does; faked at the syscall seam): refused with the buffered
+    hint, unless buffered I/O was asked."""
+    import fcntl
+
+    real_open, real_fcntl = os.open, fcntl.fcntl
 
     def open_no_direct(path: str, flags: int, *args: int) -> int:
         if flags & os.O_DIRECT:
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
         return real_open(path, flags, *args)
 
+    def fcntl_no_direct(fd: int, cmd: int, arg: int = 0) -> int:
+        if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        return real_fcntl(fd, cmd, arg)
+
     monkeypatch.setattr(os, "open", open_no_direct)
+    monkeypatch.setattr(fcntl, "fcntl", fcntl_no_direct)
     with pytest.raises(ConfigError, match="refuses O_DIRECT.*set disk_io=buffered to use "
                                           "the page cache"):
         check_directory(str(tmp_path), PAGE, direct=True)
