@@ -69,6 +69,12 @@ _INT_KNOBS: Final = ("request_timeout_ms", "connect_timeout_ms", "threads", "hol
 #: milliseconds overflow its clock, and a tier with such a ``ttl_s`` refused every put
 #: (counted, nothing said) while its URL parsed (a hostile probe).
 MAX_TTL_S: Final = 2**31 - 1
+#: The longest request or connect timeout a spec takes: a day, as the engine's other
+#: timeouts (``kvshm.config.MAX_TIMEOUT_S``). Unbounded, ``request_timeout_ms=2**32``
+#: parsed, then glide refused it on every connect ("Value out of range": the tier never
+#: worked, an ERROR line a round), ``kvshm janitor`` died with a traceback, and the
+#: index's close raised OverflowError from a thread join (a hostile probe).
+MAX_TIMEOUT_MS: Final = 86_400_000
 
 
 @dataclass(frozen=True)
@@ -110,6 +116,10 @@ class RemoteSpec:
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise ConfigError(f"remote URL {self.url!r}: {name} must be an int > 0, "
                                   f"got {value!r}")
+        for name in ("request_timeout_ms", "connect_timeout_ms"):
+            if getattr(self, name) > MAX_TIMEOUT_MS:
+                raise ConfigError(f"remote URL {self.url!r}: {name} must be at most "
+                                  f"{MAX_TIMEOUT_MS} (a day), got {getattr(self, name)}")
         if self.threads > 64:
             raise ConfigError(f"remote URL {self.url!r}: threads must be <= 64, "
                               f"got {self.threads}")
@@ -166,8 +176,8 @@ class RemoteSpec:
         for key, value in parse_qsl(query, keep_blank_values=True):
             if key not in (*_INT_KNOBS, "ttl_s"):
                 raise ConfigError(f"remote URL {url!r}: unknown knob {key!r}")
-            if key == "ttl_s" and value.lower() in ("", "none", "0"):
-                merged[key] = None
+            if key == "ttl_s" and value.lower() == "none":  # the one way to say "no TTL":
+                merged[key] = None  # ttl_s=0 or ttl_s= meant it too, silently (a probe)
             elif not _digits(value):
                 raise ConfigError(f"remote URL {url!r}: {key}={value!r} is not an int")
             else:

@@ -72,6 +72,29 @@ def test_a_bad_url_is_a_config_error_that_says_what_is_wrong(url: str, says: str
         RemoteSpec.parse(url)
 
 
+@pytest.mark.parametrize("url,says", [
+    ("valkey://h:1?request_timeout_ms=4294967296", "request_timeout_ms must be at most "
+                                                   "86400000"),
+    ("valkey://h:1?connect_timeout_ms=86400001", "connect_timeout_ms must be at most"),
+    ("valkey://h:1?ttl_s=0", "ttl_s must be None or an int > 0, got 0"),
+    ("valkey://h:1?ttl_s=", "ttl_s='' is not an int"),
+])
+def test_a_timeout_past_a_day_or_a_ttl_of_zero_is_refused_in_one_line(
+        url: str, says: str) -> None:
+    """The hazards (a hostile probe): a request or connect timeout had no upper bound --
+    ``request_timeout_ms=4294967296`` parsed, then glide refused it at every connect
+    ("Value out of range": the tier never worked, one ERROR line a round), ``kvshm
+    janitor`` died with a traceback, and the index's close raised OverflowError. Now at
+    most a day, as every other timeout of the engine. And ``ttl_s=0`` or an empty
+    ``ttl_s=`` silently meant "no TTL" (keys ``volatile-lru`` can never evict) while
+    ``ttl_s=00`` was refused: only ``none`` says that now."""
+    with pytest.raises(ConfigError, match=says):
+        RemoteSpec.parse(url)
+    assert RemoteSpec.parse("valkey://h:1?request_timeout_ms=86400000").request_timeout_ms \
+        == 86_400_000
+    assert RemoteSpec.parse("valkey://h:1?ttl_s=NONE").ttl_s is None
+
+
 def test_bad_knobs_are_config_errors() -> None:
     for knobs in ({"ttl_s": 0}, {"ttl_s": True}, {"request_timeout_ms": -1},
                   {"connect_timeout_ms": 1.5}, {"threads": 0}, {"retries": 3}):
