@@ -69,7 +69,8 @@ class CallCheck:
         new, confirmed, preempted = r.new_or_resumed, r.num_confirmed_tokens, r.preempted
         params = r.kv_transfer_params
         plain = (type(rid) is str and type(num_tokens) is int and type(confirmed) is int
-                 and num_tokens >= 0 and confirmed >= 0 and type(new) is bool
+                 and 0 <= num_tokens < COUNT_LIMIT and 0 <= confirmed < COUNT_LIMIT
+                 and type(new) is bool
                  and type(preempted) is bool and (type(hashes) is list or type(hashes) is tuple)
                  and (params is None or type(params) is dict))
         if not plain:

@@ -485,6 +485,11 @@ def _cases() -> Iterator[Case]:
     # its store's pins held for good
     yield "step number 2**64", step(step_no=2**64), "", "step"
     yield "lookup tokens 2**63", look(RequestView("r", h, 2**63)), "r", "num_tokens"
+    # a listing's plain fast path took 2**64 (hashes a list) that every other path
+    # refused: the documented range is [0, 2**63) (a hostile probe)
+    yield "step tokens 2**64", step(sched("n", h, 2**64, [0], confirmed=0)), "n", "num_tokens"
+    yield "step confirmed 2**64", step(sched("r", h, 9, [], confirmed=2**64, new=False)), \
+        "r", "num_confirmed_tokens"
     yield "step finished a str", step(finished="r"), "", "finished"
     yield "step finished not str", step(finished=[3]), "", "req_id"
     yield "step allocated out of range", step(alloc=[99]), "", "allocated_block_ids[0]"
