@@ -107,7 +107,13 @@ class JobOutcomes:
         without indexing; no new job is planned until they are all done). Returns
         :meth:`reset_done`. Every call is a new reset: poll :meth:`reset_done`, not
         this (under traffic a step plans new stores once the abandoned jobs are done,
-        and a poll that abandoned those again never saw the end)."""
+        and a poll that abandoned those again never saw the end).
+
+        A load in flight fails (RESET) but is reported only when its job completes --
+        every rank acked, or is fenced -- never at the reset: reported at once, the host
+        recomputed into the request's blocks while a live rank still copied the bytes
+        from before the reset (new weights, say) over them (a hostile probe). A queued
+        load, which no rank has, fails at once."""
         if not self.failed:
             self._drop_pending(LoadFailure.RESET, DeclineReason.RESET)
             for job in self.jobs.jobs.values():
@@ -115,7 +121,7 @@ class JobOutcomes:
                     job.abandoned = True
                     self.abandoned += 1
                     self.counters.jobs_abandoned += 1
-                    self._fail_job(job, LoadFailure.RESET, count=False)
+                    self._fail_job(job, LoadFailure.RESET, count=False, report=False)
             self.cpu.drop_all_hashes()
             if self.disk is not None:
                 self.disk.drop_index()
@@ -166,11 +172,13 @@ class JobOutcomes:
         revoked, unfenced rank do not count)."""
         return bool(self.jobs.jobs) and not self.jobs.only_quarantined()
 
-    def _fail_job(self, job: AnyJob, cause: LoadFailure, *, count: bool) -> None:
-        """Mark ``job`` failed (``count``: as a failed job; an abandoned one is not)."""
+    def _fail_job(self, job: AnyJob, cause: LoadFailure, *, count: bool,
+                  report: bool = True) -> None:
+        """Mark ``job`` failed (``count``: as a failed job; an abandoned one is not); a
+        load's outcome is reported now unless ``report`` is False (then at completion)."""
         if job.fail(cause) and count:
             self.counters.jobs_failed += 1
-        if isinstance(job, LoadJob):
+        if report and isinstance(job, LoadJob):
             self.loads.report(job)
 
     def _drop_pending(self, cause: LoadFailure, decline: DeclineReason) -> None:

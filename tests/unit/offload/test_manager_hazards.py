@@ -359,10 +359,13 @@ def test_preempted_request_restarts_cursor() -> None:
 
 def test_reset_with_transfers_in_flight() -> None:
     """A store (A) and a load (B) are in flight, C's load is queued and D holds a
-    phase-A pin when reset() runs. B and C fail at once (RESET); D's later phase B fails
-    too. The jobs keep their pins until acked (a worker may still copy), the store's
-    CPU blocks are released uncached, nothing new is planned meanwhile, and reset()
-    reports False until both jobs are done."""
+    phase-A pin when reset() runs. C fails at once (RESET: no rank has it); D's later
+    phase B fails too. B fails too, but its result comes only once every rank acked its
+    job: reported at the reset, the host recomputed into B's GPU blocks while a live
+    rank still copied the bytes from before the reset over them (a hostile probe). The
+    jobs keep their pins until acked, the store's CPU blocks are released uncached,
+    nothing new is planned meanwhile, and reset() reports False until both jobs are
+    done."""
     rig = Rig(cpu=8)
     b, c, d = Req("b", 5, base=10), Req("c", 5, base=20), Req("d", 5, base=30)
     rig.seed_cpu(b.h[0], c.h[0], d.h[0])                      # CPU 0, 1, 2
@@ -387,16 +390,17 @@ def test_reset_with_transfers_in_flight() -> None:
     p2 = rig.step(a.sched((), confirmed=8))
     assert p2.store is None and p2.load is None
     assert set(rig.m.take_load_results()) == {
-        LoadResult("b", False, (2,), LoadFailure.RESET, 0),
         LoadResult("c", False, (4,), LoadFailure.RESET, 0),
-        LoadResult("d", False, (gd[0],), LoadFailure.RESET, 0)}
+        LoadResult("d", False, (gd[0],), LoadFailure.RESET, 0)}   # not B: still copied
     assert dict(p2.failed_loads) == {"c": (4,), "d": (gd[0],)}
     assert rig.m.lookup(Req("e", 5, base=40).view(), 0) == 0    # while it drains: counted
     assert rig.m.counters.lookups_during_reset == 1
     rig.m.finished("e", 0, [[]])
     assert rig.m.reset() is False
     rig.ack(p1.store)
+    assert rig.m.take_load_results() == [] and refs(rig.gpu, gb) == [2, 1]  # B's copy runs
     rig.ack(p1.load)
+    assert rig.m.take_load_results() == [LoadResult("b", False, (2,), LoadFailure.RESET, 0)]
     assert not rig.cpu.is_cached(a.h[0]) and refs(rig.cpu, [0, 3, 4]) == [0, 0, 0]
     assert rig.m.reset() is True
     assert rig.m.counters.jobs_abandoned == 2 and rig.m.pins_held() == 0
