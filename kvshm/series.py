@@ -134,6 +134,8 @@ _ENGINE_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
                                "blocks", False),
     "declined_reset": ("finish-time stores dropped by a cache reset before they were "
                        "sent; blocks", False),
+    "declined_engine_closed": ("finish-time stores dropped because the engine closed "
+                               "before they were sent; blocks", False),
     "acks_unknown": ("acks (Done) for a job the engine no longer knows; acks", False),
     "acks_duplicate": ("acks from a rank already counted for that job, or not waited "
                        "for; acks", False),

@@ -14,7 +14,9 @@ from engine_rig import GPU_BLOCKS, Client, config, embedded_engine, spawned_engi
 from kvshm.engine import ATTACH, Engine
 from kvshm.engine.runtime import Runtime
 from kvshm.errors import NameInUse, StateError
+from kvshm.hashing import chain_hashes
 from kvshm.offload.pool import BlockPool
+from kvshm.types import ScheduledRequest
 
 
 async def test_a_reset_waiting_when_the_engine_closes_raises() -> None:
@@ -82,3 +84,34 @@ async def test_a_launch_refused_its_name_stops_its_remote_index() -> None:
     finally:
         holder.begin_close()
         holder.close()
+
+
+async def test_a_close_returns_every_pin_it_held_on_the_hosts_gpu_pool() -> None:
+    """The hazard (a hostile probe): kvshm pins blocks of the host's GPU pool -- a
+    finished request's blocks until its finish-time store is sent, a load's and a
+    store's until every rank acked -- and a close released none of them: after a
+    server's last request and ``aclose()`` the host's pool kept 6 of 64 blocks at ref 1
+    for good, and a server that launched another engine on the same pool lost blocks at
+    every close. Now the close drops what no rank holds (the queued store here) at
+    once, and, once it has reaped its spawned ranks, the pins of their jobs: here A's
+    finish-time store is still queued and B's store is in flight on a stopped rank 1
+    (SIGSTOP: the close SIGKILLs and reaps it). Afterwards every GPU block is free."""
+    async with spawned_engine(shutdown_grace_s=0.3) as (eng, gpu, _):
+        c = Client(eng, gpu)
+        launcher = eng._launcher
+        assert launcher is not None
+        toks = tokens(4 * 16, 2)
+        table = gpu.allocate(4)
+        eng.allocated("a", [table], 0)   # computed, listed before any token confirmed
+        c.step(ScheduledRequest("a", chain_hashes(toks, 16), len(toks), (tuple(table),),
+                                new_or_resumed=True, num_confirmed_tokens=0))
+        c.finish("a", table, len(toks))  # its 4 blocks: pinned for the next step's store
+        assert [gpu.ref_cnt(b) for b in table] == [1, 1, 1, 1]
+        os.kill(launcher.workers[1].pid, signal.SIGSTOP)
+        b_table, plan = c.compute("b", tokens(2 * 16, 3))
+        assert plan.store is not None    # (A's store goes in this step too)
+        c.finish("b", b_table, 2 * 16)
+        assert gpu.num_free < GPU_BLOCKS
+        await eng.aclose()
+        assert eng.statistics().pins_held == 0 and not eng.has_pending_work()
+        assert gpu.num_free == GPU_BLOCKS and gpu.allocate(GPU_BLOCKS)

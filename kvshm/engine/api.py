@@ -234,7 +234,9 @@ class Engine(Facade):
         their links closed, their exits are not awaited (docs/operations.md); a close
         that was cut off half-way is finished; the slabs of ranks the stop killed
         before they removed their own go (a rank stuck or busy past the grace period is
-        killed without removing its slab); then every ``aclose`` returns."""
+        killed without removing its slab); the pins of the reaped ranks' jobs go (an
+        attached rank gives no such proof: its jobs keep theirs); then every ``aclose``
+        returns."""
         try:
             self._waits.fail_all(LoadFailure.ENGINE_CLOSED)
         except RuntimeError:  # waiters on a launch loop closed meanwhile: nobody can
@@ -245,6 +247,8 @@ class Engine(Facade):
             except Exception:  # the close must end; the cause is logged
                 log.exception("kvshm engine %r: closing after an interrupted aclose "
                               "failed", self.name)
+        if self._launcher is not None:  # reaped: the pins of their jobs go (the host's
+            self._core.ranks_stopped(self._launcher.reaped())  # GPU pool gets its blocks)
         self._core.remove_orphan_slabs()
         self._closed.set()
 

@@ -124,6 +124,11 @@ class Launcher:
         for w in self.workers:
             os.close(w.pidfd)
 
+    def reaped(self) -> list[int]:
+        """The ranks whose process has exited and been reaped (after :meth:`stop`: every
+        rank but one stuck in the kernel past the SIGKILL wait)."""
+        return [w.rank for w in self.workers if w.exitcode is not None]
+
     def _wait_all(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         for w in self.workers:

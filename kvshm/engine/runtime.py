@@ -52,7 +52,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from functools import partial
 from typing import Any
 
@@ -233,6 +233,8 @@ class Runtime:
             return
         self._state = EngineState.CLOSING
         self.detach_loop()
+        if self.manager is not None:  # what no rank holds: queued loads, finish stores
+            self.manager.close()
         for chan in self._channels.values():
             chan.close()
         if self._prov is not None:
@@ -310,6 +312,12 @@ class Runtime:
                 self._jobs.post(t)
         self._post_reads(plan.remote)
         return plan
+
+    def ranks_stopped(self, ranks: Iterable[int]) -> None:
+        """After the close: ``ranks`` are proven stopped (their processes reaped), so
+        the pins of the jobs they had not acked go (:meth:`OffloadManager.close`)."""
+        if self.manager is not None:
+            self.manager.close(ranks)
 
     def _apply_warm_scan(self) -> None:
         """The disk tier warms (:mod:`kvshm.engine.warm_scan`): its scan's result, once

@@ -34,6 +34,8 @@ class DeclineReason(Enum):
     """A finish-time store dropped because a rank failed."""
     RESET = "reset"
     """A finish-time store dropped by ``reset()`` before it was sent."""
+    ENGINE_CLOSED = "engine_closed"
+    """A finish-time store dropped because the engine closed before it was sent."""
 
 
 def _zero_declines() -> dict[DeclineReason, int]:

@@ -45,7 +45,7 @@ O(blocks that changed); no scan over every request's blocks.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from functools import partial
 from typing import Any
 
@@ -203,6 +203,11 @@ class OffloadManager:
         """True once the jobs the last :meth:`reset` abandoned are done
         (:meth:`JobOutcomes.reset_done`); poll this, not ``reset``."""
         return self.outcomes.reset_done()
+
+    def close(self, stopped: Iterable[int] = ()) -> None:
+        """The engine closes (:meth:`JobOutcomes.close`): every pin no rank may still
+        touch goes -- all of them once every rank is in ``stopped`` (proven stopped)."""
+        self.outcomes.close(stopped)
 
     def rank_failed(self, rank: int) -> None:
         """``rank`` was declared dead: every job fails, nothing more is planned; its

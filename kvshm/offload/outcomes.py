@@ -27,7 +27,7 @@ Ordering and invariants:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 from kvshm.errors import ConfigError
 from kvshm.offload.counters import DeclineReason, ManagerCounters
@@ -153,6 +153,27 @@ class JobOutcomes:
                 self._fail_job(job, LoadFailure.RANK_DIED, count=True)
             self._drop_pending(LoadFailure.RANK_DIED, DeclineReason.ENGINE_FAILED)
             self.cpu.drop_all_hashes()
+
+    def close(self, stopped: Iterable[int]) -> None:
+        """The engine closes; every rank in ``stopped`` is proven to copy nothing any
+        more (its process reaped). Once (first call): nothing is planned from now on
+        (``failed``), every job fails (ENGINE_CLOSED, not counted as a failure), and
+        what no rank holds goes -- queued loads, finish-time stores, phase-A hits, the
+        tiers' pins. Each call: the jobs of every ``stopped`` rank end as if it had
+        acked, so a job no other rank waits for releases its pins. A job that waits for
+        a rank that gave no proof (an attached or embedded one) keeps its pins: the
+        host's GPU blocks stay pinned rather than be handed out while it may copy.
+        Before, a close left every pin in the host's GPU pool for good, and a server
+        that launched another engine on the same pool lost those blocks at each close
+        (a hostile probe: 6 of 64 after one request's finish-time store)."""
+        if not self.failed:
+            self.failed = True
+            self._drop_pending(LoadFailure.ENGINE_CLOSED, DeclineReason.ENGINE_CLOSED)
+            for job in self.jobs.jobs.values():
+                self._fail_job(job, LoadFailure.ENGINE_CLOSED, count=False)
+        for rank in stopped:
+            for out in self.jobs.fence_rank(rank):
+                self._apply(out)
 
     def rank_fenced(self, rank: int) -> None:
         """``rank`` can touch no block any more (its process exited, or its lifeline

@@ -189,3 +189,26 @@ def test_a_tail_that_two_groups_place_in_one_gpu_block_is_not_queued() -> None:
     keys = pin_tail(stores, [[0, 1, 2], [3, 4, 1]], 2, key(99))   # distinct: both queued
     assert keys is not None and len(keys) == 2
     assert [c.gpu_id for c in stores.finished.items] == [2, 1]
+
+
+def test_a_close_releases_the_pins_of_the_ranks_proven_stopped_and_keeps_the_rest() -> None:
+    """The engine closes with a store (both ranks out) and a load (rank 0 acked, rank 1
+    out) in flight. ``close([])`` fails both jobs (ENGINE_CLOSED: the load reported now,
+    not counted as a failure) and plans nothing more, but no rank has proven it stopped:
+    every pin stays -- rank 1 may still copy into the load's GPU blocks. ``close([1])``
+    (rank 1 reaped): the load completes and releases its pins; the store still waits
+    for rank 0. ``close([0, 1])``: nothing is pinned, the job table is empty."""
+    p = Parts(world_size=2)
+    store, load = p.store(2), p.load("r", 1)
+    p.out.on_done(load, 0, True)
+    assert p.pinned() == (3, 3)
+    p.out.close([])
+    assert p.out.failed and p.pinned() == (3, 3) and p.counters.jobs_failed == 0
+    (res,) = p.loads.take_results()
+    assert not res.ok and res.cause is LoadFailure.ENGINE_CLOSED
+    assert p.dropped == [LoadFailure.ENGINE_CLOSED]
+    p.out.close([1])
+    assert p.pinned() == (2, 2) and list(p.jobs.jobs) == [store.job_id]
+    p.out.close([0, 1])
+    assert p.pinned() == (0, 0) and not p.jobs.jobs and p.cpu.num_hashes == 0
+    assert p.loads.take_results() == []  # reported once
