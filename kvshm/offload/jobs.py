@@ -259,10 +259,13 @@ class JobTable:
         self.jobs[job_id] = job
         return job
 
-    def ack(self, job_id: int, rank: int, ok: bool, cause: LoadFailure) -> AckOutcome | None:
+    def ack(self, job_id: int, rank: int, ok: bool, cause: LoadFailure, *,
+            nack: bool = True) -> AckOutcome | None:
         """Count one ack. None (counted, ignored) for an unknown job or a rank that is not
         waited for (a duplicate, a dead rank, a rank out of range). ``cause`` labels a
-        failure. A completed job leaves the table."""
+        failure; ``nack`` False: a failed ack that is no failure of the rank's own (a
+        fence at the close), ``nacked`` left as it was. A completed job leaves the
+        table."""
         job = self.jobs.get(job_id)
         if job is None:
             self._counters.acks_unknown += 1
@@ -271,7 +274,7 @@ class JobTable:
             self._counters.acks_duplicate += 1
             return None
         job.waiting.discard(rank)
-        if not ok:
+        if not ok and nack:
             job.nacked = True
         newly_failed = not ok and job.fail(cause)
         if newly_failed:
@@ -319,9 +322,10 @@ class JobTable:
             raise ConfigError(f"rank {rank!r} out of range for world_size {n}: a rank is "
                               f"an int in [0, {n})")
 
-    def fence_rank(self, rank: int) -> list[AckOutcome]:
+    def fence_rank(self, rank: int, *, nack: bool = True) -> list[AckOutcome]:
         """``rank`` can touch no block any more (revoked or not before): every job it
-        has not acked gets a failed ack from it, so those jobs can complete."""
+        has not acked gets a failed ack from it (``nack``: as :meth:`ack`'s), so those
+        jobs can complete."""
         self.check_rank(rank)
         if rank in self.dead:
             return []
@@ -330,7 +334,7 @@ class JobTable:
         out: list[AckOutcome] = []
         for job in list(self.jobs.values()):
             if rank in job.waiting:
-                outcome = self.ack(job.job_id, rank, False, LoadFailure.RANK_DIED)
+                outcome = self.ack(job.job_id, rank, False, LoadFailure.RANK_DIED, nack=nack)
                 assert outcome is not None
                 out.append(outcome)
         return out

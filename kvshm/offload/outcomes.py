@@ -77,8 +77,7 @@ class JobOutcomes:
 
     def _apply(self, out: AckOutcome) -> None:
         job = out.job
-        if job.failed and isinstance(job, LoadJob):
-            self.loads.report(job)
+        self._report_if_due(job)
         if out.complete:
             self._complete(job)
 
@@ -109,8 +108,8 @@ class JobOutcomes:
         this (under traffic a step plans new stores once the abandoned jobs are done,
         and a poll that abandoned those again never saw the end).
 
-        A load in flight fails (RESET) but is reported only when its job completes --
-        every rank acked, or is fenced -- never at the reset: reported at once, the host
+        A load in flight fails (RESET) but is reported only once no rank may copy it any
+        more (:meth:`_report_if_due`), never at the reset: reported at once, the host
         recomputed into the request's blocks while a live rank still copied the bytes
         from before the reset (new weights, say) over them (a hostile probe). A queued
         load, which no rank has, fails at once."""
@@ -121,7 +120,7 @@ class JobOutcomes:
                     job.abandoned = True
                     self.abandoned += 1
                     self.counters.jobs_abandoned += 1
-                    self._fail_job(job, LoadFailure.RESET, count=False, report=False)
+                    self._fail_job(job, LoadFailure.RESET, count=False)
             self.cpu.drop_all_hashes()
             if self.disk is not None:
                 self.disk.drop_index()
@@ -157,10 +156,12 @@ class JobOutcomes:
     def close(self, stopped: Iterable[int]) -> None:
         """The engine closes; every rank in ``stopped`` is proven to copy nothing any
         more (its process reaped). Once (first call): nothing is planned from now on
-        (``failed``), every job fails (ENGINE_CLOSED, not counted as a failure), and
+        (``failed``), every job fails and is abandoned (ENGINE_CLOSED, not counted as a
+        failure; a load reported once no rank may copy it: :meth:`_report_if_due`), and
         what no rank holds goes -- queued loads, finish-time stores, phase-A hits, the
         tiers' pins. Each call: the jobs of every ``stopped`` rank end as if it had
-        acked, so a job no other rank waits for releases its pins. A job that waits for
+        acked (no failure of that rank: a disk or remote job counts as abandoned, a
+        review), so a job no other rank waits for releases its pins. A job that waits for
         a rank that gave no proof (an attached or embedded one) keeps its pins: the
         host's GPU blocks stay pinned rather than be handed out while it may copy.
         Before, a close left every pin in the host's GPU pool for good, and a server
@@ -170,9 +171,12 @@ class JobOutcomes:
             self.failed = True
             self._drop_pending(LoadFailure.ENGINE_CLOSED, DeclineReason.ENGINE_CLOSED)
             for job in self.jobs.jobs.values():
+                if not job.abandoned:  # (as a reset's: its end is no failure of a rank)
+                    job.abandoned = True
+                    self.abandoned += 1
                 self._fail_job(job, LoadFailure.ENGINE_CLOSED, count=False)
         for rank in stopped:
-            for out in self.jobs.fence_rank(rank):
+            for out in self.jobs.fence_rank(rank, nack=False):
                 self._apply(out)
 
     def rank_fenced(self, rank: int) -> None:
@@ -193,13 +197,24 @@ class JobOutcomes:
         revoked, unfenced rank do not count)."""
         return bool(self.jobs.jobs) and not self.jobs.only_quarantined()
 
-    def _fail_job(self, job: AnyJob, cause: LoadFailure, *, count: bool,
-                  report: bool = True) -> None:
+    def _fail_job(self, job: AnyJob, cause: LoadFailure, *, count: bool) -> None:
         """Mark ``job`` failed (``count``: as a failed job; an abandoned one is not); a
-        load's outcome is reported now unless ``report`` is False (then at completion)."""
+        load's outcome is reported when due (:meth:`_report_if_due`)."""
         if job.fail(cause) and count:
             self.counters.jobs_failed += 1
-        if report and isinstance(job, LoadJob):
+        self._report_if_due(job)
+
+    def _report_if_due(self, job: AnyJob) -> None:
+        """A failed load is reported at its first failure (its other ranks' copies only
+        rewrite the same blocks with the same KV) -- but one a reset or the close
+        abandoned only once no rank it waits for may still copy: every one acked or is
+        fenced, or is declared dead (the quarantine's accepted risk, docs/operations.md).
+        Its bytes are from before the reset: reported at the reset, the host recomputed
+        into the request's blocks while a live rank still copied them over the
+        recompute (a hostile probe; with two ranks, the first one's ack reported it, a
+        review)."""
+        if isinstance(job, LoadJob) and job.failed and (
+                not job.abandoned or job.waiting <= self.jobs.revoked):
             self.loads.report(job)
 
     def _drop_pending(self, cause: LoadFailure, decline: DeclineReason) -> None:

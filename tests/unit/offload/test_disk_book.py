@@ -304,6 +304,23 @@ def test_a_write_a_rank_failed_inside_a_resets_window_is_a_failure() -> None:
     assert rig.m.reset_done() and rig.slots.num_hashes == 0
 
 
+def test_a_write_in_flight_at_the_close_is_abandoned_not_a_disk_failure() -> None:
+    """The engine closes with a WRITE in flight; once its ranks are reaped
+    (``close([0, 1])``) the job ends as if acked. That fence acked it failed, which
+    counted a failed write of the disk (``write_failed_jobs``, fed to the pause) for
+    what was only the close (a review). Now it is counted abandoned; every slot and
+    CPU pin goes."""
+    rig = DiskRig(cpu=4, window=1, max_window=8, write_through=True)
+    rig.store(Req("a", 9))
+    (write,) = rig.step().disk
+    assert write.op is DiskOp.WRITE
+    rig.m.close([0, 1])
+    c = rig.book.counters
+    assert (c.write_failed_jobs, c.write_abandoned_jobs) == (0, 1)
+    assert rig.slots.num_pinned == 0 and rig.m.pins_held() == 0
+    rig.m.check_invariants()
+
+
 def test_warm_slots_serve_a_hit_at_once() -> None:
     """Slots 2 and 3 indexed at start from the slabs' headers (a restarted engine): R's
     first lookup reads them; then it is an ordinary CPU hit."""

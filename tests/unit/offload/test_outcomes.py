@@ -193,22 +193,52 @@ def test_a_tail_that_two_groups_place_in_one_gpu_block_is_not_queued() -> None:
 
 def test_a_close_releases_the_pins_of_the_ranks_proven_stopped_and_keeps_the_rest() -> None:
     """The engine closes with a store (both ranks out) and a load (rank 0 acked, rank 1
-    out) in flight. ``close([])`` fails both jobs (ENGINE_CLOSED: the load reported now,
-    not counted as a failure) and plans nothing more, but no rank has proven it stopped:
-    every pin stays -- rank 1 may still copy into the load's GPU blocks. ``close([1])``
-    (rank 1 reaped): the load completes and releases its pins; the store still waits
-    for rank 0. ``close([0, 1])``: nothing is pinned, the job table is empty."""
+    out) in flight. ``close([])`` fails both jobs (ENGINE_CLOSED, not counted as a
+    failure) and plans nothing more, but no rank has proven it stopped: every pin stays
+    and the load is not reported -- rank 1 may still copy into its GPU blocks.
+    ``close([1])`` (rank 1 reaped): the load completes, is reported and releases its
+    pins; the store still waits for rank 0. ``close([0, 1])``: nothing is pinned."""
     p = Parts(world_size=2)
     store, load = p.store(2), p.load("r", 1)
     p.out.on_done(load, 0, True)
     assert p.pinned() == (3, 3)
     p.out.close([])
     assert p.out.failed and p.pinned() == (3, 3) and p.counters.jobs_failed == 0
-    (res,) = p.loads.take_results()
-    assert not res.ok and res.cause is LoadFailure.ENGINE_CLOSED
+    assert p.loads.take_results() == []  # rank 1 may still copy into its blocks
     assert p.dropped == [LoadFailure.ENGINE_CLOSED]
     p.out.close([1])
+    (res,) = p.loads.take_results()
+    assert not res.ok and res.cause is LoadFailure.ENGINE_CLOSED
     assert p.pinned() == (2, 2) and list(p.jobs.jobs) == [store.job_id]
     p.out.close([0, 1])
     assert p.pinned() == (0, 0) and not p.jobs.jobs and p.cpu.num_hashes == 0
     assert p.loads.take_results() == []  # reported once
+
+
+def test_a_reset_reports_an_abandoned_load_only_once_no_rank_may_copy_it() -> None:
+    """Two ranks, a load in flight, ``reset()``. Rank 0's ack used to report RESET at once
+    (the reset had marked the job failed) while rank 1 still copied the bytes from
+    before the reset into the request's blocks (a review). Now nothing is reported until
+    rank 1 acks too. With rank 1 declared dead instead (hung: revoked, not fenced), the
+    result comes once every live rank acked: a dead rank's late copy is the quarantine's
+    accepted risk, and waiting for its fence could wait for ever."""
+    p = Parts(world_size=2)
+    load = p.load("r", 1)
+    assert p.out.reset() is False
+    p.out.on_done(load, 0, True)
+    assert p.loads.take_results() == []
+    p.out.on_done(load, 1, True)
+    (res,) = p.loads.take_results()
+    assert (res.req_id, res.ok, res.cause) == ("r", False, LoadFailure.RESET)
+
+    q = Parts(world_size=2)
+    load = q.load("s", 1)
+    assert q.out.reset() is False
+    q.out.rank_failed(1)
+    assert q.loads.take_results() == []  # rank 0 still copies
+    q.out.on_done(load, 0, True)
+    (res,) = q.loads.take_results()
+    assert (res.req_id, res.ok, res.cause) == ("s", False, LoadFailure.RESET)
+    assert q.pinned() == (1, 1)  # quarantined until rank 1 is fenced
+    q.out.rank_fenced(1)
+    assert q.pinned() == (0, 0) and q.loads.take_results() == []
