@@ -146,7 +146,7 @@ _CHECKSUM_IDS: Final = {name: cid for cid, (name, _) in CHECKSUMS.items()}
 #: How many slot headers :func:`scan` asks the kernel to read ahead of the one it parses.
 SCAN_AHEAD: Final = 128
 #: Slots :func:`scan` parses between two looks at its ``stop`` event.
-SCAN_STOP_SLOTS: Final = 4096
+SCAN_STOP_SLOTS: Final = 256
 
 
 def _round_up(n: int) -> int:

@@ -135,14 +135,14 @@ class DiskLink:
                        for r in sorted(layouts)}
         world = len(self.setups)
         self.scan = WarmScan([(st.path, SlabSpec(st.fingerprint, r, world, st.slots, rows[r]))
-                              for r, st in self.setups.items()])
+                              for r, st in self.setups.items()], slots)
         self.scan.start()
         return self.setups
 
     def poll(self, book: DiskBook | None) -> None:
         """The scheduler's thread: once the warm scan has ended, apply its result to
-        ``book`` (:meth:`DiskBook.end_warming`; nothing without a book: the engine did
-        not reach READY). Cheap while it runs: one event test."""
+        ``book`` (:meth:`DiskBook.end_warming`: a swap of slot tables; nothing without a
+        book: the engine did not reach READY). Cheap while it runs: one event test."""
         scan = self.scan
         if scan is None or book is None:
             return
@@ -150,10 +150,10 @@ class DiskLink:
         if got is None:
             return
         self.scan = None
-        book.end_warming(got.warm, disagreed=got.disagreed, errors=got.errors,
-                         seconds=got.seconds)
-        log.info("kvshm: disk tier warm after %.1f s: %d of %d slots hold blocks from a "
-                 "previous run", got.seconds, len(got.warm), self.slots)
+        if book.end_warming(got.table, disagreed=got.disagreed, errors=got.errors,
+                            seconds=got.seconds):
+            log.info("kvshm: disk tier warm after %.1f s: %d of %d slots hold blocks from "
+                     "a previous run", got.seconds, book.slots.num_hashes, self.slots)
 
     def close(self) -> int:
         """Remove the slabs of an engine that keeps none (``disk_keep`` False) that no

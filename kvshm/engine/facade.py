@@ -65,6 +65,12 @@ class Facade:
         return self._core.state
 
     @property
+    def disk_warming(self) -> bool:
+        """The disk tier's start scan of its slabs has not ended and been applied yet:
+        it serves nothing meanwhile (``EngineStats.disk["warming"]``)."""
+        return self._core.disk_warming
+
+    @property
     def owner_pid(self) -> int | None:
         """The process this engine belongs to where that is not this one (a forked
         child: :mod:`kvshm.engine.forks`); None in the process that opened it."""

@@ -259,6 +259,8 @@ class Runtime:
         if manager is None or self._state is not _READY or (pre and rid in pre):
             self.counters.lookups_not_ready += 1
             return 0
+        if self._disk.scan is not None:  # a scan that ended counts from this lookup on
+            self._apply_warm_scan()
         hit = manager.lookup(req, num_local_tokens)
         if hit is None:
             if manager.disk is not None:
@@ -312,6 +314,12 @@ class Runtime:
                 self._jobs.post(t)
         self._post_reads(plan.remote)
         return plan
+
+    @property
+    def disk_warming(self) -> bool:
+        """The disk tier's start scan has not been applied yet (the tier serves nothing):
+        a host that waits for a restart's warm slots asks again meanwhile."""
+        return self._disk.scan is not None
 
     def ranks_stopped(self, ranks: Iterable[int]) -> None:
         """After the close: ``ranks`` are proven stopped (their processes reaped), so

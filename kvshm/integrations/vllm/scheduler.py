@@ -203,7 +203,7 @@ class SchedulerSide:
         client = self.life.bound_client or self.client  # the property raises before bind
         start = self._start
         if start is not None:
-            if start.asks_again(client.state):
+            if start.asks_again(client.state, client.disk_warming):
                 counters.lookups_before_ready += 1
                 return None, False
             self._start = None

@@ -7,7 +7,10 @@ request its disk tier's warm restart (or a shared remote tier) was kept for. Wit
 lower tier there is nothing to wait for -- the CPU tier starts empty -- so only an
 engine with one waits: while the engine is STARTING, a lookup answers "ask again" (vLLM
 steps meanwhile, and that step connects the ranks) for at most :data:`START_WAIT_S` from
-the first such lookup; after that, or once the engine left STARTING, never again.
+the first such lookup; after that, or once the engine left STARTING, never again. The
+same wait covers a READY engine whose disk tier still *warms* (its start scan of the
+slabs runs on a thread: :mod:`kvshm.engine.warm_scan`; the engine is READY before it
+ends, and a restart's first request recomputed what the slab held, a review).
 """
 
 from __future__ import annotations
@@ -33,10 +36,11 @@ class StartWait:
         self.over = False
         self._since: float | None = None
 
-    def asks_again(self, state: EngineState) -> bool:
-        """True while ``state`` is STARTING and the wait is within its bound; the first
-        False ends the wait for good."""
-        if state is EngineState.STARTING and not self.over:
+    def asks_again(self, state: EngineState, warming: bool = False) -> bool:
+        """True while ``state`` is STARTING, or READY with the disk tier ``warming``, and
+        the wait is within its bound; the first False ends the wait for good."""
+        if (state is EngineState.STARTING
+                or state is EngineState.READY and warming) and not self.over:
             now = time.monotonic()
             if self._since is None:
                 self._since = now

@@ -42,14 +42,17 @@ def _slab(path: Path, rank: int, slots: dict[int, bytes]) -> tuple[str, SlabSpec
 
 def test_the_scan_hands_over_the_slots_every_rank_agrees_on_once(tmp_path: Path) -> None:
     """Rank 0 holds A in slot 2 and B in slot 7, rank 1 holds A in slot 2 and A in slot
-    7 (a torn write): slot 2 is warm, slot 7 disagreed. ``take`` hands the result over
-    once, then None."""
+    7 (a torn write): slot 2 is indexed in the result's slot table, slot 7 disagreed.
+    ``take`` hands the result over once, then None."""
     ws = WarmScan([_slab(tmp_path / "r0.slab", 0, {2: H_A, 7: H_B}),
-                   _slab(tmp_path / "r1.slab", 1, {2: H_A, 7: H_A})])
+                   _slab(tmp_path / "r1.slab", 1, {2: H_A, 7: H_A})], 10)
     assert ws.pending
     ws.start()
     got = _wait(ws)
-    assert (got.warm, got.disagreed, got.errors) == ({2: H_A}, 1, 0)
+    assert got.table is not None and (got.disagreed, got.errors) == (1, 0)
+    table = got.table.slots  # indexed on the scan's thread: the scheduler swaps it in
+    assert (table.num_blocks, table.num_hashes, table.num_pinned) == (10, 1, 0)
+    assert list(table.block_hashes(2)) == [H_A] and got.table.left_out == 0
     assert got.seconds >= 0 and not ws.pending and ws.take() is None
     assert agree([]) == ({}, 0)
 
@@ -63,10 +66,10 @@ def test_a_bug_in_the_scan_starts_the_tier_cold_never_warming_for_good(
         raise ValueError("a bug")
     monkeypatch.setattr(warm_scan, "scan", boom)
     ws = WarmScan([("/nowhere/a", SlabSpec(FP, 0, 2, 10, PAGE)),
-                   ("/nowhere/b", SlabSpec(FP, 1, 2, 10, PAGE))])
+                   ("/nowhere/b", SlabSpec(FP, 1, 2, 10, PAGE))], 10)
     ws.start()
     got = _wait(ws)
-    assert (got.warm, got.disagreed, got.errors) == ({}, 0, 2)
+    assert (got.table, got.disagreed, got.errors) == (None, 0, 2)
     assert "warm scan failed" in caplog.text
 
 
@@ -81,7 +84,7 @@ def test_a_close_stops_a_running_scan_and_drops_its_result(
         assert stop.wait(10), "close never stopped the scan"
         return {}
     monkeypatch.setattr(warm_scan, "scan", slow)
-    ws = WarmScan([("/nowhere", SlabSpec(FP, 0, 1, 10, PAGE))])
+    ws = WarmScan([("/nowhere", SlabSpec(FP, 0, 1, 10, PAGE))], 10)
     ws.start()
     assert started.wait(10)
     t0 = time.monotonic()

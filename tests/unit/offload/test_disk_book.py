@@ -14,7 +14,7 @@ from typing import Any
 from manager_rig import BS, Req, Rig, refs
 
 from kvshm.ipc.protocol import Disk, DiskOp, unpack_ids
-from kvshm.offload.disk import MAX_DISK_BLOCKS, DiskBook
+from kvshm.offload.disk import MAX_DISK_BLOCKS, DiskBook, warm_table
 from kvshm.offload.manager import OffloadManager
 from kvshm.offload.pool import BlockPool
 from kvshm.offload.remote_puts import remote_hash
@@ -29,11 +29,11 @@ class DiskRig(Rig):
                  clock: list[float] | None = None, write_through: bool = False,
                  max_window: int | None = None, max_job: int = MAX_DISK_BLOCKS) -> None:
         super().__init__(cpu=cpu, gpu=16, world_size=WORLD)
-        self.slots = BlockPool(slots)
+        table = BlockPool(slots)
         self.now = clock if clock is not None else [0.0]
 
         def make(pool: BlockPool, gs: object, jobs: object) -> DiskBook:
-            return DiskBook(pool, gs, jobs, self.slots, window=window,  # type: ignore[arg-type]
+            return DiskBook(pool, gs, jobs, table, window=window,  # type: ignore[arg-type]
                             clock=lambda: self.now[0], pause_s=30.0,
                             write_through=write_through, max_window=max_window,
                             max_job_blocks=max_job)
@@ -44,6 +44,11 @@ class DiskRig(Rig):
     def book(self) -> DiskBook:
         assert self.m.disk is not None
         return self.m.disk
+
+    @property
+    def slots(self) -> BlockPool:
+        """The book's slot table (a warm start swaps in another: ``end_warming``)."""
+        return self.book.slots
 
     def store(self, req: Req) -> tuple[list[int], tuple[Disk, ...]]:
         """``req`` computed all its full blocks and finished; its store acked by both
@@ -344,8 +349,9 @@ def test_a_warming_book_writes_nothing_and_indexes_the_scan_when_it_ends() -> No
     be read by the scan before or after its new header -- and a lookup finds nothing.
     The scan's result, once it ends, indexes slots 2 and 3; a header whose hash is no
     disk hash (8 bytes: no rank writes that) is left out and counted with the slots the
-    ranks disagree on, never raised into the step that applies it. Then R's lookup
-    reads slots 2 and 3, and the plans write again."""
+    ranks disagree on, never raised into the step that applies it. The table is built
+    off the scheduler's thread (``warm_table``) and swapped in. Then R's lookup reads
+    slots 2 and 3, and the plans write again."""
     rig = DiskRig(cpu=4, window=1, max_window=8)
     book, c = rig.book, rig.book.counters
     book.begin_warming()
@@ -356,8 +362,9 @@ def test_a_warming_book_writes_nothing_and_indexes_the_scan_when_it_ends() -> No
     assert rig.step().disk == ()
     assert (c.write_jobs, c.evicted_lost) == (0, 2) and c.write_skipped_warming >= 2
     assert rig.m.lookup(Req("q", 9).view(), 0) == 0
-    book.end_warming({2: remote_hash(a.h[0]), 3: remote_hash(a.h[1]), 5: b"8 bytes!"},
-                     disagreed=1, seconds=0.25)
+    table = warm_table(4, {2: remote_hash(a.h[0]), 3: remote_hash(a.h[1]), 5: b"8 bytes!"})
+    assert book.end_warming(table, disagreed=1, seconds=0.25) is True
+    assert rig.slots is table.slots          # swapped in, not indexed inside the step
     assert not book.warming and book.statistics()["warming"] == 0
     assert (c.warm_slots, c.warm_disagreed, c.warm_scan_ms) == (2, 2, 250)
     assert sorted(rig.slots.cached_keys) == sorted(remote_hash(h) for h in a.h[:2])
@@ -383,8 +390,9 @@ def test_a_reset_while_the_disk_warms_voids_the_scans_result() -> None:
     assert rig.m.reset() is True and rig.m.reset_done()
     assert not book.warming and c.warm_voided == 1
     a = Req("a", 9)
-    book.end_warming({2: remote_hash(a.h[0]), 3: remote_hash(a.h[1])}, disagreed=0)
-    assert rig.slots.num_hashes == 0 and c.warm_slots == 0
+    table = warm_table(4, {2: remote_hash(a.h[0]), 3: remote_hash(a.h[1])})
+    assert book.end_warming(table, disagreed=0) is False
+    assert rig.slots is not table.slots and rig.slots.num_hashes == 0 and c.warm_slots == 0
     assert rig.m.lookup(Req("r", 9).view(), 0) == 0
     rig.m.check_invariants()
 

@@ -40,6 +40,7 @@ from requests_model import Requests
 from test_disk_book import WORLD, DiskRig
 
 from kvshm.ipc.protocol import Direction, Disk, DiskOp, Transfer, unpack_ids
+from kvshm.offload.disk import warm_table
 from kvshm.offload.jobs import StoreJob
 from kvshm.offload.remote_puts import remote_hash
 
@@ -154,7 +155,8 @@ class DiskMachine(RuleBasedStateMachine):
         def index() -> list[tuple[bytes, ...]]:
             return [tuple(slots.block_hashes(s)) for s in range(slots.num_blocks)]
         before = index()
-        self.rig.book.end_warming(self.scan)
+        self.rig.book.end_warming(warm_table(slots.num_blocks, self.scan))
+        slots = self.rig.slots
         assert not self.rig.book.warming
         assert index() == before if voided else all(
             tuple(slots.block_hashes(s)) == (d,) for s, d in self.scan.items()), index()

@@ -925,6 +925,7 @@ class ReadClient:
         from kvshm.engine import EngineState
 
         self.state = EngineState.READY
+        self.disk_warming = False  # the disk tier's start scan was applied
         self.polls = 0
         self.answer_after = polls_to_answer
         self.hit = hit
