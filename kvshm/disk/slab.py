@@ -274,27 +274,53 @@ def _aligned_page() -> mmap.mmap:
 def _probe_o_direct(directory: str) -> str | None:
     """None if an O_DIRECT write and read of one page work in ``directory``, else why.
 
-    The probe is written through the descriptor ``mkstemp`` made (O_DIRECT set on it
-    with ``F_SETFL``), never reopened by name: reopened, a local user who could write
-    to a shared ``disk_path`` (no sticky bit) swapped the probe for a link between the
-    two opens, and the engine zeroed the first page of the file it pointed to (a hostile
-    probe won the race in 43 tries)."""
-    fd, probe = tempfile.mkstemp(prefix=".kvshm-odirect-", dir=directory)
+    The probe file is ``mkstemp``'s, opened again by name with O_DIRECT as a slab is
+    (``F_SETFL`` on the first descriptor is not the same test: a filesystem may take it
+    and refuse the open), with ``O_NOFOLLOW``, and written only when it is the same
+    file: before, a local user who could write to a shared ``disk_path`` (no sticky
+    bit) swapped the probe for a link between the two opens and the engine zeroed the
+    first page of the file it named (a hostile probe won the race in 43 tries). A swap
+    is a ConfigError of its own. Every close and the removal are best effort (an
+    overlayfs close may fail: a review saw it replace the answer with a bare OSError
+    and leave the file)."""
+    fd0, probe = tempfile.mkstemp(prefix=".kvshm-odirect-", dir=directory)
     page = _aligned_page()
     try:
-        fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) | _O_DIRECT)
-        os.pwritev(fd, [page], 0)
-        os.preadv(fd, [page], 0)
-        return None
-    except OSError as exc:
-        return f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror}"
-    finally:
-        os.close(fd)
-        page.close()
+        made = os.fstat(fd0)
         try:
+            fd = os.open(probe, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW | _O_DIRECT)
+        except OSError as exc:
+            if exc.errno == errno.ELOOP:
+                raise _swapped(directory) from None
+            return _errno_reason(exc)
+        try:
+            st = os.fstat(fd)
+            if (st.st_dev, st.st_ino) != (made.st_dev, made.st_ino):
+                raise _swapped(directory)
+            os.pwritev(fd, [page], 0)
+            os.preadv(fd, [page], 0)
+            return None
+        except OSError as exc:
+            return _errno_reason(exc)
+        finally:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+    finally:
+        with contextlib.suppress(OSError):
             os.unlink(probe)
-        except OSError:
-            pass
+        with contextlib.suppress(OSError):
+            os.close(fd0)
+        page.close()
+
+
+def _swapped(directory: str) -> ConfigError:
+    return ConfigError(f"disk_path {directory!r}: the start's probe file was replaced "
+                       "while it was open: another user can write to this directory "
+                       "(choose one only this user may write, or set its sticky bit)")
+
+
+def _errno_reason(exc: OSError) -> str:
+    return f"{errno.errorcode.get(exc.errno or 0, exc.errno)}: {exc.strerror}"
 
 
 def _free_bytes(directory: str) -> int:

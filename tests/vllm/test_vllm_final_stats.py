@@ -128,16 +128,27 @@ def test_a_link_planted_at_the_temporary_files_name_is_never_written_through(
     to the directory planted a link there to a file of the engine's user, and each
     report emptied that file and wrote the statistics into it. Now the temporary file is
     a new one of a random name (``mkstemp``): the planted link and its target are left
-    as they were, the statistics land in ``stats_path`` (mode 0644), and nothing else
-    is left beside it."""
+    as they were, the statistics land in ``stats_path`` (mode 0666 less the umask: 0600
+    under 077, a review), and nothing else is left beside it; a path through a link to a
+    directory and ``..`` still works (a review: normalised, the temporary file went to
+    another filesystem than the target)."""
     victim = tmp_path / "victim"
     victim.write_text("the engine user's own file\n")
     stats = tmp_path / "stats.json"
     planted = tmp_path / f"stats.json.tmp{os.getpid()}"
     planted.symlink_to(victim)
-    write_json(str(stats), {"a": 1})
+    old_mask = os.umask(0o077)
+    try:
+        write_json(str(stats), {"a": 1})
+    finally:
+        os.umask(old_mask)
     assert victim.read_text() == "the engine user's own file\n"
     assert json.loads(stats.read_text()) == {"a": 1}
-    assert stats.stat().st_mode & 0o777 == 0o644
+    assert stats.stat().st_mode & 0o777 == 0o600
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
         ["victim", "stats.json", planted.name])
+    other = tmp_path / "sub" / "deeper"
+    other.mkdir(parents=True)
+    (tmp_path / "link").symlink_to(other)
+    write_json(str(tmp_path / "link" / ".." / "s.json"), {"b": 2})
+    assert json.loads((tmp_path / "sub" / "s.json").read_text()) == {"b": 2}

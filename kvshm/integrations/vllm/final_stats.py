@@ -200,16 +200,20 @@ def write_json(path: str, data: dict[str, Any]) -> None:
     temporary file is removed when the dump or the rename fails (a ``stats_path`` that
     is a directory left one behind), and the error raised.
 
-    The temporary file is made with ``mkstemp`` beside ``path`` (a new file of a random
-    name, ``O_EXCL``: never an existing file or a link), mode 0644 as the file it
-    replaces would have. It was ``<path>.tmp<pid>``, opened with ``open(.., "w")``: a
-    local user who could write to ``path``'s directory planted a link under that
-    predictable name, and the engine -- root, say -- emptied the file it pointed to and
-    wrote its statistics there, at every report (a hostile probe)."""
-    directory, base = os.path.split(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{base}.", suffix=".tmp", dir=directory)
+    The temporary file is made with ``mkstemp`` in ``path``'s directory as given (a new
+    file of a random name, ``O_EXCL``: never an existing file or a link), with the mode
+    a plain create would give it (0666 less the umask, where the filesystem keeps
+    modes). It was ``<path>.tmp<pid>``, opened with ``open(.., "w")``: a local user who
+    could write to ``path``'s directory planted a link under that predictable name, and
+    the engine -- root, say -- emptied the file it pointed to and wrote its statistics
+    there, at every report (a hostile probe). The directory is not normalised (a review:
+    ``dir/link/../s.json`` put the temporary file elsewhere than the rename's target,
+    EXDEV at every write)."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp",
+                               dir=os.path.dirname(path) or ".")
     try:
-        os.fchmod(fd, 0o644)
+        with contextlib.suppress(OSError):  # a filesystem without modes keeps its own
+            os.fchmod(fd, 0o666 & ~_umask())
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             fd = -1  # the file object owns it now
             json.dump(data, f, indent=1, sort_keys=True, default=str)
@@ -220,3 +224,16 @@ def write_json(path: str, data: dict[str, Any]) -> None:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
+
+
+def _umask() -> int:
+    """This process's umask, read without changing it (``os.umask`` sets it: a race
+    with other threads); 022 where /proc does not say."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022

@@ -648,8 +648,10 @@ def test_the_o_direct_probe_never_writes_through_a_link_swapped_in_for_it(
     user who could write to a shared ``disk_path`` (group-writable, no sticky bit) swapped
     the probe for a link between the two opens -- the probe won the race in 43 tries --
     and the engine zeroed the first page of the file the link named. Here the swap is
-    made at once (at the ``mkstemp`` seam): the probe writes through the descriptor it
-    made, the victim keeps its bytes, and the link is removed with the probe."""
+    made at once (at the ``mkstemp`` seam): the probe's open (``O_NOFOLLOW``) refuses
+    the link -- one ConfigError saying another user writes to the directory --, the
+    victim keeps its bytes, and the link is removed with the probe. The same for a
+    regular file swapped in (the probe writes only to the file it made)."""
     if os.O_DIRECT == 0 or _probe_direct_ok(tmp_path) is False:
         pytest.skip("this file system refuses O_DIRECT")
     victim = tmp_path / "victim"
@@ -666,9 +668,22 @@ def test_the_o_direct_probe_never_writes_through_a_link_swapped_in_for_it(
         return fd, path
 
     monkeypatch.setattr(tempfile, "mkstemp", swapped)
-    check_directory(str(shared), PAGE, direct=True)
-    monkeypatch.undo()
+    with pytest.raises(ConfigError, match="probe file was replaced while it was open"):
+        check_directory(str(shared), PAGE, direct=True)
     assert victim.read_bytes() == b"v" * (2 * PAGE)
+    assert list(shared.iterdir()) == []
+
+    def replaced(*args: Any, **kw: Any) -> tuple[int, str]:
+        fd, path = real(*args, **kw)
+        if kw.get("prefix") == ".kvshm-odirect-":
+            os.unlink(path)  # a regular file of the other user's in its place
+            Path(path).write_bytes(b"w" * PAGE)
+        return fd, path
+
+    monkeypatch.setattr(tempfile, "mkstemp", replaced)
+    with pytest.raises(ConfigError, match="probe file was replaced while it was open"):
+        check_directory(str(shared), PAGE, direct=True)
+    monkeypatch.undo()
     assert list(shared.iterdir()) == []
 
 
@@ -735,25 +750,16 @@ def test_check_directory_counts_the_reused_slab_as_free(tmp_path: Path) -> None:
 
 def test_check_directory_refuses_a_filesystem_without_o_direct(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A filesystem that refuses O_DIRECT (open, or ``F_SETFL`` on an open file, returns
-    EINVAL, as overlayfs does; faked at the syscall seam): refused with the buffered
-    hint, unless buffered I/O was asked."""
-    import fcntl
-
-    real_open, real_fcntl = os.open, fcntl.fcntl
+    """A filesystem that refuses O_DIRECT (open returns EINVAL, as overlayfs does; faked
+    at the syscall seam): refused with the buffered hint, unless buffered I/O was asked."""
+    real_open = os.open
 
     def open_no_direct(path: str, flags: int, *args: int) -> int:
         if flags & os.O_DIRECT:
             raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), path)
         return real_open(path, flags, *args)
 
-    def fcntl_no_direct(fd: int, cmd: int, arg: int = 0) -> int:
-        if cmd == fcntl.F_SETFL and arg & os.O_DIRECT:
-            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
-        return real_fcntl(fd, cmd, arg)
-
     monkeypatch.setattr(os, "open", open_no_direct)
-    monkeypatch.setattr(fcntl, "fcntl", fcntl_no_direct)
     with pytest.raises(ConfigError, match="refuses O_DIRECT.*set disk_io=buffered to use "
                                           "the page cache"):
         check_directory(str(tmp_path), PAGE, direct=True)
