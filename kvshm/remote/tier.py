@@ -126,8 +126,8 @@ class RemoteSpec:
         if self.ttl_s is not None and (isinstance(self.ttl_s, bool)
                                        or not isinstance(self.ttl_s, int)
                                        or self.ttl_s <= 0):
-            raise ConfigError(f"remote URL {self.url!r}: ttl_s must be None or an int > 0, "
-                              f"got {self.ttl_s!r}")
+            raise ConfigError(f"remote URL {self.url!r}: ttl_s must be an int > 0 or none "
+                              f"(no TTL), got {self.ttl_s!r}")
         for name in ("ttl_s", "hold_ttl_s"):  # a TTL the server refuses stored nothing
             value = getattr(self, name)
             if value is not None and value > MAX_TTL_S:

@@ -76,7 +76,7 @@ def test_a_bad_url_is_a_config_error_that_says_what_is_wrong(url: str, says: str
     ("valkey://h:1?request_timeout_ms=4294967296", "request_timeout_ms must be at most "
                                                    "86400000"),
     ("valkey://h:1?connect_timeout_ms=86400001", "connect_timeout_ms must be at most"),
-    ("valkey://h:1?ttl_s=0", "ttl_s must be None or an int > 0, got 0"),
+    ("valkey://h:1?ttl_s=0", "ttl_s must be an int > 0 or none \\(no TTL\\), got 0"),
     ("valkey://h:1?ttl_s=", "ttl_s='' is not an int"),
 ])
 def test_a_timeout_past_a_day_or_a_ttl_of_zero_is_refused_in_one_line(
