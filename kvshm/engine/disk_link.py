@@ -24,9 +24,9 @@ Order (each step before the next; none of it moves a block's bytes -- the worker
 3. READY (:meth:`DiskLink.book_factory`): the manager's
    :class:`~kvshm.offload.disk.DiskBook` over a fresh LRU slot table, *warming* while
    the scan runs (it indexes and writes nothing); the scheduler's thread applies the
-   scan's result when it ends (:meth:`DiskLink.poll`, each step, pump and tick): the
-   warm slots indexed as most recently used, and writes resume. The engine serves
-   meanwhile, its disk tier empty.
+   scan's result when it ends (:meth:`DiskLink.poll`, each step, pump, tick and
+   lookup): the slot table the scan's thread indexed (warm slots as most recently used)
+   is swapped in, and writes resume. The engine serves meanwhile, its disk tier empty.
 
 4. Close (:meth:`DiskLink.close`, after the channels closed): a scan still running
    stops; a slab no later start

@@ -86,12 +86,6 @@ class WarmScan:
         self._taken = False
         self._thread = threading.Thread(target=self._run, name="kvshm-disk-scan", daemon=True)
 
-    @property
-    def pending(self) -> bool:
-        """The result is not taken yet (the scan runs, or ended and waits for
-        :meth:`take`)."""
-        return not self._taken
-
     def start(self) -> None:
         self._thread.start()
 
