@@ -16,7 +16,7 @@ import random
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +47,14 @@ IDS = p.pack_ids(range(64))
 
 def transfer(job: int, step: int = 1) -> p.Transfer:
     return p.Transfer(step, job, p.Direction.STORE, IDS, IDS)
+
+
+def expect(ch: SchedulerChannel, jobs: Iterable[int]) -> None:
+    """The scheduler sent Transfers ``jobs`` (without putting them in the ring, which
+    these tests fill with Dones only): a Done for any other job is a stray
+    (:mod:`kvshm.ipc.unanswered`), refused with a ProtocolError."""
+    for j in jobs:
+        ch._unanswered.sent(transfer(j))
 
 
 @dataclass
@@ -268,6 +276,7 @@ def test_oversize_refused_at_sender_and_nothing_queued() -> None:
 def test_worker_full_done_ring_waits_then_raises() -> None:
     lk = make_link(done_cap=4096)
     w = in_process_worker(lk, full_wait_s=0.05)
+    expect(lk.ch, range(10_000))
     try:
         with pytest.raises(WouldBlock, match="not draining"):
             for j in range(10_000):
@@ -307,6 +316,7 @@ def corrupt_done_payload(lk: Link, pos: int) -> None:
 
 def test_undecodable_record_is_protocol_error_and_reader_keeps_going() -> None:
     lk, w = in_process_pair()
+    expect(lk.ch, range(1, 5))
     try:
         w.send_nowait(p.Done(1, 0, True))
         pos = w.rings.done.head
@@ -319,6 +329,26 @@ def test_undecodable_record_is_protocol_error_and_reader_keeps_going() -> None:
         w.send_nowait(p.Done(4, 0, True))
         assert [d.job_id for d in lk.ch.receive_nowait()] == [4]
         assert lk.ch.statistics().protocol_errors == 1
+    finally:
+        w.close()
+        lk.close()
+
+
+def test_a_stray_done_is_a_protocol_error_and_spares_its_neighbours() -> None:
+    """Hazard "a stray Done blinds the hang check", at the channel: Transfers 1-3 went
+    out; the rank answers 1, then 1 again (a duplicate), 99 (never sent) and 3 in one
+    batch. The receive raises ProtocolError naming the strays (the owner fails the
+    rank), and the answers of 1 and 3 are salvaged, in order; only 2 is still owed."""
+    lk, w = in_process_pair()
+    try:
+        lk.ch.post_many([transfer(j) for j in (1, 2, 3)])
+        w.send_many([p.Done(1, 0, True), p.Done(1, 0, True), p.Done(99, 0, True),
+                     p.Done(3, 0, True)])
+        with pytest.raises(ProtocolError, match="2 Done.s. from rank 0 answering nothing"):
+            lk.ch.receive_nowait()
+        assert [d.job_id for d in lk.ch.take_salvaged()] == [1, 3]
+        assert lk.ch.take_salvaged() == [] and lk.ch.outstanding == 1
+        assert lk.ch.statistics().protocol_errors == 2
     finally:
         w.close()
         lk.close()
@@ -343,6 +373,7 @@ def test_a_done_whose_error_is_not_utf8_is_a_protocol_error_and_spares_its_neigh
     judged hung a hang timeout later. Now it is a ProtocolError naming the record, and
     Done 1 and a later Done 3 are delivered."""
     ch, peer = _scheduler_channel_and_its_peer()
+    expect(ch, range(1, 4))
     enc = msgspec.msgpack.Encoder()
     assert peer.done.try_write(enc.encode(p.Done(1, 0, True)))
     pos = peer.done.head
@@ -385,6 +416,7 @@ def test_a_peer_rewriting_a_read_header_gets_a_protocol_error_not_a_hang(header:
     ProtocolError (offset -1: the framing no longer shows the record), and Done 1 and 3
     are delivered by the next call."""
     ch, peer = _scheduler_channel_and_its_peer()
+    expect(ch, (1, 3))
     enc = msgspec.msgpack.Encoder()
     assert peer.done.try_write(enc.encode(p.Done(1, 0, True)))
     assert peer.done.try_write(b"\xc1")
@@ -446,6 +478,7 @@ async def test_a_done_published_while_on_done_raised_is_still_delivered() -> Non
     the way out, and with no Transfer outstanding no re-check timer ran: Done 2 waited
     for the next doorbell. Now it is delivered by itself."""
     lk, w = in_process_pair()
+    expect(lk.ch, (1, 2))
     dones: list[int] = []
 
     def on_done(ms: list[p.Done]) -> None:
@@ -473,6 +506,7 @@ async def test_a_done_published_while_on_done_raised_is_still_delivered() -> Non
 
 async def test_attached_channel_reports_errors_and_survives_a_broken_ring() -> None:
     lk, w = in_process_pair()
+    expect(lk.ch, range(1, 6))
     errors: list[TransportError] = []
     dones: list[int] = []
     lk.ch.attach(asyncio.get_running_loop(), lambda ms: dones.extend(d.job_id for d in ms),
@@ -575,13 +609,16 @@ def test_worker_receive_timeout_and_stats(link: Link) -> None:
 # -------------------------------------------------------------------- SIGKILL
 
 
+FLOOD_JOBS = 200_000
+
+
 def flood_worker(*args: Any) -> None:
-    """Write Dones as fast as possible (the ring fills; it keeps retrying)."""
+    """Write Dones for jobs 0 .. FLOOD_JOBS - 1 as fast as possible (the ring fills; it
+    keeps retrying), then wait."""
     ch = worker_channel(*args, full_wait_s=3600)
-    job = 0
-    while True:
+    for job in range(0, FLOOD_JOBS, 8):
         ch.send_many([p.Done(job + i, 0, True, "x" * (i % 50)) for i in range(8)])
-        job += 8
+    time.sleep(3600)
 
 
 def idle_worker(*args: Any) -> None:
@@ -608,6 +645,7 @@ async def wait_readable(fd: int, timeout: float) -> float:
 @pytest.mark.parametrize("target", [flood_worker, idle_worker])
 async def test_sigkill_worker_is_noticed_via_lifeline(target: Callable[..., None]) -> None:
     lk = make_link(done_cap=4096)
+    expect(lk.ch, range(FLOOD_JOBS))
     proc = start(lk, target)
     try:
         lk.child_life.close()  # only the worker holds its end now
@@ -675,6 +713,7 @@ async def test_closing_from_inside_the_callbacks_is_safe() -> None:
     loop.set_exception_handler(lambda _loop, ctx: stray.append(ctx))
     for closer in ("on_done", "on_error"):
         lk, w = in_process_pair()
+        expect(lk.ch, range(1, 4))
         calls: list[str] = []
 
         def on_done(msgs: list[p.Done], lk: Link = lk, closer: str = closer,

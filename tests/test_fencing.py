@@ -38,6 +38,7 @@ from engine_rig import (
 )
 
 from kvshm.engine import ATTACH, SPAWN, Engine, EngineState
+from kvshm.ipc.protocol import Done
 from kvshm.ipc.rendezvous_client import query_stats
 from kvshm.offload.pool import BlockPool
 from kvshm.types import LoadFailure, StepInput
@@ -264,6 +265,49 @@ async def test_rank_declared_dead_resumes_embedded_blocks_quarantined_until_it_s
     stats = ranks.workers[1].statistics()["counters"]
     assert stats["revocations_seen"] == 1 and stats["jobs_failed"] == 1
     c.finish("c", table_c, 0)
+    assert eng.statistics().pins_held == 0
+
+
+async def test_a_stray_done_fails_the_rank_and_does_not_blind_the_hang_check(
+        embedded: tuple[Engine, BlockPool, list[torch.Tensor], EmbeddedRanks]) -> None:
+    """Hazard "a stray Done blinds the hang check" (a hostile probe): a's store (job 1)
+    was answered by both ranks; rank 1's copy of b's load is stuck, and rank 1 sends
+    one more Done for job 1, then nothing. That Done lowered rank 1's count of
+    unanswered Transfers from 1 (the load) to 0, so the hang check read the rank as
+    idle: no verdict ever came, b's ``wait_loaded`` never returned (still pending 8 s
+    later in the probe, at a 1 s hang timeout), and whatever went to rank 1 after it
+    stayed pinned. Now a Done that answers nothing sent to the rank is a protocol fault:
+    rank 1 is failed at once (not a hang timeout later), b's load fails and b
+    recomputes; b's 6 blocks stay quarantined as for any verdict on a live rank."""
+    eng, gpu, ks, ranks = embedded
+    fence = CpuFence()
+    c = Client(eng, gpu)
+    toks = tokens(A_BLOCKS * BS + 1, seed=11)
+    await c.store_only("a", toks)
+    assert eng.statistics().counters["store_jobs"] == 1  # a's store is job 1
+    ranks.stall = fence
+    hit, table_b, plan = c.load("b", toks)
+    assert hit == A_BLOCKS * BS and plan.load is not None
+    await _until(lambda: ranks.workers[1].statistics()["counters"]["jobs_submitted"] >= 2,
+                 "rank 1 to take b's load")
+    session = ranks.workers[1]._session  # the rank misbehaves: the seam is its ring
+    assert session is not None and session.channel is not None
+    chan = session.channel
+    chan.send_nowait(Done(1, 1, True))
+    t0 = asyncio.get_running_loop().time()
+    res = await asyncio.wait_for(eng.wait_loaded("b"), 10 * HANG_S)
+    assert asyncio.get_running_loop().time() - t0 < HANG_S  # no hang timeout waited
+    assert not res.ok and res.cause is LoadFailure.RANK_DIED
+    st = eng.statistics()
+    assert eng.state is EngineState.FAILED and not st.ranks[1].alive
+    assert "answering nothing sent to it" in st.ranks[1].why
+    assert (st.counters["protocol_errors"], st.counters["hangs"]) == (1, 0)
+    assert st.quarantined_gpu_blocks == A_BLOCKS
+    c.finish("b", table_b, 0)
+    assert [gpu.ref_cnt(b) for b in table_b] == [1] * A_BLOCKS  # quarantined, not free
+    fence.set()
+    await _until(lambda: eng.statistics().ranks[1].fenced, "rank 1's EOF after its copy")
+    assert [gpu.ref_cnt(b) for b in table_b] == [0] * A_BLOCKS
     assert eng.statistics().pins_held == 0
 
 

@@ -53,6 +53,7 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
         self._overflow: collections.deque[bytes] = collections.deque()
         self._overflow_peak = self._dropped = 0
         self._unanswered = Unanswered()  # the hang clock's count (tier jobs apart)
+        self._answered_good: list[protocol.Done] = []  # beside strays (take_salvaged)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_done: Callable[[list[protocol.Done]], None] | None = None
         self._on_error: Callable[[TransportError], None] | None = None
@@ -72,7 +73,7 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
 
     @property
     def outstanding(self) -> int:
-        """Transfers in the ring or overflow not yet answered by a Done (approximate)."""
+        """Transfers in the ring or overflow not yet answered by a Done."""
         return self._unanswered.count
 
     # -- sending -------------------------------------------------------------------
@@ -186,22 +187,47 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
 
     # -- receiving -----------------------------------------------------------------
     def receive_nowait(self) -> list[protocol.Done]:
-        """Every Done published so far ([] if none); then flushes the overflow."""
+        """Every Done published so far ([] if none); then flushes the overflow.
+        ProtocolError for a Done that answers nothing sent to this rank (a stray:
+        :mod:`kvshm.ipc.unanswered`), the others kept for :meth:`take_salvaged`.
+        """
         self._check_open()
         msgs = self._drain()
         if msgs:
-            self._unanswered.answered(msgs)
+            stray = self._unanswered.answered(msgs, self.rank)
+            if stray:
+                raise self._strays(msgs, stray)
         if self._overflow:
             self.flush_overflow()
         return msgs
 
+    def _strays(self, msgs: list[protocol.Done], stray: list[protocol.Done]
+                ) -> ProtocolError:
+        """The error for ``stray`` among ``msgs`` (already marked answered, the rest):
+        the rest are kept for :meth:`take_salvaged`, in order."""
+        self._protocol_errors += len(stray)
+        bad = {id(d) for d in stray}  # by identity: a duplicate equals its original
+        self._answered_good = [d for d in msgs if id(d) not in bad]
+        first = stray[0]
+        return ProtocolError(
+            f"{len(stray)} Done(s) from rank {self.rank} answering nothing sent to it, "
+            f"first Done(job {first.job_id}, rank {first.rank}, ok={first.ok}): a job "
+            f"never sent, another rank's, or one already answered",
+            ring=self._rx.name)
+
     def take_salvaged(self) -> list[protocol.Done]:
         """The good Dones kept back when a receive raised ProtocolError (the records
-        around an undecodable one); a caller about to fail the rank applies them first,
-        so no message is dropped because its neighbour was bad."""
-        good, self._pending = self._pending, []
-        if good:
-            self._unanswered.answered(good)
+        around an undecodable one or a stray one); a caller about to fail the rank
+        applies them first, so no message is dropped because its neighbour was bad."""
+        good, self._answered_good = self._answered_good, []
+        pending, self._pending = self._pending, []
+        if pending:
+            stray = self._unanswered.answered(pending, self.rank)
+            if stray:  # the rank is failed anyway: only the answering ones are applied
+                self._protocol_errors += len(stray)
+                bad = {id(d) for d in stray}
+                pending = [d for d in pending if id(d) not in bad]
+            good += pending
         return good
 
     async def receive(self) -> list[protocol.Done]:

@@ -8,10 +8,16 @@ network server or on the rank's slab I/O threads, with deadlines of its own (the
 scheduler's read timeout and write cap); its id is kept only so that its Done is not
 taken for a Transfer's answer.
 
-Invariants: ``count >= 0``; an id is in the tier set from its post until its Done (or a
-refused post) and never counts. Dones of one rank arrive in no particular order, so the
-count is approximate after a rank answers a job this side never sent (a protocol fault
-the channel reports elsewhere): it is floored at zero rather than allowed negative.
+Every Done must answer a job this side sent to this rank and has not seen answered:
+one that answers nothing (a job never sent, another rank's, one answered already, or a
+Done naming another rank) is a *stray*, a protocol fault (:meth:`Unanswered.answered`
+returns them; the channel fails the rank). Counting them as answers let one stray Done
+zero the count while a load was still unanswered, and the hang check, which reads an
+idle rank from a zero count, never judged the stuck rank: the request's wait never
+ended (hazard "a stray Done blinds the hang check", docs/design.md).
+
+Invariants: an id is in exactly one of the two sets from its post (or its refused
+post's undo) until its Done; ``count`` is the Transfer set's size.
 """
 
 from __future__ import annotations
@@ -24,42 +30,51 @@ __all__ = ["Unanswered"]
 
 
 class Unanswered:
-    """The count of unanswered Transfers and the ids of unanswered tier jobs."""
+    """The ids of the Transfers and of the tier jobs sent to one rank and unanswered."""
 
-    __slots__ = ("count", "_tier_ids")
+    __slots__ = ("_tier_ids", "_transfer_ids")
 
     def __init__(self) -> None:
         #: Transfers posted (in the ring or queued behind it) and not yet answered
-        self.count = 0
+        self._transfer_ids: set[int] = set()
         self._tier_ids: set[int] = set()
+
+    @property
+    def count(self) -> int:
+        """Transfers posted and not yet answered (what the hang clock waits on)."""
+        return len(self._transfer_ids)
 
     def sent(self, msg: protocol.CmdMsg) -> None:
         """``msg`` was posted (into the ring or its overflow queue)."""
         if isinstance(msg, (protocol.Remote, protocol.Disk)):
             self._tier_ids.add(msg.job_id)
         elif isinstance(msg, protocol.Transfer):
-            self.count += 1
+            self._transfer_ids.add(msg.job_id)
 
     def unsent(self, msg: protocol.CmdMsg) -> None:
         """Undo :meth:`sent` for a message the ring refused after it was counted."""
         if isinstance(msg, (protocol.Remote, protocol.Disk)):
             self._tier_ids.discard(msg.job_id)
         elif isinstance(msg, protocol.Transfer):
-            self.count -= 1
+            self._transfer_ids.discard(msg.job_id)
 
-    def answered(self, dones: Sequence[protocol.Done]) -> None:
-        """``dones`` arrived: each answers a tier job whose id is kept, or a Transfer."""
-        ids = self._tier_ids
-        if not ids:
-            n = len(dones)
-        else:
-            n = 0
-            for d in dones:
-                if d.job_id in ids:
-                    ids.discard(d.job_id)
-                else:
-                    n += 1
-        self.count = max(0, self.count - n)
+    def answered(self, dones: Sequence[protocol.Done], rank: int) -> list[protocol.Done]:
+        """``dones`` arrived from ``rank``, in order: each that answers an unanswered job
+        of this rank marks it answered; returns the strays (module docstring), usually
+        ``[]``, which mark nothing."""
+        xfer, tier = self._transfer_ids, self._tier_ids
+        stray: list[protocol.Done] = []
+        for d in dones:
+            j = d.job_id
+            if d.rank != rank:
+                stray.append(d)
+            elif j in xfer:
+                xfer.remove(j)
+            elif j in tier:
+                tier.remove(j)
+            else:
+                stray.append(d)
+        return stray
 
     @property
     def tier_jobs(self) -> int:

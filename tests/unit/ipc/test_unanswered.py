@@ -22,9 +22,9 @@ def test_only_transfers_count_and_a_tier_jobs_done_is_not_taken_for_a_transfers(
     for msg in (transfer(1), remote(7), transfer(2)):
         u.sent(msg)
     assert (u.count, u.tier_jobs) == (2, 1)
-    u.answered([p.Done(7, 0, True)])
+    assert u.answered([p.Done(7, 0, True)], 0) == []
     assert (u.count, u.tier_jobs) == (2, 0)
-    u.answered([p.Done(2, 0, True), p.Done(1, 0, True)])
+    assert u.answered([p.Done(2, 0, True), p.Done(1, 0, True)], 0) == []
     assert (u.count, u.tier_jobs) == (0, 0)
 
 
@@ -39,12 +39,22 @@ def test_a_refused_post_leaves_nothing_behind() -> None:
     assert (u.count, u.tier_jobs) == (0, 0)
 
 
-def test_a_done_for_a_job_never_sent_floors_the_count_at_zero() -> None:
-    """A rank that answers job 5, never sent (a protocol fault reported elsewhere),
-    cannot drive the count below zero: the timer would stop re-checking a ring that
-    still owes Transfer 6's answer only after 6 is answered anyway."""
+def test_a_stray_done_answers_nothing_and_is_returned() -> None:
+    """Hazard "a stray Done blinds the hang check": Transfers 5 (a store, answered) and
+    6 (a load, never answered) went to rank 1. Before, every Done that was not a tier
+    job's lowered the count, floored at zero: a second Done for 5 (or one for job 99,
+    never sent, or one naming rank 0) took the count from 1 to 0, so the hang check
+    read rank 1 as idle while load 6 was stuck. Now each such Done is a stray: returned,
+    and the count stays 1 until 6 itself is answered."""
     u = Unanswered()
-    u.answered([p.Done(5, 0, True)])
-    assert u.count == 0
+    u.sent(transfer(5))
+    assert u.answered([p.Done(5, 1, True)], 1) == []
     u.sent(transfer(6))
     assert u.count == 1
+    twice, never, other_rank = p.Done(5, 1, True), p.Done(99, 1, True), p.Done(6, 0, True)
+    stray = u.answered([twice, never, other_rank], 1)
+    assert [d is x for d, x in zip(stray, (twice, never, other_rank), strict=True)] == \
+        [True] * 3
+    assert u.count == 1
+    assert u.answered([p.Done(6, 1, False, "CopyError")], 1) == []  # a failure answers
+    assert u.count == 0
