@@ -66,10 +66,11 @@ class KVLayout:
     ``num_blocks``; no two regions share ``(device, data_ptr)``.
     """
 
-    __slots__ = ("device", "dtypes", "regions")
+    __slots__ = ("device", "dtypes", "regions", "shapes")
 
     def __init__(self, regions: Sequence[torch.Tensor],
-                 dtypes: Sequence[str] | None = None) -> None:
+                 dtypes: Sequence[str] | None = None,
+                 shapes: Sequence[tuple[int, ...]] | None = None) -> None:
         if not regions:
             raise ConfigError("a KV layout needs at least one region")
         for i, r in enumerate(regions):
@@ -91,6 +92,13 @@ class KVLayout:
                                         else ("uint8",) * len(regions))
         if len(self.dtypes) != len(self.regions):
             raise ConfigError(f"{len(self.dtypes)} dtype names for {len(self.regions)} regions")
+        #: Each region's block shape in its source dtype (C order: what a row's bytes
+        #: mean; without the source tensors, its bytes).
+        self.shapes: tuple[tuple[int, ...], ...] = (
+            tuple(tuple(map(int, sh)) for sh in shapes) if shapes is not None
+            else tuple((int(r.shape[1]),) for r in regions))
+        if len(self.shapes) != len(self.regions):
+            raise ConfigError(f"{len(self.shapes)} block shapes for {len(self.regions)} regions")
         #: The device every region lives on.
         self.device: torch.device = next(iter(devices))
 
@@ -109,6 +117,7 @@ class KVLayout:
         seen: dict[tuple[str, int], torch.Tensor] = {}
         regions: list[torch.Tensor] = []
         dtypes: list[str] = []
+        shapes: list[tuple[int, ...]] = []
         for i, (t, outer) in enumerate(zip(tensors, flags)):
             parts = [(f"tensor {i}", t)] if not outer else [
                 (f"tensor {i}[{j}]", t[j]) for j in range(t.shape[0] if t.dim() else 0)]
@@ -123,10 +132,11 @@ class KVLayout:
                     seen[key] = view
                     regions.append(view)
                     dtypes.append(dtype_name(t.dtype))
+                    shapes.append(tuple(part.shape[1:]))
                 elif twin.shape != view.shape or twin.stride() != view.stride():
                     raise ConfigError(f"{what} starts where an earlier region does but has another "
                                       f"shape: {tuple(view.shape)} vs {tuple(twin.shape)}")
-        return cls(regions, dtypes)
+        return cls(regions, dtypes, shapes)
 
     @property
     def num_blocks(self) -> int:
@@ -139,9 +149,11 @@ class KVLayout:
         return sum(int(r.shape[1]) for r in self.regions)
 
     def to_spec(self) -> LayoutSpec:
-        """The layout as wire data (bytes per block, block count and dtype per region)."""
-        return LayoutSpec(tuple(RegionSpec(int(r.shape[1]), int(r.shape[0]), d)
-                                for r, d in zip(self.regions, self.dtypes)))
+        """The layout as wire data (bytes per block, block count, dtype and block shape
+        per region)."""
+        return LayoutSpec(tuple(RegionSpec(int(r.shape[1]), int(r.shape[0]), d, sh)
+                                for r, d, sh in zip(self.regions, self.dtypes, self.shapes,
+                                                    strict=True)))
 
     def check_spec(self, spec: LayoutSpec) -> None:
         """Raise :class:`ConfigError` unless ``spec`` has this layout's region byte sizes."""

@@ -50,7 +50,7 @@ def _ipc(uuid: str = NO_GPU, size: int = GPU_BLOCKS * ROW) -> CudaIpc:
 
 
 def _ready(*specs: TensorSpec) -> Ready:
-    layout = LayoutSpec((RegionSpec(ROW, GPU_BLOCKS, "uint8"),))
+    layout = LayoutSpec((RegionSpec(ROW, GPU_BLOCKS, "uint8", (ROW,)),))
     return Ready(PROTOCOL_VERSION, 0, layout, 8, 64, 64, (0,), 8 * ROW, specs)
 
 

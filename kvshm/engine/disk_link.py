@@ -129,7 +129,7 @@ class DiskLink:
             raise ConfigError(f"disk_bytes_per_rank={cfg.disk_bytes_per_rank} holds no "
                               f"slot: one block's slab takes {need} bytes")
         model = f"{cfg.model_id}|disk:{cfg.disk_stamp}" if cfg.disk_stamp else cfg.model_id
-        fp = layout_fingerprint(model, cfg.block_size, cfg.groups, layouts)
+        fp = layout_fingerprint(model, cfg.block_size, cfg.groups, layouts, (cfg.tp, cfg.pp))
         direct = cfg.disk_io is DiskIO.DIRECT
         self.setups = {r: DiskSetup(self.path(r), slots, fp, direct, bool(cfg.disk_keep))
                        for r in sorted(layouts)}

@@ -489,7 +489,7 @@ class Runtime:
                                                                           list[int]]]:
         cfg = self.config
         target = None if cfg.remote_url is None else RemoteTarget(
-            cfg.remote_url, cfg.model_id, cfg.block_size, cfg.groups)
+            cfg.remote_url, cfg.model_id, cfg.block_size, cfg.groups, (cfg.tp, cfg.pp))
         self._prov = provision(hellos, world_size=cfg.world_size, device_caches=self._caches,
                                num_cpu_blocks=cfg.num_cpu_blocks,
                                cpu_bytes_per_rank=cfg.cpu_bytes_per_rank,

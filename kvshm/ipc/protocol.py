@@ -38,7 +38,7 @@ import msgspec
 from kvshm.errors import ProtocolError, VersionMismatch
 
 #: Bumped on any incompatible change; checked in the Hello/Ready handshake.
-PROTOCOL_VERSION: Final = 1
+PROTOCOL_VERSION: Final = 2
 
 #: Number of fds every ``Ready`` carries before the device-cache fds.
 READY_FIXED_FDS: Final = 4
@@ -68,11 +68,15 @@ class RemoteOp(IntEnum):
 
 
 class RegionSpec(msgspec.Struct, array_like=True, frozen=True, gc=False):
-    """One KV region of a rank: ``num_blocks`` rows of ``bytes_per_block`` bytes."""
+    """One KV region of a rank: ``num_blocks`` rows of ``bytes_per_block`` bytes, each
+    row one block of elements of ``dtype`` in the C-order shape ``block_shape`` (what
+    its bytes mean: two regions of equal size but another shape hold other KV; version
+    2 of the protocol added it)."""
 
     bytes_per_block: int
     num_blocks: int
     dtype: str
+    block_shape: tuple[int, ...] = ()
 
 
 class LayoutSpec(msgspec.Struct, array_like=True, frozen=True, gc=False):

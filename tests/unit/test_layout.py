@@ -23,7 +23,7 @@ def test_regions_are_byte_rows_of_each_block() -> None:
     assert r.data_ptr() == t.data_ptr()
     assert torch.equal(r[3].view(torch.float32), t[3].flatten())
     assert layout.num_blocks == 10 and layout.bytes_per_block == 128
-    assert layout.to_spec() == LayoutSpec((RegionSpec(128, 10, "float32"),))
+    assert layout.to_spec() == LayoutSpec((RegionSpec(128, 10, "float32", (4, 8)),))
 
 
 def test_dedup_by_data_ptr() -> None:
