@@ -46,6 +46,22 @@ def test_equal_deployments_share_it_and_a_namespace_separates_them() -> None:
     assert len(model_identity(vllm_config(model="x" * 1000))) <= 400
 
 
+def test_a_long_model_path_keeps_every_part_of_the_identity() -> None:
+    """Hazard "an identity cut before its revision, dtype and quantization": with a
+    409-character local model path the identity was cut at 400 characters before the
+    revision, dtype and quantization, so a bf16 engine and an fp8-quantized one of the
+    same checkpoint had one identity (a hostile probe): with one KV layout they would
+    have read each other's blocks. A long identity now ends with a digest of the whole."""
+    path = "/mnt/models/" + "org-team-experiments/" * 18 + "llama-3-8b-instruct"
+    assert len(path) > 400
+    a = model_identity(vllm_config(model=path))
+    for change in ({"quantization": "fp8"}, {"revision": "r2"}, {"dtype": "float16"},
+                   {"cache_dtype": "fp8_e4m3"}):
+        b = model_identity(vllm_config(model=path, **change))
+        assert a != b and len(b) == 400, change
+    assert model_identity(vllm_config(model=path)) == a
+
+
 def test_a_bad_namespace_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="remote_namespace"):
         check_extra_config({"remote_namespace": 7})

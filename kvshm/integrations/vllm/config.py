@@ -452,7 +452,10 @@ def _disk(extra: Mapping[str, Any]) -> tuple[str | None, int | None, DiskIO, Dis
 def model_identity(vllm_config: Any, namespace: str = "") -> str:
     """What the layout fingerprint covers of the model (at most 400 characters): name,
     revision, dtype, quantization, a digest of the HF config, KV cache dtype, and the
-    operator's namespace. Two deployments whose KV bytes may differ must differ here."""
+    operator's namespace. Two deployments whose KV bytes may differ must differ here:
+    an identity over 400 characters keeps its head and ends with a digest of the whole
+    (cutting it cut the revision, dtype and quantization after a long local model
+    path, and an fp8 and a bf16 engine of one checkpoint shared KV: a hostile probe)."""
     mc = getattr(vllm_config, "model_config", None)
     parts = [str(getattr(mc, a, "") or "") for a in ("model", "revision", "dtype",
                                                        "quantization")]
@@ -462,8 +465,15 @@ def model_identity(vllm_config: Any, namespace: str = "") -> str:
         raw = json.dumps(to_dict(), sort_keys=True, default=str).encode()
         hf = hashlib.sha256(raw).hexdigest()[:16]
     cache = str(getattr(getattr(vllm_config, "cache_config", None), "cache_dtype", ""))
-    tail = "|".join([hf, cache, namespace])
-    return ("|".join(parts)[:400 - len(tail) - 1] + "|" + tail)[:400]
+    full = "|".join([*parts, hf, cache, namespace])
+    if len(full) <= _IDENTITY_CHARS:
+        return full
+    digest = hashlib.sha256(full.encode()).hexdigest()[:32]
+    return full[:_IDENTITY_CHARS - len(digest) - 1] + "|" + digest
+
+
+#: The longest model identity (the fingerprint's model field, kept readable in logs).
+_IDENTITY_CHARS: Final = 400
 
 
 #: Files that hold a checkpoint's weights (:func:`weights_stamp`).
