@@ -29,13 +29,14 @@ from typing import Any
 
 import pytest
 import torch
-from engine_rig import BS, ROW, Client, spawned_engine, tokens
+from engine_rig import BS, GPU_BLOCKS, ROW, Client, config, shards, spawned_engine, tokens
 
 from kvshm.config import default_name
 from kvshm.disk import PAGE, SlabSpec, scan
-from kvshm.engine import Engine
+from kvshm.engine import SPAWN, Engine
 from kvshm.errors import ConfigError
 from kvshm.hashing import chain_hashes
+from kvshm.offload.pool import BlockPool
 from kvshm.offload.remote_puts import remote_hash
 from kvshm.types import RequestView, ScheduledRequest
 
@@ -214,6 +215,24 @@ async def test_a_directory_without_the_space_is_refused_at_start_in_one_line(
     assert "not enough free space" in msg and "\n" not in msg
 
 
+async def test_a_directory_every_user_may_write_without_the_sticky_bit_is_refused(
+        tmp_path: Path) -> None:
+    """Hazard "a refused slab turned the disk tier off without a word": in a directory of
+    mode 0777 another user can remove a rank's slab and put a file of theirs in its
+    place; the rank refuses that file, and the tier was off for the engine's life (a
+    hostile probe). Such a directory is refused at start, in one line; with the sticky
+    bit (as /tmp) it is not."""
+    tmp_path.chmod(0o777)
+    with pytest.raises(ConfigError) as info:
+        async with spawned_engine(**disk_cfg(tmp_path)):
+            pass
+    msg = str(info.value)
+    assert "writable by every user and not sticky (mode 777)" in msg and "\n" not in msg
+    tmp_path.chmod(0o1777)
+    async with spawned_engine(**disk_cfg(tmp_path)) as (eng, _, _):
+        assert disk(eng)["writes_paused"] == 0
+
+
 @pytest.mark.parametrize("bad", ["a file", "a NUL byte"])
 async def test_a_disk_path_that_is_a_file_or_holds_a_nul_is_refused_in_one_line(
         tmp_path: Path, bad: str) -> None:
@@ -328,6 +347,33 @@ async def test_a_restarted_engine_serves_the_previous_ones_slab_at_once(
         hit = await lookup(c, "a", toks)
         assert hit == 4 * BS
         got = await load(c, ks, "a", toks, hit)
+        for r in range(2):
+            assert torch.equal(got[r], rows[r]), f"rank {r}"
+
+
+async def test_a_restart_with_another_device_block_count_keeps_its_disk_tier(
+        tmp_path: Path) -> None:
+    """Hazard "a layout fingerprint that missed the shape and covered the device block
+    count": engine 1 (32 device blocks a rank) writes prompt 0 down and closes; engine 2,
+    the same model under the same name but with 40 device blocks (vLLM: another
+    gpu_memory_utilization, a profiling result, another GPU), took the slabs for another
+    layout and re-initialised them: no hit, and every slot gone for good (a restart with
+    32 again found nothing). The device block count is no part of the fingerprint now:
+    engine 2 serves engine 1's rows."""
+    name = default_name()
+    async with spawned_engine(name=name, **disk_cfg(tmp_path)) as (eng, gpu, ks):
+        c = Client(eng, gpu)
+        stored = await fill(c, ks, 4, seed=33)
+        assert disk(eng)["written_blocks"] >= 4
+    ks2, gpu2 = shards(blocks=GPU_BLOCKS + 8), BlockPool(GPU_BLOCKS + 8)
+    async with Engine.launch(config(name=name, **disk_cfg(tmp_path)), workers=SPAWN,
+                             gpu_blocks=gpu2, device_caches=[[k] for k in ks2]) as eng:
+        c = Client(eng, gpu2)
+        assert (await warmed(eng))["warm_slots"] >= 4, disk(eng)
+        toks, rows = stored[0]
+        hit = await lookup(c, "a", toks)
+        assert hit == 4 * BS
+        got = await load(c, ks2, "a", toks, hit)
         for r in range(2):
             assert torch.equal(got[r], rows[r]), f"rank {r}"
 

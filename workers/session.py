@@ -29,6 +29,7 @@ copies finish, queued ones fail) and releases the host pool.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Sequence
@@ -54,6 +55,8 @@ from workers.host_pool import HostPool
 from workers.remote_mover import RemoteMover
 
 __all__ = ["CONNECT_RETRY_S", "Connector", "Session", "SessionOptions", "open_session"]
+
+_log = logging.getLogger(__name__)
 
 #: Seconds between connection attempts while nobody listens on the name.
 CONNECT_RETRY_S = 0.05
@@ -307,7 +310,13 @@ def _make_disk(ready: Ready, host: HostPool,
     try:
         return DiskMover(ready.rank, world_size, ready.disk, host), None
     except (KvshmError, OSError) as exc:
-        return None, f"{type(exc).__name__}: {exc}"
+        why = f"{type(exc).__name__}: {exc}"
+        # one line where the operator looks: the reason used to live only in the Done
+        # errors and the rank's statistics, and the tier was off without a word (a
+        # hostile probe: another user's file where the slab goes)
+        _log.warning("kvshm disk tier, rank %d: no slab (%s); every disk job of this "
+                     "rank fails (a miss) for the engine's life", ready.rank, why)
+        return None, why
 
 
 class Connector:

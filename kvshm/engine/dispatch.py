@@ -142,7 +142,8 @@ class Dispatcher:
     def _disk_failed(self, done: Done) -> None:
         """Count a disk job a rank failed, by what its error names (the worker's slot
         outcome: a checksum mismatch, a bad header, a full disk -- the strerror of ENOSPC
-        or EDQUOT the worker's write got --, or anything else)."""
+        or EDQUOT the worker's write got --, or anything else: that one also logged, one
+        line per interval, since it may be a rank whose slab could not be opened at all)."""
         why = done.error.lower()
         if "crc" in why or "checksum" in why:
             self._counters.disk_read_bad_crc += 1
@@ -152,6 +153,9 @@ class Dispatcher:
             self._counters.disk_failed_no_space += 1
         else:
             self._counters.disk_failed_other += 1
+            _rlog.warning("disk_failed_other", "kvshm %s: rank %d failed disk job %d: %s "
+                          "(a miss; counted in disk_failed_other)", self._name, done.rank,
+                          done.job_id, done.error)
 
     def _done_failed(self, rank: int, done: Done, exc: Exception,
                      manager: OffloadManager | None) -> None:

@@ -342,3 +342,28 @@ def test_a_read_of_neighbouring_slots_is_one_thread_and_bit_exact(
     assert [(a, b) for a, b, _ in seen] == [(0, 8)]
     for r in src.regions:
         assert torch.equal(r[8:16], r[0:8])
+
+
+def test_a_slab_the_rank_refuses_is_said_in_one_line(tmp_path: Path,
+                                                      caplog: pytest.LogCaptureFixture
+                                                      ) -> None:
+    """Hazard "a refused slab turned the disk tier off without a word" (a hostile probe:
+    another user's file where a rank's slab goes): the rank's open refused the file, so
+    every disk job of the rank failed, and the reason lived only in the Done errors and
+    the rank's statistics: at DEBUG the engine's stderr showed nothing. Here the file at
+    the slab's path may be written by others (mode 0666, refused as untrusted); the
+    session's disk tier is off and one WARNING names the rank and the reason."""
+    from kvshm.ipc.protocol import Ready
+    from workers.session import _make_disk
+
+    path = tmp_path / "m.slab"
+    path.write_bytes(b"\0" * PAGE)
+    path.chmod(0o666)
+    p = pool((64,), 1)
+    ready = Ready(2, 0, p.spec, BLOCKS, 64, 64, (0,), 0, disk=DiskSetup(str(path), 8, FP))
+    with caplog.at_level("WARNING", logger="workers.session"):
+        mover, why = _make_disk(ready, p, 1)
+    assert mover is None and why is not None and "written by others" in why
+    (rec,) = [r for r in caplog.records if r.name == "workers.session"]
+    assert "rank 0" in rec.getMessage() and "written by others" in rec.getMessage()
+    p.close()
