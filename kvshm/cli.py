@@ -153,7 +153,12 @@ def _sweep_slabs(directory: str, *, remove: bool) -> int:
 def _cmd_valkey(args: argparse.Namespace) -> int:
     from kvshm.remote.server import serve
 
-    return serve(args.port, maxmemory=args.maxmemory, host=args.bind)
+    if args.no_password and args.password_file is not None:
+        print("kvshm valkey: --password-file and --no-password exclude each other",
+              file=sys.stderr)
+        return 2
+    return serve(args.port, maxmemory=args.maxmemory, host=args.bind,
+                 password_file=args.password_file, no_password=args.no_password)
 
 
 def _seconds(text: str) -> float:
@@ -227,8 +232,15 @@ def build_parser() -> argparse.ArgumentParser:
     valkey.add_argument("--port", type=_port, default=6379, help="0: a free port")
     valkey.add_argument("--maxmemory", default="4gb", help="e.g. 512mb, 4gb")
     valkey.add_argument("--bind", default="127.0.0.1",
-                        help="address to listen on (anything else than loopback exposes "
-                             "an unauthenticated server)")
+                        help="address to listen on (the server is plain TCP: its password "
+                             "and blocks cross the network in the clear)")
+    valkey.add_argument("--password-file", default=None,
+                        help="the password's file (read when it exists, else made 0600 "
+                             "with a new one; the URL names it); default: a new password "
+                             "in a file of the server's own directory")
+    valkey.add_argument("--no-password", action="store_true",
+                        help="require none (only where every local user is trusted: "
+                             "anyone reaching the server can write blocks engines load)")
     valkey.set_defaults(func=_cmd_valkey)
     add_janitor(sub)
     return parser

@@ -97,14 +97,15 @@ def make_client(spec: RemoteSpec, request_timeout_ms: int | None = None) -> Any:
     backoff = g.BackoffStrategy(num_of_retries=_RECONNECT[0], factor=_RECONNECT[1],
                                 exponent_base=_RECONNECT[2])
     timeout = request_timeout_ms or spec.request_timeout_ms
+    creds = None if spec.password is None else g.ServerCredentials(password=spec.password)
     if spec.cluster:
         return g.GlideClusterClient.create(g.GlideClusterClientConfiguration(
-            addrs, request_timeout=timeout, reconnect_strategy=backoff, lazy_connect=True,
-            advanced_config=g.AdvancedGlideClusterClientConfiguration(
+            addrs, credentials=creds, request_timeout=timeout, reconnect_strategy=backoff,
+            lazy_connect=True, advanced_config=g.AdvancedGlideClusterClientConfiguration(
                 connection_timeout=spec.connect_timeout_ms)))
     return g.GlideClient.create(g.GlideClientConfiguration(
-        addrs, request_timeout=timeout, reconnect_strategy=backoff, lazy_connect=True,
-        advanced_config=g.AdvancedGlideClientConfiguration(
+        addrs, credentials=creds, request_timeout=timeout, reconnect_strategy=backoff,
+        lazy_connect=True, advanced_config=g.AdvancedGlideClientConfiguration(
             connection_timeout=spec.connect_timeout_ms)))
 
 
@@ -229,7 +230,7 @@ class Shards:
         timeout = self.spec.connect_timeout_ms / 1000
         failed: list[tuple[str, int]] = []
         for node in list(self._known):
-            slots = read_slot_map(node, timeout)
+            slots = read_slot_map(node, timeout, self.spec.password)
             if slots is None:
                 failed.append(node)
                 continue
@@ -254,7 +255,7 @@ class Shards:
             return {k: b.state for k, b in self.breakers.items()}
 
 
-def read_slot_map(node: tuple[str, int], timeout: float
+def read_slot_map(node: tuple[str, int], timeout: float, password: str | None = None
                   ) -> tuple[list[str], list[tuple[str, int]]] | None:
     """``node``'s ``CLUSTER SLOTS``: each slot's primary (``"cluster"`` where no
     shard serves it) and every node named, once; None when it does not answer in
@@ -262,7 +263,8 @@ def read_slot_map(node: tuple[str, int], timeout: float
     outside the 16,384 slots, a host or port of another type). A NULL or empty host
     (``cluster-preferred-endpoint-type unknown-endpoint``) is the address asked."""
     try:
-        reply = parse_reply(command(node[0], node[1], "CLUSTER", "SLOTS", timeout=timeout))
+        reply = parse_reply(command(node[0], node[1], "CLUSTER", "SLOTS", timeout=timeout,
+                                    password=password))
         if isinstance(reply, ServerReplyError) or not isinstance(reply, list) or not reply:
             return None
         slots = ["cluster"] * _SLOTS

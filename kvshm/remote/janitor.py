@@ -199,7 +199,8 @@ def _probe(spec: RemoteSpec) -> None:
     for host, port in spec.nodes:
         try:
             reply = parse_reply(command(host, port, "INFO", "cluster",
-                                        timeout=spec.connect_timeout_ms / 1000))
+                                        timeout=spec.connect_timeout_ms / 1000,
+                                        password=spec.password))
         except (OSError, ValueError, IndexError) as exc:
             last = exc
             continue
@@ -224,7 +225,7 @@ def _primaries(spec: RemoteSpec, timeout: float) -> list[tuple[str, int]]:
     from kvshm.remote.glide_client import read_slot_map
 
     for node in spec.nodes:
-        got = read_slot_map(node, timeout)
+        got = read_slot_map(node, timeout, spec.password)
         if got is not None:
             names = sorted(set(got[0]) - {"cluster"})
             return [(h, int(p)) for h, p in (n.rsplit(":", 1) for n in names)]
@@ -243,7 +244,8 @@ def _scan(spec: RemoteSpec, match: str, timeout: float, down: list[str]
         cursor, seen = b"0", {b"0"}
         while True:
             try:
-                cursor, keys = _scan_page(host, port, cursor, match, timeout)
+                cursor, keys = _scan_page(host, port, cursor, match, timeout,
+                                          spec.password)
                 if cursor in seen and cursor != b"0":  # a scan goes round once
                     raise ValueError(f"the SCAN cursor {cursor!r:.40} came again")
                 seen.add(cursor)
@@ -255,12 +257,12 @@ def _scan(spec: RemoteSpec, match: str, timeout: float, down: list[str]
                 break
 
 
-def _scan_page(host: str, port: int, cursor: bytes, match: str, timeout: float
-               ) -> tuple[bytes, list[bytes]]:
+def _scan_page(host: str, port: int, cursor: bytes, match: str, timeout: float,
+               password: str | None = None) -> tuple[bytes, list[bytes]]:
     """One ``SCAN`` page: the next cursor and the names. ValueError for any reply but
     ``[cursor, [name, ...]]`` (an error reply, a peer that is not Valkey)."""
     reply = parse_reply(command(host, port, "SCAN", cursor, "MATCH", match, "COUNT",
-                                "1000", timeout=timeout))
+                                "1000", timeout=timeout, password=password))
     if not (isinstance(reply, list) and len(reply) == 2 and isinstance(reply[0], bytes)
             and reply[0].isdigit() and isinstance(reply[1], list)
             and all(isinstance(k, bytes) for k in reply[1])):

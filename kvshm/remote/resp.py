@@ -26,15 +26,19 @@ MAX_REPLY_BYTES: Final = 64 << 20
 MAX_DEPTH: Final = 16
 
 
-def command(host: str, port: int, *args: str | bytes, timeout: float = 2.0) -> bytes:
+def command(host: str, port: int, *args: str | bytes, timeout: float = 2.0,
+            password: str | None = None) -> bytes:
     """Send one command over a fresh connection and return its raw RESP reply (tests,
     the cluster bootstrap, the slot map, the janitor; the data path uses glide).
-    ``timeout`` bounds the whole exchange, connect to last byte (a peer that trickles
-    its reply a byte at a time does not hold the caller longer). OSError when nothing
-    answers in time; ValueError for a reply longer than :data:`MAX_REPLY_BYTES`, nested
-    deeper than :data:`MAX_DEPTH` or not RESP."""
-    parts = [a.encode() if isinstance(a, str) else a for a in args]
-    req = b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
+    ``password``: an ``AUTH`` goes first, in the same write; its error reply (a wrong
+    password) is returned instead of the command's. ``timeout`` bounds the whole
+    exchange, connect to last byte (a peer that trickles its reply a byte at a time
+    does not hold the caller longer). OSError when nothing answers in time; ValueError
+    for a reply longer than :data:`MAX_REPLY_BYTES`, nested deeper than
+    :data:`MAX_DEPTH` or not RESP."""
+    req = _request(args)
+    if password is not None:
+        req = _request(("AUTH", password)) + req
     deadline = time.monotonic() + timeout
     with socket.create_connection((host, port), timeout=timeout) as s:
         s.settimeout(_left(deadline))
@@ -49,9 +53,22 @@ def command(host: str, port: int, *args: str | bytes, timeout: float = 2.0) -> b
             if len(buf) > MAX_REPLY_BYTES:
                 raise ValueError(f"{host}:{port}: a reply longer than {MAX_REPLY_BYTES} "
                                  "bytes (not a Valkey server?)")
-            if _complete(buf):
-                break
+            if password is None:
+                if _complete(buf):
+                    break
+                continue
+            first = _end(buf, 0)
+            if first >= 0 and buf[:1] == b"-":  # AUTH refused: that is the answer
+                return bytes(buf[:first])
+            if first >= 0 and _end(buf, first) >= 0:
+                return bytes(buf[first:])
     return bytes(buf)
+
+
+def _request(args: tuple[str | bytes, ...]) -> bytes:
+    """One command as a RESP array of bulk strings."""
+    parts = [a.encode() if isinstance(a, str) else a for a in args]
+    return b"*%d\r\n" % len(parts) + b"".join(b"$%d\r\n%s\r\n" % (len(p), p) for p in parts)
 
 
 def _left(deadline: float) -> float:
@@ -66,6 +83,12 @@ def _complete(buf: bytes | bytearray) -> bool:
     """Whether ``buf`` holds one whole RESP reply (simple, error, int, bulk, aggregates;
     RESP3 scalars framed too). ValueError for one nested deeper than
     :data:`MAX_DEPTH` or a malformed length."""
+    return _end(buf, 0) >= 0
+
+
+def _end(buf: bytes | bytearray, start: int) -> int:
+    """Where the whole RESP reply that starts at ``start`` ends (-1: not all in yet);
+    ValueError as :func:`_complete`."""
     def one(pos: int, depth: int) -> int:
         end = buf.find(b"\r\n", pos)
         if end < 0:
@@ -90,7 +113,7 @@ def _complete(buf: bytes | bytearray) -> bool:
                     return -1
             return pos
         return end + 2
-    return one(0, 0) >= 0
+    return one(start, 0)
 
 
 def parse_reply(buf: bytes) -> Any:

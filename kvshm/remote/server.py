@@ -10,6 +10,13 @@ directory for ``nodes.conf``);
 :func:`make_cluster` joins such nodes into a cluster with raw commands (``CLUSTER
 ADDSLOTSRANGE``, ``MEET``, ``REPLICATE``), no ``valkey-cli`` needed.
 
+With a ``password`` it requires it (``requirepass``, from a 0600 configuration file in
+its own directory: never on its command line, which every local user can read), and
+its :attr:`ValkeyServer.url` names a 0600 password file beside it (the URL knob
+``password_file``). ``kvshm valkey`` always starts one so (:func:`serve`): a server on
+loopback without a password let any local user write blocks every engine loaded (a
+hostile probe).
+
 The server dies with the process that started it (``PR_SET_PDEATHSIG``), so a killed
 test run leaves no server behind. The control-command client (:func:`command`,
 :func:`parse_reply`) is :mod:`kvshm.remote.resp`.
@@ -21,6 +28,7 @@ import contextlib
 import ctypes
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -31,6 +39,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Final
+from urllib.parse import quote
 
 from kvshm.errors import ConfigError, MissingExtra, ServerStartError
 from kvshm.remote.resp import command, info_field
@@ -113,7 +122,9 @@ class ValkeyServer:
     def __init__(self, port: int | None = None, *, host: str = "127.0.0.1",
                  maxmemory: str = "4gb", policy: str = POLICY, cluster: bool = False,
                  node_timeout_ms: int = 2000, workdir: str | Path | None = None,
-                 logfile: str | None = None, extra_args: Sequence[str] = ()) -> None:
+                 logfile: str | None = None, extra_args: Sequence[str] = (),
+                 password: str | None = None, password_file: str | Path | None = None
+                 ) -> None:
         if port is not None and not 0 <= port < 65536:
             raise ConfigError(f"port {port} out of range")
         check_memory(maxmemory)
@@ -131,6 +142,15 @@ class ValkeyServer:
         self.logfile = str(self.workdir / "valkey.log") if logfile is None else logfile
         self.extra_args = tuple(extra_args)
         self.proc: subprocess.Popen[bytes] | None = None
+        #: what :meth:`command` sends first, and the file the URL names (None: open)
+        self.password = password
+        self.password_file: Path | None = None
+        self._conf: Path | None = None
+        if password is not None:  # (a given password_file already holds it)
+            self.password_file = (Path(password_file) if password_file is not None else
+                                  _private_file(self.workdir / "password", password + "\n"))
+            self._conf = _private_file(self.workdir / "auth.conf",
+                                       f"requirepass {_quoted(password)}\n")
 
     @property
     def pid(self) -> int | None:
@@ -138,10 +158,19 @@ class ValkeyServer:
 
     @property
     def url(self) -> str:
-        return f"valkey://{self.host}:{self.port}"
+        """The remote tier's URL (with ``password_file`` where it has a password)."""
+        base = f"valkey://{self.host}:{self.port}"
+        if self.password_file is None:
+            return base
+        return f"{base}?password_file={quote(str(self.password_file), safe='/')}"
+
+    def command(self, *args: str | bytes, timeout: float = 2.0) -> bytes:
+        """:func:`~kvshm.remote.resp.command` to this server, with its password."""
+        return command(self.host, self.port, *args, timeout=timeout, password=self.password)
 
     def argv(self) -> list[str]:
-        args = [str(valkey_binary()), "--bind", self.host, "--port", str(self.port),
+        conf = [] if self._conf is None else [str(self._conf)]  # first: the config file
+        args = [str(valkey_binary()), *conf, "--bind", self.host, "--port", str(self.port),
                 "--save", "", "--appendonly", "no", "--protected-mode", "yes",
                 "--daemonize", "no", "--maxmemory", self.maxmemory,
                 "--maxmemory-policy", self.policy, "--dir", str(self.workdir),
@@ -189,7 +218,7 @@ class ValkeyServer:
                 raise ServerStartError(f"valkey-server on {self.host}:{self.port} exited "
                                        f"with {code}: {self.log_tail()}", exitcode=code)
             with contextlib.suppress(OSError):  # ours answers (not another on the port)
-                info = command(self.host, self.port, "INFO", "server", timeout=0.5)
+                info = self.command("INFO", "server", timeout=0.5)
                 if info_field(info, "process_id") == str(self.proc.pid):
                     return
             if time.monotonic() > deadline:
@@ -244,6 +273,20 @@ class ValkeyServer:
 
 #: What valkey-server logs when its port was taken between our check and its bind.
 _ADDR_IN_USE: Final = "Address already in use"
+
+
+def _private_file(path: Path, text: str) -> Path:
+    """``text`` in a new file at ``path`` that only this user may read (0600, made so:
+    never readable in between)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    return path
+
+
+def _quoted(value: str) -> str:
+    """``value`` as a double-quoted string of the server's configuration file."""
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
 def _ok(reply: bytes, what: str) -> bytes:
@@ -310,10 +353,15 @@ def wait_cluster_ok(nodes: Sequence[ValkeyServer], timeout_s: float = 20.0) -> N
 
 
 def serve(port: int = 6379, *, maxmemory: str = "4gb", host: str = "127.0.0.1",
-          policy: str = POLICY) -> int:
+          policy: str = POLICY, password_file: str | None = None,
+          no_password: bool = False) -> int:
     """``kvshm valkey``: start a server, print its URL (the only line on stdout), run
     until SIGTERM or SIGINT, forward it as SIGTERM, wait for the server, return 0 (the
-    server's own exit code, or 1, if it stopped by itself)."""
+    server's own exit code, or 1, if it stopped by itself). It requires a password: the
+    one in ``password_file`` (made there, 0600, with a new one when the file does not
+    exist: a server restarted with it keeps its clients' password), else a new one in a
+    file of its own directory (gone when it stops); the URL names the file.
+    ``no_password``: none (any local user may then write blocks engines load)."""
     import sys
 
     stop = threading.Event()
@@ -322,7 +370,9 @@ def serve(port: int = 6379, *, maxmemory: str = "4gb", host: str = "127.0.0.1",
         stop.set()
 
     try:
-        server = ValkeyServer(port or None, host=host, maxmemory=maxmemory, policy=policy)
+        password = None if no_password else _password(password_file)
+        server = ValkeyServer(port or None, host=host, maxmemory=maxmemory, policy=policy,
+                              password=password, password_file=password_file)
     except (ConfigError, OSError) as exc:  # a bad port; a bind address with no socket
         print(f"kvshm valkey: {exc}", file=sys.stderr)
         return 2
@@ -334,9 +384,11 @@ def serve(port: int = 6379, *, maxmemory: str = "4gb", host: str = "127.0.0.1",
             print(f"kvshm valkey: {exc}", file=sys.stderr)
             return 1
         print(server.url, flush=True)
+        auth = (f"password in {server.password_file} (0600)" if password is not None
+                else "NO PASSWORD: any local user may write blocks engines load")
         print(f"kvshm valkey: pid {server.pid}, maxmemory {maxmemory}, policy {policy}, "
-              f"no persistence; log {server.logfile}; stop with SIGTERM or Ctrl-C",
-              file=sys.stderr, flush=True)
+              f"no persistence; {auth}; log {server.logfile}; stop with SIGTERM or "
+              "Ctrl-C", file=sys.stderr, flush=True)
         proc = server.proc
         assert proc is not None
         while not stop.is_set():
@@ -356,6 +408,19 @@ def serve(port: int = 6379, *, maxmemory: str = "4gb", host: str = "127.0.0.1",
         server.close()
         for sig, handler in old.items():
             signal.signal(sig, handler)
+
+
+def _password(path: str | None) -> str:
+    """The password in ``path`` where that file exists (``read_password``'s checks), else
+    a new one -- written there (0600) when ``path`` is given."""
+    from kvshm.remote.tier import read_password
+
+    if path is not None and os.path.lexists(path):
+        return read_password(path)
+    password = secrets.token_hex(24)
+    if path is not None:
+        _private_file(Path(path), password + "\n")
+    return password
 
 
 class ValkeyCluster:

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import os
 import re
+import stat
 import struct
 import zlib
 from collections.abc import Callable, Sequence
@@ -97,6 +99,11 @@ class RemoteSpec:
       decoder loads them (then they get ``ttl_s``). Finite on purpose: a hand-off no
       decoder ever collects (aborted, refused, its prefill killed) must not pin server
       memory for ever; it must outlast the publication plus the manifest's life.
+    * ``password_file``: a file holding the server's password (``AUTH``; ``kvshm
+      valkey`` makes one), read when the spec is made (:func:`read_password`: no
+      access for group or others). A password never goes in the URL itself: URLs are
+      logged and reported. Without one, anyone who reaches the server writes blocks
+      every engine loads (a checksum is no seal).
     """
 
     url: str
@@ -107,10 +114,15 @@ class RemoteSpec:
     ttl_s: int | None = 3600
     threads: int = 4
     hold_ttl_s: int = 1800
+    password_file: str | None = None
+    password: str | None = field(default=None, repr=False, compare=False)
+    """Read from ``password_file`` (never given directly: :meth:`parse`)."""
 
     def __post_init__(self) -> None:
         if not self.nodes:
             raise ConfigError(f"remote URL {self.url!r}: no host:port")
+        if self.password_file is not None and self.password is None:
+            object.__setattr__(self, "password", read_password(self.password_file))
         for name in _INT_KNOBS:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -159,7 +171,8 @@ class RemoteSpec:
                               "database number is not supported)")
         if "@" in netloc:
             raise ConfigError(f"remote URL {url!r}: credentials in the URL are not "
-                              "supported")
+                              "supported (URLs are logged): name a 0600 file holding the "
+                              "password with ?password_file=PATH")
         nodes: list[tuple[str, int]] = []
         for item in netloc.split(","):
             host, port = _host_port(item.strip())
@@ -174,19 +187,55 @@ class RemoteSpec:
                               "(valkey+cluster:// for several)")
         merged: dict[str, Any] = {}
         for key, value in parse_qsl(query, keep_blank_values=True):
-            if key not in (*_INT_KNOBS, "ttl_s"):
+            if key not in (*_INT_KNOBS, "ttl_s", "password_file"):
                 raise ConfigError(f"remote URL {url!r}: unknown knob {key!r}")
-            if key == "ttl_s" and value.lower() == "none":  # the one way to say "no TTL":
+            if key == "password_file":
+                merged[key] = value
+            elif key == "ttl_s" and value.lower() == "none":  # the one way to say "no TTL":
                 merged[key] = None  # ttl_s=0 or ttl_s= meant it too, silently (a probe)
             elif not _digits(value):
                 raise ConfigError(f"remote URL {url!r}: {key}={value!r} is not an int")
             else:
                 merged[key] = int(value)
         for key, value in knobs.items():
-            if key not in (*_INT_KNOBS, "ttl_s"):
+            if key not in (*_INT_KNOBS, "ttl_s", "password_file"):
                 raise ConfigError(f"remote URL {url!r}: unknown knob {key!r}")
             merged[key] = value
         return cls(url=url, nodes=tuple(nodes), cluster=cluster, **merged)
+
+
+#: The longest password file read (a password is tens of bytes).
+_MAX_PASSWORD_BYTES: Final = 1024
+
+
+def read_password(path: object) -> str:
+    """The password in the file at ``path`` (one line; a final newline is dropped).
+    ConfigError, naming the file, when it cannot be read, is not a regular file, is
+    empty, longer than 1 KiB or not one line of printable text, or when group or others
+    may read or write it (as libpq's ``.pgpass``: ``chmod 600`` it)."""
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"password_file must be a path, got {path!r}")
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as exc:
+        raise ConfigError(f"password_file {path!r}: {exc.strerror}") from exc
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ConfigError(f"password_file {path!r} is not a regular file")
+        if st.st_mode & 0o077:
+            raise ConfigError(f"password_file {path!r} may be read by others (mode "
+                              f"{stat.S_IMODE(st.st_mode):o}): chmod 600 it")
+        raw = os.read(fd, _MAX_PASSWORD_BYTES + 1)
+    finally:
+        os.close(fd)
+    text = raw.decode("utf-8", "replace").removesuffix("\n").removesuffix("\r")
+    if not text or len(raw) > _MAX_PASSWORD_BYTES or not text.isprintable() \
+            or text != text.strip():
+        raise ConfigError(f"password_file {path!r} must hold one line of printable text "
+                          f"without spaces at its ends (at most {_MAX_PASSWORD_BYTES} "
+                          "bytes)")
+    return text
 
 
 def _host_port(item: str) -> tuple[str, str]:

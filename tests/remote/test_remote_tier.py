@@ -4,6 +4,8 @@ cases and a Hypothesis state machine against a model)."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import hypothesis.strategies as st
 import pytest
 from hypothesis import settings
@@ -70,6 +72,31 @@ def test_standalone_and_cluster_urls_parse_with_defaults_and_knobs() -> None:
 def test_a_bad_url_is_a_config_error_that_says_what_is_wrong(url: str, says: str) -> None:
     with pytest.raises(ConfigError, match=says):
         RemoteSpec.parse(url)
+
+
+def test_a_password_comes_from_a_private_file_and_stays_out_of_reprs(
+        tmp_path: Path) -> None:
+    """``password_file`` (the remote tier's password, ``AUTH``): read when the spec is
+    made, a final newline dropped, never in the spec's repr; refused, naming the file,
+    where group or others may read it, where it is missing, empty, not one line, or
+    not a regular file."""
+    f = tmp_path / "pw"
+    f.write_text("s3cret-Pass\n")
+    f.chmod(0o600)
+    spec = RemoteSpec.parse(f"valkey://h:1?password_file={f}")
+    assert spec.password == "s3cret-Pass" and "s3cret" not in repr(spec)
+    assert RemoteSpec.parse("valkey://h:1", password_file=str(f)).password == "s3cret-Pass"
+    f.chmod(0o640)
+    with pytest.raises(ConfigError, match="may be read by others \\(mode 640\\): chmod 600"):
+        RemoteSpec.parse(f"valkey://h:1?password_file={f}")
+    for text in ("", "a\nb\n", " a ", "a\x00b"):  # empty, 2 lines, spaces, a control byte
+        f.write_text(text)
+        f.chmod(0o600)
+        with pytest.raises(ConfigError, match="one line of printable text"):
+            RemoteSpec.parse("valkey://h:1", password_file=str(f))
+    for path, says in ((tmp_path / "none", "No such file"), (tmp_path, "not a regular")):
+        with pytest.raises(ConfigError, match=says):
+            RemoteSpec.parse("valkey://h:1", password_file=str(path))
 
 
 @pytest.mark.parametrize("url,says", [

