@@ -295,6 +295,27 @@ async def test_a_generated_name_leaves_no_slab_behind_and_a_given_name_keeps_its
         f"kvshm-{name}.rank{r}-of-2.slab" for r in range(2)]
 
 
+async def test_slabs_of_the_name_for_another_world_size_are_said_at_start(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """An engine named ``name`` ran at tp=2 and kept its two slabs (the warm-restart
+    cache); started again at tp=1 it never reads them, and they held their space with no
+    line at start (a hostile probe). Now the start names them, their world size and
+    the command that removes them; they are kept."""
+    name = default_name()
+    async with spawned_engine(name=name, **disk_cfg(tmp_path)):
+        pass
+    ks, gpu = shards(world=1), BlockPool(GPU_BLOCKS)
+    with caplog.at_level("WARNING", logger="kvshm.engine.runtime"):
+        async with Engine.launch(config(name=name, tp=1, **disk_cfg(tmp_path)),
+                                 workers=SPAWN, gpu_blocks=gpu,
+                                 device_caches=[[k] for k in ks]):
+            pass
+    (line,) = [r.getMessage() for r in caplog.records if "never reads" in r.getMessage()]
+    assert f"2 slab file(s) of engine {name!r} for world size 2" in line
+    assert "kvshm sweep --disk-path" in line
+    assert len(list(tmp_path.glob(f"kvshm-{name}.rank*-of-2.slab"))) == 2
+
+
 async def test_a_generated_names_slab_goes_even_when_its_rank_was_sigkilled(
         tmp_path: Path) -> None:
     """Only a rank removed its own slab (as its mover closed): rank 1 SIGKILLed -- the

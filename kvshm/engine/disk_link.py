@@ -263,4 +263,24 @@ def open_disk(config: EngineConfig) -> DiskLink:
     held = sum(_held(link.path(r)) for r in range(config.world_size))
     need = max(0, config.world_size * config.disk_bytes_per_rank - held)
     check_directory(config.disk_path, need, direct=config.disk_io is DiskIO.DIRECT)
+    _say_other_worlds(config)
     return link
+
+
+def _say_other_worlds(config: EngineConfig) -> None:
+    """One line where ``disk_path`` holds slabs of this engine's name for another world
+    size: no start of this config reads them (they hold their space until removed), and
+    nothing said so (a hostile probe: a tp=1 slab kept, whole, after a move to tp=2)."""
+    assert config.disk_path is not None
+    try:
+        rows = [r for r in list_slabs(config.disk_path)
+                if r.engine == config.name and r.world != config.world_size]
+    except OSError:
+        return
+    if rows:
+        log.warning("kvshm disk tier: %s holds %d slab file(s) of engine %r for world "
+                    "size %s (%.2f GiB), which this start (world size %d) never reads: "
+                    "`kvshm sweep --disk-path %s --remove-slabs` removes them once no "
+                    "engine runs under that name", config.disk_path, len(rows),
+                    config.name, "/".join(sorted({str(r.world) for r in rows})),
+                    sum(r.bytes for r in rows) / 2**30, config.world_size, config.disk_path)
