@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 from collections.abc import Callable, Sequence
+from typing import Final
 
 from kvshm.errors import (
     ClosedError,
@@ -27,7 +28,13 @@ from kvshm.ipc.doorbell import full_fence
 from kvshm.ipc.ring_pair import RevokeReason, RingPair
 from kvshm.ipc.unanswered import Unanswered
 
-__all__ = ["SchedulerChannel"]
+__all__ = ["DRAINS_PER_PUMP", "SchedulerChannel"]
+
+#: Drains of the ``done`` ring one doorbell callback makes at most; past them, the rest
+#: is read at the loop's next turn (other ranks' callbacks, timers and the host's
+#: coroutines run in between). Unbounded, a rank refilling its ring as fast as it was
+#: read kept the loop in one callback for as long as it went on (a hostile probe: 26 s).
+DRAINS_PER_PUMP: Final = 8
 
 
 class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
@@ -54,6 +61,7 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
         self._overflow_peak = self._dropped = 0
         self._unanswered = Unanswered()  # the hang clock's count (tier jobs apart)
         self._answered_good: list[protocol.Done] = []  # beside strays (take_salvaged)
+        self._again: asyncio.Handle | None = None  # the pump scheduled for the next turn
         self._loop: asyncio.AbstractEventLoop | None = None
         self._on_done: Callable[[list[protocol.Done]], None] | None = None
         self._on_error: Callable[[TransportError], None] | None = None
@@ -291,20 +299,32 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
         rx = self._rx
         rx.unpark()  # awake and reading: the worker need not ring
         try:
-            while self._deliver():
+            for _ in range(DRAINS_PER_PUMP):
+                if not self._deliver():
+                    return
                 rx.park()
                 full_fence()  # park, fence, re-check: a Done that raced the park is read now
                 if rx.is_empty():
                     return
                 rx.unpark()
+            # still not empty: the rest at the loop's next turn (the finally below), so
+            # one rank's ring, refilled as fast as it is read, cannot hold the loop
         finally:
             if not self._closed and not rx.parked:
-                # left early (on_done raised): park with the same re-check, or a Done the
-                # worker published unrung while this side read would wait for a doorbell
+                # left early (on_done raised, or the drains' bound): park with the same
+                # re-check, or a Done the worker published unrung while this side read
+                # would wait for a doorbell
                 rx.park()
                 full_fence()
-                if not rx.is_empty() and self._loop is not None:
-                    self._loop.call_soon(self._pump)
+                if not rx.is_empty() and self._loop is not None and self._again is None:
+                    self._again = self._loop.call_soon(self._pump_again)
+
+    def _pump_again(self) -> None:
+        """:meth:`_pump` at the loop's next turn, scheduled once at a time (one chain per
+        channel: each pump that left records behind used to schedule one more, and with
+        the doorbell's own the pumps of one loop turn grew turn by turn)."""
+        self._again = None
+        self._pump()
 
     def _deliver(self) -> bool:
         """One drain to on_done; False when the ring broke or the channel closed."""
@@ -386,6 +406,9 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        if self._again is not None:
+            self._again.cancel()
+            self._again = None
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_exception(ClosedError(f"channel of rank {self.rank} closed"))
         self._dropped += len(self._overflow)
@@ -398,6 +421,7 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
         nothing shared touched (no ring, doorbell or loop registration)."""
         self._closed = True
         self._timer = None
+        self._again = None
         self._loop = None
 
     async def aclose(self) -> None:
