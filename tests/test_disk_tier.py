@@ -97,6 +97,16 @@ async def load(c: Client, ks: Sequence[torch.Tensor], rid: str, toks: list[int],
     return out
 
 
+async def serves(c: Client, ks: Sequence[torch.Tensor], toks: list[int],
+                 rows: list[torch.Tensor]) -> None:
+    """``toks`` (a prompt of 4 full blocks) hits whole and loads ``rows`` on each rank."""
+    hit = await lookup(c, "a", toks)
+    assert hit == 4 * BS
+    got = await load(c, ks, "a", toks, hit)
+    for r in range(len(rows)):
+        assert torch.equal(got[r], rows[r]), f"rank {r}"
+
+
 async def fill(c: Client, ks: Sequence[torch.Tensor], n: int, seed: int
                ) -> list[tuple[list[int], list[torch.Tensor]]]:
     """Store ``n`` prompts of 4 full blocks each (17 tokens); the CPU tier holds 2."""
@@ -364,12 +374,7 @@ async def test_a_restarted_engine_serves_the_previous_ones_slab_at_once(
         c = Client(eng, gpu)
         d = await warmed(eng)
         assert d["warm_slots"] == min(written, SLOTS) and d["warm_disagreed"] == 0, d
-        toks, rows = stored[0]
-        hit = await lookup(c, "a", toks)
-        assert hit == 4 * BS
-        got = await load(c, ks, "a", toks, hit)
-        for r in range(2):
-            assert torch.equal(got[r], rows[r]), f"rank {r}"
+        await serves(c, ks, *stored[0])
 
 
 async def test_a_restart_with_another_device_block_count_keeps_its_disk_tier(
@@ -391,12 +396,7 @@ async def test_a_restart_with_another_device_block_count_keeps_its_disk_tier(
                              gpu_blocks=gpu2, device_caches=[[k] for k in ks2]) as eng:
         c = Client(eng, gpu2)
         assert (await warmed(eng))["warm_slots"] >= 4, disk(eng)
-        toks, rows = stored[0]
-        hit = await lookup(c, "a", toks)
-        assert hit == 4 * BS
-        got = await load(c, ks2, "a", toks, hit)
-        for r in range(2):
-            assert torch.equal(got[r], rows[r]), f"rank {r}"
+        await serves(c, ks2, *stored[0])
 
 
 async def test_a_warm_restart_is_ready_before_its_disk_scan_ends_and_serves_the_slab_after(
