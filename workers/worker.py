@@ -95,7 +95,9 @@ class Worker(WorkerLink):
                fault: FaultInjection | None = None, spin_us: float = 50.0,
                copy_threads: int = 1, flush_timeout_s: float = FLUSH_TIMEOUT_S,
                device: DeviceKind = DeviceKind.CPU, inline: bool = False,
-               fence_by_kill: bool = False) -> Worker:
+               fence_by_kill: bool = False,
+               meaning: tuple[Sequence[str], Sequence[tuple[int, ...]]] | None = None
+               ) -> Worker:
         """A worker for rank ``rank`` of the scheduler named ``name``; no I/O, never blocks.
 
         ``regions``: this rank's KV tensors (embedded; blocks as dim 0, or K/V as dim 0
@@ -105,7 +107,10 @@ class Worker(WorkerLink):
         thread that submits them (:mod:`workers.cpu_copy`); no effect on a CUDA engine.
         ``fence_by_kill``: offer the engine to SIGKILL this process after a hang verdict
         (``Hello.fence_by_kill``; only a process that runs nothing but this worker).
-        ConfigError for a bad name, rank, world size or region.
+        ``meaning``: each region's dtype and shape where ``regions`` are byte rows (vLLM's:
+        :func:`kvshm.integrations.vllm.blocks.kv_layout`), so that the layout, and its
+        fingerprint, tell other KV apart. ConfigError for a bad name, rank, world size
+        or region.
         """
         socket_address(name)
         if isinstance(world_size, bool) or world_size < 1:
@@ -115,6 +120,8 @@ class Worker(WorkerLink):
         if spin_us < 0 or copy_threads < 1 or flush_timeout_s <= 0:
             raise ConfigError("spin_us must be >= 0, copy_threads >= 1, flush_timeout_s > 0")
         layout = None if regions is None else KVLayout.from_tensors(regions, kv_outer=kv_outer)
+        if layout is not None and meaning is not None:
+            layout = KVLayout(layout.regions, *meaning)
         opts = SessionOptions(spin_us, copy_threads, fault,
                               device if regions is None else None, inline, fence_by_kill)
         return cls(name, rank, world_size, layout, opts, flush_timeout_s)

@@ -5,7 +5,7 @@
 * ``kvshm.integrations.vllm`` imports without vLLM;
 * ``VllmGpuBlocks`` over vLLM's real ``BlockPool``: pins, ``evict_first`` order, plain
   hashes, LRU iteration;
-* ``kv_regions``: byte regions exactly over each layer's blocks.
+* ``kv_layout``: byte regions exactly over each layer's blocks, and what they mean.
 """
 
 from __future__ import annotations
@@ -22,7 +22,10 @@ import torch
 
 from kvshm.errors import ConfigError
 from kvshm.integrations.vllm import CONNECTOR_HOOKS, VLLM_VERSION
-from kvshm.integrations.vllm.blocks import VllmGpuBlocks, kv_regions
+from kvshm.integrations.vllm.blocks import VllmGpuBlocks, kv_layout
+from kvshm.layout import KVLayout
+from kvshm.remote.fingerprint import layout_fingerprint
+from kvshm.types import KVGroup
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -178,12 +181,12 @@ def _layer_outer(num_blocks: int, page: tuple[int, ...], nlayers: int,
     return caches, _Rec(list(caches), num_blocks * per_block, per_block)
 
 
-def test_kv_regions_layer_outer_cover_each_layers_blocks() -> None:
+def test_kv_layout_layer_outer_cover_each_layers_blocks() -> None:
     caches, rec = _layer_outer(5, (2, 32, 64), 3, torch.bfloat16)
     for li, t in enumerate(caches.values()):
         for b in range(5):
             t[b].fill_(li * 10 + b)
-    regions = kv_regions(caches, [rec], 5)
+    regions = kv_layout(caches, [rec], 5).rows
     assert len(regions) == 3
     for r, t in zip(regions, caches.values()):
         assert r.shape == (5, 2 * 32 * 64 * 2) and r.dtype == torch.uint8
@@ -193,28 +196,53 @@ def test_kv_regions_layer_outer_cover_each_layers_blocks() -> None:
     assert not caches["layer.1"][2].any()
 
 
-def test_kv_regions_block_outer_is_one_region() -> None:
+def test_kv_layout_block_outer_is_one_region() -> None:
     num_blocks, page, nl = 4, 256, 2
     raw = torch.arange(num_blocks * page * nl, dtype=torch.int32).view(torch.uint8)
     caches = {f"l{i}": raw[i * page:].as_strided((num_blocks, page), (page * nl, 1))
               for i in range(nl)}
-    regions = kv_regions(caches, [_Rec(list(caches), page, page * nl)], num_blocks)
+    regions = kv_layout(caches, [_Rec(list(caches), page, page * nl)], num_blocks).rows
     assert len(regions) == 1 and regions[0].shape == (num_blocks, page * nl)
     assert torch.equal(regions[0][3], raw[3 * page * nl:4 * page * nl])
 
 
-def test_kv_regions_refuse_a_layer_where_the_record_does_not_put_it() -> None:
+def test_kv_layouts_of_equal_bytes_but_another_order_do_not_share() -> None:
+    """Hazard "a layout fingerprint that missed the shape" on vLLM's path (a review of
+    its fix): the connector's regions are byte rows, so the block shape the fix added
+    was every region's byte count, and two deployments of one model whose attention
+    backends keep a block's KV in another order -- [blocks, block_size, heads, dim]
+    (NHD) against [blocks, heads, block_size, dim] (HND), as many bytes -- still had one
+    fingerprint and read each other's blocks. ``kv_layout`` now says what a row means,
+    the worker's layout records it, and the fingerprints differ; the same layout twice
+    still agrees, and so does one with other block counts."""
+    def spec(page: tuple[int, ...], blocks: int = 6) -> Any:
+        caches, rec = _layer_outer(blocks, page, 2, torch.bfloat16)
+        kv = kv_layout(caches, [rec], blocks)
+        assert kv.dtypes == ["bfloat16"] * 2 and kv.shapes[0] == (1, -1, *page)
+        return KVLayout(kv.rows, kv.dtypes, kv.shapes).to_spec()
+
+    def fp(page: tuple[int, ...], blocks: int = 6) -> str:
+        return layout_fingerprint("m", 16, (KVGroup.full(),), {0: spec(page, blocks)},
+                                  (1, 1))
+
+    nhd, hnd = (16, 4, 32), (4, 16, 32)
+    assert spec(nhd).bytes_per_block == spec(hnd).bytes_per_block
+    assert fp(nhd) != fp(hnd)
+    assert fp(nhd) == fp(nhd) == fp(nhd, blocks=9)
+
+
+def test_kv_layout_refuse_a_layer_where_the_record_does_not_put_it() -> None:
     caches, rec = _layer_outer(4, (64,), 2, torch.float32)
     rec.layer_stride += 64
     with pytest.raises(ConfigError, match="does not start layer_stride"):
-        kv_regions(caches, [rec], 4)
+        kv_layout(caches, [rec], 4)
     caches, rec = _layer_outer(4, (64,), 2, torch.float32)
     rec.layers.append("missing")
     with pytest.raises(ConfigError, match=r"layers \['missing'\] were not registered"):
-        kv_regions(caches, [rec], 4)
+        kv_layout(caches, [rec], 4)
     caches, rec = _layer_outer(4, (64,), 1, torch.float32)
     with pytest.raises(ConfigError, match="fall outside"):
-        kv_regions(caches, [rec], 5)
+        kv_layout(caches, [rec], 5)
 
 
 # ----------------------------------------------- load failures with several KV groups

@@ -25,7 +25,7 @@ scheduler thread only: the pool is not thread-safe):
   ``null_block_id`` that null block's id: vLLM puts it in a sliding-window group's table
   wherever a position holds no block, so it may appear there more than once.
 
-:func:`kv_regions` turns ``register_kv_caches``' tensors into byte regions with blocks
+:func:`kv_layout` turns ``register_kv_caches``' tensors into byte regions with blocks
 as dim 0, from ``kv_cache_config.kv_cache_tensors``: layer ``l``'s block ``b`` of a
 tensor starts at ``offset + l * layer_stride + b * block_stride`` bytes into its
 backing storage. Layer-outermost tensors give one region per layer (rows of
@@ -36,14 +36,15 @@ layer's page. Regions are deduplicated by address (groups may overlay one alloca
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from kvshm.errors import ConfigError
 from kvshm.hashing import BlockHash
+from kvshm.shm import dtype_name
 
-__all__ = ["VllmGpuBlocks", "kv_regions", "plain_hash"]
+__all__ = ["KvRegions", "VllmGpuBlocks", "kv_layout", "plain_hash"]
 
 _GROUP_SUFFIX = 4  # vLLM's BlockHashWithGroupId: hash bytes + 4-byte big-endian group id
 
@@ -156,9 +157,24 @@ def _rows(flat: torch.Tensor, start: int, num_blocks: int, row_bytes: int,
     return flat.as_strided((num_blocks, row_bytes), (stride, 1), start)
 
 
-def kv_regions(kv_caches: Mapping[str, torch.Tensor], kv_cache_tensors: Sequence[Any],
-               num_blocks: int) -> list[torch.Tensor]:
-    """uint8 ``[num_blocks, bytes]`` regions covering every layer's KV (see module doc).
+class KvRegions(NamedTuple):
+    """A rank's regions (uint8 ``[num_blocks, bytes]`` rows) and what each row means:
+    the dtype of the layers it covers and their shape, as the layout (and so the layout
+    fingerprint) records it (:class:`kvshm.layout.KVLayout`)."""
+
+    rows: list[torch.Tensor]
+    dtypes: list[str]
+    shapes: list[tuple[int, ...]]
+
+
+def kv_layout(kv_caches: Mapping[str, torch.Tensor], kv_cache_tensors: Sequence[Any],
+              num_blocks: int) -> KvRegions:
+    """The regions covering every layer's KV (see module doc) and their meaning: each
+    region's dtype, and its shape -- a covered layer tensor's shape with every dimension
+    of ``num_blocks`` as -1, behind the count of layers it covers. Two vLLM layouts of
+    one model with as many bytes per block but another order (NHD against HND: other
+    attention backends) are other KV: their rows alone told them apart by nothing, and
+    they shared one remote tier (a review).
 
     ``kv_cache_tensors``: vLLM's ``KVCacheTensor`` records (``layers``, ``layer_stride``,
     ``block_stride``, ``offset``). ConfigError for a layer that is missing, a layer
@@ -168,6 +184,8 @@ def kv_regions(kv_caches: Mapping[str, torch.Tensor], kv_cache_tensors: Sequence
     if num_blocks <= 0:
         raise ConfigError(f"vLLM's KV cache has {num_blocks} blocks")
     regions: list[torch.Tensor] = []
+    dtypes: list[str] = []
+    shapes: list[tuple[int, ...]] = []
     seen: set[tuple[str, int]] = set()
     for i, rec in enumerate(kv_cache_tensors):
         layers = list(rec.layers)
@@ -186,10 +204,13 @@ def kv_regions(kv_caches: Mapping[str, torch.Tensor], kv_cache_tensors: Sequence
                 raise ConfigError(f"KV cache tensor {i}: layer {name!r} does not start "
                                   f"layer_stride={lstride} bytes after the previous one in "
                                   "one allocation")
+        shape = tuple(-1 if d == num_blocks else int(d) for d in first.shape)
         if lstride >= num_blocks * bstride or len(layers) == 1:
             spans = [(start0 + li * lstride, bstride) for li in range(len(layers))]
+            covered = 1
         elif lstride * len(layers) <= bstride:
             spans = [(start0, bstride)]
+            covered = len(layers)
         else:
             raise ConfigError(f"KV cache tensor {i}: layer_stride {lstride} and block_stride "
                               f"{bstride} for {num_blocks} blocks interleave layers in a way "
@@ -201,6 +222,8 @@ def kv_regions(kv_caches: Mapping[str, torch.Tensor], kv_cache_tensors: Sequence
             seen.add(key)
             regions.append(_rows(flat, start, num_blocks, row, bstride,
                                  f"KV cache tensor {i} part {li}"))
+            dtypes.append(dtype_name(first.dtype))
+            shapes.append((covered, *shape))
     if not regions:
         raise ConfigError("no KV cache regions to offload")
-    return regions
+    return KvRegions(regions, dtypes, shapes)

@@ -59,7 +59,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from kvshm.errors import StateError
-from kvshm.integrations.vllm.blocks import kv_regions
+from kvshm.integrations.vllm.blocks import kv_layout
 from kvshm.integrations.vllm.config import ConnectorConfig
 from kvshm.integrations.vllm.load_reports import LoadReports
 from kvshm.integrations.vllm.records import StepMeta, WorkerCounters
@@ -132,8 +132,9 @@ class WorkerSide:
         """Build this rank's regions and attach the Worker (never blocks)."""
         if self._worker is not None:
             raise StateError("register_kv_caches called twice")
-        self._regions = kv_regions(kv_caches, kv_cache_config.kv_cache_tensors,
-                                   int(kv_cache_config.num_blocks))
+        kv = kv_layout(kv_caches, kv_cache_config.kv_cache_tensors,
+                       int(kv_cache_config.num_blocks))
+        self._regions = kv.rows
         self.reports.per_request_failures = len(kv_cache_config.kv_cache_groups) > 1
         self._cuda = self._regions[0].device.type == "cuda"
         from workers.worker import Worker as _Worker
@@ -146,7 +147,8 @@ class WorkerSide:
         self.rank = self.reports.rank = rank
         # on the CPU the request waits for its load: copy it in the caller (no hand-off)
         self._worker = _Worker.attach(self.cfg.name, rank, self.cfg.world_size, self._regions,
-                                     kv_outer=False, fault=fault, inline=not self._cuda)
+                                     kv_outer=False, fault=fault, inline=not self._cuda,
+                                     meaning=(kv.dtypes, kv.shapes))
         nbytes = sum(int(r.shape[1]) for r in self._regions)
         log.info("kvshm: worker rank %d/%d attached to %r: %d region(s), %d bytes per block",
                  rank, self.cfg.world_size, self.cfg.name, len(self._regions), nbytes)
