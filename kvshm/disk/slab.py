@@ -341,8 +341,7 @@ def _held_bytes(path: str | None) -> int:
 def check_directory(directory: str, bytes_needed: int, *, direct: bool,
                     reuse_path: str | None = None) -> None:
     """Refuse ``directory`` for a slab of ``bytes_needed`` bytes, with ONE line naming the
-    first check that failed: not a directory, writable by every user without the sticky
-    bit, not writable, a file made there would not
+    first check that failed: not a directory, not writable, a file made there would not
     be trusted as a slab (:func:`untrusted`: owner squashed, mode ignored), not enough
     free space (needed vs free; ``reuse_path``: an existing slab whose allocated bytes
     will be reused count as free), or (``direct``) the filesystem refuses O_DIRECT.
@@ -350,14 +349,6 @@ def check_directory(directory: str, bytes_needed: int, *, direct: bool,
     all pass."""
     if not os.path.isdir(directory):
         raise ConfigError(f"disk_path {directory!r} is not a directory")
-    mode = os.stat(directory).st_mode
-    if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
-        # another user could remove this engine's slabs and put files of theirs in their
-        # place: refused at open (untrusted), so the tier would be off without a word
-        raise ConfigError(f"disk_path {directory!r} is writable by every user and not "
-                          f"sticky (mode {stat.S_IMODE(mode):o}): another user could "
-                          "remove or replace its slabs; chmod o-w (or +t) it, or choose "
-                          "another directory")
     try:
         fd, probe = tempfile.mkstemp(prefix=".kvshm-probe-", dir=directory)
         try:

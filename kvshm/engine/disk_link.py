@@ -43,6 +43,7 @@ from __future__ import annotations
 
 import logging
 import os
+import stat
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
@@ -263,8 +264,27 @@ def open_disk(config: EngineConfig) -> DiskLink:
     held = sum(_held(link.path(r)) for r in range(config.world_size))
     need = max(0, config.world_size * config.disk_bytes_per_rank - held)
     check_directory(config.disk_path, need, direct=config.disk_io is DiskIO.DIRECT)
+    _say_open_directory(config.disk_path)
     _say_other_worlds(config)
     return link
+
+
+def _say_open_directory(directory: str) -> None:
+    """One line where every user may write ``directory`` and it is not sticky: another
+    user could remove this engine's slabs and put files of theirs in their place (each
+    refused when opened: the rank then runs without a disk tier). Said, not refused: a
+    Kubernetes emptyDir is such a directory, and a container that is not root cannot
+    change its mode (a review)."""
+    try:
+        mode = os.stat(directory).st_mode
+    except OSError:
+        return
+    if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+        log.warning("kvshm disk tier: disk_path %s is writable by every user and not "
+                    "sticky (mode %o): another user could remove its slabs or put files "
+                    "in their place (each refused when opened: that rank's disk tier is "
+                    "then off); chmod o-w (or +t) it where you can", directory,
+                    stat.S_IMODE(mode))
 
 
 def _say_other_worlds(config: EngineConfig) -> None:

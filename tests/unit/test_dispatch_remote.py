@@ -17,7 +17,7 @@ from kvshm.engine.dispatch import Dispatcher
 from kvshm.engine.snapshot import CoreCounters
 from kvshm.engine.supervision import RankWatch
 from kvshm.errors import ConfigError
-from kvshm.ipc.protocol import Done, Remote, RemoteOp, pack_ids
+from kvshm.ipc.protocol import Disk, DiskOp, Done, Remote, RemoteOp, pack_ids
 from kvshm.offload.remote_puts import REMOTE_HASH_BYTES, max_job_blocks
 
 
@@ -101,3 +101,24 @@ def test_a_long_copy_that_stamps_its_progress_is_not_a_hang() -> None:
         assert watch.stalled_for(float(t)) == 0.0
     assert watch.stalled_for(31.0) == 1.0               # the stamp stopped: stalled again
     assert watch.stalled_for(45.0) == 15.0
+
+
+def test_a_disk_job_failed_for_no_known_reason_is_counted_and_said(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Hazard "a refused slab turned the disk tier off without a word": a rank with no
+    slab fails every disk job ("no slab ..."), counted in ``disk_failed_other`` only.
+    The engine now also says it, one line per interval (rate-limited); a checksum
+    mismatch, the expected outcome of a damaged slot, is counted and not said."""
+    chan, watch = Chan(), RankWatch(0)
+    watch.ready(chan)  # type: ignore[arg-type]
+    counters = CoreCounters()
+    d = Dispatcher("e", {0: chan}, {0: watch}, counters)  # type: ignore[dict-item]
+    disk = Disk(7, DiskOp.READ, pack_ids([0]), pack_ids([0]), bytes(16), 16)
+    d.post_remote(disk)
+    d.post_remote(msgspec.structs.replace(disk, job_id=8))
+    with caplog.at_level("WARNING", logger="kvshm.engine.runtime"):
+        d.apply(0, [Done(7, 0, False, "ConfigError: no slab (may be written by others)"),
+                    Done(8, 0, False, "slot crc mismatch")], None)
+    assert (counters.disk_failed_other, counters.disk_read_bad_crc) == (1, 1)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "rank 0 failed disk job 7: ConfigError: no slab" in line
