@@ -350,6 +350,17 @@ def test_a_stray_done_is_a_protocol_error_and_spares_its_neighbours() -> None:
         assert [d.job_id for d in lk.ch.take_salvaged()] == [1, 3]
         assert lk.ch.take_salvaged() == [] and lk.ch.outstanding == 1
         assert lk.ch.statistics().protocol_errors == 2
+        # a caller that only receives again gets them too (a review: they were lost),
+        # after a second error's, in order
+        lk.ch.post(transfer(4))
+        w.send_many([p.Done(2, 0, True), p.Done(99, 0, True)])
+        with pytest.raises(ProtocolError):
+            lk.ch.receive_nowait()
+        w.send_many([p.Done(5, 0, True), p.Done(4, 0, True)])
+        with pytest.raises(ProtocolError):
+            lk.ch.receive_nowait()
+        assert [d.job_id for d in lk.ch.receive_nowait()] == [2, 4]
+        assert lk.ch.outstanding == 0
     finally:
         w.close()
         lk.close()

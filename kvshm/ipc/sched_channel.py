@@ -197,25 +197,28 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
     def receive_nowait(self) -> list[protocol.Done]:
         """Every Done published so far ([] if none); then flushes the overflow.
         ProtocolError for a Done that answers nothing sent to this rank (a stray:
-        :mod:`kvshm.ipc.unanswered`), the others kept for :meth:`take_salvaged`.
+        :mod:`kvshm.ipc.unanswered`), the others kept for :meth:`take_salvaged` (or, as
+        the records around an undecodable one, returned by the next receive).
         """
         self._check_open()
+        carried, self._answered_good = self._answered_good, []
         msgs = self._drain()
         if msgs:
             stray = self._unanswered.answered(msgs, self.rank)
             if stray:
-                raise self._strays(msgs, stray)
+                raise self._strays(carried, msgs, stray)
         if self._overflow:
             self.flush_overflow()
-        return msgs
+        return carried + msgs if carried else msgs
 
-    def _strays(self, msgs: list[protocol.Done], stray: list[protocol.Done]
-                ) -> ProtocolError:
-        """The error for ``stray`` among ``msgs`` (already marked answered, the rest):
-        the rest are kept for :meth:`take_salvaged`, in order."""
+    def _strays(self, carried: list[protocol.Done], msgs: list[protocol.Done],
+                stray: list[protocol.Done]) -> ProtocolError:
+        """The error for ``stray`` among ``msgs`` (the rest already marked answered):
+        the rest are kept, after ``carried`` (kept by an earlier error), for
+        :meth:`take_salvaged` or the next receive, in order."""
         self._protocol_errors += len(stray)
         bad = {id(d) for d in stray}  # by identity: a duplicate equals its original
-        self._answered_good = [d for d in msgs if id(d) not in bad]
+        self._answered_good = carried + [d for d in msgs if id(d) not in bad]
         first = stray[0]
         return ProtocolError(
             f"{len(stray)} Done(s) from rank {self.rank} answering nothing sent to it, "
