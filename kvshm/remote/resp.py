@@ -21,6 +21,9 @@ __all__ = ["MAX_DEPTH", "MAX_REPLY_BYTES", "ServerReplyError", "command", "info_
 #: ``INFO``, a ``SCAN`` page, a manifest -- are kilobytes): a peer that sends more, or
 #: never ends a line, is refused (ValueError) rather than buffered without end.
 MAX_REPLY_BYTES: Final = 64 << 20
+#: What a server without a password answers an ``AUTH`` with (the command that follows
+#: is answered).
+_NO_PASSWORD: Final = b"without any password configured"
 #: The deepest nesting of aggregate replies parsed (ValueError beyond it; this
 #: project's commands nest two levels).
 MAX_DEPTH: Final = 16
@@ -31,11 +34,12 @@ def command(host: str, port: int, *args: str | bytes, timeout: float = 2.0,
     """Send one command over a fresh connection and return its raw RESP reply (tests,
     the cluster bootstrap, the slot map, the janitor; the data path uses glide).
     ``password``: an ``AUTH`` goes first, in the same write; its error reply (a wrong
-    password) is returned instead of the command's. ``timeout`` bounds the whole
-    exchange, connect to last byte (a peer that trickles its reply a byte at a time
-    does not hold the caller longer). OSError when nothing answers in time; ValueError
-    for a reply longer than :data:`MAX_REPLY_BYTES`, nested deeper than
-    :data:`MAX_DEPTH` or not RESP."""
+    password) is returned instead of the command's -- but for a server that has no
+    password, which answers the command as glide's clients are answered. ``timeout``
+    bounds the whole exchange, connect to last byte (a peer that trickles its reply a
+    byte at a time does not hold the caller longer). OSError when nothing answers in
+    time; ValueError for a reply longer than :data:`MAX_REPLY_BYTES`, nested deeper
+    than :data:`MAX_DEPTH` or not RESP."""
     req = _request(args)
     if password is not None:
         req = _request(("AUTH", password)) + req
@@ -58,8 +62,8 @@ def command(host: str, port: int, *args: str | bytes, timeout: float = 2.0,
                     break
                 continue
             first = _end(buf, 0)
-            if first >= 0 and buf[:1] == b"-":  # AUTH refused: that is the answer
-                return bytes(buf[:first])
+            if first >= 0 and buf[:1] == b"-" and _NO_PASSWORD not in buf[:first]:
+                return bytes(buf[:first])  # AUTH refused: that is the answer
             if first >= 0 and _end(buf, first) >= 0:
                 return bytes(buf[first:])
     return bytes(buf)

@@ -147,10 +147,12 @@ class ValkeyServer:
         self.password_file: Path | None = None
         self._conf: Path | None = None
         if password is not None:  # (a given password_file already holds it)
-            self.password_file = (Path(password_file) if password_file is not None else
-                                  _private_file(self.workdir / "password", password + "\n"))
+            self.password_file = (Path(password_file).absolute() if password_file is not None
+                                  else _private_file(self.workdir / "password",
+                                                     password + "\n"))
             self._conf = _private_file(self.workdir / "auth.conf",
-                                       f"requirepass {_quoted(password)}\n")
+                                       f"requirepass {_quoted(password)}\n"  # replicas
+                                       f"masterauth {_quoted(password)}\n")  # log in too
 
     @property
     def pid(self) -> int | None:
@@ -259,10 +261,18 @@ class ValkeyServer:
             return proc.wait()
 
     def close(self) -> None:
-        """Stop, and remove the work directory if this object made it."""
+        """Stop, and remove the work directory if this object made it (else the
+        password files it made there: a later server in that directory makes its own)."""
         self.stop()
         if self._own_dir:
             shutil.rmtree(self.workdir, ignore_errors=True)
+            return
+        made = [self._conf] if self._conf is not None else []
+        if self.password_file is not None and self.password_file.parent == self.workdir:
+            made.append(self.password_file)
+        for path in made:
+            with contextlib.suppress(OSError):
+                path.unlink()
 
     def __enter__(self) -> ValkeyServer:
         return self.start()
@@ -275,12 +285,25 @@ class ValkeyServer:
 _ADDR_IN_USE: Final = "Address already in use"
 
 
-def _private_file(path: Path, text: str) -> Path:
-    """``text`` in a new file at ``path`` that only this user may read (0600, made so:
-    never readable in between)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
+def _private_file(path: Path, text: str, *, replace: bool = True) -> Path:
+    """``text`` in a file at ``path`` that only this user may read (0600 from its
+    creation: a temporary file of ``mkstemp``'s, renamed over any earlier one). With
+    ``replace=False`` an existing ``path`` is FileExistsError, and nothing is written
+    (a password file made while the caller looked)."""
+    fd, tmp = tempfile.mkstemp(prefix=".kvshm-", dir=path.parent)
+    left: str | None = tmp
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        if replace:
+            os.replace(tmp, path)
+            left = None
+        else:
+            os.link(tmp, path)  # fails where path exists: never over another's file
+    finally:
+        if left is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(left)
     return path
 
 
@@ -295,8 +318,8 @@ def _ok(reply: bytes, what: str) -> bytes:
     return reply
 
 
-def node_id(host: str, port: int) -> str:
-    reply = _ok(command(host, port, "CLUSTER", "MYID"), "CLUSTER MYID")
+def node_id(node: ValkeyServer) -> str:
+    reply = _ok(node.command("CLUSTER", "MYID"), "CLUSTER MYID")
     return reply.split(b"\r\n")[1].decode()
 
 
@@ -310,19 +333,19 @@ def make_cluster(nodes: Sequence[ValkeyServer], replicas: int = 1,
         raise ConfigError("make_cluster needs cluster nodes, at least one primary")
     first = nodes[0]
     for n in nodes[1:]:
-        _ok(command(first.host, first.port, "CLUSTER", "MEET", n.host, str(n.port)),
+        _ok(first.command("CLUSTER", "MEET", n.host, str(n.port)),
             "CLUSTER MEET")
     per = _SLOTS // primaries
     for i, n in enumerate(nodes[:primaries]):
         lo, hi = i * per, (_SLOTS - 1 if i == primaries - 1 else (i + 1) * per - 1)
-        _ok(command(n.host, n.port, "CLUSTER", "ADDSLOTSRANGE", str(lo), str(hi)),
+        _ok(n.command("CLUSTER", "ADDSLOTSRANGE", str(lo), str(hi)),
             "CLUSTER ADDSLOTSRANGE")
-    ids = [node_id(n.host, n.port) for n in nodes[:primaries]]
+    ids = [node_id(n) for n in nodes[:primaries]]
     deadline = time.monotonic() + timeout_s
     pending = list(enumerate(nodes[primaries:]))
     while pending:  # a replica knows its primary only once MEET has gossiped it over
         i, n = pending[0]
-        reply = command(n.host, n.port, "CLUSTER", "REPLICATE", ids[i % primaries])
+        reply = n.command("CLUSTER", "REPLICATE", ids[i % primaries])
         if reply.startswith(b"+"):
             pending.pop(0)
         elif time.monotonic() > deadline:
@@ -340,7 +363,7 @@ def wait_cluster_ok(nodes: Sequence[ValkeyServer], timeout_s: float = 20.0) -> N
         states = []
         for n in live:
             try:
-                info = command(n.host, n.port, "CLUSTER", "INFO")
+                info = n.command("CLUSTER", "INFO")
                 states.append((info_field(info, "cluster_state"),
                                info_field(info, "cluster_known_nodes")))
             except OSError:
@@ -419,7 +442,7 @@ def _password(path: str | None) -> str:
         return read_password(path)
     password = secrets.token_hex(24)
     if path is not None:
-        _private_file(Path(path), password + "\n")
+        _private_file(Path(path), password + "\n", replace=False)
     return password
 
 
@@ -430,17 +453,22 @@ class ValkeyCluster:
 
     def __init__(self, primaries: int = 3, replicas: int = 1, *,
                  maxmemory: str = "512mb", node_timeout_ms: int = 2000,
-                 workdir: str | Path | None = None) -> None:
+                 workdir: str | Path | None = None, password: str | None = None) -> None:
         self.replicas = replicas
         base = Path(workdir) if workdir is not None else None
         self.nodes = [ValkeyServer(cluster=True, maxmemory=maxmemory,
                                    node_timeout_ms=node_timeout_ms,
-                                   workdir=None if base is None else base / f"node{i}")
+                                   workdir=None if base is None else base / f"node{i}",
+                                   password=password)
                       for i in range(primaries * (replicas + 1))]
 
     @property
     def url(self) -> str:
-        return "valkey+cluster://" + ",".join(f"{n.host}:{n.port}" for n in self.nodes)
+        """The cluster's URL (with the first node's ``password_file`` where it has a
+        password: every node's holds the same one)."""
+        url = "valkey+cluster://" + ",".join(f"{n.host}:{n.port}" for n in self.nodes)
+        first = self.nodes[0].url
+        return url + first[first.index("?"):] if "?" in first else url
 
     def start(self, timeout_s: float = 20.0) -> ValkeyCluster:
         for n in self.nodes:
@@ -455,14 +483,14 @@ class ValkeyCluster:
         for n in self.nodes:
             if n.running():
                 with contextlib.suppress(OSError):
-                    info = command(n.host, n.port, "INFO", "replication")
+                    info = n.command("INFO", "replication")
                     if info_field(info, "role") == "master":
                         out.append(n)
         return out
 
     def replica_of(self, primary: ValkeyServer) -> ValkeyServer:
         """The node that replicates ``primary`` now (its first replica)."""
-        info = command(primary.host, primary.port, "INFO", "replication")
+        info = primary.command("INFO", "replication")
         replica = info_field(info, "slave0") or ""
         port = int(replica.split("port=")[1].split(",")[0])
         return next(n for n in self.nodes if n.port == port)
@@ -475,7 +503,7 @@ class ValkeyCluster:
         deadline = time.monotonic() + timeout_s
         for p in self.primaries():
             while True:
-                info = command(p.host, p.port, "INFO", "replication")
+                info = p.command("INFO", "replication")
                 offset = info_field(info, "master_repl_offset")
                 replica = info_field(info, "slave0") or ""
                 if f"offset={offset}," in replica + "," and "state=online" in replica:

@@ -211,8 +211,10 @@ _MAX_PASSWORD_BYTES: Final = 1024
 def read_password(path: object) -> str:
     """The password in the file at ``path`` (one line; a final newline is dropped).
     ConfigError, naming the file, when it cannot be read, is not a regular file, is
-    empty, longer than 1 KiB or not one line of printable text, or when group or others
-    may read or write it (as libpq's ``.pgpass``: ``chmod 600`` it)."""
+    empty, longer than 1 KiB or not one line of printable text, when group or others
+    may read or write it (as libpq's ``.pgpass``: ``chmod 600`` it), or when another
+    user owns it (who then chose the password: a server started as root with a file
+    another user put in a shared directory ran with a password that user knew)."""
     if not isinstance(path, str) or not path:
         raise ConfigError(f"password_file must be a path, got {path!r}")
     try:
@@ -226,6 +228,9 @@ def read_password(path: object) -> str:
         if st.st_mode & 0o077:
             raise ConfigError(f"password_file {path!r} may be read by others (mode "
                               f"{stat.S_IMODE(st.st_mode):o}): chmod 600 it")
+        if st.st_uid != os.geteuid():  # (its owner chose the password: as ssh's keys)
+            raise ConfigError(f"password_file {path!r} is owned by uid {st.st_uid}, not "
+                              f"by this process's {os.geteuid()}")
         raw = os.read(fd, _MAX_PASSWORD_BYTES + 1)
     finally:
         os.close(fd)

