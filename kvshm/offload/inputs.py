@@ -26,7 +26,14 @@ from kvshm.errors import ConfigError, InvalidRequest
 from kvshm.hashing import BlockHash
 from kvshm.offload.counters import ManagerCounters
 from kvshm.offload.pd.manifest import is_handoff
-from kvshm.offload.validate import COUNT_LIMIT, NOT_SEQUENCES, InputCheck, Tables, describe
+from kvshm.offload.validate import (
+    COUNT_LIMIT,
+    NOT_SEQUENCES,
+    InputCheck,
+    Tables,
+    describe,
+    text_ok,
+)
 from kvshm.types import GpuBlocks, ScheduledRequest
 
 __all__ = ["CallCheck", "View", "for_pool"]
@@ -68,7 +75,8 @@ class CallCheck:
         rid, hashes, num_tokens, nb = r.req_id, r.block_hashes, r.num_tokens, r.new_block_ids
         new, confirmed, preempted = r.new_or_resumed, r.num_confirmed_tokens, r.preempted
         params = r.kv_transfer_params
-        plain = (type(rid) is str and type(num_tokens) is int and type(confirmed) is int
+        plain = (type(rid) is str and text_ok(rid) and type(num_tokens) is int
+                 and type(confirmed) is int
                  and 0 <= num_tokens < COUNT_LIMIT and 0 <= confirmed < COUNT_LIMIT
                  and type(new) is bool
                  and type(preempted) is bool and (type(hashes) is list or type(hashes) is tuple)
@@ -144,7 +152,8 @@ class CallCheck:
             raise self.refuse(call, None, "req",
                               f"must be a RequestView, got {describe(req)}") from None
         local: Any = num_local_tokens
-        if not (type(rid) is str and (type(hashes) is list or type(hashes) is tuple)
+        if not (type(rid) is str and text_ok(rid)
+                and (type(hashes) is list or type(hashes) is tuple)
                 and type(num_tokens) is int and 0 <= num_tokens < COUNT_LIMIT
                 and type(local) is int and local >= 0
                 and (params is None or type(params) is dict)):

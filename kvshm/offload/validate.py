@@ -97,6 +97,21 @@ _repr.maxstring = 40
 _repr.maxother = 40
 
 
+def text_ok(s: str) -> bool:
+    """``s`` can be encoded as UTF-8 (no lone surrogate, which a JSON body may carry
+    and Python's ``json`` accepts). A request id without it raised UnicodeEncodeError
+    -- no InvalidRequest -- from the first call that encoded it (a P/D hand-off's
+    manifest name), after that call had changed state (a hostile probe). ASCII, the
+    usual case, is one C test."""
+    if s.isascii():
+        return True
+    try:
+        s.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
 def describe(value: object) -> str:
     """A short description of a refused value: its type and a clipped repr."""
     return f"{type(value).__name__} {_repr.repr(value)}"
@@ -138,6 +153,9 @@ class InputCheck:
     def req_id(self, call: str, value: object) -> str:
         if not isinstance(value, str):
             raise self.refuse(call, None, "req_id", f"must be a str, got {describe(value)}")
+        if not text_ok(value):
+            raise self.refuse(call, None, "req_id",
+                              f"must be text that UTF-8 can encode, got {value!a:.80}")
         return value
 
     def count(self, call: str, rid: str | None, field: str, value: object) -> int:

@@ -37,6 +37,7 @@ from kvshm.offload.pd.manifest import (
     remote_prefill,
 )
 from kvshm.offload.pd.scope import HandoffScope
+from kvshm.offload.validate import text_ok
 from kvshm.ratelog import RateLimitedLog
 
 __all__ = ["REASK_FRACTION", "REASK_MAX_S", "REASK_MIN_S", "Consumers", "reask_delay"]
@@ -163,11 +164,13 @@ class Consumers:
                 self._tokens.pop(st.token, None)
                 self.counters.manifest_missing += 1
             return st.verdict
-        if not key.startswith(self._prefix) or len(key) > len(self._prefix) + NAME_MAX:
+        if not key.startswith(self._prefix) or len(key) > len(self._prefix) + NAME_MAX \
+                or not text_ok(key):  # (one glide cannot encode failed the batch of every
+            # request's index commands, and the server was blamed: a hostile probe)
             self.counters.manifest_refused += 1  # another deployment's, or not a name
             rlog.warning("foreign_name",
-                         "kvshm: hand-off manifest name %.200r for request %r is not this "
-                         "deployment's (%s...): the request recomputes", key, rid,
+                         "kvshm: hand-off manifest name %.200r for request %r is no name "
+                         "of this deployment's (%s...): the request recomputes", key, rid,
                          self._prefix)
             self._reqs[rid] = _Consume(rid, key, [], False, self._clock(),
                                        verdict=Verdict.REFUSED)

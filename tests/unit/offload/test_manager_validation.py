@@ -508,6 +508,14 @@ def _cases() -> Iterator[Case]:
     yield "step known request confirmed negative", step(sched("r", h, 9, [], confirmed=-8, new=False)), "r", "num_confirmed_tokens"
     yield "step known request hash None", step(sched("r", [h[0], None], 9, [], confirmed=8, new=False)), "r", "block_hashes[1]"
     yield "step listed twice", step(sched("n", h, 9, [5], confirmed=0), sched("n", h, 9, [5], confirmed=0)), "n", "requests"
+    # a lone surrogate (a JSON body may carry one): UnicodeEncodeError, no
+    # InvalidRequest, from the first call that encoded the id -- a P/D prefill's
+    # finished() after it had changed state (a hostile probe)
+    bad_id = "x\udfff"
+    yield "lookup id with a lone surrogate", look(RequestView(bad_id, h, 9)), "", "req_id"
+    yield "allocated id with a lone surrogate", alloc(bad_id, [[0, 1, 2]], 0), "", "req_id"
+    yield "finished id with a lone surrogate", fin(bad_id, 0, [[0]]), "", "req_id"
+    yield "step id with a lone surrogate", step(sched(bad_id, h, 9, [5], confirmed=0)), "", "req_id"
 
 
 @pytest.mark.parametrize("case", list(_cases()), ids=lambda c: c[0])

@@ -705,6 +705,14 @@ def test_a_manifest_of_another_deployment_or_oversized_is_refused_unread() -> No
     assert rig.m.lookup(s.view(), 0) == 0
     assert rig.m.remote is not None and rig.m.remote.pd is not None
     assert rig.m.remote.pd.counters.manifest_refused == 2
+    # a name of this deployment's with a lone surrogate (a JSON body may carry one):
+    # its read, in the index's shared batch, failed that batch's every command, and
+    # glide's encoding error was taken for the server's, opening the breaker (a
+    # hostile probe: other requests' manifests went unwritten); refused unread now
+    t = Req("t", 9, params={"do_remote_prefill": True,
+                            MANIFEST_PARAM: "kvshm:v1:pd:fp:2:t\ud800"})
+    assert rig.m.lookup(t.view(), 0) == 0 and index._values == []
+    assert rig.m.remote.pd.counters.manifest_refused == 3
 
 
 def test_a_block_is_put_again_once_the_server_may_have_dropped_it() -> None:
