@@ -16,7 +16,11 @@ a whole server or cluster, on demand:
 3. demote each expired one exactly as an engine does (``Handoffs._collect``): every key
    of :func:`handoff_keys` and each one's header key (:func:`~kvshm.remote.valkey.
    header_key`; a readiness key has none: a no-op, as in the engine) gets the ordinary
-   TTL (``RemoteSpec.ttl_s``; ``ttl_s=none``: no EXPIRE, as in the engine), then the
+   TTL where that is longer than what it has left (``EXPIRE ... GT``: never shorter,
+   as in the engine -- another live hand-off, of this deployment or another with the
+   same blocks, may name it; a janitor run with a shorter ``ttl_s`` than a deployment's
+   used to put that deployment's live hand-offs on its TTL: a hostile probe), (the
+   URL's ``RemoteSpec.ttl_s``; ``ttl_s=none``: no EXPIRE, as in the engine), then the
    manifest goes.
 
 Ordering and invariants, per manifest:
@@ -48,6 +52,7 @@ from typing import Any, Final, Protocol
 
 from kvshm.errors import ConfigError, RemoteError
 from kvshm.remote.resp import ServerReplyError, command, info_field, parse_reply
+from kvshm.remote.shard_batches import DEL_IF_SAME
 from kvshm.remote.tier import KEY_PREFIX, RemoteSpec, block_key, ready_key
 
 __all__ = ["MANIFEST_VERSION", "MAX_HANDOFF_KEYS", "PD_PREFIX", "Decoder", "HandoffRecord",
@@ -68,8 +73,6 @@ _CHUNK: Final = 512
 #: A sweep's request deadline at least (a batch of 512 EXPIREs on a loaded server).
 _MIN_TIMEOUT_MS: Final = 5000
 #: Deletes KEYS[1] only if it still holds ARGV[1]: 1 deleted, 0 not (gone, rewritten).
-_DEL_IF_SAME: Final = ("if redis.call('GET', KEYS[1]) == ARGV[1] then "
-                       "return redis.call('DEL', KEYS[1]) end return 0")
 
 
 class HandoffRecord(Protocol):
@@ -284,7 +287,7 @@ class _Sweep:
                  delete_unreadable: bool) -> None:
         self.spec, self.g, self.client, self.report = spec, glide, client, report
         self.delete_unreadable = delete_unreadable
-        self.script = glide.Script(_DEL_IF_SAME)
+        self.script = glide.Script(DEL_IF_SAME)
 
     def batch(self) -> Any:
         return (self.g.ClusterBatch if self.spec.cluster else self.g.Batch)(is_atomic=False)
@@ -311,8 +314,9 @@ class _Sweep:
         for i in range(0, 0 if ttl is None else len(keys), step):
             cmds = [k for key in keys[i:i + step] for k in (key, header_key(key))]
             b = self.batch()
-            for k in cmds:
-                b.expire(k, ttl)
+            gt = self.g.ExpireOptions.NewExpiryGreaterThanCurrent
+            for k in cmds:  # never shorter: another live hand-off may name these blocks
+                b.expire(k, ttl, gt)
             out = self.exec(b)
             if len(out) != len(cmds) or any(isinstance(x, Exception) for x in out):
                 r.failed += 1

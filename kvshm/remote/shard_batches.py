@@ -36,7 +36,7 @@ from kvshm.remote.glide_client import (
 )
 from kvshm.remote.tier import RemoteSpec
 
-__all__ = ["DOWN", "SERVER", "Command", "Op", "ShardBatches"]
+__all__ = ["DEL_IF_SAME", "DOWN", "SERVER", "Command", "Op", "ShardBatches"]
 
 #: The shard name of a standalone server (:class:`~kvshm.remote.glide_client.Shards`).
 SERVER: Final = "server"
@@ -65,8 +65,13 @@ class Op(Enum):
     EXISTS = "exists"
     SET_VALUE = "set_value"  # SET key value EX ttl [(value, ttl_s)]
     GET = "get"
-    EXPIRE = "expire"  # EXPIRE key and its header key [seconds]
-    DELETE = "delete"
+    EXPIRE = "expire"  # EXPIRE key and its header key GT [seconds]
+    DELETE_IF_SAME = "delete_if_same"  # DEL key if it still holds [value]
+
+#: Deletes ``KEYS[1]`` only while it holds ``ARGV[1]`` (1 if deleted, else 0): a small
+#: value collected by its reader, never one written again since it was read.
+DEL_IF_SAME: Final = ("if redis.call('GET', KEYS[1]) == ARGV[1] then "
+                      "return redis.call('DEL', KEYS[1]) end return 0")
 
 
 class Command(NamedTuple):
@@ -146,11 +151,13 @@ class ShardBatches:
         elif c.op is Op.GET:
             batch.get(c.key)
         elif c.op is Op.EXPIRE:  # a block key's header key too (none: a no-op)
-            batch.expire(c.key, c.arg)
-            batch.expire(header_key(c.key), c.arg)
+            # GT: never shorter -- another live hand-off may hold the same blocks
+            gt = g.ExpireOptions.NewExpiryGreaterThanCurrent
+            batch.expire(c.key, c.arg, gt)
+            batch.expire(header_key(c.key), c.arg, gt)
         else:
-            assert c.op is Op.DELETE, c.op
-            batch.delete([c.key])
+            assert c.op is Op.DELETE_IF_SAME, c.op
+            batch.custom_command(["EVAL", DEL_IF_SAME, "1", c.key, c.arg])
 
     def _batch(self, client: Any, shard: str, cmds: list[Command]) -> list[Any] | None:
         """One shard's commands in one non-atomic batch; None when its breaker refused

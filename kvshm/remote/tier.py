@@ -504,13 +504,17 @@ class ReadyIndex(Protocol):
         """Queue a GET of a small value; its answer comes back through :meth:`values`."""
         ...
 
-    def delete(self, keys: Sequence[str]) -> None:
-        """Queue a DEL of ``keys``."""
+    def delete_if_same(self, key: str, value: bytes) -> None:
+        """Queue a DEL of ``key`` that applies only while it holds ``value`` (what its
+        reader read): a value written again since -- a hand-off published anew under
+        the same name -- stays."""
         ...
 
     def expire(self, keys: Sequence[str]) -> None:
         """Queue giving ``keys`` the tier's ordinary TTL (a collected or demoted
-        hand-off's blocks); a missing key is no error."""
+        hand-off's blocks) where that is longer than what they have left: never
+        shorter, since another live hand-off may name the same blocks; a missing key
+        is no error."""
         ...
 
     def values(self) -> list[tuple[int, bytes | None]]:

@@ -7,7 +7,7 @@ queries, small values (hand-off manifests) to set, get, delete or expire -- and 
 in pipelined, non-atomic batches, one per shard (the server; in a cluster, each primary,
 from the slot map of :class:`~kvshm.remote.glide_client.Shards`), the small-value writes
 in a second such round. Nothing here blocks its caller: ``publish``, ``query``,
-``put_value``, ``get_value``, ``delete`` and ``expire`` enqueue; ``answers`` and
+``put_value``, ``get_value``, ``delete_if_same`` and ``expire`` enqueue; ``answers`` and
 ``values`` pop what the thread finished.
 
 The batches go through :class:`~kvshm.remote.shard_batches.ShardBatches` (one round
@@ -86,7 +86,7 @@ class Ask(Enum):
     EXPIRE = "expire"  # block keys, ``arg`` seconds
     SET = "set"  # [key, value], ``arg``: its TTL
     GET = "get"  # token, [key]
-    DELETE = "delete"  # keys
+    DELETE_IF_SAME = "delete_if_same"  # [key, the value read]
 
 
 class _Queued(NamedTuple):
@@ -321,9 +321,9 @@ class ValkeyReadyIndex:
             return
         self._q.put(_Queued(Ask.GET, token, [key]))
 
-    def delete(self, keys: Sequence[str]) -> None:
-        if keys and not self._closed:
-            self._q.put(_Queued(Ask.DELETE, 0, list(keys)))
+    def delete_if_same(self, key: str, value: bytes) -> None:
+        if not self._closed:
+            self._q.put(_Queued(Ask.DELETE_IF_SAME, 0, [key, value]))
 
     def refused(self) -> list[str]:
         with self._lock:
@@ -410,9 +410,9 @@ class ValkeyReadyIndex:
                      if q.ask in (Ask.PUBLISH, Ask.KEEP) for k in q.items]
         # reads go with the readiness round unless a value is written or deleted in
         # this drain (a read queued after it must see it: then all keep their order)
-        early = not any(q.ask in (Ask.SET, Ask.DELETE) for q in work)
+        early = not any(q.ask in (Ask.SET, Ask.DELETE_IF_SAME) for q in work)
         gets = [(q.arg, q.items[0]) for q in work if q.ask is Ask.GET and early]
-        others = [q for q in work if q.ask in (Ask.SET, Ask.DELETE, Ask.EXPIRE)
+        others = [q for q in work if q.ask in (Ask.SET, Ask.DELETE_IF_SAME, Ask.EXPIRE)
                   or (q.ask is Ask.GET and not early)]
         bad: frozenset[str] = frozenset()
         if queries or publishes or gets:  # an empty batch is an error to glide
@@ -466,7 +466,8 @@ class ValkeyReadyIndex:
 
     def _values_round(self, client: Any, ops: list[_Queued]) -> None:
         """Small values (hand-off manifests), after the readiness round, in queue
-        order: SET with their own TTL, DEL, EXPIRE, and GETs queued with a SET or DEL
+        order: SET with their own TTL, compare-and-DEL, EXPIRE (never shortening a TTL),
+        and GETs queued with a SET or a DEL
         (else they went with the readiness round: :meth:`_round`); one round trip per
         shard. A GET of a shard that is down is None (a miss)."""
         cmds: list[Command] = []
@@ -477,9 +478,10 @@ class ValkeyReadyIndex:
             elif q.ask is Ask.GET:
                 gets.append((q.arg, len(cmds)))
                 cmds.append(Command(Op.GET, q.items[0]))
-            else:  # expire, delete: one command per key (keys may span shards)
-                op = Op.EXPIRE if q.ask is Ask.EXPIRE else Op.DELETE
-                cmds += [Command(op, k, q.arg) for k in q.items]
+            elif q.ask is Ask.DELETE_IF_SAME:
+                cmds.append(Command(Op.DELETE_IF_SAME, q.items[0], q.items[1]))
+            else:  # expire: one command per key (keys may span shards)
+                cmds += [Command(Op.EXPIRE, k, q.arg) for k in q.items]
         replies = self._batches.run(client, cmds)
         # a SET stored only on OK; an error reply (OOM, no permission) is a refusal
         self._n.add(values_set=sum(1 for c, r in zip(cmds, replies, strict=True)

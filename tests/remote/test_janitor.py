@@ -36,8 +36,11 @@ FP = "tiny-llama.bf16.bs16.nhd"
 WORLD = 2
 BLOCKS = 3
 ROW = 4096
-TTL = 60  # the ordinary TTL (the engines' URL says ttl_s=60)
-HOLD = 3600  # the hold TTL of a hand-off's blocks
+TTL = 600  # the ordinary TTL (the engines' URL says ttl_s=600)
+# the hold TTL of a hand-off's blocks: shorter than TTL here, so that a demotion, which
+# never shortens a TTL (EXPIRE ... GT: another live hand-off may name the same blocks),
+# shows as the ordinary TTL on the expired hand-off's keys
+HOLD = 180
 MANIFEST_TTL = 600  # Handoffs' default: the manifest key lives 2x that
 CALM = {"request_timeout_ms": 5000, "connect_timeout_ms": 5000}
 # the same as URL knobs, for the janitor's command line: its default 500 ms connect
@@ -151,7 +154,7 @@ def run_json(*argv: str, capsys: pytest.CaptureFixture[str]) -> dict[str, Any]:
 def assert_demoted_old_only(node: Node, names: dict[str, str]) -> None:
     assert node.get(names["old"]) is None  # the expired manifest is gone
     for k in every_key(hashes(0)):  # ... and its keys have the ordinary TTL
-        assert 0 < node.ttl(k) <= TTL, k
+        assert HOLD < node.ttl(k) <= TTL, k
     assert node.get(names["new"]) is not None  # the live one: untouched
     assert MANIFEST_TTL < node.ttl(names["new"]) <= 2 * MANIFEST_TTL
     for k in every_key(hashes(100)):
@@ -255,6 +258,24 @@ def test_a_manifest_rewritten_meanwhile_is_not_deleted(valkey: ValkeyServer) -> 
     assert node.get(names["old"]) == fresh
 
 
+def test_a_janitor_with_a_shorter_ttl_never_shortens_a_live_hand_offs_blocks(
+        valkey: ValkeyServer, capsys: pytest.CaptureFixture[str]) -> None:
+    """Hazard "a demotion shortened a live hand-off's blocks" (a hostile probe): an
+    expired hand-off and a live one name the same blocks (two requests of one prompt);
+    a janitor run with another deployment's URL, ``ttl_s=5``, demoted the expired one
+    and put every shared key on a 5 s TTL: 6 s later they were gone, and the live
+    hand-off's decoder recomputed. The demotion only lengthens TTLs now: the shared keys
+    keep their hold, and the expired manifest still goes."""
+    node = Node([valkey])
+    names = publish(valkey.url, {"old": (hashes(0), -2 * MANIFEST_TTL),
+                                 "new": (hashes(0), 0.0)})
+    report = run_json("--url", f"{valkey.url}?ttl_s=5&{CALM_Q}", capsys=capsys)
+    assert (report["demoted"], report["keys_given_ttl"], report["live"]) == (1, 0, 1)
+    assert node.get(names["old"]) is None and node.get(names["new"]) is not None
+    for k in every_key(hashes(0)):
+        assert HOLD - 60 < node.ttl(k) <= HOLD, k
+
+
 def test_a_dead_server_or_a_bad_url_is_exit_2_with_one_line(
         capsys: pytest.CaptureFixture[str]) -> None:
     port = free_port()
@@ -302,7 +323,7 @@ def test_a_cluster_is_scanned_on_every_primary(valkey_cluster: ValkeyCluster,
     for i in range(8):
         assert node.get(names[f"old-{i}"]) is None
         assert node.get(names[f"new-{i}"]) is not None
-        assert all(0 < node.ttl(k) <= TTL for k in every_key(hashes(1000 * i)))
+        assert all(HOLD < node.ttl(k) <= TTL for k in every_key(hashes(1000 * i)))
         assert all(node.ttl(k) > HOLD - 60 for k in every_key(hashes(1000 * i + 500)))
     # one node's address as a standalone URL: refused, not a partial scan
     first = valkey_cluster.nodes[0]
@@ -378,8 +399,8 @@ class _Recorder:
     def get_value(self, token: int, key: str) -> None:
         self.pending.append((token, self.value))
 
-    def delete(self, keys: Sequence[str]) -> None:
-        self.deleted += keys
+    def delete_if_same(self, key: str, value: bytes) -> None:
+        self.deleted.append(key)
 
     def expire(self, keys: Sequence[str]) -> None:
         self.expired += keys

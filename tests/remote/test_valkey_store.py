@@ -335,7 +335,7 @@ def test_a_refused_manifest_write_is_counted_refused_not_set(valkey: ValkeyServe
     idx = ValkeyReadyIndex(RemoteSpec.parse(valkey.url, ttl_s=60, **CALM))
     try:
         idx.put_value("kvshm:v1:pd:fp:2:r", b"manifest", 60)
-        idx.delete(["kvshm:v1:pd:fp:2:r"])
+        idx.delete_if_same("kvshm:v1:pd:fp:2:r", b"manifest")
         idx.expire(["kvshm:v1:pd:fp:2:r"])
         idx.get_value(1, "kvshm:v1:pd:fp:2:r")
         assert _wait(idx.values) == [(1, None)]
@@ -358,7 +358,7 @@ def test_ready_index_small_values_alone_are_no_error_and_a_probe_closes_the_brea
         idx.get_value(1, "kvshm:v1:pd:fp:2:r")
         assert _wait(idx.values) == [(1, b"manifest")]
         idx.expire(["kvshm:v1:pd:fp:2:r"])
-        idx.delete(["kvshm:v1:pd:fp:2:r"])
+        idx.delete_if_same("kvshm:v1:pd:fp:2:r", b"manifest")
         idx.get_value(2, "kvshm:v1:pd:fp:2:r")
         assert _wait(idx.values) == [(2, None)]
         assert idx.statistics()["errors"] == 0
@@ -750,3 +750,35 @@ def test_a_put_the_server_refuses_is_one_warning_with_its_text(
     assert len(lines) == 1 and "refused a put" in lines[0], lines
     assert "No permissions to access a key" in lines[0], lines  # the server's reason
     assert fresh.suppressed == 2
+
+
+def test_a_collection_deletes_only_the_manifest_it_read_and_never_shortens_a_ttl(
+        valkey: ValkeyServer) -> None:
+    """Two hazards of a hand-off's collection (a hostile probe):
+    * "a collection's DEL took a manifest published anew": the decoder read M1, the
+      prefill published M2 under the same name (a proxy retrying the request), and the
+      decoder's DEL removed M2: its own decoder waited 5 s and recomputed. The delete is
+      now a compare-and-delete of the bytes read: M2 stays, and M2's own reader's goes.
+    * "a demotion shortened a live hand-off's blocks": EXPIRE with a deployment's (or a
+      janitor's) short ``ttl_s`` put blocks that another live hand-off names, held for
+      1,800 s, on a 5 s TTL, and they were gone before its decoder read them. EXPIRE now
+      only lengthens (GT): the held key keeps its TTL, a key with less left gets the
+      ordinary one."""
+    idx = ValkeyReadyIndex(RemoteSpec.parse(valkey.url, ttl_s=5, **CALM))
+    name, held, short = "kvshm:v1:pd:fp:2:r", "kvshm:v1:blk:held", "kvshm:v1:blk:short"
+    try:
+        call(valkey, "SET", held, "1", "EX", "1800")
+        call(valkey, "SET", short, "1", "EX", "2")
+        idx.put_value(name, b"M2", 60)
+        idx.delete_if_same(name, b"M1")  # the first decoder's collection of what it read
+        idx.expire([held, short])
+        idx.get_value(1, name)
+        assert _wait(idx.values) == [(1, b"M2")]
+        assert int(call(valkey, "TTL", held)) > 1700
+        assert 3 <= int(call(valkey, "TTL", short)) <= 5
+        idx.delete_if_same(name, b"M2")  # the retry's decoder
+        idx.get_value(2, name)
+        assert _wait(idx.values) == [(2, None)]
+        assert idx.statistics()["errors"] == 0
+    finally:
+        idx.close()

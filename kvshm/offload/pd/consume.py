@@ -77,6 +77,7 @@ class _Consume:
     sent: float = 0.0  # when the last read was sent
     ask_at: float = 0.0
     reads: int = 0  # manifest reads sent for the request
+    raw: bytes = b""  # the manifest as read (what its collection deletes, if unchanged)
 
 
 class Consumers:
@@ -279,6 +280,7 @@ class Consumers:
             else:  # read again later: a missing manifest is not polled at the RTT's rate
                 self._again(st, now, orphan=False)
             return
+        st.raw = raw
         m, ok = self._scope.read(raw, st.keys)
         if ok and m is not None and m.expires_at < self._wall():
             st.verdict = Verdict.REFUSED
@@ -322,7 +324,10 @@ class Consumers:
         hashes, unchecked = checked_hashes(m, st.keys, self._scope.remote_hash)
         self.counters.entries_unchecked += unchecked
         self._scope.demote(hashes)
-        self._scope.index.delete([st.key])
+        # compare-and-delete: a manifest published anew under this name since it was
+        # read (a proxy retrying the whole request) stays for its own decoder -- a plain
+        # DEL removed it, and that decoder waited its 5 s and recomputed (a hostile probe)
+        self._scope.index.delete_if_same(st.key, st.raw)
         return True
 
     def forget(self, rid: str) -> None:
@@ -354,9 +359,10 @@ class Consumers:
             self._again(st, self._clock(), orphan=True)  # the prefill may publish yet
             return
         m, ok = self._scope.read(raw, st.keys) if raw is not None else (None, False)
-        if not ok or m is None:
+        if not ok or m is None or raw is None:
             self.counters.orphans_dropped += 1
             return
+        st.raw = raw
         if not st.owner:
             self.counters.not_owner += 1  # read, never collected by another owner
             return

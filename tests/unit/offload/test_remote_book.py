@@ -59,9 +59,9 @@ class HeldIndex:
     def get_value(self, token: int, key: str) -> None:
         self._values.append((token, self.kv.get(key)))
 
-    def delete(self, keys: Sequence[str]) -> None:
-        for k in keys:
-            self.kv.pop(k, None)
+    def delete_if_same(self, key: str, value: bytes) -> None:
+        if self.kv.get(key) == value:
+            del self.kv[key]
 
     def expire(self, keys: Sequence[str]) -> None:
         self.log.extend(f"expire {k}" for k in keys)
