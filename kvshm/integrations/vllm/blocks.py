@@ -148,6 +148,23 @@ def _byte_storage(t: torch.Tensor) -> torch.Tensor:
     return flat
 
 
+def _meaning(t: torch.Tensor, num_blocks: int, block_stride: int) -> tuple[int, ...]:
+    """What a layer tensor's block holds, for its region's recorded shape: the tensor's
+    rank, its shape with the block dimension as -1 -- the one of ``num_blocks`` entries
+    ``block_stride`` bytes apart, found by position: marking every dimension that merely
+    equals ``num_blocks`` (a head size, say) made the fingerprint change with the block
+    count (a review) -- and its dimensions' order in memory (largest stride first: a
+    backend's permuted view is other bytes than the plain shape). Where no dimension
+    has that stride, every dimension of ``num_blocks`` entries is marked."""
+    size, strides = t.element_size(), tuple(t.stride())
+    by_stride = [d for d in range(t.dim())
+                 if t.shape[d] == num_blocks and strides[d] * size == block_stride]
+    marked = set(by_stride[:1] or [d for d in range(t.dim()) if t.shape[d] == num_blocks])
+    shape = [-1 if d in marked else int(n) for d, n in enumerate(t.shape)]
+    order = sorted(range(t.dim()), key=lambda d: (-strides[d], d))
+    return (t.dim(), *shape, *order)
+
+
 def _rows(flat: torch.Tensor, start: int, num_blocks: int, row_bytes: int,
           stride: int, what: str) -> torch.Tensor:
     end = start + (num_blocks - 1) * stride + row_bytes
@@ -170,8 +187,8 @@ class KvRegions(NamedTuple):
 def kv_layout(kv_caches: Mapping[str, torch.Tensor], kv_cache_tensors: Sequence[Any],
               num_blocks: int) -> KvRegions:
     """The regions covering every layer's KV (see module doc) and their meaning: each
-    region's dtype, and its shape -- a covered layer tensor's shape with every dimension
-    of ``num_blocks`` as -1, behind the count of layers it covers. Two vLLM layouts of
+    region's dtype, and its shape -- the count of layers it covers, then a covered layer
+    tensor's (:func:`_meaning`). Two vLLM layouts of
     one model with as many bytes per block but another order (NHD against HND: other
     attention backends) are other KV: their rows alone told them apart by nothing, and
     they shared one remote tier (a review).
@@ -204,7 +221,7 @@ def kv_layout(kv_caches: Mapping[str, torch.Tensor], kv_cache_tensors: Sequence[
                 raise ConfigError(f"KV cache tensor {i}: layer {name!r} does not start "
                                   f"layer_stride={lstride} bytes after the previous one in "
                                   "one allocation")
-        shape = tuple(-1 if d == num_blocks else int(d) for d in first.shape)
+        shape = _meaning(first, num_blocks, bstride)
         if lstride >= num_blocks * bstride or len(layers) == 1:
             spans = [(start0 + li * lstride, bstride) for li in range(len(layers))]
             covered = 1
