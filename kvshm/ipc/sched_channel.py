@@ -202,7 +202,11 @@ class SchedulerChannel(ChannelEndpoint[protocol.CmdMsg, protocol.Done]):
         """
         self._check_open()
         carried, self._answered_good = self._answered_good, []
-        msgs = self._drain()
+        try:
+            msgs = self._drain()
+        except BaseException:  # an undecodable record: the carried Dones wait again
+            self._answered_good = carried  # (a review: they were lost)
+            raise
         if msgs:
             stray = self._unanswered.answered(msgs, self.rank)
             if stray:
