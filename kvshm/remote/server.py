@@ -145,6 +145,7 @@ class ValkeyServer:
         #: what :meth:`command` sends first, and the file the URL names (None: open)
         self.password = password
         self.password_file: Path | None = None
+        self._made_password_file = password is not None and password_file is None
         self._conf: Path | None = None
         if password is not None:  # (a given password_file already holds it)
             self.password_file = (Path(password_file).absolute() if password_file is not None
@@ -268,8 +269,8 @@ class ValkeyServer:
             shutil.rmtree(self.workdir, ignore_errors=True)
             return
         made = [self._conf] if self._conf is not None else []
-        if self.password_file is not None and self.password_file.parent == self.workdir:
-            made.append(self.password_file)
+        if self._made_password_file and self.password_file is not None:
+            made.append(self.password_file)  # (never one the caller gave: a review)
         for path in made:
             with contextlib.suppress(OSError):
                 path.unlink()

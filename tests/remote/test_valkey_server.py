@@ -269,3 +269,21 @@ def test_a_password_file_another_user_owns_is_refused(tmp_path: Path) -> None:
     os.chown(f, 65534, 65534)
     with pytest.raises(ConfigError, match="is owned by uid 65534"):
         RemoteSpec.parse(f"valkey://127.0.0.1:1?password_file={f}")
+
+
+def test_a_server_removes_the_password_files_it_made_and_keeps_a_given_one(
+        tmp_path: Path) -> None:
+    """In a caller's work directory a server left its password and configuration files
+    (the password in clear) behind, and a second server there failed on them; and it
+    removed a password file the caller had given it to keep across restarts (reviews).
+    Now it removes what it made, replaces it when made again, and keeps a given file."""
+    for _ in range(2):
+        server = ValkeyServer(workdir=tmp_path, password="made")
+        assert server.password_file == tmp_path / "password"
+        server.close()
+        assert sorted(p.name for p in tmp_path.iterdir()) == []
+    given = tmp_path / "given"
+    given.write_text("kept\n")
+    server = ValkeyServer(workdir=tmp_path, password="kept", password_file=given)
+    server.close()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["given"]
