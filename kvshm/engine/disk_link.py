@@ -263,9 +263,9 @@ def open_disk(config: EngineConfig) -> DiskLink:
                     "their own)", gone, config.disk_path)
     held = sum(_held(link.path(r)) for r in range(config.world_size))
     need = max(0, config.world_size * config.disk_bytes_per_rank - held)
+    _say_other_worlds(config)  # before the space check: they may be why it refuses
     check_directory(config.disk_path, need, direct=config.disk_io is DiskIO.DIRECT)
     _say_open_directory(config.disk_path)
-    _say_other_worlds(config)
     return link
 
 
