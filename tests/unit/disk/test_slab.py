@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -31,10 +32,13 @@ from kvshm.disk import (
     scan,
     slab_path,
 )
+from kvshm.disk.slab import SCAN_RUN_BYTES, SCAN_SEQUENTIAL_STRIDE
 from kvshm.errors import ConfigError
 
 FP = "test-model.bf16.bs16"
 H_A, H_B = b"\xaa" * 32, b"\xbb" * 32
+#: A row whose slots lie past SCAN_SEQUENTIAL_STRIDE: scanned one header at a time.
+BIG_ROW = 16 * PAGE
 
 
 def view(t: torch.Tensor) -> memoryview:
@@ -279,14 +283,15 @@ def test_a_cold_scan_keeps_headers_in_flight_ahead_of_the_one_it_parses(
     0.17 - 0.32 s for the same file, 8.1x by the median (``tools.bench_disk --part
     scan``).
 
-    A 10-slot slab with ``ahead=3``: the file header is read, then slots 0-2 are advised,
-    then each slot i is advised i + 3 (while there is one) before slot i is read; every
+    A 10-slot slab of rows past ``SCAN_SEQUENTIAL_STRIDE`` (closer slots are read in
+    runs) with ``ahead=3``: the file header is read, then slots 0-2 are advised, then
+    each slot i is advised i + 3 (while there is one) before slot i is read; every
     header page is advised exactly once and before its read."""
     path = str(tmp_path / "s.slab")
-    spec = SlabSpec(FP, 0, 1, 10, PAGE)
+    spec = SlabSpec(FP, 0, 1, 10, BIG_ROW)
     s = SlabFile.open(path, spec, direct=False)
     try:
-        s.write(4, [view(rand_rows((PAGE,), seed=4)[0])], H_A)
+        s.write(4, [view(rand_rows((BIG_ROW,), seed=4)[0])], H_A)
     finally:
         s.close()
     calls = _scan_calls(monkeypatch)
@@ -309,11 +314,11 @@ def test_a_file_system_that_refuses_read_ahead_is_scanned_one_read_at_a_time(
     it), the first refusal ends it and the scan reads every header as before, finding
     the same slots; it never raises for it."""
     path = str(tmp_path / "s.slab")
-    spec = SlabSpec(FP, 0, 1, 6, PAGE)
+    spec = SlabSpec(FP, 0, 1, 6, BIG_ROW)
     s = SlabFile.open(path, spec, direct=False)
     try:
-        s.write(1, [view(rand_rows((PAGE,), seed=5)[0])], H_A)
-        s.write(5, [view(rand_rows((PAGE,), seed=6)[0])], H_B)
+        s.write(1, [view(rand_rows((BIG_ROW,), seed=5)[0])], H_A)
+        s.write(5, [view(rand_rows((BIG_ROW,), seed=6)[0])], H_B)
     finally:
         s.close()
     calls = _scan_calls(monkeypatch, refuse=True)
@@ -321,6 +326,37 @@ def test_a_file_system_that_refuses_read_ahead_is_scanned_one_read_at_a_time(
     assert [c for c in calls if c[0] == "advise"] == [("advise", spec.slot_offset(0))]
     assert [c for c in calls if c[0] == "read"] == \
         [("read", 0)] + [("read", spec.slot_offset(i)) for i in range(6)]
+
+
+def test_a_slab_of_small_rows_is_scanned_in_a_few_reads_beside_a_busy_thread(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Hazard "the warm scan starved of the GIL": the scan runs on a thread of the
+    serving process and each ``pread`` lets go of the GIL; while vLLM's loop spun (its
+    first lookups ask again until the scan is applied) each read waited up to the
+    switch interval to get it back. 910 slots of 32 KiB rows took 0.6 s beside a busy
+    thread (4 ms alone) and 10 s in CI, past the start's wait: the restarted engine
+    recomputed its first request (``vllm/test_vllm_connector::test_a_restarted_engine_
+    serves_its_first_request_from_its_disk_tier``, red in CI). Slots that close are now
+    read in runs of ``SCAN_RUN_BYTES``: 9 reads instead of 910 (and as many advices),
+    the same slots found; a ``stop`` still ends it within ``SCAN_STOP_SLOTS`` slots."""
+    path = str(tmp_path / "s.slab")
+    spec = SlabSpec(FP, 0, 1, 910, 8 * PAGE)
+    assert spec.slot_stride <= SCAN_SEQUENTIAL_STRIDE
+    s = SlabFile.open(path, spec, direct=False)
+    try:
+        for slot, h in ((0, H_A), (500, H_B), (909, b"\x02" * 8)):
+            s.write(slot, [view(rand_rows((8 * PAGE,), seed=slot)[0])], h)
+    finally:
+        s.close()
+    calls = _scan_calls(monkeypatch)
+    assert scan(path, spec) == {0: H_A, 500: H_B, 909: b"\x02" * 8}
+    per = SCAN_RUN_BYTES // spec.slot_stride
+    assert calls == [("read", 0)] + [("read", spec.slot_offset(first))
+                                     for first in range(0, 910, per)]
+    assert len(calls) == 10
+    stop = threading.Event()
+    stop.set()
+    assert scan(path, spec, stop=stop) == {}
 
 
 def test_scan_and_open_agree_on_a_slab_grown_past_its_spec(tmp_path: Path) -> None:
