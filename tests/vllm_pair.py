@@ -42,7 +42,8 @@ def llm(cfg: dict[str, Any]) -> Any:
                                    "remote_url": cfg["url"]})
     return LLM(model=cfg["model"], enforce_eager=True, dtype="float32", max_model_len=2048,
                enable_prefix_caching=True, block_size=BLOCK, max_num_seqs=8,
-               seed=cfg["seed"], kv_cache_memory_bytes=16 << 20, kv_transfer_config=kv)
+               seed=cfg["seed"], kv_cache_memory_bytes=cfg.get("kv_bytes", 16 << 20),
+               kv_transfer_config=kv)
 
 
 def scheduler_side(engine: Any) -> Any:

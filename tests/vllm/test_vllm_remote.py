@@ -11,6 +11,11 @@ the loaded blocks, vLLM reports every full block cached, and B's token ids and t
 logprobs are bitwise equal to A's. A ran every prompt with nothing cached anywhere
 (asserted), so A's outputs are the recompute reference.
 
+B's KV cache is larger than A's (another device block count: vLLM's
+``gpu_memory_utilization``), which the layout fingerprint covered, so that B missed
+everything A had published (a hostile probe); and the server requires a password, as
+``kvshm valkey``'s does, which both engines read from the URL's ``password_file``.
+
 Speed (a vLLM import costs ~14 s of CPU here): A runs in the test's process (vLLM
 in-process mode; vLLM is imported already), B is this file run as a script, started
 first: it imports vLLM and builds its engine while A serves, then waits for a line on
@@ -102,14 +107,14 @@ def test_engine_b_serves_engine_a_prefixes_from_valkey_exactly(tiny_llama: Any,
 
     from kvshm.remote.server import ValkeyServer
 
-    server = ValkeyServer(maxmemory="256mb", workdir=tmp_path).start()
+    server = ValkeyServer(maxmemory="256mb", workdir=tmp_path, password="pw-b").start()
     log = tmp_path / "b.log"
     cfg = {"model": str(tiny_llama.path), "url": server.url,
            "seed": tiny_llama_example.SEED}
     a_stats_path, b_stats_path = tmp_path / "a-stats.json", tmp_path / "b-stats.json"
     b = None
     try:
-        b = spawn(__file__, {**cfg, "stats_path": str(b_stats_path),
+        b = spawn(__file__, {**cfg, "stats_path": str(b_stats_path), "kv_bytes": 24 << 20,
                                "out": str(tmp_path / "b-out.json")}, log, HASH_SEED)
         # A in this process while B imports vLLM and builds its engine
         with in_process_engine({**cfg, "stats_path": str(a_stats_path)}, HASH_SEED) as llm:
