@@ -4,11 +4,13 @@ the extra is missing or the port is taken."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,23 @@ def _config(port: int, name: str, password: str | None = None) -> bytes:
     return bytes(reply[1])
 
 
+@contextlib.contextmanager
+def kvshm_valkey(port: int, *args: str, cwd: Path | None = None
+                 ) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """``kvshm valkey --port PORT --maxmemory 64mb ARGS`` running: the process and its
+    first stdout line (the URL); killed on exit if it still runs."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvshm.cli", "valkey", "--port",
+                             str(port), "--maxmemory", "64mb", *args], cwd=cwd,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None
+        yield proc, proc.stdout.readline().strip()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
 def test_kvshm_valkey_prints_its_url_serves_and_stops_cleanly(sig: signal.Signals) -> None:
     """The URL is the first line on stdout, naming the password's file; the server binds
@@ -46,12 +65,7 @@ def test_kvshm_valkey_prints_its_url_serves_and_stops_cleanly(sig: signal.Signal
     SIGTERM (or SIGINT) is forwarded, the server is gone, its password file too, and
     the command exits 0."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvshm.cli", "valkey", "--port",
-                             str(port), "--maxmemory", "64mb"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline().strip()
+    with kvshm_valkey(port) as (proc, line):
         spec = RemoteSpec.parse(line)
         assert line.startswith(f"valkey://127.0.0.1:{port}?password_file=/")
         assert spec.password_file is not None and spec.password is not None
@@ -80,10 +94,6 @@ def test_kvshm_valkey_prints_its_url_serves_and_stops_cleanly(sig: signal.Signal
             assert time.monotonic() < deadline, "the server outlived kvshm valkey"
             time.sleep(0.02)
         assert not os.path.exists(spec.password_file)
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 def test_a_taken_port_is_a_clear_error() -> None:
@@ -173,15 +183,9 @@ def test_a_password_file_is_kept_across_restarts_and_engines_get_in_with_it(
     pw_file = tmp_path / "pw"
     urls, passwords = [], []
     for _ in range(2):
-        port = free_port()
-        proc = subprocess.Popen([sys.executable, "-m", "kvshm.cli", "valkey", "--port",
-                                 str(port), "--maxmemory", "64mb", "--password-file",
-                                 str(pw_file)], stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
-        try:
-            assert proc.stdout is not None
-            urls.append(proc.stdout.readline().strip())
-            spec = RemoteSpec.parse(urls[-1])
+        with kvshm_valkey(free_port(), "--password-file", str(pw_file)) as (proc, line):
+            urls.append(line)
+            spec = RemoteSpec.parse(line)
             passwords.append(spec.password)
             client = make_client(spec)
             try:
@@ -191,10 +195,6 @@ def test_a_password_file_is_kept_across_restarts_and_engines_get_in_with_it(
                 client.close()
             proc.send_signal(signal.SIGTERM)
             assert proc.wait(timeout=15) == 0
-        finally:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
     assert urls[0].endswith(f"?password_file={pw_file}") and passwords[0] == passwords[1]
     assert pw_file.stat().st_mode & 0o777 == 0o600
     pw_file.chmod(0o644)
@@ -242,20 +242,10 @@ def test_a_relative_password_file_is_named_whole_in_the_url(tmp_path: Path) -> N
     """``kvshm valkey --password-file pw`` run in a directory named the file relatively
     in the URL, which an engine started elsewhere could not open (a review)."""
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "kvshm.cli", "valkey", "--port",
-                             str(port), "--maxmemory", "64mb", "--password-file", "pw"],
-                            cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
-    try:
-        assert proc.stdout is not None
-        line = proc.stdout.readline().strip()
+    with kvshm_valkey(port, "--password-file", "pw", cwd=tmp_path) as (proc, line):
         assert line == f"valkey://127.0.0.1:{port}?password_file={tmp_path / 'pw'}"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
 
 
 @pytest.mark.skipif(os.geteuid() != 0, reason="needs root to give a file to another user")
