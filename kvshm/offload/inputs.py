@@ -75,7 +75,7 @@ class CallCheck:
         rid, hashes, num_tokens, nb = r.req_id, r.block_hashes, r.num_tokens, r.new_block_ids
         new, confirmed, preempted = r.new_or_resumed, r.num_confirmed_tokens, r.preempted
         params = r.kv_transfer_params
-        plain = (type(rid) is str and text_ok(rid) and type(num_tokens) is int
+        plain = (type(rid) is str and (rid.isascii() or text_ok(rid)) and type(num_tokens) is int
                  and type(confirmed) is int
                  and 0 <= num_tokens < COUNT_LIMIT and 0 <= confirmed < COUNT_LIMIT
                  and type(new) is bool
@@ -152,7 +152,7 @@ class CallCheck:
             raise self.refuse(call, None, "req",
                               f"must be a RequestView, got {describe(req)}") from None
         local: Any = num_local_tokens
-        if not (type(rid) is str and text_ok(rid)
+        if not (type(rid) is str and (rid.isascii() or text_ok(rid))
                 and (type(hashes) is list or type(hashes) is tuple)
                 and type(num_tokens) is int and 0 <= num_tokens < COUNT_LIMIT
                 and type(local) is int and local >= 0

@@ -16,12 +16,12 @@ a whole server or cluster, on demand:
 3. demote each expired one exactly as an engine does (``Handoffs._collect``): every key
    of :func:`handoff_keys` and each one's header key (:func:`~kvshm.remote.valkey.
    header_key`; a readiness key has none: a no-op, as in the engine) gets the ordinary
-   TTL where that is longer than what it has left (``EXPIRE ... GT``: never shorter,
-   as in the engine -- another live hand-off, of this deployment or another with the
-   same blocks, may name it; a janitor run with a shorter ``ttl_s`` than a deployment's
-   used to put that deployment's live hand-offs on its TTL: a hostile probe), (the
-   URL's ``RemoteSpec.ttl_s``; ``ttl_s=none``: no EXPIRE, as in the engine), then the
-   manifest goes.
+   TTL (the URL's ``RemoteSpec.ttl_s``; ``ttl_s=none``: no EXPIRE, as in the engine)
+   where that is longer than what it has left, then the manifest goes. ``EXPIRE ...
+   GT``, never shorter, as in the engine: another live hand-off, of this deployment or
+   another with the same blocks, may name the key (a janitor run with a shorter
+   ``ttl_s`` than a deployment's put that deployment's live hand-offs on its TTL: a
+   hostile probe).
 
 Ordering and invariants, per manifest:
 
@@ -72,7 +72,6 @@ _PAGE: Final = 256
 _CHUNK: Final = 512
 #: A sweep's request deadline at least (a batch of 512 EXPIREs on a loaded server).
 _MIN_TIMEOUT_MS: Final = 5000
-#: Deletes KEYS[1] only if it still holds ARGV[1]: 1 deleted, 0 not (gone, rewritten).
 
 
 class HandoffRecord(Protocol):

@@ -44,7 +44,7 @@ from urllib.parse import quote
 from kvshm.errors import ConfigError, MissingExtra, ServerStartError
 from kvshm.remote.resp import command, info_field
 
-__all__ = ["POLICY", "ValkeyCluster", "ValkeyServer", "check_memory", "free_port",
+__all__ = ["POLICY", "ServerAuth", "ValkeyCluster", "ValkeyServer", "check_memory", "free_port",
            "make_cluster", "node_id", "serve", "valkey_binary", "wait_cluster_ok"]
 
 #: The maxmemory policy kvshm's servers run with: evict only keys with a TTL, LRU first.
@@ -142,37 +142,37 @@ class ValkeyServer:
         self.logfile = str(self.workdir / "valkey.log") if logfile is None else logfile
         self.extra_args = tuple(extra_args)
         self.proc: subprocess.Popen[bytes] | None = None
-        #: what :meth:`command` sends first, and the file the URL names (None: open)
-        self.password = password
-        self.password_file: Path | None = None
-        self._made_password_file = password is not None and password_file is None
-        self._conf: Path | None = None
-        if password is not None:  # (a given password_file already holds it)
-            self.password_file = (Path(password_file).absolute() if password_file is not None
-                                  else _private_file(self.workdir / "password",
-                                                     password + "\n"))
-            self._conf = _private_file(self.workdir / "auth.conf",
-                                       f"requirepass {_quoted(password)}\n"  # replicas
-                                       f"masterauth {_quoted(password)}\n")  # log in too
+        #: its password's files (None: an open server)
+        self.auth = (None if password is None
+                     else ServerAuth(self.workdir, password, password_file))
 
     @property
     def pid(self) -> int | None:
         return self.proc.pid if self.proc is not None else None
 
     @property
+    def password(self) -> str | None:
+        return None if self.auth is None else self.auth.password
+
+    @property
+    def password_file(self) -> Path | None:
+        """The file the URL names (None: an open server)."""
+        return None if self.auth is None else self.auth.password_file
+
+    @property
     def url(self) -> str:
         """The remote tier's URL (with ``password_file`` where it has a password)."""
         base = f"valkey://{self.host}:{self.port}"
-        if self.password_file is None:
+        if self.auth is None:
             return base
-        return f"{base}?password_file={quote(str(self.password_file), safe='/')}"
+        return f"{base}?password_file={quote(str(self.auth.password_file), safe='/')}"
 
     def command(self, *args: str | bytes, timeout: float = 2.0) -> bytes:
         """:func:`~kvshm.remote.resp.command` to this server, with its password."""
         return command(self.host, self.port, *args, timeout=timeout, password=self.password)
 
     def argv(self) -> list[str]:
-        conf = [] if self._conf is None else [str(self._conf)]  # first: the config file
+        conf = [] if self.auth is None else [str(self.auth.conf)]  # first: the config
         args = [str(valkey_binary()), *conf, "--bind", self.host, "--port", str(self.port),
                 "--save", "", "--appendonly", "no", "--protected-mode", "yes",
                 "--daemonize", "no", "--maxmemory", self.maxmemory,
@@ -267,13 +267,8 @@ class ValkeyServer:
         self.stop()
         if self._own_dir:
             shutil.rmtree(self.workdir, ignore_errors=True)
-            return
-        made = [self._conf] if self._conf is not None else []
-        if self._made_password_file and self.password_file is not None:
-            made.append(self.password_file)  # (never one the caller gave: a review)
-        for path in made:
-            with contextlib.suppress(OSError):
-                path.unlink()
+        elif self.auth is not None:
+            self.auth.remove()
 
     def __enter__(self) -> ValkeyServer:
         return self.start()
@@ -284,6 +279,39 @@ class ValkeyServer:
 
 #: What valkey-server logs when its port was taken between our check and its bind.
 _ADDR_IN_USE: Final = "Address already in use"
+
+
+class ServerAuth:
+    """A server's password as files in its work directory ``workdir``: the configuration
+    file that sets it (``requirepass``, and ``masterauth`` for a cluster's replicas;
+    0600, given to the server first: never on its command line, which every local user
+    can read) and the file the URL names -- ``password_file`` where the caller gave one
+    (it holds the password already, and is never removed here), else one made beside the
+    configuration. :meth:`remove` removes what was made (a later server in that
+    directory makes its own)."""
+
+    def __init__(self, workdir: Path, password: str,
+                 password_file: str | Path | None = None) -> None:
+        self.password = password
+        self._made: list[Path] = []
+        if password_file is not None:
+            self.password_file = Path(password_file).absolute()
+        else:
+            self.password_file = self._make(workdir / "password", password + "\n")
+        self.conf = self._make(workdir / "auth.conf",
+                               f"requirepass {_quoted(password)}\n"
+                               f"masterauth {_quoted(password)}\n")
+
+    def _make(self, path: Path, text: str) -> Path:
+        self._made.append(_private_file(path, text))
+        return path
+
+    def remove(self) -> None:
+        """Remove the files made here (never a password file the caller gave)."""
+        for path in self._made:
+            with contextlib.suppress(OSError):
+                path.unlink()
+        self._made.clear()
 
 
 def _private_file(path: Path, text: str, *, replace: bool = True) -> Path:

@@ -98,9 +98,10 @@ class RemoteSpec:
     * ``hold_ttl_s``: the TTL of a P/D hand-off's blocks and readiness keys until a
       decoder loads them (then they get ``ttl_s`` where that is longer than what they
       have left: a TTL is never shortened, as another live hand-off may name the same
-      blocks -- ``EXPIRE ... GT``, Valkey, or Redis 7.0 and later). Finite on purpose: a hand-off no
-      decoder ever collects (aborted, refused, its prefill killed) must not pin server
-      memory for ever; it must outlast the publication plus the manifest's life.
+      blocks -- ``EXPIRE ... GT``, Valkey, or Redis 7.0 and later). Finite on purpose:
+      a hand-off no decoder ever collects (aborted, refused, its prefill killed) must
+      not pin server memory for ever; it must outlast the publication plus the
+      manifest's life.
     * ``password_file``: a file holding the server's password (``AUTH``; ``kvshm
       valkey`` makes one), read when the spec is made (:func:`read_password`: no
       access for group or others). A password never goes in the URL itself: URLs are
