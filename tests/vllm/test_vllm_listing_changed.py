@@ -125,3 +125,58 @@ def test_block_hashes_are_cached_until_vllm_rehashes_the_block() -> None:
         [again] = pool.get_new_blocks(1)
     pool._insert_block_hash(make_block_hash_with_group_id(BlockHash(b"b" * 32), 0), again, 32)
     assert gpu.block_hashes(blk.block_id) == (b"b" * 32,)
+
+
+def test_a_failed_engine_keeps_no_id_of_the_requests_that_end_after_it() -> None:
+    """Hazard: once the engine is FAILED (a rank's verdict: vLLM serves on without
+    offload) no listing runs again, and every request that ended still added its id to
+    the listing's set of ids that left the running list -- which only a listing
+    cleared. One entry per request for the life of the server (a soak probe: 100,000
+    entries after 100k requests, ~128 B each). A step without a listing now lets that
+    set and the mirror go."""
+    from vllm.v1.core.sched.output import CachedRequestData, NewRequestData, SchedulerOutput
+
+    from kvshm.engine.lifecycle import EngineState
+    from kvshm.ipc.ring_pair import RevokeReason
+    from tools.vs_vllm_rig import Rig
+
+    def step(new: list[Any], cached: list[tuple[str, int]]) -> Any:
+        cd = CachedRequestData(req_ids=[c[0] for c in cached], resumed_req_ids=set(),
+                               new_token_ids=[[] for _ in cached], all_token_ids={},
+                               new_block_ids=[None for _ in cached],
+                               num_computed_tokens=[c[1] for c in cached],
+                               num_output_tokens=[0 for _ in cached])
+        return SchedulerOutput(scheduled_new_reqs=new, scheduled_cached_reqs=cd,
+                               num_scheduled_tokens={}, total_num_scheduled_tokens=0,
+                               scheduled_spec_decode_tokens={}, scheduled_encoder_inputs={},
+                               finished_req_ids=set(), free_encoder_mm_hashes=[],
+                               preempted_req_ids=set())
+
+    rig = Rig(gpu_blocks=64, cpu_blocks=64)
+    try:
+        side = rig.side
+        # READY: two running requests listed twice, so the mirror holds them
+        running = [rig.request(f"run{i}", list(range(i, i + 20))) for i in range(2)]
+        for r in running:
+            side.on_new_request(r)
+            side.lookup(r, 0)
+            side.allocated(r, ([10 + len(side._requests)],), 0)
+        side.build(step([NewRequestData.from_request(r, ([10],)) for r in running], []))
+        side.build(step([], [(r.request_id, 20) for r in running]))
+        assert side._lister._ids == ["run0", "run1"] and side._lister._gone == set()
+        with side.guard:
+            side.client._core.rank_died(0, None, why="test: a hang",
+                                        revoke=RevokeReason.HUNG)
+        assert side.client.state is EngineState.FAILED
+        for i in range(300):
+            r = rig.request(f"cmpl-{i:032x}-0", list(range(40)))
+            side.on_new_request(r)
+            side.lookup(r, 0)
+            side.finished(r, ([],))
+            if i % 10 == 9:  # vLLM steps on without offload
+                side.build(step([], [(x.request_id, 20) for x in running]))
+        # before: 300 ids kept (and the two-entry mirror, never to be read again)
+        assert side._lister._gone == set() and side._lister._ids == []
+        assert side._requests.keys() == {"run0", "run1"}
+    finally:
+        rig.close()

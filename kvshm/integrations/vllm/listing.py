@@ -113,6 +113,17 @@ class Listing:
         self.next_look.pop(rid, None)
         self._gone.add(rid)
 
+    def skip(self) -> None:
+        """A step with no listing (the engine is not READY: starting, or FAILED for
+        good). The mirror cannot follow the running list past it, so it goes, and with
+        it the ids that left (kept only to cut them out of the mirror); the next
+        listing, if any, takes the walk and rebuilds the mirror. Without this a failed
+        engine kept the id of every request that ended from then on, for the life of
+        the server (``forget`` adds it, only a listing cleared them)."""
+        if self._gone or self._ids:
+            self._gone.clear()
+            self._remirror((), [], False)
+
     def build(self, so: Any) -> tuple[list[ScheduledRequest], set[int]]:
         """The scheduled requests that changed (module docstring) and, with
         sliding-window groups, the GPU ids allocated this step. The set of listed ids

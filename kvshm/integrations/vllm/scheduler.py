@@ -300,8 +300,11 @@ class SchedulerSide:
         for rid in getattr(so, "finished_req_ids", ()) or ():
             if rid in requests or rid in refused:  # else ``finished`` forgot it already
                 self._forget(rid)
-        ready = client.state is EngineState.READY
-        reqs, alloc = self._listing(so) if ready else ([], set())
+        if client.state is EngineState.READY:
+            reqs, alloc = self._listing(so)
+        else:  # nothing is planned; the listing lets go of what it kept for the next
+            self._lister.skip()
+            reqs, alloc = [], set()
         plan = self._plan(reqs, alloc)
         load_dsts: dict[int, tuple[int, ...]] = {}
         if plan.load is not None:
