@@ -182,6 +182,9 @@ class Shards:
         self._known: list[tuple[str, int]] = list(spec.nodes)
         self._last_refresh = -1e9
         self.refreshes = 0
+        self.retired_opens = 0
+        """Opens of the breakers dropped with their shards (:meth:`_retire`)."""
+        self.retired_closes = 0
 
     def breaker(self, name: str) -> CircuitBreaker:
         with self._lock:
@@ -211,7 +214,9 @@ class Shards:
         its start, one that took longer than the interval was due again at once -- every
         part of a call for a stopped shard paid it again (10 s calls at 0.3 s timeouts, a
         hostile probe). The node that answered is asked first next time, a node that
-        did not goes to the back."""
+        did not goes to the back; a node neither the new map names nor the URL lists is
+        forgotten, and so is the breaker of a shard the new map does not name (both
+        stay bounded by the cluster's size, whatever its history)."""
         if not self.spec.cluster or not self._refresh_lock.acquire(blocking=False):
             return
         try:
@@ -235,15 +240,31 @@ class Shards:
                 failed.append(node)
                 continue
             slots_of, nodes = slots
-            known = [node] + [n for n in self._known if n != node and n not in failed]
+            # only the nodes this map names and the configured seeds are kept: a cluster
+            # whose nodes come back at new addresses (a restarted pod) grew the list by
+            # one a failover, each dead one a connect timeout at the next refresh past it
+            keep = set(nodes).union(self.spec.nodes)
+            known = [node] + [n for n in self._known
+                              if n != node and n not in failed and n in keep]
             known += [n for n in nodes if n not in known and n not in failed]
-            known = list(dict.fromkeys(known + failed))  # each node once
+            known = list(dict.fromkeys(known + [n for n in failed if n in keep]))
             self._slots = slots_of
-            self._current = frozenset(slots_of)
+            self._current = current = frozenset(slots_of)
             self._known = known
             self.refreshes += 1
+            self._retire(current)
             return
         self._known = [n for n in self._known if n not in failed] + failed
+
+    def _retire(self, current: frozenset[str]) -> None:
+        """Drop the breaker of every shard ``current`` does not name (a failed-over
+        primary's), its opens and closes kept in :attr:`retired_opens` and
+        :attr:`retired_closes` (the statistics' sums never go back)."""
+        with self._lock:
+            for name in [n for n in self.breakers if n not in current]:
+                b = self.breakers.pop(name)
+                self.retired_opens += b.opens
+                self.retired_closes += b.closes
 
     def current(self) -> frozenset[str] | None:
         """The shards of the slot map read last (None: none read yet, or standalone)."""

@@ -456,8 +456,9 @@ class ValkeyBlockStore:
     def statistics(self) -> dict[str, Any]:
         stats: dict[str, Any] = self._n.snapshot()
         breakers = [b.statistics() for b in list(self._shards.breakers.values())]
-        stats["breaker_opens"] = sum(b["opens"] for b in breakers)
-        stats["breaker_closes"] = sum(b["closes"] for b in breakers)
+        shards = self._shards
+        stats["breaker_opens"] = sum(b["opens"] for b in breakers) + shards.retired_opens
+        stats["breaker_closes"] = sum(b["closes"] for b in breakers) + shards.retired_closes
         now = self._shards.current()  # a failed-over primary's breaker is history
         states = {k: v for k, v in self._shards.states().items() if now is None or k in now}
         stats["breaker_state"] = worst(states.values()).value

@@ -505,14 +505,17 @@ class ValkeyReadyIndex:
 
     def statistics(self) -> dict[str, Any]:
         """Counters; ``breaker_state``: the worst shard's (open, half_open, closed),
-        ``breaker_opens``/``_closes``: summed over the shards, ``breakers``: each
+        ``breaker_opens``/``_closes``: summed over the shards, those a failover
+        retired too (they never go back), ``breakers``: each
         shard's state (a cluster: by primary)."""
         stats: dict[str, Any] = self._n.snapshot()
         named = self._named()
         states = {n: b.state for n, b in named.items()}
+        shards = self._shards  # (a failed-over primary's breaker: retired, counted)
         stats.update(breaker_state=worst(states.values()).value,
-                     breaker_opens=sum(b.opens for b in named.values()),
-                     breaker_closes=sum(b.closes for b in named.values()),
+                     breaker_opens=sum(b.opens for b in named.values()) + shards.retired_opens,
+                     breaker_closes=sum(b.closes for b in named.values())
+                     + shards.retired_closes,
                      breakers={n: s.value for n, s in states.items()},
                      slot_map_refreshes=self._shards.refreshes)
         return stats

@@ -248,3 +248,33 @@ def test_the_janitors_scan_names_a_peer_that_does_not_scan(reply: bytes, why: st
         pages = list(_scan(spec, "kvshm:v1:pd:*", 2.0, down))
     assert time.monotonic() - t0 < 3.0
     assert len(pages) <= 1 and len(down) == 1 and why in down[0], down
+
+
+def test_a_cluster_whose_primaries_keep_moving_keeps_only_the_nodes_its_map_names() -> None:
+    """Hazard (a soak probe): every node a slot map ever named stayed in the list a
+    refresh asks, and every primary ever used kept its breaker -- a cluster whose
+    primaries come back at new addresses (a restarted pod: a new IP) grew both by one a
+    failover, for good (1,003 nodes after 1,000 failovers; a refresh past the dead ones
+    paid a connect timeout each). Here one seed node stays up and announces, at each of
+    30 failovers, a new primary at a new address: the list keeps the seed and the
+    current primary, the breakers the current primary's, and the opens counted on the
+    primaries that left stay in the sum."""
+    current = {"port": 0}
+
+    def announce(conn: socket.socket) -> None:
+        conn.sendall(_slots_reply("127.0.0.1", current["port"]))
+
+    with peer(announce) as seed:
+        spec = RemoteSpec.parse(f"valkey+cluster://127.0.0.1:{seed}", connect_timeout_ms=300)
+        shards = Shards(spec, lambda: CircuitBreaker(1, 1.0))
+        for i in range(30):
+            current["port"] = 40000 + i  # named only: never asked while the seed answers
+            shards.refresh(force=True)
+            primary = shards.shard_of("k")
+            assert primary == f"127.0.0.1:{40000 + i}"
+            shards.breaker(primary).failure()  # each primary's breaker opens once
+        assert shards.refreshes == 30
+        # before: 31 nodes and 30 breakers
+        assert shards._known == [("127.0.0.1", seed), ("127.0.0.1", 40029)]
+        assert list(shards.breakers) == ["127.0.0.1:40029"]
+        assert shards.retired_opens + shards.breakers["127.0.0.1:40029"].opens == 30
