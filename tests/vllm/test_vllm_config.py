@@ -513,3 +513,37 @@ def test_paths_that_cannot_serve_are_refused_in_the_callers_process(
                 pass
         assert re.search(match, str(info.value).splitlines()[0]), str(info.value)
         assert time.monotonic() - t0 < 10.0
+
+
+@needs_vllm
+@pytest.mark.parametrize("multiprocess", [False, True])
+def test_a_role_or_prefix_caching_kvshm_cannot_serve_is_refused_in_the_callers_process(
+        make_llm: LLMFactory, multiprocess: bool) -> None:
+    """Found by a hostile probe: ``kv_role='kv_producer'`` and
+    ``enable_prefix_caching=False`` were refused only inside EngineCore -- in
+    multi-process mode after ~19 s, as vLLM's ``RuntimeError: Engine core initialization
+    failed``, kvshm's ConfigError in the engine's log alone. The front end now checks
+    the config vLLM resolved, before any engine process starts."""
+    bad: list[tuple[dict[str, Any], dict[str, Any], str]] = [
+        ({"kv_role": "kv_producer"}, {}, r"kv_role='kv_both'.*got 'kv_producer'"),
+        ({}, {"enable_prefix_caching": False}, r"needs prefix caching.*it is off$")]
+    for kv, llm, match in bad:
+        t0 = time.monotonic()
+        with pytest.raises(ConfigError) as info:
+            with make_llm("KvshmConnector", module="kvshm.integrations.vllm",
+                          multiprocess=multiprocess, cpu_bytes=1 << 26, kv_overrides=kv,
+                          llm_overrides=llm):
+                pass
+        assert re.search(match, str(info.value).splitlines()[0]), str(info.value)
+        assert time.monotonic() - t0 < 10.0
+
+
+def test_prefix_caching_turned_off_for_an_mla_model_says_so() -> None:
+    """vLLM's CPU platform turns prefix caching off by itself for an MLA model (without
+    AMX): the refusal names that, not only the knob the user never set."""
+    vc = _vllm_config()
+    vc.cache_config.enable_prefix_caching = False
+    vc.model_config = SimpleNamespace(use_mla=True)
+    with pytest.raises(ConfigError, match="uses MLA attention, for which vLLM's CPU "
+                                          "platform turns prefix caching off itself"):
+        _parse(vc)

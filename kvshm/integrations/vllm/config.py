@@ -110,6 +110,7 @@ __all__ = [
     "check_extra_config",
     "check_paths",
     "check_extra_keys",
+    "check_vllm_config",
     "default_cpu_bytes_per_rank",
     "engine_name",
     "lower_tiers_text",
@@ -622,15 +623,22 @@ def _groups(infos: Sequence[GroupInfo], hash_block_size: int | None) -> tuple[in
     return bs, tuple(groups)
 
 
-def _check_vllm(vllm_config: Any) -> None:
+def check_vllm_config(vllm_config: Any) -> None:
+    """What kvshm needs of vLLM's resolved config beyond its own keys: ``kv_role``
+    ``kv_both``, prefix caching on, no context parallelism. Run where the connector is
+    built and, by the plugin, in the front end right after vLLM built the config (so a
+    multi-process start is refused before any engine process starts)."""
     kvt = vllm_config.kv_transfer_config
     role = getattr(kvt, "kv_role", None)
     if role != "kv_both":
         raise ConfigError(f"kvshm needs kv_transfer_config.kv_role='kv_both' (it stores "
                           f"and loads), got {role!r}")
     if not getattr(vllm_config.cache_config, "enable_prefix_caching", False):
+        mla = getattr(getattr(vllm_config, "model_config", None), "use_mla", False)
+        why = (" (this model uses MLA attention, for which vLLM's CPU platform turns "
+               "prefix caching off itself)" if mla is True else "")
         raise ConfigError("kvshm needs prefix caching (enable_prefix_caching=True): it "
-                          "stores and finds blocks by their prefix hashes")
+                          f"stores and finds blocks by their prefix hashes; it is off{why}")
     par = vllm_config.parallel_config
     for attr in ("decode_context_parallel_size", "prefill_context_parallel_size"):
         size = getattr(par, attr, 1)
@@ -695,7 +703,7 @@ def parse_config(vllm_config: Any, infos: Sequence[GroupInfo],
     extra = check_extra_config(getattr(kvt, "kv_connector_extra_config", None) or {},
                                tp * pp)
     check_paths(extra)
-    _check_vllm(vllm_config)
+    check_vllm_config(vllm_config)
     bs, groups = _groups(infos, hash_block_size)
     if extra.mode is StoreMode.LAZY and len(groups) != 1:
         raise ConfigError(f"mode='lazy' supports one KV cache group; the model has "

@@ -18,7 +18,10 @@ before any process starts. vLLM offers no hook there, so this wraps
 arguments into a config; ``load_general_plugins`` runs from ``EngineArgs`` itself, so the
 module is loaded by then). The wrapper checks only configs that name kvshm and then
 calls vLLM's method unchanged; where vLLM lacks the method it installs nothing (the
-connector still checks the same keys when it is built).
+connector still checks the same keys when it is built). Once vLLM's method returns,
+the wrapper also checks what kvshm needs of the resolved config (``kv_role``, prefix
+caching as vLLM left it -- its CPU platform turns it off for MLA models --, no context
+parallelism): refused there too, not in EngineCore.
 
 Invariants: idempotent (a second call in one process does nothing); cheap: loading
 the entry point imports this package's pure-Python config (no torch, no vLLM), and
@@ -87,18 +90,26 @@ def check_before_engine_start() -> bool:
 
 
 def _checked(original: Callable[..., Any]) -> Callable[..., Any]:
-    """``original`` preceded by kvshm's extra-config check where the args name kvshm."""
+    """``original`` preceded by kvshm's extra-config check and followed by its check of
+    the resolved config, where the args name kvshm."""
 
     @functools.wraps(original)
     def create_engine_config(self: Any, *args: Any, **kwargs: Any) -> Any:
         extra = _kvshm_extra_config(getattr(self, "kv_transfer_config", None))
-        if extra is not None:
-            from kvshm.integrations.vllm.config import check_extra_config, check_paths
+        if extra is None:
+            return original(self, *args, **kwargs)
+        from kvshm.integrations.vllm.config import (
+            check_extra_config,
+            check_paths,
+            check_vllm_config,
+        )
 
-            world = (getattr(self, "tensor_parallel_size", 1) or 1) * (
-                getattr(self, "pipeline_parallel_size", 1) or 1)
-            check_paths(check_extra_config(extra, world_size=world))
-        return original(self, *args, **kwargs)
+        world = (getattr(self, "tensor_parallel_size", 1) or 1) * (
+            getattr(self, "pipeline_parallel_size", 1) or 1)
+        check_paths(check_extra_config(extra, world_size=world))
+        config = original(self, *args, **kwargs)
+        check_vllm_config(config)  # kv_role, prefix caching as vLLM resolved them
+        return config
 
     create_engine_config._kvshm_checked = True  # type: ignore[attr-defined]
     return create_engine_config
