@@ -104,6 +104,8 @@ def test_extra_config_values() -> None:
     ({"cpu_bytes": 1.5}, "must be a positive integer"),
     ({"cpu_bytes": "1GiB"}, "must be a positive integer"),
     ({"cpu_bytes": True}, "must be a positive integer"),
+    ({"cpu_bytes": 1e300}, r"'cpu_bytes'\] must be below 2\*\*63, got 1e\+300$"),
+    ({"num_cpu_blocks": 1 << 63}, r"'num_cpu_blocks'\] must be below 2\*\*63, got 9.22e\+18$"),
     ({"cpu_bytes_per_rank": 0}, r"'cpu_bytes_per_rank'\] must be > 0"),
     ({"num_cpu_blocks": -1}, r"'num_cpu_blocks'\] must be > 0"),
     ({"cpu_bytes": GIB, "mode": "sometimes"}, "'mode'.*'eager', 'lazy'"),

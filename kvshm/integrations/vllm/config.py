@@ -356,13 +356,16 @@ def check_extra_keys(extra: Mapping[Any, Any]) -> None:
 
 
 def _int(key: str, value: object) -> int:
-    """A positive integer (an integral float such as ``1e9`` from JSON is accepted)."""
+    """A positive integer below 2**63 (an integral float such as ``1e9`` from JSON is
+    accepted; ``1e300`` is refused here, not later as a 301-digit size)."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{_EXTRA}[{key!r}] must be a positive integer, got {value!r}")
     if value <= 0:
         raise ConfigError(f"{_EXTRA}[{key!r}] must be > 0, got {value}")
+    if value >= 1 << 63:
+        raise ConfigError(f"{_EXTRA}[{key!r}] must be below 2**63, got {value:.3g}")
     return value
 
 
