@@ -21,6 +21,8 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Final
 
@@ -30,10 +32,14 @@ from kvshm.remote.breaker import BreakerState, CircuitBreaker
 from kvshm.remote.resp import ServerReplyError, command, parse_reply
 from kvshm.remote.tier import RemoteSpec
 
-__all__ = ["Counters", "Shards", "expiry_of", "glide_module", "header_key", "key_slot",
-           "make_client", "read_slot_map", "report_failure", "too_long"]
+__all__ = ["UNSERVED", "Counters", "ShardBreakers", "Shards", "expiry_of", "glide_module",
+           "header_key", "key_slot", "make_client", "read_slot_map", "report_failure",
+           "too_long"]
 
 _SLOTS: Final = 16384
+#: The shard name of a slot no primary serves (a partial slot map), and of every key
+#: before any map was read.
+UNSERVED: Final = "cluster"
 #: A slot-map refresh is attempted at most this often (seconds).
 _REFRESH_EVERY_S: Final = 0.5
 _RECONNECT: Final = (3, 50, 2)  # glide BackoffStrategy: retries, factor ms, base
@@ -166,37 +172,89 @@ class Counters:
             return dict(self._c)
 
 
+class ShardBreakers:
+    """One circuit breaker per shard name, made on first use; a shard that leaves the
+    slot map retires its breaker (:meth:`retire`).
+
+    Invariants: a name has at most one live breaker. A retired breaker stays countable:
+    a thread that took it before it retired may still record a failure on it, so the
+    last ``RETIRED_KEPT`` retired ones are summed as they are now, older ones folded at
+    the count they had when they left the window -- :meth:`totals` never goes back.
+    :meth:`name_of` answers for a live or retired breaker while anything holds it (a
+    weak map). All under one lock."""
+
+    RETIRED_KEPT: Final = 64
+
+    def __init__(self, make: Callable[[], CircuitBreaker]) -> None:
+        self._make = make
+        self._lock = threading.Lock()
+        self._live: dict[str, CircuitBreaker] = {}
+        self._names: weakref.WeakKeyDictionary[CircuitBreaker, str] = (
+            weakref.WeakKeyDictionary())
+        self._retired: deque[CircuitBreaker] = deque()
+        self._folded_opens = 0
+        self._folded_closes = 0
+
+    def get(self, name: str) -> CircuitBreaker:
+        """``name``'s live breaker (a new one the first time, or after it retired)."""
+        with self._lock:
+            found = self._live.get(name)
+            if found is None:
+                found = self._live[name] = self._make()
+                self._names[found] = name
+            return found
+
+    def name_of(self, breaker: CircuitBreaker) -> str:
+        """The shard ``breaker`` guards or guarded ("?" for one never made here)."""
+        with self._lock:
+            return self._names.get(breaker, "?")
+
+    def live(self) -> dict[str, CircuitBreaker]:
+        """A copy of the live breakers by shard name."""
+        with self._lock:
+            return dict(self._live)
+
+    def retire(self, keep: frozenset[str]) -> None:
+        """Retire the breaker of every shard ``keep`` does not name."""
+        with self._lock:
+            for name in [n for n in self._live if n not in keep]:
+                self._retired.append(self._live.pop(name))
+            while len(self._retired) > self.RETIRED_KEPT:
+                old = self._retired.popleft()
+                self._folded_opens += old.opens
+                self._folded_closes += old.closes
+
+    def totals(self) -> tuple[int, int]:
+        """Opens and closes of every breaker made here, live or retired, in one
+        snapshot."""
+        with self._lock:
+            every = [*self._live.values(), *self._retired]
+            return (self._folded_opens + sum(b.opens for b in every),
+                    self._folded_closes + sum(b.closes for b in every))
+
+
 class Shards:
     """Which breaker guards a key: one for a standalone server; one per primary of a
     cluster, from a slot map read with ``CLUSTER SLOTS`` (raw, short-timeout
-    connections to the known nodes, so a dead node costs a refused connect)."""
+    connections to the known nodes, so a dead node costs a refused connect). The
+    breakers are an object it holds (:class:`ShardBreakers`)."""
 
     def __init__(self, spec: RemoteSpec, make: Callable[[], CircuitBreaker]) -> None:
         self.spec = spec
-        self._make = make
-        self._lock = threading.Lock()
         self._refresh_lock = threading.Lock()
-        self.breakers: dict[str, CircuitBreaker] = {}
+        self.breakers = ShardBreakers(make)
         self._slots: list[str] | None = None
         self._current: frozenset[str] | None = None  # the shards of _slots
         self._known: list[tuple[str, int]] = list(spec.nodes)
         self._last_refresh = -1e9
         self.refreshes = 0
-        self.retired_opens = 0
-        """Opens of the breakers dropped with their shards (:meth:`_retire`)."""
-        self.retired_closes = 0
 
     def breaker(self, name: str) -> CircuitBreaker:
-        with self._lock:
-            found = self.breakers.get(name)
-            if found is None:
-                found = self.breakers[name] = self._make()
-            return found
+        return self.breakers.get(name)
 
     def name_of(self, breaker: CircuitBreaker) -> str:
-        """The shard ``breaker`` guards ("?" for one this map never made)."""
-        with self._lock:
-            return next((n for n, b in self.breakers.items() if b is breaker), "?")
+        """The shard ``breaker`` guards or guarded ("?" for one never made here)."""
+        return self.breakers.name_of(breaker)
 
     def shard_of(self, key: str) -> str:
         if not self.spec.cluster:
@@ -205,7 +263,7 @@ class Shards:
         if slots is None:
             self.refresh()
             slots = self._slots
-        return slots[key_slot(key)] if slots is not None else "cluster"
+        return slots[key_slot(key)] if slots is not None else UNSERVED
 
     def refresh(self, force: bool = False) -> None:
         """Read the slot map again (one thread at a time, the others go on with the old
@@ -214,9 +272,10 @@ class Shards:
         its start, one that took longer than the interval was due again at once -- every
         part of a call for a stopped shard paid it again (10 s calls at 0.3 s timeouts, a
         hostile probe). The node that answered is asked first next time, a node that
-        did not goes to the back; a node neither the new map names nor the URL lists is
-        forgotten, and so is the breaker of a shard the new map does not name (both
-        stay bounded by the cluster's size, whatever its history)."""
+        did not goes to the back; besides that one, a node neither the new map names
+        nor the URL lists is forgotten, and the breaker of a shard the new map does not
+        name retires (:meth:`ShardBreakers.retire`): the nodes and live breakers stay
+        bounded by the cluster's size, whatever its history."""
         if not self.spec.cluster or not self._refresh_lock.acquire(blocking=False):
             return
         try:
@@ -252,28 +311,17 @@ class Shards:
             self._current = current = frozenset(slots_of)
             self._known = known
             self.refreshes += 1
-            self._retire(current)
+            self.breakers.retire(current)  # a failed-over primary's
             return
         self._known = [n for n in self._known if n not in failed] + failed
-
-    def _retire(self, current: frozenset[str]) -> None:
-        """Drop the breaker of every shard ``current`` does not name (a failed-over
-        primary's), its opens and closes kept in :attr:`retired_opens` and
-        :attr:`retired_closes` (the statistics' sums never go back)."""
-        with self._lock:
-            for name in [n for n in self.breakers if n not in current]:
-                b = self.breakers.pop(name)
-                self.retired_opens += b.opens
-                self.retired_closes += b.closes
 
     def current(self) -> frozenset[str] | None:
         """The shards of the slot map read last (None: none read yet, or standalone)."""
         return self._current
 
     def states(self) -> dict[str, BreakerState]:
-        """Each shard's breaker state, by the shard's name."""
-        with self._lock:
-            return {k: b.state for k, b in self.breakers.items()}
+        """Each live shard breaker's state, by the shard's name."""
+        return {k: b.state for k, b in self.breakers.live().items()}
 
 
 def read_slot_map(node: tuple[str, int], timeout: float, password: str | None = None
@@ -288,7 +336,7 @@ def read_slot_map(node: tuple[str, int], timeout: float, password: str | None = 
                                     password=password))
         if isinstance(reply, ServerReplyError) or not isinstance(reply, list) or not reply:
             return None
-        slots = ["cluster"] * _SLOTS
+        slots = [UNSERVED] * _SLOTS
         nodes: dict[tuple[str, int], None] = {}
         for lo, hi, primary, *replicas in reply:
             if not (isinstance(lo, int) and isinstance(hi, int) and 0 <= lo <= hi < _SLOTS):

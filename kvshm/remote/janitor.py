@@ -51,6 +51,7 @@ from enum import Enum
 from typing import Any, Final, Protocol
 
 from kvshm.errors import ConfigError, RemoteError
+from kvshm.remote.glide_client import UNSERVED
 from kvshm.remote.resp import ServerReplyError, command, info_field, parse_reply
 from kvshm.remote.shard_batches import DEL_IF_SAME
 from kvshm.remote.tier import KEY_PREFIX, RemoteSpec, block_key, ready_key
@@ -229,7 +230,7 @@ def _primaries(spec: RemoteSpec, timeout: float) -> list[tuple[str, int]]:
     for node in spec.nodes:
         got = read_slot_map(node, timeout, spec.password)
         if got is not None:
-            names = sorted(set(got[0]) - {"cluster"})
+            names = sorted(set(got[0]) - {UNSERVED})
             return [(h, int(p)) for h, p in (n.rsplit(":", 1) for n in names)]
     raise RemoteError(f"{spec.url}: no seed node answered CLUSTER SLOTS")
 

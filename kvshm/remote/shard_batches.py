@@ -27,6 +27,7 @@ from typing import Any, Final, NamedTuple
 
 from kvshm.remote.breaker import BreakerState
 from kvshm.remote.glide_client import (
+    UNSERVED,
     Counters,
     Shards,
     expiry_of,
@@ -95,6 +96,7 @@ class ShardBatches:
         self._ttl = expiry_of(glide, spec)
         self._hold = glide.ExpirySet(glide.ExpiryType.SEC, spec.hold_ttl_s)
         self._clients: dict[str, Any] = {}  # cluster: primary -> its own client
+        self._map: frozenset[str] | None = None  # the slot map _clients was pruned to
 
     def run(self, client: Any, cmds: Sequence[Command]) -> list[Any]:
         """``cmds`` grouped by their key's shard, one round trip per shard, each under
@@ -104,6 +106,7 @@ class ShardBatches:
         groups: dict[str, list[int]] = {}
         for i, c in enumerate(cmds):
             groups.setdefault(self._shards.shard_of(c.key), []).append(i)
+        self._prune()
         out: list[Any] = [DOWN] * len(cmds)
         for shard, idx in groups.items():
             got = self._batch(self._client_of(shard, client), shard, [cmds[i] for i in idx])
@@ -117,10 +120,24 @@ class ShardBatches:
         for shard in list(self._clients):
             self._drop_client(shard)
 
+    def _prune(self) -> None:
+        """Once a new slot map is read: close the client of every primary it does not
+        name (a primary that left without its breaker opening kept its client, and
+        its connections, for good)."""
+        now = self._shards.current()
+        if now is self._map:
+            return
+        self._map = now
+        for shard in [s for s in self._clients if now is None or s not in now]:
+            self._drop_client(shard)
+
     def _client_of(self, shard: str, client: Any) -> Any:
-        """The client for ``shard``: ``client`` for a standalone server or where no slot
-        map was read; in a cluster a standalone client of that primary alone."""
-        if not self.spec.cluster or shard not in (self._shards.current() or ()):
+        """The client for ``shard``: ``client`` for a standalone server, where no slot
+        map was read, and for slots no primary serves (:data:`UNSERVED`: a partial map,
+        whose every round failed on a client made for "cluster"); in a cluster a
+        standalone client of that primary alone."""
+        if not self.spec.cluster or shard == UNSERVED \
+                or shard not in (self._shards.current() or ()):
             return client
         found = self._clients.get(shard)
         if found is None:

@@ -455,10 +455,7 @@ class ValkeyBlockStore:
 
     def statistics(self) -> dict[str, Any]:
         stats: dict[str, Any] = self._n.snapshot()
-        breakers = [b.statistics() for b in list(self._shards.breakers.values())]
-        shards = self._shards
-        stats["breaker_opens"] = sum(b["opens"] for b in breakers) + shards.retired_opens
-        stats["breaker_closes"] = sum(b["closes"] for b in breakers) + shards.retired_closes
+        stats["breaker_opens"], stats["breaker_closes"] = self._shards.breakers.totals()
         now = self._shards.current()  # a failed-over primary's breaker is history
         states = {k: v for k, v in self._shards.states().items() if now is None or k in now}
         stats["breaker_state"] = worst(states.values()).value

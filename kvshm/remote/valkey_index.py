@@ -306,7 +306,7 @@ class ValkeyReadyIndex:
         if not self.spec.cluster:
             return {SERVER: self.breaker}
         now = self._shards.current()
-        return {n: b for n, b in list(self._shards.breakers.items())
+        return {n: b for n, b in self._shards.breakers.live().items()
                 if n != SERVER and (now is None or n in now)}
 
     def put_value(self, key: str, value: bytes, ttl_s: int, *,
@@ -511,11 +511,10 @@ class ValkeyReadyIndex:
         stats: dict[str, Any] = self._n.snapshot()
         named = self._named()
         states = {n: b.state for n, b in named.items()}
-        shards = self._shards  # (a failed-over primary's breaker: retired, counted)
+        opens, closes = (self._shards.breakers.totals() if self.spec.cluster
+                         else (self.breaker.opens, self.breaker.closes))
         stats.update(breaker_state=worst(states.values()).value,
-                     breaker_opens=sum(b.opens for b in named.values()) + shards.retired_opens,
-                     breaker_closes=sum(b.closes for b in named.values())
-                     + shards.retired_closes,
+                     breaker_opens=opens, breaker_closes=closes,
                      breakers={n: s.value for n, s in states.items()},
                      slot_map_refreshes=self._shards.refreshes)
         return stats

@@ -27,7 +27,7 @@ from contextlib import contextmanager
 import pytest
 
 from kvshm.errors import ConfigError
-from kvshm.remote.breaker import CircuitBreaker
+from kvshm.remote.breaker import BreakerState, CircuitBreaker
 from kvshm.remote.glide_client import Shards, key_slot, read_slot_map
 from kvshm.remote.resp import MAX_DEPTH, command, parse_reply
 from kvshm.remote.tier import MAX_TTL_S, RemoteSpec
@@ -267,14 +267,64 @@ def test_a_cluster_whose_primaries_keep_moving_keeps_only_the_nodes_its_map_name
     with peer(announce) as seed:
         spec = RemoteSpec.parse(f"valkey+cluster://127.0.0.1:{seed}", connect_timeout_ms=300)
         shards = Shards(spec, lambda: CircuitBreaker(1, 1.0))
+        held = None
         for i in range(30):
             current["port"] = 40000 + i  # named only: never asked while the seed answers
             shards.refresh(force=True)
             primary = shards.shard_of("k")
             assert primary == f"127.0.0.1:{40000 + i}"
-            shards.breaker(primary).failure()  # each primary's breaker opens once
+            held = shards.breaker(primary)
+            held.failure()  # each primary's breaker opens once
         assert shards.refreshes == 30
         # before: 31 nodes and 30 breakers
         assert shards._known == [("127.0.0.1", seed), ("127.0.0.1", 40029)]
-        assert list(shards.breakers) == ["127.0.0.1:40029"]
-        assert shards.retired_opens + shards.breakers["127.0.0.1:40029"].opens == 30
+        assert list(shards.breakers.live()) == ["127.0.0.1:40029"]
+        assert shards.breakers.totals() == (30, 0)
+        # one more failover while a thread still holds the last primary's breaker (a
+        # request in flight): what it records there still counts, under its name
+        current["port"] = 40030
+        shards.refresh(force=True)
+        assert held is not None and held.state is BreakerState.OPEN
+        time.sleep(1.05)  # its backoff: a probe is let through, and fails
+        assert held.allow()
+        held.failure()
+        assert shards.breakers.totals() == (31, 0)
+        assert shards.name_of(held) == "127.0.0.1:40029"
+        assert list(shards.breakers.live()) == []  # the new primary's: made on first use
+
+
+def test_a_partial_slot_map_and_a_primary_that_left_cost_no_client_and_no_round() -> None:
+    """Two faults a review found beside the slot map's bounds (the index's per-primary
+    clients): with a map that leaves slots unserved, the shard name of those slots
+    (``UNSERVED``, "cluster") is in the map, and the index made a client for it --
+    ``int("cluster")``: ValueError out of every round that touched such a key, so every
+    query answered 0; and a primary that left the map without its breaker opening kept
+    its client, and its connections, for good (20 clients after 20 moves). Real glide
+    clients (lazy: never connected) and a real scripted seed node."""
+    pytest.importorskip("glide_sync")
+    from kvshm.remote.glide_client import UNSERVED, Counters, glide_module
+    from kvshm.remote.shard_batches import ShardBatches
+
+    primary = {"port": 41000}
+
+    def announce(conn: socket.socket) -> None:  # slots 0-8191 only: a partial map
+        node = b"*2\r\n$9\r\n127.0.0.1\r\n:%d\r\n" % primary["port"]
+        conn.sendall(b"*1\r\n*3\r\n:0\r\n:8191\r\n" + node)
+
+    with peer(announce) as seed:
+        spec = RemoteSpec.parse(f"valkey+cluster://127.0.0.1:{seed}", connect_timeout_ms=300)
+        shards = Shards(spec, CircuitBreaker)
+        batches = ShardBatches(spec, glide_module(), shards, Counters("clients_created"))
+        try:
+            shards.refresh(force=True)
+            assert shards.current() == {"127.0.0.1:41000", UNSERVED}
+            cluster_client = object()  # what the index passes: returned as it is
+            assert batches._client_of(UNSERVED, cluster_client) is cluster_client
+            first = batches._client_of("127.0.0.1:41000", cluster_client)
+            assert first is not cluster_client and list(batches._clients) == ["127.0.0.1:41000"]
+            primary["port"] = 41001  # it moved; its breaker never opened
+            shards.refresh(force=True)
+            batches._prune()
+            assert batches._clients == {}
+        finally:
+            batches.close()

@@ -357,15 +357,17 @@ def check_extra_keys(extra: Mapping[Any, Any]) -> None:
 
 def _int(key: str, value: object) -> int:
     """A positive integer below 2**63 (an integral float such as ``1e9`` from JSON is
-    accepted; ``1e300`` is refused here, not later as a 301-digit size)."""
+    accepted; ``1e300`` is refused here, not later as a 301-digit size, and ``10**400``
+    too, which no float can print)."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{_EXTRA}[{key!r}] must be a positive integer, got {value!r}")
     if value <= 0:
         raise ConfigError(f"{_EXTRA}[{key!r}] must be > 0, got {value}")
-    if value >= 1 << 63:
-        raise ConfigError(f"{_EXTRA}[{key!r}] must be below 2**63, got {value:.3g}")
+    if value >= 1 << 63:  # (no float of it: 10**400, exact in JSON, has none)
+        raise ConfigError(f"{_EXTRA}[{key!r}] must be below 2**63, got a number of "
+                          f"{value.bit_length()} bits")
     return value
 
 
@@ -638,8 +640,9 @@ def check_vllm_config(vllm_config: Any) -> None:
                           f"and loads), got {role!r}")
     if not getattr(vllm_config.cache_config, "enable_prefix_caching", False):
         mla = getattr(getattr(vllm_config, "model_config", None), "use_mla", False)
-        why = (" (this model uses MLA attention, for which vLLM's CPU platform turns "
-               "prefix caching off itself)" if mla is True else "")
+        why = (" (this model uses MLA attention: vLLM turns prefix caching off itself "
+               "for MLA models on some platforms, its CPU platform without AMX among "
+               "them)" if mla is True else "")
         raise ConfigError("kvshm needs prefix caching (enable_prefix_caching=True): it "
                           f"stores and finds blocks by their prefix hashes; it is off{why}")
     par = vllm_config.parallel_config
