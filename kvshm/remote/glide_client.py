@@ -320,7 +320,9 @@ class Shards:
         return self._current
 
     def states(self) -> dict[str, BreakerState]:
-        """Each live shard breaker's state, by the shard's name."""
+        """Each live shard breaker's state, by the shard's name (a name the last map
+        does not name may be among them until the next map is read: a thread took its
+        breaker by a name from the map before; filter by :meth:`current`)."""
         return {k: b.state for k, b in self.breakers.live().items()}
 
 

@@ -324,7 +324,7 @@ def test_a_partial_slot_map_and_a_primary_that_left_cost_no_client_and_no_round(
             assert first is not cluster_client and list(batches._clients) == ["127.0.0.1:41000"]
             primary["port"] = 41001  # it moved; its breaker never opened
             shards.refresh(force=True)
-            batches._prune()
+            assert batches.run(cluster_client, []) == []  # each round prunes first
             assert batches._clients == {}
         finally:
             batches.close()

@@ -105,10 +105,13 @@ def test_extra_config_values() -> None:
     ({"cpu_bytes": "1GiB"}, "must be a positive integer"),
     ({"cpu_bytes": True}, "must be a positive integer"),
     ({"cpu_bytes": 1e300}, r"'cpu_bytes'\] must be below 2\*\*63, got a number of 997 bits$"),
-    ({"num_cpu_blocks": 1 << 63}, r"'num_cpu_blocks'\] must be below 2\*\*63, got a number of "
-                                  r"64 bits$"),
+    ({"cpu_bytes": -1e300}, r"'cpu_bytes'\] must be > 0, got a negative number of 997 bits$"),
+    ({"num_cpu_blocks": 1 << 63},
+     r"'num_cpu_blocks'\] must be below 2\*\*63, got 9223372036854775808$"),
     # an exact integer from JSON past any float: OverflowError while building the message
     ({"num_cpu_blocks": 10 ** 400}, "must be below 2\\*\\*63, got a number of 1329 bits$"),
+    # past str()'s 4,300-digit limit (the Python API): ValueError, not ConfigError
+    ({"num_cpu_blocks": -(10 ** 5000)}, "must be > 0, got a negative number of 16610 bits$"),
     ({"cpu_bytes_per_rank": 0}, r"'cpu_bytes_per_rank'\] must be > 0"),
     ({"num_cpu_blocks": -1}, r"'num_cpu_blocks'\] must be > 0"),
     ({"cpu_bytes": GIB, "mode": "sometimes"}, "'mode'.*'eager', 'lazy'"),

@@ -357,18 +357,28 @@ def check_extra_keys(extra: Mapping[Any, Any]) -> None:
 
 def _int(key: str, value: object) -> int:
     """A positive integer below 2**63 (an integral float such as ``1e9`` from JSON is
-    accepted; ``1e300`` is refused here, not later as a 301-digit size, and ``10**400``
-    too, which no float can print)."""
+    accepted). A refusal names the value as :func:`_shown` does: ``1e300`` was printed
+    back as a 301-digit number, and ``10**400`` (exact in JSON, past any float) raised
+    OverflowError while its message was built."""
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ConfigError(f"{_EXTRA}[{key!r}] must be a positive integer, got {value!r}")
     if value <= 0:
-        raise ConfigError(f"{_EXTRA}[{key!r}] must be > 0, got {value}")
-    if value >= 1 << 63:  # (no float of it: 10**400, exact in JSON, has none)
-        raise ConfigError(f"{_EXTRA}[{key!r}] must be below 2**63, got a number of "
-                          f"{value.bit_length()} bits")
+        raise ConfigError(f"{_EXTRA}[{key!r}] must be > 0, got {_shown(value)}")
+    if value >= 1 << 63:
+        raise ConfigError(f"{_EXTRA}[{key!r}] must be below 2**63, got {_shown(value)}")
     return value
+
+
+def _shown(value: int) -> str:
+    """``value`` as a message shows it: its digits up to 100 bits (about 30 digits),
+    else its size (no 300-digit line; no str() of a number past Python's 4,300-digit
+    conversion limit)."""
+    bits = value.bit_length()
+    if bits <= 100:
+        return str(value)
+    return f"{'a negative' if value < 0 else 'a'} number of {bits} bits"
 
 
 def _seconds(key: str, value: object, default: float, least: float = 0.0) -> float:
