@@ -317,7 +317,7 @@ def test_a_partial_slot_map_and_a_primary_that_left_cost_no_client_and_no_round(
         batches = ShardBatches(spec, glide_module(), shards, Counters("clients_created"))
         try:
             shards.refresh(force=True)
-            assert shards.current() == {"127.0.0.1:41000", UNSERVED}
+            assert shards.current() == frozenset({"127.0.0.1:41000", UNSERVED})
             cluster_client = object()  # what the index passes: returned as it is
             assert batches._client_of(UNSERVED, cluster_client) is cluster_client
             first = batches._client_of("127.0.0.1:41000", cluster_client)
