@@ -342,6 +342,9 @@ DISK_GAUGES: Final[dict[str, str]] = {
     "bytes_per_rank": "the configured size of each rank's disk slab; bytes",
     "warming": ("1 while the start's scan of the slab headers runs (the disk tier "
                 "indexes and writes nothing meanwhile), else 0; 0 or 1"),
+    # a duration, not a count (it was exported as a counter, kvshm_..._total)
+    "warm_scan_ms": ("how long the start's scan of the slab headers took (0 while it "
+                     "runs); milliseconds"),
 }
 
 # The disk tier's counters (``EngineStats.disk``): key -> (HELP, in vLLM's /metrics).
@@ -409,8 +412,6 @@ _DISK_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
                        "(not indexed); slots", False),
     "scan_errors": ("slab files that could not be read at start (started cold); files",
                     False),
-    "warm_scan_ms": ("how long the start's scan of the slab headers took (0 while it "
-                     "runs); milliseconds", False),
     "warm_voided": ("start scans whose result a reset made void (nothing indexed); "
                     "scans", False),
 }

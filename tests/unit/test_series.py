@@ -72,9 +72,13 @@ def test_the_disk_section_flattens_to_counters_gauges_and_its_occupancy() -> Non
     disk tier."""
     counters, gauges = scalars({"disk": {"path": "/x", "io": "direct", "slots": 8,
                                          "slots_used": 2, "slots_pinned": 1,
-                                         "written_blocks": 5, "read_bytes": 1024}})
+                                         "written_blocks": 5, "read_bytes": 1024,
+                                         "warm_scan_ms": 250}})
     disk = {k: v for k, v in counters.items() if k.startswith("kvshm_disk_")}
     assert disk == {"kvshm_disk_written_blocks": 5, "kvshm_disk_read_bytes": 1024}
+    # a duration, not a count: it was a counter (kvshm_disk_warm_scan_ms_total)
+    assert gauges["kvshm_disk_warm_scan_ms"] == 250.0
+    assert SERIES["kvshm_disk_warm_scan_ms"].kind is Kind.GAUGE
     assert gauges["kvshm_disk_occupancy"] == 0.25 and gauges["kvshm_disk_slots"] == 8.0
     assert gauges["kvshm_disk_slots_pinned"] == 1.0 and "kvshm_disk_path" not in gauges
     assert not any(s.disk for s in vllm_series(remote=True))
