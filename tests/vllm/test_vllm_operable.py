@@ -201,3 +201,28 @@ def test_vllm_prometheus_logger_carries_kvshm_series(make_llm: LLMFactory) -> No
     # rank 0's acks (the stores and the load) as a histogram: at least the load's
     assert got["kvshm_ack_latency_seconds_count"] >= 2.0, got
     assert got["kvshm_ack_latency_seconds_sum"] > 0, got
+
+
+def test_requests_that_begin_and_end_in_one_step_reach_vllms_metrics(
+        make_llm: LLMFactory) -> None:
+    """Hazard (an observability probe): a request with one output token and a prompt
+    under a block (nothing to store, nothing to load) begins and ends in one engine
+    step, so kvshm's side is idle at every report call; after the first idle report
+    nothing reached ``/metrics`` again (``kvshm_lookups_total`` 2 where the engine
+    counted 12). Four such requests: ``/metrics`` now says what the engine counted."""
+    from prometheus_client import REGISTRY, generate_latest
+    from prometheus_client.parser import text_string_to_metric_families
+
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    with make_llm(CONNECTOR, module=MODULE, cpu_bytes=CPU_BYTES,
+                  llm_overrides={"disable_log_stats": False}) as llm:
+        name = _name(llm)
+        for i in range(4):
+            llm.generate([_prompt(20, 600 + 20 * i)], one, use_tqdm=False)
+        side = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
+        truth = side.statistics()["counters"]["lookups"]
+        text = generate_latest(REGISTRY).decode()
+    shown = [s.value for f in text_string_to_metric_families(text) for s in f.samples
+             if s.name == "kvshm_lookups_total" and s.labels.get("engine") == name]
+    # (the first may come while the workers connect: asked again, not counted)
+    assert truth >= 3 and shown == [float(truth)], (truth, shown)  # before: [0.0]
