@@ -25,10 +25,16 @@ from kvshm.integrations.vllm.scheduler import SchedulerSide
 from kvshm.types import KVGroup, StoreMode
 
 
-def _stats(state: str, cached: int, alive: list[bool], failed: int) -> dict[str, Any]:
+def _stats(state: str, cached: int, alive: list[bool], failed: int,
+           detached: list[bool] | None = None) -> dict[str, Any]:
+    """``alive[i]``: rank i not dead; ``detached[i]``: it left at the close (default:
+    every dead rank of a closed engine, none of a serving one)."""
+    if detached is None:
+        detached = [not a and state == "closed" for a in alive]
     return {"name": "e", "state": state, "cpu_blocks_cached": cached,
             "counters": {"ranks_failed": failed},
-            "ranks": [{"rank": i, "alive": a} for i, a in enumerate(alive)],
+            "ranks": [{"rank": i, "alive": a, "detached": d}
+                      for i, (a, d) in enumerate(zip(alive, detached, strict=True))],
             "connector": {"steps": 3 if state == "ready" else 9}}
 
 
@@ -45,27 +51,31 @@ def test_the_ready_snapshot_wins_with_the_final_state_and_counters() -> None:
 
 
 def test_without_a_ready_snapshot_the_end_is_reported_as_it_is() -> None:
-    failed = _stats("closed", 0, [True, False], 1)
+    """Rank 1 failed while serving (a verdict: dead, not detached), rank 0 left at the
+    close: only rank 0 is listed (both were, before an observability probe)."""
+    failed = _stats("closed", 0, [False, False], 1, detached=[True, False])
     out = final_statistics(None, SnapshotSource.AFTER_CLOSE, failed)
     assert out["counters"] == {"ranks_failed": 1} and out["cpu_blocks_cached"] == 0
-    assert out["teardown"] == {"snapshot": "after_close", "ranks_detached": [1]}
+    assert out["teardown"] == {"snapshot": "after_close", "ranks_detached": [0]}
 
 
 def test_a_rank_already_lost_in_the_snapshot_is_not_listed_as_detached() -> None:
     snap = _stats("ready", 2, [True, False], 1)
-    out = final_statistics(snap, SnapshotSource.ON_SHUTDOWN, _stats("closed", 0,
-                                                                     [False, False], 1))
+    out = final_statistics(snap, SnapshotSource.ON_SHUTDOWN,
+                           _stats("closed", 0, [False, False], 1, detached=[True, False]))
     assert out["counters"] == {"ranks_failed": 1}
     assert out["teardown"] == {"snapshot": "on_shutdown", "ranks_detached": [0]}
 
 
 def test_the_live_file_is_the_snapshot_as_it_is_marked_live() -> None:
     """While the engine serves, the file holds the last report's snapshot as it is
-    (a SIGKILLed engine core leaves it so): state ready, ``teardown.snapshot`` live."""
+    (a SIGKILLed engine core leaves it so): state ready, ``teardown.snapshot`` live. A
+    rank a verdict failed is no detached one (it was listed, before an observability
+    probe: nothing had shut down)."""
     snap = _stats("ready", 4, [True, False], 1)
     out = live_statistics(snap)
     assert out["state"] == "ready" and out["cpu_blocks_cached"] == 4
-    assert out["teardown"] == {"snapshot": "live", "ranks_detached": [1]}
+    assert out["teardown"] == {"snapshot": "live", "ranks_detached": []}
     assert "teardown" not in snap
 
 

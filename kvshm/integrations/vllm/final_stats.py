@@ -93,8 +93,11 @@ def final_line(counters: dict[str, int], gauges: dict[str, float]) -> str:
     return " ".join(parts)
 
 
-def _dead_ranks(stats: dict[str, Any]) -> list[int]:
-    return [int(r["rank"]) for r in stats.get("ranks", ()) if not r.get("alive", True)]
+def _detached_ranks(stats: dict[str, Any]) -> list[int]:
+    """The ranks that left at the engine's close or said Goodbye (``detached``), not
+    those a verdict failed while it served (an observability probe: a rank failed 2 s
+    before the shutdown was listed as detached, in the live file too)."""
+    return [int(r["rank"]) for r in stats.get("ranks", ()) if r.get("detached", False)]
 
 
 def final_statistics(snapshot: dict[str, Any] | None, source: SnapshotSource,
@@ -104,13 +107,13 @@ def final_statistics(snapshot: dict[str, Any] | None, source: SnapshotSource,
     if snapshot is None:
         out = dict(after_close)
         out["teardown"] = {"snapshot": SnapshotSource.AFTER_CLOSE.value,
-                           "ranks_detached": _dead_ranks(after_close)}
+                           "ranks_detached": _detached_ranks(after_close)}
         return out
     out = dict(snapshot)
     out["state"] = after_close["state"]
     if "connector" in after_close:
         out["connector"] = after_close["connector"]
-    gone = [r for r in _dead_ranks(after_close) if r not in _dead_ranks(snapshot)]
+    gone = [r for r in _detached_ranks(after_close) if r not in _detached_ranks(snapshot)]
     out["teardown"] = {"snapshot": source.value, "ranks_detached": gone}
     return out
 
@@ -191,7 +194,7 @@ def live_statistics(snapshot: dict[str, Any]) -> dict[str, Any]:
     close)."""
     out = dict(snapshot)
     out["teardown"] = {"snapshot": SnapshotSource.LIVE.value,
-                       "ranks_detached": _dead_ranks(snapshot)}
+                       "ranks_detached": _detached_ranks(snapshot)}
     return out
 
 
