@@ -109,10 +109,7 @@ _ENGINE_COUNTERS: Final[dict[str, tuple[str, bool]]] = {
                           "hit_tokens; calls", False),
     "load_results_superseded": ("load outcomes not reported: the request ended, or was "
                                 "admitted again, before the load's outcome came back (its "
-                                "id may be in use by another load) -- on vLLM with a CPU "
-                                "device, a synchronous load used in the step that ended "
-                                "its request too (not in the connector's loads_ok); "
-                                "loads", True),
+                                "id may be in use by another load); loads", True),
     "stores_planned_blocks": ("blocks put into store jobs (GPU to CPU); blocks", False),
     "stored_blocks": ("blocks stored to the CPU tier and indexed (acked by every rank); "
                       "blocks", True),

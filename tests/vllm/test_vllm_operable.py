@@ -226,3 +226,29 @@ def test_requests_that_begin_and_end_in_one_step_reach_vllms_metrics(
              if s.name == "kvshm_lookups_total" and s.labels.get("engine") == name]
     # (the first may come while the workers connect: asked again, not counted)
     assert truth >= 3 and shown == [float(truth)], (truth, shown)  # before: [0.0]
+
+
+def test_a_synchronous_load_used_by_the_step_that_ends_its_request_is_counted_ok(
+        make_llm: LLMFactory) -> None:
+    """Hazard (an observability probe): on a CPU device a hit is loaded synchronously,
+    before the forward of the step that computes the rest of the prompt; a request with
+    one output token ends in that step, and vLLM reports its end before the step's
+    outputs -- the end superseded the load, whose Done was waiting: the load was
+    counted as never reported (``load_results_superseded`` 2, the connector's
+    ``loads_ok`` 0 and ``loaded_tokens`` 0 for two used loads). A request whose
+    synchronous load ran in the last step takes the outcome before its end."""
+    one = SamplingParams(temperature=0.0, max_tokens=1)
+    with make_llm(CONNECTOR, module=MODULE, cpu_bytes=CPU_BYTES) as llm:
+        prompt = _prompt(100, 700)
+        _generate(llm, prompt)  # stored: 3 full blocks of 32 tokens
+        deadline = time.monotonic() + 30
+        while not llm.reset_prefix_cache():  # False while kvshm pins finish-time stores
+            assert time.monotonic() < deadline, "reset_prefix_cache never succeeded"
+            _generate(llm, _prompt(4, 450))
+        out = llm.generate([prompt], one, use_tqdm=False)[0]
+        side = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler_side
+        stats = side.statistics()
+    assert out.num_cached_tokens == 96  # the CPU tier's 3 blocks, loaded
+    conn = stats["connector"]
+    assert (conn["lookups_sync"], conn["loads_ok"], conn["loaded_tokens"]) == (1, 1, 96)
+    assert stats["counters"]["load_results_superseded"] == 0  # before: 1, loads_ok 0

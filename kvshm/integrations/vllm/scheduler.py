@@ -118,6 +118,9 @@ class SchedulerSide:
         # synchronous loads accepted in phase B since the last build -> the blocks vLLM
         # expects them to fill
         self._sync_now: dict[str, tuple[int, ...]] = {}
+        # the requests of the last step's synchronous loads: one that ends takes its
+        # load's outcome first (the copy ran before the forward; its Done is waiting)
+        self._sync_last: frozenset[str] = frozenset()
         # request -> the local (vLLM prefix cache) hit its last positive lookup was given:
         # where the blocks kvshm's load fills start (vLLM calls update_state_after_alloc
         # before it sets the request's num_computed_tokens, which reads 0 there)
@@ -333,6 +336,7 @@ class SchedulerSide:
                 self.counters.sync_loads_unplanned += 1
                 failed[rid] = dsts
         self._sync_now.clear()
+        self._sync_last = frozenset(out)
         return out
 
     def _plan(self, reqs: list[ScheduledRequest], alloc: set[int]) -> StepPlan:
@@ -410,6 +414,11 @@ class SchedulerSide:
             return False, None
         if getattr(request, "skip_reading_prefix_cache", False):
             self._skipped(request)  # one skipped while the engine started reads it now
+        if rid in self._sync_last:
+            # its synchronous load was copied before the forward that ended it: take the
+            # outcome now (counted ok), or the end supersedes the load and it is counted
+            # as never reported (an observability probe: loads_ok 0 for 2 used loads)
+            self._absorb(client.poll(rendezvous=False))
         try:
             params = request.kv_transfer_params
             tail = (request_tail_hash(request, confirmed, self.cfg.block_size)
