@@ -319,6 +319,9 @@ class SchedulerSide:
         sync: tuple[str, ...] = ()
         if self._sync_now:
             sync = self._sync_reqs(plan, failed)
+            self._sync_last = frozenset(sync)
+        elif self._sync_last:
+            self._sync_last = frozenset()
         return self._meta_cls(self._step, dict(plan.load_jobs), load_dsts, failed,
                               tuple(plan.flush), sync)
 
@@ -336,7 +339,6 @@ class SchedulerSide:
                 self.counters.sync_loads_unplanned += 1
                 failed[rid] = dsts
         self._sync_now.clear()
-        self._sync_last = frozenset(out)
         return out
 
     def _plan(self, reqs: list[ScheduledRequest], alloc: set[int]) -> StepPlan:
