@@ -66,20 +66,20 @@ def test_reports_carry_increments_and_gauge_levels() -> None:
 
 def test_report_clock_once_a_period_while_busy_and_once_on_going_idle() -> None:
     clock = ReportClock(period_s=1.0)
-    assert clock.should_report(0.0, idle=False, steps=1)
-    clock.reported(0.0, idle=False, steps=1)
-    assert not clock.should_report(0.5, idle=False, steps=2)
-    assert clock.should_report(0.6, idle=True, steps=3)  # gone idle: at once, not in 0.4 s
-    clock.reported(0.6, idle=True, steps=3)
-    assert not clock.should_report(5.0, idle=True, steps=3)  # nothing new while idle
-    assert not clock.should_report(1.2, idle=False, steps=4)  # busy again, period not over
-    assert clock.should_report(1.3, idle=True, steps=5)  # ... and idle again: its last state
-    clock.reported(1.3, idle=True, steps=5)
+    assert clock.should_report(0.0, idle=False, activity=1)
+    clock.reported(0.0, idle=False, activity=1)
+    assert not clock.should_report(0.5, idle=False, activity=2)
+    assert clock.should_report(0.6, idle=True, activity=3)  # gone idle: at once, not in 0.4 s
+    clock.reported(0.6, idle=True, activity=3)
+    assert not clock.should_report(5.0, idle=True, activity=3)  # nothing new while idle
+    assert not clock.should_report(1.2, idle=False, activity=4)  # busy again, period not over
+    assert clock.should_report(1.3, idle=True, activity=5)  # ... and idle again: its last state
+    clock.reported(1.3, idle=True, activity=5)
     # busy again long after: the first busy report a period later, not in the step
     # that schedules the first request (the idle report holds the state until then)
-    assert not clock.should_report(10.0, idle=False, steps=6)
-    assert not clock.should_report(10.9, idle=False, steps=7)
-    assert clock.should_report(11.0, idle=False, steps=8)
+    assert not clock.should_report(10.0, idle=False, activity=6)
+    assert not clock.should_report(10.9, idle=False, activity=7)
+    assert clock.should_report(11.0, idle=False, activity=8)
 
 
 def test_a_request_that_begins_and_ends_in_one_step_is_reported() -> None:
@@ -87,15 +87,16 @@ def test_a_request_that_begins_and_ends_in_one_step_is_reported() -> None:
     wait for begins and ends within one engine step, so the side is idle at every
     report call and was never seen busy; after one idle report nothing was reported
     again -- ``/metrics``, the live stats file and the front end's final line stayed
-    behind for good (``kvshm_lookups_total`` 2 against the engine's 12). A step since
-    the last report, found idle, is a report due; no step, none."""
+    behind for good (``kvshm_lookups_total`` 2 against the engine's 12). A lookup
+    since the last report, found idle, is a report due; none (the empty step vLLM runs
+    after a request ends), none (a review: counting steps reported twice a burst)."""
     clock = ReportClock(period_s=1.0)
-    assert clock.should_report(0.0, idle=True, steps=0)  # the first report
-    clock.reported(0.0, idle=True, steps=0)
-    for step in range(1, 11):  # ten one-step requests, each seen only idle
-        assert clock.should_report(0.1 * step, idle=True, steps=step)  # before: False
-        clock.reported(0.1 * step, idle=True, steps=step)
-        assert not clock.should_report(0.1 * step + 0.01, idle=True, steps=step)
+    assert clock.should_report(0.0, idle=True, activity=0)  # the first report
+    clock.reported(0.0, idle=True, activity=0)
+    for n in range(1, 11):  # ten one-step requests, each seen only idle
+        assert clock.should_report(0.1 * n, idle=True, activity=n)  # before: False
+        clock.reported(0.1 * n, idle=True, activity=n)
+        assert not clock.should_report(0.1 * n + 0.01, idle=True, activity=n)
 
 
 def test_stats_aggregate_sum_counters_keep_latest_gauges_and_reduce() -> None:

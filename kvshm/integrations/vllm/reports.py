@@ -17,7 +17,7 @@ series. A report's ``data`` (JSON-able):
 When (:class:`ReportClock`): a report reads a whole statistics snapshot, so a busy
 engine reports at most once per :data:`REPORT_PERIOD_S`; and once more, at once, when
 it goes idle (no request known to the scheduler side, no kvshm work pending), or is
-found idle after a step since the last report (a request that began and ended in that
+found idle after a lookup since the last report (a request that began and ended in one
 step): vLLM calls
 ``get_kv_connector_stats`` at the end of the last step before it idles, and an idle
 vLLM calls nothing, so without that report ``/metrics`` would keep the state of up to a
@@ -55,35 +55,37 @@ class ReportClock:
     idle, 1.3 ms a request measured at load 15 in ``tools.bench_e2e``, whose arms go
     idle after every request).
 
-    ``steps`` (the side's step count, read at every call) re-arms the idle report too:
-    a request that starts and ends within one step (one output token, nothing to wait
-    for) leaves the side idle at every report call, so it was never seen busy, and
+    ``activity`` (the side's lookup count, read at every call) re-arms the idle report
+    too: a request that starts and ends within one step (one output token, nothing to
+    wait for) leaves the side idle at every report call, so it was never seen busy, and
     after one idle report nothing was reported again -- ``/metrics``, the live stats
     file and the front end's final line stayed behind for good (an observability
-    probe: ``kvshm_lookups_total`` 2 against 12). Idle after a step since the last
-    report is a report due, as busy-then-idle always was."""
+    probe: ``kvshm_lookups_total`` 2 against 12). Idle after a lookup since the last
+    report is a report due. Every request kvshm serves is looked up; the step vLLM runs
+    after a request ends (nothing scheduled, only the finished ids) looks up none, so a
+    burst still ends in one idle report (counting steps gave two: a review)."""
 
     def __init__(self, period_s: float = REPORT_PERIOD_S) -> None:
         self._period = period_s
         self._next = 0.0
         self._idle_sent = False
-        self._steps = -1  # the step count the last report saw
+        self._activity = -1  # the activity count the last report saw
 
-    def should_report(self, now: float, idle: bool, steps: int) -> bool:
+    def should_report(self, now: float, idle: bool, activity: int) -> bool:
         """True when a report is due now (``idle``: nothing is running or pending;
-        ``steps``: how many steps the side has planned so far)."""
+        ``activity``: the side's lookups so far)."""
         if idle:
-            return not self._idle_sent or steps != self._steps
+            return not self._idle_sent or activity != self._activity
         if self._idle_sent:  # busy again after the idle report: a period from now
             self._idle_sent = False
             self._next = max(self._next, now + self._period)
         return now >= self._next
 
-    def reported(self, now: float, idle: bool, steps: int) -> None:
-        """A report was built at ``now``, after ``steps`` steps."""
+    def reported(self, now: float, idle: bool, activity: int) -> None:
+        """A report was built at ``now``, after ``activity`` lookups."""
         self._next = now + self._period
         self._idle_sent = idle
-        self._steps = steps
+        self._activity = activity
 
 
 def _rank_hists(stats: dict[str, Any]) -> dict[str, Hist]:

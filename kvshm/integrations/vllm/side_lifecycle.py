@@ -22,7 +22,7 @@ Ordering and invariants:
 * ``report`` (vLLM's ``get_kv_connector_stats``, under the lock) builds a statistics
   report when :class:`~kvshm.integrations.vllm.reports.ReportClock` says one is due --
   at most once a second while busy, once when the side goes idle (no request it knows
-  of, no kvshm work pending) or is idle after a step since the last report -- and
+  of, no kvshm work pending) or is idle after a lookup since the last report -- and
   rewrites ``stats_path`` with the same snapshot
   (``live``), so a SIGKILLed engine core leaves its last report's statistics there.
 * ``shutdown`` stops and joins the service thread first, then (under the lock) drains
@@ -192,12 +192,12 @@ class SideLifecycle:
             now = time.monotonic()
             # the acks drained, not the rendezvous: the step's build read it
             idle = not self._requests and not client.has_pending_work(rendezvous=False)
-            steps = self.counters.steps
-            if not self._clock.should_report(now, idle, steps):
+            activity = self.counters.lookups
+            if not self._clock.should_report(now, idle, activity):
                 return None
             stats = self.statistics()
             data = self._reports.build(stats)
-            self._clock.reported(now, idle, steps)
+            self._clock.reported(now, idle, activity)
             if self.cfg.stats_path:
                 self._write_live(self.cfg.stats_path, stats)
             return data
